@@ -1,0 +1,44 @@
+"""jaxllm: train LLMs in JAX, from a laptop CPU to a sharded pod, with one codebase."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+class JaxllmWarning(UserWarning):
+    """Warnings jaxllm itself raises (tests turn them into errors)."""
+
+
+def load_model(path, *, mesh=None):
+    """A trained model from a run directory (or its checkpoint directory).
+
+    Returns an `nnx.Module` mapping int tokens [batch, length] to float32 logits
+    [batch, length, vocab]. Parameters are restored straight into their shards on `mesh`
+    (default: all devices, data-parallel, i.e. replicated).
+    """
+    from pathlib import Path
+
+    import jax
+    from flax import nnx
+
+    from jaxllm import checkpoint, config, sharding
+    from jaxllm.train.state import abstract_model
+
+    path = Path(path)
+    run_dir = path if (path / "config.yaml").is_file() else path.parent
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{path} is neither a run directory nor its checkpoints directory")
+    cfg = config.load(run_dir / "config.yaml")
+    ckpt_dir = path if run_dir != path else checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
+    if mesh is None:
+        mesh = sharding.make_mesh(config.MeshConfig())
+    graphdef, abstract, axes = abstract_model(cfg.model)
+    shardings = sharding.tree_shardings(mesh, axes)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    params = checkpoint.restore_params(ckpt_dir, target)
+    return nnx.merge(graphdef, params)
+
+
+__all__ = ["JaxllmWarning", "__version__", "load_model"]

@@ -1,0 +1,5 @@
+import sys
+
+from jaxllm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,102 @@
+"""`jaxllm bench train`: step time, throughput, FLOPs and MFU of any config, on synthetic tokens.
+
+Analytic FLOPs come from `jaxllm.metrics.flops_per_token`; compiled FLOPs from XLA's cost
+analysis of the very program that runs. Their ratio checks the analytic model (and shows
+rematerialisation, which adds recomputed forward FLOPs to the compiled count).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jaxllm import config, sharding
+from jaxllm.metrics import flops_per_token, param_counts, peak_flops
+from jaxllm.train.loop import compile_steps, to_global
+from jaxllm.train.state import init_state
+
+
+def synthetic_batch(cfg: config.Config, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    b, l = cfg.train.global_batch_size, cfg.data.seq_len
+    tokens = rng.integers(0, 256, size=(b, l + 1), dtype=np.int32)
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "segment_ids": np.ones((b, l), np.int32),
+        "positions": np.broadcast_to(np.arange(l, dtype=np.int32), (b, l)).copy(),
+        "loss_mask": np.ones((b, l), np.int32),
+    }
+
+
+def _compiled_flops(compiled) -> float | None:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax returned one dict per program
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def bench_train(cfg: config.Config, steps: int = 10, warmup: int = 2) -> dict:
+    devices = jax.devices()
+    cfg.validate(len(devices))
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    jit_train, _, tx, _, batch_sh = compile_steps(cfg, mesh)
+    state = init_state(cfg.model, tx, mesh, cfg.run.seed)
+    batch = to_global(synthetic_batch(cfg), batch_sh)
+
+    t0 = time.perf_counter()
+    compiled = jit_train.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    step_s = statistics.median(times)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    analytic = fpt["total"] * tokens
+    # cost analysis reports the per-device program; the step runs on every device
+    per_device = _compiled_flops(compiled)
+    compiled_total = per_device * len(devices) if per_device is not None else None
+    peak = peak_flops(devices[0].device_kind)
+    result = {
+        "device": f"{len(devices)} x {devices[0].device_kind}",
+        "params": param_counts(cfg.model)["total"],
+        "compile_s": compile_s,
+        "step_time_s": step_s,
+        "tokens_per_sec": tokens / step_s,
+        "model_flops_per_token": fpt["total"],
+        "analytic_flops_per_step": analytic,
+        "compiled_flops_per_step": compiled_total,
+        "compiled_over_analytic": compiled_total / analytic if compiled_total else None,
+        "mfu": analytic / step_s / (peak * len(devices)) if peak else None,
+        "final_loss": float(metrics["loss"]),
+    }
+    return result
+
+
+def format_result(r: dict) -> str:
+    na = "n/a"
+    compiled = r["compiled_flops_per_step"]
+    ratio = r["compiled_over_analytic"]
+    mfu = "n/a (no known peak for this device)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    return "\n".join([
+        f"device                 {r['device']}",
+        f"parameters             {r['params']:,}",
+        f"compile time           {r['compile_s']:.2f} s",
+        f"median step time       {r['step_time_s'] * 1e3:.1f} ms",
+        f"tokens/s               {r['tokens_per_sec']:,.0f}",
+        f"model FLOPs/token      {r['model_flops_per_token']:.4g}  (6N + attention)",
+        f"analytic FLOPs/step    {r['analytic_flops_per_step']:.4g}",
+        f"compiled FLOPs/step    {na if compiled is None else f'{compiled:.4g}'}  (XLA cost analysis)",
+        f"compiled / analytic    {na if ratio is None else f'{ratio:.3f}'}",
+        f"MFU                    {mfu}",
+    ])  # fmt: skip

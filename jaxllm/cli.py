@@ -1,0 +1,92 @@
+"""The `jaxllm` command line.
+
+    jaxllm train [CONFIG.yaml] [key=value ...]
+    jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N]
+
+Mistakes a user can fix (config keys, types, impossible shapes) end with one sentence on stderr
+and exit code 2, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxllm.config import ConfigError
+
+EXIT_USER_ERROR = 2
+
+
+def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG.yaml] [key=value ...]`: the config file is the first argument without '='."""
+    path = None
+    overrides = []
+    for a in args:
+        if "=" in a:
+            overrides.append(a)
+        elif path is None:
+            path = a
+        else:
+            raise ConfigError(f"unexpected argument {a!r}: give one CONFIG file, then key=value.")
+    return path, overrides
+
+
+def _load(args: list[str]):
+    from jaxllm import config
+
+    path, overrides = _split_config_args(args)
+    return config.load(path, overrides)
+
+
+def cmd_train(ns) -> int:
+    cfg = _load(ns.args)
+    from jaxllm.train.loop import train
+
+    result = train(cfg)
+    summary = {k: v for k, v in result.items() if k != "sample"}
+    print(
+        f"done: step {summary['step']}, train loss {summary['loss']:.3f}, "
+        f"eval loss {summary.get('eval_loss', float('nan')):.3f} nats/token",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_bench(ns) -> int:
+    cfg = _load(ns.args)
+    from jaxllm.bench import bench_train, format_result
+
+    print(format_result(bench_train(cfg, steps=ns.steps, warmup=ns.warmup)))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxllm", description="Train LLMs with JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model (no arguments: the default run)")
+    t.add_argument("args", nargs="*", metavar="CONFIG|key=value")
+    t.set_defaults(func=cmd_train)
+    b = sub.add_parser("bench", help="measure a component")
+    bsub = b.add_subparsers(dest="what", required=True)
+    bt = bsub.add_parser("train", help="step time, tokens/s, FLOPs and MFU of a train step")
+    bt.add_argument("args", nargs="*", metavar="CONFIG|key=value")
+    bt.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    bt.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    bt.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ConfigError as e:
+        print(f"jaxllm: config error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("jaxllm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

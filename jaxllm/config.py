@@ -1,0 +1,460 @@
+"""Typed, frozen run configuration: one dataclass per component, YAML files, key=value overrides.
+
+The dataclasses below are the single source of truth for every key: their defaults *are* the
+default run (`jaxllm train` with no arguments), each field is documented where it is declared,
+and YAML files under `configs/` only override them.
+
+    cfg = jaxllm.config.load("configs/runs/default.yaml", ["train.steps=20", "mesh=fsdp"])
+
+A YAML file may hold `include: [other.yaml, ...]` (paths relative to the including file, merged in
+order, the including file winning). A section may be named by preset instead of spelled out:
+`model: llama3_8b` (in YAML or as an override `model=llama3_8b`) loads `configs/models/llama3_8b.yaml`.
+
+User mistakes raise `ConfigError` with one sentence naming the key and the fix; the CLI turns it
+into exit code 2 before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration the user can fix; the message names the key and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory: config.yaml, metrics.jsonl, TensorBoard events, loss.png, checkpoints."""
+    seed: int = 0
+    """Seed for parameter init and the train-state rng (data order has its own seed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder. Shapes use the dimension letters of `jaxllm.model`."""
+
+    vocab_size: int = 384
+    """V: rows of the embedding table; at least the tokenizer's vocabulary (258 for bytes)."""
+    d_model: int = 256
+    """D: width of the residual stream."""
+    num_layers: int = 4
+    """Number of decoder blocks, stacked along a leading `layers` axis and scanned."""
+    num_heads: int = 4
+    """H: query heads."""
+    num_kv_heads: int = 2
+    """G: key/value heads. H for MHA, 1 for MQA, a divisor of H for GQA."""
+    head_dim: int | None = None
+    """K: per-head width; null means d_model / num_heads."""
+    mlp_dim: int = 640
+    """F: hidden width of the SwiGLU MLP."""
+    max_seq_len: int = 2048
+    """Largest position the model is built for; data.seq_len may not exceed it."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Use the token embedding (transposed) as the LM head."""
+    init_std: float = 0.02
+    """Std of the normal init of embeddings and projections (output projections scaled by depth)."""
+    param_dtype: str = "float32"
+    """Storage dtype of parameters (and of optimizer state)."""
+    dtype: str = "bfloat16"
+    """Compute dtype of activations and matmuls; softmax statistics and the loss stay float32."""
+    remat: Literal["none", "full", "dots", "dots_with_no_batch_dims"] = "none"
+    """Activation checkpointing of each block: none, full (save only block inputs), or save matmul
+    outputs (`dots`: every matmul; `dots_with_no_batch_dims`: weight matmuls, not attention)."""
+    attention_impl: Literal["xla"] = "xla"
+    """Attention implementation; `xla` is the einsum reference. Kernels plug in here."""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Degree of each parallelism axis of the device mesh. One may be -1: it takes the rest."""
+
+    data: int = -1
+    """DP: replicas that each see a slice of the batch."""
+    fsdp: int = 1
+    """FSDP / ZeRO-3: batch split as in DP, parameters and optimizer state sharded too."""
+    tensor: int = 1
+    """TP: heads and MLP hidden units split Megatron-style."""
+    sequence: int = 1
+    """SP / context parallelism: the sequence axis of activations split."""
+    expert: int = 1
+    """EP: experts of MoE layers split (no effect on dense models)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with a schedule, global-norm clipping and a weight-decay mask (kernels/embeddings)."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
+    warmup_steps: int = 15
+    """Linear warmup from 0 to lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine and linear)."""
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norm scales or biases."""
+    clip_norm: float | None = 1.0
+    """Clip gradients to this global L2 norm; null disables clipping."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are packed into rows."""
+
+    source: Literal["stdlib"] = "stdlib"
+    """`stdlib`: the running Python's standard-library sources, found at run time."""
+    seq_len: int = 256
+    """Tokens per row the model sees (rows are packed documents)."""
+    eval_fraction: float = 0.05
+    """Fraction of files held out for eval, chosen by a hash of their path."""
+    max_files: int | None = None
+    """Read at most this many files (sorted by path) of the corpus; null reads all."""
+    seed: int = 0
+    """Seed of the row shuffle."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 150
+    """Optimizer steps."""
+    global_batch_size: int = 16
+    """Rows per optimizer step across all devices and microbatches."""
+    grad_accum_steps: int = 1
+    """Split each global batch into this many microbatches, accumulated inside the jitted step."""
+    z_loss: float = 0.0
+    """Weight of the z-loss (log of the softmax normaliser squared) added to the loss."""
+    log_every: int = 10
+    """Write a metrics line every this many steps."""
+    eval_every: int = 50
+    """Evaluate on the held-out split every this many steps; 0 evaluates only at the end."""
+    eval_batches: int = 8
+    """Batches of the held-out split per evaluation."""
+    sample_prompt: str = "def __init__(self"
+    """Prompt of the greedy continuation printed at the end of training ("" skips it)."""
+    sample_tokens: int = 96
+    """Length of that continuation in tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint directory; null means `<run.dir>/checkpoints`."""
+    save_final: bool = True
+    """Write a checkpoint of the train state when training ends."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run. Each section is passed only to the component that owns it."""
+
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    def validate(self, num_devices: int | None = None) -> Config:
+        """Checks combinations no field type can express; returns self or raises ConfigError."""
+        m = self.model
+        if m.num_heads % m.num_kv_heads:
+            _fail(
+                f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
+                f"({m.num_kv_heads}); pick num_kv_heads from the divisors of num_heads."
+            )
+        if m.head_dim is None and m.d_model % m.num_heads:
+            _fail(
+                f"model.d_model ({m.d_model}) is not divisible by model.num_heads ({m.num_heads}); "
+                "change one of them so that head_dim = d_model / num_heads is an integer."
+            )
+        if m.resolved_head_dim * m.num_heads != m.d_model:
+            _fail(
+                f"model.head_dim * model.num_heads ({m.resolved_head_dim} * {m.num_heads}) must "
+                f"equal model.d_model ({m.d_model}); set model.head_dim="
+                f"{m.d_model // m.num_heads} or leave it null."
+            )
+        if m.resolved_head_dim % 2:
+            _fail(f"model.head_dim ({m.resolved_head_dim}) must be even for RoPE.")
+        if self.data.seq_len > m.max_seq_len:
+            _fail(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+                "lower data.seq_len or raise model.max_seq_len."
+            )
+        from jaxllm.data import tokenizer_vocab_size  # local: config must not import jax
+
+        if m.vocab_size < tokenizer_vocab_size(self.data):
+            _fail(
+                f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({tokenizer_vocab_size(self.data)}); raise model.vocab_size."
+            )
+        for name in ("dtype", "param_dtype"):
+            if getattr(m, name) not in ("float32", "bfloat16", "float16"):
+                _fail(f"model.{name} must be float32, bfloat16 or float16, not {getattr(m, name)!r}.")
+        t = self.train
+        if t.global_batch_size % t.grad_accum_steps:
+            _fail(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"train.grad_accum_steps ({t.grad_accum_steps})."
+            )
+        if num_devices is not None:
+            degrees = mesh_degrees(self.mesh, num_devices)
+            dp = degrees["data"] * degrees["fsdp"]
+            micro = t.global_batch_size // t.grad_accum_steps
+            if micro % dp:
+                _fail(
+                    f"train.global_batch_size ({t.global_batch_size}) / train.grad_accum_steps "
+                    f"({t.grad_accum_steps}) = {micro} rows per microbatch is not divisible by the "
+                    f"data-parallel size mesh.data * mesh.fsdp = {dp}; use a multiple of {dp}."
+                )
+            if m.num_heads % degrees["tensor"] or m.num_kv_heads % degrees["tensor"]:
+                _fail(
+                    f"mesh.tensor ({degrees['tensor']}) must divide model.num_heads "
+                    f"({m.num_heads}) and model.num_kv_heads ({m.num_kv_heads})."
+                )
+            if self.data.seq_len % degrees["sequence"]:
+                _fail(
+                    f"data.seq_len ({self.data.seq_len}) must be divisible by mesh.sequence "
+                    f"({degrees['sequence']})."
+                )
+        return self
+
+
+MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+
+
+def mesh_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Resolves the one -1 degree and checks that the product equals the device count."""
+    degrees = {a: getattr(mesh, a) for a in MESH_AXES}
+    auto = [a for a, d in degrees.items() if d == -1]
+    bad = [a for a, d in degrees.items() if d == 0 or d < -1]
+    if bad:
+        _fail(f"mesh.{bad[0]} must be a positive degree or -1 (fill the rest), not {degrees[bad[0]]}.")
+    if len(auto) > 1:
+        _fail(f"only one mesh degree may be -1, but {', '.join('mesh.' + a for a in auto)} are.")
+    fixed = math.prod(d for d in degrees.values() if d != -1)
+    if auto:
+        if num_devices % fixed:
+            _fail(
+                f"mesh.{auto[0]}=-1 cannot fill {num_devices} devices: the other degrees multiply "
+                f"to {fixed}, which does not divide {num_devices}."
+            )
+        degrees[auto[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        spec = " * ".join(f"mesh.{a}={d}" for a, d in degrees.items() if d != 1) or "all degrees 1"
+        _fail(
+            f"the mesh degrees ({spec}) multiply to {fixed} but there are {num_devices} devices; "
+            "make the product equal the device count or set one degree to -1."
+        )
+    return degrees
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: YAML, includes, presets, overrides, type checking
+# ----------------------------------------------------------------------------------------------
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_PRESET_DIRS = {"model": "models", "mesh": "mesh", "run": "runs"}
+
+
+def configs_dir() -> Path:
+    """The `configs/` directory: $JAXLLM_CONFIGS, else ./configs, else the one beside the package."""
+    if env := os.environ.get("JAXLLM_CONFIGS"):
+        return Path(env)
+    cwd = Path.cwd() / "configs"
+    return cwd if cwd.is_dir() else Path(__file__).resolve().parent.parent / "configs"
+
+
+def _fail(msg: str) -> typing.NoReturn:
+    raise ConfigError(msg)
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        _fail(f"{path} includes itself (through {' -> '.join(p.name for p in seen)}).")
+    if not path.is_file():
+        _fail(f"config file {path} does not exist; check the path.")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        _fail(f"{path} is not valid YAML: {str(e).splitlines()[0]}.")
+    if not isinstance(raw, dict):
+        _fail(f"{path} must hold a mapping of sections, not a {type(raw).__name__}.")
+    includes = raw.pop("include", []) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        _deep_merge(merged, _read_yaml(path.parent / inc, seen + (path,)))
+    for section, value in raw.items():
+        _deep_merge(merged, {section: _expand_preset(section, value, path.parent, seen + (path,))})
+    return merged
+
+
+def _expand_preset(section: str, value: Any, base: Path, seen: tuple[Path, ...]) -> Any:
+    """`model: tiny` -> the `model` section of configs/models/tiny.yaml."""
+    if not isinstance(value, str) or section not in _PRESET_DIRS:
+        return value
+    candidates = [Path(value), base / value, configs_dir() / _PRESET_DIRS[section] / f"{value}.yaml"]
+    path = next((p for p in candidates if p.suffix in (".yaml", ".yml") and p.is_file()), None)
+    if path is None:
+        available = sorted(p.stem for p in (configs_dir() / _PRESET_DIRS[section]).glob("*.yaml"))
+        _fail(
+            f"{section}={value!r} names no preset; available in configs/{_PRESET_DIRS[section]}/: "
+            f"{', '.join(available) or 'none'}."
+        )
+    data = _read_yaml(path, seen)
+    if set(data) - {section}:
+        _fail(f"preset {path} may only hold the `{section}:` section.")
+    return data.get(section, {})
+
+
+def _deep_merge(into: dict, other: dict) -> dict:
+    for k, v in other.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = v
+    return into
+
+
+def _parse_override(item: str) -> dict:
+    if "=" not in item:
+        _fail(f"override {item!r} must look like key.sub=value (for example train.steps=20).")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    if key in _PRESET_DIRS and isinstance(value, str):
+        return {key: _expand_preset(key, value, Path.cwd(), ())}
+    if key == "run" and not isinstance(value, dict):
+        _fail(f"override {item!r}: `run` is a section; set a key in it, e.g. run.dir=runs/x.")
+    node: Any = value
+    for part in reversed(key.split(".")):
+        if not part:
+            _fail(f"override {item!r} has an empty key part.")
+        node = {part: node}
+    return node
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Checks `value` against the annotation `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            _fail(f"{key} must be one of {', '.join(map(str, choices))}, not {value!r}.")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(f"{key} must be true or false, not {value!r}.")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(f"{key} must be an integer, not {value!r}.")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(f"{key} must be a number, not {value!r}.")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(f"{key} must be a string, not {value!r}; quote it.")
+        return value
+    raise TypeError(f"unsupported annotation {tp} for {key}")  # a bug in this file, not the user's
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        _fail(f"{prefix} must be a mapping of keys, not {data!r}.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f"did you mean {prefix}.{close[0]}?" if close else f"known keys: {', '.join(names)}."
+        _fail(f"unknown config key {prefix}.{unknown[0]}; {hint}")
+    kwargs = {}
+    for k, v in data.items():
+        if dataclasses.is_dataclass(hints[k]):
+            kwargs[k] = _build(hints[k], v, f"{prefix}.{k}")
+        else:
+            kwargs[k] = _coerce(f"{prefix}.{k}", v, hints[k])
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> Config:
+    unknown = [k for k in data if k not in SECTIONS]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(SECTIONS), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"sections are {', '.join(SECTIONS)}."
+        _fail(f"unknown config section {unknown[0]!r}; {hint}")
+    hints = typing.get_type_hints(Config)
+    return Config(**{k: _build(hints[k], v or {}, k) for k, v in data.items()})
+
+
+def load(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """YAML file (or the built-in defaults when None) + `key.sub=value` overrides -> Config.
+
+    Validates everything that does not need the device count; `Config.validate(n)` does the rest.
+    """
+    data = _read_yaml(Path(path)) if path is not None else {}
+    for item in overrides:
+        _deep_merge(data, _parse_override(item))
+    return from_dict(data).validate()
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump(cfg: Config, path: str | os.PathLike) -> None:
+    """Writes the fully resolved config; `load(path)` reads it back to an equal Config."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

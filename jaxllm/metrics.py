@@ -1,0 +1,116 @@
+"""Metrics out of a run: JSONL + TensorBoard writers, the loss plot, FLOPs and MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from jaxllm.config import ModelConfig
+
+# Dense bf16 peak FLOP/s per chip, by `jax.Device.device_kind` prefix (vendor data sheets).
+PEAK_FLOPS = {
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    "TPU v6e": 918e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    for prefix in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if device_kind.startswith(prefix):
+            return PEAK_FLOPS[prefix]
+    return None
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts from the config: total, and the ones in matmuls (for FLOPs)."""
+    d, f, n = cfg.d_model, cfg.mlp_dim, cfg.num_layers
+    hk, gk = cfg.num_heads * cfg.resolved_head_dim, cfg.num_kv_heads * cfg.resolved_head_dim
+    per_layer_matmul = d * hk * 2 + d * gk * 2 + 3 * d * f
+    embed = cfg.vocab_size * d
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    norms = (2 * n + 1) * d
+    return {
+        "total": n * per_layer_matmul + embed + head + norms,
+        # the LM head is a matmul (the tied embedding too); the input embedding is a gather
+        "matmul": n * per_layer_matmul + cfg.vocab_size * d,
+    }
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Training FLOPs per token (forward + backward = 3x forward), Kaplan/PaLM style:
+    6 * matmul params, plus attention scores and values 12 * layers * heads * head_dim * seq
+    (full, unmasked L x S products, which is what the XLA implementation computes)."""
+    dense = 6 * param_counts(cfg)["matmul"]
+    attn = 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
+    return {"dense": float(dense), "attention": float(attn), "total": float(dense + attn)}
+
+
+class MetricsWriter:
+    """One JSON object per line in metrics.jsonl, and the same scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, step: int, values: dict) -> None:
+        row = {"step": int(step), **{k: _py(v) for k, v in values.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _py(v):
+    try:
+        return v.item()
+    except AttributeError:
+        return v
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_losses(metrics_path: str | Path, out_path: str | Path) -> None:
+    """Train loss (every log line) and eval loss (every eval line) against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_jsonl(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.axhline(math.log(256), color="gray", ls=":", label="uniform bytes (ln 256)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)

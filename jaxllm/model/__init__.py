@@ -1,0 +1,30 @@
+"""Llama-style decoder in Flax NNX: math only, no mesh.
+
+Shape legend used in names throughout (`q_BxLxHxK` is a query of shape [B, L, H, K]):
+
+    B batch      L query length   S key/value length   D model width (d_model)
+    H heads      G kv heads       R query heads per kv head (H / G)
+    K head dim   F mlp hidden     V vocabulary          N layers
+
+Every parameter is an `nnx.Param` whose `axes` metadata names its logical axes
+(`('embed', 'mlp')`); `jaxllm.sharding` alone maps those to mesh axes.
+"""
+
+from jaxllm.model.attention import Attention, dot_product_attention
+from jaxllm.model.layers import Embed, RMSNorm, apply_rope, matmul
+from jaxllm.model.mlp import SwiGLU
+from jaxllm.model.transformer import Block, Transformer, build, logical_axes
+
+__all__ = [
+    "Attention",
+    "Block",
+    "Embed",
+    "RMSNorm",
+    "SwiGLU",
+    "Transformer",
+    "apply_rope",
+    "build",
+    "dot_product_attention",
+    "logical_axes",
+    "matmul",
+]

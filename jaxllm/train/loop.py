@@ -1,0 +1,200 @@
+"""The host loop of `jaxllm train`.
+
+It respects asynchronous dispatch: step n is launched before step n-1's metrics are read, so the
+device always has the next step queued while the host logs, and NaN checks run on that delayed
+copy. Outputs go to `run.dir`: config.yaml, metrics.jsonl, tensorboard/, loss.png, checkpoints/.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxllm import checkpoint, config, optim, sharding
+from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
+from jaxllm.data.tokenizer import make_tokenizer
+from jaxllm.metrics import MetricsWriter, plot_losses
+from jaxllm.train.state import abstract_model, init_state, state_shardings
+from jaxllm.train.step import BATCH_AXES, eval_step, train_step
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def to_global(batch: dict, batch_sharding: NamedSharding) -> dict:
+    """Host numpy batch (this process's rows) -> global jax arrays laid out on the mesh."""
+    return {
+        k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v, np.int32))
+        for k, v in batch.items()
+    }
+
+
+def compile_steps(cfg: config.Config, mesh):
+    """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
+    graphdef, _, _ = abstract_model(cfg.model)
+    tx = optim.build(cfg.optim, cfg.train.steps)
+    shardings = state_shardings(cfg.model, tx, mesh)
+    batch_sh = sharding.named(mesh, BATCH_AXES)
+    step_fn = functools.partial(
+        train_step, graphdef=graphdef, tx=tx, lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
+        mesh=mesh, grad_accum_steps=cfg.train.grad_accum_steps, z_loss=cfg.train.z_loss,
+    )  # fmt: skip
+    jit_train = jax.jit(
+        step_fn, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
+        donate_argnums=0,
+    )  # fmt: skip
+    jit_eval = jax.jit(
+        functools.partial(eval_step, graphdef=graphdef, mesh=mesh),
+        in_shardings=(shardings.params, batch_sh),
+    )
+    return jit_train, jit_eval, tx, shardings, batch_sh
+
+
+def evaluate(jit_eval, params, batches: list[dict], batch_sh) -> float:
+    sums = [jit_eval(params, to_global(b, batch_sh)) for b in batches]
+    nll = sum(float(s["nll_sum"]) for s in sums)
+    tokens = sum(float(s["tokens"]) for s in sums)
+    return nll / max(tokens, 1.0)
+
+
+def train(cfg: config.Config) -> dict:
+    """Runs the configured training; returns the final metrics (loss, eval_loss, ...)."""
+    devices = jax.devices()
+    cfg.validate(len(devices))
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.dump(cfg, run_dir / "config.yaml")
+    _log(f"run dir: {run_dir.resolve()}")
+    _log(f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s)")
+
+    t0 = time.perf_counter()
+    train_rows, eval_rows = load_splits(cfg.data)
+    _log(
+        f"data: {cfg.data.source}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} "
+        f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} eval docs "
+        f"({time.perf_counter() - t0:.1f}s)"
+    )
+    batches = train_batches(train_rows, cfg.data, cfg.train.global_batch_size)
+    held_out = eval_batches(eval_rows, cfg.train.global_batch_size, cfg.train.eval_batches)
+
+    jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)
+    state = init_state(cfg.model, tx, mesh, cfg.run.seed)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    _log(f"model: {n_params:,} parameters")
+
+    t0 = time.perf_counter()
+    first = to_global(next(batches), batch_sh)
+    jit_train = jit_train.lower(state, first).compile()
+    _log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
+
+    writer = MetricsWriter(run_dir)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    steps = cfg.train.steps
+    bar = _progress(steps)
+    final: dict = {}
+    pending = None  # (step, metrics on device) of the step dispatched last
+    window_start, window_steps = time.perf_counter(), 0
+
+    def finish(step: int, metrics, params=None) -> None:
+        """Reads step `step`'s metrics (blocking on it) and logs them; evaluates when given the
+        parameters right after that step."""
+        nonlocal window_start, window_steps, final
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(values["loss"]):
+            raise FloatingPointError(f"loss is {values['loss']} at step {step}; stopping.")
+        window_steps += 1
+        bar.update(1)
+        if step % cfg.train.log_every and params is None:
+            return
+        elapsed = time.perf_counter() - window_start
+        values["step_time_s"] = elapsed / window_steps
+        values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
+        if params is not None:
+            values["eval_loss"] = evaluate(jit_eval, params, held_out, batch_sh)
+        window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
+        writer.write(step, values)
+        final = {"step": step, **values}
+        _show(bar, step, values)
+
+    def eval_due(step: int) -> bool:
+        every = cfg.train.eval_every
+        return step == steps or bool(every and step % every == 0)
+
+    batch = first
+    for step in range(1, steps + 1):
+        state, metrics = jit_train(state, batch)  # dispatch step n ...
+        if step < steps:
+            batch = to_global(next(batches), batch_sh)
+        if pending is not None:
+            finish(*pending)  # ... then read step n-1 while n runs
+            pending = None
+        if eval_due(step):
+            finish(step, metrics, state.params)
+        else:
+            pending = (step, metrics)
+    bar.close()
+    writer.close()
+    plot_losses(writer.path, run_dir / "loss.png")
+
+    if cfg.checkpoint.save_final:
+        ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
+        checkpoint.save(ckpt_dir, state)
+        _log(f"checkpoint: {ckpt_dir.resolve()}/{steps}")
+
+    if cfg.train.sample_prompt and cfg.train.sample_tokens:
+        final["sample"] = sample(cfg, state.params)
+    return final
+
+
+def sample(cfg: config.Config, params) -> str:
+    """Greedy continuation of `train.sample_prompt`, printed to stdout."""
+    from flax import nnx
+
+    from jaxllm.infer import greedy_continue
+
+    tok = make_tokenizer(cfg.data)
+    graphdef, _, _ = abstract_model(cfg.model)
+    model = nnx.merge(graphdef, jax.device_get(params))
+    prompt = np.concatenate([[tok.bos_id], tok.encode(cfg.train.sample_prompt)])
+    new = greedy_continue(model, prompt, cfg.train.sample_tokens, max_len=cfg.model.max_seq_len)
+    text = tok.decode(new)
+    print(f"--- greedy continuation of {cfg.train.sample_prompt!r} ---")
+    print(cfg.train.sample_prompt + text)
+    return text
+
+
+class _Plain:
+    """Stand-in for tqdm when stderr is not a terminal: log lines only."""
+
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int):
+    if not sys.stderr.isatty():
+        return _Plain()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+def _show(bar, step: int, v: dict) -> None:
+    text = f"loss {v['loss']:.3f}  {v['tokens_per_sec']:,.0f} tok/s  lr {v['lr']:.2e}"
+    if "eval_loss" in v:
+        text += f"  eval {v['eval_loss']:.3f}"
+    if isinstance(bar, _Plain):
+        _log(f"step {step}: {text}  {v['step_time_s'] * 1e3:.0f} ms/step")
+    else:
+        bar.set_postfix_str(text)

@@ -1,0 +1,70 @@
+"""TrainState and its sharded initialisation.
+
+Initialisation never builds the model on one device: `jax.eval_shape` gives the abstract
+parameters and their logical axes, `jaxllm.sharding` turns those into shardings, and one
+`jax.jit(init, out_shardings=...)` creates every leaf directly in its shards.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllm import sharding
+from jaxllm.config import ModelConfig
+from jaxllm.model import Transformer, logical_axes
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # nested dict of arrays, paths like layers/attn/q_proj
+    opt_state: Any  # optax state over params
+    rng: jax.Array  # uint32 key data, for dropout and other randomness in the step
+
+
+def abstract_model(cfg: ModelConfig):
+    """(graphdef, abstract params as a dict of ShapeDtypeStruct, logical axes dict)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
+
+
+def _init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    init_key, state_key = jax.random.split(jax.random.key(seed))
+    model = Transformer(model_cfg, rngs=nnx.Rngs(params=init_key))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        rng=jax.random.key_data(state_key),
+    )
+
+
+def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
+    """NamedShardings of every TrainState leaf: params and their optimizer moments by the
+    logical rules, scalars replicated."""
+    _, abstract_params, axes = abstract_model(model_cfg)
+    param_sh = sharding.tree_shardings(mesh, axes)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, param_sh,
+        transform_non_params=lambda _: replicated,
+    )  # fmt: skip
+    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+
+
+def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int) -> TrainState:
+    """A freshly initialised TrainState, each leaf created in its shards."""
+    shardings = state_shardings(model_cfg, tx, mesh)
+    init = jax.jit(functools.partial(_init, model_cfg, tx, seed), out_shardings=shardings)
+    return init()
