@@ -7,6 +7,7 @@ rematerialisation, which adds recomputed forward FLOPs to the compiled count).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -39,6 +40,30 @@ def _compiled_flops(compiled) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
+def compiled_step_flops(cfg: config.Config, mesh) -> float | None:
+    """FLOPs of one train step from XLA's cost analysis, for all devices together.
+
+    XLA counts a while-loop body once, whatever its trip count, so this analyses the same step
+    with the layer scan fully unrolled and one microbatch, and scales by the microbatch count.
+    """
+    accum = cfg.train.grad_accum_steps
+    cost_cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, scan_unroll=cfg.model.num_layers),
+        train=dataclasses.replace(
+            cfg.train, grad_accum_steps=1, global_batch_size=cfg.train.global_batch_size // accum
+        ),
+    )
+    jit_train, _, tx, shardings, batch_sh = compile_steps(cost_cfg, mesh)
+    abstract_state = jax.eval_shape(lambda: init_state(cost_cfg.model, tx, mesh, 0))
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
+    batch = to_global(synthetic_batch(cost_cfg), batch_sh)
+    per_device = _compiled_flops(jit_train.lower(abstract_state, batch).compile())
+    return None if per_device is None else per_device * mesh.size * accum
+
+
 def bench_train(cfg: config.Config, steps: int = 10, warmup: int = 2) -> dict:
     devices = jax.devices()
     cfg.validate(len(devices))
@@ -63,9 +88,7 @@ def bench_train(cfg: config.Config, steps: int = 10, warmup: int = 2) -> dict:
     step_s = statistics.median(times)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     analytic = fpt["total"] * tokens
-    # cost analysis reports the per-device program; the step runs on every device
-    per_device = _compiled_flops(compiled)
-    compiled_total = per_device * len(devices) if per_device is not None else None
+    compiled_total = compiled_step_flops(cfg, mesh)
     peak = peak_flops(devices[0].device_kind)
     result = {
         "device": f"{len(devices)} x {devices[0].device_kind}",

@@ -76,6 +76,8 @@ class ModelConfig:
     """Storage dtype of parameters (and of optimizer state)."""
     dtype: str = "bfloat16"
     """Compute dtype of activations and matmuls; softmax statistics and the loss stay float32."""
+    scan_unroll: int = 1
+    """Blocks per iteration of the layer scan; num_layers unrolls it fully (longer compiles)."""
     remat: Literal["none", "full", "dots", "dots_with_no_batch_dims"] = "none"
     """Activation checkpointing of each block: none, full (save only block inputs), or save matmul
     outputs (`dots`: every matmul; `dots_with_no_batch_dims`: weight matmuls, not attention)."""
@@ -201,6 +203,8 @@ class Config:
                 f"equal model.d_model ({m.d_model}); set model.head_dim="
                 f"{m.d_model // m.num_heads} or leave it null."
             )
+        if m.scan_unroll < 1:
+            _fail(f"model.scan_unroll ({m.scan_unroll}) must be at least 1.")
         if m.resolved_head_dim % 2:
             _fail(f"model.head_dim ({m.resolved_head_dim}) must be even for RoPE.")
         if self.data.seq_len > m.max_seq_len:

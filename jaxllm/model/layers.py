@@ -36,7 +36,8 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (x32 * scale).astype(self.dtype)
 
 
 class Embed(nnx.Module):
@@ -57,7 +58,7 @@ def apply_rope(x_BxLxHxK: jax.Array, positions_BxL: jax.Array, theta: float) -> 
     """Rotates channel pairs (i, i + K/2) by angle position * theta^(-2i/K), in float32."""
     k = x_BxLxHxK.shape[-1]
     inv_freq_K2 = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
-    angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_K2
+    angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_K2[None, None, :]
     sin = jnp.sin(angle_BxLxK2)[:, :, None, :]
     cos = jnp.cos(angle_BxLxK2)[:, :, None, :]
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)

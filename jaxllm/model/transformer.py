@@ -68,13 +68,20 @@ class Transformer(nnx.Module):
             init = jax.nn.initializers.normal(cfg.init_std)
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
-    def __call__(self, tokens_BxL, *, positions_BxL=None, segment_ids_BxL=None):
-        b, l = tokens_BxL.shape
+    def __call__(self, tokens_BxL=None, *, positions_BxL=None, segment_ids_BxL=None,
+                 embeddings_BxLxD=None):  # fmt: skip
+        """Either tokens or input embeddings (for soft prompts, and gradient tests) go in."""
+        if (tokens_BxL is None) == (embeddings_BxLxD is None):
+            raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
+        if embeddings_BxLxD is None:
+            embeddings_BxLxD = self.embed(tokens_BxL)
+        b, l = embeddings_BxLxD.shape[:2]
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         if segment_ids_BxL is None:
             segment_ids_BxL = jnp.ones((b, l), jnp.int32)
-        x_BxLxD = constrain(self.embed(tokens_BxL), ("batch", "length", "act_embed"))
+        x_BxLxD = embeddings_BxLxD.astype(jnp.dtype(self.cfg.dtype))
+        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
 
         block_def, stacked_state = nnx.split(self.layers)
 
@@ -84,7 +91,7 @@ class Transformer(nnx.Module):
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked_state)
+        x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked_state, unroll=self.cfg.scan_unroll)
 
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.cfg.tie_embeddings:

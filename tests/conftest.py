@@ -1,0 +1,35 @@
+"""Test setup: 8 simulated CPU devices and strict numpy semantics, before jax is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+from jaxllm.config import Config, ModelConfig  # noqa: E402
+
+
+def tiny_model(**overrides) -> ModelConfig:
+    """A model small enough for many compiles per test, in float32 for tight comparisons."""
+    base = dict(
+        vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
+        max_seq_len=64, dtype="float32", param_dtype="float32",
+    )  # fmt: skip
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+@pytest.fixture
+def tiny_cfg() -> ModelConfig:
+    return tiny_model()
+
+
+@pytest.fixture
+def default_config() -> Config:
+    return Config()

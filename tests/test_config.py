@@ -1,0 +1,223 @@
+"""Tests of jaxllm.config and the CLI's handling of config mistakes.
+
+The dataclass defaults are the default run; overrides are type-checked; unknown keys get a
+suggestion; includes compose; impossible combinations and mesh shapes raise ConfigError naming
+the key; dump/load round-trips; and `jaxllm train` turns every such mistake into one line on
+stderr and exit code 2, quickly and without a traceback.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxllm import config
+from jaxllm.config import Config, ConfigError, MeshConfig, ModelConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_RUN = REPO / "configs" / "runs" / "default.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    """Presets are looked up in ./configs; run every test from the repo root."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("JAXLLM_CONFIGS", raising=False)
+
+
+def load_error(*overrides, path=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        config.load(path, list(overrides))
+    return str(e.value)
+
+
+# ------------------------------------------------------------------------- defaults
+
+
+def test_default_run_yaml_equals_dataclass_defaults():
+    assert config.load(DEFAULT_RUN) == Config()
+    assert config.load(None) == Config()
+
+
+# ------------------------------------------------------------------------- overrides
+
+
+def test_overrides_set_nested_values():
+    cfg = config.load(DEFAULT_RUN, ["train.steps=20", "model.tie_embeddings=true"])
+    assert cfg.train.steps == 20 and cfg.model.tie_embeddings is True
+    assert dataclasses.replace(cfg.train, steps=150) == TrainConfig()  # nothing else changed
+
+
+def test_int_field_rejects_text():
+    msg = load_error("train.steps=abc")
+    assert "train.steps" in msg and "integer" in msg
+
+
+def test_float_field_accepts_int():
+    cfg = config.load(None, ["optim.lr=1"])
+    assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float
+
+
+def test_bool_field_rejects_number():
+    assert "checkpoint.save_final" in load_error("checkpoint.save_final=3")
+
+
+def test_literal_field_lists_choices():
+    msg = load_error("model.remat=bogus")
+    assert "model.remat" in msg and "bogus" in msg
+    for choice in ("none", "full", "dots", "dots_with_no_batch_dims"):
+        assert choice in msg
+
+
+def test_optional_field_accepts_null():
+    cfg = config.load(None, ["model.head_dim=64", "model.head_dim=null"])
+    assert cfg.model.head_dim is None and cfg.model.resolved_head_dim == 64
+    assert config.load(None, ["optim.clip_norm=null"]).optim.clip_norm is None
+
+
+def test_mesh_preset_shorthand_loads_preset_file():
+    cfg = config.load(DEFAULT_RUN, ["mesh=fsdp"])
+    assert cfg.mesh == MeshConfig(data=1, fsdp=-1)
+    assert cfg.mesh != Config().mesh
+    assert config.load(DEFAULT_RUN, ["mesh=fsdp", "mesh.tensor=2"]).mesh.tensor == 2
+
+
+def test_unknown_preset_lists_available():
+    msg = load_error("mesh=nope")
+    assert "nope" in msg
+    for name in ("dp", "fsdp", "single"):
+        assert name in msg
+
+
+# ------------------------------------------------------------------------- unknown keys
+
+
+def test_unknown_key_suggests_close_match():
+    msg = load_error("model.num_layer=3")
+    assert "model.num_layer" in msg and "did you mean model.num_layers" in msg
+
+
+def test_unknown_section_suggests_close_match():
+    msg = load_error("modle.d_model=3")
+    assert "modle" in msg and "did you mean model" in msg
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  stepz: 3\n")
+    msg = load_error(path=tmp_path / "c.yaml")
+    assert "train.stepz" in msg and "train.steps" in msg
+
+
+# ------------------------------------------------------------------------- includes
+
+
+def test_include_merges_and_including_file_wins(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "model:\n  num_layers: 7\n  d_model: 128\ntrain:\n  steps: 5\n"
+    )
+    (tmp_path / "run.yaml").write_text("include: base.yaml\nmodel:\n  num_layers: 2\n")
+    cfg = config.load(tmp_path / "run.yaml")
+    assert cfg.model.num_layers == 2  # the including file wins
+    assert cfg.model.d_model == 128  # sibling keys of the included section survive
+    assert cfg.train.steps == 5
+
+
+def test_self_include_is_config_error(tmp_path):
+    (tmp_path / "loop.yaml").write_text("include: [loop.yaml]\n")
+    assert "includes itself" in load_error(path=tmp_path / "loop.yaml")
+
+
+def test_include_cycle_through_two_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("include: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("include: a.yaml\n")
+    assert "includes itself" in load_error(path=tmp_path / "a.yaml")
+
+
+# ------------------------------------------------------------------------- combinations
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.num_heads=4", "model.num_kv_heads=3"], "model.num_kv_heads"),
+        (["model.head_dim=32"], "model.head_dim"),
+        (["data.seq_len=4096"], "data.seq_len"),
+        (["model.vocab_size=257"], "model.vocab_size"),
+    ],
+)
+def test_impossible_combination(overrides, key):
+    assert key in load_error(*overrides)
+
+
+def test_vocab_size_at_byte_vocabulary_is_enough():
+    assert config.load(None, ["model.vocab_size=258"]).model.vocab_size == 258
+
+
+def test_batch_not_divisible_by_data_parallel_size():
+    cfg = Config(mesh=MeshConfig(data=8), train=TrainConfig(global_batch_size=12))
+    with pytest.raises(ConfigError, match="train.global_batch_size"):
+        cfg.validate(num_devices=8)
+    ok = dataclasses.replace(cfg, train=TrainConfig(global_batch_size=16))
+    assert ok.validate(num_devices=8) is ok
+
+
+def test_mesh_product_must_equal_device_count():
+    cfg = Config(mesh=MeshConfig(data=2))  # every other check passes with 2-way data parallel
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(num_devices=8)
+    assert "mesh.data=2" in str(e.value) and "8 devices" in str(e.value)
+    assert cfg.validate(num_devices=2) is cfg
+    assert config.mesh_degrees(MeshConfig(data=2, fsdp=-1), 8)["fsdp"] == 4
+
+
+def test_two_auto_degrees():
+    with pytest.raises(ConfigError) as e:
+        Config(mesh=MeshConfig(data=-1, fsdp=-1)).validate(num_devices=8)
+    assert "mesh.data" in str(e.value) and "mesh.fsdp" in str(e.value)
+
+
+# ------------------------------------------------------------------------- dump / load
+
+
+def test_dump_load_round_trip(tmp_path):
+    cfg = Config(
+        model=ModelConfig(head_dim=64, norm_eps=1e-6, remat="dots", tie_embeddings=True),
+        mesh=MeshConfig(data=2, fsdp=-1),
+        optim=dataclasses.replace(Config().optim, lr=2.5e-4, clip_norm=None),
+        train=TrainConfig(sample_prompt="null: 123"),  # a string YAML would otherwise parse
+    )
+    assert cfg != Config()
+    config.dump(cfg, tmp_path / "config.yaml")
+    assert config.load(tmp_path / "config.yaml") == cfg
+
+
+# ------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize(
+    "arg, needle",
+    [
+        ("model.num_kv_heads=3", "model.num_kv_heads"),
+        ("model.num_layer=3", "model.num_layers"),
+        ("train.steps=ten", "train.steps"),
+        ("does/not/exist.yaml", "does/not/exist.yaml"),
+    ],
+)
+def test_cli_config_mistake_exits_2_with_one_line(arg, needle):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxllm", "train", arg],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0]
+    assert elapsed < 30, f"took {elapsed:.1f}s: the error should come before any compilation"
