@@ -24,7 +24,33 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+import re
+
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 scalars: only true/false are booleans (`yes`, `on` stay strings) and `1e-3` is
+    a float (YAML 1.1 wants a dot)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$"
+               r"|^\.(?:nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
 
 
 class ConfigError(ValueError):
@@ -186,7 +212,22 @@ class Config:
 
     def validate(self, num_devices: int | None = None) -> Config:
         """Checks combinations no field type can express; returns self or raises ConfigError."""
-        m = self.model
+        m, t = self.model, self.train
+        positive = {
+            "model.vocab_size": m.vocab_size, "model.d_model": m.d_model,
+            "model.num_layers": m.num_layers, "model.num_heads": m.num_heads,
+            "model.num_kv_heads": m.num_kv_heads, "model.mlp_dim": m.mlp_dim,
+            "model.max_seq_len": m.max_seq_len, "model.scan_unroll": m.scan_unroll,
+            "model.head_dim": 1 if m.head_dim is None else m.head_dim, "data.seq_len": self.data.seq_len,
+            "train.steps": t.steps, "train.global_batch_size": t.global_batch_size,
+            "train.grad_accum_steps": t.grad_accum_steps, "train.log_every": t.log_every,
+            "train.eval_batches": t.eval_batches,
+        }  # fmt: skip
+        for key, value in positive.items():
+            if value < 1:
+                _fail(f"{key} must be at least 1, not {value}.")
+        if t.eval_every < 0 or t.sample_tokens < 0 or self.optim.warmup_steps < 0:
+            _fail("train.eval_every, train.sample_tokens and optim.warmup_steps must be >= 0.")
         if m.num_heads % m.num_kv_heads:
             _fail(
                 f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
@@ -203,8 +244,6 @@ class Config:
                 f"equal model.d_model ({m.d_model}); set model.head_dim="
                 f"{m.d_model // m.num_heads} or leave it null."
             )
-        if m.scan_unroll < 1:
-            _fail(f"model.scan_unroll ({m.scan_unroll}) must be at least 1.")
         if m.resolved_head_dim % 2:
             _fail(f"model.head_dim ({m.resolved_head_dim}) must be even for RoPE.")
         if self.data.seq_len > m.max_seq_len:
@@ -222,7 +261,6 @@ class Config:
         for name in ("dtype", "param_dtype"):
             if getattr(m, name) not in ("float32", "bfloat16", "float16"):
                 _fail(f"model.{name} must be float32, bfloat16 or float16, not {getattr(m, name)!r}.")
-        t = self.train
         if t.global_batch_size % t.grad_accum_steps:
             _fail(
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
@@ -285,7 +323,7 @@ def mesh_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-_PRESET_DIRS = {"model": "models", "mesh": "mesh", "run": "runs"}
+_PRESET_DIRS = {"model": "models", "mesh": "mesh"}
 
 
 def configs_dir() -> Path:
@@ -307,7 +345,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not path.is_file():
         _fail(f"config file {path} does not exist; check the path.")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         _fail(f"{path} is not valid YAML: {str(e).splitlines()[0]}.")
     if not isinstance(raw, dict):
@@ -356,7 +394,7 @@ def _parse_override(item: str) -> dict:
     key, _, text = item.partition("=")
     key = key.strip()
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = _yaml(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
     if key in _PRESET_DIRS and isinstance(value, str):

@@ -195,6 +195,20 @@ def test_dump_load_round_trip(tmp_path):
     assert config.load(tmp_path / "config.yaml") == cfg
 
 
+@pytest.mark.parametrize(
+    "override", ["model.num_kv_heads=0", "model.num_heads=0", "train.grad_accum_steps=0",
+                 "train.steps=-5", "model.num_layers=0", "train.global_batch_size=0"],
+)  # fmt: skip
+def test_non_positive_sizes_are_config_errors(override):
+    assert override.split("=")[0] in load_error(override)
+
+
+def test_yaml_1_2_scalars():
+    cfg = config.load(None, ["optim.lr=1e-3", "train.sample_prompt=no", "run.dir=on"])
+    assert cfg.optim.lr == 1e-3 and cfg.train.sample_prompt == "no" and cfg.run.dir == "on"
+    assert "checkpoint.save_final" in load_error("checkpoint.save_final=yes")
+
+
 # ------------------------------------------------------------------------- CLI
 
 

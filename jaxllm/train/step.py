@@ -70,8 +70,8 @@ def train_step(
         metrics = {
             "loss": nll / count,
             "z_loss": zs / count,
-            "grad_norm": optax.global_norm(grads),
-            "param_norm": optax.global_norm(params),
+            "grad_norm": optax.tree.norm(grads),
+            "param_norm": optax.tree.norm(params),
             "lr": jnp.asarray(lr_schedule(state.step), jnp.float32),
             "tokens": count,
         }
