@@ -187,7 +187,7 @@ def _progress(total: int):
         return _Plain()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=total, unit="step", file=sys.stderr)
 
 
 def _show(bar, step: int, v: dict) -> None:
