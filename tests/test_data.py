@@ -206,3 +206,10 @@ def test_eval_batches_are_fixed(synthetic_rows):
     assert len(eval_batches(rows, batch_size=4, num_batches=10_000)) == len(rows) // 4
     with pytest.raises(ValueError):
         eval_batches(pack([np.array([1, 2, 3])], seq_len=2), batch_size=4, num_batches=1)
+
+
+def test_rows_out_of_range_raise_index_error():
+    rows = PackedRows([np.array([1, 2, 3, 4, 5])], 3, bos_id=256, eos_id=257)
+    assert len(list(rows)) == len(rows) == 2  # iteration stops
+    with pytest.raises(IndexError):
+        rows[2]

@@ -34,6 +34,8 @@ class PackedRows:
         return self._len
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not 0 <= index < self._len:
+            raise IndexError(f"row {index} of {self._len}")
         start = int(index) * self.seq_len
         tok = self.tokens[start : start + self.seq_len + 1]
         doc = self.doc_ids[start : start + self.seq_len + 1]
