@@ -25,6 +25,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m 'not gpu' $(PYTEST_ARGS)
 
+lint: $(STAMP)
+	$(BIN)/ruff format --check jaxllm kernels tests scripts
+	$(BIN)/ruff check jaxllm kernels tests scripts
+
 bench: $(STAMP)
 	$(BIN)/jaxllm bench train $(ARGS)
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
-
-import re
 
 import yaml
 
@@ -35,7 +34,11 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.yaml_implicit_resolvers = {
-    k: [(tag, rx) for tag, rx in v if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")]
+    k: [
+        (tag, rx)
+        for tag, rx in v
+        if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
+    ]
     for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver(
@@ -43,8 +46,10 @@ _Loader.add_implicit_resolver(
 )
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$"
-               r"|^\.(?:nan|NaN|NAN)$"),
+    re.compile(
+        r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$"
+        r"|^\.(?:nan|NaN|NAN)$"
+    ),
     list("-+0123456789."),
 )
 
@@ -144,8 +149,11 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr (cosine and linear)."""
     b1: float = 0.9
+    """Adam decay rate of the first moment."""
     b2: float = 0.95
+    """Adam decay rate of the second moment."""
     eps: float = 1e-8
+    """Adam epsilon added to the root of the second moment."""
     weight_decay: float = 0.1
     """Decoupled weight decay; never applied to norm scales or biases."""
     clip_norm: float | None = 1.0
@@ -260,7 +268,9 @@ class Config:
             )
         for name in ("dtype", "param_dtype"):
             if getattr(m, name) not in ("float32", "bfloat16", "float16"):
-                _fail(f"model.{name} must be float32, bfloat16 or float16, not {getattr(m, name)!r}.")
+                _fail(
+                    f"model.{name} must be float32, bfloat16 or float16, not {getattr(m, name)!r}."
+                )
         if t.global_batch_size % t.grad_accum_steps:
             _fail(
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
@@ -298,7 +308,9 @@ def mesh_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
     auto = [a for a, d in degrees.items() if d == -1]
     bad = [a for a, d in degrees.items() if d == 0 or d < -1]
     if bad:
-        _fail(f"mesh.{bad[0]} must be a positive degree or -1 (fill the rest), not {degrees[bad[0]]}.")
+        _fail(
+            f"mesh.{bad[0]} must be a positive degree or -1 (fill the rest), not {degrees[bad[0]]}."
+        )
     if len(auto) > 1:
         _fail(f"only one mesh degree may be -1, but {', '.join('mesh.' + a for a in auto)} are.")
     fixed = math.prod(d for d in degrees.values() if d != -1)
@@ -365,7 +377,11 @@ def _expand_preset(section: str, value: Any, base: Path, seen: tuple[Path, ...])
     """`model: tiny` -> the `model` section of configs/models/tiny.yaml."""
     if not isinstance(value, str) or section not in _PRESET_DIRS:
         return value
-    candidates = [Path(value), base / value, configs_dir() / _PRESET_DIRS[section] / f"{value}.yaml"]
+    candidates = [
+        Path(value),
+        base / value,
+        configs_dir() / _PRESET_DIRS[section] / f"{value}.yaml",
+    ]
     path = next((p for p in candidates if p.suffix in (".yaml", ".yml") and p.is_file()), None)
     if path is None:
         available = sorted(p.stem for p in (configs_dir() / _PRESET_DIRS[section]).glob("*.yaml"))

@@ -4,12 +4,12 @@ import dataclasses
 
 import jax
 from conftest import tiny_model
+from flax import nnx
 
 from jaxllm import config, sharding
 from jaxllm.bench import compiled_step_flops
 from jaxllm.metrics import flops_per_token, param_counts, peak_flops
 from jaxllm.model import build
-from flax import nnx
 
 
 def _cfg(**model) -> config.Config:

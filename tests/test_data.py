@@ -170,9 +170,9 @@ def test_train_batches_are_seeded_and_shaped(synthetic_rows):
     again = take(train_batches(rows, DataConfig(seq_len=16, seed=0), batch_size=4), 3)
     other = take(train_batches(rows, DataConfig(seq_len=16, seed=1), batch_size=4), 3)
     assert_batches_equal(first, again)
-    assert any(
-        not np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(first, other)
-    ), "a different seed should give a different order"
+    assert any(not np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(first, other)), (
+        "a different seed should give a different order"
+    )
     known = {tuple(rows[i]["inputs"]) for i in range(len(rows))}
     for b in first:
         for k in KEYS:
@@ -185,7 +185,9 @@ def test_train_batches_reshuffle_each_epoch(synthetic_rows):
     n = len(rows)
     index = {tuple(rows[i]["inputs"]): i for i in range(n)}
     assert len(index) == n  # rows are distinguishable by their inputs
-    batches = take(train_batches(rows, DataConfig(seq_len=16, seed=0), batch_size=4), -(-2 * n // 4))
+    batches = take(
+        train_batches(rows, DataConfig(seq_len=16, seed=0), batch_size=4), -(-2 * n // 4)
+    )
     order = [index[tuple(r)] for b in batches for r in b["inputs"]]
     epoch0, epoch1 = order[:n], order[n : 2 * n]
     assert sorted(epoch0) == sorted(epoch1) == list(range(n))  # each epoch sees every row once

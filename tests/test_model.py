@@ -115,7 +115,9 @@ def test_every_parameter_has_logical_axes_with_a_rule(tiny_cfg):
     state = nnx.state(build(tiny_cfg), nnx.Param)
     axes = logical_axes(state)
     shapes = nnx.to_pure_dict(state)
-    pairs = zip(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(shapes))
+    pairs = zip(
+        jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(shapes)
+    )
     for ax, value in pairs:
         assert len(ax) == value.ndim
         assert all(a in sharding.RULES for a in ax)

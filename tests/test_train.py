@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -61,9 +62,8 @@ def test_gradient_accumulation_equals_one_big_batch():
             losses.append(float(metrics["loss"]))
         outs.append((losses, jax.device_get(state.params)))
     np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(outs[0][1]), jax.tree.leaves(outs[1][1])):
-        # Adam divides by sqrt(v): summation-order noise of ~1e-7 in tiny grads moves params ~1e-6
-        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+    # Adam divides by sqrt(v): summation-order noise of ~1e-7 in tiny grads moves params ~1e-6
+    chex.assert_trees_all_close(outs[0][1], outs[1][1], atol=2e-5, rtol=1e-4)
 
 
 def test_loss_mask_excludes_tokens():

@@ -37,6 +37,8 @@ def eval_batches(rows: PackedRows, batch_size: int, num_batches: int) -> list[di
     """The same first `num_batches` batches of the held-out rows at every evaluation."""
     n = min(num_batches * batch_size, len(rows) - len(rows) % batch_size)
     if n == 0:
-        raise ValueError(f"the eval split has {len(rows)} rows, fewer than one batch of {batch_size}")
+        raise ValueError(
+            f"the eval split has {len(rows)} rows, fewer than one batch of {batch_size}"
+        )
     batches = grain.MapDataset.source(rows)[:n].batch(batch_size, drop_remainder=True)
     return [{k: np.asarray(v) for k, v in b.items()} for b in batches]

@@ -65,7 +65,10 @@ class Attention(nnx.Module):
         d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         self.dtype, self.impl, self.theta = jnp.dtype(cfg.dtype), cfg.attention_impl, cfg.rope_theta
         pdt = jnp.dtype(cfg.param_dtype)
-        init, out_init = jax.nn.initializers.normal(cfg.init_std), jax.nn.initializers.normal(out_std)
+        init, out_init = (
+            jax.nn.initializers.normal(cfg.init_std),
+            jax.nn.initializers.normal(out_std),
+        )
         self.q_proj = param(rngs, init, (d, h, k), ("embed", "heads", "head_dim"), pdt)
         self.k_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
         self.v_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)

@@ -58,7 +58,11 @@ class Transformer(nnx.Module):
         )  # fmt: skip
 
         @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers", "axes": "layers"})
+        @nnx.vmap(
+            in_axes=0,
+            out_axes=0,
+            transform_metadata={nnx.PARTITION_NAME: "layers", "axes": "layers"},
+        )
         def stacked_blocks(rngs: nnx.Rngs) -> Block:
             return Block(cfg, rngs=rngs)
 
