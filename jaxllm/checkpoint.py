@@ -26,9 +26,12 @@ def save(directory: str | Path, state) -> None:
     """Saves a TrainState at its step, as two items (`params`, and `train` = the rest) so that
     inference can read the parameters alone. Waits until it is on disk."""
     rest = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+    step = int(jax.device_get(state.step))
     with manager(directory) as mgr:
+        if step in mgr.all_steps():  # a re-run of the same run dir replaces its checkpoint
+            mgr.delete(step)
         mgr.save(
-            int(jax.device_get(state.step)),
+            step,
             args=ocp.args.Composite(
                 params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(rest)
             ),

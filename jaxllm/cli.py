@@ -1,6 +1,6 @@
 """The `jaxllm` command line.
 
-    jaxllm train [CONFIG.yaml] [key=value ...]
+    jaxllm train [CONFIG.yaml] [key=value ...] [--coordinator H:P --num-processes N --process-id I]
     jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N]
 
 Mistakes a user can fix (config keys, types, impossible shapes) end with one sentence on stderr
@@ -40,6 +40,9 @@ def _load(args: list[str]):
 
 def cmd_train(ns) -> int:
     cfg = _load(ns.args)
+    from jaxllm import distributed
+
+    distributed.initialize(ns.coordinator, ns.num_processes, ns.process_id)
     from jaxllm.train.loop import train
 
     result = train(cfg)
@@ -65,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model (no arguments: the default run)")
     t.add_argument("args", nargs="*", metavar="CONFIG|key=value")
+    t.add_argument("--coordinator", help="host:port of process 0, for multi-process runs")
+    t.add_argument("--num-processes", type=int, help="processes in the run")
+    t.add_argument("--process-id", type=int, help="this process's index, 0-based")
     t.set_defaults(func=cmd_train)
     b = sub.add_parser("bench", help="measure a component")
     bsub = b.add_subparsers(dest="what", required=True)

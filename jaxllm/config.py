@@ -122,7 +122,14 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Degree of each parallelism axis of the device mesh. One may be -1: it takes the rest."""
+    """Degree of each parallelism axis of the device mesh.
+
+    The plain degrees split the devices of one slice / host group joined by the fast network
+    (ICI, NVLink); one of them may be -1 to take what is left. The `dcn_*` degrees split the
+    slices (or hosts) joined by the slow data-center network, as MaxText's `dcn_*_parallelism`:
+    the mesh axis `fsdp` then has size fsdp * dcn_fsdp, slices outermost. The product of all
+    degrees must equal the number of devices.
+    """
 
     data: int = -1
     """DP: replicas that each see a slice of the batch."""
@@ -134,6 +141,19 @@ class MeshConfig:
     """SP / context parallelism: the sequence axis of activations split."""
     expert: int = 1
     """EP: experts of MoE layers split (no effect on dense models)."""
+    dcn_data: int = 1
+    """Slices that replicate the model (the usual multi-slice choice: data over DCN)."""
+    dcn_fsdp: int = 1
+    """Slices the FSDP shards are spread over (costly: parameters cross DCN every layer)."""
+    dcn_tensor: int = 1
+    """Slices the tensor-parallel shards are spread over (rarely wise)."""
+    dcn_sequence: int = 1
+    """Slices the sequence shards are spread over."""
+    dcn_expert: int = 1
+    """Slices the experts are spread over."""
+    sequence_attention: Literal["all_gather", "ring"] = "all_gather"
+    """How attention sees keys of other sequence shards: all-gather K/V, or ring attention
+    (K/V blocks passed around the `sequence` axis, zigzag layout for causal load balance)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,31 +323,34 @@ MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
 
 
 def mesh_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
-    """Resolves the one -1 degree and checks that the product equals the device count."""
-    degrees = {a: getattr(mesh, a) for a in MESH_AXES}
-    auto = [a for a, d in degrees.items() if d == -1]
-    bad = [a for a, d in degrees.items() if d == 0 or d < -1]
-    if bad:
-        _fail(
-            f"mesh.{bad[0]} must be a positive degree or -1 (fill the rest), not {degrees[bad[0]]}."
-        )
+    """Size of each mesh axis (fast degree * dcn degree), with the one -1 resolved; checks that
+    the product equals the device count."""
+    ici = {a: getattr(mesh, a) for a in MESH_AXES}
+    dcn = {a: getattr(mesh, f"dcn_{a}") for a in MESH_AXES}
+    for name, d in [*ici.items(), *((f"dcn_{a}", d) for a, d in dcn.items())]:
+        if d == 0 or d < -1 or (d == -1 and name.startswith("dcn_")):
+            allowed = "a positive degree" + ("" if name.startswith("dcn_") else " or -1")
+            _fail(f"mesh.{name} must be {allowed}, not {d}.")
+    auto = [a for a, d in ici.items() if d == -1]
     if len(auto) > 1:
         _fail(f"only one mesh degree may be -1, but {', '.join('mesh.' + a for a in auto)} are.")
-    fixed = math.prod(d for d in degrees.values() if d != -1)
+    fixed = math.prod(d for d in ici.values() if d != -1) * math.prod(dcn.values())
     if auto:
         if num_devices % fixed:
             _fail(
                 f"mesh.{auto[0]}=-1 cannot fill {num_devices} devices: the other degrees multiply "
                 f"to {fixed}, which does not divide {num_devices}."
             )
-        degrees[auto[0]] = num_devices // fixed
+        ici[auto[0]] = num_devices // fixed
     elif fixed != num_devices:
-        spec = " * ".join(f"mesh.{a}={d}" for a, d in degrees.items() if d != 1) or "all degrees 1"
+        named = [f"mesh.{a}={d}" for a, d in ici.items() if d != 1]
+        named += [f"mesh.dcn_{a}={d}" for a, d in dcn.items() if d != 1]
         _fail(
-            f"the mesh degrees ({spec}) multiply to {fixed} but there are {num_devices} devices; "
-            "make the product equal the device count or set one degree to -1."
+            f"the mesh degrees ({' * '.join(named) or 'all 1'}) multiply to {fixed} but there "
+            f"are {num_devices} devices; make the product equal the device count or set one "
+            "degree to -1."
         )
-    return degrees
+    return {a: ici[a] * dcn[a] for a in MESH_AXES}
 
 
 # ----------------------------------------------------------------------------------------------

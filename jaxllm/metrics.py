@@ -58,7 +58,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._file = self.path.open("a")
+        self._file = self.path.open("w")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter

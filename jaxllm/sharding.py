@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.config import MESH_AXES, MeshConfig, mesh_degrees
@@ -27,6 +28,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "act_heads": ("tensor",),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
+    "act_kv_length": None,  # keys/values all-gathered over `sequence` for attention
     # parameters
     "layers": None,
     "embed": ("fsdp",),
@@ -35,7 +37,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "kv_heads": ("tensor",),
     "head_dim": None,
     "mlp": ("tensor",),
-    "norm": None,
+    "norm": ("fsdp",),
     "expert": ("expert",),
 }
 
@@ -57,16 +59,71 @@ def spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with one axis per parallelism dimension, degrees from the config."""
+    """A mesh with one axis per parallelism dimension, sizes from the config.
+
+    With `dcn_*` degrees, devices are grouped into slices (TPU slices, else processes; on a single
+    process, contiguous groups stand in for slices) and each axis is laid out slice-major, so the
+    fast-network degree varies fastest, as `mesh_utils.create_hybrid_device_mesh` does.
+    """
     devices = list(devices if devices is not None else jax.devices())
-    degrees = mesh_degrees(cfg, len(devices))
-    shape = tuple(degrees[a] for a in MESH_AXES)
-    device_array = np.asarray(devices).reshape(shape)
-    return Mesh(device_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    sizes = mesh_degrees(cfg, len(devices))
+    dcn = [getattr(cfg, f"dcn_{a}") for a in MESH_AXES]
+    ici = [sizes[a] // d for a, d in zip(MESH_AXES, dcn)]
+    n_slices = int(np.prod(dcn))
+    if n_slices == 1:
+        try:
+            device_array = mesh_utils.create_device_mesh(ici, devices)
+        except (AssertionError, NotImplementedError, ValueError):
+            device_array = np.asarray(devices).reshape(ici)
+    else:
+        groups = _slices(devices, n_slices)
+        per_slice = [np.asarray(g).reshape(ici) for g in groups]
+        device_array = np.stack(per_slice).reshape(*dcn, *ici)
+        n = len(MESH_AXES)  # interleave (dcn_0, ici_0, dcn_1, ici_1, ...) then merge pairs
+        order = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]
+        device_array = device_array.transpose(order).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(device_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def _slices(devices: list, n: int) -> list[list]:
+    key = "slice_index" if hasattr(devices[0], "slice_index") else "process_index"
+    by_key: dict[int, list] = {}
+    for d in devices:
+        by_key.setdefault(getattr(d, key), []).append(d)
+    if len(by_key) == n:
+        return [by_key[k] for k in sorted(by_key)]
+    if len(by_key) == 1:  # one host: contiguous groups stand in for slices (tests, planning)
+        size = len(devices) // n
+        return [devices[i * size : (i + 1) * size] for i in range(n)]
+    raise ValueError(
+        f"the mesh asks for {n} DCN slices but the devices form {len(by_key)} ({key}); "
+        "make the product of the mesh.dcn_* degrees equal the number of slices or hosts."
+    )
 
 
 def named(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
     return NamedSharding(mesh, spec(logical_axes))
+
+
+def check_divisible(mesh: Mesh, abstract_params: dict, logical_tree: dict) -> None:
+    """Every sharded dimension must split evenly; names the parameter and the mesh axis if not."""
+    from jaxllm.config import ConfigError
+
+    flat_axes = jax.tree_util.tree_flatten_with_path(
+        logical_tree, is_leaf=lambda x: isinstance(x, tuple)
+    )[0]
+    flat_params = jax.tree.leaves(abstract_params)
+    for (path, axes), leaf in zip(flat_axes, flat_params):
+        for dim, entry in zip(leaf.shape, spec(axes)):
+            mesh_axes = (entry,) if isinstance(entry, str) else entry or ()
+            size = int(np.prod([mesh.shape[a] for a in mesh_axes]))
+            if dim % size:
+                name = "/".join(str(getattr(k, "key", k)) for k in path)
+                raise ConfigError(
+                    f"parameter {name} has a dimension of {dim} that cannot be split "
+                    f"{size} ways over mesh {'x'.join(mesh_axes)}; change the model size or "
+                    f"the mesh.{mesh_axes[0]} degree."
+                )
 
 
 def tree_shardings(mesh: Mesh, logical_tree):

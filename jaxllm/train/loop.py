@@ -26,15 +26,32 @@ from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if jax.process_index() == 0:
+        print(msg, file=sys.stderr, flush=True)
 
 
-def to_global(batch: dict, batch_sharding: NamedSharding) -> dict:
-    """Host numpy batch (this process's rows) -> global jax arrays laid out on the mesh."""
-    return {
-        k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v, np.int32))
-        for k, v in batch.items()
-    }
+def process_rows(batch_sharding: NamedSharding, global_batch_size: int) -> slice:
+    """The rows of each global batch that this process's devices hold (a contiguous range)."""
+    index_map = batch_sharding.addressable_devices_indices_map((global_batch_size, 1))
+    starts = [idx[0].start or 0 for idx in index_map.values()]
+    stops = [
+        global_batch_size if idx[0].stop is None else idx[0].stop for idx in index_map.values()
+    ]
+    rows = slice(min(starts), max(stops))
+    held = set().union(*(range(a, b) for a, b in zip(starts, stops)))
+    if len(held) != rows.stop - rows.start:
+        raise ValueError(f"this process's batch rows {sorted(held)} are not contiguous")
+    return rows
+
+
+def to_global(batch: dict, batch_sharding: NamedSharding, global_batch_size: int | None = None):
+    """This process's rows of a batch (numpy) -> global jax arrays laid out on the mesh."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v, np.int32)
+        shape = None if global_batch_size is None else (global_batch_size, *v.shape[1:])
+        out[k] = jax.make_array_from_process_local_data(batch_sharding, v, shape)
+    return out
 
 
 def compile_steps(cfg: config.Config, mesh):
@@ -59,7 +76,8 @@ def compile_steps(cfg: config.Config, mesh):
 
 
 def evaluate(jit_eval, params, batches: list[dict], batch_sh) -> float:
-    sums = [jit_eval(params, to_global(b, batch_sh)) for b in batches]
+    global_rows = len(batches[0]["inputs"]) * jax.process_count() if batches else 0
+    sums = [jit_eval(params, to_global(b, batch_sh, global_rows)) for b in batches]
     nll = sum(float(s["nll_sum"]) for s in sums)
     tokens = sum(float(s["tokens"]) for s in sums)
     return nll / max(tokens, 1.0)
@@ -71,10 +89,17 @@ def train(cfg: config.Config) -> dict:
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config.dump(cfg, run_dir / "config.yaml")
+    lead = jax.process_index() == 0  # writes the run's files; every process computes
     _log(f"run dir: {run_dir.resolve()}")
-    _log(f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s)")
+    _log(
+        f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s)"
+        + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
+    )
+
+    jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)  # checks shapes
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config.dump(cfg, run_dir / "config.yaml")
 
     t0 = time.perf_counter()
     train_rows, eval_rows = load_splits(cfg.data)
@@ -83,23 +108,24 @@ def train(cfg: config.Config) -> dict:
         f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} eval docs "
         f"({time.perf_counter() - t0:.1f}s)"
     )
-    batches = train_batches(train_rows, cfg.data, cfg.train.global_batch_size)
-    held_out = eval_batches(eval_rows, cfg.train.global_batch_size, cfg.train.eval_batches)
+    gbs = cfg.train.global_batch_size
+    local = process_rows(batch_sh, gbs)
+    batches = train_batches(train_rows, cfg.data, gbs, local)
+    held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local)
 
-    jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)
     state = init_state(cfg.model, tx, mesh, cfg.run.seed)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     _log(f"model: {n_params:,} parameters")
 
     t0 = time.perf_counter()
-    first = to_global(next(batches), batch_sh)
+    first = to_global(next(batches), batch_sh, gbs)
     jit_train = jit_train.lower(state, first).compile()
     _log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
 
-    writer = MetricsWriter(run_dir)
+    writer = MetricsWriter(run_dir) if lead else None
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     steps = cfg.train.steps
-    bar = _progress(steps)
+    bar = _progress(steps) if lead else _Plain()
     final: dict = {}
     pending = None  # (step, metrics on device) of the step dispatched last
     window_start, window_steps = time.perf_counter(), 0
@@ -121,7 +147,8 @@ def train(cfg: config.Config) -> dict:
         if params is not None:
             values["eval_loss"] = evaluate(jit_eval, params, held_out, batch_sh)
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
-        writer.write(step, values)
+        if writer:
+            writer.write(step, values)
         final = {"step": step, **values}
         _show(bar, step, values)
 
@@ -133,7 +160,7 @@ def train(cfg: config.Config) -> dict:
     for step in range(1, steps + 1):
         state, metrics = jit_train(state, batch)  # dispatch step n ...
         if step < steps:
-            batch = to_global(next(batches), batch_sh)
+            batch = to_global(next(batches), batch_sh, gbs)
         if pending is not None:
             finish(*pending)  # ... then read step n-1 while n runs
             pending = None
@@ -142,8 +169,9 @@ def train(cfg: config.Config) -> dict:
         else:
             pending = (step, metrics)
     bar.close()
-    writer.close()
-    plot_losses(writer.path, run_dir / "loss.png")
+    if writer:
+        writer.close()
+        plot_losses(writer.path, run_dir / "loss.png")
 
     if cfg.checkpoint.save_final:
         ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
@@ -151,7 +179,13 @@ def train(cfg: config.Config) -> dict:
         _log(f"checkpoint: {ckpt_dir.resolve()}/{steps}")
 
     if cfg.train.sample_prompt and cfg.train.sample_tokens:
-        final["sample"] = sample(cfg, state.params)
+        params = state.params
+        if jax.process_count() > 1:  # every process takes part in the gather
+            from jax.experimental import multihost_utils
+
+            params = multihost_utils.process_allgather(params, tiled=True)
+        if lead:
+            final["sample"] = sample(cfg, params)
     return final
 
 

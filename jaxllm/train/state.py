@@ -53,6 +53,7 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
     """NamedShardings of every TrainState leaf: params and their optimizer moments by the
     logical rules, scalars replicated."""
     _, abstract_params, axes = abstract_model(model_cfg)
+    sharding.check_divisible(mesh, abstract_params, axes)
     param_sh = sharding.tree_shardings(mesh, axes)
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
