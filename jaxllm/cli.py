@@ -1,6 +1,7 @@
 """The `jaxllm` command line.
 
     jaxllm train [CONFIG.yaml] [key=value ...] [--coordinator H:P --num-processes N --process-id I]
+    jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
     jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N]
 
 Mistakes a user can fix (config keys, types, impossible shapes) end with one sentence on stderr
@@ -63,6 +64,22 @@ def cmd_bench(ns) -> int:
     return 0
 
 
+def cmd_plan(ns) -> int:
+    cfg = _load(ns.args)
+    import jax
+
+    if ns.devices and not ns.target:  # simulate the mesh's devices on the host CPU
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", ns.devices)
+    from jaxllm.plan import format_plan, parse_bytes, plan, target_devices
+
+    hbm = parse_bytes(ns.hbm) if ns.hbm else None
+    devices = target_devices(ns.target) if ns.target else jax.devices()
+    report = plan(cfg, devices, hbm)
+    print(format_plan(report))
+    return 1 if report["fits"] is False else 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxllm", description="Train LLMs with JAX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,6 +89,14 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--num-processes", type=int, help="processes in the run")
     t.add_argument("--process-id", type=int, help="this process's index, 0-based")
     t.set_defaults(func=cmd_train)
+    pl = sub.add_parser(
+        "plan", help="compile the train step ahead of time: memory, sharding, FLOPs"
+    )
+    pl.add_argument("args", nargs="*", metavar="CONFIG|key=value")
+    pl.add_argument("--devices", type=int, help="simulate this many CPU devices")
+    pl.add_argument("--hbm", help="per-device memory budget, e.g. 80GiB; exit 1 if over it")
+    pl.add_argument("--target", help="TPU topology to compile for, e.g. tpu-v5p-8 (needs libtpu)")
+    pl.set_defaults(func=cmd_plan)
     b = sub.add_parser("bench", help="measure a component")
     bsub = b.add_subparsers(dest="what", required=True)
     bt = bsub.add_parser("train", help="step time, tokens/s, FLOPs and MFU of a train step")

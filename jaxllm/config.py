@@ -311,6 +311,13 @@ class Config:
                     f"mesh.tensor ({degrees['tensor']}) must divide model.num_heads "
                     f"({m.num_heads}) and model.num_kv_heads ({m.num_kv_heads})."
                 )
+            if self.mesh.sequence_attention == "ring" and self.data.seq_len % (
+                2 * degrees["sequence"]
+            ):
+                _fail(
+                    f"data.seq_len ({self.data.seq_len}) must be divisible by 2 * mesh.sequence "
+                    f"({2 * degrees['sequence']}) for ring attention's zigzag layout."
+                )
             if self.data.seq_len % degrees["sequence"]:
                 _fail(
                     f"data.seq_len ({self.data.seq_len}) must be divisible by mesh.sequence "

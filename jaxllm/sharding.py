@@ -135,20 +135,60 @@ def tree_shardings(mesh: Mesh, logical_tree):
 
 # Activation constraints: the train step sets the mesh while tracing; model code calls
 # `constrain(x, ('batch', 'length', 'act_embed'))`, a no-op when no mesh is active.
-_ACTIVE_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
+_ACTIVE: contextvars.ContextVar[tuple[Mesh | None, str]] = contextvars.ContextVar(
+    "mesh", default=(None, "all_gather")
+)
 
 
 @contextlib.contextmanager
-def active_mesh(mesh: Mesh | None):
-    token = _ACTIVE_MESH.set(mesh)
+def active_mesh(mesh: Mesh | None, sequence_attention: str = "all_gather"):
+    """Within it, `constrain` places activations on `mesh`, and attention over a sharded
+    sequence uses `sequence_attention` (`all_gather` or `ring`)."""
+    token = _ACTIVE.set((mesh, sequence_attention))
     try:
         yield mesh
     finally:
-        _ACTIVE_MESH.reset(token)
+        _ACTIVE.reset(token)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    mesh = _ACTIVE_MESH.get()
+    mesh, _ = _ACTIVE.get()
     if mesh is None or mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, named(mesh, logical_axes))
+
+
+def _ring_mesh() -> Mesh | None:
+    mesh, mode = _ACTIVE.get()
+    if mesh is None or mode != "ring" or mesh.shape["sequence"] == 1:
+        return None
+    return mesh
+
+
+def ring_active() -> bool:
+    """Whether attention should run as ring attention over the `sequence` axis."""
+    return _ring_mesh() is not None
+
+
+def sequence_layout(batch: dict) -> dict:
+    """Lays each row out in zigzag order along length when ring attention is active, so the
+    causal work of the sequence shards is balanced. Losses are sums over tokens, so nothing has
+    to be put back; RoPE reads the permuted `positions`."""
+    mesh = _ring_mesh()
+    if mesh is None:
+        return batch
+    from jaxllm.model.ring_attention import zigzag_permutation
+
+    perm = zigzag_permutation(batch["inputs"].shape[1], mesh.shape["sequence"])
+    return {k: v[:, perm] for k, v in batch.items()}
+
+
+def ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL) -> jax.Array:
+    """Ring attention over the `sequence` axis on batches in `sequence_layout` order."""
+    from jaxllm.model.ring_attention import ring_attention as ring
+
+    mesh = _ring_mesh()
+    return ring(
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL=segment_ids_BxL, mesh=mesh,
+        axis_name="sequence", batch_axes=RULES["batch"], head_axis=RULES["act_heads"][0],
+    )  # fmt: skip

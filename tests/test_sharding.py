@@ -59,6 +59,8 @@ LAYOUTS = {
     "dp2_fsdp2_tp2": dict(data=2, fsdp=2, tensor=2),
     "fsdp2_tp2_sp2": dict(fsdp=2, tensor=2, sequence=2),
     "tp4_sp2": dict(tensor=4, sequence=2),
+    "fsdp4_sp2_ring": dict(fsdp=4, sequence=2, sequence_attention="ring"),
+    "tp2_sp4_ring": dict(tensor=2, sequence=4, sequence_attention="ring"),
     "dcn_dp2_fsdp4": dict(fsdp=4, dcn_data=2),
 }
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm import sharding
 from jaxllm.model.layers import apply_rope, matmul, param
 from jaxllm.sharding import constrain
 
@@ -81,7 +82,12 @@ class Attention(nnx.Module):
         q_BxLxHxK = apply_rope(q_BxLxHxK, positions_BxL, self.theta)
         k_BxLxGxK = apply_rope(k_BxLxGxK, positions_BxL, self.theta)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
-        out_BxLxHxK = dot_product_attention(
-            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_segment_ids_BxL=segment_ids_BxL, impl=self.impl
-        )
+        if sharding.ring_active():  # sequence-parallel: K/V blocks travel around the ring
+            out_BxLxHxK = sharding.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL)
+        else:  # K/V all-gathered over the sequence shards (a no-op without them)
+            k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
+            v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
+            out_BxLxHxK = dot_product_attention(
+                q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_segment_ids_BxL=segment_ids_BxL, impl=self.impl
+            )
         return matmul("blhk,hkd->bld", out_BxLxHxK, self.o_proj[...], self.dtype)

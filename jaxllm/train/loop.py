@@ -63,13 +63,16 @@ def compile_steps(cfg: config.Config, mesh):
     step_fn = functools.partial(
         train_step, graphdef=graphdef, tx=tx, lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
         mesh=mesh, grad_accum_steps=cfg.train.grad_accum_steps, z_loss=cfg.train.z_loss,
+        sequence_attention=cfg.mesh.sequence_attention,
     )  # fmt: skip
     jit_train = jax.jit(
         step_fn, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
         donate_argnums=0,
     )  # fmt: skip
     jit_eval = jax.jit(
-        functools.partial(eval_step, graphdef=graphdef, mesh=mesh),
+        functools.partial(
+            eval_step, graphdef=graphdef, mesh=mesh, sequence_attention=cfg.mesh.sequence_attention
+        ),
         in_shardings=(shardings.params, batch_sh),
     )
     return jit_train, jit_eval, tx, shardings, batch_sh

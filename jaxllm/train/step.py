@@ -23,6 +23,7 @@ BATCH_AXES = ("batch", "length")
 
 def loss_fn(params, batch: dict, graphdef, z_loss: float = 0.0):
     """Sums over the batch: (objective, (nll_sum, z_sum, token_count)). Divide by the count."""
+    batch = sharding.sequence_layout(batch)
     model = nnx.merge(graphdef, params)
     logits_BxLxV = model(
         batch["inputs"], positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"]
@@ -46,9 +47,9 @@ def _microbatches(batch: dict, n: int) -> dict:
 
 def train_step(
     state: TrainState, batch: dict, *, graphdef, tx, lr_schedule, mesh=None,
-    grad_accum_steps: int = 1, z_loss: float = 0.0,
+    grad_accum_steps: int = 1, z_loss: float = 0.0, sequence_attention: str = "all_gather",
 ) -> tuple[TrainState, dict]:  # fmt: skip
-    with sharding.active_mesh(mesh):
+    with sharding.active_mesh(mesh, sequence_attention):
         grad_fn = jax.grad(loss_fn, has_aux=True)
         micro = _microbatches(batch, grad_accum_steps)
 
@@ -79,9 +80,11 @@ def train_step(
         return new_state, metrics
 
 
-def eval_step(params, batch: dict, *, graphdef, mesh=None) -> dict:
+def eval_step(
+    params, batch: dict, *, graphdef, mesh=None, sequence_attention: str = "all_gather"
+) -> dict:
     """Sums for a held-out batch: {'nll_sum', 'tokens'}; the caller divides after summing."""
-    with sharding.active_mesh(mesh):
+    with sharding.active_mesh(mesh, sequence_attention):
         batch = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), batch)
         _, (nll_sum, _, count) = loss_fn(params, batch, graphdef)
         return {"nll_sum": nll_sum, "tokens": count}

@@ -1,0 +1,184 @@
+"""`jaxllm plan`: will it fit? Compile the train step ahead of time and read what XLA planned.
+
+No parameters are created and no data is read: the state and batch are abstract
+(`jax.ShapeDtypeStruct` with shardings), so an 8B model plans on a laptop with simulated CPU
+devices (`--devices 8`), or for a TPU topology where `libtpu` is installed (`--target`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+
+import jax
+import numpy as np
+
+from jaxllm import config, sharding
+from jaxllm.metrics import flops_per_token, param_counts
+from jaxllm.train.loop import compile_steps
+from jaxllm.train.state import abstract_model, init_state
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB' -> 85899345920; plain numbers are bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise config.ConfigError(f"--hbm {text!r} is not a size like 80GiB, 16GB or 1e9.")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _shape_bytes(shape_text: str) -> int:
+    total = 0
+    for dtype, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", shape_text):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Collective ops in an optimized HLO module: kind -> {count, bytes of their results}.
+
+    Static counts: an op inside a loop body (the layer scan) appears once but runs every
+    iteration.
+    """
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+    for line in hlo_text.splitlines():
+        m = pattern.search(line)
+        if m:
+            out[m.group(2)]["count"] += 1
+            out[m.group(2)]["bytes"] += _shape_bytes(m.group(1))
+    return dict(out)
+
+
+def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
+    """Compiles the configured train step for `devices` and returns the report's numbers."""
+    cfg.validate(len(devices))
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    jit_train, _, tx, shardings, batch_sh = compile_steps(cfg, mesh)
+    abstract_state = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed))
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
+    b, l = cfg.train.global_batch_size, cfg.data.seq_len
+    batch = {
+        k: jax.ShapeDtypeStruct((b, l), np.int32, sharding=batch_sh)
+        for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+    }
+    t0 = time.perf_counter()
+    compiled = jit_train.lower(abstract_state, batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    _, abstract_params, axes = abstract_model(cfg.model)
+    rows = []
+    flat_axes = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))
+    for (path, ax), leaf in zip(flat_axes[0], jax.tree.leaves(abstract_params)):
+        spec = sharding.spec(ax)
+        shard_shape = sharding.named(mesh, ax).shard_shape(leaf.shape)
+        rows.append({
+            "name": "/".join(str(getattr(k, "key", k)) for k in path),
+            "shape": leaf.shape, "axes": ax, "spec": spec,
+            "bytes_per_device": int(np.prod(shard_shape)) * leaf.dtype.itemsize,
+        })  # fmt: skip
+
+    mem = compiled.memory_analysis()
+    memory = {
+        "arguments": mem.argument_size_in_bytes,
+        "outputs": mem.output_size_in_bytes,
+        "aliased": mem.alias_size_in_bytes,
+        "temporaries": mem.temp_size_in_bytes,
+        "code": mem.generated_code_size_in_bytes,
+    }
+    memory["total"] = (
+        memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+        + memory["code"]
+    )  # fmt: skip
+    return {
+        "mesh": dict(mesh.shape),
+        "devices": f"{len(devices)} x {devices[0].device_kind}",
+        "params": param_counts(cfg.model)["total"],
+        "param_rows": rows,
+        "memory": memory,
+        "flops_per_step": flops_per_token(cfg.model, l)["total"] * b * l,
+        "collectives": collectives(compiled.as_text()),
+        "compile_s": compile_s,
+        "hbm": hbm_bytes,
+        "fits": None if hbm_bytes is None else memory["total"] <= hbm_bytes,
+    }
+
+
+def format_plan(r: dict) -> str:
+    lines = [
+        f"mesh        {' x '.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or 'single'}"
+        f"  ({r['devices']})",
+        f"parameters  {r['params']:,}",
+        f"compiled in {r['compile_s']:.1f} s",
+        "",
+        f"{'parameter':<28} {'shape':<24} {'logical axes':<44} {'spec':<36} per device",
+    ]
+    for row in r["param_rows"]:
+        lines.append(
+            f"{row['name']:<28} {str(row['shape']):<24} {str(row['axes']):<44} "
+            f"{str(tuple(row['spec'])):<36} {fmt_bytes(row['bytes_per_device'])}"
+        )
+    m = r["memory"]
+    lines += [
+        "",
+        "memory per device (XLA memory analysis)",
+        *(f"  {k:<12} {fmt_bytes(m[k])}" for k in ("arguments", "outputs", "aliased",
+                                                    "temporaries", "code", "total")),
+        "",
+        f"FLOPs per step  {r['flops_per_step']:.4g}  (6N + attention, all devices)",
+        "collectives in the compiled step (static: ops in the layer loop run once per layer)",
+    ]  # fmt: skip
+    if not r["collectives"]:
+        lines.append("  none")
+    for kind, c in sorted(r["collectives"].items()):
+        lines.append(f"  {kind:<20} {c['count']:>4} ops  {fmt_bytes(c['bytes'])}")
+    if r["hbm"] is not None:
+        verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+        lines += [
+            "",
+            f"verdict: {verdict}: {fmt_bytes(m['total'])} of {fmt_bytes(r['hbm'])} per device",
+        ]
+    return "\n".join(lines)
+
+
+# Cloud TPU slice names -> (version, topology) for jax.experimental.topologies.
+TPU_TARGETS = {
+    "tpu-v4-8": "v4:2x2x1", "tpu-v4-16": "v4:2x2x2", "tpu-v4-32": "v4:2x2x4",
+    "tpu-v5p-8": "v5p:2x2x1", "tpu-v5p-16": "v5p:2x2x2", "tpu-v5p-32": "v5p:2x2x4",
+    "tpu-v5e-8": "v5e:2x4", "tpu-v5e-16": "v5e:4x4", "tpu-v6e-8": "v6e:2x4", "tpu-v6e-16": "v6e:4x4",
+}  # fmt: skip
+
+
+def target_devices(target: str):
+    """Devices of a TPU topology (`tpu-v5p-8`, or `v5p:2x2x1` spelled out), for compiling ahead
+    of time without the hardware. Needs `libtpu` installed."""
+    from jax.experimental import topologies
+
+    name = TPU_TARGETS.get(target, target)
+    if ":" not in name:
+        raise config.ConfigError(
+            f"--target {target!r} is unknown; use one of {', '.join(TPU_TARGETS)} or "
+            "VERSION:TOPOLOGY such as v5p:2x2x1."
+        )
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices
+    except Exception as e:  # libtpu missing, or a topology it does not know
+        raise config.ConfigError(f"--target {target}: cannot build the TPU topology ({e}).") from e
