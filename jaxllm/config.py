@@ -181,19 +181,51 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceConfig:
+    """One corpus of a (possibly weighted) mixture."""
+
+    path: str = "stdlib"
+    """`stdlib` (the running Python's standard-library sources), a directory, a glob, or a file;
+    a directory or glob may mix formats, told apart by extension."""
+    format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "arrayrecord"] = "auto"
+    """`auto` picks by extension: .jsonl/.json -> jsonl, .parquet, .arrayrecord/.array_record,
+    anything else -> text."""
+    text_field: str = "text"
+    """Field holding the document in JSONL lines and Parquet rows."""
+    weight: float = 1.0
+    """Share of this source in the mixture (normalised over the sources)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how they are packed into rows."""
 
-    source: Literal["stdlib"] = "stdlib"
-    """`stdlib`: the running Python's standard-library sources, found at run time."""
+    sources: tuple[SourceConfig, ...] = (SourceConfig(),)
+    """Training corpora; several make a weighted mixture."""
+    eval_sources: tuple[SourceConfig, ...] = ()
+    """Held-out corpora; empty holds out `eval_fraction` of the training files instead."""
+    tokenizer: str = "byte"
+    """`byte` (UTF-8 bytes, no files), a `tokenizer.json` (Hugging Face tokenizers), or a
+    SentencePiece `.model` file."""
+    add_bos: bool = True
+    """Start every document with the tokenizer's BOS token."""
+    add_eos: bool = True
+    """End every document with the tokenizer's EOS token."""
+    packing: Literal["concat", "first_fit"] = "concat"
+    """`concat`: documents end to end, cut into rows (long documents split); `first_fit`: whole
+    documents placed in the first row with room, padded (documents longer than a row split)."""
     seq_len: int = 256
     """Tokens per row the model sees (rows are packed documents)."""
     eval_fraction: float = 0.05
-    """Fraction of files held out for eval, chosen by a hash of their path."""
+    """Fraction of files held out for eval (by a hash of their path) when eval_sources is empty."""
     max_files: int | None = None
-    """Read at most this many files (sorted by path) of the corpus; null reads all."""
+    """Read at most this many files (sorted by path) of each source; null reads all."""
+    on_bad_record: Literal["skip", "fail"] = "skip"
+    """A JSONL line that is not JSON or lacks the text field: count, warn and skip, or stop."""
     seed: int = 0
-    """Seed of the row shuffle."""
+    """Seed of the row shuffle and of the mixture."""
+    workers: int = 0
+    """Grain worker processes preparing batches (0: in the training process)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,6 +490,13 @@ def _parse_override(item: str) -> dict:
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Checks `value` against the annotation `tp`; ints are accepted for floats."""
     origin = typing.get_origin(tp)
+    if origin is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            _fail(f"{key} must be a list, not {value!r}.")
+        if dataclasses.is_dataclass(item_tp):
+            return tuple(_build(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
+        return tuple(_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value))
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -540,7 +579,14 @@ def load(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] 
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(cfg))
 
 
 def dump(cfg: Config, path: str | os.PathLike) -> None:

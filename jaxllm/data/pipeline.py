@@ -16,8 +16,8 @@ from jaxllm.data.tokenizer import make_tokenizer
 def load_splits(cfg: DataConfig) -> tuple[PackedRows, PackedRows]:
     """(train rows, eval rows) of the configured source."""
     tok = make_tokenizer(cfg)
-    if cfg.source != "stdlib":
-        raise ValueError(f"unknown data.source {cfg.source!r}")
+    if [src.path for src in cfg.sources] != ["stdlib"]:
+        raise ValueError(f"unsupported data.sources {cfg.sources!r}")
     train_files, eval_files = split_files(stdlib_files(cfg.max_files), cfg.eval_fraction)
 
     def rows(files):

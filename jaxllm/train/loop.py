@@ -107,7 +107,7 @@ def train(cfg: config.Config) -> dict:
     t0 = time.perf_counter()
     train_rows, eval_rows = load_splits(cfg.data)
     _log(
-        f"data: {cfg.data.source}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} "
+        f"data: {', '.join(src.path for src in cfg.data.sources)}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} "
         f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} eval docs "
         f"({time.perf_counter() - t0:.1f}s)"
     )
