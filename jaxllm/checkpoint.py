@@ -1,43 +1,133 @@
-"""Orbax checkpoints of the train state under `<run.dir>/checkpoints/<step>/`.
+"""Orbax checkpoints under `<run.dir>/checkpoints/<step>/`, written so a run survives crashes,
+preemption and a change of mesh.
 
-Restoring takes target shardings, so each host reads only its shards and a state saved on one
-mesh can be restored onto another.
+Each checkpoint holds five items: `params` and `train` (step, optimizer state, rng) as sharded
+arrays, `data` (the input iterator's state), `config` (the resolved config) and `tokenizer`
+(what is needed to rebuild it). Orbax writes into a temporary directory and renames it when
+complete, so a process killed mid-save leaves the previous checkpoint as the newest one.
+
+Restoring takes target shardings: every host reads only its own shards, and a state saved on one
+mesh restores onto any other. A newest checkpoint that cannot be read (truncated or deleted
+files) is reported and the next older one is used.
 """
 
 from __future__ import annotations
 
+import base64
+import warnings
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxllm.config import CheckpointConfig
 
 
 def checkpoint_dir(run_dir: str | Path, configured: str | None = None) -> Path:
     return Path(configured) if configured else Path(run_dir) / "checkpoints"
 
 
-def manager(directory: str | Path, **options) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        Path(directory).absolute(), options=ocp.CheckpointManagerOptions(create=True, **options)
+def manager(directory: str | Path, cfg: CheckpointConfig | None = None) -> ocp.CheckpointManager:
+    cfg = cfg or CheckpointConfig()
+    options = ocp.CheckpointManagerOptions(
+        create=True,
+        max_to_keep=cfg.keep,
+        keep_period=cfg.keep_every,
+        enable_async_checkpointing=cfg.async_save,
     )
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
 
-def save(directory: str | Path, state) -> None:
-    """Saves a TrainState at its step, as two items (`params`, and `train` = the rest) so that
-    inference can read the parameters alone. Waits until it is on disk."""
-    rest = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
-    step = int(jax.device_get(state.step))
-    with manager(directory) as mgr:
-        if step in mgr.all_steps():  # a re-run of the same run dir replaces its checkpoint
-            mgr.delete(step)
-        mgr.save(
+def tokenizer_record(path_or_name: str) -> dict:
+    """What rebuilds the tokenizer: its name, or the bytes of its file."""
+    p = Path(path_or_name)
+    if not p.is_file():
+        return {"name": path_or_name}
+    return {"name": p.name, "content_b64": base64.b64encode(p.read_bytes()).decode()}
+
+
+def _state_items(state) -> dict:
+    return {
+        "params": state.params,
+        "train": {"step": state.step, "opt": state.opt_state, "rng": state.rng},
+    }
+
+
+class Checkpointer:
+    """One Orbax manager for the life of a run: periodic async saves, final save, resume."""
+
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig):
+        self.directory = Path(directory)
+        self.cfg = cfg
+        self._mgr = manager(self.directory, cfg)
+
+    def save(self, state, *, data_state: dict, config: dict, tokenizer: dict) -> int:
+        """Starts writing `state` at its step (returns at once when async); returns the step."""
+        step = int(jax.device_get(state.step))
+        if step in self._mgr.all_steps():
+            return step
+        items = _state_items(state)
+        self._mgr.save(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(rest)
+                params=ocp.args.StandardSave(items["params"]),
+                train=ocp.args.StandardSave(items["train"]),
+                data=ocp.args.JsonSave(data_state),
+                config=ocp.args.JsonSave(config),
+                tokenizer=ocp.args.JsonSave(tokenizer),
             ),
             force=True,
         )
-        mgr.wait_until_finished()
+        return step
+
+    def wait(self) -> None:
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+
+    def restore_latest(self, abstract_state):
+        """(state, data_state, step) from the newest readable checkpoint, or None if there is
+        none. `abstract_state` is a TrainState of ShapeDtypeStruct whose shardings say where
+        every leaf goes on the current mesh."""
+        steps = sorted(self._mgr.all_steps(), reverse=True)
+        target = _state_items(abstract_state)
+        for i, step in enumerate(steps):
+            try:
+                out = self._mgr.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        params=ocp.args.StandardRestore(target["params"]),
+                        train=ocp.args.StandardRestore(target["train"]),
+                        data=ocp.args.JsonRestore(),
+                    ),
+                )
+            except Exception as e:  # a damaged checkpoint: fall back to the one before
+                nxt = (
+                    f"falling back to step {steps[i + 1]}"
+                    if i + 1 < len(steps)
+                    else "starting fresh"
+                )
+                warnings.warn(
+                    f"checkpoint at step {step} in {self.directory} is unreadable "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); {nxt}.",
+                    _warning_class(),
+                    stacklevel=2,
+                )
+                continue
+            train = out["train"]
+            state = abstract_state.replace(
+                step=train["step"], params=out["params"], opt_state=train["opt"], rng=train["rng"]
+            )
+            return state, out["data"], step
+        return None
+
+
+def _warning_class():
+    from jaxllm import JaxllmWarning
+
+    return JaxllmWarning
 
 
 def latest_step(directory: str | Path) -> int | None:

@@ -1,6 +1,7 @@
 """The `jaxllm` command line.
 
     jaxllm train [CONFIG.yaml] [key=value ...] [--coordinator H:P --num-processes N --process-id I]
+    jaxllm eval RUN_DIR|CHECKPOINT [key=value ...] [--batches N]
     jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
     jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N]
 
@@ -33,9 +34,18 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _load(args: list[str]):
+    """CONFIG may be a YAML file or an existing run directory (its config.yaml; training there
+    resumes from its newest checkpoint)."""
+    from pathlib import Path
+
     from jaxllm import config
 
     path, overrides = _split_config_args(args)
+    if path is not None and Path(path).is_dir():
+        if not (Path(path) / "config.yaml").is_file():
+            raise ConfigError(f"{path} is a directory without a config.yaml; give a run directory.")
+        overrides = [f"run.dir={path}", *overrides]
+        path = str(Path(path) / "config.yaml")
     return config.load(path, overrides)
 
 
@@ -47,12 +57,17 @@ def cmd_train(ns) -> int:
     from jaxllm.train.loop import train
 
     result = train(cfg)
-    summary = {k: v for k, v in result.items() if k != "sample"}
-    print(
-        f"done: step {summary['step']}, train loss {summary['loss']:.3f}, "
-        f"eval loss {summary.get('eval_loss', float('nan')):.3f} nats/token",
-        file=sys.stderr,
-    )
+    if result.get("stopped") == "nonfinite":
+        print(
+            f"stopped at step {result.get('step')}: non-finite loss or gradients", file=sys.stderr
+        )
+        return 1
+    if "loss" in result:
+        print(
+            f"{'stopped' if result.get('stopped') else 'done'}: step {result['step']}, train loss "
+            f"{result['loss']:.3f}, eval loss {result.get('eval_loss', float('nan')):.3f} nats/token",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -61,6 +76,20 @@ def cmd_bench(ns) -> int:
     from jaxllm.bench import bench_train, format_result
 
     print(format_result(bench_train(cfg, steps=ns.steps, warmup=ns.warmup)))
+    return 0
+
+
+def cmd_eval(ns) -> int:
+    path, overrides = _split_config_args(ns.args)
+    if path is None:
+        raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
+    from jaxllm.evaluate import evaluate_checkpoint
+
+    r = evaluate_checkpoint(path, overrides, ns.batches)
+    print(
+        f"step {r['step']}: eval loss {r['eval_loss']:.4f} nats/token, perplexity "
+        f"{r['perplexity']:.3f} ({r['tokens']:,} tokens)"
+    )
     return 0
 
 
@@ -89,6 +118,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--num-processes", type=int, help="processes in the run")
     t.add_argument("--process-id", type=int, help="this process's index, 0-based")
     t.set_defaults(func=cmd_train)
+    ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on a dataset")
+    ev.add_argument("args", nargs="+", metavar="RUN_DIR|CHECKPOINT|key=value")
+    ev.add_argument("--batches", type=int, help="batches to evaluate (default train.eval_batches)")
+    ev.set_defaults(func=cmd_eval)
     pl = sub.add_parser(
         "plan", help="compile the train step ahead of time: memory, sharding, FLOPs"
     )

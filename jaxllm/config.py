@@ -248,14 +248,33 @@ class TrainConfig:
     """Prompt of the greedy continuation printed at the end of training ("" skips it)."""
     sample_tokens: int = 96
     """Length of that continuation in tokens."""
+    nonfinite: Literal["skip", "stop"] = "stop"
+    """A step whose loss or gradients are NaN/Inf never updates the state (done inside the
+    jitted step); `skip` goes on with the next batch, `stop` ends the run after
+    `nonfinite_patience` such steps in a row, with a checkpoint of the last good state."""
+    nonfinite_patience: int = 1
+    """Consecutive non-finite steps tolerated before `stop` ends the run."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+    """Orbax checkpoints: train state, data iterator, resolved config and tokenizer together."""
+
     dir: str | None = None
     """Checkpoint directory; null means `<run.dir>/checkpoints`."""
+    every: int = 0
+    """Save every this many steps (asynchronously: training goes on while it is written); 0
+    saves only at the end (and on SIGTERM / SIGINT)."""
+    keep: int = 3
+    """Keep the newest this many checkpoints ..."""
+    keep_every: int | None = None
+    """... plus every checkpoint whose step is a multiple of this (null: none)."""
+    async_save: bool = True
+    """Write checkpoints in a background thread."""
     save_final: bool = True
     """Write a checkpoint of the train state when training ends."""
+    resume: bool = True
+    """Continue from the newest readable checkpoint in the directory, if there is one."""
 
 
 @dataclasses.dataclass(frozen=True)

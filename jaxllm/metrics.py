@@ -56,9 +56,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
 class MetricsWriter:
     """One JSON object per line in metrics.jsonl, and the same scalars to TensorBoard."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, *, resume_step: int = 0, tensorboard: bool = True):
+        """A run resumed at `resume_step` keeps the lines up to that step and drops later ones
+        (written by the attempt that died after its last checkpoint); a fresh run starts empty."""
         self.path = Path(run_dir) / "metrics.jsonl"
+        kept = []
+        if resume_step and self.path.exists():
+            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
         self._file = self.path.open("w")
+        for row in kept:
+            self._file.write(json.dumps(row) + "\n")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter

@@ -8,8 +8,9 @@ copy. Outputs go to `run.dir`: config.yaml, metrics.jsonl, tensorboard/, loss.pn
 from __future__ import annotations
 
 import functools
-import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,8 +87,30 @@ def evaluate(jit_eval, params, batches: list[dict], batch_sh) -> float:
     return nll / max(tokens, 1.0)
 
 
+class _StopSignal:
+    """SIGTERM / SIGINT set a flag; the loop finishes the step in flight, checkpoints, exits 0."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def train(cfg: config.Config) -> dict:
-    """Runs the configured training; returns the final metrics (loss, eval_loss, ...)."""
+    """Runs (or resumes) the configured training; returns the last logged metrics, plus `stopped`
+    ('signal' or 'nonfinite') when the run ended early."""
     devices = jax.devices()
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -106,44 +129,76 @@ def train(cfg: config.Config) -> dict:
 
     t0 = time.perf_counter()
     train_rows, eval_rows = load_splits(cfg.data)
+    sources = ", ".join(src.path for src in cfg.data.sources)
     _log(
-        f"data: {', '.join(src.path for src in cfg.data.sources)}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} "
-        f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} eval docs "
+        f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} tokens, "
+        f"{len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} eval docs "
         f"({time.perf_counter() - t0:.1f}s)"
     )
-    gbs = cfg.train.global_batch_size
+    gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     local = process_rows(batch_sh, gbs)
     batches = train_batches(train_rows, cfg.data, gbs, local)
     held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local)
 
-    state = init_state(cfg.model, tx, mesh, cfg.run.seed)
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    _log(f"model: {n_params:,} parameters")
+    ckpt = checkpoint.Checkpointer(
+        checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir), cfg.checkpoint
+    )
+    restored = None
+    if cfg.checkpoint.resume:
+        abstract = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed))
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+        )
+        restored = ckpt.restore_latest(abstract)
+    if restored is not None:
+        state, data_state, start = restored
+        batches.set_state(data_state)
+        _log(f"resumed from step {start} ({ckpt.directory.resolve()}/{start})")
+    else:
+        state, start = init_state(cfg.model, tx, mesh, cfg.run.seed), 0
+    _log(f"model: {sum(x.size for x in jax.tree.leaves(state.params)):,} parameters")
+    extras = {
+        "config": config.to_dict(cfg),
+        "tokenizer": checkpoint.tokenizer_record(cfg.data.tokenizer),
+    }
+
+    def save(at_state, data_state) -> None:
+        step = ckpt.save(at_state, data_state=data_state, **extras)
+        _log(f"checkpoint: {ckpt.directory.resolve()}/{step}")
+
+    if start >= steps:
+        _log(f"nothing to do: the checkpoint is at step {start} and train.steps={steps}")
+        ckpt.close()
+        return {"step": start}
 
     t0 = time.perf_counter()
-    first = to_global(next(batches), batch_sh, gbs)
-    jit_train = jit_train.lower(state, first).compile()
+    batch = to_global(next(batches), batch_sh, gbs)
+    data_state = batches.get_state()  # the iterator just after this step's batch
+    jit_train = jit_train.lower(state, batch).compile()
     _log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
 
-    writer = MetricsWriter(run_dir) if lead else None
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-    steps = cfg.train.steps
-    bar = _progress(steps) if lead else _Plain()
+    writer = MetricsWriter(run_dir, resume_step=start) if lead else None
+    tokens_per_step = gbs * cfg.data.seq_len
+    bar = _progress(steps, start) if lead else _Plain()
     final: dict = {}
     pending = None  # (step, metrics on device) of the step dispatched last
     window_start, window_steps = time.perf_counter(), 0
+    bad_in_a_row = 0
 
-    def finish(step: int, metrics, params=None) -> None:
-        """Reads step `step`'s metrics (blocking on it) and logs them; evaluates when given the
-        parameters right after that step."""
-        nonlocal window_start, window_steps, final
+    def finish(step: int, metrics, params=None) -> bool:
+        """Reads step `step`'s metrics (blocking on it), logs them, evaluates when given the
+        parameters right after that step; False when non-finite steps must stop the run."""
+        nonlocal window_start, window_steps, final, bad_in_a_row
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not math.isfinite(values["loss"]):
-            raise FloatingPointError(f"loss is {values['loss']} at step {step}; stopping.")
         window_steps += 1
         bar.update(1)
-        if step % cfg.train.log_every and params is None:
-            return
+        bad_in_a_row = bad_in_a_row + 1 if values["nonfinite"] else 0
+        if values["nonfinite"]:
+            _log(
+                f"step {step}: non-finite loss or gradients (loss {values['loss']}); update skipped"
+            )
+        if step % cfg.train.log_every and params is None and not values["nonfinite"]:
+            return True
         elapsed = time.perf_counter() - window_start
         values["step_time_s"] = elapsed / window_steps
         values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
@@ -154,32 +209,55 @@ def train(cfg: config.Config) -> dict:
             writer.write(step, values)
         final = {"step": step, **values}
         _show(bar, step, values)
+        return not (cfg.train.nonfinite == "stop" and bad_in_a_row >= cfg.train.nonfinite_patience)
 
     def eval_due(step: int) -> bool:
         every = cfg.train.eval_every
         return step == steps or bool(every and step % every == 0)
 
-    batch = first
-    for step in range(1, steps + 1):
-        state, metrics = jit_train(state, batch)  # dispatch step n ...
-        if step < steps:
-            batch = to_global(next(batches), batch_sh, gbs)
-        if pending is not None:
-            finish(*pending)  # ... then read step n-1 while n runs
-            pending = None
-        if eval_due(step):
-            finish(step, metrics, state.params)
-        else:
-            pending = (step, metrics)
+    stopped = None
+    with _StopSignal() as stop:
+        for step in range(start + 1, steps + 1):
+            state, metrics = jit_train(state, batch)  # dispatch step n ...
+            step_data_state = data_state
+            if step < steps:
+                batch = to_global(next(batches), batch_sh, gbs)
+                data_state = batches.get_state()
+            ok = True
+            if pending is not None:
+                ok = finish(*pending)  # ... then read step n-1 while n runs
+                pending = None
+            if eval_due(step):
+                ok = finish(step, metrics, state.params) and ok
+            else:
+                pending = (step, metrics)
+            if not ok:
+                stopped = "nonfinite"
+            elif stop.received is not None:
+                stopped = "signal"
+            if stopped:
+                if pending is not None:
+                    finish(*pending)
+                    pending = None
+                _log(
+                    f"stopping at step {step}: "
+                    + ("signal received" if stopped == "signal" else
+                       f"{bad_in_a_row} non-finite step(s) in a row (train.nonfinite=stop); the "
+                       "checkpoint holds the last finite parameters")
+                )  # fmt: skip
+                save(state, step_data_state)
+                break
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < steps:
+                save(state, step_data_state)
     bar.close()
     if writer:
         writer.close()
         plot_losses(writer.path, run_dir / "loss.png")
-
-    if cfg.checkpoint.save_final:
-        ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
-        checkpoint.save(ckpt_dir, state)
-        _log(f"checkpoint: {ckpt_dir.resolve()}/{steps}")
+    if stopped is None and cfg.checkpoint.save_final:
+        save(state, step_data_state)
+    ckpt.close()
+    if stopped:
+        return {**final, "stopped": stopped}
 
     if cfg.train.sample_prompt and cfg.train.sample_tokens:
         params = state.params
@@ -219,12 +297,12 @@ class _Plain:
         pass
 
 
-def _progress(total: int):
+def _progress(total: int, start: int = 0):
     if not sys.stderr.isatty():
         return _Plain()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="step", file=sys.stderr)
+    return tqdm(total=total, initial=start, unit="step", file=sys.stderr)
 
 
 def _show(bar, step: int, v: dict) -> None:

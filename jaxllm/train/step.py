@@ -66,12 +66,20 @@ def train_step(
 
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        # A NaN/Inf loss or gradient never reaches the state: keep the old params and moments.
+        finite = jnp.isfinite(nll) & jnp.isfinite(zs) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state), (state.params, state.opt_state),
+        )  # fmt: skip
         metrics = {
             "loss": nll / count,
             "z_loss": zs / count,
-            "grad_norm": optax.tree.norm(grads),
+            "nonfinite": 1.0 - finite.astype(jnp.float32),
+            "grad_norm": grad_norm,
             "param_norm": optax.tree.norm(params),
             "lr": jnp.asarray(lr_schedule(state.step), jnp.float32),
             "tokens": count,
