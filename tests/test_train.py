@@ -127,7 +127,9 @@ def test_load_model_restores_the_trained_parameters(tmp_path):
     config.dump(cfg, tmp_path / "config.yaml")
     step, state, batch = _setup(cfg)
     state, _ = step(state, batch)
-    checkpoint.save(tmp_path / "checkpoints", state)
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", cfg.checkpoint)
+    ckpt.save(state, data_state={}, config={}, tokenizer={})
+    ckpt.close()
     model = jaxllm.load_model(tmp_path / "checkpoints")
     from flax import nnx
 
