@@ -214,3 +214,16 @@ def test_damaged_checkpoint_warning_is_a_jaxllm_warning(tmp_path):
                 }
             )
         )
+
+
+def test_keeps_the_newest_k_plus_every_mth(tmp_path):
+    cfg = config.load(
+        None, [*TINY, "train.steps=7", "checkpoint.every=1", "checkpoint.keep=2",
+               "checkpoint.keep_every=3", f"run.dir={tmp_path}"],
+    )  # fmt: skip
+    train(cfg)
+    kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [3, 6, 7]
+    saved = json.loads((tmp_path / "checkpoints/7/config/metadata").read_text())
+    assert saved["train"]["steps"] == 7  # the resolved config travels with the weights
+    assert json.loads((tmp_path / "checkpoints/7/tokenizer/metadata").read_text())["name"] == "byte"
