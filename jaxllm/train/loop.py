@@ -64,7 +64,7 @@ def compile_steps(cfg: config.Config, mesh):
     step_fn = functools.partial(
         train_step, graphdef=graphdef, tx=tx, lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
         mesh=mesh, grad_accum_steps=cfg.train.grad_accum_steps, z_loss=cfg.train.z_loss,
-        sequence_attention=cfg.mesh.sequence_attention,
+        sequence_attention=cfg.mesh.sequence_attention, param_shardings=shardings.params,
     )  # fmt: skip
     jit_train = jax.jit(
         step_fn, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),

@@ -48,6 +48,7 @@ def _microbatches(batch: dict, n: int) -> dict:
 def train_step(
     state: TrainState, batch: dict, *, graphdef, tx, lr_schedule, mesh=None,
     grad_accum_steps: int = 1, z_loss: float = 0.0, sequence_attention: str = "all_gather",
+    param_shardings=None,
 ) -> tuple[TrainState, dict]:  # fmt: skip
     with sharding.active_mesh(mesh, sequence_attention):
         grad_fn = jax.grad(loss_fn, has_aux=True)
@@ -61,6 +62,8 @@ def train_step(
             return (grads, nll + nll_i, zs + z_i, count + count_i), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        if param_shardings is not None:  # gradients live sharded like their parameters (ZeRO)
+            zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
         init = (zeros, jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
         (grads, nll, zs, count), _ = jax.lax.scan(accumulate, init, micro)
 
