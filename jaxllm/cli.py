@@ -4,6 +4,9 @@
     jaxllm eval RUN_DIR|CHECKPOINT [key=value ...] [--batches N]
     jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
     jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N]
+    jaxllm bench data [CONFIG.yaml] [key=value ...]
+    jaxllm data tokenizer SOURCE... --vocab-size N --out DIR
+    jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N]
 
 Mistakes a user can fix (config keys, types, impossible shapes) end with one sentence on stderr
 and exit code 2, before anything is compiled.
@@ -137,6 +140,10 @@ def parser() -> argparse.ArgumentParser:
     bt.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     bt.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     bt.set_defaults(func=cmd_bench)
+    from jaxllm.data.cli import add_bench_data_parser, add_data_parser
+
+    add_bench_data_parser(bsub)
+    add_data_parser(sub)
     return p
 
 

@@ -128,9 +128,9 @@ def test_resume_on_another_mesh_and_device_count(tmp_path):
     assert rc == 0, out
     shutil.copytree(tmp_path / "moved", tmp_path / "moved1")
     # fsdp8 on 8 devices -> dp2 x tp2 on 4, and -> 1 device
-    rc, out = _run([str(tmp_path / "moved"), "mesh.data=2", "mesh.tensor=2"], 4)
+    rc, out = _run([str(tmp_path / "moved"), "mesh.fsdp=1", "mesh.data=2", "mesh.tensor=2"], 4)
     assert rc == 0 and "resumed from step 4" in out, out
-    rc1, out1 = _run([str(tmp_path / "moved1"), "mesh.data=1"], 1)
+    rc1, out1 = _run([str(tmp_path / "moved1"), "mesh.fsdp=1", "mesh.data=1"], 1)
     assert rc1 == 0 and "resumed from step 4" in out1, out1
     ref = _losses(tmp_path / "ref")
     for run in ("moved", "moved1"):
@@ -206,14 +206,7 @@ def test_damaged_checkpoint_warning_is_a_jaxllm_warning(tmp_path):
     train(cfg)
     shutil.rmtree(tmp_path / "checkpoints/2/train")
     with pytest.warns(JaxllmWarning, match="step 2.*falling back to step 1"):
-        train(
-            cfg.__class__(
-                **{
-                    **cfg.__dict__,
-                    "train": cfg.train.__class__(**{**cfg.train.__dict__, "steps": 3}),
-                }
-            )
-        )
+        train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=3)))
 
 
 def test_keeps_the_newest_k_plus_every_mth(tmp_path):

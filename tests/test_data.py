@@ -1,5 +1,6 @@
-"""Tests of jaxllm.data: packing documents into rows, the byte tokenizer, the stdlib train/eval
-file split, and the Grain train/eval batch pipelines.
+"""Tests of jaxllm.data: concatenate-and-split packing, the byte tokenizer, the stdlib train/eval
+file split, and the Grain train/eval batch pipelines (other formats, tokenizers, first-fit,
+mixtures, prepare and workers are in tests/test_data_*.py).
 
 Packing is checked against references computed from the token stream itself (BOS/EOS marks),
 on hand-made documents small enough to read; the pipelines run on synthetic documents.
@@ -8,11 +9,11 @@ on hand-made documents small enough to read; the pipelines run on synthetic docu
 import numpy as np
 import pytest
 
-from jaxllm.config import DataConfig
+from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.data import ByteTokenizer
 from jaxllm.data.packing import PackedRows
 from jaxllm.data.pipeline import eval_batches, train_batches
-from jaxllm.data.stdlib import split_files, stdlib_files
+from jaxllm.data.sources import list_files, split_files
 
 BOS, EOS = 256, 257
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -129,18 +130,20 @@ def test_byte_tokenizer_round_trip_and_specials():
 
 
 def test_stdlib_split_is_deterministic_disjoint_and_complete():
-    files = stdlib_files(max_files=400)
-    assert len(files) == 400
+    files = list_files(SourceConfig(path="stdlib"), "data.sources[0]", max_files=400)
+    assert len(files) == 400 and all(f.format == "stdlib" for f in files)
     train, held = split_files(files, eval_fraction=0.1)
-    assert split_files(stdlib_files(max_files=400), eval_fraction=0.1) == (train, held)
+    again = list_files(SourceConfig(path="stdlib"), "data.sources[0]", max_files=400)
+    assert split_files(again, eval_fraction=0.1) == (train, held)
     assert not set(train) & set(held)
-    assert sorted(train + held) == sorted(files)
+    assert sorted(train + held, key=lambda f: f.path) == files
     assert 0.03 <= len(held) / len(files) <= 0.2
 
 
 def test_stdlib_split_rejects_an_empty_eval_split():
-    with pytest.raises(ValueError):
-        split_files(stdlib_files(max_files=50), eval_fraction=0.0)
+    files = list_files(SourceConfig(path="stdlib"), "data.sources[0]", max_files=50)
+    with pytest.raises(ConfigError, match="data.eval_fraction=0.0 leaves 50 train and 0 eval"):
+        split_files(files, eval_fraction=0.0)
 
 
 # ------------------------------------------------------------------------- pipelines
@@ -206,7 +209,7 @@ def test_eval_batches_are_fixed(synthetic_rows):
             np.testing.assert_array_equal(b[k], np.stack([rows[4 * i + j][k] for j in range(4)]))
     # more batches than the split holds: only whole batches, no partial one
     assert len(eval_batches(rows, batch_size=4, num_batches=10_000)) == len(rows) // 4
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="fewer than one batch of 4"):
         eval_batches(pack([np.array([1, 2, 3])], seq_len=2), batch_size=4, num_batches=1)
 
 

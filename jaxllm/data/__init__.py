@@ -6,8 +6,21 @@ A batch is a dict of int32 arrays of shape [B, L]:
   segment_ids  document number within the row, from 1 (0 marks padding); attention stays within one
   positions    position of the token within its document (RoPE uses it)
   loss_mask    1 where `targets` continues the same document, else 0
+
+Modules: `sources` (files and formats -> texts), `tokenizer` (texts -> ids), `prepare` (ids ->
+ArrayRecord shards, once), `packing` (documents -> rows), `pipeline` (config -> Grain batches),
+`bench` (pipeline throughput), `cli` (`jaxllm data ...`, `jaxllm bench data`).
+
+Importing this package must stay cheap and jax-free (config validation imports it); `pipeline`
+imports Grain, which imports jax.
 """
 
-from jaxllm.data.tokenizer import ByteTokenizer, make_tokenizer, tokenizer_vocab_size
+from jaxllm.data.tokenizer import (
+    ByteTokenizer,
+    load_tokenizer,
+    make_tokenizer,
+    tokenizer_vocab_size,
+    train_bpe,
+)
 
-__all__ = ["ByteTokenizer", "make_tokenizer", "tokenizer_vocab_size"]
+__all__ = ["ByteTokenizer", "load_tokenizer", "make_tokenizer", "tokenizer_vocab_size", "train_bpe"]

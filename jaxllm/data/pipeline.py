@@ -1,30 +1,133 @@
-"""Grain pipelines of global batches for training and evaluation."""
+"""From `DataConfig` to Grain batches: load every source, split, pack, mix, shuffle, batch.
+
+    train_rows, eval_rows = load_splits(cfg.data)             # random-access rows [L]
+    batches = train_batches(train_rows, cfg.data, B, local)   # endless iterator, get/set_state
+    held_out = eval_batches(eval_rows, B, n, local)           # the same n batches every time
+
+Each source is packed on its own (a row never mixes sources); several sources become a
+`MixtureRows`. Without `data.eval_sources` each source holds out `data.eval_fraction` of its
+files; a prepared directory holds out the files `prepare` held out, by the same rule (so its
+rows equal those of tokenizing the same files here), and `data.max_files` caps its shards.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Sequence
 
 import grain
 import numpy as np
 
-from jaxllm.config import DataConfig
-from jaxllm.data.packing import PackedRows
-from jaxllm.data.stdlib import split_files, stdlib_files
-from jaxllm.data.tokenizer import make_tokenizer
+from jaxllm.config import ConfigError, DataConfig, SourceConfig
+from jaxllm.data.packing import FirstFitRows, PackedRows, pack
+from jaxllm.data.prepare import PreparedDir
+from jaxllm.data.sources import BadRecords, is_prepared_dir, list_files, read_texts, split_files
+from jaxllm.data.tokenizer import Tokenizer, encode_documents, make_tokenizer
+
+Rows = PackedRows | FirstFitRows
 
 
-def load_splits(cfg: DataConfig) -> tuple[PackedRows, PackedRows]:
-    """(train rows, eval rows) of the configured source."""
+class MixtureRows:
+    """Rows drawn from several sources in proportion to their weights, deterministic in `seed`.
+
+    Each source's rows are shuffled and repeated (a new permutation per pass), and
+    `grain.MapDataset.mix` interleaves them exactly by weight. One pass of the mixture is as long
+    as it takes to show every row of the most under-weighted source once: max_i(len_i / p_i) rows
+    for normalised weights p_i, so no row of any source goes unseen and smaller sources repeat.
+    """
+
+    def __init__(self, parts: Sequence[Rows], weights: Sequence[float], seed: int):
+        self.parts = list(parts)
+        shares = np.asarray(weights, np.float64) / sum(weights)
+        self._len = int(max(np.ceil(len(p) / s) for p, s in zip(self.parts, shares)))
+        self._ds = grain.MapDataset.mix(
+            [
+                grain.MapDataset.source(p).shuffle(seed=seed + i).repeat()
+                for i, p in enumerate(self.parts)
+            ],
+            list(weights),
+        )
+        self.num_docs = sum(p.num_docs for p in self.parts)
+        self.num_tokens = sum(p.num_tokens for p in self.parts)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not 0 <= index < self._len:
+            raise IndexError(f"row {index} of {self._len}")
+        return self._ds[int(index)]
+
+
+def _source_documents(
+    src: SourceConfig, key: str, cfg: DataConfig, tok: Tokenizer, hold_out: bool
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train documents, eval documents) of one source; all in train unless `hold_out`."""
+    if is_prepared_dir(src.path):
+        prepared = PreparedDir(src.path, key, cfg.tokenizer)
+        if not hold_out:
+            return prepared.documents(None, cfg.max_files), []
+        if prepared.eval_fraction != cfg.eval_fraction:
+            raise ConfigError(
+                f"{key}.path: {src.path} was prepared with --eval-fraction "
+                f"{prepared.eval_fraction}, so data.eval_fraction must be "
+                f"{prepared.eval_fraction}, not {cfg.eval_fraction} (or set data.eval_sources)."
+            )
+        return prepared.documents("train", cfg.max_files), prepared.documents("eval", cfg.max_files)
+    files = list_files(src, key, cfg.max_files)
+    bad = BadRecords(key, src.text_field)
+    texts = [list(read_texts(f, src.text_field, cfg.on_bad_record, bad)) for f in files]
+    bad.warn()
+    if not any(texts):
+        raise ConfigError(
+            f"{key}.path: the {len(files)} file(s) of {src.path} hold no documents (empty, or "
+            "every record was skipped as bad)."
+        )
+    held = {f.path for f in split_files(files, cfg.eval_fraction, key)[1]} if hold_out else set()
+    train = [t for f, ts in zip(files, texts) if f.path not in held for t in ts]
+    evals = [t for f, ts in zip(files, texts) if f.path in held for t in ts]
+    return encode_documents(tok, train), encode_documents(tok, evals)
+
+
+def _rows(docs: list[np.ndarray], what: str, cfg: DataConfig, tok: Tokenizer) -> Rows:
+    if not docs:
+        raise ConfigError(f"{what} has no documents; add data or change data.eval_fraction.")
+    try:
+        return pack(docs, cfg, tok)
+    except ValueError as e:
+        raise ConfigError(
+            f"{what} is too small for one row of data.seq_len={cfg.seq_len} ({e}); add data or "
+            "lower data.seq_len."
+        ) from e
+
+
+def _mix(parts: list[Rows], sources: Sequence[SourceConfig], seed: int) -> Rows | MixtureRows:
+    return parts[0] if len(parts) == 1 else MixtureRows(parts, [s.weight for s in sources], seed)
+
+
+def load_splits(cfg: DataConfig) -> tuple[Rows | MixtureRows, Rows | MixtureRows]:
+    """(train rows, eval rows) of the configured sources; ConfigError for anything the user can
+    fix (missing path, no files, no text, bad records under on_bad_record=fail, tokenizer)."""
     tok = make_tokenizer(cfg)
-    if [src.path for src in cfg.sources] != ["stdlib"]:
-        raise ValueError(f"unsupported data.sources {cfg.sources!r}")
-    train_files, eval_files = split_files(stdlib_files(cfg.max_files), cfg.eval_fraction)
-
-    def rows(files):
-        docs = (tok.encode(p.read_bytes()) for p in files)
-        return PackedRows(docs, cfg.seq_len, bos_id=tok.bos_id, eos_id=tok.eos_id)
-
-    return rows(train_files), rows(eval_files)
+    for name, sources in (("sources", cfg.sources), ("eval_sources", cfg.eval_sources)):
+        for i, src in enumerate(sources):
+            if not src.weight > 0:
+                raise ConfigError(f"data.{name}[{i}].weight must be positive, not {src.weight}.")
+    if not cfg.sources:
+        raise ConfigError("data.sources is empty; name at least one corpus.")
+    hold_out = not cfg.eval_sources
+    train_parts, eval_parts = [], []
+    for i, src in enumerate(cfg.sources):
+        key = f"data.sources[{i}]"
+        train_docs, eval_docs = _source_documents(src, key, cfg, tok, hold_out)
+        train_parts.append(_rows(train_docs, f"the train split of {key}", cfg, tok))
+        if hold_out:
+            eval_parts.append(_rows(eval_docs, f"the eval split of {key}", cfg, tok))
+    for i, src in enumerate(cfg.eval_sources):
+        key = f"data.eval_sources[{i}]"
+        eval_parts.append(_rows(_source_documents(src, key, cfg, tok, False)[0], key, cfg, tok))
+    eval_weights_from = cfg.sources if hold_out else cfg.eval_sources
+    return _mix(train_parts, cfg.sources, cfg.seed), _mix(eval_parts, eval_weights_from, cfg.seed)
 
 
 def _local_rows(ds: grain.MapDataset, batch_size: int, rows: slice | None) -> grain.MapDataset:
@@ -40,23 +143,86 @@ def _local_rows(ds: grain.MapDataset, batch_size: int, rows: slice | None) -> gr
     return grain.MapDataset.range(len(ds) // batch_size).map(local_batch)
 
 
+class BatchIterator:
+    """Endless iterator of global batches whose state is the number of the next batch.
+
+    The stream is a pure function of the batch number (a shuffled, repeated `MapDataset`), so
+    `{"next_batch": n}` restores the exact position whatever `data.workers` was when it was
+    saved, and a checkpoint stays small and readable. Grain builds the batches, in-process or in
+    `workers` processes (`mp_prefetch`: worker w makes batches w, w + workers, ..., returned in
+    order); `set_state` reopens the Grain iterator at batch n, starting workers on first use.
+    """
+
+    def __init__(self, batches: grain.MapDataset, workers: int):
+        self._batches, self._workers = batches, workers
+        self._next, self._it = 0, None
+        self._closer = None
+
+    def _open(self):
+        ds = self._batches[self._next :].to_iter_dataset()
+        if self._workers > 0:
+            from absl import flags
+
+            # Grain <= 0.2.18 reads an absl flag when starting workers and fails if the program
+            # never parsed absl flags (google/grain#1355, fixed by #1362); defaults are wanted.
+            if not flags.FLAGS.is_parsed():
+                flags.FLAGS.mark_as_parsed()
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self._workers))
+        it = iter(ds)
+        if hasattr(it, "close"):
+            # stop the workers and free their shared memory even if nobody calls close(): at
+            # garbage collection or interpreter exit (else Python reports leaked shared_memory)
+            self._closer = weakref.finalize(self, it.close)
+        return it
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> dict:
+        if self._it is None:
+            self._it = self._open()
+        batch = next(self._it)
+        self._next += 1
+        if self._workers > 0:
+            # workers hand over arrays in shared memory, freed only when the last reference to
+            # them dies; a copy (a few hundred KB) frees it now, whoever keeps the batch
+            batch = {k: np.array(v) for k, v in batch.items()}
+        return batch
+
+    def get_state(self) -> dict:
+        return {"next_batch": self._next}
+
+    def set_state(self, state: dict) -> None:
+        self.close()
+        self._next = int(state["next_batch"])
+
+    def close(self) -> None:
+        """Stops the worker processes (also done when the iterator is garbage-collected)."""
+        if self._closer is not None:
+            self._closer()  # runs it.close() at most once
+        self._it, self._closer = None, None
+
+
 def train_batches(
-    rows: PackedRows, cfg: DataConfig, batch_size: int, local: slice | None = None
-) -> Iterator[dict]:
+    rows: Rows | MixtureRows, cfg: DataConfig, batch_size: int, local: slice | None = None
+) -> BatchIterator:
     """Endless shuffled global batches of `batch_size` rows, a new permutation every epoch
-    (fixed by `data.seed`); each process gets only its `local` rows of every batch."""
+    (fixed by `data.seed`); each process gets only its `local` rows of every batch. Batches are
+    made in `data.workers` Grain processes when that is above 0 (the same stream as in-process);
+    `get_state()` / `set_state()` save and restore the position."""
     ds = grain.MapDataset.source(rows).shuffle(seed=cfg.seed).repeat()
-    return iter(_local_rows(ds, batch_size, local).to_iter_dataset())
+    return BatchIterator(_local_rows(ds, batch_size, local), cfg.workers)
 
 
 def eval_batches(
-    rows: PackedRows, batch_size: int, num_batches: int, local: slice | None = None
+    rows: Rows | MixtureRows, batch_size: int, num_batches: int, local: slice | None = None
 ) -> list[dict]:
     """The same first `num_batches` batches of the held-out rows at every evaluation."""
     n = min(num_batches * batch_size, len(rows) - len(rows) % batch_size)
     if n == 0:
-        raise ValueError(
-            f"the eval split has {len(rows)} rows, fewer than one batch of {batch_size}"
+        raise ConfigError(
+            f"the eval split has {len(rows)} rows, fewer than one batch of {batch_size}; add "
+            "eval data, raise data.eval_fraction, or lower train.global_batch_size."
         )
     batches = _local_rows(grain.MapDataset.source(rows)[:n], batch_size, local)
     return [{k: np.asarray(v) for k, v in batches[i].items()} for i in range(len(batches))]

@@ -1,31 +1,216 @@
-"""Tokenizers. Byte-level is the default: no files, 256 byte ids plus BOS and EOS."""
+"""Tokenizers: UTF-8 bytes (the default), Hugging Face `tokenizer.json`, SentencePiece `.model`.
+
+Every tokenizer maps text to int32 ids without adding special tokens; BOS and EOS are added by
+the packer when `data.add_bos` / `data.add_eos` ask for them, so the same documents can be packed
+with or without them. `make_tokenizer` refuses those flags for a tokenizer that lacks the token.
+
+`train_bpe` trains a byte-level BPE (GPT-2 style: every byte is in the alphabet, so no text is
+ever unknown) with `<pad>`, `<bos>`, `<eos>` as ids 0, 1, 2, and writes `DIR/tokenizer.json`.
+
+This module must not import jax (config validation calls `tokenizer_vocab_size`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 
+from jaxllm.config import ConfigError
+
+BPE_SPECIALS = ("<pad>", "<bos>", "<eos>")
+# Names a tokenizer.json may give its specials when no tokenizer_config.json says which they are.
+_SPECIAL_NAMES = {
+    "bos": ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]"),
+    "eos": ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "[EOS]"),
+    "pad": ("<pad>", "<|pad|>", "[PAD]"),
+}
+
+
+def _as_text(text: str | bytes) -> str:
+    return text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255; BOS = 256, EOS = 257."""
+    """UTF-8 bytes as ids 0..255; BOS = 256, EOS = 257; padding uses id 0."""
 
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    pad_id = 0
+    name = "byte"
 
     def encode(self, text: str | bytes) -> np.ndarray:
         data = text.encode("utf-8") if isinstance(text, str) else text
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
 
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         ids = np.asarray(ids)
-        return bytes(ids[ids < 256].astype(np.uint8)).decode("utf-8", errors="replace")
+        return bytes(ids[(ids >= 0) & (ids < 256)].astype(np.uint8)).decode("utf-8", "replace")
 
 
-def make_tokenizer(data_cfg) -> ByteTokenizer:
-    return ByteTokenizer()
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json. Specials come from a `tokenizer_config.json`
+    beside it (bos_token, eos_token, pad_token) when there is one, else from common names."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.name = str(path)
+        self._tok = Tokenizer.from_file(str(path))
+        # text that spells a special ("<eos>" in a document) is text: BOS/EOS come only from the
+        # packer, never from the data
+        self._tok.encode_special_tokens = True
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        declared = {}
+        config = path.parent / "tokenizer_config.json"
+        if config.is_file():
+            for kind in ("bos", "eos", "pad"):
+                value = json.loads(config.read_text()).get(f"{kind}_token")
+                declared[kind] = value.get("content") if isinstance(value, dict) else value
+        for kind, names in _SPECIAL_NAMES.items():
+            candidates = (declared[kind],) if declared.get(kind) else names
+            ids = [self._tok.token_to_id(n) for n in candidates if n]
+            setattr(self, f"{kind}_id", next((i for i in ids if i is not None), None))
+        self.pad_id = self.pad_id if self.pad_id is not None else 0
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        # add_special_tokens=False: a post-processor template must not add BOS/EOS behind the
+        # packer's back; data.add_bos / data.add_eos decide.
+        ids = self._tok.encode(_as_text(text), add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int32)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        encodings = self._tok.encode_batch([_as_text(t) for t in texts], add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        ids = np.asarray(ids)
+        ids = ids[(ids >= 0) & (ids < self.vocab_size)]  # a model may sample past the vocabulary
+        return self._tok.decode(ids.tolist(), skip_special_tokens=True)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece `.model`; its own BOS/EOS/PAD ids (-1 in the model means none)."""
+
+    def __init__(self, path: Path):
+        import sentencepiece as spm
+
+        self.name = str(path)
+        self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self._sp.get_piece_size()
+        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else 0
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        return np.asarray(self._sp.encode(_as_text(text)), dtype=np.int32)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        ids = self._sp.encode([_as_text(t) for t in texts])
+        return [np.asarray(x, dtype=np.int32) for x in ids]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        ids = np.asarray(ids)
+        return self._sp.decode(ids[(ids >= 0) & (ids < self.vocab_size)].tolist())
+
+
+Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
+
+
+def _tokenizer_file(spec: str, key: str) -> Path:
+    """The file a `data.tokenizer` value names (a directory stands for its tokenizer.json)."""
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"{key}={spec!r} is neither `byte` nor an existing tokenizer.json or SentencePiece "
+            ".model file; check the path (`jaxllm data tokenizer` trains one)."
+        )
+    if path.suffix not in (".json", ".model"):
+        raise ConfigError(
+            f"{key}={spec!r} must end in .json (Hugging Face tokenizers) or .model (SentencePiece)."
+        )
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: Path, mtime_ns: int) -> Tokenizer:
+    try:
+        return HFTokenizer(path) if path.suffix == ".json" else SentencePieceTokenizer(path)
+    except Exception as e:  # the libraries raise bare Exception/RuntimeError on bad files
+        raise ConfigError(f"cannot read tokenizer {path}: {str(e).splitlines()[0]}") from e
+
+
+def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
+    """`byte`, a tokenizer.json (or a directory holding one), or a SentencePiece .model."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = _tokenizer_file(spec, key).resolve()
+    return _load(path, path.stat().st_mtime_ns)
+
+
+def make_tokenizer(data_cfg) -> Tokenizer:
+    """The tokenizer of a DataConfig; ConfigError if add_bos/add_eos ask for a missing token."""
+    tok = load_tokenizer(data_cfg.tokenizer)
+    for flag, kind in (("add_bos", "bos"), ("add_eos", "eos")):
+        if getattr(data_cfg, flag) and getattr(tok, f"{kind}_id") is None:
+            raise ConfigError(
+                f"data.{flag}=true but tokenizer {tok.name} has no {kind.upper()} token; set "
+                f"data.{flag}=false or use a tokenizer that defines one."
+            )
+    return tok
 
 
 def tokenizer_vocab_size(data_cfg) -> int:
-    return ByteTokenizer.vocab_size
+    """Ids the tokenizer can emit (258 for bytes); reads only the tokenizer file."""
+    return load_tokenizer(data_cfg.tokenizer).vocab_size
+
+
+def tokenizer_fingerprint(spec: str) -> str:
+    """`byte`, or the SHA-256 of the tokenizer file: prepared data records it, so training with
+    another tokenizer (even one at the same path, retrained) is caught."""
+    if spec == "byte":
+        return "byte"
+    return hashlib.sha256(_tokenizer_file(spec, "tokenizer").read_bytes()).hexdigest()
+
+
+def encode_documents(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Token ids of each text, dropping texts that give no tokens (both on-the-fly loading and
+    `prepare` go through here, so they keep exactly the same documents)."""
+    return [ids for ids in tok.encode_batch(texts) if len(ids)]
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
+    """Trains a byte-level BPE of `vocab_size` ids (specials and the 256 bytes included) on
+    `texts`; writes and returns `out_dir/tokenizer.json`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    minimum = 256 + len(BPE_SPECIALS)
+    if vocab_size < minimum:
+        raise ConfigError(
+            f"vocab size {vocab_size} is too small: a byte-level BPE needs at least {minimum} "
+            f"ids (256 bytes + {', '.join(BPE_SPECIALS)})."
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(BPE_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out / "tokenizer.json"

@@ -279,7 +279,8 @@ def sample(cfg: config.Config, params) -> str:
     tok = make_tokenizer(cfg.data)
     graphdef, _, _ = abstract_model(cfg.model)
     model = nnx.merge(graphdef, jax.device_get(params))
-    prompt = np.concatenate([[tok.bos_id], tok.encode(cfg.train.sample_prompt)])
+    bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
+    prompt = np.concatenate([np.asarray(bos, np.int32), tok.encode(cfg.train.sample_prompt)])
     new = greedy_continue(model, prompt, cfg.train.sample_tokens, max_len=cfg.model.max_seq_len)
     text = tok.decode(new)
     print(f"--- greedy continuation of {cfg.train.sample_prompt!r} ---")

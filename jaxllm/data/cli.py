@@ -1,0 +1,115 @@
+"""Command-line pieces of `jaxllm data ...` and `jaxllm bench data`, wired in by `jaxllm.cli`.
+
+    jaxllm data tokenizer SOURCE... --vocab-size N --out DIR     byte-level BPE -> DIR/tokenizer.json
+    jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N] [--shard-docs N]
+    jaxllm bench data [CONFIG.yaml] [key=value ...] [--seconds S | --batches N]
+
+A SOURCE is what `data.sources[i].path` accepts: `stdlib`, a directory, a glob or a file;
+`--format` and `--text-field` apply to all of them. Each handler returns the exit code; a
+ConfigError propagates to `jaxllm.cli.main`, which prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+
+from jaxllm.config import DataConfig, SourceConfig
+
+_FORMATS = typing.get_args(typing.get_type_hints(SourceConfig)["format"])
+
+
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "sources", nargs="+", metavar="SOURCE", help="stdlib, a directory, a glob or a file"
+    )
+    p.add_argument(
+        "--format", default="auto", choices=_FORMATS, help="file format (default: by extension)"
+    )
+    p.add_argument("--text-field", default="text", help="JSONL / Parquet field holding the text")
+    p.add_argument("--max-files", type=int, help="read at most this many files of each SOURCE")
+    p.add_argument("--on-bad-record", default="skip", choices=("skip", "fail"),
+                   help="a JSONL line that is not JSON or lacks the field: warn and skip, or stop")  # fmt: skip
+
+
+def _sources(ns) -> list[SourceConfig]:
+    return [SourceConfig(path=p, format=ns.format, text_field=ns.text_field) for p in ns.sources]
+
+
+def cmd_tokenizer(ns) -> int:
+    from jaxllm.data.sources import BadRecords, list_files, read_texts
+    from jaxllm.data.tokenizer import load_tokenizer, train_bpe
+
+    bad = BadRecords(", ".join(ns.sources), ns.text_field)
+
+    def texts():
+        for src in _sources(ns):
+            for f in list_files(src, f"SOURCE {src.path}", ns.max_files):
+                yield from read_texts(f, src.text_field, ns.on_bad_record, bad)
+
+    path = train_bpe(texts(), ns.vocab_size, ns.out)
+    bad.warn()
+    tok = load_tokenizer(str(path))
+    print(
+        f"wrote {path}: byte-level BPE, {tok.vocab_size} ids (pad {tok.pad_id}, bos {tok.bos_id}, "
+        f"eos {tok.eos_id}); train with data.tokenizer={path}"
+    )
+    return 0
+
+
+def cmd_prepare(ns) -> int:
+    from jaxllm.data.prepare import prepare
+
+    manifest = prepare(
+        _sources(ns), ns.out, tokenizer=ns.tokenizer, workers=ns.workers,
+        shard_docs=ns.shard_docs, max_files=ns.max_files, eval_fraction=ns.eval_fraction,
+        on_bad_record=ns.on_bad_record,
+    )  # fmt: skip
+    split = manifest["splits"]
+    print(
+        f"wrote {len(manifest['shards'])} shard(s) to {ns.out}: {manifest['docs']:,} documents, "
+        f"{manifest['tokens']:,} tokens ({split['train']['docs']:,} train / "
+        f"{split['eval']['docs']:,} eval documents); train with data.sources=[{{path: {ns.out}}}]"
+    )
+    return 0
+
+
+def cmd_bench_data(ns) -> int:
+    from jaxllm.cli import _load
+    from jaxllm.data.bench import bench_data, format_data_result
+
+    cfg = _load(ns.args)
+    print(format_data_result(bench_data(cfg, seconds=ns.seconds, batches=ns.batches)))
+    return 0
+
+
+def add_data_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds `data tokenizer` and `data prepare` to the top-level subparsers."""
+    d = subparsers.add_parser("data", help="train a tokenizer, tokenize corpora into shards")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    t = dsub.add_parser("tokenizer", help="train a byte-level BPE tokenizer -> DIR/tokenizer.json")
+    _add_source_args(t)
+    t.add_argument("--vocab-size", type=int, required=True, help="ids, with 256 bytes + 3 specials")
+    t.add_argument("--out", required=True, metavar="DIR")
+    t.set_defaults(func=cmd_tokenizer)
+    p = dsub.add_parser("prepare", help="tokenize once into ArrayRecord shards + manifest.json")
+    _add_source_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory")
+    p.add_argument("--tokenizer", default="byte", help="byte, a tokenizer.json or a .model")
+    p.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: in this one)")
+    p.add_argument("--shard-docs", type=int, default=10_000, help="documents per shard")
+    p.add_argument("--eval-fraction", type=float, default=DataConfig.eval_fraction,
+                   help="fraction of files held out as eval shards, by path hash")  # fmt: skip
+    p.set_defaults(func=cmd_prepare)
+    return d
+
+
+def add_bench_data_parser(bench_subparsers) -> argparse.ArgumentParser:
+    """Adds `bench data` to the subparsers of `bench`."""
+    b = bench_subparsers.add_parser("data", help="tokens/s of the input pipeline alone (no model)")
+    b.add_argument("args", nargs="*", metavar="CONFIG|key=value")
+    how_long = b.add_mutually_exclusive_group()
+    how_long.add_argument("--seconds", type=float, help="time this long (default 10)")
+    how_long.add_argument("--batches", type=int, help="time exactly this many batches")
+    b.set_defaults(func=cmd_bench_data)
+    return b

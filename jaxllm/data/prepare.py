@@ -1,0 +1,218 @@
+"""`jaxllm data prepare`: tokenize corpora once into ArrayRecord shards that training reads back.
+
+    jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N] [--shard-docs N]
+
+One record is one document's int32 tokens (little-endian, no BOS/EOS: the packer adds them per
+`data.add_bos` / `data.add_eos`, so one preparation serves both). Files are split into train and
+eval by the same path hash as on-the-fly loading (`--eval-fraction`, default that of DataConfig),
+written to `train-NNNNN.arrayrecord` and `eval-NNNNN.arrayrecord`, and `DIR/manifest.json`
+records the tokenizer (with a SHA-256 of its file), every shard's documents and tokens, and the
+totals. The manifest is written last: a directory without one is an interrupted preparation.
+
+Tokenization runs in a pool of `--workers` processes (spawned, so no inherited threads) fed
+chunks of documents in order, with at most two chunks per worker in flight; a training source
+`path: DIR` then reads the shards back without tokenizing anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm.config import ConfigError, DataConfig, SourceConfig
+from jaxllm.data.sources import (
+    MANIFEST,
+    BadRecords,
+    held_out,
+    list_files,
+    read_arrayrecord,
+    read_texts,
+)
+from jaxllm.data.tokenizer import encode_documents, load_tokenizer, tokenizer_fingerprint
+
+FORMAT = "jaxllm-prepared/1"
+_CHUNK_DOCS, _CHUNK_CHARS = 512, 4_000_000  # a chunk is one task of the pool
+_worker_tokenizer = None  # set in each worker (and in-process) by _init_worker
+
+
+def _init_worker(tokenizer: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(tokenizer, "--tokenizer")
+
+
+def _encode_chunk(chunk: tuple[str, list[str], int]) -> tuple[str, list[np.ndarray], int]:
+    split, texts, files_done = chunk
+    return split, encode_documents(_worker_tokenizer, texts), files_done
+
+
+def _ordered_map(fn, chunks: Iterator, workers: int, tokenizer: str) -> Iterator:
+    """`map(fn, chunks)` in order, in `workers` processes (0: here), never reading far ahead
+    (multiprocessing's own imap would queue the whole corpus in memory)."""
+    if workers == 0:
+        _init_worker(tokenizer)
+        yield from map(fn, chunks)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) as pool:
+        pending = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(fn, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _ShardWriter:
+    """Writes one split's documents into shards of at most `shard_docs` records."""
+
+    def __init__(self, out: Path, split: str, shard_docs: int):
+        self.out, self.split, self.shard_docs = out, split, shard_docs
+        self.shards: list[dict] = []
+        self._writer = None
+
+    def write(self, docs: list[np.ndarray]) -> None:
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        for doc in docs:
+            if self._writer is None or self.shards[-1]["docs"] == self.shard_docs:
+                self.close()
+                name = f"{self.split}-{len(self.shards):05d}.arrayrecord"
+                # group_size 64: small groups keep random reads of one document cheap
+                self._writer = ArrayRecordWriter(str(self.out / name), "group_size:64")
+                self.shards.append({"file": name, "split": self.split, "docs": 0, "tokens": 0})
+            self._writer.write(doc.astype("<i4").tobytes())
+            self.shards[-1]["docs"] += 1
+            self.shards[-1]["tokens"] += len(doc)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def prepare(
+    sources: Sequence[SourceConfig],
+    out_dir: str | Path,
+    *,
+    tokenizer: str = "byte",
+    workers: int = 0,
+    shard_docs: int = 10_000,
+    max_files: int | None = None,
+    eval_fraction: float = DataConfig.eval_fraction,
+    on_bad_record: str = "skip",
+) -> dict:
+    """Tokenizes `sources` (concatenated in order) into shards under `out_dir`; returns the
+    manifest it wrote."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not empty; choose a new directory.")
+    if shard_docs < 1 or workers < 0 or not 0 <= eval_fraction < 1:
+        raise ConfigError("--shard-docs must be >= 1, --workers >= 0, --eval-fraction in [0, 1).")
+    tok = load_tokenizer(tokenizer, "--tokenizer")  # a bad path fails before anything is written
+    files = [(f, src) for src in sources for f in list_files(src, f"SOURCE {src.path}", max_files)]
+    bad = BadRecords(", ".join(src.path for src in sources), sources[0].text_field)
+
+    def chunks() -> Iterator[tuple[str, list[str], int]]:
+        texts, chars, split, files_done = [], 0, "train", 0
+        for f, src in files:
+            file_split = "eval" if held_out(f.key, eval_fraction) else "train"
+            for text in read_texts(f, src.text_field, on_bad_record, bad):
+                if texts and (
+                    file_split != split or len(texts) == _CHUNK_DOCS or chars > _CHUNK_CHARS
+                ):
+                    yield split, texts, files_done
+                    texts, chars, files_done = [], 0, 0
+                split = file_split
+                texts.append(text)
+                chars += len(text)
+            files_done += 1
+        yield split, texts, files_done
+
+    out.mkdir(parents=True, exist_ok=True)
+    writers = {split: _ShardWriter(out, split, shard_docs) for split in ("train", "eval")}
+    bar = tqdm(total=len(files), unit="file", desc="prepare", disable=None)
+    try:
+        for split, docs, files_done in _ordered_map(_encode_chunk, chunks(), workers, tokenizer):
+            writers[split].write(docs)
+            bar.update(files_done)
+    finally:
+        bar.close()
+        for w in writers.values():
+            w.close()
+    shards = writers["train"].shards + writers["eval"].shards
+    if not shards:
+        raise ConfigError(f"the {len(files)} file(s) of the sources hold no text to prepare.")
+
+    def total(split=None) -> dict:
+        chosen = [s for s in shards if split in (None, s["split"])]
+        return {"docs": sum(s["docs"] for s in chosen), "tokens": sum(s["tokens"] for s in chosen)}
+
+    manifest = {
+        "format": FORMAT,
+        "tokenizer": {
+            "spec": tokenizer, "fingerprint": tokenizer_fingerprint(tokenizer),
+            "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+        },
+        "sources": [_source_record(src) for src in sources],
+        "files": len(files),
+        "eval_fraction": eval_fraction,
+        "shards": shards,
+        **total(),
+        "splits": {"train": total("train"), "eval": total("eval")},
+    }  # fmt: skip
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    bad.warn()
+    return manifest
+
+
+def _source_record(src: SourceConfig) -> dict:
+    return {"path": src.path, "format": src.format, "text_field": src.text_field}
+
+
+class PreparedDir:
+    """A directory written by `prepare`, read back as token documents."""
+
+    def __init__(self, path: str | Path, key: str, tokenizer: str):
+        self.path = Path(path)
+        try:
+            self.manifest = json.loads((self.path / MANIFEST).read_text())
+        except ValueError as e:
+            raise ConfigError(f"{key}.path: {self.path / MANIFEST} is not valid JSON ({e}).")
+        if self.manifest.get("format") != FORMAT:
+            raise ConfigError(
+                f"{key}.path: {self.path / MANIFEST} is not a `jaxllm data prepare` manifest "
+                f"(format {self.manifest.get('format')!r}, expected {FORMAT!r})."
+            )
+        made_with = self.manifest["tokenizer"]
+        if made_with["fingerprint"] != tokenizer_fingerprint(tokenizer):
+            raise ConfigError(
+                f"{key}.path: {self.path} was tokenized with {made_with['spec']!r} but "
+                f"data.tokenizer is {tokenizer!r}; set data.tokenizer to the same tokenizer or "
+                "re-run `jaxllm data prepare` with this one."
+            )
+        self.key = key
+        self.eval_fraction = self.manifest["eval_fraction"]
+
+    def documents(self, split: str | None, max_files: int | None = None) -> list[np.ndarray]:
+        """Token documents of the `train` or `eval` shards (None: all), in shard order."""
+        shards = [s for s in self.manifest["shards"] if split in (None, s["split"])]
+        docs: list[np.ndarray] = []
+        for shard in shards[:max_files] if max_files else shards:
+            path = self.path / shard["file"]
+            if not path.is_file():
+                raise ConfigError(f"{self.key}.path: shard {path} of the manifest is missing.")
+            records = read_arrayrecord(path)
+            if len(records) != shard["docs"]:
+                raise ConfigError(
+                    f"{self.key}.path: shard {path} holds {len(records)} documents but the "
+                    f"manifest lists {shard['docs']}: it is truncated; re-run `jaxllm data prepare`."
+                )
+            docs.extend(np.frombuffer(r, dtype="<i4") for r in records)
+        return docs

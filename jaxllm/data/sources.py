@@ -1,0 +1,280 @@
+"""Corpus sources: which files a `SourceConfig` names, and the documents (texts) in each file.
+
+A source path is `stdlib` (the running Python's standard-library sources: every machine has them,
+so the default run downloads nothing), a directory (read recursively, hidden entries skipped), a
+glob, or one file. Each file's format comes from `SourceConfig.format` or, for `auto`, from its
+extension. One document is:
+
+    text, stdlib   the whole file (stdlib files decode with their PEP 263 coding line)
+    jsonl          the `text_field` string of each line
+    parquet        the `text_field` string of each row
+    arrayrecord    each record, as UTF-8 text (tokenized shards are read via their directory)
+
+Files are held out for evaluation by a CRC32 of their path relative to the source root, so the
+split never changes when files are added elsewhere. Bad records are counted in a `BadRecords`
+and reported in one warning per source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import io
+import json
+import os
+import sysconfig
+import tokenize
+import warnings
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from jaxllm import JaxllmWarning
+from jaxllm.config import ConfigError, SourceConfig
+
+MANIFEST = "manifest.json"  # marks a directory written by `jaxllm data prepare`
+_FORMAT_BY_SUFFIX = {
+    ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet",
+    ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    path: Path
+    format: str
+    key: str
+    """Path relative to the source root: what the eval split hashes."""
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(max_files: int | None = None) -> list[Path]:
+    """The standard library's .py files (no site-packages, no caches), sorted by path."""
+    files = []
+    for parent, dirs, names in os.walk(stdlib_root()):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "__pycache__")]  # prune early
+        files += [Path(parent, n) for n in names if n.endswith(".py")]
+    files = sorted(p for p in files if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no .py files under the standard library at {stdlib_root()}")
+    return files[:max_files] if max_files else files
+
+
+def is_prepared_dir(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
+
+
+def _glob_root(pattern: str) -> Path:
+    """The directory before the first wildcard: keys of globbed files are relative to it."""
+    parts = Path(pattern).parts
+    first_wildcard = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    return Path(*parts[:first_wildcard]) if first_wildcard else Path(".")
+
+
+def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> list[DataFile]:
+    """The files of a source, sorted by path, at most `max_files`; ConfigError (naming `key`,
+    e.g. `data.sources[0]`) when the path is missing or matches no file."""
+    if src.path == "stdlib":
+        fmt = "stdlib" if src.format == "auto" else src.format
+        root = stdlib_root()
+        return [DataFile(p, fmt, p.relative_to(root).as_posix()) for p in stdlib_files(max_files)]
+    path = Path(src.path).expanduser()
+    if glob.has_magic(src.path):
+        root = _glob_root(str(path))
+        paths = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not paths:
+            raise ConfigError(f"{key}.path: {src.path} matches no files; check the pattern.")
+    elif path.is_dir():
+        root = path
+        paths = sorted(
+            p for p in path.rglob("*")
+            if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+        )  # fmt: skip
+        if not paths:
+            raise ConfigError(f"{key}.path: directory {src.path} holds no files.")
+    elif path.is_file():
+        root, paths = path.parent, [path]
+    else:
+        raise ConfigError(
+            f"{key}.path: {src.path} does not exist; give a directory, a glob, a file, or stdlib."
+        )
+    files = []
+    for p in paths[:max_files] if max_files else paths:
+        fmt = src.format if src.format != "auto" else _FORMAT_BY_SUFFIX.get(p.suffix, "text")
+        if fmt == "arrayrecord" and is_prepared_dir(p.parent):
+            raise ConfigError(
+                f"{key}.path: {p} is a shard of the prepared directory {p.parent}; set the path "
+                "to that directory so its manifest (tokenizer, split) is used."
+            )
+        files.append(DataFile(p, fmt, p.relative_to(root).as_posix()))
+    return files
+
+
+def held_out(key: str, eval_fraction: float) -> bool:
+    return zlib.crc32(key.encode()) < int(eval_fraction * 2**32)
+
+
+def split_files(
+    files: Sequence[DataFile], eval_fraction: float, key: str = "data.sources"
+) -> tuple[list[DataFile], list[DataFile]]:
+    """(train, eval) by the hash of each file's key; ConfigError if either side is empty."""
+    train = [f for f in files if not held_out(f.key, eval_fraction)]
+    held = [f for f in files if held_out(f.key, eval_fraction)]
+    if not held or not train:
+        raise ConfigError(
+            f"data.eval_fraction={eval_fraction} leaves {len(train)} train and {len(held)} eval "
+            f"files of the {len(files)} in {key}; choose a fraction that leaves both non-empty, "
+            "or set data.eval_sources."
+        )
+    return train, held
+
+
+class BadRecords:
+    """Counts what was skipped or repaired while reading one source; `warn` reports it once."""
+
+    def __init__(self, key: str, text_field: str):
+        self.key, self.text_field = key, text_field
+        self.records, self.first_record = 0, ""
+        self.replaced, self.files_replaced, self.first_replaced = 0, 0, ""
+
+    def record(self, where: str) -> None:
+        self.records += 1
+        self.first_record = self.first_record or where
+
+    def repaired(self, path: Path, count: int) -> None:
+        self.replaced += count
+        self.files_replaced += 1
+        self.first_replaced = self.first_replaced or str(path)
+
+    def warn(self) -> None:
+        parts = []
+        if self.records:
+            parts.append(
+                f"skipped {self.records} record(s) that are not JSON objects with a string field "
+                f"{self.text_field!r} (first: {self.first_record})"
+            )
+        if self.replaced:
+            parts.append(
+                f"replaced {self.replaced} undecodable byte sequence(s) with U+FFFD in "
+                f"{self.files_replaced} file(s) (first: {self.first_replaced})"
+            )
+        if parts:
+            warnings.warn(f"{self.key}: {' and '.join(parts)}.", JaxllmWarning, stacklevel=3)
+
+
+def _decode(data: bytes, path: Path, bad: BadRecords) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        bad.repaired(path, text.count("\ufffd") - data.count("\ufffd".encode()))
+        return text
+
+
+def _python_source(data: bytes) -> str | None:
+    """Python source decoded as the interpreter would (UTF-8 unless a PEP 263 line says
+    otherwise); None for the few stdlib test files that are undecodable on purpose."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        return data.decode(encoding)
+    except (SyntaxError, LookupError, UnicodeDecodeError):
+        return None
+
+
+def _bad_record(msg: str, where: str, on_bad_record: str, bad: BadRecords) -> None:
+    if on_bad_record == "fail":
+        raise ConfigError(f"{where} {msg}; fix it or set data.on_bad_record=skip.")
+    bad.record(where)
+
+
+def _jsonl_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
+    with open(f.path, "rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{f.path} line {number}"
+            try:
+                record = json.loads(line)
+            except ValueError:  # also undecodable bytes (UnicodeDecodeError)
+                _bad_record("is not valid JSON", where, on_bad_record, bad)
+                continue
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                _bad_record(
+                    f"has no string field {text_field!r} (set the source's text_field)",
+                    where, on_bad_record, bad,
+                )  # fmt: skip
+                continue
+            yield text
+
+
+def _parquet_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(f.path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError on corrupt files
+        raise ConfigError(f"cannot read Parquet file {f.path}: {str(e).splitlines()[0]}") from e
+    if text_field not in table.schema_arrow.names:
+        raise ConfigError(
+            f"Parquet file {f.path} has no column {text_field!r} (columns: "
+            f"{', '.join(table.schema_arrow.names)}); set the source's text_field."
+        )
+    row = 0
+    for batch in table.iter_batches(columns=[text_field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(text, str):
+                _bad_record(
+                    f"has no string in column {text_field!r}", f"{f.path} row {row}",
+                    on_bad_record, bad,
+                )  # fmt: skip
+                continue
+            yield text
+
+
+def read_arrayrecord(path: Path) -> list[bytes]:
+    """All records of an ArrayRecord file; ConfigError naming the file if it is corrupt."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    try:
+        reader = ArrayRecordReader(str(path), "readahead_buffer_size:0")
+        # a truncated file opens "successfully" with ok() False and zero records
+        if not reader.ok():
+            raise RuntimeError("the reader could not open it")
+        records = reader.read_all()
+        reader.close()
+    except RuntimeError as e:
+        raise ConfigError(
+            f"ArrayRecord file {path} is truncated or corrupt ({str(e).splitlines()[0]}); "
+            "rewrite it (for prepared data, re-run `jaxllm data prepare`)."
+        ) from e
+    return records
+
+
+def read_texts(
+    f: DataFile,
+    text_field: str = "text",
+    on_bad_record: str = "skip",
+    bad: BadRecords | None = None,
+) -> Iterator[str]:
+    """The non-empty documents of one file, in file order."""
+    bad = bad or BadRecords(str(f.path), text_field)
+    if f.format == "jsonl":
+        texts = _jsonl_texts(f, text_field, on_bad_record, bad)
+    elif f.format == "parquet":
+        texts = _parquet_texts(f, text_field, on_bad_record, bad)
+    elif f.format == "arrayrecord":
+        texts = (_decode(r, f.path, bad) for r in read_arrayrecord(f.path))
+    elif f.format == "stdlib":
+        texts = iter([_python_source(f.path.read_bytes()) or ""])
+    else:
+        texts = iter([_decode(f.path.read_bytes(), f.path, bad)])
+    return (t for t in texts if t)
