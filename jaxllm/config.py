@@ -112,8 +112,10 @@ class ModelConfig:
     remat: Literal["none", "full", "dots", "dots_with_no_batch_dims"] = "none"
     """Activation checkpointing of each block: none, full (save only block inputs), or save matmul
     outputs (`dots`: every matmul; `dots_with_no_batch_dims`: weight matmuls, not attention)."""
-    attention_impl: Literal["xla"] = "xla"
-    """Attention implementation; `xla` is the einsum reference. Kernels plug in here."""
+    attention_impl: Literal["auto", "xla", "flash", "cudnn"] = "auto"
+    """`xla` (einsum, float32 softmax), `flash` (the Pallas kernel of `jaxllm.kernels`;
+    interpreted on CPU), `cudnn` (`jax.nn.dot_product_attention` on NVIDIA GPUs, no packed
+    segments), or `auto`: flash on TPU, xla elsewhere (see docs/benchmarks.md for GPU)."""
 
     @property
     def resolved_head_dim(self) -> int:

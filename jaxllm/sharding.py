@@ -192,3 +192,17 @@ def ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL) -> jax.Arra
         q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL=segment_ids_BxL, mesh=mesh,
         axis_name="sequence", batch_axes=RULES["batch"], head_axis=RULES["act_heads"][0],
     )  # fmt: skip
+
+
+def per_shard_attention(fn, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS):
+    """Runs `fn(q, k, v, q_seg, kv_seg)` on each device's batch and head shard under the active
+    mesh (whole sequences: a sequence-sharded input is gathered first); plain call without one."""
+    mesh, _ = _ACTIVE.get()
+    if mesh is None or mesh.size == 1:
+        return fn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS)
+    batch, heads = RULES["batch"], RULES["act_heads"][0]
+    qkv = PartitionSpec(batch, None, heads, None)
+    seg = None if q_seg_BxL is None else PartitionSpec(batch, None)
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv, check_vma=False
+    )(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS)

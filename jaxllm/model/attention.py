@@ -32,6 +32,35 @@ def _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxLxS, scale):
     return out_BxLxGxRxK.reshape(b, l, h, k)
 
 
+def resolve_impl(impl: str) -> str:
+    """`auto` -> the implementation for the default backend: the Pallas kernel on TPU, XLA
+    elsewhere (on GPU the kernel's Pallas backend is Triton, deprecated in new jax; the choice
+    between cudnn and a kernel waits for the GPU benchmark)."""
+    if impl != "auto":
+        return impl
+    return "flash" if jax.default_backend() == "tpu" else "xla"
+
+
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale):
+    """The Pallas kernel, run per shard: a custom call cannot be split by the SPMD partitioner,
+    so under a mesh it goes through `shard_map` over batch and heads."""
+    from jaxllm.kernels import flash_attention
+
+    interpret = jax.default_backend() == "cpu"
+
+    def kernel(q, k, v, q_seg, kv_seg):
+        seg = None if q_seg is None else (q_seg, kv_seg)
+        return flash_attention(
+            q, k, v, causal=causal, segment_ids=seg, sm_scale=scale, interpret=interpret
+        )
+
+    if q_seg_BxL is not None and kv_seg_BxS is None:
+        kv_seg_BxS = q_seg_BxL
+    return sharding.per_shard_attention(
+        kernel, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS
+    )
+
+
 def dot_product_attention(
     q_BxLxHxK: jax.Array,
     k_BxSxGxK: jax.Array,
@@ -50,6 +79,16 @@ def dot_product_attention(
     b, l, _, k = q_BxLxHxK.shape
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
+    impl = resolve_impl(impl)
+    if impl == "flash":
+        return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_segment_ids_BxL, kv_segment_ids_BxS,
+                      causal, scale)  # fmt: skip
+    if impl == "cudnn":
+        if q_segment_ids_BxL is not None:
+            raise ValueError("attention_impl=cudnn does not take packed segment ids; use flash")
+        return jax.nn.dot_product_attention(
+            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, scale=scale, is_causal=causal, implementation="cudnn"
+        )
     mask_BxLxS = jnp.ones((b, l, s), dtype=bool)
     if causal:
         mask_BxLxS &= (jnp.arange(l)[:, None] >= jnp.arange(s)[None, :])[None]
