@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from jaxllm import JaxllmWarning
 from jaxllm.config import CheckpointConfig
 
 
@@ -112,7 +113,7 @@ class Checkpointer:
                 warnings.warn(
                     f"checkpoint at step {step} in {self.directory} is unreadable "
                     f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); {nxt}.",
-                    _warning_class(),
+                    JaxllmWarning,
                     stacklevel=2,
                 )
                 continue
@@ -122,12 +123,6 @@ class Checkpointer:
             )
             return state, out["data"], step
         return None
-
-
-def _warning_class():
-    from jaxllm import JaxllmWarning
-
-    return JaxllmWarning
 
 
 def latest_step(directory: str | Path) -> int | None:
