@@ -2,6 +2,8 @@
 
     jaxllm train [CONFIG.yaml] [key=value ...] [--coordinator H:P --num-processes N --process-id I]
     jaxllm eval RUN_DIR|CHECKPOINT [key=value ...] [--batches N]
+    jaxllm generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
+        [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4] [key=value ...]
     jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
     jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N]
     jaxllm bench data [CONFIG.yaml] [key=value ...]
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from jaxllm.config import ConfigError
 
@@ -112,6 +115,29 @@ def cmd_plan(ns) -> int:
     return 1 if report["fits"] is False else 0
 
 
+def cmd_generate(ns) -> int:
+    from jaxllm.infer.cli import cmd_generate as run
+
+    return run(ns)
+
+
+def _add_generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text from a trained run, with a KV cache")
+    g.add_argument("args", nargs="+", metavar="RUN_DIR|CHECKPOINT|key=value")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    src.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    g.add_argument("--max-new-tokens", type=int, help="tokens per prompt at most")
+    g.add_argument("--temperature", type=float, help="0 = greedy")
+    g.add_argument("--top-k", type=int, help="0 = off")
+    g.add_argument("--top-p", type=float, help="1 = off")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--kv-cache-dtype", choices=("bfloat16", "float32", "int8", "int4"))
+    g.add_argument("--kv-page-size", type=int, help="tokens per page; 0 = contiguous cache")
+    g.add_argument("--decode-impl", choices=("auto", "xla", "kernel"))
+    g.set_defaults(func=cmd_generate)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxllm", description="Train LLMs with JAX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -141,6 +167,8 @@ def parser() -> argparse.ArgumentParser:
     bt.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     bt.set_defaults(func=cmd_bench)
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser
+
+    _add_generate_parser(sub)
 
     add_bench_data_parser(bsub)
     add_data_parser(sub)

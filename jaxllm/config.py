@@ -280,6 +280,37 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """Sampling and KV cache of `jaxllm generate` (and of `jaxllm.infer.generate`)."""
+
+    max_new_tokens: int = 128
+    """Tokens generated per prompt at most (fewer when a stop token comes first)."""
+    temperature: float = 0.0
+    """Softmax temperature; 0 decodes greedily (argmax)."""
+    top_k: int = 0
+    """Sample only among the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches p; 1 keeps all."""
+    seed: int = 0
+    """Seed of the sampling rng (ignored when greedy)."""
+    stop_tokens: tuple[int, ...] = ()
+    """Token ids that end a sequence, besides the tokenizer's end-of-sequence token."""
+    kv_cache_dtype: Literal["bfloat16", "float32", "int8", "int4"] = "bfloat16"
+    """Storage of cached keys/values: full precision, int8 (symmetric, one scale per token and kv
+    head) or int4 (KIVI: keys per channel, values per token, asymmetric, two codes per byte)."""
+    kv_group: int = 32
+    """int4 group size: tokens per key scale, channels per value scale; also the number of most
+    recent tokens kept in full precision until their key group fills."""
+    kv_page_size: int = 0
+    """0 lays the cache out contiguously ([batch, max_len] per layer); N > 0 stores it in pages of
+    N tokens shared by the batch through a block table, so each sequence reserves only the pages
+    its own prompt + max_new_tokens need."""
+    decode_impl: Literal["auto", "xla", "kernel"] = "auto"
+    """Attention over the cache: `kernel` (the Pallas decode kernel of `jaxllm.kernels`,
+    interpreted on CPU), `xla` (dequantize, then attend), `auto` (kernel on TPU/GPU, xla on CPU)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The whole run. Each section is passed only to the component that owns it."""
 
@@ -290,6 +321,7 @@ class Config:
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    generate: GenerateConfig = GenerateConfig()
 
     def validate(self, num_devices: int | None = None) -> Config:
         """Checks combinations no field type can express; returns self or raises ConfigError."""
@@ -309,6 +341,25 @@ class Config:
                 _fail(f"{key} must be at least 1, not {value}.")
         if t.eval_every < 0 or t.sample_tokens < 0 or self.optim.warmup_steps < 0:
             _fail("train.eval_every, train.sample_tokens and optim.warmup_steps must be >= 0.")
+        gen = self.generate
+        if gen.max_new_tokens < 1 or gen.temperature < 0 or gen.top_k < 0:
+            _fail("generate.max_new_tokens must be >= 1, generate.temperature and top_k >= 0.")
+        if not 0 < gen.top_p <= 1:
+            _fail(f"generate.top_p must be in (0, 1], not {gen.top_p}.")
+        if gen.kv_group < 1 or gen.kv_page_size < 0:
+            _fail("generate.kv_group must be >= 1 and generate.kv_page_size >= 0.")
+        if gen.kv_cache_dtype == "int4" and m.resolved_head_dim % min(
+            gen.kv_group, m.resolved_head_dim
+        ):
+            _fail(
+                f"generate.kv_group ({gen.kv_group}) must divide the head dim "
+                f"({m.resolved_head_dim}) for the int4 cache's per-token value groups."
+            )
+        if gen.kv_page_size and gen.kv_page_size % gen.kv_group:
+            _fail(
+                f"generate.kv_page_size ({gen.kv_page_size}) must be a multiple of "
+                f"generate.kv_group ({gen.kv_group})."
+            )
         if m.num_heads % m.num_kv_heads:
             _fail(
                 f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "

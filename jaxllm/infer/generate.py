@@ -1,17 +1,30 @@
-"""Greedy decoding without a KV cache: each new token re-reads the whole (fixed-size) buffer.
+"""Text generation: prefill, then decode with a KV cache, all inside one jitted program.
 
-Simple and exactly what the model computes in training, which makes it the reference that
-cached decoding is checked against. The whole loop is one jitted `fori_loop`.
+`generate(model, prompts, gen)` right-pads a batch of prompts of different lengths, runs one
+prefill pass that fills the cache (`jaxllm.infer.kv_cache`) and gives each prompt's next-token
+logits, then a `lax.while_loop` of single-token decode steps until every sequence has produced
+`max_new_tokens` or a stop token: no Python runs per token. Tokens can be streamed to the host as
+they are made (`on_token`, through an ordered `jax.debug.callback`).
+
+`greedy_continue` is the cache-free reference: every step re-runs the full forward pass over a
+fixed buffer, exactly what training computes; cached decoding is tested against it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxllm import sharding
+from jaxllm.config import GenerateConfig
+from jaxllm.infer import kv_cache
+from jaxllm.infer.sampling import sample
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_new"))
@@ -43,3 +56,225 @@ def greedy_continue(model, prompt_ids, num_new: int, max_len: int | None = None)
     graphdef, state = nnx.split(model)
     out = _greedy(graphdef, state, jnp.asarray(buf), jnp.asarray([len(prompt)], jnp.int32), num_new)
     return np.asarray(out[0, len(prompt) :])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static shape of one generate call (a new one compiles a new program)."""
+
+    kind: str
+    group: int
+    max_len: int  # tokens per sequence (contiguous) or page size (paged)
+    num_pages: int | None
+    max_new: int
+    temperature: float
+    top_k: int
+    top_p: float
+    impl: str
+    interpret: bool
+
+
+@dataclasses.dataclass
+class Generation:
+    """Result of `generate`: new token ids per prompt (stop token excluded) and cache facts."""
+
+    tokens: list[list[int]]
+    stopped: list[bool]
+    """Whether each sequence ended on a stop token (else it reached max_new_tokens)."""
+    cache_bytes_per_token: int
+    """Bytes one cached token costs over all layers, scales included."""
+    cache_bytes: int
+    """Bytes of the whole allocated cache (all layers, residual window and scratch included)."""
+
+
+def resolve_decode_impl(impl: str) -> tuple[str, bool]:
+    """(`kernel` | `xla`, interpret): `auto` is the Pallas kernel on TPU/GPU, XLA on CPU."""
+    if impl == "auto":
+        impl = "xla" if jax.default_backend() == "cpu" else "kernel"
+    return impl, impl == "kernel" and jax.default_backend() == "cpu"
+
+
+def cache_logical_axes(kv: kv_cache.KVCache):
+    """Logical axes of every cache array: batch (DP) and kv heads (TP) are sharded; the pages
+    of a paged cache are shared by the batch, so only their heads are split."""
+    paged = kv.block_table is not None
+
+    def axes(name, x):
+        if x is None or name == "block_table":
+            return None
+        lead = ("layers", "batch") if name in ("k_res", "v_res") or not paged else ("layers", None)
+        return (*lead, "kv_heads") + (None,) * (x.ndim - 3)
+
+    return {f.name: axes(f.name, getattr(kv, f.name)) for f in dataclasses.fields(kv)
+            if isinstance(getattr(kv, f.name), jax.Array | jax.ShapeDtypeStruct)}  # fmt: skip
+
+
+def _constrain_cache(kv):
+    updates = {
+        name: sharding.constrain(getattr(kv, name), axes)
+        for name, axes in cache_logical_axes(kv).items()
+        if axes is not None
+    }
+    return dataclasses.replace(kv, **updates)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "on_token"))
+def _generate(graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, rng, plan, on_token):
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    b = prompt_BxL.shape[0]
+    kv = kv_cache.init_cache(
+        num_layers=cfg.num_layers, batch=b, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.resolved_head_dim, max_len=plan.max_len, kind=plan.kind, group=plan.group,
+        compute_dtype=jnp.dtype(cfg.dtype), block_table=block_table, num_pages=plan.num_pages,
+    )  # fmt: skip
+    kv = _constrain_cache(kv)
+    view = kv_cache.CacheView(kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl,
+                              interpret=plan.interpret)  # fmt: skip
+    logits_Bx1xV, view = model(prompt_BxL, cache=view, logits_at_BxQ=(lengths_B - 1)[:, None])
+    pick = functools.partial(
+        sample, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p
+    )
+    rng, sub = jax.random.split(rng)
+    tok_B = pick(logits_Bx1xV[:, 0], sub)
+    out_BxN = jnp.zeros((b, plan.max_new), jnp.int32)
+    done_B = jnp.zeros((b,), bool)
+
+    def cond(carry):
+        i, _, _, done_B, _, _, _ = carry
+        return (i < plan.max_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        i, tok_B, lengths_B, done_B, out_BxN, kv, rng = carry
+        out_BxN = out_BxN.at[:, i].set(jnp.where(done_B, 0, tok_B))
+        if on_token is not None:
+            jax.debug.callback(on_token, i, tok_B, done_B, ordered=True)
+        done_B = done_B | jnp.isin(tok_B, stop_S)
+        lengths_B = lengths_B + 1
+        view = kv_cache.CacheView(kv, lengths_B, jnp.int32(0), prefill=False, impl=plan.impl,
+                                  interpret=plan.interpret)  # fmt: skip
+        logits_Bx1xV, view = model(
+            tok_B[:, None], positions_BxL=(lengths_B - 1)[:, None], cache=view
+        )
+        rng, sub = jax.random.split(rng)
+        return i + 1, pick(logits_Bx1xV[:, 0], sub), lengths_B, done_B, out_BxN, view.kv, rng
+
+    carry = (jnp.int32(0), tok_B, lengths_B, done_B, out_BxN, view.kv, rng)
+    _, _, _, done_B, out_BxN, _, _ = jax.lax.while_loop(cond, body, carry)
+    return out_BxN, done_B
+
+
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    gen: GenerateConfig = GenerateConfig(),
+    *,
+    stop_tokens: Sequence[int] = (),
+    mesh=None,
+    on_token: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+) -> Generation:
+    """Continues each prompt (a list of token ids) by up to `gen.max_new_tokens` tokens.
+
+    Sampling follows `gen` (temperature 0 is greedy; the rng comes from `gen.seed`); a sequence
+    stops at any of `stop_tokens` + `gen.stop_tokens`. With `mesh`, the batch is split over its
+    data axes and kv heads over `tensor` (the model's parameters should already live on it, e.g.
+    `jaxllm.load_model(path, mesh=mesh)`). `on_token(step, tokens_B, done_B)` is called on the
+    host after each step, in order (for streaming).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and no empty prompt")
+    cfg = model.cfg
+    n_real = len(prompts)
+    dp = 1
+    if mesh is not None:
+        dp = int(np.prod([mesh.shape[a] for a in sharding.RULES["batch"]]))
+    b = -(-n_real // dp) * dp  # pad the batch with 1-token prompts to split evenly
+    prompts = [list(p) for p in prompts] + [[0]] * (b - n_real)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if int(lengths.max()) + gen.max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({gen.max_new_tokens}) "
+            f"exceeds the model's max_seq_len ({cfg.max_seq_len})"
+        )
+    prompt_len = -(-int(lengths.max()) // 8) * 8  # fewer distinct shapes to compile
+    prompt_BxL = np.zeros((b, prompt_len), np.int32)
+    for i, p in enumerate(prompts):
+        prompt_BxL[i, : len(p)] = p
+    need_B = lengths + gen.max_new_tokens
+    kind, group = gen.kv_cache_dtype, gen.kv_group
+    g, k, nl = cfg.num_kv_heads, cfg.resolved_head_dim, cfg.num_layers
+    if gen.kv_page_size:
+        table, num_pages = kv_cache.allocate_pages(need_B, gen.kv_page_size)
+        max_len, block_table = gen.kv_page_size, jnp.asarray(table)
+        cache_tokens = num_pages * gen.kv_page_size
+    else:
+        max_len = kv_cache.cache_length(max(int(need_B.max()), prompt_len), kind, group)
+        num_pages, block_table, cache_tokens = None, None, b * max_len
+    impl, interpret = resolve_decode_impl(gen.decode_impl)
+    plan = _Plan(kind, group, max_len, num_pages, gen.max_new_tokens, float(gen.temperature),
+                 gen.top_k, float(gen.top_p), impl, interpret)  # fmt: skip
+    stop_S = jnp.asarray(sorted({*stop_tokens, *gen.stop_tokens}) or [-1], jnp.int32)
+    graphdef, state = nnx.split(model)
+    with sharding.active_mesh(mesh):
+        out_BxN, done_B = _generate(
+            graphdef, state, jnp.asarray(prompt_BxL), jnp.asarray(lengths), block_table, stop_S,
+            jax.random.key(gen.seed), plan, on_token,
+        )  # fmt: skip
+    out_BxN, done_B = np.asarray(out_BxN), np.asarray(done_B)
+    stops = set(np.asarray(stop_S).tolist())
+    tokens, stopped = [], []
+    for row in out_BxN[:n_real]:
+        cut = next((i for i, t in enumerate(row.tolist()) if t in stops), None)
+        tokens.append(row[: len(row) if cut is None else cut].tolist())
+        stopped.append(cut is not None)
+    per_token = kv_cache.bytes_per_token(kind, nl, g, k, group)
+    residual = 2 * nl * b * g * group * k * jnp.dtype(cfg.dtype).itemsize if kind == "int4" else 0
+    return Generation(tokens, stopped, per_token, per_token * cache_tokens + residual)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "prefix"))
+def _score(graphdef, state, tokens_BxT, plan, prefix):
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    b, t = tokens_BxT.shape
+    kv = kv_cache.init_cache(
+        num_layers=cfg.num_layers, batch=b, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.resolved_head_dim, max_len=plan.max_len, kind=plan.kind, group=plan.group,
+        compute_dtype=jnp.dtype(cfg.dtype),
+    )  # fmt: skip
+    lengths_B = jnp.full((b,), prefix, jnp.int32)
+    view = kv_cache.CacheView(kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl,
+                              interpret=plan.interpret)  # fmt: skip
+    logits_Bx1xV, view = model(tokens_BxT[:, :prefix], cache=view,
+                               logits_at_BxQ=(lengths_B - 1)[:, None])  # fmt: skip
+
+    def step(kv, pos):
+        view = kv_cache.CacheView(kv, jnp.full((b,), pos + 1, jnp.int32), jnp.int32(0),
+                                  prefill=False, impl=plan.impl, interpret=plan.interpret)  # fmt: skip
+        logits_Bx1xV, view = model(
+            tokens_BxT[:, pos][:, None], positions_BxL=jnp.full((b, 1), pos, jnp.int32), cache=view
+        )
+        return view.kv, logits_Bx1xV[:, 0]
+
+    kv, logits_NxBxV = jax.lax.scan(step, view.kv, jnp.arange(prefix, t - 1))
+    logits_BxNxV = jnp.concatenate([logits_Bx1xV, logits_NxBxV.transpose(1, 0, 2)], axis=1)
+    logp_BxNxV = jax.nn.log_softmax(logits_BxNxV.astype(jnp.float32), axis=-1)
+    targets_BxN = tokens_BxT[:, prefix:]
+    nll_BxN = -jnp.take_along_axis(logp_BxNxV, targets_BxN[..., None], axis=-1)[..., 0]
+    return nll_BxN, jnp.argmax(logits_BxNxV, axis=-1)
+
+
+def score_with_cache(model, tokens_BxT, gen: GenerateConfig = GenerateConfig(), prefix: int = 1):
+    """Teacher-forced scoring through the cache: prefill `prefix` tokens, then feed the rest one
+    decode step at a time. Returns (nll [B, T - prefix] of each next token, argmax predictions
+    [B, T - prefix]), so caches of different dtypes can be compared on perplexity and on greedy
+    agreement over the same text."""
+    tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
+    t = tokens_BxT.shape[1]
+    impl, interpret = resolve_decode_impl(gen.decode_impl)
+    plan = _Plan(gen.kv_cache_dtype, gen.kv_group,
+                 kv_cache.cache_length(t, gen.kv_cache_dtype, gen.kv_group), None, 0, 0.0, 0,
+                 1.0, impl, interpret)  # fmt: skip
+    graphdef, state = nnx.split(model)
+    nll, pred = _score(graphdef, state, tokens_BxT, plan, prefix)
+    return np.asarray(nll), np.asarray(pred)

@@ -114,13 +114,24 @@ class Attention(nnx.Module):
         self.v_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
         self.o_proj = param(rngs, out_init, (h, k, d), ("heads", "head_dim", "embed"), pdt)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None):
+        """Training / scoring: causal self-attention over x. With a `cache` (a
+        `jaxllm.infer.kv_cache.CacheView`), the new keys/values are written into it first; a
+        prefill then attends over its own tokens, a decode step over the whole cache. Returns
+        (out, cache) when a cache is passed."""
         q_BxLxHxK = matmul("bld,dhk->blhk", x_BxLxD, self.q_proj[...], self.dtype)
         k_BxLxGxK = matmul("bld,dgk->blgk", x_BxLxD, self.k_proj[...], self.dtype)
         v_BxLxGxK = matmul("bld,dgk->blgk", x_BxLxD, self.v_proj[...], self.dtype)
         q_BxLxHxK = apply_rope(q_BxLxHxK, positions_BxL, self.theta)
         k_BxLxGxK = apply_rope(k_BxLxGxK, positions_BxL, self.theta)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
+        if cache is not None:
+            cache = cache.write(k_BxLxGxK, v_BxLxGxK)
+            if cache.prefill:  # right-padded prompts: causality alone keeps padding unseen
+                out_BxLxHxK = dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, impl=self.impl)
+            else:
+                out_BxLxHxK = cache.attend(q_BxLxHxK)
+            return matmul("blhk,hkd->bld", out_BxLxHxK, self.o_proj[...], self.dtype), cache
         if sharding.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             out_BxLxHxK = sharding.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL)
         else:  # K/V all-gathered over the sequence shards (a no-op without them)

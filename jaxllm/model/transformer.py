@@ -40,10 +40,16 @@ class Block(nnx.Module):
             dtype=dtype, param_dtype=pdt, rngs=rngs,
         )  # fmt: skip
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL)
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None):
+        h_BxLxD = self.attn_norm(x_BxLxD)
+        if cache is None:
+            x_BxLxD = x_BxLxD + self.attn(h_BxLxD, positions_BxL, segment_ids_BxL)
+        else:
+            attn_BxLxD, cache = self.attn(h_BxLxD, positions_BxL, segment_ids_BxL, cache)
+            x_BxLxD = x_BxLxD + attn_BxLxD
         x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
-        return constrain(x_BxLxD, ("batch", "length", "act_embed"))
+        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
+        return x_BxLxD if cache is None else (x_BxLxD, cache)
 
 
 class Transformer(nnx.Module):
@@ -73,8 +79,13 @@ class Transformer(nnx.Module):
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
     def __call__(self, tokens_BxL=None, *, positions_BxL=None, segment_ids_BxL=None,
-                 embeddings_BxLxD=None):  # fmt: skip
-        """Either tokens or input embeddings (for soft prompts, and gradient tests) go in."""
+                 embeddings_BxLxD=None, cache=None, logits_at_BxQ=None):  # fmt: skip
+        """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
+
+        Generation passes a KV `cache` (`jaxllm.infer.kv_cache.CacheView`; the result is then
+        `(logits, cache)`) and `logits_at_BxQ`, the positions along L whose logits it needs, so
+        a long prefill never materialises [B, L, V] logits.
+        """
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
         if embeddings_BxLxD is None:
@@ -88,22 +99,40 @@ class Transformer(nnx.Module):
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
 
         block_def, stacked_state = nnx.split(self.layers)
+        if cache is None:
 
-        def body(x_BxLxD, layer_state):
-            block = nnx.merge(block_def, layer_state)
-            return block(x_BxLxD, positions_BxL, segment_ids_BxL), None
+            def body(x_BxLxD, layer_state):
+                block = nnx.merge(block_def, layer_state)
+                return block(x_BxLxD, positions_BxL, segment_ids_BxL), None
 
-        if self.cfg.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked_state, unroll=self.cfg.scan_unroll)
+            if self.cfg.remat != "none":
+                body = jax.checkpoint(
+                    body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False
+                )
+            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked_state, unroll=self.cfg.scan_unroll)
+        else:  # the cache of all layers rides in the carry; each block updates its own layer
 
+            def body(carry, xs):
+                x_BxLxD, cache = carry
+                layer_state, layer = xs
+                block = nnx.merge(block_def, layer_state)
+                return block(x_BxLxD, positions_BxL, segment_ids_BxL, cache.at_layer(layer)), None
+
+            layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+            (x_BxLxD, cache), _ = jax.lax.scan(
+                body, (x_BxLxD, cache), (stacked_state, layers), unroll=self.cfg.scan_unroll
+            )
+
+        if logits_at_BxQ is not None:
+            x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.cfg.tie_embeddings:
             logits_BxLxV = self.embed.attend(x_BxLxD)
         else:
             dtype = jnp.dtype(self.cfg.dtype)
             logits_BxLxV = matmul("bld,dv->blv", x_BxLxD, self.lm_head[...], dtype, jnp.float32)
-        return constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
+        logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
+        return logits_BxLxV if cache is None else (logits_BxLxV, cache)
 
 
 def build(cfg: ModelConfig, seed: int | jax.Array = 0) -> Transformer:

@@ -271,17 +271,23 @@ def train(cfg: config.Config) -> dict:
 
 
 def sample(cfg: config.Config, params) -> str:
-    """Greedy continuation of `train.sample_prompt`, printed to stdout."""
+    """Greedy continuation of `train.sample_prompt` (KV-cached, `generate.*` cache settings),
+    printed to stdout."""
+    import dataclasses
+
     from flax import nnx
 
-    from jaxllm.infer import greedy_continue
+    from jaxllm.infer import generate
 
     tok = make_tokenizer(cfg.data)
     graphdef, _, _ = abstract_model(cfg.model)
     model = nnx.merge(graphdef, jax.device_get(params))
     bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
-    prompt = np.concatenate([np.asarray(bos, np.int32), tok.encode(cfg.train.sample_prompt)])
-    new = greedy_continue(model, prompt, cfg.train.sample_tokens, max_len=cfg.model.max_seq_len)
+    n = min(cfg.train.sample_tokens, cfg.model.max_seq_len - 1)
+    prompt = [*bos, *tok.encode(cfg.train.sample_prompt).tolist()]
+    prompt = prompt[-(cfg.model.max_seq_len - n) :]
+    gen = dataclasses.replace(cfg.generate, max_new_tokens=n, temperature=0.0)
+    new = generate(model, [prompt], gen).tokens[0]
     text = tok.decode(new)
     print(f"--- greedy continuation of {cfg.train.sample_prompt!r} ---")
     print(cfg.train.sample_prompt + text)

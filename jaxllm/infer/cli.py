@@ -1,0 +1,108 @@
+"""`jaxllm generate RUN_DIR --prompt TEXT ...`: sample from a trained run with a KV cache.
+
+Only generated text goes to stdout (streamed as it is made when there is one prompt; one block
+per prompt otherwise); the cache size and speed go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from jaxllm.config import ConfigError
+
+
+def _overrides(ns: argparse.Namespace) -> list[str]:
+    flags = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "kv_cache_dtype",
+             "kv_page_size", "decode_impl")  # fmt: skip
+    return [f"generate.{f}={getattr(ns, f)}" for f in flags if getattr(ns, f) is not None]
+
+
+class _Stream:
+    """Prints one sequence's text as tokens arrive (whole UTF-8 characters only)."""
+
+    def __init__(self, tok, stops: set[int]):
+        self.tok, self.stops, self.ids, self.shown = tok, stops, [], 0
+
+    def __call__(self, step, tokens_B, done_B) -> None:
+        t = int(tokens_B[0])
+        if bool(done_B[0]) or t in self.stops:
+            return
+        self.ids.append(t)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # a character still incomplete
+            return
+        sys.stdout.write(text[self.shown :])
+        sys.stdout.flush()
+        self.shown = len(text)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from jaxllm.cli import _split_config_args
+
+    path, overrides = _split_config_args(ns.args)
+    if path is None:
+        raise ConfigError("jaxllm generate needs a run directory or checkpoint path.")
+    if ns.prompt:
+        prompts = ns.prompt
+    else:
+        if not ns.prompts_file.is_file():
+            raise ConfigError(f"--prompts-file {ns.prompts_file} does not exist.")
+        prompts = [ln for ln in ns.prompts_file.read_text().splitlines() if ln.strip()]
+        if not prompts:
+            raise ConfigError(f"--prompts-file {ns.prompts_file} has no prompts.")
+
+    import jax
+
+    from jaxllm import checkpoint, config, sharding
+    from jaxllm.data.tokenizer import make_tokenizer
+    from jaxllm.evaluate import resolve
+    from jaxllm.infer.generate import generate
+    from jaxllm.train.state import abstract_model
+
+    run_dir, ckpt_dir, step = resolve(path)
+    cfg = config.load(run_dir / "config.yaml", [*overrides, *_overrides(ns)])
+    cfg.validate(len(jax.devices()))
+    mesh = sharding.make_mesh(cfg.mesh)
+    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
+    step = step if step is not None else checkpoint.latest_step(ckpt_dir)
+    if step is None:
+        raise ConfigError(f"no checkpoint in {ckpt_dir}; train first.")
+    from flax import nnx
+
+    graphdef, abstract, axes = abstract_model(cfg.model)
+    sharding.check_divisible(mesh, abstract, axes)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract,
+        sharding.tree_shardings(mesh, axes),
+    )
+    model = nnx.merge(graphdef, checkpoint.restore_params(ckpt_dir, target, step))
+
+    tok = make_tokenizer(cfg.data)
+    bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
+    ids = [bos + tok.encode(p).tolist() for p in prompts]
+    stops = {tok.eos_id} if tok.eos_id is not None else set()
+    stream = _Stream(tok, stops | set(cfg.generate.stop_tokens)) if len(prompts) == 1 else None
+    t0 = time.perf_counter()
+    try:
+        out = generate(model, ids, cfg.generate, stop_tokens=sorted(stops), mesh=mesh,
+                       on_token=stream)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    secs = time.perf_counter() - t0
+    if stream is None:
+        for i, new in enumerate(out.tokens):
+            sys.stdout.write(("\n\n" if i else "") + tok.decode(new))
+    sys.stdout.write("\n")
+    n_new = sum(len(t) for t in out.tokens)
+    g = cfg.generate
+    print(
+        f"step {step}: {len(prompts)} prompt(s), {n_new} new tokens in {secs:.2f}s including "
+        f"compilation; kv cache {g.kv_cache_dtype}"
+        f"{f' paged ({g.kv_page_size} tokens/page)' if g.kv_page_size else ''}: "
+        f"{out.cache_bytes_per_token:,} bytes/token, {out.cache_bytes / 2**20:.2f} MiB allocated",
+        file=sys.stderr,
+    )
+    return 0

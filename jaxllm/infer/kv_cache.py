@@ -1,0 +1,243 @@
+"""The KV cache of generation: allocation, writes (quantize on write), and attention over it.
+
+Storage formats and the decode-attention kernel live in `jaxllm.kernels.decode_attention`
+(`KVCache`: every array carries a leading `layers` axis, heads before tokens). This module owns
+what happens around them:
+
+- `init_cache`: zeros for all layers, contiguous ([B, G, T, ...] per layer) or paged ([P, G, N,
+  ...] pages plus a per-sequence block table, `allocate_pages`). Page 0 is a scratch page: block
+  table entries past a sequence's allocation point at it, so writes of padding land there.
+- `CacheView`: what one forward pass of the model sees: the cache, the layer being run, and the
+  sequence lengths after this pass's tokens are written. `Attention` calls `write` with its new
+  keys/values and then (decode steps) `attend`.
+
+Quantize on write, as KIVI (Liu et al. 2024, arXiv:2402.02750) does for int4: keys are quantized
+per channel over groups of `group` tokens, so the tokens of a group that is not full yet stay in
+a full-precision residual buffer and are quantized together when the group's last token comes.
+int8 (one scale per token and kv head) and full-precision caches write each token directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.kernels.decode_attention import quant
+from jaxllm.kernels.decode_attention.quant import KVCache, cache_bytes_per_token
+from jaxllm.kernels.decode_attention.reference import decode_attention_reference
+
+KINDS = ("bfloat16", "float32", "int8", "int4")
+
+
+def cache_length(max_tokens: int, kind: str, group: int, page_size: int = 0) -> int:
+    """Tokens per sequence a contiguous cache reserves: `max_tokens` rounded up to whole int4
+    groups and kernel blocks (pages set their own granularity)."""
+    unit = page_size or math.lcm(group if kind == "int4" else 1, 16)
+    return -(-max_tokens // unit) * unit
+
+
+def allocate_pages(tokens_B, page_size: int) -> tuple[np.ndarray, int]:
+    """Block table [B, max pages] (int32) giving each sequence just the pages its tokens need,
+    and the total number of pages including the scratch page 0 (unused entries point at it)."""
+    pages_B = [-(-int(n) // page_size) for n in tokens_B]
+    table = np.zeros((len(pages_B), max(pages_B)), np.int32)
+    nxt = 1
+    for b, n in enumerate(pages_B):
+        table[b, :n] = np.arange(nxt, nxt + n)
+        nxt += n
+    return table, nxt
+
+
+def init_cache(
+    *,
+    num_layers: int,
+    batch: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    kind: str = "bfloat16",
+    group: int = 32,
+    compute_dtype=jnp.bfloat16,
+    block_table: jax.Array | None = None,
+    num_pages: int | None = None,
+) -> KVCache:
+    """An empty cache for all layers. Contiguous unless `block_table` (with `num_pages`, from
+    `allocate_pages`) is given; then `max_len` is the page size."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kv cache dtype {kind!r}; expected one of {KINDS}")
+    lyr, g, k = num_layers, num_kv_heads, head_dim
+    rows = (lyr, batch) if block_table is None else (lyr, num_pages)
+    t = max_len
+    z = lambda *shape, dtype=jnp.bfloat16: jnp.zeros((*rows, g, *shape), dtype)  # noqa: E731
+    fields: dict = dict(kind=kind, group=group, block_table=block_table)
+    if kind in ("bfloat16", "float32"):
+        fields.update(k=z(t, k, dtype=jnp.dtype(kind)), v=z(t, k, dtype=jnp.dtype(kind)))
+    elif kind == "int8":
+        fields.update(
+            k=z(t, k, dtype=jnp.int8), v=z(t, k, dtype=jnp.int8), k_scale=z(t), v_scale=z(t)
+        )
+    else:
+        vg = min(group, k)
+        res = jnp.zeros((lyr, batch, g, group, k), compute_dtype)
+        fields.update(
+            k=z(t, k // 2, dtype=jnp.uint8), v=z(t, k // 2, dtype=jnp.uint8),
+            k_scale=z(t // group, k), k_zero=z(t // group, k),
+            v_scale=z(t, k // vg), v_zero=z(t, k // vg), k_res=res, v_res=res,
+        )  # fmt: skip
+    return KVCache(**fields)
+
+
+def bytes_per_token(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, group: int):
+    """Cache bytes one token costs over all layers, codes and scales included (the int4
+    residual window is a constant `group` tokens per sequence on top)."""
+    return num_layers * cache_bytes_per_token(kind, num_kv_heads, head_dim, group)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheView:
+    """The cache as one forward pass sees it.
+
+    lengths_B: valid tokens per sequence once this pass's `num_new` tokens are written. A
+    prefill writes its L tokens at positions 0..L-1 (right-padded prompts; lengths are the
+    prompt lengths); a decode step writes Q tokens at lengths - Q .. lengths - 1.
+    """
+
+    kv: KVCache
+    lengths_B: jax.Array
+    layer: jax.Array
+    prefill: bool = dataclasses.field(metadata=dict(static=True))
+    impl: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def at_layer(self, layer) -> CacheView:
+        return dataclasses.replace(self, layer=layer)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def write(self, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> CacheView:
+        b, l = k_BxLxGxK.shape[:2]
+        if self.prefill:
+            pos_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+        else:
+            pos_BxL = self.lengths_B[:, None] - l + jnp.arange(l, dtype=jnp.int32)[None]
+        kv = self.kv
+        if kv.kind in ("bfloat16", "float32"):
+            kv = dataclasses.replace(
+                kv, k=self._put(kv.k, pos_BxL, k_BxLxGxK), v=self._put(kv.v, pos_BxL, v_BxLxGxK)
+            )
+        elif kv.kind == "int8":
+            kc, ks = quant.quantize_int8(k_BxLxGxK)
+            vc, vs = quant.quantize_int8(v_BxLxGxK)
+            kv = dataclasses.replace(
+                kv,
+                k=self._put(kv.k, pos_BxL, kc), k_scale=self._put(kv.k_scale, pos_BxL, ks),
+                v=self._put(kv.v, pos_BxL, vc), v_scale=self._put(kv.v_scale, pos_BxL, vs),
+            )  # fmt: skip
+        elif self.prefill:
+            kv = self._int4_prefill(kv, k_BxLxGxK, v_BxLxGxK)
+        else:
+            for j in range(l):  # Q is small; each token may complete a group
+                kv = self._int4_append(kv, pos_BxL[:, j], k_BxLxGxK[:, j], v_BxLxGxK[:, j])
+        return dataclasses.replace(self, kv=kv)
+
+    def _slots(self, pos_BxL, arr_pages: int):
+        """(row, column) indices of tokens in a [L, rows, G, T-or-N, ...] array; positions
+        that fall outside get an out-of-range index, which `mode="drop"` discards."""
+        kv = self.kv
+        b = pos_BxL.shape[0]
+        if kv.block_table is None:
+            rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], pos_BxL.shape)
+            return rows, pos_BxL
+        n = arr_pages
+        page_BxL = jnp.take_along_axis(kv.block_table, pos_BxL // n, axis=1, mode="fill",
+                                       fill_value=0)  # fmt: skip
+        return page_BxL, pos_BxL % n
+
+    def _put(self, arr, pos_BxL, val_BxLxGx_, token_axis_len: int | None = None):
+        """Writes per-token values [B, L, G, ...] into arr [layers, rows, G, T, ...]."""
+        rows, cols = self._slots(pos_BxL, token_axis_len or arr.shape[3])
+        return arr.at[self.layer, rows, :, cols].set(val_BxLxGx_.astype(arr.dtype), mode="drop")
+
+    def _int4_prefill(self, kv, k_BxLxGxK, v_BxLxGxK):
+        b, l, _, _ = k_BxLxGxK.shape
+        grp = kv.group
+        lg = -(-l // grp) * grp
+        pad = [(0, 0), (0, lg + grp - l), (0, 0), (0, 0)]  # one spare group for the residual
+        k_BxLgxGxK, v_BxLgxGxK = jnp.pad(k_BxLxGxK, pad), jnp.pad(v_BxLxGxK, pad)
+        k_BxGxLgxK = k_BxLgxGxK[:, :lg].transpose(0, 2, 1, 3)
+        v_BxGxLgxK = v_BxLgxGxK[:, :lg].transpose(0, 2, 1, 3)
+        kc, ks, kz = quant.quantize_int4_keys(k_BxGxLgxK, grp)
+        vc, vs, vz = quant.quantize_int4_values(v_BxGxLgxK, grp)
+        pos_BxLg = jnp.broadcast_to(jnp.arange(lg, dtype=jnp.int32), (b, lg))
+        # Groups beyond a prompt's last full one hold padding; decode overwrites them when
+        # they fill, and attention never reads codes past the last full group.
+        kv = self._int4_put(kv, pos_BxLg, kc, ks, kz, vc, vs, vz)
+        full_B = (self.lengths_B // grp) * grp
+        take = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, grp, axis=0))
+        k_res = take(k_BxLgxGxK, full_B).transpose(0, 2, 1, 3)  # [B, G, group, K]
+        v_res = take(v_BxLgxGxK, full_B).transpose(0, 2, 1, 3)
+        return dataclasses.replace(
+            kv,
+            k_res=kv.k_res.at[self.layer].set(k_res.astype(kv.k_res.dtype)),
+            v_res=kv.v_res.at[self.layer].set(v_res.astype(kv.v_res.dtype)),
+        )
+
+    def _int4_put(self, kv, pos_BxT, kc, ks, kz, vc, vs, vz):
+        """Writes whole quantized groups: codes/value scales per token, key scales per group.
+        pos_BxT lists each group's tokens in order (T a multiple of the group)."""
+        grp = kv.group
+        t_axis = kv.k.shape[3]
+        tr = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, G, T, ...] -> [B, T, G, ...]
+        rows, cols = self._slots(pos_BxT, t_axis)
+        at = lambda arr, r, c, val: arr.at[self.layer, r, :, c].set(  # noqa: E731
+            val.astype(arr.dtype), mode="drop"
+        )
+        g_rows, g_cols = rows[:, ::grp], cols[:, ::grp] // grp
+        return dataclasses.replace(
+            kv,
+            k=at(kv.k, rows, cols, tr(kc)), v=at(kv.v, rows, cols, tr(vc)),
+            v_scale=at(kv.v_scale, rows, cols, tr(vs)), v_zero=at(kv.v_zero, rows, cols, tr(vz)),
+            k_scale=at(kv.k_scale, g_rows, g_cols, tr(ks)),
+            k_zero=at(kv.k_zero, g_rows, g_cols, tr(kz)),
+        )  # fmt: skip
+
+    def _int4_append(self, kv, pos_B, k_BxGxK, v_BxGxK):
+        """One token into the residual; a sequence whose group it completes quantizes the group
+        into the codes (other sequences' writes are dropped)."""
+        grp = kv.group
+        b = pos_B.shape[0]
+        slot_B = pos_B % grp
+        bi = jnp.arange(b)
+        k_res = kv.k_res.at[self.layer, bi, :, slot_B].set(k_BxGxK.astype(kv.k_res.dtype))
+        v_res = kv.v_res.at[self.layer, bi, :, slot_B].set(v_BxGxK.astype(kv.v_res.dtype))
+        kv = dataclasses.replace(kv, k_res=k_res, v_res=v_res)
+        kc, ks, kz = quant.quantize_int4_keys(k_res[self.layer], grp)
+        vc, vs, vz = quant.quantize_int4_values(v_res[self.layer], grp)
+        start_B = pos_B - grp + 1
+        full_B = slot_B == grp - 1
+        # Sequences whose group is not complete write at an out-of-range position: dropped.
+        never = kv.k.shape[3] * (1 if kv.block_table is None else kv.block_table.shape[1]) + grp
+        start_B = jnp.where(full_B, start_B, never)
+        pos_BxG = start_B[:, None] + jnp.arange(grp, dtype=jnp.int32)[None]
+        if kv.block_table is not None:  # out of range of the block table -> scratch page 0
+            pos_BxG = jnp.where(full_B[:, None], pos_BxG, kv.k.shape[3] * kv.block_table.shape[1])
+        return self._int4_put(kv, pos_BxG, kc, ks, kz, vc, vs, vz)
+
+    # -- attention --------------------------------------------------------------------------
+
+    def attend(self, q_BxQxHxK: jax.Array) -> jax.Array:
+        """Attention of the new queries over the cache (causal among themselves)."""
+        if self.impl == "kernel":
+            from jaxllm.kernels.decode_attention.ops import decode_attention
+
+            out = decode_attention(
+                q_BxQxHxK, self.kv, self.lengths_B, layer=self.layer, interpret=self.interpret
+            )
+        else:
+            out = decode_attention_reference(q_BxQxHxK, self.kv, self.lengths_B, layer=self.layer)
+        return out.astype(q_BxQxHxK.dtype)
