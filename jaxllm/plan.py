@@ -109,6 +109,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         + memory["code"]
     )  # fmt: skip
     return {
+        "kv_cache": kv_cache_report(cfg, mesh),
         "mesh": dict(mesh.shape),
         "devices": f"{len(devices)} x {devices[0].device_kind}",
         "params": param_counts(cfg.model)["total"],
@@ -119,6 +120,28 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         "compile_s": compile_s,
         "hbm": hbm_bytes,
         "fits": None if hbm_bytes is None else memory["total"] <= hbm_bytes,
+    }
+
+
+def kv_cache_report(cfg: config.Config, mesh) -> dict:
+    """KV-cache bytes per token (all layers, scales included) for every cache dtype, and the
+    cache of `train.global_batch_size` sequences of `model.max_seq_len` tokens per device with
+    `generate.kv_cache_dtype` (batch split over the data axes, kv heads over `tensor`)."""
+    from jaxllm.infer.kv_cache import KINDS, bytes_per_token
+
+    m, gen = cfg.model, cfg.generate
+    per_token = {
+        kind: bytes_per_token(kind, m.num_layers, m.num_kv_heads, m.resolved_head_dim,
+                              gen.kv_group)
+        for kind in KINDS
+    }  # fmt: skip
+    split = int(np.prod([mesh.shape[a] for a in (*sharding.RULES["batch"], "tensor")]))
+    tokens = cfg.train.global_batch_size * m.max_seq_len
+    return {
+        "per_token": per_token,
+        "kind": gen.kv_cache_dtype,
+        "tokens": tokens,
+        "bytes_per_device": per_token[gen.kv_cache_dtype] * tokens / split,
     }
 
 
@@ -150,6 +173,16 @@ def format_plan(r: dict) -> str:
         lines.append("  none")
     for kind, c in sorted(r["collectives"].items()):
         lines.append(f"  {kind:<20} {c['count']:>4} ops  {fmt_bytes(c['bytes'])}")
+    kv = r["kv_cache"]
+    bf16 = kv["per_token"]["bfloat16"]
+    lines += ["", "KV cache per token (all layers, scales included; generate.kv_cache_dtype)"]
+    lines += [
+        f"  {kind:<9} {n:>9,} bytes  {n / bf16:.3f}x bf16" for kind, n in kv["per_token"].items()
+    ]
+    lines.append(
+        f"  {kv['kind']} cache of {kv['tokens']:,} tokens (global batch x max_seq_len): "
+        f"{fmt_bytes(kv['bytes_per_device'])} per device"
+    )
     if r["hbm"] is not None:
         verdict = "FITS" if r["fits"] else "DOES NOT FIT"
         lines += [

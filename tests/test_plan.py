@@ -50,6 +50,17 @@ def test_fsdp_plan_shards_parameters_and_gathers_them():
     assert r["collectives"]["all-gather"]["count"] > 0  # parameters gathered for compute
 
 
+def test_plan_reports_kv_cache_bytes_per_token():
+    r = _plan("mesh.data=2", "mesh.tensor=2", "mesh.fsdp=2", "generate.kv_cache_dtype=int8")
+    kv = r["kv_cache"]
+    m = config.ModelConfig()
+    assert kv["per_token"]["bfloat16"] == m.num_layers * m.num_kv_heads * m.resolved_head_dim * 4
+    assert kv["per_token"]["int8"] <= 0.55 * kv["per_token"]["bfloat16"]
+    assert kv["per_token"]["int4"] <= 0.32 * kv["per_token"]["bfloat16"]
+    tokens = config.TrainConfig().global_batch_size * m.max_seq_len
+    assert kv["bytes_per_device"] == kv["per_token"]["int8"] * tokens / 8
+
+
 def test_ring_attention_passes_kv_around_the_ring():
     r = _plan("mesh.data=1", "mesh.fsdp=4", "mesh.sequence=2", "mesh.sequence_attention=ring")
     assert r["collectives"]["collective-permute"]["count"] > 0
