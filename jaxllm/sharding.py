@@ -206,3 +206,23 @@ def per_shard_attention(fn, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_B
     return jax.shard_map(
         fn, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv, check_vma=False
     )(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS)
+
+
+def per_shard(fn, args: tuple, in_axes: tuple, out_axes):
+    """Runs `fn(*args)` per device under the active mesh with `shard_map`, the inputs and outputs
+    split as their logical axes say (trees of axes tuples; None: replicated). For kernels, which
+    the SPMD partitioner cannot split. A plain call without a mesh."""
+    mesh, _ = _ACTIVE.get()
+    if mesh is None or mesh.size == 1:
+        return fn(*args)
+
+    def to_spec(tree):
+        return jax.tree.map(
+            lambda ax: PartitionSpec() if ax is None else spec(ax),
+            tree,
+            is_leaf=lambda x: x is None or isinstance(x, tuple),
+        )
+
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=to_spec(in_axes), out_specs=to_spec(out_axes), check_vma=False
+    )(*args)

@@ -94,28 +94,12 @@ def resolve_decode_impl(impl: str) -> tuple[str, bool]:
     return impl, impl == "kernel" and jax.default_backend() == "cpu"
 
 
-def cache_logical_axes(kv: kv_cache.KVCache):
-    """Logical axes of every cache array: batch (DP) and kv heads (TP) are sharded; the pages
-    of a paged cache are shared by the batch, so only their heads are split."""
-    paged = kv.block_table is not None
-
-    def axes(name, x):
-        if x is None or name == "block_table":
-            return None
-        lead = ("layers", "batch") if name in ("k_res", "v_res") or not paged else ("layers", None)
-        return (*lead, "kv_heads") + (None,) * (x.ndim - 3)
-
-    return {f.name: axes(f.name, getattr(kv, f.name)) for f in dataclasses.fields(kv)
-            if isinstance(getattr(kv, f.name), jax.Array | jax.ShapeDtypeStruct)}  # fmt: skip
-
-
 def _constrain_cache(kv):
-    updates = {
-        name: sharding.constrain(getattr(kv, name), axes)
-        for name, axes in cache_logical_axes(kv).items()
-        if axes is not None
-    }
-    return dataclasses.replace(kv, **updates)
+    axes = kv_cache.logical_axes(kv)
+    return jax.tree.map(
+        lambda x, ax: sharding.constrain(x, ax) if ax is not None else x, kv, axes,
+        is_leaf=lambda x: x is None,
+    )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "on_token"))

@@ -97,6 +97,24 @@ def bytes_per_token(kind: str, num_layers: int, num_kv_heads: int, head_dim: int
     return num_layers * cache_bytes_per_token(kind, num_kv_heads, head_dim, group)
 
 
+def logical_axes(kv: KVCache) -> KVCache:
+    """The cache with each array replaced by its logical axes: batch (DP) and kv heads (TP) are
+    split; the pages of a paged cache are shared by the whole batch, so only their heads are."""
+    paged = kv.block_table is not None
+
+    def axes(name):
+        x = getattr(kv, name)
+        if x is None:
+            return None
+        if name == "block_table":
+            return ("batch", None)
+        lead = ("layers", "batch") if name in ("k_res", "v_res") or not paged else ("layers", None)
+        return (*lead, "kv_heads") + (None,) * (x.ndim - 3)
+
+    names = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_res", "v_res", "block_table")
+    return dataclasses.replace(kv, **{n: axes(n) for n in names})
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheView:
@@ -232,12 +250,18 @@ class CacheView:
 
     def attend(self, q_BxQxHxK: jax.Array) -> jax.Array:
         """Attention of the new queries over the cache (causal among themselves)."""
-        if self.impl == "kernel":
+        if self.impl == "kernel":  # per (batch, kv head) shard: a kernel cannot be partitioned
+            from jaxllm import sharding
             from jaxllm.kernels.decode_attention.ops import decode_attention
 
-            out = decode_attention(
-                q_BxQxHxK, self.kv, self.lengths_B, layer=self.layer, interpret=self.interpret
-            )
+            def kernel(q, kv, lengths, layer):
+                return decode_attention(q, kv, lengths, layer=layer, interpret=self.interpret)
+
+            q_axes = ("batch", None, "act_heads", None)
+            out = sharding.per_shard(
+                kernel, (q_BxQxHxK, self.kv, self.lengths_B, self.layer),
+                (q_axes, logical_axes(self.kv), ("batch",), None), q_axes,
+            )  # fmt: skip
         else:
             out = decode_attention_reference(q_BxQxHxK, self.kv, self.lengths_B, layer=self.layer)
         return out.astype(q_BxQxHxK.dtype)
