@@ -224,5 +224,9 @@ def per_shard(fn, args: tuple, in_axes: tuple, out_axes):
         )
 
     return jax.shard_map(
-        fn, mesh=mesh, in_specs=to_spec(in_axes), out_specs=to_spec(out_axes), check_vma=False
+        fn,
+        mesh=mesh,
+        in_specs=tuple(to_spec(a) for a in in_axes),
+        out_specs=to_spec(out_axes),
+        check_vma=False,
     )(*args)

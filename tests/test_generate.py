@@ -177,10 +177,19 @@ def test_quantized_caches_decode_mostly_the_same_tokens(model, kind):
     assert agree >= 0.6, agree
 
 
-def test_sharded_generation_matches_one_device(model):
-    """Batch over data, kv heads over tensor: the same greedy tokens as one device."""
-    n = 8
-    gen = GenerateConfig(max_new_tokens=n, kv_cache_dtype="float32")
+@pytest.mark.parametrize(
+    "gen",
+    [
+        GenerateConfig(kv_cache_dtype="float32"),
+        GenerateConfig(kv_cache_dtype="int8", kv_page_size=16, kv_group=16, decode_impl="kernel"),
+        GenerateConfig(kv_cache_dtype="int4", kv_group=8, decode_impl="kernel"),
+    ],
+    ids=["xla", "kernel-int8-paged", "kernel-int4"],
+)
+def test_sharded_generation_matches_one_device(model, gen):
+    """Batch over data x fsdp, kv heads over tensor (the kernel per shard): the same tokens as
+    one device with the same cache."""
+    gen = dataclasses.replace(gen, max_new_tokens=8)
     want = generate(model, PROMPTS, gen).tokens
     mesh = sharding.make_mesh(MeshConfig(data=2, tensor=2, fsdp=2))
     from flax import nnx
