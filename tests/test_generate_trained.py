@@ -13,7 +13,7 @@ from jaxllm import config
 from jaxllm.config import GenerateConfig
 from jaxllm.data.pipeline import load_splits
 from jaxllm.data.tokenizer import make_tokenizer
-from jaxllm.infer import generate, score_with_cache
+from jaxllm.infer import generate, greedy_continue, score_with_cache
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
@@ -55,6 +55,16 @@ def test_quantized_cache_perplexity_and_greedy_agreement(run_dir):
     assert abs(ppl["int8"] / ppl["bfloat16"] - 1) < 0.01
     assert abs(ppl["int4"] / ppl["bfloat16"] - 1) < 0.05
     assert agree["int8"] > 0.95 and agree["int4"] > 0.8
+
+
+def test_bf16_cache_greedy_matches_full_forward_passes(run_dir):
+    """The trained model in bfloat16 compute: cached greedy decoding with a bfloat16 cache gives
+    the argmax of repeated full forward passes, token for token, for a batch of prompts."""
+    model = jaxllm.load_model(run_dir)
+    prompts = [[256, *b"def __init__(self"], [256, *b"import os\n"], [256, *b"class A:\n    "]]
+    want = [greedy_continue(model, p, 32).tolist() for p in prompts]
+    got = generate(model, prompts, GenerateConfig(max_new_tokens=32, kv_cache_dtype="bfloat16"))
+    assert got.tokens == want
 
 
 def test_generate_cli_prints_only_the_greedy_text(run_dir):
