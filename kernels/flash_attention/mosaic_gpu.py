@@ -65,19 +65,26 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)  # indexed by the rows of a tile
 _COL = plgpu.Layout.WGMMA.reduce(0)  # indexed by the columns of a tile
 
 
-def supported(dtype, head_dim: int, cfg: Config) -> str | None:
-    """Why these kernels cannot run this call, or None when they can."""
+def runs_on(device) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.x). wgmma exists only there:
+    Blackwell's tensor cores take tcgen05 instead, and older GPUs have neither TMA nor wgmma."""
+    capability = getattr(device, "compute_capability", None)
+    return capability is not None and str(capability).split(".")[0] == "9"
+
+
+def supported(dtype, head_dim: int, blocks: tuple[int, int] | None = None) -> str | None:
+    """Why these kernels cannot run a call, or None when they can."""
     if jnp.dtype(dtype) not in map(jnp.dtype, DTYPES):
         return f"dtype {jnp.dtype(dtype).name} (wgmma here takes bfloat16 or float16)"
     if head_dim not in HEAD_DIMS:
         return f"head dim {head_dim} (supported: {HEAD_DIMS})"
-    if cfg.block_q % BLOCK_MULTIPLE or cfg.block_kv % BLOCK_MULTIPLE:
-        return f"blocks {cfg.block_q}/{cfg.block_kv} (need multiples of {BLOCK_MULTIPLE})"
+    if blocks is not None and any(size % BLOCK_MULTIPLE for size in blocks):
+        return f"blocks {blocks[0]}/{blocks[1]} (need multiples of {BLOCK_MULTIPLE})"
     return None
 
 
 def _check(dtype, head_dim: int, cfg: Config):
-    reason = supported(dtype, head_dim, cfg)
+    reason = supported(dtype, head_dim, (cfg.block_q, cfg.block_kv))
     if reason is not None:
         raise ValueError(f"mosaic_gpu flash attention does not support {reason}")
 
