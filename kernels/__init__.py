@@ -3,10 +3,27 @@
 Each kernel lives in its own folder with `kernel.py` (the pallas_call), `ops.py` (custom_vjp and
 dispatch) and `reference.py` (pure JAX, the ground truth of its tests). The model reaches
 attention only through `jaxllm.model.attention.dot_product_attention`, whose `impl` argument
-(`ModelConfig.attention_impl`) is where a kernel plugs in.
+(`ModelConfig.attention_impl`) is where a kernel plugs in; generation reads its KV cache through
+`decode_attention`.
 """
 
+from jaxllm.kernels.decode_attention import (
+    KVCache,
+    cache_bytes_per_token,
+    decode_attention,
+    decode_attention_reference,
+    quantize_cache,
+)
 from jaxllm.kernels.flash_attention.ops import BlockSizes, flash_attention
 from jaxllm.kernels.flash_attention.reference import flash_attention_reference
 
-__all__ = ["BlockSizes", "flash_attention", "flash_attention_reference"]
+__all__ = [
+    "BlockSizes",
+    "KVCache",
+    "cache_bytes_per_token",
+    "decode_attention",
+    "decode_attention_reference",
+    "flash_attention",
+    "flash_attention_reference",
+    "quantize_cache",
+]

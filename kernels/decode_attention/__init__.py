@@ -1,0 +1,36 @@
+"""Decode attention over a (quantized, paged) KV cache: `quant.py` (int8 / KIVI int4 math and
+the `KVCache` pytree), `kernel.py` (Pallas split-K kernels), `ops.py` (dispatch, residual and
+split merge), `reference.py` (pure JAX ground truth)."""
+
+from jaxllm.kernels.decode_attention.ops import decode_attention
+from jaxllm.kernels.decode_attention.quant import (
+    KVCache,
+    cache_bytes_per_token,
+    dequantize_int4_keys,
+    dequantize_int4_values,
+    dequantize_int8,
+    pack_int4,
+    quantize_cache,
+    quantize_int4_keys,
+    quantize_int4_values,
+    quantize_int8,
+    unpack_int4,
+)
+from jaxllm.kernels.decode_attention.reference import decode_attention_reference, dequantize_cache
+
+__all__ = [
+    "KVCache",
+    "cache_bytes_per_token",
+    "decode_attention",
+    "decode_attention_reference",
+    "dequantize_cache",
+    "dequantize_int4_keys",
+    "dequantize_int4_values",
+    "dequantize_int8",
+    "pack_int4",
+    "quantize_cache",
+    "quantize_int4_keys",
+    "quantize_int4_values",
+    "quantize_int8",
+    "unpack_int4",
+]

@@ -1,0 +1,218 @@
+"""`decode_attention`: attention of a few new queries over a (quantized, paged) KV cache.
+
+q [B, Q, H, K] (Q new tokens per sequence: 1 for plain decoding, a few for speculative
+decoding), cache a `KVCache` (layouts in `quant.py`), lengths int32 [B] counting the valid
+tokens *including* the Q new ones, already written to the cache. Query i of sequence b sits at
+position lengths[b] - Q + i and sees tokens 0 .. lengths[b] - Q + i. GQA: query head h reads kv
+head h // (H / G). Rows of length 0 (batch padding) return zeros. Inference only (no VJP).
+
+Backends (`backend=`):
+- `"mosaic_tpu"`: the Pallas Mosaic TPU kernel (scalar-prefetched lengths / block table /
+  layer, one kv block per grid step); the default on TPU, and with `interpret=True` anywhere.
+- `"triton"`: the Pallas Triton kernel for CUDA GPUs, only when asked for explicitly (JAX
+  deprecates Pallas-on-Triton; a Mosaic GPU version is not written).
+- `"xla"`: `decode_attention_reference` (dequantizes the whole cache); the default on GPU and
+  on CPU without `interpret`.
+
+Split-K (flash-decoding): the kernel returns a partial (out, lse) per split of the cache length;
+for int4 the residual tokens (at most `group`, full precision) are attended here in XLA as one
+more partial; all partials merge exactly by logsumexp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxllm.kernels.decode_attention import kernel
+from jaxllm.kernels.decode_attention.quant import KVCache, cache_geometry
+from jaxllm.kernels.decode_attention.reference import (
+    attend_partial,
+    decode_attention_reference,
+    queries_from_rows,
+    rows_from_queries,
+    visible_BxMxT,
+)
+
+# Default kv rows per kernel block. TPU (all G heads per grid step): ~256-512 KiB of codes per
+# step at G = 8, K = 128 amortizes the per-step overhead; int8 needs a multiple of 128 (its
+# scales are [G, T], T on lanes) and int4 of 16 * group (its key scales [T / group, K] must
+# make whole bf16 (16, 128) tiles). Triton: 64 keeps the dequantized [64, K] tiles in registers.
+TPU_BLOCK = {"float32": 128, "bfloat16": 256, "int8": 256}
+TRITON_BLOCK = 64
+# Default split length (tokens) and, for GPUs, enough programs to fill the SMs.
+TPU_SPLIT_TOKENS = 8192
+TRITON_SPLIT_TOKENS = 8192
+TRITON_MIN_PROGRAMS = 256
+
+
+def _resolve_backend(backend: str | None, interpret: bool) -> str:
+    if backend is None:
+        platform = jax.default_backend()
+        backend = "mosaic_tpu" if platform == "tpu" or interpret else "xla"
+    if backend not in (*kernel.BACKENDS, "xla"):
+        raise ValueError(f"unknown backend {backend!r}; expected mosaic_tpu, triton or xla")
+    return backend
+
+
+def _tpu_block_ok(bk: int, rows: int, kind: str, group: int) -> bool:
+    """Whether bk rows of every array of `kind` make whole Mosaic tiles (or the full dim)."""
+    if kind == "int4" and bk % group:
+        return False
+    if bk == rows:
+        return True
+    # Rows of one (8 x 32-bit) tile: f32 8, bf16 16, int8 / uint8 codes 32; int8 scale blocks
+    # [G, bk] put bk on lanes (128).
+    rows_per_tile = {"float32": 8, "bfloat16": 16, "int8": 128, "int4": 32}[kind]
+    if kind == "int4" and (bk // group) % 16:  # [bk / group, K] bf16 key scale rows
+        return False
+    return bk % rows_per_tile == 0
+
+
+def default_block_kv(kind: str, backend: str, group: int, rows: int, paged: bool) -> int:
+    """Block rows for a cache of `rows` tokens per sequence (or per page when paged)."""
+    if backend == "triton":
+        want = max(TRITON_BLOCK, group if kind == "int4" else 0)
+        bk = min(want, rows)
+        while rows % bk:
+            bk //= 2
+        return bk
+    want = TPU_BLOCK.get(kind, 16 * group)
+    if rows <= want:
+        return rows
+    if paged and rows % want:
+        raise ValueError(f"page size {rows} is not a multiple of block_kv {want}; pass block_kv")
+    return want
+
+
+def _check_block(bk, rows, kind, group, backend, paged, interpret):
+    """Divisibility always; Mosaic tiling only when compiling (interpret runs any size)."""
+    where = f"the page size {rows}" if paged else f"the cache length {rows}"
+    if paged and rows % bk:
+        raise ValueError(f"block_kv {bk} must divide {where}")
+    if kind == "int4" and bk % group:
+        raise ValueError(f"int4 block_kv {bk} must be a multiple of group {group}")
+    if backend == "triton":
+        if rows % bk or bk < 16 or bk & (bk - 1):
+            raise ValueError(f"Triton block_kv {bk} must be a power of 2 >= 16 dividing {where}")
+    elif not interpret and not _tpu_block_ok(bk, rows, kind, group):
+        raise ValueError(f"block_kv {bk} does not tile the {kind} cache arrays on TPU ({where})")
+
+
+def default_num_splits(backend: str, seq_len: int, block_kv: int, programs: int) -> int:
+    """Splits of the cache length: one per TPU_SPLIT_TOKENS on TPU (a sequential grid, where
+    splits only feed the two megacore TensorCores), and on GPUs also enough to give every SM
+    about two programs when B * G is small."""
+    num_blocks = pl.cdiv(seq_len, block_kv)
+    if backend == "triton":
+        want = max(pl.cdiv(seq_len, TRITON_SPLIT_TOKENS), pl.cdiv(TRITON_MIN_PROGRAMS, programs))
+    else:
+        want = pl.cdiv(seq_len, TPU_SPLIT_TOKENS)
+    return max(1, min(num_blocks, want))
+
+
+def merge_partials(out_BxGxSxMxK, lse_BxGxSxMx1):
+    """Exact logsumexp merge of per-split softmax results (float32). Empty splits carry
+    out 0 and lse MASK_VALUE, so a row with no visible token at all merges to 0."""
+    lse_max = jnp.max(lse_BxGxSxMx1, axis=2, keepdims=True)
+    w_BxGxSxMx1 = jnp.exp(lse_BxGxSxMx1 - lse_max)
+    num = jnp.sum(w_BxGxSxMx1 * out_BxGxSxMxK, axis=2)
+    return num / jnp.sum(w_BxGxSxMx1, axis=2)
+
+
+def _residual_partial(q_BxGxMxK, cache: KVCache, lengths_B, layer, nq, sm_scale, soft_cap):
+    """(out, lse) [B, G, 1, M, *] of the int4 residual: tokens q(n) .. n - 1."""
+    k_res, v_res = cache.k_res, cache.v_res
+    if layer is not None:
+        k_res = lax.dynamic_index_in_dim(k_res, layer, 0, keepdims=False)
+        v_res = lax.dynamic_index_in_dim(v_res, layer, 0, keepdims=False)
+    start_B = (lengths_B // cache.group) * cache.group
+    pos_BxR = start_B[:, None] + jnp.arange(cache.group)[None, :]
+    visible = visible_BxMxT(lengths_B, pos_BxR, nq, q_BxGxMxK.shape[2])
+    out, lse = attend_partial(
+        q_BxGxMxK, k_res, v_res, visible, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    return out[:, :, None], lse[:, :, None]
+
+
+def decode_attention(
+    q_BxQxHxK: jax.Array,
+    cache: KVCache,
+    lengths_B: jax.Array,
+    *,
+    layer=None,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    block_kv: int | None = None,
+    num_splits: int | None = None,
+    interpret: bool = False,
+    backend: str | None = None,
+) -> jax.Array:
+    """softmax(cap(q k^T * sm_scale) masked causally by position) v over the cache.
+
+    layer: int32 scalar (may be traced) choosing the layer when the cache arrays carry a
+    leading L axis; None when they do not. sm_scale defaults to K ** -0.5; soft_cap c maps each
+    logit s to c * tanh(s / c). block_kv / num_splits override the per-backend defaults
+    (`default_block_kv`, `default_num_splits`). Returns [B, Q, H, K] in q's dtype.
+    """
+    geo = cache_geometry(cache)
+    b, nq, h, d = q_BxQxHxK.shape
+    g = geo.num_kv_heads
+    if (layer is None) != (geo.num_layers is None):
+        raise ValueError("pass `layer` exactly when the cache has a leading layer axis")
+    if b != geo.batch or d != geo.head_dim or h % g:
+        raise ValueError(f"q {q_BxQxHxK.shape} does not match the cache (B, G, K) = "
+                         f"({geo.batch}, {g}, {geo.head_dim})")  # fmt: skip
+    if lengths_B.shape != (b,):
+        raise ValueError(f"lengths must be [{b}], got {lengths_B.shape}")
+    backend = _resolve_backend(backend, interpret)
+    sm_scale = d**-0.5 if sm_scale is None else float(sm_scale)
+    soft_cap = None if soft_cap is None else float(soft_cap)
+    lengths_B = lengths_B.astype(jnp.int32)
+    if backend == "xla":
+        return decode_attention_reference(
+            q_BxQxHxK, cache, lengths_B, layer=layer, sm_scale=sm_scale, soft_cap=soft_cap
+        )
+
+    paged = cache.paged
+    rows = geo.page_size if paged else geo.seq_len
+    if block_kv is None:
+        block_kv = default_block_kv(cache.kind, backend, cache.group, rows, paged)
+    _check_block(block_kv, rows, cache.kind, cache.group, backend, paged, interpret)
+    num_blocks = pl.cdiv(geo.seq_len, block_kv)
+    if num_splits is None:
+        num_splits = default_num_splits(backend, geo.seq_len, block_kv, b * g)
+    per_split = pl.cdiv(num_blocks, max(1, min(num_splits, num_blocks)))
+    m = h // g * nq
+    mp = max(16, pl.next_power_of_2(m)) if backend == "triton" else m  # Triton dots: >= 16
+    if backend == "triton" and (d & (d - 1) or d < 32):
+        raise ValueError(f"Triton needs a power-of-2 head dim >= 32, got {d}")
+    cfg = kernel.Config(
+        kind=cache.kind, group=cache.group, head_dim=d, num_kv_heads=g, seq_len=geo.seq_len,
+        block_kv=block_kv, num_splits=pl.cdiv(num_blocks, per_split), blocks_per_split=per_split,
+        num_queries=nq, num_rows=mp, sm_scale=sm_scale, soft_cap=soft_cap,
+        page_size=geo.page_size, num_pages=geo.num_pages, has_layer=layer is not None,
+        backend=backend, interpret=interpret,
+    )  # fmt: skip
+
+    q_BxGxMxK = rows_from_queries(q_BxQxHxK, g)
+    q_rows = jnp.pad(q_BxGxMxK, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+    q_parts = (q_rows[..., 0::2], q_rows[..., 1::2]) if cfg.split_halves else (q_rows,)
+    arrays = [getattr(cache, name) for name in kernel.ARRAY_NAMES[cache.kind]]
+    block_table = cache.block_table if paged else jnp.zeros((1, 1), jnp.int32)
+    layer_1 = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    outs, lse = kernel.forward(q_parts, arrays, lengths_B, block_table, layer_1, cfg)
+    if cfg.split_halves:  # (even, odd) channel halves -> channel order
+        out = jnp.stack(outs, axis=-1).reshape(*outs[0].shape[:-1], d)
+    else:
+        out = outs[0]
+    out, lse = out[:, :, :, :m], lse[:, :, :, :m]
+    if cache.kind == "int4":
+        layer_idx = None if layer is None else jnp.asarray(layer, jnp.int32)
+        out_r, lse_r = _residual_partial(
+            q_BxGxMxK, cache, lengths_B, layer_idx, nq, sm_scale, soft_cap
+        )
+        out, lse = jnp.concatenate([out, out_r], axis=2), jnp.concatenate([lse, lse_r], axis=2)
+    out_BxGxMxK = merge_partials(out, lse)
+    return queries_from_rows(out_BxGxMxK, nq).astype(q_BxQxHxK.dtype)

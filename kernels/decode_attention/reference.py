@@ -1,0 +1,146 @@
+"""Pure-JAX decode attention over a `KVCache`: the ground truth of the kernel's tests and the
+`xla` backend of `decode_attention`.
+
+Dequantizes the whole cache to float32 (gathering pages through the block table, overlaying
+the int4 residual), then plain masked softmax attention in float32. Query i of Q (0-based) of
+sequence b sits at position lengths[b] - Q + i and sees tokens 0 .. lengths[b] - Q + i.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jaxllm.kernels.decode_attention.quant import (
+    KVCache,
+    cache_geometry,
+    dequantize_int4_keys,
+    dequantize_int4_values,
+    dequantize_int8,
+)
+
+# Finite "minus infinity": exp(MASK - m) underflows to 0 without inf - inf = NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _select_layer(x, layer):
+    if x is None or layer is None:
+        return x
+    return lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+
+
+def _gather_pages(x_PxGxNxX, block_table_BxJ):
+    """[P, G, N, ...] pages -> [B, G, J * N, ...] logical rows (for page-row arrays)."""
+    x_BxJxGxNxX = x_PxGxNxX[block_table_BxJ]
+    b, j, g, n = x_BxJxGxNxX.shape[:4]
+    x_BxGxJxNxX = jnp.swapaxes(x_BxJxGxNxX, 1, 2)
+    return x_BxGxJxNxX.reshape(b, g, j * n, *x_BxJxGxNxX.shape[4:])
+
+
+def dequantize_cache(cache: KVCache, lengths_B, *, layer=None):
+    """(k, v) float32 [B, G, T, K]: every token of `cache` (one layer) in logical order.
+
+    For int4, tokens q(n) .. q(n) + group - 1 come from the residual and the rest from the
+    codes (rows past n - 1 are whatever the cache holds; callers mask them).
+    """
+    geo = cache_geometry(cache)
+    if (layer is None) != (geo.num_layers is None):
+        raise ValueError("pass `layer` exactly when the cache has a leading layer axis")
+    arrays = {
+        name: _select_layer(getattr(cache, name), layer)
+        for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_res", "v_res")
+    }
+    if cache.paged:
+        for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
+            if arrays[name] is not None:
+                arrays[name] = _gather_pages(arrays[name], cache.block_table)
+    a, f32, group = arrays, jnp.float32, cache.group
+    if cache.kind in ("float32", "bfloat16"):
+        return a["k"].astype(f32), a["v"].astype(f32)
+    if cache.kind == "int8":
+        return dequantize_int8(a["k"], a["k_scale"]), dequantize_int8(a["v"], a["v_scale"])
+    k_BxGxTxK = dequantize_int4_keys(a["k"], a["k_scale"], a["k_zero"], group)
+    v_BxGxTxK = dequantize_int4_values(a["v"], a["v_scale"], a["v_zero"], group)
+    t = geo.seq_len
+    start_B = (jnp.asarray(lengths_B, jnp.int32) // group) * group
+    offset_BxT = jnp.arange(t)[None, :] - start_B[:, None]  # row in the residual
+    in_res_BxT = (offset_BxT >= 0) & (offset_BxT < group)
+    rows_BxT = jnp.clip(offset_BxT, 0, group - 1)
+
+    def overlay(x_BxGxTxK, res_BxGxRxK):
+        from_res = jnp.take_along_axis(res_BxGxRxK.astype(f32), rows_BxT[:, None, :, None], 2)
+        return jnp.where(in_res_BxT[:, None, :, None], from_res, x_BxGxTxK)
+
+    return overlay(k_BxGxTxK, a["k_res"]), overlay(v_BxGxTxK, a["v_res"])
+
+
+def visible_BxMxT(lengths_B, token_pos_BxT, num_queries: int, num_rows: int):
+    """[B, M, T] mask: row m (query m % Q of a query head) sees token positions <= its own.
+
+    Rows are ordered (query head r of the kv group, query i) -> r * Q + i, as in the kernel.
+    """
+    query_1xM = (jnp.arange(num_rows) % num_queries)[None, :]
+    q_pos_BxM = jnp.asarray(lengths_B, jnp.int32)[:, None] - num_queries + query_1xM
+    return (token_pos_BxT[:, None, :] <= q_pos_BxM[:, :, None]) & (token_pos_BxT[:, None, :] >= 0)
+
+
+def attend_partial(q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible_BxMxT, *, sm_scale, soft_cap):
+    """Softmax attention of q rows over the visible tokens, in float32.
+
+    Returns (out [B, G, M, K] normalized over this part, lse [B, G, M, 1]); rows that see no
+    token give out 0 and lse MASK_VALUE, so parts merge by logsumexp without NaN.
+    """
+    s_BxGxMxT = jnp.einsum(
+        "bgmk,bgtk->bgmt", q_BxGxMxK.astype(jnp.float32), k_BxGxTxK.astype(jnp.float32),
+        precision=lax.Precision.HIGHEST,
+    ) * jnp.float32(sm_scale)  # fmt: skip
+    if soft_cap is not None:
+        s_BxGxMxT = soft_cap * jnp.tanh(s_BxGxMxT / soft_cap)
+    mask_Bx1xMxT = visible_BxMxT[:, None]
+    s_BxGxMxT = jnp.where(mask_Bx1xMxT, s_BxGxMxT, MASK_VALUE)
+    m_BxGxMx1 = jnp.max(s_BxGxMxT, axis=-1, keepdims=True)
+    p_BxGxMxT = jnp.where(mask_Bx1xMxT, jnp.exp(s_BxGxMxT - m_BxGxMx1), 0.0)
+    l_BxGxMx1 = jnp.sum(p_BxGxMxT, axis=-1, keepdims=True)
+    l_safe = jnp.where(l_BxGxMx1 == 0.0, 1.0, l_BxGxMx1)
+    # Values of tokens no row sees are zeroed: probability 0 times stale cache contents (even
+    # NaN) must not reach the output.
+    seen_Bx1xTx1 = jnp.any(visible_BxMxT, axis=1)[:, None, :, None]
+    v_BxGxTxK = jnp.where(seen_Bx1xTx1, v_BxGxTxK.astype(jnp.float32), 0.0)
+    out_BxGxMxK = jnp.einsum(
+        "bgmt,bgtk->bgmk", p_BxGxMxT, v_BxGxTxK,
+        precision=lax.Precision.HIGHEST,
+    ) / l_safe  # fmt: skip
+    return out_BxGxMxK, m_BxGxMx1 + jnp.log(l_safe)
+
+
+def rows_from_queries(q_BxQxHxK, num_kv_heads: int):
+    """[B, Q, H, K] -> [B, G, R * Q, K]: the R query heads of kv head g, query-minor."""
+    b, nq, h, d = q_BxQxHxK.shape
+    r = h // num_kv_heads
+    q_BxGxRxQxK = q_BxQxHxK.reshape(b, nq, num_kv_heads, r, d).transpose(0, 2, 3, 1, 4)
+    return q_BxGxRxQxK.reshape(b, num_kv_heads, r * nq, d)
+
+
+def queries_from_rows(x_BxGxMxK, num_queries: int):
+    """Inverse of `rows_from_queries`."""
+    b, g, m, d = x_BxGxMxK.shape
+    x_BxGxRxQxK = x_BxGxMxK.reshape(b, g, m // num_queries, num_queries, d)
+    return x_BxGxRxQxK.transpose(0, 3, 1, 2, 4).reshape(b, num_queries, m // num_queries * g, d)
+
+
+def decode_attention_reference(
+    q_BxQxHxK, cache: KVCache, lengths_B, *, layer=None, sm_scale=None, soft_cap=None
+):
+    """Same contract as `decode_attention`: [B, Q, H, K] in q's dtype; length-0 rows give 0."""
+    geo = cache_geometry(cache)
+    b, nq, h, d = q_BxQxHxK.shape
+    if h % geo.num_kv_heads or d != geo.head_dim or b != geo.batch:
+        raise ValueError(f"q {q_BxQxHxK.shape} does not match the cache {geo}")
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    k_BxGxTxK, v_BxGxTxK = dequantize_cache(cache, lengths_B, layer=layer)
+    q_BxGxMxK = rows_from_queries(q_BxQxHxK, geo.num_kv_heads)
+    pos_BxT = jnp.broadcast_to(jnp.arange(geo.seq_len)[None, :], (b, geo.seq_len))
+    visible = visible_BxMxT(lengths_B, pos_BxT, nq, q_BxGxMxK.shape[2])
+    out_BxGxMxK, _ = attend_partial(
+        q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    return queries_from_rows(out_BxGxMxK, nq).astype(q_BxQxHxK.dtype)
