@@ -14,16 +14,29 @@ from jaxllm.kernels.decode_attention import (
     decode_attention_reference,
     quantize_cache,
 )
-from jaxllm.kernels.flash_attention.ops import BlockSizes, flash_attention
-from jaxllm.kernels.flash_attention.reference import flash_attention_reference
+from jaxllm.kernels.flash_attention.ops import (
+    BlockSizes,
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_with_lse,
+)
+from jaxllm.kernels.flash_attention.reference import (
+    MASK_VALUE,
+    flash_attention_reference,
+    flash_attention_reference_with_lse,
+)
 
 __all__ = [
+    "MASK_VALUE",
     "BlockSizes",
     "KVCache",
     "cache_bytes_per_token",
     "decode_attention",
     "decode_attention_reference",
     "flash_attention",
+    "flash_attention_backward",
     "flash_attention_reference",
+    "flash_attention_reference_with_lse",
+    "flash_attention_with_lse",
     "quantize_cache",
 ]

@@ -1,7 +1,24 @@
 """FlashAttention-2 in Pallas: `kernel.py` (pallas_calls), `ops.py` (custom_vjp, dispatch),
 `reference.py` (pure JAX ground truth)."""
 
-from jaxllm.kernels.flash_attention.ops import BlockSizes, flash_attention
-from jaxllm.kernels.flash_attention.reference import flash_attention_reference
+from jaxllm.kernels.flash_attention.ops import (
+    BlockSizes,
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_with_lse,
+)
+from jaxllm.kernels.flash_attention.reference import (
+    MASK_VALUE,
+    flash_attention_reference,
+    flash_attention_reference_with_lse,
+)
 
-__all__ = ["BlockSizes", "flash_attention", "flash_attention_reference"]
+__all__ = [
+    "MASK_VALUE",
+    "BlockSizes",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_reference",
+    "flash_attention_reference_with_lse",
+    "flash_attention_with_lse",
+]

@@ -275,8 +275,14 @@ def _dkdv_kernel(
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config):
-    """Gradients (dq, dk, dv) of `forward` given the cotangent `do` of its output."""
+def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
+    """Gradients (dq, dk, dv) of `forward` given the cotangents `do` of its output and, optionally,
+    `dlse` [B, H, Lp, 1] float32 of its logsumexp.
+
+    `out` / `lse` need not be this call's own: given the statistics of a longer attention whose
+    keys include these (ring attention), p = exp(s - lse) is that attention's probability and the
+    result is this block's share of its gradients.
+    """
     b, h, lp, d = q.shape
     g, sp = k.shape[1], k.shape[2]
     r = h // g
@@ -285,6 +291,10 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config):
     delta = jnp.sum(
         do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True
     )  # [B, H, Lp, 1]
+    if dlse is not None:
+        # d lse_i / d s_ij = p_ij, so the lse path adds p_ij * dlse_i to ds_ij:
+        # ds = p * (dp - delta) + p * dlse = p * (dp - (delta - dlse)).
+        delta = delta - dlse
 
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi: (bi, hi, qi, 0))
     kv_spec = pl.BlockSpec((None, None, sp, d), lambda bi, hi, qi: (bi, lax.div(hi, r), 0, 0))
