@@ -8,6 +8,8 @@ output would show.
 """
 
 import functools
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -363,3 +365,16 @@ def test_lowers(platform, backend, target, kind, page):
     lowered = jax.jit(fwd).trace(q, cache, lengths, layer).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     assert text.count(target) == 1
+
+
+def test_bench_decode_script_runs_interpreted():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(
+        "--kinds bfloat16,int4 --contexts 64 --batch 2 --heads 4 --kv-heads 2 --head-dim 64 "
+        "--page-size 32 --block-kv 32 --interpret --warmup 1 --iters 1".split()
+    )
+    assert [r["kind"] for r in rows] == ["bfloat16", "int4"]
+    assert rows[1]["bytes"] < rows[0]["bytes"] and rows[1]["speedup"] > 0
