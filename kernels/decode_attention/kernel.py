@@ -92,10 +92,6 @@ class Config:
     def value_group(self) -> int:
         return min(self.group, self.head_dim)
 
-    @property
-    def num_blocks(self) -> int:
-        return pl.cdiv(self.seq_len, self.block_kv)
-
 
 def _dot_nt(a, b):  # a @ b.T
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -157,9 +153,9 @@ def _repeat_lanes(x, rep: int, cfg: Config):
     n, c = x.shape
     if cfg.backend == "triton":
         return jnp.broadcast_to(x[:, :, None], (n, c, rep)).reshape(n, c * rep)
-    src = lax.broadcasted_iota(jnp.int32, (c, c * rep), 0)
+    src = lax.broadcasted_iota(jnp.int32, (c, c * rep), 0) * rep
     dst = lax.broadcasted_iota(jnp.int32, (c, c * rep), 1)
-    expand = (lax.div(dst, rep) == src).astype(x.dtype)
+    expand = ((dst >= src) & (dst < src + rep)).astype(x.dtype)  # no vector integer division
     return lax.dot_general(
         x, expand, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
@@ -216,6 +212,16 @@ def _values(p, blk, start, limit, cfg: Config, cd):
     return [_dot_nn(p.astype(cd), jnp.where(live_Bx1, v, 0.0).astype(cd))]
 
 
+def _query_index(shape, num_queries: int):
+    """Query i of row m = r * Q + i, as int32 over `shape` (rows on axis 0). Computed with an
+    exact float floor (m < 2 ** 20) rather than a vector integer remainder."""
+    if num_queries == 1:
+        return jnp.zeros(shape, jnp.int32)
+    m = lax.broadcasted_iota(jnp.int32, shape, 0)
+    r = jnp.floor((m.astype(jnp.float32) + 0.5) * (1.0 / num_queries)).astype(jnp.int32)
+    return m - r * num_queries
+
+
 def _update(carry, q_parts, blk, start, length, cfg: Config):
     """One online-softmax step over the kv block of tokens [start, start + bk)."""
     m_prev, l_prev, accs = carry
@@ -224,11 +230,7 @@ def _update(carry, q_parts, blk, start, length, cfg: Config):
     if cfg.soft_cap is not None:
         s = jnp.float32(cfg.soft_cap) * jnp.tanh(s / jnp.float32(cfg.soft_cap))
     shape = (cfg.num_rows, cfg.block_kv)
-    q_pos = (
-        length
-        - cfg.num_queries
-        + lax.rem(lax.broadcasted_iota(jnp.int32, shape, 0), cfg.num_queries)
-    )
+    q_pos = length - cfg.num_queries + _query_index(shape, cfg.num_queries)
     t = start + lax.broadcasted_iota(jnp.int32, shape, 1)
     mask = (t <= q_pos) & (t < limit)  # causal among the Q new tokens; int4: codes part only
     s = jnp.where(mask, s, MASK_VALUE)
