@@ -272,7 +272,7 @@ def test_short_sequences_skip_blocks():
     )  # fmt: skip
     index_map = dk_kernel._tpu_index_map(cfg, 4)
     lengths = jnp.array([0, 70], jnp.int32)  # int4: 64 tokens in codes -> live blocks 0, 1
-    table = jnp.array([[-1] * 8, [9, 4, 7, 1, 2, 3, 5, 6]], jnp.int32)
+    table = jnp.array([[-1] * 8, [9, 4, 7, 1, 2, 3, 5, 6]], jnp.int32).reshape(-1)
     layer = jnp.array([1], jnp.int32)
     got = [tuple(int(x) for x in index_map(1, s, i, lengths, table, layer))
            for s in range(2) for i in range(8)]  # fmt: skip

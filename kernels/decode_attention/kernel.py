@@ -274,18 +274,23 @@ def _live_block(b, s, i, lengths_ref, cfg: Config):
     return jnp.minimum(j, jnp.maximum(live - 1, 0))
 
 
+def _page_of(b, j, bt_ref, cfg: Config):
+    """(page, row block inside it) of kv block j of sequence b. The block table arrives
+    flattened ([B * pages_per_seq]: 2-D scalar memory pads rows); invalid entries (e.g. -1 past
+    a sequence's pages) are clamped into range, and only masked rows are read from them."""
+    per_page = cfg.page_size // cfg.block_kv
+    pages_per_seq = cfg.seq_len // cfg.page_size
+    page = bt_ref[b * pages_per_seq + lax.div(j, per_page)]
+    return jnp.clip(page, 0, cfg.num_pages - 1), lax.rem(j, per_page)
+
+
 def _tpu_index_map(cfg: Config, block_ndim: int):
     """Index map of a cache array [L?, B|P, G, rows, ...]: all kv heads, kv block j (its page
     and the row block inside it when paged)."""
 
     def index_map(b, s, i, lengths_ref, bt_ref, layer_ref):
         j = _live_block(b, s, i, lengths_ref, cfg)
-        if cfg.page_size is None:
-            seq, row = b, j
-        else:
-            per_page = cfg.page_size // cfg.block_kv
-            seq = jnp.clip(bt_ref[b, lax.div(j, per_page)], 0, cfg.num_pages - 1)
-            row = lax.rem(j, per_page)
+        seq, row = (b, j) if cfg.page_size is None else _page_of(b, j, bt_ref, cfg)
         idx = (seq, 0, row) + (0,) * (block_ndim - 3)
         return (layer_ref[0], *idx) if cfg.has_layer else idx
 
@@ -387,9 +392,8 @@ def _triton_block(cache_refs, b, g, j, layer, bt_ref, cfg: Config):
     if cfg.page_size is None:
         seq, row = b, j * bk
     else:
-        per_page = cfg.page_size // bk
-        seq = jnp.clip(bt_ref[b, lax.div(j, per_page)], 0, cfg.num_pages - 1)
-        row = lax.rem(j, per_page) * bk
+        seq, row_block = _page_of(b, j, bt_ref, cfg)
+        row = row_block * bk
     lead = (layer, seq, g) if cfg.has_layer else (seq, g)
     blk = {}
     for name, ref in cache_refs.items():
@@ -443,8 +447,8 @@ def forward(q_parts, arrays, lengths, block_table, layer, cfg: Config):
     """Partial attention of each split.
 
     q_parts: [B, G, M, K] (or its even / odd channel halves for int4 on TPU); arrays: the
-    cache arrays of ARRAY_NAMES[kind]; lengths int32 [B]; block_table int32 [B, pages] (any
-    [1, 1] placeholder when contiguous); layer int32 [1]. Returns (outs, lse): outs a list of
+    cache arrays of ARRAY_NAMES[kind]; lengths int32 [B]; block_table int32 [B * pages_per_seq]
+    (flattened; any [1] placeholder when contiguous); layer int32 [1]. Returns (outs, lse): outs a list of
     cfg.num_parts float32 [B, G, S, M, K / parts] (normalized per split), lse [B, G, S, M, 1].
     """
     if cfg.backend == "mosaic_tpu":

@@ -200,7 +200,7 @@ def decode_attention(
     q_rows = jnp.pad(q_BxGxMxK, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
     q_parts = (q_rows[..., 0::2], q_rows[..., 1::2]) if cfg.split_halves else (q_rows,)
     arrays = [getattr(cache, name) for name in kernel.ARRAY_NAMES[cache.kind]]
-    block_table = cache.block_table if paged else jnp.zeros((1, 1), jnp.int32)
+    block_table = cache.block_table.reshape(-1) if paged else jnp.zeros((1,), jnp.int32)
     layer_1 = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     outs, lse = kernel.forward(q_parts, arrays, lengths_B, block_table, layer_1, cfg)
     if cfg.split_halves:  # (even, odd) channel halves -> channel order
