@@ -33,7 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 from jaxllm.kernels.flash_attention.reference import MASK_VALUE
 
-BACKENDS = ("mosaic_tpu", "triton")
+BACKENDS = ("mosaic_tpu", "triton", "mosaic_gpu")  # mosaic_gpu: the kernels of mosaic_gpu.py
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,13 +12,16 @@ Layout of `jax.nn.dot_product_attention`: q [B, L, H, K], k/v [B, S, G, K] with 
 
 Backends (`backend=`):
 - `"mosaic_tpu"`: Pallas Mosaic TPU kernels; the default when `jax.default_backend()` is TPU.
-- `"triton"`: Pallas Triton kernels for CUDA GPUs, only when asked for explicitly. JAX deprecates
-  Pallas-on-Triton from 0.11, and its default GPU lowering (Mosaic GPU) needs a different kernel
-  style (`plgpu.kernel`, warpgroups) that is not written yet.
+- `"mosaic_gpu"`: Mosaic GPU kernels (`mosaic_gpu.py`: TMA, wgmma) for Hopper; the default on a
+  Hopper GPU (compute capability 9.x) for bfloat16 / float16 inputs with head dim 64 or 128.
+  Asked for explicitly, other inputs raise.
+- `"triton"`: Pallas Triton kernels for CUDA GPUs, only when asked for explicitly: JAX deprecates
+  Pallas-on-Triton from 0.11.
 - `"xla"`: `flash_attention_reference` (materialises [B, H, L, S] scores in float32); the default
-  on GPU and on CPU without `interpret`.
+  on other GPUs (pre-Hopper; Blackwell, which has no wgmma), for inputs the Mosaic GPU kernels do
+  not take (float32, other head dims) and on CPU without `interpret`.
 `interpret=True` runs the kernels of the chosen backend (Mosaic TPU when `backend` is None) in the
-Pallas interpreter, on any platform (CPU tests).
+Pallas interpreter of that backend, on any platform (CPU tests).
 
 Masks, all combinable: `causal` (query i sees keys j <= i, indices aligned at 0 as in
 `jaxllm.model.attention`), `sliding_window` w (additionally i - w < j; without `causal`,
@@ -37,7 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jaxllm.kernels.flash_attention import kernel
+from jaxllm.kernels.flash_attention import kernel, mosaic_gpu
 from jaxllm.kernels.flash_attention.reference import (
     flash_attention_reference,
     flash_attention_reference_with_lse,
@@ -52,8 +55,10 @@ class BlockSizes:
     """Rows of q (`block_q`) and of k/v (`block_kv`) per kernel block.
 
     Defaults per backend: Mosaic TPU 128 / 128 (one MXU tile; lane-dense segment-id slices),
-    Triton 64 / 64 (keeps the f32 [64, 64] tiles and a K <= 128 accumulator in registers).
-    Both are clipped to the padded sequence length for short sequences; Triton needs powers of 2.
+    Triton 64 / 64 (keeps the f32 [64, 64] tiles and a K <= 128 accumulator in registers),
+    Mosaic GPU 64 / 64 (one wgmma row tile per warpgroup; the dq and dk/dv pipelines fit Hopper's
+    shared memory at K = 128). Clipped to the padded sequence length for short sequences (not
+    below 64 rows for Mosaic GPU); Triton needs powers of 2, Mosaic GPU multiples of 64.
     """
 
     block_q: int
@@ -61,22 +66,37 @@ class BlockSizes:
 
     @classmethod
     def default(cls, backend: str) -> BlockSizes:
-        return cls(64, 64) if backend == "triton" else cls(128, 128)
+        return cls(64, 64) if backend in ("triton", "mosaic_gpu") else cls(128, 128)
 
 
-def _resolve_backend(backend: str | None, interpret: bool) -> str:
+def _resolve_backend(backend: str | None, interpret: bool, q_BxLxHxK) -> str:
     if backend is None:
         platform = jax.default_backend()
-        backend = "mosaic_tpu" if platform == "tpu" or interpret else "xla"
-    if backend not in (*kernel.BACKENDS, "xla"):
-        raise ValueError(f"unknown backend {backend!r}; expected mosaic_tpu, triton or xla")
+        if platform == "tpu" or interpret:
+            backend = "mosaic_tpu"
+        elif (
+            platform == "gpu"
+            and mosaic_gpu.runs_on(jax.devices()[0])
+            and mosaic_gpu.supported(q_BxLxHxK.dtype, q_BxLxHxK.shape[-1]) is None
+        ):
+            backend = "mosaic_gpu"
+        else:
+            backend = "xla"
+    names = (*kernel.BACKENDS, "xla")
+    if backend not in names:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {names}")
     return backend
 
 
-def _block(requested: int, length: int) -> int:
-    """Short sequences get one block of the next power of 2 (>= 8 sublanes) instead of a mostly
-    padded full-size block."""
-    return max(8, min(requested, pl.next_power_of_2(length)))
+def _kernels(cfg: kernel.Config):
+    """The module whose forward / backward implement `cfg.backend`."""
+    return mosaic_gpu if cfg.backend == "mosaic_gpu" else kernel
+
+
+def _block(requested: int, length: int, minimum: int = 8) -> int:
+    """Short sequences get one block of the next power of 2 (>= 8 sublanes, >= one wgmma tile for
+    Mosaic GPU) instead of a mostly padded full-size block."""
+    return max(minimum, min(requested, pl.next_power_of_2(length)))
 
 
 def _pad_to(x, axis: int, size: int, value=0):
@@ -111,7 +131,8 @@ def _kernel_inputs(
     b, l, _, _ = q_BxLxHxK.shape
     s = k_BxSxGxK.shape[1]
     sizes = block_sizes or BlockSizes.default(backend)
-    bq, bk = _block(sizes.block_q, l), _block(sizes.block_kv, s)
+    minimum = mosaic_gpu.BLOCK_MULTIPLE if backend == "mosaic_gpu" else 8
+    bq, bk = _block(sizes.block_q, l, minimum), _block(sizes.block_kv, s, minimum)
     q_ids_BxL, kv_ids_BxS = split_segment_ids(segment_ids, l, s)
     has_segments = q_ids_BxL is not None
     if not has_segments:  # placeholders keep one kernel signature; never read
@@ -149,7 +170,7 @@ def flash_attention_with_lse(
     soft cap and sm_scale); `MASK_VALUE` for a row with none. Arguments as `flash_attention`.
     """
     _check_shapes(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sliding_window)
-    backend = _resolve_backend(backend, interpret)
+    backend = _resolve_backend(backend, interpret, q_BxLxHxK)
     l, d = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     sm_scale = d**-0.5 if sm_scale is None else float(sm_scale)
     masks = dict(
@@ -189,7 +210,7 @@ def flash_attention(
     (q_ids [B, L], kv_ids [B, S]). sm_scale defaults to K ** -0.5. Returns [B, L, H, K] in q's
     dtype; inputs may be float32 or bfloat16 (accumulation is float32 either way).
     """
-    if _resolve_backend(backend, interpret) == "xla":
+    if _resolve_backend(backend, interpret, q_BxLxHxK) == "xla":
         _check_shapes(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sliding_window)
         return flash_attention_reference(
             q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, segment_ids=segment_ids,
@@ -230,7 +251,7 @@ def flash_attention_backward(
     per-block forward has to be kept or recomputed. Not itself differentiable.
     """
     _check_shapes(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sliding_window)
-    backend = _resolve_backend(backend, interpret)
+    backend = _resolve_backend(backend, interpret, q_BxLxHxK)
     b, l, h, d = q_BxLxHxK.shape
     if out_BxLxHxK.shape != q_BxLxHxK.shape or dout_BxLxHxK.shape != q_BxLxHxK.shape:
         raise ValueError(f"out {out_BxLxHxK.shape} and dout {dout_BxLxHxK.shape} must be q's shape")
@@ -255,7 +276,7 @@ def flash_attention_backward(
     lp, sp = _round_up(l, cfg.block_q), _round_up(s, cfg.block_kv)
     # Padded query rows: lse 0 keeps exp(s - lse) finite; dk/dv mask them, their dq is cut off.
     lse_BxHxLpx1 = _pad_to(lse_BxHxL.astype(jnp.float32), 2, lp)[..., None]
-    dq_BxHxLpxK, dk_BxGxSpxK, dv_BxGxSpxK = kernel.backward(
+    dq_BxHxLpxK, dk_BxGxSpxK, dv_BxGxSpxK = _kernels(cfg).backward(
         _to_kernel(q_BxLxHxK, lp), _to_kernel(k_BxSxGxK, sp), _to_kernel(v_BxSxGxK, sp),
         _to_kernel(out_BxLxHxK.astype(q_BxLxHxK.dtype), lp), lse_BxHxLpx1,
         _to_kernel(dout_BxLxHxK.astype(q_BxLxHxK.dtype), lp), q_ids, kv_ids, cfg,
@@ -269,18 +290,18 @@ def flash_attention_backward(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash(q, k, v, q_ids, kv_ids, cfg):
-    return kernel.forward(q, k, v, q_ids, kv_ids, cfg)
+    return _kernels(cfg).forward(q, k, v, q_ids, kv_ids, cfg)
 
 
 def _flash_fwd(q, k, v, q_ids, kv_ids, cfg):
-    out, lse = kernel.forward(q, k, v, q_ids, kv_ids, cfg)
+    out, lse = _kernels(cfg).forward(q, k, v, q_ids, kv_ids, cfg)
     return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)  # no [L, S] residual: recomputed
 
 
 def _flash_bwd(cfg, residuals, cotangents):
     q, k, v, q_ids, kv_ids, out, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv = kernel.backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg, dlse=dlse)
+    dq, dk, dv = _kernels(cfg).backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg, dlse=dlse)
     return dq, dk, dv, None, None
 
 
