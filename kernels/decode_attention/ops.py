@@ -8,9 +8,13 @@ head h // (H / G). Rows of length 0 (batch padding) return zeros. Inference only
 
 Backends (`backend=`):
 - `"mosaic_tpu"`: the Pallas Mosaic TPU kernel (scalar-prefetched lengths / block table /
-  layer, one kv block per grid step); the default on TPU, and with `interpret=True` anywhere.
+  layer, one kv block of all kv heads per grid step); the default on TPU, and with
+  `interpret=True` anywhere. Blocks must tile the arrays (`_tpu_block_ok`): int8 a multiple of
+  128 rows, int4 of 16 * group, or the whole page / cache length. A paged block never spans
+  pages, so pages smaller than the default block mean more, smaller grid steps.
 - `"triton"`: the Pallas Triton kernel for CUDA GPUs, only when asked for explicitly (JAX
-  deprecates Pallas-on-Triton; a Mosaic GPU version is not written).
+  deprecates Pallas-on-Triton; a Mosaic GPU version is not written). Needs a power-of-2 head
+  dim >= 32 and a power-of-2 block (>= 16) dividing the cache length or page size.
 - `"xla"`: `decode_attention_reference` (dequantizes the whole cache); the default on GPU and
   on CPU without `interpret`.
 
@@ -81,9 +85,12 @@ def default_block_kv(kind: str, backend: str, group: int, rows: int, paged: bool
     want = TPU_BLOCK.get(kind, 16 * group)
     if rows <= want:
         return rows
-    if paged and rows % want:
-        raise ValueError(f"page size {rows} is not a multiple of block_kv {want}; pass block_kv")
-    return want
+    if not paged:
+        return want  # the edge block may be partial
+    for bk in range(want, 0, -1):  # the largest block that divides the page and tiles
+        if rows % bk == 0 and _tpu_block_ok(bk, rows, kind, group):
+            return bk
+    raise ValueError(f"no {kind} block_kv <= {want} divides page size {rows} and tiles on TPU")
 
 
 def _check_block(bk, rows, kind, group, backend, paged, interpret):
