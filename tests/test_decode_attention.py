@@ -282,6 +282,19 @@ def test_short_sequences_skip_blocks():
     assert empty == {(1, 0, 0, 0, 0)}  # a length-0 row reads one (clamped) block
 
 
+def test_default_blocks_tile_and_divide_pages():
+    from jaxllm.kernels.decode_attention.ops import _check_block, default_block_kv
+
+    assert default_block_kv("int8", "mosaic_tpu", 32, 384, paged=True) == 128  # lanes: 128
+    assert default_block_kv("int4", "mosaic_tpu", 32, 1536, paged=True) == 512  # 16 * group
+    assert default_block_kv("int4", "mosaic_tpu", 32, 96, paged=True) == 96  # the whole page
+    assert default_block_kv("bfloat16", "mosaic_tpu", 32, 1000, paged=False) == 256  # edge
+    assert default_block_kv("int8", "triton", 32, 6400, paged=False) == 64
+    with pytest.raises(ValueError, match="tile"):  # int8 scales [G, T]: 64 lanes do not tile
+        _check_block(64, 1024, "int8", 32, "mosaic_tpu", paged=False, interpret=False)
+    _check_block(64, 1024, "int8", 32, "mosaic_tpu", paged=False, interpret=True)
+
+
 @pytest.mark.parametrize("kind,tol", [("int8", 0.03), ("int4", 0.2)])
 def test_quantized_reference_close_to_unquantized(kind, tol):
     """Quantizer sanity: attention over the int8 / int4 cache stays close to attention over
