@@ -1,4 +1,4 @@
-"""FlashAttention forward and backward as Mosaic GPU kernels for Hopper (sm_90+).
+"""FlashAttention forward and backward as Mosaic GPU kernels for Hopper (sm_90).
 
 Same contract as `kernel.forward` / `kernel.backward` (q/out/dout [B, H, Lp, K], k/v
 [B, G, Sp, K], lse [B, H, Lp, 1] float32, q segment ids [B, Lp, 1], kv segment ids [B, 1, Sp],
@@ -18,9 +18,9 @@ operands in SMEM and a float32 register accumulator.
 - dk/dv, grid (G, S/bk, B): loops over the R query heads of kv head g and their q blocks, so GQA
   gradients are summed in the kernel and K/V are never repeated in memory.
 
-Static masks (causal, sliding window) shrink the loop bounds exactly as in `kernel.py`; padded
-keys, padded queries (dk/dv), the masks inside the boundary blocks and segment ids are applied per
-block.
+Static masks (causal, sliding window) shrink the loop bounds exactly as in `kernel.py`; inside
+the visited blocks, padded keys, padded queries (dk/dv), causal / window edges and segment ids are
+masked per element.
 
 Two choices are dictated by the Mosaic GPU interpreter of jax 0.10 (the CPU tests run every line
 of these kernels in it), which cannot read a transposed SMEM view (`plgpu.transpose_ref`) in a
@@ -30,6 +30,8 @@ wgmma nor take a wgmma operand from registers:
   as [K, block] tiles, so every wgmma reads plain row-major SMEM tiles.
 - p and ds go registers -> SMEM before their wgmma (FlashAttention-3 keeps p in registers).
 Both cost bandwidth, not correctness; they are the first things to revisit when tuning on H100.
+It has no rule for `layout_cast` either, so register layout hints are skipped when interpreting
+(`_layout`, `_iota`, `_load_vector`): they change no value.
 
 Inputs must be bfloat16 or float16 with head dim 64 or 128, and block sizes multiples of 64 (one
 wgmma row tile per warpgroup); `supported` says why a call cannot run here.
