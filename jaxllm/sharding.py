@@ -183,14 +183,18 @@ def sequence_layout(batch: dict) -> dict:
     return {k: v[:, perm] for k, v in batch.items()}
 
 
-def ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL) -> jax.Array:
-    """Ring attention over the `sequence` axis on batches in `sequence_layout` order."""
+def ring_attention(
+    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, impl: str = "xla"
+) -> jax.Array:
+    """Ring attention over the `sequence` axis on batches in `sequence_layout` order; `impl`
+    (the resolved `attention_impl`) picks the per-block computation (`flash`: the kernel)."""
     from jaxllm.model.ring_attention import ring_attention as ring
 
     mesh = _ring_mesh()
     return ring(
         q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL=segment_ids_BxL, mesh=mesh,
         axis_name="sequence", batch_axes=RULES["batch"], head_axis=RULES["act_heads"][0],
+        impl=impl,
     )  # fmt: skip
 
 

@@ -133,7 +133,9 @@ class Attention(nnx.Module):
                 out_BxLxHxK = cache.attend(q_BxLxHxK)
             return matmul("blhk,hkd->bld", out_BxLxHxK, self.o_proj[...], self.dtype), cache
         if sharding.ring_active():  # sequence-parallel: K/V blocks travel around the ring
-            out_BxLxHxK = sharding.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL)
+            out_BxLxHxK = sharding.ring_attention(
+                q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, impl=resolve_impl(self.impl)
+            )
         else:  # K/V all-gathered over the sequence shards (a no-op without them)
             k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
             v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
