@@ -306,8 +306,9 @@ class GenerateConfig:
     N tokens shared by the batch through a block table, so each sequence reserves only the pages
     its own prompt + max_new_tokens need."""
     decode_impl: Literal["auto", "xla", "kernel"] = "auto"
-    """Attention over the cache: `kernel` (the Pallas decode kernel of `jaxllm.kernels`,
-    interpreted on CPU), `xla` (dequantize, then attend), `auto` (kernel on TPU/GPU, xla on CPU)."""
+    """Attention over the cache: `kernel` (the Pallas decode kernel of `jaxllm.kernels`: Mosaic
+    on TPU, Triton on GPU, interpreted on CPU), `xla` (dequantize, then attend), `auto` (kernel
+    on TPU, xla elsewhere)."""
 
 
 @dataclasses.dataclass(frozen=True)

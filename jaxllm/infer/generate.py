@@ -88,9 +88,10 @@ class Generation:
 
 
 def resolve_decode_impl(impl: str) -> tuple[str, bool]:
-    """(`kernel` | `xla`, interpret): `auto` is the Pallas kernel on TPU/GPU, XLA on CPU."""
+    """(`kernel` | `xla`, interpret): `auto` is the Pallas kernel on TPU, XLA elsewhere (on GPU
+    the kernel is Pallas-Triton, deprecated in new jax; it stays opt-in until measured)."""
     if impl == "auto":
-        impl = "xla" if jax.default_backend() == "cpu" else "kernel"
+        impl = "kernel" if jax.default_backend() == "tpu" else "xla"
     return impl, impl == "kernel" and jax.default_backend() == "cpu"
 
 

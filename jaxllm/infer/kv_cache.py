@@ -254,8 +254,13 @@ class CacheView:
             from jaxllm import sharding
             from jaxllm.kernels.decode_attention.ops import decode_attention
 
+            # On GPU the kernel is the Pallas-Triton one (chosen explicitly: `kernel`).
+            backend = "triton" if jax.default_backend() == "gpu" else None
+
             def kernel(q, kv, lengths, layer):
-                return decode_attention(q, kv, lengths, layer=layer, interpret=self.interpret)
+                return decode_attention(
+                    q, kv, lengths, layer=layer, interpret=self.interpret, backend=backend
+                )
 
             q_axes = ("batch", None, "act_heads", None)
             out = sharding.per_shard(
