@@ -1,5 +1,7 @@
-"""FlashAttention-2 in Pallas: `kernel.py` (pallas_calls), `ops.py` (custom_vjp, dispatch),
-`reference.py` (pure JAX ground truth)."""
+"""FlashAttention-2 in Pallas: `kernel.py` (pallas_calls in the grid style, for Mosaic TPU and
+Triton), `mosaic_gpu.py` (the same forward / dq / dk-dv kernels for Hopper GPUs in the Mosaic GPU
+style: TMA, barriers, wgmma), `ops.py` (custom_vjp, backend dispatch), `reference.py` (pure JAX
+ground truth)."""
 
 from jaxllm.kernels.flash_attention.ops import (
     BlockSizes,
