@@ -332,3 +332,21 @@ def test_lowers(platform, backend, target, dtype, l, g, k, kw):
     for fn, calls in ((fwd, 1), (grads, 3), (block_grads, 2)):
         lowered = jax.jit(fn).trace(q, kv, kv, ids).lower(lowering_platforms=(platform,))
         assert lowered.as_text().count(target) >= calls
+
+
+def test_bench_attention_script_runs_interpreted():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(
+        "--impls flash,xla,cudnn --seqs 64 --tokens 64 --hidden 128 --head-dim 64 --kv-heads 1 "
+        "--block-q 32 --block-kv 32 --dtype float32 --interpret --warmup 1 --iters 1".split()
+    )
+    ok = {r["impl"]: r for r in rows if "error" not in r}
+    assert set(ok) >= {"flash", "xla"}
+    assert all(ok[i]["fwd_tflops"] > 0 and ok[i]["fwd_bwd_tflops"] > 0 for i in ok)
+    assert [r["impl"] for r in rows] == ["flash", "xla", "cudnn"]  # cudnn reported, not dropped
