@@ -37,7 +37,10 @@ def resolve(path: str | Path) -> tuple[Path, Path, int | None]:
     )
 
 
-def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> dict:
+def restore(path, overrides=()):
+    """A run directory / checkpoint path -> (config, mesh, graphdef, params, step): the newest
+    (or the named) checkpoint's weights, restored straight into their shards on the configured
+    mesh. ConfigError when there is nothing to restore."""
     run_dir, ckpt_dir, step = resolve(path)
     cfg = config.load(run_dir / "config.yaml", list(overrides))
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
@@ -55,14 +58,17 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
         step = checkpoint.latest_step(ckpt_dir)
         if step is None:
             raise config.ConfigError(f"no checkpoint in {ckpt_dir}; train first.")
-    params = checkpoint.restore_params(ckpt_dir, target, step)
+    return cfg, mesh, graphdef, checkpoint.restore_params(ckpt_dir, target, step), step
 
+
+def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> dict:
+    cfg, mesh, graphdef, params, step = restore(path, overrides)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     jit_eval = jax.jit(
         functools.partial(
             eval_step, graphdef=graphdef, mesh=mesh, sequence_attention=cfg.mesh.sequence_attention
         ),
-        in_shardings=(jax.tree.map(lambda t: t.sharding, target), batch_sh),
+        in_shardings=(jax.tree.map(lambda p: p.sharding, params), batch_sh),
     )
     gbs = cfg.train.global_batch_size
     _, eval_rows = load_splits(cfg.data)

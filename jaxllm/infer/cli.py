@@ -53,32 +53,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         if not prompts:
             raise ConfigError(f"--prompts-file {ns.prompts_file} has no prompts.")
 
-    import jax
-
-    from jaxllm import checkpoint, config, sharding
-    from jaxllm.data.tokenizer import make_tokenizer
-    from jaxllm.evaluate import resolve
-    from jaxllm.infer.generate import generate
-    from jaxllm.train.state import abstract_model
-
-    run_dir, ckpt_dir, step = resolve(path)
-    cfg = config.load(run_dir / "config.yaml", [*overrides, *_overrides(ns)])
-    cfg.validate(len(jax.devices()))
-    mesh = sharding.make_mesh(cfg.mesh)
-    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
-    step = step if step is not None else checkpoint.latest_step(ckpt_dir)
-    if step is None:
-        raise ConfigError(f"no checkpoint in {ckpt_dir}; train first.")
     from flax import nnx
 
-    graphdef, abstract, axes = abstract_model(cfg.model)
-    sharding.check_divisible(mesh, abstract, axes)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        abstract,
-        sharding.tree_shardings(mesh, axes),
-    )
-    model = nnx.merge(graphdef, checkpoint.restore_params(ckpt_dir, target, step))
+    from jaxllm.data.tokenizer import make_tokenizer
+    from jaxllm.evaluate import restore
+    from jaxllm.infer.generate import generate
+
+    cfg, mesh, graphdef, params, step = restore(path, [*overrides, *_overrides(ns)])
+    model = nnx.merge(graphdef, params)
 
     tok = make_tokenizer(cfg.data)
     bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
