@@ -1,7 +1,8 @@
-"""FlashAttention-2 in Pallas: `kernel.py` (pallas_calls in the grid style, for Mosaic TPU and
-Triton), `mosaic_gpu.py` (the same forward / dq / dk-dv kernels for Hopper GPUs in the Mosaic GPU
-style: TMA, barriers, wgmma), `ops.py` (custom_vjp, backend dispatch), `reference.py` (pure JAX
-ground truth)."""
+"""FlashAttention-2 in Pallas: `mosaic_tpu.py` (forward / dq / dk-dv kernels for TPUs, the other
+sequence streamed on the innermost grid axis with VMEM scratch accumulators), `kernel.py` (the
+same kernels for Triton, each program looping over the other sequence), `mosaic_gpu.py` (for
+Hopper GPUs in the Mosaic GPU style: TMA, barriers, wgmma), `ops.py` (custom_vjp, backend
+dispatch), `reference.py` (pure JAX ground truth)."""
 
 from jaxllm.kernels.flash_attention.ops import (
     BlockSizes,

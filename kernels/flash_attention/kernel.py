@@ -1,15 +1,16 @@
-"""FlashAttention-2 forward and backward as Pallas kernels (Dao 2023, arXiv:2307.08691).
+"""FlashAttention-2 forward and backward as Pallas Triton kernels (Dao 2023, arXiv:2307.08691).
 
 Layout inside the kernels: q/out/dout [B, H, Lp, K], k/v [B, G, Sp, K], lse/delta [B, H, Lp, 1]
 (float32, a trailing unit lane dim so every block is 2-D), q segment ids [B, Lp, 1] and kv
 segment ids [B, 1, Sp]. Lp / Sp are the lengths padded to the block sizes by `ops.py`; the real
-kv length masks the padded keys.
+kv length masks the padded keys. `mosaic_tpu.py` and `mosaic_gpu.py` implement the same contract
+for TPUs and Hopper GPUs, and reuse the block ranges, masks and matmul helpers defined here.
 
 One program handles one block of rows and loops over the blocks of the other sequence inside the
 kernel (the whole padded K/V of one kv head, resp. the whole padded Q of its R query heads, is
-one block), so the same kernels lower to Mosaic TPU and to Triton, whose programs cannot carry
-state across grid steps. Static masks (causal, sliding window) shrink the loop bounds, so fully
-masked blocks are never visited; dynamic masks (segments, the padded tail) are applied per block.
+one block), since Triton programs cannot carry state across grid steps. Static masks (causal,
+sliding window) shrink the loop bounds, so fully masked blocks are never visited; dynamic masks
+(segments, the padded tail) are applied per block.
 
 - forward, grid (B, H, L/bq): online softmax over kv blocks, returns out and logsumexp.
 - dq, grid (B, H, L/bq): recomputes p = exp(s - lse) per kv block, dq = sum_j ds_j k_j.
@@ -29,11 +30,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 from jaxllm.kernels.flash_attention.reference import MASK_VALUE
 
-BACKENDS = ("mosaic_tpu", "triton", "mosaic_gpu")  # mosaic_gpu: the kernels of mosaic_gpu.py
+# Implemented by mosaic_tpu.py, this module and mosaic_gpu.py respectively.
+BACKENDS = ("mosaic_tpu", "triton", "mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +54,10 @@ class Config:
     interpret: bool
 
 
-def _compiler_params(cfg: Config, num_grid_axes: int):
-    if cfg.backend == "mosaic_tpu":
-        return pltpu.CompilerParams(dimension_semantics=("parallel",) * num_grid_axes)
-    if cfg.backend == "triton":
-        return pltriton.CompilerParams(num_warps=4, num_stages=2)
-    raise ValueError(f"unknown kernel backend {cfg.backend!r}; expected one of {BACKENDS}")
+def _compiler_params(cfg: Config):
+    if cfg.backend != "triton":
+        raise ValueError(f"kernel.py implements backend 'triton', not {cfg.backend!r}")
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _dot_nt(a, b):  # a @ b.T
@@ -197,7 +196,7 @@ def forward(q, k, v, q_ids, kv_ids, cfg: Config):
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, h, lp, 1), jnp.float32),
         ],
-        compiler_params=_compiler_params(cfg, 3),
+        compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
     )(q, k, v, q_ids, kv_ids)
@@ -307,7 +306,7 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, qid_spec, kvid_spec],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(cfg, 3),
+        compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="flash_attention_dq",
     )(q, k, v, do, lse, delta, q_ids, kv_ids)
@@ -339,7 +338,7 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
         ],
-        compiler_params=_compiler_params(cfg, 3),
+        compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="flash_attention_dkdv",
     )(by_kv_head(q), k, v, by_kv_head(do), by_kv_head(lse), by_kv_head(delta), q_ids, kv_ids)

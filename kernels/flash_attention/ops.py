@@ -11,12 +11,14 @@ Layout of `jax.nn.dot_product_attention`: q [B, L, H, K], k/v [B, S, G, K] with 
 (MHA G = H, GQA, MQA G = 1; kv head g serves query heads g * R .. g * R + R - 1, R = H / G).
 
 Backends (`backend=`):
-- `"mosaic_tpu"`: Pallas Mosaic TPU kernels; the default when `jax.default_backend()` is TPU.
+- `"mosaic_tpu"`: Pallas Mosaic TPU kernels (`mosaic_tpu.py`: the blocks of the other sequence
+  stream through VMEM on the innermost grid axis, so VMEM use does not grow with the sequence
+  length); the default when `jax.default_backend()` is TPU.
 - `"mosaic_gpu"`: Mosaic GPU kernels (`mosaic_gpu.py`: TMA, wgmma) for Hopper; the default on a
   Hopper GPU (compute capability 9.x) for bfloat16 / float16 inputs with head dim 64 or 128.
   Asked for explicitly, other inputs raise.
-- `"triton"`: Pallas Triton kernels for CUDA GPUs, only when asked for explicitly: JAX deprecates
-  Pallas-on-Triton from 0.11.
+- `"triton"`: Pallas Triton kernels for CUDA GPUs (`kernel.py`), only when asked for explicitly:
+  JAX deprecates Pallas-on-Triton from 0.11.
 - `"xla"`: `flash_attention_reference` (materialises [B, H, L, S] scores in float32); the default
   on other GPUs (pre-Hopper; Blackwell, which has no wgmma), for inputs the Mosaic GPU kernels do
   not take (float32, other head dims) and on CPU without `interpret`.
@@ -40,7 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jaxllm.kernels.flash_attention import kernel, mosaic_gpu
+from jaxllm.kernels.flash_attention import kernel, mosaic_gpu, mosaic_tpu
 from jaxllm.kernels.flash_attention.reference import (
     flash_attention_reference,
     flash_attention_reference_with_lse,
@@ -54,7 +56,8 @@ from jaxllm.kernels.flash_attention.reference import (
 class BlockSizes:
     """Rows of q (`block_q`) and of k/v (`block_kv`) per kernel block.
 
-    Defaults per backend: Mosaic TPU 128 / 128 (one MXU tile; lane-dense segment-id slices),
+    Defaults per backend: Mosaic TPU 128 / 128 for the forward and both backward kernels (one
+    MXU tile per grid step; lane-dense segment-id slices; a smaller kv block only adds grid steps),
     Triton 64 / 64 (keeps the f32 [64, 64] tiles and a K <= 128 accumulator in registers),
     Mosaic GPU 64 / 64 (one wgmma row tile per warpgroup; the dq and dk/dv pipelines fit Hopper's
     shared memory at K = 128). Clipped to the padded sequence length for short sequences (not
@@ -90,7 +93,7 @@ def _resolve_backend(backend: str | None, interpret: bool, q_BxLxHxK) -> str:
 
 def _kernels(cfg: kernel.Config):
     """The module whose forward / backward implement `cfg.backend`."""
-    return mosaic_gpu if cfg.backend == "mosaic_gpu" else kernel
+    return {"mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu, "triton": kernel}[cfg.backend]
 
 
 def _block(requested: int, length: int, minimum: int = 8) -> int:
