@@ -1,11 +1,15 @@
 """FlashAttention Pallas kernels vs the pure-JAX reference, in interpret mode on CPU.
 
 Every feature (GQA ratios, head dims, odd lengths, packed segments, sliding windows, soft cap)
-is checked forward and backward (dq, dk, dv) in float32 and bfloat16. Lowering for TPU (Mosaic)
-and CUDA (Triton) is checked from the CPU jaxlib with `lower(lowering_platforms=...)`.
+is checked forward and backward (dq, dk, dv) in float32 and bfloat16, also on grids with
+unequal q / kv blocks and several blocks per row and column. Lowering for TPU (Mosaic) and CUDA
+(Triton) is checked from the CPU jaxlib with `lower(lowering_platforms=...)`; for the Mosaic TPU
+kernels also their block schedule (masked blocks skipped without a new DMA) and that their
+per-step VMEM blocks do not grow with the sequence length (32k tokens).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +24,8 @@ from jaxllm.kernels import (
     flash_attention_reference_with_lse,
     flash_attention_with_lse,
 )
+from jaxllm.kernels.flash_attention import kernel, mosaic_tpu
+from jaxllm.kernels.flash_attention.reference import attention_mask
 
 # Max abs / rel error vs the float32 reference run on the same (rounded) inputs. float32: the
 # kernels differ only by summation order. bfloat16: p and ds are rounded to bf16 before the
@@ -44,9 +50,10 @@ def _packed_ids(b, length, cuts):
 
 
 def _check(dtype, b, l, h, g, k, *, block=32, s=None, **kw):
+    """block: one size for q and kv, or a (block_q, block_kv) pair."""
     s = l if s is None else s
     q, k_, v, do = _inputs(b, l, s, h, g, k, dtype)
-    bs = BlockSizes(block, block)
+    bs = BlockSizes(*block) if isinstance(block, tuple) else BlockSizes(block, block)
 
     def kern(q, k_, v):
         return flash_attention(q, k_, v, block_sizes=bs, interpret=True, **kw)
@@ -54,13 +61,17 @@ def _check(dtype, b, l, h, g, k, *, block=32, s=None, **kw):
     def ref(q, k_, v):
         return flash_attention_reference(q, k_, v, **kw)
 
-    out, vjp = jax.vjp(kern, q, k_, v)
-    out_ref, vjp_ref = jax.vjp(ref, q, k_, v)
+    @jax.jit  # one compile of the three interpreted kernels and the glue around them
+    def out_and_grads(q, k_, v, do):
+        (out, vjp), (out_ref, vjp_ref) = jax.vjp(kern, q, k_, v), jax.vjp(ref, q, k_, v)
+        return out, out_ref, vjp(do), vjp_ref(do)
+
+    out, out_ref, grads, grads_ref = out_and_grads(q, k_, v, do)
     assert out.dtype == dtype and out.shape == q.shape
     tol = TOL[dtype]
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     np.testing.assert_allclose(f32(out), f32(out_ref), atol=tol["out"], rtol=tol["out"])
-    for name, got, want in zip(("dq", "dk", "dv"), vjp(do), vjp_ref(do)):
+    for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert got.dtype == dtype, name
         assert np.all(np.isfinite(f32(got))), name
         np.testing.assert_allclose(
@@ -101,6 +112,32 @@ def test_matches_reference(dtype, b, l, h, g, k, kw):
     if kw.get("segment_ids") == "packed":
         kw["segment_ids"] = _packed_ids(b, l, [17, 50, 51, 90])
     _check(dtype, b, l, h, g, k, **kw)
+
+
+# (id, L, S, (block_q, block_kv), kwargs): every mask on grids with several kv blocks per q block
+# and several q blocks per kv block, block_q both below and above block_kv, GQA 2, padded tails.
+MULTI_BLOCK_CASES = [
+    ("full", 88, 88, (16, 32), {}),
+    ("causal", 88, 88, (32, 8), dict(causal=True)),
+    ("window_causal", 88, 88, (16, 32), dict(causal=True, sliding_window=20)),
+    ("window_bidirectional", 88, 88, (32, 8), dict(sliding_window=20)),
+    ("segments_causal", 88, 88, (16, 32), dict(causal=True, segment_ids="packed")),
+    ("causal_keys_past_queries", 56, 88, (8, 16), dict(causal=True)),  # keys 56.. seen by none
+    ("window_queries_past_keys", 88, 40, (16, 8), dict(sliding_window=16)),  # rows 55.. see none
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "l,s,blocks,kw", [pytest.param(*case, id=name) for name, *case in MULTI_BLOCK_CASES]
+)
+def test_multi_block_grids_match_reference(l, s, blocks, kw):
+    """The Mosaic TPU kernels carry their accumulators across the inner grid axis and skip
+    masked blocks; here with unequal block sizes, blocks with no visible entry (skipped steps),
+    kv blocks no query sees (dk = dv = 0) and q blocks that see no key (out 0)."""
+    kw = dict(kw)
+    if kw.get("segment_ids") == "packed":
+        kw["segment_ids"] = _packed_ids(1, l, [17, 50, 51, 90])
+    _check(jnp.float32, 1, l, 4, 2, 32, s=s, block=blocks, **kw)
 
 
 def test_cross_attention_empty_rows_give_zero_not_nan():
@@ -332,6 +369,125 @@ def test_lowers(platform, backend, target, dtype, l, g, k, kw):
     for fn, calls in ((fwd, 1), (grads, 3), (block_grads, 2)):
         lowered = jax.jit(fn).trace(q, kv, kv, ids).lower(lowering_platforms=(platform,))
         assert lowered.as_text().count(target) >= calls
+
+
+# ---------------------------------------------------- Mosaic TPU grid schedule and VMEM use
+
+# (L, S, block_q, block_kv, causal, sliding_window)
+SCHEDULES = [
+    (88, 88, 16, 32, True, None),
+    (88, 88, 32, 8, True, 20),
+    (88, 88, 16, 8, False, 20),
+    (100, 100, 32, 32, False, None),
+    (56, 88, 16, 32, True, None),
+    (88, 40, 8, 16, False, 16),
+    (40, 88, 8, 16, False, 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("l,s,bq,bk,causal,window", SCHEDULES)
+def test_mosaic_tpu_schedule_visits_each_visible_block_once(l, s, bq, bk, causal, window):
+    """Each row block's inner steps visit exactly the blocks of the other sequence that hold a
+    visible entry, each once, then repeat the last one (no compute, no new DMA); a visited block
+    skips the per-element mask exactly when every entry of it is visible."""
+    cfg = kernel.Config(
+        block_q=bq, block_kv=bk, q_len=l, kv_len=s, causal=causal, sliding_window=window,
+        soft_cap=None, sm_scale=1.0, has_segments=False, backend="mosaic_tpu", interpret=True,
+    )  # fmt: skip
+    lp, sp = -(-l // bq) * bq, -(-s // bk) * bk
+    nq, nk = lp // bq, sp // bk
+    band_LpxSp = np.asarray(
+        attention_mask(lp, sp, causal=causal, q_ids_BxL=None, kv_ids_BxS=None,
+                       sliding_window=window)[0]
+    )  # fmt: skip
+    real_q, real_k = np.arange(lp)[:, None] < l, np.arange(sp)[None, :] < s
+
+    def per_block(mask_LpxSp, reduce):
+        return reduce(mask_LpxSp.reshape(nq, bq, nk, bk), axis=(1, 3))  # [nq, nk]
+
+    q_start, k_start = jnp.arange(nq)[:, None] * bq, jnp.arange(nk)[None, :] * bk
+    # forward / dq: q blocks are the rows; dk/dv: kv blocks are, and padded queries are masked.
+    for block_range, rows, cols, visible, full, needs_mask in (
+        (kernel._kv_block_range, nq, nk, per_block(band_LpxSp, np.any),
+         per_block(band_LpxSp & real_k, np.all),
+         mosaic_tpu._needs_mask(q_start, k_start, cfg, pad_q=False)),
+        (kernel._q_block_range, nk, nq, per_block(band_LpxSp, np.any).T,
+         per_block(band_LpxSp & real_k & real_q, np.all).T,
+         mosaic_tpu._needs_mask(q_start, k_start, cfg, pad_q=True).T),
+    ):  # fmt: skip
+        steps, num_visited = mosaic_tpu._schedule(block_range, rows, cols, cfg)
+        index, vis = mosaic_tpu._visited(
+            block_range, jnp.arange(rows)[:, None], jnp.arange(steps)[None, :], cfg, cols
+        )
+        index, vis = np.broadcast_to(index, (rows, steps)), np.broadcast_to(vis, (rows, steps))
+        assert num_visited == visible.sum() and steps == max(1, visible.sum(axis=1).max())
+        for i in range(rows):
+            count = int(vis[i].sum())
+            assert np.all(vis[i, :count]) and list(index[i, :count]) == list(
+                np.flatnonzero(visible[i])
+            )
+            assert np.all(index[i, count:] == index[i, max(count - 1, 0)])  # no new block fetched
+            assert 0 <= index[i].min() and index[i].max() < cols
+        np.testing.assert_array_equal(np.broadcast_to(needs_mask, full.shape), ~full)
+
+
+def _pallas_calls(jaxpr):
+    """The pallas_call equations of a jaxpr, in its sub-jaxprs too (custom_vjp, pjit, cond)."""
+
+    def subjaxprs(value):
+        if hasattr(value, "eqns"):
+            yield value
+        elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+            yield value.jaxpr
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                yield from subjaxprs(item)
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in subjaxprs(value):
+                yield from _pallas_calls(sub)
+
+
+def _step_bytes(eqn) -> int:
+    """VMEM bytes of one grid step of a pallas_call: its input / output blocks and scratch."""
+    grid_mapping = eqn.params["grid_mapping"]
+    avals = [bm.transformed_block_aval for bm in grid_mapping.block_mappings]
+    avals += list(grid_mapping.scratch_avals)
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals)
+
+
+@pytest.mark.parametrize("window", [None, 4096], ids=["causal", "causal_window"])
+def test_long_sequence_lowers_for_tpu_with_vmem_independent_of_length(window):
+    """32k tokens, head dim 128, bf16, GQA 4, packed segments: forward, dq and dk/dv lower for TPU
+    with the same per-step blocks and scratch as at 1k tokens (only the grid grows), and a
+    sliding window keeps the inner grid axis at about window / block_kv steps."""
+
+    def kernels_at(length):
+        q = jax.ShapeDtypeStruct((1, length, 16, 128), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, length, 4, 128), jnp.bfloat16)
+        ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
+
+        def loss(q, k, v, ids):
+            out = flash_attention(q, k, v, causal=True, segment_ids=ids, sliding_window=window,
+                                  backend="mosaic_tpu")  # fmt: skip
+            return out.astype(jnp.float32).sum()
+
+        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids)
+        assert traced.lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") >= 3
+        calls = list(_pallas_calls(traced.jaxpr.jaxpr))
+        assert len(calls) == 3  # forward, dq, dk/dv
+        return [(eqn.params["grid_mapping"].grid, _step_bytes(eqn)) for eqn in calls]
+
+    short, long = kernels_at(1024), kernels_at(32768)
+    assert [b for _, b in long] == [b for _, b in short]
+    assert all(b < 512 * 1024 for _, b in long)  # a few [128, 128] tiles, double-buffered or not
+    fwd_grid, dq_grid, dkdv_grid = (grid for grid, _ in long)
+    assert fwd_grid == dq_grid and fwd_grid[:3] == (1, 16, 256) and dkdv_grid[:4] == (1, 4, 256, 4)
+    inner = 256 if window is None else window // 128 + 1
+    assert fwd_grid[3] == inner and dkdv_grid[4] == inner
 
 
 def test_bench_attention_script_runs_interpreted():
