@@ -57,11 +57,13 @@ class BlockSizes:
     """Rows of q (`block_q`) and of k/v (`block_kv`) per kernel block.
 
     Defaults per backend: Mosaic TPU 128 / 128 for the forward and both backward kernels (one
-    MXU tile per grid step; lane-dense segment-id slices; a smaller kv block only adds grid steps),
+    [128, 128] MXU tile per grid step; lane-dense kv segment-id slices),
     Triton 64 / 64 (keeps the f32 [64, 64] tiles and a K <= 128 accumulator in registers),
     Mosaic GPU 64 / 64 (one wgmma row tile per warpgroup; the dq and dk/dv pipelines fit Hopper's
     shared memory at K = 128). Clipped to the padded sequence length for short sequences (not
-    below 64 rows for Mosaic GPU); Triton needs powers of 2, Mosaic GPU multiples of 64.
+    below 64 rows for Mosaic GPU); Triton needs powers of 2, Mosaic GPU multiples of 64, Mosaic
+    TPU multiples of 8 and, with segment ids, a block_kv that is a multiple of 128 (lane-dim
+    slices of the kv ids) unless one block holds the whole padded sequence.
     """
 
     block_q: int
