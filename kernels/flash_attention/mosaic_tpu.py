@@ -26,10 +26,13 @@ about (w + bq) / bk steps, not S / bk). Steps past hi run no compute (`pl.when`)
 map repeats block hi - 1, which the Pallas TPU pipeline does not fetch again (as JAX's TPU flash
 kernel does), so fully masked blocks cost neither compute nor DMA. Visited blocks that lie inside
 every mask (no diagonal or window edge, no padded row or key, no segment ids) skip the
-per-element mask too.
+per-element mask too. Segment ids are applied per element in every visited block: blocks are
+not skipped by document (splash attention's block-sparse mask info would do that).
 
 The running max and sum are kept lane-replicated as [bq, 128] float32 (as in JAX's TPU kernels):
-the row statistics then broadcast against [bq, bk] and [bq, K] tiles without relayouts.
+the row statistics then broadcast against [bq, bk] and [bq, K] tiles without relayouts. The dk/dv
+kernel computes scores as [bq, bk] like the others, so dv += p^T do and dk += ds^T q take a
+transposed operand (as in JAX's TPU flash dk/dv kernel).
 """
 
 from __future__ import annotations
@@ -200,7 +203,8 @@ def forward(q, k, v, q_ids, kv_ids, cfg: Config):
         (None, None, bk, d), lambda bi, hi, qi, j: (bi, lax.div(hi, r), kv_block(qi, j), 0)
     )
     lse_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, qi, j: (bi, hi, qi, 0))
-    in_specs, ids = [q_spec, kv_spec, kv_spec], []
+    in_specs = [q_spec, kv_spec, kv_spec]
+    ids = []
     if cfg.has_segments:
         in_specs += [
             pl.BlockSpec((None, bq, 1), lambda bi, hi, qi, j: (bi, qi, 0)),
@@ -333,7 +337,8 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
     kv_spec = pl.BlockSpec(
         (None, None, bk, d), lambda bi, hi, qi, j: (bi, lax.div(hi, r), kv_block(qi, j), 0)
     )
-    in_specs, ids = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec], []
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    ids = []
     if cfg.has_segments:
         in_specs += [
             pl.BlockSpec((None, bq, 1), lambda bi, hi, qi, j: (bi, qi, 0)),
@@ -367,10 +372,8 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
     q_rows_spec = pl.BlockSpec((None, None, bq, d), q_index)
     stat_spec = pl.BlockSpec((None, None, bq, 1), q_index)
     kv_block_spec = pl.BlockSpec((None, None, bk, d), lambda bi, gi, ki, ri, i: (bi, gi, ki, 0))
-    in_specs, ids = (
-        [q_rows_spec, kv_block_spec, kv_block_spec, q_rows_spec, stat_spec, stat_spec],
-        [],
-    )
+    in_specs = [q_rows_spec, kv_block_spec, kv_block_spec, q_rows_spec, stat_spec, stat_spec]
+    ids = []
     if cfg.has_segments:
         in_specs += [
             pl.BlockSpec((None, bq, 1), lambda bi, gi, ki, ri, i: (bi, q_block(ki, i), 0)),
