@@ -11,6 +11,7 @@
     jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N]
     jaxllm convert import HF_DIR OUT_DIR [key=value ...]
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME]
+    jaxllm sweep [CONFIG.yaml] [key=value ...] --grid KEY=V1,V2 [--grid ...] [--out DIR]
 
 Mistakes a user can fix (config keys, types, impossible shapes) end with one sentence on stderr
 and exit code 2, before anything is compiled.
@@ -176,6 +177,9 @@ def parser() -> argparse.ArgumentParser:
     add_bench_data_parser(bsub)
     add_data_parser(sub)
     add_convert_parser(sub)
+    from jaxllm.sweep import add_sweep_parser
+
+    add_sweep_parser(sub)
     return p
 
 
