@@ -491,10 +491,11 @@ class Config:
         m.validate()
         if self.mesh.sequence_attention == "ring" and (
             m.position == "alibi" or m.sliding_window is not None or m.attn_soft_cap is not None
-        ):
+            or m.attn_scale is not None
+        ):  # fmt: skip
             _fail(
                 "mesh.sequence_attention=ring supports neither model.position=alibi, "
-                "model.sliding_window nor model.attn_soft_cap; use all_gather."
+                "model.sliding_window, model.attn_soft_cap nor model.attn_scale; use all_gather."
             )
         if self.data.seq_len > m.max_seq_len:
             _fail(

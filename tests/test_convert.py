@@ -129,6 +129,8 @@ def test_refuses_unmapped_tensors_shape_mismatches_and_unknown_families(tmp_path
 def test_export_refuses_knobs_the_family_cannot_hold(tmp_path, capsys):
     src = _save(_hf_model("llama2"), tmp_path / "hf")
     assert _run("convert", "import", src, tmp_path / "run") == 0
+    err = _stderr_of_failure(capsys, "convert", "import", src, tmp_path / "run")
+    assert "already holds checkpoints" in err
     err = _stderr_of_failure(capsys, "convert", "export", tmp_path / "run", tmp_path / "o",
                              "--family", "gpt2")  # fmt: skip
     assert "cannot be expressed in a gpt2 checkpoint" in err and "model.position='rope'" in err

@@ -229,6 +229,9 @@ def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     cfg = model_config(hf_dir, [f"run.dir={out_dir}", *overrides])
+    ckpt_dir = checkpoint.checkpoint_dir(out_dir, cfg.checkpoint.dir)
+    if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
+        raise ConfigError(f"{ckpt_dir} already holds checkpoints; import into a new directory.")
     tokenizer = hf_dir / "tokenizer.json"
     if tokenizer.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -242,7 +245,7 @@ def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
     out_dir.mkdir(parents=True, exist_ok=True)
     config_lib.dump(cfg, out_dir / "config.yaml")
     checkpoint.save_params(
-        checkpoint.checkpoint_dir(out_dir, cfg.checkpoint.dir), params, step=0,
+        ckpt_dir, params, step=0,
         config=config_lib.to_dict(cfg), tokenizer=checkpoint.tokenizer_record(cfg.data.tokenizer),
     )  # fmt: skip
     return report
