@@ -236,6 +236,24 @@ def test_sharded_generation_matches_one_device(model, gen):
     assert got.tokens == want
 
 
+def test_sharded_generation_with_alibi_and_a_window_pattern():
+    """ALiBi slopes split over the tensor axis with the heads, per-layer windows through the
+    kernel's lax.cond, under a data x fsdp x tensor mesh: the tokens of one device."""
+    from flax import nnx
+
+    from jaxllm.train.state import abstract_model
+
+    model = build(tiny_model(init_std=0.5, position="alibi", sliding_window=4, global_every=2),
+                  seed=1)  # fmt: skip
+    gen = GenerateConfig(max_new_tokens=6, kv_cache_dtype="int8", decode_impl="kernel")
+    want = generate(model, PROMPTS, gen).tokens
+    mesh = sharding.make_mesh(MeshConfig(data=2, tensor=2, fsdp=2))
+    graphdef, _, axes = abstract_model(model.cfg)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    sharded = nnx.merge(graphdef, jax.device_put(params, sharding.tree_shardings(mesh, axes)))
+    assert generate(sharded, PROMPTS, gen, mesh=mesh).tokens == want
+
+
 def test_cache_memory_per_token():
     bf16 = kvc.bytes_per_token("bfloat16", 4, 2, 64, 32)
     assert kvc.bytes_per_token("int8", 4, 2, 64, 32) <= 0.55 * bf16

@@ -2,8 +2,10 @@
 are special cases.
 
 `dot_product_attention` is the single function the model calls for attention; `impl` picks the
-implementation (`xla`: einsum reference with float32 softmax). Packed sequences are handled by
+implementation (`xla`: einsum reference with float32 softmax, the only one with ALiBi and with a
+traced per-layer window; `flash`: the Pallas kernel; `cudnn`). Packed sequences are handled by
 segment ids: a query attends only to keys of its own segment, so documents never see each other.
+Sliding windows, logit soft caps and a custom logit scale apply to every implementation.
 """
 
 from __future__ import annotations
