@@ -9,8 +9,9 @@ class JaxllmWarning(UserWarning):
     """Warnings jaxllm itself raises (tests turn them into errors)."""
 
 
-def load_model(path, *, mesh=None):
-    """A trained model from a run directory (or its checkpoint directory).
+def load_model(path, *, mesh=None, overrides=()):
+    """A trained model from a run directory (or its checkpoint directory), or a Hugging Face
+    model directory (config.json + safetensors; `overrides` like `model.dtype=float32` apply).
 
     Returns an `nnx.Module` mapping int tokens [batch, length] to float32 logits
     [batch, length, vocab]. Parameters are restored straight into their shards on `mesh`
@@ -25,10 +26,17 @@ def load_model(path, *, mesh=None):
     from jaxllm.train.state import abstract_model
 
     path = Path(path)
+    if not (path / "config.yaml").is_file() and (path / "config.json").is_file():
+        from jaxllm.convert import load_hf_model
+
+        return load_hf_model(path, mesh=mesh, overrides=overrides)
     run_dir = path if (path / "config.yaml").is_file() else path.parent
     if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{path} is neither a run directory nor its checkpoints directory")
-    cfg = config.load(run_dir / "config.yaml")
+        raise FileNotFoundError(
+            f"{path} is neither a run directory, its checkpoints directory, nor a Hugging Face "
+            "model directory"
+        )
+    cfg = config.load(run_dir / "config.yaml", list(overrides))
     ckpt_dir = path if run_dir != path else checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
     if mesh is None:
         mesh = sharding.make_mesh(config.MeshConfig())

@@ -92,7 +92,11 @@ class Checkpointer:
         """(state, data_state, step) from the newest readable checkpoint, or None if there is
         none. `abstract_state` is a TrainState of ShapeDtypeStruct whose shardings say where
         every leaf goes on the current mesh."""
-        steps = sorted(self._mgr.all_steps(), reverse=True)
+        steps = [
+            s
+            for s in sorted(self._mgr.all_steps(), reverse=True)
+            if has_train_state(self.directory, s)
+        ]  # weights-only ones are no resume point
         target = _state_items(abstract_state)
         for i, step in enumerate(steps):
             try:
@@ -130,6 +134,28 @@ def latest_step(directory: str | Path) -> int | None:
         return None
     with manager(directory) as mgr:
         return mgr.latest_step()
+
+
+def save_params(directory: str | Path, params, *, step: int, config: dict, tokenizer: dict):
+    """A weights-only checkpoint (items params, config, tokenizer; no optimizer state), as
+    `jaxllm convert import` writes: `jaxllm generate / eval` read it, and a training run in its
+    directory starts from it (`has_train_state` is False: it is not a resume point)."""
+    with manager(directory, CheckpointConfig(async_save=False)) as mgr:
+        mgr.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                config=ocp.args.JsonSave(config),
+                tokenizer=ocp.args.JsonSave(tokenizer),
+            ),
+            force=True,
+        )
+        mgr.wait_until_finished()
+
+
+def has_train_state(directory: str | Path, step: int) -> bool:
+    """Whether the checkpoint at `step` holds optimizer state (else it is weights-only)."""
+    return (Path(directory) / str(step) / "train").exists()
 
 
 def restore_params(directory: str | Path, target, step: int | None = None):

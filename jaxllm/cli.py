@@ -9,6 +9,9 @@
     jaxllm bench data [CONFIG.yaml] [key=value ...]
     jaxllm data tokenizer SOURCE... --vocab-size N --out DIR
     jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N]
+    jaxllm convert import HF_DIR OUT_DIR [key=value ...]
+    jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME]
+    jaxllm sweep [CONFIG.yaml] [key=value ...] --grid KEY=V1,V2 [--grid ...] [--out DIR]
 
 Mistakes a user can fix (config keys, types, impossible shapes) end with one sentence on stderr
 and exit code 2, before anything is compiled.
@@ -166,12 +169,17 @@ def parser() -> argparse.ArgumentParser:
     bt.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     bt.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     bt.set_defaults(func=cmd_bench)
+    from jaxllm.convert.cli import add_convert_parser
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser
 
     _add_generate_parser(sub)
 
     add_bench_data_parser(bsub)
     add_data_parser(sub)
+    add_convert_parser(sub)
+    from jaxllm.sweep import add_sweep_parser
+
+    add_sweep_parser(sub)
     return p
 
 

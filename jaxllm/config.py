@@ -95,12 +95,76 @@ class ModelConfig:
     """F: hidden width of the SwiGLU MLP."""
     max_seq_len: int = 2048
     """Largest position the model is built for; data.seq_len may not exceed it."""
+    position: Literal["rope", "alibi", "learned", "none"] = "rope"
+    """How tokens know their position: `rope` (rotary, Su et al. 2021), `alibi` (a per-head
+    linear distance penalty on attention logits, Press et al. 2022; attention_impl xla only),
+    `learned` (an absolute [max_seq_len, D] table added to the embeddings, GPT-2), or `none`
+    (causal masking alone, NoPE)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"
+    """RoPE context extension by `rope_factor` (Hugging Face `rope_type`): `linear` (position
+    interpolation: frequencies / factor), `ntk` (NTK-aware: theta * factor^(K / (K - 2))),
+    `yarn` (Peng et al. 2023: per-frequency ramp between interpolation and extrapolation, plus
+    an attention temperature), `llama3` (Llama 3.1: low frequencies / factor, a smooth band)."""
+    rope_factor: float = 1.0
+    """Context extension factor of `rope_scaling`; must stay 1 without scaling."""
+    rope_original_max_len: int | None = None
+    """Context length the model was pretrained at (`yarn`, `llama3`); null means max_seq_len."""
+    rope_low_freq_factor: float = 1.0
+    """`llama3`: wavelengths above original_max_len / this are interpolated fully."""
+    rope_high_freq_factor: float = 4.0
+    """`llama3`: wavelengths below original_max_len / this are kept as they are."""
+    rope_beta_fast: float = 32.0
+    """`yarn`: rotations over the original context above which a frequency is extrapolated."""
+    rope_beta_slow: float = 1.0
+    """`yarn`: rotations below which a frequency is interpolated."""
+    rope_attention_factor: float | None = None
+    """`yarn`: multiplier of cos/sin (attention temperature); null is 0.1 ln(factor) + 1."""
+    mlp_activation: Literal["swiglu", "geglu", "gelu", "relu", "relu2"] = "swiglu"
+    """MLP nonlinearity. Gated (`swiglu`: silu(gate) * up, `geglu`: gelu(gate) * up) have
+    gate/up/down projections; plain ones (`gelu`, `relu`, `relu2` = squared ReLU, So et al.
+    2021) have up/down."""
+    gelu_approximate: bool = True
+    """`gelu` / `geglu`: the tanh approximation (GPT-2, Gemma) rather than the exact erf form."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """RMSNorm (scale only) or LayerNorm (mean subtracted; scale and bias)."""
+    norm_placement: Literal["pre", "post", "sandwich"] = "pre"
+    """Where each block normalises: `pre` (x + f(norm(x)); a final norm before the head),
+    `post` (norm(x + f(x)), the original Transformer; no final norm), `sandwich`
+    (x + norm(f(norm(x))), Gemma 2/3; with a final norm)."""
     norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
+    """Epsilon of every norm."""
+    norm_offset: float = 0.0
+    """Norms multiply by (norm_offset + scale): Gemma stores scale - 1 and uses 1 here."""
+    qk_norm: bool = False
+    """Normalise queries and keys per head over the head dim before RoPE (Qwen3, Gemma 3)."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2, GPT-2)."""
+    o_bias: bool = False
+    """Bias on the attention output projection (GPT-2)."""
+    mlp_bias: bool = False
+    """Biases on the MLP projections (GPT-2)."""
+    attn_scale: float | None = None
+    """Multiplier of q.k logits; null means head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar
+    ** -0.5)."""
+    attn_soft_cap: float | None = None
+    """Cap c of attention logits: s -> c * tanh(s / c) (Gemma 2); null: none."""
+    final_soft_cap: float | None = None
+    """Cap of the output logits, as attn_soft_cap (Gemma 2); null: none."""
+    sliding_window: int | None = None
+    """Windowed layers let a token see only the last `sliding_window` tokens (itself included;
+    Mistral, Gemma); null: every layer attends to the whole prefix."""
+    global_every: int = 0
+    """With sliding_window: layer i (0-based) attends globally when (i + 1) % global_every == 0
+    (2: alternate as Gemma 2, 6: Gemma 3); 0: every layer is windowed (Mistral)."""
+    scale_embeddings: bool = False
+    """Multiply token embeddings by sqrt(d_model) (Gemma)."""
     tie_embeddings: bool = False
     """Use the token embedding (transposed) as the LM head."""
+    dropout: float = 0.0
+    """Dropout rate on the embeddings and on each residual branch's output; training only (the
+    train step passes an rng; eval, scoring and generation never drop)."""
     init_std: float = 0.02
     """Std of the normal init of embeddings and projections (output projections scaled by depth)."""
     param_dtype: str = "float32"
@@ -120,6 +184,56 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.mlp_activation in ("swiglu", "geglu")
+
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Per layer: the sliding window, or 0 for a global layer; None without windows."""
+        if self.sliding_window is None:
+            return None
+        every = self.global_every
+        return tuple(
+            0 if every and (i + 1) % every == 0 else self.sliding_window
+            for i in range(self.num_layers)
+        )
+
+    def validate(self) -> None:
+        """Combinations of model keys no field type can express (raises ConfigError)."""
+        if self.position != "rope":
+            changed = [
+                f"model.{f.name}" for f in dataclasses.fields(self)
+                if f.name.startswith("rope_") and getattr(self, f.name) != f.default
+            ]  # fmt: skip
+            if changed:
+                _fail(f"{changed[0]} only applies to model.position=rope, not {self.position}.")
+        if self.rope_scaling == "none" and self.rope_factor != 1.0:
+            _fail("model.rope_factor needs model.rope_scaling (linear, ntk, yarn or llama3).")
+        if self.rope_factor <= 0 or self.rope_theta <= 0:
+            _fail("model.rope_factor and model.rope_theta must be positive.")
+        if self.rope_scaling == "llama3" and not (
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            _fail("model.rope_low_freq_factor must be positive and below rope_high_freq_factor.")
+        if self.position == "rope" and self.resolved_head_dim % 2:
+            _fail(f"model.head_dim ({self.resolved_head_dim}) must be even for RoPE.")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            _fail(f"model.sliding_window must be >= 1 or null, not {self.sliding_window}.")
+        if self.global_every < 0 or (self.global_every and self.sliding_window is None):
+            _fail("model.global_every needs model.sliding_window and must be >= 0.")
+        for name in ("attn_soft_cap", "final_soft_cap", "attn_scale"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                _fail(f"model.{name} must be positive or null.")
+        if not 0 <= self.dropout < 1:
+            _fail(f"model.dropout must be in [0, 1), not {self.dropout}.")
+        if self.position == "alibi" and self.attention_impl in ("flash", "cudnn"):
+            _fail(
+                f"model.position=alibi needs model.attention_impl=xla (or auto): the "
+                f"{self.attention_impl} kernel has no ALiBi bias."
+            )
+        if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
+            _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +391,10 @@ class CheckpointConfig:
     """Write a checkpoint of the train state when training ends."""
     resume: bool = True
     """Continue from the newest readable checkpoint in the directory, if there is one."""
+    init_from: str | None = None
+    """A fresh run (nothing to resume) starts from these parameters instead of random ones: a
+    run directory, its checkpoints directory, one step of it, or a Hugging Face model directory
+    (config.json + safetensors). The model section must describe the same parameters."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,14 +489,15 @@ class Config:
                 f"model.d_model ({m.d_model}) is not divisible by model.num_heads ({m.num_heads}); "
                 "change one of them so that head_dim = d_model / num_heads is an integer."
             )
-        if m.resolved_head_dim * m.num_heads != m.d_model:
+        m.validate()
+        if self.mesh.sequence_attention == "ring" and (
+            m.position == "alibi" or m.sliding_window is not None or m.attn_soft_cap is not None
+            or m.attn_scale is not None
+        ):  # fmt: skip
             _fail(
-                f"model.head_dim * model.num_heads ({m.resolved_head_dim} * {m.num_heads}) must "
-                f"equal model.d_model ({m.d_model}); set model.head_dim="
-                f"{m.d_model // m.num_heads} or leave it null."
+                "mesh.sequence_attention=ring supports neither model.position=alibi, "
+                "model.sliding_window, model.attn_soft_cap nor model.attn_scale; use all_gather."
             )
-        if m.resolved_head_dim % 2:
-            _fail(f"model.head_dim ({m.resolved_head_dim}) must be even for RoPE.")
         if self.data.seq_len > m.max_seq_len:
             _fail(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "

@@ -33,12 +33,20 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Parameter counts from the config: total, and the ones in matmuls (for FLOPs)."""
     d, f, n = cfg.d_model, cfg.mlp_dim, cfg.num_layers
     hk, gk = cfg.num_heads * cfg.resolved_head_dim, cfg.num_kv_heads * cfg.resolved_head_dim
-    per_layer_matmul = d * hk * 2 + d * gk * 2 + 3 * d * f
+    mlp_mats = 3 if cfg.gated_mlp else 2
+    per_layer_matmul = d * hk * 2 + d * gk * 2 + mlp_mats * d * f
     embed = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    norms = (2 * n + 1) * d
+    norm_params = 2 if cfg.norm == "layernorm" else 1  # scale (and bias) per channel
+    norms_per_layer = 4 if cfg.norm_placement == "sandwich" else 2
+    final_norms = 0 if cfg.norm_placement == "post" else 1
+    norms = norm_params * ((norms_per_layer * n + final_norms) * d
+                           + (2 * n * cfg.resolved_head_dim if cfg.qk_norm else 0))  # fmt: skip
+    biases = n * ((hk + 2 * gk) * cfg.qkv_bias + d * cfg.o_bias
+                  + ((mlp_mats - 1) * f + d) * cfg.mlp_bias)  # fmt: skip
+    positions = cfg.max_seq_len * d if cfg.position == "learned" else 0
     return {
-        "total": n * per_layer_matmul + embed + head + norms,
+        "total": n * per_layer_matmul + embed + head + norms + biases + positions,
         # the LM head is a matmul (the tied embedding too); the input embedding is a gather
         "matmul": n * per_layer_matmul + cfg.vocab_size * d,
     }

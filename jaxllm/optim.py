@@ -12,7 +12,7 @@ import optax
 
 from jaxllm.config import OptimConfig
 
-NO_DECAY_NAMES = ("scale", "bias")
+NO_DECAY_NAMES = ("scale", "bias")  # norm scales; `bias` and every `*_bias` (projections)
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -31,10 +31,14 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
 
 
+def _no_decay(name: str) -> bool:
+    return name in NO_DECAY_NAMES or name.endswith("_bias")
+
+
 def decay_mask(params) -> dict:
     """True for leaves that take weight decay: everything but norm scales and biases."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY_NAMES, params
+        lambda path, _: not _no_decay(str(getattr(path[-1], "key", ""))), params
     )
 
 

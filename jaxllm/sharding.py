@@ -36,6 +36,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": None,
+    "positions": None,  # rows of a learned position table
     "mlp": ("tensor",),
     "norm": ("fsdp",),
     "expert": ("expert",),

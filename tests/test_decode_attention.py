@@ -320,6 +320,46 @@ def test_xla_backend_is_the_reference():
     np.testing.assert_array_equal(f32(out), f32(_reference(q, cache, lengths)))
 
 
+@pytest.mark.parametrize("nq", [1, 3])
+def test_sliding_window_and_alibi(nq):
+    """Windowed attention sees only the last w positions and ALiBi subtracts slope * distance
+    (checked against dense float64 math). A traced window runs the reference when w > 0 and the
+    kernel when w = 0 (a Gemma-style global layer), inside one jitted function."""
+    b, g, h, d, t, w = 2, 2, 4, 16, 64, 5
+    k, v = _kv(b, g, t, d, seed=3)
+    lengths = jnp.asarray([9, 40], jnp.int32)
+    cache = quantize_cache(k, v, "float32", lengths_B=lengths)
+    q = jax.random.normal(jax.random.key(4), (b, nq, h, d), jnp.float32)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+
+    def dense(window, alibi):
+        out = np.zeros((b, nq, h, d))
+        for i in range(b):
+            for j in range(nq):
+                pos = int(lengths[i]) - nq + j
+                keys = np.arange(t)
+                seen = (keys <= pos) & ((keys > pos - window) if window else True)
+                for hh in range(h):
+                    kk, vv = np.asarray(k[i, hh // 2], np.float64), np.asarray(v[i, hh // 2])
+                    s = kk @ np.asarray(q[i, j, hh], np.float64) / np.sqrt(d)
+                    if alibi:
+                        s = s - float(slopes[hh]) * (pos - keys)
+                    s = np.where(seen, s, -np.inf)
+                    p = np.exp(s - s.max())
+                    out[i, j, hh] = (p / p.sum()) @ vv
+        return out
+
+    ref = functools.partial(decode_attention_reference, q, cache, lengths)
+    np.testing.assert_allclose(ref(sliding_window=w), dense(w, False), atol=1e-5)
+    np.testing.assert_allclose(ref(alibi_slopes_H=slopes), dense(0, True), atol=1e-5)
+    op = jax.jit(lambda window: decode_attention(q, cache, lengths, sliding_window=window,
+                                                 interpret=True))  # fmt: skip
+    np.testing.assert_allclose(op(jnp.int32(w)), dense(w, False), atol=1e-5)
+    np.testing.assert_allclose(op(jnp.int32(0)), dense(0, False), atol=1e-5)
+    got = decode_attention(q, cache, lengths, alibi_slopes_H=slopes, interpret=True)
+    np.testing.assert_allclose(got, dense(0, True), atol=1e-5)
+
+
 def test_rejects_bad_arguments():
     cache = _cache("int4", 2, 64, 0, jnp.float32)
     lengths = jnp.asarray(LENGTHS, jnp.int32)

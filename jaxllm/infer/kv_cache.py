@@ -248,25 +248,41 @@ class CacheView:
 
     # -- attention --------------------------------------------------------------------------
 
-    def attend(self, q_BxQxHxK: jax.Array) -> jax.Array:
-        """Attention of the new queries over the cache (causal among themselves)."""
+    def attend(self, q_BxQxHxK: jax.Array, *, sm_scale=None, soft_cap=None,
+               sliding_window=None, alibi_slopes_H=None) -> jax.Array:  # fmt: skip
+        """Attention of the new queries over the cache (causal among themselves), with the
+        layer's logit scale, soft cap, sliding window (int, or traced: 0 is none) and ALiBi
+        slopes. The kernel runs global layers; windowed and ALiBi layers take the reference
+        path (`decode_attention` says why)."""
+        masks = dict(sm_scale=sm_scale, soft_cap=soft_cap)
         if self.impl == "kernel":  # per (batch, kv head) shard: a kernel cannot be partitioned
             from jaxllm import sharding
             from jaxllm.kernels.decode_attention.ops import decode_attention
 
+            # Optional operands travel by name; a static window stays a Python int.
+            named = {"sliding_window": (sliding_window, None), "alibi_slopes_H":
+                     (alibi_slopes_H, ("act_heads",))}  # fmt: skip
+            if isinstance(sliding_window, int):
+                masks["sliding_window"] = named.pop("sliding_window")[0]
+            named = {k: v for k, v in named.items() if v[0] is not None}
+
             # On GPU the kernel is the Pallas-Triton one (chosen explicitly: `kernel`).
             backend = "triton" if jax.default_backend() == "gpu" else None
 
-            def kernel(q, kv, lengths, layer):
-                return decode_attention(
-                    q, kv, lengths, layer=layer, interpret=self.interpret, backend=backend
-                )
+            def kernel(q, kv, lengths, layer, *extra):
+                return decode_attention(q, kv, lengths, layer=layer, interpret=self.interpret,
+                                        backend=backend, **masks, **dict(zip(named, extra)))  # fmt: skip
 
             q_axes = ("batch", None, "act_heads", None)
             out = sharding.per_shard(
-                kernel, (q_BxQxHxK, self.kv, self.lengths_B, self.layer),
-                (q_axes, logical_axes(self.kv), ("batch",), None), q_axes,
+                kernel, (q_BxQxHxK, self.kv, self.lengths_B, self.layer,
+                         *(v for v, _ in named.values())),
+                (q_axes, logical_axes(self.kv), ("batch",), None,
+                 *(ax for _, ax in named.values())), q_axes,
             )  # fmt: skip
         else:
-            out = decode_attention_reference(q_BxQxHxK, self.kv, self.lengths_B, layer=self.layer)
+            out = decode_attention_reference(
+                q_BxQxHxK, self.kv, self.lengths_B, layer=self.layer,
+                sliding_window=sliding_window, alibi_slopes_H=alibi_slopes_H, **masks,
+            )  # fmt: skip
         return out.astype(q_BxQxHxK.dtype)

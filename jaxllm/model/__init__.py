@@ -11,20 +11,25 @@ Every parameter is an `nnx.Param` whose `axes` metadata names its logical axes
 """
 
 from jaxllm.model.attention import Attention, dot_product_attention
-from jaxllm.model.layers import Embed, RMSNorm, apply_rope, matmul
-from jaxllm.model.mlp import SwiGLU
+from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, make_norm, matmul
+from jaxllm.model.mlp import MLP
+from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
 from jaxllm.model.transformer import Block, Transformer, build, logical_axes
 
 __all__ = [
     "Attention",
     "Block",
     "Embed",
+    "LayerNorm",
+    "MLP",
     "RMSNorm",
-    "SwiGLU",
     "Transformer",
+    "alibi_slopes",
     "apply_rope",
     "build",
     "dot_product_attention",
     "logical_axes",
+    "make_norm",
     "matmul",
+    "rope_frequencies",
 ]

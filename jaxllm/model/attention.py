@@ -2,46 +2,61 @@
 are special cases.
 
 `dot_product_attention` is the single function the model calls for attention; `impl` picks the
-implementation (`xla`: einsum reference with float32 softmax). Packed sequences are handled by
+implementation (`xla`: einsum reference with float32 softmax, the only one with ALiBi and with a
+traced per-layer window; `flash`: the Pallas kernel; `cudnn`). Packed sequences are handled by
 segment ids: a query attends only to keys of its own segment, so documents never see each other.
+Sliding windows, logit soft caps and a custom logit scale apply to every implementation.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm import sharding
-from jaxllm.model.layers import apply_rope, matmul, param
+from jaxllm.model.layers import make_norm, matmul, param
+from jaxllm.model.mlp import _broadcast
+from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
 from jaxllm.sharding import constrain
 
 
-def _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxLxS, scale):
+def _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxLxS, scale, soft_cap=None,
+                   bias_HxLxS=None):  # fmt: skip
     b, l, h, k = q_BxLxHxK.shape
     g = k_BxSxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, k)
     scores_BxGxRxLxS = jnp.einsum(
         "blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32
-    )
+    ) * jnp.float32(scale)
+    if soft_cap is not None:
+        scores_BxGxRxLxS = soft_cap * jnp.tanh(scores_BxGxRxLxS / soft_cap)
+    if bias_HxLxS is not None:
+        scores_BxGxRxLxS = scores_BxGxRxLxS + bias_HxLxS.reshape(
+            1, g, h // g, *bias_HxLxS.shape[1:]
+        )
     scores_BxGxRxLxS = jnp.where(
-        mask_BxLxS[:, None, None], scores_BxGxRxLxS * scale, jnp.finfo(jnp.float32).min
+        mask_BxLxS[:, None, None], scores_BxGxRxLxS, jnp.finfo(jnp.float32).min
     )
     probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
     out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", probs_BxGxRxLxS, v_BxSxGxK)
     return out_BxLxGxRxK.reshape(b, l, h, k)
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, alibi: bool = False) -> str:
     """`auto` -> the implementation for the default backend: the Pallas kernel on TPU, XLA
     elsewhere (on GPU the kernel's Pallas backend is Triton, deprecated in new jax; the choice
-    between cudnn and a kernel waits for the GPU benchmark)."""
+    between cudnn and a kernel waits for the GPU benchmark). ALiBi always runs on XLA: the
+    kernels take no additive bias."""
     if impl != "auto":
         return impl
-    return "flash" if jax.default_backend() == "tpu" else "xla"
+    return "flash" if jax.default_backend() == "tpu" and not alibi else "xla"
 
 
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale):
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window,
+           soft_cap):  # fmt: skip
     """The Pallas kernel, run per shard: a custom call cannot be split by the SPMD partitioner,
     so under a mesh it goes through `shard_map` over batch and heads."""
     from jaxllm.kernels import flash_attention
@@ -51,8 +66,9 @@ def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale
     def kernel(q, k, v, q_seg, kv_seg):
         seg = None if q_seg is None else (q_seg, kv_seg)
         return flash_attention(
-            q, k, v, causal=causal, segment_ids=seg, sm_scale=scale, interpret=interpret
-        )
+            q, k, v, causal=causal, segment_ids=seg, sm_scale=scale, sliding_window=window,
+            soft_cap=soft_cap, interpret=interpret,
+        )  # fmt: skip
 
     if q_seg_BxL is not None and kv_seg_BxS is None:
         kv_seg_BxS = q_seg_BxL
@@ -70,40 +86,73 @@ def dot_product_attention(
     kv_segment_ids_BxS: jax.Array | None = None,
     causal: bool = True,
     scale: float | None = None,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+    alibi_slopes_H: jax.Array | None = None,
     impl: str = "xla",
 ) -> jax.Array:
-    """Softmax(q k^T * scale + mask) v with the layout of `jax.nn.dot_product_attention`.
+    """Softmax(cap(q k^T * scale) + alibi + mask) v, the layout of `jax.nn.dot_product_attention`.
 
-    Causality is by index: query i sees keys j <= i (q and kv aligned, L == S).
+    Causality is by index: query i sees keys j <= i (q and kv aligned, L == S); a sliding window
+    w further limits it to i - w < j. `sliding_window` may be a traced int32 (0: no window) for
+    `xla`, so scanned layers can differ; the kernels need a Python int. `soft_cap` c maps each
+    scaled logit s to c * tanh(s / c); `alibi_slopes_H` adds -slope_h * (i - j) (xla only).
     """
     b, l, _, k = q_BxLxHxK.shape
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, alibi_slopes_H is not None)
+    if impl != "xla" and alibi_slopes_H is not None:
+        raise ValueError(f"attention_impl={impl} takes no ALiBi bias; use xla")
     if impl == "flash":
         return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_segment_ids_BxL, kv_segment_ids_BxS,
-                      causal, scale)  # fmt: skip
+                      causal, scale, sliding_window, soft_cap)  # fmt: skip
     if impl == "cudnn":
         if q_segment_ids_BxL is not None:
             raise ValueError("attention_impl=cudnn does not take packed segment ids; use flash")
+        if soft_cap is not None:
+            raise ValueError("attention_impl=cudnn has no logit soft cap; use flash or xla")
+        window = None if sliding_window is None else (sliding_window - 1, 0)
         return jax.nn.dot_product_attention(
-            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, scale=scale, is_causal=causal, implementation="cudnn"
-        )
+            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, scale=scale, is_causal=causal,
+            local_window_size=window, implementation="cudnn",
+        )  # fmt: skip
+    q_idx_Lx1, kv_idx_1xS = jnp.arange(l)[:, None], jnp.arange(s)[None, :]
     mask_BxLxS = jnp.ones((b, l, s), dtype=bool)
     if causal:
-        mask_BxLxS &= (jnp.arange(l)[:, None] >= jnp.arange(s)[None, :])[None]
+        mask_BxLxS &= (q_idx_Lx1 >= kv_idx_1xS)[None]
+    if sliding_window is not None:
+        window = jnp.asarray(sliding_window, jnp.int32)
+        in_window_LxS = (q_idx_Lx1 - kv_idx_1xS < window) & (kv_idx_1xS - q_idx_Lx1 < window)
+        mask_BxLxS &= (in_window_LxS | (window <= 0))[None]
     if q_segment_ids_BxL is not None:
         kv_seg = q_segment_ids_BxL if kv_segment_ids_BxS is None else kv_segment_ids_BxS
         mask_BxLxS &= q_segment_ids_BxL[:, :, None] == kv_seg[:, None, :]
+    bias_HxLxS = None
+    if alibi_slopes_H is not None:
+        distance_LxS = jnp.abs(q_idx_Lx1 - kv_idx_1xS).astype(jnp.float32)
+        bias_HxLxS = -jnp.asarray(alibi_slopes_H, jnp.float32)[:, None, None] * distance_LxS[None]
     if impl == "xla":
-        return _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxLxS, scale)
+        return _xla_attention(
+            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxLxS, scale, soft_cap, bias_HxLxS
+        )
     raise ValueError(f"unknown attention implementation {impl!r}")
 
 
 class Attention(nnx.Module):
+    """Projections (optional biases), optional QK-norm, positions (RoPE or ALiBi), attention
+    with the layer's masks and caps, output projection."""
+
     def __init__(self, cfg, *, out_std: float, rngs: nnx.Rngs):
         d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-        self.dtype, self.impl, self.theta = jnp.dtype(cfg.dtype), cfg.attention_impl, cfg.rope_theta
+        self.dtype, self.impl = jnp.dtype(cfg.dtype), cfg.attention_impl
+        self.position, self.window = cfg.position, cfg.sliding_window
+        self.scale, self.soft_cap = cfg.attn_scale, cfg.attn_soft_cap
+        if cfg.position == "rope":
+            inv_freq, self.rope_scaling = rope_frequencies(cfg)
+            self.inv_freq = tuple(float(x) for x in inv_freq)  # hashable: part of the graphdef
+        if cfg.position == "alibi":
+            self.alibi = tuple(float(x) for x in alibi_slopes(h))
         pdt = jnp.dtype(cfg.param_dtype)
         init, out_init = (
             jax.nn.initializers.normal(cfg.init_std),
@@ -113,25 +162,76 @@ class Attention(nnx.Module):
         self.k_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
         self.v_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
         self.o_proj = param(rngs, out_init, (h, k, d), ("heads", "head_dim", "embed"), pdt)
+        zeros = jax.nn.initializers.zeros
+        if cfg.qkv_bias:
+            self.q_bias = param(rngs, zeros, (h, k), ("heads", "head_dim"), pdt)
+            self.k_bias = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pdt)
+            self.v_bias = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pdt)
+        if cfg.o_bias:
+            self.o_bias = param(rngs, zeros, (d,), ("embed",), pdt)
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg, k, axes=("head_dim",))
+            self.k_norm = make_norm(cfg, k, axes=("head_dim",))
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None):
+    def _project(self, spec, x, name):
+        y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype)
+        bias = getattr(self, f"{name}_bias", None)
+        return y if bias is None else y + _broadcast(bias[...].astype(self.dtype), y.ndim)
+
+    def _masks(self, windowed):
+        """Keyword arguments of the attention call for this layer: scale, cap, ALiBi, window
+        (`windowed`: a traced bool of a scanned layer, or None when every layer is alike)."""
+        window = self.window
+        if window is not None and windowed is not None:
+            window = jnp.where(windowed, jnp.int32(window), jnp.int32(0))
+        alibi = None if self.position != "alibi" else jnp.asarray(self.alibi, jnp.float32)
+        return dict(scale=self.scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi,
+                    sliding_window=window)  # fmt: skip
+
+    def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed):
+        """`dot_product_attention` with this layer's masks. A kernel takes its window as a
+        Python int, so a layer that is windowed or not by the scan index picks one of two
+        kernel calls with `lax.cond`; XLA reads the traced window directly."""
+        masks = self._masks(windowed)
+        call = functools.partial(
+            dot_product_attention, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK,
+            q_segment_ids_BxL=segment_ids_BxL, impl=self.impl,
+        )  # fmt: skip
+        dynamic = self.window is not None and windowed is not None
+        if not dynamic or resolve_impl(self.impl, self.position == "alibi") == "xla":
+            return call(**masks)
+        return jax.lax.cond(
+            windowed,
+            lambda: call(**{**masks, "sliding_window": self.window}),
+            lambda: call(**{**masks, "sliding_window": None}),
+        )
+
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
         """Training / scoring: causal self-attention over x. With a `cache` (a
         `jaxllm.infer.kv_cache.CacheView`), the new keys/values are written into it first; a
         prefill then attends over its own tokens, a decode step over the whole cache. Returns
-        (out, cache) when a cache is passed."""
-        q_BxLxHxK = matmul("bld,dhk->blhk", x_BxLxD, self.q_proj[...], self.dtype)
-        k_BxLxGxK = matmul("bld,dgk->blgk", x_BxLxD, self.k_proj[...], self.dtype)
-        v_BxLxGxK = matmul("bld,dgk->blgk", x_BxLxD, self.v_proj[...], self.dtype)
-        q_BxLxHxK = apply_rope(q_BxLxHxK, positions_BxL, self.theta)
-        k_BxLxGxK = apply_rope(k_BxLxGxK, positions_BxL, self.theta)
+        (out, cache) when a cache is passed. `windowed`: whether this layer uses the sliding
+        window, when layers differ (a traced bool from the layer scan)."""
+        q_BxLxHxK = self._project("bld,dhk->blhk", x_BxLxD, "q")
+        k_BxLxGxK = self._project("bld,dgk->blgk", x_BxLxD, "k")
+        v_BxLxGxK = self._project("bld,dgk->blgk", x_BxLxD, "v")
+        if hasattr(self, "q_norm"):
+            q_BxLxHxK, k_BxLxGxK = self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
+        if self.position == "rope":
+            q_BxLxHxK = apply_rope(q_BxLxHxK, positions_BxL, self.inv_freq, self.rope_scaling)
+            k_BxLxGxK = apply_rope(k_BxLxGxK, positions_BxL, self.inv_freq, self.rope_scaling)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
         if cache is not None:
             cache = cache.write(k_BxLxGxK, v_BxLxGxK)
             if cache.prefill:  # right-padded prompts: causality alone keeps padding unseen
-                out_BxLxHxK = dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, impl=self.impl)
+                out_BxLxHxK = self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, None, windowed)
             else:
-                out_BxLxHxK = cache.attend(q_BxLxHxK)
-            return matmul("blhk,hkd->bld", out_BxLxHxK, self.o_proj[...], self.dtype), cache
+                masks = self._masks(windowed)
+                out_BxLxHxK = cache.attend(
+                    q_BxLxHxK, sm_scale=masks["scale"], soft_cap=self.soft_cap,
+                    sliding_window=masks["sliding_window"], alibi_slopes_H=masks["alibi_slopes_H"],
+                )  # fmt: skip
+            return self._out(out_BxLxHxK), cache
         if sharding.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             out_BxLxHxK = sharding.ring_attention(
                 q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, impl=resolve_impl(self.impl)
@@ -139,7 +239,11 @@ class Attention(nnx.Module):
         else:  # K/V all-gathered over the sequence shards (a no-op without them)
             k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
             v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
-            out_BxLxHxK = dot_product_attention(
-                q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_segment_ids_BxL=segment_ids_BxL, impl=self.impl
-            )
-        return matmul("blhk,hkd->bld", out_BxLxHxK, self.o_proj[...], self.dtype)
+            out_BxLxHxK = self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed)
+        return self._out(out_BxLxHxK)
+
+    def _out(self, out_BxLxHxK):
+        out_BxLxD = matmul("blhk,hkd->bld", out_BxLxHxK, self.o_proj[...], self.dtype)
+        if hasattr(self, "o_bias"):
+            out_BxLxD = out_BxLxD + _broadcast(self.o_bias[...].astype(self.dtype), 3)
+        return out_BxLxD

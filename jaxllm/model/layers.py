@@ -1,8 +1,5 @@
-"""Basic layers: the one matmul helper, RMSNorm, token embedding and rotary embeddings.
-
-RoPE follows Su et al. 2021 (arXiv:2104.09864) in the "rotate half" layout used by Hugging Face
-Llama checkpoints, so imported q/k projections need no permutation.
-"""
+"""Basic layers: the one matmul helper, RMSNorm / LayerNorm, token embedding. Positions
+(RoPE, ALiBi) live in `positions.py`."""
 
 from __future__ import annotations
 
@@ -27,17 +24,50 @@ def matmul(spec: str, x: jax.Array, kernel: jax.Array, dtype, out_dtype=None) ->
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019); statistics in float32."""
+    """Root-mean-square norm (Zhang & Sennrich 2019); statistics in float32. The output is
+    multiplied by (offset + scale): Gemma checkpoints store scale - 1 and use offset 1."""
 
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
-        self.eps, self.dtype = eps, dtype
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("norm",))
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, offset: float = 0.0,
+                 axes: tuple[str, ...] = ("norm",)):  # fmt: skip
+        self.eps, self.dtype, self.offset = eps, dtype, offset
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, param_dtype), axes=axes)
+
+    def _scale(self, name: str, ndim: int) -> jax.Array:
+        x = getattr(self, name)[...].astype(jnp.float32)
+        return x.reshape((1,) * (ndim - 1) + (-1,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
-        return (x32 * scale).astype(self.dtype)
+        return (x32 * (self.offset + self._scale("scale", x.ndim))).astype(self.dtype)
+
+
+class LayerNorm(RMSNorm):
+    """LayerNorm (Ba et al. 2016): mean and variance over the last axis in float32, then scale
+    and bias."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, offset: float = 0.0,
+                 axes: tuple[str, ...] = ("norm",)):  # fmt: skip
+        super().__init__(dim, eps=eps, dtype=dtype, param_dtype=param_dtype, offset=offset,
+                         axes=axes)  # fmt: skip
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), axes=axes)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        x32 = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        x32 = x32 * (self.offset + self._scale("scale", x.ndim)) + self._scale("bias", x.ndim)
+        return x32.astype(self.dtype)
+
+
+def make_norm(cfg, dim: int | None = None, axes: tuple[str, ...] = ("norm",)) -> RMSNorm:
+    """The norm `cfg.norm` over `dim` (default d_model) channels."""
+    cls = LayerNorm if cfg.norm == "layernorm" else RMSNorm
+    return cls(
+        cfg.d_model if dim is None else dim, eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype), offset=cfg.norm_offset, axes=axes,
+    )  # fmt: skip
 
 
 class Embed(nnx.Module):
@@ -52,15 +82,3 @@ class Embed(nnx.Module):
     def attend(self, x_BxLxD: jax.Array) -> jax.Array:
         """Tied LM head: logits in float32."""
         return matmul("bld,vd->blv", x_BxLxD, self.embedding[...], self.dtype, jnp.float32)
-
-
-def apply_rope(x_BxLxHxK: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
-    """Rotates channel pairs (i, i + K/2) by angle position * theta^(-2i/K), in float32."""
-    k = x_BxLxHxK.shape[-1]
-    inv_freq_K2 = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
-    angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_K2[None, None, :]
-    sin = jnp.sin(angle_BxLxK2)[:, :, None, :]
-    cos = jnp.cos(angle_BxLxK2)[:, :, None, :]
-    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxLxHxK.dtype)

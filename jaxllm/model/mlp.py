@@ -1,25 +1,70 @@
-"""SwiGLU feed-forward (Shazeer 2020, arXiv:2002.05202): down(silu(gate(x)) * up(x))."""
+"""Feed-forward blocks.
+
+Gated (GLU variants, Shazeer 2020, arXiv:2002.05202): down(act(gate(x)) * up(x)) with SwiGLU
+(act = silu, Llama) or GeGLU (act = gelu, Gemma). Plain: down(act(up(x))) with GELU (GPT-2),
+ReLU, or squared ReLU (So et al. 2021, arXiv:2109.08668, "Primer"). Optional biases on every
+projection (GPT-2).
+"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.config import ModelConfig
 from jaxllm.model.layers import matmul, param
 from jaxllm.sharding import constrain
 
 
-class SwiGLU(nnx.Module):
-    def __init__(self, d_model: int, mlp_dim: int, *, init_std, out_std, dtype, param_dtype, rngs):
-        self.dtype = dtype
+def activation(name: str, gelu_approximate: bool = True):
+    """The elementwise nonlinearity of `ModelConfig.mlp_activation`."""
+    gelu = functools.partial(jax.nn.gelu, approximate=gelu_approximate)
+    return {
+        "swiglu": jax.nn.silu,
+        "geglu": gelu,
+        "gelu": gelu,
+        "relu": jax.nn.relu,
+        "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+    }[name]
+
+
+def _broadcast(bias: jax.Array, ndim: int) -> jax.Array:
+    """A bias over the trailing axes, with leading axes of size 1 (no implicit rank promotion)."""
+    return bias.reshape((1,) * (ndim - bias.ndim) + bias.shape)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, out_std: float, rngs: nnx.Rngs):
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.kind, self.approximate = cfg.mlp_activation, cfg.gelu_approximate
+        pdt = jnp.dtype(cfg.param_dtype)
         normal = jax.nn.initializers.normal
-        d, f = d_model, mlp_dim
-        self.gate_proj = param(rngs, normal(init_std), (d, f), ("embed", "mlp"), param_dtype)
-        self.up_proj = param(rngs, normal(init_std), (d, f), ("embed", "mlp"), param_dtype)
-        self.down_proj = param(rngs, normal(out_std), (f, d), ("mlp", "embed"), param_dtype)
+        d, f = cfg.d_model, cfg.mlp_dim
+        if cfg.gated_mlp:
+            self.gate_proj = param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
+        self.up_proj = param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
+        self.down_proj = param(rngs, normal(out_std), (f, d), ("mlp", "embed"), pdt)
+        if cfg.mlp_bias:
+            zeros = jax.nn.initializers.zeros
+            if cfg.gated_mlp:
+                self.gate_bias = param(rngs, zeros, (f,), ("mlp",), pdt)
+            self.up_bias = param(rngs, zeros, (f,), ("mlp",), pdt)
+            self.down_bias = param(rngs, zeros, (d,), ("embed",), pdt)
+
+    def _proj(self, spec: str, x, name: str):
+        y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype)
+        bias = getattr(self, f"{name}_bias", None)
+        return y if bias is None else y + _broadcast(bias[...].astype(self.dtype), y.ndim)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        gate_BxLxF = matmul("bld,df->blf", x_BxLxD, self.gate_proj[...], self.dtype)
-        up_BxLxF = matmul("bld,df->blf", x_BxLxD, self.up_proj[...], self.dtype)
-        h_BxLxF = constrain(jax.nn.silu(gate_BxLxF) * up_BxLxF, ("batch", "length", "act_mlp"))
-        return matmul("blf,fd->bld", h_BxLxF, self.down_proj[...], self.dtype)
+        act = activation(self.kind, self.approximate)
+        up_BxLxF = self._proj("bld,df->blf", x_BxLxD, "up")
+        if hasattr(self, "gate_proj"):
+            h_BxLxF = act(self._proj("bld,df->blf", x_BxLxD, "gate")) * up_BxLxF
+        else:
+            h_BxLxF = act(up_BxLxF)
+        h_BxLxF = constrain(h_BxLxF, ("batch", "length", "act_mlp"))
+        return self._proj("blf,fd->bld", h_BxLxF, "down")

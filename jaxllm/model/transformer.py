@@ -1,5 +1,8 @@
-"""Llama-style decoder (Touvron et al. 2023, arXiv:2302.13971): pre-RMSNorm blocks of GQA
-attention with RoPE and a SwiGLU MLP, a final RMSNorm and an (optionally tied) LM head.
+"""Decoder-only transformer; by default Llama-style (Touvron et al. 2023, arXiv:2302.13971):
+pre-RMSNorm blocks of GQA attention with RoPE and a SwiGLU MLP, a final RMSNorm and an
+(optionally tied) LM head. `ModelConfig` knobs reach GPT-2 (learned positions, LayerNorm, GELU,
+biases), Mistral / Qwen (sliding windows, qkv biases, QK-norm) and Gemma 2 (sandwich norms,
+GeGLU, soft caps, alternating local/global layers, embeddings scaled by sqrt(D)).
 
 The N blocks are created stacked (every block parameter has a leading `layers` axis) and run
 with `jax.lax.scan`, so compile time does not grow with depth and pipeline stages can later be
@@ -16,8 +19,8 @@ from flax import nnx
 
 from jaxllm.config import ModelConfig
 from jaxllm.model.attention import Attention
-from jaxllm.model.layers import Embed, RMSNorm, matmul, param
-from jaxllm.model.mlp import SwiGLU
+from jaxllm.model.layers import Embed, make_norm, matmul, param
+from jaxllm.model.mlp import MLP
 from jaxllm.sharding import constrain
 
 REMAT_POLICIES = {
@@ -27,27 +30,53 @@ REMAT_POLICIES = {
 }
 
 
+def _dropout(x, rate: float, key):
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=pdt)
-        self.attn_norm = RMSNorm(cfg.d_model, **norm)
+        self.placement, self.dropout = cfg.norm_placement, cfg.dropout
+        self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, out_std=out_std, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
-        self.mlp = SwiGLU(
-            cfg.d_model, cfg.mlp_dim, init_std=cfg.init_std, out_std=out_std,
-            dtype=dtype, param_dtype=pdt, rngs=rngs,
-        )  # fmt: skip
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg, out_std=out_std, rngs=rngs)
+        if cfg.norm_placement == "sandwich":
+            self.post_attn_norm = make_norm(cfg)
+            self.post_mlp_norm = make_norm(cfg)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None):
-        h_BxLxD = self.attn_norm(x_BxLxD)
-        if cache is None:
-            x_BxLxD = x_BxLxD + self.attn(h_BxLxD, positions_BxL, segment_ids_BxL)
-        else:
-            attn_BxLxD, cache = self.attn(h_BxLxD, positions_BxL, segment_ids_BxL, cache)
-            x_BxLxD = x_BxLxD + attn_BxLxD
-        x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+    def _residual(self, x_BxLxD, f, norm, post_norm, key):
+        """One residual branch in the configured norm placement."""
+        if self.placement == "post":
+            return norm(x_BxLxD + _dropout(f(x_BxLxD), self.dropout, key))
+        y_BxLxD = f(norm(x_BxLxD))
+        if post_norm is not None:
+            y_BxLxD = post_norm(y_BxLxD)
+        return x_BxLxD + _dropout(y_BxLxD, self.dropout, key)
+
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, *, windowed=None,
+                 key=None):  # fmt: skip
+        """`windowed`: whether this layer's attention is windowed (traced, from the scan) when
+        layers differ; `key`: dropout rng (training only)."""
+        keys = (None, None) if key is None else tuple(jax.random.split(key))
+
+        def attn(h_BxLxD):
+            nonlocal cache
+            if cache is None:
+                return self.attn(h_BxLxD, positions_BxL, segment_ids_BxL, windowed=windowed)
+            out_BxLxD, cache = self.attn(h_BxLxD, positions_BxL, segment_ids_BxL, cache,
+                                         windowed=windowed)  # fmt: skip
+            return out_BxLxD
+
+        post = self.placement == "sandwich"
+        x_BxLxD = self._residual(x_BxLxD, attn, self.attn_norm,
+                                 self.post_attn_norm if post else None, keys[0])  # fmt: skip
+        x_BxLxD = self._residual(x_BxLxD, self.mlp, self.mlp_norm,
+                                 self.post_mlp_norm if post else None, keys[1])  # fmt: skip
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
         return x_BxLxD if cache is None else (x_BxLxD, cache)
 
@@ -62,6 +91,11 @@ class Transformer(nnx.Module):
             cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dtype, param_dtype=pdt,
             rngs=rngs,
         )  # fmt: skip
+        if cfg.position == "learned":
+            init = jax.nn.initializers.normal(cfg.init_std)
+            self.pos_embed = param(
+                rngs, init, (cfg.max_seq_len, cfg.d_model), ("positions", "embed"), pdt
+            )
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(
@@ -73,19 +107,22 @@ class Transformer(nnx.Module):
             return Block(cfg, rngs=rngs)
 
         self.layers = stacked_blocks(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, param_dtype=pdt)
+        if cfg.norm_placement != "post":  # post-norm blocks already end on a norm
+            self.final_norm = make_norm(cfg)
         if not cfg.tie_embeddings:
             init = jax.nn.initializers.normal(cfg.init_std)
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
     def __call__(self, tokens_BxL=None, *, positions_BxL=None, segment_ids_BxL=None,
-                 embeddings_BxLxD=None, cache=None, logits_at_BxQ=None):  # fmt: skip
+                 embeddings_BxLxD=None, cache=None, logits_at_BxQ=None, dropout_key=None):  # fmt: skip
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
         Generation passes a KV `cache` (`jaxllm.infer.kv_cache.CacheView`; the result is then
         `(logits, cache)`) and `logits_at_BxQ`, the positions along L whose logits it needs, so
-        a long prefill never materialises [B, L, V] logits.
+        a long prefill never materialises [B, L, V] logits. `dropout_key` (training) turns on
+        dropout when `cfg.dropout` > 0.
         """
+        cfg = self.cfg
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
         if embeddings_BxLxD is None:
@@ -95,42 +132,67 @@ class Transformer(nnx.Module):
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         if segment_ids_BxL is None:
             segment_ids_BxL = jnp.ones((b, l), jnp.int32)
-        x_BxLxD = embeddings_BxLxD.astype(jnp.dtype(self.cfg.dtype))
+        dtype = jnp.dtype(cfg.dtype)
+        x_BxLxD = embeddings_BxLxD.astype(dtype)
+        if cfg.scale_embeddings:  # in the compute dtype, as Gemma does
+            x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
+        if cfg.position == "learned":
+            pos_BxLxD = jnp.take(self.pos_embed[...], positions_BxL, axis=0, mode="clip")
+            x_BxLxD = x_BxLxD + pos_BxLxD.astype(dtype)
+        keys = None
+        if dropout_key is not None and cfg.dropout > 0:
+            embed_key, layers_key = jax.random.split(dropout_key)
+            x_BxLxD = _dropout(x_BxLxD, cfg.dropout, embed_key)
+            keys = jax.random.split(layers_key, cfg.num_layers)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
 
+        # Per-layer inputs of the scan: parameters, and when layers differ their window flag
+        # and dropout key; with a cache, the layer index.
+        windows = cfg.layer_windows()
+        per_layer = {
+            "windowed": None if windows is None or cfg.global_every == 0
+            else jnp.asarray(windows, jnp.int32) > 0,
+            "key": keys,
+        }  # fmt: skip
         block_def, stacked_state = nnx.split(self.layers)
         if cache is None:
 
-            def body(x_BxLxD, layer_state):
+            def body(x_BxLxD, xs):
+                layer_state, extra = xs
                 block = nnx.merge(block_def, layer_state)
-                return block(x_BxLxD, positions_BxL, segment_ids_BxL), None
+                return block(x_BxLxD, positions_BxL, segment_ids_BxL, **extra), None
 
-            if self.cfg.remat != "none":
-                body = jax.checkpoint(
-                    body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False
-                )
-            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked_state, unroll=self.cfg.scan_unroll)
+            if cfg.remat != "none":
+                body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+            x_BxLxD, _ = jax.lax.scan(
+                body, x_BxLxD, (stacked_state, per_layer), unroll=cfg.scan_unroll
+            )
         else:  # the cache of all layers rides in the carry; each block updates its own layer
 
             def body(carry, xs):
                 x_BxLxD, cache = carry
-                layer_state, layer = xs
+                layer_state, extra, layer = xs
                 block = nnx.merge(block_def, layer_state)
-                return block(x_BxLxD, positions_BxL, segment_ids_BxL, cache.at_layer(layer)), None
+                return block(
+                    x_BxLxD, positions_BxL, segment_ids_BxL, cache.at_layer(layer), **extra
+                ), None
 
-            layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+            layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
             (x_BxLxD, cache), _ = jax.lax.scan(
-                body, (x_BxLxD, cache), (stacked_state, layers), unroll=self.cfg.scan_unroll
+                body, (x_BxLxD, cache), (stacked_state, per_layer, layers), unroll=cfg.scan_unroll
             )
 
         if logits_at_BxQ is not None:
             x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
-        x_BxLxD = self.final_norm(x_BxLxD)
-        if self.cfg.tie_embeddings:
+        if cfg.norm_placement != "post":
+            x_BxLxD = self.final_norm(x_BxLxD)
+        if cfg.tie_embeddings:
             logits_BxLxV = self.embed.attend(x_BxLxD)
         else:
-            dtype = jnp.dtype(self.cfg.dtype)
             logits_BxLxV = matmul("bld,dv->blv", x_BxLxD, self.lm_head[...], dtype, jnp.float32)
+        if cfg.final_soft_cap is not None:
+            cap = jnp.float32(cfg.final_soft_cap)
+            logits_BxLxV = cap * jnp.tanh(logits_BxLxV / cap)
         logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
         return logits_BxLxV if cache is None else (logits_BxLxV, cache)
 

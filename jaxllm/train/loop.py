@@ -22,7 +22,7 @@ from jaxllm import checkpoint, config, optim, sharding
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.metrics import MetricsWriter, plot_losses
-from jaxllm.train.state import abstract_model, init_state, state_shardings
+from jaxllm.train.state import abstract_model, init_state, init_state_from, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
@@ -53,6 +53,19 @@ def to_global(batch: dict, batch_sharding: NamedSharding, global_batch_size: int
         shape = None if global_batch_size is None else (global_batch_size, *v.shape[1:])
         out[k] = jax.make_array_from_process_local_data(batch_sharding, v, shape)
     return out
+
+
+def _init_source(cfg: config.Config, ckpt_dir: Path) -> str | None:
+    """Where a fresh run's parameters come from: `checkpoint.init_from`, else a weights-only
+    checkpoint in the run's own directory (what `jaxllm convert import` writes), else None."""
+    if cfg.checkpoint.init_from:
+        return cfg.checkpoint.init_from
+    steps = (
+        [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit()] if ckpt_dir.is_dir() else []
+    )
+    if steps and not checkpoint.has_train_state(ckpt_dir, max(steps)):
+        return str(ckpt_dir / str(max(steps)))
+    return None
 
 
 def compile_steps(cfg: config.Config, mesh):
@@ -154,6 +167,12 @@ def train(cfg: config.Config) -> dict:
         state, data_state, start = restored
         batches.set_state(data_state)
         _log(f"resumed from step {start} ({ckpt.directory.resolve()}/{start})")
+    elif (source := _init_source(cfg, ckpt.directory)) is not None:
+        from jaxllm.convert import load_params_from
+
+        params = load_params_from(source, cfg.model, mesh)
+        state, start = init_state_from(params, cfg.model, tx, mesh, cfg.run.seed), 0
+        _log(f"initialized parameters from {source}")
     else:
         state, start = init_state(cfg.model, tx, mesh, cfg.run.seed), 0
     _log(f"model: {sum(x.size for x in jax.tree.leaves(state.params)):,} parameters")

@@ -69,3 +69,16 @@ def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int) -> TrainState:
     shardings = state_shardings(model_cfg, tx, mesh)
     init = jax.jit(functools.partial(_init, model_cfg, tx, seed), out_shardings=shardings)
     return init()
+
+
+def init_state_from(params, model_cfg: ModelConfig, tx, mesh: Mesh, seed: int) -> TrainState:
+    """A TrainState at step 0 around given (already sharded) parameters: fresh optimizer state
+    and rng, each leaf in its shards (fine-tuning, `checkpoint.init_from`)."""
+    shardings = state_shardings(model_cfg, tx, mesh)
+
+    def init(params):
+        state_key = jax.random.split(jax.random.key(seed))[1]  # as `_init`: same rng stream
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=tx.init(params), rng=jax.random.key_data(state_key))  # fmt: skip
+
+    return jax.jit(init, out_shardings=shardings)(params)

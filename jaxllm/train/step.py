@@ -21,13 +21,15 @@ from jaxllm.train.state import TrainState
 BATCH_AXES = ("batch", "length")
 
 
-def loss_fn(params, batch: dict, graphdef, z_loss: float = 0.0):
-    """Sums over the batch: (objective, (nll_sum, z_sum, token_count)). Divide by the count."""
+def loss_fn(params, batch: dict, graphdef, z_loss: float = 0.0, rng=None):
+    """Sums over the batch: (objective, (nll_sum, z_sum, token_count)). Divide by the count.
+    `rng` (training) drives dropout when the model has any."""
     batch = sharding.sequence_layout(batch)
     model = nnx.merge(graphdef, params)
     logits_BxLxV = model(
-        batch["inputs"], positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"]
-    ).astype(jnp.float32)
+        batch["inputs"], positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"],
+        dropout_key=rng,
+    ).astype(jnp.float32)  # fmt: skip
     logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
     target_logit_BxL = jnp.take_along_axis(logits_BxLxV, batch["targets"][..., None], -1)[..., 0]
     mask_BxL = batch["loss_mask"].astype(jnp.float32)
@@ -54,10 +56,16 @@ def train_step(
         grad_fn = jax.grad(loss_fn, has_aux=True)
         micro = _microbatches(batch, grad_accum_steps)
 
-        def accumulate(carry, mb):
+        # Dropout masks differ per step and microbatch, and are a function of (seed, step), so
+        # a resumed run draws the same ones.
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+        def accumulate(carry, xs):
             grads, nll, zs, count = carry
+            i, mb = xs
             mb = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), mb)
-            g, (nll_i, z_i, count_i) = grad_fn(state.params, mb, graphdef, z_loss)
+            rng = jax.random.fold_in(step_key, i)
+            g, (nll_i, z_i, count_i) = grad_fn(state.params, mb, graphdef, z_loss, rng)
             grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g)
             return (grads, nll + nll_i, zs + z_i, count + count_i), None
 
@@ -65,7 +73,9 @@ def train_step(
         if param_shardings is not None:  # gradients live sharded like their parameters (ZeRO)
             zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
         init = (zeros, jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
-        (grads, nll, zs, count), _ = jax.lax.scan(accumulate, init, micro)
+        (grads, nll, zs, count), _ = jax.lax.scan(
+            accumulate, init, (jnp.arange(grad_accum_steps), micro)
+        )
 
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)

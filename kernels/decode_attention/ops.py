@@ -18,12 +18,21 @@ Backends (`backend=`):
 - `"xla"`: `decode_attention_reference` (dequantizes the whole cache); the default on GPU and
   on CPU without `interpret`.
 
+Sliding windows and ALiBi are not in the kernels: a call with `alibi_slopes_H`, or with a
+`sliding_window` that is a Python int, runs the reference whatever the backend; a traced window
+(a model whose scanned layers alternate between windowed and global, Gemma style) picks at run
+time with `lax.cond`: the reference for windowed layers (w > 0), the kernel for global ones.
+Windowed layers attend to at most w tokens, so the reference's cost there is bounded by the
+window, not by the context; the kernel keeps the long global layers.
+
 Split-K (flash-decoding): the kernel returns a partial (out, lse) per split of the cache length;
 for int4 the residual tokens (at most `group`, full precision) are attended here in XLA as one
 more partial; all partials merge exactly by logsumexp.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -155,14 +164,39 @@ def decode_attention(
     num_splits: int | None = None,
     interpret: bool = False,
     backend: str | None = None,
+    sliding_window: int | jax.Array | None = None,
+    alibi_slopes_H: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(cap(q k^T * sm_scale) masked causally by position) v over the cache.
 
     layer: int32 scalar (may be traced) choosing the layer when the cache arrays carry a
     leading L axis; None when they do not. sm_scale defaults to K ** -0.5; soft_cap c maps each
     logit s to c * tanh(s / c). block_kv / num_splits override the per-backend defaults
-    (`default_block_kv`, `default_num_splits`). Returns [B, Q, H, K] in q's dtype.
+    (`default_block_kv`, `default_num_splits`). sliding_window w > 0 limits each query to the
+    last w positions (itself included; 0 or None: no window); alibi_slopes_H [H] adds
+    -slope * distance (see the module docstring for which path runs). Returns [B, Q, H, K] in
+    q's dtype.
     """
+    reference = functools.partial(
+        decode_attention_reference, q_BxQxHxK, cache, lengths_B, layer=layer, sm_scale=sm_scale,
+        soft_cap=soft_cap, sliding_window=sliding_window, alibi_slopes_H=alibi_slopes_H,
+    )  # fmt: skip
+    kernel_path = functools.partial(
+        _decode_attention, q_BxQxHxK, cache, lengths_B, layer=layer, sm_scale=sm_scale,
+        soft_cap=soft_cap, block_kv=block_kv, num_splits=num_splits, interpret=interpret,
+        backend=backend,
+    )  # fmt: skip
+    if alibi_slopes_H is not None or isinstance(sliding_window, int):
+        return reference()
+    if sliding_window is None:
+        return kernel_path()
+    return lax.cond(jnp.asarray(sliding_window) > 0, reference, kernel_path)
+
+
+def _decode_attention(
+    q_BxQxHxK, cache: KVCache, lengths_B, *, layer, sm_scale, soft_cap, block_kv, num_splits,
+    interpret, backend,
+) -> jax.Array:  # fmt: skip
     geo = cache_geometry(cache)
     b, nq, h, d = q_BxQxHxK.shape
     g = geo.num_kv_heads

@@ -73,18 +73,32 @@ def dequantize_cache(cache: KVCache, lengths_B, *, layer=None):
     return overlay(k_BxGxTxK, a["k_res"]), overlay(v_BxGxTxK, a["v_res"])
 
 
-def visible_BxMxT(lengths_B, token_pos_BxT, num_queries: int, num_rows: int):
-    """[B, M, T] mask: row m (query m % Q of a query head) sees token positions <= its own.
+def visible_BxMxT(lengths_B, token_pos_BxT, num_queries: int, num_rows: int,
+                  sliding_window=None):  # fmt: skip
+    """[B, M, T] mask: row m (query m % Q of a query head) sees token positions <= its own,
+    and with a sliding window w > 0 (int or traced int32; 0 is none) only the last w of them.
 
     Rows are ordered (query head r of the kv group, query i) -> r * Q + i, as in the kernel.
     """
+    visible = (token_pos_BxT[:, None, :] <= _query_positions(lengths_B, num_queries, num_rows)
+               [:, :, None]) & (token_pos_BxT[:, None, :] >= 0)  # fmt: skip
+    if sliding_window is not None:
+        w = jnp.asarray(sliding_window, jnp.int32)
+        q_pos_BxMx1 = _query_positions(lengths_B, num_queries, num_rows)[:, :, None]
+        visible &= (token_pos_BxT[:, None, :] > q_pos_BxMx1 - w) | (w <= 0)
+    return visible
+
+
+def _query_positions(lengths_B, num_queries: int, num_rows: int):
+    """[B, M] position of each query row."""
     query_1xM = (jnp.arange(num_rows) % num_queries)[None, :]
-    q_pos_BxM = jnp.asarray(lengths_B, jnp.int32)[:, None] - num_queries + query_1xM
-    return (token_pos_BxT[:, None, :] <= q_pos_BxM[:, :, None]) & (token_pos_BxT[:, None, :] >= 0)
+    return jnp.asarray(lengths_B, jnp.int32)[:, None] - num_queries + query_1xM
 
 
-def attend_partial(q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible_BxMxT, *, sm_scale, soft_cap):
-    """Softmax attention of q rows over the visible tokens, in float32.
+def attend_partial(q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible_BxMxT, *, sm_scale, soft_cap,
+                   bias_BxGxMxT=None):  # fmt: skip
+    """Softmax attention of q rows over the visible tokens, in float32 (`bias` added to the
+    capped logits: ALiBi).
 
     Returns (out [B, G, M, K] normalized over this part, lse [B, G, M, 1]); rows that see no
     token give out 0 and lse MASK_VALUE, so parts merge by logsumexp without NaN.
@@ -95,6 +109,8 @@ def attend_partial(q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible_BxMxT, *, sm_scale, 
     ) * jnp.float32(sm_scale)  # fmt: skip
     if soft_cap is not None:
         s_BxGxMxT = soft_cap * jnp.tanh(s_BxGxMxT / soft_cap)
+    if bias_BxGxMxT is not None:
+        s_BxGxMxT = s_BxGxMxT + bias_BxGxMxT
     mask_Bx1xMxT = visible_BxMxT[:, None]
     s_BxGxMxT = jnp.where(mask_Bx1xMxT, s_BxGxMxT, MASK_VALUE)
     m_BxGxMx1 = jnp.max(s_BxGxMxT, axis=-1, keepdims=True)
@@ -128,8 +144,9 @@ def queries_from_rows(x_BxGxMxK, num_queries: int):
 
 
 def decode_attention_reference(
-    q_BxQxHxK, cache: KVCache, lengths_B, *, layer=None, sm_scale=None, soft_cap=None
-):
+    q_BxQxHxK, cache: KVCache, lengths_B, *, layer=None, sm_scale=None, soft_cap=None,
+    sliding_window=None, alibi_slopes_H=None,
+):  # fmt: skip
     """Same contract as `decode_attention`: [B, Q, H, K] in q's dtype; length-0 rows give 0."""
     geo = cache_geometry(cache)
     b, nq, h, d = q_BxQxHxK.shape
@@ -138,9 +155,19 @@ def decode_attention_reference(
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     k_BxGxTxK, v_BxGxTxK = dequantize_cache(cache, lengths_B, layer=layer)
     q_BxGxMxK = rows_from_queries(q_BxQxHxK, geo.num_kv_heads)
+    m = q_BxGxMxK.shape[2]
     pos_BxT = jnp.broadcast_to(jnp.arange(geo.seq_len)[None, :], (b, geo.seq_len))
-    visible = visible_BxMxT(lengths_B, pos_BxT, nq, q_BxGxMxK.shape[2])
+    visible = visible_BxMxT(lengths_B, pos_BxT, nq, m, sliding_window)
+    bias_BxGxMxT = None
+    if alibi_slopes_H is not None:  # -slope * distance, slopes laid out like the query rows
+        slopes_1xQxHx1 = jnp.broadcast_to(
+            jnp.asarray(alibi_slopes_H, jnp.float32)[None, None, :, None], (1, nq, h, 1)
+        )
+        slopes_1xGxMx1 = rows_from_queries(slopes_1xQxHx1, geo.num_kv_heads)
+        distance_BxMxT = _query_positions(lengths_B, nq, m)[:, :, None] - pos_BxT[:, None, :]
+        bias_BxGxMxT = -slopes_1xGxMx1 * distance_BxMxT[:, None].astype(jnp.float32)
     out_BxGxMxK, _ = attend_partial(
-        q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible, sm_scale=sm_scale, soft_cap=soft_cap
-    )
+        q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible, sm_scale=sm_scale, soft_cap=soft_cap,
+        bias_BxGxMxT=bias_BxGxMxT,
+    )  # fmt: skip
     return queries_from_rows(out_BxGxMxK, nq).astype(q_BxQxHxK.dtype)

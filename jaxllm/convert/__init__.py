@@ -1,0 +1,95 @@
+"""Hugging Face checkpoints in and out: Llama (2, 3, 3.1/3.2 RoPE scaling), Mistral, Qwen2,
+Qwen3, Gemma 2 and GPT-2, as safetensors + config.json.
+
+    jaxllm convert import HF_DIR OUT_DIR [key=value ...]     # a run directory
+    jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME]
+
+`families.py` holds the per-family config and tensor-name mappings, `hf.py` the streaming
+import (every parameter created in its shards on the mesh) and the export, `cli.py` the
+command. `jaxllm.load_model(HF_DIR)` loads a Hugging Face directory directly and
+`checkpoint.init_from=...` starts training from one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxllm.config import ConfigError, ModelConfig
+from jaxllm.convert.families import FAMILIES
+from jaxllm.convert.hf import export_hf, import_hf, is_hf_dir, load_params, model_config
+
+
+def load_hf_model(hf_dir, *, mesh=None, overrides=()):
+    """An `nnx.Module` with the parameters of a Hugging Face directory, streamed onto `mesh`
+    (default: all devices, replicated)."""
+    from flax import nnx
+
+    from jaxllm import sharding
+    from jaxllm.train.state import abstract_model
+
+    cfg = model_config(hf_dir, overrides)
+    mesh = mesh or sharding.make_mesh(cfg.mesh)
+    graphdef, _, _ = abstract_model(cfg.model)
+    params, _ = load_params(hf_dir, cfg.model, mesh)
+    return nnx.merge(graphdef, params)
+
+
+def load_params_from(source, model_cfg: ModelConfig, mesh) -> dict:
+    """Parameters for `model_cfg` from a Hugging Face directory or a jaxllm run directory /
+    checkpoint (`checkpoint.init_from`), in their shards on `mesh`. The source must describe
+    the same parameter shapes; ConfigError names the first that differs."""
+    import jax
+
+    from jaxllm import checkpoint, config, sharding
+    from jaxllm.evaluate import resolve
+    from jaxllm.train.state import abstract_model
+
+    if is_hf_dir(source):
+        theirs = model_config(source).model
+    else:
+        if not Path(source).exists():
+            raise ConfigError(f"checkpoint.init_from={source} does not exist.")
+        run_dir, ckpt_dir, step = resolve(source)
+        theirs = config.load(run_dir / "config.yaml").model
+    _, want, axes = abstract_model(model_cfg)
+    _, have, _ = abstract_model(theirs)
+    want_flat, have_flat = _shapes(want), _shapes(have)
+    if want_flat != have_flat:
+        diff = sorted(set(want_flat.items()) ^ set(have_flat.items()))[0][0]
+        raise ConfigError(
+            f"checkpoint.init_from={source} has other parameters than this model (first: "
+            f"{diff}: {have_flat.get(diff)} there, {want_flat.get(diff)} here); make the model "
+            "section match it (e.g. start from its config.yaml)."
+        )
+    if is_hf_dir(source):
+        params, _ = load_params(source, model_cfg, mesh)
+        return params
+    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, config.load(run_dir / "config.yaml")
+                                                     .checkpoint.dir)  # fmt: skip
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), want,
+        sharding.tree_shardings(mesh, axes),
+    )  # fmt: skip
+    return checkpoint.restore_params(ckpt_dir, target, step)
+
+
+def _shapes(tree, prefix="") -> dict[str, tuple]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_shapes(v, f"{prefix}{k}/"))
+        else:
+            out[prefix + k] = tuple(v.shape)
+    return out
+
+
+__all__ = [
+    "FAMILIES",
+    "export_hf",
+    "import_hf",
+    "is_hf_dir",
+    "load_hf_model",
+    "load_params",
+    "load_params_from",
+    "model_config",
+]

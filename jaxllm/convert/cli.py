@@ -1,0 +1,73 @@
+"""`jaxllm convert import|export`: Hugging Face checkpoints to run directories and back.
+
+Both print one line per mapped tensor (Hugging Face name, layers, our parameters, shapes,
+dtype) to stdout; a tensor that maps to nothing, a missing one, a shape mismatch or a knob the
+target family cannot express is a ConfigError (exit 2) before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxllm.config import ConfigError
+
+
+def cmd_import(ns: argparse.Namespace) -> int:
+    from jaxllm.convert.hf import import_hf
+
+    overrides = [a for a in ns.overrides]
+    if any("=" not in a for a in overrides):
+        raise ConfigError(
+            "jaxllm convert import HF_DIR OUT_DIR takes only key=value after OUT_DIR."
+        )
+    report = import_hf(ns.hf_dir, ns.out_dir, overrides)
+    for line in report:
+        print(line)
+    print(f"imported {len(report)} tensor names into {ns.out_dir}", file=sys.stderr)
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    import jax
+
+    from jaxllm import checkpoint, config, sharding
+    from jaxllm.convert.hf import export_hf
+    from jaxllm.evaluate import resolve
+    from jaxllm.train.state import abstract_model
+
+    run_dir, ckpt_dir, step = resolve(ns.source)
+    cfg = config.load(run_dir / "config.yaml")
+    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
+    step = step if step is not None else checkpoint.latest_step(ckpt_dir)
+    if step is None:
+        raise ConfigError(f"no checkpoint in {ckpt_dir}; train first.")
+    mesh = sharding.make_mesh(config.MeshConfig())
+    _, abstract, axes = abstract_model(cfg.model)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+        sharding.tree_shardings(mesh, axes),
+    )  # fmt: skip
+    params = checkpoint.restore_params(ckpt_dir, target, step)
+    report = export_hf(params, cfg, ns.hf_dir, ns.family)
+    for line in report:
+        print(line)
+    print(f"exported step {step} to {ns.hf_dir}", file=sys.stderr)
+    return 0
+
+
+def add_convert_parser(sub) -> None:
+    c = sub.add_parser("convert", help="Hugging Face checkpoints in and out")
+    csub = c.add_subparsers(dest="direction", required=True)
+    i = csub.add_parser("import", help="a Hugging Face directory -> a run directory")
+    i.add_argument("hf_dir", help="config.json + *.safetensors (+ tokenizer.json)")
+    i.add_argument("out_dir", help="run directory to write (config.yaml, checkpoints/0)")
+    i.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.dtype=float32")
+    i.set_defaults(func=cmd_import)
+    e = csub.add_parser("export", help="a run directory or checkpoint -> a Hugging Face directory")
+    e.add_argument("source", help="run directory, its checkpoints directory, or one step")
+    e.add_argument("hf_dir", help="directory to write config.json + model.safetensors into")
+    from jaxllm.convert.families import FAMILIES
+
+    e.add_argument("--family", choices=sorted(FAMILIES), help="default: chosen from the knobs")
+    e.set_defaults(func=cmd_export)

@@ -1,0 +1,509 @@
+"""Hugging Face model families: `config.json` <-> `ModelConfig`, and tensor names <-> parameters.
+
+A `Family` knows one `model_type`: how its config.json maps to `ModelConfig` fields (`to_model`,
+refusing with ConfigError what the knobs cannot express), the config.json of a model
+(`to_hf`), and the `Link`s between its safetensors names and our parameter paths. Every
+transform is a reshape, a transpose or a split/concatenation, so importing and exporting give
+back the same bytes.
+
+Our layout vs torch's: a projection is [in..., out...] (`q_proj` [D, H, K]) where a torch
+`nn.Linear` weight is [out, in] (`q_proj.weight` [H*K, D]); GPT-2's `Conv1D` stores [in, out]
+and fuses q, k, v into one `c_attn`. Stacked layers carry a leading [N] axis here and one tensor
+per layer there (`{i}` in a name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxllm.config import ConfigError, ModelConfig
+
+# ModelConfig fields that are training or compute choices, not part of a checkpoint.
+NOT_ARCHITECTURE = frozenset(
+    {"dtype", "param_dtype", "scan_unroll", "remat", "attention_impl", "init_std", "dropout"}
+)
+
+
+def _fail(msg: str):
+    raise ConfigError(msg)
+
+
+# -- tensor links -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One Hugging Face tensor (per layer when `hf` holds `{i}`) and the parameters it carries.
+
+    kind: `same` (identical layout), `flat` (a 1-D tensor viewed as our [H, K]), `linear`
+    (torch [out, in] -> ours [in..., out...], the first `n_in` axes of ours being inputs), `conv`
+    (GPT-2 Conv1D [in, out] -> ours [in..., out...]). Several `ours` are concatenated along HF
+    axis `axis` (GPT-2's fused q/k/v).
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    kind: str = "same"
+    n_in: int = 1
+    axis: int = -1
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.hf
+
+    def name(self, layer: int | None) -> str:
+        return self.hf if layer is None else self.hf.format(i=layer)
+
+    def _part_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.kind == "same":
+            return tuple(shape)
+        if self.kind == "flat":
+            return (math.prod(shape),)
+        ins, outs = math.prod(shape[: self.n_in]), math.prod(shape[self.n_in :])
+        return (outs, ins) if self.kind == "linear" else (ins, outs)
+
+    def hf_shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The HF tensor's shape, given the (per-layer) shapes of `ours`."""
+        parts = [self._part_shape(s) for s in shapes]
+        if len(parts) == 1:
+            return parts[0]
+        out = list(parts[0])
+        out[self.axis] = sum(p[self.axis] for p in parts)
+        return tuple(out)
+
+    def to_ours(self, w: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+        parts = [w]
+        if len(shapes) > 1:
+            sizes = np.cumsum([self._part_shape(s)[self.axis] for s in shapes])[:-1]
+            parts = np.split(w, sizes, axis=self.axis)
+        return [self._one_to_ours(p, s) for p, s in zip(parts, shapes)]
+
+    def _one_to_ours(self, w: np.ndarray, shape) -> np.ndarray:
+        if self.kind == "linear":
+            w = w.T
+        return np.ascontiguousarray(w.reshape(shape))
+
+    def to_hf(self, xs: list[np.ndarray]) -> np.ndarray:
+        parts = [
+            x.reshape(math.prod(x.shape[: self.n_in]), -1).T if self.kind == "linear"
+            else x.reshape(self._part_shape(x.shape))
+            for x in xs
+        ]  # fmt: skip
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.axis)
+        return np.ascontiguousarray(out)
+
+
+# -- config helpers -----------------------------------------------------------------------------
+
+
+def _activation(name: str, gated: bool) -> dict:
+    if name == "silu" and gated:
+        return {"mlp_activation": "swiglu"}
+    gelu = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
+    if name in gelu:
+        return {"mlp_activation": "geglu" if gated else "gelu", "gelu_approximate": gelu[name]}
+    if name == "relu" and not gated:
+        return {"mlp_activation": "relu"}
+    _fail(f"activation {name!r} has no jaxllm model.mlp_activation equivalent here.")
+
+
+def _activation_name(cfg: ModelConfig) -> str:
+    if cfg.mlp_activation == "swiglu":
+        return "silu"
+    if cfg.mlp_activation in ("gelu", "geglu"):
+        return "gelu_pytorch_tanh" if cfg.gelu_approximate else "gelu"
+    return "silu"  # relu / relu2 in a gated family: the round-trip check names the mismatch
+
+
+def _rope(hf: dict) -> dict:
+    """RoPE fields from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
+    p = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if any(isinstance(v, dict) for v in p.values()):
+        _fail("per-layer-type RoPE parameters (Gemma 3 style) are not supported.")
+    theta = p.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = p.get("rope_type", p.get("type", "default"))
+    if p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        _fail("partial_rotary_factor != 1 (RoPE on part of the head) is not supported.")
+    out: dict = {"rope_theta": float(theta)}
+    original = p.get("original_max_position_embeddings")
+    if kind == "default":
+        return out
+    if kind == "linear":
+        return {**out, "rope_scaling": "linear", "rope_factor": float(p["factor"])}
+    if kind == "llama3":
+        return {**out, "rope_scaling": "llama3", "rope_factor": float(p["factor"]),
+                "rope_low_freq_factor": float(p.get("low_freq_factor", 1.0)),
+                "rope_high_freq_factor": float(p.get("high_freq_factor", 4.0)),
+                "rope_original_max_len": original}  # fmt: skip
+    if kind == "yarn":
+        if p.get("mscale") or p.get("mscale_all_dim") or p.get("truncate", True) is False:
+            _fail("YaRN with mscale / mscale_all_dim / truncate=false is not supported.")
+        factor = p.get("factor") or hf["max_position_embeddings"] / original
+        attention = p.get("attention_factor")
+        return {**out, "rope_scaling": "yarn", "rope_factor": float(factor),
+                "rope_beta_fast": float(p.get("beta_fast") or 32.0),
+                "rope_beta_slow": float(p.get("beta_slow") or 1.0),
+                "rope_attention_factor": None if attention is None else float(attention),
+                "rope_original_max_len": original}  # fmt: skip
+    _fail(f"RoPE type {kind!r} is not supported (none, linear, llama3 and yarn are).")
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict:
+    p: dict = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+               "rope_theta": cfg.rope_theta}  # fmt: skip
+    original = cfg.rope_original_max_len or cfg.max_seq_len
+    if cfg.rope_scaling == "ntk":
+        _fail("model.rope_scaling=ntk has no Hugging Face rope_type (its `dynamic` differs).")
+    if cfg.rope_scaling == "linear":
+        p["factor"] = cfg.rope_factor
+    elif cfg.rope_scaling == "llama3":
+        p.update(factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                 high_freq_factor=cfg.rope_high_freq_factor,
+                 original_max_position_embeddings=original)  # fmt: skip
+    elif cfg.rope_scaling == "yarn":
+        p.update(factor=cfg.rope_factor, beta_fast=cfg.rope_beta_fast,
+                 beta_slow=cfg.rope_beta_slow, original_max_position_embeddings=original)  # fmt: skip
+        if cfg.rope_attention_factor is not None:
+            p["attention_factor"] = cfg.rope_attention_factor
+    legacy = (
+        None if cfg.rope_scaling == "none" else {k: v for k, v in p.items() if k != "rope_theta"}
+    )
+    return {"rope_parameters": p, "rope_theta": cfg.rope_theta, "rope_scaling": legacy}
+
+
+def _windows(hf: dict, all_sliding_default: bool) -> dict:
+    """sliding_window / global_every from `layer_types` (transformers 5) or the family's rule."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    n = hf["num_hidden_layers"]
+    if types is None:
+        if window is None or not all_sliding_default:
+            return {}
+        types = ["sliding_attention"] * n
+    sliding = [t == "sliding_attention" for t in types]
+    if set(types) - {"sliding_attention", "full_attention"}:
+        _fail(f"layer_types {sorted(set(types))} are not supported.")
+    if not any(sliding):
+        return {}
+    if window is None:
+        _fail("layer_types has sliding_attention layers but sliding_window is null.")
+    every = 0 if all(sliding) else sliding.index(False) + 1
+    if sliding != [not (every and (i + 1) % every == 0) for i in range(n)]:
+        _fail(f"layer_types {types} is not a periodic pattern of sliding and global layers.")
+    return {"sliding_window": int(window), "global_every": every}
+
+
+def _layer_types(cfg: ModelConfig) -> list[str]:
+    windows = cfg.layer_windows() or (0,) * cfg.num_layers
+    return ["sliding_attention" if w else "full_attention" for w in windows]
+
+
+def _dtype_name(cfg: ModelConfig) -> str:
+    return cfg.param_dtype
+
+
+# -- families -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    architecture: str
+    to_model: Callable[[dict], dict]
+    to_hf: Callable[[ModelConfig], dict]
+    links: Callable[[ModelConfig], list[Link]]
+    ignore: tuple[str, ...] = ()
+    """Suffixes of tensors that are not parameters (non-persistent buffers in old files)."""
+
+
+def _llama_like_model(hf: dict, *, tie_default: bool) -> dict:
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // h
+    return {
+        "vocab_size": hf["vocab_size"], "d_model": d, "num_layers": hf["num_hidden_layers"],
+        "num_heads": h, "num_kv_heads": hf.get("num_key_value_heads") or h,
+        "head_dim": None if head_dim * h == d else head_dim,
+        "mlp_dim": hf["intermediate_size"], "max_seq_len": hf["max_position_embeddings"],
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", tie_default)),
+        **_rope(hf),
+    }  # fmt: skip
+
+
+def _llama_like_hf(cfg: ModelConfig) -> dict:
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
+        "intermediate_size": cfg.mlp_dim, "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": _activation_name(cfg), "dtype": _dtype_name(cfg), **_rope_to_hf(cfg),
+    }  # fmt: skip
+
+
+def _llama_like_links(cfg: ModelConfig, *, sandwich: bool = False) -> list[Link]:
+    p = "model.layers.{i}."
+    attn, mlp = "layers/attn/", "layers/mlp/"
+    links = [
+        Link("model.embed_tokens.weight", ("embed/embedding",)),
+        Link(p + "input_layernorm.weight", ("layers/attn_norm/scale",)),
+        Link(p + "self_attn.q_proj.weight", (attn + "q_proj",), "linear"),
+        Link(p + "self_attn.k_proj.weight", (attn + "k_proj",), "linear"),
+        Link(p + "self_attn.v_proj.weight", (attn + "v_proj",), "linear"),
+        Link(p + "self_attn.o_proj.weight", (attn + "o_proj",), "linear", n_in=2),
+        Link(p + "mlp.gate_proj.weight", (mlp + "gate_proj",), "linear"),
+        Link(p + "mlp.up_proj.weight", (mlp + "up_proj",), "linear"),
+        Link(p + "mlp.down_proj.weight", (mlp + "down_proj",), "linear"),
+        Link("model.norm.weight", ("final_norm/scale",)),
+    ]
+    if sandwich:
+        links += [
+            Link(p + "post_attention_layernorm.weight", ("layers/post_attn_norm/scale",)),
+            Link(p + "pre_feedforward_layernorm.weight", ("layers/mlp_norm/scale",)),
+            Link(p + "post_feedforward_layernorm.weight", ("layers/post_mlp_norm/scale",)),
+        ]
+    else:
+        links.append(Link(p + "post_attention_layernorm.weight", ("layers/mlp_norm/scale",)))
+    if cfg.qkv_bias:
+        links += [Link(p + f"self_attn.{x}_proj.bias", (attn + f"{x}_bias",), "flat")
+                  for x in "qkv"]  # fmt: skip
+    if cfg.o_bias:
+        links.append(Link(p + "self_attn.o_proj.bias", (attn + "o_bias",)))
+    if cfg.qk_norm:
+        links += [Link(p + f"self_attn.{x}_norm.weight", (f"{attn}{x}_norm/scale",))
+                  for x in "qk"]  # fmt: skip
+    if cfg.mlp_bias:
+        links += [Link(p + f"mlp.{x}_proj.bias", (f"{mlp}{x}_bias",))
+                  for x in ("gate", "up", "down")]  # fmt: skip
+    if not cfg.tie_embeddings:
+        links.append(Link("lm_head.weight", ("lm_head",), "linear"))
+    return links
+
+
+def _llama_model(hf: dict) -> dict:
+    bias = bool(hf.get("attention_bias", False))
+    return {**_llama_like_model(hf, tie_default=False), **_activation(hf.get("hidden_act", "silu"), True),
+            "qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(hf.get("mlp_bias", False))}  # fmt: skip
+
+
+def _llama_hf(cfg: ModelConfig) -> dict:
+    return {**_llama_like_hf(cfg), "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
+
+
+def _mistral_model(hf: dict) -> dict:
+    return {**_llama_like_model(hf, tie_default=False), **_activation(hf.get("hidden_act", "silu"), True),
+            **_windows(hf, all_sliding_default=True)}  # fmt: skip
+
+
+def _mistral_hf(cfg: ModelConfig) -> dict:
+    return {**_llama_like_hf(cfg), "sliding_window": cfg.sliding_window}
+
+
+def _qwen_model(hf: dict, qwen3: bool) -> dict:
+    if hf.get("use_sliding_window") and hf.get("layer_types") is None:
+        _fail("Qwen use_sliding_window without layer_types is not supported.")
+    out = {**_llama_like_model(hf, tie_default=False), **_activation(hf.get("hidden_act", "silu"), True),
+           **_windows(hf, all_sliding_default=False)}  # fmt: skip
+    if qwen3:
+        bias = bool(hf.get("attention_bias", False))
+        return {**out, "qk_norm": True, "qkv_bias": bias, "o_bias": bias}
+    return {**out, "qkv_bias": True}
+
+
+def _qwen_hf(cfg: ModelConfig, qwen3: bool) -> dict:
+    out = {**_llama_like_hf(cfg), "sliding_window": cfg.sliding_window,
+           "use_sliding_window": cfg.sliding_window is not None,
+           "layer_types": _layer_types(cfg), "max_window_layers": cfg.num_layers}  # fmt: skip
+    if qwen3:
+        out["attention_bias"] = cfg.qkv_bias
+    return out
+
+
+def _gemma2_model(hf: dict) -> dict:
+    windows = _windows(hf, all_sliding_default=False)
+    if hf.get("layer_types") is None and hf.get("sliding_window") is not None:
+        windows = {"sliding_window": int(hf["sliding_window"]), "global_every": 2}
+    cap = hf.get("attn_logit_softcapping")
+    final = hf.get("final_logit_softcapping")
+    return {
+        **_llama_like_model(hf, tie_default=True),
+        **_activation(hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                      True),
+        **windows,
+        "norm_placement": "sandwich", "norm_offset": 1.0, "scale_embeddings": True,
+        "attn_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "attn_soft_cap": None if cap is None else float(cap),
+        "final_soft_cap": None if final is None else float(final),
+    }  # fmt: skip
+
+
+def _gemma2_hf(cfg: ModelConfig) -> dict:
+    out = _llama_like_hf(cfg)
+    out.pop("hidden_act")
+    scalar = (cfg.attn_scale or cfg.resolved_head_dim**-0.5) ** -2
+    return {
+        **out, "hidden_activation": _activation_name(cfg),
+        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+        "attn_logit_softcapping": cfg.attn_soft_cap, "final_logit_softcapping": cfg.final_soft_cap,
+        "sliding_window": cfg.sliding_window, "layer_types": _layer_types(cfg),
+    }  # fmt: skip
+
+
+def _gpt2_model(hf: dict) -> dict:
+    if hf.get("scale_attn_by_inverse_layer_idx"):
+        _fail("GPT-2 scale_attn_by_inverse_layer_idx=true (a per-layer scale) is not supported.")
+    d = hf["n_embd"]
+    return {
+        "vocab_size": hf["vocab_size"], "d_model": d, "num_layers": hf["n_layer"],
+        "num_heads": hf["n_head"], "num_kv_heads": hf["n_head"], "mlp_dim": hf.get("n_inner") or 4 * d,
+        "max_seq_len": hf["n_positions"], "position": "learned", "norm": "layernorm",
+        "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+        **_activation(hf.get("activation_function", "gelu_new"), gated=False),
+        "qkv_bias": True, "o_bias": True, "mlp_bias": True,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "attn_scale": None if hf.get("scale_attn_weights", True) else 1.0,
+    }  # fmt: skip
+
+
+def _gpt2_hf(cfg: ModelConfig) -> dict:
+    acts = {"gelu": "gelu_new" if cfg.gelu_approximate else "gelu", "relu": "relu"}
+    act = acts.get(cfg.mlp_activation, "gelu_new")  # others: named by the round-trip check
+    return {
+        "vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_layer": cfg.num_layers,
+        "n_head": cfg.num_heads, "n_inner": cfg.mlp_dim, "n_positions": cfg.max_seq_len,
+        "layer_norm_epsilon": cfg.norm_eps, "activation_function": act,
+        "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": cfg.attn_scale != 1.0,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dtype": _dtype_name(cfg),
+    }  # fmt: skip
+
+
+def _gpt2_links(cfg: ModelConfig) -> list[Link]:
+    p, attn, mlp = "transformer.h.{i}.", "layers/attn/", "layers/mlp/"
+    links = [
+        Link("transformer.wte.weight", ("embed/embedding",)),
+        Link("transformer.wpe.weight", ("pos_embed",)),
+        Link(p + "ln_1.weight", ("layers/attn_norm/scale",)),
+        Link(p + "ln_1.bias", ("layers/attn_norm/bias",)),
+        Link(p + "attn.c_attn.weight", tuple(attn + f"{x}_proj" for x in "qkv"), "conv", axis=1),
+        Link(p + "attn.c_attn.bias", tuple(attn + f"{x}_bias" for x in "qkv"), "flat", axis=0),
+        Link(p + "attn.c_proj.weight", (attn + "o_proj",), "conv", n_in=2),
+        Link(p + "attn.c_proj.bias", (attn + "o_bias",)),
+        Link(p + "ln_2.weight", ("layers/mlp_norm/scale",)),
+        Link(p + "ln_2.bias", ("layers/mlp_norm/bias",)),
+        Link(p + "mlp.c_fc.weight", (mlp + "up_proj",), "conv"),
+        Link(p + "mlp.c_fc.bias", (mlp + "up_bias",)),
+        Link(p + "mlp.c_proj.weight", (mlp + "down_proj",), "conv"),
+        Link(p + "mlp.c_proj.bias", (mlp + "down_bias",)),
+        Link("transformer.ln_f.weight", ("final_norm/scale",)),
+        Link("transformer.ln_f.bias", ("final_norm/bias",)),
+    ]
+    if not cfg.tie_embeddings:
+        links.append(Link("lm_head.weight", ("lm_head",), "linear"))
+    return links
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaForCausalLM", _llama_model, _llama_hf, _llama_like_links),
+        Family("mistral", "MistralForCausalLM", _mistral_model, _mistral_hf, _llama_like_links),
+        Family(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            lambda hf: _qwen_model(hf, False),
+            lambda c: _qwen_hf(c, False),
+            _llama_like_links,
+        ),
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            lambda hf: _qwen_model(hf, True),
+            lambda c: _qwen_hf(c, True),
+            _llama_like_links,
+        ),
+        Family(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            _gemma2_model,
+            _gemma2_hf,
+            lambda c: _llama_like_links(c, sandwich=True),
+        ),
+        Family(
+            "gpt2",
+            "GPT2LMHeadModel",
+            _gpt2_model,
+            _gpt2_hf,
+            _gpt2_links,
+            ignore=(".attn.bias", ".attn.masked_bias"),
+        ),
+    )  # fmt: skip
+}
+
+
+def family_of(hf: dict) -> Family:
+    kind = hf.get("model_type")
+    if kind not in FAMILIES:
+        _fail(f"model_type {kind!r} is not supported; supported: {', '.join(FAMILIES)}.")
+    return FAMILIES[kind]
+
+
+def model_fields(hf: dict) -> dict:
+    """The ModelConfig fields of a config.json (architecture only)."""
+    return family_of(hf).to_model(hf)
+
+
+def guess_family(cfg: ModelConfig) -> Family:
+    """The family a model exports as when none is named: the one its knobs point to."""
+    if cfg.position == "learned":
+        return FAMILIES["gpt2"]
+    if cfg.norm_placement == "sandwich":
+        return FAMILIES["gemma2"]
+    if cfg.qk_norm:
+        return FAMILIES["qwen3"]
+    if cfg.qkv_bias and not cfg.o_bias:
+        return FAMILIES["qwen2"]
+    if cfg.sliding_window is not None:
+        return FAMILIES["mistral"]
+    return FAMILIES["llama"]
+
+
+def hf_config(cfg: ModelConfig, family: Family) -> dict:
+    """config.json of `cfg` as `family`; ConfigError naming the knobs the family cannot hold
+    (found by reading the written config back and comparing)."""
+    out = {"architectures": [family.architecture], "model_type": family.name, **family.to_hf(cfg)}
+    try:
+        back = dataclasses.replace(ModelConfig(), **family.to_model(out))
+    except ConfigError as e:
+        _fail(f"this model cannot be expressed in a {family.name} checkpoint: {e}")
+    diff = [
+        f"model.{f.name}={getattr(cfg, f.name)!r}"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in NOT_ARCHITECTURE
+        and not _same(f.name, getattr(cfg, f.name), getattr(back, f.name), cfg)
+    ]
+    if diff:
+        _fail(f"{', '.join(diff)} cannot be expressed in a {family.name} checkpoint; export as "
+              f"another family (--family) or change the model.")  # fmt: skip
+    return out
+
+
+def _same(name: str, a, b, cfg: ModelConfig) -> bool:
+    if name == "head_dim":
+        return cfg.resolved_head_dim == (b or cfg.d_model // cfg.num_heads)
+    if name == "rope_original_max_len":
+        return (a or cfg.max_seq_len) == (b or cfg.max_seq_len)
+    if name == "attn_scale":
+        return math.isclose(a or cfg.resolved_head_dim**-0.5, b or cfg.resolved_head_dim**-0.5)
+    if name.startswith("rope_") and cfg.position != "rope":
+        return True
+    if name == "gelu_approximate" and cfg.mlp_activation not in ("gelu", "geglu"):
+        return True
+    if name == "global_every" and cfg.sliding_window is None:
+        return True
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9)
+    return a == b

@@ -1,0 +1,111 @@
+"""Position information: rotary embeddings with their context-extension variants, and ALiBi.
+
+RoPE (Su et al. 2021, arXiv:2104.09864) rotates channel pairs (i, i + K/2) of queries and keys
+by position * inv_freq[i], the "rotate half" layout of Hugging Face Llama checkpoints, so
+imported q/k projections need no permutation. The frequencies are computed once on the host in
+float32 exactly as Hugging Face's `ROPE_INIT_FUNCTIONS` do, so imported long-context models
+(Llama 3.1 `llama3`, YaRN) match their reference logits:
+
+- `linear`: position interpolation (Chen et al. 2023, arXiv:2306.15595), inv_freq / factor.
+- `ntk`: "NTK-aware" scaling (bloc97, 2023): theta * factor^(K / (K - 2)), the static form.
+- `yarn`: YaRN (Peng et al. 2023, arXiv:2309.00071): a linear ramp over frequency between
+  interpolation and extrapolation, and cos/sin multiplied by an attention factor.
+- `llama3`: Llama 3.1's rule: long wavelengths interpolated, short ones kept, a smooth band.
+
+ALiBi (Press et al. 2022, arXiv:2108.12409) adds -slope_h * (i - j) to the logit of query i and
+key j; slopes are the geometric sequence of the paper (interleaved for non-powers of two).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import ModelConfig
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """(inv_freq float32 [K/2], attention factor multiplying cos and sin) for `cfg`."""
+    k = cfg.resolved_head_dim
+    f32 = np.float32
+    theta, factor = cfg.rope_theta, cfg.rope_factor
+    if cfg.rope_scaling == "ntk":
+        theta = theta * factor ** (k / (k - 2))
+    exponents = np.arange(0, k, 2, dtype=np.int64).astype(f32) / f32(k)
+    pos_freqs = np.power(f32(theta), exponents).astype(f32)
+    inv_freq = (f32(1.0) / pos_freqs).astype(f32)
+    original = cfg.rope_original_max_len or cfg.max_seq_len
+    scaling = 1.0
+    if cfg.rope_scaling == "linear":
+        inv_freq = (inv_freq / f32(factor)).astype(f32)
+    elif cfg.rope_scaling == "llama3":
+        low_wavelen = original / cfg.rope_low_freq_factor
+        high_wavelen = original / cfg.rope_high_freq_factor
+        wavelen = (2 * math.pi / inv_freq).astype(f32)
+        scaled = np.where(wavelen > low_wavelen, inv_freq / f32(factor), inv_freq).astype(f32)
+        smooth = ((original / wavelen - cfg.rope_low_freq_factor)
+                  / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)).astype(f32)  # fmt: skip
+        smoothed = ((1 - smooth) * scaled / f32(factor) + smooth * scaled).astype(f32)
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(f32)
+    elif cfg.rope_scaling == "yarn":
+        inv_freq, scaling = _yarn(cfg, pos_freqs, original)
+    return inv_freq, scaling
+
+
+def _yarn(cfg: ModelConfig, pos_freqs: np.ndarray, original: int) -> tuple[np.ndarray, float]:
+    k, factor, theta = cfg.resolved_head_dim, cfg.rope_factor, cfg.rope_theta
+    f32 = np.float32
+
+    def correction_dim(rotations: float) -> float:
+        return (k * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), k - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(k // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
+    extrapolation_weight = (1 - ramp).astype(f32)
+    inv_extra = (f32(1.0) / pos_freqs).astype(f32)
+    inv_inter = (f32(1.0) / (f32(factor) * pos_freqs)).astype(f32)
+    inv_freq = (inv_inter * (1 - extrapolation_weight) + inv_extra * extrapolation_weight).astype(
+        f32
+    )
+    attention = cfg.rope_attention_factor
+    if attention is None:
+        attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    return inv_freq, float(attention)
+
+
+def apply_rope(
+    x_BxLxHxK: jax.Array,
+    positions_BxL: jax.Array,
+    inv_freq_K2: tuple[float, ...] | np.ndarray,
+    scaling: float = 1.0,
+) -> jax.Array:
+    """Rotates channel pairs (i, i + K/2) by angle position * inv_freq[i], in float32."""
+    inv_freq_K2 = jnp.asarray(inv_freq_K2, jnp.float32)
+    angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_K2[None, None, :]
+    sin = jnp.sin(angle_BxLxK2)[:, :, None, :]
+    cos = jnp.cos(angle_BxLxK2)[:, :, None, :]
+    if scaling != 1.0:
+        sin, cos = sin * jnp.float32(scaling), cos * jnp.float32(scaling)
+    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxHxK.dtype)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """Per-head slopes [H] (float32): 2^(-8/n), its powers, for n the largest power of two <= H;
+    the remaining heads take every other slope of the 2n sequence (as the paper's code)."""
+
+    def powers(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(n) + powers(2 * n)[0::2][: num_heads - n]
+    return np.asarray(slopes, np.float32)
