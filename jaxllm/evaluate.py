@@ -15,7 +15,7 @@ import jax
 from jaxllm import checkpoint, config, sharding
 from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.train.loop import evaluate, process_rows
-from jaxllm.train.state import abstract_model
+from jaxllm.train.state import abstract_model, abstract_model_state
 from jaxllm.train.step import BATCH_AXES, eval_step
 
 
@@ -55,21 +55,31 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
         step = checkpoint.latest_step(ckpt_dir)
         if step is None:
             raise config.ConfigError(f"no checkpoint in {ckpt_dir}; train first.")
-    params = checkpoint.restore_params(ckpt_dir, target, step)
+    abstract_ms, ms_axes = abstract_model_state(cfg.model)
+    ms_target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract_ms,
+        sharding.tree_shardings(mesh, ms_axes),
+    )
+    params, model_state = checkpoint.restore_params(ckpt_dir, target, step, ms_target)
 
     batch_sh = sharding.named(mesh, BATCH_AXES)
     jit_eval = jax.jit(
         functools.partial(
-            eval_step, graphdef=graphdef, mesh=mesh, sequence_attention=cfg.mesh.sequence_attention
+            eval_step, graphdef=graphdef, mesh=mesh, sequence_attention=cfg.mesh.sequence_attention,
+            expert_dispatch=cfg.mesh.expert_dispatch,
         ),
-        in_shardings=(jax.tree.map(lambda t: t.sharding, target), batch_sh),
-    )
+        in_shardings=(
+            jax.tree.map(lambda t: t.sharding, target), batch_sh,
+            jax.tree.map(lambda t: t.sharding, ms_target),
+        ),
+    )  # fmt: skip
     gbs = cfg.train.global_batch_size
     _, eval_rows = load_splits(cfg.data)
     batches = eval_batches(
         eval_rows, gbs, num_batches or cfg.train.eval_batches, process_rows(batch_sh, gbs)
     )
-    loss = evaluate(jit_eval, params, batches, batch_sh)
+    loss = evaluate(jit_eval, params, batches, batch_sh, model_state)
     return {
         "step": step,
         "eval_loss": loss,

@@ -144,7 +144,7 @@ def test_include_cycle_through_two_files(tmp_path):
     "overrides, key",
     [
         (["model.num_heads=4", "model.num_kv_heads=3"], "model.num_kv_heads"),
-        (["model.head_dim=32"], "model.head_dim"),
+        (["model.head_dim=31"], "model.head_dim"),
         (["data.seq_len=4096"], "data.seq_len"),
         (["model.vocab_size=257"], "model.vocab_size"),
     ],
