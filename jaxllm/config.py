@@ -214,11 +214,12 @@ class MeshConfig:
     sequence_attention: Literal["all_gather", "ring"] = "all_gather"
     """How attention sees keys of other sequence shards: all-gather K/V, or ring attention
     (K/V blocks passed around the `sequence` axis, zigzag layout for causal load balance)."""
-    expert_dispatch: Literal["all_to_all", "annotations"] = "all_to_all"
+    expert_dispatch: Literal["annotations", "all_to_all"] = "annotations"
     """How capacity-mode MoE layers move token buffers to their experts' devices over
-    `expert`: an explicit all-to-all under shard_map, or sharding constraints that leave the
-    collectives to XLA (docs/benchmarks.md compares the bytes). Dropless layers always gather
-    tokens over `expert` under shard_map."""
+    `expert`: sharding constraints on the buffers, from which XLA makes the all-to-all, or an
+    explicit all-to-all under shard_map. Both move the same bytes in every plan of
+    docs/benchmarks.md; constraints need less memory with FSDP. Dropless layers always gather
+    the tokens of the expert group under shard_map."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,13 +144,13 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh | None, str]] = contextvars.ContextVa
     "mesh", default=(None, "all_gather")
 )
 _EXPERT_DISPATCH: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "expert_dispatch", default="all_to_all"
+    "expert_dispatch", default="annotations"
 )
 
 
 @contextlib.contextmanager
 def active_mesh(
-    mesh: Mesh | None, sequence_attention: str = "all_gather", expert_dispatch: str = "all_to_all"
+    mesh: Mesh | None, sequence_attention: str = "all_gather", expert_dispatch: str = "annotations"
 ):
     """Within it, `constrain` places activations on `mesh`, attention over a sharded
     sequence uses `sequence_attention` (`all_gather` or `ring`), and capacity-mode MoE layers

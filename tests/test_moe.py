@@ -524,3 +524,17 @@ def test_qwen3_30b_a3b_plans_on_an_expert_parallel_mesh():
     assert rows["moe_layers/moe/mlp/up_proj"]["shape"] == (48, 128, 2048, 768)
     # dropless: tokens gathered over `expert`, partial outputs reduce-scattered back
     assert r["collectives"]["reduce-scatter"]["count"] > 0
+
+
+def test_plan_does_not_count_collectives_over_single_devices():
+    # shard_map leaves all-reduces over mesh axes of size 1 in the program: they move nothing
+    from jaxllm.plan import collectives
+
+    hlo = """
+  %a = f32[8,64]{1,0} all-reduce(%x), replica_groups={{0},{1},{2},{3}}, to_apply=%add
+  %b = f32[8,64]{1,0} all-reduce(%x), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %c = f32[8,64]{1,0} all-reduce(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
+  %d = f32[8,64]{1,0} all-reduce(%x), replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_1'}, to_apply=%add
+  %e = f32[8,64]{1,0} all-to-all(%x), replica_groups=[8,1]<=[8], dimensions={0}
+"""
+    assert collectives(hlo) == {"all-reduce": {"count": 2, "bytes": 2 * 8 * 64 * 4}}

@@ -262,7 +262,8 @@ class MoE(nnx.Module):
             if sharding.expert_all_to_all_active():
                 fn = functools.partial(capacity_experts_local, dtype=dtype)
                 y_BxExCxD = sharding.per_shard_all_to_all(fn, buf_BxExCxD, gate, up, down)
-            else:  # sharding constraints: XLA moves the buffers between the two layouts
+            else:  # sharding constraints: filled where the tokens are, XLA moves them over
+                buf_BxExCxD = constrain(buf_BxExCxD, ("batch", None, None, "act_embed"))
                 buf_BxExCxD = constrain(buf_BxExCxD, ("expert_group", "expert", None, "act_embed"))
                 y_BxExCxD = expert_mlp(buf_BxExCxD, gate, up, down, dtype)
                 y_BxExCxD = constrain(y_BxExCxD, ("expert_group", "expert", None, "act_embed"))

@@ -75,7 +75,7 @@ def _microbatches(batch: dict, n: int) -> dict:
 def train_step(
     state: TrainState, batch: dict, *, graphdef, tx, lr_schedule, mesh=None,
     grad_accum_steps: int = 1, z_loss: float = 0.0, sequence_attention: str = "all_gather",
-    param_shardings=None, moe: MoEConfig | None = None, expert_dispatch: str = "all_to_all",
+    param_shardings=None, moe: MoEConfig | None = None, expert_dispatch: str = "annotations",
 ) -> tuple[TrainState, dict]:  # fmt: skip
     with sharding.active_mesh(mesh, sequence_attention, expert_dispatch):
         loss = functools.partial(loss_fn, graphdef=graphdef, z_loss=z_loss, moe=moe)
@@ -145,7 +145,7 @@ def train_step(
 
 def eval_step(
     params, batch: dict, model_state=None, *, graphdef, mesh=None,
-    sequence_attention: str = "all_gather", expert_dispatch: str = "all_to_all",
+    sequence_attention: str = "all_gather", expert_dispatch: str = "annotations",
 ) -> dict:  # fmt: skip
     """Sums for a held-out batch: {'nll_sum', 'tokens'}; the caller divides after summing."""
     with sharding.active_mesh(mesh, sequence_attention, expert_dispatch):
