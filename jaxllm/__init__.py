@@ -23,7 +23,7 @@ def load_model(path, *, mesh=None, overrides=()):
     from flax import nnx
 
     from jaxllm import checkpoint, config, sharding
-    from jaxllm.train.state import abstract_model
+    from jaxllm.train.state import abstract_model, abstract_model_state
 
     path = Path(path)
     if not (path / "config.yaml").is_file() and (path / "config.json").is_file():
@@ -41,12 +41,18 @@ def load_model(path, *, mesh=None, overrides=()):
     if mesh is None:
         mesh = sharding.make_mesh(config.MeshConfig())
     graphdef, abstract, axes = abstract_model(cfg.model)
-    shardings = sharding.tree_shardings(mesh, axes)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    abstract_ms, ms_axes = abstract_model_state(cfg.model)
+
+    def target(tree, axes):
+        shardings = sharding.tree_shardings(mesh, axes)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+        )
+
+    params, model_state = checkpoint.restore_params(
+        ckpt_dir, target(abstract, axes), model_state_target=target(abstract_ms, ms_axes)
     )
-    params = checkpoint.restore_params(ckpt_dir, target)
-    return nnx.merge(graphdef, params)
+    return nnx.merge(graphdef, params, model_state)
 
 
 __all__ = ["JaxllmWarning", "__version__", "load_model"]

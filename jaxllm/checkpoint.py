@@ -3,7 +3,8 @@ preemption and a change of mesh.
 
 Each checkpoint holds five items: `params` and `train` (step, optimizer state, rng) as sharded
 arrays, `data` (the input iterator's state), `config` (the resolved config) and `tokenizer`
-(what is needed to rebuild it). Orbax writes into a temporary directory and renames it when
+(what is needed to rebuild it); models with non-trained variables (MoE router balancing
+biases) add a sixth, `model_state`, which inference restores with the parameters. Orbax writes into a temporary directory and renames it when
 complete, so a process killed mid-save leaves the previous checkpoint as the newest one.
 
 Restoring takes target shardings: every host reads only its own shards, and a state saved on one
@@ -68,6 +69,9 @@ class Checkpointer:
         if step in self._mgr.all_steps():
             return step
         items = _state_items(state)
+        extra = {}
+        if state.model_state:
+            extra["model_state"] = ocp.args.StandardSave(state.model_state)
         self._mgr.save(
             step,
             args=ocp.args.Composite(
@@ -76,6 +80,7 @@ class Checkpointer:
                 data=ocp.args.JsonSave(data_state),
                 config=ocp.args.JsonSave(config),
                 tokenizer=ocp.args.JsonSave(tokenizer),
+                **extra,
             ),
             force=True,
         )
@@ -98,6 +103,9 @@ class Checkpointer:
             if has_train_state(self.directory, s)
         ]  # weights-only ones are no resume point
         target = _state_items(abstract_state)
+        extra = {}
+        if abstract_state.model_state:
+            extra["model_state"] = ocp.args.StandardRestore(abstract_state.model_state)
         for i, step in enumerate(steps):
             try:
                 out = self._mgr.restore(
@@ -106,6 +114,7 @@ class Checkpointer:
                         params=ocp.args.StandardRestore(target["params"]),
                         train=ocp.args.StandardRestore(target["train"]),
                         data=ocp.args.JsonRestore(),
+                        **extra,
                     ),
                 )
             except Exception as e:  # a damaged checkpoint: fall back to the one before
@@ -123,8 +132,9 @@ class Checkpointer:
                 continue
             train = out["train"]
             state = abstract_state.replace(
-                step=train["step"], params=out["params"], opt_state=train["opt"], rng=train["rng"]
-            )
+                step=train["step"], params=out["params"], opt_state=train["opt"], rng=train["rng"],
+                model_state=out["model_state"] if extra else {},
+            )  # fmt: skip
             return state, out["data"], step
         return None
 
@@ -158,12 +168,19 @@ def has_train_state(directory: str | Path, step: int) -> bool:
     return (Path(directory) / str(step) / "train").exists()
 
 
-def restore_params(directory: str | Path, target, step: int | None = None):
+def restore_params(directory: str | Path, target, step: int | None = None,
+                   model_state_target=None):  # fmt: skip
     """Parameters only, into `target`: a pytree of jax.ShapeDtypeStruct whose `.sharding` says
-    where each leaf goes (each host reads only its shards)."""
+    where each leaf goes (each host reads only its shards). With a non-empty
+    `model_state_target`, returns (params, model_state): what inference needs of the model."""
     with manager(directory) as mgr:
         step = mgr.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {directory}")
-        out = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-        return out["params"]
+        items = {"params": ocp.args.StandardRestore(target)}
+        if model_state_target:
+            items["model_state"] = ocp.args.StandardRestore(model_state_target)
+        out = mgr.restore(step, args=ocp.args.Composite(**items))
+        if model_state_target is None:
+            return out["params"]
+        return out["params"], out["model_state"] if model_state_target else {}

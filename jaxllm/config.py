@@ -76,6 +76,57 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward layers (`jaxllm.model.moe`); num_experts=0 is a dense model.
+
+    Which blocks are MoE: the first `first_dense_layers` blocks are dense, and of the rest every
+    `moe_every`-th is MoE (the others dense), so blocks k+n-1, k+2n-1, ... (0-based) for
+    k = first_dense_layers, n = moe_every.
+    """
+
+    num_experts: int = 0
+    """E: routed experts per MoE layer; 0 makes every block dense."""
+    experts_per_token: int = 2
+    """Top-k: routed experts each token is sent to."""
+    expert_mlp_dim: int | None = None
+    """Hidden width of each expert's SwiGLU; null means model.mlp_dim."""
+    num_shared_experts: int = 0
+    """Experts every token passes through besides its routed ones (DeepSeek / Qwen style),
+    run as one SwiGLU of width num_shared_experts * expert_mlp_dim."""
+    first_dense_layers: int = 0
+    """Leading blocks kept dense (DeepSeek-V3 keeps 3)."""
+    moe_every: int = 1
+    """Of the blocks after those, every this-many-th is MoE (2: alternate dense and MoE)."""
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores from the float32 logits: softmax over experts (Mixtral, Qwen) or an
+    independent sigmoid per expert (DeepSeek-V3)."""
+    normalize_top_k: bool = True
+    """Rescale each token's top-k scores to sum to 1 (for softmax this is Mixtral's softmax
+    over the top-k logits)."""
+    route_scale: float = 1.0
+    """Factor on the routed experts' combined output (DeepSeek-V3's routed_scaling_factor)."""
+    dispatch: Literal["dropless", "capacity"] = "dropless"
+    """`dropless`: tokens sorted by expert and run as a grouped matmul, none dropped;
+    `capacity`: fixed per-expert buffers of each sequence, assignments over capacity dropped."""
+    capacity_factor: float = 1.25
+    """Capacity mode: buffer slots per expert = ceil(capacity_factor * top-k * seq_len / E)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the Switch / GShard load-balancing loss E * sum_e f_e * P_e (1 when balanced),
+    averaged over MoE layers."""
+    router_z_loss_weight: float = 0.001
+    """Weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE), averaged over
+    MoE layers."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for
+    the top-k choice only, moves by this much per step against the sign of each expert's load
+    error; 0 disables it (no bias is kept)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Llama-style decoder. Shapes use the dimension letters of `jaxllm.model`."""
 
@@ -90,7 +141,7 @@ class ModelConfig:
     num_kv_heads: int = 2
     """G: key/value heads. H for MHA, 1 for MQA, a divisor of H for GQA."""
     head_dim: int | None = None
-    """K: per-head width; null means d_model / num_heads."""
+    """K: per-head width; null means d_model / num_heads (H * K may differ from D, as in Qwen3)."""
     mlp_dim: int = 640
     """F: hidden width of the SwiGLU MLP."""
     max_seq_len: int = 2048
@@ -180,10 +231,16 @@ class ModelConfig:
     """`xla` (einsum, float32 softmax), `flash` (the Pallas kernel of `jaxllm.kernels`;
     interpreted on CPU), `cudnn` (`jax.nn.dot_product_attention` on NVIDIA GPUs, no packed
     segments), or `auto`: flash on TPU, xla elsewhere (see docs/benchmarks.md for GPU)."""
+    moe: MoEConfig = MoEConfig()
+    """Mixture-of-experts feed-forward layers; dense unless moe.num_experts > 0."""
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def resolved_expert_mlp_dim(self) -> int:
+        return self.mlp_dim if self.moe.expert_mlp_dim is None else self.moe.expert_mlp_dim
 
     @property
     def gated_mlp(self) -> bool:
@@ -256,7 +313,8 @@ class MeshConfig:
     sequence: int = 1
     """SP / context parallelism: the sequence axis of activations split."""
     expert: int = 1
-    """EP: experts of MoE layers split (no effect on dense models)."""
+    """EP: experts of MoE layers split; outside MoE layers the batch is split over it as over
+    `data`."""
     dcn_data: int = 1
     """Slices that replicate the model (the usual multi-slice choice: data over DCN)."""
     dcn_fsdp: int = 1
@@ -270,6 +328,12 @@ class MeshConfig:
     sequence_attention: Literal["all_gather", "ring"] = "all_gather"
     """How attention sees keys of other sequence shards: all-gather K/V, or ring attention
     (K/V blocks passed around the `sequence` axis, zigzag layout for causal load balance)."""
+    expert_dispatch: Literal["annotations", "all_to_all"] = "annotations"
+    """How capacity-mode MoE layers move token buffers to their experts' devices over
+    `expert`: sharding constraints on the buffers, from which XLA makes the all-to-all, or an
+    explicit all-to-all under shard_map. Both move the same bytes in every plan of
+    docs/benchmarks.md; constraints need less memory with FSDP. Dropless layers always gather
+    the tokens of the expert group under shard_map."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,6 +574,10 @@ class Config:
                 f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's vocabulary "
                 f"({tokenizer_vocab_size(self.data)}); raise model.vocab_size."
             )
+        if m.moe.enabled:
+            _validate_moe(m)
+        elif m.moe.num_experts < 0:
+            _fail(f"model.moe.num_experts must be >= 0 (0: dense), not {m.moe.num_experts}.")
         for name in ("dtype", "param_dtype"):
             if getattr(m, name) not in ("float32", "bfloat16", "float16"):
                 _fail(
@@ -522,13 +590,19 @@ class Config:
             )
         if num_devices is not None:
             degrees = mesh_degrees(self.mesh, num_devices)
-            dp = degrees["data"] * degrees["fsdp"]
+            dp = degrees["data"] * degrees["fsdp"] * degrees["expert"]
             micro = t.global_batch_size // t.grad_accum_steps
             if micro % dp:
                 _fail(
                     f"train.global_batch_size ({t.global_batch_size}) / train.grad_accum_steps "
                     f"({t.grad_accum_steps}) = {micro} rows per microbatch is not divisible by the "
-                    f"data-parallel size mesh.data * mesh.fsdp = {dp}; use a multiple of {dp}."
+                    f"data-parallel size mesh.data * mesh.fsdp * mesh.expert = {dp}; use a "
+                    f"multiple of {dp}."
+                )
+            if m.moe.enabled and m.moe.num_experts % degrees["expert"]:
+                _fail(
+                    f"mesh.expert ({degrees['expert']}) must divide model.moe.num_experts "
+                    f"({m.moe.num_experts})."
                 )
             if m.num_heads % degrees["tensor"] or m.num_kv_heads % degrees["tensor"]:
                 _fail(
@@ -548,6 +622,34 @@ class Config:
                     f"({degrees['sequence']})."
                 )
         return self
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    moe = m.moe
+    if not 1 <= moe.experts_per_token <= moe.num_experts:
+        _fail(
+            f"model.moe.experts_per_token ({moe.experts_per_token}) must be between 1 and "
+            f"model.moe.num_experts ({moe.num_experts})."
+        )
+    if moe.expert_mlp_dim is not None and moe.expert_mlp_dim < 1:
+        _fail(f"model.moe.expert_mlp_dim must be at least 1 or null, not {moe.expert_mlp_dim}.")
+    if moe.num_shared_experts < 0 or moe.first_dense_layers < 0 or moe.moe_every < 1:
+        _fail(
+            "model.moe.num_shared_experts and model.moe.first_dense_layers must be >= 0 and "
+            "model.moe.moe_every >= 1."
+        )
+    rest = m.num_layers - moe.first_dense_layers
+    if rest < moe.moe_every or rest % moe.moe_every:
+        _fail(
+            f"model.num_layers - model.moe.first_dense_layers ({rest}) must be a positive "
+            f"multiple of model.moe.moe_every ({moe.moe_every}), so that the MoE pattern repeats "
+            "whole and holds at least one MoE block."
+        )
+    if moe.capacity_factor <= 0 or moe.route_scale <= 0:
+        _fail("model.moe.capacity_factor and model.moe.route_scale must be positive.")
+    for name in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate"):
+        if getattr(moe, name) < 0:
+            _fail(f"model.moe.{name} must be >= 0, not {getattr(moe, name)}.")
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")

@@ -15,7 +15,7 @@ import jax
 from jaxllm import checkpoint, config, sharding
 from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.train.loop import evaluate, process_rows
-from jaxllm.train.state import abstract_model
+from jaxllm.train.state import abstract_model, abstract_model_state
 from jaxllm.train.step import BATCH_AXES, eval_step
 
 
@@ -38,9 +38,10 @@ def resolve(path: str | Path) -> tuple[Path, Path, int | None]:
 
 
 def restore(path, overrides=()):
-    """A run directory / checkpoint path -> (config, mesh, graphdef, params, step): the newest
-    (or the named) checkpoint's weights, restored straight into their shards on the configured
-    mesh. ConfigError when there is nothing to restore."""
+    """A run directory / checkpoint path -> (config, mesh, graphdef, params, model_state, step):
+    the newest (or the named) checkpoint's weights and non-trained model state (MoE routing
+    biases; {} otherwise), restored straight into their shards on the configured mesh.
+    ConfigError when there is nothing to restore."""
     run_dir, ckpt_dir, step = resolve(path)
     cfg = config.load(run_dir / "config.yaml", list(overrides))
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
@@ -58,24 +59,35 @@ def restore(path, overrides=()):
         step = checkpoint.latest_step(ckpt_dir)
         if step is None:
             raise config.ConfigError(f"no checkpoint in {ckpt_dir}; train first.")
-    return cfg, mesh, graphdef, checkpoint.restore_params(ckpt_dir, target, step), step
+    abstract_ms, ms_axes = abstract_model_state(cfg.model)
+    ms_target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract_ms,
+        sharding.tree_shardings(mesh, ms_axes),
+    )
+    params, model_state = checkpoint.restore_params(ckpt_dir, target, step, ms_target)
+    return cfg, mesh, graphdef, params, model_state, step
 
 
 def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> dict:
-    cfg, mesh, graphdef, params, step = restore(path, overrides)
+    cfg, mesh, graphdef, params, model_state, step = restore(path, overrides)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     jit_eval = jax.jit(
         functools.partial(
-            eval_step, graphdef=graphdef, mesh=mesh, sequence_attention=cfg.mesh.sequence_attention
+            eval_step, graphdef=graphdef, mesh=mesh, sequence_attention=cfg.mesh.sequence_attention,
+            expert_dispatch=cfg.mesh.expert_dispatch,
         ),
-        in_shardings=(jax.tree.map(lambda p: p.sharding, params), batch_sh),
-    )
+        in_shardings=(
+            jax.tree.map(lambda p: p.sharding, params), batch_sh,
+            jax.tree.map(lambda p: p.sharding, model_state),
+        ),
+    )  # fmt: skip
     gbs = cfg.train.global_batch_size
     _, eval_rows = load_splits(cfg.data)
     batches = eval_batches(
         eval_rows, gbs, num_batches or cfg.train.eval_batches, process_rows(batch_sh, gbs)
     )
-    loss = evaluate(jit_eval, params, batches, batch_sh)
+    loss = evaluate(jit_eval, params, batches, batch_sh, model_state)
     return {
         "step": step,
         "eval_loss": loss,

@@ -30,11 +30,22 @@ def peak_flops(device_kind: str) -> float | None:
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts from the config: total, and the ones in matmuls (for FLOPs)."""
+    """Parameter counts from the config: total; active (what one token uses: of an MoE layer's
+    experts only the top-k routed ones); and matmul (the active ones in matmuls, for FLOPs)."""
     d, f, n = cfg.d_model, cfg.mlp_dim, cfg.num_layers
     hk, gk = cfg.num_heads * cfg.resolved_head_dim, cfg.num_kv_heads * cfg.resolved_head_dim
     mlp_mats = 3 if cfg.gated_mlp else 2
-    per_layer_matmul = d * hk * 2 + d * gk * 2 + mlp_mats * d * f
+    attn = d * hk * 2 + d * gk * 2
+    n_moe, moe_total, moe_active = 0, 0, 0
+    if cfg.moe.enabled:  # experts and shared experts are SwiGLU FFNs
+        m, fe = cfg.moe, cfg.resolved_expert_mlp_dim
+        n_moe = (n - m.first_dense_layers) // m.moe_every
+        common = attn + d * m.num_experts + 3 * d * fe * m.num_shared_experts  # router, shared
+        moe_total = common + 3 * d * fe * m.num_experts
+        moe_active = common + 3 * d * fe * m.experts_per_token
+    dense_layer = attn + mlp_mats * d * f
+    total_matmul = (n - n_moe) * dense_layer + n_moe * moe_total
+    active_matmul = (n - n_moe) * dense_layer + n_moe * moe_active
     embed = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     norm_params = 2 if cfg.norm == "layernorm" else 1  # scale (and bias) per channel
@@ -46,16 +57,18 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
                   + ((mlp_mats - 1) * f + d) * cfg.mlp_bias)  # fmt: skip
     positions = cfg.max_seq_len * d if cfg.position == "learned" else 0
     return {
-        "total": n * per_layer_matmul + embed + head + norms + biases + positions,
+        "total": total_matmul + embed + head + norms + biases + positions,
+        "active": active_matmul + embed + head + norms + biases + positions,
         # the LM head is a matmul (the tied embedding too); the input embedding is a gather
-        "matmul": n * per_layer_matmul + cfg.vocab_size * d,
+        "matmul": active_matmul + cfg.vocab_size * d,
     }
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Training FLOPs per token (forward + backward = 3x forward), Kaplan/PaLM style:
-    6 * matmul params, plus attention scores and values 12 * layers * heads * head_dim * seq
-    (full, unmasked L x S products, which is what the XLA implementation computes)."""
+    6 * active matmul params (of MoE layers only the routed top-k experts), plus attention
+    scores and values 12 * layers * heads * head_dim * seq (full, unmasked L x S products,
+    which is what the XLA implementation computes)."""
     dense = 6 * param_counts(cfg)["matmul"]
     attn = 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
     return {"dense": float(dense), "attention": float(attn), "total": float(dense + attn)}

@@ -50,17 +50,30 @@ def _shape_bytes(shape_text: str) -> int:
     return total
 
 
+def _group_size(line: str) -> int | None:
+    """Devices per replica group of a collective (None when the line does not say)."""
+    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
+        return len(m.group(1).split(","))
+    if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
+        return int(m.group(1))
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
+    return None
+
+
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """Collective ops in an optimized HLO module: kind -> {count, bytes of their results}.
 
     Static counts: an op inside a loop body (the layer scan) appears once but runs every
-    iteration.
+    iteration. Ops over groups of one device (left for mesh axes of size 1, e.g. by
+    `shard_map`) move nothing and are not counted.
     """
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
     for line in hlo_text.splitlines():
         m = pattern.search(line)
-        if m:
+        if m and _group_size(line) != 1:
             out[m.group(2)]["count"] += 1
             out[m.group(2)]["bytes"] += _shape_bytes(m.group(1))
     return dict(out)

@@ -22,7 +22,11 @@ from jaxllm.config import MESH_AXES, MeshConfig, mesh_degrees
 # logical axis -> mesh axes it is sharded over (None: replicated). One entry per name; no order.
 RULES: dict[str, tuple[str, ...] | None] = {
     # activations
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),  # outside MoE layers, expert shards act as data shards
+    "expert_group": (
+        "data",
+        "fsdp",
+    ),  # batch of expert-major MoE buffers, whose experts hold `expert`
     "length": ("sequence",),
     "act_embed": None,
     "act_heads": ("tensor",),
@@ -40,6 +44,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "mlp": ("tensor",),
     "norm": ("fsdp",),
     "expert": ("expert",),
+    "router_expert": None,  # router columns: every token scores every expert
 }
 
 
@@ -139,16 +144,24 @@ def tree_shardings(mesh: Mesh, logical_tree):
 _ACTIVE: contextvars.ContextVar[tuple[Mesh | None, str]] = contextvars.ContextVar(
     "mesh", default=(None, "all_gather")
 )
+_EXPERT_DISPATCH: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "expert_dispatch", default="annotations"
+)
 
 
 @contextlib.contextmanager
-def active_mesh(mesh: Mesh | None, sequence_attention: str = "all_gather"):
-    """Within it, `constrain` places activations on `mesh`, and attention over a sharded
-    sequence uses `sequence_attention` (`all_gather` or `ring`)."""
+def active_mesh(
+    mesh: Mesh | None, sequence_attention: str = "all_gather", expert_dispatch: str = "annotations"
+):
+    """Within it, `constrain` places activations on `mesh`, attention over a sharded
+    sequence uses `sequence_attention` (`all_gather` or `ring`), and capacity-mode MoE layers
+    reach experts on other devices by `expert_dispatch` (`all_to_all` or `annotations`)."""
     token = _ACTIVE.set((mesh, sequence_attention))
+    dispatch_token = _EXPERT_DISPATCH.set(expert_dispatch)
     try:
         yield mesh
     finally:
+        _EXPERT_DISPATCH.reset(dispatch_token)
         _ACTIVE.reset(token)
 
 
@@ -235,3 +248,59 @@ def per_shard(fn, args: tuple, in_axes: tuple, out_axes):
         out_specs=to_spec(out_axes),
         check_vma=False,
     )(*args)
+
+
+# Mixture-of-experts placement: the model's MoE layer (`jaxllm.model.moe`) calls these with
+# per-device functions that take the mesh axis names of experts and expert hidden units.
+
+
+def _expert_specs():
+    """(expert axis, tensor axis) and the specs of stacked expert weights inside shard_map:
+    experts split over `expert`, hidden units over `tensor`, `embed` gathered (FSDP)."""
+    expert, tensor = RULES["expert"][0], RULES["mlp"][0]
+    return expert, tensor, PartitionSpec(expert, None, tensor), PartitionSpec(expert, tensor, None)
+
+
+def expert_all_to_all_active() -> bool:
+    """Whether capacity-mode MoE buffers go to their experts by an explicit all-to-all."""
+    mesh, _ = _ACTIVE.get()
+    return (
+        mesh is not None
+        and mesh.shape[RULES["expert"][0]] > 1
+        and _EXPERT_DISPATCH.get() == "all_to_all"
+    )
+
+
+def per_shard_dropless(fn, x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD):
+    """Runs `fn(x, idx, w, gate, up, down, expert_axis=, tensor_axis=)` on each device's tokens
+    and its slice of the experts under `shard_map` (a plain call without a mesh), so the sort
+    by expert and the grouped matmul of dropless routing stay local to each device."""
+    mesh, _ = _ACTIVE.get()
+    if mesh is None or mesh.size == 1:
+        return fn(x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD,
+                  expert_axis=None, tensor_axis=None)  # fmt: skip
+    expert, tensor, in_w, out_w = _expert_specs()
+    tokens = PartitionSpec(RULES["batch"], RULES["length"][0], None)
+
+    def local(x, idx, w, gate, up, down):
+        return fn(x, idx, w, gate, up, down, expert_axis=expert, tensor_axis=tensor)
+
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(tokens, tokens, tokens, in_w, in_w, out_w), out_specs=tokens
+    )(x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD)
+
+
+def per_shard_all_to_all(fn, buf_GxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
+    """Runs `fn(buf, gate, up, down, expert_axis=, tensor_axis=)` under `shard_map` on each
+    device's rows of expert buffers [G, E, C, D] (rows split like the batch); `fn` exchanges
+    them with the devices holding the experts."""
+    mesh, _ = _ACTIVE.get()
+    expert, tensor, in_w, out_w = _expert_specs()
+    bufs = PartitionSpec(RULES["batch"], None, None, None)
+
+    def local(buf, gate, up, down):
+        return fn(buf, gate, up, down, expert_axis=expert, tensor_axis=tensor)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(bufs, in_w, in_w, out_w), out_specs=bufs)(
+        buf_GxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD
+    )

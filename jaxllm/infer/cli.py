@@ -59,8 +59,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from jaxllm.evaluate import restore
     from jaxllm.infer.generate import generate
 
-    cfg, mesh, graphdef, params, step = restore(path, [*overrides, *_overrides(ns)])
-    model = nnx.merge(graphdef, params)
+    cfg, mesh, graphdef, params, model_state, step = restore(path, [*overrides, *_overrides(ns)])
+    model = nnx.merge(graphdef, params, model_state)
 
     tok = make_tokenizer(cfg.data)
     bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []

@@ -5,6 +5,8 @@ Shape legend used in names throughout (`q_BxLxHxK` is a query of shape [B, L, H,
     B batch      L query length   S key/value length   D model width (d_model)
     H heads      G kv heads       R query heads per kv head (H / G)
     K head dim   F mlp hidden     V vocabulary          N layers
+    E experts    X experts per token (top-k)             C capacity slots per expert
+    T tokens (B * L, flattened)   A assignments (T * X)
 
 Every parameter is an `nnx.Param` whose `axes` metadata names its logical axes
 (`('embed', 'mlp')`); `jaxllm.sharding` alone maps those to mesh axes.
@@ -14,6 +16,7 @@ from jaxllm.model.attention import Attention, dot_product_attention
 from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, make_norm, matmul
 from jaxllm.model.mlp import MLP
 from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
+from jaxllm.model.moe import MoE, RouterBias
 from jaxllm.model.transformer import Block, Transformer, build, logical_axes
 
 __all__ = [
@@ -31,5 +34,7 @@ __all__ = [
     "logical_axes",
     "make_norm",
     "matmul",
+    "MoE",
+    "RouterBias",
     "rope_frequencies",
 ]

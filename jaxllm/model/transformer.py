@@ -7,6 +7,13 @@ GeGLU, soft caps, alternating local/global layers, embeddings scaled by sqrt(D))
 The N blocks are created stacked (every block parameter has a leading `layers` axis) and run
 with `jax.lax.scan`, so compile time does not grow with depth and pipeline stages can later be
 slices of the stack. Each block is optionally rematerialised (`ModelConfig.remat`).
+
+With mixture-of-experts layers (`ModelConfig.moe`) there are two kinds of blocks: the first k
+dense blocks form the stack `layers`, and the rest repeat a pattern of (moe_every - 1) dense
+blocks and one MoE block, stacked as `moe_layers` (each element a `MoEGroup`) and scanned the
+same way, so any "first k dense, then every n-th MoE" layout is one or two scans. Per-layer scan
+inputs (window flags, dropout keys, the cache's layer index) are arrays over all N layers, cut
+to match.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.model.attention import Attention
 from jaxllm.model.layers import Embed, make_norm, matmul, param
 from jaxllm.model.mlp import MLP
+from jaxllm.model.moe import MoE
 from jaxllm.sharding import constrain
 
 REMAT_POLICIES = {
@@ -38,13 +46,25 @@ def _dropout(x, rate: float, key):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """Attention and feed-forward residual branches in the configured norm placement; the
+    feed-forward is the configured MLP, or with `moe=True` an MoE layer.
+
+    Returns (x, cache, stats): the updated cache (None without one) and the MoE layer's
+    routing statistics ({} for a dense block)."""
+
+    def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.placement, self.dropout = cfg.norm_placement, cfg.dropout
+        self.placement, self.dropout, self.moe = cfg.norm_placement, cfg.dropout, moe
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, out_std=out_std, rngs=rngs)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg, out_std=out_std, rngs=rngs)
+        if moe:
+            dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+            self.mlp = MoE(cfg.d_model, cfg.resolved_expert_mlp_dim, cfg.moe,
+                           init_std=cfg.init_std, out_std=out_std, dtype=dtype, param_dtype=pdt,
+                           rngs=rngs)  # fmt: skip
+        else:
+            self.mlp = MLP(cfg, out_std=out_std, rngs=rngs)
         if cfg.norm_placement == "sandwich":
             self.post_attn_norm = make_norm(cfg)
             self.post_mlp_norm = make_norm(cfg)
@@ -63,6 +83,7 @@ class Block(nnx.Module):
         """`windowed`: whether this layer's attention is windowed (traced, from the scan) when
         layers differ; `key`: dropout rng (training only)."""
         keys = (None, None) if key is None else tuple(jax.random.split(key))
+        stats = {}
 
         def attn(h_BxLxD):
             nonlocal cache
@@ -72,13 +93,41 @@ class Block(nnx.Module):
                                          windowed=windowed)  # fmt: skip
             return out_BxLxD
 
+        def mlp(h_BxLxD):
+            nonlocal stats
+            if not self.moe:
+                return self.mlp(h_BxLxD)
+            y_BxLxD, stats = self.mlp(h_BxLxD)
+            return y_BxLxD
+
         post = self.placement == "sandwich"
         x_BxLxD = self._residual(x_BxLxD, attn, self.attn_norm,
                                  self.post_attn_norm if post else None, keys[0])  # fmt: skip
-        x_BxLxD = self._residual(x_BxLxD, self.mlp, self.mlp_norm,
+        x_BxLxD = self._residual(x_BxLxD, mlp, self.mlp_norm,
                                  self.post_mlp_norm if post else None, keys[1])  # fmt: skip
-        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
-        return x_BxLxD if cache is None else (x_BxLxD, cache)
+        return constrain(x_BxLxD, ("batch", "length", "act_embed")), cache, stats
+
+
+def _stack(n: int, make, rngs: nnx.Rngs):
+    """n modules `make(rngs)` created at once, every variable with a leading `layers` axis."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(
+        in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers", "axes": "layers"}
+    )
+    def stacked(rngs: nnx.Rngs):
+        return make(rngs)
+
+    return stacked(rngs)
+
+
+class MoEGroup(nnx.Module):
+    """One repeat of the MoE layout: moe_every - 1 dense blocks (stacked), then an MoE block."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        n_dense = cfg.moe.moe_every - 1
+        self.dense = _stack(n_dense, lambda r: Block(cfg, rngs=r), rngs) if n_dense else None
+        self.moe = Block(cfg, moe=True, rngs=rngs)
 
 
 class Transformer(nnx.Module):
@@ -97,16 +146,12 @@ class Transformer(nnx.Module):
                 rngs, init, (cfg.max_seq_len, cfg.d_model), ("positions", "embed"), pdt
             )
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(
-            in_axes=0,
-            out_axes=0,
-            transform_metadata={nnx.PARTITION_NAME: "layers", "axes": "layers"},
-        )
-        def stacked_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs)
-
-        self.layers = stacked_blocks(rngs)
+        moe = cfg.moe
+        n_dense = moe.first_dense_layers if moe.enabled else cfg.num_layers
+        self.layers = _stack(n_dense, lambda r: Block(cfg, rngs=r), rngs) if n_dense else None
+        if moe.enabled:
+            groups = (cfg.num_layers - n_dense) // moe.moe_every
+            self.moe_layers = _stack(groups, lambda r: MoEGroup(cfg, rngs=r), rngs)
         if cfg.norm_placement != "post":  # post-norm blocks already end on a norm
             self.final_norm = make_norm(cfg)
         if not cfg.tie_embeddings:
@@ -114,14 +159,19 @@ class Transformer(nnx.Module):
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
     def __call__(self, tokens_BxL=None, *, positions_BxL=None, segment_ids_BxL=None,
-                 embeddings_BxLxD=None, cache=None, logits_at_BxQ=None, dropout_key=None):  # fmt: skip
+                 embeddings_BxLxD=None, cache=None, logits_at_BxQ=None, dropout_key=None,
+                 return_aux: bool = False):  # fmt: skip
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
         Generation passes a KV `cache` (`jaxllm.infer.kv_cache.CacheView`; the result is then
         `(logits, cache)`) and `logits_at_BxQ`, the positions along L whose logits it needs, so
         a long prefill never materialises [B, L, V] logits. `dropout_key` (training) turns on
-        dropout when `cfg.dropout` > 0.
+        dropout when `cfg.dropout` > 0. With `return_aux` (training), returns (logits, aux): for
+        MoE models aux holds the mean `aux_loss` and `router_z_loss` over MoE layers,
+        `expert_counts` [N_moe, E] and the number of `dropped` assignments; {} for dense models.
         """
+        if cache is not None and return_aux:
+            raise ValueError("return_aux is for training; a cached forward pass has no aux")
         cfg = self.cfg
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
@@ -154,33 +204,42 @@ class Transformer(nnx.Module):
             else jnp.asarray(windows, jnp.int32) > 0,
             "key": keys,
         }  # fmt: skip
-        block_def, stacked_state = nnx.split(self.layers)
-        if cache is None:
+        if cache is not None:
+            per_layer["layer"] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        per_layer = {k: v for k, v in per_layer.items() if v is not None}
+        remat = cache is None and cfg.remat != "none"
+        carry = (x_BxLxD, cache)
+        n_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
+        if self.layers is not None:
+            take = jax.tree.map(lambda a: a[:n_dense], per_layer)
+            carry, _ = self._scan(self.layers, carry, take, positions_BxL, segment_ids_BxL, remat)
+        aux = {}
+        if cfg.moe.enabled:
+            every = cfg.moe.moe_every
+            rest = jax.tree.map(lambda a: a[n_dense:].reshape(-1, every, *a.shape[1:]), per_layer)
+            group_def, group_state = nnx.split(self.moe_layers)
 
-            def body(x_BxLxD, xs):
-                layer_state, extra = xs
-                block = nnx.merge(block_def, layer_state)
-                return block(x_BxLxD, positions_BxL, segment_ids_BxL, **extra), None
+            def group_body(carry, xs):
+                state, inputs = xs
+                group = nnx.merge(group_def, state)
+                if group.dense is not None:
+                    dense_in = jax.tree.map(lambda a: a[:-1], inputs)
+                    carry, _ = self._scan(group.dense, carry, dense_in, positions_BxL,
+                                          segment_ids_BxL, remat)  # fmt: skip
+                moe_in = jax.tree.map(lambda a: a[-1], inputs)
+                moe_def, moe_state = nnx.split(group.moe)
+                body = self._body(moe_def, positions_BxL, segment_ids_BxL, remat)
+                return body(carry, (moe_state, moe_in))
 
-            if cfg.remat != "none":
-                body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-            x_BxLxD, _ = jax.lax.scan(
-                body, x_BxLxD, (stacked_state, per_layer), unroll=cfg.scan_unroll
-            )
-        else:  # the cache of all layers rides in the carry; each block updates its own layer
-
-            def body(carry, xs):
-                x_BxLxD, cache = carry
-                layer_state, extra, layer = xs
-                block = nnx.merge(block_def, layer_state)
-                return block(
-                    x_BxLxD, positions_BxL, segment_ids_BxL, cache.at_layer(layer), **extra
-                ), None
-
-            layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-            (x_BxLxD, cache), _ = jax.lax.scan(
-                body, (x_BxLxD, cache), (stacked_state, per_layer, layers), unroll=cfg.scan_unroll
-            )
+            carry, stats = jax.lax.scan(group_body, carry, (group_state, rest),
+                                        unroll=cfg.scan_unroll)  # fmt: skip
+            aux = {
+                "aux_loss": jnp.mean(stats["aux_loss"]),
+                "router_z_loss": jnp.mean(stats["router_z_loss"]),
+                "expert_counts": stats["expert_counts"],
+                "dropped": jnp.sum(stats["dropped"]),
+            }
+        x_BxLxD, cache = carry
 
         if logits_at_BxQ is not None:
             x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
@@ -194,7 +253,33 @@ class Transformer(nnx.Module):
             cap = jnp.float32(cfg.final_soft_cap)
             logits_BxLxV = cap * jnp.tanh(logits_BxLxV / cap)
         logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
+        if return_aux:
+            return logits_BxLxV, aux
         return logits_BxLxV if cache is None else (logits_BxLxV, cache)
+
+    def _body(self, graphdef, positions_BxL, segment_ids_BxL, remat: bool):
+        """Scan body of one block: ((x, cache), (state, per-layer inputs)) -> ((x, cache),
+        stats); the cache (when there is one) is pointed at the block's own layer."""
+
+        def body(carry, xs):
+            x_BxLxD, cache = carry
+            state, inputs = xs
+            inputs = dict(inputs)
+            layer = inputs.pop("layer", None)
+            view = None if cache is None else cache.at_layer(layer)
+            block = nnx.merge(graphdef, state)
+            x_BxLxD, view, stats = block(x_BxLxD, positions_BxL, segment_ids_BxL, view, **inputs)
+            return (x_BxLxD, view), stats
+
+        if remat:
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        return body
+
+    def _scan(self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, remat: bool):
+        """Runs the blocks of a stacked module in order; returns the carry and stacked stats."""
+        graphdef, state = nnx.split(stack)
+        body = self._body(graphdef, positions_BxL, segment_ids_BxL, remat)
+        return jax.lax.scan(body, carry, (state, per_layer), unroll=self.cfg.scan_unroll)
 
 
 def build(cfg: ModelConfig, seed: int | jax.Array = 0) -> Transformer:

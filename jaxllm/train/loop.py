@@ -78,6 +78,7 @@ def compile_steps(cfg: config.Config, mesh):
         train_step, graphdef=graphdef, tx=tx, lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
         mesh=mesh, grad_accum_steps=cfg.train.grad_accum_steps, z_loss=cfg.train.z_loss,
         sequence_attention=cfg.mesh.sequence_attention, param_shardings=shardings.params,
+        moe=cfg.model.moe, expert_dispatch=cfg.mesh.expert_dispatch,
     )  # fmt: skip
     jit_train = jax.jit(
         step_fn, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
@@ -85,16 +86,18 @@ def compile_steps(cfg: config.Config, mesh):
     )  # fmt: skip
     jit_eval = jax.jit(
         functools.partial(
-            eval_step, graphdef=graphdef, mesh=mesh, sequence_attention=cfg.mesh.sequence_attention
+            eval_step, graphdef=graphdef, mesh=mesh, sequence_attention=cfg.mesh.sequence_attention,
+            expert_dispatch=cfg.mesh.expert_dispatch,
         ),
-        in_shardings=(shardings.params, batch_sh),
-    )
+        in_shardings=(shardings.params, batch_sh, shardings.model_state),
+    )  # fmt: skip
     return jit_train, jit_eval, tx, shardings, batch_sh
 
 
-def evaluate(jit_eval, params, batches: list[dict], batch_sh) -> float:
+def evaluate(jit_eval, params, batches: list[dict], batch_sh, model_state=None) -> float:
     global_rows = len(batches[0]["inputs"]) * jax.process_count() if batches else 0
-    sums = [jit_eval(params, to_global(b, batch_sh, global_rows)) for b in batches]
+    model_state = {} if model_state is None else model_state
+    sums = [jit_eval(params, to_global(b, batch_sh, global_rows), model_state) for b in batches]
     nll = sum(float(s["nll_sum"]) for s in sums)
     tokens = sum(float(s["tokens"]) for s in sums)
     return nll / max(tokens, 1.0)
@@ -204,9 +207,9 @@ def train(cfg: config.Config) -> dict:
     window_start, window_steps = time.perf_counter(), 0
     bad_in_a_row = 0
 
-    def finish(step: int, metrics, params=None) -> bool:
+    def finish(step: int, metrics, at_state=None) -> bool:
         """Reads step `step`'s metrics (blocking on it), logs them, evaluates when given the
-        parameters right after that step; False when non-finite steps must stop the run."""
+        state right after that step; False when non-finite steps must stop the run."""
         nonlocal window_start, window_steps, final, bad_in_a_row
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         window_steps += 1
@@ -216,13 +219,15 @@ def train(cfg: config.Config) -> dict:
             _log(
                 f"step {step}: non-finite loss or gradients (loss {values['loss']}); update skipped"
             )
-        if step % cfg.train.log_every and params is None and not values["nonfinite"]:
+        if step % cfg.train.log_every and at_state is None and not values["nonfinite"]:
             return True
         elapsed = time.perf_counter() - window_start
         values["step_time_s"] = elapsed / window_steps
         values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
-        if params is not None:
-            values["eval_loss"] = evaluate(jit_eval, params, held_out, batch_sh)
+        if at_state is not None:
+            values["eval_loss"] = evaluate(
+                jit_eval, at_state.params, held_out, batch_sh, at_state.model_state
+            )
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
         if writer:
             writer.write(step, values)
@@ -247,7 +252,7 @@ def train(cfg: config.Config) -> dict:
                 ok = finish(*pending)  # ... then read step n-1 while n runs
                 pending = None
             if eval_due(step):
-                ok = finish(step, metrics, state.params) and ok
+                ok = finish(step, metrics, state) and ok
             else:
                 pending = (step, metrics)
             if not ok:
@@ -279,17 +284,19 @@ def train(cfg: config.Config) -> dict:
         return {**final, "stopped": stopped}
 
     if cfg.train.sample_prompt and cfg.train.sample_tokens:
-        params = state.params
+        params, model_state = state.params, state.model_state
         if jax.process_count() > 1:  # every process takes part in the gather
             from jax.experimental import multihost_utils
 
-            params = multihost_utils.process_allgather(params, tiled=True)
+            params, model_state = multihost_utils.process_allgather(
+                (params, model_state), tiled=True
+            )
         if lead:
-            final["sample"] = sample(cfg, params)
+            final["sample"] = sample(cfg, params, model_state)
     return final
 
 
-def sample(cfg: config.Config, params) -> str:
+def sample(cfg: config.Config, params, model_state=None) -> str:
     """Greedy continuation of `train.sample_prompt` (KV-cached, `generate.*` cache settings),
     printed to stdout."""
     import dataclasses
@@ -300,7 +307,7 @@ def sample(cfg: config.Config, params) -> str:
 
     tok = make_tokenizer(cfg.data)
     graphdef, _, _ = abstract_model(cfg.model)
-    model = nnx.merge(graphdef, jax.device_get(params))
+    model = nnx.merge(graphdef, jax.device_get(params), jax.device_get(model_state or {}))
     bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
     n = min(cfg.train.sample_tokens, cfg.model.max_seq_len - 1)
     prompt = [*bos, *tok.encode(cfg.train.sample_prompt).tolist()]

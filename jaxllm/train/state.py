@@ -28,30 +28,45 @@ class TrainState:
     params: Any  # nested dict of arrays, paths like layers/attn/q_proj
     opt_state: Any  # optax state over params
     rng: jax.Array  # uint32 key data, for dropout and other randomness in the step
+    # Model variables that are not trained by gradients (MoE router balancing biases), moved
+    # by the step itself; a nested dict like params, {} for most models.
+    model_state: Any
 
 
 def abstract_model(cfg: ModelConfig):
-    """(graphdef, abstract params as a dict of ShapeDtypeStruct, logical axes dict)."""
+    """(graphdef, abstract params as a dict of ShapeDtypeStruct, logical axes dict).
+
+    The graphdef merges with params and the model state: `nnx.merge(graphdef, params,
+    model_state)` (the model state may be left out when it is empty)."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model, nnx.Param)
+    graphdef, state, _ = nnx.split(model, nnx.Param, ...)
     return graphdef, nnx.to_pure_dict(state), logical_axes(state)
+
+
+def abstract_model_state(cfg: ModelConfig):
+    """(abstract non-Param model variables as a dict of ShapeDtypeStruct, logical axes dict)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    _, _, state = nnx.split(model, nnx.Param, ...)
+    return nnx.to_pure_dict(state), logical_axes(state)
 
 
 def _init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> TrainState:
     init_key, state_key = jax.random.split(jax.random.key(seed))
     model = Transformer(model_cfg, rngs=nnx.Rngs(params=init_key))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    _, params, model_state = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=tx.init(params),
         rng=jax.random.key_data(state_key),
+        model_state=nnx.to_pure_dict(model_state),
     )
 
 
 def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
-    """NamedShardings of every TrainState leaf: params and their optimizer moments by the
-    logical rules, scalars replicated."""
+    """NamedShardings of every TrainState leaf: params, their optimizer moments and the model
+    state by the logical rules, scalars replicated."""
     _, abstract_params, axes = abstract_model(model_cfg)
     sharding.check_divisible(mesh, abstract_params, axes)
     param_sh = sharding.tree_shardings(mesh, axes)
@@ -61,7 +76,12 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
         tx, lambda _, s: s, abstract_opt, param_sh,
         transform_non_params=lambda _: replicated,
     )  # fmt: skip
-    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+    _, model_state_axes = abstract_model_state(model_cfg)
+    model_state_sh = sharding.tree_shardings(mesh, model_state_axes)
+    return TrainState(
+        step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
+        model_state=model_state_sh,
+    )  # fmt: skip
 
 
 def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int) -> TrainState:

@@ -1,0 +1,311 @@
+"""Mixture-of-experts feed-forward layer: a router picks top-k of E SwiGLU experts per token.
+
+Routing (Shazeer et al. 2017, arXiv:1701.06538; GShard, arXiv:2006.16668) is computed in
+float32: softmax scores (Mixtral, arXiv:2401.04088; Qwen) or per-expert sigmoid scores
+(DeepSeek-V3, arXiv:2412.19437), top-k selection, optionally renormalised top-k weights.
+Shared experts that every token passes through (DeepSeekMoE, arXiv:2401.06066) are one SwiGLU
+of their summed width.
+
+Two ways to run the experts:
+
+- `dropless` (MegaBlocks, arXiv:2211.15841): each device sorts its (token, choice) assignments
+  by expert and runs the experts as grouped matmuls (`jax.lax.ragged_dot`); nothing is dropped.
+  With experts split over devices, tokens are all-gathered over the expert axis, every device
+  runs its own experts on the assignments that chose them, and the partial outputs are
+  reduce-scattered back (the static-shape "all-gather dispatcher").
+- `capacity` (GShard / Switch, arXiv:2101.03961): each sequence fills buffers of C slots per
+  expert [E, C, D]; first choices of the sequence take slots before second choices, then by
+  position, and assignments past C are dropped (counted). Buffers reach the devices holding
+  their experts by an all-to-all (explicit, or left to XLA by sharding constraints).
+
+Load balancing: the Switch auxiliary loss E * sum_e f_e * P_e (f_e: fraction of assignments to
+expert e, P_e: mean router probability of e; 1 when balanced), the router z-loss (ST-MoE,
+arXiv:2202.08906), and auxiliary-loss-free balancing (Wang et al. 2024, arXiv:2408.15664, used
+by DeepSeek-V3): a per-expert bias added to the scores for the top-k choice only, moved by the
+train step against the sign of each expert's load error (`update_router_bias`).
+
+Placement is not decided here: `jaxllm.sharding` runs the per-device functions below under
+`shard_map` and hands them the mesh axis names. `dense_reference` runs every expert on every
+token and is what the layer is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm import sharding
+from jaxllm.config import ModelConfig, MoEConfig
+from jaxllm.model.layers import matmul, param
+from jaxllm.model.mlp import MLP
+from jaxllm.sharding import constrain
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert balancing bias of auxiliary-loss-free routing. Not an `nnx.Param`: no
+    gradient or optimizer touches it; the train step moves it (`update_router_bias`) and keeps
+    it in `TrainState.model_state`."""
+
+
+class Routing(NamedTuple):
+    expert_BxLxX: jax.Array  # int32: the chosen experts of each token
+    weight_BxLxX: jax.Array  # float32: their combine weights
+    counts_E: jax.Array  # float32: assignments per expert (the load)
+    aux_loss: jax.Array  # Switch load-balancing loss, 1 when balanced
+    z_loss: jax.Array  # mean logsumexp(logits)^2
+
+
+def route(logits_BxLxE: jax.Array, bias_E: jax.Array | None, cfg: MoEConfig) -> Routing:
+    """Top-k routing from float32 router logits; `bias_E` (if any) steers only the choice."""
+    e, x = cfg.num_experts, cfg.experts_per_token
+    logits_BxLxE = logits_BxLxE.astype(jnp.float32)
+    if cfg.router_score == "softmax":
+        scores_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1)
+        probs_BxLxE = scores_BxLxE
+    else:
+        scores_BxLxE = jax.nn.sigmoid(logits_BxLxE)
+        probs_BxLxE = scores_BxLxE / jnp.sum(scores_BxLxE, axis=-1, keepdims=True)
+    choice_BxLxE = scores_BxLxE
+    if bias_E is not None:
+        choice_BxLxE = scores_BxLxE + jax.lax.stop_gradient(bias_E).astype(jnp.float32)[None, None]
+    _, expert_BxLxX = jax.lax.top_k(choice_BxLxE, x)
+    weight_BxLxX = jnp.take_along_axis(scores_BxLxE, expert_BxLxX, axis=-1)
+    if cfg.normalize_top_k:
+        weight_BxLxX = weight_BxLxX / jnp.sum(weight_BxLxX, axis=-1, keepdims=True)
+    weight_BxLxX = weight_BxLxX * cfg.route_scale
+    counts_E = jnp.sum(jax.nn.one_hot(expert_BxLxX, e, dtype=jnp.float32), axis=(0, 1, 2))
+    fraction_E = counts_E / (counts_E.sum())
+    aux_loss = e * jnp.sum(fraction_E * jnp.mean(probs_BxLxE, axis=(0, 1)))
+    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxE, axis=-1)))
+    return Routing(expert_BxLxX.astype(jnp.int32), weight_BxLxX, counts_E, aux_loss, z_loss)
+
+
+def capacity(cfg: MoEConfig, seq_len: int) -> int:
+    """Slots per expert and sequence: ceil(capacity_factor * k * L / E), at most L (a token
+    picks an expert at most once)."""
+    c = math.ceil(cfg.capacity_factor * cfg.experts_per_token * seq_len / cfg.num_experts)
+    return max(1, min(c, seq_len))
+
+
+def capacity_slots(expert_BxLxX: jax.Array, num_experts: int, cap: int):
+    """(slot_BxLxX, keep_BxLxX): each assignment's row in its sequence's [E * C] buffer, in
+    GShard's priority order (all first choices by position, then all second choices, ...);
+    an assignment past its expert's C slots is dropped and gets the out-of-range slot E * C."""
+    b, l, x = expert_BxLxX.shape
+    expert_BxXL = jnp.swapaxes(expert_BxLxX, 1, 2).reshape(b, x * l)
+    onehot_BxXLxE = jax.nn.one_hot(expert_BxXL, num_experts, dtype=jnp.int32)
+    position_BxXL = jnp.sum((jnp.cumsum(onehot_BxXLxE, axis=1) - 1) * onehot_BxXLxE, axis=-1)
+    position_BxLxX = jnp.swapaxes(position_BxXL.reshape(b, x, l), 1, 2)
+    keep_BxLxX = position_BxLxX < cap
+    slot_BxLxX = jnp.where(keep_BxLxX, expert_BxLxX * cap + position_BxLxX, num_experts * cap)
+    return slot_BxLxX, keep_BxLxX
+
+
+def expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype) -> jax.Array:
+    """Each expert's SwiGLU on its own buffer rows."""
+    gate_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, gate_ExDxF, dtype)
+    up_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, up_ExDxF, dtype)
+    return matmul("gecf,efd->gecd", jax.nn.silu(gate_BxExCxF) * up_BxExCxF, down_ExFxD, dtype)
+
+
+def capacity_experts_local(buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, *, expert_axis,
+                           tensor_axis, dtype):  # fmt: skip
+    """Per device under shard_map: sends each expert's buffer rows to the device holding the
+    expert (all-to-all over `expert_axis`: [B, E, C, D] -> [n * B, E / n, C, D]), runs the
+    local experts (hidden units split over `tensor_axis`), and sends the results back."""
+    x_BxExCxD = jax.lax.all_to_all(buf_BxExCxD, expert_axis, 1, 0, tiled=True)
+    y_BxExCxD = expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype)
+    y_BxExCxD = jax.lax.psum(y_BxExCxD, tensor_axis)
+    return jax.lax.all_to_all(y_BxExCxD, expert_axis, 0, 1, tiled=True)
+
+
+def grouped_experts(x_TxD, expert_TxX, weight_TxX, gate_ExDxF, up_ExDxF, down_ExFxD, dtype):
+    """Dropless experts on one device: assignments sorted by expert, grouped matmuls, unsorted
+    and combined. `expert_TxX` indexes the E experts given; assignments outside [0, E) belong
+    to other devices' experts and contribute nothing here."""
+    e = gate_ExDxF.shape[0]
+    t, x = expert_TxX.shape
+    expert_A = expert_TxX.reshape(t * x)
+    mine_A = (expert_A >= 0) & (expert_A < e)
+    key_A = jnp.where(mine_A, expert_A, e)  # others sort last, outside every group
+    order_A = jnp.argsort(key_A, stable=True)
+    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(t * x, dtype=order_A.dtype))
+    sizes_E = jnp.sum(jax.nn.one_hot(key_A, e, dtype=jnp.int32), axis=0)
+    xs_AxD = jnp.take(x_TxD, order_A // x, axis=0).astype(dtype)
+
+    def grouped(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes_E, preferred_element_type=dtype)
+
+    h_AxF = jax.nn.silu(grouped(xs_AxD, gate_ExDxF)) * grouped(xs_AxD, up_ExDxF)
+    y_AxD = jnp.take(grouped(h_AxF, down_ExFxD), inverse_A, axis=0)
+    y_AxD = jnp.where(mine_A[:, None], y_AxD, 0)
+    out_TxD = jnp.einsum(
+        "tx,txd->td", weight_TxX.astype(dtype), y_AxD.reshape(t, x, -1),
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    return out_TxD.astype(dtype)
+
+
+def dropless_experts_local(x_BxLxD, expert_BxLxX, weight_BxLxX, gate_ExDxF, up_ExDxF,
+                           down_ExFxD, *, expert_axis, tensor_axis, dtype):  # fmt: skip
+    """Per device (under shard_map, or alone when both axes are None): with experts split over
+    `expert_axis`, gathers the tokens of the expert group, runs this device's experts on the
+    assignments that chose them, and reduce-scatters the partial outputs back."""
+    first = 0
+    if expert_axis is not None:
+        gather = functools.partial(jax.lax.all_gather, axis_name=expert_axis, axis=0, tiled=True)
+        x_BxLxD, expert_BxLxX, weight_BxLxX = map(gather, (x_BxLxD, expert_BxLxX, weight_BxLxX))
+        first = jax.lax.axis_index(expert_axis) * gate_ExDxF.shape[0]
+    b, l, d = x_BxLxD.shape
+    out_TxD = grouped_experts(
+        x_BxLxD.reshape(b * l, d), expert_BxLxX.reshape(b * l, -1) - first,
+        weight_BxLxX.reshape(b * l, -1), gate_ExDxF, up_ExDxF, down_ExFxD, dtype,
+    )  # fmt: skip
+    out_BxLxD = out_TxD.reshape(b, l, d)
+    if expert_axis is not None:
+        out_BxLxD = jax.lax.psum_scatter(out_BxLxD, expert_axis, scatter_dimension=0, tiled=True)
+    if tensor_axis is not None:
+        out_BxLxD = jax.lax.psum(out_BxLxD, tensor_axis)
+    return out_BxLxD
+
+
+def dense_reference(x_BxLxD, combine_BxLxE, gate_ExDxF, up_ExDxF, down_ExFxD, dtype):
+    """Every expert on every token, mixed by `combine_BxLxE` (zero where an expert was not
+    chosen or the assignment was dropped): what both dispatch modes must equal."""
+    gate_BxLxExF = jnp.einsum("bld,edf->blef", x_BxLxD.astype(dtype), gate_ExDxF.astype(dtype))
+    up_BxLxExF = jnp.einsum("bld,edf->blef", x_BxLxD.astype(dtype), up_ExDxF.astype(dtype))
+    y_BxLxExD = jnp.einsum(
+        "blef,efd->bled", jax.nn.silu(gate_BxLxExF) * up_BxLxExF, down_ExFxD.astype(dtype)
+    )
+    out = jnp.einsum("ble,bled->bld", combine_BxLxE, y_BxLxExD, preferred_element_type=jnp.float32)
+    return out.astype(dtype)
+
+
+def combine_weights(routing: Routing, num_experts: int, keep_BxLxX=None) -> jax.Array:
+    """Routing -> [B, L, E] weights of every expert (zero for unchosen or dropped ones)."""
+    weight_BxLxX = routing.weight_BxLxX
+    if keep_BxLxX is not None:
+        weight_BxLxX = jnp.where(keep_BxLxX, weight_BxLxX, 0.0)
+    onehot_BxLxXxE = jax.nn.one_hot(routing.expert_BxLxX, num_experts, dtype=jnp.float32)
+    return jnp.einsum("blx,blxe->ble", weight_BxLxX, onehot_BxLxXxE)
+
+
+class MoE(nnx.Module):
+    """x [B, L, D] -> (y [B, L, D], stats): routed experts plus optional shared experts.
+
+    `stats` holds this layer's `aux_loss`, `router_z_loss`, `expert_counts` [E] (assignments
+    per expert) and `dropped` (assignments over capacity), all float32.
+    """
+
+    def __init__(self, d_model: int, expert_mlp_dim: int, cfg: MoEConfig, *, init_std, out_std,
+                 dtype, param_dtype, rngs: nnx.Rngs):  # fmt: skip
+        self.cfg, self.dtype = cfg, dtype
+        normal = jax.nn.initializers.normal
+        d, f, e = d_model, expert_mlp_dim, cfg.num_experts
+        self.router = param(rngs, normal(init_std), (d, e), ("embed", "router_expert"), param_dtype)
+        self.router_bias = (
+            RouterBias(jnp.zeros((e,), jnp.float32), axes=("router_expert",))
+            if cfg.bias_update_rate > 0
+            else None
+        )
+        self.gate_proj = param(rngs, normal(init_std), (e, d, f), ("expert", "embed", "mlp"),
+                               param_dtype)  # fmt: skip
+        self.up_proj = param(rngs, normal(init_std), (e, d, f), ("expert", "embed", "mlp"),
+                             param_dtype)  # fmt: skip
+        self.down_proj = param(rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"),
+                               param_dtype)  # fmt: skip
+        shared_cfg = ModelConfig(
+            d_model=d, mlp_dim=max(cfg.num_shared_experts, 1) * f, init_std=init_std,
+            dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype).name,
+        )  # fmt: skip
+        # One SwiGLU as wide as all shared experts together.
+        self.shared = (
+            MLP(shared_cfg, out_std=out_std, rngs=rngs) if cfg.num_shared_experts else None
+        )
+
+    def __call__(self, x_BxLxD: jax.Array):
+        cfg, dtype = self.cfg, self.dtype
+        e = cfg.num_experts
+        b, l, d = x_BxLxD.shape
+        logits_BxLxE = jnp.einsum(
+            "bld,de->ble", x_BxLxD.astype(jnp.float32), self.router[...].astype(jnp.float32)
+        )
+        bias_E = None if self.router_bias is None else self.router_bias[...]
+        r = route(logits_BxLxE, bias_E, cfg)
+        gate, up, down = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+        dropped = jnp.zeros((), jnp.float32)
+        if cfg.dispatch == "dropless":
+            fn = functools.partial(dropless_experts_local, dtype=dtype)
+            out_BxLxD = sharding.per_shard_dropless(
+                fn, x_BxLxD, r.expert_BxLxX, r.weight_BxLxX, gate, up, down
+            )
+        else:
+            cap = capacity(cfg, l)
+            slot_BxLxX, keep_BxLxX = capacity_slots(r.expert_BxLxX, e, cap)
+            dropped = jnp.sum(1.0 - keep_BxLxX.astype(jnp.float32))
+
+            def fill(x_LxD, slot_LxX):  # each sequence's tokens into its expert buffers
+                rows_LxXxD = jnp.broadcast_to(x_LxD[:, None], (*slot_LxX.shape, d))
+                return jnp.zeros((e * cap, d), dtype).at[slot_LxX].add(rows_LxXxD, mode="drop")
+
+            buf_BxExCxD = jax.vmap(fill)(x_BxLxD.astype(dtype), slot_BxLxX).reshape(b, e, cap, d)
+            if sharding.expert_all_to_all_active():
+                fn = functools.partial(capacity_experts_local, dtype=dtype)
+                y_BxExCxD = sharding.per_shard_all_to_all(fn, buf_BxExCxD, gate, up, down)
+            else:  # sharding constraints: filled where the tokens are, XLA moves them over
+                buf_BxExCxD = constrain(buf_BxExCxD, ("batch", None, None, "act_embed"))
+                buf_BxExCxD = constrain(buf_BxExCxD, ("expert_group", "expert", None, "act_embed"))
+                y_BxExCxD = expert_mlp(buf_BxExCxD, gate, up, down, dtype)
+                y_BxExCxD = constrain(y_BxExCxD, ("expert_group", "expert", None, "act_embed"))
+            y_BxExCxD = constrain(y_BxExCxD, ("batch", None, None, "act_embed"))
+            y_BxLxXxD = jax.vmap(lambda y, s: y.at[s].get(mode="fill", fill_value=0))(
+                y_BxExCxD.reshape(b, e * cap, d), slot_BxLxX
+            )
+            weight_BxLxX = jnp.where(keep_BxLxX, r.weight_BxLxX, 0.0).astype(dtype)
+            out_BxLxD = jnp.einsum(
+                "blx,blxd->bld", weight_BxLxX, y_BxLxXxD, preferred_element_type=jnp.float32
+            ).astype(dtype)
+        if self.shared is not None:
+            out_BxLxD = out_BxLxD + self.shared(x_BxLxD)
+        stats = {
+            "aux_loss": r.aux_loss,
+            "router_z_loss": r.z_loss,
+            "expert_counts": r.counts_E,
+            "dropped": dropped,
+        }
+        return out_BxLxD, stats
+
+
+def update_router_bias(model_state, expert_counts_NxE: jax.Array, rate: float):
+    """Auxiliary-loss-free balancing step on the stacked router biases [N, E] of a model's
+    non-trained state: b_e += rate * sign(mean load - load_e), so an overloaded expert becomes
+    less likely to be chosen and an idle one more likely."""
+
+    def step(path, leaf):
+        if getattr(path[-1], "key", None) != "router_bias":
+            return leaf
+        error_NxE = jnp.mean(expert_counts_NxE, axis=-1, keepdims=True) - expert_counts_NxE
+        return leaf + rate * jnp.sign(error_NxE).astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(step, model_state)
+
+
+def load_metrics(expert_counts_NxE: jax.Array, dropped: jax.Array) -> dict:
+    """Per-step balance numbers over the N MoE layers: the smallest and largest fraction of
+    assignments any expert got in any layer (1/E when balanced), the coefficient of variation
+    of the per-expert load (mean over layers; 0 when balanced), and the dropped fraction."""
+    total_N1 = jnp.maximum(jnp.sum(expert_counts_NxE, axis=-1, keepdims=True), 1.0)
+    fraction_NxE = expert_counts_NxE / total_N1
+    mean_N = jnp.mean(fraction_NxE, axis=-1)
+    cv_N = jnp.std(fraction_NxE, axis=-1) / mean_N
+    return {
+        "moe_load_min": jnp.min(fraction_NxE),
+        "moe_load_max": jnp.max(fraction_NxE),
+        "moe_load_cv": jnp.mean(cv_N),
+        "moe_dropped_frac": dropped / jnp.maximum(jnp.sum(expert_counts_NxE), 1.0),
+    }
