@@ -41,7 +41,7 @@ class Block(nnx.Module):
         dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=pdt)
-        self.moe = moe
+        self.is_moe = moe
         self.attn_norm = RMSNorm(cfg.d_model, **norm)
         self.attn = Attention(cfg, out_std=out_std, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
@@ -53,7 +53,7 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL)
-        if self.moe:
+        if self.is_moe:
             y_BxLxD, stats = self.mlp(self.mlp_norm(x_BxLxD))
         else:
             y_BxLxD, stats = self.mlp(self.mlp_norm(x_BxLxD)), {}
