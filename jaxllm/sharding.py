@@ -23,10 +23,8 @@ from jaxllm.config import MESH_AXES, MeshConfig, mesh_degrees
 RULES: dict[str, tuple[str, ...] | None] = {
     # activations
     "batch": ("data", "fsdp", "expert"),  # outside MoE layers, expert shards act as data shards
-    "expert_group": (
-        "data",
-        "fsdp",
-    ),  # batch of expert-major MoE buffers, whose experts hold `expert`
+    # rows of expert-major MoE buffers [B, E, C, D], whose experts hold the `expert` axis
+    "expert_group": ("data", "fsdp"),
     "length": ("sequence",),
     "act_embed": None,
     "act_heads": ("tensor",),
@@ -290,9 +288,9 @@ def per_shard_dropless(fn, x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, do
     )(x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD)
 
 
-def per_shard_all_to_all(fn, buf_GxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
+def per_shard_all_to_all(fn, buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
     """Runs `fn(buf, gate, up, down, expert_axis=, tensor_axis=)` under `shard_map` on each
-    device's rows of expert buffers [G, E, C, D] (rows split like the batch); `fn` exchanges
+    device's rows of expert buffers [B, E, C, D] (rows split like the batch); `fn` exchanges
     them with the devices holding the experts."""
     mesh, _ = _ACTIVE.get()
     expert, tensor, in_w, out_w = _expert_specs()
@@ -302,5 +300,5 @@ def per_shard_all_to_all(fn, buf_GxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
         return fn(buf, gate, up, down, expert_axis=expert, tensor_axis=tensor)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(bufs, in_w, in_w, out_w), out_specs=bufs)(
-        buf_GxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD
+        buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD
     )

@@ -54,7 +54,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.placement, self.dropout, self.moe = cfg.norm_placement, cfg.dropout, moe
+        self.placement, self.dropout, self.is_moe = cfg.norm_placement, cfg.dropout, moe
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, out_std=out_std, rngs=rngs)
         self.mlp_norm = make_norm(cfg)
@@ -95,7 +95,7 @@ class Block(nnx.Module):
 
         def mlp(h_BxLxD):
             nonlocal stats
-            if not self.moe:
+            if not self.is_moe:
                 return self.mlp(h_BxLxD)
             y_BxLxD, stats = self.mlp(h_BxLxD)
             return y_BxLxD
