@@ -267,3 +267,17 @@ def test_paged_cache_reserves_only_what_each_sequence_needs(model):
     paged = generate(model, prompts, dataclasses.replace(gen, kv_page_size=16, kv_group=16))
     assert paged.tokens == contiguous.tokens
     assert paged.cache_bytes < contiguous.cache_bytes
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_cached_greedy_decoding_of_an_moe_model_matches_full_forward_passes(dispatch):
+    """MoE blocks (a dense first layer, then MoE with a shared expert) under the cached
+    scan: the same tokens as repeated full forward passes."""
+    from jaxllm.config import MoEConfig
+
+    moe = MoEConfig(num_experts=4, experts_per_token=2, num_shared_experts=1,
+                    first_dense_layers=1, dispatch=dispatch, capacity_factor=4.0)  # fmt: skip
+    model = build(tiny_model(init_std=0.5, num_layers=3, moe=moe), seed=1)
+    n = 10
+    got = generate(model, PROMPTS, GenerateConfig(max_new_tokens=n, kv_cache_dtype="float32"))
+    assert got.tokens == _reference(model, PROMPTS, n)
