@@ -164,8 +164,11 @@ def save_params(directory: str | Path, params, *, step: int, config: dict, token
 
 
 def has_train_state(directory: str | Path, step: int) -> bool:
-    """Whether the checkpoint at `step` holds optimizer state (else it is weights-only)."""
-    return (Path(directory) / str(step) / "train").exists()
+    """Whether the checkpoint at `step` is a resume point rather than weights-only. A training
+    checkpoint always has the `data` item besides `train`, so one that lost its optimizer state
+    still counts (and its restore fails loudly) instead of being skipped as weights-only."""
+    path = Path(directory) / str(step)
+    return (path / "train").exists() or (path / "data").exists()
 
 
 def restore_params(directory: str | Path, target, step: int | None = None,
