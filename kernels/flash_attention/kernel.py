@@ -109,12 +109,18 @@ def _mask(q_start, k_start, q_ids, kv_ids, cfg: Config, num_q_rows: int, pad_q: 
     bq, bk = num_q_rows, cfg.block_kv
     q_pos = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    return mask_from_positions(q_pos, k_pos, q_ids, kv_ids, cfg, pad_q)  # ids: [bq, 1], [1, bk]
+
+
+def mask_from_positions(q_pos, k_pos, q_ids, kv_ids, cfg: Config, pad_q: bool):
+    """Visibility of one block from its (broadcast) positions and segment ids, or None when
+    every entry is visible; shared by every backend's kernels."""
     mask = None
 
     def conj(a, b):
         return b if a is None else a & b
 
-    if cfg.kv_len % bk:  # padded keys are never attended
+    if cfg.kv_len % cfg.block_kv:  # padded keys are never attended
         mask = conj(mask, k_pos < cfg.kv_len)
     if pad_q and cfg.q_len % cfg.block_q:  # padded queries give nothing back (dk/dv)
         mask = conj(mask, q_pos < cfg.q_len)
@@ -125,7 +131,7 @@ def _mask(q_start, k_start, q_ids, kv_ids, cfg: Config, num_q_rows: int, pad_q: 
         if not cfg.causal:
             mask = conj(mask, k_pos < q_pos + cfg.sliding_window)
     if q_ids is not None:
-        mask = conj(mask, q_ids == kv_ids)  # [bq, 1] == [1, bk]
+        mask = conj(mask, q_ids == kv_ids)
     return mask
 
 

@@ -47,6 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxllm.kernels.flash_attention.kernel import Config, _kv_block_range, _q_block_range
+from jaxllm.kernels.flash_attention.kernel import mask_from_positions as _mask
 from jaxllm.kernels.flash_attention.reference import MASK_VALUE
 
 try:  # the interpreter that runs these kernels on CPU; not re-exported by jax 0.10
@@ -167,28 +168,6 @@ def _scores(a_smem, b_smem, m: int, n: int, cfg: Config):
         return s, None
     t = jnp.tanh(s / jnp.float32(cfg.soft_cap))
     return jnp.float32(cfg.soft_cap) * t, t
-
-
-def _mask(q_pos, k_pos, q_ids, kv_ids, cfg: Config, pad_q: bool):
-    """Visibility of one block (positions / ids already broadcast to its shape), or None."""
-    mask = None
-
-    def conj(a, b):
-        return b if a is None else a & b
-
-    if cfg.kv_len % cfg.block_kv:  # padded keys are never attended
-        mask = conj(mask, k_pos < cfg.kv_len)
-    if pad_q and cfg.q_len % cfg.block_q:  # padded queries give nothing back (dk/dv)
-        mask = conj(mask, q_pos < cfg.q_len)
-    if cfg.causal:
-        mask = conj(mask, k_pos <= q_pos)
-    if cfg.sliding_window is not None:
-        mask = conj(mask, q_pos - cfg.sliding_window < k_pos)
-        if not cfg.causal:
-            mask = conj(mask, k_pos < q_pos + cfg.sliding_window)
-    if q_ids is not None:
-        mask = conj(mask, q_ids == kv_ids)
-    return mask
 
 
 def _barriers(streamed: bool = True):
