@@ -127,6 +127,41 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434; DeepSeek-V3); off unless
+    kv_lora_rank > 0.
+
+    Each token's keys and values come from one shared latent c (kv_lora_rank wide, normalised):
+    per head, k = [c W_uk ; k_rope] and v = c W_uv, where k_rope (qk_rope_head_dim wide) is one
+    RoPE'd key shared by all heads (the "decoupled" RoPE key). Queries are [q_nope ; q_rope],
+    from a low-rank latent too when q_lora_rank > 0. Generation caches only [c ; k_rope] per
+    token, and decode steps attend in the latent space: W_uk is folded into the queries and W_uv
+    applied after attention, so no per-head key or value is ever built for cached tokens.
+    model.num_kv_heads must equal model.num_heads and model.head_dim stay null.
+    """
+
+    kv_lora_rank: int = 0
+    """Width of the compressed key/value latent (DeepSeek-V2/V3: 512); 0: ordinary attention."""
+    q_lora_rank: int = 0
+    """Width of the query latent (DeepSeek-V3: 1536); 0: queries straight from the residual
+    stream (DeepSeek-V2-Lite)."""
+    qk_nope_head_dim: int = 128
+    """Per-head query/key channels without position (from the latent)."""
+    qk_rope_head_dim: int = 64
+    """Per-head query channels, and the shared key's channels, that carry RoPE."""
+    v_head_dim: int = 128
+    """Per-head value width (input of the output projection)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Llama-style decoder. Shapes use the dimension letters of `jaxllm.model`."""
 
@@ -172,6 +207,9 @@ class ModelConfig:
     """`yarn`: rotations below which a frequency is interpolated."""
     rope_attention_factor: float | None = None
     """`yarn`: multiplier of cos/sin (attention temperature); null is 0.1 ln(factor) + 1."""
+    rope_interleave: bool = False
+    """Rotate adjacent channel pairs (2i, 2i + 1) (GPT-J, DeepSeek-V2/V3 checkpoints) instead of
+    the "rotate half" pairs (i, i + K/2) of Llama checkpoints."""
     mlp_activation: Literal["swiglu", "geglu", "gelu", "relu", "relu2"] = "swiglu"
     """MLP nonlinearity. Gated (`swiglu`: silu(gate) * up, `geglu`: gelu(gate) * up) have
     gate/up/down projections; plain ones (`gelu`, `relu`, `relu2` = squared ReLU, So et al.
@@ -233,10 +271,17 @@ class ModelConfig:
     segments), or `auto`: flash on TPU, xla elsewhere (see docs/benchmarks.md for GPU)."""
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts feed-forward layers; dense unless moe.num_experts > 0."""
+    mla: MLAConfig = MLAConfig()
+    """Multi-head Latent Attention in every block instead of GQA when mla.kv_lora_rank > 0."""
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels of each query/key head that RoPE rotates."""
+        return self.mla.qk_rope_head_dim if self.mla.enabled else self.resolved_head_dim
 
     @property
     def resolved_expert_mlp_dim(self) -> int:
@@ -273,8 +318,12 @@ class ModelConfig:
             0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):
             _fail("model.rope_low_freq_factor must be positive and below rope_high_freq_factor.")
-        if self.position == "rope" and self.resolved_head_dim % 2:
-            _fail(f"model.head_dim ({self.resolved_head_dim}) must be even for RoPE.")
+        if self.position == "rope" and self.rope_dim % 2:
+            _fail(f"the RoPE head dim ({self.rope_dim}) must be even.")
+        if self.mla.enabled:
+            self._validate_mla()
+        elif self.mla != MLAConfig():
+            _fail("model.mla.* needs model.mla.kv_lora_rank > 0 (MLA is off at 0).")
         if self.sliding_window is not None and self.sliding_window < 1:
             _fail(f"model.sliding_window must be >= 1 or null, not {self.sliding_window}.")
         if self.global_every < 0 or (self.global_every and self.sliding_window is None):
@@ -291,6 +340,26 @@ class ModelConfig:
             )
         if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
             _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
+
+    def _validate_mla(self) -> None:
+        a = self.mla
+        dims = dict(q_lora_rank=a.q_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
+                    qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim)  # fmt: skip
+        for name, value in dims.items():
+            if value < (0 if name == "q_lora_rank" else 1):
+                _fail(f"model.mla.{name} must be positive, not {value}.")
+        if self.position != "rope":
+            _fail(f"MLA carries position in its decoupled RoPE key: model.position must be rope, "
+                  f"not {self.position}.")  # fmt: skip
+        if self.num_kv_heads != self.num_heads or self.head_dim is not None:
+            _fail(
+                "MLA gives every query head its own key and value from the latent: set "
+                f"model.num_kv_heads = model.num_heads ({self.num_heads}) and leave "
+                "model.head_dim null (widths are model.mla.*_head_dim)."
+            )
+        if self.qk_norm or self.qkv_bias:
+            _fail("model.qk_norm and model.qkv_bias are not part of MLA (it normalises its "
+                  "latents); turn them off.")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,6 +600,16 @@ class Config:
             _fail(f"generate.top_p must be in (0, 1], not {gen.top_p}.")
         if gen.kv_group < 1 or gen.kv_page_size < 0:
             _fail("generate.kv_group must be >= 1 and generate.kv_page_size >= 0.")
+        if gen.decode_impl == "kernel" and m.mla.enabled:
+            _fail(
+                "generate.decode_impl=kernel: the decode kernels read separate keys and values; "
+                "MLA's latent cache decodes with xla (auto picks it)."
+            )
+        if gen.kv_cache_dtype == "int4" and m.mla.enabled:
+            _fail(
+                "generate.kv_cache_dtype=int4 (KIVI: keys per channel, values per token) cannot "
+                "quantize MLA's latent, which is key and value at once; use int8 or bfloat16."
+            )
         if gen.kv_cache_dtype == "int4" and m.resolved_head_dim % min(
             gen.kv_group, m.resolved_head_dim
         ):

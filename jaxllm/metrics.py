@@ -36,6 +36,15 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     hk, gk = cfg.num_heads * cfg.resolved_head_dim, cfg.num_kv_heads * cfg.resolved_head_dim
     mlp_mats = 3 if cfg.gated_mlp else 2
     attn = d * hk * 2 + d * gk * 2
+    mla_norms = 0
+    if cfg.mla.enabled:
+        a, h = cfg.mla, cfg.num_heads
+        q = (d * a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim if a.q_lora_rank
+             else d * h * a.qk_head_dim)  # fmt: skip
+        kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (
+            a.qk_nope_head_dim + a.v_head_dim
+        )
+        attn, mla_norms = q + kv + h * a.v_head_dim * d, n * (a.q_lora_rank + a.kv_lora_rank)
     n_moe, moe_total, moe_active = 0, 0, 0
     if cfg.moe.enabled:  # experts and shared experts are SwiGLU FFNs
         m, fe = cfg.moe, cfg.resolved_expert_mlp_dim
@@ -52,7 +61,8 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     norms_per_layer = 4 if cfg.norm_placement == "sandwich" else 2
     final_norms = 0 if cfg.norm_placement == "post" else 1
     norms = norm_params * ((norms_per_layer * n + final_norms) * d
-                           + (2 * n * cfg.resolved_head_dim if cfg.qk_norm else 0))  # fmt: skip
+                           + (2 * n * cfg.resolved_head_dim if cfg.qk_norm else 0)
+                           + mla_norms)  # fmt: skip
     biases = n * ((hk + 2 * gk) * cfg.qkv_bias + d * cfg.o_bias
                   + ((mlp_mats - 1) * f + d) * cfg.mlp_bias)  # fmt: skip
     positions = cfg.max_seq_len * d if cfg.position == "learned" else 0
@@ -67,10 +77,13 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Training FLOPs per token (forward + backward = 3x forward), Kaplan/PaLM style:
     6 * active matmul params (of MoE layers only the routed top-k experts), plus attention
-    scores and values 12 * layers * heads * head_dim * seq (full, unmasked L x S products,
-    which is what the XLA implementation computes)."""
+    scores and values 6 * layers * heads * (qk head dim + v head dim) * seq (full, unmasked
+    L x S products, which is what the XLA implementation computes)."""
     dense = 6 * param_counts(cfg)["matmul"]
-    attn = 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
+    k = v = cfg.resolved_head_dim
+    if cfg.mla.enabled:
+        k, v = cfg.mla.qk_head_dim, cfg.mla.v_head_dim
+    attn = 6 * cfg.num_layers * cfg.num_heads * (k + v) * seq_len
     return {"dense": float(dense), "attention": float(attn), "total": float(dense + attn)}
 
 

@@ -140,15 +140,14 @@ def kv_cache_report(cfg: config.Config, mesh) -> dict:
     """KV-cache bytes per token (all layers, scales included) for every cache dtype, and the
     cache of `train.global_batch_size` sequences of `model.max_seq_len` tokens per device with
     `generate.kv_cache_dtype` (batch split over the data axes, kv heads over `tensor`)."""
-    from jaxllm.infer.kv_cache import KINDS, bytes_per_token
+    from jaxllm.infer.kv_cache import KINDS, model_bytes_per_token
 
     m, gen = cfg.model, cfg.generate
-    per_token = {
-        kind: bytes_per_token(kind, m.num_layers, m.num_kv_heads, m.resolved_head_dim,
-                              gen.kv_group)
-        for kind in KINDS
-    }  # fmt: skip
-    split = int(np.prod([mesh.shape[a] for a in (*sharding.RULES["batch"], "tensor")]))
+    kinds = [k for k in KINDS if not (m.mla.enabled and k == "int4")]  # no int4 latent
+    per_token = {kind: model_bytes_per_token(m, kind, gen.kv_group) for kind in kinds}
+    # MLA's latent cache is one "head": tensor shards each hold all of it
+    split_axes = (*sharding.RULES["batch"], *(() if m.mla.enabled else ("tensor",)))
+    split = int(np.prod([mesh.shape[a] for a in split_axes]))
     tokens = cfg.train.global_batch_size * m.max_seq_len
     return {
         "per_token": per_token,

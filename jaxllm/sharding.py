@@ -38,6 +38,8 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": None,
+    "q_lora": None,  # MLA latents: narrow, their projections split over `embed` / `heads`
+    "kv_lora": None,
     "positions": None,  # rows of a learned position table
     "mlp": ("tensor",),
     "norm": ("fsdp",),

@@ -18,7 +18,7 @@ from jaxllm import config
 from jaxllm.config import GenerateConfig
 from jaxllm.data.pipeline import load_splits
 from jaxllm.infer import score_with_cache
-from jaxllm.infer.kv_cache import bytes_per_token
+from jaxllm.infer.kv_cache import model_bytes_per_token
 
 
 def main(argv=None) -> None:
@@ -35,18 +35,18 @@ def main(argv=None) -> None:
     _, eval_rows = load_splits(cfg.data)
     tokens = np.stack([np.asarray(eval_rows[i]["inputs"])[: ns.length] for i in range(ns.rows)])
     m = cfg.model
-    bf16_bytes = bytes_per_token("bfloat16", m.num_layers, m.num_kv_heads, m.resolved_head_dim, 32)
+    bf16_bytes = model_bytes_per_token(m, "bfloat16")
     print(f"{ns.rows} held-out rows x {tokens.shape[1]} tokens, prefix {ns.prefix}")
     print(f"{'cache':<9} {'bytes/token':>11} {'x bf16':>7} {'ppl':>9} {'vs bf16':>8} "
           f"{'greedy agree':>12}")  # fmt: skip
     preds = {}
     ref = None
-    for kind in ("bfloat16", "float32", "int8", "int4"):
+    for kind in ("bfloat16", "float32", "int8") + (() if m.mla.enabled else ("int4",)):
         gen = GenerateConfig(kv_cache_dtype=kind, kv_group=ns.group)
         nll, preds[kind] = score_with_cache(model, tokens, gen, prefix=ns.prefix)
         ppl = float(np.exp(nll.mean()))
         ref = ref or ppl
-        n = bytes_per_token(kind, m.num_layers, m.num_kv_heads, m.resolved_head_dim, ns.group)
+        n = model_bytes_per_token(m, kind, ns.group)
         agree = float((preds[kind] == preds["bfloat16"]).mean())
         print(f"{kind:<9} {n:>11,} {n / bf16_bytes:>7.3f} {ppl:>9.4f} {ppl / ref - 1:>+8.3%} "
               f"{agree:>12.2%}")  # fmt: skip

@@ -87,11 +87,15 @@ class Generation:
     """Bytes of the whole allocated cache (all layers, residual window and scratch included)."""
 
 
-def resolve_decode_impl(impl: str) -> tuple[str, bool]:
+def resolve_decode_impl(impl: str, cfg=None) -> tuple[str, bool]:
     """(`kernel` | `xla`, interpret): `auto` is the Pallas kernel on TPU, XLA elsewhere (on GPU
-    the kernel is Pallas-Triton, deprecated in new jax; it stays opt-in until measured)."""
+    the kernel is Pallas-Triton, deprecated in new jax; it stays opt-in until measured). An MLA
+    model (`cfg`) always decodes with XLA: the kernels read separate keys and values."""
+    latent = cfg is not None and cfg.mla.enabled
+    if impl == "kernel" and latent:
+        raise ValueError("decode_impl=kernel: MLA's latent cache decodes with xla (or auto)")
     if impl == "auto":
-        impl = "kernel" if jax.default_backend() == "tpu" else "xla"
+        impl = "kernel" if jax.default_backend() == "tpu" and not latent else "xla"
     return impl, impl == "kernel" and jax.default_backend() == "cpu"
 
 
@@ -108,10 +112,11 @@ def _generate(graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, rng, 
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     b = prompt_BxL.shape[0]
+    g, k, value_dim = kv_cache.cache_dims(cfg)
     kv = kv_cache.init_cache(
-        num_layers=cfg.num_layers, batch=b, num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.resolved_head_dim, max_len=plan.max_len, kind=plan.kind, group=plan.group,
-        compute_dtype=jnp.dtype(cfg.dtype), block_table=block_table, num_pages=plan.num_pages,
+        num_layers=cfg.num_layers, batch=b, num_kv_heads=g, head_dim=k, max_len=plan.max_len,
+        kind=plan.kind, group=plan.group, compute_dtype=jnp.dtype(cfg.dtype),
+        block_table=block_table, num_pages=plan.num_pages, value_dim=value_dim,
     )  # fmt: skip
     kv = _constrain_cache(kv)
     view = kv_cache.CacheView(kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl,
@@ -187,7 +192,8 @@ def generate(
         prompt_BxL[i, : len(p)] = p
     need_B = lengths + gen.max_new_tokens
     kind, group = gen.kv_cache_dtype, gen.kv_group
-    g, k, nl = cfg.num_kv_heads, cfg.resolved_head_dim, cfg.num_layers
+    g, k, _ = kv_cache.cache_dims(cfg)
+    nl = cfg.num_layers
     if gen.kv_page_size:
         table, num_pages = kv_cache.allocate_pages(need_B, gen.kv_page_size)
         max_len, block_table = gen.kv_page_size, jnp.asarray(table)
@@ -195,7 +201,7 @@ def generate(
     else:
         max_len = kv_cache.cache_length(max(int(need_B.max()), prompt_len), kind, group)
         num_pages, block_table, cache_tokens = None, None, b * max_len
-    impl, interpret = resolve_decode_impl(gen.decode_impl)
+    impl, interpret = resolve_decode_impl(gen.decode_impl, model.cfg)
     plan = _Plan(kind, group, max_len, num_pages, gen.max_new_tokens, float(gen.temperature),
                  gen.top_k, float(gen.top_p), impl, interpret)  # fmt: skip
     stop_S = jnp.asarray(sorted({*stop_tokens, *gen.stop_tokens}) or [-1], jnp.int32)
@@ -212,7 +218,7 @@ def generate(
         cut = next((i for i, t in enumerate(row.tolist()) if t in stops), None)
         tokens.append(row[: len(row) if cut is None else cut].tolist())
         stopped.append(cut is not None)
-    per_token = kv_cache.bytes_per_token(kind, nl, g, k, group)
+    per_token = kv_cache.model_bytes_per_token(cfg, kind, group)
     residual = 2 * nl * b * g * group * k * jnp.dtype(cfg.dtype).itemsize if kind == "int4" else 0
     return Generation(tokens, stopped, per_token, per_token * cache_tokens + residual)
 
@@ -222,10 +228,10 @@ def _score(graphdef, state, tokens_BxT, plan, prefix):
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     b, t = tokens_BxT.shape
+    g, k, value_dim = kv_cache.cache_dims(cfg)
     kv = kv_cache.init_cache(
-        num_layers=cfg.num_layers, batch=b, num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.resolved_head_dim, max_len=plan.max_len, kind=plan.kind, group=plan.group,
-        compute_dtype=jnp.dtype(cfg.dtype),
+        num_layers=cfg.num_layers, batch=b, num_kv_heads=g, head_dim=k, max_len=plan.max_len,
+        kind=plan.kind, group=plan.group, compute_dtype=jnp.dtype(cfg.dtype), value_dim=value_dim,
     )  # fmt: skip
     lengths_B = jnp.full((b,), prefix, jnp.int32)
     view = kv_cache.CacheView(kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl,
@@ -256,7 +262,7 @@ def score_with_cache(model, tokens_BxT, gen: GenerateConfig = GenerateConfig(), 
     agreement over the same text."""
     tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
     t = tokens_BxT.shape[1]
-    impl, interpret = resolve_decode_impl(gen.decode_impl)
+    impl, interpret = resolve_decode_impl(gen.decode_impl, model.cfg)
     plan = _Plan(gen.kv_cache_dtype, gen.kv_group,
                  kv_cache.cache_length(t, gen.kv_cache_dtype, gen.kv_group), None, 0, 0.0, 0,
                  1.0, impl, interpret)  # fmt: skip

@@ -10,6 +10,9 @@ what happens around them:
 - `CacheView`: what one forward pass of the model sees: the cache, the layer being run, and the
   sequence lengths after this pass's tokens are written. `Attention` calls `write` with its new
   keys/values and then (decode steps) `attend`.
+- MLA models cache a latent (`cache_dims`): one "kv head" of [compressed kv ; rope key] per
+  token that is key and value at once (`KVCache.value_dim`), so a token costs
+  kv_lora_rank + qk_rope_head_dim values per layer instead of 2 x heads x head_dim.
 
 Quantize on write, as KIVI (Liu et al. 2024, arXiv:2402.02750) does for int4: keys are quantized
 per channel over groups of `group` tokens, so the tokens of a group that is not full yet stay in
@@ -52,6 +55,16 @@ def allocate_pages(tokens_B, page_size: int) -> tuple[np.ndarray, int]:
     return table, nxt
 
 
+def cache_dims(cfg) -> tuple[int, int, int | None]:
+    """(kv heads, key width, value width or None) of a model's cache. An MLA model caches one
+    "head" of [latent ; rope key] per token whose first kv_lora_rank channels are the values
+    (None: values as wide as keys, stored apart)."""
+    if cfg.mla.enabled:
+        a = cfg.mla
+        return 1, a.kv_lora_rank + a.qk_rope_head_dim, a.kv_lora_rank
+    return cfg.num_kv_heads, cfg.resolved_head_dim, None
+
+
 def init_cache(
     *,
     num_layers: int,
@@ -64,17 +77,24 @@ def init_cache(
     compute_dtype=jnp.bfloat16,
     block_table: jax.Array | None = None,
     num_pages: int | None = None,
+    value_dim: int | None = None,
 ) -> KVCache:
     """An empty cache for all layers. Contiguous unless `block_table` (with `num_pages`, from
-    `allocate_pages`) is given; then `max_len` is the page size."""
+    `allocate_pages`) is given; then `max_len` is the page size. `value_dim`: a latent cache
+    (MLA; keys only, values are their first `value_dim` channels)."""
     if kind not in KINDS:
         raise ValueError(f"unknown kv cache dtype {kind!r}; expected one of {KINDS}")
     lyr, g, k = num_layers, num_kv_heads, head_dim
     rows = (lyr, batch) if block_table is None else (lyr, num_pages)
     t = max_len
     z = lambda *shape, dtype=jnp.bfloat16: jnp.zeros((*rows, g, *shape), dtype)  # noqa: E731
-    fields: dict = dict(kind=kind, group=group, block_table=block_table)
-    if kind in ("bfloat16", "float32"):
+    fields: dict = dict(kind=kind, group=group, block_table=block_table, value_dim=value_dim)
+    if value_dim is not None:
+        if kind == "int4":
+            raise ValueError("a latent (MLA) cache cannot be int4: its keys are its values")
+        dtype = jnp.int8 if kind == "int8" else jnp.dtype(kind)
+        fields.update(k=z(t, k, dtype=dtype), v=None, k_scale=z(t) if kind == "int8" else None)
+    elif kind in ("bfloat16", "float32"):
         fields.update(k=z(t, k, dtype=jnp.dtype(kind)), v=z(t, k, dtype=jnp.dtype(kind)))
     elif kind == "int8":
         fields.update(
@@ -91,10 +111,17 @@ def init_cache(
     return KVCache(**fields)
 
 
-def bytes_per_token(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, group: int):
+def bytes_per_token(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, group: int,
+                    latent: bool = False):  # fmt: skip
     """Cache bytes one token costs over all layers, codes and scales included (the int4
-    residual window is a constant `group` tokens per sequence on top)."""
-    return num_layers * cache_bytes_per_token(kind, num_kv_heads, head_dim, group)
+    residual window is a constant `group` tokens per sequence on top; `latent`: keys only)."""
+    return num_layers * cache_bytes_per_token(kind, num_kv_heads, head_dim, group, latent)
+
+
+def model_bytes_per_token(cfg, kind: str, group: int = 32) -> int:
+    """`bytes_per_token` of a model's cache (`cache_dims`)."""
+    g, k, value_dim = cache_dims(cfg)
+    return bytes_per_token(kind, cfg.num_layers, g, k, group, latent=value_dim is not None)
 
 
 def logical_axes(kv: KVCache) -> KVCache:
@@ -109,7 +136,8 @@ def logical_axes(kv: KVCache) -> KVCache:
         if name == "block_table":
             return ("batch", None)
         lead = ("layers", "batch") if name in ("k_res", "v_res") or not paged else ("layers", None)
-        return (*lead, "kv_heads") + (None,) * (x.ndim - 3)
+        heads = None if kv.value_dim is not None else "kv_heads"  # a latent cache has one
+        return (*lead, heads) + (None,) * (x.ndim - 3)
 
     names = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_res", "v_res", "block_table")
     return dataclasses.replace(kv, **{n: axes(n) for n in names})
@@ -137,14 +165,22 @@ class CacheView:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def write(self, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> CacheView:
+    def write(self, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array | None) -> CacheView:
+        """Writes this pass's keys and values (values None for a latent cache)."""
         b, l = k_BxLxGxK.shape[:2]
         if self.prefill:
             pos_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         else:
             pos_BxL = self.lengths_B[:, None] - l + jnp.arange(l, dtype=jnp.int32)[None]
         kv = self.kv
-        if kv.kind in ("bfloat16", "float32"):
+        if kv.value_dim is not None:  # latent: keys only
+            if kv.kind == "int8":
+                kc, ks = quant.quantize_int8(k_BxLxGxK)
+                kv = dataclasses.replace(kv, k=self._put(kv.k, pos_BxL, kc),
+                                         k_scale=self._put(kv.k_scale, pos_BxL, ks))  # fmt: skip
+            else:
+                kv = dataclasses.replace(kv, k=self._put(kv.k, pos_BxL, k_BxLxGxK))
+        elif kv.kind in ("bfloat16", "float32"):
             kv = dataclasses.replace(
                 kv, k=self._put(kv.k, pos_BxL, k_BxLxGxK), v=self._put(kv.v, pos_BxL, v_BxLxGxK)
             )

@@ -12,15 +12,16 @@ Every parameter is an `nnx.Param` whose `axes` metadata names its logical axes
 (`('embed', 'mlp')`); `jaxllm.sharding` alone maps those to mesh axes.
 """
 
-from jaxllm.model.attention import Attention, dot_product_attention
+from jaxllm.model.attention import Attention, MLAttention, dot_product_attention
 from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, make_norm, matmul
 from jaxllm.model.mlp import MLP
-from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
 from jaxllm.model.moe import MoE, RouterBias
+from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
 from jaxllm.model.transformer import Block, Transformer, build, logical_axes
 
 __all__ = [
     "Attention",
+    "MLAttention",
     "Block",
     "Embed",
     "LayerNorm",

@@ -1,5 +1,6 @@
 """Grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245); MHA (G = H) and MQA (G = 1)
-are special cases.
+are special cases. Multi-head Latent Attention (`MLAttention`, DeepSeek-V2/V3) shares the masks,
+positions and output projection.
 
 `dot_product_attention` is the single function the model calls for attention; `impl` picks the
 implementation (`xla`: einsum reference with float32 softmax, the only one with ALiBi and with a
@@ -41,8 +42,14 @@ def _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxLxS, scale, soft_cap=
         mask_BxLxS[:, None, None], scores_BxGxRxLxS, jnp.finfo(jnp.float32).min
     )
     probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
-    out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", probs_BxGxRxLxS, v_BxSxGxK)
-    return out_BxLxGxRxK.reshape(b, l, h, k)
+    out_BxLxGxRxV = jnp.einsum("bgrls,bsgv->blgrv", probs_BxGxRxLxS, v_BxSxGxK)
+    return out_BxLxGxRxV.reshape(b, l, h, v_BxSxGxK.shape[-1])
+
+
+def pad_values(v_BxSxGxV: jax.Array, width: int) -> jax.Array:
+    """Values zero-padded to `width` channels: attention kernels take one head width for q, k
+    and v, and the padded output channels are 0 (callers slice them off)."""
+    return jnp.pad(v_BxSxGxV, [(0, 0)] * 3 + [(0, width - v_BxSxGxV.shape[-1])])
 
 
 def resolve_impl(impl: str, alibi: bool = False) -> str:
@@ -104,6 +111,13 @@ def dot_product_attention(
     impl = resolve_impl(impl, alibi_slopes_H is not None)
     if impl != "xla" and alibi_slopes_H is not None:
         raise ValueError(f"attention_impl={impl} takes no ALiBi bias; use xla")
+    if impl != "xla" and v_BxSxGxK.shape[-1] != k:  # MLA: the kernels want one head width
+        out = dot_product_attention(
+            q_BxLxHxK, k_BxSxGxK, pad_values(v_BxSxGxK, k), q_segment_ids_BxL=q_segment_ids_BxL,
+            kv_segment_ids_BxS=kv_segment_ids_BxS, causal=causal, scale=scale,
+            sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
+        )  # fmt: skip
+        return out[..., : v_BxSxGxK.shape[-1]]
     if impl == "flash":
         return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_segment_ids_BxL, kv_segment_ids_BxS,
                       causal, scale, sliding_window, soft_cap)  # fmt: skip
@@ -145,33 +159,45 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg, *, out_std: float, rngs: nnx.Rngs):
         d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        self._init_common(cfg)
+        pdt, init = jnp.dtype(cfg.param_dtype), jax.nn.initializers.normal(cfg.init_std)
+        self.q_proj = param(rngs, init, (d, h, k), ("embed", "heads", "head_dim"), pdt)
+        self.k_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
+        self.v_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
+        self._init_out(cfg, k, out_std, rngs)
+        zeros = jax.nn.initializers.zeros
+        if cfg.qkv_bias:
+            self.q_bias = param(rngs, zeros, (h, k), ("heads", "head_dim"), pdt)
+            self.k_bias = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pdt)
+            self.v_bias = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pdt)
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg, k, axes=("head_dim",))
+            self.k_norm = make_norm(cfg, k, axes=("head_dim",))
+
+    def _init_common(self, cfg):
+        """What every attention variant has: masks, caps and positions."""
         self.dtype, self.impl = jnp.dtype(cfg.dtype), cfg.attention_impl
         self.position, self.window = cfg.position, cfg.sliding_window
         self.scale, self.soft_cap = cfg.attn_scale, cfg.attn_soft_cap
         if cfg.position == "rope":
             inv_freq, self.rope_scaling = rope_frequencies(cfg)
             self.inv_freq = tuple(float(x) for x in inv_freq)  # hashable: part of the graphdef
+            self.rope_interleave = cfg.rope_interleave
         if cfg.position == "alibi":
-            self.alibi = tuple(float(x) for x in alibi_slopes(h))
+            self.alibi = tuple(float(x) for x in alibi_slopes(cfg.num_heads))
+
+    def _init_out(self, cfg, v_dim: int, out_std: float, rngs: nnx.Rngs):
+        """The output projection from `v_dim`-wide heads (created after the input projections,
+        which fixes the order parameters draw from the rng)."""
         pdt = jnp.dtype(cfg.param_dtype)
-        init, out_init = (
-            jax.nn.initializers.normal(cfg.init_std),
-            jax.nn.initializers.normal(out_std),
-        )
-        self.q_proj = param(rngs, init, (d, h, k), ("embed", "heads", "head_dim"), pdt)
-        self.k_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
-        self.v_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
-        self.o_proj = param(rngs, out_init, (h, k, d), ("heads", "head_dim", "embed"), pdt)
-        zeros = jax.nn.initializers.zeros
-        if cfg.qkv_bias:
-            self.q_bias = param(rngs, zeros, (h, k), ("heads", "head_dim"), pdt)
-            self.k_bias = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pdt)
-            self.v_bias = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pdt)
+        self.o_proj = param(rngs, jax.nn.initializers.normal(out_std), (cfg.num_heads, v_dim,
+                            cfg.d_model), ("heads", "head_dim", "embed"), pdt)  # fmt: skip
         if cfg.o_bias:
-            self.o_bias = param(rngs, zeros, (d,), ("embed",), pdt)
-        if cfg.qk_norm:
-            self.q_norm = make_norm(cfg, k, axes=("head_dim",))
-            self.k_norm = make_norm(cfg, k, axes=("head_dim",))
+            self.o_bias = param(rngs, jax.nn.initializers.zeros, (cfg.d_model,), ("embed",), pdt)
+
+    def _rope(self, x_BxLxHxK, positions_BxL):
+        return apply_rope(x_BxLxHxK, positions_BxL, self.inv_freq, self.rope_scaling,
+                          self.rope_interleave)  # fmt: skip
 
     def _project(self, spec, x, name):
         y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype)
@@ -206,6 +232,29 @@ class Attention(nnx.Module):
             lambda: call(**{**masks, "sliding_window": None}),
         )
 
+    def _attend_cache(self, q_BxQxHxK, cache, windowed, sm_scale=None):
+        """A decode step's queries over the whole cache, with this layer's masks."""
+        masks = self._masks(windowed)
+        return cache.attend(
+            q_BxQxHxK, sm_scale=masks["scale"] if sm_scale is None else sm_scale,
+            soft_cap=self.soft_cap, sliding_window=masks["sliding_window"],
+            alibi_slopes_H=masks["alibi_slopes_H"],
+        )  # fmt: skip
+
+    def _self_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed):
+        """Causal self-attention of a training / scoring pass (no cache)."""
+        if sharding.ring_active():  # sequence-parallel: K/V blocks travel around the ring
+            width = v_BxLxGxV.shape[-1]
+            out_BxLxHxK = sharding.ring_attention(
+                q_BxLxHxK, k_BxLxGxK, pad_values(v_BxLxGxV, q_BxLxHxK.shape[-1]),
+                segment_ids_BxL, impl=resolve_impl(self.impl),
+            )  # fmt: skip
+            return out_BxLxHxK[..., :width]
+        # K/V all-gathered over the sequence shards (a no-op without them)
+        k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
+        v_BxLxGxV = constrain(v_BxLxGxV, ("batch", "act_kv_length", "act_heads", None))
+        return self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed)
+
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
         """Training / scoring: causal self-attention over x. With a `cache` (a
         `jaxllm.infer.kv_cache.CacheView`), the new keys/values are written into it first; a
@@ -218,32 +267,120 @@ class Attention(nnx.Module):
         if hasattr(self, "q_norm"):
             q_BxLxHxK, k_BxLxGxK = self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
         if self.position == "rope":
-            q_BxLxHxK = apply_rope(q_BxLxHxK, positions_BxL, self.inv_freq, self.rope_scaling)
-            k_BxLxGxK = apply_rope(k_BxLxGxK, positions_BxL, self.inv_freq, self.rope_scaling)
+            q_BxLxHxK = self._rope(q_BxLxHxK, positions_BxL)
+            k_BxLxGxK = self._rope(k_BxLxGxK, positions_BxL)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
         if cache is not None:
             cache = cache.write(k_BxLxGxK, v_BxLxGxK)
             if cache.prefill:  # right-padded prompts: causality alone keeps padding unseen
                 out_BxLxHxK = self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, None, windowed)
             else:
-                masks = self._masks(windowed)
-                out_BxLxHxK = cache.attend(
-                    q_BxLxHxK, sm_scale=masks["scale"], soft_cap=self.soft_cap,
-                    sliding_window=masks["sliding_window"], alibi_slopes_H=masks["alibi_slopes_H"],
-                )  # fmt: skip
+                out_BxLxHxK = self._attend_cache(q_BxLxHxK, cache, windowed)
             return self._out(out_BxLxHxK), cache
-        if sharding.ring_active():  # sequence-parallel: K/V blocks travel around the ring
-            out_BxLxHxK = sharding.ring_attention(
-                q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, impl=resolve_impl(self.impl)
-            )
-        else:  # K/V all-gathered over the sequence shards (a no-op without them)
-            k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
-            v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
-            out_BxLxHxK = self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed)
+        out_BxLxHxK = self._self_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL,
+                                           windowed)  # fmt: skip
         return self._out(out_BxLxHxK)
 
-    def _out(self, out_BxLxHxK):
-        out_BxLxD = matmul("blhk,hkd->bld", out_BxLxHxK, self.o_proj[...], self.dtype)
+    def _out(self, out_BxLxHxV):
+        out_BxLxD = matmul("blhv,hvd->bld", out_BxLxHxV, self.o_proj[...], self.dtype)
         if hasattr(self, "o_bias"):
             out_BxLxD = out_BxLxD + _broadcast(self.o_bias[...].astype(self.dtype), 3)
         return out_BxLxD
+
+
+class MLAttention(Attention):
+    """Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434, section 2.1; DeepSeek-V3).
+
+    Letters: R the kv latent (mla.kv_lora_rank), C the query latent (mla.q_lora_rank), N the
+    per-head no-position width (qk_nope_head_dim), E the RoPE width (qk_rope_head_dim), V the
+    value width. Per token, `kv_a_proj` gives [c (R) ; k_rope (E)]; c is normalised and
+    `kv_b_proj` [R, H, N + V] expands it to each head's key part and value. Queries are
+    [q_nope (N) ; q_rope (E)] per head, through a normalised C-wide latent when q_lora_rank > 0.
+    The fused projections keep the checkpoint layout of DeepSeek models.
+
+    Training and prefill expand every head (a plain multi-head attention with head width N + E
+    for q/k and V for v). Generation caches [c ; rope(k_rope)] (R + E values per token and
+    layer, one "kv head") and a decode step attends in latent space: q_nope is multiplied by
+    W_uk (the key half of kv_b_proj), so q.k = [q_nope W_uk^T ; q_rope] . [c ; k_rope]; the
+    attention output over c is multiplied by W_uv per head afterwards (the "absorbed" form).
+    """
+
+    def __init__(self, cfg, *, out_std: float, rngs: nnx.Rngs):
+        a, d, h = cfg.mla, cfg.d_model, cfg.num_heads
+        self._init_common(cfg)
+        self.nope, self.rank = a.qk_nope_head_dim, a.kv_lora_rank
+        if self.scale is None:  # decode attends over latent-width queries: name the scale
+            self.scale = a.qk_head_dim**-0.5
+        pdt, init = jnp.dtype(cfg.param_dtype), jax.nn.initializers.normal(cfg.init_std)
+        if a.q_lora_rank:
+            self.q_a_proj = param(rngs, init, (d, a.q_lora_rank), ("embed", "q_lora"), pdt)
+            self.q_a_norm = make_norm(cfg, a.q_lora_rank, axes=("q_lora",))
+            self.q_b_proj = param(rngs, init, (a.q_lora_rank, h, a.qk_head_dim),
+                                  ("q_lora", "heads", "head_dim"), pdt)  # fmt: skip
+        else:
+            self.q_proj = param(rngs, init, (d, h, a.qk_head_dim), ("embed", "heads", "head_dim"),
+                                pdt)  # fmt: skip
+        self.kv_a_proj = param(rngs, init, (d, a.kv_lora_rank + a.qk_rope_head_dim),
+                               ("embed", "kv_lora"), pdt)  # fmt: skip
+        self.kv_a_norm = make_norm(cfg, a.kv_lora_rank, axes=("kv_lora",))
+        self.kv_b_proj = param(rngs, init, (a.kv_lora_rank, h, a.qk_nope_head_dim + a.v_head_dim),
+                               ("kv_lora", "heads", "head_dim"), pdt)  # fmt: skip
+        self._init_out(cfg, a.v_head_dim, out_std, rngs)
+
+    def _queries(self, x_BxLxD, positions_BxL):
+        """(q_nope [B, L, H, N], roped q_rope [B, L, H, E])."""
+        if hasattr(self, "q_a_proj"):
+            c_BxLxC = self.q_a_norm(matmul("bld,dc->blc", x_BxLxD, self.q_a_proj[...], self.dtype))
+            q_BxLxHxK = matmul("blc,chk->blhk", c_BxLxC, self.q_b_proj[...], self.dtype)
+        else:
+            q_BxLxHxK = matmul("bld,dhk->blhk", x_BxLxD, self.q_proj[...], self.dtype)
+        q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
+        return q_BxLxHxK[..., : self.nope], self._rope(q_BxLxHxK[..., self.nope :], positions_BxL)
+
+    def _latent(self, x_BxLxD, positions_BxL):
+        """What a token caches: [normalised c ; roped k_rope] as one kv head [B, L, 1, R + E]."""
+        a_BxLxA = matmul("bld,da->bla", x_BxLxD, self.kv_a_proj[...], self.dtype)
+        c_BxLxR = self.kv_a_norm(a_BxLxA[..., : self.rank])
+        k_rope_BxLx1xE = self._rope(a_BxLxA[:, :, None, self.rank :], positions_BxL)
+        return jnp.concatenate([c_BxLxR[:, :, None], k_rope_BxLx1xE], axis=-1)
+
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
+        """As `Attention.__call__`; the cache holds the latent (`_latent`)."""
+        q_nope_BxLxHxN, q_rope_BxLxHxE = self._queries(x_BxLxD, positions_BxL)
+        latent_BxLx1xA = self._latent(x_BxLxD, positions_BxL)
+        w_BxRxHxNV = self.kv_b_proj[...]
+        if cache is not None:
+            cache = cache.write(latent_BxLx1xA, None)
+            if not cache.prefill:
+                q_lat_BxQxHxR = matmul("bqhn,rhn->bqhr", q_nope_BxLxHxN,
+                                       w_BxRxHxNV[..., : self.nope], self.dtype)  # fmt: skip
+                q_BxQxHxA = jnp.concatenate([q_lat_BxQxHxR, q_rope_BxLxHxE], axis=-1)
+                out_BxQxHxR = self._attend_cache(q_BxQxHxA, cache, windowed, self.scale)
+                out_BxQxHxV = matmul("bqhr,rhv->bqhv", out_BxQxHxR,
+                                     w_BxRxHxNV[..., self.nope :], self.dtype)  # fmt: skip
+                return self._out(out_BxQxHxV), cache
+        c_BxLxR, k_rope_BxLx1xE = (
+            latent_BxLx1xA[:, :, 0, : self.rank],
+            latent_BxLx1xA[..., self.rank :],
+        )
+        kv_BxLxHxNV = matmul("blr,rhk->blhk", c_BxLxR, w_BxRxHxNV, self.dtype)
+        h = kv_BxLxHxNV.shape[2]
+        k_BxLxHxK = jnp.concatenate(
+            [kv_BxLxHxNV[..., : self.nope],
+             jnp.broadcast_to(k_rope_BxLx1xE, (*k_rope_BxLx1xE.shape[:2], h, k_rope_BxLx1xE.shape[-1]))],
+            axis=-1,
+        )  # fmt: skip
+        v_BxLxHxV = kv_BxLxHxNV[..., self.nope :]
+        q_BxLxHxK = jnp.concatenate([q_nope_BxLxHxN, q_rope_BxLxHxE], axis=-1)
+        if cache is not None:  # prefill: attend over its own tokens, expanded
+            out_BxLxHxV = self._attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, None, windowed)
+            return self._out(out_BxLxHxV), cache
+        out_BxLxHxV = self._self_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, segment_ids_BxL,
+                                           windowed)  # fmt: skip
+        return self._out(out_BxLxHxV)
+
+
+def make_attention(cfg, *, out_std: float, rngs: nnx.Rngs) -> Attention:
+    """The configured attention: MLA when model.mla is on, else MHA / GQA / MQA."""
+    cls = MLAttention if cfg.mla.enabled else Attention
+    return cls(cfg, out_std=out_std, rngs=rngs)

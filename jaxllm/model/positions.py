@@ -12,6 +12,8 @@ float32 exactly as Hugging Face's `ROPE_INIT_FUNCTIONS` do, so imported long-con
   interpolation and extrapolation, and cos/sin multiplied by an attention factor.
 - `llama3`: Llama 3.1's rule: long wavelengths interpolated, short ones kept, a smooth band.
 
+`rope_interleave` pairs channels (2i, 2i + 1) instead (GPT-J; DeepSeek-V2/V3 checkpoints).
+
 ALiBi (Press et al. 2022, arXiv:2108.12409) adds -slope_h * (i - j) to the logit of query i and
 key j; slopes are the geometric sequence of the paper (interleaved for non-powers of two).
 """
@@ -29,7 +31,7 @@ from jaxllm.config import ModelConfig
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """(inv_freq float32 [K/2], attention factor multiplying cos and sin) for `cfg`."""
-    k = cfg.resolved_head_dim
+    k = cfg.rope_dim
     f32 = np.float32
     theta, factor = cfg.rope_theta, cfg.rope_factor
     if cfg.rope_scaling == "ntk":
@@ -57,7 +59,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
 
 def _yarn(cfg: ModelConfig, pos_freqs: np.ndarray, original: int) -> tuple[np.ndarray, float]:
-    k, factor, theta = cfg.resolved_head_dim, cfg.rope_factor, cfg.rope_theta
+    k, factor, theta = cfg.rope_dim, cfg.rope_factor, cfg.rope_theta
     f32 = np.float32
 
     def correction_dim(rotations: float) -> float:
@@ -85,16 +87,23 @@ def apply_rope(
     positions_BxL: jax.Array,
     inv_freq_K2: tuple[float, ...] | np.ndarray,
     scaling: float = 1.0,
+    interleave: bool = False,
 ) -> jax.Array:
-    """Rotates channel pairs (i, i + K/2) by angle position * inv_freq[i], in float32."""
+    """Rotates channel pairs (i, i + K/2) by angle position * inv_freq[i], in float32; with
+    `interleave`, the pairs (2i, 2i + 1) instead."""
     inv_freq_K2 = jnp.asarray(inv_freq_K2, jnp.float32)
     angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_K2[None, None, :]
     sin = jnp.sin(angle_BxLxK2)[:, :, None, :]
     cos = jnp.cos(angle_BxLxK2)[:, :, None, :]
     if scaling != 1.0:
         sin, cos = sin * jnp.float32(scaling), cos * jnp.float32(scaling)
-    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x = x_BxLxHxK.astype(jnp.float32)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+    else:
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxHxK.dtype)
 
 

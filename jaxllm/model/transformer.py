@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig
-from jaxllm.model.attention import Attention
+from jaxllm.model.attention import make_attention
 from jaxllm.model.layers import Embed, make_norm, matmul, param
 from jaxllm.model.mlp import MLP
 from jaxllm.model.moe import MoE
@@ -56,7 +56,7 @@ class Block(nnx.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.placement, self.dropout, self.is_moe = cfg.norm_placement, cfg.dropout, moe
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, out_std=out_std, rngs=rngs)
+        self.attn = make_attention(cfg, out_std=out_std, rngs=rngs)
         self.mlp_norm = make_norm(cfg)
         if moe:
             dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)

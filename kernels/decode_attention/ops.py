@@ -215,6 +215,9 @@ def _decode_attention(
         return decode_attention_reference(
             q_BxQxHxK, cache, lengths_B, layer=layer, sm_scale=sm_scale, soft_cap=soft_cap
         )
+    if cache.value_dim is not None:
+        raise ValueError("the decode kernels read separate k and v; a latent (MLA) cache runs "
+                         "on the xla backend")  # fmt: skip
 
     paged = cache.paged
     rows = geo.page_size if paged else geo.seq_len

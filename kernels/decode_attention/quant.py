@@ -138,7 +138,7 @@ def dequantize_int4_values(packed_XxK2, scale_XxKg, zero_XxKg, group: int, dtype
     data_fields=[
         "k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_res", "v_res", "block_table",
     ],
-    meta_fields=["kind", "group"],
+    meta_fields=["kind", "group", "value_dim"],
 )  # fmt: skip
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVCache:
@@ -154,11 +154,15 @@ class KVCache:
     Paged (`block_table` int32 [B, pages_per_seq]): the [B, .., T] axes become [P, .., N]
     (page p, row r), and logical token t of sequence b lives at page block_table[b, t // N],
     row t % N. Residuals stay per sequence ([L?, B, G, group, K]).
+
+    Latent (`value_dim` set; MLA's compressed cache): there are no v arrays. Each cached key
+    is also its value: values are the first `value_dim` channels of the (dequantized) keys.
+    float32 / bfloat16 / int8 only (int4 quantizes keys and values along different axes).
     """
 
     kind: str
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
     k_zero: jax.Array | None = None
@@ -167,6 +171,7 @@ class KVCache:
     v_res: jax.Array | None = None
     block_table: jax.Array | None = None
     group: int = 32
+    value_dim: int | None = None
 
     @property
     def paged(self) -> bool:
@@ -180,13 +185,19 @@ class KVCache:
         """Cache bytes per token, all kv heads, one layer (codes + scales, no residual)."""
         g = self.k.shape[-3]
         d = self.k.shape[-1] * (2 if self.kind == "int4" else 1)
-        return cache_bytes_per_token(self.kind, g, d, self.group)
+        return cache_bytes_per_token(self.kind, g, d, self.group, latent=self.value_dim is not None)
 
 
-def cache_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, group: int = 32) -> int:
+def cache_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, group: int = 32,
+                          latent: bool = False) -> int:  # fmt: skip
     """Bytes one cached token costs in one layer (k and v, codes and scales; the int4 residual
-    is a constant `group` tokens per sequence and not counted)."""
+    is a constant `group` tokens per sequence and not counted). A `latent` cache stores keys
+    only (they are the values too)."""
     d = head_dim
+    if latent:
+        if kind == "int4":
+            raise ValueError("a latent (MLA) cache cannot be int4")
+        return num_kv_heads * {"float32": 4 * d, "bfloat16": 2 * d, "int8": d + 2}[kind]
     per_head = {
         "float32": 8 * d,
         "bfloat16": 4 * d,
@@ -233,6 +244,12 @@ def cache_geometry(cache: KVCache) -> Geometry:
     rows = (*lead, n0, g, t0)
     if kind == "int8":
         expect.update(k_scale=(rows, SCALE_DTYPE), v_scale=(rows, SCALE_DTYPE))
+    if cache.value_dim is not None:  # latent: values are the keys' first value_dim channels
+        if kind == "int4" or not 0 < cache.value_dim <= d:
+            raise ValueError(f"a latent cache needs kind float32, bfloat16 or int8 and "
+                             f"0 < value_dim <= K ({d}); got {kind}, {cache.value_dim}")  # fmt: skip
+        expect.pop("v")
+        expect.pop("v_scale", None)
     if kind == "int4":
         gv = value_group(group, d)
         if t0 % group or d % gv or d % 2:

@@ -37,7 +37,8 @@ def _gather_pages(x_PxGxNxX, block_table_BxJ):
 
 
 def dequantize_cache(cache: KVCache, lengths_B, *, layer=None):
-    """(k, v) float32 [B, G, T, K]: every token of `cache` (one layer) in logical order.
+    """(k, v) float32 [B, G, T, K]: every token of `cache` (one layer) in logical order (v
+    [B, G, T, value_dim] of a latent cache: a slice of k).
 
     For int4, tokens q(n) .. q(n) + group - 1 come from the residual and the rest from the
     codes (rows past n - 1 are whatever the cache holds; callers mask them).
@@ -54,6 +55,10 @@ def dequantize_cache(cache: KVCache, lengths_B, *, layer=None):
             if arrays[name] is not None:
                 arrays[name] = _gather_pages(arrays[name], cache.block_table)
     a, f32, group = arrays, jnp.float32, cache.group
+    if cache.value_dim is not None:  # latent (MLA): the keys are the values
+        k_BxGxTxK = (a["k"].astype(f32) if cache.kind != "int8"
+                     else dequantize_int8(a["k"], a["k_scale"]))  # fmt: skip
+        return k_BxGxTxK, k_BxGxTxK[..., : cache.value_dim]
     if cache.kind in ("float32", "bfloat16"):
         return a["k"].astype(f32), a["v"].astype(f32)
     if cache.kind == "int8":
