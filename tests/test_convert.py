@@ -3,8 +3,10 @@ download) is imported and gives the same logits; exported back it loads in `tran
 the same logits and the same tensors byte for byte. Also: refusals, sharded streaming, training
 and generation from a converted checkpoint."""
 
+import dataclasses
 import json
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -15,10 +17,12 @@ from safetensors.numpy import load_file, save_file
 
 import jaxllm
 from jaxllm import cli, config, sharding
-from jaxllm.config import GenerateConfig, MeshConfig
+from jaxllm.config import GenerateConfig, MeshConfig, MoEConfig
+from jaxllm.convert import families
 from jaxllm.convert import hf as convert_hf
 from jaxllm.infer import generate
 
+REPO = Path(__file__).resolve().parents[1]
 VOCAB, LEN = 320, 20
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -32,6 +36,8 @@ FAMILIES = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 16})),
     "mistral": (hf.MistralConfig, hf.MistralForCausalLM, dict(sliding_window=6)),
+    "mixtral": (hf.MixtralConfig, hf.MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
     "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM, dict(head_dim=32)),
     "gemma2": (hf.Gemma2Config, hf.Gemma2ForCausalLM, dict(
@@ -121,9 +127,9 @@ def test_refuses_unmapped_tensors_shape_mismatches_and_unknown_families(tmp_path
     assert "mlp.gate_proj.weight has shape [128, 64]" in err
 
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "mixtral"}))
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
     err = _stderr_of_failure(capsys, "convert", "import", src, tmp_path / "c")
-    assert "model_type 'mixtral' is not supported" in err
+    assert "model_type 'falcon' is not supported" in err
 
 
 def test_export_refuses_knobs_the_family_cannot_hold(tmp_path, capsys):
@@ -161,6 +167,109 @@ def test_streams_each_shard_onto_the_mesh(tmp_path, monkeypatch):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert embed_reads == {(VOCAB // 2, 32)}
+
+
+def _legacy_mixtral(model, fused_dir, path):
+    """A released-Mixtral-style directory written by hand from transformers 5's fused
+    in-memory experts: block_sparse_moe.gate and experts.{j}.w1 / w3 (gate_up_proj's halves),
+    w2 (down_proj)."""
+    f = model.config.intermediate_size
+    tensors = {}
+    for name, t in model.state_dict().items():
+        t = t.numpy()
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith("experts.gate_up_proj"):
+            for j, w in enumerate(t):
+                tensors[name.replace("gate_up_proj", f"{j}.w1.weight")] = w[:f]
+                tensors[name.replace("gate_up_proj", f"{j}.w3.weight")] = w[f:]
+        elif name.endswith("experts.down_proj"):
+            tensors.update(
+                {name.replace("down_proj", f"{j}.w2.weight"): w for j, w in enumerate(t)}
+            )
+        else:
+            tensors[name] = t
+    path.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    (path / "config.json").write_text((fused_dir / "config.json").read_text())
+    return path
+
+
+def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(
+    tmp_path, monkeypatch
+):
+    """Released Mixtral checkpoints hold one tensor per expert, transformers 5 keeps (and can
+    save) the experts fused per layer; both import to the same parameters, and on a mesh with
+    experts split in two each shard reads only its experts' tensors (or slice)."""
+    model = _hf_model("mixtral")
+    fused = tmp_path / "fused"
+    model.save_pretrained(fused, save_original_format=False)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(str(fused / "model.safetensors"))
+    legacy = _legacy_mixtral(model, fused, tmp_path / "legacy")
+    cfg = convert_hf.model_config(legacy, ["model.dtype=float32"])
+    assert cfg.model.moe.dispatch == "dropless"  # exact: no assignment dropped
+    reads = []
+    real_read = convert_hf.Reader.read
+
+    def spy(self, name, index=None):
+        out = real_read(self, name, index)
+        reads.append((name, out.shape))
+        return out
+
+    monkeypatch.setattr(convert_hf.Reader, "read", spy)
+    mesh = sharding.make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
+    from_legacy, report = convert_hf.load_params(legacy, cfg.model, mesh)
+    assert any("experts.{j}.w1.weight x2 layers x4 experts" in str(m) for m in report)
+    gate = from_legacy["moe_layers"]["moe"]["mlp"]["gate_proj"]
+    assert gate.sharding.spec[1] == "expert"
+    shards = {tuple((s.start, s.stop) for s in index)
+              for index in gate.sharding.devices_indices_map(gate.shape).values()}  # fmt: skip
+    want = sum(len(range(2)[slice(*s[0])]) * len(range(4)[slice(*s[1])]) for s in shards)
+    assert sum(".w1." in name for name, _ in reads) == want == 8 * 2 * 2  # 2 of 4 experts each
+
+    reads.clear()
+    from_fused, _ = convert_hf.load_params(fused, cfg.model, mesh)
+    fused_reads = {shape for name, shape in reads if name.endswith("gate_up_proj")}
+    assert fused_reads == {(2, 256, 64)}
+    for a, b in zip(jax.tree.leaves(from_legacy), jax.tree.leaves(from_fused)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    got = jaxllm.load_model(legacy, overrides=["model.dtype=float32"])(_tokens(1))
+    np.testing.assert_allclose(got, _hf_logits(model, _tokens(1)), atol=1e-4, rtol=1e-4)
+
+
+def test_mixtral_refuses_what_the_knobs_cannot_express():
+    hf_cfg = json.loads(hf.MixtralConfig(**SMALL, num_local_experts=4).to_json_string())
+    for extra, message in [({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+                           ({"hidden_act": "gelu"}, "SwiGLU"),
+                           ({"num_experts_per_tok": 5}, "between 1 and num_local_experts=4")]:  # fmt: skip
+        with pytest.raises(config.ConfigError, match=message):
+            families.model_fields({**hf_cfg, **extra})
+
+    tiny = config.load(REPO / "configs/models/tiny_mixtral.yaml").model  # mlp_dim != experts'
+    assert families.guess_family(tiny).name == "mixtral"
+    out = families.hf_config(tiny, families.FAMILIES["mixtral"])
+    assert (out["intermediate_size"], out["num_local_experts"], out["router_aux_loss_coef"]) == (
+        320, 8, 0.02)  # fmt: skip
+    for moe, message in [
+        (dict(bias_update_rate=1e-3), "model.moe.bias_update_rate=0.001"),  # a bias it can't hold
+        (dict(first_dense_layers=2), "model.moe.first_dense_layers=2"),
+        (dict(num_shared_experts=1), "model.moe.num_shared_experts=1"),
+        (dict(router_score="sigmoid"), "model.moe.router_score='sigmoid'"),
+    ]:
+        changed = dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, **moe))
+        with pytest.raises(config.ConfigError, match=message):
+            families.hf_config(changed, families.FAMILIES["mixtral"])
+    with pytest.raises(config.ConfigError, match="model.global_every=2"):
+        families.hf_config(dataclasses.replace(tiny, sliding_window=8, global_every=2),
+                           families.FAMILIES["mixtral"])  # fmt: skip
+    with pytest.raises(
+        config.ConfigError, match="model.moe.num_experts=8 cannot be expressed in a llama"
+    ):
+        families.hf_config(tiny, families.FAMILIES["llama"])
+    dense = dataclasses.replace(tiny, moe=MoEConfig())
+    with pytest.raises(config.ConfigError, match="has no Mixtral checkpoint"):
+        families.hf_config(dense, families.FAMILIES["mixtral"])
 
 
 def test_converted_checkpoint_trains_and_generates(tmp_path, capsys):

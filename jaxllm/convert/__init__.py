@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama (2, 3, 3.1/3.2 RoPE scaling), Mistral, Qwen2,
-Qwen3, Gemma 2 and GPT-2, as safetensors + config.json.
+"""Hugging Face checkpoints in and out: Llama (2, 3, 3.1/3.2 RoPE scaling), Mistral, Mixtral,
+Qwen2, Qwen3, Gemma 2 and GPT-2, as safetensors + config.json.
 
     jaxllm convert import HF_DIR OUT_DIR [key=value ...]     # a run directory
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME]

@@ -9,23 +9,33 @@ back the same bytes.
 Our layout vs torch's: a projection is [in..., out...] (`q_proj` [D, H, K]) where a torch
 `nn.Linear` weight is [out, in] (`q_proj.weight` [H*K, D]); GPT-2's `Conv1D` stores [in, out]
 and fuses q, k, v into one `c_attn`. Stacked layers carry a leading [N] axis here and one tensor
-per layer there (`{i}` in a name).
+per layer there (`{i}` in a name); MoE expert weights [N, E, ...] are one tensor per layer and
+expert in Mixtral checkpoints (`{i}`, `{j}`), one [E, ...] tensor per layer in transformers 5's
+fused layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import string
 from collections.abc import Callable
 
 import numpy as np
 
-from jaxllm.config import ConfigError, ModelConfig
+from jaxllm import config as config_lib
+from jaxllm.config import ConfigError, ModelConfig, MoEConfig
 
 # ModelConfig fields that are training or compute choices, not part of a checkpoint.
 NOT_ARCHITECTURE = frozenset(
     {"dtype", "param_dtype", "scan_unroll", "remat", "attention_impl", "init_std", "dropout"}
 )
+# MoEConfig fields of the same kind: how experts are dispatched and the balancing losses.
+MOE_NOT_ARCHITECTURE = frozenset(
+    {"dispatch", "capacity_factor", "aux_loss_weight", "router_z_loss_weight"}
+)
+# ModelConfig fields of the dense MLP, which a model whose every block is MoE does not use.
+DENSE_MLP = frozenset({"mlp_dim", "mlp_activation", "gelu_approximate", "mlp_bias"})
 
 
 def _fail(msg: str):
@@ -37,12 +47,17 @@ def _fail(msg: str):
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One Hugging Face tensor (per layer when `hf` holds `{i}`) and the parameters it carries.
+    """One Hugging Face tensor (one per layer when `hf` holds `{i}`, per layer and expert when
+    it also holds `{j}`) and the parameters it carries.
 
-    kind: `same` (identical layout), `flat` (a 1-D tensor viewed as our [H, K]), `linear`
-    (torch [out, in] -> ours [in..., out...], the first `n_in` axes of ours being inputs), `conv`
-    (GPT-2 Conv1D [in, out] -> ours [in..., out...]). Several `ours` are concatenated along HF
-    axis `axis` (GPT-2's fused q/k/v).
+    Each placeholder of `hf` stands for one leading axis of `ours`, in order: our stacked
+    [N, E, ...] expert weights are N * E tensors `...layers.{i}...experts.{j}...` there. The
+    rest, one *element*, is transformed by kind: `same` (identical layout), `flat` (a 1-D
+    tensor viewed as our [H, K]), `linear` (torch [out, in] -> ours [in..., out...], the first
+    `n_in` axes of ours being inputs), `conv` (GPT-2 Conv1D [in, out] -> ours [in..., out...]).
+    The first `n_lead` axes of an element stay in front on both sides (transformers 5's fused
+    experts [E, out, in] are per-expert torch layouts). Several `ours` are concatenated along
+    HF axis `axis` (GPT-2's fused q/k/v, Mixtral's fused gate/up).
     """
 
     hf: str
@@ -50,24 +65,31 @@ class Link:
     kind: str = "same"
     n_in: int = 1
     axis: int = -1
+    n_lead: int = 0
 
     @property
-    def layered(self) -> bool:
-        return "{i}" in self.hf
+    def indices(self) -> tuple[str, ...]:
+        """The placeholders of `hf` (`i`: layer, `j`: expert), one per split leading axis."""
+        return tuple(f for _, f, _, _ in string.Formatter().parse(self.hf) if f)
 
-    def name(self, layer: int | None) -> str:
-        return self.hf if layer is None else self.hf.format(i=layer)
+    def counts(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """How many tensors per placeholder, given the full shapes of our parameters."""
+        return tuple(shapes[self.ours[0]][: len(self.indices)])
+
+    def name(self, index: tuple[int, ...] = ()) -> str:
+        return self.hf.format(**dict(zip(self.indices, index)))
 
     def _part_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        lead, rest = tuple(shape[: self.n_lead]), shape[self.n_lead :]
         if self.kind == "same":
             return tuple(shape)
         if self.kind == "flat":
-            return (math.prod(shape),)
-        ins, outs = math.prod(shape[: self.n_in]), math.prod(shape[self.n_in :])
-        return (outs, ins) if self.kind == "linear" else (ins, outs)
+            return (*lead, math.prod(rest))
+        ins, outs = math.prod(rest[: self.n_in]), math.prod(rest[self.n_in :])
+        return (*lead, *((outs, ins) if self.kind == "linear" else (ins, outs)))
 
     def hf_shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-        """The HF tensor's shape, given the (per-layer) shapes of `ours`."""
+        """The HF tensor's shape, given the element shapes of `ours`."""
         parts = [self._part_shape(s) for s in shapes]
         if len(parts) == 1:
             return parts[0]
@@ -84,15 +106,17 @@ class Link:
 
     def _one_to_ours(self, w: np.ndarray, shape) -> np.ndarray:
         if self.kind == "linear":
-            w = w.T
+            w = np.swapaxes(w, -1, -2)
         return np.ascontiguousarray(w.reshape(shape))
 
+    def _one_to_hf(self, x: np.ndarray) -> np.ndarray:
+        if self.kind != "linear":
+            return x.reshape(self._part_shape(x.shape))
+        lead, rest = x.shape[: self.n_lead], x.shape[self.n_lead :]
+        return np.swapaxes(x.reshape(*lead, math.prod(rest[: self.n_in]), -1), -1, -2)
+
     def to_hf(self, xs: list[np.ndarray]) -> np.ndarray:
-        parts = [
-            x.reshape(math.prod(x.shape[: self.n_in]), -1).T if self.kind == "linear"
-            else x.reshape(self._part_shape(x.shape))
-            for x in xs
-        ]  # fmt: skip
+        parts = [self._one_to_hf(x) for x in xs]
         out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.axis)
         return np.ascontiguousarray(out)
 
@@ -216,8 +240,14 @@ class Family:
     to_model: Callable[[dict], dict]
     to_hf: Callable[[ModelConfig], dict]
     links: Callable[[ModelConfig], list[Link]]
+    """The tensor layout export writes (and import reads first)."""
     ignore: tuple[str, ...] = ()
     """Suffixes of tensors that are not parameters (non-persistent buffers in old files)."""
+    other_links: tuple[Callable[[ModelConfig], list[Link]], ...] = ()
+    """Other tensor layouts import accepts (Mixtral: transformers 5's fused experts)."""
+
+    def layouts(self, cfg: ModelConfig) -> list[list[Link]]:
+        return [self.links(cfg), *(f(cfg) for f in self.other_links)]
 
 
 def _llama_like_model(hf: dict, *, tie_default: bool) -> dict:
@@ -245,29 +275,33 @@ def _llama_like_hf(cfg: ModelConfig) -> dict:
     }  # fmt: skip
 
 
-def _llama_like_links(cfg: ModelConfig, *, sandwich: bool = False) -> list[Link]:
+def _llama_like_links(cfg: ModelConfig, *, sandwich: bool = False, block: str = "layers/",
+                      dense_mlp: bool = True) -> list[Link]:  # fmt: skip
+    """Embedding, attention, norms and head of a Llama-style checkpoint; the blocks' stacked
+    parameters live under `block` (`moe_layers/moe/` when every block is MoE), and their
+    dense MLP is linked when `dense_mlp`."""
     p = "model.layers.{i}."
-    attn, mlp = "layers/attn/", "layers/mlp/"
+    attn, mlp = block + "attn/", block + "mlp/"
     links = [
         Link("model.embed_tokens.weight", ("embed/embedding",)),
-        Link(p + "input_layernorm.weight", ("layers/attn_norm/scale",)),
+        Link(p + "input_layernorm.weight", (block + "attn_norm/scale",)),
         Link(p + "self_attn.q_proj.weight", (attn + "q_proj",), "linear"),
         Link(p + "self_attn.k_proj.weight", (attn + "k_proj",), "linear"),
         Link(p + "self_attn.v_proj.weight", (attn + "v_proj",), "linear"),
         Link(p + "self_attn.o_proj.weight", (attn + "o_proj",), "linear", n_in=2),
-        Link(p + "mlp.gate_proj.weight", (mlp + "gate_proj",), "linear"),
-        Link(p + "mlp.up_proj.weight", (mlp + "up_proj",), "linear"),
-        Link(p + "mlp.down_proj.weight", (mlp + "down_proj",), "linear"),
         Link("model.norm.weight", ("final_norm/scale",)),
     ]
+    if dense_mlp:
+        links += [Link(p + f"mlp.{x}_proj.weight", (mlp + f"{x}_proj",), "linear")
+                  for x in ("gate", "up", "down")]  # fmt: skip
     if sandwich:
         links += [
-            Link(p + "post_attention_layernorm.weight", ("layers/post_attn_norm/scale",)),
-            Link(p + "pre_feedforward_layernorm.weight", ("layers/mlp_norm/scale",)),
-            Link(p + "post_feedforward_layernorm.weight", ("layers/post_mlp_norm/scale",)),
+            Link(p + "post_attention_layernorm.weight", (block + "post_attn_norm/scale",)),
+            Link(p + "pre_feedforward_layernorm.weight", (block + "mlp_norm/scale",)),
+            Link(p + "post_feedforward_layernorm.weight", (block + "post_mlp_norm/scale",)),
         ]
     else:
-        links.append(Link(p + "post_attention_layernorm.weight", ("layers/mlp_norm/scale",)))
+        links.append(Link(p + "post_attention_layernorm.weight", (block + "mlp_norm/scale",)))
     if cfg.qkv_bias:
         links += [Link(p + f"self_attn.{x}_proj.bias", (attn + f"{x}_bias",), "flat")
                   for x in "qkv"]  # fmt: skip
@@ -276,7 +310,7 @@ def _llama_like_links(cfg: ModelConfig, *, sandwich: bool = False) -> list[Link]
     if cfg.qk_norm:
         links += [Link(p + f"self_attn.{x}_norm.weight", (f"{attn}{x}_norm/scale",))
                   for x in "qk"]  # fmt: skip
-    if cfg.mlp_bias:
+    if cfg.mlp_bias and dense_mlp:
         links += [Link(p + f"mlp.{x}_proj.bias", (f"{mlp}{x}_bias",))
                   for x in ("gate", "up", "down")]  # fmt: skip
     if not cfg.tie_embeddings:
@@ -301,6 +335,71 @@ def _mistral_model(hf: dict) -> dict:
 
 def _mistral_hf(cfg: ModelConfig) -> dict:
     return {**_llama_like_hf(cfg), "sliding_window": cfg.sliding_window}
+
+
+def _mixtral_model(hf: dict) -> dict:
+    """Mixtral (Jiang et al. 2024, arXiv:2401.04088): Mistral attention, every block a top-k
+    of E SwiGLU experts with a softmax router renormalised over the chosen k, as
+    `jaxllm.model.moe.route` with router_score=softmax and normalize_top_k."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        _fail(f"Mixtral with hidden_act={act!r}: jaxllm's experts are SwiGLU (silu) only.")
+    if hf.get("router_jitter_noise") or 0.0:
+        _fail(f"router_jitter_noise={hf['router_jitter_noise']} (multiplicative noise on the "
+              "expert inputs in training) is not supported; set it to 0.")  # fmt: skip
+    experts, top_k = hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)
+    if not 1 <= top_k <= experts:
+        _fail(f"num_experts_per_tok={top_k} must be between 1 and num_local_experts={experts}.")
+    moe = {
+        "num_experts": experts, "experts_per_token": top_k,
+        "expert_mlp_dim": hf["intermediate_size"], "num_shared_experts": 0,
+        "first_dense_layers": 0, "moe_every": 1, "router_score": "softmax",
+        "normalize_top_k": True, "route_scale": 1.0, "bias_update_rate": 0.0,
+        "aux_loss_weight": float(hf.get("router_aux_loss_coef", 0.001)),
+    }  # fmt: skip
+    return {**_llama_like_model(hf, tie_default=False), "mlp_activation": "swiglu",
+            **_windows(hf, all_sliding_default=True), "moe": moe}  # fmt: skip
+
+
+def _mixtral_hf(cfg: ModelConfig) -> dict:
+    """config.json of a Mixtral. `output_router_logits` stays false as in released Mixtral
+    checkpoints (it turns on transformers' aux loss in training); the coefficient is ours."""
+    if not cfg.moe.enabled:
+        _fail("a dense model (model.moe.num_experts=0) has no Mixtral checkpoint; export it as "
+              "llama or mistral.")  # fmt: skip
+    return {
+        **_llama_like_hf(cfg), "intermediate_size": cfg.resolved_expert_mlp_dim,
+        "hidden_act": "silu", "sliding_window": cfg.sliding_window,
+        "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.experts_per_token,
+        "router_aux_loss_coef": cfg.moe.aux_loss_weight, "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+    }  # fmt: skip
+
+
+def _mixtral_links(cfg: ModelConfig) -> list[Link]:
+    """Released Mixtral checkpoints (and transformers 5's `save_pretrained`): the router and
+    every expert's w1 (gate), w3 (up), w2 (down) as separate torch Linear weights."""
+    p, moe = "model.layers.{i}.block_sparse_moe.", "moe_layers/moe/mlp/"
+    return [
+        *_llama_like_links(cfg, block="moe_layers/moe/", dense_mlp=False),
+        Link(p + "gate.weight", (moe + "router",), "linear"),
+        Link(p + "experts.{j}.w1.weight", (moe + "gate_proj",), "linear"),
+        Link(p + "experts.{j}.w3.weight", (moe + "up_proj",), "linear"),
+        Link(p + "experts.{j}.w2.weight", (moe + "down_proj",), "linear"),
+    ]
+
+
+def _mixtral_fused_links(cfg: ModelConfig) -> list[Link]:
+    """transformers 5's in-memory layout (`save_pretrained(save_original_format=False)`):
+    per layer, `gate_up_proj` [E, 2F, D] (gate rows, then up rows) and `down_proj` [E, D, F]."""
+    p, moe = "model.layers.{i}.mlp.", "moe_layers/moe/mlp/"
+    gate_up = (moe + "gate_proj", moe + "up_proj")
+    return [
+        *_llama_like_links(cfg, block="moe_layers/moe/", dense_mlp=False),
+        Link(p + "gate.weight", (moe + "router",), "linear"),
+        Link(p + "experts.gate_up_proj", gate_up, "linear", axis=-2, n_lead=1),
+        Link(p + "experts.down_proj", (moe + "down_proj",), "linear", n_lead=1),
+    ]
 
 
 def _qwen_model(hf: dict, qwen3: bool) -> dict:
@@ -433,6 +532,14 @@ FAMILIES: dict[str, Family] = {
             lambda c: _llama_like_links(c, sandwich=True),
         ),
         Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            _mixtral_model,
+            _mixtral_hf,
+            _mixtral_links,
+            other_links=(_mixtral_fused_links,),
+        ),
+        Family(
             "gpt2",
             "GPT2LMHeadModel",
             _gpt2_model,
@@ -458,6 +565,8 @@ def model_fields(hf: dict) -> dict:
 
 def guess_family(cfg: ModelConfig) -> Family:
     """The family a model exports as when none is named: the one its knobs point to."""
+    if cfg.moe.enabled:
+        return FAMILIES["mixtral"]
     if cfg.position == "learned":
         return FAMILIES["gpt2"]
     if cfg.norm_placement == "sandwich":
@@ -476,19 +585,43 @@ def hf_config(cfg: ModelConfig, family: Family) -> dict:
     (found by reading the written config back and comparing)."""
     out = {"architectures": [family.architecture], "model_type": family.name, **family.to_hf(cfg)}
     try:
-        back = dataclasses.replace(ModelConfig(), **family.to_model(out))
+        back = config_lib.from_dict({"model": family.to_model(out)}).model
     except ConfigError as e:
         _fail(f"this model cannot be expressed in a {family.name} checkpoint: {e}")
-    diff = [
-        f"model.{f.name}={getattr(cfg, f.name)!r}"
-        for f in dataclasses.fields(ModelConfig)
-        if f.name not in NOT_ARCHITECTURE
-        and not _same(f.name, getattr(cfg, f.name), getattr(back, f.name), cfg)
-    ]
+    diff = _differences(cfg, back)
     if diff:
         _fail(f"{', '.join(diff)} cannot be expressed in a {family.name} checkpoint; export as "
               f"another family (--family) or change the model.")  # fmt: skip
     return out
+
+
+def _differences(cfg: ModelConfig, back: ModelConfig) -> list[str]:
+    """The architecture knobs of `cfg` that `back` (its config.json read back) lost."""
+    skip = NOT_ARCHITECTURE | {"moe"}
+    if not (_has_dense_blocks(cfg) or _has_dense_blocks(back)):
+        skip |= DENSE_MLP
+    diff = [
+        f"model.{f.name}={getattr(cfg, f.name)!r}"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in skip and not _same(f.name, getattr(cfg, f.name), getattr(back, f.name), cfg)
+    ]  # fmt: skip
+    if not (cfg.moe.enabled or back.moe.enabled):
+        return diff
+    if cfg.moe.enabled != back.moe.enabled:  # the other MoE knobs mean nothing to a dense side
+        return [*diff, f"model.moe.num_experts={cfg.moe.num_experts}"]
+    return diff + [
+        f"model.moe.{f.name}={getattr(cfg.moe, f.name)!r}"
+        for f in dataclasses.fields(MoEConfig)
+        if f.name not in MOE_NOT_ARCHITECTURE
+        and not (f.name == "expert_mlp_dim"
+                 and cfg.resolved_expert_mlp_dim == back.resolved_expert_mlp_dim)
+        and not _same(f.name, getattr(cfg.moe, f.name), getattr(back.moe, f.name), cfg)
+    ]  # fmt: skip
+
+
+def _has_dense_blocks(cfg: ModelConfig) -> bool:
+    moe = cfg.moe
+    return not moe.enabled or moe.first_dense_layers > 0 or moe.moe_every > 1
 
 
 def _same(name: str, a, b, cfg: ModelConfig) -> bool:

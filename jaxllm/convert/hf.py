@@ -3,15 +3,18 @@
 Import never assembles the model on one device or in host memory at once: every parameter is
 created with `jax.make_array_from_callback` and its `NamedSharding`, and the callback reads only
 what the asking device's shard needs (for a stacked [N, ...] parameter, the layers in its
-slice; for an unstacked tensor of identical layout, just the shard's rows and columns through
-`safe_open(...).get_slice`). Before anything is read, `check` compares every expected name and
-shape with the files' headers and refuses, with one ConfigError, tensors it cannot map,
-missing ones and shape mismatches.
+slice, and for stacked experts [N, E, ...] the experts in its slice too; for a tensor of
+identical layout, just the shard's rows and columns through `safe_open(...).get_slice`).
+Before anything is read, `check` picks the family's tensor layout that the files hold
+(Mixtral: per-expert or fused experts), compares every expected name and shape with the files'
+headers and refuses, with one ConfigError, tensors it cannot map, missing ones and shape
+mismatches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import shutil
@@ -100,29 +103,59 @@ def _unflat(flat: dict[str, object]) -> dict:
     return out
 
 
+COUNTED = {"i": "layers", "j": "experts"}  # the report's word for each placeholder of a name
+
+
 @dataclasses.dataclass
 class Mapped:
-    """One line of the report: an HF tensor name (with `{i}` for N layers) and our params."""
+    """One line of the report: an HF tensor name (with `{i}` for N layers, `{j}` for E
+    experts), how many of each, and our params."""
 
     hf: str
-    layers: int | None
+    counts: tuple[int, ...]
     ours: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: str
 
+    @classmethod
+    def of(cls, link: Link, shapes: dict, dtype: str) -> Mapped:
+        return cls(link.hf, link.counts(shapes), link.ours, tuple(shapes[p] for p in link.ours),
+                   dtype)  # fmt: skip
+
     def __str__(self) -> str:
-        n = f" x{self.layers} layers" if self.layers else ""
+        indices = Link(self.hf, self.ours).indices
+        n = "".join(f" x{c} {COUNTED.get(i, i)}" for i, c in zip(indices, self.counts))
         ours = ", ".join(f"{p} {list(s)}" for p, s in zip(self.ours, self.shapes))
         return f"{self.hf}{n} -> {ours} {self.dtype}"
 
 
-def _layer_shapes(link: Link, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]]:
-    return [shapes[p][1:] if link.layered else shapes[p] for p in link.ours]
+def _element_shapes(link: Link, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Shapes of one HF tensor's share of each of `link.ours` (the split axes dropped)."""
+    return [shapes[p][len(link.indices) :] for p in link.ours]
+
+
+def _each(link: Link, shapes: dict) -> itertools.product:
+    """Every index tuple (layer, expert, ...) of the link's separate HF tensors."""
+    return itertools.product(*(range(c) for c in link.counts(shapes)))
 
 
 def check(reader: Reader, family: Family, cfg: ModelConfig, shapes: dict) -> list[Link]:
-    """The family's links for `cfg`, after checking names and shapes against the files."""
-    links = family.links(cfg)
+    """The family's links for `cfg` in the layout the files hold, after checking names and
+    shapes against them; when no layout fits, the errors of the closest one."""
+    best: list[str] | None = None
+    for links in family.layouts(cfg):
+        _check_owned(family, links, shapes)
+        errors = _mismatches(reader, family, links, shapes)
+        if not errors:
+            return links
+        if best is None or len(errors) < len(best):
+            best = errors
+    more = f" (and {len(best) - 5} more)" if len(best) > 5 else ""
+    raise ConfigError(f"cannot convert this {family.name} checkpoint: "
+                      f"{'; '.join(best[:5])}{more}.")  # fmt: skip
+
+
+def _check_owned(family: Family, links: list[Link], shapes: dict) -> None:
     owned = [p for link in links for p in link.ours]
     unowned = sorted(set(shapes) - set(owned))
     if unowned or set(owned) - set(shapes):
@@ -130,11 +163,14 @@ def check(reader: Reader, family: Family, cfg: ModelConfig, shapes: dict) -> lis
             f"the {family.name} mapping and the model disagree on parameters "
             f"({', '.join(unowned or sorted(set(owned) - set(shapes)))}); check the model keys."
         )
+
+
+def _mismatches(reader: Reader, family: Family, links: list[Link], shapes: dict) -> list[str]:
     errors, expected = [], set()
     for link in links:
-        want = link.hf_shape(_layer_shapes(link, shapes))
-        for layer in range(cfg.num_layers) if link.layered else [None]:
-            name = link.name(layer)
+        want = link.hf_shape(_element_shapes(link, shapes))
+        for index in _each(link, shapes):
+            name = link.name(index)
             expected.add(name)
             if name not in reader.shapes:
                 errors.append(f"missing tensor {name}")
@@ -143,12 +179,7 @@ def check(reader: Reader, family: Family, cfg: ModelConfig, shapes: dict) -> lis
                               f"{list(want)}")  # fmt: skip
     extra = sorted(n for n in set(reader.shapes) - expected
                    if not any(n.endswith(s) for s in family.ignore))  # fmt: skip
-    errors += [f"tensor {n} {list(reader.shapes[n])} maps to no parameter" for n in extra]
-    if errors:
-        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-        raise ConfigError(f"cannot convert this {family.name} checkpoint: "
-                          f"{'; '.join(errors[:5])}{more}.")  # fmt: skip
-    return links
+    return errors + [f"tensor {n} {list(reader.shapes[n])} maps to no parameter" for n in extra]
 
 
 def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, list[Mapped]]:
@@ -171,31 +202,40 @@ def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, list[Mapped]]:
             out[path] = jax.make_array_from_callback(
                 shapes[path], flat_sh[path], _callback(reader, link, k, shapes, flat[path].dtype)
             )
-    report = [
-        Mapped(link.hf, cfg.num_layers if link.layered else None, link.ours,
-               tuple(shapes[p] for p in link.ours),
-               DTYPES.get(d := reader.dtypes[link.name(0 if link.layered else None)], d))
-        for link in links
-    ]  # fmt: skip
+    report = [Mapped.of(link, shapes, _stored_dtype(reader, link, shapes)) for link in links]
     return _unflat(out), report
 
 
+def _stored_dtype(reader: Reader, link: Link, shapes: dict) -> str:
+    """The dtype of the link's (first) HF tensor, as a numpy name where we know it."""
+    dt = reader.dtypes[link.name(next(_each(link, shapes)))]
+    return DTYPES.get(dt, dt)
+
+
 def _callback(reader: Reader, link: Link, k: int, shapes: dict, dtype) -> Callable:
-    """Shard reader for component k of `link`. Devices holding the same shard (replicas) ask
-    for the same index one after another, so the last shard built is kept."""
-    per_layer = _layer_shapes(link, shapes)
+    """Shard reader for component k of `link`: stacks the HF tensors of the layers (and
+    experts) in the shard's slice, each cut to the rest of the shard's index. Devices holding
+    the same shard (replicas) ask for the same index one after another, so the last shard
+    built is kept."""
+    per_element = _element_shapes(link, shapes)
+    depth, lead = len(link.indices), link.n_lead
     last: dict = {}
 
-    def one(layer, index):
+    def one(at, index):
+        """Component k of the HF tensor `at` (layer, expert, ...) at `index`."""
+        name = link.name(at)
         if link.kind == "same" and len(link.ours) == 1:  # same layout: read just the slice
-            return reader.read(link.name(layer), index)
-        return link.to_ours(reader.read(link.name(layer)), per_layer)[k][index]
+            return reader.read(name, index)
+        # Axes kept in front (fused experts) are read only in the shard's slice.
+        w = reader.read(name, index[:lead]) if lead else reader.read(name)
+        parts = [w.shape[:lead] + s[lead:] for s in per_element]
+        return link.to_ours(w, parts)[k][(slice(None),) * lead + index[lead:]]
 
-    def build(index):
-        if not link.layered:
-            return one(None, index)
-        layers = range(shapes[link.ours[k]][0])[index[0]]
-        return np.stack([one(i, tuple(index[1:])) for i in layers])
+    def build(index, at=()):
+        if len(at) == depth:
+            return one(at, index)
+        split = range(shapes[link.ours[k]][len(at)])[index[0]]
+        return np.stack([build(index[1:], (*at, j)) for j in split])
 
     def callback(index):
         key = tuple((s.start, s.stop, s.step) for s in index)
@@ -254,7 +294,8 @@ def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
 def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None = None,
               shard_bytes: int = SHARD_BYTES) -> list[Mapped]:  # fmt: skip
     """Writes config.json and model.safetensors (or shards + index) of `params` (a nested dict
-    of arrays, possibly sharded: each tensor is fetched to the host one layer at a time)."""
+    of arrays, possibly sharded: each tensor is fetched to the host one layer, or one layer's
+    expert, at a time), in the family's first layout (Mixtral: per-expert tensors)."""
     from jaxllm.convert.families import FAMILIES
 
     m = cfg.model
@@ -275,17 +316,16 @@ def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None =
     size = 0
     report = []
     for link in links:
-        for layer in range(m.num_layers) if link.layered else [None]:
-            xs = [np.asarray(jax.device_get(flat[p][layer] if link.layered else flat[p]))
+        for index in _each(link, shapes):  # one layer (and expert) at a time to the host
+            xs = [np.asarray(jax.device_get(flat[p][index] if index else flat[p]))
                   for p in link.ours]  # fmt: skip
             t = link.to_hf(xs)
             if size and size + t.nbytes > shard_bytes:
                 files.append({})
                 size = 0
-            files[-1][link.name(layer)] = t
+            files[-1][link.name(index)] = t
             size += t.nbytes
-        report.append(Mapped(link.hf, m.num_layers if link.layered else None, link.ours,
-                             tuple(shapes[p] for p in link.ours), str(flat[link.ours[0]].dtype)))  # fmt: skip
+        report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
     names = (["model.safetensors"] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])  # fmt: skip
     for old in hf_dir.glob("*.safetensors"):
