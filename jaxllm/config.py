@@ -320,10 +320,8 @@ class ModelConfig:
             _fail("model.rope_low_freq_factor must be positive and below rope_high_freq_factor.")
         if self.position == "rope" and self.rope_dim % 2:
             _fail(f"the RoPE head dim ({self.rope_dim}) must be even.")
-        if self.mla.enabled:
+        if self.mla.enabled:  # off, its widths are ignored (as moe.* without experts)
             self._validate_mla()
-        elif self.mla != MLAConfig():
-            _fail("model.mla.* needs model.mla.kv_lora_rank > 0 (MLA is off at 0).")
         if self.sliding_window is not None and self.sliding_window < 1:
             _fail(f"model.sliding_window must be >= 1 or null, not {self.sliding_window}.")
         if self.global_every < 0 or (self.global_every and self.sliding_window is None):
