@@ -61,6 +61,18 @@ def test_plan_reports_kv_cache_bytes_per_token():
     assert kv["bytes_per_device"] == kv["per_token"]["int8"] * tokens / 8
 
 
+def test_plan_reports_the_latent_cache_of_an_mla_model():
+    """[latent ; rope key] per token and layer, no int4, and not split over tensor (one head)."""
+    r = _plan("mesh.data=2", "mesh.tensor=2", "mesh.fsdp=2", "model.num_kv_heads=4",
+              "model.mla.kv_lora_rank=32", "model.mla.qk_rope_head_dim=16")  # fmt: skip
+    kv = r["kv_cache"]
+    m = config.ModelConfig()
+    assert kv["per_token"] == {"bfloat16": m.num_layers * 48 * 2, "float32": m.num_layers * 48 * 4,
+                               "int8": m.num_layers * (48 + 2)}  # fmt: skip
+    tokens = config.TrainConfig().global_batch_size * m.max_seq_len
+    assert kv["bytes_per_device"] == kv["per_token"]["bfloat16"] * tokens / 4
+
+
 def test_ring_attention_passes_kv_around_the_ring():
     r = _plan("mesh.data=1", "mesh.fsdp=4", "mesh.sequence=2", "mesh.sequence_attention=ring")
     assert r["collectives"]["collective-permute"]["count"] > 0
