@@ -573,6 +573,16 @@ def test_qwen3_30b_a3b_plans_on_an_expert_parallel_mesh():
     assert r["collectives"]["reduce-scatter"]["count"] > 0
 
 
+@pytest.mark.slow
+def test_deepseek_v3_plans_on_an_expert_parallel_mesh():
+    r = _plan_preset("deepseek_v3")
+    assert r["params"] == 671_026_404_352  # the routing biases are model state, not counted
+    rows = {row["name"]: row for row in r["param_rows"]}
+    assert rows["moe_layers/moe/mlp/gate_proj"]["shape"] == (58, 256, 7168, 2048)
+    assert rows["layers/attn/q_b_proj"]["shape"] == (3, 1536, 128, 192)
+    assert r["mesh"]["expert"] == 8
+
+
 def test_plan_does_not_count_collectives_over_single_devices():
     # shard_map leaves all-reduces over mesh axes of size 1 in the program: they move nothing
     from jaxllm.plan import collectives
