@@ -258,6 +258,12 @@ def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(
     got = jaxllm.load_model(legacy, overrides=["model.dtype=float32"])(_tokens(1))
     np.testing.assert_allclose(got, _hf_logits(model, _tokens(1)), atol=1e-4, rtol=1e-4)
 
+    # a fine-tune with bias balancing: the bias Mixtral does not have starts at zero
+    moe = dataclasses.replace(cfg.model.moe, bias_update_rate=1e-3)
+    _, state, _ = convert_hf.load_params(legacy, dataclasses.replace(cfg.model, moe=moe), mesh)
+    bias = state["moe_layers"]["moe"]["mlp"]["router_bias"]
+    assert bias.shape == (2, 4) and not np.asarray(bias).any()
+
 
 def test_mixtral_refuses_what_the_knobs_cannot_express():
     hf_cfg = json.loads(hf.MixtralConfig(**SMALL, num_local_experts=4).to_json_string())
