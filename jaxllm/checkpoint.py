@@ -146,10 +146,13 @@ def latest_step(directory: str | Path) -> int | None:
         return mgr.latest_step()
 
 
-def save_params(directory: str | Path, params, *, step: int, config: dict, tokenizer: dict):
-    """A weights-only checkpoint (items params, config, tokenizer; no optimizer state), as
-    `jaxllm convert import` writes: `jaxllm generate / eval` read it, and a training run in its
-    directory starts from it (`has_train_state` is False: it is not a resume point)."""
+def save_params(directory: str | Path, params, *, step: int, config: dict, tokenizer: dict,
+                model_state=None):  # fmt: skip
+    """A weights-only checkpoint (items params, config, tokenizer, and model_state when there
+    is one; no optimizer state), as `jaxllm convert import` writes: `jaxllm generate / eval`
+    read it, and a training run in its directory starts from it (`has_train_state` is False:
+    it is not a resume point)."""
+    extra = {"model_state": ocp.args.StandardSave(model_state)} if model_state else {}
     with manager(directory, CheckpointConfig(async_save=False)) as mgr:
         mgr.save(
             step,
@@ -157,6 +160,7 @@ def save_params(directory: str | Path, params, *, step: int, config: dict, token
                 params=ocp.args.StandardSave(params),
                 config=ocp.args.JsonSave(config),
                 tokenizer=ocp.args.JsonSave(tokenizer),
+                **extra,
             ),
             force=True,
         )

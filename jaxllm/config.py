@@ -119,11 +119,27 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for
     the top-k choice only, moves by this much per step against the sign of each expert's load
-    error; 0 disables it (no bias is kept)."""
+    error; 0 keeps it where it is (and without `router_bias` there is no bias at all)."""
+    router_bias: bool = False
+    """Keep the per-expert choice bias even when bias_update_rate is 0: a model imported from
+    DeepSeek-V3 routes with its trained `e_score_correction_bias`, frozen unless
+    bias_update_rate > 0 (which implies a bias)."""
+    num_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups
+    of consecutive experts (one per device or node in DeepSeek's layout); 1: no groups."""
+    groups_per_token: int = 1
+    """Group-limited routing (DeepSeek-V3's topk_group): a token's top-k experts come from its
+    best this-many groups, a group ranked by the sum of its two highest (biased) scores, which
+    bounds how many devices a token's assignments travel to; num_groups: no limit."""
 
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def has_router_bias(self) -> bool:
+        """Whether MoE layers carry a `RouterBias` (in the model state, not the parameters)."""
+        return self.router_bias or self.bias_update_rate > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -727,6 +743,23 @@ def _validate_moe(m: ModelConfig) -> None:
     for name in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate"):
         if getattr(moe, name) < 0:
             _fail(f"model.moe.{name} must be >= 0, not {getattr(moe, name)}.")
+    _validate_groups(moe)
+
+
+def _validate_groups(moe: MoEConfig) -> None:
+    groups, keep = moe.num_groups, moe.groups_per_token
+    if groups < 1 or moe.num_experts % groups:
+        _fail(f"model.moe.num_groups ({groups}) must be a positive divisor of "
+              f"model.moe.num_experts ({moe.num_experts}).")  # fmt: skip
+    if not 1 <= keep <= groups:
+        _fail(f"model.moe.groups_per_token ({keep}) must be between 1 and model.moe.num_groups "
+              f"({groups}).")  # fmt: skip
+    if moe.experts_per_token > keep * (moe.num_experts // groups):
+        _fail(
+            f"model.moe.experts_per_token ({moe.experts_per_token}) exceeds the "
+            f"{keep * (moe.num_experts // groups)} experts of model.moe.groups_per_token ({keep}) "
+            f"groups of {moe.num_experts // groups}; raise groups_per_token."
+        )
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 import jaxllm
 from jaxllm import cli, config, sharding
-from jaxllm.config import GenerateConfig, MeshConfig, MoEConfig
+from jaxllm.config import GenerateConfig, MeshConfig, MLAConfig, MoEConfig
 from jaxllm.convert import families
 from jaxllm.convert import hf as convert_hf
 from jaxllm.infer import generate
@@ -26,6 +26,19 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB, LEN = 320, 20
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+# DeepSeek-V3 MLA in small: a kv latent of 16, a query latent of 24, heads of 16 + 8 RoPE
+# query/key channels and 12 value channels; first_k_dense_replace = layers: every block dense.
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2)  # fmt: skip
+# ... and its MoE blocks after one dense block: 8 experts in 2 groups, top-2 from the best group,
+# a shared expert, and YaRN with DeepSeek's mscale / mscale_all_dim (unequal, so both the
+# cos/sin factor and the softmax scale move).
+DEEPSEEK_MOE = dict(MLA, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                    num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                    moe_intermediate_size=32, routed_scaling_factor=2.5, rope_parameters={
+                        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 16, "mscale": 1.0,
+                        "mscale_all_dim": 0.8})  # fmt: skip
 
 FAMILIES = {
     "llama2": (hf.LlamaConfig, hf.LlamaForCausalLM, dict(num_key_value_heads=4)),
@@ -43,6 +56,11 @@ FAMILIES = {
     "gemma2": (hf.Gemma2Config, hf.Gemma2ForCausalLM, dict(
         head_dim=16, sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0)),
+    "deepseek_v3-dense": (hf.DeepseekV3Config, hf.DeepseekV3ForCausalLM, MLA),
+    "deepseek_v3-dense-q_lora_none-rotate_half": (
+        hf.DeepseekV3Config, hf.DeepseekV3ForCausalLM,
+        dict(MLA, q_lora_rank=None, rope_interleave=False)),
+    "deepseek_v3": (hf.DeepseekV3Config, hf.DeepseekV3ForCausalLM, DEEPSEEK_MOE),
     "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel, dict(
         n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB)),
 }  # fmt: skip
@@ -56,6 +74,9 @@ def _hf_model(family: str, seed: int = 0):
     with torch.no_grad():  # perturb everything: zero biases / unit norms would hide mistakes
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias is a saved buffer
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.05 * torch.randn_like(b))
     return model
 
 
@@ -157,9 +178,9 @@ def test_streams_each_shard_onto_the_mesh(tmp_path, monkeypatch):
 
     monkeypatch.setattr(convert_hf.Reader, "read", spy)
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    params, _ = convert_hf.load_params(src, cfg.model, mesh)
+    params, _, _ = convert_hf.load_params(src, cfg.model, mesh)
     embed_reads = {shape for name, shape in reads if name == "model.embed_tokens.weight"}
-    ref, _ = convert_hf.load_params(src, cfg.model, sharding.make_mesh(MeshConfig(),
+    ref, _, _ = convert_hf.load_params(src, cfg.model, sharding.make_mesh(MeshConfig(),
                                                                        jax.devices()[:1]))  # fmt: skip
     q = params["layers"]["attn"]["q_proj"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
@@ -218,7 +239,7 @@ def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(
 
     monkeypatch.setattr(convert_hf.Reader, "read", spy)
     mesh = sharding.make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
-    from_legacy, report = convert_hf.load_params(legacy, cfg.model, mesh)
+    from_legacy, _, report = convert_hf.load_params(legacy, cfg.model, mesh)
     assert any("experts.{j}.w1.weight x2 layers x4 experts" in str(m) for m in report)
     gate = from_legacy["moe_layers"]["moe"]["mlp"]["gate_proj"]
     assert gate.sharding.spec[1] == "expert"
@@ -228,7 +249,7 @@ def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(
     assert sum(".w1." in name for name, _ in reads) == want == 8 * 2 * 2  # 2 of 4 experts each
 
     reads.clear()
-    from_fused, _ = convert_hf.load_params(fused, cfg.model, mesh)
+    from_fused, _, _ = convert_hf.load_params(fused, cfg.model, mesh)
     fused_reads = {shape for name, shape in reads if name.endswith("gate_up_proj")}
     assert fused_reads == {(2, 256, 64)}
     for a, b in zip(jax.tree.leaves(from_legacy), jax.tree.leaves(from_fused)):
@@ -236,6 +257,12 @@ def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(
 
     got = jaxllm.load_model(legacy, overrides=["model.dtype=float32"])(_tokens(1))
     np.testing.assert_allclose(got, _hf_logits(model, _tokens(1)), atol=1e-4, rtol=1e-4)
+
+    # a fine-tune with bias balancing: the bias Mixtral does not have starts at zero
+    moe = dataclasses.replace(cfg.model.moe, bias_update_rate=1e-3)
+    _, state, _ = convert_hf.load_params(legacy, dataclasses.replace(cfg.model, moe=moe), mesh)
+    bias = state["moe_layers"]["moe"]["mlp"]["router_bias"]
+    assert bias.shape == (2, 4) and not np.asarray(bias).any()
 
 
 def test_mixtral_refuses_what_the_knobs_cannot_express():
@@ -270,6 +297,156 @@ def test_mixtral_refuses_what_the_knobs_cannot_express():
     dense = dataclasses.replace(tiny, moe=MoEConfig())
     with pytest.raises(config.ConfigError, match="has no Mixtral checkpoint"):
         families.hf_config(dense, families.FAMILIES["mixtral"])
+
+
+def test_deepseek_v3_layouts_mtp_layers_and_the_routing_that_matters(tmp_path):
+    """transformers' default `save_pretrained` writes one tensor per expert (as the released
+    DeepSeek-V3 does), `save_original_format=False` the fused experts: both import to the same
+    parameters and routing bias, and blocks past num_hidden_layers (the released checkpoint's
+    multi-token-prediction layer 61) are left unread. The parity model's logits depend on the
+    group limit and on the bias, so the parity test checks both; the bias reaches the model
+    state of a run directory and of a fine-tune's train state."""
+    import optax
+
+    from jaxllm.convert import load_params_from
+    from jaxllm.train.state import init_state_from
+
+    model = _hf_model("deepseek_v3")
+    per_expert = _save(model, tmp_path / "hf")
+    tensors = load_file(str(per_expert / "model.safetensors"))
+    assert "model.layers.2.mlp.experts.7.gate_proj.weight" in tensors
+    tensors["model.layers.3.eh_proj.weight"] = np.ones((64, 128), np.float32)  # an MTP layer
+    tensors["model.layers.3.mlp.experts.0.up_proj.weight"] = np.ones((32, 64), np.float32)
+    save_file(tensors, str(per_expert / "model.safetensors"), metadata={"format": "pt"})
+    fused = tmp_path / "fused"
+    model.save_pretrained(fused, save_original_format=False)
+    assert "model.layers.2.mlp.experts.gate_up_proj" in load_file(str(fused / "model.safetensors"))
+
+    cfg = convert_hf.model_config(per_expert, ["model.dtype=float32"])
+    mesh = sharding.make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
+    params, state, report = convert_hf.load_params(per_expert, cfg.model, mesh)
+    assert any("experts.{j}.gate_proj.weight x2 layers x8 experts (from layer 1)" in str(m)
+               for m in report)  # fmt: skip
+    fused_params, fused_state, _ = convert_hf.load_params(fused, cfg.model, mesh)
+    for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((fused_params, fused_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    gates = [layer.mlp.gate for layer in model.model.layers[1:]]
+    bias = np.stack([g.e_score_correction_bias.detach().numpy() for g in gates])
+    np.testing.assert_array_equal(state["moe_layers"]["moe"]["mlp"]["router_bias"], bias)
+
+    tokens = _tokens()
+    want = _hf_logits(model, tokens)
+    for g in gates:  # every group open: other experts win
+        g.topk_group = g.num_group
+    assert np.abs(_hf_logits(model, tokens) - want).max() > 1e-3
+    for g in gates:  # the group limit back, the bias zeroed: other experts win again
+        g.topk_group = 1
+        g.e_score_correction_bias.zero_()
+    assert np.abs(_hf_logits(model, tokens) - want).max() > 1e-3
+
+    assert _run("convert", "import", per_expert, tmp_path / "run") == 0
+    for source in (per_expert, tmp_path / "run"):
+        params, state = load_params_from(source, cfg.model, mesh)
+        train = init_state_from(params, cfg.model, optax.sgd(0.1), mesh, 0, state)
+        got = jax.device_get(train.model_state)["moe_layers"]["moe"]["mlp"]["router_bias"]
+        np.testing.assert_array_equal(got, bias)
+
+
+# The released DeepSeek-V3 config.json (deepseek-ai/DeepSeek-V3), less auto_map.
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1,
+    "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "seq_aux": True, "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_deepseek_v3_config_json_maps_to_the_preset(tmp_path):
+    """The released config maps to configs/models/deepseek_v3.yaml (YaRN x40 with
+    mscale = mscale_all_dim = 1: cos/sin unscaled, the softmax sharpened by
+    (0.1 ln 40 + 1)^2), and the preset writes it back; its FP8 weights are refused."""
+    from jaxllm.metrics import param_counts
+
+    imported = config.from_dict({"model": families.model_fields(DEEPSEEK_V3_CONFIG)}).model
+    imported.validate()
+    preset = config.load(None, ["model=deepseek_v3"]).model
+    assert families._differences(preset, imported) == []
+    assert imported.attn_scale == pytest.approx(192**-0.5 * (0.1 * np.log(40) + 1) ** 2)
+    assert (imported.rope_attention_factor, imported.moe.num_groups) == (1.0, 8)
+    # 671B without the 58 x 256 routing biases (model state) and the MTP module
+    assert param_counts(preset)["total"] == 671_026_404_352
+
+    out = families.hf_config(preset, families.FAMILIES["deepseek_v3"])
+    keys = ["hidden_size", "num_hidden_layers", "q_lora_rank", "kv_lora_rank", "n_group",
+            "topk_group", "first_k_dense_replace", "routed_scaling_factor", "n_routed_experts",
+            "moe_intermediate_size", "intermediate_size", "max_position_embeddings",
+            "vocab_size"]  # fmt: skip
+    assert {k: out[k] for k in keys} == {k: DEEPSEEK_V3_CONFIG[k] for k in keys}
+    rope = out["rope_parameters"]
+    assert (rope["factor"], rope["attention_factor"], rope["mscale_all_dim"]) == (40, 1.0, 1.0)
+    assert out["num_nextn_predict_layers"] == 0  # no multi-token-prediction weights exported
+
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(DEEPSEEK_V3_CONFIG))
+    with pytest.raises(config.ConfigError, match="quantized checkpoint .*quant_method fp8"):
+        convert_hf.model_config(tmp_path / "fp8")
+
+
+def test_deepseek_v3_refuses_what_the_knobs_cannot_express():
+    hf_cfg = json.loads(hf.DeepseekV3Config(**{**SMALL, **DEEPSEEK_MOE}).to_json_string())
+    for extra, message in [
+        ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ({"topk_method": "greedy"}, "topk_method='greedy'"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+        ({"hidden_act": "gelu"}, "SwiGLU"),
+        ({"attention_bias": True}, "attention_bias=true"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+        ({"n_shared_experts": 0}, "n_shared_experts=0"),
+    ]:  # fmt: skip
+        with pytest.raises(config.ConfigError, match=message):
+            families.model_fields({**hf_cfg, **extra})
+    fields = families.model_fields({**hf_cfg, "n_group": 4, "topk_group": 1})  # 2 per group
+    assert fields["moe"]["num_groups"] == 4
+    with pytest.raises(config.ConfigError, match="raise groups_per_token"):
+        config.from_dict({"model": {**fields, "moe": {**fields["moe"], "experts_per_token": 3}},
+                          "data": {"seq_len": 16}}).validate()  # fmt: skip
+
+    deepseek = families.FAMILIES["deepseek_v3"]
+    tiny = config.load(REPO / "configs/models/tiny_deepseek.yaml").model  # GQA, not MLA
+    with pytest.raises(config.ConfigError, match="has no deepseek_v3 checkpoint"):
+        families.hf_config(tiny, deepseek)
+    mla = dataclasses.replace(tiny, num_kv_heads=4, mla=MLAConfig(
+        kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32))  # fmt: skip
+    assert families.guess_family(mla).name == "deepseek_v3"
+    out = families.hf_config(mla, deepseek)  # its trained bias is the correction bias
+    assert (out["first_k_dense_replace"], out["q_lora_rank"], out["n_group"]) == (1, None, 1)
+    for changes, message in [
+        (dict(router_score="softmax"), "model.moe.router_score='softmax'"),
+        (dict(moe_every=3), "model.moe.moe_every=3"),
+        (dict(bias_update_rate=0.0), "model.moe.router_bias=False"),
+        (dict(num_shared_experts=0), "n_shared_experts=0"),
+    ]:  # fmt: skip
+        changed = dataclasses.replace(mla, moe=dataclasses.replace(mla.moe, **changes))
+        with pytest.raises(config.ConfigError, match=message):
+            families.hf_config(changed, deepseek)
+    with pytest.raises(config.ConfigError, match="model.attn_scale=0.1"):  # no YaRN to carry it
+        families.hf_config(dataclasses.replace(mla, attn_scale=0.1), deepseek)
 
 
 def test_converted_checkpoint_trains_and_generates(tmp_path, capsys):

@@ -96,6 +96,10 @@ ROUTERS = {
     "sigmoid_shared_bias": MoEConfig(num_experts=8, experts_per_token=3, router_score="sigmoid",
                                      num_shared_experts=2, route_scale=2.5,
                                      bias_update_rate=0.1),
+    "sigmoid_groups_frozen_bias": MoEConfig(num_experts=8, experts_per_token=2,
+                                            router_score="sigmoid", num_shared_experts=1,
+                                            route_scale=2.5, num_groups=4, groups_per_token=2,
+                                            router_bias=True),
 }  # fmt: skip
 
 
@@ -173,6 +177,44 @@ def test_router_scores_top_k_and_bias():
     assert "top_k[" in jaxpr and "f32[1,2,4]" in jaxpr
 
 
+def _deepseek_v3_router(logits_TxE, bias_E, groups, keep, top_k, scale):
+    """transformers' `DeepseekV3TopkRouter.forward` in numpy, token by token: sigmoid scores,
+    biased for the choice; groups ranked by the sum of their two best biased scores; top-k
+    within the best `keep` groups; unbiased weights renormalised and scaled."""
+    scores_TxE = 1 / (1 + np.exp(-logits_TxE))
+    experts, weights = [], []
+    for score_E in scores_TxE:
+        choice_GxS = (score_E + bias_E).reshape(groups, -1)
+        group_score_G = np.sort(choice_GxS, axis=-1)[:, -2:].sum(-1)
+        masked_GxS = np.full_like(choice_GxS, -np.inf)
+        best = np.argsort(-group_score_G)[:keep]
+        masked_GxS[best] = choice_GxS[best]
+        top = np.sort(np.argsort(-masked_GxS.ravel())[:top_k])
+        experts.append(top)
+        weights.append(score_E[top] / score_E[top].sum() * scale)
+    return np.array(experts), np.array(weights)
+
+
+def test_group_limited_routing_equals_deepseek_v3s_router():
+    cfg = MoEConfig(num_experts=16, experts_per_token=4, router_score="sigmoid", num_groups=4,
+                    groups_per_token=2, route_scale=2.5, router_bias=True)  # fmt: skip
+    rng = np.random.default_rng(0)
+    logits_BxLxE = rng.normal(size=(2, 24, 16)).astype(np.float32)
+    bias_E = (0.2 * rng.normal(size=16)).astype(np.float32)
+    r = jax.jit(route, static_argnums=2)(jnp.asarray(logits_BxLxE), jnp.asarray(bias_E), cfg)
+    order_BxLxX = np.argsort(np.asarray(r.expert_BxLxX), axis=-1)
+    got_experts = np.take_along_axis(np.asarray(r.expert_BxLxX), order_BxLxX, -1).reshape(48, 4)
+    got_weights = np.take_along_axis(np.asarray(r.weight_BxLxX), order_BxLxX, -1).reshape(48, 4)
+    want_experts, want_weights = _deepseek_v3_router(logits_BxLxE.reshape(48, 16), bias_E, 4, 2,
+                                                     4, 2.5)  # fmt: skip
+    np.testing.assert_array_equal(got_experts, want_experts)
+    np.testing.assert_allclose(got_weights, want_weights, rtol=1e-6)
+    assert max(len(set(row // 4)) for row in got_experts) == 2  # at most 2 groups of 4
+    free = route(jnp.asarray(logits_BxLxE), jnp.asarray(bias_E),
+                 dataclasses.replace(cfg, groups_per_token=4))  # fmt: skip
+    assert (np.sort(np.asarray(free.expert_BxLxX), -1).reshape(48, 4) != got_experts).any()
+
+
 def test_aux_loss_z_loss_and_load_metrics():
     e = 4
     cfg = MoEConfig(num_experts=e, experts_per_token=1)
@@ -233,6 +275,11 @@ def test_layer_layouts_param_counts_and_flops():
         (["model.moe.num_experts=4", "model.moe.capacity_factor=0"], "capacity_factor"),
         (["model.moe.num_experts=4", "model.moe.bias_update_rate=-1"], "bias_update_rate"),
         (["model.moe.num_experts=-1"], "num_experts"),
+        (["model.moe.num_experts=6", "model.moe.num_groups=4"], "num_groups"),
+        (["model.moe.num_experts=8", "model.moe.num_groups=4", "model.moe.groups_per_token=5"],
+         "groups_per_token"),
+        (["model.moe.num_experts=8", "model.moe.num_groups=4", "model.moe.experts_per_token=3"],
+         "raise groups_per_token"),  # one group of 2 holds fewer than 3 experts
     ],
 )  # fmt: skip
 def test_moe_config_mistakes(overrides, needle):
@@ -524,6 +571,16 @@ def test_qwen3_30b_a3b_plans_on_an_expert_parallel_mesh():
     assert rows["moe_layers/moe/mlp/up_proj"]["shape"] == (48, 128, 2048, 768)
     # dropless: tokens gathered over `expert`, partial outputs reduce-scattered back
     assert r["collectives"]["reduce-scatter"]["count"] > 0
+
+
+@pytest.mark.slow
+def test_deepseek_v3_plans_on_an_expert_parallel_mesh():
+    r = _plan_preset("deepseek_v3")
+    assert r["params"] == 671_026_404_352  # the routing biases are model state, not counted
+    rows = {row["name"]: row for row in r["param_rows"]}
+    assert rows["moe_layers/moe/mlp/gate_proj"]["shape"] == (58, 256, 7168, 2048)
+    assert rows["layers/attn/q_b_proj"]["shape"] == (3, 1536, 128, 192)
+    assert r["mesh"]["expert"] == 8
 
 
 def test_plan_does_not_count_collectives_over_single_devices():

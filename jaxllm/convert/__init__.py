@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out: Llama (2, 3, 3.1/3.2 RoPE scaling), Mistral, Mixtral,
-Qwen2, Qwen3, Gemma 2 and GPT-2, as safetensors + config.json.
+Qwen2, Qwen3, Gemma 2, DeepSeek-V3 and GPT-2, as safetensors + config.json.
 
     jaxllm convert import HF_DIR OUT_DIR [key=value ...]     # a run directory
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME]
@@ -30,19 +30,21 @@ def load_hf_model(hf_dir, *, mesh=None, overrides=()):
     cfg = model_config(hf_dir, overrides)
     mesh = mesh or sharding.make_mesh(cfg.mesh)
     graphdef, _, _ = abstract_model(cfg.model)
-    params, _ = load_params(hf_dir, cfg.model, mesh)
-    return nnx.merge(graphdef, params)
+    params, model_state, _ = load_params(hf_dir, cfg.model, mesh)
+    return nnx.merge(graphdef, params, model_state)
 
 
-def load_params_from(source, model_cfg: ModelConfig, mesh) -> dict:
-    """Parameters for `model_cfg` from a Hugging Face directory or a jaxllm run directory /
-    checkpoint (`checkpoint.init_from`), in their shards on `mesh`. The source must describe
-    the same parameter shapes; ConfigError names the first that differs."""
+def load_params_from(source, model_cfg: ModelConfig, mesh) -> tuple[dict, dict | None]:
+    """(parameters, model state) for `model_cfg` from a Hugging Face directory or a jaxllm run
+    directory / checkpoint (`checkpoint.init_from`), in their shards on `mesh`. The source
+    must describe the same parameter shapes; ConfigError names the first that differs. The
+    model state (MoE routing biases) is None when the source has none of this model's shapes
+    (the train state then starts it at zero)."""
     import jax
 
     from jaxllm import checkpoint, config, sharding
     from jaxllm.evaluate import resolve
-    from jaxllm.train.state import abstract_model
+    from jaxllm.train.state import abstract_model, abstract_model_state
 
     if is_hf_dir(source):
         theirs = model_config(source).model
@@ -62,15 +64,23 @@ def load_params_from(source, model_cfg: ModelConfig, mesh) -> dict:
             "section match it (e.g. start from its config.yaml)."
         )
     if is_hf_dir(source):
-        params, _ = load_params(source, model_cfg, mesh)
-        return params
+        params, model_state, _ = load_params(source, model_cfg, mesh)
+        return params, model_state
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, config.load(run_dir / "config.yaml")
                                                      .checkpoint.dir)  # fmt: skip
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), want,
-        sharding.tree_shardings(mesh, axes),
-    )  # fmt: skip
-    return checkpoint.restore_params(ckpt_dir, target, step)
+
+    def target(abstract, axes):
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+            sharding.tree_shardings(mesh, axes),
+        )  # fmt: skip
+
+    want_ms, ms_axes = abstract_model_state(model_cfg)
+    same_state = bool(want_ms) and _shapes(want_ms) == _shapes(abstract_model_state(theirs)[0])
+    if not same_state:
+        return checkpoint.restore_params(ckpt_dir, target(want, axes), step), None
+    return checkpoint.restore_params(ckpt_dir, target(want, axes), step,
+                                     model_state_target=target(want_ms, ms_axes))  # fmt: skip
 
 
 def _shapes(tree, prefix="") -> dict[str, tuple]:

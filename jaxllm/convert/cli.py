@@ -34,7 +34,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from jaxllm import checkpoint, config, sharding
     from jaxllm.convert.hf import export_hf
     from jaxllm.evaluate import resolve
-    from jaxllm.train.state import abstract_model
+    from jaxllm.train.state import abstract_model, abstract_model_state
 
     run_dir, ckpt_dir, step = resolve(ns.source)
     cfg = config.load(run_dir / "config.yaml")
@@ -43,13 +43,18 @@ def cmd_export(ns: argparse.Namespace) -> int:
     if step is None:
         raise ConfigError(f"no checkpoint in {ckpt_dir}; train first.")
     mesh = sharding.make_mesh(config.MeshConfig())
-    _, abstract, axes = abstract_model(cfg.model)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-        sharding.tree_shardings(mesh, axes),
+
+    def target(abstract, axes):
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+            sharding.tree_shardings(mesh, axes),
+        )  # fmt: skip
+
+    params, model_state = checkpoint.restore_params(
+        ckpt_dir, target(*abstract_model(cfg.model)[1:]), step,
+        model_state_target=target(*abstract_model_state(cfg.model)),
     )  # fmt: skip
-    params = checkpoint.restore_params(ckpt_dir, target, step)
-    report = export_hf(params, cfg, ns.hf_dir, ns.family)
+    report = export_hf(params, cfg, ns.hf_dir, ns.family, model_state=model_state)
     for line in report:
         print(line)
     print(f"exported step {step} to {ns.hf_dir}", file=sys.stderr)

@@ -10,8 +10,10 @@ Our layout vs torch's: a projection is [in..., out...] (`q_proj` [D, H, K]) wher
 `nn.Linear` weight is [out, in] (`q_proj.weight` [H*K, D]); GPT-2's `Conv1D` stores [in, out]
 and fuses q, k, v into one `c_attn`. Stacked layers carry a leading [N] axis here and one tensor
 per layer there (`{i}` in a name); MoE expert weights [N, E, ...] are one tensor per layer and
-expert in Mixtral checkpoints (`{i}`, `{j}`), one [E, ...] tensor per layer in transformers 5's
-fused layout.
+expert in Mixtral and DeepSeek-V3 checkpoints (`{i}`, `{j}`), one [E, ...] tensor per layer in
+transformers 5's fused layout. DeepSeek-V3's blocks are two stacks here (dense, then MoE), so
+the MoE stack's layer k is HF layer first_k_dense_replace + k (`Link.offset`), and its routing
+bias is model state (`RouterBias`), not a parameter.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ NOT_ARCHITECTURE = frozenset(
 )
 # MoEConfig fields of the same kind: how experts are dispatched and the balancing losses.
 MOE_NOT_ARCHITECTURE = frozenset(
-    {"dispatch", "capacity_factor", "aux_loss_weight", "router_z_loss_weight"}
+    {"dispatch", "capacity_factor", "aux_loss_weight", "router_z_loss_weight", "bias_update_rate"}
 )
 # ModelConfig fields of the dense MLP, which a model whose every block is MoE does not use.
 DENSE_MLP = frozenset({"mlp_dim", "mlp_activation", "gelu_approximate", "mlp_bias"})
@@ -57,7 +59,9 @@ class Link:
     `n_in` axes of ours being inputs), `conv` (GPT-2 Conv1D [in, out] -> ours [in..., out...]).
     The first `n_lead` axes of an element stay in front on both sides (transformers 5's fused
     experts [E, out, in] are per-expert torch layouts). Several `ours` are concatenated along
-    HF axis `axis` (GPT-2's fused q/k/v, Mixtral's fused gate/up).
+    HF axis `axis` (GPT-2's fused q/k/v, Mixtral's fused gate/up). `offset` is the HF layer
+    number of our first stacked layer (DeepSeek-V3's MoE blocks, stacked apart, follow its
+    dense ones).
     """
 
     hf: str
@@ -66,6 +70,7 @@ class Link:
     n_in: int = 1
     axis: int = -1
     n_lead: int = 0
+    offset: int = 0
 
     @property
     def indices(self) -> tuple[str, ...]:
@@ -77,7 +82,8 @@ class Link:
         return tuple(shapes[self.ours[0]][: len(self.indices)])
 
     def name(self, index: tuple[int, ...] = ()) -> str:
-        return self.hf.format(**dict(zip(self.indices, index)))
+        numbers = [k + (self.offset if f == "i" else 0) for f, k in zip(self.indices, index)]
+        return self.hf.format(**dict(zip(self.indices, numbers)))
 
     def _part_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         lead, rest = tuple(shape[: self.n_lead]), shape[self.n_lead :]
@@ -164,16 +170,26 @@ def _rope(hf: dict) -> dict:
                 "rope_high_freq_factor": float(p.get("high_freq_factor", 4.0)),
                 "rope_original_max_len": original}  # fmt: skip
     if kind == "yarn":
-        if p.get("mscale") or p.get("mscale_all_dim") or p.get("truncate", True) is False:
-            _fail("YaRN with mscale / mscale_all_dim / truncate=false is not supported.")
+        if p.get("truncate", True) is False:
+            _fail("YaRN with truncate=false is not supported.")
         factor = p.get("factor") or hf["max_position_embeddings"] / original
         attention = p.get("attention_factor")
+        if attention is None and p.get("mscale") and p.get("mscale_all_dim"):
+            # transformers' rule (DeepSeek-V2/V3 configs): the two temperatures' ratio
+            mscale, all_dim = p["mscale"], p["mscale_all_dim"]
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
         return {**out, "rope_scaling": "yarn", "rope_factor": float(factor),
                 "rope_beta_fast": float(p.get("beta_fast") or 32.0),
                 "rope_beta_slow": float(p.get("beta_slow") or 1.0),
                 "rope_attention_factor": None if attention is None else float(attention),
                 "rope_original_max_len": original}  # fmt: skip
     _fail(f"RoPE type {kind!r} is not supported (none, linear, llama3 and yarn are).")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1), as
+    transformers' `get_mscale` and DeepSeek's `yarn_get_mscale` compute it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict:
@@ -245,9 +261,16 @@ class Family:
     """Suffixes of tensors that are not parameters (non-persistent buffers in old files)."""
     other_links: tuple[Callable[[ModelConfig], list[Link]], ...] = ()
     """Other tensor layouts import accepts (Mixtral: transformers 5's fused experts)."""
+    skip: Callable[[ModelConfig, str], bool] | None = None
+    """Tensors import leaves unread, by name (DeepSeek-V3's multi-token-prediction layers)."""
 
     def layouts(self, cfg: ModelConfig) -> list[list[Link]]:
         return [self.links(cfg), *(f(cfg) for f in self.other_links)]
+
+    def ignored(self, name: str, cfg: ModelConfig) -> bool:
+        """Whether import may leave the tensor `name` unmapped."""
+        skipped = self.skip is not None and self.skip(cfg, name)
+        return skipped or any(name.endswith(s) for s in self.ignore)
 
 
 def _llama_like_model(hf: dict, *, tie_default: bool) -> dict:
@@ -402,6 +425,212 @@ def _mixtral_fused_links(cfg: ModelConfig) -> list[Link]:
     ]
 
 
+def _deepseek_v3_model(hf: dict) -> dict:
+    """DeepSeek-V3 (arXiv:2412.19437) as transformers runs it: Multi-head Latent Attention in
+    every block (`model.mla`, RoPE on interleaved channel pairs unless rope_interleave=false),
+    the first `first_k_dense_replace` blocks with a dense SwiGLU MLP and the rest MoE: sigmoid
+    router scores plus the `e_score_correction_bias` for the choice (a frozen `RouterBias`),
+    group-limited top-k (n_group / topk_group), renormalised weights times
+    routed_scaling_factor, and shared experts. With YaRN, `mscale_all_dim` sharpens the
+    softmax (attn_scale) and mscale / mscale_all_dim set the cos/sin factor."""
+    if hf.get("hidden_act", "silu") != "silu":
+        _fail(f"DeepSeek-V3 with hidden_act={hf['hidden_act']!r}: jaxllm's experts and shared "
+              "experts are SwiGLU (silu) only.")  # fmt: skip
+    if hf.get("attention_bias"):
+        _fail("DeepSeek-V3 with attention_bias=true (biases on q_a / kv_a / o projections) is "
+              "not supported: jaxllm's MLA has no projection biases.")  # fmt: skip
+    h = hf["num_attention_heads"]
+    if (hf.get("num_key_value_heads") or h) != h:
+        _fail(f"DeepSeek-V3 with num_key_value_heads={hf['num_key_value_heads']} != "
+              f"num_attention_heads={h}: MLA expands the latent into every head.")  # fmt: skip
+    mla = {
+        "kv_lora_rank": hf["kv_lora_rank"], "q_lora_rank": hf.get("q_lora_rank") or 0,
+        "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
+        "v_head_dim": hf["v_head_dim"],
+    }  # fmt: skip
+    rope = _rope(hf)
+    return {
+        "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
+        "num_layers": hf["num_hidden_layers"], "num_heads": h, "num_kv_heads": h,
+        "head_dim": None, "mlp_dim": hf["intermediate_size"],
+        "max_seq_len": hf["max_position_embeddings"],
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "mlp_activation": "swiglu", "rope_interleave": bool(hf.get("rope_interleave", True)),
+        "attn_scale": _deepseek_scale(hf, rope), "mla": mla, "moe": _deepseek_moe(hf), **rope,
+    }  # fmt: skip
+
+
+def _deepseek_scale(hf: dict, rope: dict) -> float | None:
+    """transformers' `yarn_apply_mscale`: with a scaled RoPE (any rope_type but default) and
+    `mscale_all_dim`, the softmax scale qk_head_dim^-0.5 is multiplied by
+    mscale(factor, mscale_all_dim)^2; null (the default scale) otherwise."""
+    p = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    all_dim = p.get("mscale_all_dim")
+    if rope.get("rope_scaling", "none") == "none" or not all_dim:
+        return None
+    m = _yarn_mscale(rope["rope_factor"], all_dim)
+    return None if m == 1 else (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]) ** -0.5 * m * m
+
+
+def _deepseek_moe(hf: dict) -> dict:
+    """model.moe of a DeepSeek-V3 config.json; {} (dense) when every block is dense. Only what
+    transformers (and DeepSeek's own code for V3) runs is accepted: sigmoid scores, the
+    `noaux_tc` choice, every block after the dense ones MoE."""
+    first, n = hf.get("first_k_dense_replace", 3), hf["num_hidden_layers"]
+    if first is None:
+        _fail("DeepSeek-V3 first_k_dense_replace=null: give the number of leading dense blocks.")
+    if first >= n:
+        return {}
+    only = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+    for key, want in only.items():
+        if hf.get(key, want) != want:
+            _fail(f"DeepSeek-V3 with {key}={hf[key]!r} is not supported: transformers' DeepSeek-V3 "
+                  f"(and jaxllm's import) runs {key}={want!r} only.")  # fmt: skip
+    experts, top_k = hf.get("n_routed_experts", 256), hf.get("num_experts_per_tok", 8)
+    groups, keep = hf.get("n_group", 8), hf.get("topk_group", 4)
+    if groups is None or keep is None:
+        _fail("DeepSeek-V3 MoE blocks need n_group and topk_group (1 and 1: no groups).")
+    shared = hf.get("n_shared_experts", 1)
+    if not shared:
+        _fail("DeepSeek-V3 with n_shared_experts=0 is not supported (transformers builds "
+              "zero-width shared experts); jaxllm needs at least one shared expert here.")  # fmt: skip
+    return {
+        "num_experts": experts, "experts_per_token": top_k,
+        "expert_mlp_dim": hf.get("moe_intermediate_size", 2048), "num_shared_experts": shared,
+        "first_dense_layers": first, "moe_every": 1, "router_score": "sigmoid",
+        "normalize_top_k": bool(hf.get("norm_topk_prob", True)),
+        "route_scale": float(hf.get("routed_scaling_factor", 2.5)),
+        "num_groups": groups, "groups_per_token": keep, "router_bias": True,
+        # training choices: the imported bias stays frozen, and DeepSeek-V3 balances by that
+        # bias rather than by jaxllm's batch-level aux loss or a z-loss
+        "bias_update_rate": 0.0, "aux_loss_weight": 0.0, "router_z_loss_weight": 0.0,
+    }  # fmt: skip
+
+
+def _deepseek_v3_hf(cfg: ModelConfig) -> dict:
+    """config.json of a DeepSeek-V3. No multi-token-prediction module is written
+    (num_nextn_predict_layers=0): jaxllm models have none."""
+    if not cfg.mla.enabled:
+        _fail("a model without MLA (model.mla.kv_lora_rank=0) has no deepseek_v3 checkpoint; "
+              "export it as another family.")  # fmt: skip
+    a, moe, h = cfg.mla, cfg.moe, cfg.num_heads
+    out = {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": h, "num_key_value_heads": h,
+        "intermediate_size": cfg.mlp_dim, "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "dtype": _dtype_name(cfg),
+        "kv_lora_rank": a.kv_lora_rank, "q_lora_rank": a.q_lora_rank or None,
+        "qk_nope_head_dim": a.qk_nope_head_dim, "qk_rope_head_dim": a.qk_rope_head_dim,
+        "v_head_dim": a.v_head_dim, "rope_interleave": cfg.rope_interleave,
+        "num_nextn_predict_layers": 0, "first_k_dense_replace": cfg.num_layers,
+        **_rope_to_hf(cfg),
+    }  # fmt: skip
+    all_dim = _mscale_all_dim(cfg)
+    if all_dim is not None:
+        for key in ("rope_parameters", "rope_scaling"):
+            out[key] = {**out[key], "mscale_all_dim": all_dim}
+    if moe.enabled:
+        out.update({
+            "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
+            "moe_intermediate_size": cfg.resolved_expert_mlp_dim,
+            "n_shared_experts": moe.num_shared_experts,
+            "first_k_dense_replace": moe.first_dense_layers, "moe_layer_freq": 1,
+            "routed_scaling_factor": moe.route_scale, "norm_topk_prob": moe.normalize_top_k,
+            "n_group": moe.num_groups, "topk_group": moe.groups_per_token,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        })  # fmt: skip
+    return out
+
+
+def _mscale_all_dim(cfg: ModelConfig) -> float | None:
+    """The `mscale_all_dim` that makes transformers' softmax scale model.attn_scale (the
+    inverse of `_deepseek_scale`); None for the default scale, or when no YaRN factor can
+    carry it (the read-back check then names model.attn_scale)."""
+    default = cfg.mla.qk_head_dim**-0.5
+    if cfg.attn_scale is None or math.isclose(cfg.attn_scale, default):
+        return None
+    if cfg.rope_scaling != "yarn" or cfg.rope_factor <= 1:
+        return None
+    m = math.sqrt(cfg.attn_scale / default)
+    return float(f"{(m - 1) / (0.1 * math.log(cfg.rope_factor)):.12g}")
+
+
+def _deepseek_links(cfg: ModelConfig, fused: bool = False) -> list[Link]:
+    """DeepSeek-V3 checkpoints: blocks numbered 0..N-1 across our two stacks (`layers` for the
+    first_k_dense_replace dense blocks, `moe_layers/moe` for the rest). `fused`: transformers
+    5's in-memory experts (`save_pretrained(save_original_format=False)`), else one tensor per
+    expert as released checkpoints and the default `save_pretrained` hold them."""
+    first = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
+    links = [
+        Link("model.embed_tokens.weight", ("embed/embedding",)),
+        Link("model.norm.weight", ("final_norm/scale",)),
+    ]
+    if not cfg.tie_embeddings:
+        links.append(Link("lm_head.weight", ("lm_head",), "linear"))
+    if first:
+        links += _deepseek_block_links(cfg, "layers/", 0)
+    if cfg.moe.enabled:
+        links += _deepseek_block_links(cfg, "moe_layers/moe/", first, moe=True, fused=fused)
+    return links
+
+
+def _deepseek_block_links(cfg: ModelConfig, block: str, offset: int, moe: bool = False,
+                          fused: bool = False) -> list[Link]:  # fmt: skip
+    """One stack of DeepSeek-V3 blocks (HF layers offset, offset + 1, ...): MLA, norms, and
+    the dense MLP or the MoE layer."""
+    attn, mlp = block + "attn/", block + "mlp/"
+
+    def link(hf: str, ours: str | tuple[str, ...], kind: str = "same", **kw) -> Link:
+        ours = (ours,) if isinstance(ours, str) else ours
+        return Link("model.layers.{i}." + hf, ours, kind, offset=offset, **kw)
+
+    links = [
+        link("input_layernorm.weight", block + "attn_norm/scale"),
+        link("post_attention_layernorm.weight", block + "mlp_norm/scale"),
+        link("self_attn.kv_a_proj_with_mqa.weight", attn + "kv_a_proj", "linear"),
+        link("self_attn.kv_a_layernorm.weight", attn + "kv_a_norm/scale"),
+        link("self_attn.kv_b_proj.weight", attn + "kv_b_proj", "linear"),
+        link("self_attn.o_proj.weight", attn + "o_proj", "linear", n_in=2),
+    ]
+    if cfg.mla.q_lora_rank:
+        links += [
+            link("self_attn.q_a_proj.weight", attn + "q_a_proj", "linear"),
+            link("self_attn.q_a_layernorm.weight", attn + "q_a_norm/scale"),
+            link("self_attn.q_b_proj.weight", attn + "q_b_proj", "linear"),
+        ]
+    else:
+        links.append(link("self_attn.q_proj.weight", attn + "q_proj", "linear"))
+    projections = ("gate", "up", "down")
+    if not moe:
+        return links + [link(f"mlp.{x}_proj.weight", f"{mlp}{x}_proj", "linear")
+                        for x in projections]  # fmt: skip
+    links.append(link("mlp.gate.weight", mlp + "router", "linear"))
+    if cfg.moe.has_router_bias:
+        links.append(link("mlp.gate.e_score_correction_bias", mlp + "router_bias"))
+    if cfg.moe.num_shared_experts:
+        links += [link(f"mlp.shared_experts.{x}_proj.weight", f"{mlp}shared/{x}_proj", "linear")
+                  for x in projections]  # fmt: skip
+    if fused:
+        return links + [
+            link("mlp.experts.gate_up_proj", (mlp + "gate_proj", mlp + "up_proj"), "linear",
+                 axis=-2, n_lead=1),
+            link("mlp.experts.down_proj", mlp + "down_proj", "linear", n_lead=1),
+        ]  # fmt: skip
+    return links + [link(f"mlp.experts.{{j}}.{x}_proj.weight", f"{mlp}{x}_proj", "linear")
+                    for x in projections]  # fmt: skip
+
+
+def _beyond_last_layer(cfg: ModelConfig, name: str) -> bool:
+    """Tensors of blocks past num_hidden_layers: DeepSeek-V3's multi-token-prediction module
+    (`model.layers.61.*` in the released checkpoint), which transformers does not load
+    either."""
+    parts = name.split(".")
+    layer = parts[2] if name.startswith("model.layers.") else ""
+    return layer.isdigit() and int(layer) >= cfg.num_layers
+
+
 def _qwen_model(hf: dict, qwen3: bool) -> dict:
     if hf.get("use_sliding_window") and hf.get("layer_types") is None:
         _fail("Qwen use_sliding_window without layer_types is not supported.")
@@ -540,6 +769,15 @@ FAMILIES: dict[str, Family] = {
             other_links=(_mixtral_fused_links,),
         ),
         Family(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            _deepseek_v3_model,
+            _deepseek_v3_hf,
+            _deepseek_links,
+            other_links=(lambda c: _deepseek_links(c, fused=True),),
+            skip=_beyond_last_layer,
+        ),
+        Family(
             "gpt2",
             "GPT2LMHeadModel",
             _gpt2_model,
@@ -565,6 +803,8 @@ def model_fields(hf: dict) -> dict:
 
 def guess_family(cfg: ModelConfig) -> Family:
     """The family a model exports as when none is named: the one its knobs point to."""
+    if cfg.mla.enabled:
+        return FAMILIES["deepseek_v3"]
     if cfg.moe.enabled:
         return FAMILIES["mixtral"]
     if cfg.position == "learned":
@@ -609,14 +849,19 @@ def _differences(cfg: ModelConfig, back: ModelConfig) -> list[str]:
         return diff
     if cfg.moe.enabled != back.moe.enabled:  # the other MoE knobs mean nothing to a dense side
         return [*diff, f"model.moe.num_experts={cfg.moe.num_experts}"]
-    return diff + [
+    diff += [
         f"model.moe.{f.name}={getattr(cfg.moe, f.name)!r}"
         for f in dataclasses.fields(MoEConfig)
-        if f.name not in MOE_NOT_ARCHITECTURE
+        if f.name not in MOE_NOT_ARCHITECTURE | {"router_bias"}
         and not (f.name == "expert_mlp_dim"
                  and cfg.resolved_expert_mlp_dim == back.resolved_expert_mlp_dim)
         and not _same(f.name, getattr(cfg.moe, f.name), getattr(back.moe, f.name), cfg)
     ]  # fmt: skip
+    if cfg.moe.has_router_bias != back.moe.has_router_bias:  # a bias the family lacks, or needs
+        rate = cfg.moe.bias_update_rate
+        diff.append(f"model.moe.bias_update_rate={rate!r}" if rate > 0
+                    else f"model.moe.router_bias={cfg.moe.router_bias!r}")  # fmt: skip
+    return diff
 
 
 def _has_dense_blocks(cfg: ModelConfig) -> bool:
@@ -630,7 +875,8 @@ def _same(name: str, a, b, cfg: ModelConfig) -> bool:
     if name == "rope_original_max_len":
         return (a or cfg.max_seq_len) == (b or cfg.max_seq_len)
     if name == "attn_scale":
-        return math.isclose(a or cfg.resolved_head_dim**-0.5, b or cfg.resolved_head_dim**-0.5)
+        default = (cfg.mla.qk_head_dim if cfg.mla.enabled else cfg.resolved_head_dim) ** -0.5
+        return math.isclose(a or default, b or default)
     if name.startswith("rope_") and cfg.position != "rope":
         return True
     if name == "gelu_approximate" and cfg.mlp_activation not in ("gelu", "geglu"):

@@ -6,7 +6,7 @@ what the asking device's shard needs (for a stacked [N, ...] parameter, the laye
 slice, and for stacked experts [N, E, ...] the experts in its slice too; for a tensor of
 identical layout, just the shard's rows and columns through `safe_open(...).get_slice`).
 Before anything is read, `check` picks the family's tensor layout that the files hold
-(Mixtral: per-expert or fused experts), compares every expected name and shape with the files'
+(Mixtral, DeepSeek-V3: per-expert or fused experts), compares every expected name and shape with the files'
 headers and refuses, with one ConfigError, tensors it cannot map, missing ones and shape
 mismatches.
 """
@@ -14,6 +14,7 @@ mismatches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -116,15 +117,18 @@ class Mapped:
     ours: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: str
+    offset: int = 0  # the HF number of the first layer
 
     @classmethod
     def of(cls, link: Link, shapes: dict, dtype: str) -> Mapped:
         return cls(link.hf, link.counts(shapes), link.ours, tuple(shapes[p] for p in link.ours),
-                   dtype)  # fmt: skip
+                   dtype, link.offset)  # fmt: skip
 
     def __str__(self) -> str:
         indices = Link(self.hf, self.ours).indices
         n = "".join(f" x{c} {COUNTED.get(i, i)}" for i, c in zip(indices, self.counts))
+        if self.offset:
+            n += f" (from layer {self.offset})"
         ours = ", ".join(f"{p} {list(s)}" for p, s in zip(self.ours, self.shapes))
         return f"{self.hf}{n} -> {ours} {self.dtype}"
 
@@ -139,13 +143,15 @@ def _each(link: Link, shapes: dict) -> itertools.product:
     return itertools.product(*(range(c) for c in link.counts(shapes)))
 
 
-def check(reader: Reader, family: Family, cfg: ModelConfig, shapes: dict) -> list[Link]:
+def check(reader: Reader, family: Family, cfg: ModelConfig, shapes: dict,
+          optional: frozenset[str] = frozenset()) -> list[Link]:  # fmt: skip
     """The family's links for `cfg` in the layout the files hold, after checking names and
-    shapes against them; when no layout fits, the errors of the closest one."""
+    shapes against them; when no layout fits, the errors of the closest one. `optional`:
+    paths of `shapes` the family may leave unlinked (model state)."""
     best: list[str] | None = None
     for links in family.layouts(cfg):
-        _check_owned(family, links, shapes)
-        errors = _mismatches(reader, family, links, shapes)
+        _check_owned(family, links, shapes, optional)
+        errors = _mismatches(reader, family, cfg, links, shapes)
         if not errors:
             return links
         if best is None or len(errors) < len(best):
@@ -155,9 +161,9 @@ def check(reader: Reader, family: Family, cfg: ModelConfig, shapes: dict) -> lis
                       f"{'; '.join(best[:5])}{more}.")  # fmt: skip
 
 
-def _check_owned(family: Family, links: list[Link], shapes: dict) -> None:
+def _check_owned(family: Family, links: list[Link], shapes: dict, optional=frozenset()) -> None:
     owned = [p for link in links for p in link.ours]
-    unowned = sorted(set(shapes) - set(owned))
+    unowned = sorted(set(shapes) - set(owned) - set(optional))
     if unowned or set(owned) - set(shapes):
         raise ConfigError(
             f"the {family.name} mapping and the model disagree on parameters "
@@ -165,7 +171,8 @@ def _check_owned(family: Family, links: list[Link], shapes: dict) -> None:
         )
 
 
-def _mismatches(reader: Reader, family: Family, links: list[Link], shapes: dict) -> list[str]:
+def _mismatches(reader: Reader, family: Family, cfg: ModelConfig, links: list[Link],
+                shapes: dict) -> list[str]:  # fmt: skip
     errors, expected = [], set()
     for link in links:
         want = link.hf_shape(_element_shapes(link, shapes))
@@ -177,33 +184,43 @@ def _mismatches(reader: Reader, family: Family, links: list[Link], shapes: dict)
             elif reader.shapes[name] != want:
                 errors.append(f"{name} has shape {list(reader.shapes[name])}, the model needs "
                               f"{list(want)}")  # fmt: skip
-    extra = sorted(n for n in set(reader.shapes) - expected
-                   if not any(n.endswith(s) for s in family.ignore))  # fmt: skip
+    extra = sorted(n for n in set(reader.shapes) - expected if not family.ignored(n, cfg))
     return errors + [f"tensor {n} {list(reader.shapes[n])} maps to no parameter" for n in extra]
 
 
-def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, list[Mapped]]:
-    """Parameters of `cfg` from a Hugging Face directory, each created in its shards on `mesh`;
-    and the report of what was mapped."""
+def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, dict, list[Mapped]]:
+    """(parameters, model state, report) of `cfg` from a Hugging Face directory, each array
+    created in its shards on `mesh`. The model state (MoE routing biases) comes from the
+    checkpoint where the family has it (DeepSeek-V3's `e_score_correction_bias`) and starts at
+    zero otherwise, as in a fresh train state (a Mixtral fine-tuned with bias balancing)."""
+    import jax.numpy as jnp
+
     from jaxllm import sharding
-    from jaxllm.train.state import abstract_model
+    from jaxllm.train.state import abstract_model, abstract_model_state
 
     family = family_of(read_hf_config(hf_dir))
     reader = Reader(hf_dir)
     _, abstract, axes = abstract_model(cfg)
+    abstract_ms, ms_axes = abstract_model_state(cfg)
     sharding.check_divisible(mesh, abstract, axes)
-    flat = _flat(abstract)
+    state_paths = frozenset(_flat(abstract_ms))
+    flat = {**_flat(abstract), **_flat(abstract_ms)}
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
-    links = check(reader, family, cfg, shapes)
-    flat_sh = _flat(sharding.tree_shardings(mesh, axes))
+    links = check(reader, family, cfg, shapes, optional=state_paths)
+    flat_sh = {**_flat(sharding.tree_shardings(mesh, axes)),
+               **_flat(sharding.tree_shardings(mesh, ms_axes))}  # fmt: skip
     out = {}
     for link in links:
         for k, path in enumerate(link.ours):
             out[path] = jax.make_array_from_callback(
                 shapes[path], flat_sh[path], _callback(reader, link, k, shapes, flat[path].dtype)
             )
+    for path in state_paths - set(out):
+        zeros = functools.partial(jnp.zeros, shapes[path], flat[path].dtype)
+        out[path] = jax.jit(zeros, out_shardings=flat_sh[path])()
     report = [Mapped.of(link, shapes, _stored_dtype(reader, link, shapes)) for link in links]
-    return _unflat(out), report
+    params = _unflat({p: a for p, a in out.items() if p not in state_paths})
+    return params, _unflat({p: a for p, a in out.items() if p in state_paths}), report
 
 
 def _stored_dtype(reader: Reader, link: Link, shapes: dict) -> str:
@@ -251,7 +268,16 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     """The run config of a Hugging Face directory: its architecture, its storage dtype as
     param_dtype, its tokenizer.json if any; then `key=value` overrides."""
     hf_dir = Path(hf_dir)
-    fields = family_of(read_hf_config(hf_dir)).to_model(read_hf_config(hf_dir))
+    hf = read_hf_config(hf_dir)
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ConfigError(
+            f"{hf_dir} is a quantized checkpoint (quantization_config: quant_method {method}); "
+            "jaxllm imports float32 / bfloat16 / float16 tensors: dequantize it first (for "
+            "DeepSeek-V3's FP8 weights, to bfloat16 with their weight_scale_inv scales)."
+        )
+    fields = family_of(hf).to_model(hf)
     fields["param_dtype"] = Reader(hf_dir).param_dtype()
     data: dict = {"seq_len": min(256, fields["max_seq_len"])}
     if (hf_dir / "tokenizer.json").is_file():
@@ -281,21 +307,22 @@ def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
                                                                   .resolve()))
         )  # fmt: skip
     mesh = mesh or sharding.make_mesh(cfg.mesh)
-    params, report = load_params(hf_dir, cfg.model, mesh)
+    params, model_state, report = load_params(hf_dir, cfg.model, mesh)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_lib.dump(cfg, out_dir / "config.yaml")
     checkpoint.save_params(
-        ckpt_dir, params, step=0,
+        ckpt_dir, params, step=0, model_state=model_state,
         config=config_lib.to_dict(cfg), tokenizer=checkpoint.tokenizer_record(cfg.data.tokenizer),
     )  # fmt: skip
     return report
 
 
 def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None = None,
-              shard_bytes: int = SHARD_BYTES) -> list[Mapped]:  # fmt: skip
-    """Writes config.json and model.safetensors (or shards + index) of `params` (a nested dict
-    of arrays, possibly sharded: each tensor is fetched to the host one layer, or one layer's
-    expert, at a time), in the family's first layout (Mixtral: per-expert tensors)."""
+              shard_bytes: int = SHARD_BYTES, model_state: dict | None = None) -> list[Mapped]:  # fmt: skip
+    """Writes config.json and model.safetensors (or shards + index) of `params` and
+    `model_state` (nested dicts of arrays, possibly sharded: each tensor is fetched to the host
+    one layer, or one layer's expert, at a time), in the family's first layout (Mixtral,
+    DeepSeek-V3: per-expert tensors)."""
     from jaxllm.convert.families import FAMILIES
 
     m = cfg.model
@@ -303,7 +330,7 @@ def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None =
         raise ConfigError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}.")
     fam = FAMILIES[family] if family else guess_family(m)
     hf = hf_config(m, fam)
-    flat = _flat(params)
+    flat = {**_flat(params), **_flat(model_state or {})}
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
     links = fam.links(m)
     owned = {p for link in links for p in link.ours}

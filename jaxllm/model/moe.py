@@ -22,7 +22,8 @@ Load balancing: the Switch auxiliary loss E * sum_e f_e * P_e (f_e: fraction of 
 expert e, P_e: mean router probability of e; 1 when balanced), the router z-loss (ST-MoE,
 arXiv:2202.08906), and auxiliary-loss-free balancing (Wang et al. 2024, arXiv:2408.15664, used
 by DeepSeek-V3): a per-expert bias added to the scores for the top-k choice only, moved by the
-train step against the sign of each expert's load error (`update_router_bias`).
+train step against the sign of each expert's load error (`update_router_bias`). Group-limited
+routing (DeepSeek-V3) restricts each token's top-k to its best few groups of experts.
 
 Placement is not decided here: `jaxllm.sharding` runs the per-device functions below under
 `shard_map` and hands them the mesh axis names. `dense_reference` runs every expert on every
@@ -73,6 +74,8 @@ def route(logits_BxLxE: jax.Array, bias_E: jax.Array | None, cfg: MoEConfig) -> 
     choice_BxLxE = scores_BxLxE
     if bias_E is not None:
         choice_BxLxE = scores_BxLxE + jax.lax.stop_gradient(bias_E).astype(jnp.float32)[None, None]
+    if cfg.groups_per_token < cfg.num_groups:
+        choice_BxLxE = limit_to_groups(choice_BxLxE, cfg.num_groups, cfg.groups_per_token)
     _, expert_BxLxX = jax.lax.top_k(choice_BxLxE, x)
     weight_BxLxX = jnp.take_along_axis(scores_BxLxE, expert_BxLxX, axis=-1)
     if cfg.normalize_top_k:
@@ -83,6 +86,21 @@ def route(logits_BxLxE: jax.Array, bias_E: jax.Array | None, cfg: MoEConfig) -> 
     aux_loss = e * jnp.sum(fraction_E * jnp.mean(probs_BxLxE, axis=(0, 1)))
     z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxE, axis=-1)))
     return Routing(expert_BxLxX.astype(jnp.int32), weight_BxLxX, counts_E, aux_loss, z_loss)
+
+
+def limit_to_groups(choice_BxLxE: jax.Array, num_groups: int, keep: int) -> jax.Array:
+    """Group-limited routing (DeepSeek-V3, `n_group` / `topk_group`): the E experts form
+    `num_groups` groups of consecutive experts, each ranked per token by the sum of its two
+    highest choice scores (its highest when a group holds one expert); the experts outside the
+    best `keep` groups get -inf, so the top-k that follows picks only from those groups (with
+    experts grouped per device, a token's assignments reach at most `keep` devices)."""
+    b, l, e = choice_BxLxE.shape
+    size = e // num_groups
+    best_BxLxGx2, _ = jax.lax.top_k(choice_BxLxE.reshape(b, l, num_groups, size), min(2, size))
+    _, group_BxLxK = jax.lax.top_k(jnp.sum(best_BxLxGx2, axis=-1), keep)
+    kept_BxLxG = jnp.sum(jax.nn.one_hot(group_BxLxK, num_groups, dtype=jnp.int32), axis=-2) > 0
+    kept_BxLxE = jnp.repeat(kept_BxLxG, size, axis=-1)
+    return jnp.where(kept_BxLxE, choice_BxLxE, -jnp.inf)
 
 
 def capacity(cfg: MoEConfig, seq_len: int) -> int:
@@ -210,7 +228,7 @@ class MoE(nnx.Module):
         self.router = param(rngs, normal(init_std), (d, e), ("embed", "router_expert"), param_dtype)
         self.router_bias = (
             RouterBias(jnp.zeros((e,), jnp.float32), axes=("router_expert",))
-            if cfg.bias_update_rate > 0
+            if cfg.has_router_bias
             else None
         )
         self.gate_proj = param(rngs, normal(init_std), (e, d, f), ("expert", "embed", "mlp"),

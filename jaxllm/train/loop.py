@@ -173,8 +173,9 @@ def train(cfg: config.Config) -> dict:
     elif (source := _init_source(cfg, ckpt.directory)) is not None:
         from jaxllm.convert import load_params_from
 
-        params = load_params_from(source, cfg.model, mesh)
-        state, start = init_state_from(params, cfg.model, tx, mesh, cfg.run.seed), 0
+        params, model_state = load_params_from(source, cfg.model, mesh)
+        state = init_state_from(params, cfg.model, tx, mesh, cfg.run.seed, model_state)
+        start = 0
         _log(f"initialized parameters from {source}")
     else:
         state, start = init_state(cfg.model, tx, mesh, cfg.run.seed), 0

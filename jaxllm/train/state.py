@@ -91,19 +91,21 @@ def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int) -> TrainState:
     return init()
 
 
-def init_state_from(params, model_cfg: ModelConfig, tx, mesh: Mesh, seed: int) -> TrainState:
-    """A TrainState at step 0 around given (already sharded) parameters: fresh optimizer state,
-    rng and model state (MoE routing biases at zero), each leaf in its shards (fine-tuning,
-    `checkpoint.init_from`)."""
+def init_state_from(params, model_cfg: ModelConfig, tx, mesh: Mesh, seed: int,
+                    model_state=None) -> TrainState:  # fmt: skip
+    """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
+    routing biases; None: zeros): fresh optimizer state and rng, each leaf in its shards
+    (fine-tuning, `checkpoint.init_from`)."""
     shardings = state_shardings(model_cfg, tx, mesh)
 
     abstract_ms, _ = abstract_model_state(model_cfg)
 
-    def init(params):
+    def init(params, model_state):
         state_key = jax.random.split(jax.random.key(seed))[1]  # as `_init`: same rng stream
-        model_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_ms)
+        if model_state is None:
+            model_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_ms)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=tx.init(params), rng=jax.random.key_data(state_key),
                           model_state=model_state)  # fmt: skip
 
-    return jax.jit(init, out_shardings=shardings)(params)
+    return jax.jit(init, out_shardings=shardings)(params, model_state)
