@@ -335,7 +335,8 @@ class ModelConfig:
         ):
             _fail("model.rope_low_freq_factor must be positive and below rope_high_freq_factor.")
         if self.position == "rope" and self.rope_dim % 2:
-            _fail(f"the RoPE head dim ({self.rope_dim}) must be even.")
+            what = "model.mla.qk_rope_head_dim" if self.mla.enabled else "model.head_dim"
+            _fail(f"{what} ({self.rope_dim}) must be even for RoPE.")
         if self.mla.enabled:  # off, its widths are ignored (as moe.* without experts)
             self._validate_mla()
         if self.sliding_window is not None and self.sliding_window < 1:

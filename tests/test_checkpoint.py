@@ -103,7 +103,7 @@ def test_sigterm_checkpoints_and_exits_zero_then_resumes(tmp_path):
     assert rc == 0 and f"resumed from step {saved[0]}" in out, out
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate"])
+@pytest.mark.parametrize("damage", ["delete", pytest.param("truncate", marks=pytest.mark.slow)])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
     args = [*TINY, "train.steps=4", "checkpoint.every=2", f"run.dir={tmp_path}"]
     assert _run(args)[0] == 0
@@ -119,6 +119,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
     assert "resumed from step 2" in out
 
 
+@pytest.mark.slow
 def test_resume_on_another_mesh_and_device_count(tmp_path):
     args = [*TINY, "checkpoint.every=2"]
     rc, out = _run([*args, "train.steps=6", "mesh.fsdp=8", f"run.dir={tmp_path / 'ref'}"], 8)

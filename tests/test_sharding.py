@@ -145,7 +145,9 @@ def _jaxllm_train(args, devices: int, extra_env=None):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("mesh", ["mesh.data=-1", "mesh.data=1 mesh.fsdp=-1"])
+@pytest.mark.parametrize(
+    "mesh", ["mesh.data=-1", pytest.param("mesh.data=1 mesh.fsdp=-1", marks=pytest.mark.slow)]
+)
 def test_two_processes_match_one(tmp_path, mesh):
     common = [
         "train.steps=3", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
