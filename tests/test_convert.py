@@ -492,6 +492,22 @@ def test_converted_checkpoint_trains_and_generates(tmp_path, capsys):
         load_params_from(src, bad.model, sharding.make_mesh(MeshConfig()))
 
 
+def test_imported_deepseek_v3_generates_like_transformers_through_the_latent_cache(tmp_path):
+    """MLA decoding in latent space (absorbed), group-limited routing and the imported routing
+    bias together: greedy tokens equal transformers' `generate`."""
+    model = _hf_model("deepseek_v3")
+    assert _run("convert", "import", _save(model, tmp_path / "hf"), tmp_path / "run",
+                "model.dtype=float32") == 0  # fmt: skip
+    prompts = [[5, 17, 99, 3], [7, 1, 250, 12, 8, 40, 2]]
+    ours = generate(jaxllm.load_model(tmp_path / "run"), prompts,
+                    GenerateConfig(max_new_tokens=6, kv_cache_dtype="float32"))  # fmt: skip
+    for prompt, got in zip(prompts, ours.tokens):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                    min_new_tokens=6)  # fmt: skip
+        assert got == theirs[0, len(prompt) :].tolist()
+
+
 def _params(model):
     from flax import nnx
 
