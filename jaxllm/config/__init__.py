@@ -1,0 +1,42 @@
+"""Typed, frozen run configuration: one dataclass per component, YAML files, key=value overrides.
+
+The dataclasses below are the single source of truth for every key: their defaults *are* the
+default run (`jaxllm train` with no arguments), each field is documented where it is declared,
+and YAML files under `configs/` only override them.
+
+    cfg = jaxllm.config.load("configs/runs/default.yaml", ["train.steps=20", "mesh=fsdp"])
+
+A YAML file may hold `include: [other.yaml, ...]` (paths relative to the including file, merged in
+order, the including file winning). A section may be named by preset instead of spelled out:
+`model: llama3_8b` (in YAML or as an override `model=llama3_8b`) loads `configs/models/llama3_8b.yaml`.
+
+User mistakes raise `ConfigError` with one sentence naming the key and the fix; the CLI turns it
+into exit code 2 before anything is compiled.
+
+Modules: `model` (the model section), `sections` (the others), `root` (`Config` and the
+cross-section checks), `loading` (YAML, presets, overrides, type checks), `errors`.
+"""
+
+from jaxllm.config.errors import ConfigError
+from jaxllm.config.loading import SECTIONS, configs_dir, dump, from_dict, load, to_dict
+from jaxllm.config.model import MLAConfig, ModelConfig, MoEConfig
+from jaxllm.config.root import Config
+from jaxllm.config.sections import (
+    MESH_AXES,
+    CheckpointConfig,
+    DataConfig,
+    GenerateConfig,
+    MeshConfig,
+    OptimConfig,
+    RunConfig,
+    SourceConfig,
+    TrainConfig,
+    mesh_degrees,
+)
+
+__all__ = [
+    "MESH_AXES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "GenerateConfig", "MLAConfig", "MeshConfig", "ModelConfig", "MoEConfig", "OptimConfig",
+    "RunConfig", "SourceConfig", "TrainConfig", "configs_dir", "dump", "from_dict", "load",
+    "mesh_degrees", "to_dict",
+]  # fmt: skip

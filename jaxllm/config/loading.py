@@ -1,0 +1,244 @@
+"""Loading: YAML (1.2 scalars) with includes, presets (`model=NAME`), `key.sub=value`
+overrides, type checking of every value against the dataclass fields, and writing back."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from jaxllm.config.errors import ConfigError
+from jaxllm.config.errors import fail as _fail
+from jaxllm.config.root import Config
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 scalars: only true/false are booleans (`yes`, `on` stay strings) and `1e-3` is
+    a float (YAML 1.1 wants a dot)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [
+        (tag, rx)
+        for tag, rx in v
+        if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
+    ]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$"
+        r"|^\.(?:nan|NaN|NAN)$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+# ----------------------------------------------------------------------------------------------
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_PRESET_DIRS = {"model": "models", "mesh": "mesh"}
+
+
+def configs_dir() -> Path:
+    """The `configs/` directory: $JAXLLM_CONFIGS, else ./configs, else the one beside the package."""
+    if env := os.environ.get("JAXLLM_CONFIGS"):
+        return Path(env)
+    cwd = Path.cwd() / "configs"
+    return cwd if cwd.is_dir() else Path(__file__).resolve().parents[2] / "configs"
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        _fail(f"{path} includes itself (through {' -> '.join(p.name for p in seen)}).")
+    if not path.is_file():
+        _fail(f"config file {path} does not exist; check the path.")
+    try:
+        raw = _yaml(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        _fail(f"{path} is not valid YAML: {str(e).splitlines()[0]}.")
+    if not isinstance(raw, dict):
+        _fail(f"{path} must hold a mapping of sections, not a {type(raw).__name__}.")
+    includes = raw.pop("include", []) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        _deep_merge(merged, _read_yaml(path.parent / inc, seen + (path,)))
+    for section, value in raw.items():
+        _deep_merge(merged, {section: _expand_preset(section, value, path.parent, seen + (path,))})
+    return merged
+
+
+def _expand_preset(section: str, value: Any, base: Path, seen: tuple[Path, ...]) -> Any:
+    """`model: tiny` -> the `model` section of configs/models/tiny.yaml."""
+    if not isinstance(value, str) or section not in _PRESET_DIRS:
+        return value
+    candidates = [
+        Path(value),
+        base / value,
+        configs_dir() / _PRESET_DIRS[section] / f"{value}.yaml",
+    ]
+    path = next((p for p in candidates if p.suffix in (".yaml", ".yml") and p.is_file()), None)
+    if path is None:
+        available = sorted(p.stem for p in (configs_dir() / _PRESET_DIRS[section]).glob("*.yaml"))
+        _fail(
+            f"{section}={value!r} names no preset; available in configs/{_PRESET_DIRS[section]}/: "
+            f"{', '.join(available) or 'none'}."
+        )
+    data = _read_yaml(path, seen)
+    if set(data) - {section}:
+        _fail(f"preset {path} may only hold the `{section}:` section.")
+    return data.get(section, {})
+
+
+def _deep_merge(into: dict, other: dict) -> dict:
+    for k, v in other.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = v
+    return into
+
+
+def _parse_override(item: str) -> dict:
+    if "=" not in item:
+        _fail(f"override {item!r} must look like key.sub=value (for example train.steps=20).")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    try:
+        value = _yaml(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    if key in _PRESET_DIRS and isinstance(value, str):
+        return {key: _expand_preset(key, value, Path.cwd(), ())}
+    if key == "run" and not isinstance(value, dict):
+        _fail(f"override {item!r}: `run` is a section; set a key in it, e.g. run.dir=runs/x.")
+    node: Any = value
+    for part in reversed(key.split(".")):
+        if not part:
+            _fail(f"override {item!r} has an empty key part.")
+        node = {part: node}
+    return node
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Checks `value` against the annotation `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            _fail(f"{key} must be a list, not {value!r}.")
+        if dataclasses.is_dataclass(item_tp):
+            return tuple(_build(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
+        return tuple(_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            _fail(f"{key} must be one of {', '.join(map(str, choices))}, not {value!r}.")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(f"{key} must be true or false, not {value!r}.")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(f"{key} must be an integer, not {value!r}.")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(f"{key} must be a number, not {value!r}.")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(f"{key} must be a string, not {value!r}; quote it.")
+        return value
+    raise TypeError(f"unsupported annotation {tp} for {key}")  # a bug in this file, not the user's
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        _fail(f"{prefix} must be a mapping of keys, not {data!r}.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f"did you mean {prefix}.{close[0]}?" if close else f"known keys: {', '.join(names)}."
+        _fail(f"unknown config key {prefix}.{unknown[0]}; {hint}")
+    kwargs = {}
+    for k, v in data.items():
+        if dataclasses.is_dataclass(hints[k]):
+            kwargs[k] = _build(hints[k], v, f"{prefix}.{k}")
+        else:
+            kwargs[k] = _coerce(f"{prefix}.{k}", v, hints[k])
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> Config:
+    unknown = [k for k in data if k not in SECTIONS]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(SECTIONS), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"sections are {', '.join(SECTIONS)}."
+        _fail(f"unknown config section {unknown[0]!r}; {hint}")
+    hints = typing.get_type_hints(Config)
+    return Config(**{k: _build(hints[k], v or {}, k) for k, v in data.items()})
+
+
+def load(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """YAML file (or the built-in defaults when None) + `key.sub=value` overrides -> Config.
+
+    Validates everything that does not need the device count; `Config.validate(n)` does the rest.
+    """
+    data = _read_yaml(Path(path)) if path is not None else {}
+    for item in overrides:
+        _deep_merge(data, _parse_override(item))
+    return from_dict(data).validate()
+
+
+def to_dict(cfg: Config) -> dict:
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def dump(cfg: Config, path: str | os.PathLike) -> None:
+    """Writes the fully resolved config; `load(path)` reads it back to an equal Config."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,357 @@
+"""The `model` section: the decoder's shape and architecture knobs (`ModelConfig`), with its
+mixture-of-experts (`MoEConfig`) and Multi-head Latent Attention (`MLAConfig`) subsections, and
+the checks that involve only them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxllm.config.errors import fail as _fail
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward layers (`jaxllm.model.moe`); num_experts=0 is a dense model.
+
+    Which blocks are MoE: the first `first_dense_layers` blocks are dense, and of the rest every
+    `moe_every`-th is MoE (the others dense), so blocks k+n-1, k+2n-1, ... (0-based) for
+    k = first_dense_layers, n = moe_every.
+    """
+
+    num_experts: int = 0
+    """E: routed experts per MoE layer; 0 makes every block dense."""
+    experts_per_token: int = 2
+    """Top-k: routed experts each token is sent to."""
+    expert_mlp_dim: int | None = None
+    """Hidden width of each expert's SwiGLU; null means model.mlp_dim."""
+    num_shared_experts: int = 0
+    """Experts every token passes through besides its routed ones (DeepSeek / Qwen style),
+    run as one SwiGLU of width num_shared_experts * expert_mlp_dim."""
+    first_dense_layers: int = 0
+    """Leading blocks kept dense (DeepSeek-V3 keeps 3)."""
+    moe_every: int = 1
+    """Of the blocks after those, every this-many-th is MoE (2: alternate dense and MoE)."""
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores from the float32 logits: softmax over experts (Mixtral, Qwen) or an
+    independent sigmoid per expert (DeepSeek-V3)."""
+    normalize_top_k: bool = True
+    """Rescale each token's top-k scores to sum to 1 (for softmax this is Mixtral's softmax
+    over the top-k logits)."""
+    route_scale: float = 1.0
+    """Factor on the routed experts' combined output (DeepSeek-V3's routed_scaling_factor)."""
+    dispatch: Literal["dropless", "capacity"] = "dropless"
+    """`dropless`: tokens sorted by expert and run as a grouped matmul, none dropped;
+    `capacity`: fixed per-expert buffers of each sequence, assignments over capacity dropped."""
+    capacity_factor: float = 1.25
+    """Capacity mode: buffer slots per expert = ceil(capacity_factor * top-k * seq_len / E)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the Switch / GShard load-balancing loss E * sum_e f_e * P_e (1 when balanced),
+    averaged over MoE layers."""
+    router_z_loss_weight: float = 0.001
+    """Weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE), averaged over
+    MoE layers."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for
+    the top-k choice only, moves by this much per step against the sign of each expert's load
+    error; 0 keeps it where it is (and without `router_bias` there is no bias at all)."""
+    router_bias: bool = False
+    """Keep the per-expert choice bias even when bias_update_rate is 0: a model imported from
+    DeepSeek-V3 routes with its trained `e_score_correction_bias`, frozen unless
+    bias_update_rate > 0 (which implies a bias)."""
+    num_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups
+    of consecutive experts (one per device or node in DeepSeek's layout); 1: no groups."""
+    groups_per_token: int = 1
+    """Group-limited routing (DeepSeek-V3's topk_group): a token's top-k experts come from its
+    best this-many groups, a group ranked by the sum of its two highest (biased) scores, which
+    bounds how many devices a token's assignments travel to; num_groups: no limit."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def has_router_bias(self) -> bool:
+        """Whether MoE layers carry a `RouterBias` (in the model state, not the parameters)."""
+        return self.router_bias or self.bias_update_rate > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434; DeepSeek-V3); off unless
+    kv_lora_rank > 0.
+
+    Each token's keys and values come from one shared latent c (kv_lora_rank wide, normalised):
+    per head, k = [c W_uk ; k_rope] and v = c W_uv, where k_rope (qk_rope_head_dim wide) is one
+    RoPE'd key shared by all heads (the "decoupled" RoPE key). Queries are [q_nope ; q_rope],
+    from a low-rank latent too when q_lora_rank > 0. Generation caches only [c ; k_rope] per
+    token, and decode steps attend in the latent space: W_uk is folded into the queries and W_uv
+    applied after attention, so no per-head key or value is ever built for cached tokens.
+    model.num_kv_heads must equal model.num_heads and model.head_dim stay null.
+    """
+
+    kv_lora_rank: int = 0
+    """Width of the compressed key/value latent (DeepSeek-V2/V3: 512); 0: ordinary attention."""
+    q_lora_rank: int = 0
+    """Width of the query latent (DeepSeek-V3: 1536); 0: queries straight from the residual
+    stream (DeepSeek-V2-Lite)."""
+    qk_nope_head_dim: int = 128
+    """Per-head query/key channels without position (from the latent)."""
+    qk_rope_head_dim: int = 64
+    """Per-head query channels, and the shared key's channels, that carry RoPE."""
+    v_head_dim: int = 128
+    """Per-head value width (input of the output projection)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder. Shapes use the dimension letters of `jaxllm.model`."""
+
+    vocab_size: int = 384
+    """V: rows of the embedding table; at least the tokenizer's vocabulary (258 for bytes)."""
+    d_model: int = 256
+    """D: width of the residual stream."""
+    num_layers: int = 4
+    """Number of decoder blocks, stacked along a leading `layers` axis and scanned."""
+    num_heads: int = 4
+    """H: query heads."""
+    num_kv_heads: int = 2
+    """G: key/value heads. H for MHA, 1 for MQA, a divisor of H for GQA."""
+    head_dim: int | None = None
+    """K: per-head width; null means d_model / num_heads (H * K may differ from D, as in Qwen3)."""
+    mlp_dim: int = 640
+    """F: hidden width of the SwiGLU MLP."""
+    max_seq_len: int = 2048
+    """Largest position the model is built for; data.seq_len may not exceed it."""
+    position: Literal["rope", "alibi", "learned", "none"] = "rope"
+    """How tokens know their position: `rope` (rotary, Su et al. 2021), `alibi` (a per-head
+    linear distance penalty on attention logits, Press et al. 2022; attention_impl xla only),
+    `learned` (an absolute [max_seq_len, D] table added to the embeddings, GPT-2), or `none`
+    (causal masking alone, NoPE)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"
+    """RoPE context extension by `rope_factor` (Hugging Face `rope_type`): `linear` (position
+    interpolation: frequencies / factor), `ntk` (NTK-aware: theta * factor^(K / (K - 2))),
+    `yarn` (Peng et al. 2023: per-frequency ramp between interpolation and extrapolation, plus
+    an attention temperature), `llama3` (Llama 3.1: low frequencies / factor, a smooth band)."""
+    rope_factor: float = 1.0
+    """Context extension factor of `rope_scaling`; must stay 1 without scaling."""
+    rope_original_max_len: int | None = None
+    """Context length the model was pretrained at (`yarn`, `llama3`); null means max_seq_len."""
+    rope_low_freq_factor: float = 1.0
+    """`llama3`: wavelengths above original_max_len / this are interpolated fully."""
+    rope_high_freq_factor: float = 4.0
+    """`llama3`: wavelengths below original_max_len / this are kept as they are."""
+    rope_beta_fast: float = 32.0
+    """`yarn`: rotations over the original context above which a frequency is extrapolated."""
+    rope_beta_slow: float = 1.0
+    """`yarn`: rotations below which a frequency is interpolated."""
+    rope_attention_factor: float | None = None
+    """`yarn`: multiplier of cos/sin (attention temperature); null is 0.1 ln(factor) + 1."""
+    rope_interleave: bool = False
+    """Rotate adjacent channel pairs (2i, 2i + 1) (GPT-J, DeepSeek-V2/V3 checkpoints) instead of
+    the "rotate half" pairs (i, i + K/2) of Llama checkpoints."""
+    mlp_activation: Literal["swiglu", "geglu", "gelu", "relu", "relu2"] = "swiglu"
+    """MLP nonlinearity. Gated (`swiglu`: silu(gate) * up, `geglu`: gelu(gate) * up) have
+    gate/up/down projections; plain ones (`gelu`, `relu`, `relu2` = squared ReLU, So et al.
+    2021) have up/down."""
+    gelu_approximate: bool = True
+    """`gelu` / `geglu`: the tanh approximation (GPT-2, Gemma) rather than the exact erf form."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """RMSNorm (scale only) or LayerNorm (mean subtracted; scale and bias)."""
+    norm_placement: Literal["pre", "post", "sandwich"] = "pre"
+    """Where each block normalises: `pre` (x + f(norm(x)); a final norm before the head),
+    `post` (norm(x + f(x)), the original Transformer; no final norm), `sandwich`
+    (x + norm(f(norm(x))), Gemma 2/3; with a final norm)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every norm."""
+    norm_offset: float = 0.0
+    """Norms multiply by (norm_offset + scale): Gemma stores scale - 1 and uses 1 here."""
+    qk_norm: bool = False
+    """Normalise queries and keys per head over the head dim before RoPE (Qwen3, Gemma 3)."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2, GPT-2)."""
+    o_bias: bool = False
+    """Bias on the attention output projection (GPT-2)."""
+    mlp_bias: bool = False
+    """Biases on the MLP projections (GPT-2)."""
+    attn_scale: float | None = None
+    """Multiplier of q.k logits; null means head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar
+    ** -0.5)."""
+    attn_soft_cap: float | None = None
+    """Cap c of attention logits: s -> c * tanh(s / c) (Gemma 2); null: none."""
+    final_soft_cap: float | None = None
+    """Cap of the output logits, as attn_soft_cap (Gemma 2); null: none."""
+    sliding_window: int | None = None
+    """Windowed layers let a token see only the last `sliding_window` tokens (itself included;
+    Mistral, Gemma); null: every layer attends to the whole prefix."""
+    global_every: int = 0
+    """With sliding_window: layer i (0-based) attends globally when (i + 1) % global_every == 0
+    (2: alternate as Gemma 2, 6: Gemma 3); 0: every layer is windowed (Mistral)."""
+    scale_embeddings: bool = False
+    """Multiply token embeddings by sqrt(d_model) (Gemma)."""
+    tie_embeddings: bool = False
+    """Use the token embedding (transposed) as the LM head."""
+    dropout: float = 0.0
+    """Dropout rate on the embeddings and on each residual branch's output; training only (the
+    train step passes an rng; eval, scoring and generation never drop)."""
+    init_std: float = 0.02
+    """Std of the normal init of embeddings and projections (output projections scaled by depth)."""
+    param_dtype: str = "float32"
+    """Storage dtype of parameters (and of optimizer state)."""
+    dtype: str = "bfloat16"
+    """Compute dtype of activations and matmuls; softmax statistics and the loss stay float32."""
+    scan_unroll: int = 1
+    """Blocks per iteration of the layer scan; num_layers unrolls it fully (longer compiles)."""
+    remat: Literal["none", "full", "dots", "dots_with_no_batch_dims"] = "none"
+    """Activation checkpointing of each block: none, full (save only block inputs), or save matmul
+    outputs (`dots`: every matmul; `dots_with_no_batch_dims`: weight matmuls, not attention)."""
+    attention_impl: Literal["auto", "xla", "flash", "cudnn"] = "auto"
+    """`xla` (einsum, float32 softmax), `flash` (the Pallas kernel of `jaxllm.kernels`;
+    interpreted on CPU), `cudnn` (`jax.nn.dot_product_attention` on NVIDIA GPUs, no packed
+    segments), or `auto`: flash on TPU, xla elsewhere (see docs/benchmarks.md for GPU)."""
+    moe: MoEConfig = MoEConfig()
+    """Mixture-of-experts feed-forward layers; dense unless moe.num_experts > 0."""
+    mla: MLAConfig = MLAConfig()
+    """Multi-head Latent Attention in every block instead of GQA when mla.kv_lora_rank > 0."""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels of each query/key head that RoPE rotates."""
+        return self.mla.qk_rope_head_dim if self.mla.enabled else self.resolved_head_dim
+
+    @property
+    def resolved_expert_mlp_dim(self) -> int:
+        return self.mlp_dim if self.moe.expert_mlp_dim is None else self.moe.expert_mlp_dim
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.mlp_activation in ("swiglu", "geglu")
+
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Per layer: the sliding window, or 0 for a global layer; None without windows."""
+        if self.sliding_window is None:
+            return None
+        every = self.global_every
+        return tuple(
+            0 if every and (i + 1) % every == 0 else self.sliding_window
+            for i in range(self.num_layers)
+        )
+
+    def validate(self) -> None:
+        """Combinations of model keys no field type can express (raises ConfigError)."""
+        if self.position != "rope":
+            changed = [
+                f"model.{f.name}" for f in dataclasses.fields(self)
+                if f.name.startswith("rope_") and getattr(self, f.name) != f.default
+            ]  # fmt: skip
+            if changed:
+                _fail(f"{changed[0]} only applies to model.position=rope, not {self.position}.")
+        if self.rope_scaling == "none" and self.rope_factor != 1.0:
+            _fail("model.rope_factor needs model.rope_scaling (linear, ntk, yarn or llama3).")
+        if self.rope_factor <= 0 or self.rope_theta <= 0:
+            _fail("model.rope_factor and model.rope_theta must be positive.")
+        if self.rope_scaling == "llama3" and not (
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            _fail("model.rope_low_freq_factor must be positive and below rope_high_freq_factor.")
+        if self.position == "rope" and self.rope_dim % 2:
+            what = "model.mla.qk_rope_head_dim" if self.mla.enabled else "model.head_dim"
+            _fail(f"{what} ({self.rope_dim}) must be even for RoPE.")
+        if self.mla.enabled:  # off, its widths are ignored (as moe.* without experts)
+            self._validate_mla()
+        if self.sliding_window is not None and self.sliding_window < 1:
+            _fail(f"model.sliding_window must be >= 1 or null, not {self.sliding_window}.")
+        if self.global_every < 0 or (self.global_every and self.sliding_window is None):
+            _fail("model.global_every needs model.sliding_window and must be >= 0.")
+        for name in ("attn_soft_cap", "final_soft_cap", "attn_scale"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                _fail(f"model.{name} must be positive or null.")
+        if not 0 <= self.dropout < 1:
+            _fail(f"model.dropout must be in [0, 1), not {self.dropout}.")
+        if self.position == "alibi" and self.attention_impl in ("flash", "cudnn"):
+            _fail(
+                f"model.position=alibi needs model.attention_impl=xla (or auto): the "
+                f"{self.attention_impl} kernel has no ALiBi bias."
+            )
+        if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
+            _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
+
+    def _validate_mla(self) -> None:
+        a = self.mla
+        dims = dict(q_lora_rank=a.q_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
+                    qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim)  # fmt: skip
+        for name, value in dims.items():
+            if value < (0 if name == "q_lora_rank" else 1):
+                _fail(f"model.mla.{name} must be positive, not {value}.")
+        if self.position != "rope":
+            _fail(f"MLA carries position in its decoupled RoPE key: model.position must be rope, "
+                  f"not {self.position}.")  # fmt: skip
+        if self.num_kv_heads != self.num_heads or self.head_dim is not None:
+            _fail(
+                "MLA gives every query head its own key and value from the latent: set "
+                f"model.num_kv_heads = model.num_heads ({self.num_heads}) and leave "
+                "model.head_dim null (widths are model.mla.*_head_dim)."
+            )
+        if self.qk_norm or self.qkv_bias:
+            _fail("model.qk_norm and model.qkv_bias are not part of MLA (it normalises its "
+                  "latents); turn them off.")  # fmt: skip
+
+
+def validate_moe(m: ModelConfig) -> None:
+    moe = m.moe
+    if not 1 <= moe.experts_per_token <= moe.num_experts:
+        _fail(
+            f"model.moe.experts_per_token ({moe.experts_per_token}) must be between 1 and "
+            f"model.moe.num_experts ({moe.num_experts})."
+        )
+    if moe.expert_mlp_dim is not None and moe.expert_mlp_dim < 1:
+        _fail(f"model.moe.expert_mlp_dim must be at least 1 or null, not {moe.expert_mlp_dim}.")
+    if moe.num_shared_experts < 0 or moe.first_dense_layers < 0 or moe.moe_every < 1:
+        _fail(
+            "model.moe.num_shared_experts and model.moe.first_dense_layers must be >= 0 and "
+            "model.moe.moe_every >= 1."
+        )
+    rest = m.num_layers - moe.first_dense_layers
+    if rest < moe.moe_every or rest % moe.moe_every:
+        _fail(
+            f"model.num_layers - model.moe.first_dense_layers ({rest}) must be a positive "
+            f"multiple of model.moe.moe_every ({moe.moe_every}), so that the MoE pattern repeats "
+            "whole and holds at least one MoE block."
+        )
+    if moe.capacity_factor <= 0 or moe.route_scale <= 0:
+        _fail("model.moe.capacity_factor and model.moe.route_scale must be positive.")
+    for name in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate"):
+        if getattr(moe, name) < 0:
+            _fail(f"model.moe.{name} must be >= 0, not {getattr(moe, name)}.")
+    _validate_groups(moe)
+
+
+def _validate_groups(moe: MoEConfig) -> None:
+    groups, keep = moe.num_groups, moe.groups_per_token
+    if groups < 1 or moe.num_experts % groups:
+        _fail(f"model.moe.num_groups ({groups}) must be a positive divisor of "
+              f"model.moe.num_experts ({moe.num_experts}).")  # fmt: skip
+    if not 1 <= keep <= groups:
+        _fail(f"model.moe.groups_per_token ({keep}) must be between 1 and model.moe.num_groups "
+              f"({groups}).")  # fmt: skip
+    if moe.experts_per_token > keep * (moe.num_experts // groups):
+        _fail(
+            f"model.moe.experts_per_token ({moe.experts_per_token}) exceeds the "
+            f"{keep * (moe.num_experts // groups)} experts of model.moe.groups_per_token ({keep}) "
+            f"groups of {moe.num_experts // groups}; raise groups_per_token."
+        )

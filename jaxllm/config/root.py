@@ -1,0 +1,160 @@
+"""`Config`: every section together, and the checks that span sections (batch vs mesh, heads
+vs tensor degree, cache vs model)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.config.errors import fail as _fail
+from jaxllm.config.model import ModelConfig, validate_moe
+from jaxllm.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    GenerateConfig,
+    MeshConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    mesh_degrees,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run. Each section is passed only to the component that owns it."""
+
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    generate: GenerateConfig = GenerateConfig()
+
+    def validate(self, num_devices: int | None = None) -> Config:
+        """Checks combinations no field type can express; returns self or raises ConfigError."""
+        m, t = self.model, self.train
+        positive = {
+            "model.vocab_size": m.vocab_size, "model.d_model": m.d_model,
+            "model.num_layers": m.num_layers, "model.num_heads": m.num_heads,
+            "model.num_kv_heads": m.num_kv_heads, "model.mlp_dim": m.mlp_dim,
+            "model.max_seq_len": m.max_seq_len, "model.scan_unroll": m.scan_unroll,
+            "model.head_dim": 1 if m.head_dim is None else m.head_dim, "data.seq_len": self.data.seq_len,
+            "train.steps": t.steps, "train.global_batch_size": t.global_batch_size,
+            "train.grad_accum_steps": t.grad_accum_steps, "train.log_every": t.log_every,
+            "train.eval_batches": t.eval_batches,
+        }  # fmt: skip
+        for key, value in positive.items():
+            if value < 1:
+                _fail(f"{key} must be at least 1, not {value}.")
+        if t.eval_every < 0 or t.sample_tokens < 0 or self.optim.warmup_steps < 0:
+            _fail("train.eval_every, train.sample_tokens and optim.warmup_steps must be >= 0.")
+        gen = self.generate
+        if gen.max_new_tokens < 1 or gen.temperature < 0 or gen.top_k < 0:
+            _fail("generate.max_new_tokens must be >= 1, generate.temperature and top_k >= 0.")
+        if not 0 < gen.top_p <= 1:
+            _fail(f"generate.top_p must be in (0, 1], not {gen.top_p}.")
+        if gen.kv_group < 1 or gen.kv_page_size < 0:
+            _fail("generate.kv_group must be >= 1 and generate.kv_page_size >= 0.")
+        if gen.decode_impl == "kernel" and m.mla.enabled:
+            _fail(
+                "generate.decode_impl=kernel: the decode kernels read separate keys and values; "
+                "MLA's latent cache decodes with xla (auto picks it)."
+            )
+        if gen.kv_cache_dtype == "int4" and m.mla.enabled:
+            _fail(
+                "generate.kv_cache_dtype=int4 (KIVI: keys per channel, values per token) cannot "
+                "quantize MLA's latent, which is key and value at once; use int8 or bfloat16."
+            )
+        if gen.kv_cache_dtype == "int4" and m.resolved_head_dim % min(
+            gen.kv_group, m.resolved_head_dim
+        ):
+            _fail(
+                f"generate.kv_group ({gen.kv_group}) must divide the head dim "
+                f"({m.resolved_head_dim}) for the int4 cache's per-token value groups."
+            )
+        if gen.kv_page_size and gen.kv_page_size % gen.kv_group:
+            _fail(
+                f"generate.kv_page_size ({gen.kv_page_size}) must be a multiple of "
+                f"generate.kv_group ({gen.kv_group})."
+            )
+        if m.num_heads % m.num_kv_heads:
+            _fail(
+                f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
+                f"({m.num_kv_heads}); pick num_kv_heads from the divisors of num_heads."
+            )
+        if m.head_dim is None and m.d_model % m.num_heads:
+            _fail(
+                f"model.d_model ({m.d_model}) is not divisible by model.num_heads ({m.num_heads}); "
+                "change one of them so that head_dim = d_model / num_heads is an integer."
+            )
+        m.validate()
+        if self.mesh.sequence_attention == "ring" and (
+            m.position == "alibi" or m.sliding_window is not None or m.attn_soft_cap is not None
+            or m.attn_scale is not None
+        ):  # fmt: skip
+            _fail(
+                "mesh.sequence_attention=ring supports neither model.position=alibi, "
+                "model.sliding_window, model.attn_soft_cap nor model.attn_scale; use all_gather."
+            )
+        if self.data.seq_len > m.max_seq_len:
+            _fail(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+                "lower data.seq_len or raise model.max_seq_len."
+            )
+        from jaxllm.data import tokenizer_vocab_size  # local: config must not import jax
+
+        if m.vocab_size < tokenizer_vocab_size(self.data):
+            _fail(
+                f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({tokenizer_vocab_size(self.data)}); raise model.vocab_size."
+            )
+        if m.moe.enabled:
+            validate_moe(m)
+        elif m.moe.num_experts < 0:
+            _fail(f"model.moe.num_experts must be >= 0 (0: dense), not {m.moe.num_experts}.")
+        for name in ("dtype", "param_dtype"):
+            if getattr(m, name) not in ("float32", "bfloat16", "float16"):
+                _fail(
+                    f"model.{name} must be float32, bfloat16 or float16, not {getattr(m, name)!r}."
+                )
+        if t.global_batch_size % t.grad_accum_steps:
+            _fail(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"train.grad_accum_steps ({t.grad_accum_steps})."
+            )
+        if num_devices is not None:
+            degrees = mesh_degrees(self.mesh, num_devices)
+            dp = degrees["data"] * degrees["fsdp"] * degrees["expert"]
+            micro = t.global_batch_size // t.grad_accum_steps
+            if micro % dp:
+                _fail(
+                    f"train.global_batch_size ({t.global_batch_size}) / train.grad_accum_steps "
+                    f"({t.grad_accum_steps}) = {micro} rows per microbatch is not divisible by the "
+                    f"data-parallel size mesh.data * mesh.fsdp * mesh.expert = {dp}; use a "
+                    f"multiple of {dp}."
+                )
+            if m.moe.enabled and m.moe.num_experts % degrees["expert"]:
+                _fail(
+                    f"mesh.expert ({degrees['expert']}) must divide model.moe.num_experts "
+                    f"({m.moe.num_experts})."
+                )
+            if m.num_heads % degrees["tensor"] or m.num_kv_heads % degrees["tensor"]:
+                _fail(
+                    f"mesh.tensor ({degrees['tensor']}) must divide model.num_heads "
+                    f"({m.num_heads}) and model.num_kv_heads ({m.num_kv_heads})."
+                )
+            if self.mesh.sequence_attention == "ring" and self.data.seq_len % (
+                2 * degrees["sequence"]
+            ):
+                _fail(
+                    f"data.seq_len ({self.data.seq_len}) must be divisible by 2 * mesh.sequence "
+                    f"({2 * degrees['sequence']}) for ring attention's zigzag layout."
+                )
+            if self.data.seq_len % degrees["sequence"]:
+                _fail(
+                    f"data.seq_len ({self.data.seq_len}) must be divisible by mesh.sequence "
+                    f"({degrees['sequence']})."
+                )
+        return self

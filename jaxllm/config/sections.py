@@ -1,0 +1,252 @@
+"""The sections besides `model`: run, mesh (with the mesh-degree arithmetic), optimizer, data,
+train, checkpoint and generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from jaxllm.config.errors import fail as _fail
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory: config.yaml, metrics.jsonl, TensorBoard events, loss.png, checkpoints."""
+    seed: int = 0
+    """Seed for parameter init and the train-state rng (data order has its own seed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Degree of each parallelism axis of the device mesh.
+
+    The plain degrees split the devices of one slice / host group joined by the fast network
+    (ICI, NVLink); one of them may be -1 to take what is left. The `dcn_*` degrees split the
+    slices (or hosts) joined by the slow data-center network, as MaxText's `dcn_*_parallelism`:
+    the mesh axis `fsdp` then has size fsdp * dcn_fsdp, slices outermost. The product of all
+    degrees must equal the number of devices.
+    """
+
+    data: int = -1
+    """DP: replicas that each see a slice of the batch."""
+    fsdp: int = 1
+    """FSDP / ZeRO-3: batch split as in DP, parameters and optimizer state sharded too."""
+    tensor: int = 1
+    """TP: heads and MLP hidden units split Megatron-style."""
+    sequence: int = 1
+    """SP / context parallelism: the sequence axis of activations split."""
+    expert: int = 1
+    """EP: experts of MoE layers split; outside MoE layers the batch is split over it as over
+    `data`."""
+    dcn_data: int = 1
+    """Slices that replicate the model (the usual multi-slice choice: data over DCN)."""
+    dcn_fsdp: int = 1
+    """Slices the FSDP shards are spread over (costly: parameters cross DCN every layer)."""
+    dcn_tensor: int = 1
+    """Slices the tensor-parallel shards are spread over (rarely wise)."""
+    dcn_sequence: int = 1
+    """Slices the sequence shards are spread over."""
+    dcn_expert: int = 1
+    """Slices the experts are spread over."""
+    sequence_attention: Literal["all_gather", "ring"] = "all_gather"
+    """How attention sees keys of other sequence shards: all-gather K/V, or ring attention
+    (K/V blocks passed around the `sequence` axis, zigzag layout for causal load balance)."""
+    expert_dispatch: Literal["annotations", "all_to_all"] = "annotations"
+    """How capacity-mode MoE layers move token buffers to their experts' devices over
+    `expert`: sharding constraints on the buffers, from which XLA makes the all-to-all, or an
+    explicit all-to-all under shard_map. Both move the same bytes in every plan of
+    docs/benchmarks.md; constraints need less memory with FSDP. Dropless layers always gather
+    the tokens of the expert group under shard_map."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with a schedule, global-norm clipping and a weight-decay mask (kernels/embeddings)."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
+    warmup_steps: int = 15
+    """Linear warmup from 0 to lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine and linear)."""
+    b1: float = 0.9
+    """Adam decay rate of the first moment."""
+    b2: float = 0.95
+    """Adam decay rate of the second moment."""
+    eps: float = 1e-8
+    """Adam epsilon added to the root of the second moment."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norm scales or biases."""
+    clip_norm: float | None = 1.0
+    """Clip gradients to this global L2 norm; null disables clipping."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceConfig:
+    """One corpus of a (possibly weighted) mixture."""
+
+    path: str = "stdlib"
+    """`stdlib` (the running Python's standard-library sources), a directory, a glob, or a file;
+    a directory or glob may mix formats, told apart by extension."""
+    format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "arrayrecord"] = "auto"
+    """`auto` picks by extension: .jsonl/.json -> jsonl, .parquet, .arrayrecord/.array_record,
+    anything else -> text."""
+    text_field: str = "text"
+    """Field holding the document in JSONL lines and Parquet rows."""
+    weight: float = 1.0
+    """Share of this source in the mixture (normalised over the sources)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are packed into rows."""
+
+    sources: tuple[SourceConfig, ...] = (SourceConfig(),)
+    """Training corpora; several make a weighted mixture."""
+    eval_sources: tuple[SourceConfig, ...] = ()
+    """Held-out corpora; empty holds out `eval_fraction` of the training files instead."""
+    tokenizer: str = "byte"
+    """`byte` (UTF-8 bytes, no files), a `tokenizer.json` (Hugging Face tokenizers), or a
+    SentencePiece `.model` file."""
+    add_bos: bool = True
+    """Start every document with the tokenizer's BOS token."""
+    add_eos: bool = True
+    """End every document with the tokenizer's EOS token."""
+    packing: Literal["concat", "first_fit"] = "concat"
+    """`concat`: documents end to end, cut into rows (long documents split); `first_fit`: whole
+    documents placed in the first row with room, padded (documents longer than a row split)."""
+    seq_len: int = 256
+    """Tokens per row the model sees (rows are packed documents)."""
+    eval_fraction: float = 0.05
+    """Fraction of files held out for eval (by a hash of their path) when eval_sources is empty."""
+    max_files: int | None = None
+    """Read at most this many files (sorted by path) of each source; null reads all."""
+    on_bad_record: Literal["skip", "fail"] = "skip"
+    """A JSONL line that is not JSON or lacks the text field: count, warn and skip, or stop."""
+    seed: int = 0
+    """Seed of the row shuffle and of the mixture."""
+    workers: int = 0
+    """Grain worker processes preparing batches (0: in the training process)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 150
+    """Optimizer steps."""
+    global_batch_size: int = 16
+    """Rows per optimizer step across all devices and microbatches."""
+    grad_accum_steps: int = 1
+    """Split each global batch into this many microbatches, accumulated inside the jitted step."""
+    z_loss: float = 0.0
+    """Weight of the z-loss (log of the softmax normaliser squared) added to the loss."""
+    log_every: int = 10
+    """Write a metrics line every this many steps."""
+    eval_every: int = 50
+    """Evaluate on the held-out split every this many steps; 0 evaluates only at the end."""
+    eval_batches: int = 8
+    """Batches of the held-out split per evaluation."""
+    sample_prompt: str = "def __init__(self"
+    """Prompt of the greedy continuation printed at the end of training ("" skips it)."""
+    sample_tokens: int = 96
+    """Length of that continuation in tokens."""
+    nonfinite: Literal["skip", "stop"] = "stop"
+    """A step whose loss or gradients are NaN/Inf never updates the state (done inside the
+    jitted step); `skip` goes on with the next batch, `stop` ends the run after
+    `nonfinite_patience` such steps in a row, with a checkpoint of the last good state."""
+    nonfinite_patience: int = 1
+    """Consecutive non-finite steps tolerated before `stop` ends the run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints: train state, data iterator, resolved config and tokenizer together."""
+
+    dir: str | None = None
+    """Checkpoint directory; null means `<run.dir>/checkpoints`."""
+    every: int = 0
+    """Save every this many steps (asynchronously: training goes on while it is written); 0
+    saves only at the end (and on SIGTERM / SIGINT)."""
+    keep: int = 3
+    """Keep the newest this many checkpoints ..."""
+    keep_every: int | None = None
+    """... plus every checkpoint whose step is a multiple of this (null: none)."""
+    async_save: bool = True
+    """Write checkpoints in a background thread."""
+    save_final: bool = True
+    """Write a checkpoint of the train state when training ends."""
+    resume: bool = True
+    """Continue from the newest readable checkpoint in the directory, if there is one."""
+    init_from: str | None = None
+    """A fresh run (nothing to resume) starts from these parameters instead of random ones: a
+    run directory, its checkpoints directory, one step of it, or a Hugging Face model directory
+    (config.json + safetensors). The model section must describe the same parameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """Sampling and KV cache of `jaxllm generate` (and of `jaxllm.infer.generate`)."""
+
+    max_new_tokens: int = 128
+    """Tokens generated per prompt at most (fewer when a stop token comes first)."""
+    temperature: float = 0.0
+    """Softmax temperature; 0 decodes greedily (argmax)."""
+    top_k: int = 0
+    """Sample only among the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches p; 1 keeps all."""
+    seed: int = 0
+    """Seed of the sampling rng (ignored when greedy)."""
+    stop_tokens: tuple[int, ...] = ()
+    """Token ids that end a sequence, besides the tokenizer's end-of-sequence token."""
+    kv_cache_dtype: Literal["bfloat16", "float32", "int8", "int4"] = "bfloat16"
+    """Storage of cached keys/values: full precision, int8 (symmetric, one scale per token and kv
+    head) or int4 (KIVI: keys per channel, values per token, asymmetric, two codes per byte)."""
+    kv_group: int = 32
+    """int4 group size: tokens per key scale, channels per value scale; also the number of most
+    recent tokens kept in full precision until their key group fills."""
+    kv_page_size: int = 0
+    """0 lays the cache out contiguously ([batch, max_len] per layer); N > 0 stores it in pages of
+    N tokens shared by the batch through a block table, so each sequence reserves only the pages
+    its own prompt + max_new_tokens need."""
+    decode_impl: Literal["auto", "xla", "kernel"] = "auto"
+    """Attention over the cache: `kernel` (the Pallas decode kernel of `jaxllm.kernels`: Mosaic
+    on TPU, Triton on GPU, interpreted on CPU), `xla` (dequantize, then attend), `auto` (kernel
+    on TPU, xla elsewhere)."""
+
+
+MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+
+
+def mesh_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Size of each mesh axis (fast degree * dcn degree), with the one -1 resolved; checks that
+    the product equals the device count."""
+    ici = {a: getattr(mesh, a) for a in MESH_AXES}
+    dcn = {a: getattr(mesh, f"dcn_{a}") for a in MESH_AXES}
+    for name, d in [*ici.items(), *((f"dcn_{a}", d) for a, d in dcn.items())]:
+        if d == 0 or d < -1 or (d == -1 and name.startswith("dcn_")):
+            allowed = "a positive degree" + ("" if name.startswith("dcn_") else " or -1")
+            _fail(f"mesh.{name} must be {allowed}, not {d}.")
+    auto = [a for a, d in ici.items() if d == -1]
+    if len(auto) > 1:
+        _fail(f"only one mesh degree may be -1, but {', '.join('mesh.' + a for a in auto)} are.")
+    fixed = math.prod(d for d in ici.values() if d != -1) * math.prod(dcn.values())
+    if auto:
+        if num_devices % fixed:
+            _fail(
+                f"mesh.{auto[0]}=-1 cannot fill {num_devices} devices: the other degrees multiply "
+                f"to {fixed}, which does not divide {num_devices}."
+            )
+        ici[auto[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        named = [f"mesh.{a}={d}" for a, d in ici.items() if d != 1]
+        named += [f"mesh.dcn_{a}={d}" for a, d in dcn.items() if d != 1]
+        _fail(
+            f"the mesh degrees ({' * '.join(named) or 'all 1'}) multiply to {fixed} but there "
+            f"are {num_devices} devices; make the product equal the device count or set one "
+            "degree to -1."
+        )
+    return {a: ici[a] * dcn[a] for a in MESH_AXES}
