@@ -33,3 +33,15 @@ def tiny_cfg() -> ModelConfig:
 @pytest.fixture
 def default_config() -> Config:
     return Config()
+
+
+def shard_model(model, mesh):
+    """`model` with its parameters laid out on `mesh` by their logical axes."""
+    from flax import nnx
+
+    from jaxllm import sharding
+    from jaxllm.train.state import abstract_model
+
+    graphdef, _, axes = abstract_model(model.cfg)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return nnx.merge(graphdef, jax.device_put(params, sharding.tree_shardings(mesh, axes)))

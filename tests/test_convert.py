@@ -163,20 +163,26 @@ def test_export_refuses_knobs_the_family_cannot_hold(tmp_path, capsys):
     assert "cannot be expressed in a gpt2 checkpoint" in err and "model.position='rope'" in err
 
 
-def test_streams_each_shard_onto_the_mesh(tmp_path, monkeypatch):
-    """On a data x fsdp x tensor mesh every parameter arrives in its shards, equal to the
-    single-device import; the embedding (same layout) is read one shard-sized slice at a time."""
-    src = _save(_hf_model("llama2"), tmp_path / "hf")
-    cfg = convert_hf.model_config(src, ["model.dtype=float32"])
-    reads = []
+@pytest.fixture
+def reads(monkeypatch):
+    """(name, shape) of every tensor slice the importer reads, in order."""
+    log = []
     real_read = convert_hf.Reader.read
 
     def spy(self, name, index=None):
         out = real_read(self, name, index)
-        reads.append((name, out.shape))
+        log.append((name, out.shape))
         return out
 
     monkeypatch.setattr(convert_hf.Reader, "read", spy)
+    return log
+
+
+def test_streams_each_shard_onto_the_mesh(tmp_path, reads):
+    """On a data x fsdp x tensor mesh every parameter arrives in its shards, equal to the
+    single-device import; the embedding (same layout) is read one shard-sized slice at a time."""
+    src = _save(_hf_model("llama2"), tmp_path / "hf")
+    cfg = convert_hf.model_config(src, ["model.dtype=float32"])
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     params, _, _ = convert_hf.load_params(src, cfg.model, mesh)
     embed_reads = {shape for name, shape in reads if name == "model.embed_tokens.weight"}
@@ -216,9 +222,7 @@ def _legacy_mixtral(model, fused_dir, path):
     return path
 
 
-def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(
-    tmp_path, monkeypatch
-):
+def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(tmp_path, reads):
     """Released Mixtral checkpoints hold one tensor per expert, transformers 5 keeps (and can
     save) the experts fused per layer; both import to the same parameters, and on a mesh with
     experts split in two each shard reads only its experts' tensors (or slice)."""
@@ -229,15 +233,6 @@ def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(
     legacy = _legacy_mixtral(model, fused, tmp_path / "legacy")
     cfg = convert_hf.model_config(legacy, ["model.dtype=float32"])
     assert cfg.model.moe.dispatch == "dropless"  # exact: no assignment dropped
-    reads = []
-    real_read = convert_hf.Reader.read
-
-    def spy(self, name, index=None):
-        out = real_read(self, name, index)
-        reads.append((name, out.shape))
-        return out
-
-    monkeypatch.setattr(convert_hf.Reader, "read", spy)
     mesh = sharding.make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
     from_legacy, _, report = convert_hf.load_params(legacy, cfg.model, mesh)
     assert any("experts.{j}.w1.weight x2 layers x4 experts" in str(m) for m in report)

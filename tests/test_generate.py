@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import shard_model, tiny_model
 from jaxllm.kernels.decode_attention import quant
 
 from jaxllm import sharding
@@ -224,13 +224,7 @@ def test_sharded_generation_matches_one_device(model, gen):
     gen = dataclasses.replace(gen, max_new_tokens=8)
     want = generate(model, PROMPTS, gen).tokens
     mesh = sharding.make_mesh(MeshConfig(data=2, tensor=2, fsdp=2))
-    from flax import nnx
-
-    from jaxllm.train.state import abstract_model
-
-    graphdef, _, axes = abstract_model(model.cfg)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    sharded = nnx.merge(graphdef, jax.device_put(params, sharding.tree_shardings(mesh, axes)))
+    sharded = shard_model(model, mesh)
     assert sharded.layers.attn.k_proj[...].sharding.spec[2] == "tensor"
     got = generate(sharded, PROMPTS, gen, mesh=mesh)
     assert got.tokens == want
@@ -239,18 +233,12 @@ def test_sharded_generation_matches_one_device(model, gen):
 def test_sharded_generation_with_alibi_and_a_window_pattern():
     """ALiBi slopes split over the tensor axis with the heads, per-layer windows through the
     kernel's lax.cond, under a data x fsdp x tensor mesh: the tokens of one device."""
-    from flax import nnx
-
-    from jaxllm.train.state import abstract_model
-
     model = build(tiny_model(init_std=0.5, position="alibi", sliding_window=4, global_every=2),
                   seed=1)  # fmt: skip
     gen = GenerateConfig(max_new_tokens=6, kv_cache_dtype="int8", decode_impl="kernel")
     want = generate(model, PROMPTS, gen).tokens
     mesh = sharding.make_mesh(MeshConfig(data=2, tensor=2, fsdp=2))
-    graphdef, _, axes = abstract_model(model.cfg)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    sharded = nnx.merge(graphdef, jax.device_put(params, sharding.tree_shardings(mesh, axes)))
+    sharded = shard_model(model, mesh)
     assert generate(sharded, PROMPTS, gen, mesh=mesh).tokens == want
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import shard_model, tiny_model
 from flax import nnx
 
 from jaxllm import config, sharding
@@ -150,14 +150,10 @@ def test_int8_latent_cache_decodes_mostly_the_same_tokens(model):
 def test_sharded_generation_matches_one_device(model):
     """Batch over data x fsdp, heads over tensor; the one-head latent cache is replicated over
     tensor."""
-    from jaxllm.train.state import abstract_model
-
     gen = GenerateConfig(max_new_tokens=6, kv_cache_dtype="float32")
     want = generate(model, PROMPTS, gen).tokens
     mesh = sharding.make_mesh(MeshConfig(data=2, tensor=2, fsdp=2))
-    graphdef, _, axes = abstract_model(model.cfg)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    sharded = nnx.merge(graphdef, jax.device_put(params, sharding.tree_shardings(mesh, axes)))
+    sharded = shard_model(model, mesh)
     assert sharded.layers.attn.kv_b_proj[...].sharding.spec[2] == "tensor"
     assert generate(sharded, PROMPTS, gen, mesh=mesh).tokens == want
 

@@ -18,7 +18,15 @@ cross-section checks), `loading` (YAML, presets, overrides, type checks), `error
 """
 
 from jaxllm.config.errors import ConfigError
-from jaxllm.config.loading import SECTIONS, configs_dir, dump, from_dict, load, to_dict
+from jaxllm.config.loading import (
+    SECTIONS,
+    apply_overrides,
+    configs_dir,
+    dump,
+    from_dict,
+    load,
+    to_dict,
+)
 from jaxllm.config.model import MLAConfig, ModelConfig, MoEConfig
 from jaxllm.config.root import Config
 from jaxllm.config.sections import (
@@ -37,6 +45,6 @@ from jaxllm.config.sections import (
 __all__ = [
     "MESH_AXES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "GenerateConfig", "MLAConfig", "MeshConfig", "ModelConfig", "MoEConfig", "OptimConfig",
-    "RunConfig", "SourceConfig", "TrainConfig", "configs_dir", "dump", "from_dict", "load",
+    "RunConfig", "SourceConfig", "TrainConfig", "apply_overrides", "configs_dir", "dump", "from_dict", "load",
     "mesh_degrees", "to_dict",
 ]  # fmt: skip

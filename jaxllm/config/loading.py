@@ -223,9 +223,15 @@ def load(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] 
     Validates everything that does not need the device count; `Config.validate(n)` does the rest.
     """
     data = _read_yaml(Path(path)) if path is not None else {}
+    return from_dict(apply_overrides(data, overrides)).validate()
+
+
+def apply_overrides(data: dict, overrides: typing.Sequence[str]) -> dict:
+    """Merges `key.sub=value` overrides (presets included) into a nested dict of sections, in
+    place, and returns it."""
     for item in overrides:
         _deep_merge(data, _parse_override(item))
-    return from_dict(data).validate()
+    return data
 
 
 def to_dict(cfg: Config) -> dict:

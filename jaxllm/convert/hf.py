@@ -282,9 +282,7 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     data: dict = {"seq_len": min(256, fields["max_seq_len"])}
     if (hf_dir / "tokenizer.json").is_file():
         data["tokenizer"] = str((hf_dir / "tokenizer.json").resolve())
-    tree = {"model": fields, "data": data}
-    for item in overrides:
-        config_lib._deep_merge(tree, config_lib._parse_override(item))
+    tree = config_lib.apply_overrides({"model": fields, "data": data}, overrides)
     return config_lib.from_dict(tree).validate()
 
 
