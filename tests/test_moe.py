@@ -215,6 +215,39 @@ def test_group_limited_routing_equals_deepseek_v3s_router():
     assert (np.sort(np.asarray(free.expert_BxLxX), -1).reshape(48, 4) != got_experts).any()
 
 
+def _deepseek_v2_router(logits_TxE, groups, keep, top_k, scale):
+    """transformers' `DeepseekV2TopkRouter.forward` (topk_method group_limited_greedy) in
+    numpy, token by token: softmax scores; groups ranked by their highest score; the scores
+    outside the best `keep` groups set to 0; top-k weights scaled, not renormalised."""
+    scores_TxE = np.exp(logits_TxE) / np.exp(logits_TxE).sum(-1, keepdims=True)
+    experts, weights = [], []
+    for score_E in scores_TxE:
+        score_GxS = score_E.reshape(groups, -1)
+        masked_GxS = np.zeros_like(score_GxS)
+        best = np.argsort(-score_GxS.max(-1))[:keep]
+        masked_GxS[best] = score_GxS[best]
+        top = np.sort(np.argsort(-masked_GxS.ravel())[:top_k])
+        experts.append(top)
+        weights.append(score_E[top] * scale)
+    return np.array(experts), np.array(weights)
+
+
+def test_group_limited_routing_by_max_equals_deepseek_v2s_router():
+    cfg = MoEConfig(num_experts=16, experts_per_token=4, num_groups=4, groups_per_token=2,
+                    group_score="max", normalize_top_k=False, route_scale=16.0)  # fmt: skip
+    logits_BxLxE = np.random.default_rng(1).normal(size=(2, 24, 16)).astype(np.float32)
+    r = jax.jit(route, static_argnums=2)(jnp.asarray(logits_BxLxE), None, cfg)
+    order_BxLxX = np.argsort(np.asarray(r.expert_BxLxX), axis=-1)
+    got_experts = np.take_along_axis(np.asarray(r.expert_BxLxX), order_BxLxX, -1).reshape(48, 4)
+    got_weights = np.take_along_axis(np.asarray(r.weight_BxLxX), order_BxLxX, -1).reshape(48, 4)
+    want_experts, want_weights = _deepseek_v2_router(logits_BxLxE.reshape(48, 16), 4, 2, 4, 16.0)
+    np.testing.assert_array_equal(got_experts, want_experts)
+    np.testing.assert_allclose(got_weights, want_weights, rtol=1e-5)
+    # the group score matters here: ranking by the top-2 sum picks other experts for some tokens
+    top2 = route(jnp.asarray(logits_BxLxE), None, dataclasses.replace(cfg, group_score="top2_sum"))
+    assert (np.sort(np.asarray(top2.expert_BxLxX), -1).reshape(48, 4) != got_experts).any()
+
+
 def test_aux_loss_z_loss_and_load_metrics():
     e = 4
     cfg = MoEConfig(num_experts=e, experts_per_token=1)

@@ -64,8 +64,11 @@ class MoEConfig:
     of consecutive experts (one per device or node in DeepSeek's layout); 1: no groups."""
     groups_per_token: int = 1
     """Group-limited routing (DeepSeek-V3's topk_group): a token's top-k experts come from its
-    best this-many groups, a group ranked by the sum of its two highest (biased) scores, which
-    bounds how many devices a token's assignments travel to; num_groups: no limit."""
+    best this-many groups, a group ranked by `group_score`, which bounds how many devices a
+    token's assignments travel to; num_groups: no limit."""
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
+    """How group-limited routing ranks a group: the sum of its two highest (biased) scores
+    (DeepSeek-V3's noaux_tc) or its highest score (DeepSeek-V2's group_limited_greedy)."""
 
     @property
     def enabled(self) -> bool:

@@ -23,7 +23,7 @@ expert e, P_e: mean router probability of e; 1 when balanced), the router z-loss
 arXiv:2202.08906), and auxiliary-loss-free balancing (Wang et al. 2024, arXiv:2408.15664, used
 by DeepSeek-V3): a per-expert bias added to the scores for the top-k choice only, moved by the
 train step against the sign of each expert's load error (`update_router_bias`). Group-limited
-routing (DeepSeek-V3) restricts each token's top-k to its best few groups of experts.
+routing (DeepSeek-V2/V3) restricts each token's top-k to its best few groups of experts.
 
 Placement is not decided here: `jaxllm.sharding` runs the per-device functions below under
 `shard_map` and hands them the mesh axis names. `dense_reference` runs every expert on every
@@ -75,7 +75,9 @@ def route(logits_BxLxE: jax.Array, bias_E: jax.Array | None, cfg: MoEConfig) -> 
     if bias_E is not None:
         choice_BxLxE = scores_BxLxE + jax.lax.stop_gradient(bias_E).astype(jnp.float32)[None, None]
     if cfg.groups_per_token < cfg.num_groups:
-        choice_BxLxE = limit_to_groups(choice_BxLxE, cfg.num_groups, cfg.groups_per_token)
+        choice_BxLxE = limit_to_groups(
+            choice_BxLxE, cfg.num_groups, cfg.groups_per_token, cfg.group_score
+        )
     _, expert_BxLxX = jax.lax.top_k(choice_BxLxE, x)
     weight_BxLxX = jnp.take_along_axis(scores_BxLxE, expert_BxLxX, axis=-1)
     if cfg.normalize_top_k:
@@ -88,16 +90,20 @@ def route(logits_BxLxE: jax.Array, bias_E: jax.Array | None, cfg: MoEConfig) -> 
     return Routing(expert_BxLxX.astype(jnp.int32), weight_BxLxX, counts_E, aux_loss, z_loss)
 
 
-def limit_to_groups(choice_BxLxE: jax.Array, num_groups: int, keep: int) -> jax.Array:
-    """Group-limited routing (DeepSeek-V3, `n_group` / `topk_group`): the E experts form
+def limit_to_groups(
+    choice_BxLxE: jax.Array, num_groups: int, keep: int, group_score: str = "top2_sum"
+) -> jax.Array:
+    """Group-limited routing (DeepSeek-V2/V3, `n_group` / `topk_group`): the E experts form
     `num_groups` groups of consecutive experts, each ranked per token by the sum of its two
-    highest choice scores (its highest when a group holds one expert); the experts outside the
-    best `keep` groups get -inf, so the top-k that follows picks only from those groups (with
-    experts grouped per device, a token's assignments reach at most `keep` devices)."""
+    highest choice scores (`top2_sum`, DeepSeek-V3; its highest when a group holds one expert)
+    or by its highest (`max`, DeepSeek-V2); the experts outside the best `keep` groups get
+    -inf, so the top-k that follows picks only from those groups (with experts grouped per
+    device, a token's assignments reach at most `keep` devices)."""
     b, l, e = choice_BxLxE.shape
     size = e // num_groups
-    best_BxLxGx2, _ = jax.lax.top_k(choice_BxLxE.reshape(b, l, num_groups, size), min(2, size))
-    _, group_BxLxK = jax.lax.top_k(jnp.sum(best_BxLxGx2, axis=-1), keep)
+    top = 1 if group_score == "max" else min(2, size)
+    best_BxLxGxT, _ = jax.lax.top_k(choice_BxLxE.reshape(b, l, num_groups, size), top)
+    _, group_BxLxK = jax.lax.top_k(jnp.sum(best_BxLxGxT, axis=-1), keep)
     kept_BxLxG = jnp.sum(jax.nn.one_hot(group_BxLxK, num_groups, dtype=jnp.int32), axis=-2) > 0
     kept_BxLxE = jnp.repeat(kept_BxLxG, size, axis=-1)
     return jnp.where(kept_BxLxE, choice_BxLxE, -jnp.inf)
