@@ -10,9 +10,9 @@ Our layout vs torch's: a projection is [in..., out...] (`q_proj` [D, H, K]) wher
 `nn.Linear` weight is [out, in] (`q_proj.weight` [H*K, D]); GPT-2's `Conv1D` stores [in, out]
 and fuses q, k, v into one `c_attn`. Stacked layers carry a leading [N] axis here and one tensor
 per layer there (`{i}` in a name); MoE expert weights [N, E, ...] are one tensor per layer and
-expert in Mixtral and DeepSeek-V3 checkpoints (`{i}`, `{j}`), one [E, ...] tensor per layer in
-transformers 5's fused layout. DeepSeek-V3's blocks are two stacks here (dense, then MoE), so
-the MoE stack's layer k is HF layer first_k_dense_replace + k (`Link.offset`), and its routing
+expert in Mixtral and DeepSeek-V2/V3 checkpoints (`{i}`, `{j}`), one [E, ...] tensor per layer in
+transformers 5's fused layout. DeepSeek-V2/V3 blocks are two stacks here (dense, then MoE), so
+the MoE stack's layer k is HF layer first_k_dense_replace + k (`Link.offset`), and V3's routing
 bias is model state (`RouterBias`), not a parameter.
 """
 
@@ -433,15 +433,22 @@ def _deepseek_v3_model(hf: dict) -> dict:
     group-limited top-k (n_group / topk_group), renormalised weights times
     routed_scaling_factor, and shared experts. With YaRN, `mscale_all_dim` sharpens the
     softmax (attn_scale) and mscale / mscale_all_dim set the cos/sin factor."""
+    return {**_deepseek_mla_model(hf, "DeepSeek-V3"),
+            "rope_interleave": bool(hf.get("rope_interleave", True)), "moe": _deepseek_moe(hf)}  # fmt: skip
+
+
+def _deepseek_mla_model(hf: dict, name: str) -> dict:
+    """The fields DeepSeek-V2 and V3 config.json share (all but RoPE's pair order and the
+    MoE): MLA shapes, YaRN and its softmax scale, SwiGLU MLPs without biases."""
     if hf.get("hidden_act", "silu") != "silu":
-        _fail(f"DeepSeek-V3 with hidden_act={hf['hidden_act']!r}: jaxllm's experts and shared "
+        _fail(f"{name} with hidden_act={hf['hidden_act']!r}: jaxllm's experts and shared "
               "experts are SwiGLU (silu) only.")  # fmt: skip
     if hf.get("attention_bias"):
-        _fail("DeepSeek-V3 with attention_bias=true (biases on q_a / kv_a / o projections) is "
+        _fail(f"{name} with attention_bias=true (biases on q_a / kv_a / o projections) is "
               "not supported: jaxllm's MLA has no projection biases.")  # fmt: skip
     h = hf["num_attention_heads"]
     if (hf.get("num_key_value_heads") or h) != h:
-        _fail(f"DeepSeek-V3 with num_key_value_heads={hf['num_key_value_heads']} != "
+        _fail(f"{name} with num_key_value_heads={hf['num_key_value_heads']} != "
               f"num_attention_heads={h}: MLA expands the latent into every head.")  # fmt: skip
     mla = {
         "kv_lora_rank": hf["kv_lora_rank"], "q_lora_rank": hf.get("q_lora_rank") or 0,
@@ -456,8 +463,7 @@ def _deepseek_v3_model(hf: dict) -> dict:
         "max_seq_len": hf["max_position_embeddings"],
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "mlp_activation": "swiglu", "rope_interleave": bool(hf.get("rope_interleave", True)),
-        "attn_scale": _deepseek_scale(hf, rope), "mla": mla, "moe": _deepseek_moe(hf), **rope,
+        "mlp_activation": "swiglu", "attn_scale": _deepseek_scale(hf, rope), "mla": mla, **rope,
     }  # fmt: skip
 
 
@@ -508,13 +514,96 @@ def _deepseek_moe(hf: dict) -> dict:
     }  # fmt: skip
 
 
+def _deepseek_v2_model(hf: dict) -> dict:
+    """DeepSeek-V2 / V2-Lite (arXiv:2405.04434) as transformers' `DeepseekV2ForCausalLM` runs
+    it: DeepSeek-V3's MLA blocks (always RoPE on interleaved channel pairs, as complex
+    numbers; no rope_interleave key), the first `first_k_dense_replace` blocks dense and the
+    rest MoE with softmax router scores, plain top-k (`greedy`) or top-k within the best
+    topk_group of n_group groups ranked by their highest score (`group_limited_greedy`), the
+    chosen scores times routed_scaling_factor without renormalising, and shared experts."""
+    if hf.get("mlp_bias"):
+        _fail("DeepSeek-V2 with mlp_bias=true is not supported: jaxllm's SwiGLU MLPs and "
+              "experts have no biases.")  # fmt: skip
+    return {**_deepseek_mla_model(hf, "DeepSeek-V2"), "rope_interleave": True,
+            "moe": _deepseek_v2_moe(hf)}  # fmt: skip
+
+
+def _deepseek_v2_moe(hf: dict) -> dict:
+    """model.moe of a DeepSeek-V2 config.json; {} (dense) when every block is dense. Refused:
+    what transformers' DeepSeek-V2 ignores where DeepSeek's own code would act on it
+    (moe_layer_freq != 1, norm_topk_prob=true), so the two runs would disagree."""
+    first, n = hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"]
+    if first is None or first >= n:
+        return {}
+    for key, want in {"scoring_func": "softmax", "moe_layer_freq": 1}.items():
+        if hf.get(key, want) != want:
+            _fail(f"DeepSeek-V2 with {key}={hf[key]!r} is not supported: transformers' "
+                  f"DeepSeek-V2 (and jaxllm's import) runs {key}={want!r} only.")  # fmt: skip
+    if hf.get("norm_topk_prob"):
+        _fail("DeepSeek-V2 with norm_topk_prob=true is not supported: transformers' DeepSeek-V2 "
+              "never renormalises the top-k weights while DeepSeek's own code does.")  # fmt: skip
+    method = hf.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        _fail(f"DeepSeek-V2 with topk_method={method!r} is not supported (greedy and "
+              "group_limited_greedy are).")  # fmt: skip
+    groups = {"num_groups": 1, "groups_per_token": 1}
+    if method == "group_limited_greedy":
+        if hf.get("n_group") is None or hf.get("topk_group") is None:
+            _fail("DeepSeek-V2 topk_method='group_limited_greedy' needs n_group and topk_group.")
+        groups = {"num_groups": hf["n_group"], "groups_per_token": hf["topk_group"],
+                  "group_score": "max"}  # fmt: skip
+    if hf.get("num_experts_per_tok") is None:
+        _fail("DeepSeek-V2 MoE blocks need num_experts_per_tok (the top-k).")
+    shared = hf.get("n_shared_experts", 2)
+    if not shared:
+        _fail("DeepSeek-V2 with n_shared_experts=0 is not supported (transformers builds "
+              "zero-width shared experts); jaxllm needs at least one shared expert here.")  # fmt: skip
+    return {
+        "num_experts": hf.get("n_routed_experts", 64), "experts_per_token": hf["num_experts_per_tok"],
+        "expert_mlp_dim": hf.get("moe_intermediate_size", 1407), "num_shared_experts": shared,
+        "first_dense_layers": first, "moe_every": 1, "router_score": "softmax",
+        "normalize_top_k": False, "route_scale": float(hf.get("routed_scaling_factor", 1.0)),
+        **groups,
+    }  # fmt: skip
+
+
+def _deepseek_v2_hf(cfg: ModelConfig) -> dict:
+    """config.json of a DeepSeek-V2: `greedy` routing without groups, else
+    `group_limited_greedy` (exact also when topk_group = n_group, which limits nothing)."""
+    out = _deepseek_mla_hf(cfg, "deepseek_v2")
+    moe = cfg.moe
+    if moe.enabled:
+        limited = moe.num_groups > 1
+        out.update({
+            **_deepseek_moe_hf(cfg), "scoring_func": "softmax",
+            "topk_method": "group_limited_greedy" if limited else "greedy",
+            "n_group": moe.num_groups if limited else None,
+            "topk_group": moe.groups_per_token if limited else None,
+        })  # fmt: skip
+    return out
+
+
 def _deepseek_v3_hf(cfg: ModelConfig) -> dict:
     """config.json of a DeepSeek-V3. No multi-token-prediction module is written
     (num_nextn_predict_layers=0): jaxllm models have none."""
+    out = {**_deepseek_mla_hf(cfg, "deepseek_v3"), "rope_interleave": cfg.rope_interleave,
+           "num_nextn_predict_layers": 0}  # fmt: skip
+    moe = cfg.moe
+    if moe.enabled:
+        out.update({
+            **_deepseek_moe_hf(cfg), "n_group": moe.num_groups, "topk_group": moe.groups_per_token,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        })  # fmt: skip
+    return out
+
+
+def _deepseek_mla_hf(cfg: ModelConfig, family: str) -> dict:
+    """The config.json keys DeepSeek-V2 and V3 share (the inverse of `_deepseek_mla_model`);
+    every block dense (first_k_dense_replace = layers) until `_deepseek_moe_hf` says else."""
     if not cfg.mla.enabled:
-        _fail("a model without MLA (model.mla.kv_lora_rank=0) has no deepseek_v3 checkpoint; "
+        _fail(f"a model without MLA (model.mla.kv_lora_rank=0) has no {family} checkpoint; "
               "export it as another family.")  # fmt: skip
-    a, moe, h = cfg.mla, cfg.moe, cfg.num_heads
+    a, h = cfg.mla, cfg.num_heads
     out = {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": h, "num_key_value_heads": h,
@@ -523,25 +612,25 @@ def _deepseek_v3_hf(cfg: ModelConfig) -> dict:
         "hidden_act": "silu", "attention_bias": False, "dtype": _dtype_name(cfg),
         "kv_lora_rank": a.kv_lora_rank, "q_lora_rank": a.q_lora_rank or None,
         "qk_nope_head_dim": a.qk_nope_head_dim, "qk_rope_head_dim": a.qk_rope_head_dim,
-        "v_head_dim": a.v_head_dim, "rope_interleave": cfg.rope_interleave,
-        "num_nextn_predict_layers": 0, "first_k_dense_replace": cfg.num_layers,
-        **_rope_to_hf(cfg),
+        "v_head_dim": a.v_head_dim, "first_k_dense_replace": cfg.num_layers, **_rope_to_hf(cfg),
     }  # fmt: skip
     all_dim = _mscale_all_dim(cfg)
     if all_dim is not None:
         for key in ("rope_parameters", "rope_scaling"):
             out[key] = {**out[key], "mscale_all_dim": all_dim}
-    if moe.enabled:
-        out.update({
-            "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
-            "moe_intermediate_size": cfg.resolved_expert_mlp_dim,
-            "n_shared_experts": moe.num_shared_experts,
-            "first_k_dense_replace": moe.first_dense_layers, "moe_layer_freq": 1,
-            "routed_scaling_factor": moe.route_scale, "norm_topk_prob": moe.normalize_top_k,
-            "n_group": moe.num_groups, "topk_group": moe.groups_per_token,
-            "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        })  # fmt: skip
     return out
+
+
+def _deepseek_moe_hf(cfg: ModelConfig) -> dict:
+    """The MoE keys DeepSeek-V2 and V3 share: sizes, dense blocks, the weights' scaling."""
+    moe = cfg.moe
+    return {
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
+        "moe_intermediate_size": cfg.resolved_expert_mlp_dim,
+        "n_shared_experts": moe.num_shared_experts,
+        "first_k_dense_replace": moe.first_dense_layers, "moe_layer_freq": 1,
+        "routed_scaling_factor": moe.route_scale, "norm_topk_prob": moe.normalize_top_k,
+    }  # fmt: skip
 
 
 def _mscale_all_dim(cfg: ModelConfig) -> float | None:
@@ -558,7 +647,7 @@ def _mscale_all_dim(cfg: ModelConfig) -> float | None:
 
 
 def _deepseek_links(cfg: ModelConfig, fused: bool = False) -> list[Link]:
-    """DeepSeek-V3 checkpoints: blocks numbered 0..N-1 across our two stacks (`layers` for the
+    """DeepSeek-V2 and V3 checkpoints (the same names; V2 has no routing bias): blocks numbered 0..N-1 across our two stacks (`layers` for the
     first_k_dense_replace dense blocks, `moe_layers/moe` for the rest). `fused`: transformers
     5's in-memory experts (`save_pretrained(save_original_format=False)`), else one tensor per
     expert as released checkpoints and the default `save_pretrained` hold them."""
@@ -578,7 +667,7 @@ def _deepseek_links(cfg: ModelConfig, fused: bool = False) -> list[Link]:
 
 def _deepseek_block_links(cfg: ModelConfig, block: str, offset: int, moe: bool = False,
                           fused: bool = False) -> list[Link]:  # fmt: skip
-    """One stack of DeepSeek-V3 blocks (HF layers offset, offset + 1, ...): MLA, norms, and
+    """One stack of DeepSeek-V2/V3 blocks (HF layers offset, offset + 1, ...): MLA, norms, and
     the dense MLP or the MoE layer."""
     attn, mlp = block + "attn/", block + "mlp/"
 
@@ -778,6 +867,14 @@ FAMILIES: dict[str, Family] = {
             skip=_beyond_last_layer,
         ),
         Family(
+            "deepseek_v2",
+            "DeepseekV2ForCausalLM",
+            _deepseek_v2_model,
+            _deepseek_v2_hf,
+            _deepseek_links,
+            other_links=(lambda c: _deepseek_links(c, fused=True),),
+        ),
+        Family(
             "gpt2",
             "GPT2LMHeadModel",
             _gpt2_model,
@@ -803,6 +900,8 @@ def model_fields(hf: dict) -> dict:
 
 def guess_family(cfg: ModelConfig) -> Family:
     """The family a model exports as when none is named: the one its knobs point to."""
+    if cfg.mla.enabled and cfg.moe.enabled and cfg.moe.router_score == "softmax":
+        return FAMILIES["deepseek_v2"]
     if cfg.mla.enabled:
         return FAMILIES["deepseek_v3"]
     if cfg.moe.enabled:
@@ -879,6 +978,8 @@ def _same(name: str, a, b, cfg: ModelConfig) -> bool:
         return math.isclose(a or default, b or default)
     if name.startswith("rope_") and cfg.position != "rope":
         return True
+    if name == "group_score" and cfg.moe.groups_per_token == cfg.moe.num_groups:
+        return True  # no group limit: how groups would be ranked does not matter
     if name == "gelu_approximate" and cfg.mlp_activation not in ("gelu", "geglu"):
         return True
     if name == "global_every" and cfg.sliding_window is None:
