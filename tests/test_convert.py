@@ -69,6 +69,12 @@ FAMILIES = {
     "gemma2": (hf.Gemma2Config, hf.Gemma2ForCausalLM, dict(
         head_dim=16, sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0)),
+    # Gemma 3: a sliding then a global layer, each with its own RoPE (linear scaling global only)
+    "gemma3_text": (hf.Gemma3TextConfig, hf.Gemma3ForCausalLM, dict(
+        head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})),
     "deepseek_v3-dense": (hf.DeepseekV3Config, hf.DeepseekV3ForCausalLM, MLA),
     "deepseek_v3-dense-q_lora_none-rotate_half": (
         hf.DeepseekV3Config, hf.DeepseekV3ForCausalLM,
@@ -307,6 +313,47 @@ def test_mixtral_refuses_what_the_knobs_cannot_express():
     dense = dataclasses.replace(tiny, moe=MoEConfig())
     with pytest.raises(config.ConfigError, match="has no Mixtral checkpoint"):
         families.hf_config(dense, families.FAMILIES["mixtral"])
+
+
+def test_gemma3_text_rope_per_layer_type_and_refusals():
+    hf_cfg = json.loads(hf.Gemma3TextConfig(**SMALL, **FAMILIES["gemma3_text"][2]).to_json_string())
+    got = families.model_fields(hf_cfg)
+    assert (got["rope_theta"], got["rope_scaling"], got["rope_factor"], got["rope_local_theta"],
+            got["sliding_window"], got["global_every"], got["qk_norm"]) == (
+        1000.0, "linear", 4.0, 10.0, 6, 2, True)  # fmt: skip
+    legacy = {k: v for k, v in hf_cfg.items() if k not in ("rope_parameters", "layer_types")}
+    legacy.update(num_hidden_layers=12, rope_theta=1e6, rope_local_base_freq=1e4,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0})  # fmt: skip
+    old = families.model_fields(legacy)  # older config.json: pattern 6, flat RoPE keys
+    assert (old["rope_theta"], old["rope_factor"], old["rope_local_theta"], old["global_every"]) == (
+        1e6, 8.0, 1e4, 6)  # fmt: skip
+    local_scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10.0}
+    for extra, message in [
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "not a periodic pattern"),
+        (
+            {"rope_parameters": {**hf_cfg["rope_parameters"], "sliding_attention": local_scaled}},
+            "sliding-layer RoPE",
+        ),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ]:
+        with pytest.raises(config.ConfigError, match=message):
+            families.model_fields({**hf_cfg, **extra})
+
+    cfg = config.from_dict({"model": got}).model
+    assert families.guess_family(cfg).name == "gemma3_text"
+    all_global = dataclasses.replace(cfg, sliding_window=None, global_every=0,
+                                     rope_local_theta=None)  # fmt: skip
+    assert families.guess_family(all_global).name == "gemma3_text"  # by its QK-norm
+    assert families.hf_config(all_global, families.FAMILIES["gemma3_text"])["layer_types"] == [
+        "full_attention"] * 2  # fmt: skip
+    gemma2 = dataclasses.replace(cfg, rope_local_theta=None, qk_norm=False)
+    assert families.guess_family(gemma2).name == "gemma2"
+    with pytest.raises(config.ConfigError, match="model.rope_local_theta=10.0"):
+        families.hf_config(cfg, families.FAMILIES["gemma2"])
+    # windowed layers with the global scaled RoPE: Gemma 3 never scales its sliding layers
+    with pytest.raises(config.ConfigError, match="model.rope_local_theta=None"):
+        families.hf_config(dataclasses.replace(cfg, rope_local_theta=None),
+                           families.FAMILIES["gemma3_text"])  # fmt: skip
 
 
 def test_deepseek_v3_layouts_mtp_layers_and_the_routing_that_matters(tmp_path):

@@ -158,13 +158,16 @@ KNOBS = {
     "gemma2": dict(norm_placement="sandwich", mlp_activation="geglu", attn_soft_cap=20.0,
                    final_soft_cap=30.0, scale_embeddings=True, norm_offset=1.0, sliding_window=3,
                    global_every=2, attn_scale=0.3),
+    "gemma3": dict(norm_placement="sandwich", mlp_activation="geglu", qk_norm=True,
+                   norm_offset=1.0, scale_embeddings=True, sliding_window=3, global_every=2,
+                   rope_theta=1e6, rope_local_theta=10.0, rope_scaling="linear", rope_factor=8.0),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "knobs, impl",
     [*((k, "xla") for k in KNOBS), ("window_pattern", "kernel"), ("gemma2", "kernel"),
-     ("alibi", "kernel")],
+     ("gemma3", "kernel"), ("alibi", "kernel")],
 )  # fmt: skip
 def test_cached_greedy_decoding_matches_full_forward_passes_for_each_knob(knobs, impl):
     """Prompts longer than the window and decoding past it; with the decode kernel, windowed

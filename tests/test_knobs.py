@@ -20,10 +20,12 @@ from jaxllm.model import (
     LayerNorm,
     RMSNorm,
     alibi_slopes,
+    apply_rope,
     build,
     dot_product_attention,
     rope_frequencies,
 )
+from jaxllm.model.attention import Attention
 from jaxllm.train.step import loss_fn
 
 
@@ -90,6 +92,34 @@ def test_ntk_scaling_raises_the_base():
     plain = dataclasses.replace(cfg, rope_scaling="none", rope_factor=1.0,
                                 rope_theta=cfg.rope_theta * 4.0 ** (k / (k - 2)))  # fmt: skip
     np.testing.assert_allclose(rope_frequencies(cfg)[0], rope_frequencies(plain)[0], rtol=1e-6)
+
+
+def test_rope_local_theta_gives_windowed_layers_their_own_unscaled_base():
+    """Gemma 3: a windowed layer rotates by base rope_local_theta without scaling, a global
+    layer by rope_theta with it; picked by the scanned layer's traced flag, statically when
+    every layer is windowed."""
+    cfg = tiny_model(sliding_window=4, global_every=2, rope_theta=1e6, rope_local_theta=100.0,
+                     rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=16)  # fmt: skip
+    attn = Attention(cfg, out_std=0.02, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 7, 4, 8))
+    pos = jnp.broadcast_to(jnp.arange(7) * 3, (2, 7))
+    local = 1.0 / 100.0 ** (np.arange(0, 8, 2, dtype=np.float32) / 8)
+    global_freq, global_scaling = rope_frequencies(cfg)
+    assert global_scaling != 1.0 and not np.allclose(local, global_freq)
+    rope = jax.jit(lambda w: attn._rope(x, pos, w))
+    np.testing.assert_allclose(rope(True), apply_rope(x, pos, local), atol=1e-6)
+    np.testing.assert_allclose(rope(False), apply_rope(x, pos, global_freq, global_scaling),
+                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(attn._rope(x, pos), apply_rope(x, pos, local), atol=1e-6)
+    # a whole model: all windowed with the knob == the plain model with that base
+    tokens = _tokens(1, 10)
+    all_local = build(tiny_model(sliding_window=4, rope_theta=1e6, rope_local_theta=100.0,
+                                 rope_scaling="linear", rope_factor=4.0), seed=0)  # fmt: skip
+    plain = build(tiny_model(sliding_window=4, rope_theta=100.0), seed=0)
+    np.testing.assert_allclose(all_local(tokens), plain(tokens), atol=1e-5)
+    knob = build(tiny_model(sliding_window=4, global_every=2, rope_local_theta=100.0), seed=0)
+    no_knob = build(tiny_model(sliding_window=4, global_every=2), seed=0)
+    assert not np.allclose(knob(tokens), no_knob(tokens), atol=1e-4)
 
 
 def test_alibi_slopes_follow_the_paper():
@@ -336,6 +366,8 @@ def test_dropout_only_with_a_key():
          "model.rope_"),
         (["model.global_every=2"], "model.global_every"),
         (["model.sliding_window=0"], "model.sliding_window"),
+        (["model.rope_local_theta=10000.0"], "model.rope_local_theta"),
+        (["model.sliding_window=8", "model.rope_local_theta=0.0"], "model.rope_local_theta"),
         (["model.dropout=1.0"], "model.dropout"),
         (["model.position=alibi", "model.attention_impl=flash"], "model.position=alibi"),
         (["model.attn_soft_cap=-1.0"], "model.attn_soft_cap"),

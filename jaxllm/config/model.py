@@ -161,6 +161,10 @@ class ModelConfig:
     """`yarn`: rotations below which a frequency is interpolated."""
     rope_attention_factor: float | None = None
     """`yarn`: multiplier of cos/sin (attention temperature); null is 0.1 ln(factor) + 1."""
+    rope_local_theta: float | None = None
+    """RoPE base of windowed (sliding-window) layers, which take no `rope_scaling` (Gemma 3:
+    10k locally, rope_theta 1M with linear scaling globally); null: every layer uses rope_theta
+    and the scaling. Needs sliding_window."""
     rope_interleave: bool = False
     """Rotate adjacent channel pairs (2i, 2i + 1) (GPT-J, DeepSeek-V2/V3 checkpoints) instead of
     the "rotate half" pairs (i, i + K/2) of Llama checkpoints."""
@@ -268,6 +272,8 @@ class ModelConfig:
             _fail("model.rope_factor needs model.rope_scaling (linear, ntk, yarn or llama3).")
         if self.rope_factor <= 0 or self.rope_theta <= 0:
             _fail("model.rope_factor and model.rope_theta must be positive.")
+        if self.rope_local_theta is not None:
+            self._validate_local_rope()
         if self.rope_scaling == "llama3" and not (
             0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):
@@ -293,6 +299,13 @@ class ModelConfig:
             )
         if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
             _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
+
+    def _validate_local_rope(self) -> None:
+        if self.rope_local_theta <= 0:
+            _fail("model.rope_local_theta must be positive or null.")
+        if self.sliding_window is None:
+            _fail("model.rope_local_theta is the RoPE base of windowed layers: it needs "
+                  "model.sliding_window.")  # fmt: skip
 
     def _validate_mla(self) -> None:
         a = self.mla

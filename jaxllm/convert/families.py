@@ -770,6 +770,60 @@ def _gemma2_hf(cfg: ModelConfig) -> dict:
     }  # fmt: skip
 
 
+def _gemma3_model(hf: dict) -> dict:
+    """Gemma 3 text: Gemma 2's block with QK-norm, windows from `layer_types` (or the older
+    `sliding_window_pattern`, default 6), and RoPE per layer type: global layers take
+    rope_theta with the scaling, sliding ones rope_local_theta unscaled."""
+    if hf.get("use_bidirectional_attention"):
+        _fail("Gemma 3 use_bidirectional_attention=true (a non-causal encoder) is not supported.")
+    types = hf.get("layer_types")
+    if types is None:
+        every = hf.get("sliding_window_pattern") or 6
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                 for i in range(hf["num_hidden_layers"])]  # fmt: skip
+    global_p, local_p = _gemma3_rope_parameters(hf)
+    rope_hf = {**hf, "rope_parameters": global_p, "rope_scaling": None}
+    out = {
+        **_gemma2_model({**rope_hf, "layer_types": types,
+                         "sliding_window": hf.get("sliding_window", 4096)}),
+        "qk_norm": True, "qkv_bias": bool(hf.get("attention_bias", False)),
+        "o_bias": bool(hf.get("attention_bias", False)),
+    }  # fmt: skip
+    local = _rope({**hf, "rope_parameters": local_p, "rope_scaling": None})
+    if set(local) != {"rope_theta"}:
+        _fail(f"Gemma 3 sliding-layer RoPE {local_p} is not supported: windowed layers take "
+              "an unscaled base (model.rope_local_theta).")  # fmt: skip
+    if out.get("sliding_window") is not None:
+        out["rope_local_theta"] = local["rope_theta"]
+    return out
+
+
+def _gemma3_rope_parameters(hf: dict) -> tuple[dict, dict]:
+    """(global, sliding) RoPE parameters: transformers 5 keys `rope_parameters` by layer type;
+    older config.json files have rope_theta + rope_scaling and rope_local_base_freq."""
+    p = hf.get("rope_parameters") or {}
+    if "full_attention" in p or "sliding_attention" in p:
+        global_p = {"rope_theta": 1e6, **(p.get("full_attention") or {})}
+        local_p = {"rope_theta": 1e4, **(p.get("sliding_attention") or {})}
+        return global_p, local_p
+    global_p = {**(hf.get("rope_scaling") or {}), **p}
+    global_p.setdefault("rope_theta", hf.get("rope_theta") or 1e6)
+    return global_p, {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq") or 1e4}
+
+
+def _gemma3_hf(cfg: ModelConfig) -> dict:
+    rope = _rope_to_hf(cfg)
+    local_theta = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
+    return {
+        **_gemma2_hf(cfg), "attention_bias": cfg.qkv_bias,
+        "rope_parameters": {
+            "full_attention": rope["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        "rope_local_base_freq": local_theta,  # with rope_theta / rope_scaling: older readers
+    }  # fmt: skip
+
+
 def _gpt2_model(hf: dict) -> dict:
     if hf.get("scale_attn_by_inverse_layer_idx"):
         _fail("GPT-2 scale_attn_by_inverse_layer_idx=true (a per-layer scale) is not supported.")
@@ -850,6 +904,13 @@ FAMILIES: dict[str, Family] = {
             lambda c: _llama_like_links(c, sandwich=True),
         ),
         Family(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            _gemma3_model,
+            _gemma3_hf,
+            lambda c: _llama_like_links(c, sandwich=True),
+        ),
+        Family(
             "mixtral",
             "MixtralForCausalLM",
             _mixtral_model,
@@ -908,8 +969,9 @@ def guess_family(cfg: ModelConfig) -> Family:
         return FAMILIES["mixtral"]
     if cfg.position == "learned":
         return FAMILIES["gpt2"]
-    if cfg.norm_placement == "sandwich":
-        return FAMILIES["gemma2"]
+    if cfg.norm_placement == "sandwich":  # Gemma 2 has neither QK-norm nor a local RoPE base
+        gemma3 = cfg.rope_local_theta is not None or cfg.qk_norm
+        return FAMILIES["gemma3_text" if gemma3 else "gemma2"]
     if cfg.qk_norm:
         return FAMILIES["qwen3"]
     if cfg.qkv_bias and not cfg.o_bias:
@@ -971,6 +1033,8 @@ def _has_dense_blocks(cfg: ModelConfig) -> bool:
 def _same(name: str, a, b, cfg: ModelConfig) -> bool:
     if name == "head_dim":
         return cfg.resolved_head_dim == (b or cfg.d_model // cfg.num_heads)
+    if name == "rope_local_theta" and cfg.rope_scaling == "none":  # null: rope_theta
+        return math.isclose(a or cfg.rope_theta, b or cfg.rope_theta)
     if name == "rope_original_max_len":
         return (a or cfg.max_seq_len) == (b or cfg.max_seq_len)
     if name == "attn_scale":

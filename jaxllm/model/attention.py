@@ -20,7 +20,12 @@ from flax import nnx
 from jaxllm import sharding
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
-from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
+from jaxllm.model.positions import (
+    alibi_slopes,
+    apply_rope,
+    local_rope_frequencies,
+    rope_frequencies,
+)
 from jaxllm.sharding import constrain
 
 
@@ -183,6 +188,8 @@ class Attention(nnx.Module):
             inv_freq, self.rope_scaling = rope_frequencies(cfg)
             self.inv_freq = tuple(float(x) for x in inv_freq)  # hashable: part of the graphdef
             self.rope_interleave = cfg.rope_interleave
+            local = local_rope_frequencies(cfg)
+            self.local_inv_freq = None if local is None else tuple(float(x) for x in local)
         if cfg.position == "alibi":
             self.alibi = tuple(float(x) for x in alibi_slopes(cfg.num_heads))
 
@@ -195,9 +202,24 @@ class Attention(nnx.Module):
         if cfg.o_bias:
             self.o_bias = param(rngs, jax.nn.initializers.zeros, (cfg.d_model,), ("embed",), pdt)
 
-    def _rope(self, x_BxLxHxK, positions_BxL):
-        return apply_rope(x_BxLxHxK, positions_BxL, self.inv_freq, self.rope_scaling,
+    def _rope(self, x_BxLxHxK, positions_BxL, windowed=None):
+        inv_freq, scaling = self._rope_frequencies(windowed)
+        return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling,
                           self.rope_interleave)  # fmt: skip
+
+    def _rope_frequencies(self, windowed):
+        """(inv_freq, attention factor) of this layer. With `local_inv_freq`, windowed layers
+        use those (factor 1): every layer when `windowed` is None (there is a window, so all are
+        windowed), else picked by the traced flag of the scanned layer."""
+        if self.local_inv_freq is None:
+            return self.inv_freq, self.rope_scaling
+        if windowed is None:
+            return self.local_inv_freq, 1.0
+        inv_freq_K2 = jnp.where(windowed, jnp.asarray(self.local_inv_freq, jnp.float32),
+                                jnp.asarray(self.inv_freq, jnp.float32))  # fmt: skip
+        if self.rope_scaling == 1.0:
+            return inv_freq_K2, 1.0
+        return inv_freq_K2, jnp.where(windowed, jnp.float32(1.0), jnp.float32(self.rope_scaling))
 
     def _project(self, spec, x, name):
         y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype)
@@ -267,8 +289,8 @@ class Attention(nnx.Module):
         if hasattr(self, "q_norm"):
             q_BxLxHxK, k_BxLxGxK = self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
         if self.position == "rope":
-            q_BxLxHxK = self._rope(q_BxLxHxK, positions_BxL)
-            k_BxLxGxK = self._rope(k_BxLxGxK, positions_BxL)
+            q_BxLxHxK = self._rope(q_BxLxHxK, positions_BxL, windowed)
+            k_BxLxGxK = self._rope(k_BxLxGxK, positions_BxL, windowed)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
         if cache is not None:
             cache = cache.write(k_BxLxGxK, v_BxLxGxK)
@@ -327,7 +349,7 @@ class MLAttention(Attention):
                                ("kv_lora", "heads", "head_dim"), pdt)  # fmt: skip
         self._init_out(cfg, a.v_head_dim, out_std, rngs)
 
-    def _queries(self, x_BxLxD, positions_BxL):
+    def _queries(self, x_BxLxD, positions_BxL, windowed=None):
         """(q_nope [B, L, H, N], roped q_rope [B, L, H, E])."""
         if hasattr(self, "q_a_proj"):
             c_BxLxC = self.q_a_norm(matmul("bld,dc->blc", x_BxLxD, self.q_a_proj[...], self.dtype))
@@ -335,19 +357,20 @@ class MLAttention(Attention):
         else:
             q_BxLxHxK = matmul("bld,dhk->blhk", x_BxLxD, self.q_proj[...], self.dtype)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
-        return q_BxLxHxK[..., : self.nope], self._rope(q_BxLxHxK[..., self.nope :], positions_BxL)
+        q_rope_BxLxHxE = self._rope(q_BxLxHxK[..., self.nope :], positions_BxL, windowed)
+        return q_BxLxHxK[..., : self.nope], q_rope_BxLxHxE
 
-    def _latent(self, x_BxLxD, positions_BxL):
+    def _latent(self, x_BxLxD, positions_BxL, windowed=None):
         """What a token caches: [normalised c ; roped k_rope] as one kv head [B, L, 1, R + E]."""
         a_BxLxA = matmul("bld,da->bla", x_BxLxD, self.kv_a_proj[...], self.dtype)
         c_BxLxR = self.kv_a_norm(a_BxLxA[..., : self.rank])
-        k_rope_BxLx1xE = self._rope(a_BxLxA[:, :, None, self.rank :], positions_BxL)
+        k_rope_BxLx1xE = self._rope(a_BxLxA[:, :, None, self.rank :], positions_BxL, windowed)
         return jnp.concatenate([c_BxLxR[:, :, None], k_rope_BxLx1xE], axis=-1)
 
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
         """As `Attention.__call__`; the cache holds the latent (`_latent`)."""
-        q_nope_BxLxHxN, q_rope_BxLxHxE = self._queries(x_BxLxD, positions_BxL)
-        latent_BxLx1xA = self._latent(x_BxLxD, positions_BxL)
+        q_nope_BxLxHxN, q_rope_BxLxHxE = self._queries(x_BxLxD, positions_BxL, windowed)
+        latent_BxLx1xA = self._latent(x_BxLxD, positions_BxL, windowed)
         w_BxRxHxNV = self.kv_b_proj[...]
         if cache is not None:
             cache = cache.write(latent_BxLx1xA, None)

@@ -12,6 +12,9 @@ float32 exactly as Hugging Face's `ROPE_INIT_FUNCTIONS` do, so imported long-con
   interpolation and extrapolation, and cos/sin multiplied by an attention factor.
 - `llama3`: Llama 3.1's rule: long wavelengths interpolated, short ones kept, a smooth band.
 
+`rope_local_theta` gives windowed layers their own base without scaling (Gemma 3: local layers
+see a few thousand tokens, so only the global ones are stretched for long context).
+
 `rope_interleave` pairs channels (2i, 2i + 1) instead (GPT-J; DeepSeek-V2/V3 checkpoints).
 
 ALiBi (Press et al. 2022, arXiv:2108.12409) adds -slope_h * (i - j) to the logit of query i and
@@ -20,6 +23,7 @@ key j; slopes are the geometric sequence of the paper (interleaved for non-power
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -58,6 +62,16 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     return inv_freq, scaling
 
 
+def local_rope_frequencies(cfg: ModelConfig) -> np.ndarray | None:
+    """inv_freq float32 [K/2] of windowed layers: base rope_local_theta, no scaling (their
+    attention factor is 1); None when they share the global frequencies."""
+    if cfg.rope_local_theta is None:
+        return None
+    local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling="none",
+                                rope_factor=1.0)  # fmt: skip
+    return rope_frequencies(local)[0]
+
+
 def _yarn(cfg: ModelConfig, pos_freqs: np.ndarray, original: int) -> tuple[np.ndarray, float]:
     k, factor, theta = cfg.rope_dim, cfg.rope_factor, cfg.rope_theta
     f32 = np.float32
@@ -86,16 +100,17 @@ def apply_rope(
     x_BxLxHxK: jax.Array,
     positions_BxL: jax.Array,
     inv_freq_K2: tuple[float, ...] | np.ndarray,
-    scaling: float = 1.0,
+    scaling: float | jax.Array = 1.0,
     interleave: bool = False,
 ) -> jax.Array:
     """Rotates channel pairs (i, i + K/2) by angle position * inv_freq[i], in float32; with
-    `interleave`, the pairs (2i, 2i + 1) instead."""
+    `interleave`, the pairs (2i, 2i + 1) instead. `inv_freq_K2` and `scaling` may be traced (a
+    scanned layer picking its frequencies)."""
     inv_freq_K2 = jnp.asarray(inv_freq_K2, jnp.float32)
     angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_K2[None, None, :]
     sin = jnp.sin(angle_BxLxK2)[:, :, None, :]
     cos = jnp.cos(angle_BxLxK2)[:, :, None, :]
-    if scaling != 1.0:
+    if isinstance(scaling, jax.Array) or scaling != 1.0:
         sin, cos = sin * jnp.float32(scaling), cos * jnp.float32(scaling)
     x = x_BxLxHxK.astype(jnp.float32)
     if interleave:
