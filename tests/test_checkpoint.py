@@ -202,6 +202,7 @@ def test_jaxllm_eval_reports_the_final_eval_loss(tmp_path):
     assert "perplexity" in proc.stdout
 
 
+@pytest.mark.slow  # the fallback itself is test_damaged_newest_checkpoint_falls_back_to_the_previous
 def test_damaged_checkpoint_warning_is_a_jaxllm_warning(tmp_path):
     cfg = config.load(None, [*TINY, "train.steps=2", "checkpoint.every=1", f"run.dir={tmp_path}"])
     train(cfg)

@@ -561,6 +561,7 @@ def _train_preset(preset, run_dir, *extra):
     return rows, proc
 
 
+@pytest.mark.slow  # a 30 s CLI run; the bias checkpoint round trip is tested in-process above
 def test_tiny_deepseek_preset_trains_with_the_cli(tmp_path):
     rows, _ = _train_preset("tiny_deepseek", tmp_path / "run")
     cfg = config.load(tmp_path / "run" / "config.yaml")
