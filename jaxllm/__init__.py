@@ -13,7 +13,8 @@ def load_model(path, *, mesh=None, overrides=()):
     """A trained model from a run directory (or its checkpoint directory), or a Hugging Face
     model directory (config.json + safetensors; `overrides` like `model.dtype=float32` apply).
 
-    Returns an `nnx.Module` mapping int tokens [batch, length] to float32 logits
+    The newest readable checkpoint is used: a damaged newer one is reported with a
+    JaxllmWarning and skipped. Returns an `nnx.Module` mapping int tokens [batch, length] to float32 logits
     [batch, length, vocab]. Parameters are restored straight into their shards on `mesh`
     (default: all devices, data-parallel, i.e. replicated).
     """
@@ -49,8 +50,8 @@ def load_model(path, *, mesh=None, overrides=()):
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
         )
 
-    params, model_state = checkpoint.restore_params(
-        ckpt_dir, target(abstract, axes), model_state_target=target(abstract_ms, ms_axes)
+    params, model_state, _ = checkpoint.restore_weights(
+        ckpt_dir, target(abstract, axes), target(abstract_ms, ms_axes)
     )
     return nnx.merge(graphdef, params, model_state)
 

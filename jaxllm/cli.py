@@ -13,18 +13,26 @@
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME]
     jaxllm sweep [CONFIG.yaml] [key=value ...] --grid KEY=V1,V2 [--grid ...] [--out DIR]
 
-Mistakes a user can fix (config keys, types, impossible shapes) end with one sentence on stderr
-and exit code 2, before anything is compiled.
+Exit codes, each failure with one sentence on stderr and no traceback:
+  0    done; also when SIGINT / SIGTERM stopped training and a checkpoint was written
+  1    the environment failed (read-only or full disk, a path that is a file, a directory
+       removed mid-run, the run directory held by another process), or non-finite steps
+       stopped training, or `plan` found the model does not fit
+  2    a mistake the user can fix (config keys, types, impossible shapes, bad data or
+       checkpoints), reported before anything is compiled or written
+  130  SIGINT (143: SIGTERM) during start-up, before training ran; nothing to save
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, RunError
 
+EXIT_ENVIRONMENT = 1
 EXIT_USER_ERROR = 2
 
 
@@ -59,13 +67,16 @@ def _load(args: list[str]):
 
 
 def cmd_train(ns) -> int:
-    cfg = _load(ns.args)
-    from jaxllm import distributed
+    from jaxllm.train.signals import Signals
 
-    distributed.initialize(ns.coordinator, ns.num_processes, ns.process_id)
-    from jaxllm.train.loop import train
+    with Signals() as signals:  # before jax is imported: a signal at any point is handled
+        cfg = _load(ns.args)
+        from jaxllm import distributed
 
-    result = train(cfg)
+        distributed.initialize(ns.coordinator, ns.num_processes, ns.process_id)
+        from jaxllm.train.loop import train
+
+        result = train(cfg, signals)
     if result.get("stopped") == "nonfinite":
         print(
             f"stopped at step {result.get('step')}: non-finite loss or gradients", file=sys.stderr
@@ -81,6 +92,10 @@ def cmd_train(ns) -> int:
 
 
 def cmd_bench(ns) -> int:
+    if ns.steps < 1 or ns.warmup < 0:
+        raise ConfigError(
+            f"--steps must be >= 1 and --warmup >= 0, not {ns.steps} and {ns.warmup}."
+        )
     cfg = _load(ns.args)
     from jaxllm.bench import bench_train, format_result
 
@@ -92,6 +107,8 @@ def cmd_eval(ns) -> int:
     path, overrides = _split_config_args(ns.args)
     if path is None:
         raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
+    if ns.batches is not None and ns.batches < 1:
+        raise ConfigError(f"--batches must be at least 1, not {ns.batches}.")
     from jaxllm.evaluate import evaluate_checkpoint
 
     r = evaluate_checkpoint(path, overrides, ns.batches)
@@ -183,16 +200,38 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"jaxllm: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
+    from jaxllm import JaxllmWarning
+
+    show = warnings.showwarning
+
+    def showwarning(message, category, *args, **kw):  # jaxllm's own warnings: one line each
+        (_show_warning if issubclass(category, JaxllmWarning) else show)(message, category,
+                                                                         *args, **kw)  # fmt: skip
+
+    warnings.showwarning = showwarning
     try:
         return ns.func(ns)
     except ConfigError as e:
         print(f"jaxllm: config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except RunError as e:
+        print(f"jaxllm: error: {e}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    except OSError as e:  # the machine, not the user's config: one line, no traceback
+        where = f": {e.filename}" if e.filename else ""
+        print(f"jaxllm: error: {e.strerror or e}{where}.", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
         print("jaxllm: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = show
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def resolve(path: str | Path) -> tuple[Path, Path, int | None]:
 
 def restore(path, overrides=()):
     """A run directory / checkpoint path -> (config, mesh, graphdef, params, model_state, step):
-    the newest (or the named) checkpoint's weights and non-trained model state (MoE routing
+    the newest readable (or the named) checkpoint's weights and non-trained model state (MoE routing
     biases; {} otherwise), restored straight into their shards on the configured mesh.
     ConfigError when there is nothing to restore."""
     run_dir, ckpt_dir, step = resolve(path)
@@ -55,17 +55,13 @@ def restore(path, overrides=()):
         abstract,
         sharding.tree_shardings(mesh, axes),
     )
-    if step is None:
-        step = checkpoint.latest_step(ckpt_dir)
-        if step is None:
-            raise config.ConfigError(f"no checkpoint in {ckpt_dir}; train first.")
     abstract_ms, ms_axes = abstract_model_state(cfg.model)
     ms_target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         abstract_ms,
         sharding.tree_shardings(mesh, ms_axes),
     )
-    params, model_state = checkpoint.restore_params(ckpt_dir, target, step, ms_target)
+    params, model_state, step = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
     return cfg, mesh, graphdef, params, model_state, step
 
 

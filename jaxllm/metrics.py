@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
 from pathlib import Path
 
 from jaxllm.config import ModelConfig
@@ -88,18 +90,24 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """One JSON object per line in metrics.jsonl, and the same scalars to TensorBoard."""
+    """One JSON object per line in metrics.jsonl, and the same scalars to TensorBoard.
+
+    Each line is written whole with one `write` and flushed, so a crash leaves at most a torn
+    last line, which `read_jsonl` drops with a warning."""
 
     def __init__(self, run_dir: str | Path, *, resume_step: int = 0, tensorboard: bool = True):
         """A run resumed at `resume_step` keeps the lines up to that step and drops later ones
-        (written by the attempt that died after its last checkpoint); a fresh run starts empty."""
+        (written by the attempt that died after its last checkpoint); a fresh run starts empty.
+        The kept lines are written to a temporary file that replaces the old one, so a crash
+        here loses nothing."""
         self.path = Path(run_dir) / "metrics.jsonl"
         kept = []
         if resume_step and self.path.exists():
             kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
-        self._file = self.path.open("w")
-        for row in kept:
-            self._file.write(json.dumps(row) + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -129,7 +137,24 @@ def _py(v):
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a metrics file; a line that is not a JSON object (a crash tore the last one)
+    is dropped with a JaxllmWarning."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            from jaxllm import JaxllmWarning
+
+            warnings.warn(f"{path}:{n} is not a whole JSON line (a crash tore it?); dropped it.",
+                          JaxllmWarning, stacklevel=2)  # fmt: skip
+            continue
+        rows.append(row)
+    return rows
 
 
 def plot_losses(metrics_path: str | Path, out_path: str | Path) -> None:

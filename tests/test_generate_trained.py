@@ -26,7 +26,7 @@ def run_dir(tmp_path_factory):
         "train.steps=120", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0",
         "train.log_every=40", "data.max_files=150", "data.seq_len=128", "model.d_model=128",
         "model.num_layers=2", "model.mlp_dim=320", "optim.warmup_steps=10",
-        "checkpoint.every=0", f"run.dir={run_dir}",
+        "checkpoint.every=null", f"run.dir={run_dir}",
     ]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "jaxllm", "train", *overrides],

@@ -1,4 +1,5 @@
-"""The one exception of configuration mistakes."""
+"""The two exceptions a user sees as one sentence: configuration mistakes (exit 2) and failures
+of the machine or files around a run (exit 1)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import typing
 
 class ConfigError(ValueError):
     """A configuration the user can fix; the message names the key and the fix."""
+
+
+class RunError(RuntimeError):
+    """The environment stopped a run (a read-only or full disk, a path that is a file, a
+    directory removed under it, another process holding the run); one sentence naming the path.
+    The newest good checkpoint is left as it was."""
 
 
 def fail(msg: str) -> typing.NoReturn:

@@ -74,6 +74,12 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         _fail(f"{path} is not valid YAML: {str(e).splitlines()[0]}.")
     if not isinstance(raw, dict):
         _fail(f"{path} must hold a mapping of sections, not a {type(raw).__name__}.")
+    for section, value in raw.items():
+        if section == "include" or value is None or isinstance(value, dict):
+            continue
+        if not (isinstance(value, str) and section in _PRESET_DIRS):
+            what = "a mapping of keys" + (" or a preset name" if section in _PRESET_DIRS else "")
+            _fail(f"{path}: section `{section}:` must be {what}, not a {type(value).__name__}.")
     includes = raw.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
@@ -127,8 +133,11 @@ def _parse_override(item: str) -> dict:
         value = text
     if key in _PRESET_DIRS and isinstance(value, str):
         return {key: _expand_preset(key, value, Path.cwd(), ())}
-    if key == "run" and not isinstance(value, dict):
-        _fail(f"override {item!r}: `run` is a section; set a key in it, e.g. run.dir=runs/x.")
+    if key in SECTIONS and not isinstance(value, dict):
+        names = f"a preset name (configs/{_PRESET_DIRS[key]}/) or " if key in _PRESET_DIRS else ""
+        _fail(
+            f"override {item!r}: `{key}` is a section; give {names}a key in it, e.g. {key}.KEY=VALUE."
+        )
     node: Any = value
     for part in reversed(key.split(".")):
         if not part:

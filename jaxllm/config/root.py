@@ -4,6 +4,7 @@ vs tensor degree, cache vs model)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.model import ModelConfig, validate_moe
@@ -50,6 +51,7 @@ class Config:
                 _fail(f"{key} must be at least 1, not {value}.")
         if t.eval_every < 0 or t.sample_tokens < 0 or self.optim.warmup_steps < 0:
             _fail("train.eval_every, train.sample_tokens and optim.warmup_steps must be >= 0.")
+        self._validate_values()
         gen = self.generate
         if gen.max_new_tokens < 1 or gen.temperature < 0 or gen.top_k < 0:
             _fail("generate.max_new_tokens must be >= 1, generate.temperature and top_k >= 0.")
@@ -158,3 +160,50 @@ class Config:
                     f"({degrees['sequence']})."
                 )
         return self
+
+    def _validate_values(self) -> None:
+        """Values no type can refuse but no run can use: an empty run directory, a NaN or
+        negative learning rate, a checkpoint period of 0, a negative worker count, ..."""
+        if not self.run.dir.strip():
+            _fail("run.dir is empty; name a directory for the run (e.g. run.dir=runs/mine).")
+        o = self.optim
+        finite = {
+            "optim.lr": o.lr, "optim.eps": o.eps, "optim.weight_decay": o.weight_decay,
+            "optim.min_lr_ratio": o.min_lr_ratio, "train.z_loss": self.train.z_loss,
+        }  # fmt: skip
+        if o.clip_norm is not None:
+            finite["optim.clip_norm"] = o.clip_norm
+        for key, value in finite.items():
+            if not math.isfinite(value) or value < 0:
+                _fail(f"{key} must be a finite number >= 0, not {value}.")
+        if o.eps <= 0 or (o.clip_norm is not None and o.clip_norm <= 0):
+            _fail("optim.eps and optim.clip_norm must be > 0 (clip_norm: null turns clipping off).")
+        for key, value in (("optim.b1", o.b1), ("optim.b2", o.b2)):
+            if not 0 <= value < 1:
+                _fail(f"{key} must be in [0, 1), not {value}.")
+        if o.min_lr_ratio > 1:
+            _fail(f"optim.min_lr_ratio must be in [0, 1], not {o.min_lr_ratio}.")
+        c = self.checkpoint
+        if c.every is not None and c.every < 1:
+            _fail(
+                f"checkpoint.every must be >= 1, not {c.every}; checkpoint.every=null saves only "
+                "at the end and on a signal."
+            )
+        if c.keep < 1 or (c.keep_every is not None and c.keep_every < 1):
+            _fail("checkpoint.keep and checkpoint.keep_every must be >= 1 (keep_every: null).")
+        if c.dir is not None and not c.dir.strip():
+            _fail("checkpoint.dir is empty; give a directory or null (<run.dir>/checkpoints).")
+        d = self.data
+        if d.workers < 0:
+            _fail(f"data.workers must be >= 0 (0: in the training process), not {d.workers}.")
+        if not 0 <= d.eval_fraction < 1:
+            _fail(f"data.eval_fraction must be in [0, 1), not {d.eval_fraction}.")
+        if d.max_files is not None and d.max_files < 1:
+            _fail(f"data.max_files must be >= 1 (null reads all), not {d.max_files}.")
+        for i, src in enumerate((*d.sources, *d.eval_sources)):
+            if not math.isfinite(src.weight) or src.weight <= 0:
+                _fail(f"data source {src.path!r} has weight {src.weight}; weights must be > 0.")
+        if not d.sources:
+            _fail("data.sources is empty; name at least one corpus.")
+        if self.train.nonfinite_patience < 1:
+            _fail(f"train.nonfinite_patience must be >= 1, not {self.train.nonfinite_patience}.")

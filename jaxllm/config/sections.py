@@ -167,9 +167,9 @@ class CheckpointConfig:
 
     dir: str | None = None
     """Checkpoint directory; null means `<run.dir>/checkpoints`."""
-    every: int = 0
-    """Save every this many steps (asynchronously: training goes on while it is written); 0
-    saves only at the end (and on SIGTERM / SIGINT)."""
+    every: int | None = None
+    """Save every this many steps (asynchronously: training goes on while it is written); null
+    never saves periodically, only at the end (`save_final`) and on SIGTERM / SIGINT."""
     keep: int = 3
     """Keep the newest this many checkpoints ..."""
     keep_every: int | None = None

@@ -3,25 +3,34 @@
 It respects asynchronous dispatch: step n is launched before step n-1's metrics are read, so the
 device always has the next step queued while the host logs, and NaN checks run on that delayed
 copy. Outputs go to `run.dir`: config.yaml, metrics.jsonl, tensorboard/, loss.png, checkpoints/.
+
+Start-up does everything that can fail (config, data, the run directory's paths, whether its
+checkpoints fit this config) before it writes anything; then it locks the directory
+(`run_dir.RunLock`), restores or initialises the state, and only then writes config.yaml. A
+command that fails at start-up leaves the run directory exactly as it was. At the end the final
+checkpoint is written before the optional outputs (loss plot, sample).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import signal
+import shutil
 import sys
-import threading
 import time
+import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxllm import checkpoint, config, optim, sharding
+from jaxllm import JaxllmWarning, checkpoint, config, optim, sharding
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.metrics import MetricsWriter, plot_losses
+from jaxllm.train.run_dir import RunLock, check_paths, check_resume
+from jaxllm.train.signals import Signals
 from jaxllm.train.state import abstract_model, init_state, init_state_from, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
@@ -60,11 +69,9 @@ def _init_source(cfg: config.Config, ckpt_dir: Path) -> str | None:
     checkpoint in the run's own directory (what `jaxllm convert import` writes), else None."""
     if cfg.checkpoint.init_from:
         return cfg.checkpoint.init_from
-    steps = (
-        [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit()] if ckpt_dir.is_dir() else []
-    )
-    if steps and not checkpoint.has_train_state(ckpt_dir, max(steps)):
-        return str(ckpt_dir / str(max(steps)))
+    steps = checkpoint.steps(ckpt_dir)
+    if steps and not checkpoint.has_train_state(ckpt_dir, steps[-1]):
+        return str(ckpt_dir / str(steps[-1]))
     return None
 
 
@@ -103,34 +110,22 @@ def evaluate(jit_eval, params, batches: list[dict], batch_sh, model_state=None) 
     return nll / max(tokens, 1.0)
 
 
-class _StopSignal:
-    """SIGTERM / SIGINT set a flag; the loop finishes the step in flight, checkpoints, exits 0."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def train(cfg: config.Config) -> dict:
+def train(cfg: config.Config, signals: Signals | None = None) -> dict:
     """Runs (or resumes) the configured training; returns the last logged metrics, plus `stopped`
-    ('signal' or 'nonfinite') when the run ended early."""
+    ('signal' or 'nonfinite') when the run ended early. `signals` (the CLI passes its own, set
+    up before jax is imported) decides what SIGINT / SIGTERM do; by default a fresh one."""
+    with contextlib.ExitStack() as stack:
+        if signals is None:
+            signals = stack.enter_context(Signals())
+        return _train(cfg, signals)
+
+
+def _train(cfg: config.Config, signals: Signals) -> dict:
     devices = jax.devices()
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     run_dir = Path(cfg.run.dir)
+    ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
     lead = jax.process_index() == 0  # writes the run's files; every process computes
     _log(f"run dir: {run_dir.resolve()}")
     _log(
@@ -139,10 +134,6 @@ def train(cfg: config.Config) -> dict:
     )
 
     jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)  # checks shapes
-    if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config.dump(cfg, run_dir / "config.yaml")
-
     t0 = time.perf_counter()
     train_rows, eval_rows = load_splits(cfg.data)
     sources = ", ".join(src.path for src in cfg.data.sources)
@@ -151,14 +142,60 @@ def train(cfg: config.Config) -> dict:
         f"{len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} eval docs "
         f"({time.perf_counter() - t0:.1f}s)"
     )
-    gbs, steps = cfg.train.global_batch_size, cfg.train.steps
+    gbs = cfg.train.global_batch_size
     local = process_rows(batch_sh, gbs)
     batches = train_batches(train_rows, cfg.data, gbs, local)
     held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local)
 
-    ckpt = checkpoint.Checkpointer(
-        checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir), cfg.checkpoint
-    )
+    # The run directory: checked, then locked; nothing was written before this point.
+    if lead:
+        check_paths(run_dir, ckpt_dir)
+    check_resume(cfg, ckpt_dir)
+    lock = RunLock(run_dir) if lead else None
+    made = [p for p in (ckpt_dir, run_dir) if not p.exists()]
+
+    def undo() -> None:  # a start-up that fails leaves what it made as it found it: absent
+        if lock:
+            lock.release()
+            for p in made:
+                shutil.rmtree(p, ignore_errors=True)
+
+    if lock:
+        lock.acquire()
+        signals.on_startup_exit(undo)
+    try:
+        with _run_errors(run_dir):
+            ckpt, state, start = _start_state(cfg, ckpt_dir, mesh, tx, shardings, batches)
+            if lead:
+                config.dump(cfg, run_dir / "config.yaml")
+    except BaseException:
+        undo()
+        raise
+    try:
+        with _run_errors(run_dir):
+            return _loop(cfg, signals, state, start, ckpt, jit_train, jit_eval, batches,
+                         held_out, batch_sh)  # fmt: skip
+    finally:
+        if lock:
+            lock.release()
+
+
+@contextlib.contextmanager
+def _run_errors(run_dir: Path):
+    """An OSError of the run's files (read-only, full disk, removed) becomes one RunError line."""
+    try:
+        yield
+    except OSError as e:
+        what = e.strerror or type(e).__name__
+        raise config.RunError(
+            f"{what}: {e.filename or run_dir}; the newest finished checkpoint was left as it was."
+        ) from e
+
+
+def _start_state(cfg, ckpt_dir: Path, mesh, tx, shardings, batches):
+    """(checkpointer, state, step): the state resumed from the newest readable checkpoint, or
+    initialised from `checkpoint.init_from` / an imported checkpoint, or fresh."""
+    ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint)
     restored = None
     if cfg.checkpoint.resume:
         abstract = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed))
@@ -179,6 +216,14 @@ def train(cfg: config.Config) -> dict:
         _log(f"initialized parameters from {source}")
     else:
         state, start = init_state(cfg.model, tx, mesh, cfg.run.seed), 0
+    return ckpt, state, start
+
+
+def _loop(cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_out,
+          batch_sh) -> dict:  # fmt: skip
+    run_dir = Path(cfg.run.dir)
+    lead = jax.process_index() == 0
+    gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     _log(f"model: {sum(x.size for x in jax.tree.leaves(state.params)):,} parameters")
     extras = {
         "config": config.to_dict(cfg),
@@ -241,46 +286,51 @@ def train(cfg: config.Config) -> dict:
         return step == steps or bool(every and step % every == 0)
 
     stopped = None
-    with _StopSignal() as stop:
-        for step in range(start + 1, steps + 1):
-            state, metrics = jit_train(state, batch)  # dispatch step n ...
-            step_data_state = data_state
-            if step < steps:
-                batch = to_global(next(batches), batch_sh, gbs)
-                data_state = batches.get_state()
-            ok = True
+    signals.running()  # from here a signal stops the loop with a checkpoint
+    for step in range(start + 1, steps + 1):
+        state, metrics = jit_train(state, batch)  # dispatch step n ...
+        step_data_state = data_state
+        if step < steps:
+            batch = to_global(next(batches), batch_sh, gbs)
+            data_state = batches.get_state()
+        ok = True
+        if pending is not None:
+            ok = finish(*pending)  # ... then read step n-1 while n runs
+            pending = None
+        if eval_due(step):
+            ok = finish(step, metrics, state) and ok
+        else:
+            pending = (step, metrics)
+        if not ok:
+            stopped = "nonfinite"
+        elif signals.received is not None:
+            stopped = "signal"
+        if stopped:
             if pending is not None:
-                ok = finish(*pending)  # ... then read step n-1 while n runs
+                finish(*pending)
                 pending = None
-            if eval_due(step):
-                ok = finish(step, metrics, state) and ok
-            else:
-                pending = (step, metrics)
-            if not ok:
-                stopped = "nonfinite"
-            elif stop.received is not None:
-                stopped = "signal"
-            if stopped:
-                if pending is not None:
-                    finish(*pending)
-                    pending = None
-                _log(
-                    f"stopping at step {step}: "
-                    + ("signal received" if stopped == "signal" else
-                       f"{bad_in_a_row} non-finite step(s) in a row (train.nonfinite=stop); the "
-                       "checkpoint holds the last finite parameters")
-                )  # fmt: skip
-                save(state, step_data_state)
-                break
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < steps:
-                save(state, step_data_state)
+            _log(
+                f"stopping at step {step}: "
+                + ("signal received" if stopped == "signal" else
+                   f"{bad_in_a_row} non-finite step(s) in a row (train.nonfinite=stop); the "
+                   "checkpoint holds the last finite parameters")
+            )  # fmt: skip
+            save(state, step_data_state)
+            break
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < steps:
+            save(state, step_data_state)
     bar.close()
     if writer:
         writer.close()
-        plot_losses(writer.path, run_dir / "loss.png")
     if stopped is None and cfg.checkpoint.save_final:
         save(state, step_data_state)
-    ckpt.close()
+    ckpt.close()  # the checkpoint is complete before anything optional runs
+    if writer:
+        try:
+            plot_losses(writer.path, run_dir / "loss.png")
+        except Exception as e:
+            warnings.warn(f"could not draw {run_dir / 'loss.png'} ({e}); the run is saved.",
+                          JaxllmWarning, stacklevel=2)  # fmt: skip
     if stopped:
         return {**final, "stopped": stopped}
 

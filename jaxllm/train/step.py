@@ -117,8 +117,11 @@ def train_step(
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        # A NaN/Inf loss or gradient never reaches the state: keep the old params and moments.
-        finite = jnp.isfinite(nll) & jnp.isfinite(zs) & jnp.isfinite(grad_norm)
+        # A NaN/Inf loss or gradient never reaches the state, nor does an update that turns
+        # finite parameters non-finite (a NaN learning rate, an overflow): keep the old params
+        # and moments, so a stop checkpoint holds the last finite parameters.
+        finite = (jnp.isfinite(nll) & jnp.isfinite(zs) & jnp.isfinite(grad_norm)
+                  & jnp.isfinite(optax.tree.norm(params)))  # fmt: skip
         params, opt_state = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state), (state.params, state.opt_state),

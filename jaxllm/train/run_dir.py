@@ -1,0 +1,169 @@
+"""What `jaxllm train` may do to a run directory, decided before it writes anything.
+
+- `check_paths`: `run.dir` and `checkpoint.dir` must be (or become) writable directories;
+  a file in their place or a read-only file system is a RunError (exit 1).
+- `check_resume`: a run directory whose checkpoints were written for another model shape or
+  tokenizer is refused with a ConfigError naming the keys that differ (exit 2), instead of
+  taking its checkpoints for damaged ones and training over them. So is `checkpoint.resume=false`
+  in a directory that holds training checkpoints.
+- `RunLock`: one writer per run directory, an OS file lock (`filelock`) plus a small JSON file
+  naming the holder's pid and host for the refusal message. The kernel releases the lock of a
+  process that dies; a holder file left behind by one is taken over with a warning.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import warnings
+from pathlib import Path
+
+from jaxllm import JaxllmWarning, checkpoint, config
+from jaxllm.config import ConfigError, RunError
+
+LOCK_NAME = ".jaxllm.lock"
+HOLDER_NAME = ".jaxllm.lock.json"
+
+
+def check_paths(run_dir: Path, ckpt_dir: Path) -> None:
+    """RunError when the run's directories cannot be written: a file where a directory must
+    be, or a directory (or the nearest existing parent of one still to be made) that this
+    process may not write."""
+    for key, path in (("run.dir", run_dir), ("checkpoint.dir", ckpt_dir)):
+        if path.exists() and not path.is_dir():
+            raise RunError(f"{key}={path} is a file, not a directory; point {key} elsewhere.")
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise RunError(f"{key}={path} cannot be made: {existing} is a file.")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise RunError(
+                f"{key}={path} is not writable ({existing} is read-only for this user); "
+                "make it writable or point the run elsewhere."
+            )
+
+
+def _flat(tree: dict, prefix: str) -> dict[str, object]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _shapes(tree, prefix=()) -> dict[tuple, tuple]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_shapes(v, (*prefix, k)))
+        else:
+            out[(*prefix, k)] = tuple(v.shape)
+    return out
+
+
+def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
+    """ConfigError when this config cannot continue the checkpoints in `ckpt_dir`: their model
+    has other parameter shapes (layers, widths, vocabulary, ...), or they were trained with
+    another tokenizer, or `checkpoint.resume=false` would train over them. Reads only the
+    newest checkpoint's small `config` and `tokenizer` items; changes nothing."""
+    from jaxllm.train.state import abstract_model, abstract_model_state
+
+    found = checkpoint.steps(ckpt_dir)
+    trained = [s for s in found if checkpoint.has_train_state(ckpt_dir, s)]
+    if trained and not cfg.checkpoint.resume:
+        raise ConfigError(
+            f"checkpoint.resume=false, but {ckpt_dir} holds checkpoints up to step {trained[-1]} "
+            "that training would overwrite; give a new run.dir (or checkpoint.dir) for a fresh run."
+        )
+    saved = next(
+        (c for s in reversed(found) if (c := checkpoint.read_json_item(ckpt_dir, s, "config"))),
+        None,
+    )
+    if saved is None:
+        return  # nothing written yet, or nothing readable: restoring decides
+    try:
+        theirs = config.from_dict(saved)
+    except ConfigError:
+        return  # written by another version of jaxllm: restoring decides
+    differ = []
+    if _shapes(abstract_model(theirs.model)[1]) != _shapes(abstract_model(cfg.model)[1]) or (
+        _shapes(abstract_model_state(theirs.model)[0])
+        != _shapes(abstract_model_state(cfg.model)[0])
+    ):
+        ours, old = _flat(config.to_dict(cfg)["model"], "model."), _flat(saved["model"], "model.")
+        differ = [
+            f"{k} ({old.get(k)!r} there, {ours.get(k)!r} here)"
+            for k in sorted(set(ours) | set(old))
+            if ours.get(k) != old.get(k)
+        ]
+        differ = differ or ["the model's parameter shapes"]
+    saved_tok = checkpoint.read_json_item(ckpt_dir, found[-1], "tokenizer")
+    if saved_tok is not None and saved_tok != checkpoint.tokenizer_record(cfg.data.tokenizer):
+        differ.append(
+            f"data.tokenizer ({saved_tok.get('name')!r} there, {cfg.data.tokenizer!r} here)"
+        )
+    if differ:
+        raise ConfigError(
+            f"{ckpt_dir} holds checkpoints of another model or tokenizer: {'; '.join(differ)}; "
+            "to train this config, start a new run with run.dir=NEW_DIR."
+        )
+
+
+class RunLock:
+    """Held by the process that writes a run directory (process 0 of a multi-process run)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self._lock = None
+
+    @property
+    def holder_path(self) -> Path:
+        return self.run_dir / HOLDER_NAME
+
+    def holder(self) -> dict | None:
+        try:
+            value = json.loads(self.holder_path.read_text())
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
+    def acquire(self) -> None:
+        """Takes the lock (creating the run directory) or raises RunError naming the holder."""
+        from filelock import FileLock, Timeout
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.run_dir / LOCK_NAME, timeout=0, thread_local=False)
+        try:
+            lock.acquire()
+        except Timeout:
+            h = self.holder() or {}
+            raise RunError(
+                f"{self.run_dir} is being written by another jaxllm train (pid "
+                f"{h.get('pid', '?')} on {h.get('host', '?')}, since {h.get('since', '?')}); "
+                "wait for it to finish or stop it."
+            ) from None
+        self._lock = lock
+        stale = self.holder()
+        if stale:
+            warnings.warn(
+                f"{self.run_dir} was locked by pid {stale.get('pid', '?')} on "
+                f"{stale.get('host', '?')}, which is no longer running; taking the run over.",
+                JaxllmWarning,
+                stacklevel=2,
+            )
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": since}
+        self.holder_path.write_text(json.dumps(holder) + "\n")
+
+    def release(self) -> None:
+        """Removes the holder file and lets go of the lock (a no-op when not held)."""
+        if self._lock is None:
+            return
+        self.holder_path.unlink(missing_ok=True)
+        self._lock.release()  # the empty lock file stays: unlinking it would race a new holder
+        self._lock = None
