@@ -4,6 +4,10 @@ Every tokenizer maps text to int32 ids without adding special tokens; BOS and EO
 the packer when `data.add_bos` / `data.add_eos` ask for them, so the same documents can be packed
 with or without them. `make_tokenizer` refuses those flags for a tokenizer that lacks the token.
 
+`data.tokenizer: none` marks a run without a tokenizer (a Hugging Face model imported without
+tokenizer.json whose vocabulary is too small for bytes): it computes logits from ids, and
+`load_tokenizer` refuses it wherever text must be encoded or decoded.
+
 `train_bpe` trains a byte-level BPE (GPT-2 style: every byte is in the alphabet, so no text is
 ever unknown) with `<pad>`, `<bos>`, `<eos>` as ids 0, 1, 2, and writes `DIR/tokenizer.json`.
 
@@ -15,11 +19,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from jaxllm import JaxllmWarning
 from jaxllm.config import ConfigError
 
 BPE_SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -42,7 +48,9 @@ class ByteTokenizer:
     bos_id = 256
     eos_id = 257
     pad_id = 0
+    found_pad_id = 0
     name = "byte"
+    chat_template = None
 
     def encode(self, text: str | bytes) -> np.ndarray:
         data = text.encode("utf-8") if isinstance(text, str) else text
@@ -58,7 +66,12 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer.json. Specials come from a `tokenizer_config.json`
-    beside it (bos_token, eos_token, pad_token) when there is one, else from common names."""
+    beside it (bos_token, eos_token, pad_token) when there is one, else from common names.
+
+    `chat_template` is the model's default chat template (Jinja text) and `chat_templates` all
+    of its named ones, as transformers reads them: a `chat_template.jinja` beside the file, else
+    tokenizer_config.json's `chat_template`, a string or a list of {name, template}; None and
+    {} when there is none."""
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
@@ -69,17 +82,22 @@ class HFTokenizer:
         # packer, never from the data
         self._tok.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        config_path = path.parent / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path} is not a JSON object")
         declared = {}
-        config = path.parent / "tokenizer_config.json"
-        if config.is_file():
-            for kind in ("bos", "eos", "pad"):
-                value = json.loads(config.read_text()).get(f"{kind}_token")
-                declared[kind] = value.get("content") if isinstance(value, dict) else value
+        for kind in ("bos", "eos", "pad"):
+            value = config.get(f"{kind}_token")
+            declared[kind] = value.get("content") if isinstance(value, dict) else value
         for kind, names in _SPECIAL_NAMES.items():
             candidates = (declared[kind],) if declared.get(kind) else names
             ids = [self._tok.token_to_id(n) for n in candidates if n]
             setattr(self, f"{kind}_id", next((i for i in ids if i is not None), None))
+        self.found_pad_id = self.pad_id  # None: no pad token (pad_id then falls back to 0)
         self.pad_id = self.pad_id if self.pad_id is not None else 0
+        self.chat_templates = _chat_templates(path.parent, config.get("chat_template"))
+        self.chat_template = self.chat_templates.get("default")
 
     def encode(self, text: str | bytes) -> np.ndarray:
         # add_special_tokens=False: a post-processor template must not add BOS/EOS behind the
@@ -97,8 +115,31 @@ class HFTokenizer:
         return self._tok.decode(ids.tolist(), skip_special_tokens=True)
 
 
+def _chat_templates(directory: Path, value) -> dict[str, str]:
+    """Named chat templates: chat_template.jinja (which transformers prefers), else
+    tokenizer_config.json's `chat_template` (a string is the default one)."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return {"default": jinja.read_text()}
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list) and all(
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in value
+    ):
+        return {t["name"]: t["template"] for t in value}
+    raise ValueError("tokenizer_config.json chat_template is neither a string nor a list of "
+                     "{name, template}")  # fmt: skip
+
+
 class SentencePieceTokenizer:
     """A SentencePiece `.model`; its own BOS/EOS/PAD ids (-1 in the model means none)."""
+
+    chat_template = None
 
     def __init__(self, path: Path):
         import sentencepiece as spm
@@ -108,7 +149,8 @@ class SentencePieceTokenizer:
         self.vocab_size = self._sp.get_piece_size()
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
-        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else 0
+        self.found_pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+        self.pad_id = self.found_pad_id if self.found_pad_id is not None else 0
 
     def encode(self, text: str | bytes) -> np.ndarray:
         return np.asarray(self._sp.encode(_as_text(text)), dtype=np.int32)
@@ -123,6 +165,7 @@ class SentencePieceTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
+NO_TOKENIZER = "none"  # data.tokenizer of a run that has none
 
 
 def _tokenizer_file(spec: str, key: str) -> Path:
@@ -151,9 +194,15 @@ def _load(path: Path, mtime_ns: int) -> Tokenizer:
 
 
 def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
-    """`byte`, a tokenizer.json (or a directory holding one), or a SentencePiece .model."""
+    """`byte`, a tokenizer.json (or a directory holding one), or a SentencePiece .model;
+    ConfigError for `none` (a run without a tokenizer), which has no text to give."""
     if spec == "byte":
         return ByteTokenizer()
+    if spec == NO_TOKENIZER:
+        raise ConfigError(
+            f"{key}=none: this run has no tokenizer (imported without one); set "
+            f"{key}=PATH to a tokenizer.json to encode or decode text."
+        )
     path = _tokenizer_file(spec, key).resolve()
     return _load(path, path.stat().st_mtime_ns)
 
@@ -171,15 +220,82 @@ def make_tokenizer(data_cfg) -> Tokenizer:
 
 
 def tokenizer_vocab_size(data_cfg) -> int:
-    """Ids the tokenizer can emit (258 for bytes); reads only the tokenizer file."""
+    """Ids the tokenizer can emit (258 for bytes, 0 for none); reads only the tokenizer file."""
+    if data_cfg.tokenizer == NO_TOKENIZER:
+        return 0
     return load_tokenizer(data_cfg.tokenizer).vocab_size
+
+
+# (tokenizer, model vocabulary) pairs already warned about by `check_coverage` in this process
+_COVERAGE_WARNED: set[tuple[str, int]] = set()
+
+
+def check_coverage(tok: Tokenizer, vocab_size: int, where: str) -> None:
+    """Warns (once per tokenizer and vocabulary size) when a model's vocabulary is more than
+    twice the tokenizer's: such a model was made for another tokenizer (a Hugging Face model
+    imported without its tokenizer.json gets the byte tokenizer), and what it says in the ids
+    this tokenizer lacks would silently decode to nothing. Twice, not merely more, because
+    vocabularies are padded: jaxllm's presets give the byte tokenizer's 258 ids 384 rows, and
+    Hugging Face models round theirs up to multiples of 64 or 128."""
+    if vocab_size <= 2 * tok.vocab_size or (tok.name, vocab_size) in _COVERAGE_WARNED:
+        return
+    _COVERAGE_WARNED.add((tok.name, vocab_size))
+    warnings.warn(
+        f"{where}: model.vocab_size is {vocab_size} but tokenizer {tok.name} has "
+        f"{tok.vocab_size} ids, so the model was made for another tokenizer and ids >= "
+        f"{tok.vocab_size} decode to nothing; copy the model's tokenizer.json into the run "
+        "directory and set data.tokenizer to it.",
+        JaxllmWarning,
+        stacklevel=2,
+    )
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_config(spec: str, run_dir=None) -> dict:
+    """A run's generation_config.json (imported with a Hugging Face model: its EOS ids and
+    sampling defaults), beside its tokenizer file or else in `run_dir`; {} when there is none."""
+    places = [] if spec in ("byte", NO_TOKENIZER) else [Path(spec).expanduser().parent]
+    places += [Path(run_dir)] if run_dir is not None else []
+    for place in places:
+        if (place / GENERATION_CONFIG).is_file():
+            return _generation_config(place / GENERATION_CONFIG)
+    return {}
+
+
+def _generation_config(path: Path) -> dict:
+    try:
+        out = json.loads(path.read_bytes())
+    except ValueError as e:  # invalid JSON or not UTF-8
+        raise ConfigError(
+            f"{path} is not valid JSON ({str(e).splitlines()[0]}); fix it or delete it."
+        ) from None
+    eos = out.get("eos_token_id") if isinstance(out, dict) else None
+    ok_eos = eos is None or _is_id(eos) or (isinstance(eos, list) and all(map(_is_id, eos)))
+    if not isinstance(out, dict) or not ok_eos:
+        raise ConfigError(
+            f"{path} must be a JSON object whose eos_token_id is a token id or a list of them; "
+            "fix it or delete it."
+        )
+    return out
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def generation_stop_ids(gen: dict | Path) -> set[int]:
+    """The `eos_token_id` (one id or a list) of a generation config, or of its file."""
+    eos = (gen if isinstance(gen, dict) else _generation_config(Path(gen))).get("eos_token_id")
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
 def tokenizer_fingerprint(spec: str) -> str:
     """`byte`, or the SHA-256 of the tokenizer file: prepared data records it, so training with
     another tokenizer (even one at the same path, retrained) is caught."""
-    if spec == "byte":
-        return "byte"
+    if spec in ("byte", NO_TOKENIZER):
+        return spec
     return hashlib.sha256(_tokenizer_file(spec, "tokenizer").read_bytes()).hexdigest()
 
 

@@ -1,7 +1,11 @@
 """`jaxllm generate RUN_DIR --prompt TEXT ...`: sample from a trained run with a KV cache.
 
-Only generated text goes to stdout (streamed as it is made when there is one prompt; one block
-per prompt otherwise); the cache size and speed go to stderr.
+Only generated text goes to stdout (streamed as it is made when there is one prompt and one
+device, since the streaming host callback is ordered, which jax allows on a single device only;
+one block per prompt otherwise); the cache size and speed go to stderr. A sequence ends at any of its stop
+ids: the tokenizer's EOS, the `eos_token_id` (one or a list) of a generation_config.json beside
+the tokenizer file or in the run directory (a Hugging Face import brings one), and
+`generate.stop_tokens`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ def _overrides(ns: argparse.Namespace) -> list[str]:
 
 
 class _Stream:
-    """Prints one sequence's text as tokens arrive (whole UTF-8 characters only)."""
+    """Prints one sequence's text as tokens arrive (whole UTF-8 characters only; `finish`
+    prints what is left, so the output is always the decoding of every generated token)."""
 
     def __init__(self, tok, stops: set[int]):
         self.tok, self.stops, self.ids, self.shown = tok, stops, [], 0
@@ -36,6 +41,10 @@ class _Stream:
         sys.stdout.write(text[self.shown :])
         sys.stdout.flush()
         self.shown = len(text)
+
+    def finish(self) -> None:
+        """Prints the rest: a last character the sequence left incomplete."""
+        sys.stdout.write(self.tok.decode(self.ids)[self.shown :])
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -55,18 +64,26 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     from flax import nnx
 
-    from jaxllm.data.tokenizer import make_tokenizer
-    from jaxllm.evaluate import restore
+    from jaxllm.data.tokenizer import (
+        check_coverage,
+        generation_config,
+        generation_stop_ids,
+        make_tokenizer,
+    )
+    from jaxllm.evaluate import resolve, restore
     from jaxllm.infer.generate import generate
 
     cfg, mesh, graphdef, params, model_state, step = restore(path, [*overrides, *_overrides(ns)])
     model = nnx.merge(graphdef, params, model_state)
 
     tok = make_tokenizer(cfg.data)
+    check_coverage(tok, cfg.model.vocab_size, "jaxllm generate")
     bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
     ids = [bos + tok.encode(p).tolist() for p in prompts]
     stops = {tok.eos_id} if tok.eos_id is not None else set()
-    stream = _Stream(tok, stops | set(cfg.generate.stop_tokens)) if len(prompts) == 1 else None
+    stops |= generation_stop_ids(generation_config(cfg.data.tokenizer, resolve(path)[0]))
+    streams = len(prompts) == 1 and mesh.devices.size == 1
+    stream = _Stream(tok, stops | set(cfg.generate.stop_tokens)) if streams else None
     t0 = time.perf_counter()
     try:
         out = generate(model, ids, cfg.generate, stop_tokens=sorted(stops), mesh=mesh,
@@ -77,6 +94,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if stream is None:
         for i, new in enumerate(out.tokens):
             sys.stdout.write(("\n\n" if i else "") + tok.decode(new))
+    else:
+        stream.finish()
     sys.stdout.write("\n")
     n_new = sum(len(t) for t in out.tokens)
     g = cfg.generate
