@@ -1,5 +1,3 @@
-import sys
+from jaxllm.cli import entry
 
-from jaxllm.cli import main
-
-sys.exit(main())
+entry()

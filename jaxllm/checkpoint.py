@@ -176,7 +176,11 @@ class Checkpointer:
         try:
             self._mgr.wait_until_finished()
         except Exception as e:
-            raise RunError(f"writing {what} to {self.directory} failed ({_first_line(e)}).") from e
+            newest = latest_step(self.directory)
+            kept = f"step {newest} is the newest finished one" if newest is not None else "none is"
+            raise RunError(
+                f"writing {what} to {self.directory} failed ({_first_line(e)}); {kept}."
+            ) from e
 
     def prune(self) -> None:
         """Deletes finalized checkpoints beyond the newest `keep` (sparing multiples of

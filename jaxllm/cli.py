@@ -26,6 +26,8 @@ Exit codes, each failure with one sentence on stderr and no traceback:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -204,35 +206,91 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"jaxllm: warning: {message}", file=sys.stderr if file is None else file)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ns = parser().parse_args(argv)
+class _QuietLibraryRecords(logging.Filter):
+    """Orbax logs every failure of a background save with its traceback, several times, and
+    notes each stray directory it lists; jaxllm.checkpoint turns such a failure into one RunError
+    sentence and ignores strays on purpose, so the command line drops those records. (absl names
+    its own file as every record's origin, so they are told apart by content.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is None and not str(record.msg).startswith(
+            "Metadata file does not exist"
+        )
+
+
+_process_quiet = None
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """jaxllm's own warnings as one line each; library records that carry a traceback from a
+    background thread (and the shutdown errors of a failed save's event loop) dropped, since
+    the failure reaches the command as one exception and one sentence."""
     from jaxllm import JaxllmWarning
 
-    show = warnings.showwarning
+    show, hook, unraisable = warnings.showwarning, sys.excepthook, sys.unraisablehook
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
 
-    def showwarning(message, category, *args, **kw):  # jaxllm's own warnings: one line each
+    def showwarning(message, category, *args, **kw):
         (_show_warning if issubclass(category, JaxllmWarning) else show)(message, category,
                                                                          *args, **kw)  # fmt: skip
 
-    warnings.showwarning = showwarning
+    def closed_loop(tp, value) -> bool:
+        return tp is RuntimeError and str(value) == "Event loop is closed"
+
+    def excepthook(tp, value, tb):
+        if not closed_loop(tp, value):
+            hook(tp, value, tb)
+
+    def unraisablehook(u):
+        if not closed_loop(u.exc_type, u.exc_value):
+            unraisable(u)
+
+    quiet = _QuietLibraryRecords()
+    warnings.showwarning, sys.excepthook, sys.unraisablehook = (
+        showwarning,
+        excepthook,
+        unraisablehook,
+    )
+    for lg in loggers:
+        lg.addFilter(quiet)
     try:
-        return ns.func(ns)
-    except ConfigError as e:
-        print(f"jaxllm: config error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except RunError as e:
-        print(f"jaxllm: error: {e}", file=sys.stderr)
-        return EXIT_ENVIRONMENT
-    except OSError as e:  # the machine, not the user's config: one line, no traceback
-        where = f": {e.filename}" if e.filename else ""
-        print(f"jaxllm: error: {e.strerror or e}{where}.", file=sys.stderr)
-        return EXIT_ENVIRONMENT
-    except KeyboardInterrupt:
-        print("jaxllm: interrupted", file=sys.stderr)
-        return 130
+        yield
     finally:
-        warnings.showwarning = show
+        warnings.showwarning, sys.excepthook, sys.unraisablehook = show, hook, unraisable
+        for lg in loggers:
+            lg.removeFilter(quiet)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns its exit code (see the module docstring)."""
+    ns = parser().parse_args(argv)
+    with _quiet_libraries():
+        try:
+            return ns.func(ns)
+        except ConfigError as e:
+            print(f"jaxllm: config error: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except RunError as e:
+            print(f"jaxllm: error: {e}", file=sys.stderr)
+            return EXIT_ENVIRONMENT
+        except OSError as e:  # the machine, not the user's config: one line, no traceback
+            where = f": {e.filename}" if e.filename else ""
+            print(f"jaxllm: error: {e.strerror or e}{where}.", file=sys.stderr)
+            return EXIT_ENVIRONMENT
+        except KeyboardInterrupt:
+            print("jaxllm: interrupted", file=sys.stderr)
+            return 130
+
+
+def entry() -> None:
+    """The `jaxllm` program: `main`, staying quiet (as inside it) until the process ends, since
+    background threads of a failed save may still report after `main` returned."""
+    global _process_quiet  # held for the life of the process (a dropped one would exit)
+    _process_quiet = _quiet_libraries()
+    _process_quiet.__enter__()
+    sys.exit(main())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
