@@ -46,7 +46,8 @@ def load_params_from(source, model_cfg: ModelConfig, mesh) -> tuple[dict, dict |
     from jaxllm.evaluate import resolve
     from jaxllm.train.state import abstract_model, abstract_model_state
 
-    if is_hf_dir(source):
+    hf = _is_hf_source(source)
+    if hf:
         theirs = model_config(source).model
     else:
         if not Path(source).exists():
@@ -63,7 +64,7 @@ def load_params_from(source, model_cfg: ModelConfig, mesh) -> tuple[dict, dict |
             f"{diff}: {have_flat.get(diff)} there, {want_flat.get(diff)} here); make the model "
             "section match it (e.g. start from its config.yaml)."
         )
-    if is_hf_dir(source):
+    if hf:
         params, model_state, _ = load_params(source, model_cfg, mesh)
         return params, model_state
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, config.load(run_dir / "config.yaml")
@@ -81,6 +82,15 @@ def load_params_from(source, model_cfg: ModelConfig, mesh) -> tuple[dict, dict |
         return checkpoint.restore_params(ckpt_dir, target(want, axes), step), None
     return checkpoint.restore_params(ckpt_dir, target(want, axes), step,
                                      model_state_target=target(want_ms, ms_axes))  # fmt: skip
+
+
+def _is_hf_source(source) -> bool:
+    """A Hugging Face directory, even a broken one (its config.json and no run config.yaml, as
+    `jaxllm.load_model` decides), so that what is wrong with it is named rather than "not a run
+    directory"."""
+    path = Path(source)
+    return is_hf_dir(path) or ((path / "config.json").is_file()
+                               and not (path / "config.yaml").is_file())  # fmt: skip
 
 
 def _shapes(tree, prefix="") -> dict[str, tuple]:

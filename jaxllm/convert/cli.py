@@ -1,8 +1,11 @@
 """`jaxllm convert import|export`: Hugging Face checkpoints to run directories and back.
 
 Both print one line per mapped tensor (Hugging Face name, layers, our parameters, shapes,
-dtype) to stdout; a tensor that maps to nothing, a missing one, a shape mismatch or a knob the
-target family cannot express is a ConfigError (exit 2) before anything is written.
+dtype) to stdout; a tensor that maps to nothing, a missing one, a shape mismatch, a broken file
+(config.json, index, safetensors) or a knob the target family cannot express is a ConfigError
+(one line, exit 2) before anything is written. The tokenizer and its special-token ids travel
+both ways (tokenizer.json, tokenizer_config.json, special_tokens_map.json, the chat template,
+generation_config.json).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
         ckpt_dir, target(*abstract_model(cfg.model)[1:]), step,
         model_state_target=target(*abstract_model_state(cfg.model)),
     )  # fmt: skip
-    report = export_hf(params, cfg, ns.hf_dir, ns.family, model_state=model_state)
+    report = export_hf(params, cfg, ns.hf_dir, ns.family, model_state=model_state,
+                       run_dir=run_dir)  # fmt: skip
     for line in report:
         print(line)
     print(f"exported step {step} to {ns.hf_dir}", file=sys.stderr)

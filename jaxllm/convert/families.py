@@ -434,9 +434,31 @@ def family_of(hf: dict) -> Family:
     return FAMILIES[kind]
 
 
-def model_fields(hf: dict) -> dict:
-    """The ModelConfig fields of a config.json (architecture only)."""
-    return family_of(hf).to_model(hf)
+def model_fields(hf: dict, source="config.json") -> dict:
+    """The ModelConfig fields of a config.json (architecture only). A key the family needs that
+    the file (`source`) lacks, or a value of the wrong type, is a ConfigError naming it rather
+    than a KeyError or TypeError from deep inside the mapping."""
+    family = family_of(hf)
+    try:
+        return family.to_model(hf)
+    except ConfigError:
+        raise
+    except KeyError as e:
+        raise ConfigError(
+            f"{source} has no {e.args[0]!r}, which a {family.name} config.json needs; use the "
+            "model's complete config.json."
+        ) from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise ConfigError(
+            f"{source} holds a value of the wrong type or range ({first_line(e)}); compare it "
+            "with the model's original config.json."
+        ) from None
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (ConfigError messages are one line)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def guess_family(cfg: ModelConfig) -> Family:

@@ -19,68 +19,207 @@ import itertools
 import json
 import math
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxllm import JaxllmWarning
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError, ModelConfig
-from jaxllm.convert.families import Family, Link, family_of, guess_family, hf_config
+from jaxllm.convert.families import (
+    Family,
+    Link,
+    family_of,
+    first_line,
+    guess_family,
+    hf_config,
+    model_fields,
+)
+from jaxllm.data.tokenizer import (
+    GENERATION_CONFIG,
+    NO_TOKENIZER,
+    ByteTokenizer,
+    HFTokenizer,
+    check_coverage,
+    generation_config,
+    generation_stop_ids,
+    load_tokenizer,
+)
 
 DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 SHARD_BYTES = 4 * 2**30  # export: a new safetensors file past this many bytes
 
 
+INDEX = "model.safetensors.index.json"
+# Files beside tokenizer.json that import copies into the run directory with it (its specials,
+# chat template) and export writes back; generation_config.json travels with them too.
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
 def is_hf_dir(path) -> bool:
     path = Path(path)
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    has_weights = (path / INDEX).is_file() or any(path.glob("*.safetensors"))
+    return (path / "config.json").is_file() and has_weights
+
+
+def read_json(path: Path):
+    """The JSON value of `path`; ConfigError (one line, with the position) when it is not JSON."""
+    try:
+        return json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix it "
+            "or download it again."
+        ) from None
+    except (ValueError, OSError) as e:  # not UTF-8 text, unreadable
+        raise ConfigError(f"cannot read {path} ({first_line(e)}); download it again.") from None
 
 
 def read_hf_config(hf_dir) -> dict:
-    path = Path(hf_dir) / "config.json"
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        state = "is a file, not a directory" if hf_dir.exists() else "does not exist"
+        raise ConfigError(
+            f"{hf_dir} {state}; give a Hugging Face model directory (config.json + *.safetensors)."
+        )
+    path = hf_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{hf_dir} has no config.json; give a Hugging Face model directory.")
-    return json.loads(path.read_text())
+    hf = read_json(path)
+    if not isinstance(hf, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(hf).__name__}, not an object; give the model's own "
+            "config.json."
+        )
+    return hf
+
+
+def safetensors_files(hf_dir) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files transformers reads, and the index's tensor -> file map if any.
+
+    With `model.safetensors.index.json`, exactly the files its weight_map names: Mistral's Hub
+    repos ship `consolidated.safetensors` (Mistral's own tensor names) beside the sharded
+    Hugging Face files, and reading both would see every weight twice under two names. Without
+    one, `model.safetensors` when present (transformers reads nothing else), else every
+    `*.safetensors` (a hand-made directory)."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / INDEX
+    if index.is_file():
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not (isinstance(weight_map, dict) and weight_map
+                and all(isinstance(v, str) and Path(v).name == v for v in weight_map.values())):  # fmt: skip
+            raise ConfigError(
+                f"{index} has no weight_map of tensor names to file names; fix it or download "
+                "it again."
+            )
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (hf_dir / n).is_file()]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ConfigError(
+                f"{index} names {missing[0]}{more}, which is not in {hf_dir}; download every "
+                "file the index lists."
+            )
+        return [hf_dir / n for n in names], weight_map
+    if (hf_dir / "model.safetensors").is_file():
+        return [hf_dir / "model.safetensors"], None
+    return sorted(hf_dir.glob("*.safetensors")), None
 
 
 class Reader:
     """Names, shapes and dtypes of every tensor in a directory's safetensors files (headers
-    only); `read` loads one tensor, or one slice of it."""
+    only); `read` loads one tensor, or one slice of it.
+
+    The files are not trusted blindly: an unreadable file (truncated, not safetensors) and a
+    tensor stored in two files (which one would win?) are ConfigErrors naming the files."""
 
     def __init__(self, hf_dir):
-        self.files = sorted(Path(hf_dir).glob("*.safetensors"))
+        hf_dir = Path(hf_dir)
+        self.files, weight_map = safetensors_files(hf_dir)
         if not self.files:
-            raise ConfigError(f"{hf_dir} holds no .safetensors files.")
+            raise ConfigError(
+                f"{hf_dir} holds no .safetensors files; give a Hugging Face model directory "
+                "with its weights."
+            )
         self.where: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
         for f in self.files:
-            with safe_open(f, framework="numpy") as h:
-                for name in h.keys():
-                    s = h.get_slice(name)
-                    self.where[name] = f
-                    self.shapes[name] = tuple(s.get_shape())
-                    self.dtypes[name] = s.get_dtype()
+            for name, shape, dtype in _header(f):
+                if name in self.where:
+                    raise ConfigError(
+                        f"tensor {name} is in both {self.where[name].name} and {f.name} in "
+                        f"{hf_dir}; remove the stale file (or add the {INDEX} that names the "
+                        "files to read)."
+                    )
+                self.where[name], self.shapes[name], self.dtypes[name] = f, shape, dtype
+        for name, file in (weight_map or {}).items():
+            if self.where.get(name) != hf_dir / file:
+                raise ConfigError(
+                    f"{hf_dir / INDEX} puts tensor {name} in {file}, which does not hold it; "
+                    "download the files again."
+                )
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        with safe_open(self.where[name], framework="numpy") as h:
-            if index is None:
-                return h.get_tensor(name)
-            return h.get_slice(name)[index]
+        try:
+            with safe_open(self.where[name], framework="numpy") as h:
+                if index is None:
+                    return h.get_tensor(name)
+                return h.get_slice(name)[index]
+        except SafetensorError as e:
+            raise ConfigError(
+                f"cannot read tensor {name} from {self.where[name]} ({first_line(e)}); "
+                "download the file again."
+            ) from None
 
     def param_dtype(self) -> str:
-        """The checkpoint's storage dtype (the most common one, by bytes)."""
+        """The checkpoint's storage dtype: the most common float dtype, by bytes (integer
+        tensors where floats belong are refused by `check`, by name)."""
         count: dict[str, int] = {}
         for name, dt in self.dtypes.items():
             count[dt] = count.get(dt, 0) + math.prod(self.shapes[name])
-        dt = max(count, key=count.get)
-        if dt not in DTYPES:
-            raise ConfigError(f"tensors of dtype {dt} are not supported (F32, BF16, F16 are).")
-        return DTYPES[dt]
+        floats = {dt: n for dt, n in count.items() if dt in DTYPES}
+        if not floats:
+            raise ConfigError(
+                f"{self.files[0].parent} holds no float tensors (dtypes {', '.join(sorted(count))}"
+                "); jaxllm imports F32, BF16 and F16 weights: dequantize them first."
+            )
+        return DTYPES[max(floats, key=floats.get)]
+
+    def equal(self, a: str, b: str, rows: int = 4096) -> bool:
+        """Whether tensors `a` and `b` hold the same values (compared `rows` rows at a time, so
+        two vocabulary-sized matrices are never in memory whole)."""
+        if self.shapes[a] != self.shapes[b] or self.dtypes[a] != self.dtypes[b]:
+            return False
+        if not self.shapes[a]:
+            return bool(np.array_equal(self.read(a), self.read(b)))
+        n = self.shapes[a][0]
+        return all(
+            np.array_equal(self.read(a, (slice(i, min(i + rows, n)),)),
+                           self.read(b, (slice(i, min(i + rows, n)),)))
+            for i in range(0, n, rows)
+        )  # fmt: skip
+
+
+def _header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every tensor of one safetensors file."""
+    try:
+        with safe_open(path, framework="numpy") as h:
+            out = []
+            for name in h.keys():
+                s = h.get_slice(name)
+                out.append((name, tuple(s.get_shape()), s.get_dtype()))
+            return out
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(
+            f"{path} is not a readable safetensors file ({first_line(e)}); download it again."
+        ) from None
 
 
 def _flat(tree, prefix=()) -> dict[str, object]:
@@ -184,8 +323,28 @@ def _mismatches(reader: Reader, family: Family, cfg: ModelConfig, links: list[Li
             elif reader.shapes[name] != want:
                 errors.append(f"{name} has shape {list(reader.shapes[name])}, the model needs "
                               f"{list(want)}")  # fmt: skip
+            elif reader.dtypes[name] not in DTYPES:
+                errors.append(f"{name} is stored as {reader.dtypes[name]}, the model needs a float "
+                              "tensor (F32, BF16 or F16)")  # fmt: skip
     extra = sorted(n for n in set(reader.shapes) - expected if not family.ignored(n, cfg))
+    if cfg.tie_embeddings and TIED_HEAD in extra:
+        errors += _tied_head(reader, links)
+        extra.remove(TIED_HEAD)
     return errors + [f"tensor {n} {list(reader.shapes[n])} maps to no parameter" for n in extra]
+
+
+TIED_HEAD = "lm_head.weight"
+
+
+def _tied_head(reader: Reader, links: list[Link]) -> list[str]:
+    """A tied model's file may store the head anyway (some exporters write every tensor):
+    transformers then ties it to the embedding and drops it. Dropped here too when it equals
+    the embedding; a different head is an error, since tying would silently change the model."""
+    embed = next((link.hf for link in links if link.ours == ("embed/embedding",)), None)
+    if embed in reader.shapes and reader.equal(TIED_HEAD, embed):
+        return []
+    return [f"{TIED_HEAD} is stored and differs from {embed}, but tie_word_embeddings is true; "
+            "set tie_word_embeddings to false in config.json to keep the separate head"]  # fmt: skip
 
 
 def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, dict, list[Mapped]]:
@@ -266,7 +425,11 @@ def _callback(reader: Reader, link: Link, k: int, shapes: dict, dtype) -> Callab
 
 def model_config(hf_dir, overrides=()) -> config_lib.Config:
     """The run config of a Hugging Face directory: its architecture, its storage dtype as
-    param_dtype, its tokenizer.json if any; then `key=value` overrides."""
+    param_dtype, its tokenizer.json if any; then `key=value` overrides.
+
+    Without a tokenizer.json the run gets the byte tokenizer, or, when the vocabulary is too
+    small for it (fewer than 258 ids), `data.tokenizer=none` with a JaxllmWarning: the model
+    still loads and computes logits from ids, and only encoding or decoding text is refused."""
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
     quantization = hf.get("quantization_config")
@@ -277,36 +440,79 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
             "jaxllm imports float32 / bfloat16 / float16 tensors: dequantize it first (for "
             "DeepSeek-V3's FP8 weights, to bfloat16 with their weight_scale_inv scales)."
         )
-    fields = family_of(hf).to_model(hf)
+    fields = model_fields(hf, hf_dir / "config.json")
+    try:  # types of the file's values, before overrides (whose errors name their own keys)
+        config_lib.from_dict({"model": dict(fields)})
+    except ConfigError as e:
+        raise ConfigError(
+            f"{hf_dir / 'config.json'} does not describe a valid model ({str(e).rstrip('.')}); "
+            "compare it with the model's original config.json."
+        ) from None
     fields["param_dtype"] = Reader(hf_dir).param_dtype()
-    data: dict = {"seq_len": min(256, fields["max_seq_len"])}
-    if (hf_dir / "tokenizer.json").is_file():
-        data["tokenizer"] = str((hf_dir / "tokenizer.json").resolve())
-    tree = config_lib.apply_overrides({"model": fields, "data": data}, overrides)
+    tree = config_lib.apply_overrides(
+        {"model": fields, "data": {"seq_len": min(256, fields["max_seq_len"])}}, overrides
+    )
+    vocab, data = tree["model"].get("vocab_size"), tree["data"]
+    tokenizer = hf_dir / "tokenizer.json"
+    if "tokenizer" in data:  # chosen by an override
+        pass
+    elif tokenizer.is_file():
+        data["tokenizer"] = str(tokenizer.resolve())
+        n = load_tokenizer(data["tokenizer"]).vocab_size
+        if isinstance(vocab, int) and n > vocab:
+            raise ConfigError(
+                f"{tokenizer} has {n} ids but config.json's vocab_size is {vocab}, so it is not "
+                "this model's tokenizer; put the model's own tokenizer.json there (or pass "
+                "data.tokenizer=PATH)."
+            )
+    elif isinstance(vocab, int) and vocab < ByteTokenizer.vocab_size:
+        data["tokenizer"] = NO_TOKENIZER
+        warnings.warn(
+            f"{hf_dir} has no tokenizer.json and its vocabulary ({vocab} ids) is smaller than "
+            f"the byte tokenizer's ({ByteTokenizer.vocab_size}), so the run has none "
+            "(data.tokenizer=none): it computes logits from token ids but cannot encode or "
+            "decode text; copy the model's tokenizer.json into the directory (or set "
+            "data.tokenizer=PATH) to use text.",
+            JaxllmWarning,
+            stacklevel=2,
+        )
     return config_lib.from_dict(tree).validate()
 
 
 def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
-    """`jaxllm convert import`: a run directory (config.yaml, tokenizer.json, a weights-only
-    checkpoint at step 0) that `jaxllm generate / eval / train` accept."""
+    """`jaxllm convert import`: a run directory (config.yaml, a weights-only checkpoint at step
+    0, and the tokenizer.json with its tokenizer_config.json, special_tokens_map.json, chat
+    template and generation_config.json, where the directory has them) that `jaxllm generate
+    / eval / train` accept. Every check and every tensor read happens before anything is
+    written: a refused import leaves no `out_dir` behind."""
     from jaxllm import checkpoint, sharding
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is a file; give a new directory to import into.")
     cfg = model_config(hf_dir, [f"run.dir={out_dir}", *overrides])
     ckpt_dir = checkpoint.checkpoint_dir(out_dir, cfg.checkpoint.dir)
     if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
         raise ConfigError(f"{ckpt_dir} already holds checkpoints; import into a new directory.")
+    if cfg.data.tokenizer != NO_TOKENIZER:
+        tok = load_tokenizer(cfg.data.tokenizer)
+        check_coverage(tok, cfg.model.vocab_size, f"importing {hf_dir}")
+    # The tokenizer's files, and generation_config.json, whose EOS ids are that tokenizer's
+    # (without it the run decodes bytes or nothing, and those ids would mean other tokens).
+    copies = []
     tokenizer = hf_dir / "tokenizer.json"
-    if tokenizer.is_file():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(tokenizer, out_dir / "tokenizer.json")
-        cfg = dataclasses.replace(
-            cfg, data=dataclasses.replace(cfg.data, tokenizer=str((out_dir / "tokenizer.json")
-                                                                  .resolve()))
-        )  # fmt: skip
+    if tokenizer.is_file() and cfg.data.tokenizer == str(tokenizer.resolve()):
+        names = [*TOKENIZER_FILES, GENERATION_CONFIG]
+        copies = [tokenizer, *(hf_dir / n for n in names if (hf_dir / n).is_file())]
+        if (hf_dir / GENERATION_CONFIG).is_file():
+            generation_stop_ids(hf_dir / GENERATION_CONFIG)  # a broken file fails now, not later
+        run_tokenizer = str((out_dir / "tokenizer.json").resolve())
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_tokenizer))
     mesh = mesh or sharding.make_mesh(cfg.mesh)
     params, model_state, report = load_params(hf_dir, cfg.model, mesh)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for f in copies:
+        shutil.copy(f, out_dir / f.name)
     config_lib.dump(cfg, out_dir / "config.yaml")
     checkpoint.save_params(
         ckpt_dir, params, step=0, model_state=model_state,
@@ -316,11 +522,13 @@ def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
 
 
 def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None = None,
-              shard_bytes: int = SHARD_BYTES, model_state: dict | None = None) -> list[Mapped]:  # fmt: skip
+              shard_bytes: int = SHARD_BYTES, model_state: dict | None = None,
+              run_dir=None) -> list[Mapped]:  # fmt: skip
     """Writes config.json and model.safetensors (or shards + index) of `params` and
     `model_state` (nested dicts of arrays, possibly sharded: each tensor is fetched to the host
     one layer, or one layer's expert, at a time), in the family's first layout (Mixtral,
-    DeepSeek-V3: per-expert tensors)."""
+    DeepSeek-V3: per-expert tensors); and the run's tokenizer with its special-token ids
+    (`_write_tokenizer`; `run_dir`: where else to look for a generation_config.json)."""
     from jaxllm.convert.families import FAMILIES
 
     m = cfg.model
@@ -361,8 +569,56 @@ def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None =
         index = {"metadata": {"total_size": sum(t.nbytes for f in files for t in f.values())},
                  "weight_map": {t: n for n, f in zip(names, files) for t in f}}  # fmt: skip
         (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf = {**hf, **_write_tokenizer(cfg, hf_dir, run_dir)}
     (hf_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    tok = Path(cfg.data.tokenizer)
-    if tok.name == "tokenizer.json" and tok.is_file():
-        shutil.copy(tok, hf_dir / "tokenizer.json")
     return report
+
+
+def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict:
+    """Writes the run's tokenizer files into `hf_dir` and returns the special-token ids for
+    config.json, so that `AutoTokenizer` and `generate` in transformers see what jaxllm sees.
+
+    generation_config.json: the run's own (imported with the model; found beside its
+    tokenizer file or in `run_dir`) with any missing bos/eos/pad id filled in from the
+    tokenizer. For a tokenizer.json: the file itself, the run's tokenizer_config.json,
+    special_tokens_map.json and chat template where it has them (else a minimal
+    tokenizer_config.json naming the special tokens, which `AutoTokenizer` needs to know them),
+    and, when the run puts BOS before every document (data.add_bos) and the tokenizer.json
+    has no post-processor, one that does the same, since transformers' tokenizer adds only
+    what tokenizer.json says (jaxllm encodes without it: the packer adds BOS). The byte
+    tokenizer has no file to write; its ids are written all the same."""
+    from tokenizers import Tokenizer, processors
+
+    spec = cfg.data.tokenizer
+    if spec == NO_TOKENIZER:
+        return {}
+    tok = load_tokenizer(spec)
+    pad = tok.found_pad_id  # not pad_id, which is 0 (a real token) for a tokenizer without one
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": pad}
+    gen = generation_config(spec, run_dir)
+    gen = {**{k: v for k, v in ids.items() if v is not None}, **gen}
+    (hf_dir / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    if not isinstance(tok, HFTokenizer):
+        return ids
+    source = Path(tok.name)
+    backend = Tokenizer.from_file(str(source))
+    if cfg.data.add_bos and tok.bos_id is not None and backend.post_processor is None:
+        bos = backend.id_to_token(tok.bos_id)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
+        )
+        backend.save(str(hf_dir / "tokenizer.json"))
+    else:
+        shutil.copy(source, hf_dir / "tokenizer.json")
+    for name in TOKENIZER_FILES:
+        if (source.parent / name).is_file():
+            shutil.copy(source.parent / name, hf_dir / name)
+    if not (source.parent / "tokenizer_config.json").is_file():
+        specials = {f"{k}_token": backend.id_to_token(i)
+                    for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id), ("pad", pad))
+                    if i is not None}  # fmt: skip
+        minimal = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+                   "model_max_length": cfg.model.max_seq_len,
+                   "clean_up_tokenization_spaces": False}  # fmt: skip
+        (hf_dir / "tokenizer_config.json").write_text(json.dumps(minimal, indent=2) + "\n")
+    return ids
