@@ -209,6 +209,18 @@ def test_chat_template_jinja_file_wins(tmp_path):
     assert tokenizer_lib.ByteTokenizer().chat_template is None
 
 
+def test_generation_config_is_found_beside_the_tokenizer_or_in_the_run(tmp_path):
+    tok_dir, run = tmp_path / "tok", tmp_path / "run"
+    tok_dir.mkdir(), run.mkdir()
+    (run / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    find = tokenizer_lib.generation_config
+    assert tokenizer_lib.generation_stop_ids(find("byte", run)) == {7}
+    (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    for spec in (tok_dir / "tokenizer.json", tok_dir):  # a file, or the directory holding it
+        assert tokenizer_lib.generation_stop_ids(find(str(spec), run)) == {2, 9}
+    assert find("none", None) == {}
+
+
 def test_small_vocabulary_without_tokenizer_imports_with_no_tokenizer(tmp_path, capsys):
     """Fewer ids than the byte tokenizer's 258 and no tokenizer.json: the run gets
     data.tokenizer=none (with a warning) and computes logits; text is refused in one line."""

@@ -256,7 +256,10 @@ GENERATION_CONFIG = "generation_config.json"
 def generation_config(spec: str, run_dir=None) -> dict:
     """A run's generation_config.json (imported with a Hugging Face model: its EOS ids and
     sampling defaults), beside its tokenizer file or else in `run_dir`; {} when there is none."""
-    places = [] if spec in ("byte", NO_TOKENIZER) else [Path(spec).expanduser().parent]
+    places = []
+    if spec not in ("byte", NO_TOKENIZER):  # a tokenizer file, or a directory holding one
+        path = Path(spec).expanduser()
+        places.append(path if path.is_dir() else path.parent)
     places += [Path(run_dir)] if run_dir is not None else []
     for place in places:
         if (place / GENERATION_CONFIG).is_file():
