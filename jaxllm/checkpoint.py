@@ -319,11 +319,3 @@ def restore_weights(directory: str | Path, target, model_state_target=None,
                 continue
             return Weights(out["params"], out["model_state"] if model_state_target else {}, at)
     raise AssertionError("unreachable")
-
-
-def restore_params(directory: str | Path, target, step: int | None = None,
-                   model_state_target=None):  # fmt: skip
-    """`restore_weights` without the step: params, or (params, model_state) when
-    `model_state_target` is given."""
-    w = restore_weights(directory, target, model_state_target, step)
-    return w.params if model_state_target is None else (w.params, w.model_state)

@@ -45,3 +45,23 @@ def shard_model(model, mesh):
     graphdef, _, axes = abstract_model(model.cfg)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return nnx.merge(graphdef, jax.device_put(params, sharding.tree_shardings(mesh, axes)))
+
+
+# A small model on the built-in corpus, for runs the tests train through `jaxllm.cli.main`.
+SMALL_RUN = [
+    "data.max_files=60", "data.seq_len=64", "model.num_layers=2", "model.d_model=64",
+    "model.mlp_dim=128", "model.vocab_size=320", "model.dtype=float32",
+    "train.global_batch_size=8", "train.sample_tokens=0", "train.log_every=1",
+    "train.eval_every=0", "train.eval_batches=1", "mesh.data=1", "mesh.fsdp=-1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """A run of SMALL_RUN trained 4 steps with checkpoints at 2 and 4. Shared: copy it before
+    changing anything in it."""
+    from jaxllm.cli import main
+
+    run = tmp_path_factory.mktemp("small_run") / "run"
+    assert main(["train", *SMALL_RUN, "train.steps=4", "checkpoint.every=2", f"run.dir={run}"]) == 0
+    return run

@@ -110,8 +110,11 @@ class DataConfig:
     eval_sources: tuple[SourceConfig, ...] = ()
     """Held-out corpora; empty holds out `eval_fraction` of the training files instead."""
     tokenizer: str = "byte"
-    """`byte` (UTF-8 bytes, no files), a `tokenizer.json` (Hugging Face tokenizers), or a
-    SentencePiece `.model` file."""
+    """`byte` (UTF-8 bytes, no files), a `tokenizer.json` (Hugging Face tokenizers), a
+    SentencePiece `.model` file, or `none`: the run has no tokenizer (a Hugging Face model
+    imported without tokenizer.json whose vocabulary is smaller than the byte tokenizer's 258
+    ids). Such a run computes logits from token ids; whatever must encode or decode text refuses
+    it until data.tokenizer names a tokenizer.json."""
     add_bos: bool = True
     """Start every document with the tokenizer's BOS token."""
     add_eos: bool = True

@@ -79,9 +79,9 @@ def load_params_from(source, model_cfg: ModelConfig, mesh) -> tuple[dict, dict |
     want_ms, ms_axes = abstract_model_state(model_cfg)
     same_state = bool(want_ms) and _shapes(want_ms) == _shapes(abstract_model_state(theirs)[0])
     if not same_state:
-        return checkpoint.restore_params(ckpt_dir, target(want, axes), step), None
-    return checkpoint.restore_params(ckpt_dir, target(want, axes), step,
-                                     model_state_target=target(want_ms, ms_axes))  # fmt: skip
+        return checkpoint.restore_weights(ckpt_dir, target(want, axes), step=step).params, None
+    w = checkpoint.restore_weights(ckpt_dir, target(want, axes), target(want_ms, ms_axes), step)
+    return w.params, w.model_state
 
 
 def _is_hf_source(source) -> bool:

@@ -42,9 +42,6 @@ def cmd_export(ns: argparse.Namespace) -> int:
     run_dir, ckpt_dir, step = resolve(ns.source)
     cfg = config.load(run_dir / "config.yaml")
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
-    step = step if step is not None else checkpoint.latest_step(ckpt_dir)
-    if step is None:
-        raise ConfigError(f"no checkpoint in {ckpt_dir}; train first.")
     mesh = sharding.make_mesh(config.MeshConfig())
 
     def target(abstract, axes):
@@ -53,9 +50,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
             sharding.tree_shardings(mesh, axes),
         )  # fmt: skip
 
-    params, model_state = checkpoint.restore_params(
-        ckpt_dir, target(*abstract_model(cfg.model)[1:]), step,
-        model_state_target=target(*abstract_model_state(cfg.model)),
+    params, model_state, step = checkpoint.restore_weights(  # newest readable unless named
+        ckpt_dir, target(*abstract_model(cfg.model)[1:]),
+        target(*abstract_model_state(cfg.model)), step,
     )  # fmt: skip
     report = export_hf(params, cfg, ns.hf_dir, ns.family, model_state=model_state,
                        run_dir=run_dir)  # fmt: skip

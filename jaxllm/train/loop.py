@@ -160,14 +160,18 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             for p in made:
                 shutil.rmtree(p, ignore_errors=True)
 
+    signals.on_startup_exit(undo)
     if lock:
-        lock.acquire()
-        signals.on_startup_exit(undo)
+        with signals.writing:
+            lock.acquire()
     try:
         with _run_errors(run_dir):
-            ckpt, state, start = _start_state(cfg, ckpt_dir, mesh, tx, shardings, batches)
+            with signals.writing:
+                ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint)
+            state, start = _start_state(cfg, ckpt, mesh, tx, shardings, batches)
             if lead:
-                config.dump(cfg, run_dir / "config.yaml")
+                with signals.writing:
+                    config.dump(cfg, run_dir / "config.yaml")
     except BaseException:
         undo()
         raise
@@ -192,10 +196,9 @@ def _run_errors(run_dir: Path):
         ) from e
 
 
-def _start_state(cfg, ckpt_dir: Path, mesh, tx, shardings, batches):
-    """(checkpointer, state, step): the state resumed from the newest readable checkpoint, or
-    initialised from `checkpoint.init_from` / an imported checkpoint, or fresh."""
-    ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint)
+def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batches):
+    """(state, step): the state resumed from the newest readable checkpoint, or initialised
+    from `checkpoint.init_from` / an imported checkpoint, or fresh."""
     restored = None
     if cfg.checkpoint.resume:
         abstract = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed))
@@ -216,7 +219,7 @@ def _start_state(cfg, ckpt_dir: Path, mesh, tx, shardings, batches):
         _log(f"initialized parameters from {source}")
     else:
         state, start = init_state(cfg.model, tx, mesh, cfg.run.seed), 0
-    return ckpt, state, start
+    return state, start
 
 
 def _loop(cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_out,
@@ -245,7 +248,8 @@ def _loop(cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_o
     jit_train = jit_train.lower(state, batch).compile()
     _log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
 
-    writer = MetricsWriter(run_dir, resume_step=start) if lead else None
+    with signals.writing:
+        writer = MetricsWriter(run_dir, resume_step=start) if lead else None
     tokens_per_step = gbs * cfg.data.seq_len
     bar = _progress(steps, start) if lead else _Plain()
     final: dict = {}

@@ -30,6 +30,9 @@ class Signals:
         self._previous: dict = {}
         self._pipe: tuple[int, int] | None = None
         self._old_wakeup = -1
+        # Held by start-up while it creates files, and by an exit during start-up while it
+        # removes them, so the two never interleave (compiling does not hold it).
+        self.writing = threading.Lock()
 
     def on_startup_exit(self, fn: Callable[[], None]) -> None:
         """`fn` runs before an exit during start-up (e.g. releasing the run's lock)."""
@@ -71,6 +74,7 @@ class Signals:
                     self._exit_now(signum)
 
     def _exit_now(self, signum: int) -> None:
+        self.writing.acquire()  # never released: the process ends below
         for fn in self._cleanups:
             try:
                 fn()
