@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from jaxllm.config.errors import JaxllmWarning  # defined at the bottom floor, named here
+
 __version__ = "0.1.0"
-
-
-class JaxllmWarning(UserWarning):
-    """Warnings jaxllm itself raises (tests turn them into errors)."""
 
 
 def load_model(path, *, mesh=None, overrides=()):
@@ -14,8 +12,8 @@ def load_model(path, *, mesh=None, overrides=()):
     model directory (config.json + safetensors; `overrides` like `model.dtype=float32` apply).
 
     The newest readable checkpoint is used: a damaged newer one is reported with a
-    JaxllmWarning and skipped. Returns an `nnx.Module` mapping int tokens [batch, length] to float32 logits
-    [batch, length, vocab]. Parameters are restored straight into their shards on `mesh`
+    JaxllmWarning and skipped. Returns an `nnx.Module` mapping int tokens [batch, length] to
+    float32 logits [batch, length, vocab]. Parameters are restored straight into their shards on `mesh`
     (default: all devices, data-parallel, i.e. replicated).
     """
     from pathlib import Path

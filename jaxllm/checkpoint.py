@@ -32,8 +32,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from jaxllm import JaxllmWarning
-from jaxllm.config import CheckpointConfig, ConfigError, RunError
+from jaxllm.config import CheckpointConfig, ConfigError, JaxllmWarning, RunError
 
 FINALIZED = "_CHECKPOINT_METADATA"  # Orbax writes it last, inside the renamed step directory
 

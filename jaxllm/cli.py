@@ -226,7 +226,7 @@ def _quiet_libraries():
     """jaxllm's own warnings as one line each; library records that carry a traceback from a
     background thread (and the shutdown errors of a failed save's event loop) dropped, since
     the failure reaches the command as one exception and one sentence."""
-    from jaxllm import JaxllmWarning
+    from jaxllm.config import JaxllmWarning
 
     show, hook, unraisable = warnings.showwarning, sys.excepthook, sys.unraisablehook
     loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
@@ -262,9 +262,24 @@ def _quiet_libraries():
             lg.removeFilter(quiet)
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with options and `key=value` overrides in any order
+    (`jaxllm plan CONFIG --devices 8 mesh.fsdp=8`): argparse stops a positional list at the
+    first option, so overrides after one come back as extras and join the command's own."""
+    p = parser()
+    ns, extra = p.parse_known_args(argv)
+    target = next((name for name in ("args", "overrides") if hasattr(ns, name)), None)
+    stray = [a for a in extra if target is None or a.startswith("-") or "=" not in a]
+    if stray:
+        p.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        setattr(ns, target, [*getattr(ns, target), *extra])
+    return ns
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns its exit code (see the module docstring)."""
-    ns = parser().parse_args(argv)
+    ns = parse(argv)
     with _quiet_libraries():
         try:
             return ns.func(ns)

@@ -8,7 +8,7 @@ import os
 import warnings
 from pathlib import Path
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import JaxllmWarning, ModelConfig
 
 # Dense bf16 peak FLOP/s per chip, by `jax.Device.device_kind` prefix (vendor data sheets).
 PEAK_FLOPS = {
@@ -148,8 +148,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except ValueError:
             row = None
         if not isinstance(row, dict):
-            from jaxllm import JaxllmWarning
-
             warnings.warn(f"{path}:{n} is not a whole JSON line (a crash tore it?); dropped it.",
                           JaxllmWarning, stacklevel=2)  # fmt: skip
             continue

@@ -235,3 +235,18 @@ def test_cli_config_mistake_exits_2_with_one_line(arg, needle):
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0]
     assert elapsed < 30, f"took {elapsed:.1f}s: the error should come before any compilation"
+
+
+def test_cli_takes_options_and_overrides_in_any_order():
+    from jaxllm.cli import parse
+
+    ns = parse(["plan", "configs/runs/llama3_8b.yaml", "--devices", "8", "mesh.fsdp=8"])
+    assert ns.devices == 8 and ns.args == ["configs/runs/llama3_8b.yaml", "mesh.fsdp=8"]
+    ns = parse(["generate", "runs/x", "--prompt", "hi", "generate.top_k=5", "--seed", "3"])
+    assert ns.args == ["runs/x", "generate.top_k=5"] and ns.prompt == ["hi"] and ns.seed == 3
+    ns = parse(["train", "train.steps=3", "--num-processes", "2", "optim.lr=1e-3"])
+    assert ns.args == ["train.steps=3", "optim.lr=1e-3"] and ns.num_processes == 2
+    for bad in (["train", "--bogus"], ["plan", "a.yaml", "--devices", "8", "b.yaml"]):
+        with pytest.raises(SystemExit) as e:
+            parse(bad)
+        assert e.value.code == 2

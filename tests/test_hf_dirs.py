@@ -340,3 +340,17 @@ def test_exported_run_generates_in_transformers_like_jaxllm(tmp_path, capsys):
     theirs, new = _hf_text(out, NEW)
     assert new == [*seq[:k], 2]  # stopped at EOS, after k tokens
     assert _jaxllm_text(run, capsys, NEW) == theirs == tok.decode(seq[:k])
+
+
+def test_load_model_computes_in_the_dtype_config_json_names(tmp_path):
+    model = _llama(300)
+    model.save_pretrained(tmp_path / "hf")  # float32 weights, config.json dtype float32
+    tokens = (np.arange(12, dtype=np.int32).reshape(2, 6) * 7) % 300
+    with torch.no_grad():
+        want = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    got = np.asarray(jaxllm.load_model(tmp_path / "hf")(tokens))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    bf16 = np.asarray(
+        jaxllm.load_model(tmp_path / "hf", overrides=["model.dtype=bfloat16"])(tokens)
+    )
+    assert np.abs(bf16 - want).max() > 1e-3  # an override still decides

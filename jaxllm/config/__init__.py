@@ -17,7 +17,7 @@ Modules: `model` (the model section), `sections` (the others), `root` (`Config` 
 cross-section checks), `loading` (YAML, presets, overrides, type checks), `errors`.
 """
 
-from jaxllm.config.errors import ConfigError, RunError
+from jaxllm.config.errors import ConfigError, JaxllmWarning, RunError
 from jaxllm.config.loading import (
     SECTIONS,
     apply_overrides,
@@ -44,7 +44,7 @@ from jaxllm.config.sections import (
 
 __all__ = [
     "MESH_AXES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "GenerateConfig", "MLAConfig", "MeshConfig", "ModelConfig", "MoEConfig", "OptimConfig",
+    "GenerateConfig", "JaxllmWarning", "MLAConfig", "MeshConfig", "ModelConfig", "MoEConfig", "OptimConfig",
     "RunConfig", "RunError", "SourceConfig", "TrainConfig", "apply_overrides", "configs_dir", "dump", "from_dict", "load",
     "mesh_degrees", "to_dict",
 ]  # fmt: skip

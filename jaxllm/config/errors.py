@@ -1,5 +1,6 @@
-"""The two exceptions a user sees as one sentence: configuration mistakes (exit 2) and failures
-of the machine or files around a run (exit 1)."""
+"""What jaxllm raises and warns: configuration mistakes (exit 2), failures of the machine or
+files around a run (exit 1), and its own warnings. Here, at the bottom floor, so that every
+module can use them without importing upward."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ class RunError(RuntimeError):
     """The environment stopped a run (a read-only or full disk, a path that is a file, a
     directory removed under it, another process holding the run); one sentence naming the path.
     The newest good checkpoint is left as it was."""
+
+
+class JaxllmWarning(UserWarning):
+    """Warnings jaxllm itself raises (tests turn them into errors)."""
 
 
 def fail(msg: str) -> typing.NoReturn:

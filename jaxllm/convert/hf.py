@@ -28,9 +28,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxllm import JaxllmWarning
 from jaxllm import config as config_lib
-from jaxllm.config import ConfigError, ModelConfig
+from jaxllm.config import ConfigError, JaxllmWarning, ModelConfig
 from jaxllm.convert.families import (
     Family,
     Link,
@@ -425,7 +424,8 @@ def _callback(reader: Reader, link: Link, k: int, shapes: dict, dtype) -> Callab
 
 def model_config(hf_dir, overrides=()) -> config_lib.Config:
     """The run config of a Hugging Face directory: its architecture, its storage dtype as
-    param_dtype, its tokenizer.json if any; then `key=value` overrides.
+    param_dtype, config.json's dtype (else the storage dtype) as the compute dtype, its
+    tokenizer.json if any; then `key=value` overrides.
 
     Without a tokenizer.json the run gets the byte tokenizer, or, when the vocabulary is too
     small for it (fewer than 258 ids), `data.tokenizer=none` with a JaxllmWarning: the model
@@ -449,6 +449,12 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
             "compare it with the model's original config.json."
         ) from None
     fields["param_dtype"] = Reader(hf_dir).param_dtype()
+    # Compute in the dtype config.json names (transformers 5 `dtype`, older `torch_dtype`), as
+    # transformers does; without one, in the storage dtype. `model.dtype=...` overrides it.
+    named = hf.get("dtype") or hf.get("torch_dtype")
+    fields["dtype"] = (
+        named if named in ("float32", "bfloat16", "float16") else fields["param_dtype"]
+    )
     tree = config_lib.apply_overrides(
         {"model": fields, "data": {"seq_len": min(256, fields["max_seq_len"])}}, overrides
     )

@@ -29,8 +29,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from jaxllm import JaxllmWarning
-from jaxllm.config import ConfigError, SourceConfig
+from jaxllm.config import ConfigError, JaxllmWarning, SourceConfig
 
 MANIFEST = "manifest.json"  # marks a directory written by `jaxllm data prepare`
 _FORMAT_BY_SUFFIX = {

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxllm import JaxllmWarning
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, JaxllmWarning
 
 BPE_SPECIALS = ("<pad>", "<bos>", "<eos>")
 # Names a tokenizer.json may give its specials when no tokenizer_config.json says which they are.

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxllm import JaxllmWarning, checkpoint, config, optim, sharding
+from jaxllm import checkpoint, config, optim, sharding
+from jaxllm.config import JaxllmWarning
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.metrics import MetricsWriter, plot_losses

@@ -20,8 +20,8 @@ import socket
 import warnings
 from pathlib import Path
 
-from jaxllm import JaxllmWarning, checkpoint, config
-from jaxllm.config import ConfigError, RunError
+from jaxllm import checkpoint, config
+from jaxllm.config import ConfigError, JaxllmWarning, RunError
 
 LOCK_NAME = ".jaxllm.lock"
 HOLDER_NAME = ".jaxllm.lock.json"
