@@ -32,47 +32,18 @@ import sys
 import warnings
 from pathlib import Path
 
+from jaxllm import config
 from jaxllm.config import ConfigError, RunError
 
 EXIT_ENVIRONMENT = 1
 EXIT_USER_ERROR = 2
 
 
-def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """`[CONFIG.yaml] [key=value ...]`: the config file is the first argument without '='."""
-    path = None
-    overrides = []
-    for a in args:
-        if "=" in a:
-            overrides.append(a)
-        elif path is None:
-            path = a
-        else:
-            raise ConfigError(f"unexpected argument {a!r}: give one CONFIG file, then key=value.")
-    return path, overrides
-
-
-def _load(args: list[str]):
-    """CONFIG may be a YAML file or an existing run directory (its config.yaml; training there
-    resumes from its newest checkpoint)."""
-    from pathlib import Path
-
-    from jaxllm import config
-
-    path, overrides = _split_config_args(args)
-    if path is not None and Path(path).is_dir():
-        if not (Path(path) / "config.yaml").is_file():
-            raise ConfigError(f"{path} is a directory without a config.yaml; give a run directory.")
-        overrides = [f"run.dir={path}", *overrides]
-        path = str(Path(path) / "config.yaml")
-    return config.load(path, overrides)
-
-
 def cmd_train(ns) -> int:
     from jaxllm.train.signals import Signals
 
     with Signals() as signals:  # before jax is imported: a signal at any point is handled
-        cfg = _load(ns.args)
+        cfg = config.load_args(ns.args)
         from jaxllm import distributed
 
         distributed.initialize(ns.coordinator, ns.num_processes, ns.process_id)
@@ -98,7 +69,7 @@ def cmd_bench(ns) -> int:
         raise ConfigError(
             f"--steps must be >= 1 and --warmup >= 0, not {ns.steps} and {ns.warmup}."
         )
-    cfg = _load(ns.args)
+    cfg = config.load_args(ns.args)
     from jaxllm.bench import bench_train, format_result
 
     print(format_result(bench_train(cfg, steps=ns.steps, warmup=ns.warmup)))
@@ -106,7 +77,7 @@ def cmd_bench(ns) -> int:
 
 
 def cmd_eval(ns) -> int:
-    path, overrides = _split_config_args(ns.args)
+    path, overrides = config.split_args(ns.args)
     if path is None:
         raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
     if ns.batches is not None and ns.batches < 1:
@@ -122,7 +93,7 @@ def cmd_eval(ns) -> int:
 
 
 def cmd_plan(ns) -> int:
-    cfg = _load(ns.args)
+    cfg = config.load_args(ns.args)
     import jax
 
     if ns.devices and not ns.target:  # simulate the mesh's devices on the host CPU

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 
 from jaxllm import checkpoint, config, sharding
+from jaxllm.data import check_vocab
 from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.train.loop import evaluate, process_rows
 from jaxllm.train.state import abstract_model, abstract_model_state
@@ -44,6 +45,7 @@ def restore(path, overrides=()):
     ConfigError when there is nothing to restore."""
     run_dir, ckpt_dir, step = resolve(path)
     cfg = config.load(run_dir / "config.yaml", list(overrides))
+    check_vocab(cfg.data, cfg.model.vocab_size)
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
     devices = jax.devices()
     cfg.validate(len(devices))

@@ -190,9 +190,7 @@ def add_sweep_parser(sub) -> None:
 
 
 def cmd_sweep(ns) -> int:
-    from jaxllm.cli import _split_config_args
-
-    path, overrides = _split_config_args(ns.args)
+    path, overrides = config_lib.split_args(ns.args)
     results = sweep(path, overrides, ns.grid, ns.out)
     print((Path(ns.out) / "results.md").read_text())
     return 0 if all(r.status == "ok" for r in results) else 1

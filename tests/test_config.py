@@ -146,7 +146,6 @@ def test_include_cycle_through_two_files(tmp_path):
         (["model.num_heads=4", "model.num_kv_heads=3"], "model.num_kv_heads"),
         (["model.head_dim=33"], "model.head_dim"),
         (["data.seq_len=4096"], "data.seq_len"),
-        (["model.vocab_size=257"], "model.vocab_size"),
     ],
 )
 def test_impossible_combination(overrides, key):
@@ -154,7 +153,12 @@ def test_impossible_combination(overrides, key):
 
 
 def test_vocab_size_at_byte_vocabulary_is_enough():
-    assert config.load(None, ["model.vocab_size=258"]).model.vocab_size == 258
+    from jaxllm.data import check_vocab
+
+    cfg = config.load(None, ["model.vocab_size=258"])
+    check_vocab(cfg.data, cfg.model.vocab_size)
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(257\) is smaller .* \(258\)"):
+        check_vocab(cfg.data, 257)
 
 
 def test_batch_not_divisible_by_data_parallel_size():

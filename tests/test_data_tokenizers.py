@@ -12,8 +12,15 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from jaxllm.cli import main
 from jaxllm.config import Config, ConfigError, DataConfig, ModelConfig, SourceConfig
-from jaxllm.data import load_tokenizer, make_tokenizer, tokenizer_vocab_size, train_bpe
+from jaxllm.data import (
+    check_vocab,
+    load_tokenizer,
+    make_tokenizer,
+    tokenizer_vocab_size,
+    train_bpe,
+)
 from jaxllm.data.cli import add_data_parser
 from jaxllm.data.pipeline import load_splits
 
@@ -110,16 +117,22 @@ def test_tokenizer_without_bos_needs_add_bos_false(tmp_path):
     assert plain.encode("a b a").tolist() == [0, 1, 0]
 
 
-def test_missing_tokenizer_file_fails_config_validation(tmp_path):
+def test_missing_tokenizer_file_is_a_config_error(tmp_path):
     cfg = Config(data=DataConfig(tokenizer=str(tmp_path / "nope.json")))
     with pytest.raises(ConfigError, match=r"data.tokenizer=.*nope.json.* is neither `byte`"):
-        cfg.validate()
+        check_vocab(cfg.data, cfg.model.vocab_size)
 
 
-def test_vocab_larger_than_model_is_a_config_error(bpe_path):
+def test_vocab_larger_than_model_is_a_config_error(bpe_path, capsys):
     cfg = Config(model=ModelConfig(vocab_size=300), data=DataConfig(tokenizer=str(bpe_path)))
+    cfg.validate()  # the config alone reads no tokenizer file ...
     with pytest.raises(ConfigError, match=r"model.vocab_size \(300\) is smaller .* \(320\)"):
-        cfg.validate()
+        check_vocab(cfg.data, cfg.model.vocab_size)  # ... data meeting the model does
+    run = bpe_path.parent / "never_made"
+    assert (
+        main(["train", f"data.tokenizer={bpe_path}", "model.vocab_size=300", f"run.dir={run}"]) == 2
+    )
+    assert "model.vocab_size (300) is smaller" in capsys.readouterr().err and not run.exists()
 
 
 def test_vocab_size_lookup_does_not_import_jax(bpe_path):

@@ -25,6 +25,8 @@ from jaxllm.config.loading import (
     dump,
     from_dict,
     load,
+    load_args,
+    split_args,
     to_dict,
 )
 from jaxllm.config.model import MLAConfig, ModelConfig, MoEConfig
@@ -45,6 +47,6 @@ from jaxllm.config.sections import (
 __all__ = [
     "MESH_AXES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "GenerateConfig", "JaxllmWarning", "MLAConfig", "MeshConfig", "ModelConfig", "MoEConfig", "OptimConfig",
-    "RunConfig", "RunError", "SourceConfig", "TrainConfig", "apply_overrides", "configs_dir", "dump", "from_dict", "load",
-    "mesh_degrees", "to_dict",
+    "RunConfig", "RunError", "SourceConfig", "TrainConfig", "apply_overrides", "configs_dir", "dump", "from_dict", "load", "load_args",
+    "mesh_degrees", "split_args", "to_dict",
 ]  # fmt: skip

@@ -235,6 +235,34 @@ def load(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] 
     return from_dict(apply_overrides(data, overrides)).validate()
 
 
+def split_args(args: typing.Sequence[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG] [key=value ...]` as the command line gives them: the config file (or run
+    directory) is the one argument without '='."""
+    path = None
+    overrides = []
+    for a in args:
+        if "=" in a:
+            overrides.append(a)
+        elif path is None:
+            path = a
+        else:
+            _fail(f"unexpected argument {a!r}: give one CONFIG file, then key=value.")
+    return path, overrides
+
+
+def load_args(args: typing.Sequence[str]) -> Config:
+    """`load` from command-line arguments. CONFIG may be a YAML file or an existing run
+    directory, which stands for its config.yaml with `run.dir` set to it (training there
+    resumes from its newest checkpoint)."""
+    path, overrides = split_args(args)
+    if path is not None and Path(path).is_dir():
+        if not (Path(path) / "config.yaml").is_file():
+            _fail(f"{path} is a directory without a config.yaml; give a run directory.")
+        overrides = [f"run.dir={path}", *overrides]
+        path = str(Path(path) / "config.yaml")
+    return load(path, overrides)
+
+
 def apply_overrides(data: dict, overrides: typing.Sequence[str]) -> dict:
     """Merges `key.sub=value` overrides (presets included) into a nested dict of sections, in
     place, and returns it."""

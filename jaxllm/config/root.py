@@ -105,13 +105,6 @@ class Config:
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
                 "lower data.seq_len or raise model.max_seq_len."
             )
-        from jaxllm.data import tokenizer_vocab_size  # local: config must not import jax
-
-        if m.vocab_size < tokenizer_vocab_size(self.data):
-            _fail(
-                f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's vocabulary "
-                f"({tokenizer_vocab_size(self.data)}); raise model.vocab_size."
-            )
         if m.moe.enabled:
             validate_moe(m)
         elif m.moe.num_experts < 0:

@@ -17,10 +17,18 @@ imports Grain, which imports jax.
 
 from jaxllm.data.tokenizer import (
     ByteTokenizer,
+    check_vocab,
     load_tokenizer,
     make_tokenizer,
     tokenizer_vocab_size,
     train_bpe,
 )
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "make_tokenizer", "tokenizer_vocab_size", "train_bpe"]
+__all__ = [
+    "ByteTokenizer",
+    "check_vocab",
+    "load_tokenizer",
+    "make_tokenizer",
+    "tokenizer_vocab_size",
+    "train_bpe",
+]

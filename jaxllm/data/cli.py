@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import typing
 
-from jaxllm.config import DataConfig, SourceConfig
+from jaxllm.config import DataConfig, SourceConfig, load_args
 
 _FORMATS = typing.get_args(typing.get_type_hints(SourceConfig)["format"])
 
@@ -75,10 +75,9 @@ def cmd_prepare(ns) -> int:
 
 
 def cmd_bench_data(ns) -> int:
-    from jaxllm.cli import _load
     from jaxllm.data.bench import bench_data, format_data_result
 
-    cfg = _load(ns.args)
+    cfg = load_args(ns.args)
     print(format_data_result(bench_data(cfg, seconds=ns.seconds, batches=ns.batches)))
     return 0
 

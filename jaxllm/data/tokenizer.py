@@ -11,7 +11,7 @@ tokenizer.json whose vocabulary is too small for bytes): it computes logits from
 `train_bpe` trains a byte-level BPE (GPT-2 style: every byte is in the alphabet, so no text is
 ever unknown) with `<pad>`, `<bos>`, `<eos>` as ids 0, 1, 2, and writes `DIR/tokenizer.json`.
 
-This module must not import jax (config validation calls `tokenizer_vocab_size`).
+This module does not import jax: `tokenizer_vocab_size` and `check_vocab` stay cheap.
 """
 
 from __future__ import annotations
@@ -223,6 +223,18 @@ def tokenizer_vocab_size(data_cfg) -> int:
     if data_cfg.tokenizer == NO_TOKENIZER:
         return 0
     return load_tokenizer(data_cfg.tokenizer).vocab_size
+
+
+def check_vocab(data_cfg, vocab_size: int) -> None:
+    """ConfigError when a model of `vocab_size` ids cannot take every id the tokenizer emits.
+    Checked where data meets the model (training start-up, eval, generation), before anything
+    is compiled; the config alone does not read tokenizer files."""
+    n = tokenizer_vocab_size(data_cfg)
+    if vocab_size < n:
+        raise ConfigError(
+            f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's vocabulary ({n}); "
+            "raise model.vocab_size."
+        )
 
 
 # (tokenizer, model vocabulary) pairs already warned about by `check_coverage` in this process

@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, split_args
 
 
 def _overrides(ns: argparse.Namespace) -> list[str]:
@@ -48,9 +48,7 @@ class _Stream:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from jaxllm.cli import _split_config_args
-
-    path, overrides = _split_config_args(ns.args)
+    path, overrides = split_args(ns.args)
     if path is None:
         raise ConfigError("jaxllm generate needs a run directory or checkpoint path.")
     if ns.prompt:

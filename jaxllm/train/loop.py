@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 
 from jaxllm import checkpoint, config, optim, sharding
 from jaxllm.config import JaxllmWarning
+from jaxllm.data import check_vocab
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.metrics import MetricsWriter, plot_losses
@@ -124,6 +125,7 @@ def train(cfg: config.Config, signals: Signals | None = None) -> dict:
 def _train(cfg: config.Config, signals: Signals) -> dict:
     devices = jax.devices()
     cfg.validate(len(devices))
+    check_vocab(cfg.data, cfg.model.vocab_size)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     run_dir = Path(cfg.run.dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
