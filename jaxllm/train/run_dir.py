@@ -20,6 +20,8 @@ import socket
 import warnings
 from pathlib import Path
 
+import jax
+
 from jaxllm import checkpoint, config
 from jaxllm.config import ConfigError, JaxllmWarning, RunError
 
@@ -56,14 +58,8 @@ def _flat(tree: dict, prefix: str) -> dict[str, object]:
     return out
 
 
-def _shapes(tree, prefix=()) -> dict[tuple, tuple]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_shapes(v, (*prefix, k)))
-        else:
-            out[(*prefix, k)] = tuple(v.shape)
-    return out
+def _shapes(tree):
+    return jax.tree.map(lambda a: tuple(a.shape), tree)
 
 
 def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
