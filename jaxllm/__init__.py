@@ -22,7 +22,7 @@ def load_model(path, *, mesh=None, overrides=()):
     from flax import nnx
 
     from jaxllm import checkpoint, config, sharding
-    from jaxllm.train.state import abstract_model, abstract_model_state
+    from jaxllm.model import abstract_model, abstract_model_state
 
     path = Path(path)
     if not (path / "config.yaml").is_file() and (path / "config.json").is_file():

@@ -16,7 +16,7 @@ from jaxllm import checkpoint, config, sharding
 from jaxllm.data import check_vocab
 from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.train.loop import evaluate, process_rows
-from jaxllm.train.state import abstract_model, abstract_model_state
+from jaxllm.model import abstract_model, abstract_model_state
 from jaxllm.train.step import BATCH_AXES, eval_step
 
 

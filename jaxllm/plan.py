@@ -17,7 +17,8 @@ import numpy as np
 from jaxllm import config, sharding
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.train.loop import compile_steps
-from jaxllm.train.state import abstract_model, init_state
+from jaxllm.model import abstract_model
+from jaxllm.train.state import init_state
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip

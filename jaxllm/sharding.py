@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -139,41 +140,55 @@ def tree_shardings(mesh: Mesh, logical_tree):
     )
 
 
-# Activation constraints: the train step sets the mesh while tracing; model code calls
-# `constrain(x, ('batch', 'length', 'act_embed'))`, a no-op when no mesh is active.
-_ACTIVE: contextvars.ContextVar[tuple[Mesh | None, str]] = contextvars.ContextVar(
-    "mesh", default=(None, "all_gather")
-)
-_EXPERT_DISPATCH: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "expert_dispatch", default="annotations"
-)
+# Activation constraints: the train step makes its `Parallel` settings active while tracing;
+# model code calls `constrain(x, ('batch', 'length', 'act_embed'))`, a no-op without a mesh.
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """How model operations run on the mesh, as one object: the train and eval steps take it.
+
+    `sequence_attention` (`all_gather` or `ring`) is how attention runs over a sharded sequence;
+    `expert_dispatch` (`all_to_all` or `annotations`) is how capacity-mode MoE layers reach
+    experts on other devices. No mesh: everything runs as plain single-device code."""
+
+    mesh: Mesh | None = None
+    sequence_attention: str = "all_gather"
+    expert_dispatch: str = "annotations"
+
+    @classmethod
+    def of(cls, mesh: Mesh | None, cfg: MeshConfig) -> Parallel:
+        """The settings of a config's `mesh` section on `mesh`."""
+        return cls(mesh, cfg.sequence_attention, cfg.expert_dispatch)
+
+
+_ACTIVE: contextvars.ContextVar[Parallel] = contextvars.ContextVar("parallel", default=Parallel())
 
 
 @contextlib.contextmanager
-def active_mesh(
-    mesh: Mesh | None, sequence_attention: str = "all_gather", expert_dispatch: str = "annotations"
-):
-    """Within it, `constrain` places activations on `mesh`, attention over a sharded
-    sequence uses `sequence_attention` (`all_gather` or `ring`), and capacity-mode MoE layers
-    reach experts on other devices by `expert_dispatch` (`all_to_all` or `annotations`)."""
-    token = _ACTIVE.set((mesh, sequence_attention))
-    dispatch_token = _EXPERT_DISPATCH.set(expert_dispatch)
+def active(parallel: Parallel):
+    """Within it, `constrain` and the per-shard operations use `parallel`."""
+    token = _ACTIVE.set(parallel)
     try:
-        yield mesh
+        yield parallel
     finally:
-        _EXPERT_DISPATCH.reset(dispatch_token)
         _ACTIVE.reset(token)
 
 
+def current() -> Parallel:
+    """The active `Parallel` settings (no mesh outside `active`)."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    mesh, _ = _ACTIVE.get()
+    mesh = _ACTIVE.get().mesh
     if mesh is None or mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, named(mesh, logical_axes))
 
 
 def _ring_mesh() -> Mesh | None:
-    mesh, mode = _ACTIVE.get()
+    mesh, mode = _ACTIVE.get().mesh, _ACTIVE.get().sequence_attention
     if mesh is None or mode != "ring" or mesh.shape["sequence"] == 1:
         return None
     return mesh
@@ -215,7 +230,7 @@ def ring_attention(
 def per_shard_attention(fn, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS):
     """Runs `fn(q, k, v, q_seg, kv_seg)` on each device's batch and head shard under the active
     mesh (whole sequences: a sequence-sharded input is gathered first); plain call without one."""
-    mesh, _ = _ACTIVE.get()
+    mesh = _ACTIVE.get().mesh
     if mesh is None or mesh.size == 1:
         return fn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS)
     batch, heads = RULES["batch"], RULES["act_heads"][0]
@@ -230,7 +245,7 @@ def per_shard(fn, args: tuple, in_axes: tuple, out_axes):
     """Runs `fn(*args)` per device under the active mesh with `shard_map`, the inputs and outputs
     split as their logical axes say (trees of axes tuples; None: replicated). For kernels, which
     the SPMD partitioner cannot split. A plain call without a mesh."""
-    mesh, _ = _ACTIVE.get()
+    mesh = _ACTIVE.get().mesh
     if mesh is None or mesh.size == 1:
         return fn(*args)
 
@@ -263,11 +278,11 @@ def _expert_specs():
 
 def expert_all_to_all_active() -> bool:
     """Whether capacity-mode MoE buffers go to their experts by an explicit all-to-all."""
-    mesh, _ = _ACTIVE.get()
+    mesh = _ACTIVE.get().mesh
     return (
         mesh is not None
         and mesh.shape[RULES["expert"][0]] > 1
-        and _EXPERT_DISPATCH.get() == "all_to_all"
+        and _ACTIVE.get().expert_dispatch == "all_to_all"
     )
 
 
@@ -275,7 +290,7 @@ def per_shard_dropless(fn, x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, do
     """Runs `fn(x, idx, w, gate, up, down, expert_axis=, tensor_axis=)` on each device's tokens
     and its slice of the experts under `shard_map` (a plain call without a mesh), so the sort
     by expert and the grouped matmul of dropless routing stay local to each device."""
-    mesh, _ = _ACTIVE.get()
+    mesh = _ACTIVE.get().mesh
     if mesh is None or mesh.size == 1:
         return fn(x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD,
                   expert_axis=None, tensor_axis=None)  # fmt: skip
@@ -294,7 +309,7 @@ def per_shard_all_to_all(fn, buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
     """Runs `fn(buf, gate, up, down, expert_axis=, tensor_axis=)` under `shard_map` on each
     device's rows of expert buffers [B, E, C, D] (rows split like the batch); `fn` exchanges
     them with the devices holding the experts."""
-    mesh, _ = _ACTIVE.get()
+    mesh = _ACTIVE.get().mesh
     expert, tensor, in_w, out_w = _expert_specs()
     bufs = PartitionSpec(RULES["batch"], None, None, None)
 

@@ -25,7 +25,7 @@ def load_hf_model(hf_dir, *, mesh=None, overrides=()):
     from flax import nnx
 
     from jaxllm import sharding
-    from jaxllm.train.state import abstract_model
+    from jaxllm.model import abstract_model
 
     cfg = model_config(hf_dir, overrides)
     mesh = mesh or sharding.make_mesh(cfg.mesh)
@@ -44,7 +44,7 @@ def load_params_from(source, model_cfg: ModelConfig, mesh) -> tuple[dict, dict |
 
     from jaxllm import checkpoint, config, sharding
     from jaxllm.evaluate import resolve
-    from jaxllm.train.state import abstract_model, abstract_model_state
+    from jaxllm.model import abstract_model, abstract_model_state
 
     hf = _is_hf_source(source)
     if hf:

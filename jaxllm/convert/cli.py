@@ -37,7 +37,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from jaxllm import checkpoint, config, sharding
     from jaxllm.convert.hf import export_hf
     from jaxllm.evaluate import resolve
-    from jaxllm.train.state import abstract_model, abstract_model_state
+    from jaxllm.model import abstract_model, abstract_model_state
 
     run_dir, ckpt_dir, step = resolve(ns.source)
     cfg = config.load(run_dir / "config.yaml")

@@ -354,7 +354,7 @@ def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, dict, list[Mapped
     import jax.numpy as jnp
 
     from jaxllm import sharding
-    from jaxllm.train.state import abstract_model, abstract_model_state
+    from jaxllm.model import abstract_model, abstract_model_state
 
     family = family_of(read_hf_config(hf_dir))
     reader = Reader(hf_dir)

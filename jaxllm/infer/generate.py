@@ -206,7 +206,7 @@ def generate(
                  gen.top_k, float(gen.top_p), impl, interpret)  # fmt: skip
     stop_S = jnp.asarray(sorted({*stop_tokens, *gen.stop_tokens}) or [-1], jnp.int32)
     graphdef, state = nnx.split(model)
-    with sharding.active_mesh(mesh):
+    with sharding.active(sharding.Parallel(mesh)):
         out_BxN, done_B = _generate(
             graphdef, state, jnp.asarray(prompt_BxL), jnp.asarray(lengths), block_table, stop_S,
             jax.random.key(gen.seed), plan, on_token,

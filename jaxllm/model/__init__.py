@@ -17,7 +17,14 @@ from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, make_norm, matmul
 from jaxllm.model.mlp import MLP
 from jaxllm.model.moe import MoE, RouterBias
 from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
-from jaxllm.model.transformer import Block, Transformer, build, logical_axes
+from jaxllm.model.transformer import (
+    Block,
+    Transformer,
+    abstract_model,
+    abstract_model_state,
+    build,
+    logical_axes,
+)
 
 __all__ = [
     "Attention",
@@ -28,6 +35,8 @@ __all__ = [
     "MLP",
     "RMSNorm",
     "Transformer",
+    "abstract_model",
+    "abstract_model_state",
     "alibi_slopes",
     "apply_rope",
     "build",

@@ -294,3 +294,20 @@ def logical_axes(state) -> dict:
         k: tuple(v.get_metadata()["axes"]) if isinstance(v, nnx.Variable) else logical_axes(v)
         for k, v in state.items()
     }
+
+
+def abstract_model(cfg: ModelConfig):
+    """(graphdef, abstract params as a dict of ShapeDtypeStruct, logical axes dict).
+
+    The graphdef merges with params and the model state: `nnx.merge(graphdef, params,
+    model_state)` (the model state may be left out when it is empty)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state, _ = nnx.split(model, nnx.Param, ...)
+    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
+
+
+def abstract_model_state(cfg: ModelConfig):
+    """(abstract non-Param model variables as a dict of ShapeDtypeStruct, logical axes dict)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    _, _, state = nnx.split(model, nnx.Param, ...)
+    return nnx.to_pure_dict(state), logical_axes(state)

@@ -33,7 +33,8 @@ from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
-from jaxllm.train.state import abstract_model, init_state, init_state_from, state_shardings
+from jaxllm.model import abstract_model
+from jaxllm.train.state import init_state, init_state_from, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 

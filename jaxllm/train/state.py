@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm import sharding
 from jaxllm.config import ModelConfig
-from jaxllm.model import Transformer, logical_axes
+from jaxllm.model import Transformer, abstract_model, abstract_model_state
 
 
 @flax.struct.dataclass
@@ -31,23 +31,6 @@ class TrainState:
     # Model variables that are not trained by gradients (MoE router balancing biases), moved
     # by the step itself; a nested dict like params, {} for most models.
     model_state: Any
-
-
-def abstract_model(cfg: ModelConfig):
-    """(graphdef, abstract params as a dict of ShapeDtypeStruct, logical axes dict).
-
-    The graphdef merges with params and the model state: `nnx.merge(graphdef, params,
-    model_state)` (the model state may be left out when it is empty)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state, _ = nnx.split(model, nnx.Param, ...)
-    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
-
-
-def abstract_model_state(cfg: ModelConfig):
-    """(abstract non-Param model variables as a dict of ShapeDtypeStruct, logical axes dict)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    _, _, state = nnx.split(model, nnx.Param, ...)
-    return nnx.to_pure_dict(state), logical_axes(state)
 
 
 def _init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> TrainState:

@@ -78,7 +78,7 @@ def train_step(
     grad_accum_steps: int = 1, z_loss: float = 0.0, sequence_attention: str = "all_gather",
     param_shardings=None, moe: MoEConfig | None = None, expert_dispatch: str = "annotations",
 ) -> tuple[TrainState, dict]:  # fmt: skip
-    with sharding.active_mesh(mesh, sequence_attention, expert_dispatch):
+    with sharding.active(sharding.Parallel(mesh, sequence_attention, expert_dispatch)):
         loss = functools.partial(loss_fn, graphdef=graphdef, z_loss=z_loss, moe=moe)
         grad_fn = jax.grad(loss, has_aux=True)
         micro = _microbatches(batch, grad_accum_steps)
@@ -158,7 +158,7 @@ def eval_step(
     sequence_attention: str = "all_gather", expert_dispatch: str = "annotations",
 ) -> dict:  # fmt: skip
     """Sums for a held-out batch: {'nll_sum', 'tokens'}; the caller divides after summing."""
-    with sharding.active_mesh(mesh, sequence_attention, expert_dispatch):
+    with sharding.active(sharding.Parallel(mesh, sequence_attention, expert_dispatch)):
         batch = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), batch)
         _, (nll_sum, _, count, _) = loss_fn(params, batch, graphdef, model_state=model_state)
         return {"nll_sum": nll_sum, "tokens": count}
