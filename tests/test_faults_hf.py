@@ -2,7 +2,7 @@
 (or the output directory) the way downloads, hand edits and stale files do, and `jaxllm convert
 import` must answer with one `jaxllm:` line on stderr and exit 2: no traceback, the input
 untouched, nothing written. The files-and-config cases also go through `jaxllm.load_model` and
-`checkpoint.init_from` (`load_params_from`), which read Hugging Face directories the same way."""
+`checkpoint.init_from` (`load_weights`), which read Hugging Face directories the same way."""
 
 import hashlib
 import json
@@ -319,7 +319,7 @@ FILE_CASES = [c for c in CASES if c[0] not in (
 @pytest.mark.parametrize("case, fragment", FILE_CASES, ids=[c.__name__ for c, _ in FILE_CASES])
 def test_load_model_and_init_from_refuse_with_a_config_error(case, fragment, valid_dir,
                                                              tmp_path):  # fmt: skip
-    from jaxllm.convert import load_params_from
+    from jaxllm.load import load_weights
 
     hf_dir, _ = _broken(case, valid_dir, tmp_path)
     before = _digest(hf_dir)
@@ -329,7 +329,7 @@ def test_load_model_and_init_from_refuse_with_a_config_error(case, fragment, val
     model_cfg = config.from_dict({"model": _valid_model_fields(valid_dir)}).model
     mesh = sharding.make_mesh(MeshConfig(), _one_device())
     with pytest.raises(ConfigError) as e:
-        load_params_from(hf_dir, model_cfg, mesh)
+        load_weights(hf_dir, model_cfg, mesh)
     assert fragment in str(e.value) or "other parameters" in str(e.value)
     assert _digest(hf_dir) == before
 

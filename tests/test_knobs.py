@@ -26,7 +26,8 @@ from jaxllm.model import (
     rope_frequencies,
 )
 from jaxllm.model.attention import Attention
-from jaxllm.train.step import loss_fn
+from jaxllm.train.objectives import next_token
+from jaxllm.train.step import objective_value
 
 
 def _tokens(b, l, seed=0):
@@ -347,12 +348,15 @@ def test_dropout_only_with_a_key():
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "positions": jnp.broadcast_to(jnp.arange(8), (2, 8)),
              "segment_ids": jnp.ones((2, 8), jnp.int32), "loss_mask": jnp.ones((2, 8))}  # fmt: skip
-    base = float(loss_fn(off_params, batch, off_def)[0])
-    assert float(loss_fn(params, batch, graphdef)[0]) == pytest.approx(base, rel=1e-6)
-    a = float(loss_fn(params, batch, graphdef, rng=jax.random.key(0))[0])
-    b = float(loss_fn(params, batch, graphdef, rng=jax.random.key(1))[0])
+
+    def loss(params, graphdef, rng=None):
+        return float(objective_value(params, batch, rng, graphdef=graphdef, objective=next_token())[0])
+
+    base = loss(off_params, off_def)
+    assert loss(params, graphdef) == pytest.approx(base, rel=1e-6)
+    a, b = loss(params, graphdef, jax.random.key(0)), loss(params, graphdef, jax.random.key(1))
     assert len({base, a, b}) == 3
-    assert float(loss_fn(params, batch, graphdef, rng=jax.random.key(0))[0]) == a
+    assert loss(params, graphdef, jax.random.key(0)) == a
 
 
 # -- config -----------------------------------------------------------------------------------

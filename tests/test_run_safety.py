@@ -30,7 +30,9 @@ from jaxllm.metrics import read_jsonl
 from jaxllm.train import step as step_lib
 from jaxllm.train.loop import to_global
 from jaxllm.train.run_dir import RunLock
-from jaxllm.train.state import abstract_model, init_state
+from jaxllm.model import abstract_model
+from jaxllm.train.objectives import next_token
+from jaxllm.train.state import init_state
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -159,8 +161,12 @@ def test_an_update_that_makes_parameters_non_finite_is_not_applied():
     tx = optax.sgd(float("nan"))  # finite loss and gradients, NaN update
     state = init_state(cfg.model, tx, mesh, seed=0)
     before = jax.device_get(state.params)
-    step = jax.jit(lambda s, b: step_lib.train_step(
-        s, b, graphdef=abstract_model(cfg.model)[0], tx=tx, lr_schedule=lambda _: 0.0))  # fmt: skip
+    graphdef = abstract_model(cfg.model)[0]
+    step = jax.jit(
+        lambda s, b: step_lib.train_step(
+            s, b, graphdef=graphdef, tx=tx, lr_schedule=lambda _: 0.0, objective=next_token()
+        )
+    )
     batch = to_global(synthetic_batch(cfg), sharding.named(mesh, step_lib.BATCH_AXES))
     state, metrics = step(state, batch)
     assert np.isfinite(float(metrics["loss"])) and float(metrics["nonfinite"]) == 1.0

@@ -144,8 +144,13 @@ class TrainConfig:
     """Rows per optimizer step across all devices and microbatches."""
     grad_accum_steps: int = 1
     """Split each global batch into this many microbatches, accumulated inside the jitted step."""
+    objective: str = "next_token"
+    """What the step minimises: `next_token` (cross-entropy over `loss_mask` tokens), or your
+    own objective function as `MODULE:NAME` or `path/to/file.py:NAME` (see
+    `jaxllm.train.objectives`)."""
     z_loss: float = 0.0
-    """Weight of the z-loss (log of the softmax normaliser squared) added to the loss."""
+    """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
+    (`next_token` objective)."""
     log_every: int = 10
     """Write a metrics line every this many steps."""
     eval_every: int = 50

@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxllm.config import ConfigError
+from jaxllm import sharding
+from jaxllm.config import ConfigError, MeshConfig
+from jaxllm.convert import FAMILIES, export_hf, import_hf
+from jaxllm.load import resolve, restore
 
 
 def cmd_import(ns: argparse.Namespace) -> int:
-    from jaxllm.convert.hf import import_hf
-
     overrides = [a for a in ns.overrides]
     if any("=" not in a for a in overrides):
         raise ConfigError(
@@ -32,28 +33,9 @@ def cmd_import(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    import jax
-
-    from jaxllm import checkpoint, config, sharding
-    from jaxllm.convert.hf import export_hf
-    from jaxllm.evaluate import resolve
-    from jaxllm.model import abstract_model, abstract_model_state
-
-    run_dir, ckpt_dir, step = resolve(ns.source)
-    cfg = config.load(run_dir / "config.yaml")
-    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
-    mesh = sharding.make_mesh(config.MeshConfig())
-
-    def target(abstract, axes):
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-            sharding.tree_shardings(mesh, axes),
-        )  # fmt: skip
-
-    params, model_state, step = checkpoint.restore_weights(  # newest readable unless named
-        ckpt_dir, target(*abstract_model(cfg.model)[1:]),
-        target(*abstract_model_state(cfg.model)), step,
-    )  # fmt: skip
+    mesh = sharding.make_mesh(MeshConfig())
+    cfg, _, _, params, model_state, step = restore(ns.source, mesh=mesh)  # newest readable
+    run_dir = resolve(ns.source)[0]
     report = export_hf(params, cfg, ns.hf_dir, ns.family, model_state=model_state,
                        run_dir=run_dir)  # fmt: skip
     for line in report:
@@ -73,7 +55,5 @@ def add_convert_parser(sub) -> None:
     e = csub.add_parser("export", help="a run directory or checkpoint -> a Hugging Face directory")
     e.add_argument("source", help="run directory, its checkpoints directory, or one step")
     e.add_argument("hf_dir", help="directory to write config.json + model.safetensors into")
-    from jaxllm.convert.families import FAMILIES
-
     e.add_argument("--family", choices=sorted(FAMILIES), help="default: chosen from the knobs")
     e.set_defaults(func=cmd_export)

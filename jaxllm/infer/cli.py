@@ -14,7 +14,17 @@ import argparse
 import sys
 import time
 
+from flax import nnx
+
 from jaxllm.config import ConfigError, split_args
+from jaxllm.data.tokenizer import (
+    check_coverage,
+    generation_config,
+    generation_stop_ids,
+    make_tokenizer,
+)
+from jaxllm.infer.generate import generate
+from jaxllm.load import resolve, restore
 
 
 def _overrides(ns: argparse.Namespace) -> list[str]:
@@ -59,17 +69,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         prompts = [ln for ln in ns.prompts_file.read_text().splitlines() if ln.strip()]
         if not prompts:
             raise ConfigError(f"--prompts-file {ns.prompts_file} has no prompts.")
-
-    from flax import nnx
-
-    from jaxllm.data.tokenizer import (
-        check_coverage,
-        generation_config,
-        generation_stop_ids,
-        make_tokenizer,
-    )
-    from jaxllm.evaluate import resolve, restore
-    from jaxllm.infer.generate import generate
 
     cfg, mesh, graphdef, params, model_state, step = restore(path, [*overrides, *_overrides(ns)])
     model = nnx.merge(graphdef, params, model_state)

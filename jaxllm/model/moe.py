@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm import sharding
-from jaxllm.config import ModelConfig, MoEConfig
+from jaxllm.config import MoEConfig
 from jaxllm.model.layers import matmul, param
 from jaxllm.model.mlp import MLP
 from jaxllm.sharding import constrain
@@ -243,14 +243,10 @@ class MoE(nnx.Module):
                              param_dtype)  # fmt: skip
         self.down_proj = param(rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"),
                                param_dtype)  # fmt: skip
-        shared_cfg = ModelConfig(
-            d_model=d, mlp_dim=max(cfg.num_shared_experts, 1) * f, init_std=init_std,
-            dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype).name,
-        )  # fmt: skip
         # One SwiGLU as wide as all shared experts together.
-        self.shared = (
-            MLP(shared_cfg, out_std=out_std, rngs=rngs) if cfg.num_shared_experts else None
-        )
+        n_shared = cfg.num_shared_experts
+        opts = dict(init_std=init_std, out_std=out_std, dtype=dtype, param_dtype=param_dtype)
+        self.shared = MLP(d, n_shared * f, "swiglu", **opts, rngs=rngs) if n_shared else None
 
     def __call__(self, x_BxLxD: jax.Array):
         cfg, dtype = self.cfg, self.dtype
@@ -303,6 +299,40 @@ class MoE(nnx.Module):
             "dropped": dropped,
         }
         return out_BxLxD, stats
+
+
+def combine_layer_stats(stats) -> dict:
+    """The MoE layers' stacked stats (one entry per MoE layer) -> the model's aux output: mean
+    `aux_loss` and `router_z_loss` over layers, `expert_counts` [N_moe, E], total `dropped`."""
+    return {
+        "aux_loss": jnp.mean(stats["aux_loss"]),
+        "router_z_loss": jnp.mean(stats["router_z_loss"]),
+        "expert_counts": stats["expert_counts"],
+        "dropped": jnp.sum(stats["dropped"]),
+    }
+
+
+def objective_terms(cfg: MoEConfig, aux: dict, count: jax.Array):
+    """(loss term, metric sums, stats) of a model's MoE aux output for an objective over
+    `count` tokens: the balancing and router z-losses, weighted by the token count so that
+    gradient accumulation averages them, and the expert loads for `after_step`."""
+    aux_sum, z_sum = aux["aux_loss"] * count, aux["router_z_loss"] * count
+    term = cfg.aux_loss_weight * aux_sum
+    term += cfg.router_z_loss_weight * z_sum
+    metrics = {"moe_aux_loss": aux_sum, "moe_router_z_loss": z_sum}
+    stats = {"expert_counts": aux["expert_counts"], "dropped": aux["dropped"]}
+    return term, metrics, stats
+
+
+def after_step(cfg: MoEConfig, model_state, stats: dict, keep: jax.Array):
+    """(new model state, load metrics) after a train step from its summed `stats`: the
+    router biases move by the step's expert loads (`bias_update_rate` > 0) where `keep`
+    (the step was finite) holds."""
+    metrics = load_metrics(stats["expert_counts"], stats["dropped"])
+    if cfg.bias_update_rate > 0:
+        new = update_router_bias(model_state, stats["expert_counts"], cfg.bias_update_rate)
+        model_state = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, model_state)
+    return model_state, metrics
 
 
 def update_router_bias(model_state, expert_counts_NxE: jax.Array, rate: float):

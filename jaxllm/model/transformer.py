@@ -28,6 +28,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.model.attention import make_attention
 from jaxllm.model.layers import Embed, make_norm, matmul, param
 from jaxllm.model.mlp import MLP
+from jaxllm.model import moe as moe_lib
 from jaxllm.model.moe import MoE
 from jaxllm.sharding import constrain
 
@@ -58,13 +59,24 @@ class Block(nnx.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = make_attention(cfg, out_std=out_std, rngs=rngs)
         self.mlp_norm = make_norm(cfg)
+        dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         if moe:
-            dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
             self.mlp = MoE(cfg.d_model, cfg.resolved_expert_mlp_dim, cfg.moe,
                            init_std=cfg.init_std, out_std=out_std, dtype=dtype, param_dtype=pdt,
                            rngs=rngs)  # fmt: skip
         else:
-            self.mlp = MLP(cfg, out_std=out_std, rngs=rngs)
+            self.mlp = MLP(
+                cfg.d_model,
+                cfg.mlp_dim,
+                cfg.mlp_activation,
+                gelu_approximate=cfg.gelu_approximate,
+                bias=cfg.mlp_bias,
+                init_std=cfg.init_std,
+                out_std=out_std,
+                dtype=dtype,
+                param_dtype=pdt,
+                rngs=rngs,
+            )
         if cfg.norm_placement == "sandwich":
             self.post_attn_norm = make_norm(cfg)
             self.post_mlp_norm = make_norm(cfg)
@@ -233,12 +245,7 @@ class Transformer(nnx.Module):
 
             carry, stats = jax.lax.scan(group_body, carry, (group_state, rest),
                                         unroll=cfg.scan_unroll)  # fmt: skip
-            aux = {
-                "aux_loss": jnp.mean(stats["aux_loss"]),
-                "router_z_loss": jnp.mean(stats["router_z_loss"]),
-                "expert_counts": stats["expert_counts"],
-                "dropped": jnp.sum(stats["dropped"]),
-            }
+            aux = moe_lib.combine_layer_stats(stats)
         x_BxLxD, cache = carry
 
         if logits_at_BxQ is not None:
@@ -256,6 +263,14 @@ class Transformer(nnx.Module):
         if return_aux:
             return logits_BxLxV, aux
         return logits_BxLxV if cache is None else (logits_BxLxV, cache)
+
+    def after_step(self, model_state: dict, stats: dict, keep: jax.Array):
+        """(new non-trained model state, metrics) after a train step, from the step's summed
+        `stats` (the `model_stats` of its objective: MoE expert loads). `keep`: whether the
+        step was finite; otherwise the state stays. No stats: nothing changes."""
+        if not stats:
+            return model_state, {}
+        return moe_lib.after_step(self.cfg.moe, model_state, stats, keep)
 
     def _body(self, graphdef, positions_BxL, segment_ids_BxL, remat: bool):
         """Scan body of one block: ((x, cache), (state, per-layer inputs)) -> ((x, cache),

@@ -14,6 +14,7 @@ checkpoint is written before the optional outputs (loss plot, sample).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import shutil
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxllm import checkpoint, config, optim, sharding
@@ -30,11 +32,14 @@ from jaxllm.config import JaxllmWarning
 from jaxllm.data import check_vocab
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.tokenizer import make_tokenizer
+from jaxllm.infer import generate
+from jaxllm.load import load_weights
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
 from jaxllm.model import abstract_model
 from jaxllm.train.state import init_state, init_state_from, state_shardings
+from jaxllm.train import objectives
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
@@ -84,23 +89,30 @@ def compile_steps(cfg: config.Config, mesh):
     tx = optim.build(cfg.optim, cfg.train.steps)
     shardings = state_shardings(cfg.model, tx, mesh)
     batch_sh = sharding.named(mesh, BATCH_AXES)
+    objective = objectives.from_config(cfg)
+    parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
     step_fn = functools.partial(
-        train_step, graphdef=graphdef, tx=tx, lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
-        mesh=mesh, grad_accum_steps=cfg.train.grad_accum_steps, z_loss=cfg.train.z_loss,
-        sequence_attention=cfg.mesh.sequence_attention, param_shardings=shardings.params,
-        moe=cfg.model.moe, expert_dispatch=cfg.mesh.expert_dispatch,
-    )  # fmt: skip
+        train_step,
+        graphdef=graphdef,
+        tx=tx,
+        lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
+        objective=objective,
+        parallel_settings=parallel_settings,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+        param_shardings=shardings.params,
+    )
     jit_train = jax.jit(
-        step_fn, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
+        step_fn,
+        in_shardings=(shardings, batch_sh),
+        out_shardings=(shardings, None),
         donate_argnums=0,
-    )  # fmt: skip
+    )
     jit_eval = jax.jit(
         functools.partial(
-            eval_step, graphdef=graphdef, mesh=mesh, sequence_attention=cfg.mesh.sequence_attention,
-            expert_dispatch=cfg.mesh.expert_dispatch,
+            eval_step, graphdef=graphdef, objective=objective, parallel_settings=parallel_settings
         ),
         in_shardings=(shardings.params, batch_sh, shardings.model_state),
-    )  # fmt: skip
+    )
     return jit_train, jit_eval, tx, shardings, batch_sh
 
 
@@ -215,9 +227,7 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
         batches.set_state(data_state)
         _log(f"resumed from step {start} ({ckpt.directory.resolve()}/{start})")
     elif (source := _init_source(cfg, ckpt.directory)) is not None:
-        from jaxllm.convert import load_params_from
-
-        params, model_state = load_params_from(source, cfg.model, mesh)
+        params, model_state = load_weights(source, cfg.model, mesh)
         state = init_state_from(params, cfg.model, tx, mesh, cfg.run.seed, model_state)
         start = 0
         _log(f"initialized parameters from {source}")
@@ -358,12 +368,6 @@ def _loop(cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_o
 def sample(cfg: config.Config, params, model_state=None) -> str:
     """Greedy continuation of `train.sample_prompt` (KV-cached, `generate.*` cache settings),
     printed to stdout."""
-    import dataclasses
-
-    from flax import nnx
-
-    from jaxllm.infer import generate
-
     tok = make_tokenizer(cfg.data)
     graphdef, _, _ = abstract_model(cfg.model)
     model = nnx.merge(graphdef, jax.device_get(params), jax.device_get(model_state or {}))

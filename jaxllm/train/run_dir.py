@@ -24,6 +24,7 @@ import jax
 
 from jaxllm import checkpoint, config
 from jaxllm.config import ConfigError, JaxllmWarning, RunError
+from jaxllm.model import abstract_model, abstract_model_state
 
 LOCK_NAME = ".jaxllm.lock"
 HOLDER_NAME = ".jaxllm.lock.json"
@@ -67,7 +68,7 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
     has other parameter shapes (layers, widths, vocabulary, ...), or they were trained with
     another tokenizer, or `checkpoint.resume=false` would train over them. Reads only the
     newest checkpoint's small `config` and `tokenizer` items; changes nothing."""
-    from jaxllm.model import abstract_model, abstract_model_state
+
 
     found = checkpoint.steps(ckpt_dir)
     trained = [s for s in found if checkpoint.has_train_state(ckpt_dir, s)]

@@ -1,0 +1,164 @@
+"""Loading trained weights: from a run directory (or its checkpoints, or one step) and from a
+Hugging Face model directory, always straight into their shards on a mesh.
+
+    resolve(path)                  -> (run dir, checkpoints dir, step or None)
+    restore(path, overrides)       -> Restored(cfg, mesh, graphdef, params, model_state, step)
+    load_model(path)               -> an nnx.Module (run directory or Hugging Face directory)
+    load_weights(source, cfg, mesh) -> (params, model state): `checkpoint.init_from`
+
+Every reader takes the newest readable checkpoint unless a step is named: a damaged newer one
+is reported with a JaxllmWarning and skipped (`checkpoint.restore_weights`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxllm import checkpoint, config, sharding
+from jaxllm.config import ConfigError, ModelConfig
+from jaxllm.convert import is_hf_dir, load_params, model_config
+from jaxllm.data import check_vocab
+from jaxllm.model import abstract_model, abstract_model_state
+
+
+class Restored(NamedTuple):
+    """A run's weights restored onto its configured mesh (`restore`)."""
+
+    cfg: config.Config
+    mesh: Mesh
+    graphdef: Any  # nnx.GraphDef: `nnx.merge(graphdef, params, model_state)` is the model
+    params: dict
+    model_state: dict  # non-trained model variables (MoE routing biases); {} for most models
+    step: int
+
+
+def resolve(path: str | Path) -> tuple[Path, Path | None, int | None]:
+    """A run directory, its checkpoints directory, or one step's directory ->
+    (run dir, checkpoints dir or None for the configured one, step or None for the newest)."""
+    path = Path(path)
+    for run_dir, ckpt_dir, step in (
+        (path, None, None),
+        (path.parent, path, None),
+        (path.parent.parent, path.parent, path.name),
+    ):
+        if (run_dir / "config.yaml").is_file():
+            if step is not None and not step.isdigit():
+                continue
+            return run_dir, ckpt_dir, None if step is None else int(step)
+    raise ConfigError(
+        f"{path} is not a run directory, its checkpoints directory, or a checkpoint step in one."
+    )
+
+
+def weight_targets(model_cfg: ModelConfig, mesh: Mesh):
+    """(graphdef, params target, model-state target): the abstract weights of `model_cfg` as
+    ShapeDtypeStructs carrying their shardings on `mesh`, ready for `checkpoint.restore_weights`."""
+    graphdef, abstract, axes = abstract_model(model_cfg)
+    sharding.check_divisible(mesh, abstract, axes)
+    abstract_ms, ms_axes = abstract_model_state(model_cfg)
+    return graphdef, _on(mesh, abstract, axes), _on(mesh, abstract_ms, ms_axes)
+
+
+def _on(mesh: Mesh, abstract, axes):
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract,
+        sharding.tree_shardings(mesh, axes),
+    )
+
+
+def restore(path, overrides=(), *, mesh: Mesh | None = None) -> Restored:
+    """A run directory / checkpoint path -> its config (with `overrides`) and the weights of the
+    newest readable (or the named) checkpoint, restored straight into their shards. Without
+    `mesh`, on the configured mesh over all devices, and the run's tokenizer must fit the model
+    (`eval` and `generate` use both); with `mesh`, the weights alone on that mesh. ConfigError
+    when there is nothing to restore."""
+    run_dir, ckpt_dir, step = resolve(path)
+    cfg = config.load(run_dir / "config.yaml", list(overrides))
+    if mesh is None:
+        check_vocab(cfg.data, cfg.model.vocab_size)
+        devices = jax.devices()
+        cfg.validate(len(devices))
+        mesh = sharding.make_mesh(cfg.mesh, devices)
+    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
+    graphdef, target, ms_target = weight_targets(cfg.model, mesh)
+    params, model_state, step = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
+    return Restored(cfg, mesh, graphdef, params, model_state, step)
+
+
+def load_model(path, *, mesh: Mesh | None = None, overrides=()) -> nnx.Module:
+    """A trained model from a run directory (or its checkpoints directory, or one step), or a
+    Hugging Face model directory (config.json + safetensors; `overrides` like
+    `model.dtype=float32` apply). Returns an `nnx.Module` mapping int tokens [batch, length] to
+    float32 logits [batch, length, vocab], its parameters restored straight into their shards
+    on `mesh` (default: all devices, data-parallel, i.e. replicated)."""
+    path = Path(path)
+    if _is_hf_source(path):
+        cfg = model_config(path, overrides)
+        mesh = mesh or sharding.make_mesh(cfg.mesh)
+        graphdef = abstract_model(cfg.model)[0]
+        params, model_state, _ = load_params(path, cfg.model, mesh)
+        return nnx.merge(graphdef, params, model_state)
+    try:
+        resolve(path)
+    except ConfigError:
+        raise FileNotFoundError(
+            f"{path} is neither a run directory, its checkpoints directory, nor a Hugging Face "
+            "model directory"
+        ) from None
+    restored = restore(path, overrides, mesh=mesh or sharding.make_mesh(config.MeshConfig()))
+    return nnx.merge(restored.graphdef, restored.params, restored.model_state)
+
+
+def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict | None]:
+    """(parameters, model state) for `model_cfg` from a Hugging Face directory or a jaxllm run
+    directory / checkpoint (`checkpoint.init_from`), in their shards on `mesh`. The source
+    must describe the same parameter shapes; ConfigError names the first that differs. The
+    model state (MoE routing biases) is None when the source has none of this model's shapes
+    (the train state then starts it at zero)."""
+    hf = _is_hf_source(source)
+    if hf:
+        theirs = model_config(source)
+    else:
+        if not Path(source).exists():
+            raise ConfigError(f"checkpoint.init_from={source} does not exist.")
+        run_dir, ckpt_dir, step = resolve(source)
+        theirs = config.load(run_dir / "config.yaml")
+    want, have = _shapes(abstract_model(model_cfg)[1]), _shapes(abstract_model(theirs.model)[1])
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))[0][0]
+        raise ConfigError(
+            f"checkpoint.init_from={source} has other parameters than this model (first: "
+            f"{diff}: {have.get(diff)} there, {want.get(diff)} here); make the model "
+            "section match it (e.g. start from its config.yaml)."
+        )
+    if hf:
+        params, model_state, _ = load_params(source, model_cfg, mesh)
+        return params, model_state
+    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, theirs.checkpoint.dir)
+    _, target, ms_target = weight_targets(model_cfg, mesh)
+    want_ms = _shapes(abstract_model_state(model_cfg)[0])
+    if not want_ms or want_ms != _shapes(abstract_model_state(theirs.model)[0]):
+        return checkpoint.restore_weights(ckpt_dir, target, step=step).params, None
+    weights = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
+    return weights.params, weights.model_state
+
+
+def _is_hf_source(source) -> bool:
+    """A Hugging Face directory, even a broken one (its config.json and no run config.yaml), so
+    that what is wrong with it is named rather than "not a run directory"."""
+    path = Path(source)
+    return is_hf_dir(path) or (
+        (path / "config.json").is_file() and not (path / "config.yaml").is_file()
+    )
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """{'layers/attn/q_proj': shape, ...} of a nested dict of arrays."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(str(k.key) for k in path): tuple(a.shape) for path, a in flat}
