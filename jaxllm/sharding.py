@@ -4,6 +4,9 @@ Model code tags every parameter and activation with *logical* axis names (`embed
 `mlp`, ...). `RULES` maps each logical name to the mesh axes it is split over; `spec()` turns a
 tuple of logical names into a `PartitionSpec`. Changing the parallel layout is a config change
 (`mesh.*` degrees), never a model change.
+
+The model operations that run per device under `shard_map` (kernels per shard, ring attention,
+MoE dispatch) live in `jaxllm.parallel`, which reads the active `Parallel` settings from here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllm.config import MESH_AXES, MeshConfig, mesh_degrees
+from jaxllm.config import MESH_AXES, ConfigError, MeshConfig, mesh_degrees
 
 # logical axis -> mesh axes it is sharded over (None: replicated). One entry per name; no order.
 RULES: dict[str, tuple[str, ...] | None] = {
@@ -114,8 +117,6 @@ def named(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
 
 def check_divisible(mesh: Mesh, abstract_params: dict, logical_tree: dict) -> None:
     """Every sharded dimension must split evenly; names the parameter and the mesh axis if not."""
-    from jaxllm.config import ConfigError
-
     flat_axes = jax.tree_util.tree_flatten_with_path(
         logical_tree, is_leaf=lambda x: isinstance(x, tuple)
     )[0]
@@ -167,7 +168,7 @@ _ACTIVE: contextvars.ContextVar[Parallel] = contextvars.ContextVar("parallel", d
 
 @contextlib.contextmanager
 def active(parallel: Parallel):
-    """Within it, `constrain` and the per-shard operations use `parallel`."""
+    """Within it, `constrain` and the per-shard operations of `jaxllm.parallel` use `parallel`."""
     token = _ACTIVE.set(parallel)
     try:
         yield parallel
@@ -185,137 +186,3 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     if mesh is None or mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, named(mesh, logical_axes))
-
-
-def _ring_mesh() -> Mesh | None:
-    mesh, mode = _ACTIVE.get().mesh, _ACTIVE.get().sequence_attention
-    if mesh is None or mode != "ring" or mesh.shape["sequence"] == 1:
-        return None
-    return mesh
-
-
-def ring_active() -> bool:
-    """Whether attention should run as ring attention over the `sequence` axis."""
-    return _ring_mesh() is not None
-
-
-def sequence_layout(batch: dict) -> dict:
-    """Lays each row out in zigzag order along length when ring attention is active, so the
-    causal work of the sequence shards is balanced. Losses are sums over tokens, so nothing has
-    to be put back; RoPE reads the permuted `positions`."""
-    mesh = _ring_mesh()
-    if mesh is None:
-        return batch
-    from jaxllm.model.ring_attention import zigzag_permutation
-
-    perm = zigzag_permutation(batch["inputs"].shape[1], mesh.shape["sequence"])
-    return {k: v[:, perm] for k, v in batch.items()}
-
-
-def ring_attention(
-    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, impl: str = "xla"
-) -> jax.Array:
-    """Ring attention over the `sequence` axis on batches in `sequence_layout` order; `impl`
-    (the resolved `attention_impl`) picks the per-block computation (`flash`: the kernel)."""
-    from jaxllm.model.ring_attention import ring_attention as ring
-
-    mesh = _ring_mesh()
-    return ring(
-        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL=segment_ids_BxL, mesh=mesh,
-        axis_name="sequence", batch_axes=RULES["batch"], head_axis=RULES["act_heads"][0],
-        impl=impl,
-    )  # fmt: skip
-
-
-def per_shard_attention(fn, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS):
-    """Runs `fn(q, k, v, q_seg, kv_seg)` on each device's batch and head shard under the active
-    mesh (whole sequences: a sequence-sharded input is gathered first); plain call without one."""
-    mesh = _ACTIVE.get().mesh
-    if mesh is None or mesh.size == 1:
-        return fn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS)
-    batch, heads = RULES["batch"], RULES["act_heads"][0]
-    qkv = PartitionSpec(batch, None, heads, None)
-    seg = None if q_seg_BxL is None else PartitionSpec(batch, None)
-    return jax.shard_map(
-        fn, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv, check_vma=False
-    )(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS)
-
-
-def per_shard(fn, args: tuple, in_axes: tuple, out_axes):
-    """Runs `fn(*args)` per device under the active mesh with `shard_map`, the inputs and outputs
-    split as their logical axes say (trees of axes tuples; None: replicated). For kernels, which
-    the SPMD partitioner cannot split. A plain call without a mesh."""
-    mesh = _ACTIVE.get().mesh
-    if mesh is None or mesh.size == 1:
-        return fn(*args)
-
-    def to_spec(tree):
-        return jax.tree.map(
-            lambda ax: PartitionSpec() if ax is None else spec(ax),
-            tree,
-            is_leaf=lambda x: x is None or isinstance(x, tuple),
-        )
-
-    return jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=tuple(to_spec(a) for a in in_axes),
-        out_specs=to_spec(out_axes),
-        check_vma=False,
-    )(*args)
-
-
-# Mixture-of-experts placement: the model's MoE layer (`jaxllm.model.moe`) calls these with
-# per-device functions that take the mesh axis names of experts and expert hidden units.
-
-
-def _expert_specs():
-    """(expert axis, tensor axis) and the specs of stacked expert weights inside shard_map:
-    experts split over `expert`, hidden units over `tensor`, `embed` gathered (FSDP)."""
-    expert, tensor = RULES["expert"][0], RULES["mlp"][0]
-    return expert, tensor, PartitionSpec(expert, None, tensor), PartitionSpec(expert, tensor, None)
-
-
-def expert_all_to_all_active() -> bool:
-    """Whether capacity-mode MoE buffers go to their experts by an explicit all-to-all."""
-    mesh = _ACTIVE.get().mesh
-    return (
-        mesh is not None
-        and mesh.shape[RULES["expert"][0]] > 1
-        and _ACTIVE.get().expert_dispatch == "all_to_all"
-    )
-
-
-def per_shard_dropless(fn, x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD):
-    """Runs `fn(x, idx, w, gate, up, down, expert_axis=, tensor_axis=)` on each device's tokens
-    and its slice of the experts under `shard_map` (a plain call without a mesh), so the sort
-    by expert and the grouped matmul of dropless routing stay local to each device."""
-    mesh = _ACTIVE.get().mesh
-    if mesh is None or mesh.size == 1:
-        return fn(x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD,
-                  expert_axis=None, tensor_axis=None)  # fmt: skip
-    expert, tensor, in_w, out_w = _expert_specs()
-    tokens = PartitionSpec(RULES["batch"], RULES["length"][0], None)
-
-    def local(x, idx, w, gate, up, down):
-        return fn(x, idx, w, gate, up, down, expert_axis=expert, tensor_axis=tensor)
-
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(tokens, tokens, tokens, in_w, in_w, out_w), out_specs=tokens
-    )(x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD)
-
-
-def per_shard_all_to_all(fn, buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
-    """Runs `fn(buf, gate, up, down, expert_axis=, tensor_axis=)` under `shard_map` on each
-    device's rows of expert buffers [B, E, C, D] (rows split like the batch); `fn` exchanges
-    them with the devices holding the experts."""
-    mesh = _ACTIVE.get().mesh
-    expert, tensor, in_w, out_w = _expert_specs()
-    bufs = PartitionSpec(RULES["batch"], None, None, None)
-
-    def local(buf, gate, up, down):
-        return fn(buf, gate, up, down, expert_axis=expert, tensor_axis=tensor)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(bufs, in_w, in_w, out_w), out_specs=bufs)(
-        buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD
-    )

@@ -10,12 +10,12 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxllm.kernels import BlockSizes, flash_attention_reference
 from test_attention_impl import _losses_and_params
 
-from jaxllm.model import ring_attention as ring_module
 from jaxllm.model.attention import dot_product_attention
-from jaxllm.model.ring_attention import (
+from jaxllm.parallel import ring_flash
+from jaxllm.parallel.ring import (
     inverse_permutation,
-    ring_attention,
     ring_attention_local,
+    ring_attention_on_mesh,
     zigzag_permutation,
 )
 
@@ -78,7 +78,7 @@ def _ring(q, k, v, segment_ids, layout, causal, **impl_kwargs):
     inv = inverse_permutation(perm)
 
     def attn(q, k, v):
-        out = ring_attention(
+        out = ring_attention_on_mesh(
             q[:, perm], k[:, perm], v[:, perm],
             segment_ids_BxL=None if segment_ids is None else segment_ids[:, perm],
             mesh=mesh, axis_name="sequence", batch_axes=batch_axes, head_axis=head_axis,
@@ -237,8 +237,8 @@ def kernel_calls(monkeypatch):
         calls.append(kwargs["causal"])
         return flash_attention_with_lse(*args, **kwargs)
 
-    flash_attention_with_lse = ring_module.flash_attention_with_lse
-    monkeypatch.setattr(ring_module, "flash_attention_with_lse", counted)
+    flash_attention_with_lse = ring_flash.flash_attention_with_lse
+    monkeypatch.setattr(ring_flash, "flash_attention_with_lse", counted)
     return calls
 
 

@@ -292,7 +292,7 @@ class CacheView:
         path (`decode_attention` says why)."""
         masks = dict(sm_scale=sm_scale, soft_cap=soft_cap)
         if self.impl == "kernel":  # per (batch, kv head) shard: a kernel cannot be partitioned
-            from jaxllm import sharding
+            from jaxllm import parallel
             from jaxllm.kernels.decode_attention.ops import decode_attention
 
             # Optional operands travel by name; a static window stays a Python int.
@@ -310,7 +310,7 @@ class CacheView:
                                         backend=backend, **masks, **dict(zip(named, extra)))  # fmt: skip
 
             q_axes = ("batch", None, "act_heads", None)
-            out = sharding.per_shard(
+            out = parallel.per_shard(
                 kernel, (q_BxQxHxK, self.kv, self.lengths_B, self.layer,
                          *(v for v, _ in named.values())),
                 (q_axes, logical_axes(self.kv), ("batch",), None,

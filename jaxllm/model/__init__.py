@@ -9,7 +9,8 @@ Shape legend used in names throughout (`q_BxLxHxK` is a query of shape [B, L, H,
     T tokens (B * L, flattened)   A assignments (T * X)
 
 Every parameter is an `nnx.Param` whose `axes` metadata names its logical axes
-(`('embed', 'mlp')`); `jaxllm.sharding` alone maps those to mesh axes.
+(`('embed', 'mlp')`); `jaxllm.sharding` alone maps those to mesh axes. What runs per device
+under a mesh (kernels, ring attention, MoE dispatch) goes through `jaxllm.parallel`.
 """
 
 from jaxllm.model.attention import Attention, MLAttention, dot_product_attention

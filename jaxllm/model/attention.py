@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm import sharding
+from jaxllm import parallel
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
 from jaxllm.model.positions import (
@@ -84,7 +84,7 @@ def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale
 
     if q_seg_BxL is not None and kv_seg_BxS is None:
         kv_seg_BxS = q_seg_BxL
-    return sharding.per_shard_attention(
+    return parallel.per_shard_attention(
         kernel, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS
     )
 
@@ -265,9 +265,9 @@ class Attention(nnx.Module):
 
     def _self_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed):
         """Causal self-attention of a training / scoring pass (no cache)."""
-        if sharding.ring_active():  # sequence-parallel: K/V blocks travel around the ring
+        if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             width = v_BxLxGxV.shape[-1]
-            out_BxLxHxK = sharding.ring_attention(
+            out_BxLxHxK = parallel.ring_attention(
                 q_BxLxHxK, k_BxLxGxK, pad_values(v_BxLxGxV, q_BxLxHxK.shape[-1]),
                 segment_ids_BxL, impl=resolve_impl(self.impl),
             )  # fmt: skip

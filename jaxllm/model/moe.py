@@ -25,7 +25,7 @@ by DeepSeek-V3): a per-expert bias added to the scores for the top-k choice only
 train step against the sign of each expert's load error (`update_router_bias`). Group-limited
 routing (DeepSeek-V2/V3) restricts each token's top-k to its best few groups of experts.
 
-Placement is not decided here: `jaxllm.sharding` runs the per-device functions below under
+Placement is not decided here: `jaxllm.parallel` runs the per-device functions below under
 `shard_map` and hands them the mesh axis names. `dense_reference` runs every expert on every
 token and is what the layer is tested against.
 """
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm import sharding
+from jaxllm import parallel
 from jaxllm.config import MoEConfig
 from jaxllm.model.layers import matmul, param
 from jaxllm.model.mlp import MLP
@@ -261,7 +261,7 @@ class MoE(nnx.Module):
         dropped = jnp.zeros((), jnp.float32)
         if cfg.dispatch == "dropless":
             fn = functools.partial(dropless_experts_local, dtype=dtype)
-            out_BxLxD = sharding.per_shard_dropless(
+            out_BxLxD = parallel.per_shard_dropless(
                 fn, x_BxLxD, r.expert_BxLxX, r.weight_BxLxX, gate, up, down
             )
         else:
@@ -274,9 +274,9 @@ class MoE(nnx.Module):
                 return jnp.zeros((e * cap, d), dtype).at[slot_LxX].add(rows_LxXxD, mode="drop")
 
             buf_BxExCxD = jax.vmap(fill)(x_BxLxD.astype(dtype), slot_BxLxX).reshape(b, e, cap, d)
-            if sharding.expert_all_to_all_active():
+            if parallel.expert_all_to_all_active():
                 fn = functools.partial(capacity_experts_local, dtype=dtype)
-                y_BxExCxD = sharding.per_shard_all_to_all(fn, buf_BxExCxD, gate, up, down)
+                y_BxExCxD = parallel.per_shard_all_to_all(fn, buf_BxExCxD, gate, up, down)
             else:  # sharding constraints: filled where the tokens are, XLA moves them over
                 buf_BxExCxD = constrain(buf_BxExCxD, ("batch", None, None, "act_embed"))
                 buf_BxExCxD = constrain(buf_BxExCxD, ("expert_group", "expert", None, "act_embed"))

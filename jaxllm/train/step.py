@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxllm import sharding
+from jaxllm import parallel, sharding
 from jaxllm.sharding import Parallel
 from jaxllm.train.objectives import Objective
 from jaxllm.train.state import TrainState
@@ -27,7 +27,7 @@ BATCH_AXES = ("batch", "length")
 def objective_value(params, batch: dict, rng, *, graphdef, objective: Objective, model_state=None):
     """(loss sum, ObjectiveOutput) of `objective` on `batch` with these parameters: the
     function the step differentiates."""
-    batch = sharding.sequence_layout(batch)
+    batch = parallel.sequence_layout(batch)
     model = nnx.merge(graphdef, params, *([model_state] if model_state else []))
     out = objective(model, batch, rng)
     return out.loss_sum, out

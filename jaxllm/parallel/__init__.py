@@ -1,0 +1,35 @@
+"""Model operations that run per device under `jax.shard_map`: the one seam between the model
+and the mesh.
+
+`jaxllm.sharding` names mesh axes and holds the active `Parallel` settings; the functions here
+read those settings and run the model's per-device functions on each device's shard (a plain
+call without a mesh). The model passes its functions in and imports only this package, never a
+mesh, `shard_map` or a module below:
+
+- `per_shard.py`: a kernel per batch/head shard (`per_shard_attention`), or per shard of any
+  logical axes (`per_shard`).
+- `ring.py`: context-parallel ring attention over the `sequence` axis (`ring_active`,
+  `ring_attention`), the zigzag layout of a batch (`sequence_layout`); `ring_xla.py` and
+  `ring_flash.py` hold its two block algorithms.
+- `moe_dispatch.py`: mixture-of-experts dropless and all-to-all dispatch
+  (`per_shard_dropless`, `per_shard_all_to_all`, `expert_all_to_all_active`).
+"""
+
+from jaxllm.parallel.moe_dispatch import (
+    expert_all_to_all_active,
+    per_shard_all_to_all,
+    per_shard_dropless,
+)
+from jaxllm.parallel.per_shard import per_shard, per_shard_attention
+from jaxllm.parallel.ring import ring_active, ring_attention, sequence_layout
+
+__all__ = [
+    "expert_all_to_all_active",
+    "per_shard",
+    "per_shard_all_to_all",
+    "per_shard_attention",
+    "per_shard_dropless",
+    "ring_active",
+    "ring_attention",
+    "sequence_layout",
+]
