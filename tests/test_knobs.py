@@ -167,8 +167,7 @@ def test_each_position_kind_uses_positions_its_own_way():
 
 @pytest.mark.parametrize("act", ["swiglu", "geglu", "gelu", "relu", "relu2"])
 def test_mlp_activations(act):
-    cfg = tiny_model(mlp_activation=act, mlp_bias=True, gelu_approximate=False)
-    mlp = MLP(cfg, out_std=0.1, rngs=nnx.Rngs(0))
+    mlp = MLP(32, 64, act, gelu_approximate=False, bias=True, out_std=0.1, rngs=nnx.Rngs(0))
     p = _pure(mlp)
     assert ("gate_proj" in p) == (act in ("swiglu", "geglu"))
     rng = np.random.default_rng(1)

@@ -14,13 +14,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.config import ModelConfig
 from jaxllm.model.layers import matmul, param
 from jaxllm.sharding import constrain
 
 
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "relu", "relu2")
+GATED = ("swiglu", "geglu")  # with a gate projection (GLU variants)
+
+
 def activation(name: str, gelu_approximate: bool = True):
-    """The elementwise nonlinearity of `ModelConfig.mlp_activation`."""
+    """The elementwise nonlinearity of an MLP `activation` (`ModelConfig.mlp_activation`)."""
     gelu = functools.partial(jax.nn.gelu, approximate=gelu_approximate)
     return {
         "swiglu": jax.nn.silu,
@@ -37,19 +40,41 @@ def _broadcast(bias: jax.Array, ndim: int) -> jax.Array:
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, out_std: float, rngs: nnx.Rngs):
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.kind, self.approximate = cfg.mlp_activation, cfg.gelu_approximate
-        pdt = jnp.dtype(cfg.param_dtype)
+    """A feed-forward block d_model -> hidden -> d_model: gated (`swiglu`, `geglu`: gate, up
+    and down projections) or plain (`gelu`, `relu`, `relu2`: up and down), with biases on every
+    projection when `bias`. Projections draw from `init_std`, the down projection from
+    `out_std` (default `init_std`); `dtype` is the compute dtype, `param_dtype` the storage's."""
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        activation: str = "swiglu",
+        *,
+        gelu_approximate: bool = True,
+        bias: bool = False,
+        init_std: float = 0.02,
+        out_std: float | None = None,
+        dtype="float32",
+        param_dtype="float32",
+        rngs: nnx.Rngs,
+    ):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MLP activation {activation!r} is not one of {ACTIVATIONS}")
+        self.dtype = jnp.dtype(dtype)
+        self.kind, self.approximate = activation, gelu_approximate
+        gated = activation in GATED
+        pdt = jnp.dtype(param_dtype)
         normal = jax.nn.initializers.normal
-        d, f = cfg.d_model, cfg.mlp_dim
-        if cfg.gated_mlp:
-            self.gate_proj = param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
-        self.up_proj = param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
+        d, f = d_model, hidden
+        out_std = init_std if out_std is None else out_std
+        if gated:
+            self.gate_proj = param(rngs, normal(init_std), (d, f), ("embed", "mlp"), pdt)
+        self.up_proj = param(rngs, normal(init_std), (d, f), ("embed", "mlp"), pdt)
         self.down_proj = param(rngs, normal(out_std), (f, d), ("mlp", "embed"), pdt)
-        if cfg.mlp_bias:
+        if bias:
             zeros = jax.nn.initializers.zeros
-            if cfg.gated_mlp:
+            if gated:
                 self.gate_bias = param(rngs, zeros, (f,), ("mlp",), pdt)
             self.up_bias = param(rngs, zeros, (f,), ("mlp",), pdt)
             self.down_bias = param(rngs, zeros, (d,), ("embed",), pdt)
