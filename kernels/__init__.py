@@ -1,10 +1,13 @@
 """Pallas kernels, importable as `jaxllm.kernels`.
 
-Each kernel lives in its own folder with `kernel.py` (the pallas_call), `ops.py` (custom_vjp and
-dispatch) and `reference.py` (pure JAX, the ground truth of its tests). The model reaches
-attention only through `jaxllm.model.attention.dot_product_attention`, whose `impl` argument
+Each kernel lives in its own folder: `common.py` (what its backends share), one module per
+backend (the pallas_calls), `ops.py` (custom_vjp and dispatch; a backend's module, with its
+Pallas lowering, is imported only when a call uses it) and `reference.py` (pure JAX, the ground
+truth of its tests). `reference.py` here holds the masks and masked scores that every jnp
+attention of the project is built on. The model reaches attention only through
+`jaxllm.model.attention.dot_product_attention`, whose `impl` argument
 (`ModelConfig.attention_impl`) is where a kernel plugs in; generation reads its KV cache through
-`decode_attention`.
+`decode_attention`. Of jaxllm itself, kernels import only `jaxllm.config`.
 """
 
 from jaxllm.kernels.decode_attention import (

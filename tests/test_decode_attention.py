@@ -1,5 +1,7 @@
-"""Decode attention over a KV cache: quantizers, the Pallas kernels (interpret mode on CPU) vs
-the pure-JAX reference, and lowering for TPU (Mosaic) and CUDA (Triton).
+"""Decode attention over a KV cache: the Pallas kernels (interpret mode on CPU) vs the pure-JAX
+reference, sliding windows and ALiBi, argument checks. Quantizers are in
+`test_decode_attention_quant.py`, block schedules and lowering for TPU (Mosaic) and CUDA (Triton)
+in `test_decode_attention_lowering.py`.
 
 Every kernel case runs a ragged batch: a length-0 padding row, lengths that are not multiples
 of the kv block or the int4 group, and a full row. Cache contents past each sequence's end
@@ -8,8 +10,6 @@ output would show.
 """
 
 import functools
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,89 +17,14 @@ import numpy as np
 import pytest
 from jaxllm.kernels.decode_attention import (
     KVCache,
-    cache_bytes_per_token,
     decode_attention,
     decode_attention_reference,
-    dequantize_int4_keys,
-    dequantize_int4_values,
-    dequantize_int8,
-    pack_int4,
     quantize_cache,
-    quantize_int4_keys,
-    quantize_int4_values,
-    quantize_int8,
-    unpack_int4,
 )
-from jaxllm.kernels.decode_attention import kernel as dk_kernel
 
 GROUP = 32
 LENGTHS = (0, 37, 100, 128)  # T = 128, block 32, group 32
 f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-
-
-# ----------------------------------------------------------------------------- quantizers
-
-
-def test_int8_round_trip_and_zero_vectors():
-    x = jax.random.normal(jax.random.key(0), (4, 3, 64), jnp.float32) * 3.0
-    x = x.at[1, 2].set(0.0)  # an all-zero vector: scale 0, decodes to exactly 0
-    codes, scale = jax.jit(quantize_int8)(x)
-    assert codes.dtype == jnp.int8 and scale.dtype == jnp.bfloat16 and scale.shape == (4, 3)
-    err = np.abs(f32(x) - f32(dequantize_int8(codes, scale)))
-    bound = f32(scale)[..., None] / 2 + 1e-6
-    assert np.all(err <= bound)
-    assert float(scale[1, 2]) == 0.0 and np.all(f32(dequantize_int8(codes, scale))[1, 2] == 0.0)
-    assert np.max(np.abs(f32(codes))) == 127  # the max-magnitude entry uses the full range
-
-
-def test_int4_packing_layout_and_round_trip():
-    codes = jax.random.randint(jax.random.key(1), (2, 5, 64), 0, 16).astype(jnp.uint8)
-    packed = pack_int4(codes)
-    assert packed.dtype == jnp.uint8 and packed.shape == (2, 5, 32)
-    np.testing.assert_array_equal(np.asarray(unpack_int4(packed)), np.asarray(codes))
-    # byte i: channel 2i in the low nibble, channel 2i + 1 in the high nibble
-    assert int(pack_int4(jnp.array([1, 2, 15, 0], jnp.uint8))[0]) == 0x21
-    assert int(pack_int4(jnp.array([1, 2, 15, 0], jnp.uint8))[1]) == 0x0F
-
-
-def _int4_bound(scale, zero):
-    """Half a step, plus the bf16 rounding of zero and of the 15-step range."""
-    s, z = f32(scale), f32(zero)
-    return s / 2 + 2.0**-8 * (np.abs(z) + 15 * s) + 1e-6
-
-
-def test_int4_keys_round_trip_per_channel_groups():
-    k = jax.random.normal(jax.random.key(2), (2, 3, 128, 64), jnp.float32)
-    k = k.at[0, 0, :GROUP].set(0.0).at[0, 1, GROUP : 2 * GROUP].set(1.5)  # zero / constant
-    packed, scale, zero = jax.jit(quantize_int4_keys, static_argnums=1)(k, GROUP)
-    assert packed.shape == (2, 3, 128, 32) and scale.shape == zero.shape == (2, 3, 4, 64)
-    deq = jax.jit(dequantize_int4_keys, static_argnums=3)(packed, scale, zero, GROUP)
-    bound = np.repeat(_int4_bound(scale, zero), GROUP, axis=-2)  # per (group, channel)
-    assert np.all(np.abs(f32(k) - f32(deq)) <= bound)
-    assert np.all(f32(deq)[0, 0, :GROUP] == 0.0) and float(scale[0, 0, 0, 0]) == 0.0
-    np.testing.assert_allclose(f32(deq)[0, 1, GROUP : 2 * GROUP], 1.5)
-
-
-@pytest.mark.parametrize("head_dim", [64, 16])  # 16 < group: one group per head
-def test_int4_values_round_trip_per_token_groups(head_dim):
-    v = jax.random.normal(jax.random.key(3), (2, 3, 40, head_dim), jnp.float32) * 2.0
-    v = v.at[1, 1, 7].set(0.0)
-    packed, scale, zero = jax.jit(quantize_int4_values, static_argnums=1)(v, GROUP)
-    gv = min(GROUP, head_dim)
-    assert packed.shape == (2, 3, 40, head_dim // 2) and scale.shape == (2, 3, 40, head_dim // gv)
-    deq = jax.jit(dequantize_int4_values, static_argnums=3)(packed, scale, zero, GROUP)
-    bound = np.repeat(_int4_bound(scale, zero), gv, axis=-1)
-    assert np.all(np.abs(f32(v) - f32(deq)) <= bound)
-    assert np.all(f32(deq)[1, 1, 7] == 0.0)
-
-
-def test_bytes_per_token():
-    assert cache_bytes_per_token("bfloat16", 8, 64) == 8 * 256
-    assert cache_bytes_per_token("int8", 8, 64) == 8 * 132
-    assert cache_bytes_per_token("int4", 8, 64, 32) == 8 * (64 + 8 + 8)
-    kv = jnp.zeros((1, 8, 64, 64))
-    cache = jax.eval_shape(lambda: quantize_cache(kv, kv, "int4"))
-    assert cache.bytes_per_token() == cache_bytes_per_token("int4", 8, 64, 32)
 
 
 # ------------------------------------------------------------------------- cache builders
@@ -261,40 +186,6 @@ def test_paged_and_contiguous_give_identical_outputs(backend):
     np.testing.assert_array_equal(f32(out_p), f32(out_c))
 
 
-def test_short_sequences_skip_blocks():
-    """TPU index maps clamp past-the-end steps to the last live block (no new DMA), through
-    the block table when paged; the kernel body is skipped for them."""
-    cfg = dk_kernel.Config(
-        kind="int4", group=32, head_dim=64, num_kv_heads=2, seq_len=512, block_kv=32,
-        num_splits=2, blocks_per_split=8, num_queries=1, num_rows=2, sm_scale=1.0,
-        soft_cap=None, page_size=64, num_pages=20, has_layer=True, backend="mosaic_tpu",
-        interpret=True,
-    )  # fmt: skip
-    index_map = dk_kernel._tpu_index_map(cfg, 4)
-    lengths = jnp.array([0, 70], jnp.int32)  # int4: 64 tokens in codes -> live blocks 0, 1
-    table = jnp.array([[-1] * 8, [9, 4, 7, 1, 2, 3, 5, 6]], jnp.int32).reshape(-1)
-    layer = jnp.array([1], jnp.int32)
-    got = [tuple(int(x) for x in index_map(1, s, i, lengths, table, layer))
-           for s in range(2) for i in range(8)]  # fmt: skip
-    assert got[:2] == [(1, 9, 0, 0, 0), (1, 9, 0, 1, 0)]
-    assert set(got[2:]) == {(1, 9, 0, 1, 0)}
-    empty = {tuple(int(x) for x in index_map(0, 1, i, lengths, table, layer)) for i in range(8)}
-    assert empty == {(1, 0, 0, 0, 0)}  # a length-0 row reads one (clamped) block
-
-
-def test_default_blocks_tile_and_divide_pages():
-    from jaxllm.kernels.decode_attention.ops import _check_block, default_block_kv
-
-    assert default_block_kv("int8", "mosaic_tpu", 32, 384, paged=True) == 128  # lanes: 128
-    assert default_block_kv("int4", "mosaic_tpu", 32, 1536, paged=True) == 512  # 16 * group
-    assert default_block_kv("int4", "mosaic_tpu", 32, 96, paged=True) == 96  # the whole page
-    assert default_block_kv("bfloat16", "mosaic_tpu", 32, 1000, paged=False) == 256  # edge
-    assert default_block_kv("int8", "triton", 32, 6400, paged=False) == 64
-    with pytest.raises(ValueError, match="tile"):  # int8 scales [G, T]: 64 lanes do not tile
-        _check_block(64, 1024, "int8", 32, "mosaic_tpu", paged=False, interpret=False)
-    _check_block(64, 1024, "int8", 32, "mosaic_tpu", paged=False, interpret=True)
-
-
 @pytest.mark.parametrize("kind,tol", [("int8", 0.03), ("int4", 0.2)])
 def test_quantized_reference_close_to_unquantized(kind, tol):
     """Quantizer sanity: attention over the int8 / int4 cache stays close to attention over
@@ -374,60 +265,3 @@ def test_rejects_bad_arguments():
         decode_attention(jnp.zeros((4, 1, 3, 64)), cache, lengths, interpret=True)
     with pytest.raises(ValueError, match="k_scale"):
         decode_attention(q, KVCache(**{**cache.__dict__, "k_scale": None}), lengths)
-
-
-# ------------------------------------------------------------------ lowering (CPU jaxlib)
-
-
-def _abstract_cache(kind, *, b=2, g=2, t=1024, d=128, layers=3, page=None, num_pages=40):
-    """ShapeDtypeStructs of a cache (paged with `page`-token pages when given)."""
-    zeros = jnp.zeros((b, g, t, d))
-    lengths = jnp.zeros((b,), jnp.int32)
-    c = jax.eval_shape(lambda: quantize_cache(zeros, zeros, kind, lengths_B=lengths))
-
-    def spec(name, x):
-        shape = x.shape
-        if page and name in PER_TOKEN:
-            shape = (num_pages, shape[1], shape[2] * page // t, *shape[3:])
-        return jax.ShapeDtypeStruct((layers, *shape), x.dtype)
-
-    fields = {n: spec(n, getattr(c, n)) for n in (*PER_TOKEN, "k_res", "v_res")
-              if getattr(c, n) is not None}  # fmt: skip
-    table = jax.ShapeDtypeStruct((b, t // page), jnp.int32) if page else None
-    return KVCache(kind=kind, group=c.group, block_table=table, **fields)
-
-
-LOWERINGS = [  # (platform, backend, custom call the kernel must lower to)
-    ("tpu", "mosaic_tpu", "tpu_custom_call"),
-    ("cuda", "triton", "__gpu$xla.gpu.triton"),
-]
-
-
-@pytest.mark.parametrize("platform,backend,target", LOWERINGS, ids=[p for p, *_ in LOWERINGS])
-@pytest.mark.parametrize("kind", ["int8", "int4", "bfloat16"])
-@pytest.mark.parametrize("page", [None, 256], ids=["contiguous", "paged"])
-def test_lowers(platform, backend, target, kind, page):
-    cache = _abstract_cache(kind, page=page)
-    q = jax.ShapeDtypeStruct((2, 2, 8, 128), jnp.bfloat16)
-    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-    layer = jax.ShapeDtypeStruct((), jnp.int32)
-
-    def fwd(q, cache, lengths, layer):
-        return decode_attention(q, cache, lengths, layer=layer, soft_cap=30.0, backend=backend)
-
-    lowered = jax.jit(fwd).trace(q, cache, lengths, layer).lower(lowering_platforms=(platform,))
-    text = lowered.as_text()
-    assert text.count(target) == 1
-
-
-def test_bench_decode_script_runs_interpreted():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = bench.main(
-        "--kinds bfloat16,int4 --contexts 64 --batch 2 --heads 4 --kv-heads 2 --head-dim 64 "
-        "--page-size 32 --block-kv 32 --interpret --warmup 1 --iters 1".split()
-    )
-    assert [r["kind"] for r in rows] == ["bfloat16", "int4"]
-    assert rows[1]["bytes"] < rows[0]["bytes"] and rows[1]["speedup"] > 0

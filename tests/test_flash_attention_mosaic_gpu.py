@@ -8,10 +8,14 @@ which runs the Mosaic GPU compiler up to the kernel module (layouts, shared-memo
 PTX generation and the hardware itself are left to a GPU run.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_inputs import inputs as _inputs
+from attention_inputs import packed_ids as _packed_ids
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax._src.pallas.mosaic_gpu.interpret.params import (
     InterpretGPUParams,
@@ -25,6 +29,9 @@ from jaxllm.kernels import (
     flash_attention_reference_with_lse,
     flash_attention_with_lse,
 )
+from jaxllm.kernels.flash_attention import ops as flash_ops
+
+from jaxllm.config.errors import JaxllmWarning
 
 # Max abs / rel error vs the float32 reference on the same (rounded) inputs: p and ds are rounded
 # to the input dtype before the second matmul of each pair and results are stored in it.
@@ -36,22 +43,6 @@ MGPU = dict(backend="mosaic_gpu", interpret=True)
 def _fresh_interpreter():
     """The interpreter keeps global state that an exception in a previous test leaves dirty."""
     interpret_pallas_call.reset_gpu_interpret_mode_state()
-
-
-def _inputs(b, l, s, h, g, k, dtype, seed=0):
-    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (b, l, h, k), jnp.float32).astype(dtype)
-    k_ = jax.random.normal(kk, (b, s, g, k), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (b, s, g, k), jnp.float32).astype(dtype)
-    do = jax.random.normal(kd, (b, l, h, k), jnp.float32).astype(dtype)
-    return q, k_, v, do
-
-
-def _packed_ids(b, length, cuts):
-    """[B, L] segment ids with documents starting at `cuts` (shifted per batch row)."""
-    pos = np.arange(length)
-    ids = np.stack([np.searchsorted(np.asarray(cuts) + 3 * i, pos, side="right") for i in range(b)])
-    return jnp.asarray(ids, jnp.int32)
 
 
 def _check(dtype, b, l, h, g, k, *, s=None, blocks=(64, 64), **kw):
@@ -185,12 +176,40 @@ def _lowered_text(fn, *avals):
 )  # fmt: skip
 def test_default_backend_on_gpu(monkeypatch, capability, dtype, uses_kernel):
     """Hopper defaults to these kernels for the inputs they support; float32 inputs, pre-Hopper
-    GPUs and Blackwell (no wgmma: its tensor cores take tcgen05) get the XLA reference."""
+    GPUs and Blackwell (no wgmma: its tensor cores take tcgen05) get the XLA reference, with a
+    warning (O(L^2) memory)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "devices", lambda *_: [_FakeDevice(capability)])
+    monkeypatch.setattr(flash_ops, "_warned_gpu_fallback", False)
     x = jax.ShapeDtypeStruct((1, 128, 2, 64), dtype)
-    text = _lowered_text(lambda q, k, v: flash_attention(q, k, v, causal=True), x, x, x)
+
+    def lowered():
+        return _lowered_text(lambda q, k, v: flash_attention(q, k, v, causal=True), x, x, x)
+
+    if uses_kernel:
+        text = lowered()  # warnings are errors: none here
+    else:
+        with pytest.warns(JaxllmWarning, match="no kernel for .* XLA reference"):
+            text = lowered()
     assert ("mosaic_gpu_v2" in text) == uses_kernel
+
+
+def test_gpu_fallback_warns_once_per_process(monkeypatch):
+    """The first call that falls back to the reference on a GPU warns; later ones (other shapes,
+    other calls) do not, nor does a call that asks for the reference with backend="xla"."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *_: [_FakeDevice("8.0")])
+    monkeypatch.setattr(flash_ops, "_warned_gpu_fallback", False)
+    q, k, v, _ = _inputs(1, 64, 64, 2, 1, 64, jnp.bfloat16)
+    want = flash_attention_reference(q, k, v, causal=True)
+    flash_attention(q, k, v, causal=True, backend="xla")  # asked for: no warning
+    with pytest.warns(JaxllmWarning, match="compute capability 8.0"):
+        got = flash_attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_attention(q[:, :32], k, v, segment_ids=None)
+        flash_attention_with_lse(q, k, v, causal=True)
 
 
 def test_rejects_unsupported_inputs():

@@ -7,16 +7,19 @@ position lengths[b] - Q + i and sees tokens 0 .. lengths[b] - Q + i. GQA: query 
 head h // (H / G). Rows of length 0 (batch padding) return zeros. Inference only (no VJP).
 
 Backends (`backend=`):
-- `"mosaic_tpu"`: the Pallas Mosaic TPU kernel (scalar-prefetched lengths / block table /
-  layer, one kv block of all kv heads per grid step); the default on TPU, and with
+- `"mosaic_tpu"`: the Pallas Mosaic TPU kernel (`mosaic_tpu.py`: scalar-prefetched lengths /
+  block table / layer, one kv block of all kv heads per grid step); the default on TPU, and with
   `interpret=True` anywhere. Blocks must tile the arrays (`_tpu_block_ok`): int8 a multiple of
   128 rows, int4 of 16 * group, or the whole page / cache length. A paged block never spans
   pages, so pages smaller than the default block mean more, smaller grid steps.
-- `"triton"`: the Pallas Triton kernel for CUDA GPUs, only when asked for explicitly (JAX
-  deprecates Pallas-on-Triton; a Mosaic GPU version is not written). Needs a power-of-2 head
-  dim >= 32 and a power-of-2 block (>= 16) dividing the cache length or page size.
+- `"triton"`: the Pallas Triton kernel for CUDA GPUs (`triton.py`), only when asked for
+  explicitly (JAX deprecates Pallas-on-Triton; a Mosaic GPU version is not written). Needs a
+  power-of-2 head dim >= 32 and a power-of-2 block (>= 16) dividing the cache length or page
+  size.
 - `"xla"`: `decode_attention_reference` (dequantizes the whole cache); the default on GPU and
   on CPU without `interpret`.
+A backend's module (and its Pallas lowering) is imported the first time a call uses it; the
+block math both kernels share is in `common.py`.
 
 Sliding windows and ALiBi are not in the kernels: a call with `alibi_slopes_H`, or with a
 `sliding_window` that is a Python int, runs the reference whatever the backend; a traced window
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jaxllm.kernels.decode_attention import kernel
+from jaxllm.kernels.decode_attention.common import ARRAY_NAMES, BACKENDS, Config
 from jaxllm.kernels.decode_attention.quant import KVCache, cache_geometry
 from jaxllm.kernels.decode_attention.reference import (
     attend_partial,
@@ -64,9 +67,21 @@ def _resolve_backend(backend: str | None, interpret: bool) -> str:
     if backend is None:
         platform = jax.default_backend()
         backend = "mosaic_tpu" if platform == "tpu" or interpret else "xla"
-    if backend not in (*kernel.BACKENDS, "xla"):
+    if backend not in (*BACKENDS, "xla"):
         raise ValueError(f"unknown backend {backend!r}; expected mosaic_tpu, triton or xla")
     return backend
+
+
+def _kernel_forward(q_parts, arrays, lengths, block_table, layer, cfg: Config):
+    """(outs, lse) of the backend `cfg.backend` (`common.py` has the layouts). The import is
+    deferred to here: a backend's module pulls in its Pallas lowering (Mosaic TPU, Triton),
+    which a process that never runs that backend does not load."""
+    if cfg.backend == "mosaic_tpu":
+        from jaxllm.kernels.decode_attention import mosaic_tpu as backend
+    else:
+        from jaxllm.kernels.decode_attention import triton as backend
+    *outs, lse = backend.forward(q_parts, arrays, lengths, block_table, layer, cfg)
+    return outs, lse
 
 
 def _tpu_block_ok(bk: int, rows: int, kind: str, group: int) -> bool:
@@ -178,14 +193,29 @@ def decode_attention(
     q's dtype.
     """
     reference = functools.partial(
-        decode_attention_reference, q_BxQxHxK, cache, lengths_B, layer=layer, sm_scale=sm_scale,
-        soft_cap=soft_cap, sliding_window=sliding_window, alibi_slopes_H=alibi_slopes_H,
-    )  # fmt: skip
+        decode_attention_reference,
+        q_BxQxHxK,
+        cache,
+        lengths_B,
+        layer=layer,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        alibi_slopes_H=alibi_slopes_H,
+    )
     kernel_path = functools.partial(
-        _decode_attention, q_BxQxHxK, cache, lengths_B, layer=layer, sm_scale=sm_scale,
-        soft_cap=soft_cap, block_kv=block_kv, num_splits=num_splits, interpret=interpret,
+        _decode_attention,
+        q_BxQxHxK,
+        cache,
+        lengths_B,
+        layer=layer,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        block_kv=block_kv,
+        num_splits=num_splits,
+        interpret=interpret,
         backend=backend,
-    )  # fmt: skip
+    )
     if alibi_slopes_H is not None or isinstance(sliding_window, int):
         return reference()
     if sliding_window is None:
@@ -194,17 +224,28 @@ def decode_attention(
 
 
 def _decode_attention(
-    q_BxQxHxK, cache: KVCache, lengths_B, *, layer, sm_scale, soft_cap, block_kv, num_splits,
-    interpret, backend,
-) -> jax.Array:  # fmt: skip
+    q_BxQxHxK,
+    cache: KVCache,
+    lengths_B,
+    *,
+    layer,
+    sm_scale,
+    soft_cap,
+    block_kv,
+    num_splits,
+    interpret,
+    backend,
+) -> jax.Array:
     geo = cache_geometry(cache)
     b, nq, h, d = q_BxQxHxK.shape
     g = geo.num_kv_heads
     if (layer is None) != (geo.num_layers is None):
         raise ValueError("pass `layer` exactly when the cache has a leading layer axis")
     if b != geo.batch or d != geo.head_dim or h % g:
-        raise ValueError(f"q {q_BxQxHxK.shape} does not match the cache (B, G, K) = "
-                         f"({geo.batch}, {g}, {geo.head_dim})")  # fmt: skip
+        raise ValueError(
+            f"q {q_BxQxHxK.shape} does not match the cache (B, G, K) = "
+            f"({geo.batch}, {g}, {geo.head_dim})"
+        )
     if lengths_B.shape != (b,):
         raise ValueError(f"lengths must be [{b}], got {lengths_B.shape}")
     backend = _resolve_backend(backend, interpret)
@@ -216,8 +257,9 @@ def _decode_attention(
             q_BxQxHxK, cache, lengths_B, layer=layer, sm_scale=sm_scale, soft_cap=soft_cap
         )
     if cache.value_dim is not None:
-        raise ValueError("the decode kernels read separate k and v; a latent (MLA) cache runs "
-                         "on the xla backend")  # fmt: skip
+        raise ValueError(
+            "the decode kernels read separate k and v; a latent (MLA) cache runs on the xla backend"
+        )
 
     paged = cache.paged
     rows = geo.page_size if paged else geo.seq_len
@@ -232,21 +274,33 @@ def _decode_attention(
     mp = max(16, pl.next_power_of_2(m)) if backend == "triton" else m  # Triton dots: >= 16
     if backend == "triton" and (d & (d - 1) or d < 32):
         raise ValueError(f"Triton needs a power-of-2 head dim >= 32, got {d}")
-    cfg = kernel.Config(
-        kind=cache.kind, group=cache.group, head_dim=d, num_kv_heads=g, seq_len=geo.seq_len,
-        block_kv=block_kv, num_splits=pl.cdiv(num_blocks, per_split), blocks_per_split=per_split,
-        num_queries=nq, num_rows=mp, sm_scale=sm_scale, soft_cap=soft_cap,
-        page_size=geo.page_size, num_pages=geo.num_pages, has_layer=layer is not None,
-        backend=backend, interpret=interpret,
-    )  # fmt: skip
+    cfg = Config(
+        kind=cache.kind,
+        group=cache.group,
+        head_dim=d,
+        num_kv_heads=g,
+        seq_len=geo.seq_len,
+        block_kv=block_kv,
+        num_splits=pl.cdiv(num_blocks, per_split),
+        blocks_per_split=per_split,
+        num_queries=nq,
+        num_rows=mp,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        page_size=geo.page_size,
+        num_pages=geo.num_pages,
+        has_layer=layer is not None,
+        backend=backend,
+        interpret=interpret,
+    )
 
     q_BxGxMxK = rows_from_queries(q_BxQxHxK, g)
     q_rows = jnp.pad(q_BxGxMxK, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
     q_parts = (q_rows[..., 0::2], q_rows[..., 1::2]) if cfg.split_halves else (q_rows,)
-    arrays = [getattr(cache, name) for name in kernel.ARRAY_NAMES[cache.kind]]
+    arrays = [getattr(cache, name) for name in ARRAY_NAMES[cache.kind]]
     block_table = cache.block_table.reshape(-1) if paged else jnp.zeros((1,), jnp.int32)
     layer_1 = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
-    outs, lse = kernel.forward(q_parts, arrays, lengths_B, block_table, layer_1, cfg)
+    outs, lse = _kernel_forward(q_parts, arrays, lengths_B, block_table, layer_1, cfg)
     if cfg.split_halves:  # (even, odd) channel halves -> channel order
         out = jnp.stack(outs, axis=-1).reshape(*outs[0].shape[:-1], d)
     else:

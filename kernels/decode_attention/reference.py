@@ -2,8 +2,9 @@
 `xla` backend of `decode_attention`.
 
 Dequantizes the whole cache to float32 (gathering pages through the block table, overlaying
-the int4 residual), then plain masked softmax attention in float32. Query i of Q (0-based) of
-sequence b sits at position lengths[b] - Q + i and sees tokens 0 .. lengths[b] - Q + i.
+the int4 residual), then plain masked softmax attention in float32, with the mask and masked
+logits of `jaxllm.kernels.reference`. Query i of Q (0-based) of sequence b sits at position
+lengths[b] - Q + i and sees tokens 0 .. lengths[b] - Q + i.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from jaxllm.kernels.decode_attention.quant import (
     dequantize_int4_values,
     dequantize_int8,
 )
-
-# Finite "minus infinity": exp(MASK - m) underflows to 0 without inf - inf = NaN.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from jaxllm.kernels.reference import attention_mask, masked_logits
 
 
 def _select_layer(x, layer):
@@ -56,8 +55,9 @@ def dequantize_cache(cache: KVCache, lengths_B, *, layer=None):
                 arrays[name] = _gather_pages(arrays[name], cache.block_table)
     a, f32, group = arrays, jnp.float32, cache.group
     if cache.value_dim is not None:  # latent (MLA): the keys are the values
-        k_BxGxTxK = (a["k"].astype(f32) if cache.kind != "int8"
-                     else dequantize_int8(a["k"], a["k_scale"]))  # fmt: skip
+        k_BxGxTxK = (
+            a["k"].astype(f32) if cache.kind != "int8" else dequantize_int8(a["k"], a["k_scale"])
+        )
         return k_BxGxTxK, k_BxGxTxK[..., : cache.value_dim]
     if cache.kind in ("float32", "bfloat16"):
         return a["k"].astype(f32), a["v"].astype(f32)
@@ -78,20 +78,14 @@ def dequantize_cache(cache: KVCache, lengths_B, *, layer=None):
     return overlay(k_BxGxTxK, a["k_res"]), overlay(v_BxGxTxK, a["v_res"])
 
 
-def visible_BxMxT(lengths_B, token_pos_BxT, num_queries: int, num_rows: int,
-                  sliding_window=None):  # fmt: skip
+def visible_BxMxT(lengths_B, token_pos_BxT, num_queries: int, num_rows: int, sliding_window=None):
     """[B, M, T] mask: row m (query m % Q of a query head) sees token positions <= its own,
     and with a sliding window w > 0 (int or traced int32; 0 is none) only the last w of them.
 
     Rows are ordered (query head r of the kv group, query i) -> r * Q + i, as in the kernel.
     """
-    visible = (token_pos_BxT[:, None, :] <= _query_positions(lengths_B, num_queries, num_rows)
-               [:, :, None]) & (token_pos_BxT[:, None, :] >= 0)  # fmt: skip
-    if sliding_window is not None:
-        w = jnp.asarray(sliding_window, jnp.int32)
-        q_pos_BxMx1 = _query_positions(lengths_B, num_queries, num_rows)[:, :, None]
-        visible &= (token_pos_BxT[:, None, :] > q_pos_BxMx1 - w) | (w <= 0)
-    return visible
+    q_pos_BxM = _query_positions(lengths_B, num_queries, num_rows)
+    return attention_mask(q_pos_BxM, token_pos_BxT, causal=True, sliding_window=sliding_window)
 
 
 def _query_positions(lengths_B, num_queries: int, num_rows: int):
@@ -100,24 +94,25 @@ def _query_positions(lengths_B, num_queries: int, num_rows: int):
     return jnp.asarray(lengths_B, jnp.int32)[:, None] - num_queries + query_1xM
 
 
-def attend_partial(q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible_BxMxT, *, sm_scale, soft_cap,
-                   bias_BxGxMxT=None):  # fmt: skip
+def attend_partial(
+    q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible_BxMxT, *, sm_scale, soft_cap, bias_BxGxMxT=None
+):
     """Softmax attention of q rows over the visible tokens, in float32 (`bias` added to the
     capped logits: ALiBi).
 
     Returns (out [B, G, M, K] normalized over this part, lse [B, G, M, 1]); rows that see no
     token give out 0 and lse MASK_VALUE, so parts merge by logsumexp without NaN.
     """
-    s_BxGxMxT = jnp.einsum(
-        "bgmk,bgtk->bgmt", q_BxGxMxK.astype(jnp.float32), k_BxGxTxK.astype(jnp.float32),
+    products_BxGxMxT = jnp.einsum(
+        "bgmk,bgtk->bgmt",
+        q_BxGxMxK.astype(jnp.float32),
+        k_BxGxTxK.astype(jnp.float32),
         precision=lax.Precision.HIGHEST,
-    ) * jnp.float32(sm_scale)  # fmt: skip
-    if soft_cap is not None:
-        s_BxGxMxT = soft_cap * jnp.tanh(s_BxGxMxT / soft_cap)
-    if bias_BxGxMxT is not None:
-        s_BxGxMxT = s_BxGxMxT + bias_BxGxMxT
+    )
     mask_Bx1xMxT = visible_BxMxT[:, None]
-    s_BxGxMxT = jnp.where(mask_Bx1xMxT, s_BxGxMxT, MASK_VALUE)
+    s_BxGxMxT, _ = masked_logits(
+        products_BxGxMxT, mask_Bx1xMxT, scale=sm_scale, soft_cap=soft_cap, bias=bias_BxGxMxT
+    )
     m_BxGxMx1 = jnp.max(s_BxGxMxT, axis=-1, keepdims=True)
     p_BxGxMxT = jnp.where(mask_Bx1xMxT, jnp.exp(s_BxGxMxT - m_BxGxMx1), 0.0)
     l_BxGxMx1 = jnp.sum(p_BxGxMxT, axis=-1, keepdims=True)
@@ -126,10 +121,15 @@ def attend_partial(q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible_BxMxT, *, sm_scale, 
     # NaN) must not reach the output.
     seen_Bx1xTx1 = jnp.any(visible_BxMxT, axis=1)[:, None, :, None]
     v_BxGxTxK = jnp.where(seen_Bx1xTx1, v_BxGxTxK.astype(jnp.float32), 0.0)
-    out_BxGxMxK = jnp.einsum(
-        "bgmt,bgtk->bgmk", p_BxGxMxT, v_BxGxTxK,
-        precision=lax.Precision.HIGHEST,
-    ) / l_safe  # fmt: skip
+    out_BxGxMxK = (
+        jnp.einsum(
+            "bgmt,bgtk->bgmk",
+            p_BxGxMxT,
+            v_BxGxTxK,
+            precision=lax.Precision.HIGHEST,
+        )
+        / l_safe
+    )
     return out_BxGxMxK, m_BxGxMx1 + jnp.log(l_safe)
 
 
@@ -149,9 +149,16 @@ def queries_from_rows(x_BxGxMxK, num_queries: int):
 
 
 def decode_attention_reference(
-    q_BxQxHxK, cache: KVCache, lengths_B, *, layer=None, sm_scale=None, soft_cap=None,
-    sliding_window=None, alibi_slopes_H=None,
-):  # fmt: skip
+    q_BxQxHxK,
+    cache: KVCache,
+    lengths_B,
+    *,
+    layer=None,
+    sm_scale=None,
+    soft_cap=None,
+    sliding_window=None,
+    alibi_slopes_H=None,
+):
     """Same contract as `decode_attention`: [B, Q, H, K] in q's dtype; length-0 rows give 0."""
     geo = cache_geometry(cache)
     b, nq, h, d = q_BxQxHxK.shape
@@ -172,7 +179,12 @@ def decode_attention_reference(
         distance_BxMxT = _query_positions(lengths_B, nq, m)[:, :, None] - pos_BxT[:, None, :]
         bias_BxGxMxT = -slopes_1xGxMx1 * distance_BxMxT[:, None].astype(jnp.float32)
     out_BxGxMxK, _ = attend_partial(
-        q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible, sm_scale=sm_scale, soft_cap=soft_cap,
+        q_BxGxMxK,
+        k_BxGxTxK,
+        v_BxGxTxK,
+        visible,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
         bias_BxGxMxT=bias_BxGxMxT,
-    )  # fmt: skip
+    )
     return queries_from_rows(out_BxGxMxK, nq).astype(q_BxQxHxK.dtype)

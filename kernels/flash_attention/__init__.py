@@ -1,8 +1,11 @@
-"""FlashAttention-2 in Pallas: `mosaic_tpu.py` (forward / dq / dk-dv kernels for TPUs, the other
-sequence streamed on the innermost grid axis with VMEM scratch accumulators), `kernel.py` (the
-same kernels for Triton, each program looping over the other sequence), `mosaic_gpu.py` (for
-Hopper GPUs in the Mosaic GPU style: TMA, barriers, wgmma), `ops.py` (custom_vjp, backend
-dispatch), `reference.py` (pure JAX ground truth)."""
+"""FlashAttention-2 in Pallas: `common.py` (what every backend shares: the static config, block
+sizes and padding, block ranges, masks, scores, the backward preamble), one module per backend:
+`mosaic_tpu.py` (forward / dq / dk-dv kernels for TPUs, the other sequence streamed on the
+innermost grid axis with VMEM scratch accumulators), `triton.py` (the same kernels for Triton,
+each program looping over the other sequence), `mosaic_gpu.py` and `mosaic_gpu_backward.py` (for
+Hopper GPUs in the Mosaic GPU style: TMA, barriers, wgmma), then `ops.py` (custom_vjp, backend
+dispatch; imports a backend's module only when a call uses it) and `reference.py` (pure JAX
+ground truth, on `jaxllm.kernels.reference`)."""
 
 from jaxllm.kernels.flash_attention.ops import (
     BlockSizes,

@@ -1,18 +1,14 @@
 """FlashAttention-2 forward and backward as streaming Mosaic TPU kernels (arXiv:2307.08691).
 
-Same contract as `kernel.forward` / `kernel.backward` (q/out/dout [B, H, Lp, K], k/v
-[B, G, Sp, K], lse [B, H, Lp, 1] float32, q segment ids [B, Lp, 1], kv segment ids [B, 1, Sp],
-lengths padded to the blocks by `ops.py`, the real kv length masking the padded keys), the same
-masks, rows-with-no-key convention (out 0, lse MASK_VALUE, zero gradients) and FlashAttention-2
-backward: softmax statistics and accumulators in float32, p and ds rounded to the input dtype for
-the second matmul of each pair.
+The contract (layouts, masks, rows with no visible key, float32 statistics) is that of every
+backend, in `common.py`, as are the block ranges, masks and matmul forms used here.
 
 Written in the TPU-native grid style of JAX's `pallas/ops/tpu/flash_attention.py` and splash
 attention: the blocks of the other sequence are the innermost grid axis ("arbitrary": sequential
 on one core), and the running max / sum / accumulators live in VMEM scratch, initialised at the
 first inner step and written out at the last. Each step holds one [bq, K] q tile and one [bk, K]
 k/v tile (plus their segment-id slices), so VMEM use does not depend on the sequence length; the
-`kernel.py` style of holding a whole K/V (or Q/dO) per program caps the length by VMEM.
+Triton style (`triton.py`) of holding a whole K/V (or Q/dO) per program caps the length by VMEM.
 
 - forward, grid (B, H, L/bq, kv steps): online softmax over the kv blocks of kv head h // R.
 - dq, grid (B, H, L/bq, kv steps): recomputes p = exp(s - lse) per kv block, dq += ds k.
@@ -20,7 +16,7 @@ k/v tile (plus their segment-id slices), so VMEM use does not depend on the sequ
   the two inner axes, so GQA gradients are summed in VMEM and K/V are never repeated in memory.
 
 Block skipping: the static masks (causal, sliding window) give each row block a range [lo, hi)
-of blocks of the other sequence (`kernel._kv_block_range` / `_q_block_range`). Inner step t
+of blocks of the other sequence (`common.kv_block_range` / `q_block_range`). Inner step t
 visits block lo + t; the inner axis is as long as the longest range (a sliding window needs only
 about (w + bq) / bk steps, not S / bk). Steps past hi run no compute (`pl.when`) and their index
 map repeats block hi - 1, which the Pallas TPU pipeline does not fetch again (as JAX's TPU flash
@@ -46,17 +42,18 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxllm.kernels.flash_attention.kernel import (
+from jaxllm.kernels.flash_attention.common import (
     Config,
-    _dot_nn,
-    _dot_nt,
-    _dot_tn,
-    _kv_block_range,
-    _mask,
-    _q_block_range,
-    _scores,
+    backward_delta,
+    block_mask,
+    block_scores,
+    dot_nn,
+    dot_nt,
+    dot_tn,
+    kv_block_range,
+    q_block_range,
 )
-from jaxllm.kernels.flash_attention.reference import MASK_VALUE
+from jaxllm.kernels.reference import MASK_VALUE
 
 NUM_LANES = 128  # lane width of a TPU vector register: the row statistics' minor dim
 
@@ -96,7 +93,7 @@ def _visited(block_range, row, step, cfg: Config, num_cols: int):
 
 
 def _needs_mask(q_start, k_start, cfg: Config, pad_q: bool):
-    """Whether `kernel._mask` may hide an entry of the block at (q_start, k_start): False (a
+    """Whether `common.block_mask` may hide an entry of the block at (q_start, k_start): False (a
     Python bool) when no mask applies at all, a traced bool otherwise."""
     if cfg.has_segments:
         return True
@@ -150,7 +147,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: Config, num_kv_blocks: int, num
     qid_ref, kvid_ref, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_ids(refs, cfg)
     q_block, step = pl.program_id(2), pl.program_id(3)
     bq, bk, d = cfg.block_q, cfg.block_kv, q_ref.shape[-1]
-    kv_block, visible = _visited(_kv_block_range, q_block, step, cfg, num_kv_blocks)
+    kv_block, visible = _visited(kv_block_range, q_block, step, cfg, num_kv_blocks)
     q_start, k_start = q_block * bq, kv_block * bk
 
     @pl.when(step == 0)
@@ -161,10 +158,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: Config, num_kv_blocks: int, num
 
     def body(masked: bool):
         v = v_ref[...]
-        s, _ = _scores(q_ref[...], k_ref[...], cfg)
+        s, _ = block_scores(q_ref[...], k_ref[...], cfg)
         if masked:
             q_ids, kv_ids = (qid_ref[...], kvid_ref[...]) if cfg.has_segments else (None, None)
-            mask = _mask(q_start, k_start, q_ids, kv_ids, cfg, bq, pad_q=False)
+            mask = block_mask(q_start, k_start, q_ids, kv_ids, cfg, bq, pad_q=False)
             s = jnp.where(mask, s, MASK_VALUE)
         m_prev = m_scr[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -174,7 +171,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: Config, num_kv_blocks: int, num
         alpha = jnp.exp(m_prev - m_next)
         m_scr[...] = m_next
         l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_scr[...] = _lanes(alpha, d) * acc_scr[...] + _dot_nn(p.astype(v.dtype), v)
+        acc_scr[...] = _lanes(alpha, d) * acc_scr[...] + dot_nn(p.astype(v.dtype), v)
 
     _when_visible(visible, _needs_mask(q_start, k_start, cfg, pad_q=False), body)
 
@@ -193,10 +190,10 @@ def forward(q, k, v, q_ids, kv_ids, cfg: Config):
     r = h // g
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = lp // bq, sp // bk
-    num_steps, visited = _schedule(_kv_block_range, nq, nk, cfg)
+    num_steps, visited = _schedule(kv_block_range, nq, nk, cfg)
 
     def kv_block(qi, j):
-        return _visited(_kv_block_range, qi, j, cfg, nk)[0]
+        return _visited(kv_block_range, qi, j, cfg, nk)[0]
 
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, j: (bi, hi, qi, 0))
     kv_spec = pl.BlockSpec(
@@ -238,13 +235,21 @@ def forward(q, k, v, q_ids, kv_ids, cfg: Config):
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
-    cfg: Config, num_kv_blocks: int, num_steps: int,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    *refs,
+    cfg: Config,
+    num_kv_blocks: int,
+    num_steps: int,
+):
     qid_ref, kvid_ref, (dq_ref, dq_scr) = _split_ids(refs, cfg)
     q_block, step = pl.program_id(2), pl.program_id(3)
     bq, bk = cfg.block_q, cfg.block_kv
-    kv_block, visible = _visited(_kv_block_range, q_block, step, cfg, num_kv_blocks)
+    kv_block, visible = _visited(kv_block_range, q_block, step, cfg, num_kv_blocks)
     q_start, k_start = q_block * bq, kv_block * bk
 
     @pl.when(step == 0)
@@ -253,15 +258,15 @@ def _dq_kernel(
 
     def body(masked: bool):
         k = k_ref[...]
-        s, t = _scores(q_ref[...], k, cfg)
+        s, t = block_scores(q_ref[...], k, cfg)
         p = jnp.exp(s - lse_ref[...])
         if masked:
             q_ids, kv_ids = (qid_ref[...], kvid_ref[...]) if cfg.has_segments else (None, None)
-            p = jnp.where(_mask(q_start, k_start, q_ids, kv_ids, cfg, bq, pad_q=False), p, 0.0)
-        ds = p * (_dot_nt(do_ref[...], v_ref[...]) - delta_ref[...])
+            p = jnp.where(block_mask(q_start, k_start, q_ids, kv_ids, cfg, bq, pad_q=False), p, 0.0)
+        ds = p * (dot_nt(do_ref[...], v_ref[...]) - delta_ref[...])
         if t is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
             ds = ds * (1.0 - t * t)
-        dq_scr[...] += _dot_nn(ds.astype(k.dtype), k)
+        dq_scr[...] += dot_nn(ds.astype(k.dtype), k)
 
     _when_visible(visible, _needs_mask(q_start, k_start, cfg, pad_q=False), body)
 
@@ -271,13 +276,22 @@ def _dq_kernel(
 
 
 def _dkdv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
-    cfg: Config, num_q_blocks: int, num_heads_per_kv: int, num_steps: int,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    *refs,
+    cfg: Config,
+    num_q_blocks: int,
+    num_heads_per_kv: int,
+    num_steps: int,
+):
     qid_ref, kvid_ref, (dk_ref, dv_ref, dk_scr, dv_scr) = _split_ids(refs, cfg)
     kv_block, head, step = pl.program_id(2), pl.program_id(3), pl.program_id(4)
     bq, bk = cfg.block_q, cfg.block_kv
-    q_block, visible = _visited(_q_block_range, kv_block, step, cfg, num_q_blocks)
+    q_block, visible = _visited(q_block_range, kv_block, step, cfg, num_q_blocks)
     q_start, k_start = q_block * bq, kv_block * bk
 
     @pl.when((head == 0) & (step == 0))
@@ -287,16 +301,16 @@ def _dkdv_kernel(
 
     def body(masked: bool):
         q, do = q_ref[...], do_ref[...]
-        s, t = _scores(q, k_ref[...], cfg)
+        s, t = block_scores(q, k_ref[...], cfg)
         p = jnp.exp(s - lse_ref[...])
         if masked:
             q_ids, kv_ids = (qid_ref[...], kvid_ref[...]) if cfg.has_segments else (None, None)
-            p = jnp.where(_mask(q_start, k_start, q_ids, kv_ids, cfg, bq, pad_q=True), p, 0.0)
-        dv_scr[...] += _dot_tn(p.astype(do.dtype), do)
-        ds = p * (_dot_nt(do, v_ref[...]) - delta_ref[...])
+            p = jnp.where(block_mask(q_start, k_start, q_ids, kv_ids, cfg, bq, pad_q=True), p, 0.0)
+        dv_scr[...] += dot_tn(p.astype(do.dtype), do)
+        ds = p * (dot_nt(do, v_ref[...]) - delta_ref[...])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        dk_scr[...] += _dot_tn(ds.astype(q.dtype), q)
+        dk_scr[...] += dot_tn(ds.astype(q.dtype), q)
 
     _when_visible(visible, _needs_mask(q_start, k_start, cfg, pad_q=True), body)
 
@@ -320,17 +334,13 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = lp // bq, sp // bk
     item = q.dtype.itemsize
-    # delta_i = sum_k do_ik out_ik = sum_j p_ij dp_ij (the FlashAttention-2 preprocessing step);
-    # the lse path adds p_ij * dlse_i to ds_ij: ds = p * (dp - (delta - dlse)).
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    if dlse is not None:
-        delta = delta - dlse
+    delta = backward_delta(out, do, dlse)
 
     # dq: one q block of head h per program, kv blocks of kv head h // R on the inner axis.
-    dq_steps, dq_visited = _schedule(_kv_block_range, nq, nk, cfg)
+    dq_steps, dq_visited = _schedule(kv_block_range, nq, nk, cfg)
 
     def kv_block(qi, j):
-        return _visited(_kv_block_range, qi, j, cfg, nk)[0]
+        return _visited(kv_block_range, qi, j, cfg, nk)[0]
 
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, j: (bi, hi, qi, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, qi, j: (bi, hi, qi, 0))
@@ -361,10 +371,10 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
 
     # dk/dv: one kv block of kv head g per program; its R query heads, then their q blocks, on
     # the two inner axes.
-    kv_steps, kv_visited = _schedule(_q_block_range, nk, nq, cfg)
+    kv_steps, kv_visited = _schedule(q_block_range, nk, nq, cfg)
 
     def q_block(ki, i):
-        return _visited(_q_block_range, ki, i, cfg, nq)[0]
+        return _visited(q_block_range, ki, i, cfg, nq)[0]
 
     def q_index(bi, gi, ki, ri, i):
         return (bi, gi * r + ri, q_block(ki, i), 0)

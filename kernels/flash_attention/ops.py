@@ -14,14 +14,17 @@ Backends (`backend=`):
 - `"mosaic_tpu"`: Pallas Mosaic TPU kernels (`mosaic_tpu.py`: the blocks of the other sequence
   stream through VMEM on the innermost grid axis, so VMEM use does not grow with the sequence
   length); the default when `jax.default_backend()` is TPU.
-- `"mosaic_gpu"`: Mosaic GPU kernels (`mosaic_gpu.py`: TMA, wgmma) for Hopper; the default on a
-  Hopper GPU (compute capability 9.x) for bfloat16 / float16 inputs with head dim 64 or 128.
-  Asked for explicitly, other inputs raise.
-- `"triton"`: Pallas Triton kernels for CUDA GPUs (`kernel.py`), only when asked for explicitly:
+- `"mosaic_gpu"`: Mosaic GPU kernels (`mosaic_gpu.py`, `mosaic_gpu_backward.py`: TMA, wgmma) for
+  Hopper; the default on a Hopper GPU (compute capability 9.x) for bfloat16 / float16 inputs
+  with head dim 64 or 128. Asked for explicitly, other inputs raise.
+- `"triton"`: Pallas Triton kernels for CUDA GPUs (`triton.py`), only when asked for explicitly:
   JAX deprecates Pallas-on-Triton from 0.11.
 - `"xla"`: `flash_attention_reference` (materialises [B, H, L, S] scores in float32); the default
   on other GPUs (pre-Hopper; Blackwell, which has no wgmma), for inputs the Mosaic GPU kernels do
-  not take (float32, other head dims) and on CPU without `interpret`.
+  not take (float32, other head dims) and on CPU without `interpret`. On a GPU, falling back to
+  it without being asked warns once per process (`JaxllmWarning`).
+A backend's module (and its Pallas lowering) is imported the first time a call uses it; what the
+backends share is in `common.py`.
 `interpret=True` runs the kernels of the chosen backend (Mosaic TPU when `backend` is None) in the
 Pallas interpreter of that backend, on any platform (CPU tests).
 
@@ -36,13 +39,21 @@ any row that sees a key (two empty rows merge to an empty row: out 0, lse MASK_V
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jaxllm.kernels.flash_attention import kernel, mosaic_gpu, mosaic_tpu
+from jaxllm.kernels.flash_attention.common import (
+    BACKENDS,
+    BlockSizes,
+    Config,
+    block_size,
+    mosaic_gpu_runs_on,
+    mosaic_gpu_supported,
+    pad_to,
+    round_up,
+)
 from jaxllm.kernels.flash_attention.reference import (
     flash_attention_reference,
     flash_attention_reference_with_lse,
@@ -51,27 +62,31 @@ from jaxllm.kernels.flash_attention.reference import (
     split_segment_ids,
 )
 
+from jaxllm.config.errors import JaxllmWarning
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Rows of q (`block_q`) and of k/v (`block_kv`) per kernel block.
+__all__ = [
+    "BlockSizes",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_with_lse",
+]
 
-    Defaults per backend: Mosaic TPU 128 / 128 for the forward and both backward kernels (one
-    [128, 128] MXU tile per grid step; lane-dense kv segment-id slices),
-    Triton 64 / 64 (keeps the f32 [64, 64] tiles and a K <= 128 accumulator in registers),
-    Mosaic GPU 64 / 64 (one wgmma row tile per warpgroup; the dq and dk/dv pipelines fit Hopper's
-    shared memory at K = 128). Clipped to the padded sequence length for short sequences (not
-    below 64 rows for Mosaic GPU); Triton needs powers of 2, Mosaic GPU multiples of 64, Mosaic
-    TPU multiples of 8 and, with segment ids, a block_kv that is a multiple of 128 (lane-dim
-    slices of the kv ids) unless one block holds the whole padded sequence.
-    """
+_warned_gpu_fallback = False  # the O(L^2) fallback on a GPU is reported once per process
 
-    block_q: int
-    block_kv: int
 
-    @classmethod
-    def default(cls, backend: str) -> BlockSizes:
-        return cls(64, 64) if backend in ("triton", "mosaic_gpu") else cls(128, 128)
+def _warn_gpu_fallback(reason: str):
+    global _warned_gpu_fallback
+    if _warned_gpu_fallback:
+        return
+    _warned_gpu_fallback = True
+    warnings.warn(
+        f"flash_attention: no kernel for {reason} on this GPU; falling back to the XLA "
+        "reference, which materialises the [B, H, L, S] float32 scores (O(L^2) memory). "
+        "backend='xla' chooses it without this warning; backend='triton' runs the Pallas Triton "
+        "kernels.",
+        JaxllmWarning,
+        stacklevel=4,
+    )
 
 
 def _resolve_backend(backend: str | None, interpret: bool, q_BxLxHxK) -> str:
@@ -79,38 +94,46 @@ def _resolve_backend(backend: str | None, interpret: bool, q_BxLxHxK) -> str:
         platform = jax.default_backend()
         if platform == "tpu" or interpret:
             backend = "mosaic_tpu"
-        elif (
-            platform == "gpu"
-            and mosaic_gpu.runs_on(jax.devices()[0])
-            and mosaic_gpu.supported(q_BxLxHxK.dtype, q_BxLxHxK.shape[-1]) is None
-        ):
-            backend = "mosaic_gpu"
+        elif platform == "gpu":
+            device = jax.devices()[0]
+            reason = mosaic_gpu_supported(q_BxLxHxK.dtype, q_BxLxHxK.shape[-1])
+            if not mosaic_gpu_runs_on(device):
+                capability = getattr(device, "compute_capability", "unknown")
+                reason = f"compute capability {capability} (the default kernels need Hopper, 9.x)"
+            backend = "xla" if reason else "mosaic_gpu"
+            if reason:
+                _warn_gpu_fallback(reason)
         else:
             backend = "xla"
-    names = (*kernel.BACKENDS, "xla")
+    names = (*BACKENDS, "xla")
     if backend not in names:
         raise ValueError(f"unknown backend {backend!r}; expected one of {names}")
     return backend
 
 
-def _kernels(cfg: kernel.Config):
-    """The module whose forward / backward implement `cfg.backend`."""
-    return {"mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu, "triton": kernel}[cfg.backend]
+def _kernels(cfg: Config):
+    """(forward, backward) of the backend `cfg.backend`. The import is deferred to here: a
+    backend's module pulls in its Pallas lowering (Triton, Mosaic TPU, Mosaic GPU), which a
+    process that never runs that backend does not load."""
+    if cfg.backend == "mosaic_tpu":
+        from jaxllm.kernels.flash_attention import mosaic_tpu
+
+        return mosaic_tpu.forward, mosaic_tpu.backward
+    if cfg.backend == "mosaic_gpu":
+        from jaxllm.kernels.flash_attention import mosaic_gpu, mosaic_gpu_backward
+
+        return mosaic_gpu.forward, mosaic_gpu_backward.backward
+    from jaxllm.kernels.flash_attention import triton
+
+    return triton.forward, triton.backward
 
 
-def _block(requested: int, length: int, minimum: int = 8) -> int:
-    """Short sequences get one block of the next power of 2 (>= 8 sublanes, >= one wgmma tile for
-    Mosaic GPU) instead of a mostly padded full-size block."""
-    return max(minimum, min(requested, pl.next_power_of_2(length)))
+def _forward(cfg: Config):
+    return _kernels(cfg)[0]
 
 
-def _pad_to(x, axis: int, size: int, value=0):
-    pad = size - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
+def _backward(cfg: Config):
+    return _kernels(cfg)[1]
 
 
 def _check_shapes(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sliding_window):
@@ -124,36 +147,48 @@ def _check_shapes(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sliding_window):
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
 
 
-def _round_up(length: int, block: int) -> int:
-    return -(-length // block) * block
-
-
 def _kernel_inputs(
-    q_BxLxHxK, k_BxSxGxK, *, causal, segment_ids, sliding_window, soft_cap, sm_scale,
-    block_sizes, interpret, backend,
-):  # fmt: skip
+    q_BxLxHxK,
+    k_BxSxGxK,
+    *,
+    causal,
+    segment_ids,
+    sliding_window,
+    soft_cap,
+    sm_scale,
+    block_sizes,
+    interpret,
+    backend,
+):
     """The static kernel Config and the segment ids padded to [B, Lp, 1] / [B, 1, Sp]."""
     b, l, _, _ = q_BxLxHxK.shape
     s = k_BxSxGxK.shape[1]
     sizes = block_sizes or BlockSizes.default(backend)
-    minimum = mosaic_gpu.BLOCK_MULTIPLE if backend == "mosaic_gpu" else 8
-    bq, bk = _block(sizes.block_q, l, minimum), _block(sizes.block_kv, s, minimum)
+    bq, bk = block_size(sizes.block_q, l, backend), block_size(sizes.block_kv, s, backend)
     q_ids_BxL, kv_ids_BxS = split_segment_ids(segment_ids, l, s)
     has_segments = q_ids_BxL is not None
     if not has_segments:  # placeholders keep one kernel signature; never read
         q_ids_BxL, kv_ids_BxS = jnp.zeros((b, l), jnp.int32), jnp.zeros((b, s), jnp.int32)
-    q_ids_BxLpx1 = _pad_to(q_ids_BxL, 1, _round_up(l, bq))[:, :, None]
-    kv_ids_Bx1xSp = _pad_to(kv_ids_BxS, 1, _round_up(s, bk))[:, None, :]
-    cfg = kernel.Config(
-        block_q=bq, block_kv=bk, q_len=l, kv_len=s, causal=causal,
-        sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
-        sm_scale=sm_scale, has_segments=has_segments, backend=backend, interpret=interpret,
-    )  # fmt: skip
+    q_ids_BxLpx1 = pad_to(q_ids_BxL, 1, round_up(l, bq))[:, :, None]
+    kv_ids_Bx1xSp = pad_to(kv_ids_BxS, 1, round_up(s, bk))[:, None, :]
+    cfg = Config(
+        block_q=bq,
+        block_kv=bk,
+        q_len=l,
+        kv_len=s,
+        causal=causal,
+        sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sm_scale=sm_scale,
+        has_segments=has_segments,
+        backend=backend,
+        interpret=interpret,
+    )
     return cfg, q_ids_BxLpx1, kv_ids_Bx1xSp
 
 
 def _to_kernel(x_BxLxNxK, length_padded):  # [B, L, N, K] -> [B, N, Lp, K]
-    return _pad_to(x_BxLxNxK, 1, length_padded).transpose(0, 2, 1, 3)
+    return pad_to(x_BxLxNxK, 1, length_padded).transpose(0, 2, 1, 3)
 
 
 def flash_attention_with_lse(
@@ -179,19 +214,26 @@ def flash_attention_with_lse(
     l, d = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     sm_scale = d**-0.5 if sm_scale is None else float(sm_scale)
     masks = dict(
-        causal=causal, segment_ids=segment_ids, sliding_window=sliding_window, soft_cap=soft_cap,
+        causal=causal,
+        segment_ids=segment_ids,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
         sm_scale=sm_scale,
-    )  # fmt: skip
+    )
     if backend == "xla":
         return flash_attention_reference_with_lse(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, **masks)
     cfg, q_ids, kv_ids = _kernel_inputs(
         q_BxLxHxK, k_BxSxGxK, block_sizes=block_sizes, interpret=interpret, backend=backend, **masks
     )
-    lp, sp = _round_up(l, cfg.block_q), _round_up(cfg.kv_len, cfg.block_kv)
+    lp, sp = round_up(l, cfg.block_q), round_up(cfg.kv_len, cfg.block_kv)
     out_BxHxLpxK, lse_BxHxLpx1 = _flash(
-        _to_kernel(q_BxLxHxK, lp), _to_kernel(k_BxSxGxK, sp), _to_kernel(v_BxSxGxK, sp),
-        q_ids, kv_ids, cfg,
-    )  # fmt: skip
+        _to_kernel(q_BxLxHxK, lp),
+        _to_kernel(k_BxSxGxK, sp),
+        _to_kernel(v_BxSxGxK, sp),
+        q_ids,
+        kv_ids,
+        cfg,
+    )
     return out_BxHxLpxK.transpose(0, 2, 1, 3)[:, :l], lse_BxHxLpx1[:, :, :l, 0]
 
 
@@ -218,15 +260,29 @@ def flash_attention(
     if _resolve_backend(backend, interpret, q_BxLxHxK) == "xla":
         _check_shapes(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sliding_window)
         return flash_attention_reference(
-            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, segment_ids=segment_ids,
-            sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale,
-        )  # fmt: skip
+            q_BxLxHxK,
+            k_BxSxGxK,
+            v_BxSxGxK,
+            causal=causal,
+            segment_ids=segment_ids,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            sm_scale=sm_scale,
+        )
     # The lse is dropped: its cotangent reaches the backward as zeros (one [B, H, L] subtraction).
     return flash_attention_with_lse(
-        q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, segment_ids=segment_ids,
-        sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale,
-        block_sizes=block_sizes, interpret=interpret, backend=backend,
-    )[0]  # fmt: skip
+        q_BxLxHxK,
+        k_BxSxGxK,
+        v_BxSxGxK,
+        causal=causal,
+        segment_ids=segment_ids,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        backend=backend,
+    )[0]
 
 
 def flash_attention_backward(
@@ -265,27 +321,50 @@ def flash_attention_backward(
     sm_scale = d**-0.5 if sm_scale is None else float(sm_scale)
     if backend == "xla":
         mask_XxLxS = reference_mask(
-            l, k_BxSxGxK.shape[1], causal=causal, segment_ids=segment_ids,
+            l,
+            k_BxSxGxK.shape[1],
+            causal=causal,
+            segment_ids=segment_ids,
             sliding_window=sliding_window,
-        )  # fmt: skip
+        )
         return masked_attention_backward(
-            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, out_BxLxHxK, lse_BxHxL, dout_BxLxHxK, mask_XxLxS,
-            scale=sm_scale, soft_cap=soft_cap,
-        )  # fmt: skip
+            q_BxLxHxK,
+            k_BxSxGxK,
+            v_BxSxGxK,
+            out_BxLxHxK,
+            lse_BxHxL,
+            dout_BxLxHxK,
+            mask_XxLxS,
+            scale=sm_scale,
+            soft_cap=soft_cap,
+        )
     cfg, q_ids, kv_ids = _kernel_inputs(
-        q_BxLxHxK, k_BxSxGxK, causal=causal, segment_ids=segment_ids,
-        sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale,
-        block_sizes=block_sizes, interpret=interpret, backend=backend,
-    )  # fmt: skip
+        q_BxLxHxK,
+        k_BxSxGxK,
+        causal=causal,
+        segment_ids=segment_ids,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        backend=backend,
+    )
     s = k_BxSxGxK.shape[1]
-    lp, sp = _round_up(l, cfg.block_q), _round_up(s, cfg.block_kv)
+    lp, sp = round_up(l, cfg.block_q), round_up(s, cfg.block_kv)
     # Padded query rows: lse 0 keeps exp(s - lse) finite; dk/dv mask them, their dq is cut off.
-    lse_BxHxLpx1 = _pad_to(lse_BxHxL.astype(jnp.float32), 2, lp)[..., None]
-    dq_BxHxLpxK, dk_BxGxSpxK, dv_BxGxSpxK = _kernels(cfg).backward(
-        _to_kernel(q_BxLxHxK, lp), _to_kernel(k_BxSxGxK, sp), _to_kernel(v_BxSxGxK, sp),
-        _to_kernel(out_BxLxHxK.astype(q_BxLxHxK.dtype), lp), lse_BxHxLpx1,
-        _to_kernel(dout_BxLxHxK.astype(q_BxLxHxK.dtype), lp), q_ids, kv_ids, cfg,
-    )  # fmt: skip
+    lse_BxHxLpx1 = pad_to(lse_BxHxL.astype(jnp.float32), 2, lp)[..., None]
+    dq_BxHxLpxK, dk_BxGxSpxK, dv_BxGxSpxK = _backward(cfg)(
+        _to_kernel(q_BxLxHxK, lp),
+        _to_kernel(k_BxSxGxK, sp),
+        _to_kernel(v_BxSxGxK, sp),
+        _to_kernel(out_BxLxHxK.astype(q_BxLxHxK.dtype), lp),
+        lse_BxHxLpx1,
+        _to_kernel(dout_BxLxHxK.astype(q_BxLxHxK.dtype), lp),
+        q_ids,
+        kv_ids,
+        cfg,
+    )
     return (
         dq_BxHxLpxK.transpose(0, 2, 1, 3)[:, :l],
         dk_BxGxSpxK.transpose(0, 2, 1, 3)[:, :s],
@@ -295,18 +374,18 @@ def flash_attention_backward(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash(q, k, v, q_ids, kv_ids, cfg):
-    return _kernels(cfg).forward(q, k, v, q_ids, kv_ids, cfg)
+    return _forward(cfg)(q, k, v, q_ids, kv_ids, cfg)
 
 
 def _flash_fwd(q, k, v, q_ids, kv_ids, cfg):
-    out, lse = _kernels(cfg).forward(q, k, v, q_ids, kv_ids, cfg)
+    out, lse = _forward(cfg)(q, k, v, q_ids, kv_ids, cfg)
     return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)  # no [L, S] residual: recomputed
 
 
 def _flash_bwd(cfg, residuals, cotangents):
     q, k, v, q_ids, kv_ids, out, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv = _kernels(cfg).backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg, dlse=dlse)
+    dq, dk, dv = _backward(cfg)(q, k, v, out, lse, do, q_ids, kv_ids, cfg, dlse=dlse)
     return dq, dk, dv, None, None
 
 

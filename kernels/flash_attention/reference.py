@@ -1,46 +1,29 @@
 """Pure-JAX attention with the masks of `flash_attention`: the ground truth of its tests.
 
-Materialises the [B, G, R, L, S] score tensor in float32, so it is only for small shapes (tests)
-and as the `xla` fallback of `flash_attention`.
+Materialises the [B, G, R, L, S] score tensor in float32 (`jaxllm.kernels.reference`), so it is
+only for small shapes (tests) and as the `xla` fallback of `flash_attention`.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxllm.kernels.reference import (
+    MASK_VALUE,
+    attention_mask,
+    masked_scores,
+    split_segment_ids,
+)
 
-# Finite "minus infinity": exp(MASK - m) underflows to 0 without inf - inf = NaN.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def split_segment_ids(segment_ids, l: int, s: int):
-    """`segment_ids` ([B, L] shared by q and kv, or a (q_ids_BxL, kv_ids_BxS) pair) -> pair."""
-    if segment_ids is None:
-        return None, None
-    if isinstance(segment_ids, (tuple, list)):
-        q_ids_BxL, kv_ids_BxS = segment_ids
-    else:
-        if l != s:
-            raise ValueError("one segment_ids array needs L == S; pass (q_ids, kv_ids) instead")
-        q_ids_BxL = kv_ids_BxS = segment_ids
-    return jnp.asarray(q_ids_BxL, jnp.int32), jnp.asarray(kv_ids_BxS, jnp.int32)
-
-
-def attention_mask(l, s, *, causal, q_ids_BxL, kv_ids_BxS, sliding_window):
-    """Boolean [B or 1, L, S] mask: True where query i may attend to key j."""
-    q_pos_LxS = jnp.arange(l)[:, None]
-    k_pos_LxS = jnp.arange(s)[None, :]
-    mask_LxS = jnp.ones((l, s), dtype=bool)
-    if causal:
-        mask_LxS &= k_pos_LxS <= q_pos_LxS
-    if sliding_window is not None:
-        mask_LxS &= q_pos_LxS - sliding_window < k_pos_LxS
-        if not causal:
-            mask_LxS &= k_pos_LxS < q_pos_LxS + sliding_window
-    mask_1xLxS = mask_LxS[None]
-    if q_ids_BxL is not None:
-        return mask_1xLxS & (q_ids_BxL[:, :, None] == kv_ids_BxS[:, None, :])
-    return mask_1xLxS
+__all__ = [
+    "MASK_VALUE",
+    "flash_attention_reference",
+    "flash_attention_reference_with_lse",
+    "masked_attention",
+    "masked_attention_backward",
+    "reference_mask",
+    "split_segment_ids",
+]
 
 
 def masked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, *, scale, soft_cap=None):
@@ -51,15 +34,14 @@ def masked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, *, scale, soft
     gradients.
     """
     b, l, h, kd = q_BxLxHxK.shape
-    g = k_BxSxGxK.shape[2]
-    q_BxLxGxRxK = q_BxLxHxK.astype(jnp.float32).reshape(b, l, g, h // g, kd)
-    scores_BxGxRxLxS = jnp.einsum(
-        "blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK.astype(jnp.float32)
-    ) * jnp.float32(scale)
-    if soft_cap is not None:
-        scores_BxGxRxLxS = soft_cap * jnp.tanh(scores_BxGxRxLxS / soft_cap)
+    scores_BxGxRxLxS, _ = masked_scores(
+        q_BxLxHxK.astype(jnp.float32),
+        k_BxSxGxK.astype(jnp.float32),
+        mask_XxLxS,
+        scale=scale,
+        soft_cap=soft_cap,
+    )
     mask_XxGxRxLxS = mask_XxLxS[:, None, None]
-    scores_BxGxRxLxS = jnp.where(mask_XxGxRxLxS, scores_BxGxRxLxS, MASK_VALUE)
     probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1)
     probs_BxGxRxLxS = jnp.where(mask_XxGxRxLxS, probs_BxGxRxLxS, 0.0)  # empty rows -> 0
     out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", probs_BxGxRxLxS, v_BxSxGxK.astype(jnp.float32))
@@ -75,9 +57,17 @@ def masked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, *, scale, soft
 
 
 def masked_attention_backward(
-    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, out_BxLxHxK, lse_BxHxL, dout_BxLxHxK, mask_XxLxS,
-    *, scale, soft_cap=None,
-):  # fmt: skip
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
+    out_BxLxHxK,
+    lse_BxHxL,
+    dout_BxLxHxK,
+    mask_XxLxS,
+    *,
+    scale,
+    soft_cap=None,
+):
     """(dq, dk, dv) of attention over these keys, from the softmax row statistics `out` / `lse`.
 
     The FlashAttention-2 backward in jnp: p = exp(s - lse), ds = p * (dout v^T - delta) with
@@ -95,15 +85,12 @@ def masked_attention_backward(
 
     q_BxLxGxRxK, out_BxLxGxRxK, do_BxLxGxRxK = map(by_group, (q_BxLxHxK, out_BxLxHxK, dout_BxLxHxK))
     k_f_BxSxGxK, v_f_BxSxGxK = k_BxSxGxK.astype(f32), v_BxSxGxK.astype(f32)
-    scores_BxGxRxLxS = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_f_BxSxGxK) * f32(scale)
-    tanh_BxGxRxLxS = None
-    if soft_cap is not None:
-        tanh_BxGxRxLxS = jnp.tanh(scores_BxGxRxLxS / soft_cap)
-        scores_BxGxRxLxS = soft_cap * tanh_BxGxRxLxS
+    # Masked before the exp: an empty row has lse == MASK_VALUE and would give exp(s - lse) = inf.
+    scores_BxGxRxLxS, tanh_BxGxRxLxS = masked_scores(
+        q_BxLxHxK.astype(f32), k_f_BxSxGxK, mask_XxLxS, scale=scale, soft_cap=soft_cap
+    )
     mask_XxGxRxLxS = mask_XxLxS[:, None, None]
     lse_BxGxRxLx1 = lse_BxHxL.astype(f32).reshape(b, g, h // g, l)[..., None]
-    # Masked before the exp: an empty row has lse == MASK_VALUE and would give exp(s - lse) = inf.
-    scores_BxGxRxLxS = jnp.where(mask_XxGxRxLxS, scores_BxGxRxLxS, MASK_VALUE)
     probs_BxGxRxLxS = jnp.where(mask_XxGxRxLxS, jnp.exp(scores_BxGxRxLxS - lse_BxGxRxLx1), 0.0)
     dprobs_BxGxRxLxS = jnp.einsum("blgrk,bsgk->bgrls", do_BxLxGxRxK, v_f_BxSxGxK)
     delta_BxLxGxR = jnp.sum(do_BxLxGxRxK * out_BxLxGxRxK, axis=-1)
@@ -122,12 +109,15 @@ def masked_attention_backward(
 
 
 def reference_mask(l, s, *, causal=False, segment_ids=None, sliding_window=None):
-    """The [B or 1, L, S] mask of `flash_attention`'s keyword arguments."""
-    q_ids_BxL, kv_ids_BxS = split_segment_ids(segment_ids, l, s)
+    """The [B or 1, L, S] mask of `flash_attention`'s keyword arguments (query and key indices
+    aligned at 0)."""
     return attention_mask(
-        l, s, causal=causal, q_ids_BxL=q_ids_BxL, kv_ids_BxS=kv_ids_BxS,
+        jnp.arange(l),
+        jnp.arange(s),
+        causal=causal,
         sliding_window=sliding_window,
-    )  # fmt: skip
+        segment_ids=segment_ids,
+    )
 
 
 def flash_attention_reference_with_lse(
@@ -149,9 +139,12 @@ def flash_attention_reference_with_lse(
     del block_sizes, interpret, backend
     l, kd = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     mask_XxLxS = reference_mask(
-        l, k_BxSxGxK.shape[1], causal=causal, segment_ids=segment_ids,
+        l,
+        k_BxSxGxK.shape[1],
+        causal=causal,
+        segment_ids=segment_ids,
         sliding_window=sliding_window,
-    )  # fmt: skip
+    )
     scale = kd**-0.5 if sm_scale is None else sm_scale
     return masked_attention(
         q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale=scale, soft_cap=soft_cap

@@ -1,4 +1,5 @@
-"""Split-K decode attention over a (quantized, optionally paged) KV cache, as Pallas kernels.
+"""Split-K decode attention over a (quantized, optionally paged) KV cache: what the Pallas
+backends (`mosaic_tpu.py`, `triton.py`) share.
 
 Flash-decoding (Dao et al. 2023): the cache length T is cut into `num_splits` chunks handled by
 independent programs; each runs the online softmax (f32 statistics and accumulators) over the kv
@@ -8,16 +9,16 @@ Layout inside the kernels: query rows q [B, G, M, K] with M = R * Q (the R query
 head g times the Q new queries, query-minor), so GQA reads each kv block once for all R heads.
 Partial outputs [B, G, S, M, K] and lse [B, G, S, M, 1] are float32.
 
-Two program structures, one block math (`_update`):
-- Mosaic TPU, grid (B, S, blocks per split): one kv block of all G kv heads per grid step (a
-  static loop over heads inside), the softmax state in VMEM scratch across the last
-  ("arbitrary") axis. Lengths, block table and layer are scalar prefetched and read by the index
-  maps: blocks past a sequence's end map to its last live block (an unchanged block index is
-  not fetched again) and `pl.when` skips their compute; pages and the layer are chosen in the
-  index maps, so nothing is gathered or sliced in XLA.
-- Triton, grid (B, G, S): the cache arrays stay whole in HBM and each program loops over the
-  live kv blocks of its split (Triton has no scalar prefetch and no state across programs),
-  loading pages through the block table inside the loop.
+Two program structures share one block math (`update`): Mosaic TPU (`mosaic_tpu.py`: one kv
+block of all G kv heads per grid step, scalar-prefetched lengths / block table / layer read by
+the index maps, so nothing is gathered or sliced in XLA) and Triton (`triton.py`: each program
+loops over the live kv blocks of its split, loading pages through the block table).
+
+Each backend's `forward(q_parts, arrays, lengths, block_table, layer, cfg)` takes q_parts
+[B, G, M, K] (or its even / odd channel halves for int4 on TPU), the cache arrays of
+ARRAY_NAMES[kind], lengths int32 [B], block_table int32 [B * pages_per_seq] (flattened; any [1]
+placeholder when contiguous) and layer int32 [1], and returns cfg.num_parts float32 outputs
+[B, G, S, M, K / parts] (normalized per split) followed by lse [B, G, S, M, 1].
 
 Quantized blocks are dequantized in VMEM/registers:
 - int8: codes go to the MXU in the compute dtype (exact: |code| <= 127); the key scale scales the
@@ -36,16 +37,13 @@ logits and zeroed in the values, so even NaN garbage never reaches the output.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
-from jaxllm.kernels.decode_attention.reference import MASK_VALUE
+from jaxllm.kernels.reference import MASK_VALUE
 
+# Kernel backends; `ops.py` imports the module of one only when a call uses it.
 BACKENDS = ("mosaic_tpu", "triton")
 
 # The cache arrays each kind passes to the kernel, in order.
@@ -134,9 +132,12 @@ def _deinterleave(x):
     def pick(offset):
         sel = (c == 2 * i + offset).astype(x.dtype)
         return lax.dot_general(
-            x, sel, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+            x,
+            sel,
+            (((1,), (0,)), ((), ())),
+            precision=lax.Precision.HIGHEST,
             preferred_element_type=jnp.float32,
-        )  # fmt: skip
+        )
 
     return pick(0), pick(1)
 
@@ -157,9 +158,12 @@ def _repeat_lanes(x, rep: int, cfg: Config):
     dst = lax.broadcasted_iota(jnp.int32, (c, c * rep), 1)
     expand = ((dst >= src) & (dst < src + rep)).astype(x.dtype)  # no vector integer division
     return lax.dot_general(
-        x, expand, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+        x,
+        expand,
+        (((1,), (0,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
-    )  # fmt: skip
+    )
 
 
 def _scores(q_parts, blk, cfg: Config):
@@ -222,7 +226,7 @@ def _query_index(shape, num_queries: int):
     return m - r * num_queries
 
 
-def _update(carry, q_parts, blk, start, length, cfg: Config):
+def update(carry, q_parts, blk, start, length, cfg: Config):
     """One online-softmax step over the kv block of tokens [start, start + bk)."""
     m_prev, l_prev, accs = carry
     limit = kernel_limit(length, cfg)
@@ -242,39 +246,28 @@ def _update(carry, q_parts, blk, start, length, cfg: Config):
     return m_new, l_new, [alpha * acc + pv for acc, pv in zip(accs, pvs)]
 
 
-def _finalize(m, l, accs, out_refs, lse_ref):
+def finalize(m, l, accs, out_refs, lse_ref):
     l_safe = jnp.where(l == 0.0, 1.0, l)  # no visible token: out 0, lse MASK_VALUE
     for out_ref, acc in zip(out_refs, accs):
         out_ref[...] = acc / l_safe
     lse_ref[...] = m + jnp.log(l_safe)
 
 
-def _init_state(cfg: Config):
+def init_state(cfg: Config):
     m = jnp.full((cfg.num_rows, 1), MASK_VALUE, jnp.float32)
     l = jnp.zeros((cfg.num_rows, 1), jnp.float32)
     width = cfg.head_dim // cfg.num_parts
     return m, l, [jnp.zeros((cfg.num_rows, width), jnp.float32) for _ in range(cfg.num_parts)]
 
 
-def _unpack_refs(refs, cfg: Config):
+def unpack_refs(refs, cfg: Config):
     names = ARRAY_NAMES[cfg.kind]
     n, a = cfg.num_parts, len(names)
     q_refs, cache_refs, rest = refs[:n], dict(zip(names, refs[n : n + a])), refs[n + a :]
     return q_refs, cache_refs, rest[:n], rest[n], rest[n + 1 :]
 
 
-# ---------------------------------------------------------------------------- Mosaic TPU
-
-
-def _live_block(b, s, i, lengths_ref, cfg: Config):
-    """kv block of grid step (s, i), clamped to the sequence's last live block: steps past the
-    end keep the previous block index, so the pipeline issues no DMA for them."""
-    j = s * cfg.blocks_per_split + i
-    live = pl.cdiv(kernel_limit(lengths_ref[b], cfg), cfg.block_kv)
-    return jnp.minimum(j, jnp.maximum(live - 1, 0))
-
-
-def _page_of(b, j, bt_ref, cfg: Config):
+def page_of(b, j, bt_ref, cfg: Config):
     """(page, row block inside it) of kv block j of sequence b. The block table arrives
     flattened ([B * pages_per_seq]: 2-D scalar memory pads rows); invalid entries (e.g. -1 past
     a sequence's pages) are clamped into range, and only masked rows are read from them."""
@@ -284,177 +277,8 @@ def _page_of(b, j, bt_ref, cfg: Config):
     return jnp.clip(page, 0, cfg.num_pages - 1), lax.rem(j, per_page)
 
 
-def _tpu_index_map(cfg: Config, block_ndim: int):
-    """Index map of a cache array [L?, B|P, G, rows, ...]: all kv heads, kv block j (its page
-    and the row block inside it when paged)."""
-
-    def index_map(b, s, i, lengths_ref, bt_ref, layer_ref):
-        j = _live_block(b, s, i, lengths_ref, cfg)
-        seq, row = (b, j) if cfg.page_size is None else _page_of(b, j, bt_ref, cfg)
-        idx = (seq, 0, row) + (0,) * (block_ndim - 3)
-        return (layer_ref[0], *idx) if cfg.has_layer else idx
-
-    return index_map
-
-
-def _tpu_array_spec(name: str, cfg: Config):
-    bk, g, d = cfg.block_kv, cfg.num_kv_heads, cfg.head_dim
-    if name in ("k", "v"):
-        block = (None, g, bk, d // 2 if cfg.kind == "int4" else d)
-    elif cfg.kind == "int8":  # scales [.., G, T]
-        block = (None, g, bk)
-    elif name in ("k_scale", "k_zero"):  # one row per `group` tokens
-        block = (None, g, bk // cfg.group, d)
-    else:
-        block = (None, g, bk, d // cfg.value_group)
-    lead = (None,) if cfg.has_layer else ()
-    return pl.BlockSpec((*lead, *block), _tpu_index_map(cfg, len(block)))
-
-
-def _tpu_kernel(lengths_ref, bt_ref, layer_ref, *refs, cfg: Config):
-    """Grid (B, S, blocks per split): one kv block of all G kv heads per step, so each step
-    moves G times more bytes than a per-head grid and per-step overhead is amortized; the heads
-    are a static loop of 2-D math inside."""
-    del bt_ref, layer_ref  # used by the index maps only
-    q_refs, cache_refs, out_refs, lse_ref, (m_ref, l_ref, *acc_refs) = _unpack_refs(refs, cfg)
-    b, s, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    start = (s * cfg.blocks_per_split + i) * cfg.block_kv
-    length = lengths_ref[b]
-
-    @pl.when(i == 0)
-    def _init():
-        m0, l0, accs0 = _init_state(cfg)
-        for g in range(cfg.num_kv_heads):
-            m_ref[g], l_ref[g] = m0, l0
-            for acc_ref, acc0 in zip(acc_refs, accs0):
-                acc_ref[g] = acc0
-
-    @pl.when(start < kernel_limit(length, cfg))
-    def _step():
-        scales = {}
-        if cfg.kind == "int8":  # [G, bk] blocks: one f32 row per head
-            scales = {n: cache_refs[n][...].astype(jnp.float32) for n in ("k_scale", "v_scale")}
-        for g in range(cfg.num_kv_heads):
-            blk = {name: ref[g] for name, ref in cache_refs.items() if name not in scales}
-            blk.update({name: x[g : g + 1, :] for name, x in scales.items()})
-            carry = (m_ref[g], l_ref[g], [acc_ref[g] for acc_ref in acc_refs])
-            m, l, accs = _update(carry, [q_ref[g] for q_ref in q_refs], blk, start, length, cfg)
-            m_ref[g], l_ref[g] = m, l
-            for acc_ref, acc in zip(acc_refs, accs):
-                acc_ref[g] = acc
-
-    @pl.when(i == cfg.blocks_per_split - 1)
-    def _write():
-        for g in range(cfg.num_kv_heads):
-            accs = [acc_ref[g] for acc_ref in acc_refs]
-            _finalize(m_ref[g], l_ref[g], accs, [o.at[g] for o in out_refs], lse_ref.at[g])
-
-
-def _tpu_call(q_parts, arrays, lengths, block_table, layer, cfg: Config):
-    b, g, m, width = q_parts[0].shape
-    q_spec = pl.BlockSpec((None, g, m, width), lambda b, s, i, *_: (b, 0, 0, 0))
-    out_spec = pl.BlockSpec((None, g, None, m, width), lambda b, s, i, *_: (b, 0, s, 0, 0))
-    lse_spec = pl.BlockSpec((None, g, None, m, 1), lambda b, s, i, *_: (b, 0, s, 0, 0))
-    names = ARRAY_NAMES[cfg.kind]
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(b, cfg.num_splits, cfg.blocks_per_split),
-        in_specs=[q_spec] * cfg.num_parts + [_tpu_array_spec(n, cfg) for n in names],
-        out_specs=[out_spec] * cfg.num_parts + [lse_spec],
-        scratch_shapes=[pltpu.VMEM((g, m, 1), jnp.float32), pltpu.VMEM((g, m, 1), jnp.float32)]
-        + [pltpu.VMEM((g, m, width), jnp.float32) for _ in range(cfg.num_parts)],
-    )
-    return pl.pallas_call(
-        functools.partial(_tpu_kernel, cfg=cfg),
-        grid_spec=grid_spec,
-        out_shape=_out_shapes(b, g, m, cfg),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")
-        ),
-        interpret=cfg.interpret,
-        name=f"decode_attention_{cfg.kind}",
-    )(lengths, block_table, layer, *q_parts, *arrays)
-
-
-def _out_shapes(b, g, m, cfg: Config):
+def out_shapes(b, g, m, cfg: Config):
     width = cfg.head_dim // cfg.num_parts
     out = jax.ShapeDtypeStruct((b, g, cfg.num_splits, m, width), jnp.float32)
     lse = jax.ShapeDtypeStruct((b, g, cfg.num_splits, m, 1), jnp.float32)
     return [out] * cfg.num_parts + [lse]
-
-
-# -------------------------------------------------------------------------------- Triton
-
-
-def _triton_block(cache_refs, b, g, j, layer, bt_ref, cfg: Config):
-    """Loads kv block j of sequence b, kv head g from the whole cache arrays."""
-    bk, grp = cfg.block_kv, cfg.group
-    if cfg.page_size is None:
-        seq, row = b, j * bk
-    else:
-        seq, row_block = _page_of(b, j, bt_ref, cfg)
-        row = row_block * bk
-    lead = (layer, seq, g) if cfg.has_layer else (seq, g)
-    blk = {}
-    for name, ref in cache_refs.items():
-        if cfg.kind == "int8" and name in ("k_scale", "v_scale"):  # [.., T]
-            blk[name] = ref[(*lead, pl.ds(row, bk))].astype(jnp.float32).reshape(1, bk)
-        elif name in ("k", "v", "v_scale", "v_zero"):  # one row per token
-            blk[name] = ref[(*lead, pl.ds(row, bk), slice(None))]
-        else:  # int4 key scale / zero: one row per `group` tokens
-            blk[name] = ref[(*lead, pl.ds(lax.div(row, grp), bk // grp), slice(None))]
-    return blk
-
-
-def _triton_kernel(lengths_ref, bt_ref, layer_ref, *refs, cfg: Config):
-    q_refs, cache_refs, out_refs, lse_ref, _ = _unpack_refs(refs, cfg)
-    b, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    length = lengths_ref[b]
-    layer = layer_ref[0] if cfg.has_layer else None
-    first = s * cfg.blocks_per_split
-    stop = jnp.minimum(
-        first + cfg.blocks_per_split, pl.cdiv(kernel_limit(length, cfg), cfg.block_kv)
-    )
-    q_parts = [q_ref[...] for q_ref in q_refs]
-
-    def body(j, carry):
-        blk = _triton_block(cache_refs, b, g, j, layer, bt_ref, cfg)
-        return _update(carry, q_parts, blk, j * cfg.block_kv, length, cfg)
-
-    m, l, accs = lax.fori_loop(first, stop, body, _init_state(cfg))
-    _finalize(m, l, accs, out_refs, lse_ref)
-
-
-def _triton_call(q_parts, arrays, lengths, block_table, layer, cfg: Config):
-    b, g, m, d = q_parts[0].shape
-    row_spec = pl.BlockSpec((None, None, m, d), lambda b, g, s: (b, g, 0, 0))
-    out_spec = pl.BlockSpec((None, None, None, m, d), lambda b, g, s: (b, g, s, 0, 0))
-    lse_spec = pl.BlockSpec((None, None, None, m, 1), lambda b, g, s: (b, g, s, 0, 0))
-    whole = pl.no_block_spec
-    return pl.pallas_call(
-        functools.partial(_triton_kernel, cfg=cfg),
-        grid=(b, g, cfg.num_splits),
-        in_specs=[whole, whole, whole, row_spec] + [whole] * len(arrays),
-        out_specs=[out_spec, lse_spec],
-        out_shape=_out_shapes(b, g, m, cfg),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
-        interpret=cfg.interpret,
-        name=f"decode_attention_{cfg.kind}",
-    )(lengths, block_table, layer, *q_parts, *arrays)
-
-
-def forward(q_parts, arrays, lengths, block_table, layer, cfg: Config):
-    """Partial attention of each split.
-
-    q_parts: [B, G, M, K] (or its even / odd channel halves for int4 on TPU); arrays: the
-    cache arrays of ARRAY_NAMES[kind]; lengths int32 [B]; block_table int32 [B * pages_per_seq]
-    (flattened; any [1] placeholder when contiguous); layer int32 [1]. Returns (outs, lse): outs a list of
-    cfg.num_parts float32 [B, G, S, M, K / parts] (normalized per split), lse [B, G, S, M, 1].
-    """
-    if cfg.backend == "mosaic_tpu":
-        *outs, lse = _tpu_call(q_parts, arrays, lengths, block_table, layer, cfg)
-    elif cfg.backend == "triton":
-        *outs, lse = _triton_call(q_parts, arrays, lengths, block_table, layer, cfg)
-    else:
-        raise ValueError(f"unknown kernel backend {cfg.backend!r}; expected one of {BACKENDS}")
-    return outs, lse

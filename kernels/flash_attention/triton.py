@@ -1,29 +1,20 @@
 """FlashAttention-2 forward and backward as Pallas Triton kernels (Dao 2023, arXiv:2307.08691).
 
-Layout inside the kernels: q/out/dout [B, H, Lp, K], k/v [B, G, Sp, K], lse/delta [B, H, Lp, 1]
-(float32, a trailing unit lane dim so every block is 2-D), q segment ids [B, Lp, 1] and kv
-segment ids [B, 1, Sp]. Lp / Sp are the lengths padded to the block sizes by `ops.py`; the real
-kv length masks the padded keys. `mosaic_tpu.py` and `mosaic_gpu.py` implement the same contract
-for TPUs and Hopper GPUs, and reuse the block ranges, masks and matmul helpers defined here.
-
-One program handles one block of rows and loops over the blocks of the other sequence inside the
-kernel (the whole padded K/V of one kv head, resp. the whole padded Q of its R query heads, is
-one block), since Triton programs cannot carry state across grid steps. Static masks (causal,
-sliding window) shrink the loop bounds, so fully masked blocks are never visited; dynamic masks
-(segments, the padded tail) are applied per block.
+The contract, masks and numerics of every backend are in `common.py`. One program handles one
+block of rows and loops over the blocks of the other sequence inside the kernel (the whole padded
+K/V of one kv head, resp. the whole padded Q of its R query heads, is one block), since Triton
+programs cannot carry state across grid steps. Static masks (causal, sliding window) shrink the
+loop bounds, so fully masked blocks are never visited; dynamic masks (segments, the padded tail)
+are applied per block.
 
 - forward, grid (B, H, L/bq): online softmax over kv blocks, returns out and logsumexp.
 - dq, grid (B, H, L/bq): recomputes p = exp(s - lse) per kv block, dq = sum_j ds_j k_j.
 - dk/dv, grid (B, G, S/bk): loops over the R query heads of kv head g and over the q blocks, so
   GQA gradients are summed in the kernel and K/V are never repeated in memory.
-
-Softmax statistics and all accumulators are float32; p and ds are cast to the input dtype for the
-second matmul of each pair (as FlashAttention does for bf16).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -31,117 +22,24 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxllm.kernels.flash_attention.reference import MASK_VALUE
-
-# Implemented by mosaic_tpu.py, this module and mosaic_gpu.py respectively.
-BACKENDS = ("mosaic_tpu", "triton", "mosaic_gpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Static description of one attention call (hashable: a custom_vjp nondiff argument)."""
-
-    block_q: int
-    block_kv: int
-    q_len: int  # real (unpadded) lengths
-    kv_len: int
-    causal: bool
-    sliding_window: int | None
-    soft_cap: float | None
-    sm_scale: float
-    has_segments: bool
-    backend: str  # one of BACKENDS
-    interpret: bool
+from jaxllm.kernels.flash_attention.common import (
+    Config,
+    backward_delta,
+    block_mask,
+    block_scores,
+    dot_nn,
+    dot_nt,
+    dot_tn,
+    kv_block_range,
+    q_block_range,
+)
+from jaxllm.kernels.reference import MASK_VALUE
 
 
 def _compiler_params(cfg: Config):
     if cfg.backend != "triton":
-        raise ValueError(f"kernel.py implements backend 'triton', not {cfg.backend!r}")
+        raise ValueError(f"triton.py implements backend 'triton', not {cfg.backend!r}")
     return pltriton.CompilerParams(num_warps=4, num_stages=2)
-
-
-def _dot_nt(a, b):  # a @ b.T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):  # a.T @ b
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_nn(a, b):  # a @ b
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _cdiv(a, b: int):
-    return lax.div(a + (b - 1), b)
-
-
-def _kv_block_range(q_block, cfg: Config, num_kv_blocks: int):
-    """[lo, hi) of the kv blocks that query block `q_block` may see under the static masks."""
-    bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
-    lo, hi = jnp.int32(0), jnp.int32(num_kv_blocks)
-    first_q, last_q = q_block * bq, q_block * bq + (bq - 1)
-    if cfg.causal:  # k <= q
-        hi = jnp.minimum(hi, lax.div(last_q, bk) + 1)
-    if w is not None:  # q - w < k (and k < q + w without causality)
-        lo = lax.div(jnp.maximum(first_q - w + 1, 0), bk)
-        if not cfg.causal:
-            hi = jnp.minimum(hi, lax.div(last_q + w - 1, bk) + 1)
-    return lo, hi
-
-
-def _q_block_range(kv_block, cfg: Config, num_q_blocks: int):
-    """[lo, hi) of the query blocks that may see kv block `kv_block` under the static masks."""
-    bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
-    lo, hi = jnp.int32(0), jnp.int32(num_q_blocks)
-    first_k, last_k = kv_block * bk, kv_block * bk + (bk - 1)
-    if cfg.causal:  # q >= k
-        lo = lax.div(first_k, bq)
-    if w is not None:  # q < k + w (and q > k - w without causality)
-        hi = jnp.minimum(hi, lax.div(last_k + w - 1, bq) + 1)
-        if not cfg.causal:
-            lo = lax.div(jnp.maximum(first_k - w + 1, 0), bq)
-    return lo, hi
-
-
-def _mask(q_start, k_start, q_ids, kv_ids, cfg: Config, num_q_rows: int, pad_q: bool):
-    """[bq, bk] visibility of one block, or None when every entry is visible."""
-    bq, bk = num_q_rows, cfg.block_kv
-    q_pos = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    k_pos = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    return mask_from_positions(q_pos, k_pos, q_ids, kv_ids, cfg, pad_q)  # ids: [bq, 1], [1, bk]
-
-
-def mask_from_positions(q_pos, k_pos, q_ids, kv_ids, cfg: Config, pad_q: bool):
-    """Visibility of one block from its (broadcast) positions and segment ids, or None when
-    every entry is visible; shared by every backend's kernels."""
-    mask = None
-
-    def conj(a, b):
-        return b if a is None else a & b
-
-    if cfg.kv_len % cfg.block_kv:  # padded keys are never attended
-        mask = conj(mask, k_pos < cfg.kv_len)
-    if pad_q and cfg.q_len % cfg.block_q:  # padded queries give nothing back (dk/dv)
-        mask = conj(mask, q_pos < cfg.q_len)
-    if cfg.causal:
-        mask = conj(mask, k_pos <= q_pos)
-    if cfg.sliding_window is not None:
-        mask = conj(mask, q_pos - cfg.sliding_window < k_pos)
-        if not cfg.causal:
-            mask = conj(mask, k_pos < q_pos + cfg.sliding_window)
-    if q_ids is not None:
-        mask = conj(mask, q_ids == kv_ids)
-    return mask
-
-
-def _scores(q, k, cfg: Config):
-    """Logits of one block and, with a soft cap, tanh(s / cap) for the backward derivative."""
-    s = _dot_nt(q, k) * jnp.float32(cfg.sm_scale)
-    if cfg.soft_cap is None:
-        return s, None
-    t = jnp.tanh(s / jnp.float32(cfg.soft_cap))
-    return jnp.float32(cfg.soft_cap) * t, t
 
 
 # ----------------------------------------------------------------------------------- forward
@@ -152,16 +50,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qid_ref, kvid_ref, o_ref, lse_ref, *, cfg: 
     bq, bk = cfg.block_q, cfg.block_kv
     q = q_ref[...]
     q_ids = qid_ref[...] if cfg.has_segments else None
-    lo, hi = _kv_block_range(q_block, cfg, k_ref.shape[0] // bk)
+    lo, hi = kv_block_range(q_block, cfg, k_ref.shape[0] // bk)
 
     def body(j, carry):
         m, l, acc = carry
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s, _ = _scores(q, k, cfg)
+        s, _ = block_scores(q, k, cfg)
         kv_ids = kvid_ref[:, pl.ds(start, bk)] if cfg.has_segments else None
-        mask = _mask(q_block * bq, start, q_ids, kv_ids, cfg, bq, pad_q=False)
+        mask = block_mask(q_block * bq, start, q_ids, kv_ids, cfg, bq, pad_q=False)
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -170,7 +68,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qid_ref, kvid_ref, o_ref, lse_ref, *, cfg: 
             p = jnp.where(mask, p, 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-        acc = alpha * acc + _dot_nn(p.astype(v.dtype), v)
+        acc = alpha * acc + dot_nn(p.astype(v.dtype), v)
         return m_new, l, acc
 
     m0 = jnp.full((bq, 1), MASK_VALUE, jnp.float32)
@@ -218,37 +116,49 @@ def _dq_kernel(
     bq, bk = cfg.block_q, cfg.block_kv
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_ids = qid_ref[...] if cfg.has_segments else None
-    lo, hi = _kv_block_range(q_block, cfg, k_ref.shape[0] // bk)
+    lo, hi = kv_block_range(q_block, cfg, k_ref.shape[0] // bk)
 
     def body(j, dq):
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s, t = _scores(q, k, cfg)
+        s, t = block_scores(q, k, cfg)
         p = jnp.exp(s - lse)
         kv_ids = kvid_ref[:, pl.ds(start, bk)] if cfg.has_segments else None
-        mask = _mask(q_block * bq, start, q_ids, kv_ids, cfg, bq, pad_q=False)
+        mask = block_mask(q_block * bq, start, q_ids, kv_ids, cfg, bq, pad_q=False)
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        ds = p * (_dot_nt(do, v) - delta)
+        ds = p * (dot_nt(do, v) - delta)
         if t is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
             ds = ds * (1.0 - t * t)
-        return dq + _dot_nn(ds.astype(k.dtype), k)
+        return dq + dot_nn(ds.astype(k.dtype), k)
 
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * jnp.float32(cfg.sm_scale)).astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qid_ref, kvid_ref, dk_ref, dv_ref,
-    *, cfg: Config, num_heads_per_kv: int, q_len_padded: int,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qid_ref,
+    kvid_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    cfg: Config,
+    num_heads_per_kv: int,
+    q_len_padded: int,
+):
     kv_block = pl.program_id(2)
     bq, bk = cfg.block_q, cfg.block_kv
     k, v = k_ref[...], v_ref[...]
     kv_ids = kvid_ref[...] if cfg.has_segments else None
     num_q_blocks = q_len_padded // bq
-    lo, hi = _q_block_range(kv_block, cfg, num_q_blocks)
+    lo, hi = q_block_range(kv_block, cfg, num_q_blocks)
 
     def q_body(i, carry, r):
         dk, dv = carry
@@ -258,17 +168,17 @@ def _dkdv_kernel(
         do = do_ref[pl.ds(row, bq), :]
         lse = lse_ref[pl.ds(row, bq), :]
         delta = delta_ref[pl.ds(row, bq), :]
-        s, t = _scores(q, k, cfg)
+        s, t = block_scores(q, k, cfg)
         p = jnp.exp(s - lse)
         q_ids = qid_ref[pl.ds(q_start, bq), :] if cfg.has_segments else None
-        mask = _mask(q_start, kv_block * bk, q_ids, kv_ids, cfg, bq, pad_q=True)
+        mask = block_mask(q_start, kv_block * bk, q_ids, kv_ids, cfg, bq, pad_q=True)
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        dv = dv + _dot_tn(p.astype(do.dtype), do)
-        ds = p * (_dot_nt(do, v) - delta)
+        dv = dv + dot_tn(p.astype(do.dtype), do)
+        ds = p * (dot_nt(do, v) - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
-        dk = dk + _dot_tn(ds.astype(q.dtype), q)
+        dk = dk + dot_tn(ds.astype(q.dtype), q)
         return dk, dv
 
     def head_body(r, carry):
@@ -292,14 +202,7 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
     g, sp = k.shape[1], k.shape[2]
     r = h // g
     bq, bk = cfg.block_q, cfg.block_kv
-    # delta_i = sum_k do_ik out_ik = sum_j p_ij dp_ij (the FlashAttention-2 preprocessing step).
-    delta = jnp.sum(
-        do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True
-    )  # [B, H, Lp, 1]
-    if dlse is not None:
-        # d lse_i / d s_ij = p_ij, so the lse path adds p_ij * dlse_i to ds_ij:
-        # ds = p * (dp - delta) + p * dlse = p * (dp - (delta - dlse)).
-        delta = delta - dlse
+    delta = backward_delta(out, do, dlse)
 
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi: (bi, hi, qi, 0))
     kv_spec = pl.BlockSpec((None, None, sp, d), lambda bi, hi, qi: (bi, lax.div(hi, r), 0, 0))
@@ -338,7 +241,7 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
             stat_spec,
             qids_spec,
             kvids_spec,
-        ],  # fmt: skip
+        ],
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[
             jax.ShapeDtypeStruct(k.shape, k.dtype),
