@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm import parallel
+from jaxllm.kernels.reference import attention_mask, masked_scores
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
 from jaxllm.model.positions import (
@@ -29,22 +30,16 @@ from jaxllm.model.positions import (
 from jaxllm.sharding import constrain
 
 
-def _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxLxS, scale, soft_cap=None,
-                   bias_HxLxS=None):  # fmt: skip
-    b, l, h, k = q_BxLxHxK.shape
+def _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS):
+    """Softmax over the masked float32 scores of `jaxllm.kernels.reference`; the probabilities
+    are cast to v's dtype for the second matmul."""
+    b, l, h, _ = q_BxLxHxK.shape
     g = k_BxSxGxK.shape[2]
-    q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, k)
-    scores_BxGxRxLxS = jnp.einsum(
-        "blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32
-    ) * jnp.float32(scale)
-    if soft_cap is not None:
-        scores_BxGxRxLxS = soft_cap * jnp.tanh(scores_BxGxRxLxS / soft_cap)
+    bias_1xGxRxLxS = None
     if bias_HxLxS is not None:
-        scores_BxGxRxLxS = scores_BxGxRxLxS + bias_HxLxS.reshape(
-            1, g, h // g, *bias_HxLxS.shape[1:]
-        )
-    scores_BxGxRxLxS = jnp.where(
-        mask_BxLxS[:, None, None], scores_BxGxRxLxS, jnp.finfo(jnp.float32).min
+        bias_1xGxRxLxS = bias_HxLxS.reshape(1, g, h // g, *bias_HxLxS.shape[1:])
+    scores_BxGxRxLxS, _ = masked_scores(
+        q_BxLxHxK, k_BxSxGxK, mask_XxLxS, scale=scale, soft_cap=soft_cap, bias=bias_1xGxRxLxS
     )
     probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
     out_BxLxGxRxV = jnp.einsum("bgrls,bsgv->blgrv", probs_BxGxRxLxS, v_BxSxGxK)
@@ -110,7 +105,7 @@ def dot_product_attention(
     `xla`, so scanned layers can differ; the kernels need a Python int. `soft_cap` c maps each
     scaled logit s to c * tanh(s / c); `alibi_slopes_H` adds -slope_h * (i - j) (xla only).
     """
-    b, l, _, k = q_BxLxHxK.shape
+    l, k = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
     impl = resolve_impl(impl, alibi_slopes_H is not None)
@@ -136,26 +131,21 @@ def dot_product_attention(
             q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, scale=scale, is_causal=causal,
             local_window_size=window, implementation="cudnn",
         )  # fmt: skip
-    q_idx_Lx1, kv_idx_1xS = jnp.arange(l)[:, None], jnp.arange(s)[None, :]
-    mask_BxLxS = jnp.ones((b, l, s), dtype=bool)
-    if causal:
-        mask_BxLxS &= (q_idx_Lx1 >= kv_idx_1xS)[None]
-    if sliding_window is not None:
-        window = jnp.asarray(sliding_window, jnp.int32)
-        in_window_LxS = (q_idx_Lx1 - kv_idx_1xS < window) & (kv_idx_1xS - q_idx_Lx1 < window)
-        mask_BxLxS &= (in_window_LxS | (window <= 0))[None]
+    if impl != "xla":
+        raise ValueError(f"unknown attention implementation {impl!r}")
+    segment_ids = None
     if q_segment_ids_BxL is not None:
         kv_seg = q_segment_ids_BxL if kv_segment_ids_BxS is None else kv_segment_ids_BxS
-        mask_BxLxS &= q_segment_ids_BxL[:, :, None] == kv_seg[:, None, :]
+        segment_ids = (q_segment_ids_BxL, kv_seg)
+    q_idx_L, kv_idx_S = jnp.arange(l), jnp.arange(s)
+    mask_XxLxS = attention_mask(
+        q_idx_L, kv_idx_S, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids
+    )
     bias_HxLxS = None
     if alibi_slopes_H is not None:
-        distance_LxS = jnp.abs(q_idx_Lx1 - kv_idx_1xS).astype(jnp.float32)
+        distance_LxS = jnp.abs(q_idx_L[:, None] - kv_idx_S[None, :]).astype(jnp.float32)
         bias_HxLxS = -jnp.asarray(alibi_slopes_H, jnp.float32)[:, None, None] * distance_LxS[None]
-    if impl == "xla":
-        return _xla_attention(
-            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxLxS, scale, soft_cap, bias_HxLxS
-        )
-    raise ValueError(f"unknown attention implementation {impl!r}")
+    return _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS)
 
 
 class Attention(nnx.Module):
@@ -185,10 +175,10 @@ class Attention(nnx.Module):
         self.position, self.window = cfg.position, cfg.sliding_window
         self.scale, self.soft_cap = cfg.attn_scale, cfg.attn_soft_cap
         if cfg.position == "rope":
-            inv_freq, self.rope_scaling = rope_frequencies(cfg)
+            inv_freq, self.rope_scaling = rope_frequencies(cfg.rope, cfg.rope_dim, cfg.max_seq_len)
             self.inv_freq = tuple(float(x) for x in inv_freq)  # hashable: part of the graphdef
-            self.rope_interleave = cfg.rope_interleave
-            local = local_rope_frequencies(cfg)
+            self.rope_interleave = cfg.rope.interleave
+            local = local_rope_frequencies(cfg.rope, cfg.rope_dim)
             self.local_inv_freq = None if local is None else tuple(float(x) for x in local)
         if cfg.position == "alibi":
             self.alibi = tuple(float(x) for x in alibi_slopes(cfg.num_heads))
