@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jaxllm import config
-from jaxllm.config import Config, ConfigError, MeshConfig, ModelConfig, TrainConfig
+from jaxllm.config import Config, ConfigError, MeshConfig, ModelConfig, RopeConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RUN = REPO / "configs" / "runs" / "default.yaml"
@@ -112,6 +112,21 @@ def test_unknown_key_in_yaml_file(tmp_path):
     assert "train.stepz" in msg and "train.steps" in msg
 
 
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(RopeConfig)])
+def test_moved_rope_key_in_an_override_names_its_new_key(name):
+    msg = load_error(f"model.rope_{name}=1")
+    assert msg == f"model.rope_{name} is now model.rope.{name}; rename the key."
+
+
+def test_moved_rope_key_in_yaml_names_its_new_key(tmp_path):
+    """A config written before RoPE became its own section (a preset, a run's config.yaml)."""
+    (tmp_path / "c.yaml").write_text("model:\n  rope_theta: 500000.0\n  num_layers: 2\n")
+    msg = load_error(path=tmp_path / "c.yaml")
+    assert msg == "model.rope_theta is now model.rope.theta; rename the key."
+    (tmp_path / "new.yaml").write_text("model:\n  rope:\n    theta: 500000.0\n")
+    assert config.load(tmp_path / "new.yaml").model.rope.theta == 500000.0
+
+
 # ------------------------------------------------------------------------- includes
 
 
@@ -188,8 +203,9 @@ def test_two_auto_degrees():
 
 
 def test_dump_load_round_trip(tmp_path):
+    rope = RopeConfig(theta=5e5, scaling="llama3", factor=8.0, original_max_len=8192)
     cfg = Config(
-        model=ModelConfig(head_dim=64, norm_eps=1e-6, remat="dots", tie_embeddings=True),
+        model=ModelConfig(head_dim=64, norm_eps=1e-6, remat="dots", tie_embeddings=True, rope=rope),
         mesh=MeshConfig(data=2, fsdp=-1),
         optim=dataclasses.replace(Config().optim, lr=2.5e-4, clip_norm=None),
         train=TrainConfig(sample_prompt="null: 123"),  # a string YAML would otherwise parse
@@ -221,6 +237,7 @@ def test_yaml_1_2_scalars():
     [
         ("model.num_kv_heads=3", "model.num_kv_heads"),
         ("model.num_layer=3", "model.num_layers"),
+        ("model.rope_theta=1e6", "model.rope.theta"),
         ("train.steps=ten", "train.steps"),
         ("does/not/exist.yaml", "does/not/exist.yaml"),
     ],

@@ -11,7 +11,7 @@ from conftest import shard_model, tiny_model
 from jaxllm.kernels.decode_attention import quant
 
 from jaxllm import sharding
-from jaxllm.config import GenerateConfig, MeshConfig
+from jaxllm.config import GenerateConfig, MeshConfig, RopeConfig
 from jaxllm.infer import generate, greedy_continue
 from jaxllm.infer import kv_cache as kvc
 from jaxllm.infer.sampling import filter_logits, sample
@@ -150,8 +150,8 @@ KNOBS = {
     "alibi": dict(position="alibi"),
     "learned": dict(position="learned"),
     "window_pattern": dict(sliding_window=4, global_every=2),
-    "qk_norm": dict(qk_norm=True, rope_scaling="llama3", rope_factor=4.0,
-                    rope_original_max_len=16),
+    "qk_norm": dict(qk_norm=True, rope=RopeConfig(scaling="llama3", factor=4.0,
+                                                  original_max_len=16)),
     "post_norm": dict(norm_placement="post", mlp_activation="relu2"),
     "gpt2": dict(position="learned", norm="layernorm", mlp_activation="gelu", qkv_bias=True,
                  o_bias=True, mlp_bias=True, tie_embeddings=True),
@@ -160,7 +160,7 @@ KNOBS = {
                    global_every=2, attn_scale=0.3),
     "gemma3": dict(norm_placement="sandwich", mlp_activation="geglu", qk_norm=True,
                    norm_offset=1.0, scale_embeddings=True, sliding_window=3, global_every=2,
-                   rope_theta=1e6, rope_local_theta=10.0, rope_scaling="linear", rope_factor=8.0),
+                   rope=RopeConfig(theta=1e6, local_theta=10.0, scaling="linear", factor=8.0)),
 }  # fmt: skip
 
 

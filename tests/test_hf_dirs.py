@@ -20,6 +20,8 @@ import jaxllm
 from jaxllm import JaxllmWarning, cli, config, sharding
 from jaxllm.config import ConfigError, MeshConfig
 from jaxllm.convert import hf as convert_hf
+from jaxllm.convert import reader
+from jaxllm.convert.export import export_hf
 from jaxllm.data import tokenizer as tokenizer_lib
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -62,13 +64,13 @@ def test_index_decides_which_files_are_read(tmp_path):
     model.save_pretrained(plain)
     repo = tmp_path / "repo"
     model.save_pretrained(repo, max_shard_size="20KB")
-    assert (repo / convert_hf.INDEX).is_file() and not (repo / "model.safetensors").exists()
+    assert (repo / reader.INDEX).is_file() and not (repo / "model.safetensors").exists()
     tensors = load_file(str(plain / "model.safetensors"))
     mistral = {n.replace("model.embed_tokens.", "tok_embeddings.")
                .replace("model.layers.", "layers.").replace("self_attn.q_proj", "attention.wq"): t
                for n, t in tensors.items()}  # fmt: skip
     save_file(mistral, str(repo / "consolidated.safetensors"))
-    assert convert_hf.is_hf_dir(repo)
+    assert reader.is_hf_dir(repo)
     hf.AutoModelForCausalLM.from_pretrained(repo)  # transformers reads it: so must we
 
     cfg = convert_hf.model_config(repo)
@@ -83,9 +85,9 @@ def test_index_decides_which_files_are_read(tmp_path):
     # an index alone (its shards still to be downloaded) is a Hugging Face directory to refuse
     only_index = tmp_path / "only_index"
     only_index.mkdir()
-    for name in ("config.json", convert_hf.INDEX):
+    for name in ("config.json", reader.INDEX):
         shutil.copy(repo / name, only_index)
-    assert convert_hf.is_hf_dir(only_index)
+    assert reader.is_hf_dir(only_index)
     with pytest.raises(ConfigError, match="which is not in .*download every file the index"):
         convert_hf.model_config(only_index)
 
@@ -275,7 +277,7 @@ def test_byte_tokenizer_on_a_large_vocabulary_warns_and_exports_its_ids(tmp_path
 def _random_params(model_cfg) -> dict:
     """Parameters of the model's shapes, drawn in numpy (norm scales near 1): what init would
     give, without compiling init."""
-    from jaxllm.train.state import abstract_model
+    from jaxllm.model import abstract_model
 
     rng = np.random.default_rng(0)
 
@@ -317,7 +319,7 @@ def test_exported_run_generates_in_transformers_like_jaxllm(tmp_path, capsys):
     params = _random_params(cfg.model)
 
     probe = tmp_path / "probe"  # the model as transformers sees it, to find its greedy tokens
-    convert_hf.export_hf(params, cfg, probe)
+    export_hf(params, cfg, probe)
     prompt_ids = [tok.bos_id, *tok.encode(PROMPT).tolist()]
     seq = _greedy(hf.AutoModelForCausalLM.from_pretrained(probe).eval(), prompt_ids, NEW)
     k = _first_new(seq, set(prompt_ids) | {0, 1, 2}, start=3)

@@ -13,7 +13,7 @@ from conftest import tiny_model
 from flax import nnx
 
 from jaxllm import config, optim
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, RopeConfig
 from jaxllm.metrics import param_counts
 from jaxllm.model import (
     MLP,
@@ -51,14 +51,14 @@ def _set(model, pure):
     "rope, hf",
     [
         ({}, None),
-        ({"rope_scaling": "linear", "rope_factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+        ({"scaling": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
         (
-            {"rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_max_len": 64},
+            {"scaling": "llama3", "factor": 8.0, "original_max_len": 64},
             {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
              "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
         ),
         (
-            {"rope_scaling": "yarn", "rope_factor": 4.0, "rope_original_max_len": 128},
+            {"scaling": "yarn", "factor": 4.0, "original_max_len": 128},
             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
         ),
     ],
@@ -68,8 +68,7 @@ def test_rope_frequencies_match_transformers(rope, hf):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = tiny_model(d_model=256, num_heads=4, max_seq_len=512, rope_theta=50000.0, **rope)
-    inv_freq, scaling = rope_frequencies(cfg)
+    inv_freq, scaling = rope_frequencies(RopeConfig(theta=50000.0, **rope), 64, max_seq_len=512)
     hf_cfg = LlamaConfig(
         hidden_size=256, num_attention_heads=4, max_position_embeddings=512,
         rope_parameters={"rope_theta": 50000.0, **(hf or {"rope_type": "default"})},
@@ -83,29 +82,28 @@ def test_rope_frequencies_match_transformers(rope, hf):
     np.testing.assert_allclose(inv_freq, want, rtol=1e-6)
     assert scaling == pytest.approx(want_scaling)
     if hf is not None:  # the scaling really changes something
-        assert not np.allclose(inv_freq, rope_frequencies(tiny_model(
-            d_model=256, num_heads=4, max_seq_len=512, rope_theta=50000.0))[0])  # fmt: skip
+        plain = rope_frequencies(RopeConfig(theta=50000.0), 64, max_seq_len=512)[0]
+        assert not np.allclose(inv_freq, plain)
 
 
 def test_ntk_scaling_raises_the_base():
-    cfg = tiny_model(rope_scaling="ntk", rope_factor=4.0)
-    k = cfg.resolved_head_dim
-    plain = dataclasses.replace(cfg, rope_scaling="none", rope_factor=1.0,
-                                rope_theta=cfg.rope_theta * 4.0 ** (k / (k - 2)))  # fmt: skip
-    np.testing.assert_allclose(rope_frequencies(cfg)[0], rope_frequencies(plain)[0], rtol=1e-6)
+    rope, k = RopeConfig(scaling="ntk", factor=4.0), 8
+    plain = RopeConfig(theta=rope.theta * 4.0 ** (k / (k - 2)))
+    want = rope_frequencies(plain, k)[0]
+    np.testing.assert_allclose(rope_frequencies(rope, k)[0], want, rtol=1e-6)
 
 
 def test_rope_local_theta_gives_windowed_layers_their_own_unscaled_base():
-    """Gemma 3: a windowed layer rotates by base rope_local_theta without scaling, a global
-    layer by rope_theta with it; picked by the scanned layer's traced flag, statically when
+    """Gemma 3: a windowed layer rotates by base rope.local_theta without scaling, a global
+    layer by rope.theta with it; picked by the scanned layer's traced flag, statically when
     every layer is windowed."""
-    cfg = tiny_model(sliding_window=4, global_every=2, rope_theta=1e6, rope_local_theta=100.0,
-                     rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=16)  # fmt: skip
+    yarn = RopeConfig(theta=1e6, local_theta=100.0, scaling="yarn", factor=4.0, original_max_len=16)
+    cfg = tiny_model(sliding_window=4, global_every=2, rope=yarn)
     attn = Attention(cfg, out_std=0.02, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (2, 7, 4, 8))
     pos = jnp.broadcast_to(jnp.arange(7) * 3, (2, 7))
     local = 1.0 / 100.0 ** (np.arange(0, 8, 2, dtype=np.float32) / 8)
-    global_freq, global_scaling = rope_frequencies(cfg)
+    global_freq, global_scaling = rope_frequencies(cfg.rope, cfg.rope_dim, cfg.max_seq_len)
     assert global_scaling != 1.0 and not np.allclose(local, global_freq)
     rope = jax.jit(lambda w: attn._rope(x, pos, w))
     np.testing.assert_allclose(rope(True), apply_rope(x, pos, local), atol=1e-6)
@@ -114,11 +112,12 @@ def test_rope_local_theta_gives_windowed_layers_their_own_unscaled_base():
     np.testing.assert_allclose(attn._rope(x, pos), apply_rope(x, pos, local), atol=1e-6)
     # a whole model: all windowed with the knob == the plain model with that base
     tokens = _tokens(1, 10)
-    all_local = build(tiny_model(sliding_window=4, rope_theta=1e6, rope_local_theta=100.0,
-                                 rope_scaling="linear", rope_factor=4.0), seed=0)  # fmt: skip
-    plain = build(tiny_model(sliding_window=4, rope_theta=100.0), seed=0)
+    linear = RopeConfig(theta=1e6, local_theta=100.0, scaling="linear", factor=4.0)
+    all_local = build(tiny_model(sliding_window=4, rope=linear), seed=0)
+    plain = build(tiny_model(sliding_window=4, rope=RopeConfig(theta=100.0)), seed=0)
     np.testing.assert_allclose(all_local(tokens), plain(tokens), atol=1e-5)
-    knob = build(tiny_model(sliding_window=4, global_every=2, rope_local_theta=100.0), seed=0)
+    local = RopeConfig(local_theta=100.0)
+    knob = build(tiny_model(sliding_window=4, global_every=2, rope=local), seed=0)
     no_knob = build(tiny_model(sliding_window=4, global_every=2), seed=0)
     assert not np.allclose(knob(tokens), no_knob(tokens), atol=1e-4)
 
@@ -364,13 +363,13 @@ def test_dropout_only_with_a_key():
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["model.rope_factor=2.0"], "model.rope_factor"),
-        (["model.position=alibi", "model.rope_scaling=linear", "model.rope_factor=2.0"],
-         "model.rope_"),
+        (["model.rope.factor=2.0"], "model.rope.factor"),
+        (["model.position=alibi", "model.rope.scaling=linear", "model.rope.factor=2.0"],
+         "model.rope."),
         (["model.global_every=2"], "model.global_every"),
         (["model.sliding_window=0"], "model.sliding_window"),
-        (["model.rope_local_theta=10000.0"], "model.rope_local_theta"),
-        (["model.sliding_window=8", "model.rope_local_theta=0.0"], "model.rope_local_theta"),
+        (["model.rope.local_theta=10000.0"], "model.rope.local_theta"),
+        (["model.sliding_window=8", "model.rope.local_theta=0.0"], "model.rope.local_theta"),
         (["model.dropout=1.0"], "model.dropout"),
         (["model.position=alibi", "model.attention_impl=flash"], "model.position=alibi"),
         (["model.attn_soft_cap=-1.0"], "model.attn_soft_cap"),

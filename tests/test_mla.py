@@ -12,7 +12,7 @@ from conftest import shard_model, tiny_model
 from flax import nnx
 
 from jaxllm import config, sharding
-from jaxllm.config import ConfigError, GenerateConfig, MeshConfig, MLAConfig
+from jaxllm.config import ConfigError, GenerateConfig, MeshConfig, MLAConfig, RopeConfig
 from jaxllm.infer import generate, greedy_continue
 from jaxllm.infer import kv_cache as kvc
 from jaxllm.metrics import param_counts
@@ -82,7 +82,8 @@ def _reference(p, x_BxLxD, a: MLAConfig, h, interleave):
 @pytest.mark.parametrize("q_lora_rank", [0, 12])
 @pytest.mark.parametrize("interleave", [False, True])
 def test_layer_equals_the_deepseek_equations(q_lora_rank, interleave):
-    cfg = _cfg(dataclasses.replace(MLA, q_lora_rank=q_lora_rank), rope_interleave=interleave)
+    mla = dataclasses.replace(MLA, q_lora_rank=q_lora_rank)
+    cfg = _cfg(mla, rope=RopeConfig(interleave=interleave))
     layer = MLAttention(cfg, out_std=0.5, rngs=nnx.Rngs(0))
     p = jax.tree.map(
         lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(layer, nnx.Param))

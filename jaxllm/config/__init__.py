@@ -29,7 +29,7 @@ from jaxllm.config.loading import (
     split_args,
     to_dict,
 )
-from jaxllm.config.model import MLAConfig, ModelConfig, MoEConfig
+from jaxllm.config.model import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from jaxllm.config.root import Config
 from jaxllm.config.sections import (
     MESH_AXES,
@@ -47,6 +47,6 @@ from jaxllm.config.sections import (
 __all__ = [
     "MESH_AXES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "GenerateConfig", "JaxllmWarning", "MLAConfig", "MeshConfig", "ModelConfig", "MoEConfig", "OptimConfig",
-    "RunConfig", "RunError", "SourceConfig", "TrainConfig", "apply_overrides", "configs_dir", "dump", "from_dict", "load", "load_args",
+    "RopeConfig", "RunConfig", "RunError", "SourceConfig", "TrainConfig", "apply_overrides", "configs_dir", "dump", "from_dict", "load", "load_args",
     "mesh_degrees", "split_args", "to_dict",
 ]  # fmt: skip

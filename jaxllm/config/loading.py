@@ -199,6 +199,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
+    moved = [k for k in unknown if k in getattr(cls, "moved_keys", {})]
+    if moved:
+        _fail(f"{prefix}.{moved[0]} is now {prefix}.{cls.moved_keys[moved[0]]}; rename the key.")
     if unknown:
         import difflib
 

@@ -1,13 +1,49 @@
 """The `model` section: the decoder's shape and architecture knobs (`ModelConfig`), with its
-mixture-of-experts (`MoEConfig`) and Multi-head Latent Attention (`MLAConfig`) subsections, and
-the checks that involve only them."""
+rotary position (`RopeConfig`), mixture-of-experts (`MoEConfig`) and Multi-head Latent Attention
+(`MLAConfig`) subsections, and the checks that involve only them."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from jaxllm.config.errors import fail as _fail
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding (`jaxllm.model.positions`): the base frequency, context
+    extension, the base of windowed layers and the channel-pair layout."""
+
+    theta: float = 10000.0
+    """Base frequency."""
+    scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"
+    """Context extension by `factor` (Hugging Face `rope_type`): `linear` (position
+    interpolation: frequencies / factor), `ntk` (NTK-aware: theta * factor^(K / (K - 2))),
+    `yarn` (Peng et al. 2023: per-frequency ramp between interpolation and extrapolation, plus
+    an attention temperature), `llama3` (Llama 3.1: low frequencies / factor, a smooth band)."""
+    factor: float = 1.0
+    """Context extension factor of `scaling`; must stay 1 without scaling."""
+    original_max_len: int | None = None
+    """Context length the model was pretrained at (`yarn`, `llama3`); null means
+    model.max_seq_len."""
+    low_freq_factor: float = 1.0
+    """`llama3`: wavelengths above original_max_len / this are interpolated fully."""
+    high_freq_factor: float = 4.0
+    """`llama3`: wavelengths below original_max_len / this are kept as they are."""
+    beta_fast: float = 32.0
+    """`yarn`: rotations over the original context above which a frequency is extrapolated."""
+    beta_slow: float = 1.0
+    """`yarn`: rotations below which a frequency is interpolated."""
+    attention_factor: float | None = None
+    """`yarn`: multiplier of cos/sin (attention temperature); null is 0.1 ln(factor) + 1."""
+    local_theta: float | None = None
+    """Base of windowed (sliding-window) layers, which take no `scaling` (Gemma 3: 10k locally,
+    theta 1M with linear scaling globally); null: every layer uses theta and the scaling.
+    Needs model.sliding_window."""
+    interleave: bool = False
+    """Rotate adjacent channel pairs (2i, 2i + 1) (GPT-J, DeepSeek-V2/V3 checkpoints) instead of
+    the "rotate half" pairs (i, i + K/2) of Llama checkpoints."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,34 +176,8 @@ class ModelConfig:
     linear distance penalty on attention logits, Press et al. 2022; attention_impl xla only),
     `learned` (an absolute [max_seq_len, D] table added to the embeddings, GPT-2), or `none`
     (causal masking alone, NoPE)."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    rope_scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"
-    """RoPE context extension by `rope_factor` (Hugging Face `rope_type`): `linear` (position
-    interpolation: frequencies / factor), `ntk` (NTK-aware: theta * factor^(K / (K - 2))),
-    `yarn` (Peng et al. 2023: per-frequency ramp between interpolation and extrapolation, plus
-    an attention temperature), `llama3` (Llama 3.1: low frequencies / factor, a smooth band)."""
-    rope_factor: float = 1.0
-    """Context extension factor of `rope_scaling`; must stay 1 without scaling."""
-    rope_original_max_len: int | None = None
-    """Context length the model was pretrained at (`yarn`, `llama3`); null means max_seq_len."""
-    rope_low_freq_factor: float = 1.0
-    """`llama3`: wavelengths above original_max_len / this are interpolated fully."""
-    rope_high_freq_factor: float = 4.0
-    """`llama3`: wavelengths below original_max_len / this are kept as they are."""
-    rope_beta_fast: float = 32.0
-    """`yarn`: rotations over the original context above which a frequency is extrapolated."""
-    rope_beta_slow: float = 1.0
-    """`yarn`: rotations below which a frequency is interpolated."""
-    rope_attention_factor: float | None = None
-    """`yarn`: multiplier of cos/sin (attention temperature); null is 0.1 ln(factor) + 1."""
-    rope_local_theta: float | None = None
-    """RoPE base of windowed (sliding-window) layers, which take no `rope_scaling` (Gemma 3:
-    10k locally, rope_theta 1M with linear scaling globally); null: every layer uses rope_theta
-    and the scaling. Needs sliding_window."""
-    rope_interleave: bool = False
-    """Rotate adjacent channel pairs (2i, 2i + 1) (GPT-J, DeepSeek-V2/V3 checkpoints) instead of
-    the "rotate half" pairs (i, i + K/2) of Llama checkpoints."""
+    rope: RopeConfig = RopeConfig()
+    """Rotary position embedding (`position=rope`): base, context extension, pair layout."""
     mlp_activation: Literal["swiglu", "geglu", "gelu", "relu", "relu2"] = "swiglu"
     """MLP nonlinearity. Gated (`swiglu`: silu(gate) * up, `geglu`: gelu(gate) * up) have
     gate/up/down projections; plain ones (`gelu`, `relu`, `relu2` = squared ReLU, So et al.
@@ -232,6 +242,11 @@ class ModelConfig:
     mla: MLAConfig = MLAConfig()
     """Multi-head Latent Attention in every block instead of GQA when mla.kv_lora_rank > 0."""
 
+    moved_keys: ClassVar[dict[str, str]] = {
+        f"rope_{f.name}": f"rope.{f.name}" for f in dataclasses.fields(RopeConfig)
+    }
+    """Keys that moved into a subsection (old name -> new name): loading names the new key."""
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
@@ -261,26 +276,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Combinations of model keys no field type can express (raises ConfigError)."""
-        if self.position != "rope":
-            changed = [
-                f"model.{f.name}" for f in dataclasses.fields(self)
-                if f.name.startswith("rope_") and getattr(self, f.name) != f.default
-            ]  # fmt: skip
-            if changed:
-                _fail(f"{changed[0]} only applies to model.position=rope, not {self.position}.")
-        if self.rope_scaling == "none" and self.rope_factor != 1.0:
-            _fail("model.rope_factor needs model.rope_scaling (linear, ntk, yarn or llama3).")
-        if self.rope_factor <= 0 or self.rope_theta <= 0:
-            _fail("model.rope_factor and model.rope_theta must be positive.")
-        if self.rope_local_theta is not None:
-            self._validate_local_rope()
-        if self.rope_scaling == "llama3" and not (
-            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
-        ):
-            _fail("model.rope_low_freq_factor must be positive and below rope_high_freq_factor.")
-        if self.position == "rope" and self.rope_dim % 2:
-            what = "model.mla.qk_rope_head_dim" if self.mla.enabled else "model.head_dim"
-            _fail(f"{what} ({self.rope_dim}) must be even for RoPE.")
+        self._validate_rope()
         if self.mla.enabled:  # off, its widths are ignored (as moe.* without experts)
             self._validate_mla()
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -300,12 +296,32 @@ class ModelConfig:
         if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
             _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
 
-    def _validate_local_rope(self) -> None:
-        if self.rope_local_theta <= 0:
-            _fail("model.rope_local_theta must be positive or null.")
-        if self.sliding_window is None:
-            _fail("model.rope_local_theta is the RoPE base of windowed layers: it needs "
-                  "model.sliding_window.")  # fmt: skip
+    def _validate_rope(self) -> None:
+        r = self.rope
+        if self.position != "rope":
+            changed = [
+                f"model.rope.{f.name}"
+                for f in dataclasses.fields(r)
+                if getattr(r, f.name) != f.default
+            ]
+            if changed:
+                _fail(f"{changed[0]} only applies to model.position=rope, not {self.position}.")
+        if r.scaling == "none" and r.factor != 1.0:
+            _fail("model.rope.factor needs model.rope.scaling (linear, ntk, yarn or llama3).")
+        if r.factor <= 0 or r.theta <= 0:
+            _fail("model.rope.factor and model.rope.theta must be positive.")
+        if r.local_theta is not None and r.local_theta <= 0:
+            _fail("model.rope.local_theta must be positive or null.")
+        if r.local_theta is not None and self.sliding_window is None:
+            _fail(
+                "model.rope.local_theta is the RoPE base of windowed layers: it needs "
+                "model.sliding_window."
+            )
+        if r.scaling == "llama3" and not 0 < r.low_freq_factor < r.high_freq_factor:
+            _fail("model.rope.low_freq_factor must be positive and below high_freq_factor.")
+        if self.position == "rope" and self.rope_dim % 2:
+            what = "model.mla.qk_rope_head_dim" if self.mla.enabled else "model.head_dim"
+            _fail(f"{what} ({self.rope_dim}) must be even for RoPE.")
 
     def _validate_mla(self) -> None:
         a = self.mla

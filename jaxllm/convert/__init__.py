@@ -12,8 +12,10 @@ directly and `checkpoint.init_from=...` starts training from one.
 
 from __future__ import annotations
 
+from jaxllm.convert.export import export_hf
 from jaxllm.convert.families import FAMILIES
-from jaxllm.convert.hf import export_hf, import_hf, is_hf_dir, load_params, model_config
+from jaxllm.convert.hf import import_hf, load_params, model_config
+from jaxllm.convert.reader import is_hf_dir
 
 __all__ = [
     "FAMILIES",

@@ -33,7 +33,8 @@ def _activation_name(cfg: ModelConfig) -> str:
 
 
 def _rope(hf: dict) -> dict:
-    """RoPE fields from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
+    """`model.rope` fields from `rope_parameters` (transformers 5) or `rope_theta` +
+    `rope_scaling`."""
     p = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     if any(isinstance(v, dict) for v in p.values()):
         _fail("per-layer-type RoPE parameters (Gemma 3 style) are not supported.")
@@ -41,17 +42,21 @@ def _rope(hf: dict) -> dict:
     kind = p.get("rope_type", p.get("type", "default"))
     if p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         _fail("partial_rotary_factor != 1 (RoPE on part of the head) is not supported.")
-    out: dict = {"rope_theta": float(theta)}
+    out: dict = {"theta": float(theta)}
     original = p.get("original_max_position_embeddings")
     if kind == "default":
         return out
     if kind == "linear":
-        return {**out, "rope_scaling": "linear", "rope_factor": float(p["factor"])}
+        return {**out, "scaling": "linear", "factor": float(p["factor"])}
     if kind == "llama3":
-        return {**out, "rope_scaling": "llama3", "rope_factor": float(p["factor"]),
-                "rope_low_freq_factor": float(p.get("low_freq_factor", 1.0)),
-                "rope_high_freq_factor": float(p.get("high_freq_factor", 4.0)),
-                "rope_original_max_len": original}  # fmt: skip
+        return {
+            **out,
+            "scaling": "llama3",
+            "factor": float(p["factor"]),
+            "low_freq_factor": float(p.get("low_freq_factor", 1.0)),
+            "high_freq_factor": float(p.get("high_freq_factor", 4.0)),
+            "original_max_len": original,
+        }
     if kind == "yarn":
         if p.get("truncate", True) is False:
             _fail("YaRN with truncate=false is not supported.")
@@ -61,11 +66,15 @@ def _rope(hf: dict) -> dict:
             # transformers' rule (DeepSeek-V2/V3 configs): the two temperatures' ratio
             mscale, all_dim = p["mscale"], p["mscale_all_dim"]
             attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
-        return {**out, "rope_scaling": "yarn", "rope_factor": float(factor),
-                "rope_beta_fast": float(p.get("beta_fast") or 32.0),
-                "rope_beta_slow": float(p.get("beta_slow") or 1.0),
-                "rope_attention_factor": None if attention is None else float(attention),
-                "rope_original_max_len": original}  # fmt: skip
+        return {
+            **out,
+            "scaling": "yarn",
+            "factor": float(factor),
+            "beta_fast": float(p.get("beta_fast") or 32.0),
+            "beta_slow": float(p.get("beta_slow") or 1.0),
+            "attention_factor": None if attention is None else float(attention),
+            "original_max_len": original,
+        }
     _fail(f"RoPE type {kind!r} is not supported (none, linear, llama3 and yarn are).")
 
 
@@ -76,26 +85,33 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict:
-    p: dict = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
-               "rope_theta": cfg.rope_theta}  # fmt: skip
-    original = cfg.rope_original_max_len or cfg.max_seq_len
-    if cfg.rope_scaling == "ntk":
-        _fail("model.rope_scaling=ntk has no Hugging Face rope_type (its `dynamic` differs).")
-    if cfg.rope_scaling == "linear":
-        p["factor"] = cfg.rope_factor
-    elif cfg.rope_scaling == "llama3":
-        p.update(factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                 high_freq_factor=cfg.rope_high_freq_factor,
-                 original_max_position_embeddings=original)  # fmt: skip
-    elif cfg.rope_scaling == "yarn":
-        p.update(factor=cfg.rope_factor, beta_fast=cfg.rope_beta_fast,
-                 beta_slow=cfg.rope_beta_slow, original_max_position_embeddings=original)  # fmt: skip
-        if cfg.rope_attention_factor is not None:
-            p["attention_factor"] = cfg.rope_attention_factor
-    legacy = (
-        None if cfg.rope_scaling == "none" else {k: v for k, v in p.items() if k != "rope_theta"}
-    )
-    return {"rope_parameters": p, "rope_theta": cfg.rope_theta, "rope_scaling": legacy}
+    """config.json's RoPE keys of `model.rope`: `rope_parameters` (transformers 5) and the
+    older `rope_theta` + `rope_scaling`."""
+    r = cfg.rope
+    p: dict = {"rope_type": "default" if r.scaling == "none" else r.scaling, "rope_theta": r.theta}
+    original = r.original_max_len or cfg.max_seq_len
+    if r.scaling == "ntk":
+        _fail("model.rope.scaling=ntk has no Hugging Face rope_type (its `dynamic` differs).")
+    if r.scaling == "linear":
+        p["factor"] = r.factor
+    elif r.scaling == "llama3":
+        p.update(
+            factor=r.factor,
+            low_freq_factor=r.low_freq_factor,
+            high_freq_factor=r.high_freq_factor,
+            original_max_position_embeddings=original,
+        )
+    elif r.scaling == "yarn":
+        p.update(
+            factor=r.factor,
+            beta_fast=r.beta_fast,
+            beta_slow=r.beta_slow,
+            original_max_position_embeddings=original,
+        )
+        if r.attention_factor is not None:
+            p["attention_factor"] = r.attention_factor
+    legacy = None if r.scaling == "none" else {k: v for k, v in p.items() if k != "rope_theta"}
+    return {"rope_parameters": p, "rope_theta": r.theta, "rope_scaling": legacy}
 
 
 def _windows(hf: dict, all_sliding_default: bool) -> dict:

@@ -9,7 +9,7 @@ import math
 
 from jaxllm.config import ModelConfig
 from jaxllm.convert.config_map import _dtype_name, _fail, _rope, _rope_to_hf, _yarn_mscale
-from jaxllm.convert.links import Link
+from jaxllm.convert.links import Family, Link
 
 
 def _shared_experts(hf: dict, default: int, version: str) -> int:
@@ -28,8 +28,9 @@ def _deepseek_v3_model(hf: dict) -> dict:
     group-limited top-k (n_group / topk_group), renormalised weights times
     routed_scaling_factor, and shared experts. With YaRN, `mscale_all_dim` sharpens the
     softmax (attn_scale) and mscale / mscale_all_dim set the cos/sin factor."""
-    return {**_deepseek_mla_model(hf, "DeepSeek-V3"),
-            "rope_interleave": bool(hf.get("rope_interleave", True)), "moe": _deepseek_moe(hf)}  # fmt: skip
+    out = _deepseek_mla_model(hf, "DeepSeek-V3")
+    out["rope"]["interleave"] = bool(hf.get("rope_interleave", True))
+    return {**out, "moe": _deepseek_moe(hf)}
 
 
 def _deepseek_mla_model(hf: dict, name: str) -> dict:
@@ -58,7 +59,8 @@ def _deepseek_mla_model(hf: dict, name: str) -> dict:
         "max_seq_len": hf["max_position_embeddings"],
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "mlp_activation": "swiglu", "attn_scale": _deepseek_scale(hf, rope), "mla": mla, **rope,
+        "mlp_activation": "swiglu", "attn_scale": _deepseek_scale(hf, rope), "mla": mla,
+        "rope": rope,
     }  # fmt: skip
 
 
@@ -68,9 +70,9 @@ def _deepseek_scale(hf: dict, rope: dict) -> float | None:
     mscale(factor, mscale_all_dim)^2; null (the default scale) otherwise."""
     p = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     all_dim = p.get("mscale_all_dim")
-    if rope.get("rope_scaling", "none") == "none" or not all_dim:
+    if rope.get("scaling", "none") == "none" or not all_dim:
         return None
-    m = _yarn_mscale(rope["rope_factor"], all_dim)
+    m = _yarn_mscale(rope["factor"], all_dim)
     return None if m == 1 else (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]) ** -0.5 * m * m
 
 
@@ -116,8 +118,9 @@ def _deepseek_v2_model(hf: dict) -> dict:
     if hf.get("mlp_bias"):
         _fail("DeepSeek-V2 with mlp_bias=true is not supported: jaxllm's SwiGLU MLPs and "
               "experts have no biases.")  # fmt: skip
-    return {**_deepseek_mla_model(hf, "DeepSeek-V2"), "rope_interleave": True,
-            "moe": _deepseek_v2_moe(hf)}  # fmt: skip
+    out = _deepseek_mla_model(hf, "DeepSeek-V2")
+    out["rope"]["interleave"] = True
+    return {**out, "moe": _deepseek_v2_moe(hf)}
 
 
 def _deepseek_v2_moe(hf: dict) -> dict:
@@ -175,7 +178,7 @@ def _deepseek_v2_hf(cfg: ModelConfig) -> dict:
 def _deepseek_v3_hf(cfg: ModelConfig) -> dict:
     """config.json of a DeepSeek-V3. No multi-token-prediction module is written
     (num_nextn_predict_layers=0): jaxllm models have none."""
-    out = {**_deepseek_mla_hf(cfg, "deepseek_v3"), "rope_interleave": cfg.rope_interleave,
+    out = {**_deepseek_mla_hf(cfg, "deepseek_v3"), "rope_interleave": cfg.rope.interleave,
            "num_nextn_predict_layers": 0}  # fmt: skip
     moe = cfg.moe
     if moe.enabled:
@@ -229,10 +232,10 @@ def _mscale_all_dim(cfg: ModelConfig) -> float | None:
     default = cfg.mla.qk_head_dim**-0.5
     if cfg.attn_scale is None or math.isclose(cfg.attn_scale, default):
         return None
-    if cfg.rope_scaling != "yarn" or cfg.rope_factor <= 1:
+    if cfg.rope.scaling != "yarn" or cfg.rope.factor <= 1:
         return None
     m = math.sqrt(cfg.attn_scale / default)
-    return float(f"{(m - 1) / (0.1 * math.log(cfg.rope_factor)):.12g}")
+    return float(f"{(m - 1) / (0.1 * math.log(cfg.rope.factor)):.12g}")
 
 
 def _deepseek_links(cfg: ModelConfig, fused: bool = False) -> list[Link]:
@@ -307,3 +310,22 @@ def _beyond_last_layer(cfg: ModelConfig, name: str) -> bool:
     parts = name.split(".")
     layer = parts[2] if name.startswith("model.layers.") else ""
     return layer.isdigit() and int(layer) >= cfg.num_layers
+
+
+DEEPSEEK_V3 = Family(
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    _deepseek_v3_model,
+    _deepseek_v3_hf,
+    _deepseek_links,
+    other_links=(lambda c: _deepseek_links(c, fused=True),),
+    skip=_beyond_last_layer,
+)
+DEEPSEEK_V2 = Family(
+    "deepseek_v2",
+    "DeepseekV2ForCausalLM",
+    _deepseek_v2_model,
+    _deepseek_v2_hf,
+    _deepseek_links,
+    other_links=(lambda c: _deepseek_links(c, fused=True),),
+)

@@ -12,10 +12,10 @@ float32 exactly as Hugging Face's `ROPE_INIT_FUNCTIONS` do, so imported long-con
   interpolation and extrapolation, and cos/sin multiplied by an attention factor.
 - `llama3`: Llama 3.1's rule: long wavelengths interpolated, short ones kept, a smooth band.
 
-`rope_local_theta` gives windowed layers their own base without scaling (Gemma 3: local layers
-see a few thousand tokens, so only the global ones are stretched for long context).
+`RopeConfig.local_theta` gives windowed layers their own base without scaling (Gemma 3: local
+layers see a few thousand tokens, so only the global ones are stretched for long context).
 
-`rope_interleave` pairs channels (2i, 2i + 1) instead (GPT-J; DeepSeek-V2/V3 checkpoints).
+`RopeConfig.interleave` pairs channels (2i, 2i + 1) instead (GPT-J; DeepSeek-V2/V3 checkpoints).
 
 ALiBi (Press et al. 2022, arXiv:2108.12409) adds -slope_h * (i - j) to the logit of query i and
 key j; slopes are the geometric sequence of the paper (interleaved for non-powers of two).
@@ -30,57 +30,63 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import RopeConfig
 
 
-def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """(inv_freq float32 [K/2], attention factor multiplying cos and sin) for `cfg`."""
-    k = cfg.rope_dim
+def rope_frequencies(
+    rope: RopeConfig, dim: int, max_seq_len: int | None = None
+) -> tuple[np.ndarray, float]:
+    """(inv_freq float32 [dim/2], attention factor multiplying cos and sin) of `rope` for heads
+    whose `dim` channels it rotates. `max_seq_len` (the model's context) stands for
+    `rope.original_max_len` when that is null (`llama3`, `yarn`)."""
+    k = dim
     f32 = np.float32
-    theta, factor = cfg.rope_theta, cfg.rope_factor
-    if cfg.rope_scaling == "ntk":
+    theta, factor = rope.theta, rope.factor
+    if rope.scaling == "ntk":
         theta = theta * factor ** (k / (k - 2))
     exponents = np.arange(0, k, 2, dtype=np.int64).astype(f32) / f32(k)
     pos_freqs = np.power(f32(theta), exponents).astype(f32)
     inv_freq = (f32(1.0) / pos_freqs).astype(f32)
-    original = cfg.rope_original_max_len or cfg.max_seq_len
+    original = rope.original_max_len or max_seq_len
+    if rope.scaling in ("llama3", "yarn") and original is None:
+        raise ValueError(f"RoPE scaling {rope.scaling} needs original_max_len or max_seq_len")
     scaling = 1.0
-    if cfg.rope_scaling == "linear":
+    if rope.scaling == "linear":
         inv_freq = (inv_freq / f32(factor)).astype(f32)
-    elif cfg.rope_scaling == "llama3":
-        low_wavelen = original / cfg.rope_low_freq_factor
-        high_wavelen = original / cfg.rope_high_freq_factor
+    elif rope.scaling == "llama3":
+        low, high = rope.low_freq_factor, rope.high_freq_factor
+        low_wavelen, high_wavelen = original / low, original / high
         wavelen = (2 * math.pi / inv_freq).astype(f32)
         scaled = np.where(wavelen > low_wavelen, inv_freq / f32(factor), inv_freq).astype(f32)
-        smooth = ((original / wavelen - cfg.rope_low_freq_factor)
-                  / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)).astype(f32)  # fmt: skip
+        smooth = ((original / wavelen - low) / (high - low)).astype(f32)
         smoothed = ((1 - smooth) * scaled / f32(factor) + smooth * scaled).astype(f32)
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled).astype(f32)
-    elif cfg.rope_scaling == "yarn":
-        inv_freq, scaling = _yarn(cfg, pos_freqs, original)
+    elif rope.scaling == "yarn":
+        inv_freq, scaling = _yarn(rope, k, pos_freqs, original)
     return inv_freq, scaling
 
 
-def local_rope_frequencies(cfg: ModelConfig) -> np.ndarray | None:
-    """inv_freq float32 [K/2] of windowed layers: base rope_local_theta, no scaling (their
+def local_rope_frequencies(rope: RopeConfig, dim: int) -> np.ndarray | None:
+    """inv_freq float32 [dim/2] of windowed layers: base `rope.local_theta`, no scaling (their
     attention factor is 1); None when they share the global frequencies."""
-    if cfg.rope_local_theta is None:
+    if rope.local_theta is None:
         return None
-    local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling="none",
-                                rope_factor=1.0)  # fmt: skip
-    return rope_frequencies(local)[0]
+    local = dataclasses.replace(rope, theta=rope.local_theta, scaling="none", factor=1.0)
+    return rope_frequencies(local, dim)[0]
 
 
-def _yarn(cfg: ModelConfig, pos_freqs: np.ndarray, original: int) -> tuple[np.ndarray, float]:
-    k, factor, theta = cfg.rope_dim, cfg.rope_factor, cfg.rope_theta
+def _yarn(
+    rope: RopeConfig, k: int, pos_freqs: np.ndarray, original: int
+) -> tuple[np.ndarray, float]:
+    factor, theta = rope.factor, rope.theta
     f32 = np.float32
 
     def correction_dim(rotations: float) -> float:
         return (k * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), k - 1)
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), k - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(k // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
@@ -90,7 +96,7 @@ def _yarn(cfg: ModelConfig, pos_freqs: np.ndarray, original: int) -> tuple[np.nd
     inv_freq = (inv_inter * (1 - extrapolation_weight) + inv_extra * extrapolation_weight).astype(
         f32
     )
-    attention = cfg.rope_attention_factor
+    attention = rope.attention_factor
     if attention is None:
         attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
     return inv_freq, float(attention)

@@ -1,0 +1,128 @@
+"""Hugging Face directories out: `jaxllm convert export` (`export_hf`) writes a model's
+config.json and safetensors in a family's layout, one layer (or one layer's expert) on the host
+at a time, with the run's tokenizer and its special-token ids."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, processors
+
+from jaxllm import config as config_lib
+from jaxllm.config import ConfigError
+from jaxllm.convert.families import FAMILIES, guess_family, hf_config
+from jaxllm.convert.mapping import Mapped, each, flatten
+from jaxllm.convert.reader import INDEX, TOKENIZER_FILES
+from jaxllm.data.tokenizer import (
+    GENERATION_CONFIG,
+    NO_TOKENIZER,
+    HFTokenizer,
+    generation_config,
+    load_tokenizer,
+)
+
+SHARD_BYTES = 4 * 2**30  # a new safetensors file past this many bytes
+
+
+def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None = None,
+              shard_bytes: int = SHARD_BYTES, model_state: dict | None = None,
+              run_dir=None) -> list[Mapped]:  # fmt: skip
+    """Writes config.json and model.safetensors (or shards + index) of `params` and
+    `model_state` (nested dicts of arrays, possibly sharded: each tensor is fetched to the host
+    one layer, or one layer's expert, at a time), in the family's first layout (Mixtral,
+    DeepSeek-V3: per-expert tensors); and the run's tokenizer with its special-token ids
+    (`_write_tokenizer`; `run_dir`: where else to look for a generation_config.json)."""
+    m = cfg.model
+    if family is not None and family not in FAMILIES:
+        raise ConfigError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}.")
+    fam = FAMILIES[family] if family else guess_family(m)
+    hf = hf_config(m, fam)
+    flat = {**flatten(params), **flatten(model_state or {})}
+    shapes = {p: tuple(a.shape) for p, a in flat.items()}
+    links = fam.links(m)
+    owned = {p for link in links for p in link.ours}
+    if owned != set(flat):
+        raise ConfigError(f"the {fam.name} mapping does not cover the parameters "
+                          f"{sorted(set(flat) ^ owned)}.")  # fmt: skip
+    hf_dir = Path(hf_dir)
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    files: list[dict] = [{}]
+    size = 0
+    report = []
+    for link in links:
+        for index in each(link, shapes):  # one layer (and expert) at a time to the host
+            xs = [np.asarray(jax.device_get(flat[p][index] if index else flat[p]))
+                  for p in link.ours]  # fmt: skip
+            t = link.to_hf(xs)
+            if size and size + t.nbytes > shard_bytes:
+                files.append({})
+                size = 0
+            files[-1][link.name(index)] = t
+            size += t.nbytes
+        report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
+    names = (["model.safetensors"] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])  # fmt: skip
+    for old in hf_dir.glob("*.safetensors"):
+        old.unlink()
+    for name, tensors in zip(names, files):
+        save_file(tensors, str(hf_dir / name), metadata={"format": "pt"})
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for f in files for t in f.values())},
+                 "weight_map": {t: n for n, f in zip(names, files) for t in f}}  # fmt: skip
+        (hf_dir / INDEX).write_text(json.dumps(index, indent=2))
+    hf = {**hf, **_write_tokenizer(cfg, hf_dir, run_dir)}
+    (hf_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return report
+
+
+def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict:
+    """Writes the run's tokenizer files into `hf_dir` and returns the special-token ids for
+    config.json, so that `AutoTokenizer` and `generate` in transformers see what jaxllm sees.
+
+    generation_config.json: the run's own (imported with the model; found beside its
+    tokenizer file or in `run_dir`) with any missing bos/eos/pad id filled in from the
+    tokenizer. For a tokenizer.json: the file itself, the run's tokenizer_config.json,
+    special_tokens_map.json and chat template where it has them (else a minimal
+    tokenizer_config.json naming the special tokens, which `AutoTokenizer` needs to know them),
+    and, when the run puts BOS before every document (data.add_bos) and the tokenizer.json
+    has no post-processor, one that does the same, since transformers' tokenizer adds only
+    what tokenizer.json says (jaxllm encodes without it: the packer adds BOS). The byte
+    tokenizer has no file to write; its ids are written all the same."""
+    spec = cfg.data.tokenizer
+    if spec == NO_TOKENIZER:
+        return {}
+    tok = load_tokenizer(spec)
+    pad = tok.found_pad_id  # not pad_id, which is 0 (a real token) for a tokenizer without one
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": pad}
+    gen = generation_config(spec, run_dir)
+    gen = {**{k: v for k, v in ids.items() if v is not None}, **gen}
+    (hf_dir / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    if not isinstance(tok, HFTokenizer):
+        return ids
+    source = Path(tok.name)
+    backend = Tokenizer.from_file(str(source))
+    if cfg.data.add_bos and tok.bos_id is not None and backend.post_processor is None:
+        bos = backend.id_to_token(tok.bos_id)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
+        )
+        backend.save(str(hf_dir / "tokenizer.json"))
+    else:
+        shutil.copy(source, hf_dir / "tokenizer.json")
+    for name in TOKENIZER_FILES:
+        if (source.parent / name).is_file():
+            shutil.copy(source.parent / name, hf_dir / name)
+    if not (source.parent / "tokenizer_config.json").is_file():
+        specials = {f"{k}_token": backend.id_to_token(i)
+                    for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id), ("pad", pad))
+                    if i is not None}  # fmt: skip
+        minimal = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+                   "model_max_length": cfg.model.max_seq_len,
+                   "clean_up_tokenization_spaces": False}  # fmt: skip
+        (hf_dir / "tokenizer_config.json").write_text(json.dumps(minimal, indent=2) + "\n")
+    return ids

@@ -1,0 +1,182 @@
+"""A Hugging Face model directory as it is on disk: config.json, the safetensors index, and the
+safetensors files' headers and tensors (`Reader`), read without trusting them blindly: a broken
+or inconsistent file is a one-line ConfigError naming it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from jaxllm.config import ConfigError
+from jaxllm.convert.families import first_line
+
+DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+INDEX = "model.safetensors.index.json"
+# Files beside tokenizer.json that import copies into the run directory with it (its specials,
+# chat template) and export writes back; generation_config.json travels with them too.
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def is_hf_dir(path) -> bool:
+    path = Path(path)
+    has_weights = (path / INDEX).is_file() or any(path.glob("*.safetensors"))
+    return (path / "config.json").is_file() and has_weights
+
+
+def read_json(path: Path):
+    """The JSON value of `path`; ConfigError (one line, with the position) when it is not JSON."""
+    try:
+        return json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix it "
+            "or download it again."
+        ) from None
+    except (ValueError, OSError) as e:  # not UTF-8 text, unreadable
+        raise ConfigError(f"cannot read {path} ({first_line(e)}); download it again.") from None
+
+
+def read_hf_config(hf_dir) -> dict:
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        state = "is a file, not a directory" if hf_dir.exists() else "does not exist"
+        raise ConfigError(
+            f"{hf_dir} {state}; give a Hugging Face model directory (config.json + *.safetensors)."
+        )
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{hf_dir} has no config.json; give a Hugging Face model directory.")
+    hf = read_json(path)
+    if not isinstance(hf, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(hf).__name__}, not an object; give the model's own "
+            "config.json."
+        )
+    return hf
+
+
+def safetensors_files(hf_dir) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files transformers reads, and the index's tensor -> file map if any.
+
+    With `model.safetensors.index.json`, exactly the files its weight_map names: Mistral's Hub
+    repos ship `consolidated.safetensors` (Mistral's own tensor names) beside the sharded
+    Hugging Face files, and reading both would see every weight twice under two names. Without
+    one, `model.safetensors` when present (transformers reads nothing else), else every
+    `*.safetensors` (a hand-made directory)."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / INDEX
+    if index.is_file():
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not (isinstance(weight_map, dict) and weight_map
+                and all(isinstance(v, str) and Path(v).name == v for v in weight_map.values())):  # fmt: skip
+            raise ConfigError(
+                f"{index} has no weight_map of tensor names to file names; fix it or download "
+                "it again."
+            )
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (hf_dir / n).is_file()]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ConfigError(
+                f"{index} names {missing[0]}{more}, which is not in {hf_dir}; download every "
+                "file the index lists."
+            )
+        return [hf_dir / n for n in names], weight_map
+    if (hf_dir / "model.safetensors").is_file():
+        return [hf_dir / "model.safetensors"], None
+    return sorted(hf_dir.glob("*.safetensors")), None
+
+
+class Reader:
+    """Names, shapes and dtypes of every tensor in a directory's safetensors files (headers
+    only); `read` loads one tensor, or one slice of it.
+
+    The files are not trusted blindly: an unreadable file (truncated, not safetensors) and a
+    tensor stored in two files (which one would win?) are ConfigErrors naming the files."""
+
+    def __init__(self, hf_dir):
+        hf_dir = Path(hf_dir)
+        self.files, weight_map = safetensors_files(hf_dir)
+        if not self.files:
+            raise ConfigError(
+                f"{hf_dir} holds no .safetensors files; give a Hugging Face model directory "
+                "with its weights."
+            )
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        for f in self.files:
+            for name, shape, dtype in _header(f):
+                if name in self.where:
+                    raise ConfigError(
+                        f"tensor {name} is in both {self.where[name].name} and {f.name} in "
+                        f"{hf_dir}; remove the stale file (or add the {INDEX} that names the "
+                        "files to read)."
+                    )
+                self.where[name], self.shapes[name], self.dtypes[name] = f, shape, dtype
+        for name, file in (weight_map or {}).items():
+            if self.where.get(name) != hf_dir / file:
+                raise ConfigError(
+                    f"{hf_dir / INDEX} puts tensor {name} in {file}, which does not hold it; "
+                    "download the files again."
+                )
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        try:
+            with safe_open(self.where[name], framework="numpy") as h:
+                if index is None:
+                    return h.get_tensor(name)
+                return h.get_slice(name)[index]
+        except SafetensorError as e:
+            raise ConfigError(
+                f"cannot read tensor {name} from {self.where[name]} ({first_line(e)}); "
+                "download the file again."
+            ) from None
+
+    def param_dtype(self) -> str:
+        """The checkpoint's storage dtype: the most common float dtype, by bytes (integer
+        tensors where floats belong are refused by `check`, by name)."""
+        count: dict[str, int] = {}
+        for name, dt in self.dtypes.items():
+            count[dt] = count.get(dt, 0) + math.prod(self.shapes[name])
+        floats = {dt: n for dt, n in count.items() if dt in DTYPES}
+        if not floats:
+            raise ConfigError(
+                f"{self.files[0].parent} holds no float tensors (dtypes {', '.join(sorted(count))}"
+                "); jaxllm imports F32, BF16 and F16 weights: dequantize them first."
+            )
+        return DTYPES[max(floats, key=floats.get)]
+
+    def equal(self, a: str, b: str, rows: int = 4096) -> bool:
+        """Whether tensors `a` and `b` hold the same values (compared `rows` rows at a time, so
+        two vocabulary-sized matrices are never in memory whole)."""
+        if self.shapes[a] != self.shapes[b] or self.dtypes[a] != self.dtypes[b]:
+            return False
+        if not self.shapes[a]:
+            return bool(np.array_equal(self.read(a), self.read(b)))
+        n = self.shapes[a][0]
+        return all(
+            np.array_equal(self.read(a, (slice(i, min(i + rows, n)),)),
+                           self.read(b, (slice(i, min(i + rows, n)),)))
+            for i in range(0, n, rows)
+        )  # fmt: skip
+
+
+def _header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every tensor of one safetensors file."""
+    try:
+        with safe_open(path, framework="numpy") as h:
+            out = []
+            for name in h.keys():
+                s = h.get_slice(name)
+                out.append((name, tuple(s.get_shape()), s.get_dtype()))
+            return out
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(
+            f"{path} is not a readable safetensors file ({first_line(e)}); download it again."
+        ) from None
