@@ -17,7 +17,6 @@ from flax import nnx
 from jaxllm.model.layers import matmul, param
 from jaxllm.sharding import constrain
 
-
 ACTIVATIONS = ("swiglu", "geglu", "gelu", "relu", "relu2")
 GATED = ("swiglu", "geglu")  # with a gate projection (GLU variants)
 
