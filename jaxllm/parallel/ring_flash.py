@@ -42,6 +42,7 @@ from jaxllm.kernels.flash_attention.reference import (
     masked_attention,
     masked_attention_backward,
 )
+from jaxllm.kernels.reference import attention_mask
 from jaxllm.parallel.ring_xla import halves
 
 
@@ -113,8 +114,7 @@ def _pair_kind(branches, ids, causal: bool):
 def _exact_mask(ids):
     """[B, L, S] visibility by segment and global index (the `general` pairs)."""
     q_seg_BxL, kv_seg_BxS, q_idx_BxL, kv_idx_BxS = ids
-    same_segment_BxLxS = q_seg_BxL[:, :, None] == kv_seg_BxS[:, None, :]
-    return same_segment_BxLxS & (q_idx_BxL[:, :, None] >= kv_idx_BxS[:, None, :])
+    return attention_mask(q_idx_BxL, kv_idx_BxS, causal=True, segment_ids=(q_seg_BxL, kv_seg_BxS))
 
 
 def _kernel_kwargs(opts: _RingOptions, kind: str, ids) -> dict:
