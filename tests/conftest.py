@@ -40,7 +40,7 @@ def shard_model(model, mesh):
     from flax import nnx
 
     from jaxllm import sharding
-    from jaxllm.train.state import abstract_model
+    from jaxllm.model import abstract_model
 
     graphdef, _, axes = abstract_model(model.cfg)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
