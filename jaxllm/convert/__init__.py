@@ -4,9 +4,11 @@ Qwen2, Qwen3, Gemma 2, DeepSeek-V3 and GPT-2, as safetensors + config.json.
     jaxllm convert import HF_DIR OUT_DIR [key=value ...]     # a run directory
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME]
 
-`families.py` holds the per-family config and tensor-name mappings, `hf.py` the streaming
-import (every parameter created in its shards on the mesh) and the export, `cli.py` the
-command. `jaxllm.load_model(HF_DIR)` (`jaxllm/load.py`) loads a Hugging Face directory
+`families.py` is the registry of families (mappings in `llama.py`, `gemma.py`, `gpt2.py`,
+`deepseek.py`, built from `links.py` and `config_map.py`), `reader.py` reads config.json and
+safetensors, `mapping.py` checks a family's layout against the files, `hf.py` streams the import
+(every parameter created in its shards on the mesh), `export.py` writes the export, `cli.py` is
+the command. `jaxllm.load_model(HF_DIR)` (`jaxllm/load.py`) loads a Hugging Face directory
 directly and `checkpoint.init_from=...` starts training from one.
 """
 
