@@ -15,9 +15,10 @@ import jax
 import numpy as np
 
 from jaxllm import config, sharding
+from jaxllm.infer.kv_cache import KINDS, model_bytes_per_token
 from jaxllm.metrics import flops_per_token, param_counts
-from jaxllm.train.loop import compile_steps
 from jaxllm.model import abstract_model
+from jaxllm.train.loop import compile_steps
 from jaxllm.train.state import init_state
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -141,8 +142,6 @@ def kv_cache_report(cfg: config.Config, mesh) -> dict:
     """KV-cache bytes per token (all layers, scales included) for every cache dtype, and the
     cache of `train.global_batch_size` sequences of `model.max_seq_len` tokens per device with
     `generate.kv_cache_dtype` (batch split over the data axes, kv heads over `tensor`)."""
-    from jaxllm.infer.kv_cache import KINDS, model_bytes_per_token
-
     m, gen = cfg.model, cfg.generate
     kinds = [k for k in KINDS if not (m.mla.enabled and k == "int4")]  # no int4 latent
     per_token = {kind: model_bytes_per_token(m, kind, gen.kv_group) for kind in kinds}

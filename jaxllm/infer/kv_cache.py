@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import parallel
 from jaxllm.kernels.decode_attention import quant
+from jaxllm.kernels.decode_attention.ops import decode_attention
 from jaxllm.kernels.decode_attention.quant import KVCache, cache_bytes_per_token
 from jaxllm.kernels.decode_attention.reference import decode_attention_reference
 
@@ -292,9 +294,6 @@ class CacheView:
         path (`decode_attention` says why)."""
         masks = dict(sm_scale=sm_scale, soft_cap=soft_cap)
         if self.impl == "kernel":  # per (batch, kv head) shard: a kernel cannot be partitioned
-            from jaxllm import parallel
-            from jaxllm.kernels.decode_attention.ops import decode_attention
-
             # Optional operands travel by name; a static window stays a Python int.
             named = {"sliding_window": (sliding_window, None), "alibi_slopes_H":
                      (alibi_slopes_H, ("act_heads",))}  # fmt: skip

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm import parallel
+from jaxllm.kernels import flash_attention
 from jaxllm.kernels.reference import attention_mask, masked_scores
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
@@ -66,8 +67,6 @@ def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale
            soft_cap):  # fmt: skip
     """The Pallas kernel, run per shard: a custom call cannot be split by the SPMD partitioner,
     so under a mesh it goes through `shard_map` over batch and heads."""
-    from jaxllm.kernels import flash_attention
-
     interpret = jax.default_backend() == "cpu"
 
     def kernel(q, k, v, q_seg, kv_seg):

@@ -1,0 +1,170 @@
+"""The import floors of the house, read from the source (no imports run):
+
+    config -> data, sharding, checkpoint, optim, metrics, distributed -> kernels -> parallel
+    -> model -> infer, convert -> load -> train -> evaluate, plan, bench, sweep -> cli
+
+A module imports only from its own floor's package or from floors below; nothing imports
+upward, there are no circles, and a function-level import of a jaxllm module appears only where
+it defers something on purpose (listed below with the reason)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (floor, package or module prefix); the most specific prefix wins
+FLOORS = [
+    (0, "jaxllm.config"),
+    (1, "jaxllm.data"),
+    (1, "jaxllm.sharding"),
+    (1, "jaxllm.checkpoint"),
+    (1, "jaxllm.optim"),
+    (1, "jaxllm.metrics"),
+    (1, "jaxllm.distributed"),
+    (2, "jaxllm.kernels"),
+    (3, "jaxllm.parallel"),
+    (4, "jaxllm.model"),
+    (5, "jaxllm.infer"),
+    (5, "jaxllm.convert"),
+    (6, "jaxllm.load"),
+    (7, "jaxllm.train"),
+    (8, "jaxllm.evaluate"),
+    (8, "jaxllm.plan"),
+    (8, "jaxllm.bench"),
+    (8, "jaxllm.sweep"),
+    (9, "jaxllm.cli"),
+    (9, "jaxllm.data.cli"),
+    (9, "jaxllm.infer.cli"),
+    (9, "jaxllm.convert.cli"),
+    (9, "jaxllm"),  # the package root names the public pieces
+    (9, "jaxllm.__main__"),
+]
+
+# module -> why its function-level imports of jaxllm modules are there
+DEFERRED = {
+    "jaxllm.cli": "a subcommand's modules (and jax) load only when it runs, after the signal "
+    "handlers are installed, so `jaxllm --help` is instant and Ctrl-C in start-up exits 130",
+    "jaxllm.data.cli": "the data commands' modules (and jax) load only when one runs: the "
+    "parser, built for every command, imports this module",
+    "jaxllm.sweep": "the training stack (and jax) loads only when a sweep runs: the parser, "
+    "built for every command, imports this module",
+    "jaxllm.kernels.flash_attention.ops": "a backend (Triton, Mosaic) loads only when used",
+    "jaxllm.kernels.decode_attention.ops": "a backend (Triton, Mosaic) loads only when used",
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / "jaxllm").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        parts = ("jaxllm", *path.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _floor(module: str) -> tuple[int, str]:
+    """(floor, the package it belongs to); the top floor is one package, the command line."""
+    best = max((p for _, p in FLOORS if module == p or module.startswith(p + ".")), key=len)
+    floor = dict((p, f) for f, p in FLOORS)[best]
+    return floor, "command line" if floor == FLOORS[-1][0] else best
+
+
+def _imports(path: Path, module: str):
+    """(imported jaxllm module, line, at module level?) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    top = {id(n) for n in tree.body}
+    top |= {id(n) for s in tree.body if isinstance(s, ast.If | ast.Try) for n in ast.walk(s)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [(a.name, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            names = [(f"{base}.{a.name}", base) for a in node.names]
+        else:
+            continue
+        for name, base in names:
+            if base == "jaxllm" or base.startswith("jaxllm."):
+                yield name, base, node.lineno, id(node) in top
+
+
+def _edges():
+    modules = _modules()
+    for module, path in modules.items():
+        seen = set()
+        for name, base, line, top in _imports(path, module):
+            # `from jaxllm.x import y` imports module jaxllm.x.y when y is one, else jaxllm.x
+            target = name if name in modules else base
+            if target in modules and target != module and (target, line) not in seen:
+                seen.add((target, line))
+                yield module, target, f"{path.relative_to(ROOT)}:{line}", top
+
+
+def test_no_import_runs_up_a_floor():
+    upward = []
+    for src, dst, where, _ in _edges():
+        (fs, ps), (fd, pd) = _floor(src), _floor(dst)
+        if fd > fs or (fd == fs and ps != pd):
+            upward.append(f"{where}: {src} (floor {fs}) imports {dst} (floor {fd})")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circles():
+    graph: dict[str, set[str]] = {}
+    for src, dst, _, _ in _edges():
+        graph.setdefault(src, set()).add(dst)
+    # a module importing its own package's __init__ (and back) is Python's package mechanics
+    graph = {
+        m: {d for d in ds if not m.startswith(d + ".") and not d.startswith(m + ".")}
+        for m, ds in graph.items()
+    }
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                circles.append(sorted(scc))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
+def test_function_level_imports_only_defer_on_purpose():
+    hidden = [
+        f"{where}: {src} imports {dst} inside a function"
+        for src, dst, where, top in _edges()
+        if not top and src not in DEFERRED
+    ]
+    assert not hidden, "\n".join(hidden)
+
+
+@pytest.mark.parametrize("module", sorted(DEFERRED))
+def test_the_deferring_modules_exist(module):
+    assert module in _modules()
