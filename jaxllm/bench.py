@@ -111,15 +111,17 @@ def format_result(r: dict) -> str:
     compiled = r["compiled_flops_per_step"]
     ratio = r["compiled_over_analytic"]
     mfu = "n/a (no known peak for this device)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    return "\n".join([
-        f"device                 {r['device']}",
-        f"parameters             {r['params']:,}",
-        f"compile time           {r['compile_s']:.2f} s",
-        f"median step time       {r['step_time_s'] * 1e3:.1f} ms",
-        f"tokens/s               {r['tokens_per_sec']:,.0f}",
-        f"model FLOPs/token      {r['model_flops_per_token']:.4g}  (6N + attention)",
-        f"analytic FLOPs/step    {r['analytic_flops_per_step']:.4g}",
-        f"compiled FLOPs/step    {na if compiled is None else f'{compiled:.4g}'}  (XLA cost analysis)",
-        f"compiled / analytic    {na if ratio is None else f'{ratio:.3f}'}",
-        f"MFU                    {mfu}",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"device                 {r['device']}",
+            f"parameters             {r['params']:,}",
+            f"compile time           {r['compile_s']:.2f} s",
+            f"median step time       {r['step_time_s'] * 1e3:.1f} ms",
+            f"tokens/s               {r['tokens_per_sec']:,.0f}",
+            f"model FLOPs/token      {r['model_flops_per_token']:.4g}  (6N + attention)",
+            f"analytic FLOPs/step    {r['analytic_flops_per_step']:.4g}",
+            f"compiled FLOPs/step    {na if compiled is None else f'{compiled:.4g}'}  (XLA cost analysis)",
+            f"compiled / analytic    {na if ratio is None else f'{ratio:.3f}'}",
+            f"MFU                    {mfu}",
+        ]
+    )

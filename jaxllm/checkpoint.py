@@ -70,8 +70,9 @@ def read_json_item(directory: str | Path, step: int, item: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def manager(directory: str | Path, cfg: CheckpointConfig | None = None, *,
-            create: bool = True) -> ocp.CheckpointManager:  # fmt: skip
+def manager(
+    directory: str | Path, cfg: CheckpointConfig | None = None, *, create: bool = True
+) -> ocp.CheckpointManager:
     """An Orbax manager without retention of its own (see `Checkpointer.prune`)."""
     cfg = cfg or CheckpointConfig()
     options = ocp.CheckpointManagerOptions(create=create, enable_async_checkpointing=cfg.async_save)
@@ -146,8 +147,11 @@ class Checkpointer:
                 raise RunError(f"cannot save step {step}: {path} already holds a checkpoint.")
             if self._lead:  # a stray directory with the step's name: keep it, out of the way
                 moved = set_aside(self.directory, step, "stray")
-                warnings.warn(f"{path} was not a finished checkpoint; moved it to {moved.name}.",
-                              JaxllmWarning, stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"{path} was not a finished checkpoint; moved it to {moved.name}.",
+                    JaxllmWarning,
+                    stacklevel=2,
+                )
             _sync("jaxllm_checkpoint_stray")
             self._mgr.reload()
         items = _state_items(state)
@@ -207,8 +211,9 @@ class Checkpointer:
         none. `abstract_state` is a TrainState of ShapeDtypeStruct whose shardings say where
         every leaf goes on the current mesh. An unreadable checkpoint is moved aside as
         `<step>.damaged` (after a warning) and the next older one is tried."""
-        candidates = [s for s in reversed(steps(self.directory))
-                      if has_train_state(self.directory, s)]  # fmt: skip
+        candidates = [
+            s for s in reversed(steps(self.directory)) if has_train_state(self.directory, s)
+        ]
         target = _state_items(abstract_state)
         extra = {}
         if abstract_state.model_state:
@@ -225,8 +230,11 @@ class Checkpointer:
                     ),
                 )
             except Exception as e:  # a damaged checkpoint: set it aside, fall back
-                nxt = (f"falling back to step {candidates[i + 1]}" if i + 1 < len(candidates)
-                       else "starting fresh")  # fmt: skip
+                nxt = (
+                    f"falling back to step {candidates[i + 1]}"
+                    if i + 1 < len(candidates)
+                    else "starting fresh"
+                )
                 name = f"{step}.damaged"
                 if self._lead:
                     name = set_aside(self.directory, step).name
@@ -236,9 +244,12 @@ class Checkpointer:
                 continue
             train = out["train"]
             state = abstract_state.replace(
-                step=train["step"], params=out["params"], opt_state=train["opt"], rng=train["rng"],
+                step=train["step"],
+                params=out["params"],
+                opt_state=train["opt"],
+                rng=train["rng"],
                 model_state=out["model_state"] if extra else {},
-            )  # fmt: skip
+            )
             return state, out["data"], step
         return None
 
@@ -251,8 +262,9 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def save_params(directory: str | Path, params, *, step: int, config: dict, tokenizer: dict,
-                model_state=None):  # fmt: skip
+def save_params(
+    directory: str | Path, params, *, step: int, config: dict, tokenizer: dict, model_state=None
+):
     """A weights-only checkpoint (items params, config, tokenizer, and model_state when there
     is one; no optimizer state), as `jaxllm convert import` writes: `jaxllm generate / eval`
     read it, and a training run in its directory starts from it (`has_train_state` is False:
@@ -288,8 +300,9 @@ class Weights(typing.NamedTuple):
     step: int
 
 
-def restore_weights(directory: str | Path, target, model_state_target=None,
-                    step: int | None = None) -> Weights:  # fmt: skip
+def restore_weights(
+    directory: str | Path, target, model_state_target=None, step: int | None = None
+) -> Weights:
     """Parameters (and the model state when `model_state_target` is non-empty) into `target`:
     pytrees of jax.ShapeDtypeStruct whose `.sharding` says where each leaf goes (each host
     reads only its shards). Without `step`, the newest readable checkpoint: an unreadable one is

@@ -203,8 +203,9 @@ def _quiet_libraries():
     loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
 
     def showwarning(message, category, *args, **kw):
-        (_show_warning if issubclass(category, JaxllmWarning) else show)(message, category,
-                                                                         *args, **kw)  # fmt: skip
+        (_show_warning if issubclass(category, JaxllmWarning) else show)(
+            message, category, *args, **kw
+        )
 
     def closed_loop(tp, value) -> bool:
         return tp is RuntimeError and str(value) == "Event loop is closed"

@@ -41,8 +41,11 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     mla_norms = 0
     if cfg.mla.enabled:
         a, h = cfg.mla, cfg.num_heads
-        q = (d * a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim if a.q_lora_rank
-             else d * h * a.qk_head_dim)  # fmt: skip
+        q = (
+            d * a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim
+            if a.q_lora_rank
+            else d * h * a.qk_head_dim
+        )
         kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (
             a.qk_nope_head_dim + a.v_head_dim
         )
@@ -62,11 +65,14 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     norm_params = 2 if cfg.norm == "layernorm" else 1  # scale (and bias) per channel
     norms_per_layer = 4 if cfg.norm_placement == "sandwich" else 2
     final_norms = 0 if cfg.norm_placement == "post" else 1
-    norms = norm_params * ((norms_per_layer * n + final_norms) * d
-                           + (2 * n * cfg.resolved_head_dim if cfg.qk_norm else 0)
-                           + mla_norms)  # fmt: skip
-    biases = n * ((hk + 2 * gk) * cfg.qkv_bias + d * cfg.o_bias
-                  + ((mlp_mats - 1) * f + d) * cfg.mlp_bias)  # fmt: skip
+    norms = norm_params * (
+        (norms_per_layer * n + final_norms) * d
+        + (2 * n * cfg.resolved_head_dim if cfg.qk_norm else 0)
+        + mla_norms
+    )
+    biases = n * (
+        (hk + 2 * gk) * cfg.qkv_bias + d * cfg.o_bias + ((mlp_mats - 1) * f + d) * cfg.mlp_bias
+    )
     positions = cfg.max_seq_len * d if cfg.position == "learned" else 0
     return {
         "total": total_matmul + embed + head + norms + biases + positions,
@@ -148,8 +154,11 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except ValueError:
             row = None
         if not isinstance(row, dict):
-            warnings.warn(f"{path}:{n} is not a whole JSON line (a crash tore it?); dropped it.",
-                          JaxllmWarning, stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{path}:{n} is not a whole JSON line (a crash tore it?); dropped it.",
+                JaxllmWarning,
+                stacklevel=2,
+            )
             continue
         rows.append(row)
     return rows

@@ -44,9 +44,13 @@ def decay_mask(params) -> dict:
 
 def build(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     adamw = optax.adamw(
-        schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-        weight_decay=cfg.weight_decay, mask=decay_mask,
-    )  # fmt: skip
+        schedule(cfg, total_steps),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask,
+    )
     if cfg.clip_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)

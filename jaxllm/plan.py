@@ -21,11 +21,36 @@ from jaxllm.model import abstract_model
 from jaxllm.train.loop import compile_steps
 from jaxllm.train.state import init_state
 
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}  # fmt: skip
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -105,11 +130,15 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
     for (path, ax), leaf in zip(flat_axes[0], jax.tree.leaves(abstract_params)):
         spec = sharding.spec(ax)
         shard_shape = sharding.named(mesh, ax).shard_shape(leaf.shape)
-        rows.append({
-            "name": "/".join(str(getattr(k, "key", k)) for k in path),
-            "shape": leaf.shape, "axes": ax, "spec": spec,
-            "bytes_per_device": int(np.prod(shard_shape)) * leaf.dtype.itemsize,
-        })  # fmt: skip
+        rows.append(
+            {
+                "name": "/".join(str(getattr(k, "key", k)) for k in path),
+                "shape": leaf.shape,
+                "axes": ax,
+                "spec": spec,
+                "bytes_per_device": int(np.prod(shard_shape)) * leaf.dtype.itemsize,
+            }
+        )
 
     mem = compiled.memory_analysis()
     memory = {
@@ -120,9 +149,12 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         "code": mem.generated_code_size_in_bytes,
     }
     memory["total"] = (
-        memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+        memory["arguments"]
+        + memory["outputs"]
+        - memory["aliased"]
+        + memory["temporaries"]
         + memory["code"]
-    )  # fmt: skip
+    )
     return {
         "kv_cache": kv_cache_report(cfg, mesh),
         "mesh": dict(mesh.shape),
@@ -175,12 +207,14 @@ def format_plan(r: dict) -> str:
     lines += [
         "",
         "memory per device (XLA memory analysis)",
-        *(f"  {k:<12} {fmt_bytes(m[k])}" for k in ("arguments", "outputs", "aliased",
-                                                    "temporaries", "code", "total")),
+        *(
+            f"  {k:<12} {fmt_bytes(m[k])}"
+            for k in ("arguments", "outputs", "aliased", "temporaries", "code", "total")
+        ),
         "",
         f"FLOPs per step  {r['flops_per_step']:.4g}  (6N + attention, all devices)",
         "collectives in the compiled step (static: ops in the layer loop run once per layer)",
-    ]  # fmt: skip
+    ]
     if not r["collectives"]:
         lines.append("  none")
     for kind, c in sorted(r["collectives"].items()):
@@ -206,10 +240,17 @@ def format_plan(r: dict) -> str:
 
 # Cloud TPU slice names -> (version, topology) for jax.experimental.topologies.
 TPU_TARGETS = {
-    "tpu-v4-8": "v4:2x2x1", "tpu-v4-16": "v4:2x2x2", "tpu-v4-32": "v4:2x2x4",
-    "tpu-v5p-8": "v5p:2x2x1", "tpu-v5p-16": "v5p:2x2x2", "tpu-v5p-32": "v5p:2x2x4",
-    "tpu-v5e-8": "v5e:2x4", "tpu-v5e-16": "v5e:4x4", "tpu-v6e-8": "v6e:2x4", "tpu-v6e-16": "v6e:4x4",
-}  # fmt: skip
+    "tpu-v4-8": "v4:2x2x1",
+    "tpu-v4-16": "v4:2x2x2",
+    "tpu-v4-32": "v4:2x2x4",
+    "tpu-v5p-8": "v5p:2x2x1",
+    "tpu-v5p-16": "v5p:2x2x2",
+    "tpu-v5p-32": "v5p:2x2x4",
+    "tpu-v5e-8": "v5e:2x4",
+    "tpu-v5e-16": "v5e:4x4",
+    "tpu-v6e-8": "v6e:2x4",
+    "tpu-v6e-16": "v6e:4x4",
+}
 
 
 def target_devices(target: str):

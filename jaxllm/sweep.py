@@ -79,14 +79,20 @@ def summarize(name: str, run_dir: Path, params: int | None) -> Result:
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     speeds = [r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r]
     return Result(
-        name, eval_loss=evals[-1][1] if evals else None, train_loss=train[-1][1] if train else None,
-        tokens_per_sec=statistics.median(speeds) if speeds else None, params=params,
-        steps=rows[-1]["step"], curve=train, evals=evals,
-    )  # fmt: skip
+        name,
+        eval_loss=evals[-1][1] if evals else None,
+        train_loss=train[-1][1] if train else None,
+        tokens_per_sec=statistics.median(speeds) if speeds else None,
+        params=params,
+        steps=rows[-1]["step"],
+        curve=train,
+        evals=evals,
+    )
 
 
-def sweep(path: str | None, overrides: list[str], grid_items: list[str], out: str | Path,
-          train_fn=None) -> list[Result]:  # fmt: skip
+def sweep(
+    path: str | None, overrides: list[str], grid_items: list[str], out: str | Path, train_fn=None
+) -> list[Result]:
     """Trains every combination (in-process, one after another) and writes the comparison."""
     from jaxllm.metrics import param_counts
 
@@ -150,8 +156,10 @@ def write_report(results: list[Result], grid, out: Path) -> None:
         ev = _fmt(r.eval_loss)
         if r.eval_loss is not None and r.eval_loss == best:
             ev = f"**{ev}**"
-        lines.append(f"| {r.run} | {ev} | {_fmt(r.train_loss)} | {_fmt(r.tokens_per_sec, 0)} | "
-                     f"{_fmt(r.params)} | {_fmt(r.steps)} | {r.status} |")  # fmt: skip
+        lines.append(
+            f"| {r.run} | {ev} | {_fmt(r.train_loss)} | {_fmt(r.tokens_per_sec, 0)} | "
+            f"{_fmt(r.params)} | {_fmt(r.steps)} | {r.status} |"
+        )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(results, out / "loss.png")
 
@@ -183,8 +191,13 @@ def _plot(results: list[Result], path: Path) -> None:
 def add_sweep_parser(sub) -> None:
     s = sub.add_parser("sweep", help="train a grid of overrides and compare the runs")
     s.add_argument("args", nargs="*", metavar="CONFIG|key=value")
-    s.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a key and its values; repeat for a product of keys")  # fmt: skip
+    s.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a key and its values; repeat for a product of keys",
+    )
     s.add_argument("--out", default="runs/sweep", help="sweep directory (default runs/sweep)")
     s.set_defaults(func=cmd_sweep)
 

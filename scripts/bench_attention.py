@@ -31,9 +31,14 @@ from jaxllm.kernels import BlockSizes, flash_attention
 def attention_fn(impl: str, *, causal: bool, flash_backend, block_sizes, interpret: bool):
     if impl == "flash":
         return lambda q, k, v: flash_attention(
-            q, k, v, causal=causal, block_sizes=block_sizes, interpret=interpret,
+            q,
+            k,
+            v,
+            causal=causal,
+            block_sizes=block_sizes,
+            interpret=interpret,
             backend=flash_backend,
-        )  # fmt: skip
+        )
     if impl in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation=impl
@@ -76,10 +81,14 @@ def main(argv=None) -> list[dict]:
     g = ns.kv_heads or h
     dtype = jnp.dtype(ns.dtype)
     blocks = BlockSizes(ns.block_q, ns.block_kv) if ns.block_q and ns.block_kv else None
-    print(f"device: {jax.devices()[0].device_kind}; heads {h} (kv {g}), head_dim {d}, "
-          f"{'causal' if causal else 'full'}, {dtype.name}")  # fmt: skip
-    print(f"{'impl':<7} {'seq':>6} {'batch':>5} {'fwd ms':>9} {'fwd TF/s':>9} "
-          f"{'fwd+bwd ms':>11} {'fwd+bwd TF/s':>12}")  # fmt: skip
+    print(
+        f"device: {jax.devices()[0].device_kind}; heads {h} (kv {g}), head_dim {d}, "
+        f"{'causal' if causal else 'full'}, {dtype.name}"
+    )
+    print(
+        f"{'impl':<7} {'seq':>6} {'batch':>5} {'fwd ms':>9} {'fwd TF/s':>9} "
+        f"{'fwd+bwd ms':>11} {'fwd+bwd TF/s':>12}"
+    )
     rows = []
     for s in (int(x) for x in ns.seqs.split(",")):
         b = max(1, ns.tokens // s)
@@ -90,8 +99,13 @@ def main(argv=None) -> list[dict]:
         do = jax.random.normal(keys[3], (b, s, h, d), dtype)
         fwd_flops = 4 * s * s * d * h * b * (0.5 if causal else 1.0)
         for impl in ns.impls.split(","):
-            fn = attention_fn(impl, causal=causal, flash_backend=ns.flash_backend,
-                              block_sizes=blocks, interpret=ns.interpret)  # fmt: skip
+            fn = attention_fn(
+                impl,
+                causal=causal,
+                flash_backend=ns.flash_backend,
+                block_sizes=blocks,
+                interpret=ns.interpret,
+            )
             fwd = jax.jit(fn)
 
             @jax.jit
@@ -111,9 +125,11 @@ def main(argv=None) -> list[dict]:
             row["fwd_tflops"] = fwd_flops / row["fwd_s"] / 1e12
             row["fwd_bwd_tflops"] = 3.5 * fwd_flops / row["fwd_bwd_s"] / 1e12
             rows.append(row)
-            print(f"{impl:<7} {s:>6} {b:>5} {row['fwd_s'] * 1e3:>9.3f} "
-                  f"{row['fwd_tflops']:>9.1f} {row['fwd_bwd_s'] * 1e3:>11.3f} "
-                  f"{row['fwd_bwd_tflops']:>12.1f}")  # fmt: skip
+            print(
+                f"{impl:<7} {s:>6} {b:>5} {row['fwd_s'] * 1e3:>9.3f} "
+                f"{row['fwd_tflops']:>9.1f} {row['fwd_bwd_s'] * 1e3:>11.3f} "
+                f"{row['fwd_bwd_tflops']:>12.1f}"
+            )
     return rows
 
 

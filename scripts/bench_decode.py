@@ -61,15 +61,24 @@ def random_cache(key, kind, *, batch, kv_heads, context, head_dim, group, page_s
     if kind in ("bfloat16", "float32"):
         f = dict(k=normal(rows, d, dtype=kind), v=normal(rows, d, dtype=kind))
     elif kind == "int8":
-        f = dict(k=codes(rows, d, dtype=jnp.int8), v=codes(rows, d, dtype=jnp.int8),
-                 k_scale=normal(rows), v_scale=normal(rows))  # fmt: skip
+        f = dict(
+            k=codes(rows, d, dtype=jnp.int8),
+            v=codes(rows, d, dtype=jnp.int8),
+            k_scale=normal(rows),
+            v_scale=normal(rows),
+        )
     else:
         res = jax.random.normal(next(ks), (batch, kv_heads, group, d), jnp.bfloat16)
         f = dict(
-            k=codes(rows, d // 2, dtype=jnp.uint8), v=codes(rows, d // 2, dtype=jnp.uint8),
-            k_scale=normal(rows // group, d), k_zero=normal(rows // group, d),
-            v_scale=normal(rows, d // gv), v_zero=normal(rows, d // gv), k_res=res, v_res=res,
-        )  # fmt: skip
+            k=codes(rows, d // 2, dtype=jnp.uint8),
+            v=codes(rows, d // 2, dtype=jnp.uint8),
+            k_scale=normal(rows // group, d),
+            k_zero=normal(rows // group, d),
+            v_scale=normal(rows, d // gv),
+            v_zero=normal(rows, d // gv),
+            k_res=res,
+            v_res=res,
+        )
     return KVCache(kind=kind, group=group, block_table=table, **f)
 
 
@@ -126,18 +135,25 @@ def main(argv=None) -> list[dict]:
     kinds = args.kinds.split(",")
     contexts = [int(c) for c in args.contexts.split(",")]
     b, h, g, d = args.batch, args.heads, args.kv_heads, args.head_dim
-    print(f"device {device.device_kind} | backend {backend} | B {b} H {h} G {g} K {d} "
-          f"Q {args.queries} | {'paged ' + str(args.page_size) if args.page_size else 'contiguous'}")  # fmt: skip
+    print(
+        f"device {device.device_kind} | backend {backend} | B {b} H {h} G {g} K {d} "
+        f"Q {args.queries} | {'paged ' + str(args.page_size) if args.page_size else 'contiguous'}"
+    )
     head = f"{'kind':>9} {'context':>8} {'batch':>5} {'ms/step':>9} {'tokens/s':>10} "
     head += f"{'MB read':>9} {'GB/s':>8} {'% peak':>7} {'vs bf16':>8}"
     print(head)
 
     step = jax.jit(
         lambda q, cache, lengths: decode_attention(
-            q, cache, lengths, block_kv=args.block_kv, num_splits=args.num_splits,
-            interpret=args.interpret, backend=backend,
+            q,
+            cache,
+            lengths,
+            block_kv=args.block_kv,
+            num_splits=args.num_splits,
+            interpret=args.interpret,
+            backend=backend,
         )
-    )  # fmt: skip
+    )
     rows = []
     for context in contexts:
         base = None
@@ -145,28 +161,42 @@ def main(argv=None) -> list[dict]:
             key = jax.random.key(i)
             cache = jax.jit(
                 lambda key, kind=kind, context=context: random_cache(
-                    key, kind, batch=b, kv_heads=g, context=context, head_dim=d,
-                    group=args.group, page_size=args.page_size,
+                    key,
+                    kind,
+                    batch=b,
+                    kv_heads=g,
+                    context=context,
+                    head_dim=d,
+                    group=args.group,
+                    page_size=args.page_size,
                 )
-            )(key)  # fmt: skip
+            )(key)
             q = jax.random.normal(key, (b, args.queries, h, d), jnp.bfloat16)
             lengths = jnp.full((b,), context, jnp.int32)
             seconds = time_step(step, (q, cache, lengths), warmup=args.warmup, iters=args.iters)
-            nbytes = bytes_per_step(kind, batch=b, kv_heads=g, context=context, head_dim=d,
-                                    group=args.group)  # fmt: skip
+            nbytes = bytes_per_step(
+                kind, batch=b, kv_heads=g, context=context, head_dim=d, group=args.group
+            )
             if kind == "bfloat16":
                 base = seconds
             row = dict(
-                kind=kind, context=context, batch=b, ms=seconds * 1e3, tokens_per_s=b / seconds,
-                bytes=nbytes, gb_per_s=nbytes / seconds / 1e9,
+                kind=kind,
+                context=context,
+                batch=b,
+                ms=seconds * 1e3,
+                tokens_per_s=b / seconds,
+                bytes=nbytes,
+                gb_per_s=nbytes / seconds / 1e9,
                 peak_pct=None if peak is None else 100 * nbytes / seconds / peak,
                 speedup=None if base is None else base / seconds,
-            )  # fmt: skip
+            )
             rows.append(row)
             pct = "-" if row["peak_pct"] is None else f"{row['peak_pct']:.0f}"
             vs = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
-            print(f"{kind:>9} {context:>8} {b:>5} {row['ms']:>9.3f} {row['tokens_per_s']:>10.0f} "
-                  f"{nbytes / 1e6:>9.1f} {row['gb_per_s']:>8.1f} {pct:>7} {vs:>8}")  # fmt: skip
+            print(
+                f"{kind:>9} {context:>8} {b:>5} {row['ms']:>9.3f} {row['tokens_per_s']:>10.0f} "
+                f"{nbytes / 1e6:>9.1f} {row['gb_per_s']:>8.1f} {pct:>7} {vs:>8}"
+            )
             del cache
     return rows
 

@@ -37,8 +37,10 @@ def main(argv=None) -> None:
     m = cfg.model
     bf16_bytes = model_bytes_per_token(m, "bfloat16")
     print(f"{ns.rows} held-out rows x {tokens.shape[1]} tokens, prefix {ns.prefix}")
-    print(f"{'cache':<9} {'bytes/token':>11} {'x bf16':>7} {'ppl':>9} {'vs bf16':>8} "
-          f"{'greedy agree':>12}")  # fmt: skip
+    print(
+        f"{'cache':<9} {'bytes/token':>11} {'x bf16':>7} {'ppl':>9} {'vs bf16':>8} "
+        f"{'greedy agree':>12}"
+    )
     preds = {}
     ref = None
     for kind in ("bfloat16", "float32", "int8") + (() if m.mla.enabled else ("int4",)):
@@ -48,8 +50,10 @@ def main(argv=None) -> None:
         ref = ref or ppl
         n = model_bytes_per_token(m, kind, ns.group)
         agree = float((preds[kind] == preds["bfloat16"]).mean())
-        print(f"{kind:<9} {n:>11,} {n / bf16_bytes:>7.3f} {ppl:>9.4f} {ppl / ref - 1:>+8.3%} "
-              f"{agree:>12.2%}")  # fmt: skip
+        print(
+            f"{kind:<9} {n:>11,} {n / bf16_bytes:>7.3f} {ppl:>9.4f} {ppl / ref - 1:>+8.3%} "
+            f"{agree:>12.2%}"
+        )
 
 
 if __name__ == "__main__":

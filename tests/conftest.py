@@ -18,9 +18,16 @@ from jaxllm.config import Config, ModelConfig  # noqa: E402
 def tiny_model(**overrides) -> ModelConfig:
     """A model small enough for many compiles per test, in float32 for tight comparisons."""
     base = dict(
-        vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
-        max_seq_len=64, dtype="float32", param_dtype="float32",
-    )  # fmt: skip
+        vocab_size=64,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=64,
+        max_seq_len=64,
+        dtype="float32",
+        param_dtype="float32",
+    )
     base.update(overrides)
     return ModelConfig(**base)
 
@@ -49,11 +56,21 @@ def shard_model(model, mesh):
 
 # A small model on the built-in corpus, for runs the tests train through `jaxllm.cli.main`.
 SMALL_RUN = [
-    "data.max_files=60", "data.seq_len=64", "model.num_layers=2", "model.d_model=64",
-    "model.mlp_dim=128", "model.vocab_size=320", "model.dtype=float32",
-    "train.global_batch_size=8", "train.sample_tokens=0", "train.log_every=1",
-    "train.eval_every=0", "train.eval_batches=1", "mesh.data=1", "mesh.fsdp=-1",
-]  # fmt: skip
+    "data.max_files=60",
+    "data.seq_len=64",
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.mlp_dim=128",
+    "model.vocab_size=320",
+    "model.dtype=float32",
+    "train.global_batch_size=8",
+    "train.sample_tokens=0",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "mesh.data=1",
+    "mesh.fsdp=-1",
+]
 
 
 @pytest.fixture(scope="session")

@@ -17,13 +17,19 @@ from jaxllm.train.state import init_state
 
 def _losses_and_params(impl: str, mesh_cfg: dict, devices):
     cfg = config.Config(
-        model=tiny_model(vocab_size=264, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
-                         attention_impl=impl),
+        model=tiny_model(
+            vocab_size=264,
+            d_model=64,
+            num_heads=4,
+            num_kv_heads=2,
+            mlp_dim=128,
+            attention_impl=impl,
+        ),
         mesh=config.MeshConfig(**{"data": 1, **mesh_cfg}),
         data=config.DataConfig(seq_len=64),
         train=config.TrainConfig(global_batch_size=4, steps=3),
         optim=config.OptimConfig(lr=3e-3, warmup_steps=0, eps=1e-6),
-    )  # fmt: skip
+    )
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     step, _, tx, _, batch_sh = compile_steps(cfg, mesh)

@@ -24,11 +24,20 @@ from jaxllm.train.loop import train
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [
-    "data.max_files=60", "data.seq_len=64", "model.num_layers=2", "model.d_model=64",
-    "model.mlp_dim=128", "model.dtype=float32", "train.global_batch_size=8",
-    "train.sample_tokens=0", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-    "mesh.data=1", "mesh.fsdp=-1",
-]  # fmt: skip
+    "data.max_files=60",
+    "data.seq_len=64",
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.mlp_dim=128",
+    "model.dtype=float32",
+    "train.global_batch_size=8",
+    "train.sample_tokens=0",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "mesh.data=1",
+    "mesh.fsdp=-1",
+]
 
 
 def _start(args, devices=1, **kw):
@@ -39,8 +48,13 @@ def _start(args, devices=1, **kw):
     )
     return subprocess.Popen(
         [sys.executable, "-m", "jaxllm", "train", *args],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def _run(args, devices=1):
@@ -124,8 +138,17 @@ def test_resume_on_another_mesh_and_device_count(tmp_path):
     args = [*TINY, "checkpoint.every=2"]
     rc, out = _run([*args, "train.steps=6", "mesh.fsdp=8", f"run.dir={tmp_path / 'ref'}"], 8)
     assert rc == 0, out
-    rc, out = _run([*args, "train.steps=6", "mesh.fsdp=8", f"run.dir={tmp_path / 'moved'}",
-                    "checkpoint.save_final=false", "checkpoint.every=4"], 8)  # fmt: skip
+    rc, out = _run(
+        [
+            *args,
+            "train.steps=6",
+            "mesh.fsdp=8",
+            f"run.dir={tmp_path / 'moved'}",
+            "checkpoint.save_final=false",
+            "checkpoint.every=4",
+        ],
+        8,
+    )
     assert rc == 0, out
     shutil.copytree(tmp_path / "moved", tmp_path / "moved1")
     # fsdp8 on 8 devices -> dp2 x tp2 on 4, and -> 1 device
@@ -171,8 +194,17 @@ def test_data_stream_continues_at_the_same_example_across_process_layouts():
 
 def test_nonfinite_steps_never_touch_the_state_and_stop_the_run(tmp_path):
     # a learning rate of 1e9 makes step 1's update finite but step 2's loss infinite
-    base = config.load(None, [*TINY, "optim.lr=1e9", "optim.warmup_steps=0", "train.steps=6",
-                              "optim.clip_norm=null", f"run.dir={tmp_path}"])  # fmt: skip
+    base = config.load(
+        None,
+        [
+            *TINY,
+            "optim.lr=1e9",
+            "optim.warmup_steps=0",
+            "train.steps=6",
+            "optim.clip_norm=null",
+            f"run.dir={tmp_path}",
+        ],
+    )
     result = train(base)
     # the bad step 2 is noticed while step 3 (dispatched asynchronously) runs
     assert result["stopped"] == "nonfinite" and result["step"] == 3
@@ -181,9 +213,18 @@ def test_nonfinite_steps_never_touch_the_state_and_stop_the_run(tmp_path):
     saved = _params(tmp_path)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(saved))
 
-    skipping = config.load(None, [*TINY, "optim.lr=1e9", "optim.warmup_steps=0", "train.steps=3",
-                                  "optim.clip_norm=null", f"run.dir={tmp_path / 'skip'}",
-                                  "train.nonfinite=skip"])  # fmt: skip
+    skipping = config.load(
+        None,
+        [
+            *TINY,
+            "optim.lr=1e9",
+            "optim.warmup_steps=0",
+            "train.steps=3",
+            "optim.clip_norm=null",
+            f"run.dir={tmp_path / 'skip'}",
+            "train.nonfinite=skip",
+        ],
+    )
     result = train(skipping)
     assert "stopped" not in result and result["step"] == 3
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(_params(tmp_path / "skip"))):
@@ -195,8 +236,14 @@ def test_jaxllm_eval_reports_the_final_eval_loss(tmp_path):
     assert rc == 0, out
     final = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["eval_loss"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    proc = subprocess.run([sys.executable, "-m", "jaxllm", "eval", str(tmp_path)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxllm", "eval", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"eval loss {final:.4f}" in proc.stdout
     assert "perplexity" in proc.stdout
@@ -213,9 +260,16 @@ def test_damaged_checkpoint_warning_is_a_jaxllm_warning(tmp_path):
 
 def test_keeps_the_newest_k_plus_every_mth(tmp_path):
     cfg = config.load(
-        None, [*TINY, "train.steps=7", "checkpoint.every=1", "checkpoint.keep=2",
-               "checkpoint.keep_every=3", f"run.dir={tmp_path}"],
-    )  # fmt: skip
+        None,
+        [
+            *TINY,
+            "train.steps=7",
+            "checkpoint.every=1",
+            "checkpoint.keep=2",
+            "checkpoint.keep_every=3",
+            f"run.dir={tmp_path}",
+        ],
+    )
     train(cfg)
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == [3, 6, 7]

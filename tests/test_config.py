@@ -216,9 +216,16 @@ def test_dump_load_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override", ["model.num_kv_heads=0", "model.num_heads=0", "train.grad_accum_steps=0",
-                 "train.steps=-5", "model.num_layers=0", "train.global_batch_size=0"],
-)  # fmt: skip
+    "override",
+    [
+        "model.num_kv_heads=0",
+        "model.num_heads=0",
+        "train.grad_accum_steps=0",
+        "train.steps=-5",
+        "model.num_layers=0",
+        "train.global_batch_size=0",
+    ],
+)
 def test_non_positive_sizes_are_config_errors(override):
     assert override.split("=")[0] in load_error(override)
 
@@ -247,8 +254,12 @@ def test_cli_config_mistake_exits_2_with_one_line(arg, needle):
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "jaxllm", "train", arg],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -75,8 +75,9 @@ def test_export_refuses_knobs_the_family_cannot_hold(tmp_path, capsys):
     assert run_cli("convert", "import", src, tmp_path / "run") == 0
     err = stderr_of_failure(capsys, "convert", "import", src, tmp_path / "run")
     assert "already holds checkpoints" in err
-    err = stderr_of_failure(capsys, "convert", "export", tmp_path / "run", tmp_path / "o",
-                             "--family", "gpt2")  # fmt: skip
+    err = stderr_of_failure(
+        capsys, "convert", "export", tmp_path / "run", tmp_path / "o", "--family", "gpt2"
+    )
     assert "cannot be expressed in a gpt2 checkpoint" in err and "model.position='rope'" in err
 
 
@@ -91,30 +92,62 @@ def test_converted_checkpoint_trains_and_generates(tmp_path, capsys):
     imported = jaxllm.load_model(tmp_path / "imported")
     ours = generate(imported, [prompt], GenerateConfig(max_new_tokens=6, kv_cache_dtype="float32"))
     with torch.no_grad():
-        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                                min_new_tokens=6)  # fmt: skip
+        theirs = model.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+        )
     assert ours.tokens[0] == theirs[0, len(prompt) :].tolist()
     # two prompts: no streaming (an ordered host callback, which needs a single device)
-    assert run_cli("generate", tmp_path / "imported", "--prompt", "def", "--prompt", "x = ",
-                "--max-new-tokens", "4") == 0  # fmt: skip
+    assert (
+        run_cli(
+            "generate",
+            tmp_path / "imported",
+            "--prompt",
+            "def",
+            "--prompt",
+            "x = ",
+            "--max-new-tokens",
+            "4",
+        )
+        == 0
+    )
 
     run = tmp_path / "ft"
     overrides = [
-        tmp_path / "imported" / "config.yaml", f"run.dir={run}", f"checkpoint.init_from={src}",
-        "train.steps=2", "train.global_batch_size=8", "data.seq_len=32", "data.max_files=20",
-        "train.eval_batches=1", "train.sample_tokens=0", "optim.lr=0.0", "optim.warmup_steps=0",
-    ]  # fmt: skip
+        tmp_path / "imported" / "config.yaml",
+        f"run.dir={run}",
+        f"checkpoint.init_from={src}",
+        "train.steps=2",
+        "train.global_batch_size=8",
+        "data.seq_len=32",
+        "data.max_files=20",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "optim.lr=0.0",
+        "optim.warmup_steps=0",
+    ]
     capsys.readouterr()
     assert run_cli("train", *overrides) == 0
     assert "initialized parameters from" in capsys.readouterr().err
     trained = jaxllm.load_model(run)
-    for a, b in zip(jax.tree.leaves(jax.tree.map(np.asarray, _params(trained))),
-                    jax.tree.leaves(jax.tree.map(np.asarray, _params(imported)))):  # fmt: skip
+    for a, b in zip(
+        jax.tree.leaves(jax.tree.map(np.asarray, _params(trained))),
+        jax.tree.leaves(jax.tree.map(np.asarray, _params(imported))),
+    ):
         np.testing.assert_array_equal(a, b)
     # training straight in the imported directory starts from its weights-only checkpoint
-    assert run_cli("train", tmp_path / "imported", "train.steps=1", "train.global_batch_size=8",
-                "data.seq_len=32", "data.max_files=20", "train.eval_batches=1",
-                "train.sample_tokens=0") == 0  # fmt: skip
+    assert (
+        run_cli(
+            "train",
+            tmp_path / "imported",
+            "train.steps=1",
+            "train.global_batch_size=8",
+            "data.seq_len=32",
+            "data.max_files=20",
+            "train.eval_batches=1",
+            "train.sample_tokens=0",
+        )
+        == 0
+    )
     assert "initialized parameters from" in capsys.readouterr().err
     bad = config.load(tmp_path / "imported" / "config.yaml", ["model.num_layers=3"])
     from jaxllm.load import load_weights

@@ -62,8 +62,9 @@ def test_streams_each_shard_onto_the_mesh(tmp_path, reads):
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     params, _, _ = convert_hf.load_params(src, cfg.model, mesh)
     embed_reads = {shape for name, shape in reads if name == "model.embed_tokens.weight"}
-    ref, _, _ = convert_hf.load_params(src, cfg.model, sharding.make_mesh(MeshConfig(),
-                                                                       jax.devices()[:1]))  # fmt: skip
+    ref, _, _ = convert_hf.load_params(
+        src, cfg.model, sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    )
     q = params["layers"]["attn"]["q_proj"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     assert q.addressable_shards[0].data.shape == (2, 32, 2, 16)
@@ -92,8 +93,11 @@ def _legacy_mixtral(model, fused_dir, path):
         else:
             tensors[name] = t
     path.mkdir()
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-              str(path / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (path / "config.json").write_text((fused_dir / "config.json").read_text())
     return path
 
@@ -114,8 +118,10 @@ def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(t
     assert any("experts.{j}.w1.weight x2 layers x4 experts" in str(m) for m in report)
     gate = from_legacy["moe_layers"]["moe"]["mlp"]["gate_proj"]
     assert gate.sharding.spec[1] == "expert"
-    shards = {tuple((s.start, s.stop) for s in index)
-              for index in gate.sharding.devices_indices_map(gate.shape).values()}  # fmt: skip
+    shards = {
+        tuple((s.start, s.stop) for s in index)
+        for index in gate.sharding.devices_indices_map(gate.shape).values()
+    }
     want = sum(len(range(2)[slice(*s[0])]) * len(range(4)[slice(*s[1])]) for s in shards)
     assert sum(".w1." in name for name, _ in reads) == want == 8 * 2 * 2  # 2 of 4 experts each
 
@@ -138,9 +144,11 @@ def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(t
 
 def test_mixtral_refuses_what_the_knobs_cannot_express():
     hf_cfg = json.loads(hf.MixtralConfig(**SMALL, num_local_experts=4).to_json_string())
-    for extra, message in [({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
-                           ({"hidden_act": "gelu"}, "SwiGLU"),
-                           ({"num_experts_per_tok": 5}, "between 1 and num_local_experts=4")]:  # fmt: skip
+    for extra, message in [
+        ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+        ({"hidden_act": "gelu"}, "SwiGLU"),
+        ({"num_experts_per_tok": 5}, "between 1 and num_local_experts=4"),
+    ]:
         with pytest.raises(config.ConfigError, match=message):
             families.model_fields({**hf_cfg, **extra})
 
@@ -148,7 +156,10 @@ def test_mixtral_refuses_what_the_knobs_cannot_express():
     assert families.guess_family(tiny).name == "mixtral"
     out = families.hf_config(tiny, families.FAMILIES["mixtral"])
     assert (out["intermediate_size"], out["num_local_experts"], out["router_aux_loss_coef"]) == (
-        320, 8, 0.02)  # fmt: skip
+        320,
+        8,
+        0.02,
+    )
     for moe, message in [
         (dict(bias_update_rate=1e-3), "model.moe.bias_update_rate=0.001"),  # a bias it can't hold
         (dict(first_dense_layers=2), "model.moe.first_dense_layers=2"),
@@ -159,8 +170,10 @@ def test_mixtral_refuses_what_the_knobs_cannot_express():
         with pytest.raises(config.ConfigError, match=message):
             families.hf_config(changed, families.FAMILIES["mixtral"])
     with pytest.raises(config.ConfigError, match="model.global_every=2"):
-        families.hf_config(dataclasses.replace(tiny, sliding_window=8, global_every=2),
-                           families.FAMILIES["mixtral"])  # fmt: skip
+        families.hf_config(
+            dataclasses.replace(tiny, sliding_window=8, global_every=2),
+            families.FAMILIES["mixtral"],
+        )
     with pytest.raises(
         config.ConfigError, match="model.moe.num_experts=8 cannot be expressed in a llama"
     ):
@@ -174,16 +187,30 @@ def test_gemma3_text_rope_per_layer_type_and_refusals():
     hf_cfg = json.loads(hf.Gemma3TextConfig(**SMALL, **FAMILIES["gemma3_text"][2]).to_json_string())
     got = families.model_fields(hf_cfg)
     rope = got["rope"]
-    assert (rope["theta"], rope["scaling"], rope["factor"], rope["local_theta"],
-            got["sliding_window"], got["global_every"], got["qk_norm"]) == (
-        1000.0, "linear", 4.0, 10.0, 6, 2, True)  # fmt: skip
+    assert (
+        rope["theta"],
+        rope["scaling"],
+        rope["factor"],
+        rope["local_theta"],
+        got["sliding_window"],
+        got["global_every"],
+        got["qk_norm"],
+    ) == (1000.0, "linear", 4.0, 10.0, 6, 2, True)
     legacy = {k: v for k, v in hf_cfg.items() if k not in ("rope_parameters", "layer_types")}
-    legacy.update(num_hidden_layers=12, rope_theta=1e6, rope_local_base_freq=1e4,
-                  rope_scaling={"rope_type": "linear", "factor": 8.0})  # fmt: skip
+    legacy.update(
+        num_hidden_layers=12,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )
     old = families.model_fields(legacy)  # older config.json: pattern 6, flat RoPE keys
     old_rope = old["rope"]
-    assert (old_rope["theta"], old_rope["factor"], old_rope["local_theta"], old["global_every"]) == (
-        1e6, 8.0, 1e4, 6)  # fmt: skip
+    assert (
+        old_rope["theta"],
+        old_rope["factor"],
+        old_rope["local_theta"],
+        old["global_every"],
+    ) == (1e6, 8.0, 1e4, 6)
     local_scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10.0}
     for extra, message in [
         ({"layer_types": ["full_attention", "sliding_attention"]}, "not a periodic pattern"),
@@ -201,8 +228,10 @@ def test_gemma3_text_rope_per_layer_type_and_refusals():
     no_local = dataclasses.replace(cfg.rope, local_theta=None)
     all_global = dataclasses.replace(cfg, sliding_window=None, global_every=0, rope=no_local)
     assert families.guess_family(all_global).name == "gemma3_text"  # by its QK-norm
-    assert families.hf_config(all_global, families.FAMILIES["gemma3_text"])["layer_types"] == [
-        "full_attention"] * 2  # fmt: skip
+    assert (
+        families.hf_config(all_global, families.FAMILIES["gemma3_text"])["layer_types"]
+        == ["full_attention"] * 2
+    )
     gemma2 = dataclasses.replace(cfg, rope=no_local, qk_norm=False)
     assert families.guess_family(gemma2).name == "gemma2"
     with pytest.raises(config.ConfigError, match="model.rope.local_theta=10.0"):

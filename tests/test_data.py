@@ -41,14 +41,29 @@ def test_packing_hand_worked_example():
     rows = pack([np.array([1, 2]), np.array([3, 4, 5, 6, 7]), np.array([8])], seq_len=4)
     assert len(rows) == 3
     expected = [
-        dict(inputs=[BOS, 1, 2, EOS], targets=[1, 2, EOS, BOS], segment_ids=[1, 1, 1, 1],
-             positions=[0, 1, 2, 3], loss_mask=[1, 1, 1, 0]),
-        dict(inputs=[BOS, 3, 4, 5], targets=[3, 4, 5, 6], segment_ids=[1, 1, 1, 1],
-             positions=[0, 1, 2, 3], loss_mask=[1, 1, 1, 1]),
+        dict(
+            inputs=[BOS, 1, 2, EOS],
+            targets=[1, 2, EOS, BOS],
+            segment_ids=[1, 1, 1, 1],
+            positions=[0, 1, 2, 3],
+            loss_mask=[1, 1, 1, 0],
+        ),
+        dict(
+            inputs=[BOS, 3, 4, 5],
+            targets=[3, 4, 5, 6],
+            segment_ids=[1, 1, 1, 1],
+            positions=[0, 1, 2, 3],
+            loss_mask=[1, 1, 1, 1],
+        ),
         # the second document continues from row 1: positions restart at the row start
-        dict(inputs=[6, 7, EOS, BOS], targets=[7, EOS, BOS, 8], segment_ids=[1, 1, 1, 2],
-             positions=[0, 1, 2, 0], loss_mask=[1, 1, 0, 1]),
-    ]  # fmt: skip
+        dict(
+            inputs=[6, 7, EOS, BOS],
+            targets=[7, EOS, BOS, 8],
+            segment_ids=[1, 1, 1, 2],
+            positions=[0, 1, 2, 0],
+            loss_mask=[1, 1, 0, 1],
+        ),
+    ]
     for i, want in enumerate(expected):
         got = rows[i]
         for k in KEYS:

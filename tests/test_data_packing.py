@@ -31,15 +31,35 @@ def test_first_fit_hand_worked_example():
     # first-fit puts doc 1 (3) in bin 0, doc 2's rest (3) in bin 1, doc 3 (2) in bin 2;
     # rows are numbered by where their first piece starts: doc 1, doc 2 head, doc 2 rest, doc 3
     expected = [
-        dict(inputs=[BOS, 1, 2, 0], targets=[1, 2, EOS, 0], segment_ids=[1, 1, 1, 0],
-             positions=[0, 1, 2, 0], loss_mask=[1, 1, 1, 0]),
-        dict(inputs=[BOS, 3, 4, 5], targets=[3, 4, 5, 6], segment_ids=[1, 1, 1, 1],
-             positions=[0, 1, 2, 3], loss_mask=[1, 1, 1, 1]),
-        dict(inputs=[6, 7, 8, 0], targets=[7, 8, EOS, 0], segment_ids=[1, 1, 1, 0],
-             positions=[0, 1, 2, 0], loss_mask=[1, 1, 1, 0]),
-        dict(inputs=[BOS, 9, 0, 0], targets=[9, EOS, 0, 0], segment_ids=[1, 1, 0, 0],
-             positions=[0, 1, 0, 0], loss_mask=[1, 1, 0, 0]),
-    ]  # fmt: skip
+        dict(
+            inputs=[BOS, 1, 2, 0],
+            targets=[1, 2, EOS, 0],
+            segment_ids=[1, 1, 1, 0],
+            positions=[0, 1, 2, 0],
+            loss_mask=[1, 1, 1, 0],
+        ),
+        dict(
+            inputs=[BOS, 3, 4, 5],
+            targets=[3, 4, 5, 6],
+            segment_ids=[1, 1, 1, 1],
+            positions=[0, 1, 2, 3],
+            loss_mask=[1, 1, 1, 1],
+        ),
+        dict(
+            inputs=[6, 7, 8, 0],
+            targets=[7, 8, EOS, 0],
+            segment_ids=[1, 1, 1, 0],
+            positions=[0, 1, 2, 0],
+            loss_mask=[1, 1, 1, 0],
+        ),
+        dict(
+            inputs=[BOS, 9, 0, 0],
+            targets=[9, EOS, 0, 0],
+            segment_ids=[1, 1, 0, 0],
+            positions=[0, 1, 0, 0],
+            loss_mask=[1, 1, 0, 0],
+        ),
+    ]
     assert len(rows) == len(expected)
     for i, want in enumerate(expected):
         for k in KEYS:

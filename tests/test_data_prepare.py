@@ -103,9 +103,18 @@ def test_training_from_shards_does_not_tokenize(prepared, monkeypatch):
 def test_workers_and_cli_write_the_same_shards(corpus, prepared, tmp_path, capsys):
     out, manifest = prepared
     code = run_cli(
-        "data", "prepare", str(corpus), "--out", str(tmp_path / "cli"), "--workers", "2",
-        "--shard-docs", "8", "--eval-fraction", "0.1",
-    )  # fmt: skip
+        "data",
+        "prepare",
+        str(corpus),
+        "--out",
+        str(tmp_path / "cli"),
+        "--workers",
+        "2",
+        "--shard-docs",
+        "8",
+        "--eval-fraction",
+        "0.1",
+    )
     assert code == 0 and "70 documents" in capsys.readouterr().out
     again = json.loads((tmp_path / "cli" / "manifest.json").read_text())
     assert again["shards"] == manifest["shards"]

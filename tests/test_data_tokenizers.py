@@ -76,9 +76,16 @@ def test_tokenizer_cli_writes_tokenizer_json(tmp_path, capsys):
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"t": c}) + "\n" for c in CORPUS))
     out = tmp_path / "tok"
     code = run_cli(
-        "data", "tokenizer", str(tmp_path / "corpus.jsonl"), "--text-field", "t",
-        "--vocab-size", "300", "--out", str(out),
-    )  # fmt: skip
+        "data",
+        "tokenizer",
+        str(tmp_path / "corpus.jsonl"),
+        "--text-field",
+        "t",
+        "--vocab-size",
+        "300",
+        "--out",
+        str(out),
+    )
     assert code == 0 and "300 ids" in capsys.readouterr().out
     assert load_tokenizer(str(out / "tokenizer.json")).vocab_size == 300
     with pytest.raises(ConfigError, match="needs at least 259 ids"):
@@ -88,9 +95,12 @@ def test_tokenizer_cli_writes_tokenizer_json(tmp_path, capsys):
 def test_sentencepiece_model_loads_and_encodes(tmp_path):
     (tmp_path / "corpus.txt").write_text("\n".join(c.replace("\n", " ") for c in CORPUS))
     spm.SentencePieceTrainer.train(
-        input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=80,
-        model_type="bpe", minloglevel=2,
-    )  # fmt: skip
+        input=str(tmp_path / "corpus.txt"),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=80,
+        model_type="bpe",
+        minloglevel=2,
+    )
     cfg = DataConfig(tokenizer=str(tmp_path / "sp.model"))
     tok = make_tokenizer(cfg)
     reference = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))

@@ -23,10 +23,11 @@ KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 def rows() -> MixtureRows:
     rng = np.random.default_rng(0)
     parts = [
-        PackedRows([rng.integers(0, 256, n) for n in rng.integers(1, 90, 30)], 16, bos_id=256,
-                   eos_id=257)
+        PackedRows(
+            [rng.integers(0, 256, n) for n in rng.integers(1, 90, 30)], 16, bos_id=256, eos_id=257
+        )
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     return MixtureRows(parts, [1.0, 2.0], seed=0)  # the hardest case: a mixture, pickled
 
 
@@ -98,11 +99,18 @@ def test_bench_data_cli(tiny_run, capsys):
     parser = argparse.ArgumentParser()
     add_bench_data_parser(parser.add_subparsers(dest="what", required=True))
     d = tiny_run.data
-    ns = parser.parse_args([
-        "data", f"data.sources=[{{path: {d.sources[0].path}}}]",
-        f"data.eval_sources=[{{path: {d.sources[0].path}}}]", "data.seq_len=32",
-        "data.packing=first_fit", "train.global_batch_size=4", "--batches", "5",
-    ])  # fmt: skip
+    ns = parser.parse_args(
+        [
+            "data",
+            f"data.sources=[{{path: {d.sources[0].path}}}]",
+            f"data.eval_sources=[{{path: {d.sources[0].path}}}]",
+            "data.seq_len=32",
+            "data.packing=first_fit",
+            "train.global_batch_size=4",
+            "--batches",
+            "5",
+        ]
+    )
     assert ns.func(ns) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "first_fit / 0" in out and "5 of 128 tokens" in out

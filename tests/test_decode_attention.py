@@ -46,22 +46,36 @@ def _poison(cache: KVCache, lengths):
     pos = jnp.arange(t)[None, None, :]
     if cache.kind in ("float32", "bfloat16"):
         dead = (pos >= n)[..., None]
-        return KVCache(kind=cache.kind, k=jnp.where(dead, jnp.nan, cache.k).astype(cache.k.dtype),
-                       v=jnp.where(dead, jnp.nan, cache.v).astype(cache.v.dtype))  # fmt: skip
+        return KVCache(
+            kind=cache.kind,
+            k=jnp.where(dead, jnp.nan, cache.k).astype(cache.k.dtype),
+            v=jnp.where(dead, jnp.nan, cache.v).astype(cache.v.dtype),
+        )
     nan = lambda x, dead: jnp.where(dead, jnp.nan, x).astype(x.dtype)  # noqa: E731
     if cache.kind == "int8":
         dead = pos >= n
-        return KVCache(kind="int8", k=cache.k, v=cache.v, k_scale=nan(cache.k_scale, dead),
-                       v_scale=nan(cache.v_scale, dead))  # fmt: skip
+        return KVCache(
+            kind="int8",
+            k=cache.k,
+            v=cache.v,
+            k_scale=nan(cache.k_scale, dead),
+            v_scale=nan(cache.v_scale, dead),
+        )
     full = (n // GROUP) * GROUP
     dead_group = (jnp.arange(t // GROUP)[None, None, :] * GROUP >= full)[..., None]
     dead_row = (pos >= full)[..., None]
     return KVCache(
-        kind="int4", group=GROUP, k=cache.k, v=cache.v,
-        k_scale=nan(cache.k_scale, dead_group), k_zero=nan(cache.k_zero, dead_group),
-        v_scale=nan(cache.v_scale, dead_row), v_zero=nan(cache.v_zero, dead_row),
-        k_res=cache.k_res, v_res=cache.v_res,
-    )  # fmt: skip
+        kind="int4",
+        group=GROUP,
+        k=cache.k,
+        v=cache.v,
+        k_scale=nan(cache.k_scale, dead_group),
+        k_zero=nan(cache.k_zero, dead_group),
+        v_scale=nan(cache.v_scale, dead_row),
+        v_zero=nan(cache.v_zero, dead_row),
+        k_res=cache.k_res,
+        v_res=cache.v_res,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 4))  # eager ops would each compile
@@ -100,8 +114,14 @@ def _paginate(cache: KVCache, page_size: int, num_pages: int, seed: int) -> KVCa
         store = jnp.full((num_pages, *pages.shape[1:]), fill, x.dtype)
         fields[name] = store.at[perm].set(pages)
     table = jnp.asarray(table, jnp.int32)
-    return KVCache(kind=cache.kind, group=cache.group, k_res=cache.k_res, v_res=cache.v_res,
-                   block_table=table, **fields)  # fmt: skip
+    return KVCache(
+        kind=cache.kind,
+        group=cache.group,
+        k_res=cache.k_res,
+        v_res=cache.v_res,
+        block_table=table,
+        **fields,
+    )
 
 
 def _stack_layers(caches):
@@ -135,7 +155,7 @@ CASES = [
     ("int4-mha-q4-paged-bf16", "int4", None, 2, 1, 4, None, True, jnp.bfloat16),
     ("int4-triton-gqa4-q4-paged-layer", "int4", "triton", 2, 4, 4, 2, True, jnp.float32),
     ("int4-triton-mha-q1", "int4", "triton", 2, 1, 1, None, False, jnp.bfloat16),
-]  # fmt: skip
+]
 
 
 def _build(kind, g, layers, paged, dtype, d=64, seed=0):
@@ -161,8 +181,16 @@ def test_kernel_matches_reference(kind, backend, g, r, nq, layers, paged, dtype)
 
     @jax.jit
     def run(q, cache, lengths, layer):  # layer traced: the kernel picks it in its index maps
-        return decode_attention(q, cache, lengths, layer=layer, block_kv=32, num_splits=2,
-                                interpret=True, backend=backend)  # fmt: skip
+        return decode_attention(
+            q,
+            cache,
+            lengths,
+            layer=layer,
+            block_kv=32,
+            num_splits=2,
+            interpret=True,
+            backend=backend,
+        )
 
     out = run(q, cache, lengths, layer)
     ref = _reference(q.astype(jnp.float32), cache, lengths, layer=layer)
@@ -243,8 +271,9 @@ def test_sliding_window_and_alibi(nq):
     ref = functools.partial(decode_attention_reference, q, cache, lengths)
     np.testing.assert_allclose(ref(sliding_window=w), dense(w, False), atol=1e-5)
     np.testing.assert_allclose(ref(alibi_slopes_H=slopes), dense(0, True), atol=1e-5)
-    op = jax.jit(lambda window: decode_attention(q, cache, lengths, sliding_window=window,
-                                                 interpret=True))  # fmt: skip
+    op = jax.jit(
+        lambda window: decode_attention(q, cache, lengths, sliding_window=window, interpret=True)
+    )
     np.testing.assert_allclose(op(jnp.int32(w)), dense(w, False), atol=1e-5)
     np.testing.assert_allclose(op(jnp.int32(0)), dense(0, False), atol=1e-5)
     got = decode_attention(q, cache, lengths, alibi_slopes_H=slopes, interpret=True)

@@ -18,17 +18,33 @@ def test_short_sequences_skip_blocks():
     """TPU index maps clamp past-the-end steps to the last live block (no new DMA), through
     the block table when paged; the kernel body is skipped for them."""
     cfg = dk_common.Config(
-        kind="int4", group=32, head_dim=64, num_kv_heads=2, seq_len=512, block_kv=32,
-        num_splits=2, blocks_per_split=8, num_queries=1, num_rows=2, sm_scale=1.0,
-        soft_cap=None, page_size=64, num_pages=20, has_layer=True, backend="mosaic_tpu",
+        kind="int4",
+        group=32,
+        head_dim=64,
+        num_kv_heads=2,
+        seq_len=512,
+        block_kv=32,
+        num_splits=2,
+        blocks_per_split=8,
+        num_queries=1,
+        num_rows=2,
+        sm_scale=1.0,
+        soft_cap=None,
+        page_size=64,
+        num_pages=20,
+        has_layer=True,
+        backend="mosaic_tpu",
         interpret=True,
-    )  # fmt: skip
+    )
     index_map = dk_mosaic_tpu.cache_index_map(cfg, 4)
     lengths = jnp.array([0, 70], jnp.int32)  # int4: 64 tokens in codes -> live blocks 0, 1
     table = jnp.array([[-1] * 8, [9, 4, 7, 1, 2, 3, 5, 6]], jnp.int32).reshape(-1)
     layer = jnp.array([1], jnp.int32)
-    got = [tuple(int(x) for x in index_map(1, s, i, lengths, table, layer))
-           for s in range(2) for i in range(8)]  # fmt: skip
+    got = [
+        tuple(int(x) for x in index_map(1, s, i, lengths, table, layer))
+        for s in range(2)
+        for i in range(8)
+    ]
     assert got[:2] == [(1, 9, 0, 0, 0), (1, 9, 0, 1, 0)]
     assert set(got[2:]) == {(1, 9, 0, 1, 0)}
     empty = {tuple(int(x) for x in index_map(0, 1, i, lengths, table, layer)) for i in range(8)}
@@ -63,8 +79,11 @@ def _abstract_cache(kind, *, b=2, g=2, t=1024, d=128, layers=3, page=None, num_p
             shape = (num_pages, shape[1], shape[2] * page // t, *shape[3:])
         return jax.ShapeDtypeStruct((layers, *shape), x.dtype)
 
-    fields = {n: spec(n, getattr(c, n)) for n in (*PER_TOKEN, "k_res", "v_res")
-              if getattr(c, n) is not None}  # fmt: skip
+    fields = {
+        n: spec(n, getattr(c, n))
+        for n in (*PER_TOKEN, "k_res", "v_res")
+        if getattr(c, n) is not None
+    }
     table = jax.ShapeDtypeStruct((b, t // page), jnp.int32) if page else None
     return KVCache(kind=kind, group=c.group, block_table=table, **fields)
 

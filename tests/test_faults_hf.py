@@ -19,8 +19,15 @@ import jaxllm
 from jaxllm import cli, config, sharding
 from jaxllm.config import ConfigError, MeshConfig
 
-SMALL = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+SMALL = dict(
+    vocab_size=320,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -57,8 +64,10 @@ def _shard(d: Path, keep_index: bool = True) -> None:
     """model.safetensors split in two shards (+ index when `keep_index`)."""
     tensors = _tensors(d)
     names = sorted(tensors)
-    half = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-            "model-00002-of-00002.safetensors": names[len(names) // 2 :]}  # fmt: skip
+    half = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, part in half.items():
         _save(d, {n: tensors[n] for n in part}, file)
     (d / WEIGHTS).unlink()
@@ -245,8 +254,11 @@ CASES = [
     (index_names_a_missing_file, "names model-00002-of-00002.safetensors, which is not in"),
     (index_is_not_json, "model.safetensors.index.json is not valid JSON"),
     (index_puts_a_tensor_in_the_wrong_file, "which does not hold it"),
-    (tensor_in_two_files, "tensor model.norm.weight is in both extra.safetensors and "
-                          "model-00002-of-00002.safetensors"),
+    (
+        tensor_in_two_files,
+        "tensor model.norm.weight is in both extra.safetensors and "
+        "model-00002-of-00002.safetensors",
+    ),
     (integer_tensor, "model.norm.weight is stored as I32"),
     (bool_tensor, "model.layers.1.input_layernorm.weight is stored as BOOL"),
     (truncated_safetensors, "model.safetensors is not a readable safetensors file"),
@@ -257,16 +269,20 @@ CASES = [
     (config_is_a_list, "config.json holds a JSON list, not an object"),
     (config_lacks_hidden_size, "config.json has no 'hidden_size'"),
     (config_lacks_vocab_size, "config.json has no 'vocab_size'"),
-    (config_hidden_size_is_text, "config.json does not describe a valid model (model.d_model "
-                                 "must be an integer, not '32')"),
+    (
+        config_hidden_size_is_text,
+        "config.json does not describe a valid model (model.d_model must be an integer, not '32')",
+    ),
     (config_heads_is_null, "config.json holds a value of the wrong type or range"),
     (unknown_model_type, "model_type 'falcon' is not supported"),
     (quantized, "quantized checkpoint (quantization_config: quant_method gptq)"),
     (shape_mismatch, "model.layers.0.mlp.gate_proj.weight has shape [64, 32]"),
     (missing_tensor, "missing tensor model.norm.weight"),
     (unmapped_tensor, "model.layers.0.self_attn.rotary_scale [4] maps to no parameter"),
-    (tied_config_with_a_different_head, "lm_head.weight is stored and differs from "
-                                        "model.embed_tokens.weight"),
+    (
+        tied_config_with_a_different_head,
+        "lm_head.weight is stored and differs from model.embed_tokens.weight",
+    ),
     (tokenizer_is_garbage, "cannot read tokenizer"),
     (tokenizer_larger_than_vocab, "has 400 ids but config.json's vocab_size is 320"),
     (generation_config_eos_is_text, "eos_token_id is a token id or a list of them"),
@@ -274,7 +290,7 @@ CASES = [
     (out_dir_is_a_file, "is a file; give a new directory"),
     (hf_dir_does_not_exist, "nowhere does not exist"),
     (hf_dir_is_a_file, "config.json is a file, not a directory"),
-]  # fmt: skip
+]
 
 
 def _digest(path: Path) -> str | None:
@@ -310,15 +326,24 @@ def test_convert_import_refuses_in_one_line(case, fragment, valid_dir, tmp_path,
 
 # The cases about the directory's own files: `jaxllm.load_model(HF_DIR)` and
 # `checkpoint.init_from=HF_DIR` read them through the same model_config / Reader.
-FILE_CASES = [c for c in CASES if c[0] not in (
-    out_dir_holds_checkpoints, out_dir_is_a_file, hf_dir_does_not_exist, hf_dir_is_a_file,
-    tokenizer_is_garbage, tokenizer_larger_than_vocab, generation_config_eos_is_text,
-)]  # fmt: skip
+FILE_CASES = [
+    c
+    for c in CASES
+    if c[0]
+    not in (
+        out_dir_holds_checkpoints,
+        out_dir_is_a_file,
+        hf_dir_does_not_exist,
+        hf_dir_is_a_file,
+        tokenizer_is_garbage,
+        tokenizer_larger_than_vocab,
+        generation_config_eos_is_text,
+    )
+]
 
 
 @pytest.mark.parametrize("case, fragment", FILE_CASES, ids=[c.__name__ for c, _ in FILE_CASES])
-def test_load_model_and_init_from_refuse_with_a_config_error(case, fragment, valid_dir,
-                                                             tmp_path):  # fmt: skip
+def test_load_model_and_init_from_refuse_with_a_config_error(case, fragment, valid_dir, tmp_path):
     from jaxllm.load import load_weights
 
     hf_dir, _ = _broken(case, valid_dir, tmp_path)

@@ -68,11 +68,25 @@ CASES = [
     ("window_causal", 1, 128, 8, 2, 64, dict(causal=True, sliding_window=40)),
     ("window_full_odd", 1, 100, 8, 8, 64, dict(sliding_window=24)),
     ("softcap_causal", 1, 64, 8, 2, 128, dict(causal=True, soft_cap=2.0)),
-    ("all_masks_odd_k128", 1, 100, 8, 2, 128,
-     dict(causal=True, segment_ids="packed", sliding_window=30, soft_cap=3.0)),
-]  # fmt: skip
-BF16_CASES = {"full_mha", "causal_gqa4_odd", "causal_mqa8", "segments_causal_odd",
-              "window_causal", "softcap_causal", "all_masks_odd_k128"}  # fmt: skip
+    (
+        "all_masks_odd_k128",
+        1,
+        100,
+        8,
+        2,
+        128,
+        dict(causal=True, segment_ids="packed", sliding_window=30, soft_cap=3.0),
+    ),
+]
+BF16_CASES = {
+    "full_mha",
+    "causal_gqa4_odd",
+    "causal_mqa8",
+    "segments_causal_odd",
+    "window_causal",
+    "softcap_causal",
+    "all_masks_odd_k128",
+}
 
 
 def _params():
@@ -100,7 +114,7 @@ MULTI_BLOCK_CASES = [
     ("segments_causal", 88, 88, (16, 32), dict(causal=True, segment_ids="packed")),
     ("causal_keys_past_queries", 56, 88, (8, 16), dict(causal=True)),  # keys 56.. seen by none
     ("window_queries_past_keys", 88, 40, (16, 8), dict(sliding_window=16)),  # rows 55.. see none
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -131,8 +145,9 @@ def test_causality_by_gradient():
     i = 40
 
     def row(k):
-        out = flash_attention(q, k, v, causal=True, sliding_window=16, interpret=True,
-                              block_sizes=BlockSizes(16, 16))  # fmt: skip
+        out = flash_attention(
+            q, k, v, causal=True, sliding_window=16, interpret=True, block_sizes=BlockSizes(16, 16)
+        )
         return out[0, i].sum()
 
     dk_norm = np.abs(np.asarray(jax.grad(row)(k)[0])).sum(axis=(1, 2))

@@ -32,7 +32,7 @@ LOWERINGS = [  # (platform, backend, custom call the kernels must lower to)
             dict(causal=True, segment_ids=True, sliding_window=100, soft_cap=30.0),
         ),
         (jnp.float32, 200, 8, 64, dict(causal=True)),
-    ],  # fmt: skip
+    ],
     ids=["bf16-all_masks", "f32-odd_len"],
 )
 def test_lowers(platform, backend, target, dtype, l, g, k, kw):
@@ -71,7 +71,7 @@ SCHEDULES = [
     (56, 88, 16, 32, True, None),
     (88, 40, 8, 16, False, 16),
     (40, 88, 8, 16, False, 3),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("l,s,bq,bk,causal,window", SCHEDULES)
@@ -80,9 +80,18 @@ def test_mosaic_tpu_schedule_visits_each_visible_block_once(l, s, bq, bk, causal
     visible entry, each once, then repeat the last one (no compute, no new DMA); a visited block
     skips the per-element mask exactly when every entry of it is visible."""
     cfg = common.Config(
-        block_q=bq, block_kv=bk, q_len=l, kv_len=s, causal=causal, sliding_window=window,
-        soft_cap=None, sm_scale=1.0, has_segments=False, backend="mosaic_tpu", interpret=True,
-    )  # fmt: skip
+        block_q=bq,
+        block_kv=bk,
+        q_len=l,
+        kv_len=s,
+        causal=causal,
+        sliding_window=window,
+        soft_cap=None,
+        sm_scale=1.0,
+        has_segments=False,
+        backend="mosaic_tpu",
+        interpret=True,
+    )
     lp, sp = -(-l // bq) * bq, -(-s // bk) * bk
     nq, nk = lp // bq, sp // bk
     band_LpxSp = np.asarray(reference_mask(lp, sp, causal=causal, sliding_window=window)[0])
@@ -94,13 +103,23 @@ def test_mosaic_tpu_schedule_visits_each_visible_block_once(l, s, bq, bk, causal
     q_start, k_start = jnp.arange(nq)[:, None] * bq, jnp.arange(nk)[None, :] * bk
     # forward / dq: q blocks are the rows; dk/dv: kv blocks are, and padded queries are masked.
     for block_range, rows, cols, visible, full, needs_mask in (
-        (common.kv_block_range, nq, nk, per_block(band_LpxSp, np.any),
-         per_block(band_LpxSp & real_k, np.all),
-         mosaic_tpu._needs_mask(q_start, k_start, cfg, pad_q=False)),
-        (common.q_block_range, nk, nq, per_block(band_LpxSp, np.any).T,
-         per_block(band_LpxSp & real_k & real_q, np.all).T,
-         mosaic_tpu._needs_mask(q_start, k_start, cfg, pad_q=True).T),
-    ):  # fmt: skip
+        (
+            common.kv_block_range,
+            nq,
+            nk,
+            per_block(band_LpxSp, np.any),
+            per_block(band_LpxSp & real_k, np.all),
+            mosaic_tpu._needs_mask(q_start, k_start, cfg, pad_q=False),
+        ),
+        (
+            common.q_block_range,
+            nk,
+            nq,
+            per_block(band_LpxSp, np.any).T,
+            per_block(band_LpxSp & real_k & real_q, np.all).T,
+            mosaic_tpu._needs_mask(q_start, k_start, cfg, pad_q=True).T,
+        ),
+    ):
         steps, num_visited = mosaic_tpu._schedule(block_range, rows, cols, cfg)
         index, vis = mosaic_tpu._visited(
             block_range, jnp.arange(rows)[:, None], jnp.arange(steps)[None, :], cfg, cols
@@ -157,8 +176,9 @@ def test_long_sequence_lowers_for_tpu_with_vmem_independent_of_length(window):
         ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
 
         def loss(q, k, v, ids):
-            out = flash_attention(q, k, v, causal=True, segment_ids=ids, sliding_window=window,
-                                  backend="mosaic_tpu")  # fmt: skip
+            out = flash_attention(
+                q, k, v, causal=True, segment_ids=ids, sliding_window=window, backend="mosaic_tpu"
+            )
             return out.astype(jnp.float32).sum()
 
         traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids)

@@ -37,7 +37,7 @@ LSE_CASES = {
     "causal_gqa2_odd": (40, 40, 4, 2, dict(causal=True)),
     "softcap_window_mqa": (32, 32, 4, 1, dict(causal=True, sliding_window=9, soft_cap=2.0)),
     "cross_empty_rows": (24, 40, 4, 2, dict()),  # q segment 9 has no key
-}  # fmt: skip
+}
 
 
 def _lse_case(name, dtype):
@@ -130,13 +130,15 @@ def test_backward_of_key_blocks_with_global_statistics_sums_to_full_gradient(bac
     q, k, v, do = _inputs(2, l, s, 4, 2, 32, jnp.float32, seed=3)
     q_ids = _packed_ids(2, l, [10]).at[:, 20:].set(9)  # segment 9: rows with no key at all
     kv_ids = _packed_ids(2, s, [20])
-    kw = dict(soft_cap=3.0, interpret=backend != "xla", backend=backend,
-              block_sizes=BlockSizes(16, 16))  # fmt: skip
+    kw = dict(
+        soft_cap=3.0, interpret=backend != "xla", backend=backend, block_sizes=BlockSizes(16, 16)
+    )
 
     @jax.jit
     def blockwise_and_full(q, k, v, do):
-        full = functools.partial(flash_attention_reference_with_lse, soft_cap=3.0,
-                                 segment_ids=(q_ids, kv_ids))  # fmt: skip
+        full = functools.partial(
+            flash_attention_reference_with_lse, soft_cap=3.0, segment_ids=(q_ids, kv_ids)
+        )
         (out, lse), vjp = jax.vjp(full, q, k, v)
         grads = [
             flash_attention_backward(

@@ -80,18 +80,31 @@ def _check(dtype, b, l, h, g, k, *, s=None, blocks=(64, 64), **kw):
 # with several blocks per program so the pipeline refills its slots.
 CASES = [
     ("causal_gqa2_odd", jnp.bfloat16, 1, 100, 4, 2, 64, dict(causal=True)),
-    ("causal_mqa_k128_kv128", jnp.bfloat16, 1, 128, 2, 1, 128,
-     dict(causal=True, blocks=(64, 128))),
-    ("f16_window_q128_odd", jnp.float16, 1, 130, 2, 1, 64,
-     dict(sliding_window=40, blocks=(128, 64))),
-    ("all_masks_odd", jnp.bfloat16, 1, 100, 2, 1, 64,
-     dict(causal=True, segment_ids="packed", sliding_window=30, soft_cap=3.0)),
-]  # fmt: skip
+    ("causal_mqa_k128_kv128", jnp.bfloat16, 1, 128, 2, 1, 128, dict(causal=True, blocks=(64, 128))),
+    (
+        "f16_window_q128_odd",
+        jnp.float16,
+        1,
+        130,
+        2,
+        1,
+        64,
+        dict(sliding_window=40, blocks=(128, 64)),
+    ),
+    (
+        "all_masks_odd",
+        jnp.bfloat16,
+        1,
+        100,
+        2,
+        1,
+        64,
+        dict(causal=True, segment_ids="packed", sliding_window=30, soft_cap=3.0),
+    ),
+]
 
 
-@pytest.mark.parametrize(
-    "dtype,b,l,h,g,k,kw", [pytest.param(*c[1:], id=c[0]) for c in CASES]
-)  # fmt: skip
+@pytest.mark.parametrize("dtype,b,l,h,g,k,kw", [pytest.param(*c[1:], id=c[0]) for c in CASES])
 def test_matches_reference(dtype, b, l, h, g, k, kw):
     kw = dict(kw)
     if kw.get("segment_ids") == "packed":
@@ -152,9 +165,18 @@ def test_pipeline_has_no_races():
 def test_matches_reference_large():
     """Two batch rows, GQA, three blocks of 128 per sequence, every mask."""
     _check(
-        jnp.bfloat16, 2, 384, 4, 2, 64, blocks=(128, 128), causal=True,
-        segment_ids=_packed_ids(2, 384, [100, 250]), sliding_window=200, soft_cap=20.0,
-    )  # fmt: skip
+        jnp.bfloat16,
+        2,
+        384,
+        4,
+        2,
+        64,
+        blocks=(128, 128),
+        causal=True,
+        segment_ids=_packed_ids(2, 384, [100, 250]),
+        sliding_window=200,
+        soft_cap=20.0,
+    )
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -171,9 +193,14 @@ def _lowered_text(fn, *avals):
 
 @pytest.mark.parametrize(
     "capability,dtype,uses_kernel",
-    [("9.0", jnp.bfloat16, True), ("9.0", jnp.float16, True), ("8.0", jnp.bfloat16, False),
-     ("10.0", jnp.bfloat16, False), ("9.0", jnp.float32, False)],
-)  # fmt: skip
+    [
+        ("9.0", jnp.bfloat16, True),
+        ("9.0", jnp.float16, True),
+        ("8.0", jnp.bfloat16, False),
+        ("10.0", jnp.bfloat16, False),
+        ("9.0", jnp.float32, False),
+    ],
+)
 def test_default_backend_on_gpu(monkeypatch, capability, dtype, uses_kernel):
     """Hopper defaults to these kernels for the inputs they support; float32 inputs, pre-Hopper
     GPUs and Blackwell (no wgmma: its tensor cores take tcgen05) get the XLA reference, with a
@@ -230,12 +257,17 @@ def test_rejects_unsupported_inputs():
 @pytest.mark.parametrize(
     "dtype,l,g,k,kw",
     [
-        (jnp.bfloat16, 256, 2, 128,
-         dict(causal=True, segment_ids=True, sliding_window=100, soft_cap=30.0)),
+        (
+            jnp.bfloat16,
+            256,
+            2,
+            128,
+            dict(causal=True, segment_ids=True, sliding_window=100, soft_cap=30.0),
+        ),
         (jnp.float16, 200, 8, 64, dict(causal=True)),
     ],
     ids=["bf16-all_masks-k128", "f16-odd_len"],
-)  # fmt: skip
+)
 def test_lowers_for_cuda(dtype, l, g, k, kw):
     """Forward and backward with the default block sizes: 1 and 3 Mosaic GPU kernels, within
     Hopper's shared memory."""

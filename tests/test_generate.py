@@ -69,9 +69,17 @@ def test_prefill_then_decode_writes_equal_quantizing_the_whole_sequence(kind, pa
     else:
         block_table, num_pages, max_len = None, None, t
     kv = kvc.init_cache(
-        num_layers=layers, batch=b, num_kv_heads=g, head_dim=k, max_len=max_len, kind=kind,
-        group=grp, compute_dtype=jnp.float32, block_table=block_table, num_pages=num_pages,
-    )  # fmt: skip
+        num_layers=layers,
+        batch=b,
+        num_kv_heads=g,
+        head_dim=k,
+        max_len=max_len,
+        kind=kind,
+        group=grp,
+        compute_dtype=jnp.float32,
+        block_table=block_table,
+        num_pages=num_pages,
+    )
     prompt_len = int(lengths.max())
     view = kvc.CacheView(kv, jnp.asarray(lengths), jnp.int32(layer), prefill=True)
     view = view.write(k_all[:, :prompt_len], v_all[:, :prompt_len])
@@ -87,9 +95,13 @@ def test_prefill_then_decode_writes_equal_quantizing_the_whole_sequence(kind, pa
 
     got = view.kv
     want = quant.quantize_cache(
-        k_all.transpose(0, 2, 1, 3), v_all.transpose(0, 2, 1, 3), kind, group=grp,
-        lengths_B=jnp.asarray(final), residual_dtype=jnp.float32,
-    )  # fmt: skip
+        k_all.transpose(0, 2, 1, 3),
+        v_all.transpose(0, 2, 1, 3),
+        kind,
+        group=grp,
+        lengths_B=jnp.asarray(final),
+        residual_dtype=jnp.float32,
+    )
     for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
         w = getattr(want, name)
         if w is None:
@@ -150,32 +162,61 @@ KNOBS = {
     "alibi": dict(position="alibi"),
     "learned": dict(position="learned"),
     "window_pattern": dict(sliding_window=4, global_every=2),
-    "qk_norm": dict(qk_norm=True, rope=RopeConfig(scaling="llama3", factor=4.0,
-                                                  original_max_len=16)),
+    "qk_norm": dict(
+        qk_norm=True, rope=RopeConfig(scaling="llama3", factor=4.0, original_max_len=16)
+    ),
     "post_norm": dict(norm_placement="post", mlp_activation="relu2"),
-    "gpt2": dict(position="learned", norm="layernorm", mlp_activation="gelu", qkv_bias=True,
-                 o_bias=True, mlp_bias=True, tie_embeddings=True),
-    "gemma2": dict(norm_placement="sandwich", mlp_activation="geglu", attn_soft_cap=20.0,
-                   final_soft_cap=30.0, scale_embeddings=True, norm_offset=1.0, sliding_window=3,
-                   global_every=2, attn_scale=0.3),
-    "gemma3": dict(norm_placement="sandwich", mlp_activation="geglu", qk_norm=True,
-                   norm_offset=1.0, scale_embeddings=True, sliding_window=3, global_every=2,
-                   rope=RopeConfig(theta=1e6, local_theta=10.0, scaling="linear", factor=8.0)),
-}  # fmt: skip
+    "gpt2": dict(
+        position="learned",
+        norm="layernorm",
+        mlp_activation="gelu",
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        tie_embeddings=True,
+    ),
+    "gemma2": dict(
+        norm_placement="sandwich",
+        mlp_activation="geglu",
+        attn_soft_cap=20.0,
+        final_soft_cap=30.0,
+        scale_embeddings=True,
+        norm_offset=1.0,
+        sliding_window=3,
+        global_every=2,
+        attn_scale=0.3,
+    ),
+    "gemma3": dict(
+        norm_placement="sandwich",
+        mlp_activation="geglu",
+        qk_norm=True,
+        norm_offset=1.0,
+        scale_embeddings=True,
+        sliding_window=3,
+        global_every=2,
+        rope=RopeConfig(theta=1e6, local_theta=10.0, scaling="linear", factor=8.0),
+    ),
+}
 
 
 @pytest.mark.parametrize(
     "knobs, impl",
-    [*((k, "xla") for k in KNOBS), ("window_pattern", "kernel"), ("gemma2", "kernel"),
-     ("gemma3", "kernel"), ("alibi", "kernel")],
-)  # fmt: skip
+    [
+        *((k, "xla") for k in KNOBS),
+        ("window_pattern", "kernel"),
+        ("gemma2", "kernel"),
+        ("gemma3", "kernel"),
+        ("alibi", "kernel"),
+    ],
+)
 def test_cached_greedy_decoding_matches_full_forward_passes_for_each_knob(knobs, impl):
     """Prompts longer than the window and decoding past it; with the decode kernel, windowed
     and ALiBi layers take the reference path and global layers the kernel (lax.cond)."""
     model = build(tiny_model(init_std=0.5, max_seq_len=64, **KNOBS[knobs]), seed=0)
     n = 8
-    out = generate(model, PROMPTS, GenerateConfig(max_new_tokens=n, kv_cache_dtype="float32",
-                                                  decode_impl=impl))  # fmt: skip
+    out = generate(
+        model, PROMPTS, GenerateConfig(max_new_tokens=n, kv_cache_dtype="float32", decode_impl=impl)
+    )
     ref = _reference(model, PROMPTS, n)
     assert out.tokens == ref
     assert len({t for seq in ref for t in seq}) > 3  # not a degenerate repetition
@@ -185,8 +226,12 @@ def test_stop_tokens_end_each_sequence(model):
     n = 12
     ref = _reference(model, PROMPTS, n)
     stop = ref[0][4]  # the 5th token of the first continuation
-    out = generate(model, PROMPTS, GenerateConfig(max_new_tokens=n, kv_cache_dtype="float32"),
-                   stop_tokens=[stop])  # fmt: skip
+    out = generate(
+        model,
+        PROMPTS,
+        GenerateConfig(max_new_tokens=n, kv_cache_dtype="float32"),
+        stop_tokens=[stop],
+    )
     for got, want, stopped in zip(out.tokens, ref, out.stopped):
         cut = want.index(stop) if stop in want else len(want)
         assert got == want[:cut]
@@ -206,8 +251,9 @@ def test_sampling_is_seeded(model):
 def test_quantized_caches_decode_mostly_the_same_tokens(model, kind):
     n = 12
     ref = _reference(model, PROMPTS, n)
-    out = generate(model, PROMPTS, GenerateConfig(max_new_tokens=n, kv_cache_dtype=kind,
-                                                  kv_group=8))  # fmt: skip
+    out = generate(
+        model, PROMPTS, GenerateConfig(max_new_tokens=n, kv_cache_dtype=kind, kv_group=8)
+    )
     agree = np.mean([a == b for got, want in zip(out.tokens, ref) for a, b in zip(got, want)])
     assert agree >= 0.6, agree
 
@@ -236,8 +282,9 @@ def test_sharded_generation_matches_one_device(model, gen):
 def test_sharded_generation_with_alibi_and_a_window_pattern():
     """ALiBi slopes split over the tensor axis with the heads, per-layer windows through the
     kernel's lax.cond, under a data x fsdp x tensor mesh: the tokens of one device."""
-    model = build(tiny_model(init_std=0.5, position="alibi", sliding_window=4, global_every=2),
-                  seed=1)  # fmt: skip
+    model = build(
+        tiny_model(init_std=0.5, position="alibi", sliding_window=4, global_every=2), seed=1
+    )
     gen = GenerateConfig(max_new_tokens=6, kv_cache_dtype="int8", decode_impl="kernel")
     want = generate(model, PROMPTS, gen).tokens
     mesh = sharding.make_mesh(MeshConfig(data=2, tensor=2, fsdp=2))
@@ -266,8 +313,14 @@ def test_cached_greedy_decoding_of_an_moe_model_matches_full_forward_passes(disp
     scan: the same tokens as repeated full forward passes."""
     from jaxllm.config import MoEConfig
 
-    moe = MoEConfig(num_experts=4, experts_per_token=2, num_shared_experts=1,
-                    first_dense_layers=1, dispatch=dispatch, capacity_factor=4.0)  # fmt: skip
+    moe = MoEConfig(
+        num_experts=4,
+        experts_per_token=2,
+        num_shared_experts=1,
+        first_dense_layers=1,
+        dispatch=dispatch,
+        capacity_factor=4.0,
+    )
     model = build(tiny_model(init_std=0.5, num_layers=3, moe=moe), seed=1)
     n = 10
     got = generate(model, PROMPTS, GenerateConfig(max_new_tokens=n, kv_cache_dtype="float32"))

@@ -23,15 +23,28 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 def run_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gen") / "run"
     overrides = [
-        "train.steps=120", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0",
-        "train.log_every=40", "data.max_files=150", "data.seq_len=128", "model.d_model=128",
-        "model.num_layers=2", "model.mlp_dim=320", "optim.warmup_steps=10",
-        "checkpoint.every=null", f"run.dir={run_dir}",
-    ]  # fmt: skip
+        "train.steps=120",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "train.log_every=40",
+        "data.max_files=150",
+        "data.seq_len=128",
+        "model.d_model=128",
+        "model.num_layers=2",
+        "model.mlp_dim=320",
+        "optim.warmup_steps=10",
+        "checkpoint.every=null",
+        f"run.dir={run_dir}",
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "jaxllm", "train", *overrides],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -70,23 +83,57 @@ def test_bf16_cache_greedy_matches_full_forward_passes(run_dir):
 def test_generate_cli_prints_only_the_greedy_text(run_dir):
     prompt = "def __init__(self"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxllm", "generate", str(run_dir), "--prompt", prompt,
-         "--max-new-tokens", "24", "--temperature", "0", "--kv-cache-dtype", "int8"],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "jaxllm",
+            "generate",
+            str(run_dir),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--kv-cache-dtype",
+            "int8",
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = config.load(run_dir / "config.yaml")
     tok = make_tokenizer(cfg.data)
     model = jaxllm.load_model(run_dir)
     ids = ([tok.bos_id] if cfg.data.add_bos else []) + tok.encode(prompt).tolist()
-    out = generate(model, [ids], GenerateConfig(max_new_tokens=24, kv_cache_dtype="int8"),
-                   stop_tokens=[tok.eos_id])  # fmt: skip
+    out = generate(
+        model,
+        [ids],
+        GenerateConfig(max_new_tokens=24, kv_cache_dtype="int8"),
+        stop_tokens=[tok.eos_id],
+    )
     assert proc.stdout == tok.decode(out.tokens[0]) + "\n"
     assert "bytes/token" in proc.stderr
 
     bad = subprocess.run(
-        [sys.executable, "-m", "jaxllm", "generate", str(run_dir), "--prompt", "x",
-         "--max-new-tokens", "100000"],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "jaxllm",
+            "generate",
+            str(run_dir),
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "100000",
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 2 and "max_seq_len" in bad.stderr

@@ -24,15 +24,22 @@ from jaxllm.convert import reader
 from jaxllm.convert.export import export_hf
 from jaxllm.data import tokenizer as tokenizer_lib
 
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
-TEXT = ["the cat sat on the mat and the dog sat on the log. " * 4,
-        "a quick brown fox jumps over the lazy dog; then it naps in the sun. " * 4]  # fmt: skip
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+TEXT = [
+    "the cat sat on the mat and the dog sat on the log. " * 4,
+    "a quick brown fox jumps over the lazy dog; then it naps in the sun. " * 4,
+]
 PROMPT, NEW = "the dog", 10
 
 
-def _llama(vocab: int, seed: int = 0, cls=hf.LlamaForCausalLM, config_cls=hf.LlamaConfig,
-           **extra):  # fmt: skip
+def _llama(vocab: int, seed: int = 0, cls=hf.LlamaForCausalLM, config_cls=hf.LlamaConfig, **extra):
     """A tiny transformers model with every weight perturbed (varied greedy output)."""
     torch.manual_seed(seed)
     model = cls(config_cls(vocab_size=vocab, **SMALL, **extra)).eval()
@@ -66,9 +73,12 @@ def test_index_decides_which_files_are_read(tmp_path):
     model.save_pretrained(repo, max_shard_size="20KB")
     assert (repo / reader.INDEX).is_file() and not (repo / "model.safetensors").exists()
     tensors = load_file(str(plain / "model.safetensors"))
-    mistral = {n.replace("model.embed_tokens.", "tok_embeddings.")
-               .replace("model.layers.", "layers.").replace("self_attn.q_proj", "attention.wq"): t
-               for n, t in tensors.items()}  # fmt: skip
+    mistral = {
+        n.replace("model.embed_tokens.", "tok_embeddings.")
+        .replace("model.layers.", "layers.")
+        .replace("self_attn.q_proj", "attention.wq"): t
+        for n, t in tensors.items()
+    }
     save_file(mistral, str(repo / "consolidated.safetensors"))
     assert reader.is_hf_dir(repo)
     hf.AutoModelForCausalLM.from_pretrained(repo)  # transformers reads it: so must we
@@ -137,16 +147,30 @@ def _hf_text(model_dir: Path, n: int, prompt_ids: list[int] | None = None) -> tu
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     ids = ids if prompt_ids is None else torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=n)  # fmt: skip
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
+        )
     new = out[0, ids.shape[1] :].tolist()
     return tok.decode(new, skip_special_tokens=True), new
 
 
 def _jaxllm_text(run: Path, capsys, n: int) -> str:
     capsys.readouterr()
-    assert _run("generate", run, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", n,
-                "--kv-cache-dtype", "float32") == 0  # fmt: skip
+    assert (
+        _run(
+            "generate",
+            run,
+            "--prompt",
+            PROMPT,
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            n,
+            "--kv-cache-dtype",
+            "float32",
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.endswith("\n")
     return out[:-1]
@@ -162,24 +186,38 @@ def test_import_brings_tokenizer_files_and_generate_stops_at_their_eos(tmp_path,
     src = tmp_path / "hf"
     model.save_pretrained(src)
     shutil.copy(tok_json, src / "tokenizer.json")
-    templates = [{"name": "default", "template": "{% for m in messages %}{{ m.content }}"
-                                                 "{% endfor %}"},
-                 {"name": "tool_use", "template": "{{ tools }}"}]  # fmt: skip
-    (src / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-        "pad_token": "<pad>", "chat_template": templates}))  # fmt: skip
+    templates = [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "{{ tools }}"},
+    ]
+    (src / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "chat_template": templates,
+            }
+        )
+    )
     (src / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<bos>"}))
     prompt_ids = [tok.bos_id, *tok.encode(PROMPT).tolist()]
     seq = _greedy(model, prompt_ids, NEW)
     k = _first_new(seq, set(prompt_ids) | {0, 1, 2})
     assert 2 not in seq[:k]
-    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 1,
-                                                            "eos_token_id": [2, seq[k]]}))  # fmt: skip
+    (src / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": [2, seq[k]]})
+    )
 
     run = tmp_path / "run"
     assert _run("convert", "import", src, run, "model.dtype=float32") == 0
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "generation_config.json"):  # fmt: skip
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
         assert (run / name).read_bytes() == (src / name).read_bytes(), name
     run_cfg = config.load(run / "config.yaml")
     assert run_cfg.data.tokenizer == str((run / "tokenizer.json").resolve())
@@ -191,36 +229,6 @@ def test_import_brings_tokenizer_files_and_generate_stops_at_their_eos(tmp_path,
     _, new = _hf_text(src, NEW, prompt_ids)  # (its tokenizer.json adds no BOS itself)
     assert new == seq[: k + 1]  # stopped by the extra EOS id, which transformers keeps
     assert _jaxllm_text(run, capsys, NEW) == tok.decode(seq[:k])
-
-
-def test_chat_template_forms():
-    """A string chat template is the default; a chat_template.jinja beside the tokenizer wins
-    over tokenizer_config.json, as in transformers."""
-    assert tokenizer_lib._chat_templates(Path("/nonexistent"), "{{ x }}") == {"default": "{{ x }}"}
-    assert tokenizer_lib._chat_templates(Path("/nonexistent"), None) == {}
-    with pytest.raises(ValueError, match="neither a string nor a list"):
-        tokenizer_lib._chat_templates(Path("/nonexistent"), {"default": 3})
-
-
-def test_chat_template_jinja_file_wins(tmp_path):
-    tok_json = _bpe(tmp_path)
-    (tok_json.parent / "tokenizer_config.json").write_text(json.dumps({"chat_template": "A"}))
-    assert tokenizer_lib.HFTokenizer(tok_json).chat_template == "A"
-    (tok_json.parent / "chat_template.jinja").write_text("B")
-    assert tokenizer_lib.HFTokenizer(tok_json).chat_template == "B"
-    assert tokenizer_lib.ByteTokenizer().chat_template is None
-
-
-def test_generation_config_is_found_beside_the_tokenizer_or_in_the_run(tmp_path):
-    tok_dir, run = tmp_path / "tok", tmp_path / "run"
-    tok_dir.mkdir(), run.mkdir()
-    (run / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
-    find = tokenizer_lib.generation_config
-    assert tokenizer_lib.generation_stop_ids(find("byte", run)) == {7}
-    (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
-    for spec in (tok_dir / "tokenizer.json", tok_dir):  # a file, or the directory holding it
-        assert tokenizer_lib.generation_stop_ids(find(str(spec), run)) == {2, 9}
-    assert find("none", None) == {}
 
 
 def test_small_vocabulary_without_tokenizer_imports_with_no_tokenizer(tmp_path, capsys):
@@ -249,8 +257,9 @@ def test_small_vocabulary_without_tokenizer_imports_with_no_tokenizer(tmp_path, 
     assert tokenizer_lib.tokenizer_fingerprint("none") == "none"
 
 
-def test_byte_tokenizer_on_a_large_vocabulary_warns_and_exports_its_ids(tmp_path, monkeypatch,
-                                                                         capsys):  # fmt: skip
+def test_byte_tokenizer_on_a_large_vocabulary_warns_and_exports_its_ids(
+    tmp_path, monkeypatch, capsys
+):
     """An HF model with 1024 ids imported without tokenizer.json gets the byte tokenizer, which
     decodes only ids < 258: a warning at import and at generate. Its export still writes the
     byte tokenizer's special ids (there is no tokenizer file to write)."""
@@ -309,13 +318,23 @@ def test_exported_run_generates_in_transformers_like_jaxllm(tmp_path, capsys):
     tok_json = _bpe(tmp_path)
     tok = tokenizer_lib.load_tokenizer(str(tok_json))
     run = tmp_path / "run"
-    cfg = config.from_dict({
-        "run": {"dir": str(run)},
-        "model": dict(vocab_size=tok.vocab_size, d_model=32, num_layers=2, num_heads=4,
-                      num_kv_heads=2, mlp_dim=64, max_seq_len=64, dtype="float32",
-                      param_dtype="float32"),
-        "data": {"tokenizer": str(tok_json), "seq_len": 32},
-    }).validate()  # fmt: skip
+    cfg = config.from_dict(
+        {
+            "run": {"dir": str(run)},
+            "model": dict(
+                vocab_size=tok.vocab_size,
+                d_model=32,
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+                mlp_dim=64,
+                max_seq_len=64,
+                dtype="float32",
+                param_dtype="float32",
+            ),
+            "data": {"tokenizer": str(tok_json), "seq_len": 32},
+        }
+    ).validate()
     params = _random_params(cfg.model)
 
     probe = tmp_path / "probe"  # the model as transformers sees it, to find its greedy tokens
@@ -326,9 +345,13 @@ def test_exported_run_generates_in_transformers_like_jaxllm(tmp_path, capsys):
     assert 2 not in seq[:k]
     params = _swap(params, seq[k], tok.eos_id)  # now EOS where seq[k] was
 
-    checkpoint.save_params(checkpoint.checkpoint_dir(run), params, step=0,
-                           config=config.to_dict(cfg),
-                           tokenizer=checkpoint.tokenizer_record(cfg.data.tokenizer))  # fmt: skip
+    checkpoint.save_params(
+        checkpoint.checkpoint_dir(run),
+        params,
+        step=0,
+        config=config.to_dict(cfg),
+        tokenizer=checkpoint.tokenizer_record(cfg.data.tokenizer),
+    )
     config.dump(cfg, run / "config.yaml")
     out = tmp_path / "exported"
     assert _run("convert", "export", run, out) == 0

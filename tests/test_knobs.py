@@ -13,19 +13,14 @@ from conftest import tiny_model
 from flax import nnx
 
 from jaxllm import config, optim
-from jaxllm.config import ConfigError, RopeConfig
+from jaxllm.config import ConfigError
 from jaxllm.metrics import param_counts
 from jaxllm.model import (
     MLP,
     LayerNorm,
     RMSNorm,
-    alibi_slopes,
-    apply_rope,
     build,
-    dot_product_attention,
-    rope_frequencies,
 )
-from jaxllm.model.attention import Attention
 from jaxllm.train.objectives import next_token
 from jaxllm.train.step import objective_value
 
@@ -47,123 +42,6 @@ def _set(model, pure):
 # -- positions --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "rope, hf",
-    [
-        ({}, None),
-        ({"scaling": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
-        (
-            {"scaling": "llama3", "factor": 8.0, "original_max_len": 64},
-            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        ),
-        (
-            {"scaling": "yarn", "factor": 4.0, "original_max_len": 128},
-            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-        ),
-    ],
-    ids=["default", "linear", "llama3", "yarn"],
-)  # fmt: skip
-def test_rope_frequencies_match_transformers(rope, hf):
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = rope_frequencies(RopeConfig(theta=50000.0, **rope), 64, max_seq_len=512)
-    hf_cfg = LlamaConfig(
-        hidden_size=256, num_attention_heads=4, max_position_embeddings=512,
-        rope_parameters={"rope_theta": 50000.0, **(hf or {"rope_type": "default"})},
-    )  # fmt: skip
-    if hf is None:
-        want = 1.0 / (50000.0 ** (np.arange(0, 64, 2, dtype=np.float32) / 64))
-        want_scaling = 1.0
-    else:
-        want, want_scaling = ROPE_INIT_FUNCTIONS[hf["rope_type"]](hf_cfg, "cpu")
-        want = want.numpy()
-    np.testing.assert_allclose(inv_freq, want, rtol=1e-6)
-    assert scaling == pytest.approx(want_scaling)
-    if hf is not None:  # the scaling really changes something
-        plain = rope_frequencies(RopeConfig(theta=50000.0), 64, max_seq_len=512)[0]
-        assert not np.allclose(inv_freq, plain)
-
-
-def test_ntk_scaling_raises_the_base():
-    rope, k = RopeConfig(scaling="ntk", factor=4.0), 8
-    plain = RopeConfig(theta=rope.theta * 4.0 ** (k / (k - 2)))
-    want = rope_frequencies(plain, k)[0]
-    np.testing.assert_allclose(rope_frequencies(rope, k)[0], want, rtol=1e-6)
-
-
-def test_rope_local_theta_gives_windowed_layers_their_own_unscaled_base():
-    """Gemma 3: a windowed layer rotates by base rope.local_theta without scaling, a global
-    layer by rope.theta with it; picked by the scanned layer's traced flag, statically when
-    every layer is windowed."""
-    yarn = RopeConfig(theta=1e6, local_theta=100.0, scaling="yarn", factor=4.0, original_max_len=16)
-    cfg = tiny_model(sliding_window=4, global_every=2, rope=yarn)
-    attn = Attention(cfg, out_std=0.02, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(0), (2, 7, 4, 8))
-    pos = jnp.broadcast_to(jnp.arange(7) * 3, (2, 7))
-    local = 1.0 / 100.0 ** (np.arange(0, 8, 2, dtype=np.float32) / 8)
-    global_freq, global_scaling = rope_frequencies(cfg.rope, cfg.rope_dim, cfg.max_seq_len)
-    assert global_scaling != 1.0 and not np.allclose(local, global_freq)
-    rope = jax.jit(lambda w: attn._rope(x, pos, w))
-    np.testing.assert_allclose(rope(True), apply_rope(x, pos, local), atol=1e-6)
-    np.testing.assert_allclose(rope(False), apply_rope(x, pos, global_freq, global_scaling),
-                               atol=1e-6)  # fmt: skip
-    np.testing.assert_allclose(attn._rope(x, pos), apply_rope(x, pos, local), atol=1e-6)
-    # a whole model: all windowed with the knob == the plain model with that base
-    tokens = _tokens(1, 10)
-    linear = RopeConfig(theta=1e6, local_theta=100.0, scaling="linear", factor=4.0)
-    all_local = build(tiny_model(sliding_window=4, rope=linear), seed=0)
-    plain = build(tiny_model(sliding_window=4, rope=RopeConfig(theta=100.0)), seed=0)
-    np.testing.assert_allclose(all_local(tokens), plain(tokens), atol=1e-5)
-    local = RopeConfig(local_theta=100.0)
-    knob = build(tiny_model(sliding_window=4, global_every=2, rope=local), seed=0)
-    no_knob = build(tiny_model(sliding_window=4, global_every=2), seed=0)
-    assert not np.allclose(knob(tokens), no_knob(tokens), atol=1e-4)
-
-
-def test_alibi_slopes_follow_the_paper():
-    np.testing.assert_allclose(alibi_slopes(8), [2.0**-i for i in range(1, 9)])
-    # 6 heads: the 4 slopes of n=4, then every other slope of n=8
-    np.testing.assert_allclose(alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
-
-
-def test_alibi_attention_adds_the_distance_penalty():
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
-               for s in [(1, 6, 4, 8), (1, 6, 2, 8), (1, 6, 2, 8)])  # fmt: skip
-    slopes = alibi_slopes(4)
-    got = dot_product_attention(q, k, v, alibi_slopes_H=jnp.asarray(slopes))
-    kk, vv = np.repeat(np.asarray(k), 2, axis=2), np.repeat(np.asarray(v), 2, axis=2)
-    s = np.einsum("blhk,bshk->bhls", np.asarray(q), kk) / math.sqrt(8)
-    i, j = np.arange(6)[:, None], np.arange(6)[None, :]
-    s = s - slopes[None, :, None, None] * (i - j)
-    s = np.where(j <= i, s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    np.testing.assert_allclose(got, np.einsum("bhls,bshk->blhk", p, vv), atol=1e-5)
-
-
-def test_each_position_kind_uses_positions_its_own_way():
-    tokens = _tokens(1, 10)
-    pos = jnp.arange(10)[None]
-    out = {}
-    for kind in ("rope", "alibi", "learned", "none"):
-        model = build(tiny_model(position=kind, init_std=0.3), seed=0)
-        a = model(tokens, positions_BxL=pos)
-        b = model(tokens, positions_BxL=2 * pos)  # stretched: RoPE is relative, so not a shift
-        moved = not np.allclose(a, b, atol=1e-4)
-        assert moved == (kind in ("rope", "learned")), kind
-        out[kind] = a
-    assert not np.allclose(out["alibi"], out["none"], atol=1e-4)
-    learned = _pure(build(tiny_model(position="learned")))
-    assert learned["pos_embed"].shape == (64, 32)
-    assert "pos_embed" not in _pure(build(tiny_model()))
-
-
-# -- MLP, norms -------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("act", ["swiglu", "geglu", "gelu", "relu", "relu2"])
 def test_mlp_activations(act):
     mlp = MLP(32, 64, act, gelu_approximate=False, bias=True, out_std=0.1, rngs=nnx.Rngs(0))
@@ -183,8 +61,9 @@ def test_mlp_activations(act):
         "relu2": lambda u: np.maximum(u, 0) ** 2,
     }[act]
     h = f(x @ p["gate_proj"] + p["gate_bias"]) * up if "gate_proj" in p else f(up)
-    np.testing.assert_allclose(mlp(jnp.asarray(x)), h @ p["down_proj"] + p["down_bias"],
-                               rtol=2e-4, atol=2e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        mlp(jnp.asarray(x)), h @ p["down_proj"] + p["down_bias"], rtol=2e-4, atol=2e-4
+    )
 
 
 def test_layernorm_and_norm_offset():
@@ -259,9 +138,12 @@ def test_qk_norm_makes_attention_invariant_to_query_and_key_scale():
 
 @pytest.mark.parametrize(
     "flags, names",
-    [({"qkv_bias": True}, {"q_bias", "k_bias", "v_bias"}), ({"o_bias": True}, {"o_bias"}),
-     ({"mlp_bias": True}, {"gate_bias", "up_bias", "down_bias"})],
-)  # fmt: skip
+    [
+        ({"qkv_bias": True}, {"q_bias", "k_bias", "v_bias"}),
+        ({"o_bias": True}, {"o_bias"}),
+        ({"mlp_bias": True}, {"gate_bias", "up_bias", "down_bias"}),
+    ],
+)
 def test_biases_are_parameters_that_act_and_take_no_weight_decay(flags, names):
     model = build(tiny_model(**flags), seed=0)
     p = _pure(model)
@@ -298,22 +180,36 @@ def test_sliding_window_limits_the_receptive_field():
     layer after it (global_every=2) they depend on the whole prefix."""
     t, w = 11, 4
     for layers, every, first_seen in ((1, 0, t - w + 1), (2, 2, 0)):
-        model = build(tiny_model(num_layers=layers, sliding_window=w, global_every=every,
-                                 init_std=0.3), seed=1)  # fmt: skip
+        model = build(
+            tiny_model(num_layers=layers, sliding_window=w, global_every=every, init_std=0.3),
+            seed=1,
+        )
         emb = model.embed(_tokens(1, 14)).astype(jnp.float32)
         g = jax.grad(lambda e: model(embeddings_BxLxD=e)[0, t].sum())(emb)
         seen = np.abs(np.asarray(g[0])).sum(-1) > 0
         assert seen[first_seen : t + 1].all() and not seen[t + 1 :].any()
         assert not seen[:first_seen].any()
     assert tiny_model(num_layers=6, sliding_window=8, global_every=3).layer_windows() == (
-        8, 8, 0, 8, 8, 0)  # fmt: skip
+        8,
+        8,
+        0,
+        8,
+        8,
+        0,
+    )
 
 
 def test_gemma_style_model_flash_matches_xla():
     """Soft cap + alternating window through the Pallas kernel (interpreted, lax.cond picks the
     windowed or the global kernel per scanned layer): logits and gradients match XLA."""
-    knobs = dict(sliding_window=5, global_every=2, attn_soft_cap=2.0, init_std=0.3,
-                 norm_placement="sandwich", mlp_activation="geglu")  # fmt: skip
+    knobs = dict(
+        sliding_window=5,
+        global_every=2,
+        attn_soft_cap=2.0,
+        init_std=0.3,
+        norm_placement="sandwich",
+        mlp_activation="geglu",
+    )
     tokens = _tokens(2, 16)
 
     def run(impl):
@@ -332,8 +228,9 @@ def test_scale_embeddings_multiplies_by_sqrt_d():
     scaled = build(tiny_model(scale_embeddings=True), seed=0)
     plain = build(tiny_model(), seed=0)
     e = plain.embed(_tokens(1, 6))
-    np.testing.assert_allclose(scaled(embeddings_BxLxD=e),
-                               plain(embeddings_BxLxD=e * math.sqrt(32)), atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        scaled(embeddings_BxLxD=e), plain(embeddings_BxLxD=e * math.sqrt(32)), atol=1e-5
+    )
 
 
 def test_dropout_only_with_a_key():
@@ -343,12 +240,18 @@ def test_dropout_only_with_a_key():
     graphdef, params = nnx.split(build(cfg, seed=0), nnx.Param)
     off_def, off_params = nnx.split(build(dataclasses.replace(cfg, dropout=0.0), seed=0), nnx.Param)
     tokens = _tokens(2, 9)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-             "positions": jnp.broadcast_to(jnp.arange(8), (2, 8)),
-             "segment_ids": jnp.ones((2, 8), jnp.int32), "loss_mask": jnp.ones((2, 8))}  # fmt: skip
+    batch = {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": jnp.broadcast_to(jnp.arange(8), (2, 8)),
+        "segment_ids": jnp.ones((2, 8), jnp.int32),
+        "loss_mask": jnp.ones((2, 8)),
+    }
 
     def loss(params, graphdef, rng=None):
-        return float(objective_value(params, batch, rng, graphdef=graphdef, objective=next_token())[0])
+        return float(
+            objective_value(params, batch, rng, graphdef=graphdef, objective=next_token())[0]
+        )
 
     base = loss(off_params, off_def)
     assert loss(params, graphdef) == pytest.approx(base, rel=1e-6)
@@ -364,8 +267,10 @@ def test_dropout_only_with_a_key():
     "overrides, key",
     [
         (["model.rope.factor=2.0"], "model.rope.factor"),
-        (["model.position=alibi", "model.rope.scaling=linear", "model.rope.factor=2.0"],
-         "model.rope."),
+        (
+            ["model.position=alibi", "model.rope.scaling=linear", "model.rope.factor=2.0"],
+            "model.rope.",
+        ),
         (["model.global_every=2"], "model.global_every"),
         (["model.sliding_window=0"], "model.sliding_window"),
         (["model.rope.local_theta=10000.0"], "model.rope.local_theta"),
@@ -376,7 +281,7 @@ def test_dropout_only_with_a_key():
         (["model.sliding_window=64", "mesh.sequence_attention=ring"], "ring"),
         (["model.mlp_activation=swish"], "model.mlp_activation"),
     ],
-)  # fmt: skip
+)
 def test_invalid_knob_combinations(overrides, key):
     with pytest.raises(ConfigError) as e:
         config.load(None, overrides)
@@ -385,11 +290,21 @@ def test_invalid_knob_combinations(overrides, key):
 
 @pytest.mark.parametrize(
     "knobs",
-    [{}, {"mlp_activation": "gelu", "norm": "layernorm", "position": "learned", "qkv_bias": True,
-          "o_bias": True, "mlp_bias": True, "tie_embeddings": True},
-     {"norm_placement": "sandwich", "qk_norm": True, "head_dim": 16},
-     {"norm_placement": "post", "mlp_activation": "relu2", "norm": "layernorm"}],
-)  # fmt: skip
+    [
+        {},
+        {
+            "mlp_activation": "gelu",
+            "norm": "layernorm",
+            "position": "learned",
+            "qkv_bias": True,
+            "o_bias": True,
+            "mlp_bias": True,
+            "tie_embeddings": True,
+        },
+        {"norm_placement": "sandwich", "qk_norm": True, "head_dim": 16},
+        {"norm_placement": "post", "mlp_activation": "relu2", "norm": "layernorm"},
+    ],
+)
 def test_param_count_matches_the_model(knobs):
     cfg = tiny_model(**knobs)
     abstract = nnx.state(nnx.eval_shape(lambda: build(cfg)), nnx.Param)

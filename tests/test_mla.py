@@ -18,8 +18,9 @@ from jaxllm.infer import kv_cache as kvc
 from jaxllm.metrics import param_counts
 from jaxllm.model import MLAttention, build
 
-MLA = MLAConfig(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                v_head_dim=6)  # fmt: skip
+MLA = MLAConfig(
+    kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
 
 
@@ -111,10 +112,12 @@ def model():
 
 @pytest.mark.parametrize(
     "gen",
-    [GenerateConfig(kv_cache_dtype="float32"),
-     GenerateConfig(kv_cache_dtype="float32", kv_page_size=16, kv_group=16)],
+    [
+        GenerateConfig(kv_cache_dtype="float32"),
+        GenerateConfig(kv_cache_dtype="float32", kv_page_size=16, kv_group=16),
+    ],
     ids=["contiguous", "paged"],
-)  # fmt: skip
+)
 def test_latent_cache_decodes_like_full_forward_passes(model, gen):
     n = 10
     out = generate(model, PROMPTS, dataclasses.replace(gen, max_new_tokens=n))
@@ -127,8 +130,15 @@ def test_latent_cache_holds_only_the_latent_and_rope_key(model):
     cfg = model.cfg
     g, k, value_dim = kvc.cache_dims(cfg)
     assert (g, k, value_dim) == (1, 16 + 4, 16)
-    cache = kvc.init_cache(num_layers=2, batch=3, num_kv_heads=g, head_dim=k, max_len=32,
-                           kind="bfloat16", value_dim=value_dim)  # fmt: skip
+    cache = kvc.init_cache(
+        num_layers=2,
+        batch=3,
+        num_kv_heads=g,
+        head_dim=k,
+        max_len=32,
+        kind="bfloat16",
+        value_dim=value_dim,
+    )
     assert cache.v is None and cache.k.shape == (2, 3, 1, 32, 20)
     per_token = kvc.model_bytes_per_token(cfg, "bfloat16")
     assert per_token == 2 * (16 + 4) * 2  # layers x (latent + rope key) x 2 bytes
@@ -169,11 +179,12 @@ def test_sharded_training_matches_one_device():
 
     def run(mesh_cfg, devices):
         cfg = config.Config(
-            model=_cfg(init_std=0.02, vocab_size=264, d_model=64), mesh=mesh_cfg,
+            model=_cfg(init_std=0.02, vocab_size=264, d_model=64),
+            mesh=mesh_cfg,
             data=config.DataConfig(seq_len=32),
             train=config.TrainConfig(global_batch_size=8, steps=2),
             optim=config.OptimConfig(lr=3e-3, warmup_steps=0, eps=1e-6),
-        ).validate(len(devices))  # fmt: skip
+        ).validate(len(devices))
         mesh = sharding.make_mesh(cfg.mesh, devices)
         step, _, tx, _, batch_sh = compile_steps(cfg, mesh)
         state = init_state(cfg.model, tx, mesh, seed=0)
@@ -199,15 +210,18 @@ def test_param_count_matches_the_model(model):
     "overrides, key",
     [
         (["model.mla.kv_lora_rank=16"], "num_kv_heads"),  # default GQA heads
-        (["model.mla.kv_lora_rank=16", "model.num_kv_heads=4", "model.position=alibi"],
-         "position"),
+        (["model.mla.kv_lora_rank=16", "model.num_kv_heads=4", "model.position=alibi"], "position"),
         (["model.mla.kv_lora_rank=16", "model.num_kv_heads=4", "model.qk_norm=true"], "qk_norm"),
-        (["model.mla.kv_lora_rank=16", "model.num_kv_heads=4", "generate.kv_cache_dtype=int4"],
-         "int4"),
-        (["model.mla.kv_lora_rank=16", "model.num_kv_heads=4", "generate.decode_impl=kernel"],
-         "decode_impl"),
+        (
+            ["model.mla.kv_lora_rank=16", "model.num_kv_heads=4", "generate.kv_cache_dtype=int4"],
+            "int4",
+        ),
+        (
+            ["model.mla.kv_lora_rank=16", "model.num_kv_heads=4", "generate.decode_impl=kernel"],
+            "decode_impl",
+        ),
     ],
-)  # fmt: skip
+)
 def test_invalid_mla_configs(overrides, key):
     with pytest.raises(ConfigError, match=key):
         config.load(None, overrides).validate()

@@ -87,9 +87,14 @@ def _grads(cfg, tokens):
 
 
 @pytest.mark.parametrize(
-    "change", [{"remat": "full"}, {"remat": "dots"}, {"remat": "dots_with_no_batch_dims"},
-               {"scan_unroll": 2}],
-)  # fmt: skip
+    "change",
+    [
+        {"remat": "full"},
+        {"remat": "dots"},
+        {"remat": "dots_with_no_batch_dims"},
+        {"scan_unroll": 2},
+    ],
+)
 def test_remat_and_unroll_do_not_change_gradients(change):
     base = tiny_model(num_layers=3, scan_unroll=1)
     tokens = _tokens(2, 16)

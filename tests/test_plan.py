@@ -63,12 +63,21 @@ def test_plan_reports_kv_cache_bytes_per_token():
 
 def test_plan_reports_the_latent_cache_of_an_mla_model():
     """[latent ; rope key] per token and layer, no int4, and not split over tensor (one head)."""
-    r = _plan("mesh.data=2", "mesh.tensor=2", "mesh.fsdp=2", "model.num_kv_heads=4",
-              "model.mla.kv_lora_rank=32", "model.mla.qk_rope_head_dim=16")  # fmt: skip
+    r = _plan(
+        "mesh.data=2",
+        "mesh.tensor=2",
+        "mesh.fsdp=2",
+        "model.num_kv_heads=4",
+        "model.mla.kv_lora_rank=32",
+        "model.mla.qk_rope_head_dim=16",
+    )
     kv = r["kv_cache"]
     m = config.ModelConfig()
-    assert kv["per_token"] == {"bfloat16": m.num_layers * 48 * 2, "float32": m.num_layers * 48 * 4,
-                               "int8": m.num_layers * (48 + 2)}  # fmt: skip
+    assert kv["per_token"] == {
+        "bfloat16": m.num_layers * 48 * 2,
+        "float32": m.num_layers * 48 * 4,
+        "int8": m.num_layers * (48 + 2),
+    }
     tokens = config.TrainConfig().global_batch_size * m.max_seq_len
     assert kv["bytes_per_device"] == kv["per_token"]["bfloat16"] * tokens / 4
 
@@ -95,8 +104,12 @@ def _cli(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     return subprocess.run(
         [sys.executable, "-m", "jaxllm", "plan", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cli_simulates_devices_and_gives_a_verdict():

@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_RUN
 
 from jaxllm import config
 from jaxllm.cli import main
 from jaxllm.train import objectives
-
-from conftest import SMALL_RUN
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -79,11 +79,17 @@ def _ring(q, k, v, segment_ids, layout, causal, **impl_kwargs):
 
     def attn(q, k, v):
         out = ring_attention_on_mesh(
-            q[:, perm], k[:, perm], v[:, perm],
+            q[:, perm],
+            k[:, perm],
+            v[:, perm],
             segment_ids_BxL=None if segment_ids is None else segment_ids[:, perm],
-            mesh=mesh, axis_name="sequence", batch_axes=batch_axes, head_axis=head_axis,
-            causal=causal, **impl_kwargs,
-        )  # fmt: skip
+            mesh=mesh,
+            axis_name="sequence",
+            batch_axes=batch_axes,
+            head_axis=head_axis,
+            causal=causal,
+            **impl_kwargs,
+        )
         return out[:, inv]
 
     return attn
@@ -285,8 +291,15 @@ def test_flash_is_exact_for_any_layout_and_empty_rows():
         local = lambda *a: ring_attention_local(*a, axis_name="sequence", **FLASH)  # noqa: E731
         out = jax.shard_map(
             local, mesh=mesh, in_specs=(act,) * 3 + (tok,) * 4, out_specs=act, check_vma=False
-        )(q[:, perm], k[:, perm], v[:, perm], jnp.asarray(q_seg[:, perm]),
-          jnp.asarray(kv_seg[:, perm]), idx, idx)  # fmt: skip
+        )(
+            q[:, perm],
+            k[:, perm],
+            v[:, perm],
+            jnp.asarray(q_seg[:, perm]),
+            jnp.asarray(kv_seg[:, perm]),
+            idx,
+            idx,
+        )
         return out[:, inverse_permutation(perm)]
 
     out, grads = _out_and_grads(attn, q, k, v, ct)
@@ -295,8 +308,11 @@ def test_flash_is_exact_for_any_layout_and_empty_rows():
     seg = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
     want_out, want_grads = _out_and_grads(
         lambda q, k, v: flash_attention_reference(q, k, v, causal=True, segment_ids=seg),
-        q, k, v, ct,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        ct,
+    )
     dead = q_seg == 99
     assert np.all(np.asarray(out)[dead] == 0) and np.all(np.asarray(grads[0])[dead] == 0)
     _assert_close(out, want_out, jnp.float32)

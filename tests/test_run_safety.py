@@ -27,11 +27,11 @@ from jaxllm import JaxllmWarning, checkpoint, config, sharding
 from jaxllm.bench import synthetic_batch
 from jaxllm.cli import main
 from jaxllm.metrics import read_jsonl
+from jaxllm.model import abstract_model
 from jaxllm.train import step as step_lib
 from jaxllm.train.loop import to_global
-from jaxllm.train.run_dir import RunLock
-from jaxllm.model import abstract_model
 from jaxllm.train.objectives import next_token
+from jaxllm.train.run_dir import RunLock
 from jaxllm.train.state import init_state
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,7 +95,7 @@ def test_every_reader_falls_back_and_moves_nothing(small_run, tmp_path, capsys):
             "b",
             "--max-new-tokens",
             "2",
-        ],  # fmt: skip
+        ],
         "export": ["convert", "export", str(run), str(tmp_path / "hf")],
     }
     for name, argv in commands.items():
@@ -134,8 +134,9 @@ def _start(args, shell_setup: str = ""):
     cmd = [sys.executable, "-m", "jaxllm", "train", *args]
     if shell_setup:
         cmd = ["bash", "-c", f'{shell_setup}; exec "$0" "$@"', *cmd]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -155,8 +156,11 @@ def test_a_signal_during_start_up_exits_at_once_and_leaves_nothing(tmp_path, sig
 
 
 def test_an_update_that_makes_parameters_non_finite_is_not_applied():
-    cfg = config.Config(model=tiny_model(vocab_size=258), data=config.DataConfig(seq_len=32),
-                        train=config.TrainConfig(global_batch_size=8))  # fmt: skip
+    cfg = config.Config(
+        model=tiny_model(vocab_size=258),
+        data=config.DataConfig(seq_len=32),
+        train=config.TrainConfig(global_batch_size=8),
+    )
     mesh = sharding.make_mesh(config.MeshConfig(data=1), jax.devices()[:1])
     tx = optax.sgd(float("nan"))  # finite loss and gradients, NaN update
     state = init_state(cfg.model, tx, mesh, seed=0)

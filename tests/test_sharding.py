@@ -122,8 +122,10 @@ def test_dcn_degrees_put_slices_outermost():
 def test_indivisible_parameter_is_a_config_error():
     cfg = dataclasses.replace(_cfg(tensor=8), model=tiny_model(num_heads=8, num_kv_heads=8))
     with pytest.raises(config.ConfigError, match="vocab|mlp|embed"):
-        _train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=260)),
-               jax.devices())  # fmt: skip
+        _train(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=260)),
+            jax.devices(),
+        )
 
 
 def _free_port() -> int:
@@ -141,8 +143,12 @@ def _jaxllm_train(args, devices: int, extra_env=None):
     env.update(extra_env or {})
     return subprocess.Popen(
         [sys.executable, "-m", "jaxllm", "train", *args],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize(
@@ -150,22 +156,46 @@ def _jaxllm_train(args, devices: int, extra_env=None):
 )
 def test_two_processes_match_one(tmp_path, mesh):
     common = [
-        "train.steps=3", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-        "train.sample_tokens=0", "train.global_batch_size=8", "data.seq_len=32",
-        "data.max_files=100", "model.d_model=64", "model.num_layers=2", "model.mlp_dim=128",
-        "model.dtype=float32", *mesh.split(),
-    ]  # fmt: skip
+        "train.steps=3",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "train.global_batch_size=8",
+        "data.seq_len=32",
+        "data.max_files=100",
+        "model.d_model=64",
+        "model.num_layers=2",
+        "model.mlp_dim=128",
+        "model.dtype=float32",
+        *mesh.split(),
+    ]
     port = _free_port()
     procs = [
         # flags for process 0, environment variables for process 1: both paths are used
         _jaxllm_train(
-            [*common, f"run.dir={tmp_path / 'multi'}", "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", "0"], devices=4),
+            [
+                *common,
+                f"run.dir={tmp_path / 'multi'}",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+            ],
+            devices=4,
+        ),
         _jaxllm_train(
-            [*common, f"run.dir={tmp_path / 'multi'}"], devices=4,
-            extra_env={"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
-                       "JAX_PROCESS_ID": "1"}),
-    ]  # fmt: skip
+            [*common, f"run.dir={tmp_path / 'multi'}"],
+            devices=4,
+            extra_env={
+                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": "1",
+            },
+        ),
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert "in 2 processes" in outs[0]

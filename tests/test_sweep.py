@@ -10,25 +10,47 @@ from jaxllm.config import ConfigError
 from jaxllm.sweep import combinations, parse_grid, run_name, sweep
 
 FAST = [
-    "model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
-    "model.mlp_dim=64", "data.seq_len=32", "data.max_files=20", "train.steps=5",
-    "train.global_batch_size=8", "train.eval_batches=1", "train.eval_every=0",
-    "train.log_every=1", "train.sample_tokens=0", "checkpoint.save_final=false",
-]  # fmt: skip
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.mlp_dim=64",
+    "data.seq_len=32",
+    "data.max_files=20",
+    "train.steps=5",
+    "train.global_batch_size=8",
+    "train.eval_batches=1",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "train.sample_tokens=0",
+    "checkpoint.save_final=false",
+]
 
 
 def test_sweep_cli_trains_a_2x1_grid_and_writes_table_csv_and_plot(tmp_path, capsys):
     out = tmp_path / "sweep"
-    code = cli.main(["sweep", *FAST, "--grid", "model.position=rope,alibi",
-                     "--grid", "model.norm_placement=pre", "--out", str(out)])  # fmt: skip
+    code = cli.main(
+        [
+            "sweep",
+            *FAST,
+            "--grid",
+            "model.position=rope,alibi",
+            "--grid",
+            "model.norm_placement=pre",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "| position=rope,norm_placement=pre |" in table
     assert "| position=alibi,norm_placement=pre |" in table
     with (out / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [r["run"] for r in rows] == ["position=rope,norm_placement=pre",
-                                        "position=alibi,norm_placement=pre"]  # fmt: skip
+    assert [r["run"] for r in rows] == [
+        "position=rope,norm_placement=pre",
+        "position=alibi,norm_placement=pre",
+    ]
     for r in rows:
         assert r["status"] == "ok" and r["steps"] == "5"
         assert 0 < float(r["eval_loss"]) < math.log(258) + 1 and float(r["tokens_per_sec"]) > 0
@@ -56,8 +78,13 @@ def test_a_rejected_combination_is_reported_and_the_others_run(tmp_path):
         trained.append(cfg.model.position)
         return {}
 
-    results = sweep(None, ["model.attention_impl=flash"],
-                    ["model.position=rope,alibi"], tmp_path, train_fn=fake_train)  # fmt: skip
+    results = sweep(
+        None,
+        ["model.attention_impl=flash"],
+        ["model.position=rope,alibi"],
+        tmp_path,
+        train_fn=fake_train,
+    )
     assert trained == ["rope"]
     assert results[0].status == "no metrics"  # the fake run wrote none
     assert results[1].status.startswith("config error") and "alibi" in results[1].status

@@ -86,13 +86,23 @@ def test_jaxllm_train_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     overrides = [
-        "train.steps=20", "train.log_every=5", "train.eval_every=10", "train.eval_batches=2",
-        "train.sample_tokens=16", "data.max_files=150", "model.num_layers=2", f"run.dir={run_dir}",
-    ]  # fmt: skip
+        "train.steps=20",
+        "train.log_every=5",
+        "train.eval_every=10",
+        "train.eval_batches=2",
+        "train.sample_tokens=16",
+        "data.max_files=150",
+        "model.num_layers=2",
+        f"run.dir={run_dir}",
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "jaxllm", "train", *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"run dir: {run_dir}" in proc.stderr
     assert "greedy continuation" in proc.stdout

@@ -325,14 +325,20 @@ class ModelConfig:
 
     def _validate_mla(self) -> None:
         a = self.mla
-        dims = dict(q_lora_rank=a.q_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
-                    qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim)  # fmt: skip
+        dims = dict(
+            q_lora_rank=a.q_lora_rank,
+            qk_nope_head_dim=a.qk_nope_head_dim,
+            qk_rope_head_dim=a.qk_rope_head_dim,
+            v_head_dim=a.v_head_dim,
+        )
         for name, value in dims.items():
             if value < (0 if name == "q_lora_rank" else 1):
                 _fail(f"model.mla.{name} must be positive, not {value}.")
         if self.position != "rope":
-            _fail(f"MLA carries position in its decoupled RoPE key: model.position must be rope, "
-                  f"not {self.position}.")  # fmt: skip
+            _fail(
+                f"MLA carries position in its decoupled RoPE key: model.position must be rope, "
+                f"not {self.position}."
+            )
         if self.num_kv_heads != self.num_heads or self.head_dim is not None:
             _fail(
                 "MLA gives every query head its own key and value from the latent: set "
@@ -340,8 +346,10 @@ class ModelConfig:
                 "model.head_dim null (widths are model.mla.*_head_dim)."
             )
         if self.qk_norm or self.qkv_bias:
-            _fail("model.qk_norm and model.qkv_bias are not part of MLA (it normalises its "
-                  "latents); turn them off.")  # fmt: skip
+            _fail(
+                "model.qk_norm and model.qkv_bias are not part of MLA (it normalises its "
+                "latents); turn them off."
+            )
 
 
 def validate_moe(m: ModelConfig) -> None:
@@ -376,11 +384,15 @@ def validate_moe(m: ModelConfig) -> None:
 def _validate_groups(moe: MoEConfig) -> None:
     groups, keep = moe.num_groups, moe.groups_per_token
     if groups < 1 or moe.num_experts % groups:
-        _fail(f"model.moe.num_groups ({groups}) must be a positive divisor of "
-              f"model.moe.num_experts ({moe.num_experts}).")  # fmt: skip
+        _fail(
+            f"model.moe.num_groups ({groups}) must be a positive divisor of "
+            f"model.moe.num_experts ({moe.num_experts})."
+        )
     if not 1 <= keep <= groups:
-        _fail(f"model.moe.groups_per_token ({keep}) must be between 1 and model.moe.num_groups "
-              f"({groups}).")  # fmt: skip
+        _fail(
+            f"model.moe.groups_per_token ({keep}) must be between 1 and model.moe.num_groups "
+            f"({groups})."
+        )
     if moe.experts_per_token > keep * (moe.num_experts // groups):
         _fail(
             f"model.moe.experts_per_token ({moe.experts_per_token}) exceeds the "

@@ -37,15 +37,22 @@ class Config:
         """Checks combinations no field type can express; returns self or raises ConfigError."""
         m, t = self.model, self.train
         positive = {
-            "model.vocab_size": m.vocab_size, "model.d_model": m.d_model,
-            "model.num_layers": m.num_layers, "model.num_heads": m.num_heads,
-            "model.num_kv_heads": m.num_kv_heads, "model.mlp_dim": m.mlp_dim,
-            "model.max_seq_len": m.max_seq_len, "model.scan_unroll": m.scan_unroll,
-            "model.head_dim": 1 if m.head_dim is None else m.head_dim, "data.seq_len": self.data.seq_len,
-            "train.steps": t.steps, "train.global_batch_size": t.global_batch_size,
-            "train.grad_accum_steps": t.grad_accum_steps, "train.log_every": t.log_every,
+            "model.vocab_size": m.vocab_size,
+            "model.d_model": m.d_model,
+            "model.num_layers": m.num_layers,
+            "model.num_heads": m.num_heads,
+            "model.num_kv_heads": m.num_kv_heads,
+            "model.mlp_dim": m.mlp_dim,
+            "model.max_seq_len": m.max_seq_len,
+            "model.scan_unroll": m.scan_unroll,
+            "model.head_dim": 1 if m.head_dim is None else m.head_dim,
+            "data.seq_len": self.data.seq_len,
+            "train.steps": t.steps,
+            "train.global_batch_size": t.global_batch_size,
+            "train.grad_accum_steps": t.grad_accum_steps,
+            "train.log_every": t.log_every,
             "train.eval_batches": t.eval_batches,
-        }  # fmt: skip
+        }
         for key, value in positive.items():
             if value < 1:
                 _fail(f"{key} must be at least 1, not {value}.")
@@ -93,9 +100,11 @@ class Config:
             )
         m.validate()
         if self.mesh.sequence_attention == "ring" and (
-            m.position == "alibi" or m.sliding_window is not None or m.attn_soft_cap is not None
+            m.position == "alibi"
+            or m.sliding_window is not None
+            or m.attn_soft_cap is not None
             or m.attn_scale is not None
-        ):  # fmt: skip
+        ):
             _fail(
                 "mesh.sequence_attention=ring supports neither model.position=alibi, "
                 "model.sliding_window, model.attn_soft_cap nor model.attn_scale; use all_gather."
@@ -161,9 +170,12 @@ class Config:
             _fail("run.dir is empty; name a directory for the run (e.g. run.dir=runs/mine).")
         o = self.optim
         finite = {
-            "optim.lr": o.lr, "optim.eps": o.eps, "optim.weight_decay": o.weight_decay,
-            "optim.min_lr_ratio": o.min_lr_ratio, "train.z_loss": self.train.z_loss,
-        }  # fmt: skip
+            "optim.lr": o.lr,
+            "optim.eps": o.eps,
+            "optim.weight_decay": o.weight_decay,
+            "optim.min_lr_ratio": o.min_lr_ratio,
+            "train.z_loss": self.train.z_loss,
+        }
         if o.clip_norm is not None:
             finite["optim.clip_norm"] = o.clip_norm
         for key, value in finite.items():

@@ -36,8 +36,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     mesh = sharding.make_mesh(MeshConfig())
     cfg, _, _, params, model_state, step = restore(ns.source, mesh=mesh)  # newest readable
     run_dir = resolve(ns.source)[0]
-    report = export_hf(params, cfg, ns.hf_dir, ns.family, model_state=model_state,
-                       run_dir=run_dir)  # fmt: skip
+    report = export_hf(params, cfg, ns.hf_dir, ns.family, model_state=model_state, run_dir=run_dir)
     for line in report:
         print(line)
     print(f"exported step {step} to {ns.hf_dir}", file=sys.stderr)

@@ -15,8 +15,10 @@ from jaxllm.convert.links import Family, Link
 def _shared_experts(hf: dict, default: int, version: str) -> int:
     shared = hf.get("n_shared_experts", default)
     if not shared:
-        _fail(f"DeepSeek-{version} with n_shared_experts=0 is not supported (transformers builds "
-              "zero-width shared experts); jaxllm needs at least one shared expert here.")  # fmt: skip
+        _fail(
+            f"DeepSeek-{version} with n_shared_experts=0 is not supported (transformers builds "
+            "zero-width shared experts); jaxllm needs at least one shared expert here."
+        )
     return shared
 
 
@@ -37,31 +39,45 @@ def _deepseek_mla_model(hf: dict, name: str) -> dict:
     """The fields DeepSeek-V2 and V3 config.json share (all but RoPE's pair order and the
     MoE): MLA shapes, YaRN and its softmax scale, SwiGLU MLPs without biases."""
     if hf.get("hidden_act", "silu") != "silu":
-        _fail(f"{name} with hidden_act={hf['hidden_act']!r}: jaxllm's experts and shared "
-              "experts are SwiGLU (silu) only.")  # fmt: skip
+        _fail(
+            f"{name} with hidden_act={hf['hidden_act']!r}: jaxllm's experts and shared "
+            "experts are SwiGLU (silu) only."
+        )
     if hf.get("attention_bias"):
-        _fail(f"{name} with attention_bias=true (biases on q_a / kv_a / o projections) is "
-              "not supported: jaxllm's MLA has no projection biases.")  # fmt: skip
+        _fail(
+            f"{name} with attention_bias=true (biases on q_a / kv_a / o projections) is "
+            "not supported: jaxllm's MLA has no projection biases."
+        )
     h = hf["num_attention_heads"]
     if (hf.get("num_key_value_heads") or h) != h:
-        _fail(f"{name} with num_key_value_heads={hf['num_key_value_heads']} != "
-              f"num_attention_heads={h}: MLA expands the latent into every head.")  # fmt: skip
+        _fail(
+            f"{name} with num_key_value_heads={hf['num_key_value_heads']} != "
+            f"num_attention_heads={h}: MLA expands the latent into every head."
+        )
     mla = {
-        "kv_lora_rank": hf["kv_lora_rank"], "q_lora_rank": hf.get("q_lora_rank") or 0,
-        "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
+        "kv_lora_rank": hf["kv_lora_rank"],
+        "q_lora_rank": hf.get("q_lora_rank") or 0,
+        "qk_nope_head_dim": hf["qk_nope_head_dim"],
+        "qk_rope_head_dim": hf["qk_rope_head_dim"],
         "v_head_dim": hf["v_head_dim"],
-    }  # fmt: skip
+    }
     rope = _rope(hf)
     return {
-        "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
-        "num_layers": hf["num_hidden_layers"], "num_heads": h, "num_kv_heads": h,
-        "head_dim": None, "mlp_dim": hf["intermediate_size"],
+        "vocab_size": hf["vocab_size"],
+        "d_model": hf["hidden_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": h,
+        "num_kv_heads": h,
+        "head_dim": None,
+        "mlp_dim": hf["intermediate_size"],
         "max_seq_len": hf["max_position_embeddings"],
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "mlp_activation": "swiglu", "attn_scale": _deepseek_scale(hf, rope), "mla": mla,
+        "mlp_activation": "swiglu",
+        "attn_scale": _deepseek_scale(hf, rope),
+        "mla": mla,
         "rope": rope,
-    }  # fmt: skip
+    }
 
 
 def _deepseek_scale(hf: dict, rope: dict) -> float | None:
@@ -88,24 +104,34 @@ def _deepseek_moe(hf: dict) -> dict:
     only = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
     for key, want in only.items():
         if hf.get(key, want) != want:
-            _fail(f"DeepSeek-V3 with {key}={hf[key]!r} is not supported: transformers' DeepSeek-V3 "
-                  f"(and jaxllm's import) runs {key}={want!r} only.")  # fmt: skip
+            _fail(
+                f"DeepSeek-V3 with {key}={hf[key]!r} is not supported: transformers' DeepSeek-V3 "
+                f"(and jaxllm's import) runs {key}={want!r} only."
+            )
     experts, top_k = hf.get("n_routed_experts", 256), hf.get("num_experts_per_tok", 8)
     groups, keep = hf.get("n_group", 8), hf.get("topk_group", 4)
     if groups is None or keep is None:
         _fail("DeepSeek-V3 MoE blocks need n_group and topk_group (1 and 1: no groups).")
     shared = _shared_experts(hf, 1, "V3")
     return {
-        "num_experts": experts, "experts_per_token": top_k,
-        "expert_mlp_dim": hf.get("moe_intermediate_size", 2048), "num_shared_experts": shared,
-        "first_dense_layers": first, "moe_every": 1, "router_score": "sigmoid",
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "expert_mlp_dim": hf.get("moe_intermediate_size", 2048),
+        "num_shared_experts": shared,
+        "first_dense_layers": first,
+        "moe_every": 1,
+        "router_score": "sigmoid",
         "normalize_top_k": bool(hf.get("norm_topk_prob", True)),
         "route_scale": float(hf.get("routed_scaling_factor", 2.5)),
-        "num_groups": groups, "groups_per_token": keep, "router_bias": True,
+        "num_groups": groups,
+        "groups_per_token": keep,
+        "router_bias": True,
         # training choices: the imported bias stays frozen, and DeepSeek-V3 balances by that
         # bias rather than by jaxllm's batch-level aux loss or a z-loss
-        "bias_update_rate": 0.0, "aux_loss_weight": 0.0, "router_z_loss_weight": 0.0,
-    }  # fmt: skip
+        "bias_update_rate": 0.0,
+        "aux_loss_weight": 0.0,
+        "router_z_loss_weight": 0.0,
+    }
 
 
 def _deepseek_v2_model(hf: dict) -> dict:
@@ -116,8 +142,10 @@ def _deepseek_v2_model(hf: dict) -> dict:
     topk_group of n_group groups ranked by their highest score (`group_limited_greedy`), the
     chosen scores times routed_scaling_factor without renormalising, and shared experts."""
     if hf.get("mlp_bias"):
-        _fail("DeepSeek-V2 with mlp_bias=true is not supported: jaxllm's SwiGLU MLPs and "
-              "experts have no biases.")  # fmt: skip
+        _fail(
+            "DeepSeek-V2 with mlp_bias=true is not supported: jaxllm's SwiGLU MLPs and "
+            "experts have no biases."
+        )
     out = _deepseek_mla_model(hf, "DeepSeek-V2")
     out["rope"]["interleave"] = True
     return {**out, "moe": _deepseek_v2_moe(hf)}
@@ -132,31 +160,45 @@ def _deepseek_v2_moe(hf: dict) -> dict:
         return {}
     for key, want in {"scoring_func": "softmax", "moe_layer_freq": 1}.items():
         if hf.get(key, want) != want:
-            _fail(f"DeepSeek-V2 with {key}={hf[key]!r} is not supported: transformers' "
-                  f"DeepSeek-V2 (and jaxllm's import) runs {key}={want!r} only.")  # fmt: skip
+            _fail(
+                f"DeepSeek-V2 with {key}={hf[key]!r} is not supported: transformers' "
+                f"DeepSeek-V2 (and jaxllm's import) runs {key}={want!r} only."
+            )
     if hf.get("norm_topk_prob"):
-        _fail("DeepSeek-V2 with norm_topk_prob=true is not supported: transformers' DeepSeek-V2 "
-              "never renormalises the top-k weights while DeepSeek's own code does.")  # fmt: skip
+        _fail(
+            "DeepSeek-V2 with norm_topk_prob=true is not supported: transformers' DeepSeek-V2 "
+            "never renormalises the top-k weights while DeepSeek's own code does."
+        )
     method = hf.get("topk_method", "greedy")
     if method not in ("greedy", "group_limited_greedy"):
-        _fail(f"DeepSeek-V2 with topk_method={method!r} is not supported (greedy and "
-              "group_limited_greedy are).")  # fmt: skip
+        _fail(
+            f"DeepSeek-V2 with topk_method={method!r} is not supported (greedy and "
+            "group_limited_greedy are)."
+        )
     groups = {"num_groups": 1, "groups_per_token": 1}
     if method == "group_limited_greedy":
         if hf.get("n_group") is None or hf.get("topk_group") is None:
             _fail("DeepSeek-V2 topk_method='group_limited_greedy' needs n_group and topk_group.")
-        groups = {"num_groups": hf["n_group"], "groups_per_token": hf["topk_group"],
-                  "group_score": "max"}  # fmt: skip
+        groups = {
+            "num_groups": hf["n_group"],
+            "groups_per_token": hf["topk_group"],
+            "group_score": "max",
+        }
     if hf.get("num_experts_per_tok") is None:
         _fail("DeepSeek-V2 MoE blocks need num_experts_per_tok (the top-k).")
     shared = _shared_experts(hf, 2, "V2")
     return {
-        "num_experts": hf.get("n_routed_experts", 64), "experts_per_token": hf["num_experts_per_tok"],
-        "expert_mlp_dim": hf.get("moe_intermediate_size", 1407), "num_shared_experts": shared,
-        "first_dense_layers": first, "moe_every": 1, "router_score": "softmax",
-        "normalize_top_k": False, "route_scale": float(hf.get("routed_scaling_factor", 1.0)),
+        "num_experts": hf.get("n_routed_experts", 64),
+        "experts_per_token": hf["num_experts_per_tok"],
+        "expert_mlp_dim": hf.get("moe_intermediate_size", 1407),
+        "num_shared_experts": shared,
+        "first_dense_layers": first,
+        "moe_every": 1,
+        "router_score": "softmax",
+        "normalize_top_k": False,
+        "route_scale": float(hf.get("routed_scaling_factor", 1.0)),
         **groups,
-    }  # fmt: skip
+    }
 
 
 def _deepseek_v2_hf(cfg: ModelConfig) -> dict:
@@ -166,26 +208,37 @@ def _deepseek_v2_hf(cfg: ModelConfig) -> dict:
     moe = cfg.moe
     if moe.enabled:
         limited = moe.num_groups > 1
-        out.update({
-            **_deepseek_moe_hf(cfg), "scoring_func": "softmax",
-            "topk_method": "group_limited_greedy" if limited else "greedy",
-            "n_group": moe.num_groups if limited else None,
-            "topk_group": moe.groups_per_token if limited else None,
-        })  # fmt: skip
+        out.update(
+            {
+                **_deepseek_moe_hf(cfg),
+                "scoring_func": "softmax",
+                "topk_method": "group_limited_greedy" if limited else "greedy",
+                "n_group": moe.num_groups if limited else None,
+                "topk_group": moe.groups_per_token if limited else None,
+            }
+        )
     return out
 
 
 def _deepseek_v3_hf(cfg: ModelConfig) -> dict:
     """config.json of a DeepSeek-V3. No multi-token-prediction module is written
     (num_nextn_predict_layers=0): jaxllm models have none."""
-    out = {**_deepseek_mla_hf(cfg, "deepseek_v3"), "rope_interleave": cfg.rope.interleave,
-           "num_nextn_predict_layers": 0}  # fmt: skip
+    out = {
+        **_deepseek_mla_hf(cfg, "deepseek_v3"),
+        "rope_interleave": cfg.rope.interleave,
+        "num_nextn_predict_layers": 0,
+    }
     moe = cfg.moe
     if moe.enabled:
-        out.update({
-            **_deepseek_moe_hf(cfg), "n_group": moe.num_groups, "topk_group": moe.groups_per_token,
-            "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        })  # fmt: skip
+        out.update(
+            {
+                **_deepseek_moe_hf(cfg),
+                "n_group": moe.num_groups,
+                "topk_group": moe.groups_per_token,
+                "scoring_func": "sigmoid",
+                "topk_method": "noaux_tc",
+            }
+        )
     return out
 
 
@@ -193,19 +246,32 @@ def _deepseek_mla_hf(cfg: ModelConfig, family: str) -> dict:
     """The config.json keys DeepSeek-V2 and V3 share (the inverse of `_deepseek_mla_model`);
     every block dense (first_k_dense_replace = layers) until `_deepseek_moe_hf` says else."""
     if not cfg.mla.enabled:
-        _fail(f"a model without MLA (model.mla.kv_lora_rank=0) has no {family} checkpoint; "
-              "export it as another family.")  # fmt: skip
+        _fail(
+            f"a model without MLA (model.mla.kv_lora_rank=0) has no {family} checkpoint; "
+            "export it as another family."
+        )
     a, h = cfg.mla, cfg.num_heads
     out = {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": h, "num_key_value_heads": h,
-        "intermediate_size": cfg.mlp_dim, "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "dtype": _dtype_name(cfg),
-        "kv_lora_rank": a.kv_lora_rank, "q_lora_rank": a.q_lora_rank or None,
-        "qk_nope_head_dim": a.qk_nope_head_dim, "qk_rope_head_dim": a.qk_rope_head_dim,
-        "v_head_dim": a.v_head_dim, "first_k_dense_replace": cfg.num_layers, **_rope_to_hf(cfg),
-    }  # fmt: skip
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": h,
+        "num_key_value_heads": h,
+        "intermediate_size": cfg.mlp_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "dtype": _dtype_name(cfg),
+        "kv_lora_rank": a.kv_lora_rank,
+        "q_lora_rank": a.q_lora_rank or None,
+        "qk_nope_head_dim": a.qk_nope_head_dim,
+        "qk_rope_head_dim": a.qk_rope_head_dim,
+        "v_head_dim": a.v_head_dim,
+        "first_k_dense_replace": cfg.num_layers,
+        **_rope_to_hf(cfg),
+    }
     all_dim = _mscale_all_dim(cfg)
     if all_dim is not None:
         for key in ("rope_parameters", "rope_scaling"):
@@ -217,12 +283,15 @@ def _deepseek_moe_hf(cfg: ModelConfig) -> dict:
     """The MoE keys DeepSeek-V2 and V3 share: sizes, dense blocks, the weights' scaling."""
     moe = cfg.moe
     return {
-        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.experts_per_token,
         "moe_intermediate_size": cfg.resolved_expert_mlp_dim,
         "n_shared_experts": moe.num_shared_experts,
-        "first_k_dense_replace": moe.first_dense_layers, "moe_layer_freq": 1,
-        "routed_scaling_factor": moe.route_scale, "norm_topk_prob": moe.normalize_top_k,
-    }  # fmt: skip
+        "first_k_dense_replace": moe.first_dense_layers,
+        "moe_layer_freq": 1,
+        "routed_scaling_factor": moe.route_scale,
+        "norm_topk_prob": moe.normalize_top_k,
+    }
 
 
 def _mscale_all_dim(cfg: ModelConfig) -> float | None:
@@ -257,8 +326,9 @@ def _deepseek_links(cfg: ModelConfig, fused: bool = False) -> list[Link]:
     return links
 
 
-def _deepseek_block_links(cfg: ModelConfig, block: str, offset: int, moe: bool = False,
-                          fused: bool = False) -> list[Link]:  # fmt: skip
+def _deepseek_block_links(
+    cfg: ModelConfig, block: str, offset: int, moe: bool = False, fused: bool = False
+) -> list[Link]:
     """One stack of DeepSeek-V2/V3 blocks (HF layers offset, offset + 1, ...): MLA, norms, and
     the dense MLP or the MoE layer."""
     attn, mlp = block + "attn/", block + "mlp/"
@@ -285,22 +355,31 @@ def _deepseek_block_links(cfg: ModelConfig, block: str, offset: int, moe: bool =
         links.append(link("self_attn.q_proj.weight", attn + "q_proj", "linear"))
     projections = ("gate", "up", "down")
     if not moe:
-        return links + [link(f"mlp.{x}_proj.weight", f"{mlp}{x}_proj", "linear")
-                        for x in projections]  # fmt: skip
+        return links + [
+            link(f"mlp.{x}_proj.weight", f"{mlp}{x}_proj", "linear") for x in projections
+        ]
     links.append(link("mlp.gate.weight", mlp + "router", "linear"))
     if cfg.moe.has_router_bias:
         links.append(link("mlp.gate.e_score_correction_bias", mlp + "router_bias"))
     if cfg.moe.num_shared_experts:
-        links += [link(f"mlp.shared_experts.{x}_proj.weight", f"{mlp}shared/{x}_proj", "linear")
-                  for x in projections]  # fmt: skip
+        links += [
+            link(f"mlp.shared_experts.{x}_proj.weight", f"{mlp}shared/{x}_proj", "linear")
+            for x in projections
+        ]
     if fused:
         return links + [
-            link("mlp.experts.gate_up_proj", (mlp + "gate_proj", mlp + "up_proj"), "linear",
-                 axis=-2, n_lead=1),
+            link(
+                "mlp.experts.gate_up_proj",
+                (mlp + "gate_proj", mlp + "up_proj"),
+                "linear",
+                axis=-2,
+                n_lead=1,
+            ),
             link("mlp.experts.down_proj", mlp + "down_proj", "linear", n_lead=1),
-        ]  # fmt: skip
-    return links + [link(f"mlp.experts.{{j}}.{x}_proj.weight", f"{mlp}{x}_proj", "linear")
-                    for x in projections]  # fmt: skip
+        ]
+    return links + [
+        link(f"mlp.experts.{{j}}.{x}_proj.weight", f"{mlp}{x}_proj", "linear") for x in projections
+    ]
 
 
 def _beyond_last_layer(cfg: ModelConfig, name: str) -> bool:

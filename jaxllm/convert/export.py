@@ -29,9 +29,15 @@ from jaxllm.data.tokenizer import (
 SHARD_BYTES = 4 * 2**30  # a new safetensors file past this many bytes
 
 
-def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None = None,
-              shard_bytes: int = SHARD_BYTES, model_state: dict | None = None,
-              run_dir=None) -> list[Mapped]:  # fmt: skip
+def export_hf(
+    params: dict,
+    cfg: config_lib.Config,
+    hf_dir,
+    family: str | None = None,
+    shard_bytes: int = SHARD_BYTES,
+    model_state: dict | None = None,
+    run_dir=None,
+) -> list[Mapped]:
     """Writes config.json and model.safetensors (or shards + index) of `params` and
     `model_state` (nested dicts of arrays, possibly sharded: each tensor is fetched to the host
     one layer, or one layer's expert, at a time), in the family's first layout (Mixtral,
@@ -47,8 +53,9 @@ def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None =
     links = fam.links(m)
     owned = {p for link in links for p in link.ours}
     if owned != set(flat):
-        raise ConfigError(f"the {fam.name} mapping does not cover the parameters "
-                          f"{sorted(set(flat) ^ owned)}.")  # fmt: skip
+        raise ConfigError(
+            f"the {fam.name} mapping does not cover the parameters {sorted(set(flat) ^ owned)}."
+        )
     hf_dir = Path(hf_dir)
     hf_dir.mkdir(parents=True, exist_ok=True)
     files: list[dict] = [{}]
@@ -56,8 +63,9 @@ def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None =
     report = []
     for link in links:
         for index in each(link, shapes):  # one layer (and expert) at a time to the host
-            xs = [np.asarray(jax.device_get(flat[p][index] if index else flat[p]))
-                  for p in link.ours]  # fmt: skip
+            xs = [
+                np.asarray(jax.device_get(flat[p][index] if index else flat[p])) for p in link.ours
+            ]
             t = link.to_hf(xs)
             if size and size + t.nbytes > shard_bytes:
                 files.append({})
@@ -65,15 +73,20 @@ def export_hf(params: dict, cfg: config_lib.Config, hf_dir, family: str | None =
             files[-1][link.name(index)] = t
             size += t.nbytes
         report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
-    names = (["model.safetensors"] if len(files) == 1 else
-             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])  # fmt: skip
+    names = (
+        ["model.safetensors"]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
     for old in hf_dir.glob("*.safetensors"):
         old.unlink()
     for name, tensors in zip(names, files):
         save_file(tensors, str(hf_dir / name), metadata={"format": "pt"})
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for f in files for t in f.values())},
-                 "weight_map": {t: n for n, f in zip(names, files) for t in f}}  # fmt: skip
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for f in files for t in f.values())},
+            "weight_map": {t: n for n, f in zip(names, files) for t in f},
+        }
         (hf_dir / INDEX).write_text(json.dumps(index, indent=2))
     hf = {**hf, **_write_tokenizer(cfg, hf_dir, run_dir)}
     (hf_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
@@ -118,11 +131,16 @@ def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict
         if (source.parent / name).is_file():
             shutil.copy(source.parent / name, hf_dir / name)
     if not (source.parent / "tokenizer_config.json").is_file():
-        specials = {f"{k}_token": backend.id_to_token(i)
-                    for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id), ("pad", pad))
-                    if i is not None}  # fmt: skip
-        minimal = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
-                   "model_max_length": cfg.model.max_seq_len,
-                   "clean_up_tokenization_spaces": False}  # fmt: skip
+        specials = {
+            f"{k}_token": backend.id_to_token(i)
+            for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id), ("pad", pad))
+            if i is not None
+        }
+        minimal = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **specials,
+            "model_max_length": cfg.model.max_seq_len,
+            "clean_up_tokenization_spaces": False,
+        }
         (hf_dir / "tokenizer_config.json").write_text(json.dumps(minimal, indent=2) + "\n")
     return ids

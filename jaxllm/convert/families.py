@@ -107,8 +107,10 @@ def hf_config(cfg: ModelConfig, family: Family) -> dict:
         _fail(f"this model cannot be expressed in a {family.name} checkpoint: {e}")
     diff = _differences(cfg, back)
     if diff:
-        _fail(f"{', '.join(diff)} cannot be expressed in a {family.name} checkpoint; export as "
-              f"another family (--family) or change the model.")  # fmt: skip
+        _fail(
+            f"{', '.join(diff)} cannot be expressed in a {family.name} checkpoint; export as "
+            f"another family (--family) or change the model."
+        )
     return out
 
 
@@ -134,8 +136,11 @@ def _differences(cfg: ModelConfig, back: ModelConfig) -> list[str]:
     diff += _section_differences("moe.", MoEConfig, cfg.moe, back.moe, cfg, skip)
     if cfg.moe.has_router_bias != back.moe.has_router_bias:  # a bias the family lacks, or needs
         rate = cfg.moe.bias_update_rate
-        diff.append(f"model.moe.bias_update_rate={rate!r}" if rate > 0
-                    else f"model.moe.router_bias={cfg.moe.router_bias!r}")  # fmt: skip
+        diff.append(
+            f"model.moe.bias_update_rate={rate!r}"
+            if rate > 0
+            else f"model.moe.router_bias={cfg.moe.router_bias!r}"
+        )
     return diff
 
 

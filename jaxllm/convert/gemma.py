@@ -27,14 +27,17 @@ def _gemma2_model(hf: dict) -> dict:
     final = hf.get("final_logit_softcapping")
     return {
         **llama_like_model(hf, tie_default=True),
-        **_activation(hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
-                      True),
+        **_activation(
+            hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh", True
+        ),
         **windows,
-        "norm_placement": "sandwich", "norm_offset": 1.0, "scale_embeddings": True,
+        "norm_placement": "sandwich",
+        "norm_offset": 1.0,
+        "scale_embeddings": True,
         "attn_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
         "attn_soft_cap": None if cap is None else float(cap),
         "final_soft_cap": None if final is None else float(final),
-    }  # fmt: skip
+    }
 
 
 def _gemma2_hf(cfg: ModelConfig) -> dict:
@@ -42,11 +45,14 @@ def _gemma2_hf(cfg: ModelConfig) -> dict:
     out.pop("hidden_act")
     scalar = (cfg.attn_scale or cfg.resolved_head_dim**-0.5) ** -2
     return {
-        **out, "hidden_activation": _activation_name(cfg),
+        **out,
+        "hidden_activation": _activation_name(cfg),
         "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
-        "attn_logit_softcapping": cfg.attn_soft_cap, "final_logit_softcapping": cfg.final_soft_cap,
-        "sliding_window": cfg.sliding_window, "layer_types": _layer_types(cfg),
-    }  # fmt: skip
+        "attn_logit_softcapping": cfg.attn_soft_cap,
+        "final_logit_softcapping": cfg.final_soft_cap,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": _layer_types(cfg),
+    }
 
 
 def _gemma3_model(hf: dict) -> dict:
@@ -58,20 +64,26 @@ def _gemma3_model(hf: dict) -> dict:
     types = hf.get("layer_types")
     if types is None:
         every = hf.get("sliding_window_pattern") or 6
-        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                 for i in range(hf["num_hidden_layers"])]  # fmt: skip
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
     global_p, local_p = _gemma3_rope_parameters(hf)
     rope_hf = {**hf, "rope_parameters": global_p, "rope_scaling": None}
     out = {
-        **_gemma2_model({**rope_hf, "layer_types": types,
-                         "sliding_window": hf.get("sliding_window", 4096)}),
-        "qk_norm": True, "qkv_bias": bool(hf.get("attention_bias", False)),
+        **_gemma2_model(
+            {**rope_hf, "layer_types": types, "sliding_window": hf.get("sliding_window", 4096)}
+        ),
+        "qk_norm": True,
+        "qkv_bias": bool(hf.get("attention_bias", False)),
         "o_bias": bool(hf.get("attention_bias", False)),
-    }  # fmt: skip
+    }
     local = _rope({**hf, "rope_parameters": local_p, "rope_scaling": None})
     if set(local) != {"theta"}:
-        _fail(f"Gemma 3 sliding-layer RoPE {local_p} is not supported: windowed layers take "
-              "an unscaled base (model.rope.local_theta).")  # fmt: skip
+        _fail(
+            f"Gemma 3 sliding-layer RoPE {local_p} is not supported: windowed layers take "
+            "an unscaled base (model.rope.local_theta)."
+        )
     if out.get("sliding_window") is not None:
         out["rope"]["local_theta"] = local["theta"]
     return out
@@ -94,13 +106,14 @@ def _gemma3_hf(cfg: ModelConfig) -> dict:
     rope = _rope_to_hf(cfg)
     local_theta = cfg.rope.theta if cfg.rope.local_theta is None else cfg.rope.local_theta
     return {
-        **_gemma2_hf(cfg), "attention_bias": cfg.qkv_bias,
+        **_gemma2_hf(cfg),
+        "attention_bias": cfg.qkv_bias,
         "rope_parameters": {
             "full_attention": rope["rope_parameters"],
             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
         },
         "rope_local_base_freq": local_theta,  # with rope_theta / rope_scaling: older readers
-    }  # fmt: skip
+    }
 
 
 GEMMA2 = Family(

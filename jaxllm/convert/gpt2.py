@@ -13,27 +13,44 @@ def _gpt2_model(hf: dict) -> dict:
         _fail("GPT-2 scale_attn_by_inverse_layer_idx=true (a per-layer scale) is not supported.")
     d = hf["n_embd"]
     return {
-        "vocab_size": hf["vocab_size"], "d_model": d, "num_layers": hf["n_layer"],
-        "num_heads": hf["n_head"], "num_kv_heads": hf["n_head"], "mlp_dim": hf.get("n_inner") or 4 * d,
-        "max_seq_len": hf["n_positions"], "position": "learned", "norm": "layernorm",
+        "vocab_size": hf["vocab_size"],
+        "d_model": d,
+        "num_layers": hf["n_layer"],
+        "num_heads": hf["n_head"],
+        "num_kv_heads": hf["n_head"],
+        "mlp_dim": hf.get("n_inner") or 4 * d,
+        "max_seq_len": hf["n_positions"],
+        "position": "learned",
+        "norm": "layernorm",
         "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
         **_activation(hf.get("activation_function", "gelu_new"), gated=False),
-        "qkv_bias": True, "o_bias": True, "mlp_bias": True,
+        "qkv_bias": True,
+        "o_bias": True,
+        "mlp_bias": True,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
         "attn_scale": None if hf.get("scale_attn_weights", True) else 1.0,
-    }  # fmt: skip
+    }
 
 
 def _gpt2_hf(cfg: ModelConfig) -> dict:
     acts = {"gelu": "gelu_new" if cfg.gelu_approximate else "gelu", "relu": "relu"}
     act = acts.get(cfg.mlp_activation, "gelu_new")  # others: named by the round-trip check
     return {
-        "vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_layer": cfg.num_layers,
-        "n_head": cfg.num_heads, "n_inner": cfg.mlp_dim, "n_positions": cfg.max_seq_len,
-        "layer_norm_epsilon": cfg.norm_eps, "activation_function": act,
-        "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": cfg.attn_scale != 1.0,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dtype": _dtype_name(cfg),
-    }  # fmt: skip
+        "vocab_size": cfg.vocab_size,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_heads,
+        "n_inner": cfg.mlp_dim,
+        "n_positions": cfg.max_seq_len,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "activation_function": act,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "scale_attn_weights": cfg.attn_scale != 1.0,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "dtype": _dtype_name(cfg),
+    }
 
 
 def _gpt2_links(cfg: ModelConfig) -> list[Link]:

@@ -57,8 +57,10 @@ def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, dict, list[Mapped
     flat = {**flatten(abstract), **flatten(abstract_ms)}
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
     links = check(reader, family, cfg, shapes, optional=state_paths)
-    flat_sh = {**flatten(sharding.tree_shardings(mesh, axes)),
-               **flatten(sharding.tree_shardings(mesh, ms_axes))}  # fmt: skip
+    flat_sh = {
+        **flatten(sharding.tree_shardings(mesh, axes)),
+        **flatten(sharding.tree_shardings(mesh, ms_axes)),
+    }
     out = {}
     for link in links:
         for k, path in enumerate(link.ours):
@@ -211,7 +213,11 @@ def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
         shutil.copy(f, out_dir / f.name)
     config_lib.dump(cfg, out_dir / "config.yaml")
     checkpoint.save_params(
-        ckpt_dir, params, step=0, model_state=model_state,
-        config=config_lib.to_dict(cfg), tokenizer=checkpoint.tokenizer_record(cfg.data.tokenizer),
-    )  # fmt: skip
+        ckpt_dir,
+        params,
+        step=0,
+        model_state=model_state,
+        config=config_lib.to_dict(cfg),
+        tokenizer=checkpoint.tokenizer_record(cfg.data.tokenizer),
+    )
     return report

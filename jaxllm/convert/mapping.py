@@ -51,8 +51,14 @@ class Mapped:
 
     @classmethod
     def of(cls, link: Link, shapes: dict, dtype: str) -> Mapped:
-        return cls(link.hf, link.counts(shapes), link.ours, tuple(shapes[p] for p in link.ours),
-                   dtype, link.offset)  # fmt: skip
+        return cls(
+            link.hf,
+            link.counts(shapes),
+            link.ours,
+            tuple(shapes[p] for p in link.ours),
+            dtype,
+            link.offset,
+        )
 
     def __str__(self) -> str:
         indices = Link(self.hf, self.ours).indices
@@ -73,8 +79,13 @@ def each(link: Link, shapes: dict) -> itertools.product:
     return itertools.product(*(range(c) for c in link.counts(shapes)))
 
 
-def check(reader: Reader, family: Family, cfg: ModelConfig, shapes: dict,
-          optional: frozenset[str] = frozenset()) -> list[Link]:  # fmt: skip
+def check(
+    reader: Reader,
+    family: Family,
+    cfg: ModelConfig,
+    shapes: dict,
+    optional: frozenset[str] = frozenset(),
+) -> list[Link]:
     """The family's links for `cfg` in the layout the files hold, after checking names and
     shapes against them; when no layout fits, the errors of the closest one. `optional`:
     paths of `shapes` the family may leave unlinked (model state)."""
@@ -87,8 +98,7 @@ def check(reader: Reader, family: Family, cfg: ModelConfig, shapes: dict,
         if best is None or len(errors) < len(best):
             best = errors
     more = f" (and {len(best) - 5} more)" if len(best) > 5 else ""
-    raise ConfigError(f"cannot convert this {family.name} checkpoint: "
-                      f"{'; '.join(best[:5])}{more}.")  # fmt: skip
+    raise ConfigError(f"cannot convert this {family.name} checkpoint: {'; '.join(best[:5])}{more}.")
 
 
 def _check_owned(family: Family, links: list[Link], shapes: dict, optional=frozenset()) -> None:
@@ -101,8 +111,9 @@ def _check_owned(family: Family, links: list[Link], shapes: dict, optional=froze
         )
 
 
-def _mismatches(reader: Reader, family: Family, cfg: ModelConfig, links: list[Link],
-                shapes: dict) -> list[str]:  # fmt: skip
+def _mismatches(
+    reader: Reader, family: Family, cfg: ModelConfig, links: list[Link], shapes: dict
+) -> list[str]:
     errors, expected = [], set()
     for link in links:
         want = link.hf_shape(element_shapes(link, shapes))
@@ -112,11 +123,14 @@ def _mismatches(reader: Reader, family: Family, cfg: ModelConfig, links: list[Li
             if name not in reader.shapes:
                 errors.append(f"missing tensor {name}")
             elif reader.shapes[name] != want:
-                errors.append(f"{name} has shape {list(reader.shapes[name])}, the model needs "
-                              f"{list(want)}")  # fmt: skip
+                errors.append(
+                    f"{name} has shape {list(reader.shapes[name])}, the model needs {list(want)}"
+                )
             elif reader.dtypes[name] not in DTYPES:
-                errors.append(f"{name} is stored as {reader.dtypes[name]}, the model needs a float "
-                              "tensor (F32, BF16 or F16)")  # fmt: skip
+                errors.append(
+                    f"{name} is stored as {reader.dtypes[name]}, the model needs a float "
+                    "tensor (F32, BF16 or F16)"
+                )
     extra = sorted(n for n in set(reader.shapes) - expected if not family.ignored(n, cfg))
     if cfg.tie_embeddings and TIED_HEAD in extra:
         errors += _tied_head(reader, links)
@@ -134,5 +148,7 @@ def _tied_head(reader: Reader, links: list[Link]) -> list[str]:
     embed = next((link.hf for link in links if link.ours == ("embed/embedding",)), None)
     if embed in reader.shapes and reader.equal(TIED_HEAD, embed):
         return []
-    return [f"{TIED_HEAD} is stored and differs from {embed}, but tie_word_embeddings is true; "
-            "set tie_word_embeddings to false in config.json to keep the separate head"]  # fmt: skip
+    return [
+        f"{TIED_HEAD} is stored and differs from {embed}, but tie_word_embeddings is true; "
+        "set tie_word_embeddings to false in config.json to keep the separate head"
+    ]

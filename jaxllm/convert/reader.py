@@ -72,8 +72,11 @@ def safetensors_files(hf_dir) -> tuple[list[Path], dict[str, str] | None]:
     if index.is_file():
         data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not (isinstance(weight_map, dict) and weight_map
-                and all(isinstance(v, str) and Path(v).name == v for v in weight_map.values())):  # fmt: skip
+        if not (
+            isinstance(weight_map, dict)
+            and weight_map
+            and all(isinstance(v, str) and Path(v).name == v for v in weight_map.values())
+        ):
             raise ConfigError(
                 f"{index} has no weight_map of tensor names to file names; fix it or download "
                 "it again."
@@ -161,10 +164,12 @@ class Reader:
             return bool(np.array_equal(self.read(a), self.read(b)))
         n = self.shapes[a][0]
         return all(
-            np.array_equal(self.read(a, (slice(i, min(i + rows, n)),)),
-                           self.read(b, (slice(i, min(i + rows, n)),)))
+            np.array_equal(
+                self.read(a, (slice(i, min(i + rows, n)),)),
+                self.read(b, (slice(i, min(i + rows, n)),)),
+            )
             for i in range(0, n, rows)
-        )  # fmt: skip
+        )
 
 
 def _header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:

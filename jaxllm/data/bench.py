@@ -65,13 +65,15 @@ def bench_data(
 
 
 def format_data_result(r: dict) -> str:
-    return "\n".join([
-        f"data                   {r['sources']} ({r['docs']:,} docs, {r['tokens']:,} tokens, "
-        f"{r['rows']:,} rows)",
-        f"packing / workers      {r['packing']} / {r['workers']}",
-        f"load (read, tokenize)  {r['load_s']:.2f} s",
-        f"first batch            {r['first_batch_s']:.2f} s",
-        f"batches timed          {r['batches']} of {r['batch_tokens']:,} tokens in {r['seconds']:.2f} s",
-        f"tokens/s               {r['tokens_per_sec']:,.0f}",
-        f"real tokens/s          {r['real_tokens_per_sec']:,.0f}  (loss_mask 1)",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"data                   {r['sources']} ({r['docs']:,} docs, {r['tokens']:,} tokens, "
+            f"{r['rows']:,} rows)",
+            f"packing / workers      {r['packing']} / {r['workers']}",
+            f"load (read, tokenize)  {r['load_s']:.2f} s",
+            f"first batch            {r['first_batch_s']:.2f} s",
+            f"batches timed          {r['batches']} of {r['batch_tokens']:,} tokens in {r['seconds']:.2f} s",
+            f"tokens/s               {r['tokens_per_sec']:,.0f}",
+            f"real tokens/s          {r['real_tokens_per_sec']:,.0f}  (loss_mask 1)",
+        ]
+    )

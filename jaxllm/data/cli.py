@@ -28,8 +28,12 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--text-field", default="text", help="JSONL / Parquet field holding the text")
     p.add_argument("--max-files", type=int, help="read at most this many files of each SOURCE")
-    p.add_argument("--on-bad-record", default="skip", choices=("skip", "fail"),
-                   help="a JSONL line that is not JSON or lacks the field: warn and skip, or stop")  # fmt: skip
+    p.add_argument(
+        "--on-bad-record",
+        default="skip",
+        choices=("skip", "fail"),
+        help="a JSONL line that is not JSON or lacks the field: warn and skip, or stop",
+    )
 
 
 def _sources(ns) -> list[SourceConfig]:
@@ -61,10 +65,15 @@ def cmd_prepare(ns) -> int:
     from jaxllm.data.prepare import prepare
 
     manifest = prepare(
-        _sources(ns), ns.out, tokenizer=ns.tokenizer, workers=ns.workers,
-        shard_docs=ns.shard_docs, max_files=ns.max_files, eval_fraction=ns.eval_fraction,
+        _sources(ns),
+        ns.out,
+        tokenizer=ns.tokenizer,
+        workers=ns.workers,
+        shard_docs=ns.shard_docs,
+        max_files=ns.max_files,
+        eval_fraction=ns.eval_fraction,
         on_bad_record=ns.on_bad_record,
-    )  # fmt: skip
+    )
     split = manifest["splits"]
     print(
         f"wrote {len(manifest['shards'])} shard(s) to {ns.out}: {manifest['docs']:,} documents, "
@@ -97,8 +106,12 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="byte", help="byte, a tokenizer.json or a .model")
     p.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: in this one)")
     p.add_argument("--shard-docs", type=int, default=10_000, help="documents per shard")
-    p.add_argument("--eval-fraction", type=float, default=DataConfig.eval_fraction,
-                   help="fraction of files held out as eval shards, by path hash")  # fmt: skip
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=DataConfig.eval_fraction,
+        help="fraction of files held out as eval shards, by path hash",
+    )
     p.set_defaults(func=cmd_prepare)
     return d
 

@@ -157,8 +157,11 @@ def prepare(
     manifest = {
         "format": FORMAT,
         "tokenizer": {
-            "spec": tokenizer, "fingerprint": tokenizer_fingerprint(tokenizer),
-            "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+            "spec": tokenizer,
+            "fingerprint": tokenizer_fingerprint(tokenizer),
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
         },
         "sources": [_source_record(src) for src in sources],
         "files": len(files),
@@ -166,7 +169,7 @@ def prepare(
         "shards": shards,
         **total(),
         "splits": {"train": total("train"), "eval": total("eval")},
-    }  # fmt: skip
+    }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     bad.warn()
     return manifest

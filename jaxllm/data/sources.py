@@ -33,9 +33,12 @@ from jaxllm.config import ConfigError, JaxllmWarning, SourceConfig
 
 MANIFEST = "manifest.json"  # marks a directory written by `jaxllm data prepare`
 _FORMAT_BY_SUFFIX = {
-    ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet",
-    ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord",
-}  # fmt: skip
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".arrayrecord": "arrayrecord",
+    ".array_record": "arrayrecord",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +92,10 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
     elif path.is_dir():
         root = path
         paths = sorted(
-            p for p in path.rglob("*")
+            p
+            for p in path.rglob("*")
             if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
-        )  # fmt: skip
+        )
         if not paths:
             raise ConfigError(f"{key}.path: directory {src.path} holds no files.")
     elif path.is_file():
@@ -208,8 +212,10 @@ def _jsonl_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecor
             if not isinstance(text, str):
                 _bad_record(
                     f"has no string field {text_field!r} (set the source's text_field)",
-                    where, on_bad_record, bad,
-                )  # fmt: skip
+                    where,
+                    on_bad_record,
+                    bad,
+                )
                 continue
             yield text
 
@@ -232,9 +238,11 @@ def _parquet_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRec
             row += 1
             if not isinstance(text, str):
                 _bad_record(
-                    f"has no string in column {text_field!r}", f"{f.path} row {row}",
-                    on_bad_record, bad,
-                )  # fmt: skip
+                    f"has no string in column {text_field!r}",
+                    f"{f.path} row {row}",
+                    on_bad_record,
+                    bad,
+                )
                 continue
             yield text
 

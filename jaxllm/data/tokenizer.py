@@ -131,8 +131,9 @@ def _chat_templates(directory: Path, value) -> dict[str, str]:
         for t in value
     ):
         return {t["name"]: t["template"] for t in value}
-    raise ValueError("tokenizer_config.json chat_template is neither a string nor a list of "
-                     "{name, template}")  # fmt: skip
+    raise ValueError(
+        "tokenizer_config.json chat_template is neither a string nor a list of {name, template}"
+    )
 
 
 class SentencePieceTokenizer:

@@ -28,8 +28,16 @@ from jaxllm.load import resolve, restore
 
 
 def _overrides(ns: argparse.Namespace) -> list[str]:
-    flags = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "kv_cache_dtype",
-             "kv_page_size", "decode_impl")  # fmt: skip
+    flags = (
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "kv_cache_dtype",
+        "kv_page_size",
+        "decode_impl",
+    )
     return [f"generate.{f}={getattr(ns, f)}" for f in flags if getattr(ns, f) is not None]
 
 
@@ -83,8 +91,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     stream = _Stream(tok, stops | set(cfg.generate.stop_tokens)) if streams else None
     t0 = time.perf_counter()
     try:
-        out = generate(model, ids, cfg.generate, stop_tokens=sorted(stops), mesh=mesh,
-                       on_token=stream)  # fmt: skip
+        out = generate(
+            model, ids, cfg.generate, stop_tokens=sorted(stops), mesh=mesh, on_token=stream
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     secs = time.perf_counter() - t0

@@ -102,9 +102,11 @@ def resolve_decode_impl(impl: str, cfg=None) -> tuple[str, bool]:
 def _constrain_cache(kv):
     axes = kv_cache.logical_axes(kv)
     return jax.tree.map(
-        lambda x, ax: sharding.constrain(x, ax) if ax is not None else x, kv, axes,
+        lambda x, ax: sharding.constrain(x, ax) if ax is not None else x,
+        kv,
+        axes,
         is_leaf=lambda x: x is None,
-    )  # fmt: skip
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "on_token"))
@@ -114,13 +116,22 @@ def _generate(graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, rng, 
     b = prompt_BxL.shape[0]
     g, k, value_dim = kv_cache.cache_dims(cfg)
     kv = kv_cache.init_cache(
-        num_layers=cfg.num_layers, batch=b, num_kv_heads=g, head_dim=k, max_len=plan.max_len,
-        kind=plan.kind, group=plan.group, compute_dtype=jnp.dtype(cfg.dtype),
-        block_table=block_table, num_pages=plan.num_pages, value_dim=value_dim,
-    )  # fmt: skip
+        num_layers=cfg.num_layers,
+        batch=b,
+        num_kv_heads=g,
+        head_dim=k,
+        max_len=plan.max_len,
+        kind=plan.kind,
+        group=plan.group,
+        compute_dtype=jnp.dtype(cfg.dtype),
+        block_table=block_table,
+        num_pages=plan.num_pages,
+        value_dim=value_dim,
+    )
     kv = _constrain_cache(kv)
-    view = kv_cache.CacheView(kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl,
-                              interpret=plan.interpret)  # fmt: skip
+    view = kv_cache.CacheView(
+        kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl, interpret=plan.interpret
+    )
     logits_Bx1xV, view = model(prompt_BxL, cache=view, logits_at_BxQ=(lengths_B - 1)[:, None])
     pick = functools.partial(
         sample, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p
@@ -141,8 +152,9 @@ def _generate(graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, rng, 
             jax.debug.callback(on_token, i, tok_B, done_B, ordered=True)
         done_B = done_B | jnp.isin(tok_B, stop_S)
         lengths_B = lengths_B + 1
-        view = kv_cache.CacheView(kv, lengths_B, jnp.int32(0), prefill=False, impl=plan.impl,
-                                  interpret=plan.interpret)  # fmt: skip
+        view = kv_cache.CacheView(
+            kv, lengths_B, jnp.int32(0), prefill=False, impl=plan.impl, interpret=plan.interpret
+        )
         logits_Bx1xV, view = model(
             tok_B[:, None], positions_BxL=(lengths_B - 1)[:, None], cache=view
         )
@@ -202,15 +214,32 @@ def generate(
         max_len = kv_cache.cache_length(max(int(need_B.max()), prompt_len), kind, group)
         num_pages, block_table, cache_tokens = None, None, b * max_len
     impl, interpret = resolve_decode_impl(gen.decode_impl, model.cfg)
-    plan = _Plan(kind, group, max_len, num_pages, gen.max_new_tokens, float(gen.temperature),
-                 gen.top_k, float(gen.top_p), impl, interpret)  # fmt: skip
+    plan = _Plan(
+        kind,
+        group,
+        max_len,
+        num_pages,
+        gen.max_new_tokens,
+        float(gen.temperature),
+        gen.top_k,
+        float(gen.top_p),
+        impl,
+        interpret,
+    )
     stop_S = jnp.asarray(sorted({*stop_tokens, *gen.stop_tokens}) or [-1], jnp.int32)
     graphdef, state = nnx.split(model)
     with sharding.active(sharding.Parallel(mesh)):
         out_BxN, done_B = _generate(
-            graphdef, state, jnp.asarray(prompt_BxL), jnp.asarray(lengths), block_table, stop_S,
-            jax.random.key(gen.seed), plan, on_token,
-        )  # fmt: skip
+            graphdef,
+            state,
+            jnp.asarray(prompt_BxL),
+            jnp.asarray(lengths),
+            block_table,
+            stop_S,
+            jax.random.key(gen.seed),
+            plan,
+            on_token,
+        )
     out_BxN, done_B = np.asarray(out_BxN), np.asarray(done_B)
     stops = set(np.asarray(stop_S).tolist())
     tokens, stopped = [], []
@@ -230,18 +259,33 @@ def _score(graphdef, state, tokens_BxT, plan, prefix):
     b, t = tokens_BxT.shape
     g, k, value_dim = kv_cache.cache_dims(cfg)
     kv = kv_cache.init_cache(
-        num_layers=cfg.num_layers, batch=b, num_kv_heads=g, head_dim=k, max_len=plan.max_len,
-        kind=plan.kind, group=plan.group, compute_dtype=jnp.dtype(cfg.dtype), value_dim=value_dim,
-    )  # fmt: skip
+        num_layers=cfg.num_layers,
+        batch=b,
+        num_kv_heads=g,
+        head_dim=k,
+        max_len=plan.max_len,
+        kind=plan.kind,
+        group=plan.group,
+        compute_dtype=jnp.dtype(cfg.dtype),
+        value_dim=value_dim,
+    )
     lengths_B = jnp.full((b,), prefix, jnp.int32)
-    view = kv_cache.CacheView(kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl,
-                              interpret=plan.interpret)  # fmt: skip
-    logits_Bx1xV, view = model(tokens_BxT[:, :prefix], cache=view,
-                               logits_at_BxQ=(lengths_B - 1)[:, None])  # fmt: skip
+    view = kv_cache.CacheView(
+        kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl, interpret=plan.interpret
+    )
+    logits_Bx1xV, view = model(
+        tokens_BxT[:, :prefix], cache=view, logits_at_BxQ=(lengths_B - 1)[:, None]
+    )
 
     def step(kv, pos):
-        view = kv_cache.CacheView(kv, jnp.full((b,), pos + 1, jnp.int32), jnp.int32(0),
-                                  prefill=False, impl=plan.impl, interpret=plan.interpret)  # fmt: skip
+        view = kv_cache.CacheView(
+            kv,
+            jnp.full((b,), pos + 1, jnp.int32),
+            jnp.int32(0),
+            prefill=False,
+            impl=plan.impl,
+            interpret=plan.interpret,
+        )
         logits_Bx1xV, view = model(
             tokens_BxT[:, pos][:, None], positions_BxL=jnp.full((b, 1), pos, jnp.int32), cache=view
         )
@@ -263,9 +307,18 @@ def score_with_cache(model, tokens_BxT, gen: GenerateConfig = GenerateConfig(), 
     tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
     t = tokens_BxT.shape[1]
     impl, interpret = resolve_decode_impl(gen.decode_impl, model.cfg)
-    plan = _Plan(gen.kv_cache_dtype, gen.kv_group,
-                 kv_cache.cache_length(t, gen.kv_cache_dtype, gen.kv_group), None, 0, 0.0, 0,
-                 1.0, impl, interpret)  # fmt: skip
+    plan = _Plan(
+        gen.kv_cache_dtype,
+        gen.kv_group,
+        kv_cache.cache_length(t, gen.kv_cache_dtype, gen.kv_group),
+        None,
+        0,
+        0.0,
+        0,
+        1.0,
+        impl,
+        interpret,
+    )
     graphdef, state = nnx.split(model)
     nll, pred = _score(graphdef, state, tokens_BxT, plan, prefix)
     return np.asarray(nll), np.asarray(pred)

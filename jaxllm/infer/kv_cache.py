@@ -106,15 +106,21 @@ def init_cache(
         vg = min(group, k)
         res = jnp.zeros((lyr, batch, g, group, k), compute_dtype)
         fields.update(
-            k=z(t, k // 2, dtype=jnp.uint8), v=z(t, k // 2, dtype=jnp.uint8),
-            k_scale=z(t // group, k), k_zero=z(t // group, k),
-            v_scale=z(t, k // vg), v_zero=z(t, k // vg), k_res=res, v_res=res,
-        )  # fmt: skip
+            k=z(t, k // 2, dtype=jnp.uint8),
+            v=z(t, k // 2, dtype=jnp.uint8),
+            k_scale=z(t // group, k),
+            k_zero=z(t // group, k),
+            v_scale=z(t, k // vg),
+            v_zero=z(t, k // vg),
+            k_res=res,
+            v_res=res,
+        )
     return KVCache(**fields)
 
 
-def bytes_per_token(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, group: int,
-                    latent: bool = False):  # fmt: skip
+def bytes_per_token(
+    kind: str, num_layers: int, num_kv_heads: int, head_dim: int, group: int, latent: bool = False
+):
     """Cache bytes one token costs over all layers, codes and scales included (the int4
     residual window is a constant `group` tokens per sequence on top; `latent`: keys only)."""
     return num_layers * cache_bytes_per_token(kind, num_kv_heads, head_dim, group, latent)
@@ -178,8 +184,9 @@ class CacheView:
         if kv.value_dim is not None:  # latent: keys only
             if kv.kind == "int8":
                 kc, ks = quant.quantize_int8(k_BxLxGxK)
-                kv = dataclasses.replace(kv, k=self._put(kv.k, pos_BxL, kc),
-                                         k_scale=self._put(kv.k_scale, pos_BxL, ks))  # fmt: skip
+                kv = dataclasses.replace(
+                    kv, k=self._put(kv.k, pos_BxL, kc), k_scale=self._put(kv.k_scale, pos_BxL, ks)
+                )
             else:
                 kv = dataclasses.replace(kv, k=self._put(kv.k, pos_BxL, k_BxLxGxK))
         elif kv.kind in ("bfloat16", "float32"):
@@ -191,9 +198,11 @@ class CacheView:
             vc, vs = quant.quantize_int8(v_BxLxGxK)
             kv = dataclasses.replace(
                 kv,
-                k=self._put(kv.k, pos_BxL, kc), k_scale=self._put(kv.k_scale, pos_BxL, ks),
-                v=self._put(kv.v, pos_BxL, vc), v_scale=self._put(kv.v_scale, pos_BxL, vs),
-            )  # fmt: skip
+                k=self._put(kv.k, pos_BxL, kc),
+                k_scale=self._put(kv.k_scale, pos_BxL, ks),
+                v=self._put(kv.v, pos_BxL, vc),
+                v_scale=self._put(kv.v_scale, pos_BxL, vs),
+            )
         elif self.prefill:
             kv = self._int4_prefill(kv, k_BxLxGxK, v_BxLxGxK)
         else:
@@ -210,8 +219,9 @@ class CacheView:
             rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], pos_BxL.shape)
             return rows, pos_BxL
         n = arr_pages
-        page_BxL = jnp.take_along_axis(kv.block_table, pos_BxL // n, axis=1, mode="fill",
-                                       fill_value=0)  # fmt: skip
+        page_BxL = jnp.take_along_axis(
+            kv.block_table, pos_BxL // n, axis=1, mode="fill", fill_value=0
+        )
         return page_BxL, pos_BxL % n
 
     def _put(self, arr, pos_BxL, val_BxLxGx_, token_axis_len: int | None = None):
@@ -256,11 +266,13 @@ class CacheView:
         g_rows, g_cols = rows[:, ::grp], cols[:, ::grp] // grp
         return dataclasses.replace(
             kv,
-            k=at(kv.k, rows, cols, tr(kc)), v=at(kv.v, rows, cols, tr(vc)),
-            v_scale=at(kv.v_scale, rows, cols, tr(vs)), v_zero=at(kv.v_zero, rows, cols, tr(vz)),
+            k=at(kv.k, rows, cols, tr(kc)),
+            v=at(kv.v, rows, cols, tr(vc)),
+            v_scale=at(kv.v_scale, rows, cols, tr(vs)),
+            v_zero=at(kv.v_zero, rows, cols, tr(vz)),
             k_scale=at(kv.k_scale, g_rows, g_cols, tr(ks)),
             k_zero=at(kv.k_zero, g_rows, g_cols, tr(kz)),
-        )  # fmt: skip
+        )
 
     def _int4_append(self, kv, pos_B, k_BxGxK, v_BxGxK):
         """One token into the residual; a sequence whose group it completes quantizes the group
@@ -286,8 +298,15 @@ class CacheView:
 
     # -- attention --------------------------------------------------------------------------
 
-    def attend(self, q_BxQxHxK: jax.Array, *, sm_scale=None, soft_cap=None,
-               sliding_window=None, alibi_slopes_H=None) -> jax.Array:  # fmt: skip
+    def attend(
+        self,
+        q_BxQxHxK: jax.Array,
+        *,
+        sm_scale=None,
+        soft_cap=None,
+        sliding_window=None,
+        alibi_slopes_H=None,
+    ) -> jax.Array:
         """Attention of the new queries over the cache (causal among themselves), with the
         layer's logit scale, soft cap, sliding window (int, or traced: 0 is none) and ALiBi
         slopes. The kernel runs global layers; windowed and ALiBi layers take the reference
@@ -295,8 +314,10 @@ class CacheView:
         masks = dict(sm_scale=sm_scale, soft_cap=soft_cap)
         if self.impl == "kernel":  # per (batch, kv head) shard: a kernel cannot be partitioned
             # Optional operands travel by name; a static window stays a Python int.
-            named = {"sliding_window": (sliding_window, None), "alibi_slopes_H":
-                     (alibi_slopes_H, ("act_heads",))}  # fmt: skip
+            named = {
+                "sliding_window": (sliding_window, None),
+                "alibi_slopes_H": (alibi_slopes_H, ("act_heads",)),
+            }
             if isinstance(sliding_window, int):
                 masks["sliding_window"] = named.pop("sliding_window")[0]
             named = {k: v for k, v in named.items() if v[0] is not None}
@@ -305,19 +326,38 @@ class CacheView:
             backend = "triton" if jax.default_backend() == "gpu" else None
 
             def kernel(q, kv, lengths, layer, *extra):
-                return decode_attention(q, kv, lengths, layer=layer, interpret=self.interpret,
-                                        backend=backend, **masks, **dict(zip(named, extra)))  # fmt: skip
+                return decode_attention(
+                    q,
+                    kv,
+                    lengths,
+                    layer=layer,
+                    interpret=self.interpret,
+                    backend=backend,
+                    **masks,
+                    **dict(zip(named, extra)),
+                )
 
             q_axes = ("batch", None, "act_heads", None)
             out = parallel.per_shard(
-                kernel, (q_BxQxHxK, self.kv, self.lengths_B, self.layer,
-                         *(v for v, _ in named.values())),
-                (q_axes, logical_axes(self.kv), ("batch",), None,
-                 *(ax for _, ax in named.values())), q_axes,
-            )  # fmt: skip
+                kernel,
+                (q_BxQxHxK, self.kv, self.lengths_B, self.layer, *(v for v, _ in named.values())),
+                (
+                    q_axes,
+                    logical_axes(self.kv),
+                    ("batch",),
+                    None,
+                    *(ax for _, ax in named.values()),
+                ),
+                q_axes,
+            )
         else:
             out = decode_attention_reference(
-                q_BxQxHxK, self.kv, self.lengths_B, layer=self.layer,
-                sliding_window=sliding_window, alibi_slopes_H=alibi_slopes_H, **masks,
-            )  # fmt: skip
+                q_BxQxHxK,
+                self.kv,
+                self.lengths_B,
+                layer=self.layer,
+                sliding_window=sliding_window,
+                alibi_slopes_H=alibi_slopes_H,
+                **masks,
+            )
         return out.astype(q_BxQxHxK.dtype)

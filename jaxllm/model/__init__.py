@@ -13,8 +13,9 @@ Every parameter is an `nnx.Param` whose `axes` metadata names its logical axes
 under a mesh (kernels, ring attention, MoE dispatch) goes through `jaxllm.parallel`.
 """
 
-from jaxllm.model.attention import Attention, MLAttention, dot_product_attention
+from jaxllm.model.attention import Attention, dot_product_attention
 from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, make_norm, matmul
+from jaxllm.model.mla import MLAttention, make_attention
 from jaxllm.model.mlp import MLP
 from jaxllm.model.moe import MoE, RouterBias
 from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
@@ -43,6 +44,7 @@ __all__ = [
     "build",
     "dot_product_attention",
     "logical_axes",
+    "make_attention",
     "make_norm",
     "matmul",
     "MoE",

@@ -63,8 +63,7 @@ def resolve_impl(impl: str, alibi: bool = False) -> str:
     return "flash" if jax.default_backend() == "tpu" and not alibi else "xla"
 
 
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window,
-           soft_cap):  # fmt: skip
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window, soft_cap):
     """The Pallas kernel, run per shard: a custom call cannot be split by the SPMD partitioner,
     so under a mesh it goes through `shard_map` over batch and heads."""
     interpret = jax.default_backend() == "cpu"
@@ -72,9 +71,16 @@ def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale
     def kernel(q, k, v, q_seg, kv_seg):
         seg = None if q_seg is None else (q_seg, kv_seg)
         return flash_attention(
-            q, k, v, causal=causal, segment_ids=seg, sm_scale=scale, sliding_window=window,
-            soft_cap=soft_cap, interpret=interpret,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=seg,
+            sm_scale=scale,
+            sliding_window=window,
+            soft_cap=soft_cap,
+            interpret=interpret,
+        )
 
     if q_seg_BxL is not None and kv_seg_BxS is None:
         kv_seg_BxS = q_seg_BxL
@@ -112,14 +118,30 @@ def dot_product_attention(
         raise ValueError(f"attention_impl={impl} takes no ALiBi bias; use xla")
     if impl != "xla" and v_BxSxGxK.shape[-1] != k:  # MLA: the kernels want one head width
         out = dot_product_attention(
-            q_BxLxHxK, k_BxSxGxK, pad_values(v_BxSxGxK, k), q_segment_ids_BxL=q_segment_ids_BxL,
-            kv_segment_ids_BxS=kv_segment_ids_BxS, causal=causal, scale=scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
-        )  # fmt: skip
+            q_BxLxHxK,
+            k_BxSxGxK,
+            pad_values(v_BxSxGxK, k),
+            q_segment_ids_BxL=q_segment_ids_BxL,
+            kv_segment_ids_BxS=kv_segment_ids_BxS,
+            causal=causal,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            impl=impl,
+        )
         return out[..., : v_BxSxGxK.shape[-1]]
     if impl == "flash":
-        return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_segment_ids_BxL, kv_segment_ids_BxS,
-                      causal, scale, sliding_window, soft_cap)  # fmt: skip
+        return _flash(
+            q_BxLxHxK,
+            k_BxSxGxK,
+            v_BxSxGxK,
+            q_segment_ids_BxL,
+            kv_segment_ids_BxS,
+            causal,
+            scale,
+            sliding_window,
+            soft_cap,
+        )
     if impl == "cudnn":
         if q_segment_ids_BxL is not None:
             raise ValueError("attention_impl=cudnn does not take packed segment ids; use flash")
@@ -127,9 +149,14 @@ def dot_product_attention(
             raise ValueError("attention_impl=cudnn has no logit soft cap; use flash or xla")
         window = None if sliding_window is None else (sliding_window - 1, 0)
         return jax.nn.dot_product_attention(
-            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, scale=scale, is_causal=causal,
-            local_window_size=window, implementation="cudnn",
-        )  # fmt: skip
+            q_BxLxHxK,
+            k_BxSxGxK,
+            v_BxSxGxK,
+            scale=scale,
+            is_causal=causal,
+            local_window_size=window,
+            implementation="cudnn",
+        )
     if impl != "xla":
         raise ValueError(f"unknown attention implementation {impl!r}")
     segment_ids = None
@@ -186,15 +213,19 @@ class Attention(nnx.Module):
         """The output projection from `v_dim`-wide heads (created after the input projections,
         which fixes the order parameters draw from the rng)."""
         pdt = jnp.dtype(cfg.param_dtype)
-        self.o_proj = param(rngs, jax.nn.initializers.normal(out_std), (cfg.num_heads, v_dim,
-                            cfg.d_model), ("heads", "head_dim", "embed"), pdt)  # fmt: skip
+        self.o_proj = param(
+            rngs,
+            jax.nn.initializers.normal(out_std),
+            (cfg.num_heads, v_dim, cfg.d_model),
+            ("heads", "head_dim", "embed"),
+            pdt,
+        )
         if cfg.o_bias:
             self.o_bias = param(rngs, jax.nn.initializers.zeros, (cfg.d_model,), ("embed",), pdt)
 
     def _rope(self, x_BxLxHxK, positions_BxL, windowed=None):
         inv_freq, scaling = self._rope_frequencies(windowed)
-        return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling,
-                          self.rope_interleave)  # fmt: skip
+        return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling, self.rope_interleave)
 
     def _rope_frequencies(self, windowed):
         """(inv_freq, attention factor) of this layer. With `local_inv_freq`, windowed layers
@@ -204,8 +235,11 @@ class Attention(nnx.Module):
             return self.inv_freq, self.rope_scaling
         if windowed is None:
             return self.local_inv_freq, 1.0
-        inv_freq_K2 = jnp.where(windowed, jnp.asarray(self.local_inv_freq, jnp.float32),
-                                jnp.asarray(self.inv_freq, jnp.float32))  # fmt: skip
+        inv_freq_K2 = jnp.where(
+            windowed,
+            jnp.asarray(self.local_inv_freq, jnp.float32),
+            jnp.asarray(self.inv_freq, jnp.float32),
+        )
         if self.rope_scaling == 1.0:
             return inv_freq_K2, 1.0
         return inv_freq_K2, jnp.where(windowed, jnp.float32(1.0), jnp.float32(self.rope_scaling))
@@ -222,8 +256,9 @@ class Attention(nnx.Module):
         if window is not None and windowed is not None:
             window = jnp.where(windowed, jnp.int32(window), jnp.int32(0))
         alibi = None if self.position != "alibi" else jnp.asarray(self.alibi, jnp.float32)
-        return dict(scale=self.scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi,
-                    sliding_window=window)  # fmt: skip
+        return dict(
+            scale=self.scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi, sliding_window=window
+        )
 
     def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed):
         """`dot_product_attention` with this layer's masks. A kernel takes its window as a
@@ -231,9 +266,13 @@ class Attention(nnx.Module):
         kernel calls with `lax.cond`; XLA reads the traced window directly."""
         masks = self._masks(windowed)
         call = functools.partial(
-            dot_product_attention, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK,
-            q_segment_ids_BxL=segment_ids_BxL, impl=self.impl,
-        )  # fmt: skip
+            dot_product_attention,
+            q_BxLxHxK,
+            k_BxSxGxK,
+            v_BxSxGxK,
+            q_segment_ids_BxL=segment_ids_BxL,
+            impl=self.impl,
+        )
         dynamic = self.window is not None and windowed is not None
         if not dynamic or resolve_impl(self.impl, self.position == "alibi") == "xla":
             return call(**masks)
@@ -247,19 +286,24 @@ class Attention(nnx.Module):
         """A decode step's queries over the whole cache, with this layer's masks."""
         masks = self._masks(windowed)
         return cache.attend(
-            q_BxQxHxK, sm_scale=masks["scale"] if sm_scale is None else sm_scale,
-            soft_cap=self.soft_cap, sliding_window=masks["sliding_window"],
+            q_BxQxHxK,
+            sm_scale=masks["scale"] if sm_scale is None else sm_scale,
+            soft_cap=self.soft_cap,
+            sliding_window=masks["sliding_window"],
             alibi_slopes_H=masks["alibi_slopes_H"],
-        )  # fmt: skip
+        )
 
     def _self_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed):
         """Causal self-attention of a training / scoring pass (no cache)."""
         if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             width = v_BxLxGxV.shape[-1]
             out_BxLxHxK = parallel.ring_attention(
-                q_BxLxHxK, k_BxLxGxK, pad_values(v_BxLxGxV, q_BxLxHxK.shape[-1]),
-                segment_ids_BxL, impl=resolve_impl(self.impl),
-            )  # fmt: skip
+                q_BxLxHxK,
+                k_BxLxGxK,
+                pad_values(v_BxLxGxV, q_BxLxHxK.shape[-1]),
+                segment_ids_BxL,
+                impl=resolve_impl(self.impl),
+            )
             return out_BxLxHxK[..., :width]
         # K/V all-gathered over the sequence shards (a no-op without them)
         k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
@@ -288,8 +332,9 @@ class Attention(nnx.Module):
             else:
                 out_BxLxHxK = self._attend_cache(q_BxLxHxK, cache, windowed)
             return self._out(out_BxLxHxK), cache
-        out_BxLxHxK = self._self_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL,
-                                           windowed)  # fmt: skip
+        out_BxLxHxK = self._self_attention(
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed
+        )
         return self._out(out_BxLxHxK)
 
     def _out(self, out_BxLxHxV):
@@ -297,102 +342,3 @@ class Attention(nnx.Module):
         if hasattr(self, "o_bias"):
             out_BxLxD = out_BxLxD + _broadcast(self.o_bias[...].astype(self.dtype), 3)
         return out_BxLxD
-
-
-class MLAttention(Attention):
-    """Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434, section 2.1; DeepSeek-V3).
-
-    Letters: R the kv latent (mla.kv_lora_rank), C the query latent (mla.q_lora_rank), N the
-    per-head no-position width (qk_nope_head_dim), E the RoPE width (qk_rope_head_dim), V the
-    value width. Per token, `kv_a_proj` gives [c (R) ; k_rope (E)]; c is normalised and
-    `kv_b_proj` [R, H, N + V] expands it to each head's key part and value. Queries are
-    [q_nope (N) ; q_rope (E)] per head, through a normalised C-wide latent when q_lora_rank > 0.
-    The fused projections keep the checkpoint layout of DeepSeek models.
-
-    Training and prefill expand every head (a plain multi-head attention with head width N + E
-    for q/k and V for v). Generation caches [c ; rope(k_rope)] (R + E values per token and
-    layer, one "kv head") and a decode step attends in latent space: q_nope is multiplied by
-    W_uk (the key half of kv_b_proj), so q.k = [q_nope W_uk^T ; q_rope] . [c ; k_rope]; the
-    attention output over c is multiplied by W_uv per head afterwards (the "absorbed" form).
-    """
-
-    def __init__(self, cfg, *, out_std: float, rngs: nnx.Rngs):
-        a, d, h = cfg.mla, cfg.d_model, cfg.num_heads
-        self._init_common(cfg)
-        self.nope, self.rank = a.qk_nope_head_dim, a.kv_lora_rank
-        if self.scale is None:  # decode attends over latent-width queries: name the scale
-            self.scale = a.qk_head_dim**-0.5
-        pdt, init = jnp.dtype(cfg.param_dtype), jax.nn.initializers.normal(cfg.init_std)
-        if a.q_lora_rank:
-            self.q_a_proj = param(rngs, init, (d, a.q_lora_rank), ("embed", "q_lora"), pdt)
-            self.q_a_norm = make_norm(cfg, a.q_lora_rank, axes=("q_lora",))
-            self.q_b_proj = param(rngs, init, (a.q_lora_rank, h, a.qk_head_dim),
-                                  ("q_lora", "heads", "head_dim"), pdt)  # fmt: skip
-        else:
-            self.q_proj = param(rngs, init, (d, h, a.qk_head_dim), ("embed", "heads", "head_dim"),
-                                pdt)  # fmt: skip
-        self.kv_a_proj = param(rngs, init, (d, a.kv_lora_rank + a.qk_rope_head_dim),
-                               ("embed", "kv_lora"), pdt)  # fmt: skip
-        self.kv_a_norm = make_norm(cfg, a.kv_lora_rank, axes=("kv_lora",))
-        self.kv_b_proj = param(rngs, init, (a.kv_lora_rank, h, a.qk_nope_head_dim + a.v_head_dim),
-                               ("kv_lora", "heads", "head_dim"), pdt)  # fmt: skip
-        self._init_out(cfg, a.v_head_dim, out_std, rngs)
-
-    def _queries(self, x_BxLxD, positions_BxL, windowed=None):
-        """(q_nope [B, L, H, N], roped q_rope [B, L, H, E])."""
-        if hasattr(self, "q_a_proj"):
-            c_BxLxC = self.q_a_norm(matmul("bld,dc->blc", x_BxLxD, self.q_a_proj[...], self.dtype))
-            q_BxLxHxK = matmul("blc,chk->blhk", c_BxLxC, self.q_b_proj[...], self.dtype)
-        else:
-            q_BxLxHxK = matmul("bld,dhk->blhk", x_BxLxD, self.q_proj[...], self.dtype)
-        q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
-        q_rope_BxLxHxE = self._rope(q_BxLxHxK[..., self.nope :], positions_BxL, windowed)
-        return q_BxLxHxK[..., : self.nope], q_rope_BxLxHxE
-
-    def _latent(self, x_BxLxD, positions_BxL, windowed=None):
-        """What a token caches: [normalised c ; roped k_rope] as one kv head [B, L, 1, R + E]."""
-        a_BxLxA = matmul("bld,da->bla", x_BxLxD, self.kv_a_proj[...], self.dtype)
-        c_BxLxR = self.kv_a_norm(a_BxLxA[..., : self.rank])
-        k_rope_BxLx1xE = self._rope(a_BxLxA[:, :, None, self.rank :], positions_BxL, windowed)
-        return jnp.concatenate([c_BxLxR[:, :, None], k_rope_BxLx1xE], axis=-1)
-
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
-        """As `Attention.__call__`; the cache holds the latent (`_latent`)."""
-        q_nope_BxLxHxN, q_rope_BxLxHxE = self._queries(x_BxLxD, positions_BxL, windowed)
-        latent_BxLx1xA = self._latent(x_BxLxD, positions_BxL, windowed)
-        w_BxRxHxNV = self.kv_b_proj[...]
-        if cache is not None:
-            cache = cache.write(latent_BxLx1xA, None)
-            if not cache.prefill:
-                q_lat_BxQxHxR = matmul("bqhn,rhn->bqhr", q_nope_BxLxHxN,
-                                       w_BxRxHxNV[..., : self.nope], self.dtype)  # fmt: skip
-                q_BxQxHxA = jnp.concatenate([q_lat_BxQxHxR, q_rope_BxLxHxE], axis=-1)
-                out_BxQxHxR = self._attend_cache(q_BxQxHxA, cache, windowed, self.scale)
-                out_BxQxHxV = matmul("bqhr,rhv->bqhv", out_BxQxHxR,
-                                     w_BxRxHxNV[..., self.nope :], self.dtype)  # fmt: skip
-                return self._out(out_BxQxHxV), cache
-        c_BxLxR, k_rope_BxLx1xE = (
-            latent_BxLx1xA[:, :, 0, : self.rank],
-            latent_BxLx1xA[..., self.rank :],
-        )
-        kv_BxLxHxNV = matmul("blr,rhk->blhk", c_BxLxR, w_BxRxHxNV, self.dtype)
-        h = kv_BxLxHxNV.shape[2]
-        k_BxLxHxK = jnp.concatenate(
-            [kv_BxLxHxNV[..., : self.nope],
-             jnp.broadcast_to(k_rope_BxLx1xE, (*k_rope_BxLx1xE.shape[:2], h, k_rope_BxLx1xE.shape[-1]))],
-            axis=-1,
-        )  # fmt: skip
-        v_BxLxHxV = kv_BxLxHxNV[..., self.nope :]
-        q_BxLxHxK = jnp.concatenate([q_nope_BxLxHxN, q_rope_BxLxHxE], axis=-1)
-        if cache is not None:  # prefill: attend over its own tokens, expanded
-            out_BxLxHxV = self._attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, None, windowed)
-            return self._out(out_BxLxHxV), cache
-        out_BxLxHxV = self._self_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, segment_ids_BxL,
-                                           windowed)  # fmt: skip
-        return self._out(out_BxLxHxV)
-
-
-def make_attention(cfg, *, out_std: float, rngs: nnx.Rngs) -> Attention:
-    """The configured attention: MLA when model.mla is on, else MHA / GQA / MQA."""
-    cls = MLAttention if cfg.mla.enabled else Attention
-    return cls(cfg, out_std=out_std, rngs=rngs)

@@ -27,8 +27,16 @@ class RMSNorm(nnx.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019); statistics in float32. The output is
     multiplied by (offset + scale): Gemma checkpoints store scale - 1 and use offset 1."""
 
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, offset: float = 0.0,
-                 axes: tuple[str, ...] = ("norm",)):  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float,
+        dtype,
+        param_dtype,
+        offset: float = 0.0,
+        axes: tuple[str, ...] = ("norm",),
+    ):
         self.eps, self.dtype, self.offset = eps, dtype, offset
         self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, param_dtype), axes=axes)
 
@@ -46,10 +54,19 @@ class LayerNorm(RMSNorm):
     """LayerNorm (Ba et al. 2016): mean and variance over the last axis in float32, then scale
     and bias."""
 
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, offset: float = 0.0,
-                 axes: tuple[str, ...] = ("norm",)):  # fmt: skip
-        super().__init__(dim, eps=eps, dtype=dtype, param_dtype=param_dtype, offset=offset,
-                         axes=axes)  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float,
+        dtype,
+        param_dtype,
+        offset: float = 0.0,
+        axes: tuple[str, ...] = ("norm",),
+    ):
+        super().__init__(
+            dim, eps=eps, dtype=dtype, param_dtype=param_dtype, offset=offset, axes=axes
+        )
         self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), axes=axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -65,9 +82,13 @@ def make_norm(cfg, dim: int | None = None, axes: tuple[str, ...] = ("norm",)) ->
     """The norm `cfg.norm` over `dim` (default d_model) channels."""
     cls = LayerNorm if cfg.norm == "layernorm" else RMSNorm
     return cls(
-        cfg.d_model if dim is None else dim, eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
-        param_dtype=jnp.dtype(cfg.param_dtype), offset=cfg.norm_offset, axes=axes,
-    )  # fmt: skip
+        cfg.d_model if dim is None else dim,
+        eps=cfg.norm_eps,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        offset=cfg.norm_offset,
+        axes=axes,
+    )
 
 
 class Embed(nnx.Module):

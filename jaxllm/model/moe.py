@@ -137,8 +137,9 @@ def expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype) -> jax.Array:
     return matmul("gecf,efd->gecd", jax.nn.silu(gate_BxExCxF) * up_BxExCxF, down_ExFxD, dtype)
 
 
-def capacity_experts_local(buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, *, expert_axis,
-                           tensor_axis, dtype):  # fmt: skip
+def capacity_experts_local(
+    buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, *, expert_axis, tensor_axis, dtype
+):
     """Per device under shard_map: sends each expert's buffer rows to the device holding the
     expert (all-to-all over `expert_axis`: [B, E, C, D] -> [n * B, E / n, C, D]), runs the
     local experts (hidden units split over `tensor_axis`), and sends the results back."""
@@ -169,14 +170,26 @@ def grouped_experts(x_TxD, expert_TxX, weight_TxX, gate_ExDxF, up_ExDxF, down_Ex
     y_AxD = jnp.take(grouped(h_AxF, down_ExFxD), inverse_A, axis=0)
     y_AxD = jnp.where(mine_A[:, None], y_AxD, 0)
     out_TxD = jnp.einsum(
-        "tx,txd->td", weight_TxX.astype(dtype), y_AxD.reshape(t, x, -1),
+        "tx,txd->td",
+        weight_TxX.astype(dtype),
+        y_AxD.reshape(t, x, -1),
         preferred_element_type=jnp.float32,
-    )  # fmt: skip
+    )
     return out_TxD.astype(dtype)
 
 
-def dropless_experts_local(x_BxLxD, expert_BxLxX, weight_BxLxX, gate_ExDxF, up_ExDxF,
-                           down_ExFxD, *, expert_axis, tensor_axis, dtype):  # fmt: skip
+def dropless_experts_local(
+    x_BxLxD,
+    expert_BxLxX,
+    weight_BxLxX,
+    gate_ExDxF,
+    up_ExDxF,
+    down_ExFxD,
+    *,
+    expert_axis,
+    tensor_axis,
+    dtype,
+):
     """Per device (under shard_map, or alone when both axes are None): with experts split over
     `expert_axis`, gathers the tokens of the expert group, runs this device's experts on the
     assignments that chose them, and reduce-scatters the partial outputs back."""
@@ -187,9 +200,14 @@ def dropless_experts_local(x_BxLxD, expert_BxLxX, weight_BxLxX, gate_ExDxF, up_E
         first = jax.lax.axis_index(expert_axis) * gate_ExDxF.shape[0]
     b, l, d = x_BxLxD.shape
     out_TxD = grouped_experts(
-        x_BxLxD.reshape(b * l, d), expert_BxLxX.reshape(b * l, -1) - first,
-        weight_BxLxX.reshape(b * l, -1), gate_ExDxF, up_ExDxF, down_ExFxD, dtype,
-    )  # fmt: skip
+        x_BxLxD.reshape(b * l, d),
+        expert_BxLxX.reshape(b * l, -1) - first,
+        weight_BxLxX.reshape(b * l, -1),
+        gate_ExDxF,
+        up_ExDxF,
+        down_ExFxD,
+        dtype,
+    )
     out_BxLxD = out_TxD.reshape(b, l, d)
     if expert_axis is not None:
         out_BxLxD = jax.lax.psum_scatter(out_BxLxD, expert_axis, scatter_dimension=0, tiled=True)
@@ -226,8 +244,18 @@ class MoE(nnx.Module):
     per expert) and `dropped` (assignments over capacity), all float32.
     """
 
-    def __init__(self, d_model: int, expert_mlp_dim: int, cfg: MoEConfig, *, init_std, out_std,
-                 dtype, param_dtype, rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        d_model: int,
+        expert_mlp_dim: int,
+        cfg: MoEConfig,
+        *,
+        init_std,
+        out_std,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
         self.cfg, self.dtype = cfg, dtype
         normal = jax.nn.initializers.normal
         d, f, e = d_model, expert_mlp_dim, cfg.num_experts
@@ -237,12 +265,15 @@ class MoE(nnx.Module):
             if cfg.has_router_bias
             else None
         )
-        self.gate_proj = param(rngs, normal(init_std), (e, d, f), ("expert", "embed", "mlp"),
-                               param_dtype)  # fmt: skip
-        self.up_proj = param(rngs, normal(init_std), (e, d, f), ("expert", "embed", "mlp"),
-                             param_dtype)  # fmt: skip
-        self.down_proj = param(rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"),
-                               param_dtype)  # fmt: skip
+        self.gate_proj = param(
+            rngs, normal(init_std), (e, d, f), ("expert", "embed", "mlp"), param_dtype
+        )
+        self.up_proj = param(
+            rngs, normal(init_std), (e, d, f), ("expert", "embed", "mlp"), param_dtype
+        )
+        self.down_proj = param(
+            rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"), param_dtype
+        )
         # One SwiGLU as wide as all shared experts together.
         n_shared = cfg.num_shared_experts
         opts = dict(init_std=init_std, out_std=out_std, dtype=dtype, param_dtype=param_dtype)

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig
-from jaxllm.model.attention import make_attention
-from jaxllm.model.layers import Embed, make_norm, matmul, param
-from jaxllm.model.mlp import MLP
 from jaxllm.model import moe as moe_lib
+from jaxllm.model.layers import Embed, make_norm, matmul, param
+from jaxllm.model.mla import make_attention
+from jaxllm.model.mlp import MLP
 from jaxllm.model.moe import MoE
 from jaxllm.sharding import constrain
 
@@ -61,9 +61,16 @@ class Block(nnx.Module):
         self.mlp_norm = make_norm(cfg)
         dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         if moe:
-            self.mlp = MoE(cfg.d_model, cfg.resolved_expert_mlp_dim, cfg.moe,
-                           init_std=cfg.init_std, out_std=out_std, dtype=dtype, param_dtype=pdt,
-                           rngs=rngs)  # fmt: skip
+            self.mlp = MoE(
+                cfg.d_model,
+                cfg.resolved_expert_mlp_dim,
+                cfg.moe,
+                init_std=cfg.init_std,
+                out_std=out_std,
+                dtype=dtype,
+                param_dtype=pdt,
+                rngs=rngs,
+            )
         else:
             self.mlp = MLP(
                 cfg.d_model,
@@ -90,8 +97,9 @@ class Block(nnx.Module):
             y_BxLxD = post_norm(y_BxLxD)
         return x_BxLxD + _dropout(y_BxLxD, self.dropout, key)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, *, windowed=None,
-                 key=None):  # fmt: skip
+    def __call__(
+        self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, *, windowed=None, key=None
+    ):
         """`windowed`: whether this layer's attention is windowed (traced, from the scan) when
         layers differ; `key`: dropout rng (training only)."""
         keys = (None, None) if key is None else tuple(jax.random.split(key))
@@ -101,8 +109,9 @@ class Block(nnx.Module):
             nonlocal cache
             if cache is None:
                 return self.attn(h_BxLxD, positions_BxL, segment_ids_BxL, windowed=windowed)
-            out_BxLxD, cache = self.attn(h_BxLxD, positions_BxL, segment_ids_BxL, cache,
-                                         windowed=windowed)  # fmt: skip
+            out_BxLxD, cache = self.attn(
+                h_BxLxD, positions_BxL, segment_ids_BxL, cache, windowed=windowed
+            )
             return out_BxLxD
 
         def mlp(h_BxLxD):
@@ -113,10 +122,12 @@ class Block(nnx.Module):
             return y_BxLxD
 
         post = self.placement == "sandwich"
-        x_BxLxD = self._residual(x_BxLxD, attn, self.attn_norm,
-                                 self.post_attn_norm if post else None, keys[0])  # fmt: skip
-        x_BxLxD = self._residual(x_BxLxD, mlp, self.mlp_norm,
-                                 self.post_mlp_norm if post else None, keys[1])  # fmt: skip
+        x_BxLxD = self._residual(
+            x_BxLxD, attn, self.attn_norm, self.post_attn_norm if post else None, keys[0]
+        )
+        x_BxLxD = self._residual(
+            x_BxLxD, mlp, self.mlp_norm, self.post_mlp_norm if post else None, keys[1]
+        )
         return constrain(x_BxLxD, ("batch", "length", "act_embed")), cache, stats
 
 
@@ -149,9 +160,13 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.embed = Embed(
-            cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dtype, param_dtype=pdt,
+            cfg.vocab_size,
+            cfg.d_model,
+            init_std=cfg.init_std,
+            dtype=dtype,
+            param_dtype=pdt,
             rngs=rngs,
-        )  # fmt: skip
+        )
         if cfg.position == "learned":
             init = jax.nn.initializers.normal(cfg.init_std)
             self.pos_embed = param(
@@ -170,9 +185,18 @@ class Transformer(nnx.Module):
             init = jax.nn.initializers.normal(cfg.init_std)
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
-    def __call__(self, tokens_BxL=None, *, positions_BxL=None, segment_ids_BxL=None,
-                 embeddings_BxLxD=None, cache=None, logits_at_BxQ=None, dropout_key=None,
-                 return_aux: bool = False):  # fmt: skip
+    def __call__(
+        self,
+        tokens_BxL=None,
+        *,
+        positions_BxL=None,
+        segment_ids_BxL=None,
+        embeddings_BxLxD=None,
+        cache=None,
+        logits_at_BxQ=None,
+        dropout_key=None,
+        return_aux: bool = False,
+    ):
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
         Generation passes a KV `cache` (`jaxllm.infer.kv_cache.CacheView`; the result is then
@@ -212,10 +236,11 @@ class Transformer(nnx.Module):
         # and dropout key; with a cache, the layer index.
         windows = cfg.layer_windows()
         per_layer = {
-            "windowed": None if windows is None or cfg.global_every == 0
+            "windowed": None
+            if windows is None or cfg.global_every == 0
             else jnp.asarray(windows, jnp.int32) > 0,
             "key": keys,
-        }  # fmt: skip
+        }
         if cache is not None:
             per_layer["layer"] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         per_layer = {k: v for k, v in per_layer.items() if v is not None}
@@ -236,15 +261,17 @@ class Transformer(nnx.Module):
                 group = nnx.merge(group_def, state)
                 if group.dense is not None:
                     dense_in = jax.tree.map(lambda a: a[:-1], inputs)
-                    carry, _ = self._scan(group.dense, carry, dense_in, positions_BxL,
-                                          segment_ids_BxL, remat)  # fmt: skip
+                    carry, _ = self._scan(
+                        group.dense, carry, dense_in, positions_BxL, segment_ids_BxL, remat
+                    )
                 moe_in = jax.tree.map(lambda a: a[-1], inputs)
                 moe_def, moe_state = nnx.split(group.moe)
                 body = self._body(moe_def, positions_BxL, segment_ids_BxL, remat)
                 return body(carry, (moe_state, moe_in))
 
-            carry, stats = jax.lax.scan(group_body, carry, (group_state, rest),
-                                        unroll=cfg.scan_unroll)  # fmt: skip
+            carry, stats = jax.lax.scan(
+                group_body, carry, (group_state, rest), unroll=cfg.scan_unroll
+            )
             aux = moe_lib.combine_layer_stats(stats)
         x_BxLxD, cache = carry
 

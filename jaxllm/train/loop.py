@@ -35,11 +35,11 @@ from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer import generate
 from jaxllm.load import load_weights
 from jaxllm.metrics import MetricsWriter, plot_losses
+from jaxllm.model import abstract_model
+from jaxllm.train import objectives
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
-from jaxllm.model import abstract_model
 from jaxllm.train.state import init_state, init_state_from, state_shardings
-from jaxllm.train import objectives
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
@@ -193,8 +193,9 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
         raise
     try:
         with _run_errors(run_dir):
-            return _loop(cfg, signals, state, start, ckpt, jit_train, jit_eval, batches,
-                         held_out, batch_sh)  # fmt: skip
+            return _loop(
+                cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_out, batch_sh
+            )
     finally:
         if lock:
             lock.release()
@@ -236,8 +237,9 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
     return state, start
 
 
-def _loop(cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_out,
-          batch_sh) -> dict:  # fmt: skip
+def _loop(
+    cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_out, batch_sh
+) -> dict:
     run_dir = Path(cfg.run.dir)
     lead = jax.process_index() == 0
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
@@ -329,10 +331,13 @@ def _loop(cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_o
                 pending = None
             _log(
                 f"stopping at step {step}: "
-                + ("signal received" if stopped == "signal" else
-                   f"{bad_in_a_row} non-finite step(s) in a row (train.nonfinite=stop); the "
-                   "checkpoint holds the last finite parameters")
-            )  # fmt: skip
+                + (
+                    "signal received"
+                    if stopped == "signal"
+                    else f"{bad_in_a_row} non-finite step(s) in a row (train.nonfinite=stop); the "
+                    "checkpoint holds the last finite parameters"
+                )
+            )
             save(state, step_data_state)
             break
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < steps:
@@ -347,8 +352,11 @@ def _loop(cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_o
         try:
             plot_losses(writer.path, run_dir / "loss.png")
         except Exception as e:
-            warnings.warn(f"could not draw {run_dir / 'loss.png'} ({e}); the run is saved.",
-                          JaxllmWarning, stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"could not draw {run_dir / 'loss.png'} ({e}); the run is saved.",
+                JaxllmWarning,
+                stacklevel=2,
+            )
     if stopped:
         return {**final, "stopped": stopped}
 

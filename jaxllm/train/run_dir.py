@@ -69,7 +69,6 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
     another tokenizer, or `checkpoint.resume=false` would train over them. Reads only the
     newest checkpoint's small `config` and `tokenizer` items; changes nothing."""
 
-
     found = checkpoint.steps(ckpt_dir)
     trained = [s for s in found if checkpoint.has_train_state(ckpt_dir, s)]
     if trained and not cfg.checkpoint.resume:

@@ -56,15 +56,21 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt_sh = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, param_sh,
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        param_sh,
         transform_non_params=lambda _: replicated,
-    )  # fmt: skip
+    )
     _, model_state_axes = abstract_model_state(model_cfg)
     model_state_sh = sharding.tree_shardings(mesh, model_state_axes)
     return TrainState(
-        step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
+        step=replicated,
+        params=param_sh,
+        opt_state=opt_sh,
+        rng=replicated,
         model_state=model_state_sh,
-    )  # fmt: skip
+    )
 
 
 def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int) -> TrainState:
@@ -74,8 +80,9 @@ def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int) -> TrainState:
     return init()
 
 
-def init_state_from(params, model_cfg: ModelConfig, tx, mesh: Mesh, seed: int,
-                    model_state=None) -> TrainState:  # fmt: skip
+def init_state_from(
+    params, model_cfg: ModelConfig, tx, mesh: Mesh, seed: int, model_state=None
+) -> TrainState:
     """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
     routing biases; None: zeros): fresh optimizer state and rng, each leaf in its shards
     (fine-tuning, `checkpoint.init_from`)."""
@@ -87,8 +94,12 @@ def init_state_from(params, model_cfg: ModelConfig, tx, mesh: Mesh, seed: int,
         state_key = jax.random.split(jax.random.key(seed))[1]  # as `_init`: same rng stream
         if model_state is None:
             model_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_ms)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=tx.init(params), rng=jax.random.key_data(state_key),
-                          model_state=model_state)  # fmt: skip
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jax.random.key_data(state_key),
+            model_state=model_state,
+        )
 
     return jax.jit(init, out_shardings=shardings)(params, model_state)

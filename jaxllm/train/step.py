@@ -115,7 +115,9 @@ def train_step(
             lr=jnp.asarray(lr_schedule(state.step), jnp.float32),
             tokens=count,
         )
-        model = nnx.merge(graphdef, state.params, *([state.model_state] if state.model_state else []))
+        model = nnx.merge(
+            graphdef, state.params, *([state.model_state] if state.model_state else [])
+        )
         model_state, model_metrics = model.after_step(state.model_state, sums.model_stats, finite)
         metrics.update(model_metrics)
         new_state = state.replace(

@@ -136,10 +136,18 @@ def dequantize_int4_values(packed_XxK2, scale_XxKg, zero_XxKg, group: int, dtype
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
-        "k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_res", "v_res", "block_table",
+        "k",
+        "v",
+        "k_scale",
+        "v_scale",
+        "k_zero",
+        "v_zero",
+        "k_res",
+        "v_res",
+        "block_table",
     ],
     meta_fields=["kind", "group", "value_dim"],
-)  # fmt: skip
+)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVCache:
     """One attention cache slice (optionally all layers stacked on a leading L axis).
@@ -188,8 +196,9 @@ class KVCache:
         return cache_bytes_per_token(self.kind, g, d, self.group, latent=self.value_dim is not None)
 
 
-def cache_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, group: int = 32,
-                          latent: bool = False) -> int:  # fmt: skip
+def cache_bytes_per_token(
+    kind: str, num_kv_heads: int, head_dim: int, group: int = 32, latent: bool = False
+) -> int:
     """Bytes one cached token costs in one layer (k and v, codes and scales; the int4 residual
     is a constant `group` tokens per sequence and not counted). A `latent` cache stores keys
     only (they are the values too)."""
@@ -246,8 +255,10 @@ def cache_geometry(cache: KVCache) -> Geometry:
         expect.update(k_scale=(rows, SCALE_DTYPE), v_scale=(rows, SCALE_DTYPE))
     if cache.value_dim is not None:  # latent: values are the keys' first value_dim channels
         if kind == "int4" or not 0 < cache.value_dim <= d:
-            raise ValueError(f"a latent cache needs kind float32, bfloat16 or int8 and "
-                             f"0 < value_dim <= K ({d}); got {kind}, {cache.value_dim}")  # fmt: skip
+            raise ValueError(
+                f"a latent cache needs kind float32, bfloat16 or int8 and "
+                f"0 < value_dim <= K ({d}); got {kind}, {cache.value_dim}"
+            )
         expect.pop("v")
         expect.pop("v_scale", None)
     if kind == "int4":
@@ -262,10 +273,13 @@ def cache_geometry(cache: KVCache) -> Geometry:
             )
         res = (*lead, batch, g, group, d)
         expect.update(
-            k_scale=(kgrid, SCALE_DTYPE), k_zero=(kgrid, SCALE_DTYPE),
-            v_scale=(vgrid, SCALE_DTYPE), v_zero=(vgrid, SCALE_DTYPE),
-            k_res=(res, res_dtype), v_res=(res, res_dtype),
-        )  # fmt: skip
+            k_scale=(kgrid, SCALE_DTYPE),
+            k_zero=(kgrid, SCALE_DTYPE),
+            v_scale=(vgrid, SCALE_DTYPE),
+            v_zero=(vgrid, SCALE_DTYPE),
+            k_res=(res, res_dtype),
+            v_res=(res, res_dtype),
+        )
     for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_res", "v_res"):
         x = getattr(cache, name)
         if name not in expect:
@@ -316,6 +330,14 @@ def quantize_cache(
         return jnp.where(live_BxR[:, None, :, None], x_BxGxRxK, 0).astype(residual_dtype)
 
     return KVCache(
-        kind=kind, k=kc, v=vc, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz,
-        k_res=residual(k_BxGxTxK), v_res=residual(v_BxGxTxK), group=group,
-    )  # fmt: skip
+        kind=kind,
+        k=kc,
+        v=vc,
+        k_scale=ks,
+        k_zero=kz,
+        v_scale=vs,
+        v_zero=vz,
+        k_res=residual(k_BxGxTxK),
+        v_res=residual(v_BxGxTxK),
+        group=group,
+    )
