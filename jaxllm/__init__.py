@@ -5,6 +5,7 @@ The pieces research code imports, all from here:
     jaxllm.load_model(path)                     a trained run or a Hugging Face directory
     jaxllm.config                               Config, ModelConfig, load, from_dict, ...
     jaxllm.Transformer, Attention, MLP, MoE     the model and its layers (Flax NNX)
+    jaxllm.ModelOutput, AttentionOutput         what the model and attention layers return
     jaxllm.train_step, eval_step, TrainState    the pure steps
     jaxllm.Objective, ObjectiveOutput,          what a step minimises
     jaxllm.next_token
@@ -31,6 +32,8 @@ _PIECES = {
     "MLP": "jaxllm.model",
     "MoE": "jaxllm.model",
     "abstract_model": "jaxllm.model",
+    "ModelOutput": "jaxllm.model",
+    "AttentionOutput": "jaxllm.model",
     "TrainState": "jaxllm.train",
     "train_step": "jaxllm.train",
     "eval_step": "jaxllm.train",

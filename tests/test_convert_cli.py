@@ -37,7 +37,7 @@ def test_import_export_parity(family, tmp_path, capsys):
     assert run_cli("convert", "import", src, tmp_path / "run", "model.dtype=float32") == 0
     report = capsys.readouterr().out
     assert "embed/embedding" in report and "x2 layers" in report
-    got = np.asarray(jaxllm.load_model(tmp_path / "run")(tokens))
+    got = np.asarray(jaxllm.load_model(tmp_path / "run")(tokens).logits)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
     assert run_cli("convert", "export", tmp_path / "run", tmp_path / "out") == 0

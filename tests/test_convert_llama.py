@@ -35,7 +35,7 @@ from jaxllm.convert.reader import Reader
 def test_load_model_reads_a_hugging_face_directory(tmp_path):
     model = hf_model("qwen3")
     src = save_hf(model, tmp_path / "hf")
-    got = jaxllm.load_model(src, overrides=["model.dtype=float32"])(sample_tokens(1))
+    got = jaxllm.load_model(src, overrides=["model.dtype=float32"])(sample_tokens(1)).logits
     np.testing.assert_allclose(got, hf_logits(model, sample_tokens(1)), atol=1e-4, rtol=1e-4)
 
 
@@ -132,7 +132,7 @@ def test_mixtral_imports_per_expert_and_fused_layouts_reading_only_its_experts(t
     for a, b in zip(jax.tree.leaves(from_legacy), jax.tree.leaves(from_fused)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    got = jaxllm.load_model(legacy, overrides=["model.dtype=float32"])(sample_tokens(1))
+    got = jaxllm.load_model(legacy, overrides=["model.dtype=float32"])(sample_tokens(1)).logits
     np.testing.assert_allclose(got, hf_logits(model, sample_tokens(1)), atol=1e-4, rtol=1e-4)
 
     # a fine-tune with bias balancing: the bias Mixtral does not have starts at zero

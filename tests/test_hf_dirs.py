@@ -244,7 +244,7 @@ def test_small_vocabulary_without_tokenizer_imports_with_no_tokenizer(tmp_path, 
     tokens = np.random.default_rng(0).integers(0, 200, (1, 8))
     with torch.no_grad():
         want = model(torch.tensor(tokens)).logits.numpy()
-    np.testing.assert_allclose(jaxllm.load_model(run)(tokens), want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(jaxllm.load_model(run)(tokens).logits, want, atol=1e-4, rtol=1e-4)
     with pytest.warns(JaxllmWarning, match="data.tokenizer=none"):
         jaxllm.load_model(src)  # the same for a Hugging Face directory loaded directly
 
@@ -373,9 +373,9 @@ def test_load_model_computes_in_the_dtype_config_json_names(tmp_path):
     tokens = (np.arange(12, dtype=np.int32).reshape(2, 6) * 7) % 300
     with torch.no_grad():
         want = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    got = np.asarray(jaxllm.load_model(tmp_path / "hf")(tokens))
+    got = np.asarray(jaxllm.load_model(tmp_path / "hf")(tokens).logits)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
     bf16 = np.asarray(
-        jaxllm.load_model(tmp_path / "hf", overrides=["model.dtype=bfloat16"])(tokens)
+        jaxllm.load_model(tmp_path / "hf", overrides=["model.dtype=bfloat16"])(tokens).logits
     )
     assert np.abs(bf16 - want).max() > 1e-3  # an override still decides

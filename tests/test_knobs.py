@@ -101,7 +101,7 @@ def test_norm_placement(placement):
         b = Block(cfg, rngs=nnx.Rngs(0))
         _set(b, layer)
         pos, seg = jnp.arange(8)[None], jnp.ones((1, 8), jnp.int32)
-        attn = lambda h: b.attn(h, pos, seg)  # noqa: E731
+        attn = lambda h: b.attn(h, pos, seg).out  # noqa: E731
         if placement == "pre":
             x = x + attn(b.attn_norm(x))
             return x + b.mlp(b.mlp_norm(x))
@@ -115,7 +115,7 @@ def test_norm_placement(placement):
     h = one_block(x)
     if placement != "post":
         h = model.final_norm(h)
-    np.testing.assert_allclose(model(embeddings_BxLxD=x), h @ p["lm_head"], atol=1e-4)
+    np.testing.assert_allclose(model(embeddings_BxLxD=x).logits, h @ p["lm_head"], atol=1e-4)
 
 
 def test_qk_norm_makes_attention_invariant_to_query_and_key_scale():
@@ -123,17 +123,17 @@ def test_qk_norm_makes_attention_invariant_to_query_and_key_scale():
     p = _pure(model)
     assert p["layers"]["attn"]["q_norm"]["scale"].shape == (2, 8)
     tokens = _tokens(2, 8)
-    ref = model(tokens)
+    ref = model(tokens).logits
     for name in ("q_proj", "k_proj"):
         p["layers"]["attn"][name] = p["layers"]["attn"][name] * 7.0
     _set(model, p)
-    np.testing.assert_allclose(model(tokens), ref, atol=2e-4)
+    np.testing.assert_allclose(model(tokens).logits, ref, atol=2e-4)
     plain = build(tiny_model(init_std=0.3), seed=0)
     q = _pure(plain)
     q["layers"]["attn"]["q_proj"] = q["layers"]["attn"]["q_proj"] * 7.0
-    before = plain(tokens)
+    before = plain(tokens).logits
     _set(plain, q)
-    assert not np.allclose(plain(tokens), before, atol=1e-3)
+    assert not np.allclose(plain(tokens).logits, before, atol=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -154,13 +154,13 @@ def test_biases_are_parameters_that_act_and_take_no_weight_decay(flags, names):
         for k, v in mask["layers"][group].items():
             assert v == (not k.endswith("_bias")), k
     tokens = _tokens(1, 6)
-    before = model(tokens)
+    before = model(tokens).logits
     for group in ("attn", "mlp"):
         for k in p["layers"][group]:
             if k.endswith("_bias"):
                 p["layers"][group][k] = p["layers"][group][k] + 0.5
     _set(model, p)
-    assert not np.allclose(model(tokens), before, atol=1e-4)
+    assert not np.allclose(model(tokens).logits, before, atol=1e-4)
 
 
 # -- caps, windows, embeddings, dropout -------------------------------------------------------
@@ -170,7 +170,7 @@ def test_final_soft_cap_bounds_logits():
     capped = build(tiny_model(init_std=2.0, final_soft_cap=3.0), seed=0)
     raw = build(tiny_model(init_std=2.0), seed=0)
     tokens = _tokens(1, 8)
-    a, b = np.asarray(capped(tokens)), np.asarray(raw(tokens))
+    a, b = np.asarray(capped(tokens).logits), np.asarray(raw(tokens).logits)
     assert np.abs(b).max() > 3.0 and np.abs(a).max() <= 3.0
     np.testing.assert_allclose(a, 3.0 * np.tanh(b / 3.0), atol=1e-4)
 
@@ -185,7 +185,7 @@ def test_sliding_window_limits_the_receptive_field():
             seed=1,
         )
         emb = model.embed(_tokens(1, 14)).astype(jnp.float32)
-        g = jax.grad(lambda e: model(embeddings_BxLxD=e)[0, t].sum())(emb)
+        g = jax.grad(lambda e: model(embeddings_BxLxD=e).logits[0, t].sum())(emb)
         seen = np.abs(np.asarray(g[0])).sum(-1) > 0
         assert seen[first_seen : t + 1].all() and not seen[t + 1 :].any()
         assert not seen[:first_seen].any()
@@ -215,8 +215,8 @@ def test_gemma_style_model_flash_matches_xla():
     def run(impl):
         model = build(tiny_model(attention_impl=impl, **knobs), seed=3)
         graphdef, params = nnx.split(model, nnx.Param)
-        f = lambda p: nnx.merge(graphdef, p)(tokens).std()  # noqa: E731
-        return model(tokens), jax.grad(f)(params)
+        f = lambda p: nnx.merge(graphdef, p)(tokens).logits.std()  # noqa: E731
+        return model(tokens).logits, jax.grad(f)(params)
 
     (a, ga), (b, gb) = run("xla"), run("flash")
     np.testing.assert_allclose(a, b, atol=2e-5)
@@ -229,7 +229,9 @@ def test_scale_embeddings_multiplies_by_sqrt_d():
     plain = build(tiny_model(), seed=0)
     e = plain.embed(_tokens(1, 6))
     np.testing.assert_allclose(
-        scaled(embeddings_BxLxD=e), plain(embeddings_BxLxD=e * math.sqrt(32)), atol=1e-5
+        scaled(embeddings_BxLxD=e).logits,
+        plain(embeddings_BxLxD=e * math.sqrt(32)).logits,
+        atol=1e-5,
     )
 
 

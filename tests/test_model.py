@@ -23,7 +23,7 @@ def test_causality_by_gradient(tiny_cfg):
     t = 5
 
     def out_at_t(e):
-        return model(embeddings_BxLxD=e)[0, t].sum()
+        return model(embeddings_BxLxD=e).logits[0, t].sum()
 
     g = jax.grad(out_at_t)(emb)
     per_position = jnp.abs(g[0]).sum(-1)
@@ -37,21 +37,21 @@ def test_packed_documents_do_not_see_each_other():
     packed = jnp.concatenate([a, b], axis=1)
     segments = jnp.array([[1] * 10 + [2] * 14])
     positions = jnp.array([list(range(10)) + list(range(14))])
-    logits = model(packed, positions_BxL=positions, segment_ids_BxL=segments)
-    np.testing.assert_allclose(logits[:, :10], model(a), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(logits[:, 10:], model(b), atol=1e-5, rtol=1e-5)
+    logits = model(packed, positions_BxL=positions, segment_ids_BxL=segments).logits
+    np.testing.assert_allclose(logits[:, :10], model(a).logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits[:, 10:], model(b).logits, atol=1e-5, rtol=1e-5)
     # the given positions are the ones RoPE uses (a uniform shift would not show it: RoPE is
     # relative, so stretch them instead)
-    stretched = model(packed, positions_BxL=2 * positions, segment_ids_BxL=segments)
-    assert not np.allclose(stretched[:, 10:], model(b), atol=1e-3)
+    stretched = model(packed, positions_BxL=2 * positions, segment_ids_BxL=segments).logits
+    assert not np.allclose(stretched[:, 10:], model(b).logits, atol=1e-3)
 
 
 def test_jit_matches_eager(tiny_cfg):
     model = build(tiny_cfg, seed=5)
     graphdef, state = nnx.split(model)
     tokens = _tokens(2, 16)
-    eager = model(tokens)
-    jitted = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
+    eager = model(tokens).logits
+    jitted = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t).logits)(state, tokens)
     np.testing.assert_allclose(eager, jitted, atol=1e-5, rtol=1e-5)
 
 
@@ -66,13 +66,13 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     mha_def = nnx.graphdef(nnx.eval_shape(lambda: build(mha_cfg)))
     mha = nnx.merge(mha_def, pure)
     tokens = _tokens(2, 16)
-    np.testing.assert_allclose(gqa(tokens), mha(tokens), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(gqa(tokens).logits, mha(tokens).logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4])
 def test_mqa_and_mha_run(kv_heads):
     model = build(tiny_model(num_kv_heads=kv_heads))
-    logits = model(_tokens(2, 8))
+    logits = model(_tokens(2, 8)).logits
     assert logits.shape == (2, 8, 64) and np.isfinite(logits).all()
 
 
@@ -81,7 +81,7 @@ def _grads(cfg, tokens):
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss(p):
-        return nnx.merge(graphdef, p)(tokens).astype(jnp.float32).std()
+        return nnx.merge(graphdef, p)(tokens).logits.astype(jnp.float32).std()
 
     return jax.jit(jax.grad(loss))(params)
 
@@ -108,12 +108,12 @@ def test_dtype_policy_bf16_compute_f32_params_and_logits():
     model = build(tiny_model(dtype="bfloat16", param_dtype="float32"))
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert all(p.dtype == jnp.float32 for p in params)
-    logits = model(_tokens(1, 8))
+    logits = model(_tokens(1, 8)).logits
     assert logits.dtype == jnp.float32
     # the blocks really compute in bf16: their outputs differ from the f32 model's
     f32 = build(tiny_model(dtype="float32"))
-    assert not np.array_equal(logits, f32(_tokens(1, 8)))
-    np.testing.assert_allclose(logits, f32(_tokens(1, 8)), atol=0.05)
+    assert not np.array_equal(logits, f32(_tokens(1, 8)).logits)
+    np.testing.assert_allclose(logits, f32(_tokens(1, 8)).logits, atol=0.05)
 
 
 def test_every_parameter_has_logical_axes_with_a_rule(tiny_cfg):
@@ -133,4 +133,4 @@ def test_every_parameter_has_logical_axes_with_a_rule(tiny_cfg):
 def test_tied_embeddings_have_no_lm_head():
     model = build(tiny_model(tie_embeddings=True))
     assert "lm_head" not in nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    assert model(_tokens(1, 4)).shape == (1, 4, 64)
+    assert model(_tokens(1, 4)).logits.shape == (1, 4, 64)

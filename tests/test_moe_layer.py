@@ -125,12 +125,12 @@ def test_layer_equals_dense_reference_forward_and_gradients(router, dispatch):
     layer = _layer(moe)
     rng = np.random.default_rng(1)
     x, cot = (jnp.asarray(rng.normal(size=(3, 10, 16)), jnp.float32) for _ in range(2))
-    out, grads = _value_and_grads(lambda m, x: m(x)[0], layer, x, cot)
+    out, grads = _value_and_grads(lambda m, x: m(x).out, layer, x, cot)
     ref_out, ref_grads = _value_and_grads(_reference, layer, x, cot)
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
-    assert float(nnx.jit(lambda m, x: m(x)[1]["dropped"])(layer, x)) == 0.0
+    assert float(nnx.jit(lambda m, x: m(x).stats["dropped"])(layer, x)) == 0.0
     # the gradient reaches every routed expert and the router
     assert all(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(grads[0]))
 
@@ -185,9 +185,10 @@ def test_layer_layouts_param_counts_and_flops():
     assert params["moe_layers"]["dense"]["mlp"]["gate_proj"].shape == (2, 1, 32, 64)
     assert params["moe_layers"]["moe"]["mlp"]["gate_proj"].shape == (2, 4, 32, 16)
     assert params["moe_layers"]["moe"]["mlp"]["shared"]["up_proj"].shape == (2, 32, 16)
-    logits, aux = nnx.jit(lambda m, t: m(t, return_aux=True))(
+    logits, cache, aux = nnx.jit(lambda m, t: m(t))(
         _random_init(model, std=0.05), jnp.ones((2, 8), jnp.int32)
     )
+    assert cache is None
     assert logits.shape == (2, 8, 64) and aux["expert_counts"].shape == (2, 4)
     np.testing.assert_array_equal(aux["expert_counts"].sum(-1), [2 * 8 * 2] * 2)
     counts = param_counts(cfg)

@@ -113,11 +113,11 @@ def test_rope_local_theta_gives_windowed_layers_their_own_unscaled_base():
     linear = RopeConfig(theta=1e6, local_theta=100.0, scaling="linear", factor=4.0)
     all_local = build(tiny_model(sliding_window=4, rope=linear), seed=0)
     plain = build(tiny_model(sliding_window=4, rope=RopeConfig(theta=100.0)), seed=0)
-    np.testing.assert_allclose(all_local(tokens), plain(tokens), atol=1e-5)
+    np.testing.assert_allclose(all_local(tokens).logits, plain(tokens).logits, atol=1e-5)
     local = RopeConfig(local_theta=100.0)
     knob = build(tiny_model(sliding_window=4, global_every=2, rope=local), seed=0)
     no_knob = build(tiny_model(sliding_window=4, global_every=2), seed=0)
-    assert not np.allclose(knob(tokens), no_knob(tokens), atol=1e-4)
+    assert not np.allclose(knob(tokens).logits, no_knob(tokens).logits, atol=1e-4)
 
 
 def test_alibi_slopes_follow_the_paper():
@@ -150,8 +150,10 @@ def test_each_position_kind_uses_positions_its_own_way():
     out = {}
     for kind in ("rope", "alibi", "learned", "none"):
         model = build(tiny_model(position=kind, init_std=0.3), seed=0)
-        a = model(tokens, positions_BxL=pos)
-        b = model(tokens, positions_BxL=2 * pos)  # stretched: RoPE is relative, so not a shift
+        a = model(tokens, positions_BxL=pos).logits
+        b = model(
+            tokens, positions_BxL=2 * pos
+        ).logits  # stretched: RoPE is relative, so not a shift
         moved = not np.allclose(a, b, atol=1e-4)
         assert moved == (kind in ("rope", "learned")), kind
         out[kind] = a

@@ -125,7 +125,7 @@ def test_jaxllm_train_end_to_end(tmp_path):
 
     model = jaxllm.load_model(run_dir)
     tokens = np.array([[256, 100, 101, 102]] * 2, np.int32)
-    logits = model(tokens)
+    logits = model(tokens).logits
     assert logits.shape == (2, 4, cfg.model.vocab_size) and logits.dtype == np.float32
     assert np.isfinite(np.asarray(logits)).all()
 

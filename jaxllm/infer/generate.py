@@ -32,7 +32,7 @@ def _greedy(graphdef, state, buf_BxT, start_B, num_new: int):
     model = nnx.merge(graphdef, state)
 
     def body(i, buf_BxT):
-        logits_BxTxV = model(buf_BxT)
+        logits_BxTxV = model(buf_BxT).logits
         cur_B = start_B + i
         last_BxV = jnp.take_along_axis(logits_BxTxV, (cur_B - 1)[:, None, None], 1)[:, 0]
         next_B = jnp.argmax(last_BxV, -1).astype(buf_BxT.dtype)
@@ -132,7 +132,7 @@ def _generate(graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, rng, 
     view = kv_cache.CacheView(
         kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl, interpret=plan.interpret
     )
-    logits_Bx1xV, view = model(prompt_BxL, cache=view, logits_at_BxQ=(lengths_B - 1)[:, None])
+    logits_Bx1xV, view, _ = model(prompt_BxL, cache=view, logits_at_BxQ=(lengths_B - 1)[:, None])
     pick = functools.partial(
         sample, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p
     )
@@ -155,7 +155,7 @@ def _generate(graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, rng, 
         view = kv_cache.CacheView(
             kv, lengths_B, jnp.int32(0), prefill=False, impl=plan.impl, interpret=plan.interpret
         )
-        logits_Bx1xV, view = model(
+        logits_Bx1xV, view, _ = model(
             tok_B[:, None], positions_BxL=(lengths_B - 1)[:, None], cache=view
         )
         rng, sub = jax.random.split(rng)
@@ -273,7 +273,7 @@ def _score(graphdef, state, tokens_BxT, plan, prefix):
     view = kv_cache.CacheView(
         kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl, interpret=plan.interpret
     )
-    logits_Bx1xV, view = model(
+    logits_Bx1xV, view, _ = model(
         tokens_BxT[:, :prefix], cache=view, logits_at_BxQ=(lengths_B - 1)[:, None]
     )
 
@@ -286,7 +286,7 @@ def _score(graphdef, state, tokens_BxT, plan, prefix):
             impl=plan.impl,
             interpret=plan.interpret,
         )
-        logits_Bx1xV, view = model(
+        logits_Bx1xV, view, _ = model(
             tokens_BxT[:, pos][:, None], positions_BxL=jnp.full((b, 1), pos, jnp.int32), cache=view
         )
         return view.kv, logits_Bx1xV[:, 0]

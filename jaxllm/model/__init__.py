@@ -18,6 +18,7 @@ from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, make_norm, matmul
 from jaxllm.model.mla import MLAttention, make_attention
 from jaxllm.model.mlp import MLP
 from jaxllm.model.moe import MoE, RouterBias
+from jaxllm.model.outputs import AttentionOutput, ModelOutput, MoEOutput
 from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
 from jaxllm.model.transformer import (
     Block,
@@ -30,6 +31,7 @@ from jaxllm.model.transformer import (
 
 __all__ = [
     "Attention",
+    "AttentionOutput",
     "MLAttention",
     "Block",
     "Embed",
@@ -48,6 +50,8 @@ __all__ = [
     "make_norm",
     "matmul",
     "MoE",
+    "MoEOutput",
+    "ModelOutput",
     "RouterBias",
     "rope_frequencies",
 ]

@@ -22,6 +22,7 @@ from jaxllm.kernels import flash_attention
 from jaxllm.kernels.reference import attention_mask, masked_scores
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
+from jaxllm.model.outputs import AttentionOutput
 from jaxllm.model.positions import (
     alibi_slopes,
     apply_rope,
@@ -313,8 +314,8 @@ class Attention(nnx.Module):
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
         """Training / scoring: causal self-attention over x. With a `cache` (a
         `jaxllm.infer.kv_cache.CacheView`), the new keys/values are written into it first; a
-        prefill then attends over its own tokens, a decode step over the whole cache. Returns
-        (out, cache) when a cache is passed. `windowed`: whether this layer uses the sliding
+        prefill then attends over its own tokens, a decode step over the whole cache. Returns an
+        `AttentionOutput(out, cache)`; its cache is None without one. `windowed`: whether this layer uses the sliding
         window, when layers differ (a traced bool from the layer scan)."""
         q_BxLxHxK = self._project("bld,dhk->blhk", x_BxLxD, "q")
         k_BxLxGxK = self._project("bld,dgk->blgk", x_BxLxD, "k")
@@ -331,11 +332,11 @@ class Attention(nnx.Module):
                 out_BxLxHxK = self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, None, windowed)
             else:
                 out_BxLxHxK = self._attend_cache(q_BxLxHxK, cache, windowed)
-            return self._out(out_BxLxHxK), cache
+            return AttentionOutput(self._out(out_BxLxHxK), cache)
         out_BxLxHxK = self._self_attention(
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed
         )
-        return self._out(out_BxLxHxK)
+        return AttentionOutput(self._out(out_BxLxHxK))
 
     def _out(self, out_BxLxHxV):
         out_BxLxD = matmul("blhv,hvd->bld", out_BxLxHxV, self.o_proj[...], self.dtype)

@@ -9,6 +9,7 @@ from flax import nnx
 
 from jaxllm.model.attention import Attention
 from jaxllm.model.layers import make_norm, matmul, param
+from jaxllm.model.outputs import AttentionOutput
 from jaxllm.sharding import constrain
 
 
@@ -93,7 +94,7 @@ class MLAttention(Attention):
                 out_BxQxHxV = matmul(
                     "bqhr,rhv->bqhv", out_BxQxHxR, w_BxRxHxNV[..., self.nope :], self.dtype
                 )
-                return self._out(out_BxQxHxV), cache
+                return AttentionOutput(self._out(out_BxQxHxV), cache)
         c_BxLxR, k_rope_BxLx1xE = (
             latent_BxLx1xA[:, :, 0, : self.rank],
             latent_BxLx1xA[..., self.rank :],
@@ -113,11 +114,11 @@ class MLAttention(Attention):
         q_BxLxHxK = jnp.concatenate([q_nope_BxLxHxN, q_rope_BxLxHxE], axis=-1)
         if cache is not None:  # prefill: attend over its own tokens, expanded
             out_BxLxHxV = self._attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, None, windowed)
-            return self._out(out_BxLxHxV), cache
+            return AttentionOutput(self._out(out_BxLxHxV), cache)
         out_BxLxHxV = self._self_attention(
             q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, segment_ids_BxL, windowed
         )
-        return self._out(out_BxLxHxV)
+        return AttentionOutput(self._out(out_BxLxHxV))
 
 
 def make_attention(cfg, *, out_std: float, rngs: nnx.Rngs) -> Attention:

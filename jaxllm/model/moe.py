@@ -44,6 +44,7 @@ from jaxllm import parallel
 from jaxllm.config import MoEConfig
 from jaxllm.model.layers import matmul, param
 from jaxllm.model.mlp import MLP
+from jaxllm.model.outputs import MoEOutput
 from jaxllm.sharding import constrain
 
 
@@ -329,7 +330,7 @@ class MoE(nnx.Module):
             "expert_counts": r.counts_E,
             "dropped": dropped,
         }
-        return out_BxLxD, stats
+        return MoEOutput(out_BxLxD, stats)
 
 
 def combine_layer_stats(stats) -> dict:

@@ -30,6 +30,7 @@ from jaxllm.model.layers import Embed, make_norm, matmul, param
 from jaxllm.model.mla import make_attention
 from jaxllm.model.mlp import MLP
 from jaxllm.model.moe import MoE
+from jaxllm.model.outputs import ModelOutput
 from jaxllm.sharding import constrain
 
 REMAT_POLICIES = {
@@ -107,8 +108,6 @@ class Block(nnx.Module):
 
         def attn(h_BxLxD):
             nonlocal cache
-            if cache is None:
-                return self.attn(h_BxLxD, positions_BxL, segment_ids_BxL, windowed=windowed)
             out_BxLxD, cache = self.attn(
                 h_BxLxD, positions_BxL, segment_ids_BxL, cache, windowed=windowed
             )
@@ -195,19 +194,15 @@ class Transformer(nnx.Module):
         cache=None,
         logits_at_BxQ=None,
         dropout_key=None,
-        return_aux: bool = False,
-    ):
+    ) -> ModelOutput:
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
-        Generation passes a KV `cache` (`jaxllm.infer.kv_cache.CacheView`; the result is then
-        `(logits, cache)`) and `logits_at_BxQ`, the positions along L whose logits it needs, so
-        a long prefill never materialises [B, L, V] logits. `dropout_key` (training) turns on
-        dropout when `cfg.dropout` > 0. With `return_aux` (training), returns (logits, aux): for
-        MoE models aux holds the mean `aux_loss` and `router_z_loss` over MoE layers,
-        `expert_counts` [N_moe, E] and the number of `dropped` assignments; {} for dense models.
+        Returns a `ModelOutput(logits, cache, aux)` whatever the flags. Generation passes a KV
+        `cache` (`jaxllm.infer.kv_cache.CacheView`, returned updated) and `logits_at_BxQ`, the
+        positions along L whose logits it needs, so a long prefill never materialises [B, L, V]
+        logits. `dropout_key` (training) turns on dropout when `cfg.dropout` > 0. `aux` holds
+        the MoE load statistics (see `ModelOutput`); {} for dense models.
         """
-        if cache is not None and return_aux:
-            raise ValueError("return_aux is for training; a cached forward pass has no aux")
         cfg = self.cfg
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
@@ -287,9 +282,7 @@ class Transformer(nnx.Module):
             cap = jnp.float32(cfg.final_soft_cap)
             logits_BxLxV = cap * jnp.tanh(logits_BxLxV / cap)
         logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
-        if return_aux:
-            return logits_BxLxV, aux
-        return logits_BxLxV if cache is None else (logits_BxLxV, cache)
+        return ModelOutput(logits_BxLxV, cache, aux)
 
     def after_step(self, model_state: dict, stats: dict, keep: jax.Array):
         """(new non-trained model state, metrics) after a train step, from the step's summed

@@ -61,14 +61,13 @@ def next_token(z_loss: float = 0.0) -> Objective:
     balancing losses the model reports. Metrics: `loss` (the cross-entropy), `z_loss`."""
 
     def objective(model, batch: dict, rng) -> ObjectiveOutput:
-        logits_BxLxV, aux = model(
+        out = model(
             batch["inputs"],
             positions_BxL=batch["positions"],
             segment_ids_BxL=batch["segment_ids"],
             dropout_key=rng,
-            return_aux=True,
         )
-        nll_BxL, logz_BxL = token_nll(logits_BxLxV, batch["targets"])
+        nll_BxL, logz_BxL = token_nll(out.logits, batch["targets"])
         mask_BxL = batch["loss_mask"].astype(jnp.float32)
         nll_sum = jnp.sum(nll_BxL * mask_BxL)
         z_sum = jnp.sum(jnp.square(logz_BxL) * mask_BxL)
@@ -76,8 +75,8 @@ def next_token(z_loss: float = 0.0) -> Objective:
         loss_sum = nll_sum + z_loss * z_sum
         metrics = {"loss": nll_sum, "z_loss": z_sum}
         stats = {}
-        if aux:
-            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, aux, count)
+        if out.aux:
+            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
             loss_sum += extra
             metrics.update(aux_metrics)
         return ObjectiveOutput(loss_sum, count, metrics, stats)

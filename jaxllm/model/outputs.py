@@ -1,0 +1,36 @@
+"""What the model and its layers return: one NamedTuple per layer kind, the same fields whatever
+the flags (a field that does not apply is None or {}). NamedTuples unpack like tuples and are
+pytrees, so they pass through `jax.jit`, `jax.lax.scan` and `nnx.remat` unchanged."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+
+class AttentionOutput(NamedTuple):
+    """`Attention` / `MLAttention`: `out` [B, L, D]; `cache`: the updated KV cache view when one
+    was passed, else None."""
+
+    out: jax.Array
+    cache: Any = None
+
+
+class MoEOutput(NamedTuple):
+    """`MoE`: `out` [B, L, D]; `stats`: this layer's `aux_loss`, `router_z_loss`,
+    `expert_counts` [E] and `dropped` (see `jaxllm.model.moe`)."""
+
+    out: jax.Array
+    stats: dict
+
+
+class ModelOutput(NamedTuple):
+    """`Transformer`: `logits` [B, L, V] (or [B, Q, V] at `logits_at_BxQ`, float32); `cache`:
+    the updated KV cache view when one was passed, else None; `aux`: for MoE models the mean
+    `aux_loss` and `router_z_loss` over MoE layers, `expert_counts` [N_moe, E] and the number of
+    `dropped` assignments, {} for dense models."""
+
+    logits: jax.Array
+    cache: Any = None
+    aux: dict = {}  # noqa: RUF012 - never mutated; a fresh dict is passed by the model
