@@ -1,6 +1,6 @@
 """Decode-attention kernels without running them: the Mosaic TPU block schedule (index maps),
-default block sizes, lowering for TPU (Mosaic) and CUDA (Triton) from the CPU jaxlib with
-`lower(lowering_platforms=...)`, and the benchmark script."""
+default block sizes, lowering for TPU (Mosaic) and CUDA from the CPU jaxlib (`lowering.py`),
+and the benchmark script."""
 
 import importlib.util
 from pathlib import Path
@@ -11,6 +11,7 @@ import pytest
 from jaxllm.kernels.decode_attention import KVCache, decode_attention, quantize_cache
 from jaxllm.kernels.decode_attention import common as dk_common
 from jaxllm.kernels.decode_attention import mosaic_tpu as dk_mosaic_tpu
+from lowering import lower
 from test_decode_attention import PER_TOKEN
 
 
@@ -106,7 +107,7 @@ def test_lowers(platform, backend, target, kind, page):
     def fwd(q, cache, lengths, layer):
         return decode_attention(q, cache, lengths, layer=layer, soft_cap=30.0, backend=backend)
 
-    lowered = jax.jit(fwd).trace(q, cache, lengths, layer).lower(lowering_platforms=(platform,))
+    lowered = lower(fwd, q, cache, lengths, layer, platform=platform)
     text = lowered.as_text()
     assert text.count(target) == 1
 

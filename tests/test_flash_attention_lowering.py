@@ -1,5 +1,5 @@
 """Lowering of the FlashAttention kernels for TPU (Mosaic) and CUDA (Triton) from the CPU
-jaxlib with `lower(lowering_platforms=...)`; for the Mosaic TPU kernels also their block
+jaxlib (`lowering.py`); for the Mosaic TPU kernels also their block
 schedule (masked blocks skipped without a new DMA) and that their per-step VMEM blocks do not
 grow with the sequence length (32k tokens). The Mosaic GPU kernels have their own file.
 """
@@ -13,6 +13,7 @@ import pytest
 from jaxllm.kernels import flash_attention, flash_attention_backward
 from jaxllm.kernels.flash_attention import common, mosaic_tpu
 from jaxllm.kernels.flash_attention.reference import reference_mask
+from lowering import lower
 
 LOWERINGS = [  # (platform, backend, custom call the kernels must lower to)
     ("tpu", "mosaic_tpu", "tpu_custom_call"),
@@ -56,7 +57,7 @@ def test_lowers(platform, backend, target, dtype, l, g, k, kw):
 
     grads = jax.value_and_grad(loss, argnums=(0, 1, 2))
     for fn, calls in ((fwd, 1), (grads, 3), (block_grads, 2)):
-        lowered = jax.jit(fn).trace(q, kv, kv, ids).lower(lowering_platforms=(platform,))
+        lowered = lower(fn, q, kv, kv, ids, platform=platform)
         assert lowered.as_text().count(target) >= calls
 
 

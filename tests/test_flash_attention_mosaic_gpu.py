@@ -30,6 +30,7 @@ from jaxllm.kernels import (
     flash_attention_with_lse,
 )
 from jaxllm.kernels.flash_attention import ops as flash_ops
+from lowering import lower
 
 from jaxllm.config.errors import JaxllmWarning
 
@@ -188,7 +189,7 @@ class _FakeDevice:
 
 
 def _lowered_text(fn, *avals):
-    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    return lower(fn, *avals, platform="cuda").as_text()
 
 
 @pytest.mark.parametrize(
