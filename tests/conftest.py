@@ -7,12 +7,44 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import re  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 from jaxllm.config import Config, ModelConfig  # noqa: E402
+
+
+# Files that import torch / transformers at the top (their reference models) and tests marked
+# `torch`: the Python 3.11 line runs them; `--without-torch` leaves them out where no CPU torch
+# build exists (the newest-jax line, `make test-newest`). Without the option a missing torch is an
+# import error, never a silent skip.
+_TORCH_IMPORT = re.compile(r"^(import torch|import transformers|from hf_models import)", re.M)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--without-torch",
+        action="store_true",
+        help="leave out the tests that need torch + transformers (reference models)",
+    )
+
+
+def pytest_ignore_collect(collection_path, config):
+    if config.getoption("--without-torch") and collection_path.suffix == ".py":
+        return bool(_TORCH_IMPORT.search(collection_path.read_text())) or None
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--without-torch"):
+        return
+    left_out = [item for item in items if item.get_closest_marker("torch") is not None]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item.get_closest_marker("torch") is None]
 
 
 def tiny_model(**overrides) -> ModelConfig:

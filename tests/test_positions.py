@@ -59,6 +59,7 @@ def _set(model, pure):
     ],
     ids=["default", "linear", "llama3", "yarn"],
 )
+@pytest.mark.torch
 def test_rope_frequencies_match_transformers(rope, hf):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
