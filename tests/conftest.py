@@ -1,11 +1,22 @@
 """Test setup: 8 simulated CPU devices and strict numpy semantics, before jax is imported."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA compilation cache for the whole run, shared by the pytest workers and the `jaxllm`
+# processes that tests start (they inherit the environment): the many small runs of the same
+# tiny configs compile their steps once. Compiles under half a second are not worth an entry.
+# The process that made the directory removes it at exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxllm-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import re  # noqa: E402
 
@@ -15,7 +26,6 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 from jaxllm.config import Config, ModelConfig  # noqa: E402
-
 
 # Files that import torch / transformers at the top (their reference models) and tests marked
 # `torch`: the Python 3.11 line runs them; `--without-torch` leaves them out where no CPU torch
