@@ -38,6 +38,7 @@ wgmma row tile per warpgroup); `common.mosaic_gpu_supported` says why a call can
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -89,9 +90,19 @@ def iota(shape, dim: int, cfg: Config):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=TILE)
 
 
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
+
+
+def load(ref, layout, optimized: bool = True):
+    """`plgpu.load` of a whole SMEM ref: jax 0.10 takes an index argument, newer jax none."""
+    if _LOAD_TAKES_INDEX:
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
 def load_vector(ref, layout, cfg: Config):
     """A 1-D SMEM vector into registers, laid out to broadcast against wgmma tiles."""
-    return ref[...] if cfg.interpret else plgpu.load(ref, (), layout=layout)
+    return ref[...] if cfg.interpret else load(ref, layout)
 
 
 def tile_smem(shape, dtype):
