@@ -222,8 +222,8 @@ class GenerateConfig:
     its own prompt + max_new_tokens need."""
     decode_impl: Literal["auto", "xla", "kernel"] = "auto"
     """Attention over the cache: `kernel` (the Pallas decode kernel of `jaxllm.kernels`: Mosaic
-    on TPU, Triton on GPU, interpreted on CPU), `xla` (dequantize, then attend), `auto` (kernel
-    on TPU, xla elsewhere)."""
+    on TPU, Mosaic GPU on Hopper, Pallas-Triton (deprecated in JAX) on other GPUs, interpreted on
+    CPU), `xla` (dequantize, then attend), `auto` (kernel on TPU and Hopper, xla elsewhere)."""
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")

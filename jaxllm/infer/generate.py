@@ -25,6 +25,7 @@ from jaxllm import sharding
 from jaxllm.config import GenerateConfig
 from jaxllm.infer import kv_cache
 from jaxllm.infer.sampling import sample
+from jaxllm.kernels.decode_attention.ops import on_hopper
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_new"))
@@ -88,14 +89,16 @@ class Generation:
 
 
 def resolve_decode_impl(impl: str, cfg=None) -> tuple[str, bool]:
-    """(`kernel` | `xla`, interpret): `auto` is the Pallas kernel on TPU, XLA elsewhere (on GPU
-    the kernel is Pallas-Triton, deprecated in new jax; it stays opt-in until measured). An MLA
-    model (`cfg`) always decodes with XLA: the kernels read separate keys and values."""
+    """(`kernel` | `xla`, interpret): `auto` is the Pallas kernel on TPU and on Hopper GPUs
+    (Mosaic GPU), XLA elsewhere (other GPUs' kernel is Pallas-Triton, deprecated in JAX: opt-in
+    with `kernel`). An MLA model (`cfg`) always decodes with XLA: the kernels read separate keys
+    and values."""
     latent = cfg is not None and cfg.mla.enabled
     if impl == "kernel" and latent:
         raise ValueError("decode_impl=kernel: MLA's latent cache decodes with xla (or auto)")
     if impl == "auto":
-        impl = "kernel" if jax.default_backend() == "tpu" and not latent else "xla"
+        kernel_here = jax.default_backend() == "tpu" or on_hopper()
+        impl = "kernel" if kernel_here and not latent else "xla"
     return impl, impl == "kernel" and jax.default_backend() == "cpu"
 
 

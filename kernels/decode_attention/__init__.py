@@ -1,8 +1,8 @@
 """Decode attention over a (quantized, paged) KV cache: `quant.py` (int8 / KIVI int4 math and
-the `KVCache` pytree), `common.py` (the split-K block math the kernels share), `mosaic_tpu.py`
-and `triton.py` (the Pallas kernels of each backend), `ops.py` (dispatch, residual and split
-merge; imports a backend's module only when a call uses it), `reference.py` (pure JAX ground
-truth, on `jaxllm.kernels.reference`)."""
+the `KVCache` pytree), `common.py` (the split-K block math the kernels share), `mosaic_tpu.py`,
+`mosaic_gpu.py` and `triton.py` (the Pallas kernels of each backend), `ops.py` (dispatch,
+residual and split merge; imports a backend's module only when a call uses it), `reference.py`
+(pure JAX ground truth, on `jaxllm.kernels.reference`)."""
 
 from jaxllm.kernels.decode_attention.ops import decode_attention
 from jaxllm.kernels.decode_attention.quant import (

@@ -1,5 +1,5 @@
 """Split-K decode attention over a (quantized, optionally paged) KV cache: what the Pallas
-backends (`mosaic_tpu.py`, `triton.py`) share.
+backends (`mosaic_tpu.py`, `triton.py`, `mosaic_gpu.py`) share.
 
 Flash-decoding (Dao et al. 2023): the cache length T is cut into `num_splits` chunks handled by
 independent programs; each runs the online softmax (f32 statistics and accumulators) over the kv
@@ -12,7 +12,10 @@ Partial outputs [B, G, S, M, K] and lse [B, G, S, M, 1] are float32.
 Two program structures share one block math (`update`): Mosaic TPU (`mosaic_tpu.py`: one kv
 block of all G kv heads per grid step, scalar-prefetched lengths / block table / layer read by
 the index maps, so nothing is gathered or sliced in XLA) and Triton (`triton.py`: each program
-loops over the live kv blocks of its split, loading pages through the block table).
+loops over the live kv blocks of its split, loading pages through the block table). Mosaic GPU
+(`mosaic_gpu.py`, Hopper) keeps the contract, the limits, the page lookup and the nibble
+unpacking of this module, and does the block math with wgmma on transposed scores (its
+docstring says why).
 
 Each backend's `forward(q_parts, arrays, lengths, block_table, layer, cfg)` takes q_parts
 [B, G, M, K] (or its even / odd channel halves for int4 on TPU), the cache arrays of
@@ -44,7 +47,7 @@ from jax import lax
 from jaxllm.kernels.reference import MASK_VALUE
 
 # Kernel backends; `ops.py` imports the module of one only when a call uses it.
-BACKENDS = ("mosaic_tpu", "triton")
+BACKENDS = ("mosaic_tpu", "mosaic_gpu", "triton")
 
 # The cache arrays each kind passes to the kernel, in order.
 ARRAY_NAMES = {
@@ -68,7 +71,7 @@ class Config:
     num_splits: int
     blocks_per_split: int
     num_queries: int  # Q
-    num_rows: int  # M = R * Q (padded to a power of 2 >= 16 for Triton)
+    num_rows: int  # M = R * Q (padded to a power of 2 >= 16 for Triton; Mosaic GPU pads itself)
     sm_scale: float
     soft_cap: float | None
     page_size: int | None  # None: contiguous

@@ -12,14 +12,21 @@ Backends (`backend=`):
   `interpret=True` anywhere. Blocks must tile the arrays (`_tpu_block_ok`): int8 a multiple of
   128 rows, int4 of 16 * group, or the whole page / cache length. A paged block never spans
   pages, so pages smaller than the default block mean more, smaller grid steps.
+- `"mosaic_gpu"`: the Mosaic GPU kernel for Hopper (`mosaic_gpu.py`: TMA, two-slot pipeline,
+  wgmma); the default on a Hopper GPU (compute capability 9.x) for the calls it takes
+  (`mosaic_gpu_supported`: bf16 / int8 caches with head dim 64 or 128, int4 with 128, at most 64
+  query rows R * Q per kv head, blocks of a multiple of 64 rows dividing the cache length or
+  page size).
 - `"triton"`: the Pallas Triton kernel for CUDA GPUs (`triton.py`), only when asked for
-  explicitly (JAX deprecates Pallas-on-Triton; a Mosaic GPU version is not written). Needs a
-  power-of-2 head dim >= 32 and a power-of-2 block (>= 16) dividing the cache length or page
-  size.
-- `"xla"`: `decode_attention_reference` (dequantizes the whole cache); the default on GPU and
-  on CPU without `interpret`.
-A backend's module (and its Pallas lowering) is imported the first time a call uses it; the
-block math both kernels share is in `common.py`.
+  explicitly: JAX deprecates Pallas-on-Triton, and it is kept only as an explicit option (e.g.
+  for pre-Hopper GPUs). Needs a power-of-2 head dim >= 32 and a power-of-2 block (>= 16)
+  dividing the cache length or page size.
+- `"xla"`: `decode_attention_reference` (dequantizes the whole cache); the default on other GPUs
+  (pre-Hopper; Blackwell, which has no wgmma), for calls the Mosaic GPU kernel does not take, and
+  on CPU without `interpret`. On a GPU, falling back to it without being asked warns once per
+  process (`JaxllmWarning`).
+A backend's module (and its Pallas lowering) is imported the first time a call uses it; what
+the kernels share is in `common.py`.
 
 Sliding windows and ALiBi are not in the kernels: a call with `alibi_slopes_H`, or with a
 `sliding_window` that is a Python int, runs the reference whatever the backend; a traced window
@@ -36,6 +43,7 @@ more partial; all partials merge exactly by logsumexp.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +58,9 @@ from jaxllm.kernels.decode_attention.reference import (
     rows_from_queries,
     visible_BxMxT,
 )
+from jaxllm.kernels.flash_attention.common import mosaic_gpu_runs_on
+
+from jaxllm.config.errors import JaxllmWarning
 
 # Default kv rows per kernel block. TPU (all G heads per grid step): ~256-512 KiB of codes per
 # step at G = 8, K = 128 amortizes the per-step overhead; int8 needs a multiple of 128 (its
@@ -57,27 +68,93 @@ from jaxllm.kernels.decode_attention.reference import (
 # make whole bf16 (16, 128) tiles). Triton: 64 keeps the dequantized [64, K] tiles in registers.
 TPU_BLOCK = {"float32": 128, "bfloat16": 256, "int8": 256}
 TRITON_BLOCK = 64
+# Mosaic GPU: kv blocks are wgmma row tiles (64 rows), and the M query rows of a kv head are
+# padded to one 64-column tile.
+MOSAIC_GPU_BLOCK = 64
+MOSAIC_GPU_MAX_ROWS = 64
+MOSAIC_GPU_HEAD_DIMS = {"bfloat16": (64, 128), "int8": (64, 128), "int4": (128,)}
 # Default split length (tokens) and, for GPUs, enough programs to fill the SMs.
 TPU_SPLIT_TOKENS = 8192
 TRITON_SPLIT_TOKENS = 8192
 TRITON_MIN_PROGRAMS = 256
 
 
-def _resolve_backend(backend: str | None, interpret: bool) -> str:
+_warned_gpu_fallback = False  # falling back to the reference on a GPU is reported once
+
+
+def _warn_gpu_fallback(reason: str):
+    global _warned_gpu_fallback
+    if _warned_gpu_fallback:
+        return
+    _warned_gpu_fallback = True
+    warnings.warn(
+        f"decode_attention: no kernel for {reason} on this GPU; falling back to the XLA "
+        "reference, which dequantizes the whole cache to float32 on every call. backend='xla' "
+        "chooses it without this warning; backend='triton' runs the Pallas Triton kernel "
+        "(deprecated in JAX).",
+        JaxllmWarning,
+        stacklevel=5,
+    )
+
+
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU, where the Mosaic GPU kernel is the default."""
+    return jax.default_backend() == "gpu" and mosaic_gpu_runs_on(jax.devices()[0])
+
+
+def mosaic_gpu_supported(
+    kind: str, head_dim: int, num_rows: int, rows: int | None, group: int, latent: bool = False
+) -> str | None:
+    """Why the Mosaic GPU kernel cannot run a call (num_rows = R * Q query rows per kv head,
+    rows = the cache length or page size, None: not checked here), or None when it can."""
+    if latent:
+        return "a latent (MLA) cache"
+    dims = MOSAIC_GPU_HEAD_DIMS.get(kind)
+    if dims is None:
+        return f"{kind} caches (supported: {', '.join(MOSAIC_GPU_HEAD_DIMS)})"
+    if head_dim not in dims:
+        return f"{kind} caches with head dim {head_dim} (supported: {dims})"
+    if num_rows > MOSAIC_GPU_MAX_ROWS:
+        return f"{num_rows} query rows per kv head (R * Q; at most {MOSAIC_GPU_MAX_ROWS})"
+    bk = default_block_kv(kind, "mosaic_gpu", group, rows, paged=False)
+    if rows is not None and rows % bk:
+        return f"a cache length or page size of {rows} (needs a multiple of {bk})"
+    return None
+
+
+def _resolve_backend(backend: str | None, interpret: bool, mosaic_gpu_reason: str | None) -> str:
+    """`backend`, or the default for this platform; `mosaic_gpu_reason` says why the Mosaic
+    GPU kernel cannot run the call (None when it can)."""
     if backend is None:
         platform = jax.default_backend()
-        backend = "mosaic_tpu" if platform == "tpu" or interpret else "xla"
-    if backend not in (*BACKENDS, "xla"):
-        raise ValueError(f"unknown backend {backend!r}; expected mosaic_tpu, triton or xla")
+        if platform == "tpu" or interpret:
+            backend = "mosaic_tpu"
+        elif platform == "gpu":
+            device = jax.devices()[0]
+            reason = mosaic_gpu_reason
+            if not mosaic_gpu_runs_on(device):
+                capability = getattr(device, "compute_capability", "unknown")
+                reason = f"compute capability {capability} (the default kernel needs Hopper, 9.x)"
+            backend = "xla" if reason else "mosaic_gpu"
+            if reason:
+                _warn_gpu_fallback(reason)
+        else:
+            backend = "xla"
+    names = (*BACKENDS, "xla")
+    if backend not in names:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {names}")
     return backend
 
 
 def _kernel_forward(q_parts, arrays, lengths, block_table, layer, cfg: Config):
     """(outs, lse) of the backend `cfg.backend` (`common.py` has the layouts). The import is
-    deferred to here: a backend's module pulls in its Pallas lowering (Mosaic TPU, Triton),
-    which a process that never runs that backend does not load."""
+    deferred to here: a backend's module pulls in its Pallas lowering (Mosaic TPU, Mosaic GPU,
+    Triton), which a process that never runs that backend does not load. Mosaic GPU returns
+    ROWS >= M query rows; the caller slices them to M."""
     if cfg.backend == "mosaic_tpu":
         from jaxllm.kernels.decode_attention import mosaic_tpu as backend
+    elif cfg.backend == "mosaic_gpu":
+        from jaxllm.kernels.decode_attention import mosaic_gpu as backend
     else:
         from jaxllm.kernels.decode_attention import triton as backend
     *outs, lse = backend.forward(q_parts, arrays, lengths, block_table, layer, cfg)
@@ -100,6 +177,8 @@ def _tpu_block_ok(bk: int, rows: int, kind: str, group: int) -> bool:
 
 def default_block_kv(kind: str, backend: str, group: int, rows: int, paged: bool) -> int:
     """Block rows for a cache of `rows` tokens per sequence (or per page when paged)."""
+    if backend == "mosaic_gpu":
+        return max(MOSAIC_GPU_BLOCK, group if kind == "int4" else 0)
     if backend == "triton":
         want = max(TRITON_BLOCK, group if kind == "int4" else 0)
         bk = min(want, rows)
@@ -118,17 +197,23 @@ def default_block_kv(kind: str, backend: str, group: int, rows: int, paged: bool
 
 
 def _check_block(bk, rows, kind, group, backend, paged, interpret):
-    """Divisibility always; Mosaic tiling only when compiling (interpret runs any size)."""
+    """Divisibility always; Mosaic TPU tiling only when compiling (interpret runs any size);
+    Mosaic GPU blocks are wgmma row tiles in the interpreter too."""
     where = f"the page size {rows}" if paged else f"the cache length {rows}"
-    if paged and rows % bk:
-        raise ValueError(f"block_kv {bk} must divide {where}")
     if kind == "int4" and bk % group:
         raise ValueError(f"int4 block_kv {bk} must be a multiple of group {group}")
     if backend == "triton":
         if rows % bk or bk < 16 or bk & (bk - 1):
             raise ValueError(f"Triton block_kv {bk} must be a power of 2 >= 16 dividing {where}")
+    elif backend == "mosaic_gpu":
+        if rows % bk or bk % MOSAIC_GPU_BLOCK:
+            raise ValueError(
+                f"Mosaic GPU block_kv {bk} must be a multiple of {MOSAIC_GPU_BLOCK} dividing {where}"
+            )
     elif not interpret and not _tpu_block_ok(bk, rows, kind, group):
         raise ValueError(f"block_kv {bk} does not tile the {kind} cache arrays on TPU ({where})")
+    if paged and rows % bk:
+        raise ValueError(f"block_kv {bk} must divide {where}")
 
 
 def default_num_splits(backend: str, seq_len: int, block_kv: int, programs: int) -> int:
@@ -136,7 +221,7 @@ def default_num_splits(backend: str, seq_len: int, block_kv: int, programs: int)
     splits only feed the two megacore TensorCores), and on GPUs also enough to give every SM
     about two programs when B * G is small."""
     num_blocks = pl.cdiv(seq_len, block_kv)
-    if backend == "triton":
+    if backend in ("triton", "mosaic_gpu"):
         want = max(pl.cdiv(seq_len, TRITON_SPLIT_TOKENS), pl.cdiv(TRITON_MIN_PROGRAMS, programs))
     else:
         want = pl.cdiv(seq_len, TPU_SPLIT_TOKENS)
@@ -248,7 +333,11 @@ def _decode_attention(
         )
     if lengths_B.shape != (b,):
         raise ValueError(f"lengths must be [{b}], got {lengths_B.shape}")
-    backend = _resolve_backend(backend, interpret)
+    rows = geo.page_size if cache.paged else geo.seq_len
+    m = h // g * nq
+    latent = cache.value_dim is not None
+    reason = mosaic_gpu_supported(cache.kind, d, m, rows, cache.group, latent)
+    backend = _resolve_backend(backend, interpret, reason)
     sm_scale = d**-0.5 if sm_scale is None else float(sm_scale)
     soft_cap = None if soft_cap is None else float(soft_cap)
     lengths_B = lengths_B.astype(jnp.int32)
@@ -261,8 +350,11 @@ def _decode_attention(
             "the decode kernels read separate k and v; a latent (MLA) cache runs on the xla backend"
         )
 
+    if backend == "mosaic_gpu":  # block sizes are checked with the others below
+        reason = mosaic_gpu_supported(cache.kind, d, m, None, cache.group)
+        if reason is not None:
+            raise ValueError(f"mosaic_gpu decode attention does not support {reason}")
     paged = cache.paged
-    rows = geo.page_size if paged else geo.seq_len
     if block_kv is None:
         block_kv = default_block_kv(cache.kind, backend, cache.group, rows, paged)
     _check_block(block_kv, rows, cache.kind, cache.group, backend, paged, interpret)
@@ -270,7 +362,6 @@ def _decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(backend, geo.seq_len, block_kv, b * g)
     per_split = pl.cdiv(num_blocks, max(1, min(num_splits, num_blocks)))
-    m = h // g * nq
     mp = max(16, pl.next_power_of_2(m)) if backend == "triton" else m  # Triton dots: >= 16
     if backend == "triton" and (d & (d - 1) or d < 32):
         raise ValueError(f"Triton needs a power-of-2 head dim >= 32, got {d}")
