@@ -159,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
     bt.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     bt.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     bt.set_defaults(func=cmd_bench)
-    from jaxllm.convert.cli import add_convert_parser
+    from jaxllm.convert_cli import add_convert_parser
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser
 
     _add_generate_parser(sub)

@@ -39,7 +39,7 @@ FLOORS = [
     (9, "jaxllm.cli"),
     (9, "jaxllm.data.cli"),
     (9, "jaxllm.infer.cli"),
-    (9, "jaxllm.convert.cli"),
+    (9, "jaxllm.convert_cli"),
     (9, "jaxllm"),  # the package root names the public pieces
     (9, "jaxllm.__main__"),
 ]
