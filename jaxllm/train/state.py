@@ -13,12 +13,13 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm import sharding
-from jaxllm.config import ModelConfig
+from jaxllm.config import ConfigError, ModelConfig
 from jaxllm.model import Transformer, abstract_model, abstract_model_state
 
 
@@ -47,6 +48,44 @@ def _init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -
     )
 
 
+def _dict_keys(path) -> tuple[str, ...]:
+    """The trailing dict keys of a key path (a list index after them skipped)."""
+    keys = []
+    for k in reversed(path):
+        if isinstance(k, jax.tree_util.DictKey):
+            keys.append(str(k.key))
+        elif keys:
+            break
+    return tuple(reversed(keys))
+
+
+def _moment_sharding(leaf, param, param_sh: NamedSharding, other) -> NamedSharding:
+    """The sharding of an optimizer-state leaf kept for `param`: the parameter's own where the
+    shapes match; for a reduced shape (Adam-mini's per-block moments, 8-bit scales, Adafactor's
+    row/column factors) the parameter's mesh axes on the dims it keeps (a dim shrunk to a count
+    of blocks keeps its axis when the count divides evenly)."""
+    if leaf.shape == param.shape:
+        return param_sh
+    spec = tuple(param_sh.spec) + (None,) * (len(param.shape) - len(param_sh.spec))
+    if len(leaf.shape) == len(param.shape) - 1:  # a factor: one dim averaged away
+        for i in reversed(range(len(param.shape))):
+            if param.shape[:i] + param.shape[i + 1 :] == leaf.shape:
+                spec = spec[:i] + spec[i + 1 :]
+                param = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                break
+    if len(leaf.shape) != len(param.shape):
+        return other(leaf)
+
+    def keep(axis, n, full):
+        if axis is None or n == 1:
+            return None
+        size = np.prod([param_sh.mesh.shape[a] for a in np.atleast_1d(axis)])
+        return axis if n == full or n % size == 0 else None
+
+    spec = tuple(keep(a, n, f) for a, n, f in zip(spec, leaf.shape, param.shape))
+    return NamedSharding(param_sh.mesh, PartitionSpec(*spec))
+
+
 def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
     """NamedShardings of every TrainState leaf: params, their optimizer moments and the model
     state by the logical rules, scalars replicated."""
@@ -55,13 +94,38 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
     param_sh = sharding.tree_shardings(mesh, axes)
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_sh = optax.tree_map_params(
-        tx,
-        lambda _, s: s,
-        abstract_opt,
-        param_sh,
-        transform_non_params=lambda _: replicated,
-    )
+    largest_dim = max(max(p.shape, default=1) for p in jax.tree.leaves(abstract_params))
+
+    def other_leaf(leaf):
+        # counts, scalars and per-dim vectors (SM3's row/column accumulators) are replicated;
+        # anything larger without a rule would silently cost a full copy on every device
+        if leaf.size <= largest_dim:
+            return replicated
+        raise ConfigError(
+            f"the optimizer keeps a state of shape {leaf.shape} that follows no parameter, so "
+            "it has no sharding rule; pick another optim.name."
+        )
+
+    # A state leaf belongs to the parameter whose dict path ends its own key path (optax keeps
+    # per-parameter state in trees shaped like the parameters; SM3 adds a list index).
+    # `optax.tree_map_params` cannot be used: it initialises the optimizer on a placeholder,
+    # which Muon's parameter labelling rejects.
+    by_path = {
+        _dict_keys(path): (p, s)
+        for (path, p), s in zip(
+            jax.tree_util.tree_flatten_with_path(abstract_params)[0], jax.tree.leaves(param_sh)
+        )
+    }
+
+    def leaf_sharding(path, leaf):
+        keys = _dict_keys(path)
+        for start in range(len(keys)):
+            if keys[start:] in by_path:
+                p, s = by_path[keys[start:]]
+                return _moment_sharding(leaf, p, s, other_leaf)
+        return other_leaf(leaf)
+
+    opt_sh = jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
     _, model_state_axes = abstract_model_state(model_cfg)
     model_state_sh = sharding.tree_shardings(mesh, model_state_axes)
     return TrainState(
