@@ -59,6 +59,25 @@ def _dict_keys(path) -> tuple[str, ...]:
     return tuple(reversed(keys))
 
 
+def _axes_size(mesh: Mesh, axis) -> int:
+    """Devices along one spec entry (None, a mesh axis, or a tuple of them)."""
+    return int(np.prod([mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis or ())]))
+
+
+def _add_axes(mesh: Mesh, spec: tuple, shape: tuple, axes) -> tuple:
+    """`spec` with mesh `axes` added to the largest dim of `shape` that can take them."""
+    as_tuple = lambda a: (a,) if isinstance(a, str) else tuple(a or ())  # noqa: E731
+    fits = [
+        j
+        for j in range(len(shape))
+        if shape[j] % (_axes_size(mesh, spec[j]) * _axes_size(mesh, axes)) == 0
+    ]
+    if not fits:
+        return spec
+    j = max(fits, key=lambda j: shape[j])
+    return spec[:j] + (as_tuple(spec[j]) + as_tuple(axes),) + spec[j + 1 :]
+
+
 def _moment_sharding(leaf, param, param_sh: NamedSharding, other) -> NamedSharding:
     """The sharding of an optimizer-state leaf kept for `param`: the parameter's own where the
     shapes match; for a reduced shape (Adam-mini's per-block moments, 8-bit scales, Adafactor's
@@ -70,8 +89,12 @@ def _moment_sharding(leaf, param, param_sh: NamedSharding, other) -> NamedShardi
     if len(leaf.shape) == len(param.shape) - 1:  # a factor: one dim averaged away
         for i in reversed(range(len(param.shape))):
             if param.shape[:i] + param.shape[i + 1 :] == leaf.shape:
-                spec = spec[:i] + spec[i + 1 :]
+                freed, spec = spec[i], spec[:i] + spec[i + 1 :]
                 param = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                # the averaged dim's mesh axes join the largest kept dim they still divide, so
+                # the factor stays split as many ways as its parameter
+                if freed is not None:
+                    spec = _add_axes(param_sh.mesh, spec, leaf.shape, freed)
                 break
     if len(leaf.shape) != len(param.shape):
         return other(leaf)
@@ -79,11 +102,13 @@ def _moment_sharding(leaf, param, param_sh: NamedSharding, other) -> NamedShardi
     def keep(axis, n, full):
         if axis is None or n == 1:
             return None
-        size = np.prod([param_sh.mesh.shape[a] for a in np.atleast_1d(axis)])
-        return axis if n == full or n % size == 0 else None
+        return axis if n == full or n % _axes_size(param_sh.mesh, axis) == 0 else None
 
-    spec = tuple(keep(a, n, f) for a, n, f in zip(spec, leaf.shape, param.shape))
-    return NamedSharding(param_sh.mesh, PartitionSpec(*spec))
+    kept = tuple(keep(a, n, f) for a, n, f in zip(spec, leaf.shape, param.shape))
+    for a, k in zip(spec, kept):
+        if a is not None and k is None:  # a reduced dim's axes move to a dim that can take them
+            kept = _add_axes(param_sh.mesh, kept, leaf.shape, a)
+    return NamedSharding(param_sh.mesh, PartitionSpec(*kept))
 
 
 def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
