@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL_RUN, tiny_model
+from conftest import SMALL_RUN
 
 from jaxllm import config, optim, sharding
 from jaxllm.cli import main
@@ -42,9 +42,12 @@ def _problem(seed=0):
 @pytest.mark.parametrize("name", NAMES)
 def test_every_optimizer_reduces_the_loss(name):
     params, targets = _problem()
-    loss = lambda p: sum(
-        jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(targets))
-    )  # noqa: E501, E731
+
+    def loss(p):
+        return sum(
+            jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(targets))
+        )
+
     cfg = config.OptimConfig(
         name=name, lr=LR.get(name, 0.03), schedule="constant", warmup_steps=0, weight_decay=0.0
     )
@@ -293,7 +296,15 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in rows}
 
 
-@pytest.mark.parametrize("name", ["adam_mini", "adamw_8bit", "adafactor"])
+# about a minute each on 2 CPU cores: 8-bit AdamW runs by default, the others with -m slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        "adamw_8bit",
+        pytest.param("adam_mini", marks=pytest.mark.slow),
+        pytest.param("adafactor", marks=pytest.mark.slow),
+    ],
+)
 def test_resume_is_bit_identical(tmp_path, name):
     args = [*RUN, f"optim.name={name}"]
     assert main(["train", *args, "train.steps=4", f"run.dir={tmp_path / 'straight'}"]) == 0
