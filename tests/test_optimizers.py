@@ -80,6 +80,18 @@ def test_keys_an_optimizer_ignores_are_config_errors():
     config.load(None, ["optim.name=sgd", "optim.momentum=0.9", "optim.nesterov=true"])
 
 
+def test_readme_lists_every_optimizer_and_its_examples_load():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Optimizers\n") : text.index("## Data\n")]
+    for name, keys in config.OPTIM_READS.items():
+        row = next(r for r in section.splitlines() if r.startswith("|") and f"`{name}`" in r)
+        assert all(f"`{k}`" in row for k in keys - {"weight_decay"}), (name, row)
+    examples = [line.split()[2:] for line in section.splitlines() if line.startswith("jaxllm ")]
+    assert len(examples) == 4
+    for keys in examples:
+        config.load(None, [k for k in keys if "=" in k])
+
+
 # ------------------------------------------------------------------------- Adam-mini
 
 
