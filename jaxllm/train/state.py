@@ -111,12 +111,11 @@ def _moment_sharding(leaf, param, param_sh: NamedSharding, other) -> NamedShardi
     return NamedSharding(param_sh.mesh, PartitionSpec(*kept))
 
 
-def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
-    """NamedShardings of every TrainState leaf: params, their optimizer moments and the model
-    state by the logical rules, scalars replicated."""
-    _, abstract_params, axes = abstract_model(model_cfg)
-    sharding.check_divisible(mesh, abstract_params, axes)
-    param_sh = sharding.tree_shardings(mesh, axes)
+def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param_sh):
+    """NamedShardings of `tx`'s state over parameters laid out as `param_sh`: each leaf kept
+    for a parameter shards like it (`_moment_sharding`); counters and small vectors are
+    replicated; a large leaf that follows no parameter is an error."""
+    mesh = jax.tree.leaves(param_sh)[0].mesh
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     largest_dim = max(max(p.shape, default=1) for p in jax.tree.leaves(abstract_params))
@@ -150,7 +149,17 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
                 return _moment_sharding(leaf, p, s, other_leaf)
         return other_leaf(leaf)
 
-    opt_sh = jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
+    return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
+
+
+def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
+    """NamedShardings of every TrainState leaf: params, their optimizer moments and the model
+    state by the logical rules, scalars replicated."""
+    _, abstract_params, axes = abstract_model(model_cfg)
+    sharding.check_divisible(mesh, abstract_params, axes)
+    param_sh = sharding.tree_shardings(mesh, axes)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_sh = opt_state_shardings(tx, abstract_params, param_sh)
     _, model_state_axes = abstract_model_state(model_cfg)
     model_state_sh = sharding.tree_shardings(mesh, model_state_axes)
     return TrainState(
