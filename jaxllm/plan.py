@@ -140,6 +140,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
             }
         )
 
+    bill = memory_bill(abstract_state, shardings, axes)
     mem = compiled.memory_analysis()
     memory = {
         "arguments": mem.argument_size_in_bytes,
@@ -162,11 +163,50 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         "params": param_counts(cfg.model)["total"],
         "param_rows": rows,
         "memory": memory,
+        "bill": bill,
         "flops_per_step": flops_per_token(cfg.model, l)["total"] * b * l,
         "collectives": collectives(compiled.as_text()),
         "compile_s": compile_s,
         "hbm": hbm_bytes,
         "fits": None if hbm_bytes is None else memory["total"] <= hbm_bytes,
+    }
+
+
+def _bytes(leaf, sharding=None) -> int:
+    shape = leaf.shape if sharding is None else sharding.shard_shape(leaf.shape)
+    return int(np.prod(shape)) * leaf.dtype.itemsize
+
+
+def memory_bill(state, shardings, axes) -> dict:
+    """The state's share of device memory: parameters, gradients (one per parameter, in its
+    dtype and sharding) and optimizer state, in bytes on one device; plus optimizer-state bytes
+    per parameter over the whole model, and over matrices alone (leaves whose parameter has two
+    or more dims besides the stacked layer/expert dims), where factored optimizers save."""
+    params = jax.tree.leaves(state.params)
+    param_sh = jax.tree.leaves(shardings.params)
+    n_params = sum(p.size for p in params)
+    opt_leaves = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+    opt_sh = jax.tree.leaves(shardings.opt_state)
+    opt_total = sum(_bytes(leaf) for _, leaf in opt_leaves)
+    # matrices: state leaves found under a matrix parameter's path, as `state_shardings` finds it
+    flat_axes = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))
+    matrix_paths = {
+        tuple(str(getattr(k, "key", k)) for k in path): leaf.size
+        for (path, ax), leaf in zip(flat_axes[0], params)
+        if sum(a not in ("layers", "expert") for a in ax) >= 2
+    }
+    matrix_opt = 0
+    for path, leaf in opt_leaves:
+        keys = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+        if any(keys[i:] in matrix_paths for i in range(len(keys))):
+            matrix_opt += _bytes(leaf)
+    per_device = lambda leaves, shs: sum(_bytes(a, s) for a, s in zip(leaves, shs))  # noqa: E731
+    return {
+        "parameters": per_device(params, param_sh),
+        "gradients": per_device(params, param_sh),
+        "optimizer_state": per_device([leaf for _, leaf in opt_leaves], opt_sh),
+        "opt_bytes_per_param": opt_total / n_params,
+        "opt_bytes_per_matrix_param": matrix_opt / max(sum(matrix_paths.values()), 1),
     }
 
 
@@ -211,6 +251,19 @@ def format_plan(r: dict) -> str:
             f"  {k:<12} {fmt_bytes(m[k])}"
             for k in ("arguments", "outputs", "aliased", "temporaries", "code", "total")
         ),
+        "",
+        "memory bill per device (state by its shardings; activations: XLA temporaries)",
+        *(
+            f"  {k.replace('_', ' '):<20} {fmt_bytes(v)}"
+            for k, v in (
+                ("parameters", r["bill"]["parameters"]),
+                ("gradients", r["bill"]["gradients"]),
+                ("optimizer_state", r["bill"]["optimizer_state"]),
+                ("activations/temps", m["temporaries"]),
+            )
+        ),
+        f"  optimizer state per parameter: {r['bill']['opt_bytes_per_param']:.3f} bytes "
+        f"({r['bill']['opt_bytes_per_matrix_param']:.3f} over matrices)",
         "",
         f"FLOPs per step  {r['flops_per_step']:.4g}  (6N + attention, all devices)",
         "collectives in the compiled step (static: ops in the layer loop run once per layer)",

@@ -48,6 +48,10 @@ def test_fsdp_plan_shards_parameters_and_gathers_them():
     assert tuple(gate["spec"]) == (None, "fsdp", "tensor")
     assert gate["bytes_per_device"] == 4 * 256 * 640 * 4 // 8
     assert r["collectives"]["all-gather"]["count"] > 0  # parameters gathered for compute
+    bill = r["bill"]  # AdamW: two float32 moments per parameter, all split 8 ways
+    assert bill["parameters"] == bill["gradients"] == pytest.approx(4 * r["params"] / 8, rel=0.01)
+    assert bill["optimizer_state"] == pytest.approx(2 * bill["parameters"], rel=1e-3)
+    assert bill["opt_bytes_per_param"] == pytest.approx(8.0, rel=1e-3)
 
 
 def test_plan_reports_kv_cache_bytes_per_token():

@@ -33,6 +33,7 @@ from jaxllm.config.model import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from jaxllm.config.root import Config
 from jaxllm.config.sections import (
     MESH_AXES,
+    OPTIM_READS,
     CheckpointConfig,
     DataConfig,
     GenerateConfig,
@@ -46,6 +47,7 @@ from jaxllm.config.sections import (
 
 __all__ = [
     "MESH_AXES",
+    "OPTIM_READS",
     "SECTIONS",
     "CheckpointConfig",
     "Config",

@@ -9,6 +9,8 @@ import math
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.model import ModelConfig, validate_moe
 from jaxllm.config.sections import (
+    OPTIM_READS,
+    OPTIM_SPECIFIC,
     CheckpointConfig,
     DataConfig,
     GenerateConfig,
@@ -188,6 +190,18 @@ class Config:
                 _fail(f"{key} must be in [0, 1), not {value}.")
         if o.min_lr_ratio > 1:
             _fail(f"optim.min_lr_ratio must be in [0, 1], not {o.min_lr_ratio}.")
+        default = OptimConfig()
+        for key in sorted(OPTIM_SPECIFIC - OPTIM_READS[o.name]):
+            if getattr(o, key) != getattr(default, key):
+                readers = sorted(n for n, keys in OPTIM_READS.items() if key in keys)
+                _fail(
+                    f"optim.{key} does nothing with optim.name={o.name}; leave it at "
+                    f"{getattr(default, key)} or pick one of {', '.join(readers)}."
+                )
+        if not 0 <= o.momentum < 1:
+            _fail(f"optim.momentum must be in [0, 1), not {o.momentum}.")
+        if o.nesterov and o.momentum == 0:
+            _fail("optim.nesterov=true needs optim.momentum > 0 (e.g. optim.momentum=0.9).")
         c = self.checkpoint
         if c.every is not None and c.every < 1:
             _fail(

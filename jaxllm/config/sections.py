@@ -63,8 +63,26 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with a schedule, global-norm clipping and a weight-decay mask (kernels/embeddings)."""
+    """An optimizer (`name`) with a schedule, global-norm clipping and decoupled weight decay on
+    kernels/embeddings. Keys an optimizer does not read must stay at their defaults
+    (`OPTIM_READS`; anything else is a config error naming the key)."""
 
+    name: Literal[
+        "sgd",
+        "adagrad",
+        "rmsprop",
+        "adam",
+        "adamw",
+        "adafactor",
+        "lion",
+        "lamb",
+        "sm3",
+        "muon",
+        "adam_mini",
+        "adamw_8bit",
+    ] = "adamw"
+    """The optimizer (README lists what each keeps per parameter); `adam` is `adamw` without
+    weight decay."""
     lr: float = 3e-3
     """Peak learning rate."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -83,6 +101,35 @@ class OptimConfig:
     """Decoupled weight decay; never applied to norm scales or biases."""
     clip_norm: float | None = 1.0
     """Clip gradients to this global L2 norm; null disables clipping."""
+    momentum: float = 0.0
+    """Heavy-ball momentum of sgd and rmsprop (0: none)."""
+    nesterov: bool = False
+    """Nesterov momentum (sgd, rmsprop; needs momentum > 0)."""
+    amsgrad: bool = False
+    """adam/adamw: normalise by the running maximum of the second moment (Reddi et al. 2018)."""
+    block_size: Literal[256, 2048] = 2048
+    """adamw_8bit: elements per quantization block (one float32 absmax scale per block)."""
+    quantization: Literal["dynamic", "linear"] = "dynamic"
+    """adamw_8bit code book: bitsandbytes' dynamic tree (fine near 0) or 256 even steps."""
+
+
+# The OptimConfig keys (besides lr, schedule, warmup, min_lr_ratio, clip_norm) each optimizer
+# reads. A key set away from its default for an optimizer that ignores it is a config error.
+OPTIM_READS: dict[str, frozenset[str]] = {
+    "sgd": frozenset({"momentum", "nesterov", "weight_decay"}),
+    "adagrad": frozenset({"eps", "weight_decay"}),
+    "rmsprop": frozenset({"b2", "eps", "momentum", "nesterov", "weight_decay"}),
+    "adam": frozenset({"b1", "b2", "eps", "amsgrad"}),
+    "adamw": frozenset({"b1", "b2", "eps", "amsgrad", "weight_decay"}),
+    "adafactor": frozenset({"weight_decay"}),
+    "lion": frozenset({"b1", "b2", "weight_decay"}),
+    "lamb": frozenset({"b1", "b2", "eps", "weight_decay"}),
+    "sm3": frozenset({"b1", "eps", "weight_decay"}),
+    "muon": frozenset({"b1", "b2", "eps", "weight_decay"}),
+    "adam_mini": frozenset({"b1", "b2", "eps", "weight_decay"}),
+    "adamw_8bit": frozenset({"b1", "b2", "eps", "weight_decay", "block_size", "quantization"}),
+}
+OPTIM_SPECIFIC = frozenset().union(*OPTIM_READS.values())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,8 +85,8 @@ def _init_source(cfg: config.Config, ckpt_dir: Path) -> str | None:
 
 def compile_steps(cfg: config.Config, mesh):
     """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
-    graphdef, _, _ = abstract_model(cfg.model)
-    tx = optim.build(cfg.optim, cfg.train.steps)
+    graphdef, _, axes = abstract_model(cfg.model)
+    tx = optim.build(cfg.optim, cfg.train.steps, axes)
     shardings = state_shardings(cfg.model, tx, mesh)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)

@@ -13,12 +13,13 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm import sharding
-from jaxllm.config import ModelConfig
+from jaxllm.config import ConfigError, ModelConfig
 from jaxllm.model import Transformer, abstract_model, abstract_model_state
 
 
@@ -47,6 +48,110 @@ def _init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -
     )
 
 
+def _dict_keys(path) -> tuple[str, ...]:
+    """The trailing dict keys of a key path (a list index after them skipped)."""
+    keys = []
+    for k in reversed(path):
+        if isinstance(k, jax.tree_util.DictKey):
+            keys.append(str(k.key))
+        elif keys:
+            break
+    return tuple(reversed(keys))
+
+
+def _axes_size(mesh: Mesh, axis) -> int:
+    """Devices along one spec entry (None, a mesh axis, or a tuple of them)."""
+    return int(np.prod([mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis or ())]))
+
+
+def _add_axes(mesh: Mesh, spec: tuple, shape: tuple, axes) -> tuple:
+    """`spec` with mesh `axes` added to the largest dim of `shape` that can take them."""
+    as_tuple = lambda a: (a,) if isinstance(a, str) else tuple(a or ())  # noqa: E731
+    fits = [
+        j
+        for j in range(len(shape))
+        if shape[j] % (_axes_size(mesh, spec[j]) * _axes_size(mesh, axes)) == 0
+    ]
+    if not fits:
+        return spec
+    j = max(fits, key=lambda j: shape[j])
+    return spec[:j] + (as_tuple(spec[j]) + as_tuple(axes),) + spec[j + 1 :]
+
+
+def _moment_sharding(leaf, param, param_sh: NamedSharding, other) -> NamedSharding:
+    """The sharding of an optimizer-state leaf kept for `param`: the parameter's own where the
+    shapes match; for a reduced shape (Adam-mini's per-block moments, 8-bit scales, Adafactor's
+    row/column factors) the parameter's mesh axes on the dims it keeps (a dim shrunk to a count
+    of blocks keeps its axis when the count divides evenly)."""
+    if leaf.shape == param.shape:
+        return param_sh
+    spec = tuple(param_sh.spec) + (None,) * (len(param.shape) - len(param_sh.spec))
+    if len(leaf.shape) == len(param.shape) - 1:  # a factor: one dim averaged away
+        for i in reversed(range(len(param.shape))):
+            if param.shape[:i] + param.shape[i + 1 :] == leaf.shape:
+                freed, spec = spec[i], spec[:i] + spec[i + 1 :]
+                param = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                # the averaged dim's mesh axes join the largest kept dim they still divide, so
+                # the factor stays split as many ways as its parameter
+                if freed is not None:
+                    spec = _add_axes(param_sh.mesh, spec, leaf.shape, freed)
+                break
+    if len(leaf.shape) != len(param.shape):
+        return other(leaf)
+
+    def keep(axis, n, full):
+        if axis is None or n == 1:
+            return None
+        return axis if n == full or n % _axes_size(param_sh.mesh, axis) == 0 else None
+
+    kept = tuple(keep(a, n, f) for a, n, f in zip(spec, leaf.shape, param.shape))
+    for a, k in zip(spec, kept):
+        if a is not None and k is None:  # a reduced dim's axes move to a dim that can take them
+            kept = _add_axes(param_sh.mesh, kept, leaf.shape, a)
+    return NamedSharding(param_sh.mesh, PartitionSpec(*kept))
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param_sh):
+    """NamedShardings of `tx`'s state over parameters laid out as `param_sh`: each leaf kept
+    for a parameter shards like it (`_moment_sharding`); counters and small vectors are
+    replicated; a large leaf that follows no parameter is an error."""
+    mesh = jax.tree.leaves(param_sh)[0].mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    largest_dim = max(max(p.shape, default=1) for p in jax.tree.leaves(abstract_params))
+
+    def other_leaf(leaf):
+        # counts, scalars and per-dim vectors (SM3's row/column accumulators) are replicated;
+        # anything larger without a rule would silently cost a full copy on every device
+        if leaf.size <= largest_dim:
+            return replicated
+        raise ConfigError(
+            f"the optimizer keeps a state of shape {leaf.shape} that follows no parameter, so "
+            "it has no sharding rule; pick another optim.name."
+        )
+
+    # A state leaf belongs to the parameter whose dict path ends its own key path (optax keeps
+    # per-parameter state in trees shaped like the parameters; SM3 adds a list index).
+    # `optax.tree_map_params` cannot be used: it initialises the optimizer on a placeholder,
+    # which Muon's parameter labelling rejects.
+    by_path = {
+        _dict_keys(path): (p, s)
+        for (path, p), s in zip(
+            jax.tree_util.tree_flatten_with_path(abstract_params)[0], jax.tree.leaves(param_sh)
+        )
+    }
+
+    def leaf_sharding(path, leaf):
+        keys = _dict_keys(path)
+        for start in range(len(keys)):
+            if keys[start:] in by_path:
+                p, s = by_path[keys[start:]]
+                return _moment_sharding(leaf, p, s, other_leaf)
+        return other_leaf(leaf)
+
+    return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
+
+
 def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
     """NamedShardings of every TrainState leaf: params, their optimizer moments and the model
     state by the logical rules, scalars replicated."""
@@ -54,14 +159,7 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
     sharding.check_divisible(mesh, abstract_params, axes)
     param_sh = sharding.tree_shardings(mesh, axes)
     replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_sh = optax.tree_map_params(
-        tx,
-        lambda _, s: s,
-        abstract_opt,
-        param_sh,
-        transform_non_params=lambda _: replicated,
-    )
+    opt_sh = opt_state_shardings(tx, abstract_params, param_sh)
     _, model_state_axes = abstract_model_state(model_cfg)
     model_state_sh = sharding.tree_shardings(mesh, model_state_axes)
     return TrainState(

@@ -1,0 +1,144 @@
+"""Optax optimizers and learning-rate schedules.
+
+`optim.name` picks the optimizer; every one runs after global-norm clipping, with decoupled
+weight decay (Loshchilov & Hutter 2019) only on matrices (kernels and embeddings), never on
+norm scales or biases, and the learning-rate schedule. The result is a plain
+`optax.GradientTransformation`. Optax provides every optimizer but two, which live here each in
+its own module: Adam-mini (`adam_mini`) and AdamW with 8-bit blockwise-quantized moments
+(`adamw_8bit`).
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+import optax.contrib
+from optax.contrib import MuonDimensionNumbers
+
+from jaxllm.config import OptimConfig
+from jaxllm.optim import adam_mini, adamw_8bit
+
+NO_DECAY_NAMES = ("scale", "bias")  # norm scales; `bias` and every `*_bias` (projections)
+
+
+def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to `lr`, then cosine / linear decay to `min_lr_ratio * lr`, or constant."""
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    decay_steps = max(total_steps - warmup, 1)
+    end = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        after = optax.linear_schedule(cfg.lr, end, decay_steps)
+    else:
+        after = optax.constant_schedule(cfg.lr)
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
+
+
+def _no_decay(name: str) -> bool:
+    return name in NO_DECAY_NAMES or name.endswith("_bias")
+
+
+def decay_mask(params) -> dict:
+    """True for leaves that take weight decay: everything but norm scales and biases."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not _no_decay(str(getattr(path[-1], "key", ""))), params
+    )
+
+
+def _muon_dims(axes):
+    """optax's Muon dimension numbers from logical axes: the reduction (input) dims and the
+    output dims of each matrix, stacked dims (layers, experts) batched over. Embeddings, the LM
+    head and vectors get None: optax updates them with Adam, as Muon's authors do."""
+
+    def dims(ax):
+        inner = [i for i, a in enumerate(ax) if a not in adam_mini.STACKED]
+        if len(inner) < 2 or "vocab" in ax:
+            return None
+        # kernels are (inputs..., outputs...): `embed` first is the input, `embed` last the output
+        if ax[inner[-1]] == "embed":
+            return MuonDimensionNumbers(reduction_axis=tuple(inner[:-1]), output_axis=inner[-1])
+        return MuonDimensionNumbers(reduction_axis=inner[0], output_axis=tuple(inner[1:]))
+
+    return jax.tree.map(dims, axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _direction(cfg: OptimConfig, axes) -> optax.GradientTransformation:
+    """The optimizer's update direction before weight decay and the learning rate."""
+    name = cfg.name
+    if name == "sgd":
+        # optax.trace(decay=0) is a state-less identity only in value; skip it to keep SGD at 0
+        # bytes of state
+        if cfg.momentum == 0:
+            return optax.identity()
+        return optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov)
+    if name == "adagrad":
+        return optax.scale_by_rss(eps=cfg.eps)
+    if name == "rmsprop":
+        rms = optax.scale_by_rms(decay=cfg.b2, eps=cfg.eps)
+        if cfg.momentum == 0:
+            return rms
+        return optax.chain(rms, optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov))
+    if name in ("adam", "adamw"):
+        scale = optax.scale_by_amsgrad if cfg.amsgrad else optax.scale_by_adam
+        return scale(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    if name == "adafactor":
+        # factored second moment (row and column means of g^2) for matrices, no first moment;
+        # clipped update (threshold 1, as in the paper); the schedule sets the step size. Dims
+        # from 32 up are factored so (embed, heads, head_dim) kernels count as matrices
+        return optax.chain(
+            optax.scale_by_factored_rms(min_dim_size_to_factor=32), optax.clip_by_block_rms(1.0)
+        )
+    if name == "lion":
+        return optax.scale_by_lion(b1=cfg.b1, b2=cfg.b2)
+    if name == "lamb":
+        return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    if name == "sm3":
+        return optax.scale_by_sm3(b1=cfg.b1, eps=cfg.eps)
+    if name == "adam_mini":
+        return adam_mini.scale_by_adam_mini(_need_axes(axes, name), cfg.b1, cfg.b2, cfg.eps)
+    if name == "adamw_8bit":
+        return adamw_8bit.scale_by_adam_8bit(
+            cfg.b1, cfg.b2, cfg.eps, cfg.block_size, cfg.quantization
+        )
+    raise AssertionError(name)
+
+
+def _need_axes(axes, name):
+    if axes is None:
+        raise ValueError(f"optim.name={name} takes its blocks from the parameters' logical axes")
+    return axes
+
+
+def build(cfg: OptimConfig, total_steps: int, axes=None) -> optax.GradientTransformation:
+    """The configured optimizer. `axes`: the parameters' logical axes as a tree of tuples
+    (`jaxllm.model.abstract_model`), which adam_mini and muon read to find blocks and matrices."""
+    lr = schedule(cfg, total_steps)
+    if cfg.name == "adamw" and not cfg.amsgrad:
+        tx = optax.adamw(
+            lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
+        )
+    elif cfg.name == "muon":
+        tx = optax.contrib.muon(
+            lr,
+            beta=cfg.b1,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            weight_decay_mask=decay_mask,
+            adam_b1=cfg.b1,
+            adam_b2=cfg.b2,
+            muon_weight_dimension_numbers=_muon_dims(_need_axes(axes, "muon")),
+        )
+    else:
+        parts = [_direction(cfg, axes)]
+        if cfg.name != "adam" and cfg.weight_decay > 0:
+            parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
+        if cfg.name == "lamb":  # layer-wise trust ratio ||w|| / ||update|| (You et al. 2020)
+            parts.append(optax.scale_by_trust_ratio())
+        parts.append(optax.scale_by_learning_rate(lr))
+        tx = optax.chain(*parts)
+    if cfg.clip_norm is None:
+        return tx
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
