@@ -84,8 +84,9 @@ class OptimConfig:
     clip_norm: float | None = 1.0
     """Clip gradients to this global L2 norm; null disables clipping."""
     loss_scale: Literal["auto", "dynamic", "static", "none"] = "auto"
-    """Multiply the loss by a scale S before differentiation and divide the float32 gradients
-    by S before clipping, so small float16 gradients do not flush to zero (see
+    """Multiply the loss (per token: the objective's sum over the token positions of a
+    microbatch) by a scale S before differentiation and divide the float32 gradients by S
+    before clipping, so small float16 gradients do not flush to zero (see
     `jaxllm.train.loss_scale`). `dynamic` adapts S: a step whose gradients overflow is skipped
     and backs S off, `loss_scale_growth_interval` clean steps grow it; `static` keeps S at
     `loss_scale_init`; `none` does not scale. `auto`: dynamic when model.dtype is float16,

@@ -5,6 +5,11 @@ pass. The step multiplies the objective's loss by a scale S before differentiati
 backward intermediate is S times larger and stays representable, then divides the float32
 gradients by S before clipping and the optimizer. The parameters never see S.
 
+S is per token: the step multiplies the objective's loss *sum* by S / (token positions of a
+microbatch), so S means what it means for a mean loss (PyTorch's GradScaler, jmp) whatever the
+batch size. Scaling the sum by S would make the weight gradients, sums over every token of the
+microbatch, B*L times larger, and the S that fits float16 would shrink as the batch grows.
+
 `dynamic` scaling (the default for float16) finds S on its own, as PyTorch's GradScaler and
 TensorFlow's LossScaleOptimizer do: a step whose gradients overflowed is skipped by the step's
 non-finite guard and multiplies S by `backoff`; `growth_interval` clean steps in a row multiply

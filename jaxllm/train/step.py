@@ -62,6 +62,10 @@ def train_step(
     scale this step used) with `loss_scaling`."""
     with sharding.active(parallel_settings):
         scale = None if loss_scaling is None else loss_scaling.scale(state.loss_scale)
+        # S scales the loss per token position of a microbatch, as it would scale a mean loss:
+        # the objective's sum would make the weight gradients, sums over all those tokens, as
+        # many times larger, so the scale that fits float16 would shrink with the batch.
+        positions = jax.tree.leaves(batch)[0].size // grad_accum_steps  # leaves are [B, L]
 
         def loss_fn(p, mb, rng):
             loss, out = objective_value(
@@ -69,7 +73,7 @@ def train_step(
             )
             # Scaled before differentiation: the backward pass runs S times larger, above
             # float16's underflow; the sums in `out` stay unscaled.
-            return (loss if scale is None else loss * scale), out
+            return (loss if scale is None else loss * (scale / positions)), out
 
         grad_fn = jax.grad(loss_fn, has_aux=True)
         micro = _microbatches(batch, grad_accum_steps)
@@ -100,7 +104,7 @@ def train_step(
 
         count = jnp.maximum(sums.tokens, 1.0)
         # Unscaled in float32 (the accumulator's dtype), before clipping and the optimizer.
-        denom = count if scale is None else count * scale
+        denom = count if scale is None else count * (scale / positions)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
