@@ -152,6 +152,9 @@ FP16_RUN = [
     "model.dtype=float16",
     "optim.loss_scale_growth_interval=2",  # the scale moves within a few steps
     "checkpoint.every=2",
+    # a schedule that does not depend on train.steps, so 4 + 2 steps are 6 steps
+    "optim.schedule=constant",
+    "optim.warmup_steps=0",
 ]
 
 
