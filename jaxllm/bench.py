@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxllm import config, sharding
 from jaxllm.metrics import flops_per_token, param_counts, peak_flops
+from jaxllm.train import loss_scale
 from jaxllm.train.loop import compile_steps, to_global
 from jaxllm.train.state import init_state
 
@@ -55,7 +56,8 @@ def compiled_step_flops(cfg: config.Config, mesh) -> float | None:
         ),
     )
     jit_train, _, tx, shardings, batch_sh = compile_steps(cost_cfg, mesh)
-    abstract_state = jax.eval_shape(lambda: init_state(cost_cfg.model, tx, mesh, 0))
+    scaling = loss_scale.from_config(cost_cfg.optim, cost_cfg.model)
+    abstract_state = jax.eval_shape(lambda: init_state(cost_cfg.model, tx, mesh, 0, scaling))
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
     )
@@ -69,7 +71,9 @@ def bench_train(cfg: config.Config, steps: int = 10, warmup: int = 2) -> dict:
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     jit_train, _, tx, _, batch_sh = compile_steps(cfg, mesh)
-    state = init_state(cfg.model, tx, mesh, cfg.run.seed)
+    state = init_state(
+        cfg.model, tx, mesh, cfg.run.seed, loss_scale.from_config(cfg.optim, cfg.model)
+    )
     batch = to_global(synthetic_batch(cfg), batch_sh)
 
     t0 = time.perf_counter()

@@ -4,7 +4,9 @@ preemption and a change of mesh.
 Each checkpoint holds five items: `params` and `train` (step, optimizer state, rng) as sharded
 arrays, `data` (the input iterator's state), `config` (the resolved config) and `tokenizer`
 (what is needed to rebuild it); models with non-trained variables (MoE router balancing
-biases) add a sixth, `model_state`, which inference restores with the parameters. Orbax writes
+biases) add a sixth, `model_state`, which inference restores with the parameters, and runs with
+dynamic loss scaling one more, `loss_scale` (the scale and its clean-step count; a checkpoint
+without it resumes with the configured initial scale). Orbax writes
 into a temporary directory and renames it when complete, so a process killed mid-save leaves the
 previous checkpoint as the newest one.
 
@@ -24,6 +26,7 @@ can be saved under its number.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import typing
 import warnings
@@ -107,6 +110,11 @@ def _state_items(state) -> dict:
     }
 
 
+def _fields(struct) -> dict:
+    """A flax struct dataclass's fields as a dict: Orbax saves and restores plain dicts."""
+    return {f.name: getattr(struct, f.name) for f in dataclasses.fields(struct)}
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
@@ -158,6 +166,8 @@ class Checkpointer:
         extra = {}
         if state.model_state:
             extra["model_state"] = ocp.args.StandardSave(state.model_state)
+        if state.loss_scale is not None:
+            extra["loss_scale"] = ocp.args.StandardSave(_fields(state.loss_scale))
         try:
             self._mgr.save(
                 step,
@@ -219,6 +229,16 @@ class Checkpointer:
         if abstract_state.model_state:
             extra["model_state"] = ocp.args.StandardRestore(abstract_state.model_state)
         for i, step in enumerate(candidates):
+            # Restored when this run scales dynamically and the checkpoint has one; otherwise
+            # the returned state's `loss_scale` is None.
+            with_scale = (
+                abstract_state.loss_scale is not None
+                and (self.directory / str(step) / "loss_scale").is_dir()
+            )
+            if with_scale:
+                extra["loss_scale"] = ocp.args.StandardRestore(_fields(abstract_state.loss_scale))
+            else:
+                extra.pop("loss_scale", None)
             try:
                 out = self._mgr.restore(
                     step,
@@ -248,7 +268,10 @@ class Checkpointer:
                 params=out["params"],
                 opt_state=train["opt"],
                 rng=train["rng"],
-                model_state=out["model_state"] if extra else {},
+                model_state=out["model_state"] if "model_state" in extra else {},
+                loss_scale=abstract_state.loss_scale.replace(**out["loss_scale"])
+                if with_scale
+                else None,
             )
             return state, out["data"], step
         return None

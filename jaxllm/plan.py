@@ -18,6 +18,7 @@ from jaxllm import config, sharding
 from jaxllm.infer.kv_cache import KINDS, model_bytes_per_token
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model
+from jaxllm.train import loss_scale
 from jaxllm.train.loop import compile_steps
 from jaxllm.train.state import init_state
 
@@ -111,7 +112,8 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     jit_train, _, tx, shardings, batch_sh = compile_steps(cfg, mesh)
-    abstract_state = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed))
+    scaling = loss_scale.from_config(cfg.optim, cfg.model)
+    abstract_state = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling))
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
     )

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
+from jaxllm.config.errors import JaxllmWarning
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.model import ModelConfig, validate_moe
 from jaxllm.config.sections import (
@@ -19,6 +21,14 @@ from jaxllm.config.sections import (
     RunConfig,
     TrainConfig,
     mesh_degrees,
+)
+
+# The keys of `optim.loss_scale`, the ones static scaling ignores after the first.
+_LOSS_SCALE_KEYS = (
+    "loss_scale_init",
+    "loss_scale_growth_interval",
+    "loss_scale_growth",
+    "loss_scale_backoff",
 )
 
 
@@ -224,5 +234,48 @@ class Config:
                 _fail(f"data source {src.path!r} has weight {src.weight}; weights must be > 0.")
         if not d.sources:
             _fail("data.sources is empty; name at least one corpus.")
+        self._validate_loss_scale()
         if self.train.nonfinite_patience < 1:
             _fail(f"train.nonfinite_patience must be >= 1, not {self.train.nonfinite_patience}.")
+
+    def _validate_loss_scale(self) -> None:
+        o = self.optim
+        mode = o.resolved_loss_scale(self.model.dtype)
+        # A key set away from its default where it cannot act is a mistake, not a no-op.
+        idle = {"none": _LOSS_SCALE_KEYS, "static": _LOSS_SCALE_KEYS[1:], "dynamic": ()}[mode]
+        for key in idle:
+            if getattr(o, key) != getattr(OptimConfig, key):
+                _fail(
+                    f"optim.{key} has no effect with optim.loss_scale={mode} (model.dtype="
+                    f"{self.model.dtype}); set optim.loss_scale="
+                    f"{'static or dynamic' if key == 'loss_scale_init' else 'dynamic'} or drop it."
+                )
+        if mode == "none":
+            if self.model.dtype == "float16":
+                warnings.warn(
+                    "model.dtype=float16 with optim.loss_scale=none: small gradients may flush "
+                    "to zero in the float16 backward pass; optim.loss_scale=dynamic avoids it.",
+                    JaxllmWarning,
+                    stacklevel=2,  # one place: a run validates twice, the warning shows once
+                )
+            return
+        if not math.isfinite(o.loss_scale_init) or o.loss_scale_init <= 0:
+            _fail(f"optim.loss_scale_init must be a finite number > 0, not {o.loss_scale_init}.")
+        if mode == "static":
+            return
+        if o.loss_scale_init < 1:
+            _fail(
+                f"optim.loss_scale_init ({o.loss_scale_init}) must be >= 1 with "
+                "optim.loss_scale=dynamic, whose scale never goes below 1."
+            )
+        if o.loss_scale_growth_interval < 1:
+            _fail(
+                "optim.loss_scale_growth_interval must be >= 1, not "
+                f"{o.loss_scale_growth_interval}."
+            )
+        if not (math.isfinite(o.loss_scale_growth) and o.loss_scale_growth > 1):
+            _fail(
+                f"optim.loss_scale_growth must be a finite number > 1, not {o.loss_scale_growth}."
+            )
+        if not 0 < o.loss_scale_backoff < 1:
+            _fail(f"optim.loss_scale_backoff must be in (0, 1), not {o.loss_scale_backoff}.")

@@ -111,6 +111,29 @@ class OptimConfig:
     """adamw_8bit: elements per quantization block (one float32 absmax scale per block)."""
     quantization: Literal["dynamic", "linear"] = "dynamic"
     """adamw_8bit code book: bitsandbytes' dynamic tree (fine near 0) or 256 even steps."""
+    loss_scale: Literal["auto", "dynamic", "static", "none"] = "auto"
+    """Multiply the loss (per token: the objective's sum over the token positions of a
+    microbatch) by a scale S before differentiation and divide the float32 gradients by S
+    before clipping, so small float16 gradients do not flush to zero (see
+    `jaxllm.train.loss_scale`). `dynamic` adapts S: a step whose gradients overflow is skipped
+    and backs S off, `loss_scale_growth_interval` clean steps grow it; `static` keeps S at
+    `loss_scale_init`; `none` does not scale. `auto`: dynamic when model.dtype is float16,
+    none for bfloat16 and float32 (their exponent range is float32's, nothing underflows)."""
+    loss_scale_init: float = 2.0**15
+    """S at the start (dynamic) or always (static); powers of two keep the unscaling exact."""
+    loss_scale_growth_interval: int = 2000
+    """Dynamic: grow S after this many clean steps in a row."""
+    loss_scale_growth: float = 2.0
+    """Dynamic: factor S grows by after `loss_scale_growth_interval` clean steps."""
+    loss_scale_backoff: float = 0.5
+    """Dynamic: factor S shrinks by after a step whose gradients were not finite (never below
+    1)."""
+
+    def resolved_loss_scale(self, dtype: str) -> str:
+        """`loss_scale` with `auto` resolved for the compute dtype `dtype` (model.dtype)."""
+        if self.loss_scale != "auto":
+            return self.loss_scale
+        return "dynamic" if dtype == "float16" else "none"
 
 
 # The OptimConfig keys (besides lr, schedule, warmup, min_lr_ratio, clip_norm) each optimizer

@@ -36,7 +36,7 @@ from jaxllm.infer import generate
 from jaxllm.load import load_weights
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.model import abstract_model
-from jaxllm.train import objectives
+from jaxllm.train import loss_scale, objectives
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
 from jaxllm.train.state import init_state, init_state_from, state_shardings
@@ -87,7 +87,8 @@ def compile_steps(cfg: config.Config, mesh):
     """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
     graphdef, _, axes = abstract_model(cfg.model)
     tx = optim.build(cfg.optim, cfg.train.steps, axes)
-    shardings = state_shardings(cfg.model, tx, mesh)
+    scaling = loss_scale.from_config(cfg.optim, cfg.model)
+    shardings = state_shardings(cfg.model, tx, mesh, scaling)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
     parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
@@ -100,6 +101,7 @@ def compile_steps(cfg: config.Config, mesh):
         parallel_settings=parallel_settings,
         grad_accum_steps=cfg.train.grad_accum_steps,
         param_shardings=shardings.params,
+        loss_scaling=scaling,
     )
     jit_train = jax.jit(
         step_fn,
@@ -217,8 +219,9 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
     """(state, step): the state resumed from the newest readable checkpoint, or initialised
     from `checkpoint.init_from` / an imported checkpoint, or fresh."""
     restored = None
+    scaling = loss_scale.from_config(cfg.optim, cfg.model)
     if cfg.checkpoint.resume:
-        abstract = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed))
+        abstract = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling))
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
         )
@@ -227,13 +230,21 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
         state, data_state, start = restored
         batches.set_state(data_state)
         _log(f"resumed from step {start} ({ckpt.directory.resolve()}/{start})")
+        if scaling is not None and scaling.dynamic and state.loss_scale is None:
+            # A checkpoint of a run without dynamic loss scaling: the scale starts afresh.
+            state = state.replace(
+                loss_scale=jax.device_put(scaling.initial(), shardings.loss_scale)
+            )
+            _log(f"the checkpoint has no loss scale; starting at {scaling.init:g}")
     elif (source := _init_source(cfg, ckpt.directory)) is not None:
         params, model_state = load_weights(source, cfg.model, mesh)
-        state = init_state_from(params, cfg.model, tx, mesh, cfg.run.seed, model_state)
+        state = init_state_from(
+            params, cfg.model, tx, mesh, cfg.run.seed, model_state, loss_scaling=scaling
+        )
         start = 0
         _log(f"initialized parameters from {source}")
     else:
-        state, start = init_state(cfg.model, tx, mesh, cfg.run.seed), 0
+        state, start = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling), 0
     return state, start
 
 
@@ -272,6 +283,8 @@ def _loop(
     pending = None  # (step, metrics on device) of the step dispatched last
     window_start, window_steps = time.perf_counter(), 0
     bad_in_a_row = 0
+    scaling = loss_scale.from_config(cfg.optim, cfg.model)
+    dynamic = scaling is not None and scaling.dynamic
 
     def finish(step: int, metrics, at_state=None) -> bool:
         """Reads step `step`'s metrics (blocking on it), logs them, evaluates when given the
@@ -280,11 +293,23 @@ def _loop(
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         window_steps += 1
         bar.update(1)
-        bad_in_a_row = bad_in_a_row + 1 if values["nonfinite"] else 0
-        if values["nonfinite"]:
+        # Under dynamic loss scaling an overflow is how the scale finds its level, not a fault:
+        # only a non-finite step at the scale's floor (1, no scaling) counts toward
+        # train.nonfinite.
+        overflow = values["nonfinite"] and dynamic and values["loss_scale"] > 1
+        if overflow:
+            _log(
+                f"step {step}: gradients overflowed at loss scale {values['loss_scale']:g}; "
+                f"update skipped, scale backed off to "
+                f"{max(values['loss_scale'] * scaling.backoff, 1.0):g}"
+            )
+        elif values["nonfinite"]:
+            bad_in_a_row += 1
             _log(
                 f"step {step}: non-finite loss or gradients (loss {values['loss']}); update skipped"
             )
+        else:
+            bad_in_a_row = 0
         if step % cfg.train.log_every and at_state is None and not values["nonfinite"]:
             return True
         elapsed = time.perf_counter() - window_start

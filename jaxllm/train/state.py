@@ -7,7 +7,6 @@ parameters and their logical axes, `jaxllm.sharding` turns those into shardings,
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax
@@ -32,9 +31,14 @@ class TrainState:
     # Model variables that are not trained by gradients (MoE router balancing biases), moved
     # by the step itself; a nested dict like params, {} for most models.
     model_state: Any
+    # The dynamic loss scale (`jaxllm.train.loss_scale.LossScaleState`), moved by the step;
+    # None when the loss is not scaled or the scale is static.
+    loss_scale: Any = None
 
 
-def _init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> TrainState:
+def _init(
+    model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, loss_scale=None
+) -> TrainState:
     init_key, state_key = jax.random.split(jax.random.key(seed))
     model = Transformer(model_cfg, rngs=nnx.Rngs(params=init_key))
     _, params, model_state = nnx.split(model, nnx.Param, ...)
@@ -45,6 +49,7 @@ def _init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -
         opt_state=tx.init(params),
         rng=jax.random.key_data(state_key),
         model_state=nnx.to_pure_dict(model_state),
+        loss_scale=loss_scale,
     )
 
 
@@ -152,9 +157,12 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
 
 
-def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
+def state_shardings(
+    model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, loss_scaling=None
+):
     """NamedShardings of every TrainState leaf: params, their optimizer moments and the model
-    state by the logical rules, scalars replicated."""
+    state by the logical rules, scalars (the loss scale of `loss_scaling` among them)
+    replicated."""
     _, abstract_params, axes = abstract_model(model_cfg)
     sharding.check_divisible(mesh, abstract_params, axes)
     param_sh = sharding.tree_shardings(mesh, axes)
@@ -168,23 +176,35 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
         opt_state=opt_sh,
         rng=replicated,
         model_state=model_state_sh,
+        loss_scale=_initial_loss_scale(loss_scaling, lambda _: replicated),
     )
 
 
-def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int) -> TrainState:
-    """A freshly initialised TrainState, each leaf created in its shards."""
-    shardings = state_shardings(model_cfg, tx, mesh)
-    init = jax.jit(functools.partial(_init, model_cfg, tx, seed), out_shardings=shardings)
+def _initial_loss_scale(loss_scaling, leaf=lambda x: x):
+    """The dynamic loss scale's start (None without one), each leaf passed through `leaf`."""
+    if loss_scaling is None:
+        return None
+    return jax.tree.map(leaf, loss_scaling.initial())
+
+
+def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int, loss_scaling=None) -> TrainState:
+    """A freshly initialised TrainState, each leaf created in its shards; `loss_scaling`
+    (`jaxllm.train.loss_scale.LossScaling`, None: no scaling) gives the loss scale's start."""
+    shardings = state_shardings(model_cfg, tx, mesh, loss_scaling)
+    init = jax.jit(
+        lambda: _init(model_cfg, tx, seed, _initial_loss_scale(loss_scaling)),
+        out_shardings=shardings,
+    )
     return init()
 
 
 def init_state_from(
-    params, model_cfg: ModelConfig, tx, mesh: Mesh, seed: int, model_state=None
+    params, model_cfg: ModelConfig, tx, mesh: Mesh, seed: int, model_state=None, loss_scaling=None
 ) -> TrainState:
     """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
-    routing biases; None: zeros): fresh optimizer state and rng, each leaf in its shards
-    (fine-tuning, `checkpoint.init_from`)."""
-    shardings = state_shardings(model_cfg, tx, mesh)
+    routing biases; None: zeros): fresh optimizer state, rng and loss scale, each leaf in its
+    shards (fine-tuning, `checkpoint.init_from`)."""
+    shardings = state_shardings(model_cfg, tx, mesh, loss_scaling)
 
     abstract_ms, _ = abstract_model_state(model_cfg)
 
@@ -198,6 +218,7 @@ def init_state_from(
             opt_state=tx.init(params),
             rng=jax.random.key_data(state_key),
             model_state=model_state,
+            loss_scale=_initial_loss_scale(loss_scaling),
         )
 
     return jax.jit(init, out_shardings=shardings)(params, model_state)

@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxllm import parallel, sharding
 from jaxllm.sharding import Parallel
+from jaxllm.train.loss_scale import LossScaling
 from jaxllm.train.objectives import Objective
 from jaxllm.train.state import TrainState
 
@@ -53,17 +54,28 @@ def train_step(
     parallel_settings: Parallel = Parallel(),
     grad_accum_steps: int = 1,
     param_shardings=None,
+    loss_scaling: LossScaling | None = None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step of `objective` on `batch` (the global batch, split into
     `grad_accum_steps` microbatches). Metrics: the objective's (sum / tokens), `nonfinite`,
-    `grad_norm`, `param_norm`, `lr`, `tokens`, and the model's (MoE loads)."""
+    `grad_norm`, `param_norm`, `lr`, `tokens`, the model's (MoE loads), and `loss_scale` (the
+    scale this step used) with `loss_scaling`."""
     with sharding.active(parallel_settings):
-        grad_fn = jax.grad(
-            lambda p, mb, rng: objective_value(
+        scale = None if loss_scaling is None else loss_scaling.scale(state.loss_scale)
+        # S scales the loss per token position of a microbatch, as it would scale a mean loss:
+        # the objective's sum would make the weight gradients, sums over all those tokens, as
+        # many times larger, so the scale that fits float16 would shrink with the batch.
+        positions = jax.tree.leaves(batch)[0].size // grad_accum_steps  # leaves are [B, L]
+
+        def loss_fn(p, mb, rng):
+            loss, out = objective_value(
                 p, mb, rng, graphdef=graphdef, objective=objective, model_state=state.model_state
-            ),
-            has_aux=True,
-        )
+            )
+            # Scaled before differentiation: the backward pass runs S times larger, above
+            # float16's underflow; the sums in `out` stay unscaled.
+            return (loss if scale is None else loss * (scale / positions)), out
+
+        grad_fn = jax.grad(loss_fn, has_aux=True)
         micro = _microbatches(batch, grad_accum_steps)
 
         # Dropout masks differ per step and microbatch, and are a function of (seed, step), so
@@ -91,13 +103,16 @@ def train_step(
         )
 
         count = jnp.maximum(sums.tokens, 1.0)
-        grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)
+        # Unscaled in float32 (the accumulator's dtype), before clipping and the optimizer.
+        denom = count if scale is None else count * (scale / positions)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A NaN/Inf loss or gradient never reaches the state, nor does an update that turns
         # finite parameters non-finite (a NaN learning rate, an overflow): keep the old params
-        # and moments, so a stop checkpoint holds the last finite parameters.
+        # and moments, so a stop checkpoint holds the last finite parameters. With dynamic loss
+        # scaling this is also the overflow check: such a step backs the scale off.
         finite = jnp.isfinite(sums.loss_sum)
         for value in sums.metrics.values():
             finite &= jnp.all(jnp.isfinite(value))
@@ -115,13 +130,21 @@ def train_step(
             lr=jnp.asarray(lr_schedule(state.step), jnp.float32),
             tokens=count,
         )
+        if scale is not None:
+            metrics["loss_scale"] = scale
         model = nnx.merge(
             graphdef, state.params, *([state.model_state] if state.model_state else [])
         )
         model_state, model_metrics = model.after_step(state.model_state, sums.model_stats, finite)
         metrics.update(model_metrics)
         new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
+            loss_scale=state.loss_scale
+            if loss_scaling is None
+            else loss_scaling.update(state.loss_scale, finite),
         )
         return new_state, metrics
 
