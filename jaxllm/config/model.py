@@ -228,6 +228,11 @@ class ModelConfig:
     """Storage dtype of parameters (and of optimizer state)."""
     dtype: str = "bfloat16"
     """Compute dtype of activations and matmuls; softmax statistics and the loss stay float32."""
+    matmul_dtype: str | None = None
+    """Dtype of the projection matmuls (attention and MLA, MLP, MoE experts): null (or the
+    name of `dtype`) runs them in the compute dtype; `float8` quantizes inputs and weights to
+    e4m3 and output gradients to e5m2 with per-tensor current scaling and float32 accumulation
+    (`jaxllm/model/fp8.py`). The LM head and the MoE router stay in the compute dtype / float32."""
     scan_unroll: int = 1
     """Blocks per iteration of the layer scan; num_layers unrolls it fully (longer compiles)."""
     remat: Literal["none", "full", "dots", "dots_with_no_batch_dims"] = "none"
@@ -264,6 +269,11 @@ class ModelConfig:
     def gated_mlp(self) -> bool:
         return self.mlp_activation in ("swiglu", "geglu")
 
+    @property
+    def fp8(self) -> bool:
+        """Projection matmuls in FP8 (`matmul_dtype=float8`)."""
+        return self.matmul_dtype == "float8"
+
     def layer_windows(self) -> tuple[int, ...] | None:
         """Per layer: the sliding window, or 0 for a global layer; None without windows."""
         if self.sliding_window is None:
@@ -295,6 +305,11 @@ class ModelConfig:
             )
         if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
             _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
+        if self.matmul_dtype not in (None, "float8", self.dtype):
+            _fail(
+                f"model.matmul_dtype must be null (the compute dtype, model.dtype={self.dtype}) "
+                f"or float8, not {self.matmul_dtype!r}."
+            )
 
     def _validate_rope(self) -> None:
         r = self.rope

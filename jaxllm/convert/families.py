@@ -26,7 +26,16 @@ from jaxllm.convert.llama import LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3
 
 # ModelConfig fields that are training or compute choices, not part of a checkpoint.
 NOT_ARCHITECTURE = frozenset(
-    {"dtype", "param_dtype", "scan_unroll", "remat", "attention_impl", "init_std", "dropout"}
+    {
+        "dtype",
+        "param_dtype",
+        "matmul_dtype",
+        "scan_unroll",
+        "remat",
+        "attention_impl",
+        "init_std",
+        "dropout",
+    }
 )
 # MoEConfig fields of the same kind: how experts are dispatched and the balancing losses.
 MOE_NOT_ARCHITECTURE = frozenset(

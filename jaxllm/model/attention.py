@@ -199,6 +199,7 @@ class Attention(nnx.Module):
     def _init_common(self, cfg):
         """What every attention variant has: masks, caps and positions."""
         self.dtype, self.impl = jnp.dtype(cfg.dtype), cfg.attention_impl
+        self.fp8 = cfg.fp8
         self.position, self.window = cfg.position, cfg.sliding_window
         self.scale, self.soft_cap = cfg.attn_scale, cfg.attn_soft_cap
         if cfg.position == "rope":
@@ -246,7 +247,7 @@ class Attention(nnx.Module):
         return inv_freq_K2, jnp.where(windowed, jnp.float32(1.0), jnp.float32(self.rope_scaling))
 
     def _project(self, spec, x, name):
-        y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype)
+        y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype, fp8=self.fp8)
         bias = getattr(self, f"{name}_bias", None)
         return y if bias is None else y + _broadcast(bias[...].astype(self.dtype), y.ndim)
 
@@ -339,7 +340,7 @@ class Attention(nnx.Module):
         return AttentionOutput(self._out(out_BxLxHxK))
 
     def _out(self, out_BxLxHxV):
-        out_BxLxD = matmul("blhv,hvd->bld", out_BxLxHxV, self.o_proj[...], self.dtype)
+        out_BxLxD = matmul("blhv,hvd->bld", out_BxLxHxV, self.o_proj[...], self.dtype, fp8=self.fp8)
         if hasattr(self, "o_bias"):
             out_BxLxD = out_BxLxD + _broadcast(self.o_bias[...].astype(self.dtype), 3)
         return out_BxLxD

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.model import fp8 as fp8_ops
+
 
 def param(rngs: nnx.Rngs, init, shape: Sequence[int], axes: tuple[str, ...], dtype) -> nnx.Param:
     """A parameter tagged with its logical axis names (read by `jaxllm.sharding`)."""
@@ -16,11 +18,28 @@ def param(rngs: nnx.Rngs, init, shape: Sequence[int], axes: tuple[str, ...], dty
     return nnx.Param(init(rngs.params(), tuple(shape), dtype), axes=axes)
 
 
-def matmul(spec: str, x: jax.Array, kernel: jax.Array, dtype, out_dtype=None) -> jax.Array:
-    """Every weight matmul of the model goes through here (one place to swap in fp8 later)."""
-    return jnp.einsum(
-        spec, x.astype(dtype), kernel.astype(dtype), preferred_element_type=out_dtype or dtype
-    ).astype(out_dtype or dtype)
+def matmul(
+    spec: str, x: jax.Array, kernel: jax.Array, dtype, out_dtype=None, *, fp8: bool = False
+) -> jax.Array:
+    """Every weight matmul of the model goes through here: `einsum(spec, x, kernel)` with both
+    operands in the compute `dtype`, or with `fp8` in e4m3 with float32 accumulation (and e5m2
+    output gradients; `fp8.py`). The output is in `out_dtype` (default `dtype`)."""
+    out_dtype = out_dtype or dtype
+    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    if fp8:
+        return fp8_ops.einsum(spec, x, kernel, dtype, out_dtype)
+    return jnp.einsum(spec, x, kernel, preferred_element_type=out_dtype).astype(out_dtype)
+
+
+def ragged_matmul(
+    x_AxD: jax.Array, kernel_ExDxF: jax.Array, sizes_E: jax.Array, dtype, *, fp8: bool = False
+) -> jax.Array:
+    """The grouped matmul of dropless MoE experts (`jax.lax.ragged_dot`: the first sizes_E[0]
+    rows times kernel 0, and so on), in `dtype` or fp8 as `matmul`."""
+    x_AxD, kernel_ExDxF = x_AxD.astype(dtype), kernel_ExDxF.astype(dtype)
+    if fp8:
+        return fp8_ops.ragged_dot(x_AxD, kernel_ExDxF, sizes_E, dtype)
+    return jax.lax.ragged_dot(x_AxD, kernel_ExDxF, sizes_E, preferred_element_type=dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -63,17 +63,21 @@ class MLAttention(Attention):
     def _queries(self, x_BxLxD, positions_BxL, windowed=None):
         """(q_nope [B, L, H, N], roped q_rope [B, L, H, E])."""
         if hasattr(self, "q_a_proj"):
-            c_BxLxC = self.q_a_norm(matmul("bld,dc->blc", x_BxLxD, self.q_a_proj[...], self.dtype))
-            q_BxLxHxK = matmul("blc,chk->blhk", c_BxLxC, self.q_b_proj[...], self.dtype)
+            c_BxLxC = self.q_a_norm(
+                matmul("bld,dc->blc", x_BxLxD, self.q_a_proj[...], self.dtype, fp8=self.fp8)
+            )
+            q_BxLxHxK = matmul(
+                "blc,chk->blhk", c_BxLxC, self.q_b_proj[...], self.dtype, fp8=self.fp8
+            )
         else:
-            q_BxLxHxK = matmul("bld,dhk->blhk", x_BxLxD, self.q_proj[...], self.dtype)
+            q_BxLxHxK = matmul("bld,dhk->blhk", x_BxLxD, self.q_proj[...], self.dtype, fp8=self.fp8)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
         q_rope_BxLxHxE = self._rope(q_BxLxHxK[..., self.nope :], positions_BxL, windowed)
         return q_BxLxHxK[..., : self.nope], q_rope_BxLxHxE
 
     def _latent(self, x_BxLxD, positions_BxL, windowed=None):
         """What a token caches: [normalised c ; roped k_rope] as one kv head [B, L, 1, R + E]."""
-        a_BxLxA = matmul("bld,da->bla", x_BxLxD, self.kv_a_proj[...], self.dtype)
+        a_BxLxA = matmul("bld,da->bla", x_BxLxD, self.kv_a_proj[...], self.dtype, fp8=self.fp8)
         c_BxLxR = self.kv_a_norm(a_BxLxA[..., : self.rank])
         k_rope_BxLx1xE = self._rope(a_BxLxA[:, :, None, self.rank :], positions_BxL, windowed)
         return jnp.concatenate([c_BxLxR[:, :, None], k_rope_BxLx1xE], axis=-1)
@@ -87,19 +91,27 @@ class MLAttention(Attention):
             cache = cache.write(latent_BxLx1xA, None)
             if not cache.prefill:
                 q_lat_BxQxHxR = matmul(
-                    "bqhn,rhn->bqhr", q_nope_BxLxHxN, w_BxRxHxNV[..., : self.nope], self.dtype
+                    "bqhn,rhn->bqhr",
+                    q_nope_BxLxHxN,
+                    w_BxRxHxNV[..., : self.nope],
+                    self.dtype,
+                    fp8=self.fp8,
                 )
                 q_BxQxHxA = jnp.concatenate([q_lat_BxQxHxR, q_rope_BxLxHxE], axis=-1)
                 out_BxQxHxR = self._attend_cache(q_BxQxHxA, cache, windowed, self.scale)
                 out_BxQxHxV = matmul(
-                    "bqhr,rhv->bqhv", out_BxQxHxR, w_BxRxHxNV[..., self.nope :], self.dtype
+                    "bqhr,rhv->bqhv",
+                    out_BxQxHxR,
+                    w_BxRxHxNV[..., self.nope :],
+                    self.dtype,
+                    fp8=self.fp8,
                 )
                 return AttentionOutput(self._out(out_BxQxHxV), cache)
         c_BxLxR, k_rope_BxLx1xE = (
             latent_BxLx1xA[:, :, 0, : self.rank],
             latent_BxLx1xA[..., self.rank :],
         )
-        kv_BxLxHxNV = matmul("blr,rhk->blhk", c_BxLxR, w_BxRxHxNV, self.dtype)
+        kv_BxLxHxNV = matmul("blr,rhk->blhk", c_BxLxR, w_BxRxHxNV, self.dtype, fp8=self.fp8)
         h = kv_BxLxHxNV.shape[2]
         k_BxLxHxK = jnp.concatenate(
             [

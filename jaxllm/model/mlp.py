@@ -56,11 +56,12 @@ class MLP(nnx.Module):
         out_std: float | None = None,
         dtype="float32",
         param_dtype="float32",
+        fp8: bool = False,
         rngs: nnx.Rngs,
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"MLP activation {activation!r} is not one of {ACTIVATIONS}")
-        self.dtype = jnp.dtype(dtype)
+        self.dtype, self.fp8 = jnp.dtype(dtype), fp8
         self.kind, self.approximate = activation, gelu_approximate
         gated = activation in GATED
         pdt = jnp.dtype(param_dtype)
@@ -79,7 +80,7 @@ class MLP(nnx.Module):
             self.down_bias = param(rngs, zeros, (d,), ("embed",), pdt)
 
     def _proj(self, spec: str, x, name: str):
-        y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype)
+        y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype, fp8=self.fp8)
         bias = getattr(self, f"{name}_bias", None)
         return y if bias is None else y + _broadcast(bias[...].astype(self.dtype), y.ndim)
 

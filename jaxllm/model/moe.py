@@ -42,7 +42,7 @@ from flax import nnx
 
 from jaxllm import parallel
 from jaxllm.config import MoEConfig
-from jaxllm.model.layers import matmul, param
+from jaxllm.model.layers import matmul, param, ragged_matmul
 from jaxllm.model.mlp import MLP
 from jaxllm.model.outputs import MoEOutput
 from jaxllm.sharding import constrain
@@ -131,26 +131,29 @@ def capacity_slots(expert_BxLxX: jax.Array, num_experts: int, cap: int):
     return slot_BxLxX, keep_BxLxX
 
 
-def expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype) -> jax.Array:
+def expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=False) -> jax.Array:
     """Each expert's SwiGLU on its own buffer rows."""
-    gate_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, gate_ExDxF, dtype)
-    up_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, up_ExDxF, dtype)
-    return matmul("gecf,efd->gecd", jax.nn.silu(gate_BxExCxF) * up_BxExCxF, down_ExFxD, dtype)
+    gate_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, gate_ExDxF, dtype, fp8=fp8)
+    up_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, up_ExDxF, dtype, fp8=fp8)
+    h_BxExCxF = jax.nn.silu(gate_BxExCxF) * up_BxExCxF
+    return matmul("gecf,efd->gecd", h_BxExCxF, down_ExFxD, dtype, fp8=fp8)
 
 
 def capacity_experts_local(
-    buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, *, expert_axis, tensor_axis, dtype
+    buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, *, expert_axis, tensor_axis, dtype, fp8=False
 ):
     """Per device under shard_map: sends each expert's buffer rows to the device holding the
     expert (all-to-all over `expert_axis`: [B, E, C, D] -> [n * B, E / n, C, D]), runs the
     local experts (hidden units split over `tensor_axis`), and sends the results back."""
     x_BxExCxD = jax.lax.all_to_all(buf_BxExCxD, expert_axis, 1, 0, tiled=True)
-    y_BxExCxD = expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype)
+    y_BxExCxD = expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8)
     y_BxExCxD = jax.lax.psum(y_BxExCxD, tensor_axis)
     return jax.lax.all_to_all(y_BxExCxD, expert_axis, 0, 1, tiled=True)
 
 
-def grouped_experts(x_TxD, expert_TxX, weight_TxX, gate_ExDxF, up_ExDxF, down_ExFxD, dtype):
+def grouped_experts(
+    x_TxD, expert_TxX, weight_TxX, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=False
+):
     """Dropless experts on one device: assignments sorted by expert, grouped matmuls, unsorted
     and combined. `expert_TxX` indexes the E experts given; assignments outside [0, E) belong
     to other devices' experts and contribute nothing here."""
@@ -165,7 +168,7 @@ def grouped_experts(x_TxD, expert_TxX, weight_TxX, gate_ExDxF, up_ExDxF, down_Ex
     xs_AxD = jnp.take(x_TxD, order_A // x, axis=0).astype(dtype)
 
     def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes_E, preferred_element_type=dtype)
+        return ragged_matmul(lhs, rhs, sizes_E, dtype, fp8=fp8)
 
     h_AxF = jax.nn.silu(grouped(xs_AxD, gate_ExDxF)) * grouped(xs_AxD, up_ExDxF)
     y_AxD = jnp.take(grouped(h_AxF, down_ExFxD), inverse_A, axis=0)
@@ -190,6 +193,7 @@ def dropless_experts_local(
     expert_axis,
     tensor_axis,
     dtype,
+    fp8=False,
 ):
     """Per device (under shard_map, or alone when both axes are None): with experts split over
     `expert_axis`, gathers the tokens of the expert group, runs this device's experts on the
@@ -208,6 +212,7 @@ def dropless_experts_local(
         up_ExDxF,
         down_ExFxD,
         dtype,
+        fp8,
     )
     out_BxLxD = out_TxD.reshape(b, l, d)
     if expert_axis is not None:
@@ -255,9 +260,10 @@ class MoE(nnx.Module):
         out_std,
         dtype,
         param_dtype,
+        fp8: bool = False,
         rngs: nnx.Rngs,
     ):
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.fp8 = cfg, dtype, fp8
         normal = jax.nn.initializers.normal
         d, f, e = d_model, expert_mlp_dim, cfg.num_experts
         self.router = param(rngs, normal(init_std), (d, e), ("embed", "router_expert"), param_dtype)
@@ -277,7 +283,9 @@ class MoE(nnx.Module):
         )
         # One SwiGLU as wide as all shared experts together.
         n_shared = cfg.num_shared_experts
-        opts = dict(init_std=init_std, out_std=out_std, dtype=dtype, param_dtype=param_dtype)
+        opts = dict(
+            init_std=init_std, out_std=out_std, dtype=dtype, param_dtype=param_dtype, fp8=fp8
+        )
         self.shared = MLP(d, n_shared * f, "swiglu", **opts, rngs=rngs) if n_shared else None
 
     def __call__(self, x_BxLxD: jax.Array):
@@ -292,7 +300,7 @@ class MoE(nnx.Module):
         gate, up, down = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
         dropped = jnp.zeros((), jnp.float32)
         if cfg.dispatch == "dropless":
-            fn = functools.partial(dropless_experts_local, dtype=dtype)
+            fn = functools.partial(dropless_experts_local, dtype=dtype, fp8=self.fp8)
             out_BxLxD = parallel.per_shard_dropless(
                 fn, x_BxLxD, r.expert_BxLxX, r.weight_BxLxX, gate, up, down
             )
@@ -307,12 +315,12 @@ class MoE(nnx.Module):
 
             buf_BxExCxD = jax.vmap(fill)(x_BxLxD.astype(dtype), slot_BxLxX).reshape(b, e, cap, d)
             if parallel.expert_all_to_all_active():
-                fn = functools.partial(capacity_experts_local, dtype=dtype)
+                fn = functools.partial(capacity_experts_local, dtype=dtype, fp8=self.fp8)
                 y_BxExCxD = parallel.per_shard_all_to_all(fn, buf_BxExCxD, gate, up, down)
             else:  # sharding constraints: filled where the tokens are, XLA moves them over
                 buf_BxExCxD = constrain(buf_BxExCxD, ("batch", None, None, "act_embed"))
                 buf_BxExCxD = constrain(buf_BxExCxD, ("expert_group", "expert", None, "act_embed"))
-                y_BxExCxD = expert_mlp(buf_BxExCxD, gate, up, down, dtype)
+                y_BxExCxD = expert_mlp(buf_BxExCxD, gate, up, down, dtype, self.fp8)
                 y_BxExCxD = constrain(y_BxExCxD, ("expert_group", "expert", None, "act_embed"))
             y_BxExCxD = constrain(y_BxExCxD, ("batch", None, None, "act_embed"))
             y_BxLxXxD = jax.vmap(lambda y, s: y.at[s].get(mode="fill", fill_value=0))(

@@ -70,6 +70,7 @@ class Block(nnx.Module):
                 out_std=out_std,
                 dtype=dtype,
                 param_dtype=pdt,
+                fp8=cfg.fp8,
                 rngs=rngs,
             )
         else:
@@ -83,6 +84,7 @@ class Block(nnx.Module):
                 out_std=out_std,
                 dtype=dtype,
                 param_dtype=pdt,
+                fp8=cfg.fp8,
                 rngs=rngs,
             )
         if cfg.norm_placement == "sandwich":
