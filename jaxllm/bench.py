@@ -71,9 +71,8 @@ def bench_train(cfg: config.Config, steps: int = 10, warmup: int = 2) -> dict:
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     jit_train, _, tx, _, batch_sh = compile_steps(cfg, mesh)
-    state = init_state(
-        cfg.model, tx, mesh, cfg.run.seed, loss_scale.from_config(cfg.optim, cfg.model)
-    )
+    scaling = loss_scale.from_config(cfg.optim, cfg.model)
+    state = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, zero_stage=cfg.mesh.zero_stage)
     batch = to_global(synthetic_batch(cfg), batch_sh)
 
     t0 = time.perf_counter()

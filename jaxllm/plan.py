@@ -20,7 +20,7 @@ from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model
 from jaxllm.train import loss_scale
 from jaxllm.train.loop import compile_steps
-from jaxllm.train.state import init_state
+from jaxllm.train.state import grad_shardings, init_state
 
 _UNITS = {
     "": 1,
@@ -142,7 +142,8 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
             }
         )
 
-    bill = memory_bill(abstract_state, shardings, axes)
+    grad_sh = grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage)
+    bill = memory_bill(abstract_state, shardings, axes, grad_sh)
     mem = compiled.memory_analysis()
     memory = {
         "arguments": mem.argument_size_in_bytes,
@@ -179,9 +180,9 @@ def _bytes(leaf, sharding=None) -> int:
     return int(np.prod(shape)) * leaf.dtype.itemsize
 
 
-def memory_bill(state, shardings, axes) -> dict:
+def memory_bill(state, shardings, axes, grad_sh=None) -> dict:
     """The state's share of device memory: parameters, gradients (one per parameter, in its
-    dtype and sharding) and optimizer state, in bytes on one device; plus optimizer-state bytes
+    dtype, sharded as `grad_sh`, by default like the parameter) and optimizer state, in bytes on one device; plus optimizer-state bytes
     per parameter over the whole model, and over matrices alone (leaves whose parameter has two
     or more dims besides the stacked layer/expert dims), where factored optimizers save."""
     params = jax.tree.leaves(state.params)
@@ -205,7 +206,7 @@ def memory_bill(state, shardings, axes) -> dict:
     per_device = lambda leaves, shs: sum(_bytes(a, s) for a, s in zip(leaves, shs))  # noqa: E731
     return {
         "parameters": per_device(params, param_sh),
-        "gradients": per_device(params, param_sh),
+        "gradients": per_device(params, param_sh if grad_sh is None else jax.tree.leaves(grad_sh)),
         "optimizer_state": per_device([leaf for _, leaf in opt_leaves], opt_sh),
         "opt_bytes_per_param": opt_total / n_params,
         "opt_bytes_per_matrix_param": matrix_opt / max(sum(matrix_paths.values()), 1),

@@ -151,6 +151,12 @@ class Config:
                     f"data-parallel size mesh.data * mesh.fsdp * mesh.expert = {dp}; use a "
                     f"multiple of {dp}."
                 )
+            if self.mesh.zero_stage and degrees["data"] == 1:
+                _fail(
+                    f"mesh.zero_stage={self.mesh.zero_stage} shards over mesh.data, which is 1 "
+                    f"on {num_devices} device(s); give mesh.data a degree > 1 or drop "
+                    "mesh.zero_stage (mesh.fsdp is ZeRO stage 3)."
+                )
             if m.moe.enabled and m.moe.num_experts % degrees["expert"]:
                 _fail(
                     f"mesh.expert ({degrees['expert']}) must divide model.moe.num_experts "

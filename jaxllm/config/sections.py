@@ -53,6 +53,11 @@ class MeshConfig:
     sequence_attention: Literal["all_gather", "ring"] = "all_gather"
     """How attention sees keys of other sequence shards: all-gather K/V, or ring attention
     (K/V blocks passed around the `sequence` axis, zigzag layout for causal load balance)."""
+    zero_stage: Literal[0, 1, 2] = 0
+    """ZeRO over the `data` axis while parameters stay whole on every replica: 1 shards the
+    optimizer state `mesh.data` ways, 2 the gradients too (a reduce-scatter replaces the
+    all-reduce; the updated parameters are all-gathered). Stage 3, parameters sharded as well,
+    is `mesh.fsdp`. 0: plain data parallelism."""
     expert_dispatch: Literal["annotations", "all_to_all"] = "annotations"
     """How capacity-mode MoE layers move token buffers to their experts' devices over
     `expert`: sharding constraints on the buffers, from which XLA makes the all-to-all, or an

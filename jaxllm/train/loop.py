@@ -39,7 +39,7 @@ from jaxllm.model import abstract_model
 from jaxllm.train import loss_scale, objectives
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
-from jaxllm.train.state import init_state, init_state_from, state_shardings
+from jaxllm.train.state import grad_shardings, init_state, init_state_from, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
@@ -88,7 +88,8 @@ def compile_steps(cfg: config.Config, mesh):
     graphdef, _, axes = abstract_model(cfg.model)
     tx = optim.build(cfg.optim, cfg.train.steps, axes)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
-    shardings = state_shardings(cfg.model, tx, mesh, scaling)
+    zero = cfg.mesh.zero_stage
+    shardings = state_shardings(cfg.model, tx, mesh, scaling, zero_stage=zero)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
     parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
@@ -100,7 +101,7 @@ def compile_steps(cfg: config.Config, mesh):
         objective=objective,
         parallel_settings=parallel_settings,
         grad_accum_steps=cfg.train.grad_accum_steps,
-        param_shardings=shardings.params,
+        grad_shardings=grad_shardings(cfg.model, mesh, zero),
         loss_scaling=scaling,
     )
     jit_train = jax.jit(
@@ -239,12 +240,20 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
     elif (source := _init_source(cfg, ckpt.directory)) is not None:
         params, model_state = load_weights(source, cfg.model, mesh)
         state = init_state_from(
-            params, cfg.model, tx, mesh, cfg.run.seed, model_state, loss_scaling=scaling
+            params,
+            cfg.model,
+            tx,
+            mesh,
+            cfg.run.seed,
+            model_state,
+            loss_scaling=scaling,
+            zero_stage=cfg.mesh.zero_stage,
         )
         start = 0
         _log(f"initialized parameters from {source}")
     else:
-        state, start = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling), 0
+        zero = cfg.mesh.zero_stage
+        state, start = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, zero_stage=zero), 0
     return state, start
 
 

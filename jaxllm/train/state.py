@@ -157,17 +157,50 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
 
 
+# The mesh axes ZeRO stages 1 and 2 split optimizer state and gradients over: the replicas.
+ZERO_AXES = ("data",)
+
+
+def zero_shardings(abstract_params, param_sh):
+    """Each parameter's sharding with the `ZERO_AXES` added to its largest dim they divide
+    (after the parameter's own axes): where ZeRO keeps that parameter's optimizer state (stage
+    1) and gradient (stage 2). A parameter none of whose dims they divide keeps its sharding."""
+
+    def one(leaf, s: NamedSharding) -> NamedSharding:
+        axes = tuple(a for a in ZERO_AXES if s.mesh.shape[a] > 1)
+        if not axes:
+            return s
+        spec = tuple(s.spec) + (None,) * (len(leaf.shape) - len(s.spec))
+        return NamedSharding(s.mesh, PartitionSpec(*_add_axes(s.mesh, spec, leaf.shape, axes)))
+
+    return jax.tree.map(one, abstract_params, param_sh)
+
+
+def grad_shardings(model_cfg: ModelConfig, mesh: Mesh, zero_stage: int = 0):
+    """Where the step keeps gradients: like their parameters, or split over the replicas
+    (`zero_shardings`) from ZeRO stage 2 on."""
+    _, abstract_params, axes = abstract_model(model_cfg)
+    param_sh = sharding.tree_shardings(mesh, axes)
+    return zero_shardings(abstract_params, param_sh) if zero_stage >= 2 else param_sh
+
+
 def state_shardings(
-    model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, loss_scaling=None
+    model_cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    loss_scaling=None,
+    *,
+    zero_stage: int = 0,
 ):
     """NamedShardings of every TrainState leaf: params, their optimizer moments and the model
     state by the logical rules, scalars (the loss scale of `loss_scaling` among them)
-    replicated."""
+    replicated. From `zero_stage` 1 on the optimizer state is also split over the replicas."""
     _, abstract_params, axes = abstract_model(model_cfg)
     sharding.check_divisible(mesh, abstract_params, axes)
     param_sh = sharding.tree_shardings(mesh, axes)
     replicated = NamedSharding(mesh, PartitionSpec())
-    opt_sh = opt_state_shardings(tx, abstract_params, param_sh)
+    moment_sh = zero_shardings(abstract_params, param_sh) if zero_stage else param_sh
+    opt_sh = opt_state_shardings(tx, abstract_params, moment_sh)
     _, model_state_axes = abstract_model_state(model_cfg)
     model_state_sh = sharding.tree_shardings(mesh, model_state_axes)
     return TrainState(
@@ -187,10 +220,13 @@ def _initial_loss_scale(loss_scaling, leaf=lambda x: x):
     return jax.tree.map(leaf, loss_scaling.initial())
 
 
-def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int, loss_scaling=None) -> TrainState:
-    """A freshly initialised TrainState, each leaf created in its shards; `loss_scaling`
-    (`jaxllm.train.loss_scale.LossScaling`, None: no scaling) gives the loss scale's start."""
-    shardings = state_shardings(model_cfg, tx, mesh, loss_scaling)
+def init_state(
+    model_cfg: ModelConfig, tx, mesh: Mesh, seed: int, loss_scaling=None, *, zero_stage: int = 0
+) -> TrainState:
+    """A freshly initialised TrainState, each leaf created in its shards (`state_shardings`);
+    `loss_scaling` (`jaxllm.train.loss_scale.LossScaling`, None: no scaling) gives the loss
+    scale's start."""
+    shardings = state_shardings(model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage)
     init = jax.jit(
         lambda: _init(model_cfg, tx, seed, _initial_loss_scale(loss_scaling)),
         out_shardings=shardings,
@@ -199,12 +235,20 @@ def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, seed: int, loss_scaling=N
 
 
 def init_state_from(
-    params, model_cfg: ModelConfig, tx, mesh: Mesh, seed: int, model_state=None, loss_scaling=None
+    params,
+    model_cfg: ModelConfig,
+    tx,
+    mesh: Mesh,
+    seed: int,
+    model_state=None,
+    loss_scaling=None,
+    *,
+    zero_stage: int = 0,
 ) -> TrainState:
     """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
     routing biases; None: zeros): fresh optimizer state, rng and loss scale, each leaf in its
     shards (fine-tuning, `checkpoint.init_from`)."""
-    shardings = state_shardings(model_cfg, tx, mesh, loss_scaling)
+    shardings = state_shardings(model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage)
 
     abstract_ms, _ = abstract_model_state(model_cfg)
 

@@ -53,7 +53,7 @@ def train_step(
     objective: Objective,
     parallel_settings: Parallel = Parallel(),
     grad_accum_steps: int = 1,
-    param_shardings=None,
+    grad_shardings=None,
     loss_scaling: LossScaling | None = None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step of `objective` on `batch` (the global batch, split into
@@ -92,8 +92,8 @@ def train_step(
             return (grads, sums), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        if param_shardings is not None:  # gradients live sharded like their parameters (ZeRO)
-            zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
+        if grad_shardings is not None:  # like their parameters, or split further (ZeRO-2)
+            zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
         # The accumulator's shapes, from a forward trace of the first microbatch.
         first = jax.tree.map(lambda x: x[0], micro)
         shapes = jax.eval_shape(grad_fn, state.params, first, step_key)[1]
