@@ -18,7 +18,7 @@ from jaxllm import config, sharding
 from jaxllm.metrics import flops_per_token, param_counts, peak_flops
 from jaxllm.train import loss_scale
 from jaxllm.train.loop import compile_steps, to_global
-from jaxllm.train.state import init_state
+from jaxllm.train.state import init_state, layout
 
 
 def synthetic_batch(cfg: config.Config, seed: int = 0) -> dict:
@@ -72,7 +72,7 @@ def bench_train(cfg: config.Config, steps: int = 10, warmup: int = 2) -> dict:
     mesh = sharding.make_mesh(cfg.mesh, devices)
     jit_train, _, tx, _, batch_sh = compile_steps(cfg, mesh)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
-    state = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, zero_stage=cfg.mesh.zero_stage)
+    state = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg))
     batch = to_global(synthetic_batch(cfg), batch_sh)
 
     t0 = time.perf_counter()

@@ -180,10 +180,15 @@ def _bytes(leaf, sharding=None) -> int:
     return int(np.prod(shape)) * leaf.dtype.itemsize
 
 
+def _on_host(sharding) -> bool:
+    return getattr(sharding, "memory_kind", None) in ("pinned_host", "unpinned_host")
+
+
 def memory_bill(state, shardings, axes, grad_sh=None) -> dict:
-    """The state's share of device memory: parameters, gradients (one per parameter, in its
-    dtype, sharded as `grad_sh`, by default like the parameter) and optimizer state, in bytes on one device; plus optimizer-state bytes
-    per parameter over the whole model, and over matrices alone (leaves whose parameter has two
+    """The state's share of one device's memory, in bytes: parameters, gradients (one per
+    parameter, in its dtype, sharded as `grad_sh`, by default like the parameter) and the
+    optimizer state held in device memory; `host`: the state this device keeps in host memory
+    (`optim.offload=host`). Plus optimizer-state bytes per parameter over the whole model, and over matrices alone (leaves whose parameter has two
     or more dims besides the stacked layer/expert dims), where factored optimizers save."""
     params = jax.tree.leaves(state.params)
     param_sh = jax.tree.leaves(shardings.params)
@@ -203,11 +208,16 @@ def memory_bill(state, shardings, axes, grad_sh=None) -> dict:
         keys = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
         if any(keys[i:] in matrix_paths for i in range(len(keys))):
             matrix_opt += _bytes(leaf)
-    per_device = lambda leaves, shs: sum(_bytes(a, s) for a, s in zip(leaves, shs))  # noqa: E731
+
+    def per_device(leaves, shs, host=False):
+        return sum(_bytes(a, s) for a, s in zip(leaves, shs) if _on_host(s) == host)
+
+    opt = [leaf for _, leaf in opt_leaves]
     return {
         "parameters": per_device(params, param_sh),
         "gradients": per_device(params, param_sh if grad_sh is None else jax.tree.leaves(grad_sh)),
-        "optimizer_state": per_device([leaf for _, leaf in opt_leaves], opt_sh),
+        "optimizer_state": per_device(opt, opt_sh),
+        "host": per_device(opt, opt_sh, host=True),
         "opt_bytes_per_param": opt_total / n_params,
         "opt_bytes_per_matrix_param": matrix_opt / max(sum(matrix_paths.values()), 1),
     }
@@ -263,6 +273,7 @@ def format_plan(r: dict) -> str:
                 ("gradients", r["bill"]["gradients"]),
                 ("optimizer_state", r["bill"]["optimizer_state"]),
                 ("activations/temps", m["temporaries"]),
+                ("in host memory", r["bill"]["host"]),
             )
         ),
         f"  optimizer state per parameter: {r['bill']['opt_bytes_per_param']:.3f} bytes "

@@ -235,9 +235,11 @@ class ModelConfig:
     (`jaxllm/model/fp8.py`). The LM head and the MoE router stay in the compute dtype / float32."""
     scan_unroll: int = 1
     """Blocks per iteration of the layer scan; num_layers unrolls it fully (longer compiles)."""
-    remat: Literal["none", "full", "dots", "dots_with_no_batch_dims"] = "none"
+    remat: Literal["none", "full", "dots", "dots_with_no_batch_dims", "offload"] = "none"
     """Activation checkpointing of each block: none, full (save only block inputs), or save matmul
-    outputs (`dots`: every matmul; `dots_with_no_batch_dims`: weight matmuls, not attention)."""
+    outputs (`dots`: every matmul; `dots_with_no_batch_dims`: weight matmuls, not attention;
+    `offload`: the weight matmuls' outputs too, but in host memory, copied back for the backward
+    pass)."""
     attention_impl: Literal["auto", "xla", "flash", "cudnn"] = "auto"
     """`xla` (einsum, float32 softmax), `flash` (the Pallas kernel of `jaxllm.kernels`;
     interpreted on CPU), `cudnn` (`jax.nn.dot_product_attention` on NVIDIA GPUs, no packed

@@ -116,6 +116,10 @@ class OptimConfig:
     """adamw_8bit: elements per quantization block (one float32 absmax scale per block)."""
     quantization: Literal["dynamic", "linear"] = "dynamic"
     """adamw_8bit code book: bitsandbytes' dynamic tree (fine near 0) or 256 even steps."""
+    offload: Literal["none", "host"] = "none"
+    """`host` keeps the optimizer state in host memory (`pinned_host`) between steps: the step
+    copies it to the device for the update and back, so the device holds it only while the
+    update runs. Device memory saved for host bandwidth; see README "Memory"."""
     loss_scale: Literal["auto", "dynamic", "static", "none"] = "auto"
     """Multiply the loss (per token: the objective's sum over the token positions of a
     microbatch) by a scale S before differentiation and divide the float32 gradients by S

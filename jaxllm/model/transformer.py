@@ -37,6 +37,8 @@ REMAT_POLICIES = {
     "full": None,  # save nothing but the block input; recompute the block in the backward pass
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # what dots_with_no_batch_dims saves, kept in host memory until the backward pass
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 

@@ -39,7 +39,13 @@ from jaxllm.model import abstract_model
 from jaxllm.train import loss_scale, objectives
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
-from jaxllm.train.state import grad_shardings, init_state, init_state_from, state_shardings
+from jaxllm.train.state import (
+    grad_shardings,
+    init_state,
+    init_state_from,
+    layout,
+    state_shardings,
+)
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
@@ -88,8 +94,7 @@ def compile_steps(cfg: config.Config, mesh):
     graphdef, _, axes = abstract_model(cfg.model)
     tx = optim.build(cfg.optim, cfg.train.steps, axes)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
-    zero = cfg.mesh.zero_stage
-    shardings = state_shardings(cfg.model, tx, mesh, scaling, zero_stage=zero)
+    shardings = state_shardings(cfg.model, tx, mesh, scaling, **layout(cfg))
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
     parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
@@ -101,7 +106,8 @@ def compile_steps(cfg: config.Config, mesh):
         objective=objective,
         parallel_settings=parallel_settings,
         grad_accum_steps=cfg.train.grad_accum_steps,
-        grad_shardings=grad_shardings(cfg.model, mesh, zero),
+        grad_shardings=grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage),
+        offload_opt_state=cfg.optim.offload == "host",
         loss_scaling=scaling,
     )
     jit_train = jax.jit(
@@ -247,13 +253,12 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
             cfg.run.seed,
             model_state,
             loss_scaling=scaling,
-            zero_stage=cfg.mesh.zero_stage,
+            **layout(cfg),
         )
         start = 0
         _log(f"initialized parameters from {source}")
     else:
-        zero = cfg.mesh.zero_stage
-        state, start = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, zero_stage=zero), 0
+        state, start = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg)), 0
     return state, start
 
 

@@ -157,6 +157,12 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
 
 
+def layout(cfg) -> dict:
+    """The `state_shardings` / `init_state` keywords a `Config` asks for: ZeRO stage and
+    optimizer-state offload."""
+    return {"zero_stage": cfg.mesh.zero_stage, "offload": cfg.optim.offload == "host"}
+
+
 # The mesh axes ZeRO stages 1 and 2 split optimizer state and gradients over: the replicas.
 ZERO_AXES = ("data",)
 
@@ -191,16 +197,20 @@ def state_shardings(
     loss_scaling=None,
     *,
     zero_stage: int = 0,
+    offload: bool = False,
 ):
     """NamedShardings of every TrainState leaf: params, their optimizer moments and the model
     state by the logical rules, scalars (the loss scale of `loss_scaling` among them)
-    replicated. From `zero_stage` 1 on the optimizer state is also split over the replicas."""
+    replicated. From `zero_stage` 1 on the optimizer state is also split over the replicas;
+    with `offload` it lives in host memory (`pinned_host`)."""
     _, abstract_params, axes = abstract_model(model_cfg)
     sharding.check_divisible(mesh, abstract_params, axes)
     param_sh = sharding.tree_shardings(mesh, axes)
     replicated = NamedSharding(mesh, PartitionSpec())
     moment_sh = zero_shardings(abstract_params, param_sh) if zero_stage else param_sh
     opt_sh = opt_state_shardings(tx, abstract_params, moment_sh)
+    if offload:
+        opt_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_sh)
     _, model_state_axes = abstract_model_state(model_cfg)
     model_state_sh = sharding.tree_shardings(mesh, model_state_axes)
     return TrainState(
@@ -221,12 +231,21 @@ def _initial_loss_scale(loss_scaling, leaf=lambda x: x):
 
 
 def init_state(
-    model_cfg: ModelConfig, tx, mesh: Mesh, seed: int, loss_scaling=None, *, zero_stage: int = 0
+    model_cfg: ModelConfig,
+    tx,
+    mesh: Mesh,
+    seed: int,
+    loss_scaling=None,
+    *,
+    zero_stage: int = 0,
+    offload: bool = False,
 ) -> TrainState:
     """A freshly initialised TrainState, each leaf created in its shards (`state_shardings`);
     `loss_scaling` (`jaxllm.train.loss_scale.LossScaling`, None: no scaling) gives the loss
     scale's start."""
-    shardings = state_shardings(model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage)
+    shardings = state_shardings(
+        model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload
+    )
     init = jax.jit(
         lambda: _init(model_cfg, tx, seed, _initial_loss_scale(loss_scaling)),
         out_shardings=shardings,
@@ -244,11 +263,14 @@ def init_state_from(
     loss_scaling=None,
     *,
     zero_stage: int = 0,
+    offload: bool = False,
 ) -> TrainState:
     """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
     routing biases; None: zeros): fresh optimizer state, rng and loss scale, each leaf in its
     shards (fine-tuning, `checkpoint.init_from`)."""
-    shardings = state_shardings(model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage)
+    shardings = state_shardings(
+        model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload
+    )
 
     abstract_ms, _ = abstract_model_state(model_cfg)
 

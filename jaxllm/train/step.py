@@ -54,6 +54,7 @@ def train_step(
     parallel_settings: Parallel = Parallel(),
     grad_accum_steps: int = 1,
     grad_shardings=None,
+    offload_opt_state: bool = False,
     loss_scaling: LossScaling | None = None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step of `objective` on `batch` (the global batch, split into
@@ -107,7 +108,10 @@ def train_step(
         denom = count if scale is None else count * (scale / positions)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        old_opt_state = state.opt_state
+        if offload_opt_state:  # kept in host memory between steps; updated on the device
+            old_opt_state = jax.device_put(old_opt_state, jax.memory.Space.Device)
+        updates, opt_state = tx.update(grads, old_opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A NaN/Inf loss or gradient never reaches the state, nor does an update that turns
         # finite parameters non-finite (a NaN learning rate, an overflow): keep the old params
@@ -120,8 +124,10 @@ def train_step(
         params, opt_state = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state),
-            (state.params, state.opt_state),
+            (state.params, old_opt_state),
         )
+        if offload_opt_state:
+            opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
         metrics = {k: v / count for k, v in sums.metrics.items()}
         metrics.update(
             nonfinite=1.0 - finite.astype(jnp.float32),
