@@ -20,7 +20,9 @@ def target(platform: str):
     """A context in which lowering for `platform` sees a device of that platform."""
     if platform not in ("cuda", "rocm"):
         return contextlib.nullcontext()
-    mesh = jax.sharding.AbstractMesh((1,), ("target",), abstract_device=TARGET_GPU)
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("target",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=TARGET_GPU
+    )
     return jax.sharding.use_abstract_mesh(mesh)
 
 

@@ -129,6 +129,32 @@ def test_fp8_input_gradient_is_the_e5m2_output_gradient():
     assert not np.array_equal(dx, g_LxD)
 
 
+def test_fp8_grouped_kernel_gradient_is_a_ragged_f8_dot():
+    """The MoE experts' kernel gradient: per group, x^T g on the e4m3 inputs and the e5m2
+    output gradient, accumulated in float32 (and lowered as a ragged dot of f8 operands)."""
+    x_AxD = jax.random.normal(jax.random.key(4), (12, 16))
+    w_ExDxF = jax.random.normal(jax.random.key(5), (3, 16, 8)) * 0.1
+    g_AxF = jax.random.normal(jax.random.key(6), (12, 8))
+    sizes_E = jnp.array([5, 0, 7], jnp.int32)
+
+    def f(x, w):
+        y = layers.ragged_matmul(x, w, sizes_E, jnp.float32, fp8=True)
+        return jnp.sum(y * g_AxF)
+
+    qx, sx = quantize(x_AxD, jnp.float8_e4m3fn)
+    qg, sg = quantize(g_AxF, E5M2)
+    qx, qg = np.asarray(qx.astype(jnp.float32)), np.asarray(qg.astype(jnp.float32))
+    bounds = np.cumsum([0, *np.asarray(sizes_E)])
+    want = np.stack([qx[a:b].T @ qg[a:b] for a, b in zip(bounds[:-1], bounds[1:])]) * (sx * sg)
+    dw = jax.grad(f, argnums=1)(x_AxD, w_ExDxF)
+    np.testing.assert_allclose(dw, want, rtol=1e-5, atol=1e-6)
+    step = jax.value_and_grad(f, argnums=(0, 1))
+    hlo = lower(step, x_AxD, w_ExDxF, platform="cuda").as_text()
+    ragged = [ln for ln in hlo.splitlines() if "ragged_dot" in ln and "->" in ln]
+    assert len(ragged) == 3, hlo  # forward, input gradient, kernel gradient
+    assert all("f8E" in ln.split("->")[0] and "xf32>" in ln.split("->")[-1] for ln in ragged)
+
+
 def test_quantize_uses_the_fp8_range_without_overflow():
     x = jnp.array([3e-3, -1.7e-3, 2.5e-4, 0.0])
     for fp8_dtype in (jnp.float8_e4m3fn, E5M2):

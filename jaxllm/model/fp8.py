@@ -77,12 +77,18 @@ def _einsum_bwd(spec, dtype, out_dtype, res, g):
 einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
+# x [A, D] and g [A, F] contracted over their rows A, which are ragged (grouped by sizes_E):
+# one [D, F] product per group, [E, D, F] like the kernel.
+_PER_GROUP_XTG = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def ragged_dot(x_AxD, kernel_ExDxF, sizes_E, dtype) -> jax.Array:
     """`jax.lax.ragged_dot` (rows of `x` grouped by `sizes_E`, group i times kernel i) in fp8
-    as `einsum`. The kernel's gradient (a per-group x^T g) has no ragged_dot form, so it is
-    taken through JAX's transpose of ragged_dot on the same e4m3 and e5m2 values, upcast to
-    `dtype` (exact: both formats fit in bfloat16)."""
+    as `einsum`; the kernel's gradient, one x^T g per group, is a `ragged_dot_general` whose
+    contracting (row) dim is the ragged one, on the same e4m3 and e5m2 values."""
     return _ragged_fwd(x_AxD, kernel_ExDxF, sizes_E, dtype)[0]
 
 
@@ -99,13 +105,11 @@ def _ragged_bwd(dtype, res, g_AxF):
     qk_ExFxD = jnp.swapaxes(qk, 1, 2)
     dx = jax.lax.ragged_dot(qg, qk_ExFxD, sizes_E, preferred_element_type=jnp.float32)
 
-    def apply(k):
-        return jax.lax.ragged_dot(qx.astype(dtype), k, sizes_E, preferred_element_type=dtype)
-
-    _, kernel_vjp = jax.vjp(apply, qk.astype(dtype))
-    (dk,) = kernel_vjp(qg.astype(dtype))
+    dk_ExDxF = jax.lax.ragged_dot_general(
+        qx, qg, sizes_E, _PER_GROUP_XTG, preferred_element_type=jnp.float32
+    )
     dsizes = np.zeros(sizes_E.shape, jax.dtypes.float0)
-    return (dx * (sg * sk)).astype(dtype), (dk * (sx * sg)).astype(dtype), dsizes
+    return (dx * (sg * sk)).astype(dtype), (dk_ExDxF * (sx * sg)).astype(dtype), dsizes
 
 
 ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
