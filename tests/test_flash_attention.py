@@ -78,22 +78,17 @@ CASES = [
         dict(causal=True, segment_ids="packed", sliding_window=30, soft_cap=3.0),
     ),
 ]
-BF16_CASES = {
-    "full_mha",
-    "causal_gqa4_odd",
-    "causal_mqa8",
-    "segments_causal_odd",
-    "window_causal",
-    "softcap_causal",
-    "all_masks_odd_k128",
-}
+BF16_CASES = {"full_mha", "causal_gqa4_odd", "all_masks_odd_k128"}  # all_masks: every mask at once
+BF16_SLOW = {"causal_mqa8", "segments_causal_odd", "window_causal", "softcap_causal"}
 
 
 def _params():
     for dtype in (jnp.float32, jnp.bfloat16):
         for name, *case in CASES:
-            if dtype == jnp.float32 or name in BF16_CASES:
-                yield pytest.param(dtype, *case, id=f"{jnp.dtype(dtype).name}-{name}")
+            slow = dtype == jnp.bfloat16 and name in BF16_SLOW
+            if dtype == jnp.float32 or name in BF16_CASES or slow:
+                marks = [pytest.mark.slow] if slow else []
+                yield pytest.param(dtype, *case, id=f"{jnp.dtype(dtype).name}-{name}", marks=marks)
 
 
 @pytest.mark.parametrize("dtype,b,l,h,g,k,kw", list(_params()))

@@ -199,6 +199,8 @@ def test_sliding_window_limits_the_receptive_field():
     )
 
 
+# ~35 s; soft cap and windows in the flash kernel: tests/test_flash_attention.py
+@pytest.mark.slow
 def test_gemma_style_model_flash_matches_xla():
     """Soft cap + alternating window through the Pallas kernel (interpreted, lax.cond picks the
     windowed or the global kernel per scanned layer): logits and gradients match XLA."""

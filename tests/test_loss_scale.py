@@ -124,6 +124,7 @@ def test_the_scale_grows_after_clean_steps_and_never_falls_below_one():
     assert float(state.scale) == 1.0  # the floor: below 1 scaling only shrinks gradients
 
 
+@pytest.mark.slow  # ~25 s
 def test_a_power_of_two_scale_is_exact_in_float32():
     """Scaling by 2**k and unscaling commute with every rounding of a float32 backward pass,
     so a scaled float32 run is bit-identical to an unscaled one, growth included."""
@@ -182,6 +183,7 @@ def loss_scale_item(step_dir) -> dict:
     return {k: np.asarray(v).item() for k, v in restored.items()}
 
 
+@pytest.mark.slow  # ~20 s
 def test_a_checkpoint_without_a_scale_resumes_with_the_initial_one(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *SMALL_RUN, "train.steps=2", f"run.dir={run}"]) == 0

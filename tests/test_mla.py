@@ -169,6 +169,8 @@ def test_sharded_generation_matches_one_device(model):
     assert generate(sharded, PROMPTS, gen, mesh=mesh).tokens == want
 
 
+# ~50 s; the sharded MLA step compiles in test_plan (latent cache on a mesh) by default
+@pytest.mark.slow
 def test_sharded_training_matches_one_device():
     """Heads split over tensor, the sequence over a ring (whose kernel-shaped blocks take the
     zero-padded values): two steps equal one device's."""

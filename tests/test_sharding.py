@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm import config, sharding
 from jaxllm.bench import synthetic_batch
 from jaxllm.train.loop import compile_steps, to_global
-from jaxllm.train.state import init_state
+from jaxllm.train.state import init_state, layout
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -39,7 +39,7 @@ def _train(cfg: config.Config, devices):
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     step, _, tx, _, batch_sh = compile_steps(cfg, mesh)
-    state = init_state(cfg.model, tx, mesh, seed=0)
+    state = init_state(cfg.model, tx, mesh, seed=0, **layout(cfg))
     losses = []
     for i in range(STEPS):
         state, metrics = step(state, to_global(synthetic_batch(cfg, seed=i), batch_sh))
@@ -54,31 +54,38 @@ def single_device_run():
 
 
 LAYOUTS = {
-    "dp8": dict(data=8),
-    "fsdp8": dict(fsdp=8),
+    "dp8_zero2": dict(data=8, zero_stage=2),
     "dp2_fsdp2_tp2": dict(data=2, fsdp=2, tensor=2),
     "fsdp2_tp2_sp2": dict(fsdp=2, tensor=2, sequence=2),
-    "tp4_sp2": dict(tensor=4, sequence=2),
     "fsdp4_sp2_ring": dict(fsdp=4, sequence=2, sequence_attention="ring"),
-    "tp2_sp4_ring": dict(tensor=2, sequence=4, sequence_attention="ring"),
     "dcn_dp2_fsdp4": dict(fsdp=4, dcn_data=2),
+}
+# each covered by the layouts above in parts (data, fsdp, tensor and sequence splits, the ring)
+SLOW_LAYOUTS = {
+    "dp8": dict(data=8),
+    "fsdp8": dict(fsdp=8),
+    "tp4_sp2": dict(tensor=4, sequence=2),
+    "tp2_sp4_ring": dict(tensor=2, sequence=4, sequence_attention="ring"),
+    "dp2_fsdp2_tp2_zero1": dict(data=2, fsdp=2, tensor=2, zero_stage=1),
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [*LAYOUTS, *(pytest.param(k, marks=pytest.mark.slow) for k in SLOW_LAYOUTS)]
+)
 def test_layout_matches_single_device(layout, single_device_run):
     ref_losses, ref_params = single_device_run
-    cfg = _cfg(**LAYOUTS[layout])
+    cfg = _cfg(**{**LAYOUTS, **SLOW_LAYOUTS}[layout])
     losses, state = _train(cfg, jax.devices())
     # float32 end to end; only the order of cross-device sums differs
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     got = jax.device_get(state.params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
-    _assert_state_shardings(state, sharding.make_mesh(cfg.mesh, jax.devices()))
+    _assert_state_shardings(state, sharding.make_mesh(cfg.mesh, jax.devices()), cfg.mesh.zero_stage)
 
 
-def _assert_state_shardings(state, mesh):
+def _assert_state_shardings(state, mesh, zero_stage=0):
     p = state.params
     gate = p["layers"]["mlp"]["gate_proj"]  # [N, D, F]: ('layers', 'embed', 'mlp')
     q = p["layers"]["attn"]["q_proj"]  # [N, D, H, K]
@@ -90,13 +97,19 @@ def _assert_state_shardings(state, mesh):
     assert gate.addressable_shards[0].data.shape == (2, 64 // fsdp, 128 // tensor)
     assert q.addressable_shards[0].data.shape == (2, 64 // fsdp, 8 // tensor, 8)
     assert down.addressable_shards[0].data.shape == (2, 128 // tensor, 64 // fsdp)
-    # ZeRO-3: every parameter and both Adam moments are split over fsdp, identically
+    # ZeRO-3: every parameter and both Adam moments are split over fsdp, identically; ZeRO-1/2
+    # split the moments over data as well, where the parameters are whole
     adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState
     for tree in (p, adam.mu, adam.nu):
         for leaf, ref in zip(jax.tree.leaves(tree), jax.tree.leaves(p)):
-            assert leaf.sharding == ref.sharding
+            axes = jax.tree.leaves(tuple(leaf.sharding.spec))
             if fsdp > 1:
-                assert "fsdp" in jax.tree.leaves(tuple(leaf.sharding.spec)), leaf.sharding
+                assert "fsdp" in axes, leaf.sharding
+            if tree is p or not zero_stage:
+                assert leaf.sharding == ref.sharding
+                assert "data" not in axes
+            elif leaf.ndim:
+                assert "data" in axes, (leaf.shape, leaf.sharding)
 
 
 def test_fsdp8_argument_bytes_are_an_eighth():

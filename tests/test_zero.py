@@ -1,19 +1,14 @@
 """ZeRO stages 1 and 2 (`mesh.zero_stage`) over the `data` axis: the memory bill per device on 8
-devices against the ZeRO paper's table, the same training as plain data parallelism, and the
-config errors."""
-
-import functools
+devices against the ZeRO paper's table, the shardings, and the config errors. That stages 1
+and 2 train as one device does: tests/test_sharding.py (dp8_zero2, dp2_fsdp2_tp2_zero1)."""
 
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_model
 
 from jaxllm import config, optim, sharding
-from jaxllm.bench import synthetic_batch
 from jaxllm.model import abstract_model
 from jaxllm.plan import memory_bill
-from jaxllm.train.loop import compile_steps, to_global
 from jaxllm.train.state import grad_shardings, init_state, state_shardings
 
 # psi = parameter count, N = 8 devices; float32 parameters and AdamW: bytes per device / psi
@@ -56,47 +51,6 @@ def test_zero_keeps_parameters_whole_and_splits_state_over_data():
     grads = grad_shardings(cfg.model, mesh, 2)["layers"]["mlp"]["up_proj"]
     assert grads == up_mu["up_proj"]
     assert grad_shardings(cfg.model, mesh, 1)["layers"]["mlp"]["up_proj"] == up
-
-
-def _train(zero_stage: int, steps: int = 3):
-    cfg = config.Config(
-        model=tiny_model(vocab_size=256),
-        mesh=config.MeshConfig(data=8, zero_stage=zero_stage),
-        data=config.DataConfig(seq_len=32),
-        train=config.TrainConfig(global_batch_size=8, grad_accum_steps=1, steps=steps),
-        optim=config.OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant"),
-    ).validate(N)
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices())
-    step, _, tx, shardings, batch_sh = compile_steps(cfg, mesh)
-    state = init_state(cfg.model, tx, mesh, seed=0, zero_stage=zero_stage)
-    assert jax.tree.leaves(state.opt_state) and all(
-        a.sharding == s
-        for a, s in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(shardings.opt_state))
-    )
-    batch = to_global(synthetic_batch(cfg), batch_sh)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(state.params), state
-
-
-@functools.cache
-def _plain_dp():
-    return _train(0)[:2]
-
-
-# stage 2 runs stage 1's sharded update too; stage 1 alone with -m slow (~20 s a compile)
-@pytest.mark.parametrize("stage", [2, pytest.param(1, marks=pytest.mark.slow)])
-def test_zero_trains_like_plain_data_parallelism(stage):
-    want_losses, want_params = _plain_dp()
-    losses, params, state = _train(stage)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    mu = state.opt_state[1][0].mu["layers"]["mlp"]["up_proj"]
-    assert mu.sharding.shard_shape(mu.shape) != mu.shape  # split 8 ways, not replicated
-    assert state.params["layers"]["mlp"]["up_proj"].sharding.is_fully_replicated
 
 
 def test_config_errors():
