@@ -27,14 +27,16 @@ from jaxllm.train.step import train_step
 HOST = '_xla_buffer_placement = "pinned_host"'
 
 
-def _cfg(offload="none", remat="none") -> config.Config:
+def _cfg(offload="none", remat="none", param_dtype="float32", **optim) -> config.Config:
     return config.Config(
-        model=tiny_model(vocab_size=256, remat=remat),
+        model=tiny_model(vocab_size=256, remat=remat, param_dtype=param_dtype),
         mesh=config.MeshConfig(data=1),
         data=config.DataConfig(seq_len=32),
         train=config.TrainConfig(global_batch_size=4, steps=3),
-        optim=config.OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", offload=offload),
-    )
+        optim=config.OptimConfig(
+            lr=1e-2, warmup_steps=0, schedule="constant", offload=offload, **optim
+        ),
+    ).validate()
 
 
 def _train(cfg):
@@ -60,6 +62,16 @@ def test_offload_trains_like_no_offload():
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {"device"}
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_float32_master_weights_of_bfloat16_parameters_live_in_host_memory():
+    losses, state = _train(_cfg("host", param_dtype="bfloat16", master_weights="float32"))
+    assert losses[-1] < losses[0]
+    master = state.opt_state.master
+    for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(master)):
+        assert p.dtype == jnp.bfloat16 and p.sharding.memory_kind == "device"
+        assert m.dtype == jnp.float32 and m.sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(m).astype(jnp.bfloat16))
 
 
 def _losses(run_dir):

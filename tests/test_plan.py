@@ -86,6 +86,7 @@ def test_plan_reports_the_latent_cache_of_an_mla_model():
     assert kv["bytes_per_device"] == kv["per_token"]["bfloat16"] * tokens / 4
 
 
+@pytest.mark.slow  # ~30 s; ring attention's numerics: test_sharding's ring layout
 def test_ring_attention_passes_kv_around_the_ring():
     r = _plan("mesh.data=1", "mesh.fsdp=4", "mesh.sequence=2", "mesh.sequence_attention=ring")
     assert r["collectives"]["collective-permute"]["count"] > 0
@@ -93,6 +94,7 @@ def test_ring_attention_passes_kv_around_the_ring():
     assert "collective-permute" not in gathered["collectives"]
 
 
+@pytest.mark.slow  # ~25 s: an 8B plan compile
 def test_full_remat_plans_far_fewer_temporaries_for_llama3_8b():
     path = REPO / "configs/runs/llama3_8b.yaml"
     full = _plan("mesh=fsdp", "model.remat=full", path=path)

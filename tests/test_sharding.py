@@ -112,6 +112,7 @@ def _assert_state_shardings(state, mesh, zero_stage=0):
                 assert "data" in axes, (leaf.shape, leaf.sharding)
 
 
+@pytest.mark.slow  # ~20 s; the 1/8 split by shardings: test_zero.py, test_plan.py
 def test_fsdp8_argument_bytes_are_an_eighth():
     def argument_bytes(cfg, devices):
         mesh = sharding.make_mesh(cfg.mesh, devices)

@@ -218,6 +218,12 @@ class Config:
             _fail(f"optim.momentum must be in [0, 1), not {o.momentum}.")
         if o.nesterov and o.momentum == 0:
             _fail("optim.nesterov=true needs optim.momentum > 0 (e.g. optim.momentum=0.9).")
+        if o.master_weights != "none" and self.model.param_dtype == o.master_weights:
+            _fail(
+                f"optim.master_weights={o.master_weights} copies parameters that are already "
+                f"{o.master_weights}; set model.param_dtype=bfloat16 (or float16) with it, or "
+                "drop it."
+            )
         c = self.checkpoint
         if c.every is not None and c.every < 1:
             _fail(

@@ -116,8 +116,14 @@ class OptimConfig:
     """adamw_8bit: elements per quantization block (one float32 absmax scale per block)."""
     quantization: Literal["dynamic", "linear"] = "dynamic"
     """adamw_8bit code book: bitsandbytes' dynamic tree (fine near 0) or 256 even steps."""
+    master_weights: Literal["none", "float32"] = "none"
+    """`float32`: the optimizer steps a float32 master copy of the parameters, kept in its state,
+    and the stored parameters are the master rounded to `model.param_dtype` (set that to
+    bfloat16 or float16 for the classic 2 + 2 + 4 + 8 bytes per parameter of mixed-precision
+    Adam). `none`: the optimizer steps the stored parameters."""
     offload: Literal["none", "host"] = "none"
-    """`host` keeps the optimizer state in host memory (`pinned_host`) between steps: the step
+    """`host` keeps the optimizer state (with the master weights, if any) in host memory
+    (`pinned_host`) between steps: the step
     copies it to the device for the update and back, so the device holds it only while the
     update runs. Device memory saved for host bandwidth; see README "Memory"."""
     loss_scale: Literal["auto", "dynamic", "static", "none"] = "auto"

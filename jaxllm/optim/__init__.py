@@ -2,8 +2,8 @@
 
 `optim.name` picks the optimizer; every one runs after global-norm clipping, with decoupled
 weight decay (Loshchilov & Hutter 2019) only on matrices (kernels and embeddings), never on
-norm scales or biases, and the learning-rate schedule. The result is a plain
-`optax.GradientTransformation`. Optax provides every optimizer but two, which live here each in
+norm scales or biases, and the learning-rate schedule, optionally on float32 master weights
+(`master.py`). The result is a plain `optax.GradientTransformation`. Optax provides every optimizer but two, which live here each in
 its own module: Adam-mini (`adam_mini`) and AdamW with 8-bit blockwise-quantized moments
 (`adamw_8bit`).
 """
@@ -17,6 +17,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from jaxllm.config import OptimConfig
 from jaxllm.optim import adam_mini, adamw_8bit
+from jaxllm.optim.master import with_master_weights
 
 NO_DECAY_NAMES = ("scale", "bias")  # norm scales; `bias` and every `*_bias` (projections)
 
@@ -139,6 +140,8 @@ def build(cfg: OptimConfig, total_steps: int, axes=None) -> optax.GradientTransf
             parts.append(optax.scale_by_trust_ratio())
         parts.append(optax.scale_by_learning_rate(lr))
         tx = optax.chain(*parts)
-    if cfg.clip_norm is None:
-        return tx
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+    if cfg.clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+    if cfg.master_weights != "none":
+        tx = with_master_weights(tx, cfg.master_weights)
+    return tx
