@@ -57,6 +57,22 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item.get_closest_marker("torch") is None]
 
 
+def abstract_state(*overrides: str):
+    """The config of `overrides` on this process's devices, as `jaxllm plan` bills it: (abstract
+    TrainState, its shardings, the parameters' logical axes, the gradients' shardings)."""
+    from jaxllm import config, optim, sharding
+    from jaxllm.model import abstract_model
+    from jaxllm.train.state import grad_shardings, init_state, layout, state_shardings
+
+    cfg = config.load(None, list(overrides))
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices())
+    _, _, axes = abstract_model(cfg.model)
+    tx = optim.build(cfg.optim, 10, axes)
+    shardings = state_shardings(cfg.model, tx, mesh, **layout(cfg))
+    state = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, 0))
+    return state, shardings, axes, grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage)
+
+
 def tiny_model(**overrides) -> ModelConfig:
     """A model small enough for many compiles per test, in float32 for tight comparisons."""
     base = dict(

@@ -168,3 +168,16 @@ def test_function_level_imports_only_defer_on_purpose():
 @pytest.mark.parametrize("module", sorted(DEFERRED))
 def test_the_deferring_modules_exist(module):
     assert module in _modules()
+
+
+def test_files_stay_readable_in_one_sitting():
+    """No module of the package or the kernels over 450 lines, no test file over 400: a file
+    past that holds more than one subject and is split by subject."""
+    limits = {"jaxllm": 450, "kernels": 450, "tests": 400}
+    over = [
+        f"{path.relative_to(ROOT)} ({n} lines > {limit})"
+        for top, limit in limits.items()
+        for path in sorted((ROOT / top).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > limit
+    ]
+    assert not over, over

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL_RUN, tiny_model
+from conftest import SMALL_RUN, abstract_state, tiny_model
 from lowering import lower
 
 from jaxllm import config, optim, sharding
@@ -21,7 +21,7 @@ from jaxllm.model import abstract_model
 from jaxllm.plan import memory_bill
 from jaxllm.train import objectives
 from jaxllm.train.loop import compile_steps, to_global
-from jaxllm.train.state import init_state, state_shardings
+from jaxllm.train.state import init_state
 from jaxllm.train.step import train_step
 
 HOST = '_xla_buffer_placement = "pinned_host"'
@@ -124,12 +124,9 @@ def test_lowered_step_keeps_state_and_activations_in_host_memory(platform):
 
 
 def test_plan_bills_offloaded_state_to_host_memory():
-    cfg = config.load(None, ["mesh=fsdp", "model.dtype=float32", "optim.offload=host"])
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices())
-    _, _, axes = abstract_model(cfg.model)
-    tx = optim.build(cfg.optim, 10, axes)
-    shardings = state_shardings(cfg.model, tx, mesh, offload=True)
-    state = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, 0))
+    state, shardings, axes, _ = abstract_state(
+        "mesh=fsdp", "model.dtype=float32", "optim.offload=host"
+    )
     bill = memory_bill(state, shardings, axes)
     psi = sum(p.size for p in jax.tree.leaves(state.params))
     assert bill["optimizer_state"] == 0

@@ -9,16 +9,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from conftest import SMALL_RUN
+from conftest import SMALL_RUN, abstract_state
 
 from jaxllm import config, optim, sharding
 from jaxllm.cli import main
-from jaxllm.model import abstract_model
 from jaxllm.optim import adam_mini, adamw_8bit
 from jaxllm.plan import memory_bill
-from jaxllm.train.state import init_state, opt_state_shardings, state_shardings
+from jaxllm.train.state import opt_state_shardings
 
 NAMES = list(config.OPTIM_READS)
 
@@ -211,15 +209,8 @@ def test_dynamic_code_is_the_bitsandbytes_map():
 # ------------------------------------------------------------------------- memory bill
 
 
-def _state_and_shardings(name, *overrides, model=None):
-    cfg = config.load(None, [f"optim.name={name}", *overrides])
-    model = model or cfg.model
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices())
-    _, _, axes = abstract_model(model)
-    tx = optim.build(cfg.optim, 10, axes)
-    shardings = state_shardings(model, tx, mesh)
-    state = jax.eval_shape(lambda: init_state(model, tx, mesh, 0))
-    return state, shardings, axes
+def _state_and_shardings(name, *overrides):
+    return abstract_state(f"optim.name={name}", *overrides)[:3]
 
 
 def _expected_8bit(params, block):
@@ -265,60 +256,6 @@ def test_bill_per_device_divides_by_the_fsdp_degree():
     total = sum(p.size * 4 for p in jax.tree.leaves(state.params))
     assert bill["parameters"] == pytest.approx(total / 8, rel=0.05)
     assert bill["optimizer_state"] == pytest.approx(total / 8, rel=0.05)  # ~4 bytes/param
-
-
-def test_mixed_precision_adam_is_the_16_bytes_per_parameter_rule():
-    """bfloat16 weights and gradients, float32 master weights and two float32 moments."""
-    mixed = ["model.param_dtype=bfloat16", "optim.master_weights=float32"]
-    state, shardings, axes = _state_and_shardings("adamw", *mixed)
-    bill = memory_bill(state, shardings, axes)
-    psi = sum(p.size for p in jax.tree.leaves(state.params))
-    assert bill["parameters"] == bill["gradients"] == 2 * psi
-    assert bill["optimizer_state"] == pytest.approx(12 * psi, rel=1e-3)  # master 4 + m, v 8
-    total = bill["parameters"] + bill["gradients"] + bill["optimizer_state"]
-    assert total / psi == pytest.approx(16.0, rel=1e-3)
-    master = state.opt_state.master["layers"]["mlp"]["up_proj"]
-    assert master.dtype == jnp.float32
-    assert (
-        shardings.opt_state.master["layers"]["mlp"]["up_proj"]
-        == (shardings.params["layers"]["mlp"]["up_proj"])
-    )
-
-
-def test_master_weights_keep_the_updates_bfloat16_rounds_away():
-    """lr * g = 1e-4 per step is below half a bfloat16 step at 1.0 (2^-9): the parameters alone
-    never move; with a float32 master they follow it, rounded."""
-    params = {"w": jnp.ones((4,), jnp.bfloat16)}
-    grads = {"w": jnp.ones((4,), jnp.bfloat16)}
-    results = {}
-    for master in ("none", "float32"):
-        cfg = config.OptimConfig(
-            name="sgd",
-            lr=1e-4,
-            schedule="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            clip_norm=None,
-            master_weights=master,
-        )
-        tx = optim.build(cfg, total_steps=100)
-        p, state = params, tx.init(params)
-        for _ in range(100):
-            updates, state = tx.update(grads, state, p)
-            p = optax.apply_updates(p, updates)
-        results[master] = p["w"], state
-    assert results["none"][0].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(results["none"][0], params["w"])
-    w, state = results["float32"]
-    assert w.dtype == jnp.bfloat16
-    np.testing.assert_allclose(state.master["w"], 1.0 - 100 * 1e-4, rtol=1e-5)
-    np.testing.assert_array_equal(w, state.master["w"].astype(jnp.bfloat16))
-    assert float(w[0]) < 1.0
-
-
-def test_master_weights_need_narrower_parameters():
-    with pytest.raises(config.ConfigError, match="already float32"):
-        config.load(None, ["optim.master_weights=float32"])
 
 
 # ------------------------------------------------------------------------- sharding

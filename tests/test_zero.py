@@ -5,11 +5,12 @@ and 2 train as one device does: tests/test_sharding.py (dp8_zero2, dp2_fsdp2_tp2
 import jax
 import numpy as np
 import pytest
+from conftest import abstract_state
 
 from jaxllm import config, optim, sharding
 from jaxllm.model import abstract_model
 from jaxllm.plan import memory_bill
-from jaxllm.train.state import grad_shardings, init_state, state_shardings
+from jaxllm.train.state import grad_shardings, state_shardings
 
 # psi = parameter count, N = 8 devices; float32 parameters and AdamW: bytes per device / psi
 N = 8
@@ -24,14 +25,8 @@ TABLE = {  # setup -> (mesh overrides, parameters, gradients, optimizer state)
 @pytest.mark.parametrize("setup", list(TABLE))
 def test_bill_per_device_matches_the_zero_table(setup):
     overrides, want_params, want_grads, want_opt = TABLE[setup]
-    cfg = config.load(None, [*overrides, "model.dtype=float32"]).validate(N)
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices())
-    _, _, axes = abstract_model(cfg.model)
-    tx = optim.build(cfg.optim, 10, axes)
-    zero = cfg.mesh.zero_stage
-    shardings = state_shardings(cfg.model, tx, mesh, zero_stage=zero)
-    state = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, 0))
-    bill = memory_bill(state, shardings, axes, grad_shardings(cfg.model, mesh, zero))
+    state, shardings, axes, grad_sh = abstract_state(*overrides, "model.dtype=float32")
+    bill = memory_bill(state, shardings, axes, grad_sh)
     psi = sum(p.size for p in jax.tree.leaves(state.params))
     got = [bill["parameters"] / psi, bill["gradients"] / psi, bill["optimizer_state"] / psi]
     np.testing.assert_allclose(got, [want_params, want_grads, want_opt], rtol=0.10)

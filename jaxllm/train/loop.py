@@ -39,13 +39,7 @@ from jaxllm.model import abstract_model
 from jaxllm.train import loss_scale, objectives
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
-from jaxllm.train.state import (
-    grad_shardings,
-    init_state,
-    init_state_from,
-    layout,
-    state_shardings,
-)
+from jaxllm.train.state import grad_shardings, init_state, init_state_from, layout, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
@@ -246,14 +240,7 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
     elif (source := _init_source(cfg, ckpt.directory)) is not None:
         params, model_state = load_weights(source, cfg.model, mesh)
         state = init_state_from(
-            params,
-            cfg.model,
-            tx,
-            mesh,
-            cfg.run.seed,
-            model_state,
-            loss_scaling=scaling,
-            **layout(cfg),
+            params, cfg.model, tx, mesh, cfg.run.seed, model_state, scaling, **layout(cfg)
         )
         start = 0
         _log(f"initialized parameters from {source}")
