@@ -309,6 +309,7 @@ def _plan_preset(preset, *overrides):
     return plan(cfg, jax.devices())
 
 
+@pytest.mark.slow  # ~20 s: a full-size plan compile; the expert-parallel layouts train above
 def test_mixtral_8x7b_plans_on_an_expert_parallel_mesh():
     r = _plan_preset("mixtral_8x7b", "model.moe.dispatch=capacity")
     assert r["params"] == 46_702_792_704  # Mixtral-8x7B's published count
