@@ -67,7 +67,8 @@ def report(out: Path, best: list[dict]) -> None:
     ]
     for b in sorted(best, key=lambda b: b["eval_loss"]):
         swept = ", ".join(
-            f"{run.split('=')[-1]}: {loss:.4f}" for run, loss in sorted(b["swept"].items())
+            f"{run.split('=')[-1]}: {loss:.4f}"
+            for run, loss in sorted(b["swept"].items(), key=lambda kv: float(kv[0].split("=")[-1]))
         )
         lr = b["run"].split("=")[-1]
         lines.append(f"| `{b['name']}` | {lr} | {b['eval_loss']:.4f} | {swept} |")
