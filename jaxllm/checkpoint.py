@@ -138,8 +138,12 @@ class Checkpointer:
         self._lead = jax.process_index() == 0
         self._mgr = manager(self.directory, cfg)
 
-    def save(self, state, *, data_state: dict, config: dict, tokenizer: dict) -> int:
+    def save(
+        self, state, *, data_state: dict, config: dict, tokenizer: dict, base: dict | None = None
+    ) -> int:
         """Starts writing `state` at its step (returns at once when async); returns the step.
+        `base`: a fine-tuning run's base record (`jaxllm.adapters.base_record`), saved as the
+        JSON item `base`.
         RunError when the directory is gone or the write fails (disk full, read-only)."""
         step = int(jax.device_get(state.step))
         self._finish("the previous checkpoint")
@@ -168,6 +172,8 @@ class Checkpointer:
             extra["model_state"] = ocp.args.StandardSave(state.model_state)
         if state.loss_scale is not None:
             extra["loss_scale"] = ocp.args.StandardSave(_fields(state.loss_scale))
+        if base is not None:
+            extra["base"] = ocp.args.JsonSave(base)
         try:
             self._mgr.save(
                 step,
@@ -272,6 +278,7 @@ class Checkpointer:
                 loss_scale=abstract_state.loss_scale.replace(**out["loss_scale"])
                 if with_scale
                 else None,
+                frozen=None,  # not saved: loaded again from the run's base
             )
             return state, out["data"], step
         return None

@@ -20,7 +20,7 @@ from jaxllm.train.step import BATCH_AXES, eval_step
 
 
 def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> dict:
-    cfg, mesh, graphdef, params, model_state, step = restore(path, overrides)
+    cfg, mesh, graphdef, params, model_state, step, frozen = restore(path, overrides)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     jit_eval = jax.jit(
         functools.partial(
@@ -33,6 +33,7 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
             jax.tree.map(lambda p: p.sharding, params),
             batch_sh,
             jax.tree.map(lambda p: p.sharding, model_state),
+            jax.tree.map(lambda p: p.sharding, frozen),
         ),
     )
     gbs = cfg.train.global_batch_size
@@ -40,7 +41,7 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
     batches = eval_batches(
         eval_rows, gbs, num_batches or cfg.train.eval_batches, process_rows(batch_sh, gbs)
     )
-    loss = evaluate(jit_eval, params, batches, batch_sh, model_state)
+    loss = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen)
     return {
         "step": step,
         "eval_loss": loss,

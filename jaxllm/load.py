@@ -3,7 +3,8 @@ Hugging Face model directory, always straight into their shards on a mesh.
 
     resolve(path)                  -> (run dir, checkpoints dir, step or None)
     restore(path, overrides)       -> Restored(cfg, mesh, graphdef, params, model_state, step)
-    load_model(path)               -> an nnx.Module (run directory or Hugging Face directory)
+    load_model(path)               -> an nnx.Module (run directory or Hugging Face directory);
+                                      a fine-tuning run's model has its adapters / soft prompt
     load_weights(source, cfg, mesh) -> (params, model state): `checkpoint.init_from`
 
 Every reader takes the newest readable checkpoint unless a step is named: a damaged newer one
@@ -19,11 +20,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxllm import checkpoint, config, sharding
+from jaxllm import adapters, checkpoint, config, sharding
 from jaxllm.config import ConfigError, ModelConfig
 from jaxllm.convert import is_hf_dir, load_params, model_config
 from jaxllm.data import check_vocab
 from jaxllm.model import abstract_model, abstract_model_state
+from jaxllm.train.step import merge
 
 
 class Restored(NamedTuple):
@@ -35,6 +37,11 @@ class Restored(NamedTuple):
     params: dict
     model_state: dict  # non-trained model variables (MoE routing biases); {} for most models
     step: int
+    frozen: dict | None = None  # a PEFT run's base (params are then its adapters / prompt)
+
+    def model(self) -> nnx.Module:
+        """The restored model (with its adapters unmerged, for a PEFT run)."""
+        return merge(self.graphdef, self.params, self.frozen, self.model_state)
 
 
 def resolve(path: str | Path) -> tuple[Path, Path | None, int | None]:
@@ -55,10 +62,11 @@ def resolve(path: str | Path) -> tuple[Path, Path | None, int | None]:
     )
 
 
-def weight_targets(model_cfg: ModelConfig, mesh: Mesh):
-    """(graphdef, params target, model-state target): the abstract weights of `model_cfg` as
-    ShapeDtypeStructs carrying their shardings on `mesh`, ready for `checkpoint.restore_weights`."""
-    graphdef, abstract, axes = abstract_model(model_cfg)
+def weight_targets(model_cfg: ModelConfig, mesh: Mesh, peft=None):
+    """(graphdef, params target, model-state target): the abstract weights of `model_cfg` (the
+    adapters / prompt of `peft`) as ShapeDtypeStructs carrying their shardings on `mesh`, ready
+    for `checkpoint.restore_weights`."""
+    graphdef, abstract, axes = abstract_model(model_cfg, peft)
     sharding.check_divisible(mesh, abstract, axes)
     abstract_ms, ms_axes = abstract_model_state(model_cfg)
     return graphdef, _on(mesh, abstract, axes), _on(mesh, abstract_ms, ms_axes)
@@ -86,9 +94,15 @@ def restore(path, overrides=(), *, mesh: Mesh | None = None) -> Restored:
         cfg.validate(len(devices))
         mesh = sharding.make_mesh(cfg.mesh, devices)
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
-    graphdef, target, ms_target = weight_targets(cfg.model, mesh)
+    graphdef, target, ms_target = weight_targets(cfg.model, mesh, cfg.peft)
     params, model_state, step = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
-    return Restored(cfg, mesh, graphdef, params, model_state, step)
+    frozen = None
+    if cfg.peft.method != "none":  # the base the adapters were trained on
+        record = checkpoint.read_json_item(ckpt_dir, step, adapters.BASE_ITEM)
+        if record is None:
+            raise ConfigError(f"{ckpt_dir}/{step} has no record of its fine-tuning base.")
+        frozen = adapters.load_frozen(cfg, mesh, record, verify=True)
+    return Restored(cfg, mesh, graphdef, params, model_state, step, frozen)
 
 
 def load_model(path, *, mesh: Mesh | None = None, overrides=()) -> nnx.Module:
@@ -112,7 +126,7 @@ def load_model(path, *, mesh: Mesh | None = None, overrides=()) -> nnx.Module:
             "model directory"
         ) from None
     restored = restore(path, overrides, mesh=mesh or sharding.make_mesh(config.MeshConfig()))
-    return nnx.merge(restored.graphdef, restored.params, restored.model_state)
+    return restored.model()
 
 
 def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict | None]:

@@ -30,6 +30,7 @@ from jaxllm.config.loading import (
     to_dict,
 )
 from jaxllm.config.model import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from jaxllm.config.peft import PeftConfig
 from jaxllm.config.root import Config
 from jaxllm.config.sections import (
     MESH_AXES,
@@ -60,6 +61,7 @@ __all__ = [
     "ModelConfig",
     "MoEConfig",
     "OptimConfig",
+    "PeftConfig",
     "RopeConfig",
     "RunConfig",
     "RunError",

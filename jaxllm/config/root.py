@@ -10,6 +10,7 @@ import warnings
 from jaxllm.config.errors import JaxllmWarning
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.model import ModelConfig, validate_moe
+from jaxllm.config.peft import PeftConfig
 from jaxllm.config.sections import (
     OPTIM_READS,
     OPTIM_SPECIFIC,
@@ -44,6 +45,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     generate: GenerateConfig = GenerateConfig()
+    peft: PeftConfig = PeftConfig()
 
     def validate(self, num_devices: int | None = None) -> Config:
         """Checks combinations no field type can express; returns self or raises ConfigError."""
@@ -71,6 +73,7 @@ class Config:
         if t.eval_every < 0 or t.sample_tokens < 0 or self.optim.warmup_steps < 0:
             _fail("train.eval_every, train.sample_tokens and optim.warmup_steps must be >= 0.")
         self._validate_values()
+        self.peft.validate()
         gen = self.generate
         if gen.max_new_tokens < 1 or gen.temperature < 0 or gen.top_k < 0:
             _fail("generate.max_new_tokens must be >= 1, generate.temperature and top_k >= 0.")

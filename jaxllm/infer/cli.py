@@ -14,8 +14,6 @@ import argparse
 import sys
 import time
 
-from flax import nnx
-
 from jaxllm.config import ConfigError, split_args
 from jaxllm.data.tokenizer import (
     check_coverage,
@@ -78,8 +76,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         if not prompts:
             raise ConfigError(f"--prompts-file {ns.prompts_file} has no prompts.")
 
-    cfg, mesh, graphdef, params, model_state, step = restore(path, [*overrides, *_overrides(ns)])
-    model = nnx.merge(graphdef, params, model_state)
+    restored = restore(path, [*overrides, *_overrides(ns)])
+    cfg, mesh, step, model = restored.cfg, restored.mesh, restored.step, restored.model()
 
     tok = make_tokenizer(cfg.data)
     check_coverage(tok, cfg.model.vocab_size, "jaxllm generate")

@@ -23,8 +23,10 @@ from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
 from jaxllm.model.transformer import (
     Block,
     Transformer,
+    abstract_frozen,
     abstract_model,
     abstract_model_state,
+    attach_peft,
     build,
     logical_axes,
 )
@@ -39,7 +41,9 @@ __all__ = [
     "MLP",
     "RMSNorm",
     "Transformer",
+    "abstract_frozen",
     "abstract_model",
+    "attach_peft",
     "abstract_model_state",
     "alibi_slopes",
     "apply_rope",

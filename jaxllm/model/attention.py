@@ -20,6 +20,7 @@ from flax import nnx
 from jaxllm import parallel
 from jaxllm.kernels import flash_attention
 from jaxllm.kernels.reference import attention_mask, masked_scores
+from jaxllm.model import lora
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
 from jaxllm.model.outputs import AttentionOutput
@@ -247,7 +248,7 @@ class Attention(nnx.Module):
         return inv_freq_K2, jnp.where(windowed, jnp.float32(1.0), jnp.float32(self.rope_scaling))
 
     def _project(self, spec, x, name):
-        y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype, fp8=self.fp8)
+        y = matmul(spec, x, lora.kernel(self, f"{name}_proj"), self.dtype, fp8=self.fp8)
         bias = getattr(self, f"{name}_bias", None)
         return y if bias is None else y + _broadcast(bias[...].astype(self.dtype), y.ndim)
 
@@ -340,7 +341,9 @@ class Attention(nnx.Module):
         return AttentionOutput(self._out(out_BxLxHxK))
 
     def _out(self, out_BxLxHxV):
-        out_BxLxD = matmul("blhv,hvd->bld", out_BxLxHxV, self.o_proj[...], self.dtype, fp8=self.fp8)
+        out_BxLxD = matmul(
+            "blhv,hvd->bld", out_BxLxHxV, lora.kernel(self, "o_proj"), self.dtype, fp8=self.fp8
+        )
         if hasattr(self, "o_bias"):
             out_BxLxD = out_BxLxD + _broadcast(self.o_bias[...].astype(self.dtype), 3)
         return out_BxLxD

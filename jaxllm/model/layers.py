@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.model import fp8 as fp8_ops
+from jaxllm.model import lora
 
 
 def param(rngs: nnx.Rngs, init, shape: Sequence[int], axes: tuple[str, ...], dtype) -> nnx.Param:
@@ -23,12 +24,37 @@ def matmul(
 ) -> jax.Array:
     """Every weight matmul of the model goes through here: `einsum(spec, x, kernel)` with both
     operands in the compute `dtype`, or with `fp8` in e4m3 with float32 accumulation (and e5m2
-    output gradients; `fp8.py`). The output is in `out_dtype` (default `dtype`)."""
+    output gradients; `fp8.py`). The output is in `out_dtype` (default `dtype`). The kernel may
+    be an array, an `NF4Tensor` (dequantized here) or a `lora.LoRAKernel` (x W + s (x A) B)."""
     out_dtype = out_dtype or dtype
-    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    if isinstance(kernel, lora.LoRAKernel):
+        y = matmul(spec, x, kernel.base, dtype, out_dtype, fp8=fp8)
+        return y + _lora_path(spec, x, kernel, dtype).astype(out_dtype)
+    x, kernel = x.astype(dtype), lora.as_array(kernel, dtype)
     if fp8:
         return fp8_ops.einsum(spec, x, kernel, dtype, out_dtype)
     return jnp.einsum(spec, x, kernel, preferred_element_type=out_dtype).astype(out_dtype)
+
+
+def _lora_path(spec: str, x: jax.Array, k: lora.LoRAKernel, dtype) -> jax.Array:
+    """s (dropout(x) A) B for `matmul`'s spec: A takes the kernel's leading and contracted
+    dims plus the rank, B the leading dims, the rank and the kernel's output dims."""
+    ins, rest = spec.split("->")
+    xs, ks = ins.split(",")
+    r = next(c for c in "rzyxwvu" if c not in spec)
+    contracted = [c for c in ks if c in xs and c not in rest]
+    outs = [c for c in ks if c not in xs]
+    lead = [c for c in ks if c in xs and c in rest]
+    a_spec = ks[: len(ks) - len(outs)] + r
+    h_spec = "".join(c for c in xs if c not in contracted) + r
+    b_spec = "".join(lead) + r + "".join(outs)
+    x = x.astype(dtype)
+    if k.dropout and k.key is not None:
+        keep = jax.random.bernoulli(k.key, 1.0 - k.dropout, x.shape)
+        x = jnp.where(keep, x / (1.0 - k.dropout), 0).astype(dtype)
+    h = jnp.einsum(f"{xs},{a_spec}->{h_spec}", x, k.a.astype(dtype))
+    y = jnp.einsum(f"{h_spec},{b_spec}->{rest}", h, k.b.astype(dtype))
+    return y * jnp.asarray(k.scale, dtype)
 
 
 def ragged_matmul(

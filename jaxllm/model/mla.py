@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.model import lora
 from jaxllm.model.attention import Attention
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.outputs import AttentionOutput
@@ -64,20 +65,26 @@ class MLAttention(Attention):
         """(q_nope [B, L, H, N], roped q_rope [B, L, H, E])."""
         if hasattr(self, "q_a_proj"):
             c_BxLxC = self.q_a_norm(
-                matmul("bld,dc->blc", x_BxLxD, self.q_a_proj[...], self.dtype, fp8=self.fp8)
+                matmul(
+                    "bld,dc->blc", x_BxLxD, lora.kernel(self, "q_a_proj"), self.dtype, fp8=self.fp8
+                )
             )
             q_BxLxHxK = matmul(
-                "blc,chk->blhk", c_BxLxC, self.q_b_proj[...], self.dtype, fp8=self.fp8
+                "blc,chk->blhk", c_BxLxC, lora.kernel(self, "q_b_proj"), self.dtype, fp8=self.fp8
             )
         else:
-            q_BxLxHxK = matmul("bld,dhk->blhk", x_BxLxD, self.q_proj[...], self.dtype, fp8=self.fp8)
+            q_BxLxHxK = matmul(
+                "bld,dhk->blhk", x_BxLxD, lora.kernel(self, "q_proj"), self.dtype, fp8=self.fp8
+            )
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
         q_rope_BxLxHxE = self._rope(q_BxLxHxK[..., self.nope :], positions_BxL, windowed)
         return q_BxLxHxK[..., : self.nope], q_rope_BxLxHxE
 
     def _latent(self, x_BxLxD, positions_BxL, windowed=None):
         """What a token caches: [normalised c ; roped k_rope] as one kv head [B, L, 1, R + E]."""
-        a_BxLxA = matmul("bld,da->bla", x_BxLxD, self.kv_a_proj[...], self.dtype, fp8=self.fp8)
+        a_BxLxA = matmul(
+            "bld,da->bla", x_BxLxD, lora.kernel(self, "kv_a_proj"), self.dtype, fp8=self.fp8
+        )
         c_BxLxR = self.kv_a_norm(a_BxLxA[..., : self.rank])
         k_rope_BxLx1xE = self._rope(a_BxLxA[:, :, None, self.rank :], positions_BxL, windowed)
         return jnp.concatenate([c_BxLxR[:, :, None], k_rope_BxLx1xE], axis=-1)
@@ -86,7 +93,7 @@ class MLAttention(Attention):
         """As `Attention.__call__`; the cache holds the latent (`_latent`)."""
         q_nope_BxLxHxN, q_rope_BxLxHxE = self._queries(x_BxLxD, positions_BxL, windowed)
         latent_BxLx1xA = self._latent(x_BxLxD, positions_BxL, windowed)
-        w_BxRxHxNV = self.kv_b_proj[...]
+        w_BxRxHxNV = lora.dense(self, "kv_b_proj", self.dtype)
         if cache is not None:
             cache = cache.write(latent_BxLx1xA, None)
             if not cache.prefill:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.model import lora
 from jaxllm.model.layers import matmul, param
 from jaxllm.sharding import constrain
 
@@ -80,7 +81,7 @@ class MLP(nnx.Module):
             self.down_bias = param(rngs, zeros, (d,), ("embed",), pdt)
 
     def _proj(self, spec: str, x, name: str):
-        y = matmul(spec, x, getattr(self, f"{name}_proj")[...], self.dtype, fp8=self.fp8)
+        y = matmul(spec, x, lora.kernel(self, f"{name}_proj"), self.dtype, fp8=self.fp8)
         bias = getattr(self, f"{name}_bias", None)
         return y if bias is None else y + _broadcast(bias[...].astype(self.dtype), y.ndim)
 

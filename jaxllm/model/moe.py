@@ -42,6 +42,7 @@ from flax import nnx
 
 from jaxllm import parallel
 from jaxllm.config import MoEConfig
+from jaxllm.model import lora
 from jaxllm.model.layers import matmul, param, ragged_matmul
 from jaxllm.model.mlp import MLP
 from jaxllm.model.outputs import MoEOutput
@@ -297,7 +298,7 @@ class MoE(nnx.Module):
         )
         bias_E = None if self.router_bias is None else self.router_bias[...]
         r = route(logits_BxLxE, bias_E, cfg)
-        gate, up, down = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+        gate, up, down = (lora.dense(self, n, dtype) for n in ("gate_proj", "up_proj", "down_proj"))
         dropped = jnp.zeros((), jnp.float32)
         if cfg.dispatch == "dropless":
             fn = functools.partial(dropless_experts_local, dtype=dtype, fp8=self.fp8)

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import ModelConfig, PeftConfig
+from jaxllm.model import lora
 from jaxllm.model import moe as moe_lib
 from jaxllm.model.layers import Embed, make_norm, matmul, param
 from jaxllm.model.mla import make_attention
@@ -281,7 +282,8 @@ class Transformer(nnx.Module):
         if cfg.tie_embeddings:
             logits_BxLxV = self.embed.attend(x_BxLxD)
         else:
-            logits_BxLxV = matmul("bld,dv->blv", x_BxLxD, self.lm_head[...], dtype, jnp.float32)
+            head = lora.kernel(self, "lm_head")
+            logits_BxLxV = matmul("bld,dv->blv", x_BxLxD, head, dtype, jnp.float32)
         if cfg.final_soft_cap is not None:
             cap = jnp.float32(cfg.final_soft_cap)
             logits_BxLxV = cap * jnp.tanh(logits_BxLxV / cap)
@@ -321,10 +323,19 @@ class Transformer(nnx.Module):
         return jax.lax.scan(body, carry, (state, per_layer), unroll=self.cfg.scan_unroll)
 
 
-def build(cfg: ModelConfig, seed: int | jax.Array = 0) -> Transformer:
-    """A model with freshly initialised parameters (on the default device)."""
+def build(cfg: ModelConfig, seed: int | jax.Array = 0, peft: PeftConfig | None = None):
+    """A model with freshly initialised parameters (on the default device), with the adapters
+    or soft prompt of `peft` attached."""
     key = jax.random.key(seed) if isinstance(seed, int) else seed
-    return Transformer(cfg, rngs=nnx.Rngs(params=key))
+    model = Transformer(cfg, rngs=nnx.Rngs(params=key))
+    attach_peft(model, peft, key)
+    return model
+
+
+def attach_peft(model: Transformer, peft: PeftConfig | None, key: jax.Array) -> None:
+    """Adds `peft`'s trainable parts to a model built from `key` (their own stream of it)."""
+    if peft is not None and peft.method != "none":
+        lora.attach(model, peft, jax.random.fold_in(key, 0x10AA))
 
 
 def logical_axes(state) -> dict:
@@ -335,14 +346,30 @@ def logical_axes(state) -> dict:
     }
 
 
-def abstract_model(cfg: ModelConfig):
-    """(graphdef, abstract params as a dict of ShapeDtypeStruct, logical axes dict).
+def _abstract_split(cfg: ModelConfig, peft: PeftConfig | None):
+    """(graphdef, trainable, frozen, model state) of the abstract model, as `nnx.State`s."""
+    model = nnx.eval_shape(lambda: build(cfg, 0, peft))
+    if peft is None or peft.method == "none":
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return graphdef, params, nnx.State({}), rest
+    return nnx.split(model, lora.trainable(peft), nnx.Param, ...)
 
-    The graphdef merges with params and the model state: `nnx.merge(graphdef, params,
-    model_state)` (the model state may be left out when it is empty)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state, _ = nnx.split(model, nnx.Param, ...)
+
+def abstract_model(cfg: ModelConfig, peft: PeftConfig | None = None):
+    """(graphdef, abstract trainable params as a dict of ShapeDtypeStruct, logical axes dict):
+    every parameter, or under `peft` only the adapters / soft prompt (`abstract_frozen` has the
+    rest).
+
+    The graphdef merges with params, the frozen params and the model state: `nnx.merge(graphdef,
+    params, frozen, model_state)` (empty ones may be left out)."""
+    graphdef, state, _, _ = _abstract_split(cfg, peft)
     return graphdef, nnx.to_pure_dict(state), logical_axes(state)
+
+
+def abstract_frozen(cfg: ModelConfig, peft: PeftConfig | None = None):
+    """(abstract frozen params, logical axes): the base under `peft`, {} without it."""
+    _, _, state, _ = _abstract_split(cfg, peft)
+    return nnx.to_pure_dict(state), logical_axes(state)
 
 
 def abstract_model_state(cfg: ModelConfig):

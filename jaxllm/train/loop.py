@@ -24,10 +24,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxllm import checkpoint, config, optim, sharding
+from jaxllm import adapters, checkpoint, config, optim, sharding
 from jaxllm.config import JaxllmWarning
 from jaxllm.data import check_vocab
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
@@ -40,7 +39,7 @@ from jaxllm.train import loss_scale, objectives
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
 from jaxllm.train.state import grad_shardings, init_state, init_state_from, layout, state_shardings
-from jaxllm.train.step import BATCH_AXES, eval_step, train_step
+from jaxllm.train.step import BATCH_AXES, eval_step, merge, train_step
 
 
 def _log(msg: str) -> None:
@@ -85,7 +84,7 @@ def _init_source(cfg: config.Config, ckpt_dir: Path) -> str | None:
 
 def compile_steps(cfg: config.Config, mesh):
     """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
-    graphdef, _, axes = abstract_model(cfg.model)
+    graphdef, _, axes = abstract_model(cfg.model, cfg.peft)
     tx = optim.build(cfg.optim, cfg.train.steps, axes)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     shardings = state_shardings(cfg.model, tx, mesh, scaling, **layout(cfg))
@@ -100,7 +99,7 @@ def compile_steps(cfg: config.Config, mesh):
         objective=objective,
         parallel_settings=parallel_settings,
         grad_accum_steps=cfg.train.grad_accum_steps,
-        grad_shardings=grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage),
+        grad_shardings=grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft),
         offload_opt_state=cfg.optim.offload == "host",
         loss_scaling=scaling,
     )
@@ -114,15 +113,19 @@ def compile_steps(cfg: config.Config, mesh):
         functools.partial(
             eval_step, graphdef=graphdef, objective=objective, parallel_settings=parallel_settings
         ),
-        in_shardings=(shardings.params, batch_sh, shardings.model_state),
+        in_shardings=(shardings.params, batch_sh, shardings.model_state, shardings.frozen),
     )
     return jit_train, jit_eval, tx, shardings, batch_sh
 
 
-def evaluate(jit_eval, params, batches: list[dict], batch_sh, model_state=None) -> float:
+def evaluate(
+    jit_eval, params, batches: list[dict], batch_sh, model_state=None, frozen=None
+) -> float:
     global_rows = len(batches[0]["inputs"]) * jax.process_count() if batches else 0
     model_state = {} if model_state is None else model_state
-    sums = [jit_eval(params, to_global(b, batch_sh, global_rows), model_state) for b in batches]
+    sums = [
+        jit_eval(params, to_global(b, batch_sh, global_rows), model_state, frozen) for b in batches
+    ]
     nll = sum(float(s["nll_sum"]) for s in sums)
     tokens = sum(float(s["tokens"]) for s in sums)
     return nll / max(tokens, 1.0)
@@ -187,7 +190,8 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
         with _run_errors(run_dir):
             with signals.writing:
                 ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint)
-            state, start = _start_state(cfg, ckpt, mesh, tx, shardings, batches)
+            base = adapters.base_record(cfg)
+            state, start = _start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
             if lead:
                 with signals.writing:
                     config.dump(cfg, run_dir / "config.yaml")
@@ -197,7 +201,17 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     try:
         with _run_errors(run_dir):
             return _loop(
-                cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_out, batch_sh
+                cfg,
+                signals,
+                state,
+                start,
+                ckpt,
+                jit_train,
+                jit_eval,
+                batches,
+                held_out,
+                batch_sh,
+                base,
             )
     finally:
         if lock:
@@ -216,19 +230,27 @@ def _run_errors(run_dir: Path):
         ) from e
 
 
-def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batches):
+def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batches, base):
     """(state, step): the state resumed from the newest readable checkpoint, or initialised
-    from `checkpoint.init_from` / an imported checkpoint, or fresh."""
+    from `checkpoint.init_from` / an imported checkpoint, or fresh. A PEFT run's frozen base
+    comes from `base` (`adapters.base_record`), the one its checkpoints record."""
     restored = None
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     if cfg.checkpoint.resume:
-        abstract = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling))
+        abstract = jax.eval_shape(
+            lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg))
+        )
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
         )
         restored = ckpt.restore_latest(abstract)
     if restored is not None:
         state, data_state, start = restored
+        if base is not None:
+            adapters.check_base(
+                checkpoint.read_json_item(ckpt.directory, start, adapters.BASE_ITEM), base
+            )
+            state = state.replace(frozen=adapters.load_frozen(cfg, mesh, base))
         batches.set_state(data_state)
         _log(f"resumed from step {start} ({ckpt.directory.resolve()}/{start})")
         if scaling is not None and scaling.dynamic and state.loss_scale is None:
@@ -250,7 +272,7 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
 
 
 def _loop(
-    cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_out, batch_sh
+    cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_out, batch_sh, base=None
 ) -> dict:
     run_dir = Path(cfg.run.dir)
     lead = jax.process_index() == 0
@@ -260,6 +282,8 @@ def _loop(
         "config": config.to_dict(cfg),
         "tokenizer": checkpoint.tokenizer_record(cfg.data.tokenizer),
     }
+    if base is not None:
+        extras[adapters.BASE_ITEM] = base
 
     def save(at_state, data_state) -> None:
         step = ckpt.save(at_state, data_state=data_state, **extras)
@@ -318,7 +342,7 @@ def _loop(
         values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
         if at_state is not None:
             values["eval_loss"] = evaluate(
-                jit_eval, at_state.params, held_out, batch_sh, at_state.model_state
+                jit_eval, at_state.params, held_out, batch_sh, at_state.model_state, at_state.frozen
             )
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
         if writer:
@@ -387,24 +411,22 @@ def _loop(
         return {**final, "stopped": stopped}
 
     if cfg.train.sample_prompt and cfg.train.sample_tokens:
-        params, model_state = state.params, state.model_state
+        weights = (state.params, state.frozen, state.model_state)
         if jax.process_count() > 1:  # every process takes part in the gather
             from jax.experimental import multihost_utils
 
-            params, model_state = multihost_utils.process_allgather(
-                (params, model_state), tiled=True
-            )
+            weights = multihost_utils.process_allgather(weights, tiled=True)
         if lead:
-            final["sample"] = sample(cfg, params, model_state)
+            final["sample"] = sample(cfg, *weights)
     return final
 
 
-def sample(cfg: config.Config, params, model_state=None) -> str:
+def sample(cfg: config.Config, params, frozen=None, model_state=None) -> str:
     """Greedy continuation of `train.sample_prompt` (KV-cached, `generate.*` cache settings),
     printed to stdout."""
     tok = make_tokenizer(cfg.data)
-    graphdef, _, _ = abstract_model(cfg.model)
-    model = nnx.merge(graphdef, jax.device_get(params), jax.device_get(model_state or {}))
+    graphdef, _, _ = abstract_model(cfg.model, cfg.peft)
+    model = merge(graphdef, *jax.device_get((params, frozen, model_state)))
     bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
     n = min(cfg.train.sample_tokens, cfg.model.max_seq_len - 1)
     prompt = [*bos, *tok.encode(cfg.train.sample_prompt).tolist()]

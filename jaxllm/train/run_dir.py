@@ -87,11 +87,16 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
     except ConfigError:
         return  # written by another version of jaxllm: restoring decides
     differ = []
-    if _shapes(abstract_model(theirs.model)[1]) != _shapes(abstract_model(cfg.model)[1]) or (
+    if _shapes(abstract_model(theirs.model, theirs.peft)[1]) != _shapes(
+        abstract_model(cfg.model, cfg.peft)[1]
+    ) or (
         _shapes(abstract_model_state(theirs.model)[0])
         != _shapes(abstract_model_state(cfg.model)[0])
     ):
-        ours, old = _flat(config.to_dict(cfg)["model"], "model."), _flat(saved["model"], "model.")
+        ours = {**_flat(config.to_dict(cfg)["model"], "model.")}
+        old = {**_flat(saved["model"], "model.")}
+        ours.update(_flat(config.to_dict(cfg)["peft"], "peft."))
+        old.update(_flat(saved.get("peft", {}), "peft."))
         differ = [
             f"{k} ({old.get(k)!r} there, {ours.get(k)!r} here)"
             for k in sorted(set(ours) | set(old))

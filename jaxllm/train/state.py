@@ -18,8 +18,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm import sharding
-from jaxllm.config import ConfigError, ModelConfig
-from jaxllm.model import Transformer, abstract_model, abstract_model_state
+from jaxllm.config import ConfigError, ModelConfig, PeftConfig
+from jaxllm.model import (
+    Transformer,
+    abstract_frozen,
+    abstract_model,
+    abstract_model_state,
+    attach_peft,
+    lora,
+)
 
 
 @flax.struct.dataclass
@@ -34,14 +41,28 @@ class TrainState:
     # The dynamic loss scale (`jaxllm.train.loss_scale.LossScaleState`), moved by the step;
     # None when the loss is not scaled or the scale is static.
     loss_scale: Any = None
+    # Parameters that do not train (`peft`: the base under the adapters or soft prompt, its
+    # matmul weights in NF4 under QLoRA); a nested dict like params, None without peft. Never
+    # checkpointed: it is loaded again from the base the run records.
+    frozen: Any = None
 
 
 def _init(
-    model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, loss_scale=None
+    model_cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    seed: int,
+    loss_scale=None,
+    peft: PeftConfig | None = None,
 ) -> TrainState:
     init_key, state_key = jax.random.split(jax.random.key(seed))
     model = Transformer(model_cfg, rngs=nnx.Rngs(params=init_key))
-    _, params, model_state = nnx.split(model, nnx.Param, ...)
+    frozen = None
+    if peft is None or peft.method == "none":
+        _, params, model_state = nnx.split(model, nnx.Param, ...)
+    else:
+        attach_peft(model, peft, init_key)
+        _, params, frozen, model_state = nnx.split(model, lora.trainable(peft), nnx.Param, ...)
+        frozen = freeze(nnx.to_pure_dict(frozen), peft)
     params = nnx.to_pure_dict(params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -50,7 +71,13 @@ def _init(
         rng=jax.random.key_data(state_key),
         model_state=nnx.to_pure_dict(model_state),
         loss_scale=loss_scale,
+        frozen=frozen,
     )
+
+
+def freeze(params, peft: PeftConfig | None):
+    """The base parameters as `TrainState.frozen` keeps them under `peft`."""
+    return params
 
 
 def _dict_keys(path) -> tuple[str, ...]:
@@ -158,9 +185,13 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param
 
 
 def layout(cfg) -> dict:
-    """The `state_shardings` / `init_state` keywords a `Config` asks for: ZeRO stage and
-    optimizer-state offload."""
-    return {"zero_stage": cfg.mesh.zero_stage, "offload": cfg.optim.offload == "host"}
+    """The `state_shardings` / `init_state` keywords a `Config` asks for: ZeRO stage,
+    optimizer-state offload, and what trains (`peft`)."""
+    return {
+        "zero_stage": cfg.mesh.zero_stage,
+        "offload": cfg.optim.offload == "host",
+        "peft": cfg.peft,
+    }
 
 
 # The mesh axes ZeRO stages 1 and 2 split optimizer state and gradients over: the replicas.
@@ -182,10 +213,10 @@ def zero_shardings(abstract_params, param_sh):
     return jax.tree.map(one, abstract_params, param_sh)
 
 
-def grad_shardings(model_cfg: ModelConfig, mesh: Mesh, zero_stage: int = 0):
-    """Where the step keeps gradients: like their parameters, or split over the replicas
-    (`zero_shardings`) from ZeRO stage 2 on."""
-    _, abstract_params, axes = abstract_model(model_cfg)
+def grad_shardings(model_cfg: ModelConfig, mesh: Mesh, zero_stage: int = 0, peft=None):
+    """Where the step keeps gradients (of what trains under `peft`): like their parameters, or
+    split over the replicas (`zero_shardings`) from ZeRO stage 2 on."""
+    _, abstract_params, axes = abstract_model(model_cfg, peft)
     param_sh = sharding.tree_shardings(mesh, axes)
     return zero_shardings(abstract_params, param_sh) if zero_stage >= 2 else param_sh
 
@@ -198,12 +229,13 @@ def state_shardings(
     *,
     zero_stage: int = 0,
     offload: bool = False,
+    peft: PeftConfig | None = None,
 ):
-    """NamedShardings of every TrainState leaf: params, their optimizer moments and the model
-    state by the logical rules, scalars (the loss scale of `loss_scaling` among them)
-    replicated. From `zero_stage` 1 on the optimizer state is also split over the replicas;
-    with `offload` it lives in host memory (`pinned_host`)."""
-    _, abstract_params, axes = abstract_model(model_cfg)
+    """NamedShardings of every TrainState leaf: params, their optimizer moments, the frozen
+    base of `peft` and the model state by the logical rules, scalars (the loss scale of
+    `loss_scaling` among them) replicated. From `zero_stage` 1 on the optimizer state is also
+    split over the replicas; with `offload` it lives in host memory (`pinned_host`)."""
+    _, abstract_params, axes = abstract_model(model_cfg, peft)
     sharding.check_divisible(mesh, abstract_params, axes)
     param_sh = sharding.tree_shardings(mesh, axes)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -220,7 +252,17 @@ def state_shardings(
         rng=replicated,
         model_state=model_state_sh,
         loss_scale=_initial_loss_scale(loss_scaling, lambda _: replicated),
+        frozen=frozen_shardings(model_cfg, mesh, peft),
     )
+
+
+def frozen_shardings(model_cfg: ModelConfig, mesh: Mesh, peft: PeftConfig | None):
+    """NamedShardings of the frozen base under `peft` (None without)."""
+    if peft is None or peft.method == "none":
+        return None
+    abstract, axes = abstract_frozen(model_cfg, peft)
+    sharding.check_divisible(mesh, abstract, axes)
+    return sharding.tree_shardings(mesh, axes)
 
 
 def _initial_loss_scale(loss_scaling, leaf=lambda x: x):
@@ -239,15 +281,16 @@ def init_state(
     *,
     zero_stage: int = 0,
     offload: bool = False,
+    peft: PeftConfig | None = None,
 ) -> TrainState:
     """A freshly initialised TrainState, each leaf created in its shards (`state_shardings`);
     `loss_scaling` (`jaxllm.train.loss_scale.LossScaling`, None: no scaling) gives the loss
-    scale's start."""
+    scale's start; under `peft` the base is the seed's random one."""
     shardings = state_shardings(
-        model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload
+        model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload, peft=peft
     )
     init = jax.jit(
-        lambda: _init(model_cfg, tx, seed, _initial_loss_scale(loss_scaling)),
+        lambda: _init(model_cfg, tx, seed, _initial_loss_scale(loss_scaling), peft),
         out_shardings=shardings,
     )
     return init()
@@ -264,12 +307,14 @@ def init_state_from(
     *,
     zero_stage: int = 0,
     offload: bool = False,
+    peft: PeftConfig | None = None,
 ) -> TrainState:
     """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
     routing biases; None: zeros): fresh optimizer state, rng and loss scale, each leaf in its
-    shards (fine-tuning, `checkpoint.init_from`)."""
+    shards (fine-tuning, `checkpoint.init_from`). Under `peft` the parameters are the frozen
+    base, and the adapters / soft prompt start fresh from the seed."""
     shardings = state_shardings(
-        model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload
+        model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload, peft=peft
     )
 
     abstract_ms, _ = abstract_model_state(model_cfg)
@@ -278,9 +323,13 @@ def init_state_from(
         state_key = jax.random.split(jax.random.key(seed))[1]  # as `_init`: same rng stream
         if model_state is None:
             model_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_ms)
+        frozen = None
+        if peft is not None and peft.method != "none":  # the adapters of a fresh init
+            frozen, params = freeze(params, peft), _init(model_cfg, tx, seed, None, peft).params
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
+            frozen=frozen,
             opt_state=tx.init(params),
             rng=jax.random.key_data(state_key),
             model_state=model_state,

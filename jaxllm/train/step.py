@@ -25,11 +25,19 @@ from jaxllm.train.state import TrainState
 BATCH_AXES = ("batch", "length")
 
 
-def objective_value(params, batch: dict, rng, *, graphdef, objective: Objective, model_state=None):
+def merge(graphdef, params, frozen=None, model_state=None) -> nnx.Module:
+    """The model of these parameters, frozen base (peft) and model state (either may be
+    None / empty)."""
+    return nnx.merge(graphdef, params, *(s for s in (frozen, model_state) if s))
+
+
+def objective_value(
+    params, batch: dict, rng, *, graphdef, objective: Objective, model_state=None, frozen=None
+):
     """(loss sum, ObjectiveOutput) of `objective` on `batch` with these parameters: the
     function the step differentiates."""
     batch = parallel.sequence_layout(batch)
-    model = nnx.merge(graphdef, params, *([model_state] if model_state else []))
+    model = merge(graphdef, params, frozen, model_state)
     out = objective(model, batch, rng)
     return out.loss_sum, out
 
@@ -70,7 +78,13 @@ def train_step(
 
         def loss_fn(p, mb, rng):
             loss, out = objective_value(
-                p, mb, rng, graphdef=graphdef, objective=objective, model_state=state.model_state
+                p,
+                mb,
+                rng,
+                graphdef=graphdef,
+                objective=objective,
+                model_state=state.model_state,
+                frozen=state.frozen,
             )
             # Scaled before differentiation: the backward pass runs S times larger, above
             # float16's underflow; the sums in `out` stay unscaled.
@@ -138,9 +152,7 @@ def train_step(
         )
         if scale is not None:
             metrics["loss_scale"] = scale
-        model = nnx.merge(
-            graphdef, state.params, *([state.model_state] if state.model_state else [])
-        )
+        model = merge(graphdef, state.params, state.frozen, state.model_state)
         model_state, model_metrics = model.after_step(state.model_state, sums.model_stats, finite)
         metrics.update(model_metrics)
         new_state = state.replace(
@@ -159,6 +171,7 @@ def eval_step(
     params,
     batch: dict,
     model_state=None,
+    frozen=None,
     *,
     graphdef,
     objective: Objective,
@@ -169,6 +182,12 @@ def eval_step(
     with sharding.active(parallel_settings):
         batch = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), batch)
         _, out = objective_value(
-            params, batch, None, graphdef=graphdef, objective=objective, model_state=model_state
+            params,
+            batch,
+            None,
+            graphdef=graphdef,
+            objective=objective,
+            model_state=model_state,
+            frozen=frozen,
         )
         return {"nll_sum": out.metrics.get("loss", out.loss_sum), "tokens": out.tokens}

@@ -1,0 +1,11 @@
+"""Parameter-efficient fine-tuning at the run level: which base a run's adapters belong to
+(`base`), and the adapters in and out of Hugging Face PEFT's layout (`hf_peft`).
+
+The model side lives in `jaxllm.model.lora` (adapters on weights) and the `peft` config
+section in `jaxllm.config.peft`; the train step is the one of pretraining, differentiating only
+what trains (`TrainState.params`) with the base held in `TrainState.frozen`.
+"""
+
+from jaxllm.adapters.base import BASE_ITEM, base_record, check_base, load_frozen
+
+__all__ = ["BASE_ITEM", "base_record", "check_base", "load_frozen"]

@@ -1,0 +1,99 @@
+"""The `peft` section: parameter-efficient fine-tuning (LoRA, QLoRA, prompt tuning)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from jaxllm.config.errors import fail
+
+# The weights LoRA can adapt, by name: the attention and MLP projections (dense and shared
+# experts), the routed experts' projections (`experts` names all three), MLA's projections, and
+# the untied LM head. `all-linear` (as in Hugging Face PEFT) is every one but the LM head.
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "experts",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj",
+    "kv_b_proj",
+    "lm_head",
+)
+ALL_LINEAR = "all-linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftConfig:
+    """Train a few parameters on top of a frozen base: LoRA adapters (`lora`), LoRA on a base
+    stored in 4-bit NormalFloat (`qlora`), or soft-prompt embeddings (`prompt`). The base comes
+    from `checkpoint.init_from` (else the seed's random initialisation); gradients and
+    optimizer state exist only for what trains, and checkpoints hold only that."""
+
+    method: Literal["none", "lora", "qlora", "prompt"] = "none"
+    """`none` trains every parameter (pretraining, full fine-tuning)."""
+    rank: int = 8
+    """LoRA rank r: each adapted weight W gets W + (alpha / r) * A B with A [in, r], B [r, out]."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapters' output is scaled by alpha / r (alpha / sqrt(r) with rslora)."""
+    dropout: float = 0.0
+    """Dropout on the input of the adapters (training only), as Hugging Face PEFT's
+    lora_dropout. The routed experts' adapters are merged into their weights (W + s A B), where
+    there is no separate input to drop, so they take none."""
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    """Which weights get adapters, by name: q_proj k_proj v_proj o_proj gate_proj up_proj
+    down_proj (a name matches the dense and the expert weight of that name), experts (all
+    routed expert projections), q_a_proj q_b_proj kv_a_proj kv_b_proj (MLA), lm_head, or
+    all-linear (every one of them but lm_head)."""
+    rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r."""
+    num_virtual_tokens: int = 20
+    """Prompt tuning: trainable embeddings placed before every example."""
+
+    def validate(self) -> None:
+        if self.method == "none":
+            return
+        if self.method == "prompt":
+            if self.num_virtual_tokens < 1:
+                fail(f"peft.num_virtual_tokens must be >= 1, not {self.num_virtual_tokens}.")
+            return
+        if self.rank < 1:
+            fail(f"peft.rank must be >= 1, not {self.rank}.")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            fail(f"peft.alpha must be a finite number > 0, not {self.alpha}.")
+        if not 0 <= self.dropout < 1:
+            fail(f"peft.dropout must be in [0, 1), not {self.dropout}.")
+        if not self.targets:
+            fail("peft.targets is empty; name the weights to adapt, e.g. [q_proj, v_proj].")
+        for name in self.targets:
+            if name not in (*LORA_TARGETS, ALL_LINEAR):
+                fail(
+                    f"peft.targets: {name!r} is not a weight LoRA can adapt; use "
+                    f"{', '.join(LORA_TARGETS)} or {ALL_LINEAR}."
+                )
+
+    @property
+    def lora(self) -> bool:
+        return self.method in ("lora", "qlora")
+
+    @property
+    def scale(self) -> float:
+        """The factor on the adapters' output."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def targeted(self, name: str, expert: bool) -> bool:
+        """Whether the weight `name` (a routed expert's when `expert`) gets an adapter."""
+        if not self.lora:
+            return False
+        wanted = set(self.targets)
+        if name not in LORA_TARGETS:
+            return False
+        if ALL_LINEAR in wanted:
+            return name != "lm_head"
+        return name in wanted or (expert and "experts" in wanted)
