@@ -17,10 +17,10 @@ import numpy as np
 from jaxllm import config, sharding
 from jaxllm.infer.kv_cache import KINDS, model_bytes_per_token
 from jaxllm.metrics import flops_per_token, param_counts
-from jaxllm.model import abstract_model
+from jaxllm.model import abstract_model, nf4
 from jaxllm.train import loss_scale
 from jaxllm.train.loop import compile_steps
-from jaxllm.train.state import grad_shardings, init_state
+from jaxllm.train.state import grad_shardings, init_state, layout
 
 _UNITS = {
     "": 1,
@@ -113,7 +113,9 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
     mesh = sharding.make_mesh(cfg.mesh, devices)
     jit_train, _, tx, shardings, batch_sh = compile_steps(cfg, mesh)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
-    abstract_state = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling))
+    abstract_state = jax.eval_shape(
+        lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg))
+    )
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
     )
@@ -126,7 +128,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
     compiled = jit_train.lower(abstract_state, batch).compile()
     compile_s = time.perf_counter() - t0
 
-    _, abstract_params, axes = abstract_model(cfg.model)
+    _, abstract_params, axes = abstract_model(cfg.model, cfg.peft)
     rows = []
     flat_axes = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))
     for (path, ax), leaf in zip(flat_axes[0], jax.tree.leaves(abstract_params)):
@@ -142,8 +144,9 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
             }
         )
 
-    grad_sh = grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage)
+    grad_sh = grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft)
     bill = memory_bill(abstract_state, shardings, axes, grad_sh)
+    trainable = sum(p.size for p in jax.tree.leaves(abstract_params))
     mem = compiled.memory_analysis()
     memory = {
         "arguments": mem.argument_size_in_bytes,
@@ -164,6 +167,8 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         "mesh": dict(mesh.shape),
         "devices": f"{len(devices)} x {devices[0].device_kind}",
         "params": param_counts(cfg.model)["total"],
+        "trainable": trainable,
+        "base": base_bill(abstract_state.frozen, shardings.frozen),
         "param_rows": rows,
         "memory": memory,
         "bill": bill,
@@ -173,6 +178,31 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         "hbm": hbm_bytes,
         "fits": None if hbm_bytes is None else memory["total"] <= hbm_bytes,
     }
+
+
+def base_bill(frozen, frozen_sh) -> dict | None:
+    """The frozen base of a PEFT run (None without): its parameters and bytes in all and per
+    device, and those of its NF4 weights (QLoRA)."""
+    if frozen is None:
+        return None
+    is_nf4 = lambda x: isinstance(x, nf4.NF4Tensor)  # noqa: E731
+    leaves = jax.tree.leaves(frozen, is_leaf=is_nf4)
+    shs = jax.tree.leaves(frozen_sh, is_leaf=is_nf4)
+    out = {"params": 0, "bytes": 0, "per_device": 0, "nf4_params": 0, "nf4_bytes": 0}
+    for leaf, sh in zip(leaves, shs):
+        if is_nf4(leaf):
+            parts = jax.tree.leaves(leaf)
+            nbytes = sum(_bytes(a) for a in parts)
+            n = 2 * leaf.codes.size  # two 4-bit codes a byte
+            out["nf4_params"] += n
+            out["nf4_bytes"] += nbytes
+            out["per_device"] += sum(_bytes(a, s) for a, s in zip(parts, jax.tree.leaves(sh)))
+        else:
+            n, nbytes = leaf.size, _bytes(leaf)
+            out["per_device"] += _bytes(leaf, sh)
+        out["params"] += n
+        out["bytes"] += nbytes
+    return out
 
 
 def _bytes(leaf, sharding=None) -> int:
@@ -246,7 +276,15 @@ def format_plan(r: dict) -> str:
     lines = [
         f"mesh        {' x '.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or 'single'}"
         f"  ({r['devices']})",
-        f"parameters  {r['params']:,}",
+        f"parameters  {r['params'] + (r['trainable'] if r['base'] else 0):,}",
+        *(
+            [
+                f"trainable   {r['trainable']:,} "
+                f"({100 * r['trainable'] / (r['params'] + r['trainable']):.3f}%)"
+            ]
+            if r["base"]
+            else []
+        ),
         f"compiled in {r['compile_s']:.1f} s",
         "",
         f"{'parameter':<28} {'shape':<24} {'logical axes':<44} {'spec':<36} per device",
@@ -278,6 +316,7 @@ def format_plan(r: dict) -> str:
         ),
         f"  optimizer state per parameter: {r['bill']['opt_bytes_per_param']:.3f} bytes "
         f"({r['bill']['opt_bytes_per_matrix_param']:.3f} over matrices)",
+        *_base_lines(r["base"]),
         "",
         f"FLOPs per step  {r['flops_per_step']:.4g}  (6N + attention, all devices)",
         "collectives in the compiled step (static: ops in the layer loop run once per layer)",
@@ -303,6 +342,23 @@ def format_plan(r: dict) -> str:
             f"verdict: {verdict}: {fmt_bytes(m['total'])} of {fmt_bytes(r['hbm'])} per device",
         ]
     return "\n".join(lines)
+
+
+def _base_lines(base: dict | None) -> list[str]:
+    if base is None:
+        return []
+    lines = [
+        f"  frozen base          {fmt_bytes(base['per_device'])}",
+        f"  frozen base: {base['params']:,} parameters in {fmt_bytes(base['bytes'])}, "
+        f"{base['bytes'] / base['params']:.3f} bytes per parameter",
+    ]
+    if base["nf4_params"]:
+        lines.append(
+            f"    NF4 weights: {base['nf4_params']:,} parameters in "
+            f"{fmt_bytes(base['nf4_bytes'])}, {base['nf4_bytes'] / base['nf4_params']:.3f} "
+            "bytes per parameter"
+        )
+    return lines
 
 
 # Cloud TPU slice names -> (version, topology) for jax.experimental.topologies.

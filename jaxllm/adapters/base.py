@@ -93,7 +93,8 @@ def load_frozen(cfg: Config, mesh, record: dict, *, verify: bool = False):
     """The frozen base of a PEFT run from its `record`, in its shards on `mesh`; with `verify`,
     RunError when the recorded path no longer holds the recorded weights."""
     from jaxllm.load import load_weights
-    from jaxllm.train.state import _init, freeze, frozen_shardings
+    from jaxllm.model import abstract_frozen, lora
+    from jaxllm.train.state import _init, frozen_shardings
 
     shardings = frozen_shardings(cfg.model, mesh, cfg.peft)
     if "seed" in record:
@@ -103,4 +104,5 @@ def load_frozen(cfg: Config, mesh, record: dict, *, verify: bool = False):
         source, files = _weight_files(Path(record["source"]))
         check_base(record, {"source": str(source), "sha256": content_hash(files, source)})
     params, _ = load_weights(record["source"], cfg.model, mesh)
-    return jax.jit(lambda p: freeze(p, cfg.peft), out_shardings=shardings)(params)
+    axes = abstract_frozen(cfg.model, cfg.peft)[1]
+    return jax.jit(lambda p: lora.freeze(p, axes, cfg.peft), out_shardings=shardings)(params)

@@ -15,6 +15,8 @@ through the expert dispatch) and MLA's absorbed decode read `dense(...)`: the me
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, NamedTuple
 
@@ -23,6 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import PeftConfig
+from jaxllm.config.peft import LORA_TARGETS
+from jaxllm.model import nf4
 
 
 class LoRAParam(nnx.Param):
@@ -87,22 +91,47 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
             setattr(module, f"{name}_lora_dropout", float(peft.dropout))
     if not found:
         raise ValueError(f"peft.targets {list(peft.targets)} match no weight of this model")
+    model.lora_dropout = float(peft.dropout)  # the model then draws per-layer dropout keys
 
 
-def kernel(module: nnx.Module, name: str, key: jax.Array | None = None):
+# The dropout key of the block being traced (`dropout_keys`), and how many adapters drew from it.
+_KEYS: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_keys", default=None)
+
+
+@contextlib.contextmanager
+def dropout_keys(key: jax.Array | None):
+    """Within this context (one block's trace) adapters with dropout draw their masks from
+    `key`, each its own fold of it; None (evaluation, generation) drops nothing."""
+    token = _KEYS.set(None if key is None else [key, 0])
+    try:
+        yield
+    finally:
+        _KEYS.reset(token)
+
+
+def _next_key() -> jax.Array | None:
+    state = _KEYS.get()
+    if state is None:
+        return None
+    state[1] += 1
+    return jax.random.fold_in(state[0], state[1])
+
+
+def kernel(module: nnx.Module, name: str):
     """The weight `name` of `module` as `layers.matmul` takes it: its value (an array or an
-    `NF4Tensor`), or a `LoRAKernel` when it has an adapter (`key`: the adapter's dropout)."""
+    `NF4Tensor`), or a `LoRAKernel` when it has an adapter."""
     base = getattr(module, name).get_value()
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
         return base
+    rate = getattr(module, f"{name}_lora_dropout")
     return LoRAKernel(
         base,
         a[...],
         getattr(module, f"{name}_lora_b")[...],
         getattr(module, f"{name}_lora_scale"),
-        getattr(module, f"{name}_lora_dropout"),
-        key,
+        rate,
+        _next_key() if rate else None,
     )
 
 
@@ -128,9 +157,95 @@ def dense(module: nnx.Module, name: str, dtype) -> jax.Array:
 
 
 def as_array(w, dtype) -> jax.Array:
-    """A stored weight in the compute `dtype`: cast, or dequantized from NF4."""
-    dequantize = getattr(w, "dequantize", None)
-    return w.astype(dtype) if dequantize is None else dequantize(dtype)
+    """A stored weight in the compute `dtype`: cast, or dequantized from NF4 (each stacked
+    layer's on its own)."""
+    if not isinstance(w, nf4.NF4Tensor):
+        return w.astype(dtype)
+    stacked = w.codes.ndim - nf4.kept_ndim(w.shape) - 1
+    return _stacked(lambda q: nf4.dequantize(q, dtype), stacked)(w)
+
+
+def merged_params(graphdef, params, frozen, model_state=None) -> dict:
+    """The plain model's parameters (the structure of `build(cfg)` without peft) with every
+    adapter merged into its weight, W + s A B, and NF4 weights dequantized, in the base's
+    parameter dtype: what a merged export writes."""
+    model = nnx.merge(graphdef, *(s for s in (params, frozen, model_state) if s))
+    for _, module in list(nnx.iter_modules(model)):
+        for name, var in list(vars(module).items()):
+            if not isinstance(var, nnx.Param) or isinstance(var, LoRAParam):
+                continue
+            value = var.get_value()
+            dtype = value.dtype
+            if hasattr(module, f"{name}_lora_a") or isinstance(value, nf4.NF4Tensor):
+                var.set_value(dense(module, name, jnp.float32).astype(dtype))
+            for suffix in ("_lora_a", "_lora_b", "_lora_scale", "_lora_dropout"):
+                if hasattr(module, name + suffix):
+                    delattr(module, name + suffix)
+    if hasattr(model, "lora_dropout"):
+        del model.lora_dropout
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+# QLoRA stores these base weights in NF4 (every linear layer's, as the paper; the embeddings,
+# norms and LM head stay in param_dtype).
+QUANTIZED = frozenset(LORA_TARGETS) - {"lm_head", "experts"}
+
+
+def _layers(axes: tuple) -> int:
+    """How many leading dims are stacked layers (each quantized on its own)."""
+    n = 0
+    while n < len(axes) and axes[n] == "layers":
+        n += 1
+    return n
+
+
+def _quantized(name: str, axes: tuple, shape) -> bool:
+    return name in QUANTIZED and len(shape) - _layers(axes) >= 2
+
+
+def _stacked(fn, n: int):
+    for _ in range(n):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def freeze(params: dict, axes: dict, peft: PeftConfig | None) -> dict:
+    """The base parameters as the train state keeps them frozen under `peft`: as they are, or
+    under QLoRA with every linear weight in NF4 (`nf4.NF4Tensor`, one per stacked layer)."""
+    if peft is None or peft.method != "qlora":
+        return params
+    return _map_named(
+        lambda name, x, ax: (
+            _stacked(nf4.quantize, _layers(ax))(x) if _quantized(name, ax, x.shape) else x
+        ),
+        params,
+        axes,
+    )
+
+
+def frozen_axes(abstract: dict, axes: dict, peft: PeftConfig | None) -> dict:
+    """Logical axes of `freeze(abstract, axes, peft)`: an NF4 weight's codes keep the stacked
+    dims and the leading dims `nf4_axes` keeps, its scales only the stacked dims."""
+    if peft is None or peft.method != "qlora":
+        return axes
+
+    def one(name, x, ax):
+        if not _quantized(name, ax, x.shape):
+            return ax
+        n = _layers(ax)
+        codes = (*ax[:n], *nf4.nf4_axes(ax[n:], x.shape[n:]))
+        q = jax.eval_shape(nf4.quantize, jax.ShapeDtypeStruct(x.shape[n:], x.dtype))
+        return nf4.NF4Tensor(codes, codes, (*ax[:n], None), ax[:n], q.shape, q.dtype)
+
+    return _map_named(one, abstract, axes)
+
+
+def _map_named(fn, params: dict, axes: dict) -> dict:
+    """{name: fn(name, leaf, its axes)} over a nested dict of parameters."""
+    return {
+        k: _map_named(fn, v, axes[k]) if isinstance(v, dict) else fn(k, v, tuple(axes[k]))
+        for k, v in params.items()
+    }
 
 
 def trainable(peft: PeftConfig | None):

@@ -109,6 +109,7 @@ class Block(nnx.Module):
         """`windowed`: whether this layer's attention is windowed (traced, from the scan) when
         layers differ; `key`: dropout rng (training only)."""
         keys = (None, None) if key is None else tuple(jax.random.split(key))
+        lora_key = None if key is None else jax.random.fold_in(key, 0x10AA)
         stats = {}
 
         def attn(h_BxLxD):
@@ -126,12 +127,13 @@ class Block(nnx.Module):
             return y_BxLxD
 
         post = self.placement == "sandwich"
-        x_BxLxD = self._residual(
-            x_BxLxD, attn, self.attn_norm, self.post_attn_norm if post else None, keys[0]
-        )
-        x_BxLxD = self._residual(
-            x_BxLxD, mlp, self.mlp_norm, self.post_mlp_norm if post else None, keys[1]
-        )
+        with lora.dropout_keys(lora_key):  # the adapters' input dropout (peft.dropout)
+            x_BxLxD = self._residual(
+                x_BxLxD, attn, self.attn_norm, self.post_attn_norm if post else None, keys[0]
+            )
+            x_BxLxD = self._residual(
+                x_BxLxD, mlp, self.mlp_norm, self.post_mlp_norm if post else None, keys[1]
+            )
         return constrain(x_BxLxD, ("batch", "length", "act_embed")), cache, stats
 
 
@@ -226,7 +228,7 @@ class Transformer(nnx.Module):
             pos_BxLxD = jnp.take(self.pos_embed[...], positions_BxL, axis=0, mode="clip")
             x_BxLxD = x_BxLxD + pos_BxLxD.astype(dtype)
         keys = None
-        if dropout_key is not None and cfg.dropout > 0:
+        if dropout_key is not None and (cfg.dropout > 0 or getattr(self, "lora_dropout", 0.0)):
             embed_key, layers_key = jax.random.split(dropout_key)
             x_BxLxD = _dropout(x_BxLxD, cfg.dropout, embed_key)
             keys = jax.random.split(layers_key, cfg.num_layers)

@@ -25,6 +25,7 @@ from jaxllm.model import (
     abstract_model,
     abstract_model_state,
     attach_peft,
+    logical_axes,
     lora,
 )
 
@@ -62,7 +63,7 @@ def _init(
     else:
         attach_peft(model, peft, init_key)
         _, params, frozen, model_state = nnx.split(model, lora.trainable(peft), nnx.Param, ...)
-        frozen = freeze(nnx.to_pure_dict(frozen), peft)
+        frozen = lora.freeze(nnx.to_pure_dict(frozen), logical_axes(frozen), peft)
     params = nnx.to_pure_dict(params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -73,11 +74,6 @@ def _init(
         loss_scale=loss_scale,
         frozen=frozen,
     )
-
-
-def freeze(params, peft: PeftConfig | None):
-    """The base parameters as `TrainState.frozen` keeps them under `peft`."""
-    return params
 
 
 def _dict_keys(path) -> tuple[str, ...]:
@@ -262,7 +258,7 @@ def frozen_shardings(model_cfg: ModelConfig, mesh: Mesh, peft: PeftConfig | None
         return None
     abstract, axes = abstract_frozen(model_cfg, peft)
     sharding.check_divisible(mesh, abstract, axes)
-    return sharding.tree_shardings(mesh, axes)
+    return sharding.tree_shardings(mesh, lora.frozen_axes(abstract, axes, peft))
 
 
 def _initial_loss_scale(loss_scaling, leaf=lambda x: x):
@@ -325,7 +321,8 @@ def init_state_from(
             model_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_ms)
         frozen = None
         if peft is not None and peft.method != "none":  # the adapters of a fresh init
-            frozen, params = freeze(params, peft), _init(model_cfg, tx, seed, None, peft).params
+            frozen = lora.freeze(params, abstract_frozen(model_cfg, peft)[1], peft)
+            params = _init(model_cfg, tx, seed, None, peft).params
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
