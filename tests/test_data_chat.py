@@ -164,3 +164,26 @@ def test_rendering_and_ids_and_mask_equal_transformers(tmp_path):
         assert ids.tolist() == hf.apply_chat_template(CHAT)["input_ids"]
     out = hf.apply_chat_template(CHAT, return_dict=True, return_assistant_tokens_mask=True)
     assert mask.tolist() == out["assistant_masks"]  # QWEN marks its replies with {% generation %}
+
+
+def test_every_tokenizer_gives_the_characters_of_its_ids(tmp_path):
+    import sentencepiece as spm
+
+    text = "the cat sat on the mat, héllo wörld <|eot_id|>"
+    (tmp_path / "corpus.txt").write_text("\n".join([text] * 20))
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "corpus.txt"),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=40,
+        model_type="bpe",
+        minloglevel=2,
+    )
+    for spec in ("byte", str(bpe(tmp_path, None)), str(tmp_path / "sp.model")):
+        tok = tokenizer_lib.load_tokenizer(spec)
+        ids, offsets = tok.encode_offsets(text)
+        assert ids.tolist() == tok.encode(text).tolist()  # specials in the text stay text
+        assert (np.diff(offsets[:, 0]) >= 0).all() and offsets.min() >= 0
+        assert offsets.max() == len(text)
+        # the completion "wörld <|eot_id|>" of a prompt/completion example, by its characters
+        mask = sft.token_mask(offsets, [(text.index("w"), len(text))], len(text))
+        assert tok.decode(ids[mask == 1]).strip() == "wörld <|eot_id|>"

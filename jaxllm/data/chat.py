@@ -143,7 +143,11 @@ def _render(template: str, variables: dict, spans: list | None = None) -> str:
 
 
 def render(
-    messages: Sequence[dict], tok, *, add_generation_prompt: bool = False, template: str = None
+    messages: Sequence[dict],
+    tok,
+    *,
+    add_generation_prompt: bool = False,
+    template: str | None = None,
 ) -> str:
     """The conversation as text, by `template` or the tokenizer's (see the module docstring)."""
     return _render(template or template_of(tok), _variables(messages, tok, add_generation_prompt))
