@@ -3,7 +3,8 @@
 `render(messages, tok)` renders the tokenizer's own chat template (`chat_template.jinja`, else
 tokenizer_config.json's `chat_template`) exactly as transformers' `apply_chat_template(...,
 tokenize=False)` does: Jinja2's ImmutableSandboxedEnvironment with trim_blocks, lstrip_blocks and
-loop controls; `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text; the
+loop controls; `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text, `dict`
+and `namespace` hardened as there (templates come from model hubs: untrusted code); the
 variables `messages` (each message without its None values), `add_generation_prompt`, `tools` and
 `documents` (None) and the special tokens of tokenizer_config.json (`bos_token`, `eos_token`,
 ...). A tokenizer without a template (the byte tokenizer, a SentencePiece model, a bare
@@ -64,7 +65,8 @@ def fingerprint(tok) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _compile(template: str):
-    """The template compiled in transformers' environment, and its span recorder."""
+    """(the template compiled in transformers' environment, its `{% generation %}` recorder,
+    whether the template marks replies with it)."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -99,12 +101,39 @@ def _compile(template: str):
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
+    class TemplateDict:  # `dict` without attribute access to the type itself
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):  # no dunder names: no way to internals
+        def __init__(*args, **kwargs):
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                TemplateNamespace.check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace.check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"a chat template cannot store the attribute {name!r} on a namespace"
+                )
+
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
     try:
         compiled = env.from_string(template)
     except jinja2.TemplateSyntaxError as e:

@@ -142,38 +142,40 @@ def _message_problem(messages, field: str) -> str | None:
     return None
 
 
+def _example(record: dict, src: SourceConfig, tok) -> Example | str:
+    """The example a record holds, or why it holds none."""
+    if src.format == "chat":
+        messages = record.get(src.messages_field)
+        why = _message_problem(messages, src.messages_field)
+        if why is not None:
+            return why
+        try:
+            text, spans = chat.assistant_spans(messages, tok)
+        except chat.ChatError as e:
+            return f"cannot be rendered ({e})"
+        return Example(text, tuple(spans))
+    for key in ("prompt_field", "completion_field"):
+        field = getattr(src, key)
+        if not isinstance(record.get(field), str):
+            return f"has no string field {field!r} (set the source's {key})"
+    prompt = record[src.prompt_field]
+    text = prompt + record[src.completion_field]
+    return Example(text, ((len(prompt), len(text)),))
+
+
 def read_examples(
     f: DataFile, src: SourceConfig, tok, on_bad_record: str = "skip", bad: BadRecords | None = None
 ) -> Iterator[Example]:
     """The examples of one file of an SFT source, in file order (chats rendered by `tok`'s
     template); a malformed record is skipped into `bad` or, with `fail`, a ConfigError."""
     bad = bad or bad_records(str(f.path), src)
-    if src.format == "chat":
-        columns = {"messages_field": src.messages_field}
-    else:
-        columns = {"prompt_field": src.prompt_field, "completion_field": src.completion_field}
-    for where, record in _records(f, columns, on_bad_record, bad):
-        if src.format == "chat":
-            messages = record.get(src.messages_field)
-            why = _message_problem(messages, src.messages_field)
-            if why is None:
-                try:
-                    text, spans = chat.assistant_spans(messages, tok)
-                except chat.ChatError as e:
-                    why = f"cannot be rendered ({e})"
-        else:
-            prompt, completion = record.get(src.prompt_field), record.get(src.completion_field)
-            for key, value in columns.items():
-                if not isinstance(record.get(value), str):
-                    why = f"has no string field {value!r} (set the source's {key})"
-                    break
-            else:
-                why, text = None, prompt + completion
-                spans = [(len(prompt), len(text))]
-        if why is not None:
-            _bad(why, where, on_bad_record, bad)
+    keys = ("messages_field",) if src.format == "chat" else ("prompt_field", "completion_field")
+    for where, record in _records(f, {k: getattr(src, k) for k in keys}, on_bad_record, bad):
+        example = _example(record, src, tok)
+        if isinstance(example, str):
+            _bad(example, where, on_bad_record, bad)
             continue
-        yield Example(text, tuple(spans))
+        yield example
 
 
 def token_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]], length: int) -> np.ndarray:
