@@ -247,6 +247,11 @@ class Config:
         for i, src in enumerate((*d.sources, *d.eval_sources)):
             if not math.isfinite(src.weight) or src.weight <= 0:
                 _fail(f"data source {src.path!r} has weight {src.weight}; weights must be > 0.")
+            if src.format in ("chat", "prompt_completion") and src.path == "stdlib":
+                _fail(
+                    f"data source stdlib cannot have format {src.format}: give the path of "
+                    "JSONL or Parquet examples."
+                )
         if not d.sources:
             _fail("data.sources is empty; name at least one corpus.")
         self._validate_loss_scale()

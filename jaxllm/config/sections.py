@@ -177,11 +177,23 @@ class SourceConfig:
     path: str = "stdlib"
     """`stdlib` (the running Python's standard-library sources), a directory, a glob, or a file;
     a directory or glob may mix formats, told apart by extension."""
-    format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "arrayrecord"] = "auto"
+    format: Literal[
+        "auto", "stdlib", "text", "jsonl", "parquet", "arrayrecord", "chat", "prompt_completion"
+    ] = "auto"
     """`auto` picks by extension: .jsonl/.json -> jsonl, .parquet, .arrayrecord/.array_record,
-    anything else -> text."""
+    anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
+    (rows of a .parquet file, lines of any other file, read as JSONL): a conversation rendered
+    by the tokenizer's chat template, or a prompt followed by its completion; the loss covers
+    the assistant turns / the completion (see `data.train_on_prompt`)."""
     text_field: str = "text"
     """Field holding the document in JSONL lines and Parquet rows."""
+    messages_field: str = "messages"
+    """`format: chat`: field holding the conversation, a list of {role, content} messages with
+    roles system, user and assistant and at least one assistant turn."""
+    prompt_field: str = "prompt"
+    """`format: prompt_completion`: field holding the prompt (a string)."""
+    completion_field: str = "completion"
+    """`format: prompt_completion`: field holding the completion (a string)."""
     weight: float = 1.0
     """Share of this source in the mixture (normalised over the sources)."""
 
@@ -201,12 +213,16 @@ class DataConfig:
     ids). Such a run computes logits from token ids; whatever must encode or decode text refuses
     it until data.tokenizer names a tokenizer.json."""
     add_bos: bool = True
-    """Start every document with the tokenizer's BOS token."""
+    """Start every document with the tokenizer's BOS token (also prompt_completion examples; a
+    chat example is exactly what its template writes, BOS included or not)."""
     add_eos: bool = True
-    """End every document with the tokenizer's EOS token."""
+    """End every document with the tokenizer's EOS token (also prompt_completion examples, where
+    it is trained; not chat examples, which end with the template's end-of-turn marker)."""
     packing: Literal["concat", "first_fit"] = "concat"
     """`concat`: documents end to end, cut into rows (long documents split); `first_fit`: whole
-    documents placed in the first row with room, padded (documents longer than a row split)."""
+    documents placed in the first row with room, padded (documents longer than a row split).
+    SFT sources (format chat / prompt_completion) are always placed first-fit and never split:
+    see `truncation`."""
     seq_len: int = 256
     """Tokens per row the model sees (rows are packed documents)."""
     eval_fraction: float = 0.05
@@ -214,7 +230,18 @@ class DataConfig:
     max_files: int | None = None
     """Read at most this many files (sorted by path) of each source; null reads all."""
     on_bad_record: Literal["skip", "fail"] = "skip"
-    """A JSONL line that is not JSON or lacks the text field: count, warn and skip, or stop."""
+    """A JSONL line that is not JSON or lacks the text field, or an SFT example that is
+    malformed (a message without a role or string content, an unknown role, no assistant
+    turn, a missing prompt or completion): count, warn once per source and skip, or stop
+    naming the file and line."""
+    train_on_prompt: bool = False
+    """SFT sources: the loss covers the whole example (system and user turns, prompts) instead
+    of only the assistant turns / completions."""
+    truncation: Literal["truncate", "drop"] = "truncate"
+    """An SFT example longer than a row (more than seq_len + 1 tokens: a row makes seq_len
+    predictions): `truncate` keeps its first seq_len + 1 tokens, `drop` leaves it out. The
+    count is reported in one warning per source; an example left with no trained token is
+    dropped either way."""
     seed: int = 0
     """Seed of the row shuffle and of the mixture."""
     workers: int = 0
@@ -230,12 +257,14 @@ class TrainConfig:
     grad_accum_steps: int = 1
     """Split each global batch into this many microbatches, accumulated inside the jitted step."""
     objective: str = "next_token"
-    """What the step minimises: `next_token` (cross-entropy over `loss_mask` tokens), or your
+    """What the step minimises: `next_token` (cross-entropy over `loss_mask` tokens), `sft`
+    (the same loss, named for fine-tuning on chat / prompt_completion sources, whose
+    `loss_mask` covers only the assistant turns; on plain text it trains every token), or your
     own objective function as `MODULE:NAME` or `path/to/file.py:NAME` (see
     `jaxllm.train.objectives`)."""
     z_loss: float = 0.0
     """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
-    (`next_token` objective)."""
+    (`next_token` and `sft` objectives)."""
     log_every: int = 10
     """Write a metrics line every this many steps."""
     eval_every: int = 50

@@ -5,11 +5,14 @@ A batch is a dict of int32 arrays of shape [B, L]:
   targets      the next token of each input (what the loss predicts)
   segment_ids  document number within the row, from 1 (0 marks padding); attention stays within one
   positions    position of the token within its document (RoPE uses it)
-  loss_mask    1 where `targets` continues the same document, else 0
+  loss_mask    1 where `targets` continues the same document, else 0 (for SFT examples only
+               where the target is in an assistant turn / the completion)
 
-Modules: `sources` (files and formats -> texts), `tokenizer` (texts -> ids), `prepare` (ids ->
-ArrayRecord shards, once), `packing` (documents -> rows), `pipeline` (config -> Grain batches),
-`bench` (pipeline throughput), `cli` (`jaxllm data ...`, `jaxllm bench data`).
+Modules: `sources` (files and formats -> texts), `tokenizer` (texts -> ids), `chat` (chat
+templates), `sft` (chat / prompt-completion records -> ids with loss masks -> whole-example
+rows), `prepare` (ids -> ArrayRecord shards, once), `packing` (documents -> rows), `pipeline`
+(config -> Grain batches), `bench` (pipeline throughput), `cli` (`jaxllm data ...`,
+`jaxllm bench data`).
 
 Importing this package must stay cheap and jax-free (config validation imports it); `pipeline`
 imports Grain, which imports jax.

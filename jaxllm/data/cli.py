@@ -5,7 +5,8 @@
     jaxllm bench data [CONFIG.yaml] [key=value ...] [--seconds S | --batches N]
 
 A SOURCE is what `data.sources[i].path` accepts: `stdlib`, a directory, a glob or a file;
-`--format` and `--text-field` apply to all of them. Each handler returns the exit code; a
+`--format` and the field options apply to all of them (`--format chat` / `prompt_completion`:
+SFT examples; `data tokenizer` trains on them as the built-in chat template renders them). Each handler returns the exit code; a
 ConfigError propagates to `jaxllm.cli.main`, which prints it and exits 2.
 """
 
@@ -27,29 +28,47 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
         "--format", default="auto", choices=_FORMATS, help="file format (default: by extension)"
     )
     p.add_argument("--text-field", default="text", help="JSONL / Parquet field holding the text")
+    p.add_argument("--messages-field", default="messages", help="--format chat: the conversation")
+    p.add_argument("--prompt-field", default="prompt", help="--format prompt_completion: prompt")
+    p.add_argument(
+        "--completion-field", default="completion", help="--format prompt_completion: completion"
+    )
     p.add_argument("--max-files", type=int, help="read at most this many files of each SOURCE")
     p.add_argument(
         "--on-bad-record",
         default="skip",
         choices=("skip", "fail"),
-        help="a JSONL line that is not JSON or lacks the field: warn and skip, or stop",
+        help="a JSONL line that is not JSON or lacks the field (a malformed SFT example): warn "
+        "and skip, or stop",
     )
 
 
 def _sources(ns) -> list[SourceConfig]:
-    return [SourceConfig(path=p, format=ns.format, text_field=ns.text_field) for p in ns.sources]
+    fields = ("text_field", "messages_field", "prompt_field", "completion_field")
+    return [
+        SourceConfig(path=p, format=ns.format, **{k: getattr(ns, k) for k in fields})
+        for p in ns.sources
+    ]
 
 
 def cmd_tokenizer(ns) -> int:
+    from jaxllm.data import sft
     from jaxllm.data.sources import BadRecords, list_files, read_texts
-    from jaxllm.data.tokenizer import load_tokenizer, train_bpe
+    from jaxllm.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
+    sources = _sources(ns)
     bad = BadRecords(", ".join(ns.sources), ns.text_field)
+    if sft.is_sft(sources[0]):
+        bad = sft.bad_records(", ".join(ns.sources), sources[0])
 
     def texts():
-        for src in _sources(ns):
+        for src in sources:
             for f in list_files(src, f"SOURCE {src.path}", ns.max_files):
-                yield from read_texts(f, src.text_field, ns.on_bad_record, bad)
+                if sft.is_sft(src):  # the tokenizer has no template yet: the built-in one
+                    examples = sft.read_examples(f, src, ByteTokenizer(), ns.on_bad_record, bad)
+                    yield from (ex.text for ex in examples)
+                else:
+                    yield from read_texts(f, src.text_field, ns.on_bad_record, bad)
 
     path = train_bpe(texts(), ns.vocab_size, ns.out)
     bad.warn()

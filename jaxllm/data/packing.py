@@ -18,6 +18,8 @@ of L predictions (consecutive pieces share one token, so every prediction is mad
 each restarting its positions at 0. A one-token document (possible without BOS/EOS) predicts
 nothing and takes no slot. Free slots at the end of a row hold `pad_id` with segment id
 0 and loss_mask 0. Rows are numbered by where their first document starts in the corpus.
+Given `masks` (one per document, 1 where a token is a trained target: SFT examples, never
+longer than a row, see `jaxllm.data.sft`), a slot's loss_mask is its target's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ import numpy as np
 def _token_store(docs: Iterable[np.ndarray], bos_id: int | None, eos_id: int | None):
     """(tokens, starts): the documents, wrapped in BOS/EOS when given, end to end; document d
     is tokens[starts[d] : starts[d + 1]]."""
-    docs = [np.asarray(d) for d in docs]
+    tokens, starts = _concat([np.asarray(d) for d in docs], bos_id, eos_id)
+    if len(tokens) and 0 <= tokens.min() and tokens.max() < 2**16:
+        tokens = tokens.astype(np.uint16)
+    return tokens, starts
+
+
+def _concat(docs: list[np.ndarray], bos_id: int | None, eos_id: int | None):
     if not docs:
         raise ValueError("no documents to pack")
     head, tail = int(bos_id is not None), int(eos_id is not None)
@@ -43,8 +51,6 @@ def _token_store(docs: Iterable[np.ndarray], bos_id: int | None, eos_id: int | N
         tokens[starts[:-1]] = bos_id
     if tail:
         tokens[starts[1:] - 1] = eos_id
-    if len(tokens) and 0 <= tokens.min() and tokens.max() < 2**16:
-        tokens = tokens.astype(np.uint16)
     return tokens, starts
 
 
@@ -120,8 +126,11 @@ class FirstFitRows:
         bos_id: int | None,
         eos_id: int | None,
         pad_id: int = 0,
+        masks: Iterable[np.ndarray] | None = None,
     ):
         self.tokens, starts = _token_store(docs, bos_id, eos_id)
+        # per token, 1 where it is a trained target (SFT examples, wrapped already); None: all
+        self.masks = None if masks is None else _concat(list(masks), None, None)[0].astype(bool)
         self.seq_len, self.pad_id = seq_len, pad_id
         self.num_docs = len(starts) - 1
         l = seq_len
@@ -177,6 +186,8 @@ class FirstFitRows:
         row["segment_ids"][:used] = np.repeat(np.arange(1, len(slots) + 1), slots)
         row["positions"][:used] = within
         row["loss_mask"] = (row["segment_ids"] > 0).astype(np.int32)
+        if self.masks is not None:
+            row["loss_mask"][:used] = self.masks[source + 1]
         return {k: row[k] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
 
 

@@ -5,7 +5,8 @@
     held_out = eval_batches(eval_rows, B, n, local)           # the same n batches every time
 
 Each source is packed on its own (a row never mixes sources); several sources become a
-`MixtureRows`. Without `data.eval_sources` each source holds out `data.eval_fraction` of its
+`MixtureRows`. Text is packed by `data.packing`; SFT examples (format chat / prompt_completion,
+`jaxllm.data.sft`) are packed whole, first-fit, with their loss masks. Without `data.eval_sources` each source holds out `data.eval_fraction` of its
 files; a prepared directory holds out the files `prepare` held out, by the same rule (so its
 rows equal those of tokenizing the same files here), and `data.max_files` caps its shards.
 """
@@ -19,6 +20,7 @@ import grain
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
+from jaxllm.data import sft
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
 from jaxllm.data.sources import BadRecords, is_prepared_dir, list_files, read_texts, split_files
@@ -59,10 +61,9 @@ class MixtureRows:
         return self._ds[int(index)]
 
 
-def _source_documents(
-    src: SourceConfig, key: str, cfg: DataConfig, tok: Tokenizer, hold_out: bool
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(train documents, eval documents) of one source; all in train unless `hold_out`."""
+def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokenizer, hold_out: bool):
+    """(train documents, eval documents) of one source, all in train unless `hold_out`: token
+    arrays, or `sft.Examples` for a chat / prompt_completion source."""
     if is_prepared_dir(src.path):
         prepared = PreparedDir(src.path, key, cfg.tokenizer)
         if not hold_out:
@@ -75,8 +76,12 @@ def _source_documents(
             )
         return prepared.documents("train", cfg.max_files), prepared.documents("eval", cfg.max_files)
     files = list_files(src, key, cfg.max_files)
-    bad = BadRecords(key, src.text_field)
-    texts = [list(read_texts(f, src.text_field, cfg.on_bad_record, bad)) for f in files]
+    if sft.is_sft(src):
+        bad = sft.bad_records(key, src)
+        texts = [list(sft.read_examples(f, src, tok, cfg.on_bad_record, bad)) for f in files]
+    else:
+        bad = BadRecords(key, src.text_field)
+        texts = [list(read_texts(f, src.text_field, cfg.on_bad_record, bad)) for f in files]
     bad.warn()
     if not any(texts):
         raise ConfigError(
@@ -86,12 +91,18 @@ def _source_documents(
     held = {f.path for f in split_files(files, cfg.eval_fraction, key)[1]} if hold_out else set()
     train = [t for f, ts in zip(files, texts) if f.path not in held for t in ts]
     evals = [t for f, ts in zip(files, texts) if f.path in held for t in ts]
+    if sft.is_sft(src):
+        return sft.encode_examples(tok, train, src.format), sft.encode_examples(
+            tok, evals, src.format
+        )
     return encode_documents(tok, train), encode_documents(tok, evals)
 
 
-def _rows(docs: list[np.ndarray], what: str, cfg: DataConfig, tok: Tokenizer) -> Rows:
+def _rows(docs: list[np.ndarray] | sft.Examples, what: str, cfg: DataConfig, tok) -> Rows:
     if not docs:
         raise ConfigError(f"{what} has no documents; add data or change data.eval_fraction.")
+    if isinstance(docs, sft.Examples):
+        return sft.pack_examples(docs, cfg, tok, what)
     try:
         return pack(docs, cfg, tok)
     except ValueError as e:

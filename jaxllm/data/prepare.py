@@ -12,6 +12,14 @@ totals. The manifest is written last: a directory without one is an interrupted 
 Tokenization runs in a pool of `--workers` processes (spawned, so no inherited threads) fed
 chunks of documents in order, with at most two chunks per worker in flight; a training source
 `path: DIR` then reads the shards back without tokenizing anything.
+
+SFT sources (format chat / prompt_completion, all of one format) make a directory of their own,
+format `jaxllm-prepared-sft/1`: one record is one example's int32 ids followed by one byte per
+id, 1 where the id belongs to an assistant turn / the completion (`sft.to_record`). BOS/EOS of
+prompt_completion examples, `data.train_on_prompt` and `data.truncation` apply when training
+reads them, as for examples read from their files. The manifest keeps the SHA-256 of the chat
+template (and its special tokens) that rendered the conversations, so training with another is
+caught.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
+from jaxllm.data import chat, sft
 from jaxllm.data.sources import (
     MANIFEST,
     BadRecords,
@@ -36,6 +45,7 @@ from jaxllm.data.sources import (
 from jaxllm.data.tokenizer import encode_documents, load_tokenizer, tokenizer_fingerprint
 
 FORMAT = "jaxllm-prepared/1"
+FORMAT_SFT = "jaxllm-prepared-sft/1"  # records carry a loss mask
 _CHUNK_DOCS, _CHUNK_CHARS = 512, 4_000_000  # a chunk is one task of the pool
 _worker_tokenizer = None  # set in each worker (and in-process) by _init_worker
 
@@ -45,9 +55,15 @@ def _init_worker(tokenizer: str) -> None:
     _worker_tokenizer = load_tokenizer(tokenizer, "--tokenizer")
 
 
-def _encode_chunk(chunk: tuple[str, list[str], int]) -> tuple[str, list[np.ndarray], int]:
-    split, texts, files_done = chunk
-    return split, encode_documents(_worker_tokenizer, texts), files_done
+def _encode_chunk(chunk: tuple[str, list, int, str]) -> tuple[str, list[bytes], int]:
+    """Records of a chunk of texts (kind `text`) or of SFT examples."""
+    split, items, files_done, kind = chunk
+    if kind == "text":
+        docs = encode_documents(_worker_tokenizer, items)
+        return split, [(d.astype("<i4").tobytes(), len(d)) for d in docs], files_done
+    ex = sft.encode_examples(_worker_tokenizer, items, kind)
+    records = [(sft.to_record(t, m), len(t)) for t, m in zip(ex.tokens, ex.masks)]
+    return split, records, files_done
 
 
 def _ordered_map(fn, chunks: Iterator, workers: int, tokenizer: str) -> Iterator:
@@ -75,19 +91,20 @@ class _ShardWriter:
         self.shards: list[dict] = []
         self._writer = None
 
-    def write(self, docs: list[np.ndarray]) -> None:
+    def write(self, docs: list[tuple[bytes, int]]) -> None:
+        """Writes (record, its number of tokens) pairs."""
         from array_record.python.array_record_module import ArrayRecordWriter
 
-        for doc in docs:
+        for record, tokens in docs:
             if self._writer is None or self.shards[-1]["docs"] == self.shard_docs:
                 self.close()
                 name = f"{self.split}-{len(self.shards):05d}.arrayrecord"
                 # group_size 64: small groups keep random reads of one document cheap
                 self._writer = ArrayRecordWriter(str(self.out / name), "group_size:64")
                 self.shards.append({"file": name, "split": self.split, "docs": 0, "tokens": 0})
-            self._writer.write(doc.astype("<i4").tobytes())
+            self._writer.write(record)
             self.shards[-1]["docs"] += 1
-            self.shards[-1]["tokens"] += len(doc)
+            self.shards[-1]["tokens"] += tokens
 
     def close(self) -> None:
         if self._writer is not None:
@@ -115,25 +132,42 @@ def prepare(
         raise ConfigError(f"--out {out} exists and is not empty; choose a new directory.")
     if shard_docs < 1 or workers < 0 or not 0 <= eval_fraction < 1:
         raise ConfigError("--shard-docs must be >= 1, --workers >= 0, --eval-fraction in [0, 1).")
+    kinds = {src.format if sft.is_sft(src) else "text" for src in sources}
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"the sources mix {' and '.join(sorted(kinds))} records; prepare each SFT format "
+            "(--format chat / prompt_completion) and text into directories of their own."
+        )
+    kind = kinds.pop()
     tok = load_tokenizer(tokenizer, "--tokenizer")  # a bad path fails before anything is written
     files = [(f, src) for src in sources for f in list_files(src, f"SOURCE {src.path}", max_files)]
-    bad = BadRecords(", ".join(src.path for src in sources), sources[0].text_field)
+    names = ", ".join(src.path for src in sources)
+    bad = (
+        BadRecords(names, sources[0].text_field)
+        if kind == "text"
+        else sft.bad_records(names, sources[0])
+    )
 
-    def chunks() -> Iterator[tuple[str, list[str], int]]:
-        texts, chars, split, files_done = [], 0, "train", 0
+    def read(f, src):
+        if kind == "text":
+            return read_texts(f, src.text_field, on_bad_record, bad)
+        return sft.read_examples(f, src, tok, on_bad_record, bad)
+
+    def chunks() -> Iterator[tuple[str, list, int, str]]:
+        items, chars, split, files_done = [], 0, "train", 0
         for f, src in files:
             file_split = "eval" if held_out(f.key, eval_fraction) else "train"
-            for text in read_texts(f, src.text_field, on_bad_record, bad):
-                if texts and (
-                    file_split != split or len(texts) == _CHUNK_DOCS or chars > _CHUNK_CHARS
+            for item in read(f, src):
+                if items and (
+                    file_split != split or len(items) == _CHUNK_DOCS or chars > _CHUNK_CHARS
                 ):
-                    yield split, texts, files_done
-                    texts, chars, files_done = [], 0, 0
+                    yield split, items, files_done, kind
+                    items, chars, files_done = [], 0, 0
                 split = file_split
-                texts.append(text)
-                chars += len(text)
+                items.append(item)
+                chars += len(item if kind == "text" else item.text)
             files_done += 1
-        yield split, texts, files_done
+        yield split, items, files_done, kind
 
     out.mkdir(parents=True, exist_ok=True)
     writers = {split: _ShardWriter(out, split, shard_docs) for split in ("train", "eval")}
@@ -155,7 +189,9 @@ def prepare(
         return {"docs": sum(s["docs"] for s in chosen), "tokens": sum(s["tokens"] for s in chosen)}
 
     manifest = {
-        "format": FORMAT,
+        "format": FORMAT if kind == "text" else FORMAT_SFT,
+        **({} if kind == "text" else {"kind": kind}),
+        **({"chat_template": chat.fingerprint(tok)} if kind == "chat" else {}),
         "tokenizer": {
             "spec": tokenizer,
             "fingerprint": tokenizer_fingerprint(tokenizer),
@@ -176,7 +212,11 @@ def prepare(
 
 
 def _source_record(src: SourceConfig) -> dict:
-    return {"path": src.path, "format": src.format, "text_field": src.text_field}
+    fields = {
+        "chat": ("messages_field",),
+        "prompt_completion": ("prompt_field", "completion_field"),
+    }.get(src.format, ("text_field",))
+    return {"path": src.path, "format": src.format, **{k: getattr(src, k) for k in fields}}
 
 
 class PreparedDir:
@@ -188,10 +228,10 @@ class PreparedDir:
             self.manifest = json.loads((self.path / MANIFEST).read_text())
         except ValueError as e:
             raise ConfigError(f"{key}.path: {self.path / MANIFEST} is not valid JSON ({e}).")
-        if self.manifest.get("format") != FORMAT:
+        if self.manifest.get("format") not in (FORMAT, FORMAT_SFT):
             raise ConfigError(
                 f"{key}.path: {self.path / MANIFEST} is not a `jaxllm data prepare` manifest "
-                f"(format {self.manifest.get('format')!r}, expected {FORMAT!r})."
+                f"(format {self.manifest.get('format')!r}, expected {FORMAT!r} or {FORMAT_SFT!r})."
             )
         made_with = self.manifest["tokenizer"]
         if made_with["fingerprint"] != tokenizer_fingerprint(tokenizer):
@@ -202,11 +242,20 @@ class PreparedDir:
             )
         self.key = key
         self.eval_fraction = self.manifest["eval_fraction"]
+        self.kind = self.manifest.get("kind", "text")
+        rendered_with = self.manifest.get("chat_template")
+        if rendered_with and rendered_with != chat.fingerprint(load_tokenizer(tokenizer)):
+            raise ConfigError(
+                f"{key}.path: the conversations of {self.path} were rendered by another chat "
+                f"template than that of data.tokenizer={tokenizer!r}; re-run `jaxllm data "
+                "prepare` with this tokenizer."
+            )
 
-    def documents(self, split: str | None, max_files: int | None = None) -> list[np.ndarray]:
-        """Token documents of the `train` or `eval` shards (None: all), in shard order."""
+    def documents(self, split: str | None, max_files: int | None = None):
+        """Token documents of the `train` or `eval` shards (None: all), in shard order; for SFT
+        shards an `sft.Examples`."""
         shards = [s for s in self.manifest["shards"] if split in (None, s["split"])]
-        docs: list[np.ndarray] = []
+        docs: list = []
         for shard in shards[:max_files] if max_files else shards:
             path = self.path / shard["file"]
             if not path.is_file():
@@ -217,5 +266,10 @@ class PreparedDir:
                     f"{self.key}.path: shard {path} holds {len(records)} documents but the "
                     f"manifest lists {shard['docs']}: it is truncated; re-run `jaxllm data prepare`."
                 )
-            docs.extend(np.frombuffer(r, dtype="<i4") for r in records)
-        return docs
+            if self.kind == "text":
+                docs.extend(np.frombuffer(r, dtype="<i4") for r in records)
+            else:
+                docs.extend(sft.from_record(r) for r in records)
+        if self.kind == "text":
+            return docs
+        return sft.Examples(self.kind, [t for t, _ in docs], [m for _, m in docs])

@@ -10,6 +10,8 @@ extension. One document is:
     parquet        the `text_field` string of each row
     arrayrecord    each record, as UTF-8 text (tokenized shards are read via their directory)
 
+The SFT formats `chat` and `prompt_completion` are read into examples by `jaxllm.data.sft`.
+
 Files are held out for evaluation by a CRC32 of their path relative to the source root, so the
 split never changes when files are added elsewhere. Bad records are counted in a `BadRecords`
 and reported in one warning per source.
@@ -136,10 +138,12 @@ def split_files(
 
 
 class BadRecords:
-    """Counts what was skipped or repaired while reading one source; `warn` reports it once."""
+    """Counts what was skipped or repaired while reading one source; `warn` reports it once.
+    `expected` says what a good record is (default: a JSON object with the text field)."""
 
-    def __init__(self, key: str, text_field: str):
+    def __init__(self, key: str, text_field: str = "text", expected: str | None = None):
         self.key, self.text_field = key, text_field
+        self.expected = expected or f"JSON objects with a string field {text_field!r}"
         self.records, self.first_record = 0, ""
         self.replaced, self.files_replaced, self.first_replaced = 0, 0, ""
 
@@ -156,8 +160,8 @@ class BadRecords:
         parts = []
         if self.records:
             parts.append(
-                f"skipped {self.records} record(s) that are not JSON objects with a string field "
-                f"{self.text_field!r} (first: {self.first_record})"
+                f"skipped {self.records} record(s) that are not {self.expected} "
+                f"(first: {self.first_record})"
             )
         if self.replaced:
             parts.append(

@@ -8,6 +8,11 @@ with or without them. `make_tokenizer` refuses those flags for a tokenizer that 
 tokenizer.json whose vocabulary is too small for bytes): it computes logits from ids, and
 `load_tokenizer` refuses it wherever text must be encoded or decoded.
 
+`encode_offsets` gives each id the characters it comes from (the SFT loss mask is cut by them,
+`jaxllm.data.chat`); with `specials=True` it reads text spelling a special token ("<|im_end|>")
+as that token, as `apply_chat_template` does with what a chat template writes. `special_tokens`
+are the strings a chat template sees as `bos_token`, `eos_token`, ...
+
 `train_bpe` trains a byte-level BPE (GPT-2 style: every byte is in the alphabet, so no text is
 ever unknown) with `<pad>`, `<bos>`, `<eos>` as ids 0, 1, 2, and writes `DIR/tokenizer.json`.
 
@@ -29,6 +34,8 @@ from jaxllm.config import ConfigError, JaxllmWarning
 
 BPE_SPECIALS = ("<pad>", "<bos>", "<eos>")
 # Names a tokenizer.json may give its specials when no tokenizer_config.json says which they are.
+# The specials a chat template sees (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+_TEMPLATE_SPECIALS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 _SPECIAL_NAMES = {
     "bos": ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]"),
     "eos": ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "[EOS]"),
@@ -50,10 +57,17 @@ class ByteTokenizer:
     found_pad_id = 0
     name = "byte"
     chat_template = None
+    special_tokens: dict[str, str] = {}  # BOS and EOS are ids past the bytes: no text spells them
 
     def encode(self, text: str | bytes) -> np.ndarray:
         data = text.encode("utf-8") if isinstance(text, str) else text
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def encode_offsets(self, text: str, specials: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.encode(text)
+        # every byte but a UTF-8 continuation byte (0b10xxxxxx) starts the next character
+        char = np.cumsum((ids & 0xC0) != 0x80) - 1
+        return ids, np.stack([char, char + 1], axis=1)
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
@@ -97,6 +111,19 @@ class HFTokenizer:
         self.pad_id = self.pad_id if self.pad_id is not None else 0
         self.chat_templates = _chat_templates(path.parent, config.get("chat_template"))
         self.chat_template = self.chat_templates.get("default")
+        # what transformers passes a chat template: the tokens tokenizer_config.json names (or,
+        # without that file, the specials found by their common names)
+        named = {f"{k}_token": config.get(f"{k}_token") for k in _TEMPLATE_SPECIALS}
+        if not config_path.is_file():
+            found = {
+                "bos_token": self.bos_id,
+                "eos_token": self.eos_id,
+                "pad_token": self.found_pad_id,
+            }
+            named |= {k: self._tok.id_to_token(i) for k, i in found.items() if i is not None}
+        named = {k: v.get("content") if isinstance(v, dict) else v for k, v in named.items()}
+        self.special_tokens = {k: v for k, v in named.items() if isinstance(v, str)}
+        self._with_specials = None  # a copy that reads specials in text, for chat templates
 
     def encode(self, text: str | bytes) -> np.ndarray:
         # add_special_tokens=False: a post-processor template must not add BOS/EOS behind the
@@ -107,6 +134,18 @@ class HFTokenizer:
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         encodings = self._tok.encode_batch([_as_text(t) for t in texts], add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def encode_offsets(self, text: str, specials: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        tok = self._tok
+        if specials:
+            if self._with_specials is None:
+                from tokenizers import Tokenizer
+
+                self._with_specials = Tokenizer.from_str(self._tok.to_str())
+                self._with_specials.encode_special_tokens = False
+            tok = self._with_specials
+        enc = tok.encode(text, add_special_tokens=False)
+        return np.asarray(enc.ids, np.int32), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         ids = np.asarray(ids)
@@ -151,9 +190,21 @@ class SentencePieceTokenizer:
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.found_pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         self.pad_id = self.found_pad_id if self.found_pad_id is not None else 0
+        ids = {"bos": self.bos_id, "eos": self.eos_id, "unk": self._sp.unk_id()}
+        ids["pad"] = self.found_pad_id
+        self.special_tokens = {
+            f"{k}_token": self._sp.id_to_piece(i)
+            for k, i in ids.items()
+            if i is not None and i >= 0
+        }
 
     def encode(self, text: str | bytes) -> np.ndarray:
         return np.asarray(self._sp.encode(_as_text(text)), dtype=np.int32)
+
+    def encode_offsets(self, text: str, specials: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        # SentencePiece never reads a control token out of text, so `specials` changes nothing
+        out = self._sp.encode(text, out_type="offset_mapping")
+        return np.asarray(out["ids"], np.int32), np.asarray(out["offsets"], np.int64).reshape(-1, 2)
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         ids = self._sp.encode([_as_text(t) for t in texts])

@@ -14,9 +14,12 @@ model's own statistics (MoE expert loads and balancing losses), which the step a
 hands back to the model after the update (`Transformer.after_step`): that is how the router
 biases, the model's non-trained state, move.
 
-`next_token` is pretraining's objective (and SFT's: the pipeline's `loss_mask` picks which
-tokens count). `train.objective` in the config names the objective of `jaxllm train`:
-`next_token`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
+`next_token` is pretraining's objective. `sft` is supervised fine-tuning's: the same
+cross-entropy over the tokens whose `loss_mask` is 1, which for chat / prompt_completion sources
+(`jaxllm.data.sft`) are the assistant turns and completions only, so a run names what it does;
+on plain text sources every token is in the mask and `sft` trains exactly as `next_token`.
+`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, or
+`MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
 from __future__ import annotations
@@ -84,11 +87,21 @@ def next_token(z_loss: float = 0.0) -> Objective:
     return objective
 
 
-BUILT_IN = {"next_token": lambda cfg: next_token(cfg.train.z_loss)}
+def sft(z_loss: float = 0.0) -> Objective:
+    """Supervised fine-tuning: `next_token` over the tokens the data marks as trained (the
+    assistant turns / completions of SFT sources, or with data.train_on_prompt every token of
+    the example); the mean is over those tokens only, so padding and prompts weigh nothing."""
+    return next_token(z_loss)
+
+
+BUILT_IN = {
+    "next_token": lambda cfg: next_token(cfg.train.z_loss),
+    "sft": lambda cfg: sft(cfg.train.z_loss),
+}
 
 
 def from_config(cfg: Config) -> Objective:
-    """The objective `train.objective` names: a built-in (`next_token`), or `MODULE:NAME` /
+    """The objective `train.objective` names: a built-in (`next_token`, `sft`), or `MODULE:NAME` /
     `FILE.py:NAME` naming an objective function. ConfigError when it cannot be loaded."""
     name = cfg.train.objective
     if name in BUILT_IN:
