@@ -37,7 +37,7 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
         ),
     )
     gbs = cfg.train.global_batch_size
-    _, eval_rows = load_splits(cfg.data)
+    _, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens)
     batches = eval_batches(
         eval_rows, gbs, num_batches or cfg.train.eval_batches, process_rows(batch_sh, gbs)
     )

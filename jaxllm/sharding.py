@@ -49,7 +49,8 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "norm": ("fsdp",),
     "expert": ("expert",),
     "router_expert": None,  # router columns: every token scores every expert
-    "lora_rank": None,  # LoRA factors: their other dims follow the weight they adapt
+    "lora_rank": None,
+    "virtual_tokens": None,  # soft-prompt rows  # LoRA factors: their other dims follow the weight they adapt
     "quant_block": None,  # NF4 codes of a weight's trailing dims, packed into blocks
 }
 

@@ -79,6 +79,11 @@ class PeftConfig:
                 )
 
     @property
+    def virtual_tokens(self) -> int:
+        """The soft prompt's length: num_virtual_tokens under prompt tuning, else 0."""
+        return self.num_virtual_tokens if self.method == "prompt" else 0
+
+    @property
     def lora(self) -> bool:
         return self.method in ("lora", "qlora")
 

@@ -183,6 +183,8 @@ class FirstFitRows:
         row["targets"] = np.full(self.seq_len, self.pad_id, np.int32)
         row["inputs"][:used] = self.tokens[source]
         row["targets"][:used] = self.tokens[source + 1]
+        if self.tokens.dtype.kind == "i":  # soft-prompt placeholders (< 0) are never targets
+            np.maximum(row["targets"], 0, out=row["targets"])
         row["segment_ids"][:used] = np.repeat(np.arange(1, len(slots) + 1), slots)
         row["positions"][:used] = within
         row["loss_mask"] = (row["segment_ids"] > 0).astype(np.int32)

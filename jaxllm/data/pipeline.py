@@ -98,11 +98,13 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
     return encode_documents(tok, train), encode_documents(tok, evals)
 
 
-def _rows(docs: list[np.ndarray] | sft.Examples, what: str, cfg: DataConfig, tok) -> Rows:
+def _rows(
+    docs: list[np.ndarray] | sft.Examples, what: str, cfg: DataConfig, tok, virtual_tokens=0
+) -> Rows:
     if not docs:
         raise ConfigError(f"{what} has no documents; add data or change data.eval_fraction.")
     if isinstance(docs, sft.Examples):
-        return sft.pack_examples(docs, cfg, tok, what)
+        return sft.pack_examples(docs, cfg, tok, what, virtual_tokens)
     try:
         return pack(docs, cfg, tok)
     except ValueError as e:
@@ -116,9 +118,13 @@ def _mix(parts: list[Rows], sources: Sequence[SourceConfig], seed: int) -> Rows 
     return parts[0] if len(parts) == 1 else MixtureRows(parts, [s.weight for s in sources], seed)
 
 
-def load_splits(cfg: DataConfig) -> tuple[Rows | MixtureRows, Rows | MixtureRows]:
+def load_splits(
+    cfg: DataConfig, virtual_tokens: int = 0
+) -> tuple[Rows | MixtureRows, Rows | MixtureRows]:
     """(train rows, eval rows) of the configured sources; ConfigError for anything the user can
-    fix (missing path, no files, no text, bad records under on_bad_record=fail, tokenizer)."""
+    fix (missing path, no files, no text, bad records under on_bad_record=fail, tokenizer).
+    `virtual_tokens`: a soft prompt's length (peft.method=prompt), whose placeholder ids start
+    every SFT example."""
     tok = make_tokenizer(cfg)
     for name, sources in (("sources", cfg.sources), ("eval_sources", cfg.eval_sources)):
         for i, src in enumerate(sources):
@@ -131,12 +137,15 @@ def load_splits(cfg: DataConfig) -> tuple[Rows | MixtureRows, Rows | MixtureRows
     for i, src in enumerate(cfg.sources):
         key = f"data.sources[{i}]"
         train_docs, eval_docs = _source_documents(src, key, cfg, tok, hold_out)
-        train_parts.append(_rows(train_docs, f"the train split of {key}", cfg, tok))
+        what = f"the train split of {key}"
+        train_parts.append(_rows(train_docs, what, cfg, tok, virtual_tokens))
         if hold_out:
-            eval_parts.append(_rows(eval_docs, f"the eval split of {key}", cfg, tok))
+            what = f"the eval split of {key}"
+            eval_parts.append(_rows(eval_docs, what, cfg, tok, virtual_tokens))
     for i, src in enumerate(cfg.eval_sources):
         key = f"data.eval_sources[{i}]"
-        eval_parts.append(_rows(_source_documents(src, key, cfg, tok, False)[0], key, cfg, tok))
+        docs = _source_documents(src, key, cfg, tok, False)[0]
+        eval_parts.append(_rows(docs, key, cfg, tok, virtual_tokens))
     eval_weights_from = cfg.sources if hold_out else cfg.eval_sources
     return _mix(train_parts, cfg.sources, cfg.seed), _mix(eval_parts, eval_weights_from, cfg.seed)
 

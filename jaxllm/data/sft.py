@@ -212,11 +212,16 @@ def from_record(record: bytes) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(record, "<i4", n), np.frombuffer(record, np.uint8, n, 4 * n)
 
 
-def pack_examples(ex: Examples, cfg: DataConfig, tok, what: str) -> FirstFitRows:
+def pack_examples(
+    ex: Examples, cfg: DataConfig, tok, what: str, virtual_tokens: int = 0
+) -> FirstFitRows:
     """Rows of whole examples: BOS/EOS around prompt_completion ones, `data.train_on_prompt`,
-    then `data.truncation` on those longer than a row, reported in one warning."""
+    then `data.truncation` on those longer than a row, reported in one warning. With
+    `virtual_tokens` (prompt tuning) every example starts with the placeholder ids -1 .. -n of
+    the soft prompt (untrained targets), before its BOS, as Hugging Face PEFT prepends them."""
     wrap = ex.kind == "prompt_completion"
-    head = [tok.bos_id] if wrap and cfg.add_bos else []
+    head = list(range(-1, -virtual_tokens - 1, -1))
+    head += [tok.bos_id] if wrap and cfg.add_bos else []
     tail = [tok.eos_id] if wrap and cfg.add_eos else []
     limit = cfg.seq_len + 1  # a row makes seq_len predictions, of seq_len + 1 tokens
     tokens, masks, long, empty = [], [], 0, 0

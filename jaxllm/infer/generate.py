@@ -189,6 +189,9 @@ def generate(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
     cfg = model.cfg
+    soft_prompt = getattr(model, "soft_prompt", None)
+    if soft_prompt is not None:  # its virtual tokens go first (peft.method=prompt)
+        prompts = [list(range(-1, -soft_prompt.shape[0] - 1, -1)) + list(p) for p in prompts]
     n_real = len(prompts)
     dp = 1
     if mesh is not None:

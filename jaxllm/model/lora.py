@@ -260,3 +260,19 @@ def trainable(peft: PeftConfig | None):
 
 class PromptParam(nnx.Param):
     """Soft-prompt embeddings: what trains under peft.method=prompt."""
+
+
+def peft_key(init_key: jax.Array) -> jax.Array:
+    """The stream of a model's init key that its adapters or soft prompt draw from."""
+    return jax.random.fold_in(init_key, 0x10AA)
+
+
+def prompt_token_ids(key: jax.Array, n: int, vocab_size: int) -> jax.Array:
+    """The vocabulary tokens whose embeddings a soft prompt of `n` virtual tokens starts from
+    (Hugging Face PEFT's sampled-vocabulary initialisation)."""
+    return jax.random.randint(key, (n,), 0, vocab_size)
+
+
+def virtual_ids(n: int) -> list[int]:
+    """The token ids that stand for a soft prompt's n virtual tokens in an input: -1 .. -n."""
+    return [-(i + 1) for i in range(n)]

@@ -214,7 +214,7 @@ class Transformer(nnx.Module):
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
         if embeddings_BxLxD is None:
-            embeddings_BxLxD = self.embed(tokens_BxL)
+            embeddings_BxLxD = self._embed(tokens_BxL)
         b, l = embeddings_BxLxD.shape[:2]
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
@@ -292,6 +292,19 @@ class Transformer(nnx.Module):
         logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
         return ModelOutput(logits_BxLxV, cache, aux)
 
+    def _embed(self, tokens_BxL):
+        """Token embeddings; with a soft prompt (peft.method=prompt), the ids -1 .. -P are its
+        virtual tokens 0 .. P-1 (the data pipeline and `generate` put them before each
+        example)."""
+        prompt = getattr(self, "soft_prompt", None)
+        if prompt is None:
+            return self.embed(tokens_BxL)
+        virtual_BxL = tokens_BxL < 0
+        x_BxLxD = self.embed(jnp.where(virtual_BxL, 0, tokens_BxL))
+        index_BxL = jnp.clip(-tokens_BxL - 1, 0, prompt.shape[0] - 1)
+        v_BxLxD = jnp.take(prompt[...], index_BxL, axis=0).astype(x_BxLxD.dtype)
+        return jnp.where(virtual_BxL[..., None], v_BxLxD, x_BxLxD)
+
     def after_step(self, model_state: dict, stats: dict, keep: jax.Array):
         """(new non-trained model state, metrics) after a train step, from the step's summed
         `stats` (the `model_stats` of its objective: MoE expert loads). `keep`: whether the
@@ -335,9 +348,18 @@ def build(cfg: ModelConfig, seed: int | jax.Array = 0, peft: PeftConfig | None =
 
 
 def attach_peft(model: Transformer, peft: PeftConfig | None, key: jax.Array) -> None:
-    """Adds `peft`'s trainable parts to a model built from `key` (their own stream of it)."""
-    if peft is not None and peft.method != "none":
-        lora.attach(model, peft, jax.random.fold_in(key, 0x10AA))
+    """Adds `peft`'s trainable parts to a model built from `key` (their own stream of it): LoRA
+    adapters, or the soft prompt, initialised as the embeddings of random vocabulary tokens
+    (`lora.prompt_token_ids`)."""
+    if peft is None or peft.method == "none":
+        return
+    key = lora.peft_key(key)
+    if peft.method == "prompt":
+        ids = lora.prompt_token_ids(key, peft.num_virtual_tokens, model.cfg.vocab_size)
+        init = model.embed.embedding[...][ids]
+        model.soft_prompt = lora.PromptParam(init, axes=("virtual_tokens", "embed"))
+    else:
+        lora.attach(model, peft, key)
 
 
 def logical_axes(state) -> dict:

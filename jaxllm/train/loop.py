@@ -14,10 +14,8 @@ checkpoint is written before the optional outputs (loss plot, sample).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -30,21 +28,15 @@ from jaxllm import adapters, checkpoint, config, optim, sharding
 from jaxllm.config import JaxllmWarning
 from jaxllm.data import check_vocab
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
-from jaxllm.data.tokenizer import make_tokenizer
-from jaxllm.infer import generate
 from jaxllm.load import load_weights
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.model import abstract_model
 from jaxllm.train import loss_scale, objectives
+from jaxllm.train.console import _log, _Plain, _progress, _show, sample
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
 from jaxllm.train.state import grad_shardings, init_state, init_state_from, layout, state_shardings
-from jaxllm.train.step import BATCH_AXES, eval_step, merge, train_step
-
-
-def _log(msg: str) -> None:
-    if jax.process_index() == 0:
-        print(msg, file=sys.stderr, flush=True)
+from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
 def process_rows(batch_sharding: NamedSharding, global_batch_size: int) -> slice:
@@ -157,7 +149,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
 
     jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)  # checks shapes
     t0 = time.perf_counter()
-    train_rows, eval_rows = load_splits(cfg.data)
+    train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens)
     sources = ", ".join(src.path for src in cfg.data.sources)
     _log(
         f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} tokens, "
@@ -419,49 +411,3 @@ def _loop(
         if lead:
             final["sample"] = sample(cfg, *weights)
     return final
-
-
-def sample(cfg: config.Config, params, frozen=None, model_state=None) -> str:
-    """Greedy continuation of `train.sample_prompt` (KV-cached, `generate.*` cache settings),
-    printed to stdout."""
-    tok = make_tokenizer(cfg.data)
-    graphdef, _, _ = abstract_model(cfg.model, cfg.peft)
-    model = merge(graphdef, *jax.device_get((params, frozen, model_state)))
-    bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
-    n = min(cfg.train.sample_tokens, cfg.model.max_seq_len - 1)
-    prompt = [*bos, *tok.encode(cfg.train.sample_prompt).tolist()]
-    prompt = prompt[-(cfg.model.max_seq_len - n) :]
-    gen = dataclasses.replace(cfg.generate, max_new_tokens=n, temperature=0.0)
-    new = generate(model, [prompt], gen).tokens[0]
-    text = tok.decode(new)
-    print(f"--- greedy continuation of {cfg.train.sample_prompt!r} ---")
-    print(cfg.train.sample_prompt + text)
-    return text
-
-
-class _Plain:
-    """Stand-in for tqdm when stderr is not a terminal: log lines only."""
-
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total: int, start: int = 0):
-    if not sys.stderr.isatty():
-        return _Plain()
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, unit="step", file=sys.stderr)
-
-
-def _show(bar, step: int, v: dict) -> None:
-    text = f"loss {v['loss']:.3f}  {v['tokens_per_sec']:,.0f} tok/s  lr {v['lr']:.2e}"
-    if "eval_loss" in v:
-        text += f"  eval {v['eval_loss']:.3f}"
-    if isinstance(bar, _Plain):
-        _log(f"step {step}: {text}  {v['step_time_s'] * 1e3:.0f} ms/step")
-    else:
-        bar.set_postfix_str(text)

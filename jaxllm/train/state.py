@@ -323,6 +323,12 @@ def init_state_from(
         if peft is not None and peft.method != "none":  # the adapters of a fresh init
             frozen = lora.freeze(params, abstract_frozen(model_cfg, peft)[1], peft)
             params = _init(model_cfg, tx, seed, None, peft).params
+            if peft.method == "prompt":  # from the loaded base's embeddings
+                init_key = jax.random.split(jax.random.key(seed))[0]
+                n, vocab = peft.num_virtual_tokens, model_cfg.vocab_size
+                ids = lora.prompt_token_ids(lora.peft_key(init_key), n, vocab)
+                embedding = frozen["embed"]["embedding"]
+                params = {**params, "soft_prompt": embedding[ids].astype(embedding.dtype)}
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,

@@ -1,0 +1,65 @@
+"""What a training run shows while it runs: log lines, the progress bar, the sample at the end."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+
+from jaxllm import config
+from jaxllm.data.tokenizer import make_tokenizer
+from jaxllm.infer import generate
+from jaxllm.model import abstract_model
+from jaxllm.train.step import merge
+
+
+def _log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def sample(cfg: config.Config, params, frozen=None, model_state=None) -> str:
+    """Greedy continuation of `train.sample_prompt` (KV-cached, `generate.*` cache settings),
+    printed to stdout."""
+    tok = make_tokenizer(cfg.data)
+    graphdef, _, _ = abstract_model(cfg.model, cfg.peft)
+    model = merge(graphdef, *jax.device_get((params, frozen, model_state)))
+    bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
+    n = min(cfg.train.sample_tokens, cfg.model.max_seq_len - 1)
+    prompt = [*bos, *tok.encode(cfg.train.sample_prompt).tolist()]
+    prompt = prompt[-(cfg.model.max_seq_len - n) :]
+    gen = dataclasses.replace(cfg.generate, max_new_tokens=n, temperature=0.0)
+    new = generate(model, [prompt], gen).tokens[0]
+    text = tok.decode(new)
+    print(f"--- greedy continuation of {cfg.train.sample_prompt!r} ---")
+    print(cfg.train.sample_prompt + text)
+    return text
+
+
+class _Plain:
+    """Stand-in for tqdm when stderr is not a terminal: log lines only."""
+
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, start: int = 0):
+    if not sys.stderr.isatty():
+        return _Plain()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="step", file=sys.stderr)
+
+
+def _show(bar, step: int, v: dict) -> None:
+    text = f"loss {v['loss']:.3f}  {v['tokens_per_sec']:,.0f} tok/s  lr {v['lr']:.2e}"
+    if "eval_loss" in v:
+        text += f"  eval {v['eval_loss']:.3f}"
+    if isinstance(bar, _Plain):
+        _log(f"step {step}: {text}  {v['step_time_s'] * 1e3:.0f} ms/step")
+    else:
+        bar.set_postfix_str(text)
