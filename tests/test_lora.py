@@ -92,7 +92,7 @@ def test_targets_rank_scaling_and_dropout():
     trained, evaluated = drop(tokens, dropout_key=key).logits, drop(tokens).logits
     assert float(jnp.max(jnp.abs(trained - evaluated))) > 1e-3
     np.testing.assert_array_equal(trained, drop(tokens, dropout_key=key).logits)
-    with pytest.raises(ValueError, match="match no weight"):
+    with pytest.raises(ConfigError, match="kv_b_proj matches no weight"):
         build(cfg, 0, dataclasses.replace(LORA, targets=("kv_b_proj",)))  # MLA only
     with pytest.raises(ConfigError, match="peft.targets: 'wq'"):
         config.load(None, ["peft.method=lora", "peft.targets=[wq]"])

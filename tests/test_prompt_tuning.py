@@ -51,8 +51,9 @@ def test_virtual_tokens_start_every_example_untrained(tmp_path):
         assert row["inputs"][s + 4] >= 0 and row["positions"][s] == 0
         assert not row["loss_mask"][s : s + 4].any()
     assert (row["targets"] >= 0).all()
-    with pytest.raises(ConfigError, match="peft.method=prompt puts its virtual tokens"):
-        config.load(None, ["peft.method=prompt"])  # the default text source
+    text = config.load(None, ["peft.method=prompt", "data.max_files=30"])  # the stdlib: text
+    with pytest.raises(ConfigError, match="is text, but peft.method=prompt puts its virtual"):
+        load_splits(text.data, text.peft.virtual_tokens)
 
 
 def test_soft_prompt_is_the_embedding_of_the_virtual_tokens():

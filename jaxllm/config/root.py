@@ -74,14 +74,6 @@ class Config:
             _fail("train.eval_every, train.sample_tokens and optim.warmup_steps must be >= 0.")
         self._validate_values()
         self.peft.validate()
-        if self.peft.method == "prompt":
-            for src in (*self.data.sources, *self.data.eval_sources):
-                if src.format not in ("chat", "prompt_completion"):
-                    _fail(
-                        f"peft.method=prompt puts its virtual tokens before every SFT example; "
-                        f"data source {src.path!r} has format {src.format}: use chat or "
-                        "prompt_completion sources."
-                    )
         gen = self.generate
         if gen.max_new_tokens < 1 or gen.temperature < 0 or gen.top_k < 0:
             _fail("generate.max_new_tokens must be >= 1, generate.temperature and top_k >= 0.")

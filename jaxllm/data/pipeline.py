@@ -105,6 +105,11 @@ def _rows(
         raise ConfigError(f"{what} has no documents; add data or change data.eval_fraction.")
     if isinstance(docs, sft.Examples):
         return sft.pack_examples(docs, cfg, tok, what, virtual_tokens)
+    if virtual_tokens:
+        raise ConfigError(
+            f"{what} is text, but peft.method=prompt puts its virtual tokens before every SFT "
+            "example; use chat or prompt_completion sources (or a directory prepared from them)."
+        )
     try:
         return pack(docs, cfg, tok)
     except ValueError as e:

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.config import PeftConfig
-from jaxllm.config.peft import LORA_TARGETS
+from jaxllm.config import ConfigError, PeftConfig
+from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS
 from jaxllm.model import nf4
 
 
@@ -72,7 +72,7 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
             axes = tuple(var.get_metadata().get("axes", ()))
             if not peft.targeted(name, "expert" in axes) or var.ndim < 2:
                 continue
-            found.add(name)
+            found |= {name, "experts"} if "expert" in axes else {name}
             lead, n_in = _lead(axes), in_dims(name)
             shape = var.shape
             ins, outs = shape[lead : lead + n_in], shape[lead + n_in :]
@@ -89,8 +89,12 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
             setattr(module, f"{name}_lora_b", LoRAParam(b, axes=b_axes))
             setattr(module, f"{name}_lora_scale", float(peft.scale))
             setattr(module, f"{name}_lora_dropout", float(peft.dropout))
-    if not found:
-        raise ValueError(f"peft.targets {list(peft.targets)} match no weight of this model")
+    missing = [t for t in peft.targets if t not in found and t != ALL_LINEAR]
+    if missing or not found:
+        raise ConfigError(
+            f"peft.targets: {', '.join(missing) or ALL_LINEAR} matches no weight of this model; "
+            f"it has {', '.join(sorted(targetable(model)))}."
+        )
     model.lora_dropout = float(peft.dropout)  # the model then draws per-layer dropout keys
 
 
@@ -115,6 +119,18 @@ def _next_key() -> jax.Array | None:
         return None
     state[1] += 1
     return jax.random.fold_in(state[0], state[1])
+
+
+def targetable(model: nnx.Module) -> set[str]:
+    """The names `peft.targets` can give for this model's weights."""
+    names = set()
+    for _, module in nnx.iter_modules(model):
+        for name, var in vars(module).items():
+            if isinstance(var, nnx.Param) and name in LORA_TARGETS:
+                axes = var.get_metadata().get("axes", ())
+                names.add("experts" if "expert" in axes else name)
+                names.add(name)
+    return names
 
 
 def kernel(module: nnx.Module, name: str):
