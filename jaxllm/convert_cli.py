@@ -34,7 +34,7 @@ def cmd_import(ns: argparse.Namespace) -> int:
 
 def cmd_export(ns: argparse.Namespace) -> int:
     mesh = sharding.make_mesh(MeshConfig())
-    cfg, _, _, params, model_state, step = restore(ns.source, mesh=mesh)  # newest readable
+    cfg, _, _, params, model_state, step, _ = restore(ns.source, mesh=mesh)  # newest readable
     run_dir = resolve(ns.source)[0]
     report = export_hf(params, cfg, ns.hf_dir, ns.family, model_state=model_state, run_dir=run_dir)
     for line in report:
