@@ -6,6 +6,12 @@ section in `jaxllm.config.peft`; the train step is the one of pretraining, diffe
 what trains (`TrainState.params`) with the base held in `TrainState.frozen`.
 """
 
-from jaxllm.adapters.base import BASE_ITEM, base_record, check_base, load_frozen
+from jaxllm.adapters.base import (
+    BASE_ITEM,
+    base_record,
+    check_base,
+    imported_adapters,
+    load_frozen,
+)
 
-__all__ = ["BASE_ITEM", "base_record", "check_base", "load_frozen"]
+__all__ = ["BASE_ITEM", "base_record", "check_base", "imported_adapters", "load_frozen"]

@@ -106,3 +106,18 @@ def load_frozen(cfg: Config, mesh, record: dict, *, verify: bool = False):
     params, _ = load_weights(record["source"], cfg.model, mesh)
     axes = abstract_frozen(cfg.model, cfg.peft)[1]
     return jax.jit(lambda p: lora.freeze(p, axes, cfg.peft), out_shardings=shardings)(params)
+
+
+def imported_adapters(ckpt_dir: Path, target, base: dict | None):
+    """The adapters a PEFT run starts from when its own directory holds a weights-only
+    checkpoint of them with a base record (`jaxllm convert import --peft`), restored into
+    `target` (their abstract arrays with shardings, `jaxllm.load.weight_targets`); None
+    otherwise (they start fresh). RunError when that checkpoint's base is not `base`."""
+    found = checkpoint.steps(ckpt_dir)
+    if base is None or not found or checkpoint.has_train_state(ckpt_dir, found[-1]):
+        return None
+    recorded = checkpoint.read_json_item(ckpt_dir, found[-1], BASE_ITEM)
+    if recorded is None:  # an imported base (`jaxllm convert import`), not adapters
+        return None
+    check_base(recorded, base)
+    return checkpoint.restore_weights(ckpt_dir, target, step=found[-1]).params

@@ -304,25 +304,27 @@ def init_state_from(
     zero_stage: int = 0,
     offload: bool = False,
     peft: PeftConfig | None = None,
+    adapters=None,
 ) -> TrainState:
     """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
     routing biases; None: zeros): fresh optimizer state, rng and loss scale, each leaf in its
     shards (fine-tuning, `checkpoint.init_from`). Under `peft` the parameters are the frozen
-    base, and the adapters / soft prompt start fresh from the seed."""
+    base, and the adapters / soft prompt are `adapters` (imported ones) or start fresh from
+    the seed."""
     shardings = state_shardings(
         model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload, peft=peft
     )
 
     abstract_ms, _ = abstract_model_state(model_cfg)
 
-    def init(params, model_state):
+    def init(params, model_state, adapters):
         state_key = jax.random.split(jax.random.key(seed))[1]  # as `_init`: same rng stream
         if model_state is None:
             model_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_ms)
         frozen = None
         if peft is not None and peft.method != "none":  # the adapters of a fresh init
             frozen = lora.freeze(params, abstract_frozen(model_cfg, peft)[1], peft)
-            params = _init(model_cfg, tx, seed, None, peft).params
+            params = _init(model_cfg, tx, seed, None, peft).params if adapters is None else adapters
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -333,4 +335,4 @@ def init_state_from(
             loss_scale=_initial_loss_scale(loss_scaling),
         )
 
-    return jax.jit(init, out_shardings=shardings)(params, model_state)
+    return jax.jit(init, out_shardings=shardings)(params, model_state, adapters)
