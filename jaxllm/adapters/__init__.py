@@ -13,5 +13,14 @@ from jaxllm.adapters.base import (
     imported_adapters,
     load_frozen,
 )
+from jaxllm.adapters.hf_peft import export_peft, import_peft
 
-__all__ = ["BASE_ITEM", "base_record", "check_base", "imported_adapters", "load_frozen"]
+__all__ = [
+    "BASE_ITEM",
+    "base_record",
+    "check_base",
+    "export_peft",
+    "import_peft",
+    "imported_adapters",
+    "load_frozen",
+]
