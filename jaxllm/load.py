@@ -80,12 +80,13 @@ def _on(mesh: Mesh, abstract, axes):
     )
 
 
-def restore(path, overrides=(), *, mesh: Mesh | None = None) -> Restored:
+def restore(path, overrides=(), *, mesh: Mesh | None = None, base: bool = True) -> Restored:
     """A run directory / checkpoint path -> its config (with `overrides`) and the weights of the
     newest readable (or the named) checkpoint, restored straight into their shards. Without
     `mesh`, on the configured mesh over all devices, and the run's tokenizer must fit the model
-    (`eval` and `generate` use both); with `mesh`, the weights alone on that mesh. ConfigError
-    when there is nothing to restore."""
+    (`eval` and `generate` use both); with `mesh`, the weights alone on that mesh. A PEFT run's
+    base is loaded (and checked) too, unless `base` is False (`frozen` is then None).
+    ConfigError when there is nothing to restore."""
     run_dir, ckpt_dir, step = resolve(path)
     cfg = config.load(run_dir / "config.yaml", list(overrides))
     if mesh is None:
@@ -97,7 +98,7 @@ def restore(path, overrides=(), *, mesh: Mesh | None = None) -> Restored:
     graphdef, target, ms_target = weight_targets(cfg.model, mesh, cfg.peft)
     params, model_state, step = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
     frozen = None
-    if cfg.peft.method != "none":  # the base the adapters were trained on
+    if cfg.peft.method != "none" and base:  # the base the adapters were trained on
         record = checkpoint.read_json_item(ckpt_dir, step, adapters.BASE_ITEM)
         if record is None:
             raise ConfigError(f"{ckpt_dir}/{step} has no record of its fine-tuning base.")
