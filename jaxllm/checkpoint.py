@@ -293,13 +293,23 @@ def _sync(name: str) -> None:
 
 
 def save_params(
-    directory: str | Path, params, *, step: int, config: dict, tokenizer: dict, model_state=None
+    directory: str | Path,
+    params,
+    *,
+    step: int,
+    config: dict,
+    tokenizer: dict,
+    model_state=None,
+    base: dict | None = None,
 ):
     """A weights-only checkpoint (items params, config, tokenizer, and model_state when there
     is one; no optimizer state), as `jaxllm convert import` writes: `jaxllm generate / eval`
     read it, and a training run in its directory starts from it (`has_train_state` is False:
-    it is not a resume point)."""
+    it is not a resume point). `base`: a fine-tuning run's base record, whose adapters
+    `params` are (`jaxllm convert import --peft`)."""
     extra = {"model_state": ocp.args.StandardSave(model_state)} if model_state else {}
+    if base is not None:
+        extra["base"] = ocp.args.JsonSave(base)
     with manager(directory, CheckpointConfig(async_save=False)) as mgr:
         mgr.save(
             step,

@@ -9,8 +9,8 @@
     jaxllm bench data [CONFIG.yaml] [key=value ...]
     jaxllm data tokenizer SOURCE... --vocab-size N --out DIR
     jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N]
-    jaxllm convert import HF_DIR OUT_DIR [key=value ...]
-    jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME]
+    jaxllm convert import HF_DIR OUT_DIR [key=value ...] [--peft ADAPTER_DIR]
+    jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME] [--peft | --merge]
     jaxllm sweep [CONFIG.yaml] [key=value ...] --grid KEY=V1,V2 [--grid ...] [--out DIR]
 
 Exit codes, each failure with one sentence on stderr and no traceback:

@@ -6,6 +6,11 @@ dtype) to stdout; a tensor that maps to nothing, a missing one, a shape mismatch
 (one line, exit 2) before anything is written. The tokenizer and its special-token ids travel
 both ways (tokenizer.json, tokenizer_config.json, special_tokens_map.json, the chat template,
 generation_config.json).
+
+A fine-tuning run (peft.method lora / qlora) exports with `--peft` (its adapters as Hugging
+Face PEFT's adapter_config.json + adapter_model.safetensors, for `PeftModel.from_pretrained` on
+the base) or `--merge` (one model, the adapters merged into the base); `import HF_DIR OUT_DIR
+--peft ADAPTER_DIR` makes such a run of a PEFT adapter (`jaxllm.adapters.hf_peft`).
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxllm import sharding
+from jaxllm import checkpoint, config, sharding
+from jaxllm.adapters import BASE_ITEM, export_peft, import_peft
 from jaxllm.config import ConfigError, MeshConfig
-from jaxllm.convert import FAMILIES, export_hf, import_hf
+from jaxllm.convert import FAMILIES, export_hf, import_hf, is_hf_dir
 from jaxllm.load import resolve, restore
+from jaxllm.model import lora
 
 
 def cmd_import(ns: argparse.Namespace) -> int:
@@ -25,7 +32,10 @@ def cmd_import(ns: argparse.Namespace) -> int:
         raise ConfigError(
             "jaxllm convert import HF_DIR OUT_DIR takes only key=value after OUT_DIR."
         )
-    report = import_hf(ns.hf_dir, ns.out_dir, overrides)
+    if ns.peft:
+        report = import_peft(ns.hf_dir, ns.peft, ns.out_dir, overrides)
+    else:
+        report = import_hf(ns.hf_dir, ns.out_dir, overrides)
     for line in report:
         print(line)
     print(f"imported {len(report)} tensor names into {ns.out_dir}", file=sys.stderr)
@@ -33,13 +43,50 @@ def cmd_import(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    mesh = sharding.make_mesh(MeshConfig())
-    cfg, _, _, params, model_state, step, _ = restore(ns.source, mesh=mesh)  # newest readable
     run_dir = resolve(ns.source)[0]
-    report = export_hf(params, cfg, ns.hf_dir, ns.family, model_state=model_state, run_dir=run_dir)
+    method = config.load(run_dir / "config.yaml").peft.method
+    if method == "none" and (ns.peft or ns.merge):
+        flag = "--peft" if ns.peft else "--merge"
+        raise ConfigError(
+            f"{ns.source} is not a fine-tuning run (peft.method=none), so it has no adapters "
+            f"for {flag}; export it without {flag}."
+        )
+    if method != "none" and not (ns.peft or ns.merge):
+        raise ConfigError(
+            f"{ns.source} is a fine-tuning run (peft.method={method}) whose checkpoints hold "
+            "only adapters; pass --peft for Hugging Face PEFT's adapter files or --merge for "
+            "a checkpoint with the adapters merged into the base."
+        )
+    if method == "prompt":
+        raise ConfigError(
+            f"{ns.source} is a prompt-tuning run (peft.method=prompt): its soft prompt has "
+            "no Hugging Face PEFT LoRA layout and no weights to merge into; it cannot be "
+            "exported yet."
+        )
+    mesh = sharding.make_mesh(MeshConfig())
+    restored = restore(ns.source, mesh=mesh, base=not ns.peft)  # newest readable
+    cfg, params, model_state = restored.cfg, restored.params, restored.model_state
+    if ns.peft:
+        ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
+        base = checkpoint.read_json_item(ckpt_dir, restored.step, BASE_ITEM)
+        report = export_peft(params, cfg, ns.hf_dir, ns.family, base)
+        source = (base or {}).get("source")
+        if not (source and is_hf_dir(source)):
+            print(
+                "note: the run's base is not a Hugging Face directory, so adapter_config.json "
+                "has base_model_name_or_path null; load the adapters onto the base exported "
+                "with `jaxllm convert export`.",
+                file=sys.stderr,
+            )
+    else:
+        if ns.merge:
+            params = lora.merged_params(restored.graphdef, params, restored.frozen, model_state)
+        report = export_hf(
+            params, cfg, ns.hf_dir, ns.family, model_state=model_state, run_dir=run_dir
+        )
     for line in report:
         print(line)
-    print(f"exported step {step} to {ns.hf_dir}", file=sys.stderr)
+    print(f"exported step {restored.step} to {ns.hf_dir}", file=sys.stderr)
     return 0
 
 
@@ -50,9 +97,28 @@ def add_convert_parser(sub) -> None:
     i.add_argument("hf_dir", help="config.json + *.safetensors (+ tokenizer.json)")
     i.add_argument("out_dir", help="run directory to write (config.yaml, checkpoints/0)")
     i.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.dtype=float32")
+    i.add_argument(
+        "--peft",
+        metavar="ADAPTER_DIR",
+        help="a Hugging Face PEFT LoRA adapter of HF_DIR (adapter_config.json + "
+        "adapter_model.safetensors): OUT_DIR becomes a fine-tuning run of those adapters on "
+        "the base HF_DIR",
+    )
     i.set_defaults(func=cmd_import)
     e = csub.add_parser("export", help="a run directory or checkpoint -> a Hugging Face directory")
     e.add_argument("source", help="run directory, its checkpoints directory, or one step")
     e.add_argument("hf_dir", help="directory to write config.json + model.safetensors into")
     e.add_argument("--family", choices=sorted(FAMILIES), help="default: chosen from the knobs")
+    how = e.add_mutually_exclusive_group()
+    how.add_argument(
+        "--peft",
+        action="store_true",
+        help="a LoRA run's adapters as Hugging Face PEFT writes them (adapter_config.json + "
+        "adapter_model.safetensors), for PeftModel.from_pretrained on the base",
+    )
+    how.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA / QLoRA run as one model: the adapters merged into the base weights",
+    )
     e.set_defaults(func=cmd_export)

@@ -13,6 +13,7 @@ is reported with a JaxllmWarning and skipped (`checkpoint.restore_weights`).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,12 +21,20 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxllm import adapters, checkpoint, config, sharding
-from jaxllm.config import ConfigError, ModelConfig
+from jaxllm import checkpoint, config, sharding
+from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, RunError
 from jaxllm.convert import is_hf_dir, load_params, model_config
 from jaxllm.data import check_vocab
-from jaxllm.model import abstract_model, abstract_model_state
-from jaxllm.train.step import merge
+from jaxllm.model import (
+    abstract_frozen,
+    abstract_model,
+    abstract_model_state,
+    build,
+    init_keys,
+    lora,
+    merge_model,
+    split_peft,
+)
 
 
 class Restored(NamedTuple):
@@ -41,7 +50,7 @@ class Restored(NamedTuple):
 
     def model(self) -> nnx.Module:
         """The restored model (with its adapters unmerged, for a PEFT run)."""
-        return merge(self.graphdef, self.params, self.frozen, self.model_state)
+        return merge_model(self.graphdef, self.params, self.frozen, self.model_state)
 
 
 def resolve(path: str | Path) -> tuple[Path, Path | None, int | None]:
@@ -80,12 +89,13 @@ def _on(mesh: Mesh, abstract, axes):
     )
 
 
-def restore(path, overrides=(), *, mesh: Mesh | None = None) -> Restored:
+def restore(path, overrides=(), *, mesh: Mesh | None = None, base: bool = True) -> Restored:
     """A run directory / checkpoint path -> its config (with `overrides`) and the weights of the
     newest readable (or the named) checkpoint, restored straight into their shards. Without
     `mesh`, on the configured mesh over all devices, and the run's tokenizer must fit the model
-    (`eval` and `generate` use both); with `mesh`, the weights alone on that mesh. ConfigError
-    when there is nothing to restore."""
+    (`eval` and `generate` use both); with `mesh`, the weights alone on that mesh. A PEFT run's
+    base is loaded (and checked) too, unless `base` is False (`frozen` is then None).
+    ConfigError when there is nothing to restore."""
     run_dir, ckpt_dir, step = resolve(path)
     cfg = config.load(run_dir / "config.yaml", list(overrides))
     if mesh is None:
@@ -97,11 +107,11 @@ def restore(path, overrides=(), *, mesh: Mesh | None = None) -> Restored:
     graphdef, target, ms_target = weight_targets(cfg.model, mesh, cfg.peft)
     params, model_state, step = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
     frozen = None
-    if cfg.peft.method != "none":  # the base the adapters were trained on
-        record = checkpoint.read_json_item(ckpt_dir, step, adapters.BASE_ITEM)
+    if cfg.peft.method != "none" and base:  # the base the adapters were trained on
+        record = checkpoint.read_json_item(ckpt_dir, step, BASE_ITEM)
         if record is None:
             raise ConfigError(f"{ckpt_dir}/{step} has no record of its fine-tuning base.")
-        frozen = adapters.load_frozen(cfg, mesh, record, verify=True)
+        frozen = load_frozen(cfg, mesh, record, verify=True)
     return Restored(cfg, mesh, graphdef, params, model_state, step, frozen)
 
 
@@ -176,3 +186,98 @@ def _shapes(tree) -> dict[str, tuple]:
     """{'layers/attn/q_proj': shape, ...} of a nested dict of arrays."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {"/".join(str(k.key) for k in path): tuple(a.shape) for path, a in flat}
+
+
+# ---------------------------------------------------------------- a fine-tuning run's base
+
+BASE_ITEM = "base"
+
+
+def weight_files(source: Path) -> tuple[Path, list[Path]]:
+    """(the path to load, the files whose bytes are the base): a Hugging Face directory's
+    config.json and safetensors, or the parameters of one jaxllm checkpoint step (the newest
+    with parameters when `source` is a run or checkpoints directory)."""
+    if is_hf_dir(source):
+        files = sorted(source.glob("*.safetensors")) + [source / "config.json"]
+        return source, files
+    run_dir, ckpt_dir, step = resolve(source)
+    if step is None:
+        saved = config.load(run_dir / "config.yaml")
+        ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, saved.checkpoint.dir)
+        with_params = [
+            s for s in checkpoint.steps(ckpt_dir) if (ckpt_dir / str(s) / "params").is_dir()
+        ]
+        if not with_params:
+            raise RunError(f"checkpoint.init_from={source} holds no checkpoint with parameters.")
+        source = ckpt_dir / str(with_params[-1])
+    files = sorted(p for p in (source / "params").rglob("*") if p.is_file())
+    return source, files
+
+
+def content_hash(files: list[Path], root: Path) -> str:
+    """SHA-256 over the files' paths (relative to `root`) and bytes, in order."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def base_record(cfg: Config) -> dict | None:
+    """What this run's base is (None without peft): {"source", "sha256"} for
+    `checkpoint.init_from` (a run or checkpoints directory resolved to its newest step), else
+    {"seed"}: the random initialisation of `run.seed`."""
+    if cfg.peft.method == "none":
+        return None
+    if not cfg.checkpoint.init_from:
+        return {"seed": cfg.run.seed}
+    source, files = weight_files(Path(cfg.checkpoint.init_from).resolve())
+    return {"source": str(source), "sha256": content_hash(files, source)}
+
+
+def check_base(recorded: dict | None, current: dict | None) -> None:
+    """RunError when a run's checkpoints were trained on another base than `current`."""
+    if not recorded or recorded == current:
+        return
+    if current and recorded.get("sha256") and recorded.get("sha256") == current.get("sha256"):
+        return  # the same weights, found at another path
+    raise RunError(
+        f"this run's adapters were trained on the base {_describe(recorded)}, but "
+        f"checkpoint.init_from gives {_describe(current)}; point checkpoint.init_from at the "
+        "run's base, or start a new run.dir."
+    )
+
+
+def _describe(record: dict | None) -> str:
+    if not record:
+        return "none"
+    if "seed" in record:
+        return f"initialised randomly with run.seed={record['seed']}"
+    return f"{record['source']} (sha256 {record['sha256'][:12]})"
+
+
+def load_frozen(cfg: Config, mesh, record: dict, *, verify: bool = False):
+    """The frozen base of a PEFT run from its `record`, in its shards on `mesh`; with `verify`,
+    RunError when the recorded path no longer holds the recorded weights."""
+    shardings = frozen_shardings(cfg.model, mesh, cfg.peft)
+    if "seed" in record:
+        init_key = init_keys(record["seed"])[0]
+        init = lambda: split_peft(build(cfg.model, init_key, cfg.peft), cfg.peft)[2]  # noqa: E731
+        return jax.jit(init, out_shardings=shardings)()
+    if verify:
+        source, files = weight_files(Path(record["source"]))
+        check_base(record, {"source": str(source), "sha256": content_hash(files, source)})
+    params, _ = load_weights(record["source"], cfg.model, mesh)
+    axes = abstract_frozen(cfg.model, cfg.peft)[1]
+    return jax.jit(lambda p: lora.freeze(p, axes, cfg.peft), out_shardings=shardings)(params)
+
+
+def frozen_shardings(model_cfg: ModelConfig, mesh: Mesh, peft: PeftConfig | None):
+    """NamedShardings of the frozen base under `peft` (None without)."""
+    if peft is None or peft.method == "none":
+        return None
+    abstract, axes = abstract_frozen(model_cfg, peft)
+    sharding.check_divisible(mesh, abstract, axes)
+    return sharding.tree_shardings(mesh, lora.frozen_axes(abstract, axes, peft))

@@ -1,7 +1,8 @@
 """The import floors of the house, read from the source (no imports run):
 
     config -> data, sharding, checkpoint, optim, metrics, distributed -> kernels -> parallel
-    -> model -> infer, convert -> load -> train -> evaluate, plan, bench, sweep -> cli
+    -> model -> infer, convert -> load -> adapters -> train -> evaluate, plan, bench, sweep
+    -> cli
 
 A module imports only from its own floor's package or from floors below; nothing imports
 upward, there are no circles, and a function-level import of a jaxllm module appears only where
@@ -31,17 +32,18 @@ FLOORS = [
     (5, "jaxllm.infer"),
     (5, "jaxllm.convert"),
     (6, "jaxllm.load"),
-    (7, "jaxllm.train"),
-    (8, "jaxllm.evaluate"),
-    (8, "jaxllm.plan"),
-    (8, "jaxllm.bench"),
-    (8, "jaxllm.sweep"),
-    (9, "jaxllm.cli"),
-    (9, "jaxllm.data.cli"),
-    (9, "jaxllm.infer.cli"),
-    (9, "jaxllm.convert_cli"),
-    (9, "jaxllm"),  # the package root names the public pieces
-    (9, "jaxllm.__main__"),
+    (7, "jaxllm.adapters"),
+    (8, "jaxllm.train"),
+    (9, "jaxllm.evaluate"),
+    (9, "jaxllm.plan"),
+    (9, "jaxllm.bench"),
+    (9, "jaxllm.sweep"),
+    (10, "jaxllm.cli"),
+    (10, "jaxllm.data.cli"),
+    (10, "jaxllm.infer.cli"),
+    (10, "jaxllm.convert_cli"),
+    (10, "jaxllm"),  # the package root names the public pieces
+    (10, "jaxllm.__main__"),
 ]
 
 # module -> why its function-level imports of jaxllm modules are there

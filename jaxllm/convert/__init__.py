@@ -3,6 +3,7 @@ Qwen2, Qwen3, Gemma 2, DeepSeek-V3 and GPT-2, as safetensors + config.json.
 
     jaxllm convert import HF_DIR OUT_DIR [key=value ...]     # a run directory
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME]
+    (LoRA adapters as Hugging Face PEFT's files: `--peft`, in `jaxllm.adapters.hf_peft`)
 
 `families.py` is the registry of families (mappings in `llama.py`, `gemma.py`, `gpt2.py`,
 `deepseek.py`, built from `links.py` and `config_map.py`), `reader.py` reads config.json and

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, processors
 
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
-from jaxllm.convert.families import FAMILIES, guess_family, hf_config
+from jaxllm.convert.families import export_family, hf_config
 from jaxllm.convert.mapping import Mapped, each, flatten
 from jaxllm.convert.reader import INDEX, TOKENIZER_FILES
 from jaxllm.data.tokenizer import (
@@ -44,9 +44,7 @@ def export_hf(
     DeepSeek-V3: per-expert tensors); and the run's tokenizer with its special-token ids
     (`_write_tokenizer`; `run_dir`: where else to look for a generation_config.json)."""
     m = cfg.model
-    if family is not None and family not in FAMILIES:
-        raise ConfigError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}.")
-    fam = FAMILIES[family] if family else guess_family(m)
+    fam = export_family(m, family)
     hf = hf_config(m, fam)
     flat = {**flatten(params), **flatten(model_state or {})}
     shapes = {p: tuple(a.shape) for p, a in flat.items()}

@@ -106,6 +106,15 @@ def guess_family(cfg: ModelConfig) -> Family:
     return FAMILIES["llama"]
 
 
+def export_family(cfg: ModelConfig, name: str | None = None) -> Family:
+    """The family an export writes: the one named (`--family`), else `guess_family`."""
+    if name is None:
+        return guess_family(cfg)
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown family {name!r}; choose from {', '.join(FAMILIES)}.")
+    return FAMILIES[name]
+
+
 def hf_config(cfg: ModelConfig, family: Family) -> dict:
     """config.json of `cfg` as `family`; ConfigError naming the knobs the family cannot hold
     (found by reading the written config back and comparing)."""

@@ -185,6 +185,44 @@ def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
     template and generation_config.json, where the directory has them) that `jaxllm generate
     / eval / train` accept. Every check and every tensor read happens before anything is
     written: a refused import leaves no `out_dir` behind."""
+    new = new_run(hf_dir, out_dir, overrides)
+    mesh = mesh or sharding.make_mesh(new.cfg.mesh)
+    params, model_state, report = load_params(hf_dir, new.cfg.model, mesh)
+    new.write(params, model_state)
+    return report
+
+
+@dataclasses.dataclass(frozen=True)
+class NewRun:
+    """A run directory about to be written from a Hugging Face directory: its config, its
+    checkpoints directory and the tokenizer files to copy (`new_run`)."""
+
+    out_dir: Path
+    cfg: config_lib.Config
+    ckpt_dir: Path
+    copies: tuple[Path, ...]
+
+    def write(self, params, model_state, base: dict | None = None) -> None:
+        """Writes the directory: the copied files, config.yaml and a weights-only checkpoint
+        at step 0 of `params` (the adapters of a PEFT run, whose `base` record it keeps)."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for f in self.copies:
+            shutil.copy(f, self.out_dir / f.name)
+        config_lib.dump(self.cfg, self.out_dir / "config.yaml")
+        checkpoint.save_params(
+            self.ckpt_dir,
+            params,
+            step=0,
+            model_state=model_state,
+            config=config_lib.to_dict(self.cfg),
+            tokenizer=checkpoint.tokenizer_record(self.cfg.data.tokenizer),
+            base=base,
+        )
+
+
+def new_run(hf_dir, out_dir, overrides=()) -> NewRun:
+    """The checked plan of importing `hf_dir` into the new run directory `out_dir` (with
+    `key=value` overrides); nothing is written yet."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} is a file; give a new directory to import into.")
@@ -206,18 +244,4 @@ def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
             generation_stop_ids(hf_dir / GENERATION_CONFIG)  # a broken file fails now, not later
         run_tokenizer = str((out_dir / "tokenizer.json").resolve())
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_tokenizer))
-    mesh = mesh or sharding.make_mesh(cfg.mesh)
-    params, model_state, report = load_params(hf_dir, cfg.model, mesh)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in copies:
-        shutil.copy(f, out_dir / f.name)
-    config_lib.dump(cfg, out_dir / "config.yaml")
-    checkpoint.save_params(
-        ckpt_dir,
-        params,
-        step=0,
-        model_state=model_state,
-        config=config_lib.to_dict(cfg),
-        tokenizer=checkpoint.tokenizer_record(cfg.data.tokenizer),
-    )
-    return report
+    return NewRun(out_dir, cfg, ckpt_dir, tuple(copies))

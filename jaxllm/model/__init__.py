@@ -28,7 +28,10 @@ from jaxllm.model.transformer import (
     abstract_model_state,
     attach_peft,
     build,
+    init_keys,
     logical_axes,
+    merge_model,
+    split_peft,
 )
 
 __all__ = [
@@ -48,6 +51,9 @@ __all__ = [
     "alibi_slopes",
     "apply_rope",
     "build",
+    "init_keys",
+    "merge_model",
+    "split_peft",
     "dot_product_attention",
     "logical_axes",
     "make_attention",

@@ -347,6 +347,30 @@ def build(cfg: ModelConfig, seed: int | jax.Array = 0, peft: PeftConfig | None =
     return model
 
 
+def init_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """(the parameters' init key, the train state's rng key) of a run's seed."""
+    init_key, state_key = jax.random.split(jax.random.key(seed))
+    return init_key, state_key
+
+
+def split_peft(model: Transformer, peft: PeftConfig | None):
+    """(graphdef, trainable params, frozen params, model state) as pure dicts: every parameter
+    trains without `peft`, else its adapters / soft prompt, and the frozen base is as the train
+    state keeps it (`lora.freeze`: NF4 under QLoRA); frozen is None without peft."""
+    if peft is None or peft.method == "none":
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return graphdef, nnx.to_pure_dict(params), None, nnx.to_pure_dict(rest)
+    graphdef, params, frozen, rest = nnx.split(model, lora.trainable(peft), nnx.Param, ...)
+    frozen = lora.freeze(nnx.to_pure_dict(frozen), logical_axes(frozen), peft)
+    return graphdef, nnx.to_pure_dict(params), frozen, nnx.to_pure_dict(rest)
+
+
+def merge_model(graphdef, params, frozen=None, model_state=None) -> nnx.Module:
+    """The model of these parameters, frozen base (peft) and model state (either may be
+    None / empty)."""
+    return nnx.merge(graphdef, params, *(s for s in (frozen, model_state) if s))
+
+
 def attach_peft(model: Transformer, peft: PeftConfig | None, key: jax.Array) -> None:
     """Adds `peft`'s trainable parts to a model built from `key` (their own stream of it): LoRA
     adapters, or the soft prompt, initialised as the embeddings of random vocabulary tokens

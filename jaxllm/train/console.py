@@ -10,8 +10,7 @@ import jax
 from jaxllm import config
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer import generate
-from jaxllm.model import abstract_model
-from jaxllm.train.step import merge
+from jaxllm.model import abstract_model, merge_model
 
 
 def _log(msg: str) -> None:
@@ -24,7 +23,7 @@ def sample(cfg: config.Config, params, frozen=None, model_state=None) -> str:
     printed to stdout."""
     tok = make_tokenizer(cfg.data)
     graphdef, _, _ = abstract_model(cfg.model, cfg.peft)
-    model = merge(graphdef, *jax.device_get((params, frozen, model_state)))
+    model = merge_model(graphdef, *jax.device_get((params, frozen, model_state)))
     bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
     n = min(cfg.train.sample_tokens, cfg.model.max_seq_len - 1)
     prompt = [*bos, *tok.encode(cfg.train.sample_prompt).tolist()]

@@ -28,7 +28,7 @@ from jaxllm import adapters, checkpoint, config, optim, sharding
 from jaxllm.config import JaxllmWarning
 from jaxllm.data import check_vocab
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
-from jaxllm.load import load_weights
+from jaxllm.load import load_weights, weight_targets
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.model import abstract_model
 from jaxllm.train import loss_scale, objectives
@@ -253,11 +253,15 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
             _log(f"the checkpoint has no loss scale; starting at {scaling.init:g}")
     elif (source := _init_source(cfg, ckpt.directory)) is not None:
         params, model_state = load_weights(source, cfg.model, mesh)
+        target = weight_targets(cfg.model, mesh, cfg.peft)[1] if base else None
+        trained = adapters.imported_adapters(ckpt.directory, target, base)
+        kw = dict(layout(cfg), adapters=trained)
         state = init_state_from(
-            params, cfg.model, tx, mesh, cfg.run.seed, model_state, scaling, **layout(cfg)
+            params, cfg.model, tx, mesh, cfg.run.seed, model_state, scaling, **kw
         )
         start = 0
-        _log(f"initialized parameters from {source}")
+        how = ", adapters from this run's imported checkpoint" if trained else ""
+        _log(f"initialized parameters from {source}{how}")
     else:
         state, start = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg)), 0
     return state, start

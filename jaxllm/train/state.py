@@ -14,19 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm import sharding
 from jaxllm.config import ConfigError, ModelConfig, PeftConfig
+from jaxllm.load import frozen_shardings
 from jaxllm.model import (
-    Transformer,
     abstract_frozen,
     abstract_model,
     abstract_model_state,
-    attach_peft,
-    logical_axes,
+    build,
+    init_keys,
     lora,
+    split_peft,
 )
 
 
@@ -55,22 +55,14 @@ def _init(
     loss_scale=None,
     peft: PeftConfig | None = None,
 ) -> TrainState:
-    init_key, state_key = jax.random.split(jax.random.key(seed))
-    model = Transformer(model_cfg, rngs=nnx.Rngs(params=init_key))
-    frozen = None
-    if peft is None or peft.method == "none":
-        _, params, model_state = nnx.split(model, nnx.Param, ...)
-    else:
-        attach_peft(model, peft, init_key)
-        _, params, frozen, model_state = nnx.split(model, lora.trainable(peft), nnx.Param, ...)
-        frozen = lora.freeze(nnx.to_pure_dict(frozen), logical_axes(frozen), peft)
-    params = nnx.to_pure_dict(params)
+    init_key, state_key = init_keys(seed)
+    _, params, frozen, model_state = split_peft(build(model_cfg, init_key, peft), peft)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=tx.init(params),
         rng=jax.random.key_data(state_key),
-        model_state=nnx.to_pure_dict(model_state),
+        model_state=model_state,
         loss_scale=loss_scale,
         frozen=frozen,
     )
@@ -252,15 +244,6 @@ def state_shardings(
     )
 
 
-def frozen_shardings(model_cfg: ModelConfig, mesh: Mesh, peft: PeftConfig | None):
-    """NamedShardings of the frozen base under `peft` (None without)."""
-    if peft is None or peft.method == "none":
-        return None
-    abstract, axes = abstract_frozen(model_cfg, peft)
-    sharding.check_divisible(mesh, abstract, axes)
-    return sharding.tree_shardings(mesh, lora.frozen_axes(abstract, axes, peft))
-
-
 def _initial_loss_scale(loss_scaling, leaf=lambda x: x):
     """The dynamic loss scale's start (None without one), each leaf passed through `leaf`."""
     if loss_scaling is None:
@@ -304,31 +287,35 @@ def init_state_from(
     zero_stage: int = 0,
     offload: bool = False,
     peft: PeftConfig | None = None,
+    adapters=None,
 ) -> TrainState:
     """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
     routing biases; None: zeros): fresh optimizer state, rng and loss scale, each leaf in its
     shards (fine-tuning, `checkpoint.init_from`). Under `peft` the parameters are the frozen
-    base, and the adapters / soft prompt start fresh from the seed."""
+    base, and the adapters / soft prompt are `adapters` (imported ones) or start fresh from
+    the seed."""
     shardings = state_shardings(
         model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload, peft=peft
     )
 
     abstract_ms, _ = abstract_model_state(model_cfg)
 
-    def init(params, model_state):
-        state_key = jax.random.split(jax.random.key(seed))[1]  # as `_init`: same rng stream
+    def init(params, model_state, adapters):
+        init_key, state_key = init_keys(seed)  # as `_init`: the same streams
         if model_state is None:
             model_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_ms)
         frozen = None
         if peft is not None and peft.method != "none":  # the adapters of a fresh init
             frozen = lora.freeze(params, abstract_frozen(model_cfg, peft)[1], peft)
-            params = _init(model_cfg, tx, seed, None, peft).params
-            if peft.method == "prompt":  # from the loaded base's embeddings
-                init_key = jax.random.split(jax.random.key(seed))[0]
-                n, vocab = peft.num_virtual_tokens, model_cfg.vocab_size
-                ids = lora.prompt_token_ids(lora.peft_key(init_key), n, vocab)
-                embedding = frozen["embed"]["embedding"]
-                params = {**params, "soft_prompt": embedding[ids].astype(embedding.dtype)}
+            if adapters is not None:
+                params = adapters
+            else:
+                params = _init(model_cfg, tx, seed, None, peft).params
+                if peft.method == "prompt":  # from the loaded base's embeddings
+                    n, vocab = peft.num_virtual_tokens, model_cfg.vocab_size
+                    ids = lora.prompt_token_ids(lora.peft_key(init_key), n, vocab)
+                    embedding = frozen["embed"]["embedding"]
+                    params = {**params, "soft_prompt": embedding[ids].astype(embedding.dtype)}
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -339,4 +326,4 @@ def init_state_from(
             loss_scale=_initial_loss_scale(loss_scaling),
         )
 
-    return jax.jit(init, out_shardings=shardings)(params, model_state)
+    return jax.jit(init, out_shardings=shardings)(params, model_state, adapters)

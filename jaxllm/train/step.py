@@ -14,9 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from jaxllm import parallel, sharding
+from jaxllm.model import merge_model
 from jaxllm.sharding import Parallel
 from jaxllm.train.loss_scale import LossScaling
 from jaxllm.train.objectives import Objective
@@ -25,19 +25,13 @@ from jaxllm.train.state import TrainState
 BATCH_AXES = ("batch", "length")
 
 
-def merge(graphdef, params, frozen=None, model_state=None) -> nnx.Module:
-    """The model of these parameters, frozen base (peft) and model state (either may be
-    None / empty)."""
-    return nnx.merge(graphdef, params, *(s for s in (frozen, model_state) if s))
-
-
 def objective_value(
     params, batch: dict, rng, *, graphdef, objective: Objective, model_state=None, frozen=None
 ):
     """(loss sum, ObjectiveOutput) of `objective` on `batch` with these parameters: the
     function the step differentiates."""
     batch = parallel.sequence_layout(batch)
-    model = merge(graphdef, params, frozen, model_state)
+    model = merge_model(graphdef, params, frozen, model_state)
     out = objective(model, batch, rng)
     return out.loss_sum, out
 
@@ -152,7 +146,7 @@ def train_step(
         )
         if scale is not None:
             metrics["loss_scale"] = scale
-        model = merge(graphdef, state.params, state.frozen, state.model_state)
+        model = merge_model(graphdef, state.params, state.frozen, state.model_state)
         model_state, model_metrics = model.after_step(state.model_state, sums.model_stats, finite)
         metrics.update(model_metrics)
         new_state = state.replace(
