@@ -1,5 +1,5 @@
-"""stdlib-qa: definitions read with ast, questions and answers, the split by subject (test
-questions about unseen objects), determinism, the chat format, and `jaxllm data stdlib-qa`."""
+"""stdlib-qa: definitions read with ast, questions and answers, the split by top-level object
+(test questions about unseen objects), determinism, the chat format, `jaxllm data stdlib-qa`."""
 
 import json
 
@@ -20,7 +20,9 @@ def heappop(heap, /, *rest, key=None, **kw):
 async def merge(*iterables, key=None, reverse=False):
     pass
 class Heap:
-    def push(self, item):
+    def push(self, item: int = 0) -> None:
+        pass
+    def _hidden(self):
         pass
 def nlargest(n, iterable, key=None, reverse=False, extra=1):
     pass
@@ -33,8 +35,8 @@ def shared(x):
 
 @pytest.fixture
 def root(tmp_path):
-    """A tiny standard library: heap (5 unique public names), pkg.sub (4), few (2: too few to
-    ask about), a private module, a test package and a file that does not parse."""
+    """A tiny standard library: heap (6 public top-level names), pkg (1: too few to ask about),
+    pkg.sub (4), a private module, a test package and a file that does not parse."""
     lib = tmp_path / "lib"
     (lib / "pkg").mkdir(parents=True)
     (lib / "test").mkdir()
@@ -44,61 +46,63 @@ def root(tmp_path):
         "".join(f"def sub{i}(a{i}):\n    pass\n" for i in range(3)) + "class SubError:\n    pass\n"
     )
     (lib / "pkg/sub.py").write_text(subs)
-    (lib / "few.py").write_text("def one(a):\n    pass\nclass Two:\n    pass\n")
     (lib / "_hidden.py").write_text("def hidden_a(): pass\n" * 5)
     (lib / "test/test_heap.py").write_text(HEAP.replace("heap", "theap"))
     (lib / "broken.py").write_text("def oops(:\n")
     return lib
 
 
-def test_definitions_are_the_public_top_level_ones(root):
+def test_definitions_are_the_public_functions_classes_and_methods(root):
     defs = {d.subject: d for d in stdlib_qa.definitions(root)}
+    heap = ("heappush", "heappop", "merge", "Heap", "Heap.push", "nlargest", "shared")
     assert set(defs) == {
-        "few.one",
-        "few.Two",
-        "heap.heappush",
-        "heap.heappop",
-        "heap.merge",
-        "heap.Heap",
-        "heap.nlargest",
-        "heap.shared",
+        *(f"heap.{n}" for n in heap),
         "pkg.shared",
         *(f"pkg.sub.sub{i}" for i in range(3)),
         "pkg.sub.SubError",
     }
     assert defs["heap.heappop"].params == ("heap", "*rest", "key", "**kw")
+    assert defs["heap.heappop"].signature == "heap, /, *rest, key=None, **kw"
     assert defs["heap.merge"].params == ("*iterables", "key", "reverse")
-    assert defs["heap.Heap"].is_class and defs["heap.Heap"].params is None
+    push = defs["heap.Heap.push"]
+    assert (push.signature, push.params, push.top) == (
+        "self, item=0",
+        ("self", "item"),
+        "heap.Heap",
+    )
+    assert defs["heap.Heap"].params is None
 
 
-def test_questions_answers_and_the_split_by_subject(root, tmp_path):
+def test_questions_answers_and_the_split_by_object(root, tmp_path):
     info = stdlib_qa.write_stdlib_qa(tmp_path / "a", seed=0, test_fraction=0.4, root=root)
     rows = {
         name: [json.loads(line) for line in (tmp_path / f"a/{name}.jsonl").read_text().splitlines()]
         for name in ("train", "test")
     }
     every = rows["train"] + rows["test"]
-    # `shared` is defined twice and `few` has too few names: neither is asked about
-    assert {r["subject"].rsplit(".", 1)[0] for r in every} == {"heap", "pkg.sub"}
+    assert {r["messages"][1]["content"] for r in every if r["kind"] == "module"} == {
+        "heap",
+        "pkg.sub",
+    }  # pkg has too few objects to be asked about
     assert info["modules"] == 2
     assert sum(sum(v.values()) for v in info["questions"].values()) == len(every)
     by_subject = {}
     for r in every:
         (user, assistant) = r["messages"]
         assert user["role"] == "user" and assistant["role"] == "assistant"
-        by_subject.setdefault(r["subject"], {})[r["kind"]] = assistant["content"]
-        name = r["subject"].rsplit(".", 1)[1]
-        assert f"`{name}`" in user["content"] or f"`{r['subject']}`" in user["content"]
-    assert by_subject["heap.heappop"] == {
-        "module": "heap",
-        "args": "heap, *rest, key, **kw",
-        "kind": "function",
-    }
-    assert by_subject["heap.Heap"] == {"module": "heap", "kind": "class"}
+        by_subject.setdefault(r["subject"], {})[r["kind"]] = (user["content"], assistant["content"])
+        assert f"`{r['subject']}" in user["content"]
+    question, answer = by_subject["heap.heappop"]["args"]
+    assert "`heap.heappop(heap, /, *rest, key=None, **kw)`" in question
+    assert answer == "heap, *rest, key, **kw"
+    assert by_subject["heap.Heap.push"]["module"][1] == "heap"
+    assert by_subject["heap.Heap.push"]["args"][1] == "self, item"
+    assert set(by_subject["heap.Heap"]) == {"module"}
     assert "args" not in by_subject["heap.nlargest"]  # five arguments: too long an answer
-    # held out by subject: a test subject has no question in train
-    train_subjects = {r["subject"] for r in rows["train"]}
-    assert rows["test"] and not train_subjects & {r["subject"] for r in rows["test"]}
+    # held out by top-level object: a test class takes its methods along
+    train_tops = {r["top"] for r in rows["train"]}
+    assert rows["test"] and not train_tops & {r["top"] for r in rows["test"]}
+    assert len({r["top"] for r in every if r["subject"].startswith("heap.Heap")}) == 1
     # deterministic; another seed draws another split or other phrasings
     stdlib_qa.write_stdlib_qa(tmp_path / "b", seed=0, test_fraction=0.4, root=root)
     stdlib_qa.write_stdlib_qa(tmp_path / "c", seed=1, test_fraction=0.4, root=root)
@@ -135,4 +139,4 @@ def test_jaxllm_data_stdlib_qa_on_the_running_python(tmp_path, capsys):
     assert "questions about 5 modules of Python" in capsys.readouterr().out
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["modules"] == 5 and info["seed"] == 3
-    assert set(info["questions"]["train"]) == {"args", "kind", "module"}
+    assert set(info["questions"]["train"]) == {"args", "module"}
