@@ -129,8 +129,8 @@ def split_conversation(messages: Sequence[dict], where: str = "the conversation"
     rest = messages[users[-1] + 1 :]
     if len(rest) > 1 or (rest and rest[0].get("role") != "assistant"):
         raise ConfigError(
-            f"{where} has {len(rest)} messages after its last user turn; at most one, the "
-            "assistant's reference reply, may follow it."
+            f"{where} has {len(rest)} message{'s' * (len(rest) != 1)} after its last user "
+            "turn; at most one, the assistant's reference reply, may follow it."
         )
     return Conversation(tuple(messages[: users[-1] + 1]), rest[0]["content"] if rest else None)
 
