@@ -2,7 +2,7 @@
 generated, and exact-match accuracy over conversations that carry their expected reply.
 
     chat = Chat.from_run("runs/sft_stdlib")
-    chat.reply([{"role": "user", "content": "Which module defines `heappush`?"}])   # 'heapq'
+    chat.reply([{"role": "user", "content": "Which module defines `heapq.heappush`?"}])  # "heapq"
     chat.exact_match(read_conversations("runs/stdlib_qa/test.jsonl")).accuracy
 
 The prompt is `jaxllm.data.chat.render(messages, tok, add_generation_prompt=True)` tokenized as
