@@ -2,8 +2,10 @@
 
     jaxllm train [CONFIG.yaml] [key=value ...] [--coordinator H:P --num-processes N --process-id I]
     jaxllm eval RUN_DIR|CHECKPOINT [key=value ...] [--batches N]
+    jaxllm eval RUN_DIR|CHECKPOINT --chat-exact-match F.jsonl [--replies OUT.jsonl]
     jaxllm generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
         [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4] [key=value ...]
+    jaxllm generate RUN_DIR|CHECKPOINT --chat MESSAGE [--system TEXT] | --chat-file F.jsonl
     jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
     jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N]
     jaxllm bench data [CONFIG.yaml] [key=value ...]
@@ -82,6 +84,12 @@ def cmd_eval(ns) -> int:
         raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
     if ns.batches is not None and ns.batches < 1:
         raise ConfigError(f"--batches must be at least 1, not {ns.batches}.")
+    if ns.chat_exact_match is not None:
+        from jaxllm.infer.cli import cmd_exact_match
+
+        return cmd_exact_match(ns)
+    if ns.replies is not None:
+        raise ConfigError("--replies goes with --chat-exact-match; add it.")
     from jaxllm.evaluate import evaluate_checkpoint
 
     r = evaluate_checkpoint(path, overrides, ns.batches)
@@ -120,6 +128,14 @@ def _add_generate_parser(sub) -> None:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    src.add_argument("--chat", metavar="MESSAGE", help="a user message: print the reply alone")
+    src.add_argument(
+        "--chat-file",
+        type=Path,
+        metavar="F.jsonl",
+        help="chat JSONL: one JSON line {reply, reference} per conversation",
+    )
+    g.add_argument("--system", help="--chat / --chat-file: a system message first")
     g.add_argument("--max-new-tokens", type=int, help="tokens per prompt at most")
     g.add_argument("--temperature", type=float, help="0 = greedy")
     g.add_argument("--top-k", type=int, help="0 = off")
@@ -143,6 +159,13 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on a dataset")
     ev.add_argument("args", nargs="+", metavar="RUN_DIR|CHECKPOINT|key=value")
     ev.add_argument("--batches", type=int, help="batches to evaluate (default train.eval_batches)")
+    ev.add_argument(
+        "--chat-exact-match",
+        type=Path,
+        metavar="F.jsonl",
+        help="greedy replies to a chat JSONL's conversations: accuracy against their last turn",
+    )
+    ev.add_argument("--replies", type=Path, help="with --chat-exact-match: write them here")
     ev.set_defaults(func=cmd_eval)
     pl = sub.add_parser(
         "plan", help="compile the train step ahead of time: memory, sharding, FLOPs"

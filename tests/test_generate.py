@@ -238,6 +238,25 @@ def test_stop_tokens_end_each_sequence(model):
         assert stopped == (stop in want)
 
 
+def test_stop_sequences_end_each_sequence_and_are_left_out(model):
+    """A sequence ends once its last tokens spell a stop sequence (a text end-of-turn marker
+    of several tokens); the returned tokens stop before it."""
+    n = 12
+    ref = _reference(model, PROMPTS, n)
+    seq = ref[0][3:5]
+    out = generate(
+        model,
+        PROMPTS,
+        GenerateConfig(max_new_tokens=n, kv_cache_dtype="float32"),
+        stop_sequences=[seq, [99, *ref[1][:2]]],  # the second never completes
+    )
+    for got, want, stopped in zip(out.tokens, ref, out.stopped):
+        cut = next((i for i in range(n - 1) if want[i : i + 2] == seq), None)
+        assert got == want[:cut]
+        assert stopped == (cut is not None)
+    assert out.stopped[0]
+
+
 def test_sampling_is_seeded(model):
     gen = GenerateConfig(max_new_tokens=16, temperature=1.0, top_p=0.9, kv_cache_dtype="int8")
     a = generate(model, PROMPTS, gen).tokens

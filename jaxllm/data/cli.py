@@ -3,6 +3,7 @@
     jaxllm data tokenizer SOURCE... --vocab-size N --out DIR     byte-level BPE -> DIR/tokenizer.json
     jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N] [--shard-docs N]
     jaxllm bench data [CONFIG.yaml] [key=value ...] [--seconds S | --batches N]
+    jaxllm data stdlib-qa OUT_DIR [--max-modules N] [--seed S] [--test-fraction F]
 
 A SOURCE is what `data.sources[i].path` accepts: `stdlib`, a directory, a glob or a file;
 `--format` and the field options apply to all of them (`--format chat` / `prompt_completion`:
@@ -102,6 +103,19 @@ def cmd_prepare(ns) -> int:
     return 0
 
 
+def cmd_stdlib_qa(ns) -> int:
+    from jaxllm.data.stdlib_qa import write_stdlib_qa
+
+    info = write_stdlib_qa(ns.out_dir, ns.max_modules or None, ns.seed, ns.test_fraction)
+    counts = {k: sum(v.values()) for k, v in info["questions"].items()}
+    print(
+        f"wrote {counts['train']:,} train and {counts['test']:,} test questions about "
+        f"{info['modules']} modules of Python {info['python']}'s standard library to "
+        f"{ns.out_dir} (train.jsonl, test.jsonl: format chat)"
+    )
+    return 0
+
+
 def cmd_bench_data(ns) -> int:
     from jaxllm.data.bench import bench_data, format_data_result
 
@@ -111,7 +125,7 @@ def cmd_bench_data(ns) -> int:
 
 
 def add_data_parser(subparsers) -> argparse.ArgumentParser:
-    """Adds `data tokenizer` and `data prepare` to the top-level subparsers."""
+    """Adds `data tokenizer`, `data prepare` and `data stdlib-qa` to the top-level subparsers."""
     d = subparsers.add_parser("data", help="train a tokenizer, tokenize corpora into shards")
     dsub = d.add_subparsers(dest="data_command", required=True)
     t = dsub.add_parser("tokenizer", help="train a byte-level BPE tokenizer -> DIR/tokenizer.json")
@@ -132,6 +146,16 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
         help="fraction of files held out as eval shards, by path hash",
     )
     p.set_defaults(func=cmd_prepare)
+    q = dsub.add_parser(
+        "stdlib-qa", help="questions about the standard library -> train/test chat JSONL"
+    )
+    q.add_argument("out_dir", metavar="OUT_DIR")
+    q.add_argument("--max-modules", type=int, default=40, help="modules asked about (0: all)")
+    q.add_argument("--seed", type=int, default=0, help="salts the split and the phrasings")
+    q.add_argument(
+        "--test-fraction", type=float, default=0.2, help="subjects held out, by their hash"
+    )
+    q.set_defaults(func=cmd_stdlib_qa)
     return d
 
 

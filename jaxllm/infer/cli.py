@@ -1,5 +1,11 @@
 """`jaxllm generate RUN_DIR --prompt TEXT ...`: sample from a trained run with a KV cache.
 
+`--chat MESSAGE [--system TEXT]` asks one user message through the run's chat template and
+prints the reply alone; `--chat-file F.jsonl` asks each conversation of a chat JSONL (up to its
+last user turn) and prints one JSON object per line, `{"reply": ...}` with the conversation's
+own final assistant turn as `"reference"` when it has one (`jaxllm.infer.chat`).
+`jaxllm eval RUN_DIR --chat-exact-match F.jsonl` prints the greedy replies' exact-match accuracy.
+
 Only generated text goes to stdout (streamed as it is made when there is one prompt and one
 device, since the streaming host callback is ordered, which jax allows on a single device only;
 one block per prompt otherwise); the cache size and speed go to stderr. A sequence ends at any of its stop
@@ -11,6 +17,7 @@ the tokenizer file or in the run directory (a Hugging Face import brings one), a
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -63,10 +70,67 @@ class _Stream:
         sys.stdout.write(self.tok.decode(self.ids)[self.shown :])
 
 
+def _with_system(messages, system: str | None):
+    if system is None or any(m.get("role") == "system" for m in messages):
+        return tuple(messages)
+    return ({"role": "system", "content": system}, *messages)
+
+
+def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
+    """--chat / --chat-file: replies only (see the module docstring)."""
+    from jaxllm.infer.chat import Chat, Conversation, read_conversations
+
+    if ns.chat is not None:
+        conversations = [Conversation(({"role": "user", "content": ns.chat},))]
+    else:
+        conversations = read_conversations(ns.chat_file)
+    chat = Chat.from_run(path, [*overrides, *_overrides(ns)])
+    asked = [_with_system(c.messages, ns.system) for c in conversations]
+    t0 = time.perf_counter()
+    replies = chat.replies(asked)
+    if ns.chat is not None:
+        print(replies[0])
+    for reply, c in zip(replies, conversations) if ns.chat is None else ():
+        record = {"reply": reply} | ({"reference": c.reference} if c.reference is not None else {})
+        print(json.dumps(record, ensure_ascii=False))
+    print(
+        f"step {chat.step}: {len(replies)} repl{'y' if len(replies) == 1 else 'ies'} in "
+        f"{time.perf_counter() - t0:.2f}s including compilation",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_exact_match(ns: argparse.Namespace) -> int:
+    """`jaxllm eval RUN_DIR --chat-exact-match F.jsonl [--replies OUT.jsonl]`."""
+    from jaxllm.infer.chat import Chat, read_conversations
+
+    path, overrides = split_args(ns.args)
+    if path is None:
+        raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
+    conversations = read_conversations(ns.chat_exact_match)
+    chat = Chat.from_run(path, overrides)
+    score = chat.exact_match(conversations)
+    if ns.replies is not None:
+        with open(ns.replies, "w") as f:
+            for c, reply, ok in zip(conversations, score.replies, score.correct):
+                record = {"reply": reply, "reference": c.reference, "correct": ok}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    print(
+        f"step {chat.step}: exact match {sum(score.correct)}/{len(score.correct)} = "
+        f"{score.accuracy:.3f} (greedy, {ns.chat_exact_match})"
+    )
+    return 0
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     path, overrides = split_args(ns.args)
     if path is None:
         raise ConfigError("jaxllm generate needs a run directory or checkpoint path.")
+    if ns.system is not None and ns.chat is None and ns.chat_file is None:
+        raise ConfigError("--system goes with --chat or --chat-file; add one of them.")
+    if ns.chat is not None or ns.chat_file is not None:
+        return cmd_chat(ns, path, overrides)
     if ns.prompt:
         prompts = ns.prompt
     else:

@@ -3,8 +3,9 @@
 `generate(model, prompts, gen)` right-pads a batch of prompts of different lengths, runs one
 prefill pass that fills the cache (`jaxllm.infer.kv_cache`) and gives each prompt's next-token
 logits, then a `lax.while_loop` of single-token decode steps until every sequence has produced
-`max_new_tokens` or a stop token: no Python runs per token. Tokens can be streamed to the host as
-they are made (`on_token`, through an ordered `jax.debug.callback`).
+`max_new_tokens` or a stop token or stop sequence (several tokens, such as a chat template's
+end-of-turn marker written as text, `<|im_end|>` in bytes): no Python runs per token. Tokens can
+be streamed to the host as they are made (`on_token`, through an ordered `jax.debug.callback`).
 
 `greedy_continue` is the cache-free reference: every step re-runs the full forward pass over a
 fixed buffer, exactly what training computes; cached decoding is tested against it.
@@ -113,7 +114,9 @@ def _constrain_cache(kv):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "on_token"))
-def _generate(graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, rng, plan, on_token):
+def _generate(
+    graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, stop_SxM, rng, plan, on_token
+):
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     b = prompt_BxL.shape[0]
@@ -143,17 +146,22 @@ def _generate(graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, rng, 
     tok_B = pick(logits_Bx1xV[:, 0], sub)
     out_BxN = jnp.zeros((b, plan.max_new), jnp.int32)
     done_B = jnp.zeros((b,), bool)
+    # the last M tokens of each sequence, to compare with the stop sequences (right-aligned in
+    # stop_SxM, -1 before a shorter one: no token matches -1, and -1 in a sequence matches all)
+    tail_BxM = jnp.full((b, stop_SxM.shape[1]), -1, jnp.int32)
 
     def cond(carry):
-        i, _, _, done_B, _, _, _ = carry
+        i, _, _, done_B, _, _, _, _ = carry
         return (i < plan.max_new) & ~jnp.all(done_B)
 
     def body(carry):
-        i, tok_B, lengths_B, done_B, out_BxN, kv, rng = carry
+        i, tok_B, lengths_B, done_B, out_BxN, tail_BxM, kv, rng = carry
         out_BxN = out_BxN.at[:, i].set(jnp.where(done_B, 0, tok_B))
         if on_token is not None:
             jax.debug.callback(on_token, i, tok_B, done_B, ordered=True)
-        done_B = done_B | jnp.isin(tok_B, stop_S)
+        tail_BxM = jnp.concatenate([tail_BxM[:, 1:], tok_B[:, None]], axis=1)
+        same_BxSxM = (tail_BxM[:, None, :] == stop_SxM[None]) | (stop_SxM[None] < 0)
+        done_B = done_B | jnp.isin(tok_B, stop_S) | jnp.any(jnp.all(same_BxSxM, -1), -1)
         lengths_B = lengths_B + 1
         view = kv_cache.CacheView(
             kv, lengths_B, jnp.int32(0), prefill=False, impl=plan.impl, interpret=plan.interpret
@@ -162,10 +170,11 @@ def _generate(graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, rng, 
             tok_B[:, None], positions_BxL=(lengths_B - 1)[:, None], cache=view
         )
         rng, sub = jax.random.split(rng)
-        return i + 1, pick(logits_Bx1xV[:, 0], sub), lengths_B, done_B, out_BxN, view.kv, rng
+        tok_B = pick(logits_Bx1xV[:, 0], sub)
+        return i + 1, tok_B, lengths_B, done_B, out_BxN, tail_BxM, view.kv, rng
 
-    carry = (jnp.int32(0), tok_B, lengths_B, done_B, out_BxN, view.kv, rng)
-    _, _, _, done_B, out_BxN, _, _ = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(0), tok_B, lengths_B, done_B, out_BxN, tail_BxM, view.kv, rng)
+    _, _, _, done_B, out_BxN, _, _, _ = jax.lax.while_loop(cond, body, carry)
     return out_BxN, done_B
 
 
@@ -175,13 +184,15 @@ def generate(
     gen: GenerateConfig = GenerateConfig(),
     *,
     stop_tokens: Sequence[int] = (),
+    stop_sequences: Sequence[Sequence[int]] = (),
     mesh=None,
     on_token: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
 ) -> Generation:
     """Continues each prompt (a list of token ids) by up to `gen.max_new_tokens` tokens.
 
     Sampling follows `gen` (temperature 0 is greedy; the rng comes from `gen.seed`); a sequence
-    stops at any of `stop_tokens` + `gen.stop_tokens`. With `mesh`, the batch is split over its
+    stops at any of `stop_tokens` + `gen.stop_tokens`, or once its last tokens are one of
+    `stop_sequences` (each left out of the returned tokens, as a stop token is). With `mesh`, the batch is split over its
     data axes and kv heads over `tensor` (the model's parameters should already live on it, e.g.
     `jaxllm.load_model(path, mesh=mesh)`). `on_token(step, tokens_B, done_B)` is called on the
     host after each step, in order (for streaming).
@@ -233,6 +244,10 @@ def generate(
         interpret,
     )
     stop_S = jnp.asarray(sorted({*stop_tokens, *gen.stop_tokens}) or [-1], jnp.int32)
+    seqs = sorted({tuple(int(t) for t in q) for q in stop_sequences if len(q)})
+    stop_SxM = np.full((len(seqs), max(map(len, seqs), default=1)), -1, np.int32)
+    for row, q in zip(stop_SxM, seqs):
+        row[len(row) - len(q) :] = q
     graphdef, state = nnx.split(model)
     with sharding.active(sharding.Parallel(mesh)):
         out_BxN, done_B = _generate(
@@ -242,6 +257,7 @@ def generate(
             jnp.asarray(lengths),
             block_table,
             stop_S,
+            jnp.asarray(stop_SxM),
             jax.random.key(gen.seed),
             plan,
             on_token,
@@ -249,13 +265,24 @@ def generate(
     out_BxN, done_B = np.asarray(out_BxN), np.asarray(done_B)
     stops = set(np.asarray(stop_S).tolist())
     tokens, stopped = [], []
-    for row in out_BxN[:n_real]:
-        cut = next((i for i, t in enumerate(row.tolist()) if t in stops), None)
-        tokens.append(row[: len(row) if cut is None else cut].tolist())
+    for row in out_BxN[:n_real].tolist():
+        cut = _first_stop(row, stops, seqs)
+        tokens.append(row[: len(row) if cut is None else cut])
         stopped.append(cut is not None)
     per_token = kv_cache.model_bytes_per_token(cfg, kind, group)
     residual = 2 * nl * b * g * group * k * jnp.dtype(cfg.dtype).itemsize if kind == "int4" else 0
     return Generation(tokens, stopped, per_token, per_token * cache_tokens + residual)
+
+
+def _first_stop(row: list[int], stops: set[int], seqs: list[tuple[int, ...]]) -> int | None:
+    """Where `row` is cut: before its first stop token or first complete stop sequence."""
+    for i, t in enumerate(row):
+        if t in stops:
+            return i
+        for q in seqs:
+            if i + 1 >= len(q) and tuple(row[i + 1 - len(q) : i + 1]) == q:
+                return i + 1 - len(q)
+    return None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "prefix"))
