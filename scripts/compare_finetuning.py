@@ -68,9 +68,9 @@ def _plan(run: Path) -> dict:
 
 
 def _accuracy(run: Path, test, limit: int | None) -> float:
-    from jaxllm.infer.chat import Chat
+    from jaxllm.load import load_chat
 
-    return Chat.from_run(run).exact_match(test[:limit]).accuracy
+    return load_chat(run).exact_match(test[:limit]).accuracy
 
 
 def _checkpoint(run: Path) -> dict:

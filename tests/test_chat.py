@@ -13,6 +13,7 @@ from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.data import tokenizer as tokenizer_lib
 from jaxllm.infer import chat
 from jaxllm.infer.generate import generate
+from jaxllm.load import load_chat
 
 ASK = [{"role": "user", "content": "Which module defines `heappush`?"}]
 
@@ -102,7 +103,7 @@ def answers(tmp_path_factory):
 def test_generation_stops_at_the_text_marker_and_the_reply_leaves_it_out(answers):
     """A model that has learned to end its replies: the in-loop stop sequence ends the reply
     before `max_new_tokens`."""
-    c = chat.Chat.from_run(answers)
+    c = load_chat(answers)
     asked = [{"role": "user", "content": "Which module defines `f3`?"}]
     ids = chat.prompt_ids(asked, c.tok)
     gen = GenerateConfig(max_new_tokens=40, kv_cache_dtype="float32")
@@ -152,4 +153,4 @@ def test_eval_chat_exact_match_of_a_plain_and_a_lora_run(answers, tmp_path, caps
     capsys.readouterr()
     assert main(["eval", str(lora), *args]) == 0
     assert "step 2: exact match 2/4 = 0.500" in capsys.readouterr().out
-    assert chat.Chat.from_run(lora).exact_match(chat.read_conversations(test)).accuracy == 0.5
+    assert load_chat(lora).exact_match(chat.read_conversations(test)).accuracy == 0.5

@@ -169,27 +169,6 @@ class Chat:
         self.eot = end_of_turn(tok, stop_ids)
         self.step: int | None = None  # the checkpoint's, when restored from a run
 
-    @classmethod
-    def from_run(cls, path, overrides: Sequence[str] = ()) -> Chat:
-        """The run's model (adapters unmerged for a PEFT run), tokenizer, `generate` section
-        and stop ids (generation_config.json's, as `jaxllm generate` reads them)."""
-        from jaxllm.data.tokenizer import (
-            check_coverage,
-            generation_config,
-            generation_stop_ids,
-            make_tokenizer,
-        )
-        from jaxllm.load import resolve, restore
-
-        restored = restore(path, overrides)
-        cfg = restored.cfg
-        tok = make_tokenizer(cfg.data)
-        check_coverage(tok, cfg.model.vocab_size, "chat")
-        stops = generation_stop_ids(generation_config(cfg.data.tokenizer, resolve(path)[0]))
-        chat = cls(restored.model(), tok, cfg.generate, stop_ids=stops, mesh=restored.mesh)
-        chat.step = restored.step
-        return chat
-
     def replies(
         self,
         conversations: Sequence[Sequence[dict] | Conversation],

@@ -28,8 +28,9 @@ from jaxllm.data.tokenizer import (
     generation_stop_ids,
     make_tokenizer,
 )
+from jaxllm.infer.chat import Conversation, read_conversations
 from jaxllm.infer.generate import generate
-from jaxllm.load import resolve, restore
+from jaxllm.load import load_chat, resolve, restore
 
 
 def _overrides(ns: argparse.Namespace) -> list[str]:
@@ -78,13 +79,11 @@ def _with_system(messages, system: str | None):
 
 def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
     """--chat / --chat-file: replies only (see the module docstring)."""
-    from jaxllm.infer.chat import Chat, Conversation, read_conversations
-
     if ns.chat is not None:
         conversations = [Conversation(({"role": "user", "content": ns.chat},))]
     else:
         conversations = read_conversations(ns.chat_file)
-    chat = Chat.from_run(path, [*overrides, *_overrides(ns)])
+    chat = load_chat(path, [*overrides, *_overrides(ns)])
     asked = [_with_system(c.messages, ns.system) for c in conversations]
     t0 = time.perf_counter()
     replies = chat.replies(asked)
@@ -103,13 +102,11 @@ def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
 
 def cmd_exact_match(ns: argparse.Namespace) -> int:
     """`jaxllm eval RUN_DIR --chat-exact-match F.jsonl [--replies OUT.jsonl]`."""
-    from jaxllm.infer.chat import Chat, read_conversations
-
     path, overrides = split_args(ns.args)
     if path is None:
         raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
     conversations = read_conversations(ns.chat_exact_match)
-    chat = Chat.from_run(path, overrides)
+    chat = load_chat(path, overrides)
     score = chat.exact_match(conversations)
     if ns.replies is not None:
         with open(ns.replies, "w") as f:
