@@ -20,6 +20,7 @@ def test_sft_objective_is_built_in_and_keeps_z_loss():
     assert "sft" in objectives.BUILT_IN
 
 
+@pytest.mark.slow  # chat sources train in test_chat.py's and test_prompt_tuning.py's runs
 def test_jaxllm_train_sft_on_a_chat_jsonl(tmp_path):
     # "<|im_start|>user\n1+1<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n": 65 bytes, one
     # row of SMALL_RUN's data.seq_len=64 (whose compiled steps the suite shares)
