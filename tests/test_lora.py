@@ -76,7 +76,9 @@ def test_adapters_start_at_the_base_and_equal_their_merged_weights(family):
     want |= {"q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"} if family == "mla_moe" else set()
     want |= {"q_proj", "k_proj", "v_proj"} if family != "mla_moe" else set()
     assert want <= adapted, adapted
-    np.testing.assert_array_equal(_logits(model, tokens), base)  # B = 0: step 0 is the base
+    # B = 0: step 0 is the base (bit for bit on jax 0.10; newer XLA fuses the extra zero terms
+    # differently, a float32 rounding apart)
+    np.testing.assert_allclose(_logits(model, tokens), base, rtol=0, atol=1e-6)
     _randomize_b(model)
     unmerged = _logits(model, tokens)
     assert float(jnp.max(jnp.abs(unmerged - base))) > 0.1
