@@ -3,7 +3,6 @@ Hugging Face model directory, always straight into their shards on a mesh.
 
     resolve(path)                  -> (run dir, checkpoints dir, step or None)
     restore(path, overrides)       -> Restored(cfg, mesh, graphdef, params, model_state, step)
-    load_chat(path)                -> a `jaxllm.infer.chat.Chat` of a run
     load_model(path)               -> an nnx.Module (run directory or Hugging Face directory);
                                       a fine-tuning run's model has its adapters / soft prompt
     load_weights(source, cfg, mesh) -> (params, model state): `checkpoint.init_from`
@@ -26,13 +25,6 @@ from jaxllm import checkpoint, config, sharding
 from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, RunError
 from jaxllm.convert import is_hf_dir, load_params, model_config
 from jaxllm.data import check_vocab
-from jaxllm.data.tokenizer import (
-    check_coverage,
-    generation_config,
-    generation_stop_ids,
-    make_tokenizer,
-)
-from jaxllm.infer.chat import Chat
 from jaxllm.model import (
     abstract_frozen,
     abstract_model,
@@ -145,20 +137,6 @@ def load_model(path, *, mesh: Mesh | None = None, overrides=()) -> nnx.Module:
         ) from None
     restored = restore(path, overrides, mesh=mesh or sharding.make_mesh(config.MeshConfig()))
     return restored.model()
-
-
-def load_chat(path, overrides=()) -> Chat:
-    """A `jaxllm.infer.chat.Chat` of a run: its model (adapters unmerged for a PEFT run),
-    tokenizer, `generate` section and stop ids (generation_config.json's, as `jaxllm generate`
-    reads them)."""
-    restored = restore(path, overrides)
-    cfg = restored.cfg
-    tok = make_tokenizer(cfg.data)
-    check_coverage(tok, cfg.model.vocab_size, "chat")
-    stops = generation_stop_ids(generation_config(cfg.data.tokenizer, resolve(path)[0]))
-    chat = Chat(restored.model(), tok, cfg.generate, stop_ids=stops, mesh=restored.mesh)
-    chat.step = restored.step
-    return chat
 
 
 def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict | None]:

@@ -68,7 +68,7 @@ def _plan(run: Path) -> dict:
 
 
 def _accuracy(run: Path, test, limit: int | None) -> float:
-    from jaxllm.load import load_chat
+    from jaxllm.infer.cli import load_chat
 
     return load_chat(run).exact_match(test[:limit]).accuracy
 

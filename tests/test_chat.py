@@ -12,8 +12,8 @@ from jaxllm.cli import main
 from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.data import tokenizer as tokenizer_lib
 from jaxllm.infer import chat
+from jaxllm.infer.cli import load_chat
 from jaxllm.infer.generate import generate
-from jaxllm.load import load_chat
 
 ASK = [{"role": "user", "content": "Which module defines `heappush`?"}]
 

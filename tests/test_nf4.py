@@ -2,7 +2,7 @@
 quantizer, the round trip, the layout and its sharding.
 
 References: bitsandbytes (`quantize_4bit` / `dequantize_4bit` with quant_type "nf4",
-blocksize 64, compress_statistics=True; tests marked `torch`, skipped where it does not
+blocksize 64, compress_statistics=True; tests marked `torch`, left out by --without-torch where it does not
 install), and without it a numpy quantizer here (nearest code by argmin, float64) built on the
 code book re-derived from normal quantiles. bitsandbytes' CPU kernel picks an 8-bit absmax code
 from a 65536-entry table, so for about 0.15% of the absmax values (those within ~1.5e-5 of a
@@ -96,8 +96,8 @@ def test_dynamic_code_structure():
 
 @pytest.mark.torch
 def test_code_books_equal_bitsandbytes():
-    pytest.importorskip("torch")
-    functional = pytest.importorskip("bitsandbytes.functional")
+    from bitsandbytes import functional  # the `torch` extra; --without-torch leaves it out
+
     bnb_nf4 = functional.get_4bit_type("nf4", device="cpu").numpy()
     np.testing.assert_array_equal(nf4.NF4_CODE, bnb_nf4)
     # bitsandbytes builds the map with float32 torch.linspace, whose boundaries can be off by
@@ -112,8 +112,9 @@ def test_code_books_equal_bitsandbytes():
 @pytest.mark.torch
 @pytest.mark.parametrize("shape", SHAPES + [(1024, 1024)], ids=str)
 def test_matches_bitsandbytes(shape):
-    torch = pytest.importorskip("torch")
-    functional = pytest.importorskip("bitsandbytes.functional")
+    import torch
+    from bitsandbytes import functional
+
     x = _normal(shape)
     q = jax.jit(nf4.quantize)(jnp.asarray(x))
     y = np.asarray(jax.jit(nf4.dequantize)(q))

@@ -1,7 +1,7 @@
 """Chat with a trained run: a conversation rendered by its chat template, the assistant's reply
 generated, and exact-match accuracy over conversations that carry their expected reply.
 
-    chat = load_chat("runs/sft_stdlib")  # jaxllm.load.load_chat
+    chat = load_chat("runs/sft_stdlib")  # jaxllm.infer.cli.load_chat
     chat.reply([{"role": "user", "content": "Which module defines `heapq.heappush`?"}])  # "heapq"
     chat.exact_match(read_conversations("runs/stdlib_qa/test.jsonl")).accuracy
 

@@ -28,9 +28,9 @@ from jaxllm.data.tokenizer import (
     generation_stop_ids,
     make_tokenizer,
 )
-from jaxllm.infer.chat import Conversation, read_conversations
+from jaxllm.infer.chat import Chat, Conversation, read_conversations
 from jaxllm.infer.generate import generate
-from jaxllm.load import load_chat, resolve, restore
+from jaxllm.load import resolve, restore
 
 
 def _overrides(ns: argparse.Namespace) -> list[str]:
@@ -75,6 +75,20 @@ def _with_system(messages, system: str | None):
     if system is None or any(m.get("role") == "system" for m in messages):
         return tuple(messages)
     return ({"role": "system", "content": system}, *messages)
+
+
+def load_chat(path, overrides=()) -> Chat:
+    """A `jaxllm.infer.chat.Chat` of a run: its model (adapters unmerged for a PEFT run),
+    tokenizer, `generate` section and stop ids (generation_config.json's, as `jaxllm generate`
+    reads them)."""
+    restored = restore(path, overrides)
+    cfg = restored.cfg
+    tok = make_tokenizer(cfg.data)
+    check_coverage(tok, cfg.model.vocab_size, "chat")
+    stops = generation_stop_ids(generation_config(cfg.data.tokenizer, resolve(path)[0]))
+    chat = Chat(restored.model(), tok, cfg.generate, stop_ids=stops, mesh=restored.mesh)
+    chat.step = restored.step
+    return chat
 
 
 def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
