@@ -13,7 +13,7 @@ order, the including file winning). A section may be named by preset instead of 
 User mistakes raise `ConfigError` with one sentence naming the key and the fix; the CLI turns it
 into exit code 2 before anything is compiled.
 
-Modules: `model` (the model section), `sections` (the others), `root` (`Config` and the
+Modules: `model` (the model section), `train`, `peft`, `sections` (the others), `root` (`Config` and the
 cross-section checks), `loading` (YAML, presets, overrides, type checks), `errors`.
 """
 
@@ -42,9 +42,9 @@ from jaxllm.config.sections import (
     OptimConfig,
     RunConfig,
     SourceConfig,
-    TrainConfig,
     mesh_degrees,
 )
+from jaxllm.config.train import TrainConfig
 
 __all__ = [
     "MESH_AXES",

@@ -20,9 +20,9 @@ from jaxllm.config.sections import (
     MeshConfig,
     OptimConfig,
     RunConfig,
-    TrainConfig,
     mesh_degrees,
 )
+from jaxllm.config.train import TrainConfig, validate_train
 
 # The keys of `optim.loss_scale`, the ones static scaling ignores after the first.
 _LOSS_SCALE_KEYS = (
@@ -247,7 +247,7 @@ class Config:
         for i, src in enumerate((*d.sources, *d.eval_sources)):
             if not math.isfinite(src.weight) or src.weight <= 0:
                 _fail(f"data source {src.path!r} has weight {src.weight}; weights must be > 0.")
-            if src.format in ("chat", "prompt_completion") and src.path == "stdlib":
+            if src.format in ("chat", "prompt_completion", "preference") and src.path == "stdlib":
                 _fail(
                     f"data source stdlib cannot have format {src.format}: give the path of "
                     "JSONL or Parquet examples."
@@ -257,6 +257,7 @@ class Config:
         self._validate_loss_scale()
         if self.train.nonfinite_patience < 1:
             _fail(f"train.nonfinite_patience must be >= 1, not {self.train.nonfinite_patience}.")
+        validate_train(self.train)
 
     def _validate_loss_scale(self) -> None:
         o = self.optim

@@ -1,5 +1,5 @@
-"""The sections besides `model`: run, mesh (with the mesh-degree arithmetic), optimizer, data,
-train, checkpoint and generate."""
+"""The sections besides `model`, `train` and `peft`: run, mesh (with the mesh-degree
+arithmetic), optimizer, data, checkpoint and generate."""
 
 from __future__ import annotations
 
@@ -178,22 +178,37 @@ class SourceConfig:
     """`stdlib` (the running Python's standard-library sources), a directory, a glob, or a file;
     a directory or glob may mix formats, told apart by extension."""
     format: Literal[
-        "auto", "stdlib", "text", "jsonl", "parquet", "arrayrecord", "chat", "prompt_completion"
+        "auto",
+        "stdlib",
+        "text",
+        "jsonl",
+        "parquet",
+        "arrayrecord",
+        "chat",
+        "prompt_completion",
+        "preference",
     ] = "auto"
     """`auto` picks by extension: .jsonl/.json -> jsonl, .parquet, .arrayrecord/.array_record,
     anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
     (rows of a .parquet file, lines of any other file, read as JSONL): a conversation rendered
     by the tokenizer's chat template, or a prompt followed by its completion; the loss covers
-    the assistant turns / the completion (see `data.train_on_prompt`)."""
+    the assistant turns / the completion (see `data.train_on_prompt`). `preference` records
+    hold a prompt with a chosen and a rejected answer, for the DPO family and reward models."""
     text_field: str = "text"
     """Field holding the document in JSONL lines and Parquet rows."""
     messages_field: str = "messages"
     """`format: chat`: field holding the conversation, a list of {role, content} messages with
     roles system, user and assistant and at least one assistant turn."""
     prompt_field: str = "prompt"
-    """`format: prompt_completion`: field holding the prompt (a string)."""
+    """`format: prompt_completion` and `preference`: field holding the prompt (a string, or
+    for `preference` also a list of chat messages)."""
     completion_field: str = "completion"
     """`format: prompt_completion`: field holding the completion (a string)."""
+    chosen_field: str = "chosen"
+    """`format: preference`: field holding the preferred answer (a string, or a list of chat
+    messages: the assistant turn(s) that follow the prompt)."""
+    rejected_field: str = "rejected"
+    """`format: preference`: field holding the dispreferred answer, shaped like the chosen."""
     weight: float = 1.0
     """Share of this source in the mixture (normalised over the sources)."""
 
@@ -246,41 +261,6 @@ class DataConfig:
     """Seed of the row shuffle and of the mixture."""
     workers: int = 0
     """Grain worker processes preparing batches (0: in the training process)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 150
-    """Optimizer steps."""
-    global_batch_size: int = 16
-    """Rows per optimizer step across all devices and microbatches."""
-    grad_accum_steps: int = 1
-    """Split each global batch into this many microbatches, accumulated inside the jitted step."""
-    objective: str = "next_token"
-    """What the step minimises: `next_token` (cross-entropy over `loss_mask` tokens), `sft`
-    (the same loss, named for fine-tuning on chat / prompt_completion sources, whose
-    `loss_mask` covers only the assistant turns; on plain text it trains every token), or your
-    own objective function as `MODULE:NAME` or `path/to/file.py:NAME` (see
-    `jaxllm.train.objectives`)."""
-    z_loss: float = 0.0
-    """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
-    (`next_token` and `sft` objectives)."""
-    log_every: int = 10
-    """Write a metrics line every this many steps."""
-    eval_every: int = 50
-    """Evaluate on the held-out split every this many steps; 0 evaluates only at the end."""
-    eval_batches: int = 8
-    """Batches of the held-out split per evaluation."""
-    sample_prompt: str = "def __init__(self"
-    """Prompt of the greedy continuation printed at the end of training ("" skips it)."""
-    sample_tokens: int = 96
-    """Length of that continuation in tokens."""
-    nonfinite: Literal["skip", "stop"] = "stop"
-    """A step whose loss or gradients are NaN/Inf never updates the state (done inside the
-    jitted step); `skip` goes on with the next batch, `stop` ends the run after
-    `nonfinite_patience` such steps in a row, with a checkpoint of the last good state."""
-    nonfinite_patience: int = 1
-    """Consecutive non-finite steps tolerated before `stop` ends the run."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,124 @@
+"""The `train` section: steps, batch, objective and its coefficients, evaluation, logging."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxllm.config.errors import fail as _fail
+
+# The objectives of the DPO family: a loss over (chosen, rejected) pairs of `format: preference`.
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+# Those that compare the policy with a reference model (SimPO and ORPO need none).
+REFERENCE_OBJECTIVES = ("dpo", "ipo")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 150
+    """Optimizer steps."""
+    global_batch_size: int = 16
+    """Rows per optimizer step across all devices and microbatches."""
+    grad_accum_steps: int = 1
+    """Split each global batch into this many microbatches, accumulated inside the jitted step."""
+    objective: str = "next_token"
+    """What the step minimises: `next_token` (cross-entropy over `loss_mask` tokens), `sft`
+    (the same loss, named for fine-tuning on chat / prompt_completion sources, whose
+    `loss_mask` covers only the assistant turns; on plain text it trains every token), the
+    preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `distill`
+    (match `train.teacher`), or your own objective function as `MODULE:NAME` or
+    `path/to/file.py:NAME` (see `jaxllm.train.objectives`)."""
+    beta: float = 0.1
+    """The preference losses' coefficient: DPO's beta (the inverse temperature of the implicit
+    reward), IPO's tau (the target margin is 1 / (2 tau)), SimPO's beta, ORPO's lambda (the
+    weight of the odds-ratio term)."""
+    label_smoothing: float = 0.0
+    """`dpo`: the probability that a pair's labels are flipped (conservative DPO, cDPO);
+    0 is plain DPO. In [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """`simpo`: the target reward margin gamma (the loss is -log sigmoid(beta * margin -
+    gamma), as TRL's CPOTrainer writes it with gamma / beta inside the bracket)."""
+    reference: str | None = None
+    """The reference model of `dpo` / `ipo`: a run directory, a checkpoint step, or a Hugging
+    Face directory, held frozen and sharded on the same mesh. Null: the run's starting point,
+    `checkpoint.init_from`; under `peft` the base itself with the adapters switched off, so no
+    second copy is held."""
+    precompute_reference: bool = False
+    """Compute the reference's log-probabilities of every training row once, before training,
+    and store them in the run directory instead of holding the reference model during
+    training (a forward pass of it per row, once, against its weights' memory on every step)."""
+    teacher: str | None = None
+    """`distill`: the teacher, a run directory, a checkpoint step, or a Hugging Face
+    directory, frozen and sharded on the same mesh. It may differ from the student in depth
+    and width but must share its vocabulary."""
+    distill_loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    """`distill`: KL(teacher || student) (Hinton et al.), KL(student || teacher) (MiniLLM), or
+    the generalized Jensen-Shannon divergence of GKD with `distill_jsd_beta`."""
+    distill_temperature: float = 1.0
+    """`distill`: both distributions are softened by this temperature; the divergence is
+    multiplied by its square so gradients keep their scale (Hinton et al.)."""
+    distill_jsd_beta: float = 0.5
+    """`distill_loss: jsd`: the mixture weight beta of GKD's generalized JSD, in (0, 1):
+    near 0 it behaves as forward KL, near 1 as reverse KL."""
+    distill_weight: float = 1.0
+    """`distill`: the loss is distill_weight x divergence + (1 - distill_weight) x next-token
+    cross-entropy on the data's targets. In [0, 1]."""
+    z_loss: float = 0.0
+    """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
+    (`next_token` and `sft` objectives)."""
+    log_every: int = 10
+    """Write a metrics line every this many steps."""
+    eval_every: int = 50
+    """Evaluate on the held-out split every this many steps; 0 evaluates only at the end."""
+    eval_batches: int = 8
+    """Batches of the held-out split per evaluation."""
+    sample_prompt: str = "def __init__(self"
+    """Prompt of the greedy continuation printed at the end of training ("" skips it)."""
+    sample_tokens: int = 96
+    """Length of that continuation in tokens."""
+    nonfinite: Literal["skip", "stop"] = "stop"
+    """A step whose loss or gradients are NaN/Inf never updates the state (done inside the
+    jitted step); `skip` goes on with the next batch, `stop` ends the run after
+    `nonfinite_patience` such steps in a row, with a checkpoint of the last good state."""
+    nonfinite_patience: int = 1
+    """Consecutive non-finite steps tolerated before `stop` ends the run."""
+
+
+# The keys only some objectives read: set away from its default for another objective, a key
+# would do nothing, which is an error rather than a silent no-op.
+OBJECTIVE_KEYS = {
+    "beta": PREFERENCE_OBJECTIVES,
+    "label_smoothing": ("dpo",),
+    "simpo_gamma": ("simpo",),
+    "reference": REFERENCE_OBJECTIVES,
+    "precompute_reference": REFERENCE_OBJECTIVES,
+    "teacher": ("distill",),
+    "distill_loss": ("distill",),
+    "distill_temperature": ("distill",),
+    "distill_jsd_beta": ("distill",),
+    "distill_weight": ("distill",),
+}
+
+
+def validate_train(t: TrainConfig) -> None:
+    """The checks of the train section's own keys."""
+    if not t.beta > 0:
+        _fail(f"train.beta must be positive, not {t.beta}.")
+    if not 0 <= t.label_smoothing < 0.5:
+        _fail(f"train.label_smoothing must be in [0, 0.5), not {t.label_smoothing}.")
+    for key, readers in OBJECTIVE_KEYS.items():
+        custom = ":" in t.objective  # an objective of your own may read any of them
+        if (
+            not custom
+            and t.objective not in readers
+            and getattr(t, key) != getattr(TrainConfig, key)
+        ):
+            _fail(
+                f"train.{key} has no effect with train.objective={t.objective}; it belongs to "
+                f"{', '.join(readers)}."
+            )
+    if t.objective == "distill" and not t.teacher:
+        _fail(
+            "train.objective=distill needs train.teacher: a run directory or a Hugging Face "
+            "directory of the teacher."
+        )
