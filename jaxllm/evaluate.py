@@ -41,10 +41,10 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
     batches = eval_batches(
         eval_rows, gbs, num_batches or cfg.train.eval_batches, process_rows(batch_sh, gbs)
     )
-    loss = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen)
+    results = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen)
     return {
         "step": step,
-        "eval_loss": loss,
-        "perplexity": math.exp(loss),
+        **results,
+        "perplexity": math.exp(results["eval_loss"]),
         "tokens": len(batches) * gbs * cfg.data.seq_len,
     }

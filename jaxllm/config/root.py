@@ -114,6 +114,7 @@ class Config:
                 "change one of them so that head_dim = d_model / num_heads is an integer."
             )
         m.validate()
+        self._validate_head()
         if self.mesh.sequence_attention == "ring" and (
             m.position == "alibi"
             or m.sliding_window is not None
@@ -183,6 +184,29 @@ class Config:
                     f"({degrees['sequence']})."
                 )
         return self
+
+    def _validate_head(self) -> None:
+        """The model's head fits the objective: a reward model (`model.head=score`) trains with
+        `train.objective=reward` (or an objective of your own), every built-in language
+        objective needs the LM head; the score head trains whole (no peft)."""
+        head, objective = self.model.head, self.train.objective
+        if ":" in objective:
+            return
+        if objective == "reward" and head != "score":
+            _fail(
+                "train.objective=reward trains a scalar score head: set model.head=score (the "
+                "LM head is dropped and the score head starts fresh)."
+            )
+        if objective != "reward" and head == "score":
+            _fail(
+                f"train.objective={objective} needs the LM head, but model.head=score; set "
+                "model.head=lm, or train.objective=reward to train the reward model."
+            )
+        if head == "score" and self.peft.method != "none":
+            _fail(
+                f"peft.method={self.peft.method} would leave the fresh score head frozen; "
+                "train a reward model with peft.method=none."
+            )
 
     def _validate_values(self) -> None:
         """Values no type can refuse but no run can use: an empty run directory, a NaN or

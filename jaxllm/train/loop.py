@@ -112,15 +112,17 @@ def compile_steps(cfg: config.Config, mesh):
 
 def evaluate(
     jit_eval, params, batches: list[dict], batch_sh, model_state=None, frozen=None
-) -> float:
+) -> dict[str, float]:
+    """{'eval_loss', 'eval_<metric>' ...}: every metric of the objective over the held-out
+    `batches`, its sum divided by the summed `tokens` (as training logs them)."""
     global_rows = len(batches[0]["inputs"]) * jax.process_count() if batches else 0
     model_state = {} if model_state is None else model_state
     sums = [
         jit_eval(params, to_global(b, batch_sh, global_rows), model_state, frozen) for b in batches
     ]
-    nll = sum(float(s["nll_sum"]) for s in sums)
-    tokens = sum(float(s["tokens"]) for s in sums)
-    return nll / max(tokens, 1.0)
+    totals = {k: sum(float(s[k]) for s in sums) for k in (sums[0] if sums else {"loss": 0})}
+    tokens = max(totals.pop("tokens", 0.0), 1.0)
+    return {f"eval_{k}": v / tokens for k, v in totals.items()}
 
 
 def train(cfg: config.Config, signals: Signals | None = None) -> dict:
@@ -337,8 +339,15 @@ def _loop(
         values["step_time_s"] = elapsed / window_steps
         values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
         if at_state is not None:
-            values["eval_loss"] = evaluate(
-                jit_eval, at_state.params, held_out, batch_sh, at_state.model_state, at_state.frozen
+            values.update(
+                evaluate(
+                    jit_eval,
+                    at_state.params,
+                    held_out,
+                    batch_sh,
+                    at_state.model_state,
+                    at_state.frozen,
+                )
             )
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
         if writer:
@@ -406,7 +415,7 @@ def _loop(
     if stopped:
         return {**final, "stopped": stopped}
 
-    if cfg.train.sample_prompt and cfg.train.sample_tokens:
+    if cfg.train.sample_prompt and cfg.train.sample_tokens and cfg.model.head == "lm":
         weights = (state.params, state.frozen, state.model_state)
         if jax.process_count() > 1:  # every process takes part in the gather
             from jax.experimental import multihost_utils

@@ -18,8 +18,9 @@ biases, the model's non-trained state, move.
 cross-entropy over the tokens whose `loss_mask` is 1, which for chat / prompt_completion sources
 (`jaxllm.data.sft`) are the assistant turns and completions only, so a run names what it does;
 on plain text sources every token is in the mask and `sft` trains exactly as `next_token`.
-`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, or
-`MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
+`reward` fits a reward model (`model.head=score`) to preference pairs (`jaxllm.train.reward`).
+`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
+`reward`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from flax import nnx
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
+from jaxllm.train import reward as reward_lib
 
 
 class ObjectiveOutput(NamedTuple):
@@ -94,14 +96,35 @@ def sft(z_loss: float = 0.0) -> Objective:
     return next_token(z_loss)
 
 
+def reward() -> Objective:
+    """A reward model (`model.head=score`) on preference pairs: the Bradley-Terry loss
+    -log sigmoid(r_chosen - r_rejected) per pair, r read at the last token of each sequence
+    (`jaxllm.train.reward`); `tokens` counts the valid pairs, so every metric is per pair:
+    `loss`, `accuracy`, `rewards/chosen`, `rewards/rejected`, `rewards/margins`, and an MoE
+    model's balancing losses."""
+
+    def objective(model, batch: dict, rng) -> ObjectiveOutput:
+        scores_BxL, out = reward_lib.sequence_scores(model, batch, rng)
+        loss_sum, count, metrics = reward_lib.bradley_terry(scores_BxL, batch["segment_ids"])
+        stats = {}
+        if out.aux:
+            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
+            loss_sum += extra
+            metrics.update(aux_metrics)
+        return ObjectiveOutput(loss_sum, count, metrics, stats)
+
+    return objective
+
+
 BUILT_IN = {
     "next_token": lambda cfg: next_token(cfg.train.z_loss),
     "sft": lambda cfg: sft(cfg.train.z_loss),
+    "reward": lambda cfg: reward(),
 }
 
 
 def from_config(cfg: Config) -> Objective:
-    """The objective `train.objective` names: a built-in (`next_token`, `sft`), or `MODULE:NAME` /
+    """The objective `train.objective` names: a built-in (`BUILT_IN`), or `MODULE:NAME` /
     `FILE.py:NAME` naming an objective function. ConfigError when it cannot be loaded."""
     name = cfg.train.objective
     if name in BUILT_IN:

@@ -171,8 +171,9 @@ def eval_step(
     objective: Objective,
     parallel_settings: Parallel = Parallel(),
 ) -> dict:
-    """Sums for a held-out batch: {'nll_sum', 'tokens'} (the objective's `loss` metric, or its
-    loss sum when it has none); the caller divides after summing."""
+    """Sums for a held-out batch: `tokens` and every metric of the objective (`loss` is its
+    `loss` metric, or its loss sum when it has none); the caller adds them over batches and
+    divides each by the summed `tokens` (`jaxllm.train.loop.evaluate`)."""
     with sharding.active(parallel_settings):
         batch = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), batch)
         _, out = objective_value(
@@ -184,4 +185,4 @@ def eval_step(
             model_state=model_state,
             frozen=frozen,
         )
-        return {"nll_sum": out.metrics.get("loss", out.loss_sum), "tokens": out.tokens}
+        return {**out.metrics, "loss": out.metrics.get("loss", out.loss_sum), "tokens": out.tokens}
