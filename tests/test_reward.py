@@ -13,10 +13,11 @@ import pytest
 from conftest import tiny_model
 from jax.sharding import PartitionSpec
 
-from jaxllm import checkpoint, config, optim, sharding
+from jaxllm import checkpoint, cli, config, optim, sharding
 from jaxllm.config import ConfigError, MeshConfig
 from jaxllm.infer.reward import score
 from jaxllm.load import load_weights
+from jaxllm.metrics import param_counts
 from jaxllm.model import abstract_model, build, split_peft
 from jaxllm.train import objectives
 from jaxllm.train.loop import compile_steps, evaluate
@@ -107,6 +108,9 @@ def test_score_head_replaces_the_lm_head_with_logical_axes():
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=4))
     sharding.check_divisible(mesh, rm, rm_axes)
     assert sharding.tree_shardings(mesh, rm_axes)["score"].spec == PartitionSpec("fsdp", None)
+    assert param_counts(tiny_model(head="score"))["total"] == sum(
+        a.size for a in jax.tree.leaves(rm)
+    )
     out = build(tiny_model(head="score"))(jnp.ones((2, 5), jnp.int32)).logits
     assert out.shape == (2, 5, 1) and out.dtype == jnp.float32
 
@@ -195,7 +199,9 @@ def _save_run(path, cfg, params):
     return path
 
 
-def test_init_from_a_language_model_keeps_its_body_and_starts_the_score_head_fresh(tmp_path):
+def test_init_from_a_language_model_keeps_its_body_and_starts_the_score_head_fresh(
+    tmp_path, capsys
+):
     for tied in (False, True):
         lm_cfg = config.load(None, [*TINY, f"model.tie_embeddings={str(tied).lower()}"])
         lm_params = split_peft(build(lm_cfg.model, 3), None)[1]
@@ -218,6 +224,9 @@ def test_init_from_a_language_model_keeps_its_body_and_starts_the_score_head_fre
     rm_run = _save_run(tmp_path / "rm", rm_cfg, jax.device_get(state.params))
     with pytest.raises(ConfigError, match="lm_head|score"):
         load_weights(rm_run, lm_cfg.model, mesh)
+    # and a reward model does not generate
+    assert cli.main(["generate", str(rm_run), "--prompt", "def"]) == 2
+    assert "is a reward model (model.head=score)" in capsys.readouterr().err
 
 
 @pytest.mark.torch
@@ -225,7 +234,6 @@ def test_export_to_sequence_classification_scores_as_jaxllm_and_imports_back(tmp
     import torch
     import transformers as hf
 
-    from jaxllm import cli
     from jaxllm.load import load_model
 
     torch.set_num_threads(1)

@@ -125,6 +125,11 @@ class Family:
             for links in (self.links(cfg), *(f(cfg) for f in self.other_links))
         ]
 
+    def ignored(self, name: str, cfg: ModelConfig) -> bool:
+        """Whether import may leave the tensor `name` unmapped."""
+        skipped = self.skip is not None and self.skip(cfg, name)
+        return skipped or any(name.endswith(s) for s in self.ignore)
+
 
 SCORE_HEAD = Link("score.weight", ("score",), "linear")
 """A reward model's head, as every `*ForSequenceClassification` of transformers names it:
@@ -137,8 +142,3 @@ def with_head(links: list[Link], cfg: ModelConfig) -> list[Link]:
     if cfg.head == "lm":
         return links
     return [link for link in links if link.ours != ("lm_head",)] + [SCORE_HEAD]
-
-    def ignored(self, name: str, cfg: ModelConfig) -> bool:
-        """Whether import may leave the tensor `name` unmapped."""
-        skipped = self.skip is not None and self.skip(cfg, name)
-        return skipped or any(name.endswith(s) for s in self.ignore)
