@@ -230,21 +230,27 @@ def test_init_from_a_language_model_keeps_its_body_and_starts_the_score_head_fre
 
 
 @pytest.mark.torch
-def test_export_to_sequence_classification_scores_as_jaxllm_and_imports_back(tmp_path):
+@pytest.mark.parametrize(
+    "family, knobs",
+    [("Llama", []), ("Qwen2", ["model.qkv_bias=true", "model.norm_eps=1e-6"])],
+)
+def test_export_to_sequence_classification_scores_as_jaxllm_and_imports_back(
+    tmp_path, family, knobs
+):
     import torch
     import transformers as hf
 
     from jaxllm.load import load_model
 
     torch.set_num_threads(1)
-    cfg = config.load(None, [*TINY, *REWARD, f"run.dir={tmp_path / 'rm'}"])
+    cfg = config.load(None, [*TINY, *REWARD, *knobs, f"run.dir={tmp_path / 'rm'}"])
     model = build(cfg.model, 2)
     params = split_peft(model, None)[1]
     params["score"] = params["score"] * 50  # scores far from 0
     run = _save_run(tmp_path / "rm", cfg, params)
     assert cli.main(["convert", "export", str(run), str(tmp_path / "hf")]) == 0
     written = json.loads((tmp_path / "hf/config.json").read_text())
-    assert written["architectures"] == ["LlamaForSequenceClassification"]
+    assert written["architectures"] == [f"{family}ForSequenceClassification"]
     assert written["pad_token_id"] == 0 and len(written["id2label"]) == 1
 
     rng = np.random.default_rng(3)
