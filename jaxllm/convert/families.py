@@ -84,7 +84,8 @@ SCORE_ARCHITECTURE = "ForSequenceClassification"
 
 def architecture(cfg: ModelConfig, family: Family) -> str:
     """The `architectures` entry of `cfg` as `family`: its LM class, or for a reward model
-    (`model.head=score`) the sequence classifier of the same body (`LlamaForSequenceClassification`)."""
+    (`model.head=score`) the sequence classifier of the same body
+    (`LlamaForSequenceClassification`)."""
     if cfg.head == "lm":
         return family.architecture
     return family.architecture.removesuffix("ForCausalLM").removesuffix("LMHeadModel") + (

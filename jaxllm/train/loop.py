@@ -339,16 +339,8 @@ def _loop(
         values["step_time_s"] = elapsed / window_steps
         values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
         if at_state is not None:
-            values.update(
-                evaluate(
-                    jit_eval,
-                    at_state.params,
-                    held_out,
-                    batch_sh,
-                    at_state.model_state,
-                    at_state.frozen,
-                )
-            )
+            args = (at_state.params, held_out, batch_sh, at_state.model_state, at_state.frozen)
+            values.update(evaluate(jit_eval, *args))
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
         if writer:
             writer.write(step, values)
