@@ -114,9 +114,10 @@ def optax_norm(tree) -> jax.Array:
 
 
 def test_registered_objectives_read_the_train_section():
+    pairs = "data.sources=[{path: pairs.jsonl, format: preference}]"
     for kind in preference.KINDS:
-        cfg = config.load(None, [f"train.objective={kind}", "train.beta=0.25"])
+        cfg = config.load(None, [pairs, f"train.objective={kind}", "train.beta=0.25"])
         fn = objectives.from_config(cfg)
         assert fn.others == (("reference",) if kind in ("dpo", "ipo") else ())
-    cfg = config.load(None, ["train.objective=dpo", "train.precompute_reference=true"])
+    cfg = config.load(None, [pairs, "train.objective=dpo", "train.precompute_reference=true"])
     assert objectives.from_config(cfg).others == ()
