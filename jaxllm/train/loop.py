@@ -140,7 +140,8 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
 
     jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)  # checks shapes
     t0 = time.perf_counter()
-    train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens)
+    whole_inputs = cfg.train.objective == "reward"  # its score is read at a closing slot
+    train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
     sources = ", ".join(src.path for src in cfg.data.sources)
     _log(
         f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} tokens, "

@@ -18,44 +18,36 @@ biases, the model's non-trained state, move.
 cross-entropy over the tokens whose `loss_mask` is 1, which for chat / prompt_completion sources
 (`jaxllm.data.sft`) are the assistant turns and completions only, so a run names what it does;
 on plain text sources every token is in the mask and `sft` trains exactly as `next_token`.
-`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, or
-`MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
+The DPO family, `dpo`, `ipo`, `simpo` and `orpo` (`jaxllm.train.preference`), are losses over
+the (chosen, rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
+An objective that needs frozen models besides the policy names them in its `others` attribute
+(`("reference",)` for DPO / IPO).
+`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
+the preference losses, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
+from jaxllm.train import preference
+from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
 
-
-class ObjectiveOutput(NamedTuple):
-    """What an objective returns for one (micro)batch; all sums over the batch."""
-
-    loss_sum: jax.Array  # float32 scalar the gradient comes from
-    tokens: jax.Array  # float32 scalar: what the sums count; the step divides by the total
-    metrics: dict[str, jax.Array] = {}  # sums; logged as sum / tokens (`loss` is eval's loss)
-    model_stats: Any = {}  # the model's aux sums (MoE), for `Transformer.after_step`
-
-
-Objective = Callable[[nnx.Module, dict, "jax.Array | None"], ObjectiveOutput]
-
-
-def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array):
-    """(-log p(target) [B, L], log Z [B, L]) in float32: the pieces of a token-level loss."""
-    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
-    logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
-    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], -1)[..., 0]
-    return logz_BxL - target_logit_BxL, logz_BxL
+__all__ = [
+    "BUILT_IN",
+    "Objective",
+    "ObjectiveOutput",
+    "from_config",
+    "next_token",
+    "sft",
+    "token_nll",
+]
 
 
 def next_token(z_loss: float = 0.0) -> Objective:
@@ -97,11 +89,15 @@ def sft(z_loss: float = 0.0) -> Objective:
 BUILT_IN = {
     "next_token": lambda cfg: next_token(cfg.train.z_loss),
     "sft": lambda cfg: sft(cfg.train.z_loss),
+    **{
+        kind: (lambda cfg, kind=kind: preference.from_train_config(kind, cfg.train))
+        for kind in preference.KINDS
+    },
 }
 
 
 def from_config(cfg: Config) -> Objective:
-    """The objective `train.objective` names: a built-in (`next_token`, `sft`), or `MODULE:NAME` /
+    """The objective `train.objective` names: a built-in (`BUILT_IN`), or `MODULE:NAME` /
     `FILE.py:NAME` naming an objective function. ConfigError when it cannot be loaded."""
     name = cfg.train.objective
     if name in BUILT_IN:
