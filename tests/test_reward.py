@@ -15,18 +15,23 @@ from jax.sharding import PartitionSpec
 
 from jaxllm import checkpoint, cli, config, optim, sharding
 from jaxllm.config import ConfigError, MeshConfig
+from jaxllm.evaluate import evaluate_checkpoint
 from jaxllm.infer.reward import score
 from jaxllm.load import load_weights
 from jaxllm.metrics import param_counts
 from jaxllm.model import abstract_model, build, split_peft
-from jaxllm.train import objectives
-from jaxllm.train.loop import compile_steps, evaluate
+from jaxllm.train import objectives, reward
+from jaxllm.train.loop import compile_steps, evaluate, train
 from jaxllm.train.pairs import pair_sums
 from jaxllm.train.reward import last_positions
 from jaxllm.train.state import init_state, init_state_from, layout
 
 L = 32
-REWARD = ["model.head=score", "train.objective=reward"]
+REWARD = [
+    "model.head=score",
+    "train.objective=reward",
+    "data.sources=[{path: pairs.jsonl, format: preference}]",  # read only by training
+]
 TINY = [
     "model.vocab_size=320",
     "model.d_model=32",
@@ -115,20 +120,29 @@ def test_score_head_replaces_the_lm_head_with_logical_axes():
     assert out.shape == (2, 5, 1) and out.dtype == jnp.float32
 
 
-def test_config_refuses_a_head_that_does_not_fit_the_objective():
-    config.load(None, [*TINY, *REWARD]).validate(8)  # fits
-    cases = {
-        ("train.objective=reward",): "set model.head=score",
-        ("model.head=score",): "needs the LM head, but model.head=score",
-        (*REWARD, "model.tie_embeddings=true"): "model.tie_embeddings acts on the LM head",
-        (*REWARD, "model.final_soft_cap=30"): "model.final_soft_cap acts on the LM head",
-        (*REWARD, "peft.method=lora"): "would leave the fresh score head frozen",
+def test_a_head_that_does_not_fit_the_objective_is_refused():
+    fits = config.load(None, [*TINY, *REWARD]).validate(8)
+    objectives.from_config(fits)
+    # the objective checks the head when it is chosen (an imported reward model's run is valid)
+    chosen = {
+        ("train.objective=reward", REWARD[2]): "set model.head=score",
+        ("model.head=score",): "train.objective=next_token needs the LM head, but model.head",
     }
-    for overrides, message in cases.items():
+    for overrides, message in chosen.items():
+        cfg = config.load(None, [*TINY, *overrides]).validate(8)
         with pytest.raises(ConfigError, match=message):
-            config.load(None, [*TINY, *overrides]).validate(8)
+            objectives.from_config(cfg)
     # an objective of your own may use either head
-    config.load(None, [*TINY, "model.head=score", "train.objective=mod:fn"]).validate(8)
+    mine = "train.objective=jaxllm.train.objectives:next_token"
+    objectives.from_config(config.load(None, [*TINY, "model.head=score", mine]).validate(8))
+    refused = {
+        "model.tie_embeddings=true": "model.tie_embeddings acts on the LM head",
+        "model.final_soft_cap=30": "model.final_soft_cap acts on the LM head",
+        "peft.method=lora": "would leave the fresh score head frozen",
+    }
+    for override, message in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            config.load(None, [*TINY, *REWARD, override]).validate(8)
 
 
 def test_reward_objective_matches_scoring_each_sequence():
@@ -138,7 +152,7 @@ def test_reward_objective_matches_scoring_each_sequence():
     model = build(tiny_model(head="score"), 1)
     pairs = [random_pairs(rng, 3), random_pairs(rng, 2)]
     batch = batch_of([pack(p, 48) for p in pairs])
-    out = jax.jit(lambda b: objectives.reward()(model, b, None))(batch)
+    out = jax.jit(lambda b: reward.objective()(model, b, None))(batch)
 
     seqs = [[*pr, *ans] for row in pairs for pr, *answers in row for ans in answers]
     tokens = np.zeros((len(seqs), 16), np.int32)
@@ -272,7 +286,10 @@ def test_export_to_sequence_classification_scores_as_jaxllm_and_imports_back(
     np.testing.assert_allclose(score(direct, tokens, lengths), ours, atol=1e-5)
     assert cli.main(["convert", "import", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
     back = config.load(tmp_path / "back/config.yaml")
-    assert back.model.head == "score" and back.train.objective == "reward"
+    assert back.model.head == "score"
+    np.testing.assert_allclose(
+        score(load_model(tmp_path / "back"), tokens, lengths), ours, atol=1e-5
+    )
 
 
 @pytest.mark.torch
@@ -287,3 +304,49 @@ def test_init_from_a_hugging_face_causal_lm(tmp_path):
     params, _ = load_weights(src, rm_model, sharding.make_mesh(MeshConfig()))
     assert "lm_head" not in params and "score" not in params
     assert params["layers"]["attn"]["q_proj"].shape[0] == 2
+
+
+def preference_file(path, n, seed):
+    """n pairs of a learnable preference that needs the prompt: after "up" the answer ending
+    in " :)" is chosen, after "down" the one ending in " :(" (random words before both)."""
+    rng = np.random.default_rng(seed)
+    word = lambda: "".join(rng.choice(list("abcdefgh"), rng.integers(2, 5)))  # noqa: E731
+    records = []
+    for _ in range(n):
+        up = bool(rng.integers(2))
+        happy, sad = f" {word()} :)", f" {word()} :("
+        chosen, rejected = (happy, sad) if up else (sad, happy)
+        prompt = f"{word()} {'up' if up else 'down'}:"
+        records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_a_reward_model_trains_through_train_and_ranks_held_out_pairs(tmp_path):
+    """`jaxllm.train.train` with `train.objective=reward` on format: preference sources: the
+    step counts pairs, and the held-out accuracy at the end is above 0.9."""
+    source = lambda f: f"[{{path: {f}, format: preference}}]"  # noqa: E731
+    overrides = [
+        *TINY,
+        *REWARD,
+        f"data.sources={source(preference_file(tmp_path / 'train.jsonl', 256, 0))}",
+        f"data.eval_sources={source(preference_file(tmp_path / 'test.jsonl', 64, 1))}",
+        "data.seq_len=64",
+        "train.steps=40",
+        "train.log_every=10",
+        "train.eval_every=0",
+        "train.eval_batches=2",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=0",
+        f"run.dir={tmp_path / 'run'}",
+    ]
+    final = train(config.load(None, overrides))
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert all(r["tokens"] <= 8 * 64 // 2 for r in rows)  # pairs, not tokens
+    assert rows[-1]["eval_accuracy"] == final["eval_accuracy"] > 0.9
+    assert final["eval_rewards/margins"] > 0
+    assert "sample" not in final  # nothing to generate
+    # `jaxllm eval` of the run packs the pairs as training did, so it reads the same accuracy
+    again = evaluate_checkpoint(tmp_path / "run", num_batches=2)
+    assert again["eval_accuracy"] == pytest.approx(final["eval_accuracy"])
+    assert again["eval_loss"] == pytest.approx(final["eval_loss"], rel=1e-4)

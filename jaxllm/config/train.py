@@ -11,6 +11,8 @@ from jaxllm.config.errors import fail as _fail
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 # Those that compare the policy with a reference model (SimPO and ORPO need none).
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
+# Every objective that reads the pairs of `format: preference` sources (a reward model too).
+PAIR_OBJECTIVES = (*PREFERENCE_OBJECTIVES, "reward")
 
 
 @dataclasses.dataclass(frozen=True)

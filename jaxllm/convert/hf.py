@@ -149,10 +149,9 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     fields["dtype"] = (
         named if named in ("float32", "bfloat16", "float16") else fields["param_dtype"]
     )
-    tree = {"model": fields, "data": {"seq_len": min(256, fields["max_seq_len"])}}
-    if fields.get("head") == "score":  # a reward model trains as one
-        tree["train"] = {"objective": "reward"}
-    tree = config_lib.apply_overrides(tree, overrides)
+    tree = config_lib.apply_overrides(
+        {"model": fields, "data": {"seq_len": min(256, fields["max_seq_len"])}}, overrides
+    )
     vocab, data = tree["model"].get("vocab_size"), tree["data"]
     tokenizer = hf_dir / "tokenizer.json"
     if "tokenizer" in data:  # chosen by an override

@@ -18,46 +18,38 @@ biases, the model's non-trained state, move.
 cross-entropy over the tokens whose `loss_mask` is 1, which for chat / prompt_completion sources
 (`jaxllm.data.sft`) are the assistant turns and completions only, so a run names what it does;
 on plain text sources every token is in the mask and `sft` trains exactly as `next_token`.
-`reward` fits a reward model (`model.head=score`) to preference pairs (`jaxllm.train.reward`).
-`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
-`reward`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
+The DPO family, `dpo`, `ipo`, `simpo` and `orpo` (`jaxllm.train.preference`), are losses over
+the (chosen, rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
+An objective that needs frozen models besides the policy names them in its `others` attribute
+(`("reference",)` for DPO / IPO).
+`reward` fits a reward model (`model.head=score`) to the same pairs (`jaxllm.train.reward`).
+`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
+the preference losses, `reward`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of
+your own.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
-from jaxllm.train import reward as reward_lib
+from jaxllm.train import preference, reward
+from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
 
-
-class ObjectiveOutput(NamedTuple):
-    """What an objective returns for one (micro)batch; all sums over the batch."""
-
-    loss_sum: jax.Array  # float32 scalar the gradient comes from
-    tokens: jax.Array  # float32 scalar: what the sums count; the step divides by the total
-    metrics: dict[str, jax.Array] = {}  # sums; logged as sum / tokens (`loss` is eval's loss)
-    model_stats: Any = {}  # the model's aux sums (MoE), for `Transformer.after_step`
-
-
-Objective = Callable[[nnx.Module, dict, "jax.Array | None"], ObjectiveOutput]
-
-
-def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array):
-    """(-log p(target) [B, L], log Z [B, L]) in float32: the pieces of a token-level loss."""
-    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
-    logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
-    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], -1)[..., 0]
-    return logz_BxL - target_logit_BxL, logz_BxL
+__all__ = [
+    "BUILT_IN",
+    "Objective",
+    "ObjectiveOutput",
+    "from_config",
+    "next_token",
+    "sft",
+    "token_nll",
+]
 
 
 def next_token(z_loss: float = 0.0) -> Objective:
@@ -96,31 +88,30 @@ def sft(z_loss: float = 0.0) -> Objective:
     return next_token(z_loss)
 
 
-def reward() -> Objective:
-    """A reward model (`model.head=score`) on preference pairs: the Bradley-Terry loss
-    -log sigmoid(r_chosen - r_rejected) per pair, r read at the last token of each sequence
-    (`jaxllm.train.reward`); `tokens` counts the valid pairs, so every metric is per pair:
-    `loss`, `accuracy`, `rewards/chosen`, `rewards/rejected`, `rewards/margins`, and an MoE
-    model's balancing losses."""
-
-    def objective(model, batch: dict, rng) -> ObjectiveOutput:
-        scores_BxL, out = reward_lib.sequence_scores(model, batch, rng)
-        loss_sum, count, metrics = reward_lib.bradley_terry(scores_BxL, batch["segment_ids"])
-        stats = {}
-        if out.aux:
-            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
-            loss_sum += extra
-            metrics.update(aux_metrics)
-        return ObjectiveOutput(loss_sum, count, metrics, stats)
-
-    return objective
-
-
 BUILT_IN = {
     "next_token": lambda cfg: next_token(cfg.train.z_loss),
     "sft": lambda cfg: sft(cfg.train.z_loss),
-    "reward": lambda cfg: reward(),
+    **{
+        kind: (lambda cfg, kind=kind: preference.from_train_config(kind, cfg.train))
+        for kind in preference.KINDS
+    },
+    "reward": lambda cfg: reward.objective(),
 }
+
+
+def _check_head(name: str, head: str) -> None:
+    """A built-in objective fits the model's head: `reward` the score head of a reward model,
+    every other one the LM head (an objective of your own may use either)."""
+    if name == "reward" and head != "score":
+        raise ConfigError(
+            "train.objective=reward trains a scalar score head: set model.head=score (the LM "
+            "head is dropped and the score head starts fresh)."
+        )
+    if name != "reward" and head == "score":
+        raise ConfigError(
+            f"train.objective={name} needs the LM head, but model.head=score; set "
+            "model.head=lm, or train.objective=reward to train the reward model."
+        )
 
 
 def from_config(cfg: Config) -> Objective:
@@ -128,6 +119,7 @@ def from_config(cfg: Config) -> Objective:
     `FILE.py:NAME` naming an objective function. ConfigError when it cannot be loaded."""
     name = cfg.train.objective
     if name in BUILT_IN:
+        _check_head(name, cfg.model.head)
         return BUILT_IN[name](cfg)
     if cfg.train.z_loss:
         raise ConfigError(

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.model import moe as moe_lib
+from jaxllm.train.output import Objective, ObjectiveOutput
 from jaxllm.train.pairs import pair_sums
 
 
@@ -62,3 +64,22 @@ def bradley_terry(scores_BxL: jax.Array, segment_ids_BxL: jax.Array):
         "rewards/margins": jnp.sum(margin_BxP * valid_BxP),
     }
     return nll_sum, jnp.sum(valid_BxP), metrics
+
+
+def objective() -> Objective:
+    """The `reward` objective: the Bradley-Terry loss of the scores at each sequence's last
+    token over the valid pairs of the batch; `tokens` counts those pairs, so every metric is per
+    pair: `loss`, `accuracy`, `rewards/chosen`, `rewards/rejected`, `rewards/margins`, and an
+    MoE model's balancing losses (weighted per pair)."""
+
+    def reward_objective(model, batch: dict, rng) -> ObjectiveOutput:
+        scores_BxL, out = sequence_scores(model, batch, rng)
+        loss_sum, count, metrics = bradley_terry(scores_BxL, batch["segment_ids"])
+        stats = {}
+        if out.aux:
+            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
+            loss_sum += extra
+            metrics.update(aux_metrics)
+        return ObjectiveOutput(loss_sum, count, metrics, stats)
+
+    return reward_objective
