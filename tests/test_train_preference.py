@@ -1,17 +1,24 @@
 """The DPO family trains through `jaxllm.train.loop.train` on a learnable synthetic preference set
 (every prompt prefers " yes" to " no"): the loss falls and the reward accuracy rises, with the
-step counting pairs, and evaluation reports the preference loss."""
+step counting pairs, and evaluation reports the preference loss. DPO's reference is the starting
+point (under LoRA the base with the adapters off), live or as log-probabilities computed before
+training, and a resumed run equals one that never stopped."""
 
 import json
 import math
+import shutil
 
 import jax
 import numpy as np
 import pytest
 from conftest import tiny_model
+from flax import nnx
 
+import jaxllm
 from jaxllm import config, sharding
 from jaxllm.data.pipeline import load_splits
+from jaxllm.train import objectives
+from jaxllm.train import others as others_lib
 from jaxllm.train.loop import compile_steps, to_global, train
 from jaxllm.train.state import init_state, layout
 
@@ -48,6 +55,36 @@ def run_metrics(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+TIMINGS = ("step_time_s", "tokens_per_sec")
+LORA = ["peft.method=lora", "peft.rank=4", "peft.alpha=8", "peft.targets=[all-linear]"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> str:
+    return f"[{{path: {pairs_file(tmp_path_factory.mktemp('pairs'))}, format: preference}}]"
+
+
+def dpo(run, source, *overrides) -> list[dict]:
+    """A DPO run of RUN on the synthetic pairs (train and eval), its metrics.jsonl rows."""
+    args = [*RUN, f"data.sources={source}", f"data.eval_sources={source}"]
+    args += ["train.objective=dpo", "train.beta=0.5", "optim.lr=3e-2", "train.eval_every=5"]
+    train(config.load(None, [*args, f"run.dir={run}", *overrides]))
+    return run_metrics(run)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, source):
+    """A starting point for full fine-tuning: one SimPO step from a random initialisation."""
+    run = tmp_path_factory.mktemp("base") / "run"
+    dpo(run, source, "train.objective=simpo", "train.steps=1", "checkpoint.save_final=true")
+    return run
+
+
+@pytest.fixture(scope="module")
+def lora_live(tmp_path_factory, source):
+    return dpo(tmp_path_factory.mktemp("lora") / "run", source, *LORA, "train.steps=10")
+
+
 @pytest.mark.parametrize(
     "kind,beta", [("simpo", 2.0), pytest.param("orpo", 0.5, marks=pytest.mark.slow)]
 )
@@ -76,6 +113,8 @@ def _steps(cfg, devices, batches):
     mesh = sharding.make_mesh(cfg.mesh, devices)
     step, _, tx, _, batch_sh = compile_steps(cfg, mesh)
     state = init_state(cfg.model, tx, mesh, seed=0, **layout(cfg))
+    held = others_lib.resolve_others(cfg, objectives.from_config(cfg))
+    state = state.replace(others=others_lib.load(held, mesh))  # the reference, if any
     metrics = []
     for batch in batches:
         state, m = step(state, to_global(batch, batch_sh))
@@ -83,13 +122,15 @@ def _steps(cfg, devices, batches):
     return metrics, state
 
 
-@pytest.mark.parametrize("kind", ["simpo"])
-def test_one_device_equals_data_fsdp_tensor_parallel(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["simpo", pytest.param("dpo", marks=pytest.mark.slow)])
+def test_one_device_equals_data_fsdp_tensor_parallel(tmp_path, request, kind):
     """The same preference steps on 1 device and on data 2 x fsdp 2 x tensor 2: equal losses,
-    rewards and parameters (pairs never straddle the batch split: a pair lives in one row)."""
+    rewards and parameters (pairs never straddle the batch split: a pair lives in one row). DPO's
+    reference, another model, is sharded on each mesh by its own axes."""
     src = config.SourceConfig(path=str(pairs_file(tmp_path)), format="preference")
     data = config.DataConfig(sources=(src,), eval_sources=(src,), seq_len=32)
     rows = load_splits(data)[0]
+    reference = str(request.getfixturevalue("base")) if kind == "dpo" else None
     batches = [
         {k: np.stack([rows[(8 * b + i) % len(rows)][k] for i in range(8)]) for k in rows[0]}
         for b in range(3)
@@ -97,10 +138,12 @@ def test_one_device_equals_data_fsdp_tensor_parallel(tmp_path, kind):
 
     def cfg(**mesh):
         return config.Config(
-            model=tiny_model(vocab_size=264, d_model=64, num_heads=8, num_kv_heads=4, mlp_dim=128),
+            model=tiny_model(vocab_size=320, d_model=64, num_heads=8, num_kv_heads=4, mlp_dim=128),
             mesh=config.MeshConfig(**{"data": 1, **mesh}),
             data=data,
-            train=config.TrainConfig(global_batch_size=8, steps=3, objective=kind, beta=2.0),
+            train=config.TrainConfig(
+                global_batch_size=8, steps=3, objective=kind, beta=2.0, reference=reference
+            ),
             optim=config.OptimConfig(lr=3e-3, warmup_steps=0, eps=1e-6),
         )
 
@@ -112,3 +155,76 @@ def test_one_device_equals_data_fsdp_tensor_parallel(tmp_path, kind):
     assert want[-1]["loss"] < want[0]["loss"]
     for a, b in zip(jax.tree.leaves(many.params), jax.tree.leaves(jax.device_get(one.params))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_dpo_with_lora_starts_at_zero_rewards_and_learns(lora_live):
+    """The reference is the base with the adapters off: at step 1 the policy is the base
+    (B = 0), so every reward is exactly 0 and the loss is log 2; then it learns."""
+    first, last = lora_live[0], lora_live[-1]
+    assert first["rewards/chosen"] == 0 and first["rewards/rejected"] == 0
+    assert first["rewards/margins"] == 0
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert last["loss"] < first["loss"] - 0.05
+    assert last["rewards/accuracies"] > first["rewards/accuracies"]
+    assert last["rewards/margins"] > 0 and abs(last["eval_loss"] - last["loss"]) < 0.05
+
+
+def test_precomputed_reference_equals_the_live_one(lora_live, source, tmp_path):
+    """`train.precompute_reference`: the same run with the reference's log-probabilities read
+    from the run directory instead of computed at each step gives the same metrics, and the
+    stored values sit exactly on the rows' trained slots."""
+    run = tmp_path / "run"
+    rows = dpo(run, source, *LORA, "train.steps=10", "train.precompute_reference=true")
+    assert len(rows) == len(lora_live)
+    for got, want in zip(rows, lora_live):
+        assert got.keys() == want.keys()
+        for k in set(want) - set(TIMINGS):
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-5), (got["step"], k)
+    data = config.load(run / "config.yaml").data
+    train_rows, eval_rows = load_splits(data)
+    stored = np.load(run / "reference_logps/train.npy")
+    assert stored.dtype == np.float32 and stored.shape == (len(train_rows), 32)
+    mask = np.stack([train_rows[i]["loss_mask"] for i in range(len(train_rows))])
+    np.testing.assert_array_equal(stored != 0, mask != 0)
+    assert np.all(stored <= 0)
+    assert np.load(run / "reference_logps/eval.npy").shape == (min(8, len(eval_rows)), 32)
+    meta = json.loads((run / "reference_logps/meta.json").read_text())
+    assert meta["train"]["rows"] == len(train_rows) and "base" in meta["reference"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dpo", "ipo"])
+def test_dpo_and_ipo_from_a_checkpoint_use_it_as_reference(base, source, tmp_path, kind):
+    rows = dpo(tmp_path / "run", source, f"train.objective={kind}", f"checkpoint.init_from={base}")
+    first, last = rows[0], rows[-1]
+    assert first["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    assert first["rewards/chosen"] == pytest.approx(0, abs=1e-6)
+    # at the reference the margin is 0: DPO's loss is log 2, IPO's (0 - 1 / (2 beta))^2 = 1
+    assert first["loss"] == pytest.approx(math.log(2) if kind == "dpo" else 1.0, abs=1e-5)
+    assert last["loss"] < first["loss"] - 0.05
+    assert last["rewards/margins"] > 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precompute", [False, True], ids=["live", "precomputed"])
+def test_a_resumed_dpo_run_equals_one_that_never_stopped(base, source, tmp_path, precompute):
+    """4 steps straight, and 2 + 2 with the reference (or its stored log-probabilities)
+    loaded again at the resume: bit-identical parameters and metrics."""
+    args = [f"checkpoint.init_from={base}", "train.steps=4", "checkpoint.every=2"]
+    args += ["checkpoint.save_final=true", f"train.precompute_reference={precompute}"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    want = dpo(straight, source, *args)
+    shutil.copytree(straight, split)  # keeps the files' modification times
+    shutil.rmtree(split / "checkpoints/4")
+    got = dpo(split, source, *args)  # resumes from step 2
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for g, w in zip(got, want):
+        assert {k: v for k, v in g.items() if k not in TIMINGS} == {
+            k: v for k, v in w.items() if k not in TIMINGS
+        }
+    a, b = jaxllm.load_model(straight), jaxllm.load_model(split)
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(a), nnx.state(b))
+    if precompute:  # reused, not written again
+        for name in ("train.npy", "eval.npy", "meta.json"):
+            before = (straight / "reference_logps" / name).stat().st_mtime_ns
+            assert (split / "reference_logps" / name).stat().st_mtime_ns == before

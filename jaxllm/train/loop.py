@@ -29,7 +29,7 @@ from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.load import load_weights, weight_targets
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.model import abstract_model
-from jaxllm.train import loss_scale, objectives
+from jaxllm.train import loss_scale, objectives, precompute
 from jaxllm.train import others as others_lib
 from jaxllm.train.batches import process_rows, to_global
 from jaxllm.train.console import _log, _Plain, _progress, _show, sample
@@ -141,6 +141,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     )
 
     jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)  # checks shapes
+    reference = precompute.ReferenceLogps.of(cfg)  # None unless train.precompute_reference
     t0 = time.perf_counter()
     whole_inputs = cfg.train.objective == "reward"  # its score is read at a closing slot
     train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
@@ -160,7 +161,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
         check_paths(run_dir, ckpt_dir)
     check_resume(cfg, ckpt_dir)
     lock = RunLock(run_dir) if lead else None
-    made = [p for p in (ckpt_dir, run_dir) if not p.exists()]
+    made = [p for p in (ckpt_dir, run_dir, run_dir / precompute.STORE) if not p.exists()]
 
     def undo() -> None:  # a start-up that fails leaves what it made as it found it: absent
         if lock:
@@ -179,6 +180,9 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             base = adapters.base_record(cfg)
             state, start = _start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
             state, held = others_lib.attach(state, cfg, mesh, ckpt.directory, start)
+            if reference is not None:  # the rows then carry the reference's log-probabilities
+                rows = (train_rows, eval_rows)
+                batches, held_out = reference.attach(state, start, rows, batches, mesh)
             if lead:
                 with signals.writing:
                     config.dump(cfg, run_dir / "config.yaml")
