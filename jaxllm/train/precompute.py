@@ -204,8 +204,8 @@ class ReferenceLogps:
             )
         meta = {"reference": record}
         logps, forward, weights = {}, None, None
-        t0 = time.perf_counter()
         for split, split_rows in (("train", train_rows), ("eval", eval_rows)):
+            t0 = time.perf_counter()
             n, path = counts[split], self.dir / f"{split}.npy"
             meta[split] = {"rows": n, "seq_len": cfg.data.seq_len}
             meta[split]["sha256"] = fingerprint(split_rows, n)
