@@ -209,7 +209,8 @@ def test_dpo_and_ipo_from_a_checkpoint_use_it_as_reference(base, source, tmp_pat
 @pytest.mark.parametrize("precompute", [False, True], ids=["live", "precomputed"])
 def test_a_resumed_dpo_run_equals_one_that_never_stopped(base, source, tmp_path, precompute):
     """4 steps straight, and 2 + 2 with the reference (or its stored log-probabilities)
-    loaded again at the resume: bit-identical parameters and metrics."""
+    loaded again at the resume: bit-identical parameters and metrics. Stored log-probabilities
+    are reused, computed again for other rows, and refused for another reference."""
     args = [f"checkpoint.init_from={base}", "train.steps=4", "checkpoint.every=2"]
     args += ["checkpoint.save_final=true", f"train.precompute_reference={precompute}"]
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -224,7 +225,24 @@ def test_a_resumed_dpo_run_equals_one_that_never_stopped(base, source, tmp_path,
         }
     a, b = jaxllm.load_model(straight), jaxllm.load_model(split)
     jax.tree.map(np.testing.assert_array_equal, nnx.state(a), nnx.state(b))
-    if precompute:  # reused, not written again
-        for name in ("train.npy", "eval.npy", "meta.json"):
-            before = (straight / "reference_logps" / name).stat().st_mtime_ns
-            assert (split / "reference_logps" / name).stat().st_mtime_ns == before
+    if not precompute:
+        return
+    store, meta_path = split / "reference_logps", split / "reference_logps/meta.json"
+    mtimes = {p.name: p.stat().st_mtime_ns for p in store.iterdir()}
+    assert mtimes == {
+        p.name: p.stat().st_mtime_ns for p in (straight / "reference_logps").iterdir()
+    }
+    meta = json.loads(meta_path.read_text())
+    stale = {**meta, "train": {**meta["train"], "sha256": "0" * 64}}  # as if other rows
+    meta_path.write_text(json.dumps(stale))
+    dpo(split, source, *args)  # at step 4 already: only the start-up, which computes train again
+    assert json.loads(meta_path.read_text()) == meta
+    assert (store / "train.npy").stat().st_mtime_ns > mtimes["train.npy"]
+    assert (store / "eval.npy").stat().st_mtime_ns == mtimes["eval.npy"]
+    np.testing.assert_array_equal(
+        np.load(store / "train.npy"), np.load(straight / "reference_logps/train.npy")
+    )
+    other = {**meta, "reference": {**meta["reference"], "sha256": "0" * 64}}
+    meta_path.write_text(json.dumps(other))
+    with pytest.raises(config.RunError, match="trained against the reference log-prob"):
+        dpo(split, source, *args)
