@@ -22,6 +22,8 @@ The DPO family, `dpo`, `ipo`, `simpo` and `orpo` (`jaxllm.train.preference`), ar
 the (chosen, rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
 An objective that needs frozen models besides the policy names them in its `others` attribute
 (`("reference",)` for DPO / IPO).
+`grpo` (`jaxllm.train.grpo`) is GRPO's clipped, group-relative policy gradient with a KL to the
+reference, on batches the policy samples itself (`jaxllm.train.rollout`).
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
 the preference losses, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
-from jaxllm.train import preference
+from jaxllm.train import grpo, preference
 from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
 
 __all__ = [
@@ -93,6 +95,7 @@ BUILT_IN = {
         kind: (lambda cfg, kind=kind: preference.from_train_config(kind, cfg.train))
         for kind in preference.KINDS
     },
+    "grpo": lambda cfg: grpo.from_train_config(cfg.train),
 }
 
 
