@@ -187,6 +187,7 @@ RUN = [
     "train.max_completion_tokens=6",
     f"train.reward={__name__}:lowercase_share",
     "train.sample_tokens=0",
+    "checkpoint.save_final=false",
     "train.log_every=1",
     "train.eval_every=0",
     "optim.lr=1e-2",
@@ -212,22 +213,43 @@ def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_raises_a_reward_and_resumes_identically(tmp_path):
-    source = _prompts(tmp_path)
-    base = [*RUN, f"data.sources={source}", "train.beta=0", "checkpoint.save_final=false"]
-    straight = tmp_path / "straight"
-    train(config.load(None, [*base, "train.steps=12", f"run.dir={straight}"]))
-    m = _metrics(straight)
-    assert [r["step"] for r in m] == list(range(1, 13))
+def test_grpo_raises_a_reward(tmp_path):
+    base = [*RUN, f"data.sources={_prompts(tmp_path)}", "train.beta=0"]
+    run = tmp_path / "run"
+    train(config.load(None, [*base, "train.steps=16", f"run.dir={run}"]))
+    m = _metrics(run)
+    assert [r["step"] for r in m] == list(range(1, 17))
     assert all(r["tokens"] == 16 for r in m)  # the step counts sequences
-    first, last = np.mean([r["reward_mean"] for r in m[:3]]), m[-1]["reward_mean"]
-    assert last > first + 0.1, (first, last)
-    # interrupted after step 3 (a checkpoint), resumed to step 5: the same batches and losses
-    split = tmp_path / "split"
-    cut = [*base, f"run.dir={split}", "checkpoint.every=3"]
-    train(config.load(None, [*cut, "train.steps=3"]))
-    train(config.load(None, [*cut, "train.steps=5"]))
+    assert "kl" not in m[0]  # beta 0: no reference
+    first = np.mean([r["reward_mean"] for r in m[:4]])
+    last = np.mean([r["reward_mean"] for r in m[-4:]])
+    assert last > first + 0.05, (first, last)
+
+
+@pytest.mark.slow
+def test_a_resumed_grpo_run_makes_the_same_batches(tmp_path):
+    base = [*RUN, f"data.sources={_prompts(tmp_path)}", "train.beta=0", "train.steps=5"]
+    base.append("optim.schedule=constant")  # the same learning rates whatever train.steps
+    straight = tmp_path / "straight"
+    train(config.load(None, [*base, f"run.dir={straight}"]))
+    split = tmp_path / "split"  # stopped after step 3 (its checkpoint), resumed to step 5
+    cut = [*base, f"run.dir={split}"]
+    train(config.load(None, [*cut, "train.steps=3", "checkpoint.save_final=true"]))
+    train(config.load(None, cut))
     resumed = {r["step"]: r for r in _metrics(split)}
-    for r in m[3:5]:
+    for r in _metrics(straight)[3:]:
         for key in ("loss", "reward_mean", "grad_norm", "completion_length"):
             assert resumed[r["step"]][key] == r[key], (r["step"], key)
+
+
+@pytest.mark.slow
+def test_grpo_under_lora_keeps_a_kl_to_the_base(tmp_path):
+    """Under LoRA the reference is the base with the adapters off: at step 1 the policy is the
+    reference (zero-initialised B), so the KL is 0; then it grows."""
+    run = tmp_path / "run"
+    overrides = [*RUN, f"data.sources={_prompts(tmp_path)}", "peft.method=lora"]
+    overrides += ["peft.targets=[q_proj, v_proj, o_proj]", "train.beta=0.1", "train.steps=6"]
+    train(config.load(None, [*overrides, f"run.dir={run}"]))
+    m = _metrics(run)
+    assert m[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert m[-1]["kl"] > 1e-6
