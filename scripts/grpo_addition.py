@@ -1,6 +1,10 @@
 """GRPO on a checkable task, on a CPU: a small byte-level model learns 2-digit addition by SFT
-(briefly, so it is often wrong), then GRPO with the exact-match reward raises its held-out
-accuracy (`eval_reward`, greedy completions of prompts it never trained on).
+(briefly, so it is still wrong on some sums), then GRPO with the exact-match reward raises its
+held-out accuracy (`eval_reward`, greedy completions of prompts it never trained on). With the
+defaults, on 2 CPU cores in about three minutes: 0.905 after SFT, 0.927 / 0.936 / 0.943 after
+20 / 40 / 60 GRPO steps. GRPO's learning rate is far below SFT's: at 5e-4 the sampled reward
+collapses within 15 steps (Adam's steps are as large on the few groups that disagree as on a
+full gradient) and the held-out accuracy falls to 0.70.
 
     python scripts/grpo_addition.py OUT [--sft-steps N] [--grpo-steps N]
 
@@ -52,8 +56,9 @@ def write_data(out: Path, seed: int = 0) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-steps", type=int, default=1500)
     p.add_argument("--grpo-steps", type=int, default=60)
+    p.add_argument("--grpo-lr", type=float, default=5e-5)
     ns = p.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     write_data(ns.out)
@@ -71,7 +76,8 @@ def main() -> None:
         "optim.warmup_steps=20",
         f"run.dir={ns.out / 'sft'}",
     ]
-    train(config.load(None, sft))
+    if not (ns.out / "sft" / "checkpoints").exists():
+        train(config.load(None, sft))
     grpo = [
         *MODEL,
         "train.objective=grpo",
@@ -86,12 +92,12 @@ def main() -> None:
         "train.reward=exact_match",
         f"train.eval_every={max(ns.grpo_steps // 3, 1)}",
         "train.log_every=5",
-        "optim.lr=5e-4",
+        f"optim.lr={ns.grpo_lr}",
         "optim.warmup_steps=0",
         "generate.kv_cache_dtype=float32",
         f"run.dir={ns.out / 'grpo'}",
     ]
-    # step 0: the SFT model's held-out reward, from a run of no update at all
+    # the SFT model's held-out reward: one step at learning rate 0
     train(config.load(None, [*grpo, "train.steps=1", "optim.lr=0", f"run.dir={ns.out / 'before'}"]))
     before = json.loads((ns.out / "before" / "metrics.jsonl").read_text().splitlines()[-1])
     final = train(config.load(None, grpo))
