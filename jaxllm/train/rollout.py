@@ -77,6 +77,16 @@ class Rollouts:
 
     def __init__(self, cfg: Config, mesh, batch_sharding, local: slice):
         t = cfg.train
+        if cfg.peft.method == "prompt":
+            raise ConfigError(
+                f"train.objective={t.objective} does not train soft prompts yet "
+                "(peft.method=prompt): use peft.method=lora or qlora, or full fine-tuning"
+            )
+        if jax.process_count() > 1:
+            raise ConfigError(
+                f"train.objective={t.objective} runs in one process for now; every process would "
+                "read the whole sampled batch"
+            )
         self.cfg, self.mesh, self.local = cfg, mesh, local
         self.batch_sharding = batch_sharding
         self.tok = make_tokenizer(cfg.data)
