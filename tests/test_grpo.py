@@ -161,6 +161,7 @@ ROLLOUT = "[{path: prompts.jsonl, format: rollout}]"
         (["train.objective=grpo", "train.num_generations=1"], "at least 2"),
         (["train.objective=grpo", "train.rollout_temperature=0"], "must be positive"),
         (["train.objective=grpo", "train.clip_epsilon=1.5"], r"in \(0, 1\)"),
+        (["train.objective=grpo", "train.beta=0", "train.reference=x"], "train.beta > 0"),
         (["train.objective=grpo", "data.sources=[{path: x, format: chat}]"], "format: rollout"),
         (["train.objective=sft"], "rollout prompts"),
     ],

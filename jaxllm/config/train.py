@@ -184,5 +184,10 @@ def validate_rollout(t: TrainConfig) -> None:
             f"train.rollout_temperature must be positive (GRPO samples), not "
             f"{t.rollout_temperature}."
         )
+    if t.beta == 0 and t.reference:
+        _fail(
+            f"train.reference has no effect with train.beta=0: {t.objective} then keeps no KL "
+            "to a reference; set train.beta > 0 or drop train.reference."
+        )
     if not 0 < t.clip_epsilon < 1:
         _fail(f"train.clip_epsilon must be in (0, 1), not {t.clip_epsilon}.")
