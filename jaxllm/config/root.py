@@ -22,7 +22,12 @@ from jaxllm.config.sections import (
     RunConfig,
     mesh_degrees,
 )
-from jaxllm.config.train import PAIR_OBJECTIVES, TrainConfig, validate_train
+from jaxllm.config.train import (
+    PAIR_OBJECTIVES,
+    ROLLOUT_OBJECTIVES,
+    TrainConfig,
+    validate_train,
+)
 
 # The keys of `optim.loss_scale`, the ones static scaling ignores after the first.
 _LOSS_SCALE_KEYS = (
@@ -287,6 +292,17 @@ class Config:
                     f"data source {src.path!r} holds preference pairs, which "
                     f"train.objective={objective} does not read; set train.objective to one of "
                     f"{', '.join(PAIR_OBJECTIVES)}."
+                )
+            rollout = objective in ROLLOUT_OBJECTIVES
+            if rollout != (src.format == "rollout"):
+                _fail(
+                    f"train.objective={objective} samples its completions from the prompts of "
+                    f"format: rollout sources, but data source {src.path!r} has format "
+                    f"{src.format}; give format: rollout sources."
+                    if rollout
+                    else f"data source {src.path!r} holds rollout prompts, which "
+                    f"train.objective={objective} does not read; set train.objective to one of "
+                    f"{', '.join(ROLLOUT_OBJECTIVES)}."
                 )
         if objective in PAIR_OBJECTIVES and d.train_on_prompt:
             _fail(

@@ -187,21 +187,24 @@ class SourceConfig:
         "chat",
         "prompt_completion",
         "preference",
+        "rollout",
     ] = "auto"
     """`auto` picks by extension: .jsonl/.json -> jsonl, .parquet, .arrayrecord/.array_record,
     anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
     (rows of a .parquet file, lines of any other file, read as JSONL): a conversation rendered
     by the tokenizer's chat template, or a prompt followed by its completion; the loss covers
     the assistant turns / the completion (see `data.train_on_prompt`). `preference` records
-    hold a prompt with a chosen and a rejected answer, for the DPO family and reward models."""
+    hold a prompt with a chosen and a rejected answer, for the DPO family and reward models.
+    `rollout` records hold a prompt and the answer its completions are checked against, for
+    GRPO (`jaxllm.train.rollout`): the model writes the completions."""
     text_field: str = "text"
     """Field holding the document in JSONL lines and Parquet rows."""
     messages_field: str = "messages"
     """`format: chat`: field holding the conversation, a list of {role, content} messages with
     roles system, user and assistant and at least one assistant turn."""
     prompt_field: str = "prompt"
-    """`format: prompt_completion` and `preference`: field holding the prompt (a string, or
-    for `preference` also a list of chat messages)."""
+    """`format: prompt_completion`, `preference` and `rollout`: field holding the prompt (a
+    string, or for `preference` and `rollout` also a list of chat messages)."""
     completion_field: str = "completion"
     """`format: prompt_completion`: field holding the completion (a string)."""
     chosen_field: str = "chosen"
@@ -209,6 +212,9 @@ class SourceConfig:
     messages: the assistant turn(s) that follow the prompt)."""
     rejected_field: str = "rejected"
     """`format: preference`: field holding the dispreferred answer, shaped like the chosen."""
+    answer_field: str = "answer"
+    """`format: rollout`: field holding the reference answer the reward checks a completion
+    against (a string; any JSON value is passed to a reward function of your own)."""
     weight: float = 1.0
     """Share of this source in the mixture (normalised over the sources)."""
 

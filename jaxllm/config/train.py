@@ -13,6 +13,8 @@ PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
 # Every objective that reads the pairs of `format: preference` sources (a reward model too).
 PAIR_OBJECTIVES = (*PREFERENCE_OBJECTIVES, "reward")
+# The reinforcement-learning objectives: they sample their own batches (`format: rollout`).
+ROLLOUT_OBJECTIVES = ("grpo",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +37,8 @@ class TrainConfig:
     beta: float = 0.1
     """The preference losses' coefficient: DPO's beta (the inverse temperature of the implicit
     reward), IPO's tau (the target margin is 1 / (2 tau)), SimPO's beta, ORPO's lambda (the
-    weight of the odds-ratio term)."""
+    weight of the odds-ratio term); `grpo`: the weight of the KL to `train.reference` (0 holds
+    no reference)."""
     label_smoothing: float = 0.0
     """`dpo`: the probability that a pair's labels are flipped (conservative DPO, cDPO);
     0 is plain DPO. In [0, 0.5)."""
@@ -43,7 +46,7 @@ class TrainConfig:
     """`simpo`: the target reward margin gamma (the loss is -log sigmoid(beta * margin -
     gamma), as TRL's CPOTrainer writes it with gamma / beta inside the bracket)."""
     reference: str | None = None
-    """The reference model of `dpo` / `ipo`: a run directory, a checkpoint step, or a Hugging
+    """The reference model of `dpo` / `ipo` / `grpo`: a run directory, a checkpoint step, or a Hugging
     Face directory, held frozen and sharded on the same mesh. Null: the run's starting point,
     `checkpoint.init_from`; under `peft` the base itself with the adapters switched off, so no
     second copy is held."""
@@ -67,6 +70,27 @@ class TrainConfig:
     distill_weight: float = 1.0
     """`distill`: the loss is distill_weight x divergence + (1 - distill_weight) x next-token
     cross-entropy on the data's targets. In [0, 1]."""
+    num_generations: int = 8
+    """`grpo`: completions sampled per prompt (the group G); global_batch_size rows are
+    global_batch_size / G prompts, so G must divide it."""
+    max_completion_tokens: int = 64
+    """`grpo`: tokens sampled per completion at most (fewer when EOS comes first); the longest
+    prompt plus this must fit a row of data.seq_len + 1 tokens. Dr. GRPO's constant
+    normaliser."""
+    rollout_temperature: float = 1.0
+    """`grpo`: the sampling temperature of the rollouts (> 0)."""
+    clip_epsilon: float = 0.2
+    """`grpo`: the ratio exp(log pi - log pi_old) is clipped to [1 - eps, 1 + eps] (PPO)."""
+    reward: str = "exact_match"
+    """`grpo`: how a completion is scored, on the host: `exact_match` (1 when the completion,
+    stripped, equals the record's answer), `regex:PATTERN` (1 when PATTERN's first match in the
+    completion, its group 1 if it has one, equals the answer), or `MODULE:NAME` /
+    `path/to/file.py:NAME`, a function (prompts, completions, answers) -> rewards (floats),
+    e.g. one that runs a unit test."""
+    grpo_normalization: Literal["sequence", "dr_grpo"] = "sequence"
+    """`grpo`: `sequence` scales advantages by the group's std and averages each completion's
+    tokens, then the completions (GRPO); `dr_grpo` only centres the advantages and divides
+    token sums by max_completion_tokens (Dr. GRPO: no length or difficulty bias)."""
     z_loss: float = 0.0
     """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
     (`next_token` and `sft` objectives)."""
@@ -92,22 +116,37 @@ class TrainConfig:
 # The keys only some objectives read: set away from its default for another objective, a key
 # would do nothing, which is an error rather than a silent no-op.
 OBJECTIVE_KEYS = {
-    "beta": PREFERENCE_OBJECTIVES,
+    "beta": (*PREFERENCE_OBJECTIVES, *ROLLOUT_OBJECTIVES),
     "label_smoothing": ("dpo",),
     "simpo_gamma": ("simpo",),
-    "reference": REFERENCE_OBJECTIVES,
+    "reference": (*REFERENCE_OBJECTIVES, *ROLLOUT_OBJECTIVES),
     "precompute_reference": REFERENCE_OBJECTIVES,
     "teacher": ("distill",),
     "distill_loss": ("distill",),
     "distill_temperature": ("distill",),
     "distill_jsd_beta": ("distill",),
     "distill_weight": ("distill",),
+    **{
+        key: ROLLOUT_OBJECTIVES
+        for key in (
+            "num_generations",
+            "max_completion_tokens",
+            "rollout_temperature",
+            "clip_epsilon",
+            "reward",
+            "grpo_normalization",
+        )
+    },
 }
 
 
 def validate_train(t: TrainConfig) -> None:
     """The checks of the train section's own keys."""
-    if not t.beta > 0:
+    if t.objective in ROLLOUT_OBJECTIVES:
+        if not t.beta >= 0:
+            _fail(f"train.beta (the KL weight of {t.objective}) must be >= 0, not {t.beta}.")
+        validate_rollout(t)
+    elif not t.beta > 0:
         _fail(f"train.beta must be positive, not {t.beta}.")
     if not 0 <= t.label_smoothing < 0.5:
         _fail(f"train.label_smoothing must be in [0, 0.5), not {t.label_smoothing}.")
@@ -127,3 +166,31 @@ def validate_train(t: TrainConfig) -> None:
             "train.objective=distill needs train.teacher: a run directory or a Hugging Face "
             "directory of the teacher."
         )
+
+
+def validate_rollout(t: TrainConfig) -> None:
+    """The checks of the rollout objectives' keys."""
+    if t.num_generations < 2:
+        _fail(
+            f"train.num_generations must be at least 2 (a group's advantages are relative to "
+            f"its mean), not {t.num_generations}."
+        )
+    if t.global_batch_size % t.num_generations:
+        _fail(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"train.num_generations={t.num_generations}: each step samples whole groups."
+        )
+    if t.max_completion_tokens < 1:
+        _fail(f"train.max_completion_tokens must be positive, not {t.max_completion_tokens}.")
+    if not t.rollout_temperature > 0:
+        _fail(
+            f"train.rollout_temperature must be positive (GRPO samples), not "
+            f"{t.rollout_temperature}."
+        )
+    if t.beta == 0 and t.reference:
+        _fail(
+            f"train.reference has no effect with train.beta=0: {t.objective} then keeps no KL "
+            "to a reference; set train.beta > 0 or drop train.reference."
+        )
+    if not 0 < t.clip_epsilon < 1:
+        _fail(f"train.clip_epsilon must be in (0, 1), not {t.clip_epsilon}.")

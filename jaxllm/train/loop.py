@@ -24,12 +24,13 @@ import jax
 
 from jaxllm import adapters, checkpoint, config, optim, sharding
 from jaxllm.config import JaxllmWarning
+from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.data import check_vocab
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.load import load_weights, weight_targets
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.model import abstract_model
-from jaxllm.train import loss_scale, objectives, precompute
+from jaxllm.train import loss_scale, objectives, precompute, rollout
 from jaxllm.train import others as others_lib
 from jaxllm.train.batches import process_rows, to_global
 from jaxllm.train.console import _log, _Plain, _progress, _show, sample
@@ -143,18 +144,22 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)  # checks shapes
     reference = precompute.ReferenceLogps.of(cfg)  # None unless train.precompute_reference
     t0 = time.perf_counter()
-    whole_inputs = cfg.train.objective == "reward"  # its score is read at a closing slot
-    train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
-    sources = ", ".join(src.path for src in cfg.data.sources)
-    _log(
-        f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} tokens, "
-        f"{len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} eval docs "
-        f"({time.perf_counter() - t0:.1f}s)"
-    )
     gbs = cfg.train.global_batch_size
     local = process_rows(batch_sh, gbs)
-    batches = train_batches(train_rows, cfg.data, gbs, local)
-    held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local)
+    if cfg.train.objective in ROLLOUT_OBJECTIVES:  # the policy samples its own batches
+        batches, held_out = rollout.Rollouts(cfg, mesh, batch_sh, local), []
+        _log(f"data: {len(batches.prompts)} rollout prompts, {len(batches.eval_prompts)} eval")
+    else:
+        whole_inputs = cfg.train.objective == "reward"  # its score is read at a closing slot
+        train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
+        sources = ", ".join(src.path for src in cfg.data.sources)
+        _log(
+            f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} "
+            f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} "
+            f"eval docs ({time.perf_counter() - t0:.1f}s)"
+        )
+        batches = train_batches(train_rows, cfg.data, gbs, local)
+        held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local)
 
     # The run directory: checked, then locked; nothing was written before this point.
     if lead:
@@ -306,7 +311,7 @@ def _loop(
         return {"step": start}
 
     t0 = time.perf_counter()
-    batch = to_global(next(batches), batch_sh, gbs)
+    batch = to_global(rollout.next_rows(batches, state), batch_sh, gbs)
     data_state = batches.get_state()  # the iterator just after this step's batch
     jit_train = jit_train.lower(state, batch).compile()
     _log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
@@ -351,7 +356,9 @@ def _loop(
         elapsed = time.perf_counter() - window_start
         values["step_time_s"] = elapsed / window_steps
         values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
-        if at_state is not None:
+        if at_state is not None and isinstance(batches, rollout.Rollouts):
+            values.update(batches.evaluate(at_state))  # held-out reward, greedy
+        elif at_state is not None:
             weights = (at_state.params, at_state.model_state, at_state.frozen, at_state.others)
             values.update(evaluate(jit_eval, weights[0], held_out, batch_sh, *weights[1:]))
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
@@ -371,7 +378,7 @@ def _loop(
         state, metrics = jit_train(state, batch)  # dispatch step n ...
         step_data_state = data_state
         if step < steps:
-            batch = to_global(next(batches), batch_sh, gbs)
+            batch = to_global(rollout.next_rows(batches, state), batch_sh, gbs)
             data_state = batches.get_state()
         ok = True
         if pending is not None:

@@ -23,8 +23,10 @@ the (chosen, rejected) pairs of `format: preference` rows; their `tokens` is the
 An objective that needs frozen models besides the policy names them in its `others` attribute
 (`("reference",)` for DPO / IPO).
 `reward` fits a reward model (`model.head=score`) to the same pairs (`jaxllm.train.reward`).
+`grpo` (`jaxllm.train.grpo`) is GRPO's clipped, group-relative policy gradient with a KL to the
+reference, on batches the policy samples itself (`jaxllm.train.rollout`).
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
-the preference losses, `reward`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of
+the preference losses, `reward`, `grpo`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of
 your own.
 """
 
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
-from jaxllm.train import preference, reward
+from jaxllm.train import grpo, preference, reward
 from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
 
 __all__ = [
@@ -96,6 +98,7 @@ BUILT_IN = {
         for kind in preference.KINDS
     },
     "reward": lambda cfg: reward.objective(),
+    "grpo": lambda cfg: grpo.from_train_config(cfg.train),
 }
 
 

@@ -1,0 +1,90 @@
+"""Rollout prompts: the `format: rollout` records GRPO samples its completions from.
+
+A record holds a prompt and the answer a reward checks completions against, read from the
+source's `prompt_field` and `answer_field` (JSONL lines or Parquet rows):
+
+    {"prompt": "12+34=", "answer": "46"}
+    {"prompt": [{"role": "user", "content": "12+34?"}], "answer": "46"}
+
+A string prompt is encoded after BOS (`data.add_bos`), as the prompt of a prompt_completion
+example; a chat prompt is rendered by the tokenizer's chat template with the generation prompt
+(the assistant turn's opening), as the chat examples of SFT are, so a model fine-tuned on those
+completes it in the same format. Nothing is packed: the rollout makes the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxllm.config import ConfigError, DataConfig, SourceConfig
+from jaxllm.data import chat, sft
+from jaxllm.data.sources import BadRecords, list_files
+
+
+class Prompt(NamedTuple):
+    """One rollout prompt: its token ids, the answer, and the prompt as written (for a reward
+    function of your own)."""
+
+    ids: np.ndarray
+    answer: Any
+    prompt: Any
+
+
+def bad_records(key: str, src: SourceConfig) -> BadRecords:
+    expected = (
+        f"objects with a prompt field {src.prompt_field!r} (a string or chat messages) and an "
+        f"answer field {src.answer_field!r}"
+    )
+    return BadRecords(key, src.text_field, expected)
+
+
+def _prompt_ids(prompt, tok, add_bos: bool) -> np.ndarray | str:
+    """The prompt's ids, or why it has none."""
+    if isinstance(prompt, str):
+        if not prompt:
+            return "has an empty prompt"
+        ids = np.asarray(tok.encode(prompt), np.int32)
+        bos = getattr(tok, "bos_id", None)
+        return np.concatenate([[bos], ids]).astype(np.int32) if add_bos and bos is not None else ids
+    if not isinstance(prompt, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        return "has a prompt that is neither a string nor a list of {role, content} messages"
+    if not any(m.get("role") == "user" for m in prompt):
+        return "has a chat prompt without a user turn"
+    try:
+        text = chat.render(prompt, tok, add_generation_prompt=True)
+    except chat.ChatError as e:
+        return f"cannot be rendered ({e})"
+    return np.asarray(tok.encode_offsets(text, specials=True)[0], np.int32)
+
+
+def read_prompts(
+    sources: Sequence[SourceConfig], cfg: DataConfig, tok, key: str = "data.sources"
+) -> list[Prompt]:
+    """The prompts of every file of `sources` (files in path order, records in file order);
+    ConfigError naming `key` when they hold none."""
+    out = []
+    for i, src in enumerate(sources):
+        where_key = f"{key}[{i}]"
+        files = list_files(src, where_key, cfg.max_files)
+        bad = bad_records(where_key, src)
+        columns = {"prompt_field": src.prompt_field, "answer_field": src.answer_field}
+        for f in files:
+            for where, record in sft._records(f, columns, cfg.on_bad_record, bad):
+                if src.answer_field not in record:
+                    why = f"has no field {src.answer_field!r} (set the source's answer_field)"
+                    sft._bad(why, where, cfg.on_bad_record, bad)
+                    continue
+                ids = _prompt_ids(record.get(src.prompt_field), tok, cfg.add_bos)
+                if isinstance(ids, str):
+                    sft._bad(ids, where, cfg.on_bad_record, bad)
+                    continue
+                out.append(Prompt(ids, record[src.answer_field], record[src.prompt_field]))
+        bad.warn()
+    if not out and sources:
+        raise ConfigError(f"{key} hold no rollout prompt; see docs/alignment.md for the format.")
+    return out

@@ -1,0 +1,105 @@
+"""Verifiable rewards of GRPO: Python functions of the rollouts, run on the host.
+
+A reward function takes the batch's prompts (as the records wrote them), completions (decoded
+text) and answers (the records' `answer_field`) and returns one float per completion, the shape
+of TRL's `reward_funcs`. `train.reward` names it:
+
+    exact_match     1.0 when the completion, stripped of surrounding whitespace, equals the
+                    answer (as a string, stripped), else 0.0
+    regex:PATTERN   1.0 when PATTERN's first match in the completion (its group 1 when the
+                    pattern has a group) equals the answer, else 0.0: answer extraction, as
+                    GSM8K's `#### (-?\\d+)`
+    MODULE:NAME     a function of your own (`path/to/file.py:NAME` too), e.g. one that runs a
+                    unit test against the completion's code
+
+A reward model (a run directory of `train.objective=reward`) scores through
+`jaxllm.infer.reward`; `from_spec` is where it joins these, and refuses it until then.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from jaxllm.config import ConfigError
+
+RewardFn = Callable[[Sequence, Sequence[str], Sequence], Sequence[float]]
+
+
+def exact_match(prompts, completions: Sequence[str], answers) -> list[float]:
+    """1.0 where the stripped completion equals the stripped answer."""
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
+
+
+def regex(pattern: str) -> RewardFn:
+    """1.0 where `pattern`'s first match (group 1 if it has groups) equals the answer."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"train.reward=regex:{pattern}: not a regular expression ({e})") from None
+
+    def regex_match(prompts, completions: Sequence[str], answers) -> list[float]:
+        out = []
+        for c, a in zip(completions, answers):
+            m = compiled.search(c)
+            found = None if m is None else (m.group(1) if compiled.groups else m.group(0))
+            out.append(float(found is not None and found.strip() == str(a).strip()))
+        return out
+
+    return regex_match
+
+
+def _load(spec: str) -> RewardFn:
+    where, _, attr = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+            if module_spec is None or not Path(where).is_file():
+                raise FileNotFoundError(where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        fn = getattr(module, attr)
+    except (ImportError, FileNotFoundError, AttributeError) as e:
+        raise ConfigError(f"train.reward={spec!r} cannot be loaded: {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"train.reward={spec!r} is not a function")
+    return fn
+
+
+def from_spec(spec: str) -> RewardFn:
+    """The reward function `train.reward` names (see the module docstring)."""
+    if spec == "exact_match":
+        return exact_match
+    if spec.startswith("regex:"):
+        return regex(spec[len("regex:") :])
+    if Path(spec).is_dir():
+        # The hook of reward models: `jaxllm.infer.reward.score` of the run directory `spec`.
+        raise ConfigError(
+            f"train.reward={spec} is a directory: scoring rollouts with a reward model is not "
+            "available yet; use exact_match, regex:PATTERN or MODULE:NAME."
+        )
+    if ":" in spec:
+        return _load(spec)
+    raise ConfigError(
+        f"train.reward={spec!r}: use exact_match, regex:PATTERN, or MODULE:NAME / "
+        "path/to/file.py:NAME naming a function (prompts, completions, answers) -> rewards"
+    )
+
+
+def score(fn: RewardFn, prompts, completions: Sequence[str], answers) -> list[float]:
+    """`fn`'s rewards, checked: one finite float per completion, else a ValueError."""
+    rewards = [float(r) for r in fn(prompts, completions, answers)]
+    if len(rewards) != len(completions):
+        raise ValueError(
+            f"the reward function returned {len(rewards)} rewards for {len(completions)} "
+            "completions"
+        )
+    if not all(math.isfinite(r) for r in rewards):
+        raise ValueError(f"the reward function returned a non-finite reward: {rewards}")
+    return rewards

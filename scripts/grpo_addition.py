@@ -1,0 +1,109 @@
+"""GRPO on a checkable task, on a CPU: a small byte-level model learns 2-digit addition by SFT
+(briefly, so it is still wrong on some sums), then GRPO with the exact-match reward raises its
+held-out accuracy (`eval_reward`, greedy completions of prompts it never trained on). With the
+defaults, on 2 CPU cores in about two minutes: 0.905 after SFT, 0.927 / 0.936 / 0.943 after
+20 / 40 / 60 GRPO steps. GRPO's learning rate is far below SFT's: at 5e-4 the sampled reward
+collapses within 15 steps (Adam's steps are as large on the few groups that disagree as on a
+full gradient) and the held-out accuracy falls to 0.70.
+
+    python scripts/grpo_addition.py OUT [--sft-steps N] [--grpo-steps N]
+
+writes OUT/add_sft.jsonl (prompt_completion), OUT/add_train.jsonl and OUT/add_test.jsonl
+(rollout prompts), runs OUT/sft and OUT/grpo, and prints the held-out reward before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from jaxllm import config
+from jaxllm.train.loop import train
+
+MODEL = [
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=4",
+    "model.mlp_dim=256",
+    "model.vocab_size=264",
+    "model.max_seq_len=32",
+    "model.dtype=float32",
+    "data.seq_len=16",
+    "train.sample_tokens=0",
+    "mesh.data=1",
+    "mesh.fsdp=-1",
+]
+
+
+def write_data(out: Path, seed: int = 0) -> None:
+    """Every a + b with a, b in [10, 99], split 80 / 20 by a seeded shuffle."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(pairs)
+    cut = len(pairs) * 4 // 5
+    splits = {"add_train": pairs[:cut], "add_test": pairs[cut:]}
+    for name, rows in splits.items():
+        with open(out / f"{name}.jsonl", "w") as f:
+            for a, b in rows:
+                f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    with open(out / "add_sft.jsonl", "w") as f:
+        for a, b in splits["add_train"]:
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--sft-steps", type=int, default=1500)
+    p.add_argument("--grpo-steps", type=int, default=60)
+    p.add_argument("--grpo-lr", type=float, default=5e-5)
+    ns = p.parse_args()
+    ns.out.mkdir(parents=True, exist_ok=True)
+    write_data(ns.out)
+    test = f"[{{path: {ns.out / 'add_test.jsonl'}, format: rollout}}]"
+    sft = [
+        *MODEL,
+        "train.objective=sft",
+        f"data.sources=[{{path: {ns.out / 'add_sft.jsonl'}, format: prompt_completion}}]",
+        f"data.eval_sources=[{{path: {ns.out / 'add_sft.jsonl'}, format: prompt_completion}}]",
+        f"train.steps={ns.sft_steps}",
+        "train.global_batch_size=32",
+        "train.eval_every=0",
+        "train.log_every=50",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=20",
+        f"run.dir={ns.out / 'sft'}",
+    ]
+    if not (ns.out / "sft" / "checkpoints").exists():
+        train(config.load(None, sft))
+    grpo = [
+        *MODEL,
+        "train.objective=grpo",
+        f"checkpoint.init_from={ns.out / 'sft'}",
+        f"data.sources=[{{path: {ns.out / 'add_train.jsonl'}, format: rollout}}]",
+        f"data.eval_sources={test}",
+        f"train.steps={ns.grpo_steps}",
+        "train.global_batch_size=64",
+        "train.num_generations=8",
+        "train.max_completion_tokens=4",
+        "train.beta=0.02",
+        "train.reward=exact_match",
+        f"train.eval_every={max(ns.grpo_steps // 3, 1)}",
+        "train.log_every=5",
+        f"optim.lr={ns.grpo_lr}",
+        "optim.warmup_steps=0",
+        "generate.kv_cache_dtype=float32",
+        f"run.dir={ns.out / 'grpo'}",
+    ]
+    # the SFT model's held-out reward: one step at learning rate 0
+    train(config.load(None, [*grpo, "train.steps=1", "optim.lr=0", f"run.dir={ns.out / 'before'}"]))
+    before = json.loads((ns.out / "before" / "metrics.jsonl").read_text().splitlines()[-1])
+    final = train(config.load(None, grpo))
+    print(f"held-out exact match: {before['eval_reward']:.3f} after SFT, "
+          f"{final['eval_reward']:.3f} after {ns.grpo_steps} GRPO steps")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
