@@ -18,8 +18,9 @@ biases, the model's non-trained state, move.
 cross-entropy over the tokens whose `loss_mask` is 1, which for chat / prompt_completion sources
 (`jaxllm.data.sft`) are the assistant turns and completions only, so a run names what it does;
 on plain text sources every token is in the mask and `sft` trains exactly as `next_token`.
-`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, or
-`MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
+`distill` (`jaxllm.train.distill`) matches a frozen teacher's next-token distributions.
+`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
+`distill`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
+from jaxllm.train import distill
 from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
 
 __all__ = [
@@ -84,20 +86,24 @@ def sft(z_loss: float = 0.0) -> Objective:
 BUILT_IN = {
     "next_token": lambda cfg: next_token(cfg.train.z_loss),
     "sft": lambda cfg: sft(cfg.train.z_loss),
+    "distill": distill.from_config,
 }
+# The built-ins that read train.z_loss; set for another objective it would do nothing.
+Z_LOSS_OBJECTIVES = ("next_token", "sft")
 
 
 def from_config(cfg: Config) -> Objective:
-    """The objective `train.objective` names: a built-in (`next_token`, `sft`), or `MODULE:NAME` /
-    `FILE.py:NAME` naming an objective function. ConfigError when it cannot be loaded."""
+    """The objective `train.objective` names: a built-in (`next_token`, `sft`, `distill`), or
+    `MODULE:NAME` / `FILE.py:NAME` naming an objective function. ConfigError when it cannot be
+    loaded."""
     name = cfg.train.objective
+    if cfg.train.z_loss and name not in Z_LOSS_OBJECTIVES:
+        raise ConfigError(
+            f"train.z_loss belongs to the next_token objective, not to train.objective={name!r}"
+            + ("; add a z-loss to your objective instead" if name not in BUILT_IN else "")
+        )
     if name in BUILT_IN:
         return BUILT_IN[name](cfg)
-    if cfg.train.z_loss:
-        raise ConfigError(
-            f"train.z_loss belongs to the next_token objective, not to train.objective={name!r}; "
-            "add a z-loss to your objective instead"
-        )
     where, _, attr = name.rpartition(":")
     if not where or not attr:
         raise ConfigError(

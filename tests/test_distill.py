@@ -1,0 +1,220 @@
+"""Knowledge distillation (`train.objective=distill`): the divergences on logits (zero at the
+teacher, the beta limits of GKD's JSD, the T^2 scaling, TRL's `generalized_jsd_loss` within
+1e-6), the objective on a tiny student with a teacher of another shape (sums, the combination
+with the cross-entropy, no gradient into the teacher, MoE terms), and the checks of the config
+and of a teacher's vocabulary."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+from flax import nnx
+
+from jaxllm import config
+from jaxllm.bench import synthetic_batch
+from jaxllm.config import ConfigError, MoEConfig
+from jaxllm.model import build
+from jaxllm.train import distill, objectives
+from jaxllm.train.distill import LOSSES, check_teacher, divergence_BxL
+
+B, L, V = 3, 7, 50
+
+
+def _logits(seed: int, scale: float = 3.0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(scale * rng.standard_normal((B, L, V)), jnp.float32)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_divergences_vanish_at_the_teacher_and_are_positive_elsewhere(loss):
+    z_t, z_s = _logits(0), _logits(1)
+    same = divergence_BxL(z_t, z_t, loss, temperature=2.0, beta=0.3)
+    np.testing.assert_allclose(same, 0.0, atol=1e-6)
+    apart = divergence_BxL(z_s, z_t, loss, temperature=2.0, beta=0.3)
+    assert apart.shape == (B, L) and apart.dtype == jnp.float32
+    assert np.all(np.asarray(apart) > 1e-3)
+
+
+def test_forward_and_reverse_kl_are_the_two_sides():
+    z_t, z_s = _logits(0), _logits(1)
+    fwd = divergence_BxL(z_s, z_t, "forward_kl")
+    rev = divergence_BxL(z_s, z_t, "reverse_kl")
+    p_t, p_s = jax.nn.softmax(z_t), jax.nn.softmax(z_s)
+    np.testing.assert_allclose(fwd, jnp.sum(p_t * jnp.log(p_t / p_s), -1), rtol=1e-4)
+    np.testing.assert_allclose(rev, jnp.sum(p_s * jnp.log(p_s / p_t), -1), rtol=1e-4)
+    # swapping the arguments swaps the two
+    np.testing.assert_allclose(divergence_BxL(z_t, z_s, "forward_kl"), rev, rtol=1e-6)
+
+
+def test_jsd_tends_to_forward_kl_at_small_beta_and_reverse_kl_near_one():
+    """GKD's JSD_beta / beta -> KL(teacher || student) as beta -> 0, and JSD_beta / (1 - beta)
+    -> KL(student || teacher) as beta -> 1: beta weights the teacher's side of the mixture."""
+    z_t, z_s = _logits(0, scale=1.0), _logits(1, scale=1.0)
+    eps = 1e-3
+    fwd = divergence_BxL(z_s, z_t, "forward_kl")
+    rev = divergence_BxL(z_s, z_t, "reverse_kl")
+    np.testing.assert_allclose(divergence_BxL(z_s, z_t, "jsd", beta=eps) / eps, fwd, rtol=2e-2)
+    np.testing.assert_allclose(divergence_BxL(z_s, z_t, "jsd", beta=1 - eps) / eps, rev, rtol=2e-2)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_temperature_squared_keeps_the_high_temperature_limit(loss):
+    """Hinton et al.'s reason for T^2: at high T every divergence of the softened
+    distributions falls as 1 / T^2, with T^2 D -> c/2 x Var_v(z_t - z_s) (the logit-matching
+    limit), c = 1 for the two KLs and beta (1 - beta) for the JSD."""
+    z_t, z_s = _logits(0, scale=1.0), _logits(1, scale=1.0)
+    beta = 0.3
+    c = beta * (1 - beta) if loss == "jsd" else 1.0
+    limit = 0.5 * c * jnp.var(z_t - z_s, axis=-1)
+    for t in (100.0, 200.0):
+        d = t**2 * divergence_BxL(z_s, z_t, loss, temperature=t, beta=beta)
+        np.testing.assert_allclose(d, limit, rtol=3e-2)
+    # at T = 1 it is far from that limit: the factor is not a no-op
+    assert not np.allclose(divergence_BxL(z_s, z_t, loss, beta=beta), limit, rtol=0.1)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_gradients_are_finite_and_vanish_at_the_teacher(loss):
+    z_t = _logits(0, scale=30.0)  # near one-hot teacher: log-probabilities of -100 and below
+
+    def total(z_s):
+        return jnp.sum(divergence_BxL(z_s, z_t, loss, temperature=0.5, beta=0.5))
+
+    g = jax.grad(total)(_logits(1, scale=30.0))
+    assert np.all(np.isfinite(g)) and float(jnp.abs(g).max()) > 0
+    np.testing.assert_allclose(jax.grad(total)(z_t), 0.0, atol=1e-5)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 0.7])
+def test_equals_trl_generalized_jsd_loss(temperature, monkeypatch):
+    """forward_kl, reverse_kl and jsd are TRL's GKDTrainer.generalized_jsd_loss at beta = 0, 1
+    and beta: per token (reduction="none", summed over the vocabulary) and as its masked
+    batch mean, within 1e-6 in float32."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    import torch
+    from trl.experimental.gkd import GKDTrainer
+
+    z_t, z_s = _logits(0), _logits(1)
+    mask = np.random.default_rng(2).random((B, L)) < 0.7
+    labels = torch.where(torch.from_numpy(mask), 1, -100)
+    s, t = torch.from_numpy(np.array(z_s)), torch.from_numpy(np.array(z_t))
+    for loss, beta in [("forward_kl", 0.0), ("reverse_kl", 1.0), ("jsd", 0.1), ("jsd", 0.5)]:
+        ours = divergence_BxL(z_s, z_t, loss, temperature=temperature, beta=beta or 0.5)
+        kw = dict(beta=beta, temperature=temperature)
+        theirs = GKDTrainer.generalized_jsd_loss(s, t, reduction="none", **kw).sum(-1)
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6, atol=1e-6)
+        mean = GKDTrainer.generalized_jsd_loss(s, t, labels=labels, **kw)
+        ours_mean = jnp.sum(ours * mask) / mask.sum()
+        np.testing.assert_allclose(ours_mean, mean.item(), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the objective
+
+
+STUDENT = tiny_model(num_layers=1, d_model=32, mlp_dim=64)
+TEACHER = tiny_model(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, mlp_dim=128)
+
+
+def _batch(seq_len=16, rows=4, seed=0):
+    cfg = config.Config(
+        data=config.DataConfig(seq_len=seq_len),
+        train=config.TrainConfig(global_batch_size=rows),
+    )
+    batch = {k: jnp.asarray(v) % STUDENT.vocab_size for k, v in synthetic_batch(cfg, seed).items()}
+    mask = np.random.default_rng(seed).random((rows, seq_len)) < 0.6
+    batch["loss_mask"] = jnp.asarray(mask, jnp.int32)
+    batch["segment_ids"] = jnp.ones((rows, seq_len), jnp.int32)
+    batch["positions"] = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len))
+    return batch
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_objective_sums_over_the_mask_and_combines_with_the_cross_entropy(loss):
+    student, teacher = build(STUDENT, 0), build(TEACHER, 1)
+    batch = _batch()
+    t, w = 2.0, 0.25
+    objective = distill.distill(loss, temperature=t, beta=0.4, weight=w)
+    assert objective.others == ("teacher",)
+    out = objective(student, batch, None, {"teacher": teacher})
+    mask = np.asarray(batch["loss_mask"])
+    assert float(out.tokens) == mask.sum()
+    div = divergence_BxL(
+        student(batch["inputs"]).logits,
+        teacher(batch["inputs"]).logits,
+        loss,
+        temperature=t,
+        beta=0.4,
+    )
+    np.testing.assert_allclose(out.metrics["distill"], t**2 * np.sum(div * mask), rtol=1e-5)
+    ce = objectives.next_token()(student, batch, None)
+    np.testing.assert_allclose(out.metrics["nll"], ce.metrics["loss"], rtol=1e-6)
+    combined = w * out.metrics["distill"] + (1 - w) * out.metrics["nll"]
+    np.testing.assert_allclose(out.metrics["loss"], combined, rtol=1e-6)
+    np.testing.assert_allclose(out.loss_sum, combined, rtol=1e-6)
+    # weight 0 is plain next-token training; a student that is its teacher has nothing to learn
+    plain = distill.distill(loss, weight=0.0)(student, batch, None, {"teacher": teacher})
+    np.testing.assert_allclose(plain.loss_sum, ce.loss_sum, rtol=1e-6)
+    own = distill.distill(loss, temperature=t)(student, batch, None, {"teacher": student})
+    np.testing.assert_allclose(own.loss_sum, 0.0, atol=1e-4)
+
+
+def test_gradients_reach_the_student_only():
+    student, teacher = build(STUDENT, 0), build(TEACHER, 1)
+    batch = _batch()
+    objective = distill.distill("jsd", temperature=2.0, weight=0.5)
+
+    def loss(s_params, t_params):
+        s = nnx.merge(nnx.graphdef(student), s_params)
+        t = nnx.merge(nnx.graphdef(teacher), t_params)
+        return objective(s, batch, jax.random.key(0), {"teacher": t}).loss_sum
+
+    g_s, g_t = jax.grad(loss, argnums=(0, 1))(nnx.state(student), nnx.state(teacher))
+    leaves = jax.tree.leaves(g_s)
+    assert all(np.all(np.isfinite(x)) for x in leaves)
+    assert sum(float(jnp.abs(x).sum()) for x in leaves) > 0
+    assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(g_t))
+
+
+def test_moe_student_adds_its_balancing_losses():
+    moe = MoEConfig(
+        num_experts=4, experts_per_token=2, aux_loss_weight=0.1, router_z_loss_weight=0.01
+    )
+    student = build(tiny_model(num_layers=1, d_model=32, mlp_dim=64, moe=moe), 0)
+    batch = _batch()
+    out = distill.distill()(student, batch, None, {"teacher": build(TEACHER, 1)})
+    assert float(out.metrics["moe_aux_loss"]) > 0
+    m = out.metrics
+    terms = 0.1 * m["moe_aux_loss"] + 0.01 * m["moe_router_z_loss"]
+    np.testing.assert_allclose(out.loss_sum, m["loss"] + terms, rtol=1e-6)
+    assert "expert_counts" in out.model_stats
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_check_teacher_needs_the_same_vocabulary_only():
+    check_teacher(STUDENT, TEACHER, "runs/big", seq_len=64)  # other depth and width: fine
+    with pytest.raises(ConfigError, match=r"train.teacher=runs/big has model.vocab_size=96 .* 64"):
+        check_teacher(STUDENT, tiny_model(vocab_size=96), "runs/big")
+    with pytest.raises(ConfigError, match="data.seq_len is 128"):
+        check_teacher(STUDENT, TEACHER, "runs/big", seq_len=128)
+
+
+def test_config_builds_the_objective_and_refuses_keys_that_do_nothing():
+    keys = ["train.objective=distill", "train.teacher=runs/default"]
+    cfg = config.load(None, [*keys, "train.distill_loss=jsd", "train.distill_jsd_beta=0.2"])
+    assert objectives.from_config(cfg).others == ("teacher",)
+    for bad, match in [
+        ("train.distill_temperature=0", "train.distill_temperature must be positive"),
+        ("train.distill_jsd_beta=1.0", r"train.distill_jsd_beta must be in \(0, 1\)"),
+        ("train.distill_weight=1.5", r"train.distill_weight must be in \[0, 1\]"),
+        ("train.distill_jsd_beta=0.2", "has no effect with train.distill_loss=forward_kl"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            config.load(None, [*keys, bad])
+    with pytest.raises(ConfigError, match="needs train.teacher"):
+        config.load(None, ["train.objective=distill"])
+    with pytest.raises(ConfigError, match="train.z_loss belongs to the next_token objective"):
+        objectives.from_config(config.load(None, [*keys, "train.z_loss=1e-4"]))
