@@ -139,11 +139,19 @@ class Checkpointer:
         self._mgr = manager(self.directory, cfg)
 
     def save(
-        self, state, *, data_state: dict, config: dict, tokenizer: dict, base: dict | None = None
+        self,
+        state,
+        *,
+        data_state: dict,
+        config: dict,
+        tokenizer: dict,
+        base: dict | None = None,
+        others: dict | None = None,
     ) -> int:
         """Starts writing `state` at its step (returns at once when async); returns the step.
         `base`: a fine-tuning run's base record (`jaxllm.adapters.base_record`), saved as the
-        JSON item `base`.
+        JSON item `base`; `others`: where the objective's frozen models came from
+        (`jaxllm.train.others.records`), the JSON item `others`.
         RunError when the directory is gone or the write fails (disk full, read-only)."""
         step = int(jax.device_get(state.step))
         self._finish("the previous checkpoint")
@@ -174,6 +182,8 @@ class Checkpointer:
             extra["loss_scale"] = ocp.args.StandardSave(_fields(state.loss_scale))
         if base is not None:
             extra["base"] = ocp.args.JsonSave(base)
+        if others is not None:
+            extra["others"] = ocp.args.JsonSave(others)
         try:
             self._mgr.save(
                 step,
@@ -279,6 +289,7 @@ class Checkpointer:
                 if with_scale
                 else None,
                 frozen=None,  # not saved: loaded again from the run's base
+                others=None,  # nor are the objective's frozen models
             )
             return state, out["data"], step
         return None

@@ -15,25 +15,35 @@ from jaxllm import sharding
 from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.load import restore
 from jaxllm.train import objectives
+from jaxllm.train import others as others_lib
 from jaxllm.train.loop import evaluate, process_rows
 from jaxllm.train.step import BATCH_AXES, eval_step
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda p: p.sharding, tree)
 
 
 def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> dict:
     cfg, mesh, graphdef, params, model_state, step, frozen = restore(path, overrides)
     batch_sh = sharding.named(mesh, BATCH_AXES)
+    objective = objectives.from_config(cfg)
+    held = others_lib.resolve_others(cfg, objective)  # a DPO reference, a teacher
+    others = others_lib.load(held, mesh)
     jit_eval = jax.jit(
         functools.partial(
             eval_step,
             graphdef=graphdef,
-            objective=objectives.from_config(cfg),
+            objective=objective,
             parallel_settings=sharding.Parallel.of(mesh, cfg.mesh),
+            other_graphdefs=others_lib.graphdefs(held),
         ),
         in_shardings=(
-            jax.tree.map(lambda p: p.sharding, params),
+            _shardings(params),
             batch_sh,
-            jax.tree.map(lambda p: p.sharding, model_state),
-            jax.tree.map(lambda p: p.sharding, frozen),
+            _shardings(model_state),
+            _shardings(frozen),
+            _shardings(others),
         ),
     )
     gbs = cfg.train.global_batch_size
@@ -41,7 +51,7 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
     batches = eval_batches(
         eval_rows, gbs, num_batches or cfg.train.eval_batches, process_rows(batch_sh, gbs)
     )
-    loss = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen)
+    loss = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen, others)
     return {
         "step": step,
         "eval_loss": loss,

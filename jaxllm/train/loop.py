@@ -21,8 +21,6 @@ import warnings
 from pathlib import Path
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxllm import adapters, checkpoint, config, optim, sharding
 from jaxllm.config import JaxllmWarning
@@ -32,35 +30,13 @@ from jaxllm.load import load_weights, weight_targets
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.model import abstract_model
 from jaxllm.train import loss_scale, objectives
+from jaxllm.train import others as others_lib
+from jaxllm.train.batches import process_rows, to_global
 from jaxllm.train.console import _log, _Plain, _progress, _show, sample
 from jaxllm.train.run_dir import RunLock, check_paths, check_resume
 from jaxllm.train.signals import Signals
 from jaxllm.train.state import grad_shardings, init_state, init_state_from, layout, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
-
-
-def process_rows(batch_sharding: NamedSharding, global_batch_size: int) -> slice:
-    """The rows of each global batch that this process's devices hold (a contiguous range)."""
-    index_map = batch_sharding.addressable_devices_indices_map((global_batch_size, 1))
-    starts = [idx[0].start or 0 for idx in index_map.values()]
-    stops = [
-        global_batch_size if idx[0].stop is None else idx[0].stop for idx in index_map.values()
-    ]
-    rows = slice(min(starts), max(stops))
-    held = set().union(*(range(a, b) for a, b in zip(starts, stops)))
-    if len(held) != rows.stop - rows.start:
-        raise ValueError(f"this process's batch rows {sorted(held)} are not contiguous")
-    return rows
-
-
-def to_global(batch: dict, batch_sharding: NamedSharding, global_batch_size: int | None = None):
-    """This process's rows of a batch (numpy) -> global jax arrays laid out on the mesh."""
-    out = {}
-    for k, v in batch.items():
-        v = np.asarray(v, np.int32)
-        shape = None if global_batch_size is None else (global_batch_size, *v.shape[1:])
-        out[k] = jax.make_array_from_process_local_data(batch_sharding, v, shape)
-    return out
 
 
 def _init_source(cfg: config.Config, ckpt_dir: Path) -> str | None:
@@ -79,9 +55,12 @@ def compile_steps(cfg: config.Config, mesh):
     graphdef, _, axes = abstract_model(cfg.model, cfg.peft)
     tx = optim.build(cfg.optim, cfg.train.steps, axes)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
-    shardings = state_shardings(cfg.model, tx, mesh, scaling, **layout(cfg))
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
+    held = others_lib.resolve_others(cfg, objective)  # a reference, a teacher
+    shardings = state_shardings(cfg.model, tx, mesh, scaling, **layout(cfg))
+    shardings = shardings.replace(others=others_lib.shardings(held, mesh))
+    other_graphdefs = others_lib.graphdefs(held)
     parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
     step_fn = functools.partial(
         train_step,
@@ -94,6 +73,7 @@ def compile_steps(cfg: config.Config, mesh):
         grad_shardings=grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft),
         offload_opt_state=cfg.optim.offload == "host",
         loss_scaling=scaling,
+        other_graphdefs=other_graphdefs,
     )
     jit_train = jax.jit(
         step_fn,
@@ -103,20 +83,31 @@ def compile_steps(cfg: config.Config, mesh):
     )
     jit_eval = jax.jit(
         functools.partial(
-            eval_step, graphdef=graphdef, objective=objective, parallel_settings=parallel_settings
+            eval_step,
+            graphdef=graphdef,
+            objective=objective,
+            parallel_settings=parallel_settings,
+            other_graphdefs=other_graphdefs,
         ),
-        in_shardings=(shardings.params, batch_sh, shardings.model_state, shardings.frozen),
+        in_shardings=(
+            shardings.params,
+            batch_sh,
+            shardings.model_state,
+            shardings.frozen,
+            shardings.others,
+        ),
     )
     return jit_train, jit_eval, tx, shardings, batch_sh
 
 
 def evaluate(
-    jit_eval, params, batches: list[dict], batch_sh, model_state=None, frozen=None
+    jit_eval, params, batches: list[dict], batch_sh, model_state=None, frozen=None, others=None
 ) -> float:
     global_rows = len(batches[0]["inputs"]) * jax.process_count() if batches else 0
     model_state = {} if model_state is None else model_state
     sums = [
-        jit_eval(params, to_global(b, batch_sh, global_rows), model_state, frozen) for b in batches
+        jit_eval(params, to_global(b, batch_sh, global_rows), model_state, frozen, others)
+        for b in batches
     ]
     nll = sum(float(s["nll_sum"]) for s in sums)
     tokens = sum(float(s["tokens"]) for s in sums)
@@ -184,6 +175,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
                 ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint)
             base = adapters.base_record(cfg)
             state, start = _start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
+            state, held = others_lib.attach(state, cfg, mesh, ckpt.directory, start)
             if lead:
                 with signals.writing:
                     config.dump(cfg, run_dir / "config.yaml")
@@ -204,6 +196,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
                 held_out,
                 batch_sh,
                 base,
+                held,
             )
     finally:
         if lock:
@@ -232,8 +225,10 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
         abstract = jax.eval_shape(
             lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg))
         )
-        abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+        abstract = jax.tree.map(  # the frozen models are loaded, never restored
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract,
+            shardings.replace(others=None),
         )
         restored = ckpt.restore_latest(abstract)
     if restored is not None:
@@ -268,7 +263,18 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
 
 
 def _loop(
-    cfg, signals, state, start, ckpt, jit_train, jit_eval, batches, held_out, batch_sh, base=None
+    cfg,
+    signals,
+    state,
+    start,
+    ckpt,
+    jit_train,
+    jit_eval,
+    batches,
+    held_out,
+    batch_sh,
+    base=None,
+    held=None,
 ) -> dict:
     run_dir = Path(cfg.run.dir)
     lead = jax.process_index() == 0
@@ -280,6 +286,8 @@ def _loop(
     }
     if base is not None:
         extras[adapters.BASE_ITEM] = base
+    if held is not None:
+        extras["others"] = held
 
     def save(at_state, data_state) -> None:
         step = ckpt.save(at_state, data_state=data_state, **extras)
@@ -338,7 +346,13 @@ def _loop(
         values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
         if at_state is not None:
             values["eval_loss"] = evaluate(
-                jit_eval, at_state.params, held_out, batch_sh, at_state.model_state, at_state.frozen
+                jit_eval,
+                at_state.params,
+                held_out,
+                batch_sh,
+                at_state.model_state,
+                at_state.frozen,
+                at_state.others,
             )
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
         if writer:

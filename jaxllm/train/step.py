@@ -18,6 +18,7 @@ import optax
 from jaxllm import parallel, sharding
 from jaxllm.model import merge_model
 from jaxllm.sharding import Parallel
+from jaxllm.train import others as others_lib
 from jaxllm.train.loss_scale import LossScaling
 from jaxllm.train.objectives import Objective
 from jaxllm.train.state import TrainState
@@ -26,13 +27,37 @@ BATCH_AXES = ("batch", "length")
 
 
 def objective_value(
-    params, batch: dict, rng, *, graphdef, objective: Objective, model_state=None, frozen=None
+    params,
+    batch: dict,
+    rng,
+    *,
+    graphdef,
+    objective: Objective,
+    model_state=None,
+    frozen=None,
+    others=None,
+    other_graphdefs=None,
 ):
     """(loss sum, ObjectiveOutput) of `objective` on `batch` with these parameters: the
-    function the step differentiates."""
+    function the step differentiates. An objective that names frozen models
+    (`objective.others`) also gets them, built from `others` (`TrainState.others`) and their
+    `other_graphdefs` (`jaxllm.train.others`)."""
     batch = parallel.sequence_layout(batch)
     model = merge_model(graphdef, params, frozen, model_state)
-    out = objective(model, batch, rng)
+    wanted = others_lib.names(objective)
+    if not wanted:
+        out = objective(model, batch, rng)
+        return out.loss_sum, out
+    held = others_lib.modules(
+        wanted,
+        other_graphdefs or {},
+        others,
+        graphdef=graphdef,
+        params=params,
+        frozen=frozen,
+        model_state=model_state,
+    )
+    out = objective(model, batch, rng, held)
     return out.loss_sum, out
 
 
@@ -58,6 +83,7 @@ def train_step(
     grad_shardings=None,
     offload_opt_state: bool = False,
     loss_scaling: LossScaling | None = None,
+    other_graphdefs=None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step of `objective` on `batch` (the global batch, split into
     `grad_accum_steps` microbatches). Metrics: the objective's (sum / tokens), `nonfinite`,
@@ -79,6 +105,8 @@ def train_step(
                 objective=objective,
                 model_state=state.model_state,
                 frozen=state.frozen,
+                others=state.others,
+                other_graphdefs=other_graphdefs,
             )
             # Scaled before differentiation: the backward pass runs S times larger, above
             # float16's underflow; the sums in `out` stay unscaled.
@@ -166,10 +194,12 @@ def eval_step(
     batch: dict,
     model_state=None,
     frozen=None,
+    others=None,
     *,
     graphdef,
     objective: Objective,
     parallel_settings: Parallel = Parallel(),
+    other_graphdefs=None,
 ) -> dict:
     """Sums for a held-out batch: {'nll_sum', 'tokens'} (the objective's `loss` metric, or its
     loss sum when it has none); the caller divides after summing."""
@@ -183,5 +213,7 @@ def eval_step(
             objective=objective,
             model_state=model_state,
             frozen=frozen,
+            others=others,
+            other_graphdefs=other_graphdefs,
         )
         return {"nll_sum": out.metrics.get("loss", out.loss_sum), "tokens": out.tokens}

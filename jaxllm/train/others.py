@@ -1,0 +1,200 @@
+"""Frozen models beside the one that trains: the reference of the DPO family (and of GRPO /
+PPO's KL), the teacher of distillation.
+
+An objective that needs them names them in a function attribute, `objective.others =
+("reference",)`, and is then called `objective(model, batch, rng, others)` with `others` a
+dict of name -> `nnx.Module`. Their parameters travel in `TrainState.others` as
+{name: {"params", "model_state"}}, sharded on the run's mesh by their own logical axes, so a
+teacher wider or deeper than the student shards like any model; the step differentiates only
+`TrainState.params`, so nothing flows into them. Like the PEFT base they are never
+checkpointed: a run records where each came from with a content hash (the checkpoint's
+`others` item) and loads them again at resume, refusing different weights in one line.
+
+Where each comes from (`source_of`): `train.teacher`; `train.reference`, else the run's
+starting point `checkpoint.init_from`. Under `peft` with no `train.reference` the reference is
+the policy's own frozen base with its adapters zeroed, W + s A 0 = W (as PEFT's
+`disable_adapter`), so no second copy is held: it has no entry in `TrainState.others`. A
+source that is itself a PEFT run counts as its merged model (base + adapters).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxllm import checkpoint, config
+from jaxllm.config import Config, ConfigError, ModelConfig, RunError
+from jaxllm.convert import is_hf_dir, load_params, model_config
+from jaxllm.load import content_hash, resolve, restore, weight_files, weight_targets
+from jaxllm.model import abstract_model, lora, merge_model
+from jaxllm.train.objectives import from_config
+
+OTHERS_ITEM = "others"  # the checkpoint's JSON item: {name: {"source", "sha256"}}
+
+
+class Other(NamedTuple):
+    """One frozen model: where its weights are (None: the policy's base, adapters off) and its
+    model section."""
+
+    source: str | None
+    model: ModelConfig
+
+
+def names(objective) -> tuple[str, ...]:
+    """The frozen models `objective` asks for."""
+    return tuple(getattr(objective, "others", ()))
+
+
+def source_of(cfg: Config, name: str) -> str | None:
+    """Where the frozen model `name` of this run comes from (see the module docstring)."""
+    peft = cfg.peft.method != "none"
+    if name == "teacher":
+        if not cfg.train.teacher:
+            raise ConfigError(f"train.objective={cfg.train.objective} needs train.teacher.")
+        return cfg.train.teacher
+    if name == "reference":
+        if cfg.train.reference:
+            return cfg.train.reference
+        if peft:
+            if cfg.peft.method == "prompt":
+                raise ConfigError(
+                    f"train.objective={cfg.train.objective} under peft.method=prompt needs a "
+                    "reference model: set train.reference (a soft prompt cannot be switched "
+                    "off inside the policy)."
+                )
+            return None
+        if not cfg.checkpoint.init_from:
+            raise ConfigError(
+                f"train.objective={cfg.train.objective} compares the policy with a reference "
+                "model: set checkpoint.init_from (the reference is then the starting point) or "
+                "train.reference."
+            )
+        return cfg.checkpoint.init_from
+    raise ConfigError(f"the objective asks for an unknown frozen model {name!r}.")
+
+
+def _key(cfg: Config, name: str) -> str:
+    if name == "reference" and not cfg.train.reference:
+        return "checkpoint.init_from"
+    return f"train.{name}"
+
+
+def model_of(source: str, key: str) -> ModelConfig:
+    """The model section of a run directory (its config.yaml, adapters merged away) or a
+    Hugging Face directory."""
+    path = Path(source)
+    if is_hf_dir(path):
+        return model_config(path).model
+    if not path.exists():
+        raise ConfigError(f"{key}={source} does not exist.")
+    run_dir, _, _ = resolve(path)  # ConfigError when it is not a run
+    return config.load(run_dir / "config.yaml").model
+
+
+def resolve_others(cfg: Config, objective) -> dict[str, Other]:
+    """The frozen models of `objective` for this run, checked: a teacher or reference must share
+    the policy's vocabulary (ConfigError before anything is compiled)."""
+    out = {}
+    for name in names(objective):
+        source = source_of(cfg, name)
+        if source is None:
+            out[name] = Other(None, cfg.model)
+            continue
+        model = model_of(source, _key(cfg, name))
+        if model.vocab_size != cfg.model.vocab_size:
+            raise ConfigError(
+                f"{_key(cfg, name)}={source} has a vocabulary of {model.vocab_size} ids and this "
+                f"model {cfg.model.vocab_size}; the {name} must share the trained model's "
+                "vocabulary (and tokenizer)."
+            )
+        out[name] = Other(source, model)
+    return out
+
+
+def graphdefs(others: dict[str, Other]) -> dict:
+    """name -> the nnx graph of each held model (not of the policy's own base)."""
+    return {n: abstract_model(o.model)[0] for n, o in others.items() if o.source is not None}
+
+
+def _targets(other: Other, mesh: Mesh) -> dict:
+    _, params, model_state = weight_targets(other.model, mesh)
+    return {"params": params, "model_state": model_state}
+
+
+def shardings(others: dict[str, Other], mesh: Mesh) -> dict | None:
+    """NamedShardings of `TrainState.others` (None when no model is held)."""
+    held = {n: o for n, o in others.items() if o.source is not None}
+    if not held:
+        return None
+    return {n: jax.tree.map(lambda t: t.sharding, _targets(o, mesh)) for n, o in held.items()}
+
+
+def load(others: dict[str, Other], mesh: Mesh) -> dict | None:
+    """`TrainState.others`: each held model's weights in its shards on `mesh`."""
+    out = {}
+    for name, other in others.items():
+        if other.source is None:
+            continue
+        if is_hf_dir(other.source):
+            params, model_state, _ = load_params(other.source, other.model, mesh)
+        else:
+            restored = restore(other.source, mesh=mesh)
+            params, model_state = restored.params, restored.model_state
+            if restored.frozen is not None:  # a PEFT run: its merged model
+                target = _targets(other, mesh)["params"]
+                merge = lambda p, f, m: lora.merged_params(restored.graphdef, p, f, m)  # noqa: E731
+                out_sh = jax.tree.map(lambda t: t.sharding, target)
+                params = jax.jit(merge, out_shardings=out_sh)(params, restored.frozen, model_state)
+        out[name] = {"params": params, "model_state": model_state or {}}
+    return out or None
+
+
+def records(others: dict[str, Other]) -> dict | None:
+    """{name: {"source", "sha256"}} of the held models: what the checkpoints record."""
+    out = {}
+    for name, other in others.items():
+        if other.source is not None:
+            source, files = weight_files(Path(other.source).resolve())
+            out[name] = {"source": str(source), "sha256": content_hash(files, source)}
+    return out or None
+
+
+def check(recorded: dict | None, current: dict | None) -> None:
+    """RunError when a resumed run's frozen models are other weights than it trained with."""
+    for name, was in (recorded or {}).items():
+        now = (current or {}).get(name)
+        if now is None or now["sha256"] != was["sha256"]:
+            found = "none" if now is None else f"{now['source']} (sha256 {now['sha256'][:12]})"
+            raise RunError(
+                f"this run trained with the {name} {was['source']} (sha256 "
+                f"{was['sha256'][:12]}), but its config now gives {found}; restore those "
+                "weights, or start a new run.dir."
+            )
+
+
+def modules(names_, graphdefs_, held, *, graphdef, params, frozen, model_state) -> dict:
+    """name -> nnx.Module of each frozen model for one call of the objective: a held one from
+    `held` (`TrainState.others`), the policy's base with its adapters zeroed otherwise."""
+    out = {}
+    for name in names_:
+        if name in graphdefs_:
+            w = held[name]
+            out[name] = merge_model(graphdefs_[name], w["params"], None, w["model_state"])
+        else:
+            off = jax.tree.map(jnp.zeros_like, params)  # constants: no gradient flows
+            out[name] = merge_model(graphdef, off, frozen, model_state)
+    return out
+
+
+def attach(state, cfg: Config, mesh: Mesh, ckpt_dir, start: int):
+    """(state with its `others` loaded, their records for the checkpoints): at a resume
+    (`start` > 0) the checkpoint's records must match the sources the config gives now."""
+    held = resolve_others(cfg, from_config(cfg))
+    now = records(held)
+    if start > 0:
+        check(checkpoint.read_json_item(ckpt_dir, start, OTHERS_ITEM), now)
+    return state.replace(others=load(held, mesh)), now
