@@ -4,6 +4,11 @@ teacher, the beta limits of GKD's JSD, the T^2 scaling, TRL's `generalized_jsd_l
 with the cross-entropy, no gradient into the teacher, MoE terms), and the checks of the config
 and of a teacher's vocabulary."""
 
+import json
+import math
+import shutil
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,12 +16,17 @@ import pytest
 from conftest import tiny_model
 from flax import nnx
 
-from jaxllm import config
+import jaxllm
+from jaxllm import config, sharding
 from jaxllm.bench import synthetic_batch
+from jaxllm.cli import main
 from jaxllm.config import ConfigError, MoEConfig
 from jaxllm.model import build
 from jaxllm.train import distill, objectives
+from jaxllm.train import others as others_lib
 from jaxllm.train.distill import LOSSES, check_teacher, divergence_BxL
+from jaxllm.train.loop import compile_steps, to_global, train
+from jaxllm.train.state import init_state, layout
 
 B, L, V = 3, 7, 50
 
@@ -218,3 +228,96 @@ def test_config_builds_the_objective_and_refuses_keys_that_do_nothing():
         config.load(None, ["train.objective=distill"])
     with pytest.raises(ConfigError, match="train.z_loss belongs to the next_token objective"):
         objectives.from_config(config.load(None, [*keys, "train.z_loss=1e-4"]))
+
+
+# ------------------------------------------------------------------ through jaxllm train
+
+TINY = [
+    "data.max_files=40",
+    "data.seq_len=32",
+    "model.num_layers=1",
+    "model.d_model=32",
+    "model.mlp_dim=64",
+    "model.vocab_size=320",
+    "model.dtype=float32",
+    "train.global_batch_size=8",
+    "train.sample_tokens=0",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "optim.warmup_steps=0",
+    "optim.lr=1e-2",
+    "mesh.data=1",
+    "mesh.fsdp=-1",
+]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    """A tiny teacher run, twice the student's width and depth, trained 3 steps."""
+    run = tmp_path_factory.mktemp("teacher") / "run"
+    wider = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128", "train.steps=3"]
+    train(config.load(None, [*TINY, *wider, f"run.dir={run}"]))
+    return run
+
+
+def _distill(run: Path, teacher: Path, *overrides: str) -> list[dict]:
+    keys = ["train.objective=distill", f"train.teacher={teacher}", "train.distill_loss=jsd"]
+    train(config.load(None, [*TINY, *keys, f"run.dir={run}", *overrides]))
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_distills_through_the_loop_and_resumes_exactly(teacher, tmp_path):
+    rows = _distill(tmp_path / "straight", teacher, "train.steps=4", "checkpoint.every=2")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["distill"] < rows[0]["distill"]  # the student moves toward the teacher
+    for r in rows:
+        assert r["loss"] == pytest.approx(r["distill"], rel=1e-6)  # distill_weight=1
+        assert math.isfinite(r["nll"])
+    assert math.isfinite(rows[-1]["eval_loss"])
+    shutil.copytree(tmp_path / "straight", tmp_path / "split")
+    shutil.rmtree(tmp_path / "split/checkpoints/4")
+    _distill(tmp_path / "split", teacher, "train.steps=4", "checkpoint.every=2")  # from step 2
+    a, b = jaxllm.load_model(tmp_path / "straight"), jaxllm.load_model(tmp_path / "split")
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
+        np.testing.assert_array_equal(x, y)
+    # the teacher is not part of the student's checkpoints
+    saved = jaxllm.checkpoint.steps(tmp_path / "straight/checkpoints")
+    assert saved == [2, 4]
+
+
+def _three_steps(teacher: Path, devices, **mesh) -> list[float]:
+    keys = ["train.objective=distill", f"train.teacher={teacher}", "train.distill_loss=jsd"]
+    keys += ["train.distill_temperature=2", "train.distill_weight=0.5"]
+    keys += [f"mesh.{axis}={n}" for axis, n in {"fsdp": 1, **mesh}.items()]
+    cfg = config.load(None, [*TINY, *keys])
+    cfg.validate(len(devices))
+    mesh_ = sharding.make_mesh(cfg.mesh, devices)
+    step, _, tx, _, batch_sh = compile_steps(cfg, mesh_)
+    state = init_state(cfg.model, tx, mesh_, 0, **layout(cfg))
+    state, _ = others_lib.attach(state, cfg, mesh_, None, 0)
+    losses = []
+    for i in range(3):
+        state, metrics = step(state, to_global(synthetic_batch(cfg, seed=i), batch_sh))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_one_device_and_data_fsdp_tensor_parallel_agree(teacher):
+    """The student and its wider teacher on 1 device and on data 2 x fsdp 2 x tensor 2, each
+    sharded by its own logical axes: the same losses."""
+    ref = _three_steps(teacher, jax.devices()[:1])
+    losses = _three_steps(teacher, jax.devices(), data=2, fsdp=2, tensor=2)
+    np.testing.assert_allclose(losses, ref, rtol=2e-5)
+    assert losses[-1] < losses[0]
+
+
+def test_a_teacher_of_another_vocabulary_is_one_line_through_the_cli(teacher, tmp_path, capsys):
+    keys = ["train.objective=distill", f"train.teacher={teacher}", "model.vocab_size=384"]
+    assert main(["train", *TINY, *keys, f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("jaxllm:")]
+    assert len(said) == 1 and "Traceback" not in err, err
+    assert said[0].startswith("jaxllm: config error: train.teacher=")
+    assert "model.vocab_size=320 but the student has 384" in said[0]
+    assert not (tmp_path / "run").exists()  # refused at start-up, before anything was written
