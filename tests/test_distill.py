@@ -140,47 +140,60 @@ def _batch(seq_len=16, rows=4, seed=0):
     return batch
 
 
-@pytest.mark.parametrize("loss", LOSSES)
-def test_objective_sums_over_the_mask_and_combines_with_the_cross_entropy(loss):
-    student, teacher = build(STUDENT, 0), build(TEACHER, 1)
+def test_objective_sums_over_the_mask_and_combines_with_the_cross_entropy():
+    (gs, student), (gt, teacher) = nnx.split(build(STUDENT, 0)), nnx.split(build(TEACHER, 1))
     batch = _batch()
-    t, w = 2.0, 0.25
-    objective = distill.distill(loss, temperature=t, beta=0.4, weight=w)
-    assert objective.others == ("teacher",)
-    out = objective(student, batch, None, {"teacher": teacher})
+    t, w, beta = 2.0, 0.25, 0.4
+    assert distill.distill().others == ("teacher",)
+
+    @jax.jit  # one program for every call below: quicker than running them op by op
+    def outputs(student, teacher, batch):
+        s, te = nnx.merge(gs, student), nnx.merge(gt, teacher)
+        out = {"ce": objectives.next_token()(s, batch, None)}
+        for loss in LOSSES:
+            out[loss] = {
+                "out": distill.distill(loss, temperature=t, beta=beta, weight=w)(
+                    s, batch, None, {"teacher": te}
+                ),
+                "div": divergence_BxL(
+                    s(batch["inputs"]).logits,
+                    te(batch["inputs"]).logits,
+                    loss,
+                    temperature=t,
+                    beta=beta,
+                ),
+                # weight 0 is plain next-token training
+                "plain": distill.distill(loss, weight=0.0)(s, batch, None, {"teacher": te}),
+                # a student that is its teacher has nothing to learn
+                "own": distill.distill(loss, temperature=t)(s, batch, None, {"teacher": s}),
+            }
+        return out
+
+    res = outputs(student, teacher, batch)
     mask = np.asarray(batch["loss_mask"])
-    assert float(out.tokens) == mask.sum()
-    div = divergence_BxL(
-        student(batch["inputs"]).logits,
-        teacher(batch["inputs"]).logits,
-        loss,
-        temperature=t,
-        beta=0.4,
-    )
-    np.testing.assert_allclose(out.metrics["distill"], t**2 * np.sum(div * mask), rtol=1e-5)
-    ce = objectives.next_token()(student, batch, None)
-    np.testing.assert_allclose(out.metrics["nll"], ce.metrics["loss"], rtol=1e-6)
-    combined = w * out.metrics["distill"] + (1 - w) * out.metrics["nll"]
-    np.testing.assert_allclose(out.metrics["loss"], combined, rtol=1e-6)
-    np.testing.assert_allclose(out.loss_sum, combined, rtol=1e-6)
-    # weight 0 is plain next-token training; a student that is its teacher has nothing to learn
-    plain = distill.distill(loss, weight=0.0)(student, batch, None, {"teacher": teacher})
-    np.testing.assert_allclose(plain.loss_sum, ce.loss_sum, rtol=1e-6)
-    own = distill.distill(loss, temperature=t)(student, batch, None, {"teacher": student})
-    np.testing.assert_allclose(own.loss_sum, 0.0, atol=1e-4)
+    ce = res["ce"]
+    for loss in LOSSES:
+        out, div = res[loss]["out"], res[loss]["div"]
+        assert float(out.tokens) == mask.sum()
+        np.testing.assert_allclose(out.metrics["distill"], t**2 * np.sum(div * mask), rtol=1e-5)
+        np.testing.assert_allclose(out.metrics["nll"], ce.metrics["loss"], rtol=1e-6)
+        combined = w * out.metrics["distill"] + (1 - w) * out.metrics["nll"]
+        np.testing.assert_allclose(out.metrics["loss"], combined, rtol=1e-6)
+        np.testing.assert_allclose(out.loss_sum, combined, rtol=1e-6)
+        np.testing.assert_allclose(res[loss]["plain"].loss_sum, ce.loss_sum, rtol=1e-6)
+        np.testing.assert_allclose(res[loss]["own"].loss_sum, 0.0, atol=1e-4)
 
 
 def test_gradients_reach_the_student_only():
-    student, teacher = build(STUDENT, 0), build(TEACHER, 1)
+    (gs, student), (gt, teacher) = nnx.split(build(STUDENT, 0)), nnx.split(build(TEACHER, 1))
     batch = _batch()
     objective = distill.distill("jsd", temperature=2.0, weight=0.5)
 
     def loss(s_params, t_params):
-        s = nnx.merge(nnx.graphdef(student), s_params)
-        t = nnx.merge(nnx.graphdef(teacher), t_params)
+        s, t = nnx.merge(gs, s_params), nnx.merge(gt, t_params)
         return objective(s, batch, jax.random.key(0), {"teacher": t}).loss_sum
 
-    g_s, g_t = jax.grad(loss, argnums=(0, 1))(nnx.state(student), nnx.state(teacher))
+    g_s, g_t = jax.jit(jax.grad(loss, argnums=(0, 1)))(student, teacher)
     leaves = jax.tree.leaves(g_s)
     assert all(np.all(np.isfinite(x)) for x in leaves)
     assert sum(float(jnp.abs(x).sum()) for x in leaves) > 0
@@ -191,11 +204,17 @@ def test_moe_student_adds_its_balancing_losses():
     moe = MoEConfig(
         num_experts=4, experts_per_token=2, aux_loss_weight=0.1, router_z_loss_weight=0.01
     )
-    student = build(tiny_model(num_layers=1, d_model=32, mlp_dim=64, moe=moe), 0)
-    batch = _batch()
-    out = distill.distill()(student, batch, None, {"teacher": build(TEACHER, 1)})
-    assert float(out.metrics["moe_aux_loss"]) > 0
+    gs, student = nnx.split(build(tiny_model(num_layers=1, d_model=32, mlp_dim=64, moe=moe), 0))
+    gt, teacher = nnx.split(build(TEACHER, 1))
+
+    @jax.jit
+    def run(student, teacher, batch):
+        te = nnx.merge(gt, teacher)
+        return distill.distill()(nnx.merge(gs, student), batch, None, {"teacher": te})
+
+    out = run(student, teacher, _batch())
     m = out.metrics
+    assert float(m["moe_aux_loss"]) > 0
     terms = 0.1 * m["moe_aux_loss"] + 0.01 * m["moe_router_z_loss"]
     np.testing.assert_allclose(out.loss_sum, m["loss"] + terms, rtol=1e-6)
     assert "expert_counts" in out.model_stats
@@ -303,6 +322,7 @@ def _three_steps(teacher: Path, devices, **mesh) -> list[float]:
     return losses
 
 
+@pytest.mark.slow  # two more compiles of a two-model step (~50 s on a shared 2-core CPU)
 def test_one_device_and_data_fsdp_tensor_parallel_agree(teacher):
     """The student and its wider teacher on 1 device and on data 2 x fsdp 2 x tensor 2, each
     sharded by its own logical axes: the same losses."""
