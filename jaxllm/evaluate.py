@@ -47,14 +47,15 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
         ),
     )
     gbs = cfg.train.global_batch_size
-    _, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens)
+    whole_inputs = cfg.train.objective == "reward"  # as training packed it (`train.loop`)
+    _, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
     batches = eval_batches(
         eval_rows, gbs, num_batches or cfg.train.eval_batches, process_rows(batch_sh, gbs)
     )
-    loss = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen, others)
+    results = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen, others)
     return {
         "step": step,
-        "eval_loss": loss,
-        "perplexity": math.exp(loss),
+        **results,
+        "perplexity": math.exp(results["eval_loss"]),
         "tokens": len(batches) * gbs * cfg.data.seq_len,
     }

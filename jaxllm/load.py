@@ -13,6 +13,7 @@ is reported with a JaxllmWarning and skipped (`checkpoint.restore_weights`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -144,7 +145,11 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
     directory / checkpoint (`checkpoint.init_from`), in their shards on `mesh`. The source
     must describe the same parameter shapes; ConfigError names the first that differs. The
     model state (MoE routing biases) is None when the source has none of this model's shapes
-    (the train state then starts it at zero)."""
+    (the train state then starts it at zero).
+
+    One exception, the heads: a reward model (`model.head=score`) started from a language
+    model reads the LM's body only. The LM head (if any) stays behind and `score` is absent
+    from the parameters returned; `init_state_from` starts it fresh from the run's seed."""
     hf = _is_hf_source(source)
     if hf:
         theirs = model_config(source)
@@ -153,6 +158,7 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
             raise ConfigError(f"checkpoint.init_from={source} does not exist.")
         run_dir, ckpt_dir, step = resolve(source)
         theirs = config.load(run_dir / "config.yaml")
+    target_cfg, model_cfg = model_cfg, _as_source(model_cfg, theirs.model)
     want, have = _shapes(abstract_model(model_cfg)[1]), _shapes(abstract_model(theirs.model)[1])
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))[0][0]
@@ -163,14 +169,28 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
         )
     if hf:
         params, model_state, _ = load_params(source, model_cfg, mesh)
-        return params, model_state
+        return _heads_of(params, target_cfg), model_state
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, theirs.checkpoint.dir)
     _, target, ms_target = weight_targets(model_cfg, mesh)
     want_ms = _shapes(abstract_model_state(model_cfg)[0])
     if not want_ms or want_ms != _shapes(abstract_model_state(theirs.model)[0]):
-        return checkpoint.restore_weights(ckpt_dir, target, step=step).params, None
+        params = checkpoint.restore_weights(ckpt_dir, target, step=step).params
+        return _heads_of(params, target_cfg), None
     weights = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
-    return weights.params, weights.model_state
+    return _heads_of(weights.params, target_cfg), weights.model_state
+
+
+def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
+    """The model to read from a source of model `theirs`: `model_cfg` itself, or for a reward
+    model started from a language model, the same body with the source's LM head."""
+    if model_cfg.head == "score" and theirs.head == "lm":
+        return dataclasses.replace(model_cfg, head="lm", tie_embeddings=theirs.tie_embeddings)
+    return model_cfg
+
+
+def _heads_of(params: dict, model_cfg: ModelConfig) -> dict:
+    """`params` without a head `model_cfg` does not have (an LM's, under a reward model)."""
+    return params if model_cfg.head == "lm" else {k: v for k, v in params.items() if k != "lm_head"}
 
 
 def _is_hf_source(source) -> bool:

@@ -61,7 +61,8 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     total_matmul = (n - n_moe) * dense_layer + n_moe * moe_total
     active_matmul = (n - n_moe) * dense_layer + n_moe * moe_active
     embed = cfg.vocab_size * d
-    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    head_out = 1 if cfg.head == "score" else cfg.vocab_size  # a reward model's one score
+    head = 0 if cfg.tie_embeddings else head_out * d
     norm_params = 2 if cfg.norm == "layernorm" else 1  # scale (and bias) per channel
     norms_per_layer = 4 if cfg.norm_placement == "sandwich" else 2
     final_norms = 0 if cfg.norm_placement == "post" else 1
@@ -78,7 +79,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         "total": total_matmul + embed + head + norms + biases + positions,
         "active": active_matmul + embed + head + norms + biases + positions,
         # the LM head is a matmul (the tied embedding too); the input embedding is a gather
-        "matmul": active_matmul + cfg.vocab_size * d,
+        "matmul": active_matmul + head_out * d,
     }
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from jaxllm.cli import main
 from jaxllm.config import ConfigError, SourceConfig
-from jaxllm.data import sft, stdlib_qa
+from jaxllm.data import preference, sft, stdlib_qa
 from jaxllm.data.sources import DataFile
 from jaxllm.data.tokenizer import ByteTokenizer
 from jaxllm.infer.chat import read_conversations
@@ -106,7 +106,7 @@ def test_questions_answers_and_the_split_by_object(root, tmp_path):
     # deterministic; another seed draws another split or other phrasings
     stdlib_qa.write_stdlib_qa(tmp_path / "b", seed=0, test_fraction=0.4, root=root)
     stdlib_qa.write_stdlib_qa(tmp_path / "c", seed=1, test_fraction=0.4, root=root)
-    for name in ("train.jsonl", "test.jsonl", "info.json"):
+    for name in ("train.jsonl", "test.jsonl", "preference.jsonl", "info.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     assert (tmp_path / "a/test.jsonl").read_bytes() != (tmp_path / "c/test.jsonl").read_bytes()
     one = stdlib_qa.write_stdlib_qa(tmp_path / "d", max_modules=1, test_fraction=0.4, root=root)
@@ -140,3 +140,24 @@ def test_jaxllm_data_stdlib_qa_on_the_running_python(tmp_path, capsys):
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["modules"] == 5 and info["seed"] == 3
     assert set(info["questions"]["train"]) == {"args", "module"}
+
+
+def test_preference_pairs_reject_a_near_miss(root, tmp_path):
+    stdlib_qa.write_stdlib_qa(tmp_path, root=root, test_fraction=0.5)
+    for name in ("train", "test"):
+        questions = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
+        file = "preference" if name == "train" else "preference_test"
+        pairs = [json.loads(line) for line in open(tmp_path / f"{file}.jsonl")]
+        assert len(pairs) == len(questions)
+        for q, p in zip(questions, pairs):
+            assert p["prompt"] == q["messages"][:1] and p["chosen"] == q["messages"][1]["content"]
+            assert p["rejected"] != p["chosen"]
+            if q["kind"] == "module":  # one dotted part too few or too many of the subject
+                assert f"{p['subject']}.".startswith(f"{p['rejected']}.")
+                assert abs(p["rejected"].count(".") - p["chosen"].count(".")) == 1
+            elif "," in p["chosen"]:  # one argument left out, or two swapped
+                wrong, right = p["rejected"].split(", "), p["chosen"].split(", ")
+                assert set(wrong) < set(right) or sorted(wrong) == sorted(right)
+        src = SourceConfig(path=str(tmp_path / f"{file}.jsonl"), format="preference")
+        f = DataFile(tmp_path / f"{file}.jsonl", "preference", f"{file}.jsonl")
+        assert len(list(preference.read_pairs(f, src, ByteTokenizer(), "fail"))) == len(pairs)

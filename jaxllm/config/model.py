@@ -219,6 +219,14 @@ class ModelConfig:
     """Multiply token embeddings by sqrt(d_model) (Gemma)."""
     tie_embeddings: bool = False
     """Use the token embedding (transposed) as the LM head."""
+    head: Literal["lm", "score"] = "lm"
+    """What the decoder ends in: `lm`, the LM head (logits [B, L, V] over the vocabulary), or
+    `score`, a reward model's scalar head: one projection `score` [D, 1] (no bias, as Hugging
+    Face's `*ForSequenceClassification` with num_labels=1) giving a score at every position,
+    [B, L, 1]; a sequence's reward is the score at its last token (`train.objective=reward`,
+    `jaxllm.infer.reward.score`). A score model has no LM head, so tie_embeddings and
+    final_soft_cap stay off; `checkpoint.init_from` an LM drops its head and starts the score
+    head fresh."""
     dropout: float = 0.0
     """Dropout rate on the embeddings and on each residual branch's output; training only (the
     train step passes an rng; eval, scoring and generation never drop)."""
@@ -298,6 +306,12 @@ class ModelConfig:
         for name in ("attn_soft_cap", "final_soft_cap", "attn_scale"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 _fail(f"model.{name} must be positive or null.")
+        if self.head == "score" and (self.tie_embeddings or self.final_soft_cap is not None):
+            key = "tie_embeddings" if self.tie_embeddings else "final_soft_cap"
+            _fail(
+                f"model.{key} acts on the LM head, which a score model (model.head=score) has "
+                f"not; set model.{key}={'false' if self.tie_embeddings else 'null'}."
+            )
         if not 0 <= self.dropout < 1:
             _fail(f"model.dropout must be in [0, 1), not {self.dropout}.")
         if self.position == "alibi" and self.attention_impl in ("flash", "cudnn"):

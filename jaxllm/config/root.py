@@ -22,7 +22,7 @@ from jaxllm.config.sections import (
     RunConfig,
     mesh_degrees,
 )
-from jaxllm.config.train import TrainConfig, validate_train
+from jaxllm.config.train import PAIR_OBJECTIVES, TrainConfig, validate_train
 
 # The keys of `optim.loss_scale`, the ones static scaling ignores after the first.
 _LOSS_SCALE_KEYS = (
@@ -114,6 +114,7 @@ class Config:
                 "change one of them so that head_dim = d_model / num_heads is an integer."
             )
         m.validate()
+        self._validate_head()
         if self.mesh.sequence_attention == "ring" and (
             m.position == "alibi"
             or m.sliding_window is not None
@@ -183,6 +184,16 @@ class Config:
                     f"({degrees['sequence']})."
                 )
         return self
+
+    def _validate_head(self) -> None:
+        """A reward model's fresh score head trains whole (no peft). Whether the head fits the
+        objective is checked where the objective is chosen (`train.objectives.from_config`):
+        an imported reward model's run is valid before any objective is given to it."""
+        if self.model.head == "score" and self.peft.method != "none":
+            _fail(
+                f"peft.method={self.peft.method} would leave the fresh score head frozen; "
+                "train a reward model with peft.method=none."
+            )
 
     def _validate_values(self) -> None:
         """Values no type can refuse but no run can use: an empty run directory, a NaN or
@@ -254,10 +265,34 @@ class Config:
                 )
         if not d.sources:
             _fail("data.sources is empty; name at least one corpus.")
+        self._validate_pairs()
         self._validate_loss_scale()
         if self.train.nonfinite_patience < 1:
             _fail(f"train.nonfinite_patience must be >= 1, not {self.train.nonfinite_patience}.")
         validate_train(self.train)
+
+    def _validate_pairs(self) -> None:
+        """Preference pairs and the objectives that read them go together."""
+        objective, d = self.train.objective, self.data
+        if ":" in objective:  # an objective of your own reads what it likes
+            return
+        for src in (*d.sources, *d.eval_sources):
+            if objective in PAIR_OBJECTIVES and src.format != "preference":
+                _fail(
+                    f"train.objective={objective} trains on preference pairs, but data source "
+                    f"{src.path!r} has format {src.format}; give format: preference sources."
+                )
+            if objective not in PAIR_OBJECTIVES and src.format == "preference":
+                _fail(
+                    f"data source {src.path!r} holds preference pairs, which "
+                    f"train.objective={objective} does not read; set train.objective to one of "
+                    f"{', '.join(PAIR_OBJECTIVES)}."
+                )
+        if objective in PAIR_OBJECTIVES and d.train_on_prompt:
+            _fail(
+                "data.train_on_prompt does not apply to preference pairs, whose losses compare "
+                "the answers only; set it to false."
+            )
 
     def _validate_loss_scale(self) -> None:
         o = self.optim

@@ -11,6 +11,8 @@ from jaxllm.config.errors import fail as _fail
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 # Those that compare the policy with a reference model (SimPO and ORPO need none).
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
+# Every objective that reads the pairs of `format: preference` sources (a reward model too).
+PAIR_OBJECTIVES = (*PREFERENCE_OBJECTIVES, "reward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,9 @@ class TrainConfig:
     """What the step minimises: `next_token` (cross-entropy over `loss_mask` tokens), `sft`
     (the same loss, named for fine-tuning on chat / prompt_completion sources, whose
     `loss_mask` covers only the assistant turns; on plain text it trains every token), the
-    preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `distill`
+    preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `reward`
+    (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
+    -log sigmoid(r_chosen - r_rejected); `jaxllm.train.reward`), `distill`
     (match `train.teacher`), or your own objective function as `MODULE:NAME` or
     `path/to/file.py:NAME` (see `jaxllm.train.objectives`)."""
     beta: float = 0.1
@@ -73,7 +77,8 @@ class TrainConfig:
     eval_batches: int = 8
     """Batches of the held-out split per evaluation."""
     sample_prompt: str = "def __init__(self"
-    """Prompt of the greedy continuation printed at the end of training ("" skips it)."""
+    """Prompt of the greedy continuation printed at the end of training ("" skips it; a
+    reward model, `model.head=score`, generates nothing)."""
     sample_tokens: int = 96
     """Length of that continuation in tokens."""
     nonfinite: Literal["skip", "stop"] = "stop"

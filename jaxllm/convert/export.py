@@ -48,7 +48,9 @@ def export_hf(
     hf = hf_config(m, fam)
     flat = {**flatten(params), **flatten(model_state or {})}
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
-    links = fam.links(m)
+    links = fam.layouts(m)[0]
+    if m.head == "score":
+        _check_pad(cfg, hf["architectures"][0])
     owned = {p for link in links for p in link.ours}
     if owned != set(flat):
         raise ConfigError(
@@ -89,6 +91,18 @@ def export_hf(
     hf = {**hf, **_write_tokenizer(cfg, hf_dir, run_dir)}
     (hf_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return report
+
+
+def _check_pad(cfg: config_lib.Config, architecture: str) -> None:
+    """A reward model's export needs a pad id: transformers' `*ForSequenceClassification`
+    reads each sequence's score at its last token that is not `pad_token_id`."""
+    spec = cfg.data.tokenizer
+    if spec == NO_TOKENIZER or load_tokenizer(spec).found_pad_id is None:
+        raise ConfigError(
+            f"the run's tokenizer ({spec}) has no pad token, which a {architecture} needs to "
+            "find each sequence's last token; give the tokenizer one (pad_token in its "
+            "tokenizer_config.json) and export again."
+        )
 
 
 def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict:

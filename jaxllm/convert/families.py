@@ -63,7 +63,7 @@ def model_fields(hf: dict, source="config.json") -> dict:
     than a KeyError or TypeError from deep inside the mapping."""
     family = family_of(hf)
     try:
-        return family.to_model(hf)
+        return {**family.to_model(hf), **head_fields(hf, family)}
     except ConfigError:
         raise
     except KeyError as e:
@@ -76,6 +76,38 @@ def model_fields(hf: dict, source="config.json") -> dict:
             f"{source} holds a value of the wrong type or range ({first_line(e)}); compare it "
             "with the model's original config.json."
         ) from None
+
+
+# A reward model's architecture: the family's `...ForCausalLM` with this ending instead.
+SCORE_ARCHITECTURE = "ForSequenceClassification"
+
+
+def architecture(cfg: ModelConfig, family: Family) -> str:
+    """The `architectures` entry of `cfg` as `family`: its LM class, or for a reward model
+    (`model.head=score`) the sequence classifier of the same body
+    (`LlamaForSequenceClassification`)."""
+    if cfg.head == "lm":
+        return family.architecture
+    return family.architecture.removesuffix("ForCausalLM").removesuffix("LMHeadModel") + (
+        SCORE_ARCHITECTURE
+    )
+
+
+def head_fields(hf: dict, family: Family) -> dict:
+    """`model.head` (and what a score head implies) from config.json's `architectures`: a
+    `*ForSequenceClassification` with one label is a reward model, without tied embeddings or
+    a final logit cap (it has no LM head); more labels are refused."""
+    names = hf.get("architectures") or [family.architecture]
+    if not any(str(n).endswith(SCORE_ARCHITECTURE) for n in names):
+        return {}
+    # transformers' rule: id2label's size, else num_labels, else its default of 2
+    labels = len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels", 2)
+    if labels != 1:
+        _fail(
+            f"{names[0]} with {labels} labels: jaxllm's score head gives one score "
+            "(num_labels=1, a reward model)."
+        )
+    return {"head": "score", "tie_embeddings": False, "final_soft_cap": None}
 
 
 def first_line(e: BaseException) -> str:
@@ -118,9 +150,16 @@ def export_family(cfg: ModelConfig, name: str | None = None) -> Family:
 def hf_config(cfg: ModelConfig, family: Family) -> dict:
     """config.json of `cfg` as `family`; ConfigError naming the knobs the family cannot hold
     (found by reading the written config back and comparing)."""
-    out = {"architectures": [family.architecture], "model_type": family.name, **family.to_hf(cfg)}
+    out = {
+        "architectures": [architecture(cfg, family)],
+        "model_type": family.name,
+        **family.to_hf(cfg),
+    }
+    if cfg.head == "score":  # one label: num_labels=1
+        out.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     try:
-        back = config_lib.from_dict({"model": family.to_model(out)}).model
+        fields = {**family.to_model(out), **head_fields(out, family)}
+        back = config_lib.from_dict({"model": fields}).model
     except ConfigError as e:
         _fail(f"this model cannot be expressed in a {family.name} checkpoint: {e}")
     diff = _differences(cfg, back)

@@ -119,9 +119,26 @@ class Family:
     """Tensors import leaves unread, by name (DeepSeek-V3's multi-token-prediction layers)."""
 
     def layouts(self, cfg: ModelConfig) -> list[list[Link]]:
-        return [self.links(cfg), *(f(cfg) for f in self.other_links)]
+        """The tensor layouts of `cfg`, the one export writes first (with `cfg`'s head)."""
+        return [
+            with_head(links, cfg)
+            for links in (self.links(cfg), *(f(cfg) for f in self.other_links))
+        ]
 
     def ignored(self, name: str, cfg: ModelConfig) -> bool:
         """Whether import may leave the tensor `name` unmapped."""
         skipped = self.skip is not None and self.skip(cfg, name)
         return skipped or any(name.endswith(s) for s in self.ignore)
+
+
+SCORE_HEAD = Link("score.weight", ("score",), "linear")
+"""A reward model's head, as every `*ForSequenceClassification` of transformers names it:
+torch's [num_labels = 1, D] for our [D, 1]."""
+
+
+def with_head(links: list[Link], cfg: ModelConfig) -> list[Link]:
+    """A family's links for `cfg`'s head: as they are for an LM, else the LM head's link
+    replaced by the score head's."""
+    if cfg.head == "lm":
+        return links
+    return [link for link in links if link.ours != ("lm_head",)] + [SCORE_HEAD]

@@ -111,7 +111,8 @@ def cmd_stdlib_qa(ns) -> int:
     print(
         f"wrote {counts['train']:,} train and {counts['test']:,} test questions about "
         f"{info['modules']} modules of Python {info['python']}'s standard library to "
-        f"{ns.out_dir} (train.jsonl, test.jsonl: format chat)"
+        f"{ns.out_dir} (train.jsonl, test.jsonl: format chat; preference.jsonl, "
+        "preference_test.jsonl: the same questions as format preference pairs)"
     )
     return 0
 

@@ -6,7 +6,8 @@
 
 Each source is packed on its own (a row never mixes sources); several sources become a
 `MixtureRows`. Text is packed by `data.packing`; SFT examples (format chat / prompt_completion,
-`jaxllm.data.sft`) are packed whole, first-fit, with their loss masks. Without `data.eval_sources` each source holds out `data.eval_fraction` of its
+`jaxllm.data.sft`) are packed whole, first-fit, with their loss masks; preference pairs
+(`jaxllm.data.preference`) likewise, a pair's two sequences side by side. Without `data.eval_sources` each source holds out `data.eval_fraction` of its
 files; a prepared directory holds out the files `prepare` held out, by the same rule (so its
 rows equal those of tokenizing the same files here), and `data.max_files` caps its shards.
 """
@@ -20,13 +21,13 @@ import grain
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
-from jaxllm.data import sft
+from jaxllm.data import preference, sft
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
 from jaxllm.data.sources import BadRecords, is_prepared_dir, list_files, read_texts, split_files
 from jaxllm.data.tokenizer import Tokenizer, encode_documents, make_tokenizer
 
-Rows = PackedRows | FirstFitRows
+Rows = PackedRows | FirstFitRows | preference.PairRows
 
 
 class MixtureRows:
@@ -63,7 +64,8 @@ class MixtureRows:
 
 def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokenizer, hold_out: bool):
     """(train documents, eval documents) of one source, all in train unless `hold_out`: token
-    arrays, or `sft.Examples` for a chat / prompt_completion source."""
+    arrays, `sft.Examples` for a chat / prompt_completion source, `preference.Pairs` for a
+    preference source."""
     if is_prepared_dir(src.path):
         prepared = PreparedDir(src.path, key, cfg.tokenizer)
         if not hold_out:
@@ -79,6 +81,9 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
     if sft.is_sft(src):
         bad = sft.bad_records(key, src)
         texts = [list(sft.read_examples(f, src, tok, cfg.on_bad_record, bad)) for f in files]
+    elif preference.is_preference(src):
+        bad = preference.bad_records(key, src)
+        texts = [list(preference.read_pairs(f, src, tok, cfg.on_bad_record, bad)) for f in files]
     else:
         bad = BadRecords(key, src.text_field)
         texts = [list(read_texts(f, src.text_field, cfg.on_bad_record, bad)) for f in files]
@@ -95,14 +100,28 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
         return sft.encode_examples(tok, train, src.format), sft.encode_examples(
             tok, evals, src.format
         )
+    if preference.is_preference(src):
+        return preference.encode_pairs(tok, train), preference.encode_pairs(tok, evals)
     return encode_documents(tok, train), encode_documents(tok, evals)
 
 
 def _rows(
-    docs: list[np.ndarray] | sft.Examples, what: str, cfg: DataConfig, tok, virtual_tokens=0
+    docs: list[np.ndarray] | sft.Examples | preference.Pairs,
+    what: str,
+    cfg: DataConfig,
+    tok,
+    virtual_tokens=0,
+    whole_inputs=False,
 ) -> Rows:
     if not docs:
         raise ConfigError(f"{what} has no documents; add data or change data.eval_fraction.")
+    if isinstance(docs, preference.Pairs):
+        if virtual_tokens:
+            raise ConfigError(
+                f"{what} holds preference pairs, which peft.method=prompt does not train on; use "
+                "peft.method=lora or qlora."
+            )
+        return preference.pack_pairs(docs, cfg, tok, what, whole_inputs)
     if isinstance(docs, sft.Examples):
         return sft.pack_examples(docs, cfg, tok, what, virtual_tokens)
     if virtual_tokens:
@@ -124,12 +143,13 @@ def _mix(parts: list[Rows], sources: Sequence[SourceConfig], seed: int) -> Rows 
 
 
 def load_splits(
-    cfg: DataConfig, virtual_tokens: int = 0
+    cfg: DataConfig, virtual_tokens: int = 0, whole_inputs: bool = False
 ) -> tuple[Rows | MixtureRows, Rows | MixtureRows]:
     """(train rows, eval rows) of the configured sources; ConfigError for anything the user can
     fix (missing path, no files, no text, bad records under on_bad_record=fail, tokenizer).
     `virtual_tokens`: a soft prompt's length (peft.method=prompt), whose placeholder ids start
-    every SFT example."""
+    every SFT example. `whole_inputs`: preference sequences get their closing slot (reward
+    models, see `jaxllm.data.preference`)."""
     tok = make_tokenizer(cfg)
     for name, sources in (("sources", cfg.sources), ("eval_sources", cfg.eval_sources)):
         for i, src in enumerate(sources):
@@ -143,14 +163,14 @@ def load_splits(
         key = f"data.sources[{i}]"
         train_docs, eval_docs = _source_documents(src, key, cfg, tok, hold_out)
         what = f"the train split of {key}"
-        train_parts.append(_rows(train_docs, what, cfg, tok, virtual_tokens))
+        train_parts.append(_rows(train_docs, what, cfg, tok, virtual_tokens, whole_inputs))
         if hold_out:
             what = f"the eval split of {key}"
-            eval_parts.append(_rows(eval_docs, what, cfg, tok, virtual_tokens))
+            eval_parts.append(_rows(eval_docs, what, cfg, tok, virtual_tokens, whole_inputs))
     for i, src in enumerate(cfg.eval_sources):
         key = f"data.eval_sources[{i}]"
         docs = _source_documents(src, key, cfg, tok, False)[0]
-        eval_parts.append(_rows(docs, key, cfg, tok, virtual_tokens))
+        eval_parts.append(_rows(docs, key, cfg, tok, virtual_tokens, whole_inputs))
     eval_weights_from = cfg.sources if hold_out else cfg.eval_sources
     return _mix(train_parts, cfg.sources, cfg.seed), _mix(eval_parts, eval_weights_from, cfg.seed)
 

@@ -3,8 +3,10 @@
 `write_stdlib_qa(out_dir)` (`jaxllm data stdlib-qa OUT_DIR`) reads the public functions and
 classes of the standard library's public modules, and the public methods of those classes, with
 `ast` (nothing is imported), and writes `train.jsonl` and `test.jsonl` in the `chat` format, one
-question and its short answer per line, and `info.json` (counts by split and kind, the Python
-version, the arguments):
+question and its short answer per line, the same questions as preference pairs in
+`preference.jsonl` and `preference_test.jsonl` (`format: preference`: the question as a chat
+prompt, the right answer chosen, a wrong one rejected), and `info.json` (counts by split and
+kind, the Python version, the arguments):
 
     module  "Which module defines `json.decoder.JSONDecoder.decode`?"          -> "json.decoder"
     args    "What are the arguments of `heapq.merge(*iterables, key=None)`?"   -> "*iterables, key"
@@ -14,6 +16,11 @@ are asked of functions and methods whose signature (annotations left out) has on
 parameters and fits 60 characters; the answer names them in order, `*args` and `**kwargs`
 spelled so, defaults and the `/` and `*` markers left out. Each question takes one of a few
 phrasings, drawn by `seed`.
+
+A rejected answer is a near miss, drawn by `seed`: the module cut one dotted part too short or
+too long (`json` or `json.decoder.JSONDecoder` for `json.decoder`), the arguments with one left
+out, two swapped, or (of a one-argument function) the function's own name. What a preference
+loss then teaches is exactly the reading the questions test.
 
 The split is by a hash of the top-level object (salted by `seed`): every question about a test
 function, or a test class and its methods, is in test.jsonl, so test questions are about
@@ -193,6 +200,41 @@ def questions(defs: list[Definition], max_modules: int | None = 40, seed: int = 
     return out
 
 
+def wrong_answer(record: dict, rng: random.Random) -> str:
+    """A near-miss answer to a question record (see the module docstring), never the right one."""
+    right = record["messages"][1]["content"]
+    if record["kind"] == "module":
+        parts, m = record["subject"].split("."), right.count(".") + 1
+        cuts = [n for n in (m - 1, m + 1) if 1 <= n <= len(parts)]  # m + 1: at most all
+        return ".".join(parts[: rng.choice(cuts)])
+    params = right.split(", ")
+    if len(params) == 1:
+        name = record["subject"].rsplit(".", 1)[-1]
+        return name if name != right else f"{right}, self"
+    i = rng.randrange(len(params))
+    if rng.random() < 0.5:
+        return ", ".join(params[:i] + params[i + 1 :])
+    j = (i + 1) % len(params)
+    params[i], params[j] = params[j], params[i]
+    return ", ".join(params)
+
+
+def preference_pairs(records: list[dict], seed: int = 0) -> list[dict]:
+    """The question records as `format: preference` records: the question as a chat prompt,
+    chosen the right answer, rejected a near miss (`wrong_answer`)."""
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": r["messages"][:1],
+            "chosen": r["messages"][1]["content"],
+            "rejected": wrong_answer(r, rng),
+            "kind": r["kind"],
+            "subject": r["subject"],
+        }
+        for r in records
+    ]
+
+
 def write_stdlib_qa(
     out_dir: str | Path,
     max_modules: int | None = 40,
@@ -200,8 +242,8 @@ def write_stdlib_qa(
     test_fraction: float = 0.2,
     root: Path | None = None,
 ) -> dict:
-    """Writes OUT_DIR/train.jsonl, test.jsonl and info.json (see the module docstring);
-    returns the info."""
+    """Writes OUT_DIR/train.jsonl, test.jsonl, preference.jsonl, preference_test.jsonl and
+    info.json (see the module docstring); returns the info."""
     if max_modules is not None and max_modules < 1:
         raise ConfigError(f"--max-modules must be at least 1, not {max_modules}.")
     if not 0 < test_fraction < 1:
@@ -218,7 +260,9 @@ def write_stdlib_qa(
     random.Random(seed).shuffle(split["train"])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in split.items():
+    files = {**split, "preference": preference_pairs(split["train"], seed)}
+    files["preference_test"] = preference_pairs(split["test"], seed)
+    for name, rows in files.items():
         with open(out / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     info = {

@@ -77,12 +77,22 @@ def _with_system(messages, system: str | None):
     return ({"role": "system", "content": system}, *messages)
 
 
+def _check_generates(cfg, path) -> None:
+    """A reward model has no LM head: nothing to sample from."""
+    if cfg.model.head == "score":
+        raise ConfigError(
+            f"{path} is a reward model (model.head=score): it scores sequences "
+            "(jaxllm.infer.reward.score) and cannot generate; give a language model's run."
+        )
+
+
 def load_chat(path, overrides=()) -> Chat:
     """A `jaxllm.infer.chat.Chat` of a run: its model (adapters unmerged for a PEFT run),
     tokenizer, `generate` section and stop ids (generation_config.json's, as `jaxllm generate`
     reads them)."""
     restored = restore(path, overrides)
     cfg = restored.cfg
+    _check_generates(cfg, path)
     tok = make_tokenizer(cfg.data)
     check_coverage(tok, cfg.model.vocab_size, "chat")
     stops = generation_stop_ids(generation_config(cfg.data.tokenizer, resolve(path)[0]))
@@ -153,6 +163,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     restored = restore(path, [*overrides, *_overrides(ns)])
     cfg, mesh, step, model = restored.cfg, restored.mesh, restored.step, restored.model()
+    _check_generates(cfg, path)
 
     tok = make_tokenizer(cfg.data)
     check_coverage(tok, cfg.model.vocab_size, "jaxllm generate")

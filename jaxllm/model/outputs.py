@@ -26,7 +26,8 @@ class MoEOutput(NamedTuple):
 
 
 class ModelOutput(NamedTuple):
-    """`Transformer`: `logits` [B, L, V] (or [B, Q, V] at `logits_at_BxQ`, float32); `cache`:
+    """`Transformer`: `logits` [B, L, V] (or [B, Q, V] at `logits_at_BxQ`, float32; a reward
+    model's scores [B, L, 1] with `ModelConfig.head=score`); `cache`:
     the updated KV cache view when one was passed, else None; `aux`: for MoE models the mean
     `aux_loss` and `router_z_loss` over MoE layers, `expert_counts` [N_moe, E] and the number of
     `dropped` assignments, {} for dense models."""

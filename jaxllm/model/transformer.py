@@ -160,7 +160,8 @@ class MoEGroup(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """tokens [B, L] int -> logits [B, L, V] float32."""
+    """tokens [B, L] int -> logits [B, L, V] float32 (scores [B, L, 1] with the score head of
+    a reward model, `ModelConfig.head`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -187,8 +188,10 @@ class Transformer(nnx.Module):
             self.moe_layers = _stack(groups, lambda r: MoEGroup(cfg, rngs=r), rngs)
         if cfg.norm_placement != "post":  # post-norm blocks already end on a norm
             self.final_norm = make_norm(cfg)
-        if not cfg.tie_embeddings:
-            init = jax.nn.initializers.normal(cfg.init_std)
+        init = jax.nn.initializers.normal(cfg.init_std)
+        if cfg.head == "score":  # a reward model's scalar head instead of the LM head
+            self.score = param(rngs, init, (cfg.d_model, 1), ("embed", None), pdt)
+        elif not cfg.tie_embeddings:
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
     def __call__(
@@ -281,6 +284,9 @@ class Transformer(nnx.Module):
             x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
         if cfg.norm_placement != "post":
             x_BxLxD = self.final_norm(x_BxLxD)
+        if cfg.head == "score":  # [B, L, 1] scores, in float32 as logits
+            scores_BxLx1 = matmul("bld,do->blo", x_BxLxD, self.score[...], dtype, jnp.float32)
+            return ModelOutput(constrain(scores_BxLx1, ("batch", "length", None)), cache, aux)
         if cfg.tie_embeddings:
             logits_BxLxV = self.embed.attend(x_BxLxD)
         else:

@@ -58,6 +58,8 @@ def _show(bar, step: int, v: dict) -> None:
     text = f"loss {v['loss']:.3f}  {v['tokens_per_sec']:,.0f} tok/s  lr {v['lr']:.2e}"
     if "eval_loss" in v:
         text += f"  eval {v['eval_loss']:.3f}"
+    if "eval_accuracy" in v:  # a reward model's held-out pairs ranked right
+        text += f"  eval acc {v['eval_accuracy']:.3f}"
     if isinstance(bar, _Plain):
         _log(f"step {step}: {text}  {v['step_time_s'] * 1e3:.0f} ms/step")
     else:

@@ -29,7 +29,7 @@ from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.load import load_weights, weight_targets
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.model import abstract_model
-from jaxllm.train import loss_scale, objectives
+from jaxllm.train import loss_scale, objectives, precompute
 from jaxllm.train import others as others_lib
 from jaxllm.train.batches import process_rows, to_global
 from jaxllm.train.console import _log, _Plain, _progress, _show, sample
@@ -102,16 +102,18 @@ def compile_steps(cfg: config.Config, mesh):
 
 def evaluate(
     jit_eval, params, batches: list[dict], batch_sh, model_state=None, frozen=None, others=None
-) -> float:
+) -> dict[str, float]:
+    """{'eval_loss', 'eval_<metric>' ...}: every metric of the objective over the held-out
+    `batches`, its sum divided by the summed `tokens` (as training logs them)."""
     global_rows = len(batches[0]["inputs"]) * jax.process_count() if batches else 0
     model_state = {} if model_state is None else model_state
     sums = [
         jit_eval(params, to_global(b, batch_sh, global_rows), model_state, frozen, others)
         for b in batches
     ]
-    nll = sum(float(s["nll_sum"]) for s in sums)
-    tokens = sum(float(s["tokens"]) for s in sums)
-    return nll / max(tokens, 1.0)
+    totals = {k: sum(float(s[k]) for s in sums) for k in (sums[0] if sums else {"loss": 0})}
+    tokens = max(totals.pop("tokens", 0.0), 1.0)
+    return {f"eval_{k}": v / tokens for k, v in totals.items()}
 
 
 def train(cfg: config.Config, signals: Signals | None = None) -> dict:
@@ -139,8 +141,10 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     )
 
     jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)  # checks shapes
+    reference = precompute.ReferenceLogps.of(cfg)  # None unless train.precompute_reference
     t0 = time.perf_counter()
-    train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens)
+    whole_inputs = cfg.train.objective == "reward"  # its score is read at a closing slot
+    train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
     sources = ", ".join(src.path for src in cfg.data.sources)
     _log(
         f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} tokens, "
@@ -157,7 +161,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
         check_paths(run_dir, ckpt_dir)
     check_resume(cfg, ckpt_dir)
     lock = RunLock(run_dir) if lead else None
-    made = [p for p in (ckpt_dir, run_dir) if not p.exists()]
+    made = [p for p in (ckpt_dir, run_dir, run_dir / precompute.STORE) if not p.exists()]
 
     def undo() -> None:  # a start-up that fails leaves what it made as it found it: absent
         if lock:
@@ -176,6 +180,9 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             base = adapters.base_record(cfg)
             state, start = _start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
             state, held = others_lib.attach(state, cfg, mesh, ckpt.directory, start)
+            if reference is not None:  # the rows then carry the reference's log-probabilities
+                rows = (train_rows, eval_rows)
+                batches, held_out = reference.attach(state, start, rows, batches, mesh)
             if lead:
                 with signals.writing:
                     config.dump(cfg, run_dir / "config.yaml")
@@ -345,15 +352,8 @@ def _loop(
         values["step_time_s"] = elapsed / window_steps
         values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
         if at_state is not None:
-            values["eval_loss"] = evaluate(
-                jit_eval,
-                at_state.params,
-                held_out,
-                batch_sh,
-                at_state.model_state,
-                at_state.frozen,
-                at_state.others,
-            )
+            weights = (at_state.params, at_state.model_state, at_state.frozen, at_state.others)
+            values.update(evaluate(jit_eval, weights[0], held_out, batch_sh, *weights[1:]))
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
         if writer:
             writer.write(step, values)
@@ -420,7 +420,7 @@ def _loop(
     if stopped:
         return {**final, "stopped": stopped}
 
-    if cfg.train.sample_prompt and cfg.train.sample_tokens:
+    if cfg.train.sample_prompt and cfg.train.sample_tokens and cfg.model.head == "lm":
         weights = (state.params, state.frozen, state.model_state)
         if jax.process_count() > 1:  # every process takes part in the gather
             from jax.experimental import multihost_utils

@@ -18,9 +18,15 @@ biases, the model's non-trained state, move.
 cross-entropy over the tokens whose `loss_mask` is 1, which for chat / prompt_completion sources
 (`jaxllm.data.sft`) are the assistant turns and completions only, so a run names what it does;
 on plain text sources every token is in the mask and `sft` trains exactly as `next_token`.
+The DPO family, `dpo`, `ipo`, `simpo` and `orpo` (`jaxllm.train.preference`), are losses over
+the (chosen, rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
+An objective that needs frozen models besides the policy names them in its `others` attribute
+(`("reference",)` for DPO / IPO).
+`reward` fits a reward model (`model.head=score`) to the same pairs (`jaxllm.train.reward`).
 `distill` (`jaxllm.train.distill`) matches a frozen teacher's next-token distributions.
-`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
-`distill`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
+`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
+the preference losses, `reward`, `distill`, or `MODULE:NAME` / `path/to/file.py:NAME` for an
+objective of your own.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
-from jaxllm.train import distill
+from jaxllm.train import distill, preference, reward
 from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
 
 __all__ = [
@@ -86,16 +92,35 @@ def sft(z_loss: float = 0.0) -> Objective:
 BUILT_IN = {
     "next_token": lambda cfg: next_token(cfg.train.z_loss),
     "sft": lambda cfg: sft(cfg.train.z_loss),
+    **{
+        kind: (lambda cfg, kind=kind: preference.from_train_config(kind, cfg.train))
+        for kind in preference.KINDS
+    },
+    "reward": lambda cfg: reward.objective(),
     "distill": distill.from_config,
 }
 # The built-ins that read train.z_loss; set for another objective it would do nothing.
 Z_LOSS_OBJECTIVES = ("next_token", "sft")
 
 
+def _check_head(name: str, head: str) -> None:
+    """A built-in objective fits the model's head: `reward` the score head of a reward model,
+    every other one the LM head (an objective of your own may use either)."""
+    if name == "reward" and head != "score":
+        raise ConfigError(
+            "train.objective=reward trains a scalar score head: set model.head=score (the LM "
+            "head is dropped and the score head starts fresh)."
+        )
+    if name != "reward" and head == "score":
+        raise ConfigError(
+            f"train.objective={name} needs the LM head, but model.head=score; set "
+            "model.head=lm, or train.objective=reward to train the reward model."
+        )
+
+
 def from_config(cfg: Config) -> Objective:
-    """The objective `train.objective` names: a built-in (`next_token`, `sft`, `distill`), or
-    `MODULE:NAME` / `FILE.py:NAME` naming an objective function. ConfigError when it cannot be
-    loaded."""
+    """The objective `train.objective` names: a built-in (`BUILT_IN`), or `MODULE:NAME` /
+    `FILE.py:NAME` naming an objective function. ConfigError when it cannot be loaded."""
     name = cfg.train.objective
     if cfg.train.z_loss and name not in Z_LOSS_OBJECTIVES:
         raise ConfigError(
@@ -103,6 +128,7 @@ def from_config(cfg: Config) -> Objective:
             + ("; add a z-loss to your objective instead" if name not in BUILT_IN else "")
         )
     if name in BUILT_IN:
+        _check_head(name, cfg.model.head)
         return BUILT_IN[name](cfg)
     where, _, attr = name.rpartition(":")
     if not where or not attr:

@@ -297,7 +297,8 @@ def init_state_from(
     routing biases; None: zeros): fresh optimizer state, rng and loss scale, each leaf in its
     shards (fine-tuning, `checkpoint.init_from`). Under `peft` the parameters are the frozen
     base, and the adapters / soft prompt are `adapters` (imported ones) or start fresh from
-    the seed."""
+    the seed. Without it, the top-level parameters `params` lacks start fresh from the seed
+    too: the score head of a reward model started from a language model (`load_weights`)."""
     shardings = state_shardings(
         model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload, peft=peft
     )
@@ -320,6 +321,9 @@ def init_state_from(
                     ids = lora.prompt_token_ids(lora.peft_key(init_key), n, vocab)
                     embedding = frozen["embed"]["embedding"]
                     params = {**params, "soft_prompt": embedding[ids].astype(embedding.dtype)}
+        elif set(params) != set(shardings.params):
+            fresh = _init(model_cfg, tx, seed, None, peft).params
+            params = {k: params[k] if k in params else fresh[k] for k in fresh}
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,

@@ -201,8 +201,9 @@ def eval_step(
     parallel_settings: Parallel = Parallel(),
     other_graphdefs=None,
 ) -> dict:
-    """Sums for a held-out batch: {'nll_sum', 'tokens'} (the objective's `loss` metric, or its
-    loss sum when it has none); the caller divides after summing."""
+    """Sums for a held-out batch: `tokens` and every metric of the objective (`loss` is its
+    `loss` metric, or its loss sum when it has none); the caller adds them over batches and
+    divides each by the summed `tokens` (`jaxllm.train.loop.evaluate`)."""
     with sharding.active(parallel_settings):
         batch = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), batch)
         _, out = objective_value(
@@ -216,4 +217,4 @@ def eval_step(
             others=others,
             other_graphdefs=other_graphdefs,
         )
-        return {"nll_sum": out.metrics.get("loss", out.loss_sum), "tokens": out.tokens}
+        return {**out.metrics, "loss": out.metrics.get("loss", out.loss_sum), "tokens": out.tokens}
