@@ -161,6 +161,20 @@ def validate_train(t: TrainConfig) -> None:
                 f"train.{key} has no effect with train.objective={t.objective}; it belongs to "
                 f"{', '.join(readers)}."
             )
+    if not t.distill_temperature > 0:
+        _fail(f"train.distill_temperature must be positive, not {t.distill_temperature}.")
+    if not 0 < t.distill_jsd_beta < 1:
+        _fail(
+            f"train.distill_jsd_beta must be in (0, 1), not {t.distill_jsd_beta}; for its "
+            "limits use train.distill_loss=forward_kl (0) or reverse_kl (1)."
+        )
+    if t.distill_loss != "jsd" and t.distill_jsd_beta != TrainConfig.distill_jsd_beta:
+        _fail(
+            f"train.distill_jsd_beta has no effect with train.distill_loss={t.distill_loss}; "
+            "it belongs to train.distill_loss=jsd."
+        )
+    if not 0 <= t.distill_weight <= 1:
+        _fail(f"train.distill_weight must be in [0, 1], not {t.distill_weight}.")
     if t.objective == "distill" and not t.teacher:
         _fail(
             "train.objective=distill needs train.teacher: a run directory or a Hugging Face "

@@ -25,9 +25,10 @@ An objective that needs frozen models besides the policy names them in its `othe
 `reward` fits a reward model (`model.head=score`) to the same pairs (`jaxllm.train.reward`).
 `grpo` (`jaxllm.train.grpo`) is GRPO's clipped, group-relative policy gradient with a KL to the
 reference, on batches the policy samples itself (`jaxllm.train.rollout`).
+`distill` (`jaxllm.train.distill`) matches a frozen teacher's next-token distributions.
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
-the preference losses, `reward`, `grpo`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of
-your own.
+the preference losses, `reward`, `grpo`, `distill`, or `MODULE:NAME` / `path/to/file.py:NAME`
+for an objective of your own.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
-from jaxllm.train import grpo, preference, reward
+from jaxllm.train import distill, grpo, preference, reward
 from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
 
 __all__ = [
@@ -99,7 +100,10 @@ BUILT_IN = {
     },
     "reward": lambda cfg: reward.objective(),
     "grpo": lambda cfg: grpo.from_train_config(cfg.train),
+    "distill": distill.from_config,
 }
+# The built-ins that read train.z_loss; set for another objective it would do nothing.
+Z_LOSS_OBJECTIVES = ("next_token", "sft")
 
 
 def _check_head(name: str, head: str) -> None:
@@ -121,14 +125,14 @@ def from_config(cfg: Config) -> Objective:
     """The objective `train.objective` names: a built-in (`BUILT_IN`), or `MODULE:NAME` /
     `FILE.py:NAME` naming an objective function. ConfigError when it cannot be loaded."""
     name = cfg.train.objective
+    if cfg.train.z_loss and name not in Z_LOSS_OBJECTIVES:
+        raise ConfigError(
+            f"train.z_loss belongs to the next_token objective, not to train.objective={name!r}"
+            + ("; add a z-loss to your objective instead" if name not in BUILT_IN else "")
+        )
     if name in BUILT_IN:
         _check_head(name, cfg.model.head)
         return BUILT_IN[name](cfg)
-    if cfg.train.z_loss:
-        raise ConfigError(
-            f"train.z_loss belongs to the next_token objective, not to train.objective={name!r}; "
-            "add a z-loss to your objective instead"
-        )
     where, _, attr = name.rpartition(":")
     if not where or not attr:
         raise ConfigError(

@@ -31,6 +31,7 @@ from jaxllm.config import Config, ConfigError, ModelConfig, RunError
 from jaxllm.convert import is_hf_dir, load_params, model_config
 from jaxllm.load import content_hash, resolve, restore, weight_files, weight_targets
 from jaxllm.model import abstract_model, lora, merge_model
+from jaxllm.train.distill import check_teacher
 from jaxllm.train.objectives import from_config
 
 OTHERS_ITEM = "others"  # the checkpoint's JSON item: {name: {"source", "sha256"}}
@@ -105,6 +106,8 @@ def resolve_others(cfg: Config, objective) -> dict[str, Other]:
             out[name] = Other(None, cfg.model)
             continue
         model = model_of(source, _key(cfg, name))
+        if name == "teacher":  # its vocabulary and the length of the rows it will read
+            check_teacher(cfg.model, model, source, cfg.data.seq_len)
         if model.vocab_size != cfg.model.vocab_size:
             raise ConfigError(
                 f"{_key(cfg, name)}={source} has a vocabulary of {model.vocab_size} ids and this "
