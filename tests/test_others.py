@@ -57,7 +57,10 @@ def _rows(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("peft", [[], LORA], ids=["full", "lora"])
+# the full model's held reference also loads in test_distill's teacher and the DPO runs
+@pytest.mark.parametrize(
+    "peft", [pytest.param([], marks=pytest.mark.slow), LORA], ids=["full", "lora"]
+)
 def test_the_reference_is_the_start_and_stays_fixed_while_the_policy_learns(
     base, data, tmp_path, peft
 ):
