@@ -9,7 +9,9 @@ full gradient) and the held-out accuracy falls to 0.70.
     python scripts/grpo_addition.py OUT [--sft-steps N] [--grpo-steps N]
 
 writes OUT/add_sft.jsonl (prompt_completion), OUT/add_train.jsonl and OUT/add_test.jsonl
-(rollout prompts), runs OUT/sft and OUT/grpo, and prints the held-out reward before and after.
+(rollout prompts), runs OUT/sft and OUT/grpo, prints the held-out reward before and after, and
+draws OUT/reward.png: the sampled reward of every logged step and the held-out reward of each
+evaluation (step 0: the SFT model).
 """
 
 from __future__ import annotations
@@ -51,6 +53,34 @@ def write_data(out: Path, seed: int = 0) -> None:
     with open(out / "add_sft.jsonl", "w") as f:
         for a, b in splits["add_train"]:
             f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
+
+
+def plot(out: Path) -> Path:
+    """OUT/reward.png from OUT/before and OUT/grpo's metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def rows(run: str) -> list[dict]:
+        lines = (out / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    grpo = rows("grpo")
+    sampled = [(r["step"], r["reward_mean"]) for r in grpo if "reward_mean" in r]
+    held = [(0, rows("before")[-1]["eval_reward"])]
+    held += [(r["step"], r["eval_reward"]) for r in grpo if "eval_reward" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(*zip(*sampled), label="sampled reward (rollouts, mean of the step)", alpha=0.7)
+    ax.plot(*zip(*held), "o-", label="held-out exact match (greedy)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path = out / "reward.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
@@ -103,6 +133,7 @@ def main() -> None:
     final = train(config.load(None, grpo))
     print(f"held-out exact match: {before['eval_reward']:.3f} after SFT, "
           f"{final['eval_reward']:.3f} after {ns.grpo_steps} GRPO steps")  # fmt: skip
+    print(f"wrote {plot(ns.out)}")
 
 
 if __name__ == "__main__":
