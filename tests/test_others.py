@@ -10,6 +10,8 @@ import pytest
 from conftest import SMALL_RUN
 
 from jaxllm.cli import main
+from jaxllm.config import RunError
+from jaxllm.train import others
 from jaxllm.train.objectives import ObjectiveOutput, next_token, token_nll
 
 
@@ -75,6 +77,18 @@ def test_the_reference_is_the_start_and_stays_fixed_while_the_policy_learns(
     assert rows[-1]["loss"] < rows[0]["loss"] - 1e-3  # the policy moved, the reference did not
 
 
+def test_records_must_match_at_a_resume():
+    was = {"reference": {"source": "/runs/ref/checkpoints/1", "sha256": "a" * 64}}
+    others.check(was, was)
+    moved = {"reference": {"source": "/elsewhere/checkpoints/1", "sha256": "a" * 64}}
+    others.check(was, moved)  # the same weights at another path
+    for now in ({"reference": {"source": "/runs/ref/checkpoints/2", "sha256": "b" * 64}}, None):
+        with pytest.raises(RunError, match="this run trained with the reference /runs/ref"):
+            others.check(was, now)
+    others.check(None, was)  # a run that held no frozen model records none
+
+
+@pytest.mark.slow  # the same check, through a resumed jaxllm train (records: test above)
 def test_a_resumed_run_refuses_another_reference(base, data, tmp_path, capsys):
     reference = tmp_path / "reference"
     assert _train(reference, data, "train.steps=1") == 0

@@ -85,8 +85,13 @@ def lora_live(tmp_path_factory, source):
     return dpo(tmp_path_factory.mktemp("lora") / "run", source, *LORA, "train.steps=10")
 
 
+# slow: SimPO trains by default in the mesh equality test below, DPO learns in the LoRA test
 @pytest.mark.parametrize(
-    "kind,beta", [("simpo", 2.0), pytest.param("orpo", 0.5, marks=pytest.mark.slow)]
+    "kind,beta",
+    [
+        pytest.param("simpo", 2.0, marks=pytest.mark.slow),
+        pytest.param("orpo", 0.5, marks=pytest.mark.slow),
+    ],
 )
 def test_reference_free_losses_learn_a_preference(tmp_path, kind, beta):
     source = f"[{{path: {pairs_file(tmp_path)}, format: preference}}]"
