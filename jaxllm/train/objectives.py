@@ -33,16 +33,12 @@ for an objective of your own.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from pathlib import Path
-
 import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
 from jaxllm.train import distill, grpo, preference, reward
-from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
+from jaxllm.train.output import Objective, ObjectiveOutput, load_function, token_nll
 
 __all__ = [
     "BUILT_IN",
@@ -139,18 +135,4 @@ def from_config(cfg: Config) -> Objective:
             f"train.objective={name!r}: use one of {', '.join(BUILT_IN)}, or MODULE:NAME / "
             "path/to/file.py:NAME"
         )
-    try:
-        if where.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-            if spec is None or not Path(where).is_file():
-                raise FileNotFoundError(where)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        fn = getattr(module, attr)
-    except (ImportError, FileNotFoundError, AttributeError) as e:
-        raise ConfigError(f"train.objective={name!r} cannot be loaded: {e}") from None
-    if not callable(fn):
-        raise ConfigError(f"train.objective={name!r} is not a function")
-    return fn
+    return load_function(name, "train.objective")

@@ -1,16 +1,22 @@
 """What every objective shares: the `ObjectiveOutput` of sums it returns, the `Objective`
-signature, and `token_nll`, the float32 pieces of a token-level cross-entropy. Its own module
+signature, `token_nll`, the float32 pieces of a token-level cross-entropy, and `load_function`
+for the `MODULE:NAME` specs of user code (objectives, rewards). Its own module
 so that the objectives of other methods (`jaxllm.train.distill`) build on it while
 `jaxllm.train.objectives`, the registry, imports them."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxllm.config import ConfigError
 
 
 class ObjectiveOutput(NamedTuple):
@@ -31,3 +37,24 @@ def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array):
     logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
     target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], -1)[..., 0]
     return logz_BxL - target_logit_BxL, logz_BxL
+
+
+def load_function(spec: str, key: str) -> Callable:
+    """The function `MODULE:NAME` or `path/to/file.py:NAME` names; ConfigError naming `key`
+    when it cannot be loaded or is not callable."""
+    where, _, attr = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+            if module_spec is None or not Path(where).is_file():
+                raise FileNotFoundError(where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        fn = getattr(module, attr)
+    except (ImportError, FileNotFoundError, AttributeError) as e:
+        raise ConfigError(f"{key}={spec!r} cannot be loaded: {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"{key}={spec!r} is not a function")
+    return fn

@@ -18,14 +18,13 @@ A reward model (a run directory of `train.objective=reward`) scores through
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from jaxllm.config import ConfigError
+from jaxllm.train.output import load_function
 
 RewardFn = Callable[[Sequence, Sequence[str], Sequence], Sequence[float]]
 
@@ -54,22 +53,7 @@ def regex(pattern: str) -> RewardFn:
 
 
 def _load(spec: str) -> RewardFn:
-    where, _, attr = spec.rpartition(":")
-    try:
-        if where.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-            if module_spec is None or not Path(where).is_file():
-                raise FileNotFoundError(where)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        fn = getattr(module, attr)
-    except (ImportError, FileNotFoundError, AttributeError) as e:
-        raise ConfigError(f"train.reward={spec!r} cannot be loaded: {e}") from None
-    if not callable(fn):
-        raise ConfigError(f"train.reward={spec!r} is not a function")
-    return fn
+    return load_function(spec, "train.reward")
 
 
 def from_spec(spec: str) -> RewardFn:
