@@ -149,7 +149,8 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
 
     One exception, the heads: a reward model (`model.head=score`) started from a language
     model reads the LM's body only. The LM head (if any) stays behind and `score` is absent
-    from the parameters returned; `init_state_from` starts it fresh from the run's seed."""
+    from the parameters returned; `init_state_from` starts it fresh from the run's seed. So
+    does PPO's `value` head (`model.value_head`) when the source has none."""
     hf = _is_hf_source(source)
     if hf:
         theirs = model_config(source)
@@ -185,6 +186,8 @@ def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
     model started from a language model, the same body with the source's LM head."""
     if model_cfg.head == "score" and theirs.head == "lm":
         return dataclasses.replace(model_cfg, head="lm", tie_embeddings=theirs.tie_embeddings)
+    if model_cfg.value_head and not theirs.value_head:  # PPO's value head starts fresh
+        return dataclasses.replace(model_cfg, value_head=False)
     return model_cfg
 
 
