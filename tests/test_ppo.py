@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from safetensors.numpy import load_file
 
 from jaxllm import config
 from jaxllm.config import ConfigError, ModelConfig
+from jaxllm.convert.export import export_hf
 from jaxllm.model import build
 from jaxllm.train import objectives, ppo
 from jaxllm.train.loop import train
@@ -277,3 +280,19 @@ def test_a_resumed_ppo_run_makes_the_same_steps(tmp_path):
     for r in _metrics(straight)[3:]:
         for key in ("loss", "value_loss", "reward_mean", "grad_norm", "completion_length"):
             assert resumed[r["step"]][key] == r[key], (r["step"], key)
+
+
+def test_export_leaves_the_value_head_behind(tmp_path):
+    kw = dict(num_layers=1, d_model=16, num_heads=2, num_kv_heads=2, mlp_dim=32)
+    kw.update(vocab_size=264, max_seq_len=8, dtype="float32")
+    data = {"seq_len": 8}
+    with_value = config.from_dict({"model": {**kw, "value_head": True}, "data": data}).validate(1)
+    params = nnx.to_pure_dict(nnx.state(build(with_value.model, 0), nnx.Param))
+    assert "value" in params
+    export_hf(params, with_value, tmp_path / "ppo")
+    lm = {k: v for k, v in params.items() if k != "value"}
+    export_hf(lm, config.from_dict({"model": kw, "data": data}).validate(1), tmp_path / "lm")
+    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("ppo", "lm"))
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        np.testing.assert_array_equal(ours[k], theirs[k])
