@@ -2,6 +2,7 @@
 formula, the value head, the config keys, and runs of `jaxllm.train.loop.train` (the reward
 rises; a resumed run makes the same steps)."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -12,9 +13,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxllm import config
+from jaxllm import config, sharding
 from jaxllm.config import ConfigError, ModelConfig
 from jaxllm.convert.export import export_hf
+from jaxllm.load import load_weights
 from jaxllm.model import build
 from jaxllm.train import objectives, ppo
 from jaxllm.train.loop import train
@@ -253,10 +255,10 @@ def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_ppo_raises_a_reward(tmp_path):
+def test_ppo_raises_a_reward_and_its_lm_loads_without_the_value_head(tmp_path):
     run = tmp_path / "run"
     base = [*RUN, f"data.sources={_prompts(tmp_path)}", "train.steps=16", f"run.dir={run}"]
-    train(config.load(None, base))
+    train(config.load(None, [*base, "checkpoint.save_final=true"]))
     m = _metrics(run)
     assert [r["step"] for r in m] == list(range(1, 17))
     assert all(r["tokens"] == 16 for r in m)  # the step counts sequences
@@ -264,6 +266,15 @@ def test_ppo_raises_a_reward(tmp_path):
     first = np.mean([r["reward_mean"] for r in m[:4]])
     last = np.mean([r["reward_mean"] for r in m[-4:]])
     assert last > first + 0.05, (first, last)
+    # what the run trained, read by a model with and without the value head (SFT on from PPO)
+    cfg = config.load(None, base)
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices())
+    with_value = load_weights(run, cfg.model, mesh)[0]
+    plain = load_weights(run, dataclasses.replace(cfg.model, value_head=False), mesh)[0]
+    assert "value" in with_value and set(plain) == set(with_value) - {"value"}
+    lm = {k: with_value[k] for k in plain}
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(lm), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow
