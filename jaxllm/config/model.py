@@ -231,7 +231,8 @@ class ModelConfig:
     """Add PPO's value head beside the LM head: one projection `value` [D, 1] (no bias) of the
     same final hidden state, giving V(s_t) [B, L] in `ModelOutput.values`
     (`train.objective=ppo`). `checkpoint.init_from` a model without it starts it fresh;
-    a model without it started from a PPO run leaves that run's value head behind."""
+    a model without it started from a PPO run leaves that run's value head behind. Under
+    `peft` it trains beside the adapters."""
     dropout: float = 0.0
     """Dropout rate on the embeddings and on each residual branch's output; training only (the
     train step passes an rng; eval, scoring and generation never drop)."""

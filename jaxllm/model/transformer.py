@@ -194,7 +194,8 @@ class Transformer(nnx.Module):
         elif not cfg.tie_embeddings:
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
         if cfg.value_head:  # PPO's critic on the policy's own final hidden state
-            self.value = param(rngs, init, (cfg.d_model, 1), ("embed", None), pdt)
+            value = init(rngs.params(), (cfg.d_model, 1), pdt)
+            self.value = lora.ValueParam(value, axes=("embed", None))
 
     def __call__(
         self,

@@ -169,17 +169,12 @@ def objective(beta: float, clip_epsilon=0.2, value_coef=0.1, value_clip=0.2):
 
 
 def from_config(cfg: Config):
-    """The PPO objective of a run; ConfigError when its model has no value head or it trains
-    adapters (the value head is a full parameter, outside LoRA's trainable set)."""
+    """The PPO objective of a run; ConfigError when its model has no value head. Under peft the
+    value head trains beside the adapters (`jaxllm.model.lora.ValueParam`)."""
     if not cfg.model.value_head:
         raise ConfigError(
             "train.objective=ppo learns a value function: set model.value_head=true (a [D, 1] "
             "head beside the LM head; it starts fresh when checkpoint.init_from has none)."
-        )
-    if cfg.peft.method != "none":
-        raise ConfigError(
-            f"train.objective=ppo trains the value head with the whole model; peft.method="
-            f"{cfg.peft.method} is not supported with it yet: use peft.method=none."
         )
     t = cfg.train
     return objective(t.beta, t.clip_epsilon, t.value_coef, t.value_clip)
