@@ -183,9 +183,10 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
 
 
 def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
-    """The model to read from a source of model `theirs`: `model_cfg` itself, or for a reward
-    model started from a language model, the same body with the source's LM head."""
-    # PPO's value head: one this model lacks is left behind, one it has starts fresh
+    """The model to read from a source of model `theirs`: `model_cfg` with the source's value
+    head or none (PPO's: one this model lacks is left behind, one it has starts fresh), and
+    for a reward model started from a language model, the same body with the source's LM
+    head."""
     model_cfg = dataclasses.replace(model_cfg, value_head=theirs.value_head)
     if model_cfg.head == "score" and theirs.head == "lm":
         return dataclasses.replace(model_cfg, head="lm", tie_embeddings=theirs.tie_embeddings)
