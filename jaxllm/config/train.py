@@ -210,7 +210,7 @@ def validate_rollout(t: TrainConfig) -> None:
         _fail(f"train.max_completion_tokens must be positive, not {t.max_completion_tokens}.")
     if not t.rollout_temperature > 0:
         _fail(
-            f"train.rollout_temperature must be positive (GRPO samples), not "
+            f"train.rollout_temperature must be positive ({t.objective} samples), not "
             f"{t.rollout_temperature}."
         )
     if t.beta == 0 and t.reference:
