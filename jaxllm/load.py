@@ -149,7 +149,9 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
 
     One exception, the heads: a reward model (`model.head=score`) started from a language
     model reads the LM's body only. The LM head (if any) stays behind and `score` is absent
-    from the parameters returned; `init_state_from` starts it fresh from the run's seed."""
+    from the parameters returned; `init_state_from` starts it fresh from the run's seed. So
+    does PPO's `value` head (`model.value_head`) when the source has none; a source's value
+    head that this model has not (SFT on from a PPO run) stays behind."""
     hf = _is_hf_source(source)
     if hf:
         theirs = model_config(source)
@@ -181,16 +183,22 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
 
 
 def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
-    """The model to read from a source of model `theirs`: `model_cfg` itself, or for a reward
-    model started from a language model, the same body with the source's LM head."""
+    """The model to read from a source of model `theirs`: `model_cfg` with the source's value
+    head or none (PPO's: one this model lacks is left behind, one it has starts fresh), and
+    for a reward model started from a language model, the same body with the source's LM
+    head."""
+    model_cfg = dataclasses.replace(model_cfg, value_head=theirs.value_head)
     if model_cfg.head == "score" and theirs.head == "lm":
         return dataclasses.replace(model_cfg, head="lm", tie_embeddings=theirs.tie_embeddings)
     return model_cfg
 
 
 def _heads_of(params: dict, model_cfg: ModelConfig) -> dict:
-    """`params` without a head `model_cfg` does not have (an LM's, under a reward model)."""
-    return params if model_cfg.head == "lm" else {k: v for k, v in params.items() if k != "lm_head"}
+    """`params` without a head `model_cfg` does not have (an LM's under a reward model, a
+    value head under any model without one)."""
+    drop = {"lm_head"} if model_cfg.head != "lm" else set()
+    drop |= set() if model_cfg.value_head else {"value"}
+    return {k: v for k, v in params.items() if k not in drop}
 
 
 def _is_hf_source(source) -> bool:

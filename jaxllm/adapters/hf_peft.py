@@ -170,10 +170,10 @@ def export_peft(
             f"--peft exports LoRA adapters, and this run has peft.method={cfg.peft.method}; "
             "export it without --peft."
         )
-    m = cfg.model
+    m = dataclasses.replace(cfg.model, value_head=False)  # PPO's value head: no PEFT layout
     fam = export_family(m, family)
     hf_config(m, fam)  # the model must be one the family can hold, as for the base export
-    flat = flatten(adapters)
+    flat = flatten({k: v for k, v in adapters.items() if k != "value"})
     adapted = {p.removesuffix(A) for p in flat if p.endswith(A)}
     if not adapted:
         raise ConfigError("this run's checkpoint holds no LoRA adapters; nothing to export.")

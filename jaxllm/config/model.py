@@ -227,6 +227,12 @@ class ModelConfig:
     `jaxllm.infer.reward.score`). A score model has no LM head, so tie_embeddings and
     final_soft_cap stay off; `checkpoint.init_from` an LM drops its head and starts the score
     head fresh."""
+    value_head: bool = False
+    """Add PPO's value head beside the LM head: one projection `value` [D, 1] (no bias) of the
+    same final hidden state, giving V(s_t) [B, L] in `ModelOutput.values`
+    (`train.objective=ppo`). `checkpoint.init_from` a model without it starts it fresh;
+    a model without it started from a PPO run leaves that run's value head behind. Under
+    `peft` it trains beside the adapters."""
     dropout: float = 0.0
     """Dropout rate on the embeddings and on each residual branch's output; training only (the
     train step passes an rng; eval, scoring and generation never drop)."""
@@ -311,6 +317,11 @@ class ModelConfig:
             _fail(
                 f"model.{key} acts on the LM head, which a score model (model.head=score) has "
                 f"not; set model.{key}={'false' if self.tie_embeddings else 'null'}."
+            )
+        if self.value_head and self.head == "score":
+            _fail(
+                "model.value_head sits beside the LM head; a score model (model.head=score) "
+                "has none: set model.value_head=false or model.head=lm."
             )
         if not 0 <= self.dropout < 1:
             _fail(f"model.dropout must be in [0, 1), not {self.dropout}.")

@@ -14,7 +14,7 @@ REFERENCE_OBJECTIVES = ("dpo", "ipo")
 # Every objective that reads the pairs of `format: preference` sources (a reward model too).
 PAIR_OBJECTIVES = (*PREFERENCE_OBJECTIVES, "reward")
 # The reinforcement-learning objectives: they sample their own batches (`format: rollout`).
-ROLLOUT_OBJECTIVES = ("grpo",)
+ROLLOUT_OBJECTIVES = ("grpo", "ppo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +32,13 @@ class TrainConfig:
     preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `reward`
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
     -log sigmoid(r_chosen - r_rejected); `jaxllm.train.reward`), `distill`
-    (match `train.teacher`), or your own objective function as `MODULE:NAME` or
+    (match `train.teacher`), the rollout objectives `grpo` and `ppo` (on `format: rollout`
+    sources; `jaxllm.train.grpo`, `jaxllm.train.ppo`), or your own objective function as `MODULE:NAME` or
     `path/to/file.py:NAME` (see `jaxllm.train.objectives`)."""
     beta: float = 0.1
     """The preference losses' coefficient: DPO's beta (the inverse temperature of the implicit
     reward), IPO's tau (the target margin is 1 / (2 tau)), SimPO's beta, ORPO's lambda (the
-    weight of the odds-ratio term); `grpo`: the weight of the KL to `train.reference` (0 holds
+    weight of the odds-ratio term); `grpo` / `ppo`: the weight of the KL to `train.reference` (0 holds
     no reference)."""
     label_smoothing: float = 0.0
     """`dpo`: the probability that a pair's labels are flipped (conservative DPO, cDPO);
@@ -71,18 +72,19 @@ class TrainConfig:
     """`distill`: the loss is distill_weight x divergence + (1 - distill_weight) x next-token
     cross-entropy on the data's targets. In [0, 1]."""
     num_generations: int = 8
-    """`grpo`: completions sampled per prompt (the group G); global_batch_size rows are
-    global_batch_size / G prompts, so G must divide it."""
+    """`grpo` / `ppo`: completions sampled per prompt (the group G); global_batch_size rows are
+    global_batch_size / G prompts, so G must divide it (PPO
+    may sample 1)."""
     max_completion_tokens: int = 64
-    """`grpo`: tokens sampled per completion at most (fewer when EOS comes first); the longest
+    """`grpo` / `ppo`: tokens sampled per completion at most (fewer when EOS comes first); the longest
     prompt plus this must fit a row of data.seq_len + 1 tokens. Dr. GRPO's constant
     normaliser."""
     rollout_temperature: float = 1.0
-    """`grpo`: the sampling temperature of the rollouts (> 0)."""
+    """`grpo` / `ppo`: the sampling temperature of the rollouts (> 0)."""
     clip_epsilon: float = 0.2
-    """`grpo`: the ratio exp(log pi - log pi_old) is clipped to [1 - eps, 1 + eps] (PPO)."""
+    """`grpo` / `ppo`: the ratio exp(log pi - log pi_old) is clipped to [1 - eps, 1 + eps] (PPO)."""
     reward: str = "exact_match"
-    """`grpo`: how a completion is scored, on the host: `exact_match` (1 when the completion,
+    """`grpo` / `ppo`: how a completion is scored, on the host: `exact_match` (1 when the completion,
     stripped, equals the record's answer), `regex:PATTERN` (1 when PATTERN's first match in the
     completion, its group 1 if it has one, equals the answer), or `MODULE:NAME` /
     `path/to/file.py:NAME`, a function (prompts, completions, answers) -> rewards (floats),
@@ -91,6 +93,15 @@ class TrainConfig:
     """`grpo`: `sequence` scales advantages by the group's std and averages each completion's
     tokens, then the completions (GRPO); `dr_grpo` only centres the advantages and divides
     token sums by max_completion_tokens (Dr. GRPO: no length or difficulty bias)."""
+    gae_gamma: float = 1.0
+    """`ppo`: the discount gamma of GAE over a completion's tokens, in [0, 1]."""
+    gae_lambda: float = 0.95
+    """`ppo`: GAE's lambda, in [0, 1]: 1 is the Monte-Carlo return minus V, 0 the one-step
+    TD error."""
+    value_coef: float = 0.1
+    """`ppo`: the weight c_v of the clipped value loss beside the policy loss (> 0)."""
+    value_clip: float = 0.2
+    """`ppo`: the value head's new estimate is clipped to within this of the rollout's (> 0)."""
     z_loss: float = 0.0
     """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
     (`next_token` and `sft` objectives)."""
@@ -134,9 +145,10 @@ OBJECTIVE_KEYS = {
             "rollout_temperature",
             "clip_epsilon",
             "reward",
-            "grpo_normalization",
         )
     },
+    "grpo_normalization": ("grpo",),
+    **{key: ("ppo",) for key in ("gae_gamma", "gae_lambda", "value_coef", "value_clip")},
 }
 
 
@@ -184,10 +196,10 @@ def validate_train(t: TrainConfig) -> None:
 
 def validate_rollout(t: TrainConfig) -> None:
     """The checks of the rollout objectives' keys."""
-    if t.num_generations < 2:
+    if t.num_generations < (2 if t.objective == "grpo" else 1):
         _fail(
-            f"train.num_generations must be at least 2 (a group's advantages are relative to "
-            f"its mean), not {t.num_generations}."
+            f"train.num_generations must be at least 2 for grpo (a group's advantages are "
+            f"relative to its mean) and 1 for ppo, not {t.num_generations}."
         )
     if t.global_batch_size % t.num_generations:
         _fail(
@@ -198,7 +210,7 @@ def validate_rollout(t: TrainConfig) -> None:
         _fail(f"train.max_completion_tokens must be positive, not {t.max_completion_tokens}.")
     if not t.rollout_temperature > 0:
         _fail(
-            f"train.rollout_temperature must be positive (GRPO samples), not "
+            f"train.rollout_temperature must be positive ({t.objective} samples), not "
             f"{t.rollout_temperature}."
         )
     if t.beta == 0 and t.reference:
@@ -208,3 +220,9 @@ def validate_rollout(t: TrainConfig) -> None:
         )
     if not 0 < t.clip_epsilon < 1:
         _fail(f"train.clip_epsilon must be in (0, 1), not {t.clip_epsilon}.")
+    for key in ("gae_gamma", "gae_lambda"):
+        if not 0 <= getattr(t, key) <= 1:
+            _fail(f"train.{key} must be in [0, 1], not {getattr(t, key)}.")
+    for key in ("value_coef", "value_clip"):
+        if not getattr(t, key) > 0:
+            _fail(f"train.{key} must be positive, not {getattr(t, key)}.")

@@ -4,6 +4,7 @@ at a time, with the run's tokenizer and its special-token ids."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -43,6 +44,9 @@ def export_hf(
     one layer, or one layer's expert, at a time), in the family's first layout (Mixtral,
     DeepSeek-V3: per-expert tensors); and the run's tokenizer with its special-token ids
     (`_write_tokenizer`; `run_dir`: where else to look for a generation_config.json)."""
+    if cfg.model.value_head:  # PPO's critic has no Hugging Face counterpart: the LM goes alone
+        params = {k: v for k, v in params.items() if k != "value"}
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, value_head=False))
     m = cfg.model
     fam = export_family(m, family)
     hf = hf_config(m, fam)

@@ -138,7 +138,7 @@ def _generate(
     view = kv_cache.CacheView(
         kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl, interpret=plan.interpret
     )
-    logits_Bx1xV, view, _ = model(prompt_BxL, cache=view, logits_at_BxQ=(lengths_B - 1)[:, None])
+    logits_Bx1xV, view, *_ = model(prompt_BxL, cache=view, logits_at_BxQ=(lengths_B - 1)[:, None])
     pick = functools.partial(
         sample, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p
     )
@@ -166,7 +166,7 @@ def _generate(
         view = kv_cache.CacheView(
             kv, lengths_B, jnp.int32(0), prefill=False, impl=plan.impl, interpret=plan.interpret
         )
-        logits_Bx1xV, view, _ = model(
+        logits_Bx1xV, view, *_ = model(
             tok_B[:, None], positions_BxL=(lengths_B - 1)[:, None], cache=view
         )
         rng, sub = jax.random.split(rng)
@@ -306,7 +306,7 @@ def _score(graphdef, state, tokens_BxT, plan, prefix):
     view = kv_cache.CacheView(
         kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl, interpret=plan.interpret
     )
-    logits_Bx1xV, view, _ = model(
+    logits_Bx1xV, view, *_ = model(
         tokens_BxT[:, :prefix], cache=view, logits_at_BxQ=(lengths_B - 1)[:, None]
     )
 
@@ -319,7 +319,7 @@ def _score(graphdef, state, tokens_BxT, plan, prefix):
             impl=plan.impl,
             interpret=plan.interpret,
         )
-        logits_Bx1xV, view, _ = model(
+        logits_Bx1xV, view, *_ = model(
             tokens_BxT[:, pos][:, None], positions_BxL=jnp.full((b, 1), pos, jnp.int32), cache=view
         )
         return view.kv, logits_Bx1xV[:, 0]

@@ -266,12 +266,16 @@ def _map_named(fn, params: dict, axes: dict) -> dict:
 
 def trainable(peft: PeftConfig | None):
     """The nnx filter of what trains under `peft`: every parameter (none), the LoRA factors,
-    or the soft prompt."""
+    or the soft prompt; PPO's value head (`ValueParam`) trains beside either."""
     if peft is None or peft.method == "none":
         return nnx.Param
     if peft.method == "prompt":
-        return PromptParam
-    return LoRAParam
+        return nnx.Any(PromptParam, ValueParam)
+    return nnx.Any(LoRAParam, ValueParam)
+
+
+class ValueParam(nnx.Param):
+    """PPO's value head (`model.value_head`): new to the model, so it trains under peft too."""
 
 
 class PromptParam(nnx.Param):

@@ -193,6 +193,9 @@ class Transformer(nnx.Module):
             self.score = param(rngs, init, (cfg.d_model, 1), ("embed", None), pdt)
         elif not cfg.tie_embeddings:
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
+        if cfg.value_head:  # PPO's critic on the policy's own final hidden state
+            value = init(rngs.params(), (cfg.d_model, 1), pdt)
+            self.value = lora.ValueParam(value, axes=("embed", None))
 
     def __call__(
         self,
@@ -296,7 +299,10 @@ class Transformer(nnx.Module):
             cap = jnp.float32(cfg.final_soft_cap)
             logits_BxLxV = cap * jnp.tanh(logits_BxLxV / cap)
         logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
-        return ModelOutput(logits_BxLxV, cache, aux)
+        values_BxL = None
+        if cfg.value_head:
+            values_BxL = matmul("bld,do->blo", x_BxLxD, self.value[...], dtype, jnp.float32)[..., 0]
+        return ModelOutput(logits_BxLxV, cache, aux, values_BxL)
 
     def _embed(self, tokens_BxL):
         """Token embeddings; with a soft prompt (peft.method=prompt), the ids -1 .. -P are its

@@ -24,10 +24,11 @@ An objective that needs frozen models besides the policy names them in its `othe
 (`("reference",)` for DPO / IPO).
 `reward` fits a reward model (`model.head=score`) to the same pairs (`jaxllm.train.reward`).
 `grpo` (`jaxllm.train.grpo`) is GRPO's clipped, group-relative policy gradient with a KL to the
-reference, on batches the policy samples itself (`jaxllm.train.rollout`).
+reference, on batches the policy samples itself (`jaxllm.train.rollout`); `ppo`
+(`jaxllm.train.ppo`) is PPO on the same batches, with GAE from the policy's value head.
 `distill` (`jaxllm.train.distill`) matches a frozen teacher's next-token distributions.
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
-the preference losses, `reward`, `grpo`, `distill`, or `MODULE:NAME` / `path/to/file.py:NAME`
+the preference losses, `reward`, `grpo`, `ppo`, `distill`, or `MODULE:NAME` / `path/to/file.py:NAME`
 for an objective of your own.
 """
 
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
-from jaxllm.train import distill, grpo, preference, reward
+from jaxllm.train import distill, grpo, ppo, preference, reward
 from jaxllm.train.output import Objective, ObjectiveOutput, load_function, token_nll
 
 __all__ = [
@@ -96,6 +97,7 @@ BUILT_IN = {
     },
     "reward": lambda cfg: reward.objective(),
     "grpo": lambda cfg: grpo.from_train_config(cfg.train),
+    "ppo": ppo.from_config,
     "distill": distill.from_config,
 }
 # The built-ins that read train.z_loss; set for another objective it would do nothing.

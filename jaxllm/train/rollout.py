@@ -1,4 +1,4 @@
-"""GRPO's batches: sampled by the policy itself, scored, and laid out as rows of the train step.
+"""GRPO's and PPO's batches: sampled by the policy itself, scored, laid out as the step's rows.
 
 `Rollouts` stands where the data pipeline's iterator stands in the loop (`jaxllm.train.loop`):
 before each step the loop hands it the `TrainState` the previous step returned (`next_rows`),
@@ -13,11 +13,14 @@ and it
    quantized caches too), up to `train.max_completion_tokens` or EOS; the sampling key is
    seeded by (run.seed, rollout number);
 3. scores every completion on the host with the reward function (`jaxllm.train.rewards`) and
-   turns the rewards into group-relative advantages (`jaxllm.train.grpo.group_advantages`);
+   turns the rewards into group-relative advantages (`jaxllm.train.grpo.group_advantages`),
+   or for PPO into GAE advantages and returns from the value head's V_old
+   (`jaxllm.train.ppo.rollout_fields`);
 4. builds one row per completion, prompt then completion (then EOS when it stopped there),
    `loss_mask` on the completion's tokens, with float32 `advantages`, `rewards` and
    `old_logps`: log pi_old of every target in one batched, jitted forward pass of the same
-   parameters (not read off the decoding, whose cache may be quantized).
+   parameters (not read off the decoding, whose cache may be quantized); PPO's `old_values`
+   come from that same pass.
 
 Its state is the number of rollouts made, so a resumed run draws the same prompts and samples
 with the same keys: given the same parameters, the same batches.
@@ -37,6 +40,7 @@ from jaxllm.data.rollout import Prompt, read_prompts
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer.generate import generate
 from jaxllm.model import abstract_model, merge_model
+from jaxllm.train import ppo
 from jaxllm.train import rewards as rewards_lib
 from jaxllm.train.batches import to_global
 from jaxllm.train.grpo import group_advantages
@@ -44,13 +48,15 @@ from jaxllm.train.preference import token_logps
 
 
 def _policy_logps(params, frozen, model_state, batch, *, graphdef, parallel_settings):
-    """log pi(target) [B, L] of a batch's rows (0 outside `loss_mask`), in the rows' order."""
+    """(log pi(target) [B, L] of a batch's rows, 0 outside `loss_mask`; the value head's
+    V [B, L], None without one), in the rows' order."""
     with sharding.active(parallel_settings):
         length = batch["inputs"].shape[1]
         order_1xL = parallel.sequence_layout({"i": jnp.arange(length)[None]})["i"]
         model = merge_model(graphdef, params, frozen, model_state)
-        logp_BxL, _ = token_logps(model, parallel.sequence_layout(batch))
-        return logp_BxL[:, jnp.argsort(order_1xL[0])]  # back from a ring's zigzag layout
+        logp_BxL, out = token_logps(model, parallel.sequence_layout(batch))
+        back_L = jnp.argsort(order_1xL[0])  # back from a ring's zigzag layout
+        return logp_BxL[:, back_L], None if out.values is None else out.values[:, back_L]
 
 
 def rows(prompts: list[np.ndarray], completions: list[list[int]], stopped, eos, seq_len: int):
@@ -72,8 +78,8 @@ def rows(prompts: list[np.ndarray], completions: list[list[int]], stopped, eos, 
 
 
 class Rollouts:
-    """The iterator of GRPO's batches (see the module docstring): `next_rows(rollouts, state)`
-    gives this process's rows of the next global batch, made with `state`'s parameters."""
+    """The iterator of GRPO's and PPO's batches (see the module docstring): `next_rows(it,
+    state)` gives this process's rows of the next global batch, made with `state`'s parameters."""
 
     def __init__(self, cfg: Config, mesh, batch_sharding, local: slice):
         t = cfg.train
@@ -158,18 +164,21 @@ class Rollouts:
         scores = rewards_lib.score(
             self.reward_fn, [p.prompt for p in prompts], texts, [p.answer for p in prompts]
         )
-        adv_S = group_advantages(np.asarray(scores), self.group, t.grpo_normalization)
         batch = rows(
             [p.ids for p in prompts], out.tokens, out.stopped, self.eos, self.cfg.data.seq_len
         )
-        batch["advantages"] = np.broadcast_to(adv_S[:, None], batch["inputs"].shape)
-        batch["rewards"] = np.broadcast_to(
-            np.asarray(scores, np.float32)[:, None], batch["inputs"].shape
-        )
         whole = to_global(batch, self.batch_sharding)  # every process made the whole batch
         state = self.policy
-        old = self._logps(state.params, state.frozen, state.model_state, whole)
+        old, values = self._logps(state.params, state.frozen, state.model_state, whole)
         batch["old_logps"] = np.asarray(jax.device_get(old), np.float32)
+        if t.objective == "ppo":
+            batch["old_values"] = np.asarray(jax.device_get(values), np.float32)
+            batch.update(ppo.rollout_fields(scores, batch["old_values"], batch["loss_mask"], t))
+        else:
+            adv_S = group_advantages(np.asarray(scores), self.group, t.grpo_normalization)
+            shape = batch["inputs"].shape
+            batch["advantages"] = np.broadcast_to(adv_S[:, None], shape)
+            batch["rewards"] = np.broadcast_to(np.asarray(scores, np.float32)[:, None], shape)
         self.made += 1
         return {k: v[self.local] for k, v in batch.items()}
 
@@ -189,7 +198,7 @@ class Rollouts:
 
 
 def next_rows(batches, state) -> dict:
-    """The next batch's rows: the data pipeline's, or the rollouts `state` samples (GRPO)."""
+    """The next batch's rows: the data pipeline's, or the rollouts `state` samples (GRPO, PPO)."""
     if isinstance(batches, Rollouts):
         batches.policy = state
     return next(batches)

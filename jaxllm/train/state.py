@@ -311,16 +311,16 @@ def init_state_from(
             model_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_ms)
         frozen = None
         if peft is not None and peft.method != "none":  # the adapters of a fresh init
-            frozen = lora.freeze(params, abstract_frozen(model_cfg, peft)[1], peft)
-            if adapters is not None:
-                params = adapters
-            else:
-                params = _init(model_cfg, tx, seed, None, peft).params
-                if peft.method == "prompt":  # from the loaded base's embeddings
-                    n, vocab = peft.num_virtual_tokens, model_cfg.vocab_size
-                    ids = lora.prompt_token_ids(lora.peft_key(init_key), n, vocab)
-                    embedding = frozen["embed"]["embedding"]
-                    params = {**params, "soft_prompt": embedding[ids].astype(embedding.dtype)}
+            frozen_axes = abstract_frozen(model_cfg, peft)[1]  # a source's value head: not base
+            frozen = lora.freeze({k: params[k] for k in frozen_axes}, frozen_axes, peft)
+            params = _init(model_cfg, tx, seed, None, peft).params
+            if adapters is not None:  # a value head beside imported adapters starts fresh
+                params = {**params, **adapters}
+            elif peft.method == "prompt":  # from the loaded base's embeddings
+                n, vocab = peft.num_virtual_tokens, model_cfg.vocab_size
+                ids = lora.prompt_token_ids(lora.peft_key(init_key), n, vocab)
+                embedding = frozen["embed"]["embedding"]
+                params = {**params, "soft_prompt": embedding[ids].astype(embedding.dtype)}
         elif set(params) != set(shardings.params):
             fresh = _init(model_cfg, tx, seed, None, peft).params
             params = {k: params[k] if k in params else fresh[k] for k in fresh}
