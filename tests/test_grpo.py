@@ -14,7 +14,7 @@ from jaxllm import config
 from jaxllm.config import ConfigError
 from jaxllm.train import grpo, rewards
 from jaxllm.train.loop import train
-from jaxllm.train.rollout import rows
+from jaxllm.train.rollout import rows, sequences
 
 
 def _batch(seed=0, b=4, length=6):
@@ -125,7 +125,7 @@ def test_group_advantages():
 
 def test_rows_train_the_completion_and_its_eos_only():
     prompts = [np.array([256, 5, 6], np.int32), np.array([256, 7], np.int32)]
-    out = rows(prompts, [[9, 8], [4, 4, 4]], [True, False], 257, seq_len=6)
+    out = rows(prompts, sequences(prompts, [[9, 8], [4, 4, 4]], [[257], []]), seq_len=6)
     np.testing.assert_array_equal(out["inputs"][0], [256, 5, 6, 9, 8, 0])
     np.testing.assert_array_equal(out["targets"][0], [5, 6, 9, 8, 257, 0])
     np.testing.assert_array_equal(out["loss_mask"][0], [0, 0, 1, 1, 1, 0])

@@ -81,6 +81,10 @@ class TrainConfig:
     normaliser."""
     rollout_temperature: float = 1.0
     """`grpo` / `ppo`: the sampling temperature of the rollouts (> 0)."""
+    updates_per_rollout: int = 1
+    """`grpo` / `ppo`: optimizer steps on each rollout's batch (GRPO's mu, PPO's epochs): the
+    first is on-policy (the ratio is 1), the later ones move pi away from pi_old, where the
+    clipped ratio acts. Each is one train step (`train.steps` counts updates)."""
     clip_epsilon: float = 0.2
     """`grpo` / `ppo`: the ratio exp(log pi - log pi_old) is clipped to [1 - eps, 1 + eps] (PPO)."""
     reward: str = "exact_match"
@@ -88,7 +92,9 @@ class TrainConfig:
     stripped, equals the record's answer), `regex:PATTERN` (1 when PATTERN's first match in the
     completion, its group 1 if it has one, equals the answer), or `MODULE:NAME` /
     `path/to/file.py:NAME`, a function (prompts, completions, answers) -> rewards (floats),
-    e.g. one that runs a unit test."""
+    e.g. one that runs a unit test; or a reward model: the directory of a `train.objective=reward`
+    run or a Hugging Face `*ForSequenceClassification` export, sharing the policy's tokenizer,
+    held frozen on the mesh and read at each completion's last token."""
     grpo_normalization: Literal["sequence", "dr_grpo"] = "sequence"
     """`grpo`: `sequence` scales advantages by the group's std and averages each completion's
     tokens, then the completions (GRPO); `dr_grpo` only centres the advantages and divides
@@ -143,6 +149,7 @@ OBJECTIVE_KEYS = {
             "num_generations",
             "max_completion_tokens",
             "rollout_temperature",
+            "updates_per_rollout",
             "clip_epsilon",
             "reward",
         )
@@ -218,6 +225,8 @@ def validate_rollout(t: TrainConfig) -> None:
             f"train.reference has no effect with train.beta=0: {t.objective} then keeps no KL "
             "to a reference; set train.beta > 0 or drop train.reference."
         )
+    if t.updates_per_rollout < 1:
+        _fail(f"train.updates_per_rollout must be at least 1, not {t.updates_per_rollout}.")
     if not 0 < t.clip_epsilon < 1:
         _fail(f"train.clip_epsilon must be in (0, 1), not {t.clip_epsilon}.")
     for key in ("gae_gamma", "gae_lambda"):

@@ -87,6 +87,8 @@ class Generation:
     """Bytes one cached token costs over all layers, scales included."""
     cache_bytes: int
     """Bytes of the whole allocated cache (all layers, residual window and scratch included)."""
+    ends: list[list[int]] = dataclasses.field(default_factory=list)
+    """The stop token, or stop sequence, each sequence ended with ([] where it did not stop)."""
 
 
 def resolve_decode_impl(impl: str, cfg=None) -> tuple[str, bool]:
@@ -264,14 +266,15 @@ def generate(
         )
     out_BxN, done_B = np.asarray(out_BxN), np.asarray(done_B)
     stops = set(np.asarray(stop_S).tolist())
-    tokens, stopped = [], []
+    tokens, stopped, ends = [], [], []
     for row in out_BxN[:n_real].tolist():
         cut = _first_stop(row, stops, seqs)
         tokens.append(row[: len(row) if cut is None else cut])
         stopped.append(cut is not None)
+        ends.append([] if cut is None else _stop_at(row, cut, stops, seqs))
     per_token = kv_cache.model_bytes_per_token(cfg, kind, group)
     residual = 2 * nl * b * g * group * k * jnp.dtype(cfg.dtype).itemsize if kind == "int4" else 0
-    return Generation(tokens, stopped, per_token, per_token * cache_tokens + residual)
+    return Generation(tokens, stopped, per_token, per_token * cache_tokens + residual, ends)
 
 
 def _first_stop(row: list[int], stops: set[int], seqs: list[tuple[int, ...]]) -> int | None:
@@ -283,6 +286,13 @@ def _first_stop(row: list[int], stops: set[int], seqs: list[tuple[int, ...]]) ->
             if i + 1 >= len(q) and tuple(row[i + 1 - len(q) : i + 1]) == q:
                 return i + 1 - len(q)
     return None
+
+
+def _stop_at(row: list[int], cut: int, stops: set[int], seqs: list[tuple[int, ...]]) -> list[int]:
+    """The stop token or sequence `row` is cut at `cut` by (`_first_stop`)."""
+    if row[cut] in stops:
+        return [row[cut]]
+    return next(list(q) for q in seqs if tuple(row[cut : cut + len(q)]) == q)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "prefix"))

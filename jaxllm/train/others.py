@@ -1,5 +1,5 @@
 """Frozen models beside the one that trains: the reference of the DPO family (and of GRPO /
-PPO's KL), the teacher of distillation.
+PPO's KL), the teacher of distillation, the reward model that scores GRPO / PPO rollouts.
 
 An objective that needs them names them in a function attribute, `objective.others =
 ("reference",)`, and is then called `objective(model, batch, rng, others)` with `others` a
@@ -10,7 +10,10 @@ teacher wider or deeper than the student shards like any model; the step differe
 checkpointed: a run records where each came from with a content hash (the checkpoint's
 `others` item) and loads them again at resume, refusing different weights in one line.
 
-Where each comes from (`source_of`): `train.teacher`; `train.reference`, else the run's
+The reward model is not the objective's: a rollout objective whose `train.reward` is a directory
+holds it (`held_names`), and the rollouts (`jaxllm.train.rollout`) read it from the state.
+
+Where each comes from (`source_of`): `train.teacher`; `train.reward`; `train.reference`, else the run's
 starting point `checkpoint.init_from`. Under `peft` with no `train.reference` the reference is
 the policy's own frozen base with its adapters zeroed, W + s A 0 = W (as PEFT's
 `disable_adapter`), so no second copy is held: it has no entry in `TrainState.others`. A
@@ -28,11 +31,13 @@ from jax.sharding import Mesh
 
 from jaxllm import checkpoint, config
 from jaxllm.config import Config, ConfigError, ModelConfig, RunError
+from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.convert import is_hf_dir, load_params, model_config
 from jaxllm.load import content_hash, resolve, restore, weight_files, weight_targets
 from jaxllm.model import abstract_model, lora, merge_model
 from jaxllm.train.distill import check_teacher
 from jaxllm.train.objectives import from_config
+from jaxllm.train.rewards import is_model
 
 OTHERS_ITEM = "others"  # the checkpoint's JSON item: {name: {"source", "sha256"}}
 
@@ -50,6 +55,12 @@ def names(objective) -> tuple[str, ...]:
     return tuple(getattr(objective, "others", ()))
 
 
+def held_names(cfg: Config, objective) -> tuple[str, ...]:
+    """The frozen models of this run: the objective's, and a rollout's reward model."""
+    rewarded = cfg.train.objective in ROLLOUT_OBJECTIVES and is_model(cfg.train.reward)
+    return names(objective) + (("reward_model",) if rewarded else ())
+
+
 def source_of(cfg: Config, name: str) -> str | None:
     """Where the frozen model `name` of this run comes from (see the module docstring)."""
     peft = cfg.peft.method != "none"
@@ -57,6 +68,8 @@ def source_of(cfg: Config, name: str) -> str | None:
         if not cfg.train.teacher:
             raise ConfigError(f"train.objective={cfg.train.objective} needs train.teacher.")
         return cfg.train.teacher
+    if name == "reward_model":
+        return cfg.train.reward
     if name == "reference":
         if cfg.train.reference:
             return cfg.train.reference
@@ -81,6 +94,8 @@ def source_of(cfg: Config, name: str) -> str | None:
 def _key(cfg: Config, name: str) -> str:
     if name == "reference" and not cfg.train.reference:
         return "checkpoint.init_from"
+    if name == "reward_model":
+        return "train.reward"
     return f"train.{name}"
 
 
@@ -97,10 +112,11 @@ def model_of(source: str, key: str) -> ModelConfig:
 
 
 def resolve_others(cfg: Config, objective) -> dict[str, Other]:
-    """The frozen models of `objective` for this run, checked: a teacher or reference must share
-    the policy's vocabulary (ConfigError before anything is compiled)."""
+    """The frozen models of this run (`held_names`), checked: each must share the policy's
+    vocabulary, a reward model must have a score head (ConfigError before anything is
+    compiled)."""
     out = {}
-    for name in names(objective):
+    for name in held_names(cfg, objective):
         source = source_of(cfg, name)
         if source is None:
             out[name] = Other(None, cfg.model)
@@ -108,6 +124,8 @@ def resolve_others(cfg: Config, objective) -> dict[str, Other]:
         model = model_of(source, _key(cfg, name))
         if name == "teacher":  # its vocabulary and the length of the rows it will read
             check_teacher(cfg.model, model, source, cfg.data.seq_len)
+        if name == "reward_model":
+            _check_reward_model(model, source, cfg.data.seq_len)
         if model.vocab_size != cfg.model.vocab_size:
             raise ConfigError(
                 f"{_key(cfg, name)}={source} has a vocabulary of {model.vocab_size} ids and this "
@@ -116,6 +134,19 @@ def resolve_others(cfg: Config, objective) -> dict[str, Other]:
             )
         out[name] = Other(source, model)
     return out
+
+
+def _check_reward_model(model: ModelConfig, source: str, seq_len: int) -> None:
+    if model.head != "score":
+        raise ConfigError(
+            f"train.reward={source} is a language model, not a reward model: train one with "
+            "train.objective=reward (model.head=score) or import a *ForSequenceClassification."
+        )
+    if model.max_seq_len < seq_len:
+        raise ConfigError(
+            f"train.reward={source} reads at most {model.max_seq_len} positions "
+            f"(model.max_seq_len), fewer than the rows' data.seq_len={seq_len}; lower data.seq_len."
+        )
 
 
 def graphdefs(others: dict[str, Other]) -> dict:

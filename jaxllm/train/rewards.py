@@ -12,8 +12,10 @@ of TRL's `reward_funcs`. `train.reward` names it:
     MODULE:NAME     a function of your own (`path/to/file.py:NAME` too), e.g. one that runs a
                     unit test against the completion's code
 
-A reward model (a run directory of `train.objective=reward`) scores through
-`jaxllm.infer.reward`; `from_spec` is where it joins these, and refuses it until then.
+A reward model stands in their place when `train.reward` is a directory (`is_model`): a
+`train.objective=reward` run or a Hugging Face `*ForSequenceClassification` export. It is a
+frozen model held on the mesh beside the policy (`jaxllm.train.others`, name `reward_model`)
+and scores the token rows of the rollouts on the device (`jaxllm.train.rollout`).
 """
 
 from __future__ import annotations
@@ -56,17 +58,21 @@ def _load(spec: str) -> RewardFn:
     return load_function(spec, "train.reward")
 
 
+def is_model(spec: str) -> bool:
+    """Whether `train.reward` names a reward model (a directory) rather than a function."""
+    return Path(spec).is_dir()
+
+
 def from_spec(spec: str) -> RewardFn:
     """The reward function `train.reward` names (see the module docstring)."""
     if spec == "exact_match":
         return exact_match
     if spec.startswith("regex:"):
         return regex(spec[len("regex:") :])
-    if Path(spec).is_dir():
-        # The hook of reward models: `jaxllm.infer.reward.score` of the run directory `spec`.
+    if is_model(spec):
         raise ConfigError(
-            f"train.reward={spec} is a directory: scoring rollouts with a reward model is not "
-            "available yet; use exact_match, regex:PATTERN or MODULE:NAME."
+            f"train.reward={spec} is a reward model, which scores token rows on the mesh, not "
+            "a function of texts."
         )
     if ":" in spec:
         return _load(spec)

@@ -12,23 +12,33 @@ and it
    `generate` section's top_k / top_p and KV cache (`generate.kv_cache_dtype`: int8 / int4
    quantized caches too), up to `train.max_completion_tokens` or EOS; the sampling key is
    seeded by (run.seed, rollout number);
-3. scores every completion on the host with the reward function (`jaxllm.train.rewards`) and
-   turns the rewards into group-relative advantages (`jaxllm.train.grpo.group_advantages`),
+3. scores every completion: on the host with the reward function of its decoded text
+   (`jaxllm.train.rewards`), or on the mesh with a reward model (`train.reward` a directory,
+   held frozen in `TrainState.others`) read at the sequence's last token; then turns the
+   rewards into group-relative advantages (`jaxllm.train.grpo.group_advantages`),
    or for PPO into GAE advantages and returns from the value head's V_old
    (`jaxllm.train.ppo.rollout_fields`);
-4. builds one row per completion, prompt then completion (then EOS when it stopped there),
+4. builds one row per completion, prompt then completion then the stop that ended it (EOS;
+   after a chat prompt also the chat template's end-of-turn marker, `jaxllm.infer.chat`),
    `loss_mask` on the completion's tokens, with float32 `advantages`, `rewards` and
    `old_logps`: log pi_old of every target in one batched, jitted forward pass of the same
    parameters (not read off the decoding, whose cache may be quantized); PPO's `old_values`
    come from that same pass.
 
+With `train.updates_per_rollout` = mu > 1 the same batch (its pi_old, advantages and returns
+unchanged) is handed to mu steps in a row before the next rollout.
+
 Its state is the number of rollouts made, so a resumed run draws the same prompts and samples
-with the same keys: given the same parameters, the same batches.
+with the same keys: given the same parameters, the same batches. Between the mu steps of one
+rollout the state also carries the batch itself (compressed, in the checkpoint's `data` item):
+the parameters it was sampled with are gone by then.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +48,16 @@ from jaxllm import parallel, sharding
 from jaxllm.config import Config, ConfigError, GenerateConfig
 from jaxllm.data.rollout import Prompt, read_prompts
 from jaxllm.data.tokenizer import make_tokenizer
+from jaxllm.infer.chat import end_of_turn
 from jaxllm.infer.generate import generate
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.train import ppo
 from jaxllm.train import rewards as rewards_lib
 from jaxllm.train.batches import to_global
 from jaxllm.train.grpo import group_advantages
+from jaxllm.train.others import model_of
 from jaxllm.train.preference import token_logps
+from jaxllm.train.reward import sequence_scores
 
 
 def _policy_logps(params, frozen, model_state, batch, *, graphdef, parallel_settings):
@@ -59,17 +72,33 @@ def _policy_logps(params, frozen, model_state, batch, *, graphdef, parallel_sett
         return logp_BxL[:, back_L], None if out.values is None else out.values[:, back_L]
 
 
-def rows(prompts: list[np.ndarray], completions: list[list[int]], stopped, eos, seq_len: int):
-    """The train rows of prompt + completion pairs: `inputs`, `targets`, `positions`,
-    `segment_ids` (1 on the sequence, 0 on padding) and `loss_mask` (1 where the target is a
-    completion token, its EOS included), [N, seq_len] int32 each."""
+def _model_rewards(params, model_state, batch, *, graphdef, parallel_settings):
+    """The reward model's score [B] of each row's one sequence (read at its last token)."""
+    with sharding.active(parallel_settings):
+        model = merge_model(graphdef, params, None, model_state)
+        scores_BxL, _ = sequence_scores(model, parallel.sequence_layout(batch))
+        return scores_BxL.sum(-1)  # a sum over L: the same in any layout
+
+
+def sequences(prompts: list[np.ndarray], completions: list[list[int]], ends) -> list[np.ndarray]:
+    """Each prompt + completion + the stop it ended with (EOS, an end-of-turn marker; nothing
+    when it ran out of tokens)."""
+    return [
+        np.concatenate([p, np.asarray(list(c) + list(e), np.int32)]).astype(np.int32)
+        for p, c, e in zip(prompts, completions, ends)
+    ]
+
+
+def rows(prompts: list[np.ndarray], seqs: list[np.ndarray], seq_len: int):
+    """The train rows of `sequences`: `inputs`, `targets`, `positions`, `segment_ids` (1 on the
+    sequence, 0 on padding) and `loss_mask` (1 where the target is a completion token, its stop
+    included), [N, seq_len] int32 each."""
     n = len(prompts)
     out = {k: np.zeros((n, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids")}
     out["loss_mask"] = np.zeros((n, seq_len), np.int32)
     out["positions"] = np.tile(np.arange(seq_len, dtype=np.int32), (n, 1))
-    for i, (p, c, s) in enumerate(zip(prompts, completions, stopped)):
-        tail = list(c) + ([eos] if s and eos is not None else [])
-        seq = np.concatenate([p, np.asarray(tail, np.int32)])[: seq_len + 1]
+    for i, (p, seq) in enumerate(zip(prompts, seqs)):
+        seq = seq[: seq_len + 1]
         m = len(seq) - 1
         out["inputs"][i, :m], out["targets"][i, :m] = seq[:-1], seq[1:]
         out["segment_ids"][i, :m] = 1
@@ -107,16 +136,26 @@ class Rollouts:
                 f"data.sources hold {len(self.prompts)} rollout prompts, fewer than the "
                 f"{self.per_step} a step samples (train.global_batch_size / train.num_generations)"
             )
+        self.reward_model = rewards_lib.is_model(t.reward)
         longest = max(len(p.ids) for p in (*self.prompts, *self.eval_prompts))
-        if longest + t.max_completion_tokens > min(cfg.data.seq_len, cfg.model.max_seq_len):
+        # a reward model reads the whole sequence, its closing stop included, in one row
+        room = min(cfg.data.seq_len - self.reward_model, cfg.model.max_seq_len)
+        if longest + t.max_completion_tokens > room:
             raise ConfigError(
                 f"the longest rollout prompt ({longest} tokens) plus train.max_completion_tokens "
-                f"({t.max_completion_tokens}) exceeds data.seq_len ({cfg.data.seq_len}) or "
+                f"({t.max_completion_tokens}) exceeds data.seq_len ({cfg.data.seq_len}"
+                f"{', less 1 for the stop a reward model reads' if self.reward_model else ''}) or "
                 f"model.max_seq_len ({cfg.model.max_seq_len}); raise them or shorten the prompts"
             )
-        self.reward_fn = rewards_lib.from_spec(t.reward)
-        self.eos = getattr(self.tok, "eos_id", None)
+        self.reward_fn = None if self.reward_model else rewards_lib.from_spec(t.reward)
+        # A completion ends at EOS; after a chat prompt also at the template's end of turn.
+        chat = any(not isinstance(p.prompt, str) for p in (*self.prompts, *self.eval_prompts))
+        eos = getattr(self.tok, "eos_id", None)
+        eot = end_of_turn(self.tok) if chat else None
+        self.stops = sorted(eot.stop_ids) if eot else ([] if eos is None else [eos])
+        self.stop_sequences = eot.stop_sequences if eot else ()
         self.made = 0  # rollouts made: the iterator's state
+        self.pending, self.served = None, 0  # the last rollout's batch, the steps it fed
         self.policy = None  # the TrainState the next rollout samples from
         self.graphdef = abstract_model(cfg.model, cfg.peft)[0]
         parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
@@ -125,12 +164,29 @@ class Rollouts:
                 _policy_logps, graphdef=self.graphdef, parallel_settings=parallel_settings
             )
         )
+        if self.reward_model:
+            scorer = abstract_model(model_of(t.reward, "train.reward"))[0]
+            self._model_rewards = jax.jit(
+                functools.partial(
+                    _model_rewards, graphdef=scorer, parallel_settings=parallel_settings
+                )
+            )
 
     def get_state(self) -> dict:
-        return {"rollouts": self.made}
+        state = {"rollouts": self.made}
+        if self.pending is not None and self.served < self.cfg.train.updates_per_rollout:
+            buf = io.BytesIO()
+            np.savez_compressed(buf, **self.pending)
+            state |= {"served": self.served, "batch": base64.b64encode(buf.getvalue()).decode()}
+        return state
 
     def set_state(self, state: dict) -> None:
         self.made = int(state["rollouts"])
+        self.pending, self.served = None, 0
+        if "batch" in state:
+            with np.load(io.BytesIO(base64.b64decode(state["batch"]))) as npz:
+                self.pending = {k: npz[k] for k in npz.files}
+            self.served = int(state["served"])
 
     def _generate(self, state, prompts: list[Prompt], temperature: float, seed: int):
         g = self.cfg.generate
@@ -147,12 +203,42 @@ class Rollouts:
             decode_impl=g.decode_impl,
         )
         model = merge_model(self.graphdef, state.params, state.frozen, state.model_state)
-        stops = () if self.eos is None else (self.eos,)
-        out = generate(model, [p.ids for p in prompts], gen, stop_tokens=stops, mesh=self.mesh)
-        texts = [self.tok.decode(c) for c in out.tokens]
-        return out, texts
+        out = generate(
+            model,
+            [p.ids for p in prompts],
+            gen,
+            stop_tokens=self.stops,
+            stop_sequences=self.stop_sequences,
+            mesh=self.mesh,
+        )
+        return out, sequences([p.ids for p in prompts], out.tokens, out.ends)
+
+    def _rewards(self, state, prompts: list[Prompt], out, seqs) -> list[float]:
+        """One reward per completion: the reward function's of the decoded texts, or the
+        reward model's of the token sequences."""
+        if not self.reward_model:
+            texts = [self.tok.decode(c) for c in out.tokens]
+            answers = [p.answer for p in prompts]
+            return rewards_lib.score(self.reward_fn, [p.prompt for p in prompts], texts, answers)
+        n, length = len(seqs), self.cfg.data.seq_len
+        rows_ = {k: np.zeros((n, length), np.int32) for k in ("inputs", "segment_ids")}
+        rows_["positions"] = np.tile(np.arange(length, dtype=np.int32), (n, 1))
+        for i, seq in enumerate(seqs):
+            rows_["inputs"][i, : len(seq)], rows_["segment_ids"][i, : len(seq)] = seq, 1
+        held = state.others["reward_model"]
+        scores = self._model_rewards(
+            held["params"], held["model_state"], to_global(rows_, self.batch_sharding)
+        )
+        return [float(r) for r in np.asarray(jax.device_get(scores), np.float32)]
 
     def __next__(self) -> dict:
+        if self.pending is None or self.served >= self.cfg.train.updates_per_rollout:
+            self.pending, self.served = self._rollout(), 0
+        self.served += 1
+        return {k: v[self.local] for k, v in self.pending.items()}
+
+    def _rollout(self) -> dict:
+        """The next rollout's whole batch, sampled from `self.policy`."""
         if self.policy is None:
             raise RuntimeError("Rollouts samples from a TrainState: call next_rows(it, state)")
         t, k = self.cfg.train, self.made
@@ -160,13 +246,9 @@ class Rollouts:
         picked = draw.choice(len(self.prompts), self.per_step, replace=False)
         prompts = [self.prompts[i] for i in picked for _ in range(self.group)]
         seed = int(np.random.SeedSequence([self.cfg.run.seed, k]).generate_state(1)[0])
-        out, texts = self._generate(self.policy, prompts, t.rollout_temperature, seed)
-        scores = rewards_lib.score(
-            self.reward_fn, [p.prompt for p in prompts], texts, [p.answer for p in prompts]
-        )
-        batch = rows(
-            [p.ids for p in prompts], out.tokens, out.stopped, self.eos, self.cfg.data.seq_len
-        )
+        out, seqs = self._generate(self.policy, prompts, t.rollout_temperature, seed)
+        scores = self._rewards(self.policy, prompts, out, seqs)
+        batch = rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
         whole = to_global(batch, self.batch_sharding)  # every process made the whole batch
         state = self.policy
         old, values = self._logps(state.params, state.frozen, state.model_state, whole)
@@ -180,7 +262,7 @@ class Rollouts:
             batch["advantages"] = np.broadcast_to(adv_S[:, None], shape)
             batch["rewards"] = np.broadcast_to(np.asarray(scores, np.float32)[:, None], shape)
         self.made += 1
-        return {k: v[self.local] for k, v in batch.items()}
+        return {k: np.ascontiguousarray(v) for k, v in batch.items()}
 
     def evaluate(self, state) -> dict:
         """{'eval_reward': the mean reward of greedy completions of the eval prompts} (empty
@@ -190,10 +272,8 @@ class Rollouts:
         scores = []
         for i in range(0, len(self.eval_prompts), self.cfg.train.global_batch_size):
             chunk = self.eval_prompts[i : i + self.cfg.train.global_batch_size]
-            _, texts = self._generate(state, chunk, 0.0, 0)
-            scores += rewards_lib.score(
-                self.reward_fn, [p.prompt for p in chunk], texts, [p.answer for p in chunk]
-            )
+            out, seqs = self._generate(state, chunk, 0.0, 0)
+            scores += self._rewards(state, chunk, out, seqs)
         return {"eval_reward": float(np.mean(scores))}
 
 
