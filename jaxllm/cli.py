@@ -58,9 +58,14 @@ def cmd_train(ns) -> int:
         )
         return 1
     if "loss" in result:
+        # cross-entropy is in nats per token; the other objectives' losses are their own
+        unit = " nats/token" if cfg.train.objective in ("next_token", "sft") else ""
+        said = [f"train loss {result['loss']:.3f}"]
+        said += [f"eval loss {result['eval_loss']:.3f}"] if "eval_loss" in result else []
+        said += [f"eval reward {result['eval_reward']:.3f}"] if "eval_reward" in result else []
         print(
-            f"{'stopped' if result.get('stopped') else 'done'}: step {result['step']}, train loss "
-            f"{result['loss']:.3f}, eval loss {result.get('eval_loss', float('nan')):.3f} nats/token",
+            f"{'stopped' if result.get('stopped') else 'done'}: step {result['step']}, "
+            f"{', '.join(said)}{unit}",
             file=sys.stderr,
         )
     return 0

@@ -163,6 +163,7 @@ def _scales(run) -> list[tuple[int, float, float]]:
     return [(r["step"], r["loss"], r["loss_scale"]) for r in read_jsonl(run / "metrics.jsonl")]
 
 
+@pytest.mark.slow  # ~25 s; resuming bit-identically is tested by default in test_checkpoint
 def test_the_scale_is_checkpointed_and_a_resume_is_bit_identical(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert main(["train", *FP16_RUN, "train.steps=6", f"run.dir={straight}"]) == 0

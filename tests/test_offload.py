@@ -51,6 +51,7 @@ def _train(cfg):
     return losses, state
 
 
+@pytest.mark.slow  # ~24 s; an offloaded run trains and resumes by default (test_a_run_resumes_...)
 def test_offload_trains_like_no_offload():
     """Optimizer state in host memory and activations offloaded by the remat policy: the same
     losses and parameters as everything on the device (both at once: one compile fewer)."""

@@ -27,6 +27,7 @@ FAST = [
 ]
 
 
+@pytest.mark.slow  # ~27 s; the grid, its naming and its report run by default with a stand-in train
 def test_sweep_cli_trains_a_2x1_grid_and_writes_table_csv_and_plot(tmp_path, capsys):
     out = tmp_path / "sweep"
     code = cli.main(
