@@ -17,6 +17,7 @@ import pytest
 
 from jaxllm import config
 from jaxllm.config import Config, ConfigError, MeshConfig, ModelConfig, RopeConfig, TrainConfig
+from jaxllm.train import objectives
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RUN = REPO / "configs" / "runs" / "default.yaml"
@@ -282,3 +283,18 @@ def test_cli_takes_options_and_overrides_in_any_order():
         with pytest.raises(SystemExit) as e:
             parse(bad)
         assert e.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "preset", sorted((REPO / "configs/runs").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_run_preset_loads_and_names_its_objective(preset):
+    """Each run preset is a valid config on 8 devices whose objective builds."""
+    cfg = config.load(preset)
+    cfg.validate(8)
+    assert callable(objectives.from_config(cfg))
+
+
+def test_each_alignment_objective_has_a_preset():
+    names = {config.load(p).train.objective for p in (REPO / "configs/runs").glob("*.yaml")}
+    assert {"dpo", "ipo", "simpo", "orpo", "reward", "grpo", "ppo", "distill"} <= names
