@@ -127,15 +127,18 @@ def _steps(cfg, devices, batches):
     return metrics, state
 
 
-@pytest.mark.parametrize("kind", ["simpo", pytest.param("dpo", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind",
+    ["simpo", *(pytest.param(k, marks=pytest.mark.slow) for k in ("dpo", "ipo", "orpo", "reward"))],
+)
 def test_one_device_equals_data_fsdp_tensor_parallel(tmp_path, request, kind):
     """The same preference steps on 1 device and on data 2 x fsdp 2 x tensor 2: equal losses,
     rewards and parameters (pairs never straddle the batch split: a pair lives in one row). DPO's
     reference, another model, is sharded on each mesh by its own axes."""
     src = config.SourceConfig(path=str(pairs_file(tmp_path)), format="preference")
     data = config.DataConfig(sources=(src,), eval_sources=(src,), seq_len=32)
-    rows = load_splits(data)[0]
-    reference = str(request.getfixturevalue("base")) if kind == "dpo" else None
+    rows = load_splits(data, whole_inputs=kind == "reward")[0]
+    reference = str(request.getfixturevalue("base")) if kind in ("dpo", "ipo") else None
     batches = [
         {k: np.stack([rows[(8 * b + i) % len(rows)][k] for i in range(8)]) for k in rows[0]}
         for b in range(3)
@@ -143,11 +146,22 @@ def test_one_device_equals_data_fsdp_tensor_parallel(tmp_path, request, kind):
 
     def cfg(**mesh):
         return config.Config(
-            model=tiny_model(vocab_size=320, d_model=64, num_heads=8, num_kv_heads=4, mlp_dim=128),
+            model=tiny_model(
+                vocab_size=320,
+                d_model=64,
+                num_heads=8,
+                num_kv_heads=4,
+                mlp_dim=128,
+                head="score" if kind == "reward" else "lm",
+            ),
             mesh=config.MeshConfig(**{"data": 1, **mesh}),
             data=data,
             train=config.TrainConfig(
-                global_batch_size=8, steps=3, objective=kind, beta=2.0, reference=reference
+                global_batch_size=8,
+                steps=3,
+                objective=kind,
+                beta=0.1 if kind == "reward" else 2.0,  # the reward objective reads no beta
+                reference=reference,
             ),
             optim=config.OptimConfig(lr=3e-3, warmup_steps=0, eps=1e-6),
         )
@@ -155,7 +169,8 @@ def test_one_device_equals_data_fsdp_tensor_parallel(tmp_path, request, kind):
     want, one = _steps(cfg(), jax.devices()[:1], batches)
     got, many = _steps(cfg(data=2, fsdp=2, tensor=2), jax.devices(), batches)
     for w, g in zip(want, got):
-        for name in ("loss", "rewards/margins", "rewards/chosen", "logps/rejected", "tokens"):
+        names = ("loss", "rewards/margins", "rewards/chosen", "tokens")
+        for name in (*names, "accuracy" if kind == "reward" else "logps/rejected"):
             np.testing.assert_allclose(g[name], w[name], rtol=1e-5, atol=1e-6, err_msg=name)
     assert want[-1]["loss"] < want[0]["loss"]
     for a, b in zip(jax.tree.leaves(many.params), jax.tree.leaves(jax.device_get(one.params))):
