@@ -6,9 +6,11 @@ defaults, on 2 CPU cores in about two minutes: 0.905 after SFT, 0.927 / 0.936 / 
 collapses within 15 steps (Adam's steps are as large on the few groups that disagree as on a
 full gradient) and the held-out accuracy falls to 0.70. `--objective ppo` runs PPO instead
 of GRPO on the same task (a fresh value head on the SFT model, GAE, the same reward), into
-OUT/ppo and OUT/ppo_before.
+OUT/ppo and OUT/ppo_before. `--updates-per-rollout MU` trains MU steps on each rollout
+(`train.updates_per_rollout`), into OUT/grpo_mu2 (OUT/ppo_mu2, ...).
 
     python scripts/grpo_addition.py OUT [--sft-steps N] [--grpo-steps N] [--objective ppo]
+                                        [--updates-per-rollout MU]
 
 writes OUT/add_sft.jsonl (prompt_completion), OUT/add_train.jsonl and OUT/add_test.jsonl
 (rollout prompts), runs OUT/sft and OUT/grpo, prints the held-out reward before and after, and
@@ -57,8 +59,10 @@ def write_data(out: Path, seed: int = 0) -> None:
             f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
 
 
-def plot(out: Path, objective: str = "grpo") -> Path:
-    """OUT/reward.png (OUT/ppo_reward.png) from the runs' metrics.jsonl."""
+def plot(out: Path, objective: str = "grpo", name: str | None = None) -> Path:
+    """OUT/reward.png (OUT/NAME_reward.png, NAME the run's directory, e.g. ppo) from the runs'
+    metrics.jsonl."""
+    name = name or objective
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,7 +72,7 @@ def plot(out: Path, objective: str = "grpo") -> Path:
         lines = (out / run / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines]
 
-    grpo = rows(objective)
+    grpo = rows(name)
     sampled = [(r["step"], r["reward_mean"]) for r in grpo if "reward_mean" in r]
     held = [(0, rows(_before(objective))[-1]["eval_reward"])]
     held += [(r["step"], r["eval_reward"]) for r in grpo if "eval_reward" in r]
@@ -79,7 +83,7 @@ def plot(out: Path, objective: str = "grpo") -> Path:
     ax.set_ylabel("reward")
     ax.legend(loc="lower right")
     fig.tight_layout()
-    path = out / ("reward.png" if objective == "grpo" else f"{objective}_reward.png")
+    path = out / ("reward.png" if name == "grpo" else f"{name}_reward.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -96,6 +100,7 @@ def main() -> None:
     p.add_argument("--grpo-steps", type=int, default=60)
     p.add_argument("--grpo-lr", type=float, default=5e-5)
     p.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
+    p.add_argument("--updates-per-rollout", type=int, default=1)
     ns = p.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     write_data(ns.out)
@@ -133,16 +138,20 @@ def main() -> None:
         f"optim.lr={ns.grpo_lr}",
         "optim.warmup_steps=0",
         "generate.kv_cache_dtype=float32",
-        f"run.dir={ns.out / ns.objective}",
     ]
+    mu = ns.updates_per_rollout
+    name = ns.objective + (f"_mu{mu}" if mu > 1 else "")
     # the SFT model's held-out reward: one step at learning rate 0
     before_dir = ns.out / _before(ns.objective)
-    train(config.load(None, [*grpo, "train.steps=1", "optim.lr=0", f"run.dir={before_dir}"]))
+    if not (before_dir / "metrics.jsonl").exists():
+        train(config.load(None, [*grpo, "train.steps=1", "optim.lr=0", f"run.dir={before_dir}"]))
     before = json.loads((before_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    final = train(config.load(None, grpo))
+    final = train(
+        config.load(None, [*grpo, f"train.updates_per_rollout={mu}", f"run.dir={ns.out / name}"])
+    )
     print(f"held-out exact match: {before['eval_reward']:.3f} after SFT, "
           f"{final['eval_reward']:.3f} after {ns.grpo_steps} {ns.objective.upper()} steps")  # fmt: skip
-    print(f"wrote {plot(ns.out, ns.objective)}")
+    print(f"wrote {plot(ns.out, ns.objective, name)}")
 
 
 if __name__ == "__main__":
