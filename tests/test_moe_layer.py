@@ -185,10 +185,9 @@ def test_layer_layouts_param_counts_and_flops():
     assert params["moe_layers"]["dense"]["mlp"]["gate_proj"].shape == (2, 1, 32, 64)
     assert params["moe_layers"]["moe"]["mlp"]["gate_proj"].shape == (2, 4, 32, 16)
     assert params["moe_layers"]["moe"]["mlp"]["shared"]["up_proj"].shape == (2, 32, 16)
-    logits, cache, aux = nnx.jit(lambda m, t: m(t))(
-        _random_init(model, std=0.05), jnp.ones((2, 8), jnp.int32)
-    )
-    assert cache is None
+    out = nnx.jit(lambda m, t: m(t))(_random_init(model, std=0.05), jnp.ones((2, 8), jnp.int32))
+    logits, aux = out.logits, out.aux
+    assert out.cache is None and out.values is None
     assert logits.shape == (2, 8, 64) and aux["expert_counts"].shape == (2, 4)
     np.testing.assert_array_equal(aux["expert_counts"].sum(-1), [2 * 8 * 2] * 2)
     counts = param_counts(cfg)

@@ -210,7 +210,7 @@ class Transformer(nnx.Module):
     ) -> ModelOutput:
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
-        Returns a `ModelOutput(logits, cache, aux)` whatever the flags. Generation passes a KV
+        Returns a `ModelOutput(logits, cache, aux, values)` whatever the flags. Generation passes a KV
         `cache` (`jaxllm.infer.kv_cache.CacheView`, returned updated) and `logits_at_BxQ`, the
         positions along L whose logits it needs, so a long prefill never materialises [B, L, V]
         logits. `dropout_key` (training) turns on dropout when `cfg.dropout` > 0. `aux` holds
