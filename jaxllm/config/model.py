@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
+from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.moe import MoEConfig
 
@@ -90,8 +91,8 @@ class ModelConfig:
     kind: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"
     """`decoder`: causal self-attention (GPT / Llama; every objective but `mlm`). `encoder`:
     bidirectional self-attention (BERT), where a token sees every token of its own segment,
-    before and after it, and padding (segment id 0) sees only padding. `encoder_decoder`
-    (T5) is reserved."""
+    before and after it, and padding (segment id 0) sees only padding; its BERT parts are
+    `encoder`. `encoder_decoder` (T5) is reserved."""
     vocab_size: int = 384
     """V: rows of the embedding table; at least the tokenizer's vocabulary (258 for bytes)."""
     d_model: int = 256
@@ -199,6 +200,9 @@ class ModelConfig:
     """Mixture-of-experts feed-forward layers; dense unless moe.num_experts > 0."""
     mla: MLAConfig = MLAConfig()
     """Multi-head Latent Attention in every block instead of GQA when mla.kv_lora_rank > 0."""
+    encoder: EncoderConfig = EncoderConfig()
+    """BERT / RoBERTa parts of an encoder (kind=encoder): token types, embedding norm, position
+    offset, MLM head, pooler."""
 
     moved_keys: ClassVar[dict[str, str]] = {
         f"rope_{f.name}": f"rope.{f.name}" for f in dataclasses.fields(RopeConfig)
@@ -246,6 +250,12 @@ class ModelConfig:
         """Combinations of model keys no field type can express (raises ConfigError)."""
         if self.kind == "encoder_decoder":
             _fail("model.kind=encoder_decoder is not yet supported; use decoder or encoder.")
+        self.encoder.validate(self.kind, self.position, self.mlp_activation)
+        if self.kind == "encoder" and (self.head != "lm" or self.value_head):
+            _fail(
+                "model.head=score and model.value_head are decoder heads; an encoder "
+                "(model.kind=encoder) ends in the LM (MLM) head."
+            )
         self._validate_rope()
         if self.mla.enabled:  # off, its widths are ignored (as moe.* without experts)
             self._validate_mla()

@@ -40,6 +40,7 @@ _SPECIAL_NAMES = {
     "bos": ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]"),
     "eos": ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "[EOS]"),
     "pad": ("<pad>", "<|pad|>", "[PAD]"),
+    "mask": ("[MASK]", "<mask>"),  # masked LM's mask token (BERT, RoBERTa)
 }
 
 
@@ -55,6 +56,7 @@ class ByteTokenizer:
     eos_id = 257
     pad_id = 0
     found_pad_id = 0
+    mask_id = None  # no mask token: masked LM takes train.mask_token_id or id 258
     name = "byte"
     chat_template = None
     special_tokens: dict[str, str] = {}  # BOS and EOS are ids past the bytes: no text spells them
@@ -79,7 +81,8 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer.json. Specials come from a `tokenizer_config.json`
-    beside it (bos_token, eos_token, pad_token) when there is one, else from common names.
+    beside it (bos_token, eos_token, pad_token, mask_token) when there is one, else from common
+    names.
 
     `chat_template` is the model's default chat template (Jinja text) and `chat_templates` all
     of its named ones, as transformers reads them: a `chat_template.jinja` beside the file, else
@@ -100,7 +103,7 @@ class HFTokenizer:
         if not isinstance(config, dict):
             raise ValueError(f"{config_path} is not a JSON object")
         declared = {}
-        for kind in ("bos", "eos", "pad"):
+        for kind in ("bos", "eos", "pad", "mask"):
             value = config.get(f"{kind}_token")
             declared[kind] = value.get("content") if isinstance(value, dict) else value
         for kind, names in _SPECIAL_NAMES.items():
@@ -190,6 +193,7 @@ class SentencePieceTokenizer:
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.found_pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         self.pad_id = self.found_pad_id if self.found_pad_id is not None else 0
+        self.mask_id = None  # SentencePiece models declare no mask token
         ids = {"bos": self.bos_id, "eos": self.eos_id, "unk": self._sp.unk_id()}
         ids["pad"] = self.found_pad_id
         self.special_tokens = {

@@ -27,6 +27,8 @@ An objective that needs frozen models besides the policy names them in its `othe
 reference, on batches the policy samples itself (`jaxllm.train.rollout`); `ppo`
 (`jaxllm.train.ppo`) is PPO on the same batches, with GAE from the policy's value head.
 `distill` (`jaxllm.train.distill`) matches a frozen teacher's next-token distributions.
+`mlm` is masked LM for encoders (`model.kind=encoder`): the pipeline corrupts the rows
+(`jaxllm.data.mlm`) and the loss is cross-entropy at the selected positions.
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
 the preference losses, `reward`, `grpo`, `ppo`, `distill`, or `MODULE:NAME` / `path/to/file.py:NAME`
 for an objective of your own.
@@ -46,6 +48,7 @@ __all__ = [
     "Objective",
     "ObjectiveOutput",
     "from_config",
+    "mlm",
     "next_token",
     "sft",
     "token_nll",
@@ -88,9 +91,18 @@ def sft(z_loss: float = 0.0) -> Objective:
     return next_token(z_loss)
 
 
+def mlm(z_loss: float = 0.0) -> Objective:
+    """Masked LM (BERT): cross-entropy of the original tokens at the positions
+    `jaxllm.data.mlm` selected (its rows carry them as `targets` and `loss_mask`, the corrupted
+    tokens as `inputs`), computed by an encoder that sees the whole row. The loss is that of
+    `next_token` on those rows: the data, not the step, decides what is predicted."""
+    return next_token(z_loss)
+
+
 BUILT_IN = {
     "next_token": lambda cfg: next_token(cfg.train.z_loss),
     "sft": lambda cfg: sft(cfg.train.z_loss),
+    "mlm": lambda cfg: mlm(cfg.train.z_loss),
     **{
         kind: (lambda cfg, kind=kind: preference.from_train_config(kind, cfg.train))
         for kind in preference.KINDS
@@ -101,7 +113,7 @@ BUILT_IN = {
     "distill": distill.from_config,
 }
 # The built-ins that read train.z_loss; set for another objective it would do nothing.
-Z_LOSS_OBJECTIVES = ("next_token", "sft")
+Z_LOSS_OBJECTIVES = ("next_token", "sft", "mlm")
 
 
 def _check_head(name: str, head: str) -> None:
