@@ -12,7 +12,7 @@ import math
 import jax
 
 from jaxllm import sharding
-from jaxllm.data.mlm import masker
+from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import restore
@@ -56,7 +56,7 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
         gbs,
         num_batches or cfg.train.eval_batches,
         process_rows(batch_sh, gbs),
-        masker(cfg, make_tokenizer(cfg.data)),
+        row_transform(cfg, make_tokenizer(cfg.data)),
     )
     results = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen, others)
     return {

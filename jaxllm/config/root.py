@@ -204,6 +204,15 @@ class Config:
                 f"train.objective=mlm predicts hidden tokens from both sides: it needs "
                 f"model.kind=encoder, not {kind}."
             )
+        if objective == "prefix_lm":
+            m = self.model
+            if kind != "decoder":
+                _fail(f"train.objective=prefix_lm trains a decoder (model.kind={kind}).")
+            if m.attention_impl in ("flash", "cudnn") or self.mesh.sequence_attention == "ring":
+                _fail(
+                    "train.objective=prefix_lm's prefix mask runs on the xla attention: set "
+                    "model.attention_impl to xla or auto and mesh.sequence_attention=all_gather."
+                )
         if kind == "encoder" and objective != "mlm":
             _fail(
                 f"train.objective={objective} predicts each token from those before it, which "

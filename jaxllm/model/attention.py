@@ -106,6 +106,7 @@ def dot_product_attention(
     soft_cap: float | None = None,
     alibi_slopes_H: jax.Array | None = None,
     impl: str = "xla",
+    prefix_BxL: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax(cap(q k^T * scale) + alibi + mask) v, the layout of `jax.nn.dot_product_attention`.
 
@@ -113,13 +114,18 @@ def dot_product_attention(
     w further limits it to i - w < j. `sliding_window` may be a traced int32 (0: no window) for
     `xla`, so scanned layers can differ; the kernels need a Python int. `soft_cap` c maps each
     scaled logit s to c * tanh(s / c); `alibi_slopes_H` adds -slope_h * (i - j) (xla only).
+    `prefix_BxL` (a prefix LM; self-attention, xla only, so `auto` picks xla): where query and
+    key are both 1 (the prefix of their segment) the key is visible even after the query, so the
+    prefix attends bidirectionally and the tokens after it causally.
     """
     l, k = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
-    impl = resolve_impl(impl, alibi_slopes_H is not None)
+    impl = resolve_impl(impl, alibi_slopes_H is not None or prefix_BxL is not None)
     if impl != "xla" and alibi_slopes_H is not None:
         raise ValueError(f"attention_impl={impl} takes no ALiBi bias; use xla")
+    if impl != "xla" and prefix_BxL is not None:
+        raise ValueError(f"attention_impl={impl} takes no prefix-LM mask; use xla")
     if impl != "xla" and v_BxSxGxK.shape[-1] != k:  # MLA: the kernels want one head width
         out = dot_product_attention(
             q_BxLxHxK,
@@ -171,6 +177,12 @@ def dot_product_attention(
     mask_XxLxS = attention_mask(
         q_idx_L, kv_idx_S, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids
     )
+    if prefix_BxL is not None:  # prefix x prefix of one segment: visible both ways
+        prefix_BxL = prefix_BxL.astype(bool)
+        both_BxLxS = prefix_BxL[:, :, None] & prefix_BxL[:, None, :]
+        if segment_ids is not None:
+            both_BxLxS &= segment_ids[0][:, :, None] == segment_ids[1][:, None, :]
+        mask_XxLxS = mask_XxLxS | both_BxLxS
     bias_HxLxS = None
     if alibi_slopes_H is not None:
         distance_LxS = jnp.abs(q_idx_L[:, None] - kv_idx_S[None, :]).astype(jnp.float32)
@@ -266,7 +278,7 @@ class Attention(nnx.Module):
             scale=self.scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi, sliding_window=window
         )
 
-    def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed):
+    def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed, prefix_BxL=None):
         """`dot_product_attention` with this layer's masks. A kernel takes its window as a
         Python int, so a layer that is windowed or not by the scan index picks one of two
         kernel calls with `lax.cond`; XLA reads the traced window directly."""
@@ -279,9 +291,11 @@ class Attention(nnx.Module):
             q_segment_ids_BxL=segment_ids_BxL,
             causal=self.causal,
             impl=self.impl,
+            prefix_BxL=prefix_BxL,
         )
         dynamic = self.window is not None and windowed is not None
-        if not dynamic or resolve_impl(self.impl, self.position == "alibi") == "xla":
+        xla = resolve_impl(self.impl, self.position == "alibi" or prefix_BxL is not None) == "xla"
+        if not dynamic or xla:
             return call(**masks)
         return jax.lax.cond(
             windowed,
@@ -300,8 +314,11 @@ class Attention(nnx.Module):
             alibi_slopes_H=masks["alibi_slopes_H"],
         )
 
-    def _self_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed):
-        """Self-attention of a training / scoring pass (no cache): causal in a decoder."""
+    def _self_attention(
+        self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed, prefix_BxL=None
+    ):
+        """Self-attention of a training / scoring pass (no cache): causal in a decoder,
+        bidirectional over `prefix_BxL` (prefix LM)."""
         if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             width = v_BxLxGxV.shape[-1]
             out_BxLxHxK = parallel.ring_attention(
@@ -316,10 +333,13 @@ class Attention(nnx.Module):
         # K/V all-gathered over the sequence shards (a no-op without them)
         k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
         v_BxLxGxV = constrain(v_BxLxGxV, ("batch", "act_kv_length", "act_heads", None))
-        return self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed)
+        return self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed, prefix_BxL)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
-        """Training / scoring: self-attention over x (causal in a decoder). With a `cache` (a
+    def __call__(
+        self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None, prefix_BxL=None
+    ):
+        """Training / scoring: self-attention over x (causal in a decoder; a prefix LM's
+        `prefix_BxL` attends bidirectionally). With a `cache` (a
         `jaxllm.infer.kv_cache.CacheView`), the new keys/values are written into it first; a
         prefill then attends over its own tokens, a decode step over the whole cache. Returns an
         `AttentionOutput(out, cache)`; its cache is None without one. `windowed`: whether this layer uses the sliding
@@ -341,7 +361,7 @@ class Attention(nnx.Module):
                 out_BxLxHxK = self._attend_cache(q_BxLxHxK, cache, windowed)
             return AttentionOutput(self._out(out_BxLxHxK), cache)
         out_BxLxHxK = self._self_attention(
-            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed, prefix_BxL
         )
         return AttentionOutput(self._out(out_BxLxHxK))
 

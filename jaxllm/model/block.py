@@ -80,10 +80,19 @@ class Block(nnx.Module):
         return x_BxLxD + apply_dropout(y_BxLxD, self.dropout, key)
 
     def __call__(
-        self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, *, windowed=None, key=None
+        self,
+        x_BxLxD,
+        positions_BxL,
+        segment_ids_BxL,
+        cache=None,
+        *,
+        windowed=None,
+        key=None,
+        prefix_BxL=None,
     ):
         """`windowed`: whether this layer's attention is windowed (traced, from the scan) when
-        layers differ; `key`: dropout rng (training only)."""
+        layers differ; `key`: dropout rng (training only); `prefix_BxL`: a prefix LM's
+        bidirectional prefix (see `dot_product_attention`)."""
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         lora_key = None if key is None else jax.random.fold_in(key, 0x10AA)
         stats = {}
@@ -91,7 +100,7 @@ class Block(nnx.Module):
         def attn(h_BxLxD):
             nonlocal cache
             out_BxLxD, cache = self.attn(
-                h_BxLxD, positions_BxL, segment_ids_BxL, cache, windowed=windowed
+                h_BxLxD, positions_BxL, segment_ids_BxL, cache, windowed, prefix_BxL
             )
             return out_BxLxD
 

@@ -104,6 +104,7 @@ class Transformer(nnx.Module):
         logits_at_BxQ=None,
         dropout_key=None,
         token_types_BxL=None,
+        prefix_BxL=None,
     ) -> ModelOutput:
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
@@ -113,6 +114,8 @@ class Transformer(nnx.Module):
         logits. `dropout_key` (training) turns on dropout when `cfg.dropout` > 0. `aux` holds
         the MoE load statistics (see `ModelOutput`); {} for dense models. `token_types_BxL`:
         the token types of a model with `cfg.encoder.type_vocab_size` (default 0).
+        `prefix_BxL` (prefix LM, training and scoring): 1 where a token belongs to its
+        segment's prefix, which attends bidirectionally within itself (attention on xla).
         """
         cfg = self.cfg
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
@@ -157,7 +160,9 @@ class Transformer(nnx.Module):
         n_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
         if self.layers is not None:
             take = jax.tree.map(lambda a: a[:n_dense], per_layer)
-            carry, _ = self._scan(self.layers, carry, take, positions_BxL, segment_ids_BxL, remat)
+            carry, _ = self._scan(
+                self.layers, carry, take, positions_BxL, segment_ids_BxL, prefix_BxL, remat
+            )
         aux = {}
         if cfg.moe.enabled:
             every = cfg.moe.moe_every
@@ -170,11 +175,17 @@ class Transformer(nnx.Module):
                 if group.dense is not None:
                     dense_in = jax.tree.map(lambda a: a[:-1], inputs)
                     carry, _ = self._scan(
-                        group.dense, carry, dense_in, positions_BxL, segment_ids_BxL, remat
+                        group.dense,
+                        carry,
+                        dense_in,
+                        positions_BxL,
+                        segment_ids_BxL,
+                        prefix_BxL,
+                        remat,
                     )
                 moe_in = jax.tree.map(lambda a: a[-1], inputs)
                 moe_def, moe_state = nnx.split(group.moe)
-                body = self._body(moe_def, positions_BxL, segment_ids_BxL, remat)
+                body = self._body(moe_def, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
                 return body(carry, (moe_state, moe_in))
 
             carry, stats = jax.lax.scan(
@@ -244,7 +255,7 @@ class Transformer(nnx.Module):
             return model_state, {}
         return moe_lib.after_step(self.cfg.moe, model_state, stats, keep)
 
-    def _body(self, graphdef, positions_BxL, segment_ids_BxL, remat: bool):
+    def _body(self, graphdef, positions_BxL, segment_ids_BxL, prefix_BxL, remat: bool):
         """Scan body of one block: ((x, cache), (state, per-layer inputs)) -> ((x, cache),
         stats); the cache (when there is one) is pointed at the block's own layer."""
 
@@ -255,17 +266,21 @@ class Transformer(nnx.Module):
             layer = inputs.pop("layer", None)
             view = None if cache is None else cache.at_layer(layer)
             block = nnx.merge(graphdef, state)
-            x_BxLxD, view, stats = block(x_BxLxD, positions_BxL, segment_ids_BxL, view, **inputs)
+            x_BxLxD, view, stats = block(
+                x_BxLxD, positions_BxL, segment_ids_BxL, view, prefix_BxL=prefix_BxL, **inputs
+            )
             return (x_BxLxD, view), stats
 
         if remat:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         return body
 
-    def _scan(self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, remat: bool):
+    def _scan(
+        self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, prefix_BxL, remat: bool
+    ):
         """Runs the blocks of a stacked module in order; returns the carry and stacked stats."""
         graphdef, state = nnx.split(stack)
-        body = self._body(graphdef, positions_BxL, segment_ids_BxL, remat)
+        body = self._body(graphdef, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
         return jax.lax.scan(body, carry, (state, per_layer), unroll=self.cfg.scan_unroll)
 
 

@@ -26,7 +26,7 @@ from jaxllm import adapters, checkpoint, config, optim, sharding
 from jaxllm.config import JaxllmWarning
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.data import check_vocab
-from jaxllm.data.mlm import masker
+from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import load_weights, weight_targets
@@ -160,9 +160,9 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} "
             f"eval docs ({time.perf_counter() - t0:.1f}s)"
         )
-        mlm = masker(cfg, make_tokenizer(cfg.data))  # masked LM's corruption, else None
-        batches = train_batches(train_rows, cfg.data, gbs, local, mlm)
-        held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local, mlm)
+        rewrite = row_transform(cfg, make_tokenizer(cfg.data))  # mlm / prefix_lm; else None
+        batches = train_batches(train_rows, cfg.data, gbs, local, rewrite)
+        held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local, rewrite)
 
     # The run directory: checked, then locked; nothing was written before this point.
     if lead:
