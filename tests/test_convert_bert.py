@@ -4,6 +4,7 @@ exported back, the same tensors byte for byte, and transformers' logits again.""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -12,10 +13,12 @@ from hf_models import run_cli
 from safetensors.numpy import load_file
 
 import jaxllm
+from jaxllm import config
 from jaxllm.config import ConfigError
 from jaxllm.convert import model_config
-from jaxllm.convert.families import FAMILIES, guess_family, hf_config
+from jaxllm.convert.families import FAMILIES, guess_family, hf_config, model_fields
 from jaxllm.metrics import param_counts
+from jaxllm.model import abstract_model
 
 VOCAB, LEN, PAD_AT = 320, 12, 8  # row 1 is padding from PAD_AT on
 SHAPE = dict(
@@ -137,3 +140,18 @@ def test_imported_configs_and_refusals(tmp_path):
 def _saved(name, tmp_path):
     _hf_model(name).save_pretrained(tmp_path / name)
     return tmp_path / name
+
+
+@pytest.mark.torch
+def test_bert_base_preset_counts_what_transformers_counts():
+    """configs/models/bert_base.yaml: 109,514,298 parameters, transformers' BertForMaskedLM of
+    BertConfig() (bert-base) on the meta device, the model itself, and the imported config."""
+    cfg = config.load(None, ["model=bert_base", "train.objective=mlm"]).model
+    with torch.device("meta"):
+        want = sum(p.numel() for p in hf.BertForMaskedLM(hf.BertConfig()).parameters())
+    _, abstract, _ = abstract_model(cfg)
+    assert param_counts(cfg)["total"] == want == sum(x.size for x in jax.tree.leaves(abstract))
+    assert want == 109_514_298
+    hf_cfg = {**hf.BertConfig().to_dict(), "architectures": ["BertForMaskedLM"]}
+    imported = config.from_dict({"model": model_fields(hf_cfg)}).model
+    assert dataclasses.replace(imported, dtype=cfg.dtype, param_dtype=cfg.param_dtype) == cfg

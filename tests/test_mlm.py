@@ -2,16 +2,18 @@
 the refusals, a sharded encoder train step, and `jaxllm train` end to end."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
 import pytest
 from conftest import SMALL_RUN, tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxllm import config, sharding
 from jaxllm.cli import main
 from jaxllm.config import ConfigError, MeshConfig
-from jaxllm.data import ByteTokenizer
+from jaxllm.data import ByteTokenizer, load_tokenizer
 from jaxllm.data.mlm import Masker, masker
 from jaxllm.data.packing import PackedRows
 from jaxllm.data.pipeline import train_batches
@@ -106,6 +108,24 @@ def test_mask_token_from_the_tokenizer_or_the_config():
     with pytest.raises(ConfigError, match="model.vocab_size"):
         masker(cfg("train.mask_token_id=400"), ByteTokenizer())
     assert masker(config.load(None, []), ByteTokenizer()) is None
+
+
+def test_a_bert_tokenizer_gives_its_mask_and_cls_sep_as_bos_eos(tmp_path):
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    specials = {f"{k}_token": f"[{k.upper()}]" for k in ("pad", "unk", "cls", "sep", "mask")}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(specials))
+    path = str(tmp_path / "tokenizer.json")
+    bert = load_tokenizer(path)
+    assert (bert.bos_id, bert.eos_id, bert.mask_id, bert.pad_id) == (2, 3, 4, 0)
+    cfg = config.load(
+        None,
+        ["model.kind=encoder", "train.objective=mlm", f"data.tokenizer={path}"],
+    )
+    m = masker(cfg, bert)
+    assert (m.mask_id, m.vocab_size, m.special_ids) == (4, 7, (2, 3))
 
 
 @pytest.mark.parametrize(

@@ -36,9 +36,10 @@ BPE_SPECIALS = ("<pad>", "<bos>", "<eos>")
 # Names a tokenizer.json may give its specials when no tokenizer_config.json says which they are.
 # The specials a chat template sees (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 _TEMPLATE_SPECIALS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+# BERT's [CLS] / [SEP] (declared as cls_token / sep_token) serve as its BOS / EOS.
 _SPECIAL_NAMES = {
-    "bos": ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]"),
-    "eos": ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "[EOS]"),
+    "bos": ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]", "[CLS]"),
+    "eos": ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "[EOS]", "[SEP]"),
     "pad": ("<pad>", "<|pad|>", "[PAD]"),
     "mask": ("[MASK]", "<mask>"),  # masked LM's mask token (BERT, RoBERTa)
 }
@@ -106,6 +107,10 @@ class HFTokenizer:
         for kind in ("bos", "eos", "pad", "mask"):
             value = config.get(f"{kind}_token")
             declared[kind] = value.get("content") if isinstance(value, dict) else value
+        for kind, alias in (("bos", "cls_token"), ("eos", "sep_token")):  # BERT
+            value = config.get(alias)
+            value = value.get("content") if isinstance(value, dict) else value
+            declared[kind] = declared[kind] or value
         for kind, names in _SPECIAL_NAMES.items():
             candidates = (declared[kind],) if declared.get(kind) else names
             ids = [self._tok.token_to_id(n) for n in candidates if n]
