@@ -211,7 +211,8 @@ class ModelConfig:
 
     @property
     def causal(self) -> bool:
-        """Whether self-attention is causal (a decoder's) rather than bidirectional."""
+        """Whether self-attention is causal (a decoder's) rather than bidirectional (an
+        encoder's); `kind=encoder_decoder` is causal here (its decoder's)."""
         return self.kind != "encoder"
 
     @property

@@ -1,8 +1,10 @@
-"""Decoder-only transformer; by default Llama-style (Touvron et al. 2023, arXiv:2302.13971):
+"""The transformer; by default a decoder, Llama-style (Touvron et al. 2023, arXiv:2302.13971):
 pre-RMSNorm blocks of GQA attention with RoPE and a SwiGLU MLP, a final RMSNorm and an
 (optionally tied) LM head. `ModelConfig` knobs reach GPT-2 (learned positions, LayerNorm, GELU,
 biases), Mistral / Qwen (sliding windows, qkv biases, QK-norm) and Gemma 2 (sandwich norms,
-GeGLU, soft caps, alternating local/global layers, embeddings scaled by sqrt(D)).
+GeGLU, soft caps, alternating local/global layers, embeddings scaled by sqrt(D)). With
+`ModelConfig.kind=encoder` the same stack attends bidirectionally (BERT / RoBERTa, with token
+types, an embedding norm, the MLM head and a pooler from `ModelConfig.encoder`; `heads.py`).
 
 The N blocks are created stacked (every block parameter has a leading `layers` axis) and run
 with `jax.lax.scan`, so compile time does not grow with depth and pipeline stages can later be
@@ -194,11 +196,16 @@ class Transformer(nnx.Module):
             aux = moe_lib.combine_layer_stats(stats)
         x_BxLxD, cache = carry
 
+        pooled_BxD = None
+        if cfg.encoder.pooler:  # of each row's first token, whatever logits are asked for
+            first_Bx1xD = x_BxLxD[:, :1]
+            if cfg.norm_placement != "post":
+                first_Bx1xD = self.final_norm(first_Bx1xD)
+            pooled_BxD = self.pooler(first_Bx1xD)
         if logits_at_BxQ is not None:
             x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
         if cfg.norm_placement != "post":
             x_BxLxD = self.final_norm(x_BxLxD)
-        pooled_BxD = self.pooler(x_BxLxD) if cfg.encoder.pooler else None
         if cfg.encoder.mlm_head:
             x_BxLxD = self.mlm_transform(x_BxLxD)
         if cfg.head == "score":  # [B, L, 1] scores, in float32 as logits
