@@ -75,7 +75,7 @@ def test_encoder_token_sees_later_tokens_of_its_segment_only(impl):
 
 
 def test_encoder_outputs_ignore_padding_tokens_and_flash_matches_xla():
-    cfg = _encoder()
+    cfg = _encoder(num_layers=1)
     tokens = jax.random.randint(jax.random.key(2), (2, 8), 1, 64)
     other = jnp.where(SEGMENTS_BxL == 0, 7, tokens)  # different tokens under the padding
     model = build(cfg, seed=0)

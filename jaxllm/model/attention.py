@@ -8,7 +8,9 @@ traced per-layer window; `flash`: the Pallas kernel; `cudnn`). Packed sequences 
 segment ids: a query attends only to keys of its own segment, so documents never see each other.
 Segment id 0 marks padding: real tokens (ids >= 1) never see it, and a padding query sees only
 padding (so no row is empty). Decoders are causal (query i sees keys j <= i); encoders
-(`ModelConfig.kind=encoder`) pass `causal=False` and see their whole segment. Sliding windows, logit soft caps and a custom logit scale apply to every implementation.
+(`ModelConfig.kind=encoder`) pass `causal=False` and see their whole segment; a prefix LM adds
+its prefix (xla only). Sliding windows, logit soft caps and a custom logit scale apply to every
+implementation.
 """
 
 from __future__ import annotations
@@ -320,6 +322,8 @@ class Attention(nnx.Module):
         """Self-attention of a training / scoring pass (no cache): causal in a decoder,
         bidirectional over `prefix_BxL` (prefix LM)."""
         if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
+            if prefix_BxL is not None:
+                raise ValueError("ring attention takes no prefix-LM mask; use all_gather")
             width = v_BxLxGxV.shape[-1]
             out_BxLxHxK = parallel.ring_attention(
                 q_BxLxHxK,
