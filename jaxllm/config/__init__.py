@@ -17,6 +17,7 @@ Modules: `model` (the model section), `train`, `peft`, `sections` (the others), 
 cross-section checks), `loading` (YAML, presets, overrides, type checks), `errors`.
 """
 
+from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import ConfigError, JaxllmWarning, RunError
 from jaxllm.config.loading import (
     SECTIONS,
@@ -29,7 +30,8 @@ from jaxllm.config.loading import (
     split_args,
     to_dict,
 )
-from jaxllm.config.model import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from jaxllm.config.model import MLAConfig, ModelConfig, RopeConfig
+from jaxllm.config.moe import MoEConfig
 from jaxllm.config.peft import PeftConfig
 from jaxllm.config.root import Config
 from jaxllm.config.sections import (
@@ -60,6 +62,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "MoEConfig",
+    "EncoderConfig",
     "OptimConfig",
     "PeftConfig",
     "RopeConfig",
