@@ -29,7 +29,8 @@ from jaxllm.config.loading import (
     split_args,
     to_dict,
 )
-from jaxllm.config.model import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from jaxllm.config.model import MLAConfig, ModelConfig, RopeConfig
+from jaxllm.config.moe import MoEConfig
 from jaxllm.config.peft import PeftConfig
 from jaxllm.config.root import Config
 from jaxllm.config.sections import (

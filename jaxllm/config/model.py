@@ -1,6 +1,6 @@
-"""The `model` section: the decoder's shape and architecture knobs (`ModelConfig`), with its
-rotary position (`RopeConfig`), mixture-of-experts (`MoEConfig`) and Multi-head Latent Attention
-(`MLAConfig`) subsections, and the checks that involve only them."""
+"""The `model` section: the model's kind, shape and architecture knobs (`ModelConfig`), with its
+rotary position (`RopeConfig`), mixture-of-experts (`MoEConfig`, in `jaxllm.config.moe`) and
+Multi-head Latent Attention (`MLAConfig`) subsections, and the checks that involve only them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 from typing import ClassVar, Literal
 
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.moe import MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,76 +48,6 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """Mixture-of-experts feed-forward layers (`jaxllm.model.moe`); num_experts=0 is a dense model.
-
-    Which blocks are MoE: the first `first_dense_layers` blocks are dense, and of the rest every
-    `moe_every`-th is MoE (the others dense), so blocks k+n-1, k+2n-1, ... (0-based) for
-    k = first_dense_layers, n = moe_every.
-    """
-
-    num_experts: int = 0
-    """E: routed experts per MoE layer; 0 makes every block dense."""
-    experts_per_token: int = 2
-    """Top-k: routed experts each token is sent to."""
-    expert_mlp_dim: int | None = None
-    """Hidden width of each expert's SwiGLU; null means model.mlp_dim."""
-    num_shared_experts: int = 0
-    """Experts every token passes through besides its routed ones (DeepSeek / Qwen style),
-    run as one SwiGLU of width num_shared_experts * expert_mlp_dim."""
-    first_dense_layers: int = 0
-    """Leading blocks kept dense (DeepSeek-V3 keeps 3)."""
-    moe_every: int = 1
-    """Of the blocks after those, every this-many-th is MoE (2: alternate dense and MoE)."""
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
-    """Router scores from the float32 logits: softmax over experts (Mixtral, Qwen) or an
-    independent sigmoid per expert (DeepSeek-V3)."""
-    normalize_top_k: bool = True
-    """Rescale each token's top-k scores to sum to 1 (for softmax this is Mixtral's softmax
-    over the top-k logits)."""
-    route_scale: float = 1.0
-    """Factor on the routed experts' combined output (DeepSeek-V3's routed_scaling_factor)."""
-    dispatch: Literal["dropless", "capacity"] = "dropless"
-    """`dropless`: tokens sorted by expert and run as a grouped matmul, none dropped;
-    `capacity`: fixed per-expert buffers of each sequence, assignments over capacity dropped."""
-    capacity_factor: float = 1.25
-    """Capacity mode: buffer slots per expert = ceil(capacity_factor * top-k * seq_len / E)."""
-    aux_loss_weight: float = 0.01
-    """Weight of the Switch / GShard load-balancing loss E * sum_e f_e * P_e (1 when balanced),
-    averaged over MoE layers."""
-    router_z_loss_weight: float = 0.001
-    """Weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE), averaged over
-    MoE layers."""
-    bias_update_rate: float = 0.0
-    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for
-    the top-k choice only, moves by this much per step against the sign of each expert's load
-    error; 0 keeps it where it is (and without `router_bias` there is no bias at all)."""
-    router_bias: bool = False
-    """Keep the per-expert choice bias even when bias_update_rate is 0: a model imported from
-    DeepSeek-V3 routes with its trained `e_score_correction_bias`, frozen unless
-    bias_update_rate > 0 (which implies a bias)."""
-    num_groups: int = 1
-    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups
-    of consecutive experts (one per device or node in DeepSeek's layout); 1: no groups."""
-    groups_per_token: int = 1
-    """Group-limited routing (DeepSeek-V3's topk_group): a token's top-k experts come from its
-    best this-many groups, a group ranked by `group_score`, which bounds how many devices a
-    token's assignments travel to; num_groups: no limit."""
-    group_score: Literal["top2_sum", "max"] = "top2_sum"
-    """How group-limited routing ranks a group: the sum of its two highest (biased) scores
-    (DeepSeek-V3's noaux_tc) or its highest score (DeepSeek-V2's group_limited_greedy)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def has_router_bias(self) -> bool:
-        """Whether MoE layers carry a `RouterBias` (in the model state, not the parameters)."""
-        return self.router_bias or self.bias_update_rate > 0
-
-
-@dataclasses.dataclass(frozen=True)
 class MLAConfig:
     """Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434; DeepSeek-V3); off unless
     kv_lora_rank > 0.
@@ -153,8 +84,14 @@ class MLAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-style decoder. Shapes use the dimension letters of `jaxllm.model`."""
+    """A Llama-style decoder, or a bidirectional encoder (`kind`). Shapes use the dimension
+    letters of `jaxllm.model`."""
 
+    kind: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"
+    """`decoder`: causal self-attention (GPT / Llama; every objective but `mlm`). `encoder`:
+    bidirectional self-attention (BERT), where a token sees every token of its own segment,
+    before and after it, and padding (segment id 0) sees only padding. `encoder_decoder`
+    (T5) is reserved."""
     vocab_size: int = 384
     """V: rows of the embedding table; at least the tokenizer's vocabulary (258 for bytes)."""
     d_model: int = 256
@@ -269,6 +206,11 @@ class ModelConfig:
     """Keys that moved into a subsection (old name -> new name): loading names the new key."""
 
     @property
+    def causal(self) -> bool:
+        """Whether self-attention is causal (a decoder's) rather than bidirectional."""
+        return self.kind != "encoder"
+
+    @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
@@ -302,6 +244,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Combinations of model keys no field type can express (raises ConfigError)."""
+        if self.kind == "encoder_decoder":
+            _fail("model.kind=encoder_decoder is not yet supported; use decoder or encoder.")
         self._validate_rope()
         if self.mla.enabled:  # off, its widths are ignored (as moe.* without experts)
             self._validate_mla()
@@ -392,52 +336,3 @@ class ModelConfig:
                 "model.qk_norm and model.qkv_bias are not part of MLA (it normalises its "
                 "latents); turn them off."
             )
-
-
-def validate_moe(m: ModelConfig) -> None:
-    moe = m.moe
-    if not 1 <= moe.experts_per_token <= moe.num_experts:
-        _fail(
-            f"model.moe.experts_per_token ({moe.experts_per_token}) must be between 1 and "
-            f"model.moe.num_experts ({moe.num_experts})."
-        )
-    if moe.expert_mlp_dim is not None and moe.expert_mlp_dim < 1:
-        _fail(f"model.moe.expert_mlp_dim must be at least 1 or null, not {moe.expert_mlp_dim}.")
-    if moe.num_shared_experts < 0 or moe.first_dense_layers < 0 or moe.moe_every < 1:
-        _fail(
-            "model.moe.num_shared_experts and model.moe.first_dense_layers must be >= 0 and "
-            "model.moe.moe_every >= 1."
-        )
-    rest = m.num_layers - moe.first_dense_layers
-    if rest < moe.moe_every or rest % moe.moe_every:
-        _fail(
-            f"model.num_layers - model.moe.first_dense_layers ({rest}) must be a positive "
-            f"multiple of model.moe.moe_every ({moe.moe_every}), so that the MoE pattern repeats "
-            "whole and holds at least one MoE block."
-        )
-    if moe.capacity_factor <= 0 or moe.route_scale <= 0:
-        _fail("model.moe.capacity_factor and model.moe.route_scale must be positive.")
-    for name in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate"):
-        if getattr(moe, name) < 0:
-            _fail(f"model.moe.{name} must be >= 0, not {getattr(moe, name)}.")
-    _validate_groups(moe)
-
-
-def _validate_groups(moe: MoEConfig) -> None:
-    groups, keep = moe.num_groups, moe.groups_per_token
-    if groups < 1 or moe.num_experts % groups:
-        _fail(
-            f"model.moe.num_groups ({groups}) must be a positive divisor of "
-            f"model.moe.num_experts ({moe.num_experts})."
-        )
-    if not 1 <= keep <= groups:
-        _fail(
-            f"model.moe.groups_per_token ({keep}) must be between 1 and model.moe.num_groups "
-            f"({groups})."
-        )
-    if moe.experts_per_token > keep * (moe.num_experts // groups):
-        _fail(
-            f"model.moe.experts_per_token ({moe.experts_per_token}) exceeds the "
-            f"{keep * (moe.num_experts // groups)} experts of model.moe.groups_per_token ({keep}) "
-            f"groups of {moe.num_experts // groups}; raise groups_per_token."
-        )

@@ -9,7 +9,8 @@ import warnings
 
 from jaxllm.config.errors import JaxllmWarning
 from jaxllm.config.errors import fail as _fail
-from jaxllm.config.model import ModelConfig, validate_moe
+from jaxllm.config.model import ModelConfig
+from jaxllm.config.moe import validate_moe
 from jaxllm.config.peft import PeftConfig
 from jaxllm.config.sections import (
     OPTIM_READS,

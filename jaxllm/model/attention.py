@@ -6,7 +6,9 @@ positions and output projection.
 implementation (`xla`: einsum reference with float32 softmax, the only one with ALiBi and with a
 traced per-layer window; `flash`: the Pallas kernel; `cudnn`). Packed sequences are handled by
 segment ids: a query attends only to keys of its own segment, so documents never see each other.
-Sliding windows, logit soft caps and a custom logit scale apply to every implementation.
+Segment id 0 marks padding: real tokens (ids >= 1) never see it, and a padding query sees only
+padding (so no row is empty). Decoders are causal (query i sees keys j <= i); encoders
+(`ModelConfig.kind=encoder`) pass `causal=False` and see their whole segment. Sliding windows, logit soft caps and a custom logit scale apply to every implementation.
 """
 
 from __future__ import annotations
@@ -200,6 +202,7 @@ class Attention(nnx.Module):
     def _init_common(self, cfg):
         """What every attention variant has: masks, caps and positions."""
         self.dtype, self.impl = jnp.dtype(cfg.dtype), cfg.attention_impl
+        self.causal = cfg.causal  # False in an encoder: bidirectional within each segment
         self.fp8 = cfg.fp8
         self.position, self.window = cfg.position, cfg.sliding_window
         self.scale, self.soft_cap = cfg.attn_scale, cfg.attn_soft_cap
@@ -274,6 +277,7 @@ class Attention(nnx.Module):
             k_BxSxGxK,
             v_BxSxGxK,
             q_segment_ids_BxL=segment_ids_BxL,
+            causal=self.causal,
             impl=self.impl,
         )
         dynamic = self.window is not None and windowed is not None
@@ -297,7 +301,7 @@ class Attention(nnx.Module):
         )
 
     def _self_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed):
-        """Causal self-attention of a training / scoring pass (no cache)."""
+        """Self-attention of a training / scoring pass (no cache): causal in a decoder."""
         if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             width = v_BxLxGxV.shape[-1]
             out_BxLxHxK = parallel.ring_attention(
@@ -306,6 +310,7 @@ class Attention(nnx.Module):
                 pad_values(v_BxLxGxV, q_BxLxHxK.shape[-1]),
                 segment_ids_BxL,
                 impl=resolve_impl(self.impl),
+                causal=self.causal,
             )
             return out_BxLxHxK[..., :width]
         # K/V all-gathered over the sequence shards (a no-op without them)
@@ -314,7 +319,7 @@ class Attention(nnx.Module):
         return self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed)
 
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
-        """Training / scoring: causal self-attention over x. With a `cache` (a
+        """Training / scoring: self-attention over x (causal in a decoder). With a `cache` (a
         `jaxllm.infer.kv_cache.CacheView`), the new keys/values are written into it first; a
         prefill then attends over its own tokens, a decode step over the whole cache. Returns an
         `AttentionOutput(out, cache)`; its cache is None without one. `windowed`: whether this layer uses the sliding

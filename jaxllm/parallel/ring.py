@@ -187,11 +187,11 @@ def sequence_layout(batch: dict) -> dict:
 
 
 def ring_attention(
-    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, impl: str = "xla"
+    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, impl: str = "xla", causal: bool = True
 ) -> jax.Array:
     """Ring attention over the `sequence` axis of the active mesh on batches in `sequence_layout`
     order; `impl` (the resolved `attention_impl`) picks the per-block computation (`flash`: the
-    kernel)."""
+    kernel); `causal=False` for an encoder."""
     return ring_attention_on_mesh(
         q_BxLxHxK,
         k_BxLxGxK,
@@ -202,4 +202,5 @@ def ring_attention(
         batch_axes=sharding.RULES["batch"],
         head_axis=sharding.RULES["act_heads"][0],
         impl=impl,
+        causal=causal,
     )
