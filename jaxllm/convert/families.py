@@ -5,8 +5,8 @@ A `Family` (`links.py`) knows one `model_type`: how its config.json maps to `Mod
 model (`to_hf`), and the `Link`s between its safetensors names and our parameter paths. Every
 transform is a reshape, a transpose or a split/concatenation, so importing and exporting give
 back the same bytes. The families live by group: `llama.py` (Llama, Mistral, Qwen2 / Qwen3,
-Mixtral), `gemma.py` (Gemma 2, Gemma 3 text), `deepseek.py` (DeepSeek-V2, DeepSeek-V3) and
-`gpt2.py`; this module holds the registry `FAMILIES`, picks a model's family, and checks that an
+Mixtral), `gemma.py` (Gemma 2, Gemma 3 text), `deepseek.py` (DeepSeek-V2, DeepSeek-V3),
+`gpt2.py` and `t5.py` (T5 v1.0 / v1.1); this module holds the registry `FAMILIES`, picks a model's family, and checks that an
 exported config.json says what the model is.
 """
 
@@ -23,6 +23,7 @@ from jaxllm.convert.gemma import GEMMA2, GEMMA3
 from jaxllm.convert.gpt2 import GPT2
 from jaxllm.convert.links import Family
 from jaxllm.convert.llama import LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3
+from jaxllm.convert.t5 import T5
 
 # ModelConfig fields that are training or compute choices, not part of a checkpoint.
 NOT_ARCHITECTURE = frozenset(
@@ -46,7 +47,19 @@ DENSE_MLP = frozenset({"mlp_dim", "mlp_activation", "gelu_approximate", "mlp_bia
 
 FAMILIES: dict[str, Family] = {
     f.name: f
-    for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V2, GPT2)
+    for f in (
+        LLAMA,
+        MISTRAL,
+        QWEN2,
+        QWEN3,
+        GEMMA2,
+        GEMMA3,
+        MIXTRAL,
+        DEEPSEEK_V3,
+        DEEPSEEK_V2,
+        GPT2,
+        T5,
+    )
 }
 
 
@@ -118,6 +131,8 @@ def first_line(e: BaseException) -> str:
 
 def guess_family(cfg: ModelConfig) -> Family:
     """The family a model exports as when none is named: the one its knobs point to."""
+    if cfg.kind == "encoder_decoder":
+        return FAMILIES["t5"]
     if cfg.mla.enabled and cfg.moe.enabled and cfg.moe.router_score == "softmax":
         return FAMILIES["deepseek_v2"]
     if cfg.mla.enabled:

@@ -105,6 +105,7 @@ def dot_product_attention(
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     alibi_slopes_H: jax.Array | None = None,
+    bias_HxLxS: jax.Array | None = None,
     impl: str = "xla",
 ) -> jax.Array:
     """Softmax(cap(q k^T * scale) + alibi + mask) v, the layout of `jax.nn.dot_product_attention`.
@@ -112,14 +113,15 @@ def dot_product_attention(
     Causality is by index: query i sees keys j <= i (q and kv aligned, L == S); a sliding window
     w further limits it to i - w < j. `sliding_window` may be a traced int32 (0: no window) for
     `xla`, so scanned layers can differ; the kernels need a Python int. `soft_cap` c maps each
-    scaled logit s to c * tanh(s / c); `alibi_slopes_H` adds -slope_h * (i - j) (xla only).
+    scaled logit s to c * tanh(s / c); `alibi_slopes_H` adds -slope_h * (i - j) and
+    `bias_HxLxS` any float32 bias (T5's relative positions), both xla only.
     """
     l, k = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
-    impl = resolve_impl(impl, alibi_slopes_H is not None)
-    if impl != "xla" and alibi_slopes_H is not None:
-        raise ValueError(f"attention_impl={impl} takes no ALiBi bias; use xla")
+    impl = resolve_impl(impl, alibi_slopes_H is not None or bias_HxLxS is not None)
+    if impl != "xla" and (alibi_slopes_H is not None or bias_HxLxS is not None):
+        raise ValueError(f"attention_impl={impl} takes no additive bias (ALiBi, T5); use xla")
     if impl != "xla" and v_BxSxGxK.shape[-1] != k:  # MLA: the kernels want one head width
         out = dot_product_attention(
             q_BxLxHxK,
@@ -171,10 +173,10 @@ def dot_product_attention(
     mask_XxLxS = attention_mask(
         q_idx_L, kv_idx_S, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids
     )
-    bias_HxLxS = None
     if alibi_slopes_H is not None:
         distance_LxS = jnp.abs(q_idx_L[:, None] - kv_idx_S[None, :]).astype(jnp.float32)
-        bias_HxLxS = -jnp.asarray(alibi_slopes_H, jnp.float32)[:, None, None] * distance_LxS[None]
+        alibi_HxLxS = -jnp.asarray(alibi_slopes_H, jnp.float32)[:, None, None] * distance_LxS[None]
+        bias_HxLxS = alibi_HxLxS if bias_HxLxS is None else bias_HxLxS + alibi_HxLxS
     return _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS)
 
 
