@@ -19,7 +19,7 @@ pytestmark = pytest.mark.torch
 VOCAB = 288  # above the byte tokenizer's 258: the run gets it (no tokenizer.json here)
 
 
-def t5_dir(tmp_path, v11: bool):
+def t5_dir(tmp_path, v11: bool, decoder_layers: int = 3):
     """A tiny T5 saved by transformers, every weight random (v1.1: a head of its own)."""
     cfg = hf.T5Config(
         vocab_size=VOCAB,
@@ -27,13 +27,14 @@ def t5_dir(tmp_path, v11: bool):
         d_kv=8,
         d_ff=48,
         num_layers=2,
-        num_decoder_layers=3,
+        num_decoder_layers=decoder_layers,
         num_heads=4,
         relative_attention_num_buckets=8,
         relative_attention_max_distance=20,
         dropout_rate=0.0,
         feed_forward_proj="gated-gelu" if v11 else "relu",
         tie_word_embeddings=not v11,
+        decoder_start_token_id=0,
     )
     torch.manual_seed(0)
     model = hf.T5ForConditionalGeneration(cfg)

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.moe import MoEConfig
-from jaxllm.config.relative import RelativeConfig, validate_encoder_decoder
+from jaxllm.config.seq2seq import RelativeConfig, validate_encoder_decoder
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,8 @@ class TrainConfig:
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
     -log sigmoid(r_chosen - r_rejected); `jaxllm.train.reward`), `distill`
     (match `train.teacher`), the rollout objectives `grpo` and `ppo` (on `format: rollout`
-    sources; `jaxllm.train.grpo`, `jaxllm.train.ppo`), or your own objective function as `MODULE:NAME` or
+    sources; `jaxllm.train.grpo`, `jaxllm.train.ppo`), `span_corruption` (T5's denoising of
+    `model.kind=encoder_decoder`; `data.span_corruption`), or your own objective function as `MODULE:NAME` or
     `path/to/file.py:NAME` (see `jaxllm.train.objectives`)."""
     beta: float = 0.1
     """The preference losses' coefficient: DPO's beta (the inverse temperature of the implicit
@@ -110,7 +111,7 @@ class TrainConfig:
     """`ppo`: the value head's new estimate is clipped to within this of the rollout's (> 0)."""
     z_loss: float = 0.0
     """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
-    (`next_token` and `sft` objectives)."""
+    (`next_token`, `sft` and `span_corruption` objectives)."""
     log_every: int = 10
     """Write a metrics line every this many steps."""
     eval_every: int = 50

@@ -26,7 +26,13 @@ decoder inputs are the targets shifted right behind `decoder_start_id` (T5: the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+from jaxllm.config import ConfigError
+from jaxllm.data.pipeline import load_splits
+from jaxllm.data.tokenizer import make_tokenizer
 
 NOISE_DENSITY = 0.15
 MEAN_SPAN_LENGTH = 3.0
@@ -170,3 +176,39 @@ class SpanCorruptionRows:
             "targets": targets,
             "loss_mask": loss_mask,
         }
+
+
+def corrupted_splits(data_cfg, vocab_size: int):
+    """(train rows, eval rows) of `data.sources` for `train.objective=span_corruption`: the
+    concat-packed rows of `raw_length(data.seq_len)` raw tokens, each corrupted by
+    `SpanCorruptionRows` with `data.span_corruption`'s settings, the tokenizer's EOS and pad
+    (the pad id also starts the decoder, as T5's 0). ConfigError when the sentinels would
+    overlap the tokenizer's ids."""
+    sc = data_cfg.span_corruption
+    n_raw, _ = raw_length(data_cfg.seq_len, sc.noise_density, sc.mean_span_length)
+    train, held_out = load_splits(dataclasses.replace(data_cfg, seq_len=n_raw))
+    tok = make_tokenizer(data_cfg)
+    start = sentinel_start_id(tok, vocab_size, sc.sentinel_start)
+    spans = _counts(n_raw, sc.noise_density, sc.mean_span_length)[1]
+    tokenizer_ids = tok.vocab_size
+    if start >= vocab_size or (start - spans + 1 < tokenizer_ids and start == vocab_size - 1):
+        raise ConfigError(
+            f"span corruption needs {spans} sentinel ids counting down from {start}, inside "
+            f"model.vocab_size ({vocab_size}) and above the tokenizer's {tokenizer_ids} ids: "
+            "raise model.vocab_size or set data.span_corruption.sentinel_start."
+        )
+
+    def corrupted(rows):
+        return SpanCorruptionRows(
+            rows,
+            data_cfg.seq_len,
+            sentinel_start=start,
+            eos_id=tok.eos_id,
+            seed=data_cfg.seed,
+            pad_id=tok.pad_id,
+            decoder_start_id=tok.pad_id,
+            noise_density=sc.noise_density,
+            mean_span_length=sc.mean_span_length,
+        )
+
+    return corrupted(train), corrupted(held_out)

@@ -127,7 +127,7 @@ class SeqAttention(nnx.Module):
             k_BxGxTxK,
             v_BxGxTxK,
             visible_BxMxT,
-            sm_scale=self.scale,
+            sm_scale=q_BxQxHxK.shape[-1] ** -0.5 if self.scale is None else self.scale,
             soft_cap=None,
             bias_BxGxMxT=bias_BxGxMxT,
         )
@@ -340,6 +340,10 @@ class EncoderDecoder(nnx.Module):
         layers = jnp.arange(self.cfg.resolved_decoder_layers, dtype=jnp.int32)
         view, _ = jax.lax.scan(body, view, (state, layers))
         return view
+
+    def after_step(self, model_state: dict, stats: dict, keep: jax.Array):
+        """No non-trained state (dense blocks): nothing changes after a train step."""
+        return model_state, {}
 
     def __call__(
         self,
