@@ -1,8 +1,12 @@
 """T5 span corruption: the exact corruption of a known row, the lengths T5 computes, and the
 noise statistics over many rows."""
 
-import numpy as np
+import json
 
+import numpy as np
+import pytest
+
+from jaxllm.cli import main
 from jaxllm.data.span_corruption import (
     SpanCorruptionRows,
     corrupt,
@@ -80,3 +84,44 @@ def test_rows_are_deterministic_and_t5_shaped():
         else:
             rebuilt.append(x)
     np.testing.assert_array_equal(rebuilt, rows.raw[5]["inputs"])
+
+
+def _train(run):
+    small = [
+        "data.max_files=20",
+        "data.seq_len=48",
+        "model.num_layers=2",
+        "model.d_model=64",
+        "model.mlp_dim=128",
+        "model.dtype=float32",
+        "train.global_batch_size=8",
+        "mesh.data=1",
+        "mesh.fsdp=-1",
+        "train.steps=4",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        f"run.dir={run}",
+    ]
+    assert main(["train", "configs/runs/span_corruption.yaml", *small]) == 0
+
+
+def test_jaxllm_train_encoder_decoder(tmp_path):
+    """`jaxllm train configs/runs/span_corruption.yaml` end to end, tiny."""
+    _train(tmp_path / "run")
+    lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "loss" in x]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    n_targets = raw_length(48)[1]
+    assert all(0 < x["tokens"] <= 8 * n_targets for x in lines if "tokens" in x)
+
+
+@pytest.mark.slow
+def test_jaxllm_eval_and_generate_encoder_decoder(tmp_path, capsys):
+    run = tmp_path / "run"
+    _train(run)
+    assert main(["eval", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "import os", "--max-new-tokens", "3"]) == 0
+    assert "3 new tokens" in capsys.readouterr().err

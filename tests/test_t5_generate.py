@@ -42,7 +42,7 @@ def tiny_t5(**kw):
     [
         "float32",
         pytest.param("bfloat16", marks=pytest.mark.slow),
-        "int8",
+        pytest.param("int8", marks=pytest.mark.slow),
         pytest.param("int4", marks=pytest.mark.slow),
     ],
 )
