@@ -2,6 +2,7 @@
 Hugging Face: decoder-logit parity with transformers on CPU, and the export round trip."""
 
 import json
+import math
 
 import jax
 import numpy as np
@@ -12,8 +13,10 @@ from flax import nnx
 from safetensors.torch import load_file, save_file
 
 import jaxllm
+from jaxllm import config
 from jaxllm.convert.export import export_hf
 from jaxllm.convert.hf import model_config
+from jaxllm.model import abstract_model
 
 pytestmark = pytest.mark.torch
 VOCAB = 288  # above the byte tokenizer's 258: the run gets it (no tokenizer.json here)
@@ -103,3 +106,16 @@ def test_export_round_trip(tmp_path, v11):
     np.testing.assert_allclose(
         reference_logits(out, ids, mask, dec), reference_logits(path, ids, mask, dec), atol=1e-5
     )
+
+
+def test_t5_small_preset_has_transformers_parameter_count():
+    cfg = config.load(None, ["model=t5_small", "train.objective=span_corruption"]).model
+    _, abstract, axes = abstract_model(cfg)
+    ours = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
+    assert len(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))) == len(
+        jax.tree.leaves(abstract)
+    )
+    t5 = hf.T5Config(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8)
+    with torch.device("meta"):
+        theirs = hf.T5ForConditionalGeneration(t5).num_parameters()
+    assert ours == theirs == 60_506_624
