@@ -12,8 +12,10 @@ import math
 import jax
 
 from jaxllm import sharding
+from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.data.span_corruption import corrupted_splits
+from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import restore
 from jaxllm.train import objectives
 from jaxllm.train import others as others_lib
@@ -54,7 +56,11 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
     else:
         _, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
     batches = eval_batches(
-        eval_rows, gbs, num_batches or cfg.train.eval_batches, process_rows(batch_sh, gbs)
+        eval_rows,
+        gbs,
+        num_batches or cfg.train.eval_batches,
+        process_rows(batch_sh, gbs),
+        row_transform(cfg, make_tokenizer(cfg.data)),
     )
     results = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen, others)
     return {

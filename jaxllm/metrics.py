@@ -75,11 +75,19 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         (hk + 2 * gk) * cfg.qkv_bias + d * cfg.o_bias + ((mlp_mats - 1) * f + d) * cfg.mlp_bias
     )
     positions = cfg.max_seq_len * d if cfg.position == "learned" else 0
+    enc = cfg.encoder  # an encoder's BERT parts: token types, embedding norm, MLM head, pooler
+    transform = (d * d + d + norm_params * d) * enc.mlm_head
+    extra = (
+        enc.type_vocab_size * d
+        + norm_params * d * enc.embed_norm
+        + (transform + cfg.vocab_size) * enc.mlm_head
+        + (d * d + d) * enc.pooler
+    )
     return {
-        "total": total_matmul + embed + head + norms + biases + positions,
-        "active": active_matmul + embed + head + norms + biases + positions,
+        "total": total_matmul + embed + head + norms + biases + positions + extra,
+        "active": active_matmul + embed + head + norms + biases + positions + extra,
         # the LM head is a matmul (the tied embedding too); the input embedding is a gather
-        "matmul": active_matmul + head_out * d,
+        "matmul": active_matmul + head_out * d + d * d * enc.mlm_head,
     }
 
 

@@ -17,6 +17,7 @@ Modules: `model` (the model section), `train`, `peft`, `sections` (the others), 
 cross-section checks), `loading` (YAML, presets, overrides, type checks), `errors`.
 """
 
+from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import ConfigError, JaxllmWarning, RunError
 from jaxllm.config.loading import (
     SECTIONS,
@@ -61,6 +62,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "MoEConfig",
+    "EncoderConfig",
     "OptimConfig",
     "PeftConfig",
     "RopeConfig",

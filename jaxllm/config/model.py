@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
+from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.moe import MoEConfig
 from jaxllm.config.seq2seq import RelativeConfig, validate_encoder_decoder
@@ -91,10 +92,10 @@ class ModelConfig:
     kind: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"
     """`decoder`: causal self-attention (GPT / Llama; every objective but `mlm`). `encoder`:
     bidirectional self-attention (BERT), where a token sees every token of its own segment,
-    before and after it, and padding (segment id 0) sees only padding. `encoder_decoder`
-    (T5, `jaxllm.model.encoder_decoder`): an encoder stack of num_layers blocks and a decoder
-    stack of decoder_layers blocks with cross-attention, called as model(input_ids,
-    decoder_input_ids); objective `span_corruption`."""
+    before and after it, and padding (segment id 0) sees only padding; its BERT parts are
+    `encoder`. `encoder_decoder` (T5, `jaxllm.model.encoder_decoder`): an encoder stack of
+    num_layers blocks and a decoder stack of decoder_layers blocks with cross-attention, called
+    as model(input_ids, decoder_input_ids); objective `span_corruption`."""
     vocab_size: int = 384
     """V: rows of the embedding table; at least the tokenizer's vocabulary (258 for bytes)."""
     d_model: int = 256
@@ -206,6 +207,9 @@ class ModelConfig:
     """Mixture-of-experts feed-forward layers; dense unless moe.num_experts > 0."""
     mla: MLAConfig = MLAConfig()
     """Multi-head Latent Attention in every block instead of GQA when mla.kv_lora_rank > 0."""
+    encoder: EncoderConfig = EncoderConfig()
+    """BERT / RoBERTa parts of an encoder (kind=encoder): token types, embedding norm, position
+    offset, MLM head, pooler."""
     relative: RelativeConfig = RelativeConfig()
     """T5 relative position buckets (`position=relative`)."""
     decoder_layers: int | None = None
@@ -218,7 +222,8 @@ class ModelConfig:
 
     @property
     def causal(self) -> bool:
-        """Whether self-attention is causal (a decoder's) rather than bidirectional."""
+        """Whether self-attention is causal (a decoder's) rather than bidirectional (an
+        encoder's); `kind=encoder_decoder` is causal here (its decoder's)."""
         return self.kind != "encoder"
 
     @property
@@ -260,6 +265,12 @@ class ModelConfig:
     def validate(self) -> None:
         """Combinations of model keys no field type can express (raises ConfigError)."""
         validate_encoder_decoder(self)
+        self.encoder.validate(self.kind, self.position, self.mlp_activation)
+        if self.kind == "encoder" and (self.head != "lm" or self.value_head):
+            _fail(
+                "model.head=score and model.value_head are decoder heads; an encoder "
+                "(model.kind=encoder) ends in the LM (MLM) head."
+            )
         self._validate_rope()
         if self.mla.enabled:  # off, its widths are ignored (as moe.* without experts)
             self._validate_mla()

@@ -80,6 +80,7 @@ class Config:
         if t.eval_every < 0 or t.sample_tokens < 0 or self.optim.warmup_steps < 0:
             _fail("train.eval_every, train.sample_tokens and optim.warmup_steps must be >= 0.")
         self._validate_values()
+        self._validate_kind()
         self.peft.validate()
         gen = self.generate
         if gen.max_new_tokens < 1 or gen.temperature < 0 or gen.top_k < 0:
@@ -133,10 +134,11 @@ class Config:
                 "mesh.sequence_attention=ring supports neither model.position=alibi, "
                 "model.sliding_window, model.attn_soft_cap nor model.attn_scale; use all_gather."
             )
-        if self.data.seq_len > m.max_seq_len:
+        if self.data.seq_len > m.max_seq_len - m.encoder.position_offset:
             _fail(
-                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
-                "lower data.seq_len or raise model.max_seq_len."
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}) "
+                f"less model.encoder.position_offset ({m.encoder.position_offset}); lower "
+                "data.seq_len or raise model.max_seq_len."
             )
         if m.moe.enabled:
             validate_moe(m)
@@ -192,6 +194,32 @@ class Config:
                     f"({degrees['sequence']})."
                 )
         return self
+
+    def _validate_kind(self) -> None:
+        """Built-in objectives fit the model's kind: an encoder sees every token, so it trains
+        only with `mlm`, which in turn needs one (an objective of your own may do either)."""
+        kind, objective = self.model.kind, self.train.objective
+        if ":" in objective:
+            return
+        if objective == "mlm" and kind != "encoder":
+            _fail(
+                f"train.objective=mlm predicts hidden tokens from both sides: it needs "
+                f"model.kind=encoder, not {kind}."
+            )
+        if objective == "prefix_lm":
+            m = self.model
+            if kind != "decoder":
+                _fail(f"train.objective=prefix_lm trains a decoder (model.kind={kind}).")
+            if m.attention_impl in ("flash", "cudnn") or self.mesh.sequence_attention == "ring":
+                _fail(
+                    "train.objective=prefix_lm's prefix mask runs on the xla attention: set "
+                    "model.attention_impl to xla or auto and mesh.sequence_attention=all_gather."
+                )
+        if kind == "encoder" and objective != "mlm":
+            _fail(
+                f"train.objective={objective} predicts each token from those before it, which "
+                "a bidirectional model (model.kind=encoder) sees; use train.objective=mlm."
+            )
 
     def _validate_head(self) -> None:
         """A reward model's fresh score head trains whole (no peft). Whether the head fits the

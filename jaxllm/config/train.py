@@ -33,9 +33,19 @@ class TrainConfig:
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
     -log sigmoid(r_chosen - r_rejected); `jaxllm.train.reward`), `distill`
     (match `train.teacher`), the rollout objectives `grpo` and `ppo` (on `format: rollout`
-    sources; `jaxllm.train.grpo`, `jaxllm.train.ppo`), `span_corruption` (T5's denoising of
-    `model.kind=encoder_decoder`; `data.span_corruption`), or your own objective function as `MODULE:NAME` or
-    `path/to/file.py:NAME` (see `jaxllm.train.objectives`)."""
+    sources; `jaxllm.train.grpo`, `jaxllm.train.ppo`), `mlm` (masked LM, BERT: an encoder,
+    `model.kind=encoder`, predicts the tokens `jaxllm.data.mlm` hid), `prefix_lm` (a decoder
+    reads each example's prefix, its prompt or a drawn length of text, bidirectionally and
+    learns what follows; `jaxllm.data.objective_rows`), `span_corruption` (T5's denoising of
+    `model.kind=encoder_decoder`; `data.span_corruption`), or your own objective
+    function as `MODULE:NAME` or `path/to/file.py:NAME` (see `jaxllm.train.objectives`)."""
+    mask_rate: float = 0.15
+    """`mlm`: the share of real tokens (neither padding nor BOS / EOS) selected for prediction,
+    each independently; of those 80% become the mask token, 10% a random token and 10% stay."""
+    mask_token_id: int | None = None
+    """`mlm`: the id that hides a selected token. Null: the tokenizer's mask token ([MASK],
+    <mask>), or for a tokenizer without one (the byte tokenizer) the first id past its
+    vocabulary (258 for bytes), which model.vocab_size must hold; an id here overrides both."""
     beta: float = 0.1
     """The preference losses' coefficient: DPO's beta (the inverse temperature of the implicit
     reward), IPO's tau (the target margin is 1 / (2 tau)), SimPO's beta, ORPO's lambda (the
@@ -111,7 +121,7 @@ class TrainConfig:
     """`ppo`: the value head's new estimate is clipped to within this of the rollout's (> 0)."""
     z_loss: float = 0.0
     """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
-    (`next_token`, `sft` and `span_corruption` objectives)."""
+    (`next_token`, `sft`, `mlm`, `prefix_lm` and `span_corruption` objectives)."""
     log_every: int = 10
     """Write a metrics line every this many steps."""
     eval_every: int = 50
@@ -156,6 +166,8 @@ OBJECTIVE_KEYS = {
         )
     },
     "grpo_normalization": ("grpo",),
+    "mask_rate": ("mlm",),
+    "mask_token_id": ("mlm",),
     **{key: ("ppo",) for key in ("gae_gamma", "gae_lambda", "value_coef", "value_clip")},
 }
 
@@ -181,6 +193,10 @@ def validate_train(t: TrainConfig) -> None:
                 f"train.{key} has no effect with train.objective={t.objective}; it belongs to "
                 f"{', '.join(readers)}."
             )
+    if not 0 < t.mask_rate < 1:
+        _fail(f"train.mask_rate must be in (0, 1), not {t.mask_rate}.")
+    if t.mask_token_id is not None and t.mask_token_id < 0:
+        _fail(f"train.mask_token_id must be >= 0 or null, not {t.mask_token_id}.")
     if not t.distill_temperature > 0:
         _fail(f"train.distill_temperature must be positive, not {t.distill_temperature}.")
     if not 0 < t.distill_jsd_beta < 1:

@@ -92,7 +92,10 @@ def export_hf(
             "weight_map": {t: n for n, f in zip(names, files) for t in f},
         }
         (hf_dir / INDEX).write_text(json.dumps(index, indent=2))
-    hf = {**hf, **_write_tokenizer(cfg, hf_dir, run_dir)}
+    ids = _write_tokenizer(cfg, hf_dir, run_dir)
+    if m.encoder.position_offset:  # RoBERTa: pad_token_id places the positions, it stays
+        ids.pop("pad_token_id", None)
+    hf = {**hf, **ids}
     (hf_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return report
 

@@ -6,8 +6,9 @@ model (`to_hf`), and the `Link`s between its safetensors names and our parameter
 transform is a reshape, a transpose or a split/concatenation, so importing and exporting give
 back the same bytes. The families live by group: `llama.py` (Llama, Mistral, Qwen2 / Qwen3,
 Mixtral), `gemma.py` (Gemma 2, Gemma 3 text), `deepseek.py` (DeepSeek-V2, DeepSeek-V3),
-`gpt2.py` and `t5.py` (T5 v1.0 / v1.1); this module holds the registry `FAMILIES`, picks a model's family, and checks that an
-exported config.json says what the model is.
+`gpt2.py`, `bert.py` (BERT, RoBERTa: encoders) and `t5.py` (T5 v1.0 / v1.1: encoder–decoders);
+this module holds the registry `FAMILIES`, picks a model's family, and checks that an exported
+config.json says what the model is.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import dataclasses
 import math
 
 from jaxllm import config as config_lib
-from jaxllm.config import ConfigError, ModelConfig, MoEConfig, RopeConfig
+from jaxllm.config import ConfigError, EncoderConfig, ModelConfig, MoEConfig, RopeConfig
+from jaxllm.convert.bert import BERT, ROBERTA
 from jaxllm.convert.config_map import _fail
 from jaxllm.convert.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from jaxllm.convert.gemma import GEMMA2, GEMMA3
@@ -48,16 +50,8 @@ DENSE_MLP = frozenset({"mlp_dim", "mlp_activation", "gelu_approximate", "mlp_bia
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        LLAMA,
-        MISTRAL,
-        QWEN2,
-        QWEN3,
-        GEMMA2,
-        GEMMA3,
-        MIXTRAL,
-        DEEPSEEK_V3,
-        DEEPSEEK_V2,
-        GPT2,
+        *(LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V2, GPT2),
+        *(BERT, ROBERTA),
         T5,
     )
 }
@@ -133,6 +127,8 @@ def guess_family(cfg: ModelConfig) -> Family:
     """The family a model exports as when none is named: the one its knobs point to."""
     if cfg.kind == "encoder_decoder":
         return FAMILIES["t5"]
+    if cfg.kind == "encoder":  # RoBERTa numbers its positions after padding_idx
+        return FAMILIES["roberta" if cfg.encoder.position_offset else "bert"]
     if cfg.mla.enabled and cfg.moe.enabled and cfg.moe.router_score == "softmax":
         return FAMILIES["deepseek_v2"]
     if cfg.mla.enabled:
@@ -196,6 +192,9 @@ def _differences(cfg: ModelConfig, back: ModelConfig) -> list[str]:
         ours, theirs = getattr(cfg, f.name), getattr(back, f.name)
         if f.name == "rope":  # key by key, in its place
             diff += _section_differences("rope.", RopeConfig, ours, theirs, cfg)
+        elif f.name == "encoder":  # the pooler is whether the files hold one
+            skip_pooler = frozenset({"pooler"})
+            diff += _section_differences("encoder.", EncoderConfig, ours, theirs, cfg, skip_pooler)
         elif f.name not in skip and not _same(f.name, ours, theirs, cfg):
             diff.append(f"model.{f.name}={ours!r}")
     if not (cfg.moe.enabled or back.moe.enabled):

@@ -135,6 +135,10 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
             "DeepSeek-V3's FP8 weights, to bfloat16 with their weight_scale_inv scales)."
         )
     fields = model_fields(hf, hf_dir / "config.json")
+    family = family_of(hf)
+    if family.file_fields is not None:  # what the tensors say (BERT's pooler)
+        for key, value in family.file_fields(frozenset(Reader(hf_dir).shapes)).items():
+            fields[key] = {**fields.get(key, {}), **value}
     try:  # types of the file's values, before overrides (whose errors name their own keys)
         config_lib.from_dict({"model": dict(fields)})
     except ConfigError as e:
@@ -149,9 +153,11 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     fields["dtype"] = (
         named if named in ("float32", "bfloat16", "float16") else fields["param_dtype"]
     )
-    tree = config_lib.apply_overrides(
-        {"model": fields, "data": {"seq_len": min(256, fields["max_seq_len"])}}, overrides
-    )
+    offset = fields.get("encoder", {}).get("position_offset", 0)  # RoBERTa's first rows
+    tree = {"model": fields, "data": {"seq_len": min(256, fields["max_seq_len"] - offset)}}
+    if fields.get("kind") == "encoder":  # what an encoder trains with
+        tree["train"] = {"objective": "mlm"}
+    tree = config_lib.apply_overrides(tree, overrides)
     vocab, data = tree["model"].get("vocab_size"), tree["data"]
     tokenizer = hf_dir / "tokenizer.json"
     if "tokenizer" in data:  # chosen by an override

@@ -117,6 +117,9 @@ class Family:
     """Other tensor layouts import accepts (Mixtral: transformers 5's fused experts)."""
     skip: Callable[[ModelConfig, str], bool] | None = None
     """Tensors import leaves unread, by name (DeepSeek-V3's multi-token-prediction layers)."""
+    file_fields: Callable[[frozenset[str]], dict] | None = None
+    """ModelConfig fields that the files' tensor names decide rather than config.json (BERT's
+    pooler: whether the file holds one); export leaves them to the parameters."""
 
     def layouts(self, cfg: ModelConfig) -> list[list[Link]]:
         """The tensor layouts of `cfg`, the one export writes first (with `cfg`'s head)."""

@@ -2,7 +2,8 @@
 
 A batch is a dict of int32 arrays of shape [B, L]:
   inputs       token ids the model reads
-  targets      the next token of each input (what the loss predicts)
+  targets      the next token of each input (what the loss predicts; masked LM: the original
+               token at the same position)
   segment_ids  document number within the row, from 1 (0 marks padding); attention stays within one
   positions    position of the token within its document (RoPE uses it)
   loss_mask    1 where `targets` continues the same document, else 0 (for SFT examples only
@@ -10,7 +11,8 @@ A batch is a dict of int32 arrays of shape [B, L]:
 
 Modules: `sources` (files and formats -> texts), `tokenizer` (texts -> ids), `chat` (chat
 templates), `sft` (chat / prompt-completion records -> ids with loss masks -> whole-example
-rows), `prepare` (ids -> ArrayRecord shards, once), `packing` (documents -> rows), `pipeline`
+rows), `prepare` (ids -> ArrayRecord shards, once), `packing` (documents -> rows), `mlm`
+(masked-LM corruption of rows), `pipeline`
 (config -> Grain batches), `bench` (pipeline throughput), `cli` (`jaxllm data ...`,
 `jaxllm bench data`).
 

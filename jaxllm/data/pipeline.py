@@ -249,25 +249,40 @@ class BatchIterator:
 
 
 def train_batches(
-    rows: Rows | MixtureRows, cfg: DataConfig, batch_size: int, local: slice | None = None
+    rows: Rows | MixtureRows,
+    cfg: DataConfig,
+    batch_size: int,
+    local: slice | None = None,
+    transform=None,
 ) -> BatchIterator:
     """Endless shuffled global batches of `batch_size` rows, a new permutation every epoch
     (fixed by `data.seed`); each process gets only its `local` rows of every batch. Batches are
     made in `data.workers` Grain processes when that is above 0 (the same stream as in-process);
-    `get_state()` / `set_state()` save and restore the position."""
+    `get_state()` / `set_state()` save and restore the position. `transform(index, row)`, when
+    given, rewrites row number `index` of the stream (masked LM's corruption, `data.mlm`)."""
     ds = grain.MapDataset.source(rows).shuffle(seed=cfg.seed).repeat()
+    if transform is not None:
+        ds = ds.map_with_index(transform)
     return BatchIterator(_local_rows(ds, batch_size, local), cfg.workers)
 
 
 def eval_batches(
-    rows: Rows | MixtureRows, batch_size: int, num_batches: int, local: slice | None = None
+    rows: Rows | MixtureRows,
+    batch_size: int,
+    num_batches: int,
+    local: slice | None = None,
+    transform=None,
 ) -> list[dict]:
-    """The same first `num_batches` batches of the held-out rows at every evaluation."""
+    """The same first `num_batches` batches of the held-out rows at every evaluation, each row
+    rewritten by `transform(index, row)` when given (as `train_batches`)."""
     n = min(num_batches * batch_size, len(rows) - len(rows) % batch_size)
     if n == 0:
         raise ConfigError(
             f"the eval split has {len(rows)} rows, fewer than one batch of {batch_size}; add "
             "eval data, raise data.eval_fraction, or lower train.global_batch_size."
         )
-    batches = _local_rows(grain.MapDataset.source(rows)[:n], batch_size, local)
+    ds = grain.MapDataset.source(rows)[:n]
+    if transform is not None:
+        ds = ds.map_with_index(transform)
+    batches = _local_rows(ds, batch_size, local)
     return [{k: np.asarray(v) for k, v in batches[i].items()} for i in range(len(batches))]

@@ -36,10 +36,12 @@ BPE_SPECIALS = ("<pad>", "<bos>", "<eos>")
 # Names a tokenizer.json may give its specials when no tokenizer_config.json says which they are.
 # The specials a chat template sees (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 _TEMPLATE_SPECIALS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+# BERT's [CLS] / [SEP] (declared as cls_token / sep_token) serve as its BOS / EOS.
 _SPECIAL_NAMES = {
-    "bos": ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]"),
-    "eos": ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "[EOS]"),
+    "bos": ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]", "[CLS]"),
+    "eos": ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "[EOS]", "[SEP]"),
     "pad": ("<pad>", "<|pad|>", "[PAD]"),
+    "mask": ("[MASK]", "<mask>"),  # masked LM's mask token (BERT, RoBERTa)
 }
 
 
@@ -55,6 +57,7 @@ class ByteTokenizer:
     eos_id = 257
     pad_id = 0
     found_pad_id = 0
+    mask_id = None  # no mask token: masked LM takes train.mask_token_id or id 258
     name = "byte"
     chat_template = None
     special_tokens: dict[str, str] = {}  # BOS and EOS are ids past the bytes: no text spells them
@@ -79,7 +82,8 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer.json. Specials come from a `tokenizer_config.json`
-    beside it (bos_token, eos_token, pad_token) when there is one, else from common names.
+    beside it (bos_token, eos_token, pad_token, mask_token) when there is one, else from common
+    names.
 
     `chat_template` is the model's default chat template (Jinja text) and `chat_templates` all
     of its named ones, as transformers reads them: a `chat_template.jinja` beside the file, else
@@ -100,9 +104,13 @@ class HFTokenizer:
         if not isinstance(config, dict):
             raise ValueError(f"{config_path} is not a JSON object")
         declared = {}
-        for kind in ("bos", "eos", "pad"):
+        for kind in ("bos", "eos", "pad", "mask"):
             value = config.get(f"{kind}_token")
             declared[kind] = value.get("content") if isinstance(value, dict) else value
+        for kind, alias in (("bos", "cls_token"), ("eos", "sep_token")):  # BERT
+            value = config.get(alias)
+            value = value.get("content") if isinstance(value, dict) else value
+            declared[kind] = declared[kind] or value
         for kind, names in _SPECIAL_NAMES.items():
             candidates = (declared[kind],) if declared.get(kind) else names
             ids = [self._tok.token_to_id(n) for n in candidates if n]
@@ -190,6 +198,7 @@ class SentencePieceTokenizer:
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.found_pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         self.pad_id = self.found_pad_id if self.found_pad_id is not None else 0
+        self.mask_id = None  # SentencePiece models declare no mask token
         ids = {"bos": self.bos_id, "eos": self.eos_id, "unk": self._sp.unk_id()}
         ids["pad"] = self.found_pad_id
         self.special_tokens = {

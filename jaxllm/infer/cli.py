@@ -78,7 +78,12 @@ def _with_system(messages, system: str | None):
 
 
 def _check_generates(cfg, path) -> None:
-    """A reward model has no LM head: nothing to sample from."""
+    """A reward model has no LM head and an encoder no causal one: nothing to sample from."""
+    if cfg.model.kind == "encoder":
+        raise ConfigError(
+            f"{path} is an encoder (model.kind=encoder): it fills in masked tokens and cannot "
+            "generate; give a decoder's run."
+        )
     if cfg.model.head == "score":
         raise ConfigError(
             f"{path} is a reward model (model.head=score): it scores sequences "

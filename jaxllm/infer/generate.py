@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm import sharding
-from jaxllm.config import GenerateConfig
+from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.infer import kv_cache, seq2seq
 from jaxllm.infer.sampling import sample
 from jaxllm.kernels.decode_attention.ops import on_hopper
@@ -205,6 +205,11 @@ def generate(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
     cfg = model.cfg
+    if cfg.kind == "encoder":
+        raise ConfigError(
+            "generate continues text causally; an encoder (model.kind=encoder) fills in "
+            "masked tokens instead."
+        )
     soft_prompt = getattr(model, "soft_prompt", None)
     if soft_prompt is not None:  # its virtual tokens go first (peft.method=prompt)
         prompts = [list(range(-1, -soft_prompt.shape[0] - 1, -1)) + list(p) for p in prompts]

@@ -8,7 +8,9 @@ traced per-layer window; `flash`: the Pallas kernel; `cudnn`). Packed sequences 
 segment ids: a query attends only to keys of its own segment, so documents never see each other.
 Segment id 0 marks padding: real tokens (ids >= 1) never see it, and a padding query sees only
 padding (so no row is empty). Decoders are causal (query i sees keys j <= i); encoders
-(`ModelConfig.kind=encoder`) pass `causal=False` and see their whole segment. Sliding windows, logit soft caps and a custom logit scale apply to every implementation.
+(`ModelConfig.kind=encoder`) pass `causal=False` and see their whole segment; a prefix LM adds
+its prefix (xla only). Sliding windows, logit soft caps and a custom logit scale apply to every
+implementation.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def dot_product_attention(
     alibi_slopes_H: jax.Array | None = None,
     bias_HxLxS: jax.Array | None = None,
     impl: str = "xla",
+    prefix_BxL: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax(cap(q k^T * scale) + alibi + mask) v, the layout of `jax.nn.dot_product_attention`.
 
@@ -115,13 +118,19 @@ def dot_product_attention(
     `xla`, so scanned layers can differ; the kernels need a Python int. `soft_cap` c maps each
     scaled logit s to c * tanh(s / c); `alibi_slopes_H` adds -slope_h * (i - j) and
     `bias_HxLxS` any float32 bias (T5's relative positions), both xla only.
+    `prefix_BxL` (a prefix LM; self-attention, xla only, so `auto` picks xla): where query and
+    key are both 1 (the prefix of their segment) the key is visible even after the query, so the
+    prefix attends bidirectionally and the tokens after it causally.
     """
     l, k = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
-    impl = resolve_impl(impl, alibi_slopes_H is not None or bias_HxLxS is not None)
-    if impl != "xla" and (alibi_slopes_H is not None or bias_HxLxS is not None):
+    bias = alibi_slopes_H is not None or bias_HxLxS is not None
+    impl = resolve_impl(impl, bias or prefix_BxL is not None)
+    if impl != "xla" and bias:
         raise ValueError(f"attention_impl={impl} takes no additive bias (ALiBi, T5); use xla")
+    if impl != "xla" and prefix_BxL is not None:
+        raise ValueError(f"attention_impl={impl} takes no prefix-LM mask; use xla")
     if impl != "xla" and v_BxSxGxK.shape[-1] != k:  # MLA: the kernels want one head width
         out = dot_product_attention(
             q_BxLxHxK,
@@ -173,6 +182,12 @@ def dot_product_attention(
     mask_XxLxS = attention_mask(
         q_idx_L, kv_idx_S, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids
     )
+    if prefix_BxL is not None:  # prefix x prefix of one segment: visible both ways
+        prefix_BxL = prefix_BxL.astype(bool)
+        both_BxLxS = prefix_BxL[:, :, None] & prefix_BxL[:, None, :]
+        if segment_ids is not None:
+            both_BxLxS &= segment_ids[0][:, :, None] == segment_ids[1][:, None, :]
+        mask_XxLxS = mask_XxLxS | both_BxLxS
     if alibi_slopes_H is not None:
         distance_LxS = jnp.abs(q_idx_L[:, None] - kv_idx_S[None, :]).astype(jnp.float32)
         alibi_HxLxS = -jnp.asarray(alibi_slopes_H, jnp.float32)[:, None, None] * distance_LxS[None]
@@ -268,7 +283,7 @@ class Attention(nnx.Module):
             scale=self.scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi, sliding_window=window
         )
 
-    def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed):
+    def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed, prefix_BxL=None):
         """`dot_product_attention` with this layer's masks. A kernel takes its window as a
         Python int, so a layer that is windowed or not by the scan index picks one of two
         kernel calls with `lax.cond`; XLA reads the traced window directly."""
@@ -281,9 +296,11 @@ class Attention(nnx.Module):
             q_segment_ids_BxL=segment_ids_BxL,
             causal=self.causal,
             impl=self.impl,
+            prefix_BxL=prefix_BxL,
         )
         dynamic = self.window is not None and windowed is not None
-        if not dynamic or resolve_impl(self.impl, self.position == "alibi") == "xla":
+        xla = resolve_impl(self.impl, self.position == "alibi" or prefix_BxL is not None) == "xla"
+        if not dynamic or xla:
             return call(**masks)
         return jax.lax.cond(
             windowed,
@@ -302,9 +319,14 @@ class Attention(nnx.Module):
             alibi_slopes_H=masks["alibi_slopes_H"],
         )
 
-    def _self_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed):
-        """Self-attention of a training / scoring pass (no cache): causal in a decoder."""
+    def _self_attention(
+        self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed, prefix_BxL=None
+    ):
+        """Self-attention of a training / scoring pass (no cache): causal in a decoder,
+        bidirectional over `prefix_BxL` (prefix LM)."""
         if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
+            if prefix_BxL is not None:
+                raise ValueError("ring attention takes no prefix-LM mask; use all_gather")
             width = v_BxLxGxV.shape[-1]
             out_BxLxHxK = parallel.ring_attention(
                 q_BxLxHxK,
@@ -318,10 +340,13 @@ class Attention(nnx.Module):
         # K/V all-gathered over the sequence shards (a no-op without them)
         k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
         v_BxLxGxV = constrain(v_BxLxGxV, ("batch", "act_kv_length", "act_heads", None))
-        return self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed)
+        return self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, segment_ids_BxL, windowed, prefix_BxL)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
-        """Training / scoring: self-attention over x (causal in a decoder). With a `cache` (a
+    def __call__(
+        self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None, prefix_BxL=None
+    ):
+        """Training / scoring: self-attention over x (causal in a decoder; a prefix LM's
+        `prefix_BxL` attends bidirectionally). With a `cache` (a
         `jaxllm.infer.kv_cache.CacheView`), the new keys/values are written into it first; a
         prefill then attends over its own tokens, a decode step over the whole cache. Returns an
         `AttentionOutput(out, cache)`; its cache is None without one. `windowed`: whether this layer uses the sliding
@@ -343,7 +368,7 @@ class Attention(nnx.Module):
                 out_BxLxHxK = self._attend_cache(q_BxLxHxK, cache, windowed)
             return AttentionOutput(self._out(out_BxLxHxK), cache)
         out_BxLxHxK = self._self_attention(
-            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed, prefix_BxL
         )
         return AttentionOutput(self._out(out_BxLxHxK))
 

@@ -89,7 +89,9 @@ class MLAttention(Attention):
         k_rope_BxLx1xE = self._rope(a_BxLxA[:, :, None, self.rank :], positions_BxL, windowed)
         return jnp.concatenate([c_BxLxR[:, :, None], k_rope_BxLx1xE], axis=-1)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None):
+    def __call__(
+        self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, windowed=None, prefix_BxL=None
+    ):
         """As `Attention.__call__`; the cache holds the latent (`_latent`)."""
         q_nope_BxLxHxN, q_rope_BxLxHxE = self._queries(x_BxLxD, positions_BxL, windowed)
         latent_BxLx1xA = self._latent(x_BxLxD, positions_BxL, windowed)
@@ -135,7 +137,7 @@ class MLAttention(Attention):
             out_BxLxHxV = self._attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, None, windowed)
             return AttentionOutput(self._out(out_BxLxHxV), cache)
         out_BxLxHxV = self._self_attention(
-            q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, segment_ids_BxL, windowed
+            q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, segment_ids_BxL, windowed, prefix_BxL
         )
         return AttentionOutput(self._out(out_BxLxHxV))
 

@@ -31,9 +31,11 @@ class ModelOutput(NamedTuple):
     the updated KV cache view when one was passed, else None; `aux`: for MoE models the mean
     `aux_loss` and `router_z_loss` over MoE layers, `expert_counts` [N_moe, E] and the number of
     `dropped` assignments, {} for dense models; `values`: with `ModelConfig.value_head` the
-    value head's V [B, L] (float32), else None."""
+    value head's V [B, L] (float32), else None; `pooled`: with `ModelConfig.encoder.pooler` the
+    pooler's output [B, D] (float32), else None."""
 
     logits: jax.Array
     cache: Any = None
     aux: dict = {}  # noqa: RUF012 - never mutated; a fresh dict is passed by the model
     values: jax.Array | None = None
+    pooled: jax.Array | None = None

@@ -1,8 +1,10 @@
-"""Decoder-only transformer; by default Llama-style (Touvron et al. 2023, arXiv:2302.13971):
+"""The transformer; by default a decoder, Llama-style (Touvron et al. 2023, arXiv:2302.13971):
 pre-RMSNorm blocks of GQA attention with RoPE and a SwiGLU MLP, a final RMSNorm and an
 (optionally tied) LM head. `ModelConfig` knobs reach GPT-2 (learned positions, LayerNorm, GELU,
 biases), Mistral / Qwen (sliding windows, qkv biases, QK-norm) and Gemma 2 (sandwich norms,
-GeGLU, soft caps, alternating local/global layers, embeddings scaled by sqrt(D)).
+GeGLU, soft caps, alternating local/global layers, embeddings scaled by sqrt(D)). With
+`ModelConfig.kind=encoder` the same stack attends bidirectionally (BERT / RoBERTa, with token
+types, an embedding norm, the MLM head and a pooler from `ModelConfig.encoder`; `heads.py`).
 
 The N blocks are created stacked (every block parameter has a leading `layers` axis) and run
 with `jax.lax.scan`, so compile time does not grow with depth and pipeline stages can later be
@@ -25,12 +27,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig, PeftConfig
-from jaxllm.model import lora
+from jaxllm.model import heads, lora
 from jaxllm.model import moe as moe_lib
+from jaxllm.model.block import Block, MoEGroup, apply_dropout, stack
 from jaxllm.model.layers import Embed, make_norm, matmul, param
-from jaxllm.model.mla import make_attention
-from jaxllm.model.mlp import MLP
-from jaxllm.model.moe import MoE
 from jaxllm.model.outputs import ModelOutput
 from jaxllm.sharding import constrain
 
@@ -41,122 +41,6 @@ REMAT_POLICIES = {
     # what dots_with_no_batch_dims saves, kept in host memory until the backward pass
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
-
-
-def _dropout(x, rate: float, key):
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
-
-
-class Block(nnx.Module):
-    """Attention and feed-forward residual branches in the configured norm placement; the
-    feed-forward is the configured MLP, or with `moe=True` an MoE layer.
-
-    Returns (x, cache, stats): the updated cache (None without one) and the MoE layer's
-    routing statistics ({} for a dense block)."""
-
-    def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.placement, self.dropout, self.is_moe = cfg.norm_placement, cfg.dropout, moe
-        self.attn_norm = make_norm(cfg)
-        self.attn = make_attention(cfg, out_std=out_std, rngs=rngs)
-        self.mlp_norm = make_norm(cfg)
-        dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        if moe:
-            self.mlp = MoE(
-                cfg.d_model,
-                cfg.resolved_expert_mlp_dim,
-                cfg.moe,
-                init_std=cfg.init_std,
-                out_std=out_std,
-                dtype=dtype,
-                param_dtype=pdt,
-                fp8=cfg.fp8,
-                rngs=rngs,
-            )
-        else:
-            self.mlp = MLP(
-                cfg.d_model,
-                cfg.mlp_dim,
-                cfg.mlp_activation,
-                gelu_approximate=cfg.gelu_approximate,
-                bias=cfg.mlp_bias,
-                init_std=cfg.init_std,
-                out_std=out_std,
-                dtype=dtype,
-                param_dtype=pdt,
-                fp8=cfg.fp8,
-                rngs=rngs,
-            )
-        if cfg.norm_placement == "sandwich":
-            self.post_attn_norm = make_norm(cfg)
-            self.post_mlp_norm = make_norm(cfg)
-
-    def _residual(self, x_BxLxD, f, norm, post_norm, key):
-        """One residual branch in the configured norm placement."""
-        if self.placement == "post":
-            return norm(x_BxLxD + _dropout(f(x_BxLxD), self.dropout, key))
-        y_BxLxD = f(norm(x_BxLxD))
-        if post_norm is not None:
-            y_BxLxD = post_norm(y_BxLxD)
-        return x_BxLxD + _dropout(y_BxLxD, self.dropout, key)
-
-    def __call__(
-        self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None, *, windowed=None, key=None
-    ):
-        """`windowed`: whether this layer's attention is windowed (traced, from the scan) when
-        layers differ; `key`: dropout rng (training only)."""
-        keys = (None, None) if key is None else tuple(jax.random.split(key))
-        lora_key = None if key is None else jax.random.fold_in(key, 0x10AA)
-        stats = {}
-
-        def attn(h_BxLxD):
-            nonlocal cache
-            out_BxLxD, cache = self.attn(
-                h_BxLxD, positions_BxL, segment_ids_BxL, cache, windowed=windowed
-            )
-            return out_BxLxD
-
-        def mlp(h_BxLxD):
-            nonlocal stats
-            if not self.is_moe:
-                return self.mlp(h_BxLxD)
-            y_BxLxD, stats = self.mlp(h_BxLxD)
-            return y_BxLxD
-
-        post = self.placement == "sandwich"
-        with lora.dropout_keys(lora_key):  # the adapters' input dropout (peft.dropout)
-            x_BxLxD = self._residual(
-                x_BxLxD, attn, self.attn_norm, self.post_attn_norm if post else None, keys[0]
-            )
-            x_BxLxD = self._residual(
-                x_BxLxD, mlp, self.mlp_norm, self.post_mlp_norm if post else None, keys[1]
-            )
-        return constrain(x_BxLxD, ("batch", "length", "act_embed")), cache, stats
-
-
-def _stack(n: int, make, rngs: nnx.Rngs):
-    """n modules `make(rngs)` created at once, every variable with a leading `layers` axis."""
-
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(
-        in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers", "axes": "layers"}
-    )
-    def stacked(rngs: nnx.Rngs):
-        return make(rngs)
-
-    return stacked(rngs)
-
-
-class MoEGroup(nnx.Module):
-    """One repeat of the MoE layout: moe_every - 1 dense blocks (stacked), then an MoE block."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        n_dense = cfg.moe.moe_every - 1
-        self.dense = _stack(n_dense, lambda r: Block(cfg, rngs=r), rngs) if n_dense else None
-        self.moe = Block(cfg, moe=True, rngs=rngs)
 
 
 class Transformer(nnx.Module):
@@ -179,16 +63,30 @@ class Transformer(nnx.Module):
             self.pos_embed = param(
                 rngs, init, (cfg.max_seq_len, cfg.d_model), ("positions", "embed"), pdt
             )
+        enc = cfg.encoder
+        if enc.type_vocab_size:  # BERT's token types (segment A / B)
+            init = jax.nn.initializers.normal(cfg.init_std)
+            self.type_embed = param(
+                rngs, init, (enc.type_vocab_size, cfg.d_model), (None, "embed"), pdt
+            )
+        if enc.embed_norm:
+            self.embed_norm = make_norm(cfg)
 
         moe = cfg.moe
         n_dense = moe.first_dense_layers if moe.enabled else cfg.num_layers
-        self.layers = _stack(n_dense, lambda r: Block(cfg, rngs=r), rngs) if n_dense else None
+        self.layers = stack(n_dense, lambda r: Block(cfg, rngs=r), rngs) if n_dense else None
         if moe.enabled:
             groups = (cfg.num_layers - n_dense) // moe.moe_every
-            self.moe_layers = _stack(groups, lambda r: MoEGroup(cfg, rngs=r), rngs)
+            self.moe_layers = stack(groups, lambda r: MoEGroup(cfg, rngs=r), rngs)
         if cfg.norm_placement != "post":  # post-norm blocks already end on a norm
             self.final_norm = make_norm(cfg)
         init = jax.nn.initializers.normal(cfg.init_std)
+        if enc.mlm_head:  # BERT's transform before the vocabulary, a bias after it
+            self.mlm_transform = heads.MLMTransform(cfg, rngs=rngs)
+            zeros = jax.nn.initializers.zeros
+            self.lm_bias = param(rngs, zeros, (cfg.vocab_size,), ("vocab",), pdt)
+        if enc.pooler:
+            self.pooler = heads.Pooler(cfg, rngs=rngs)
         if cfg.head == "score":  # a reward model's scalar head instead of the LM head
             self.score = param(rngs, init, (cfg.d_model, 1), ("embed", None), pdt)
         elif not cfg.tie_embeddings:
@@ -207,6 +105,8 @@ class Transformer(nnx.Module):
         cache=None,
         logits_at_BxQ=None,
         dropout_key=None,
+        token_types_BxL=None,
+        prefix_BxL=None,
     ) -> ModelOutput:
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
@@ -214,7 +114,10 @@ class Transformer(nnx.Module):
         `cache` (`jaxllm.infer.kv_cache.CacheView`, returned updated) and `logits_at_BxQ`, the
         positions along L whose logits it needs, so a long prefill never materialises [B, L, V]
         logits. `dropout_key` (training) turns on dropout when `cfg.dropout` > 0. `aux` holds
-        the MoE load statistics (see `ModelOutput`); {} for dense models.
+        the MoE load statistics (see `ModelOutput`); {} for dense models. `token_types_BxL`:
+        the token types of a model with `cfg.encoder.type_vocab_size` (default 0).
+        `prefix_BxL` (prefix LM, training and scoring): 1 where a token belongs to its
+        segment's prefix, which attends bidirectionally within itself (attention on xla).
         """
         cfg = self.cfg
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
@@ -231,12 +134,14 @@ class Transformer(nnx.Module):
         if cfg.scale_embeddings:  # in the compute dtype, as Gemma does
             x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
         if cfg.position == "learned":
-            pos_BxLxD = jnp.take(self.pos_embed[...], positions_BxL, axis=0, mode="clip")
+            rows_BxL = positions_BxL + cfg.encoder.position_offset
+            pos_BxLxD = jnp.take(self.pos_embed[...], rows_BxL, axis=0, mode="clip")
             x_BxLxD = x_BxLxD + pos_BxLxD.astype(dtype)
+        x_BxLxD = self._encoder_embeddings(x_BxLxD, token_types_BxL)
         keys = None
         if dropout_key is not None and (cfg.dropout > 0 or getattr(self, "lora_dropout", 0.0)):
             embed_key, layers_key = jax.random.split(dropout_key)
-            x_BxLxD = _dropout(x_BxLxD, cfg.dropout, embed_key)
+            x_BxLxD = apply_dropout(x_BxLxD, cfg.dropout, embed_key)
             keys = jax.random.split(layers_key, cfg.num_layers)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
 
@@ -257,7 +162,9 @@ class Transformer(nnx.Module):
         n_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
         if self.layers is not None:
             take = jax.tree.map(lambda a: a[:n_dense], per_layer)
-            carry, _ = self._scan(self.layers, carry, take, positions_BxL, segment_ids_BxL, remat)
+            carry, _ = self._scan(
+                self.layers, carry, take, positions_BxL, segment_ids_BxL, prefix_BxL, remat
+            )
         aux = {}
         if cfg.moe.enabled:
             every = cfg.moe.moe_every
@@ -270,11 +177,17 @@ class Transformer(nnx.Module):
                 if group.dense is not None:
                     dense_in = jax.tree.map(lambda a: a[:-1], inputs)
                     carry, _ = self._scan(
-                        group.dense, carry, dense_in, positions_BxL, segment_ids_BxL, remat
+                        group.dense,
+                        carry,
+                        dense_in,
+                        positions_BxL,
+                        segment_ids_BxL,
+                        prefix_BxL,
+                        remat,
                     )
                 moe_in = jax.tree.map(lambda a: a[-1], inputs)
                 moe_def, moe_state = nnx.split(group.moe)
-                body = self._body(moe_def, positions_BxL, segment_ids_BxL, remat)
+                body = self._body(moe_def, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
                 return body(carry, (moe_state, moe_in))
 
             carry, stats = jax.lax.scan(
@@ -283,10 +196,18 @@ class Transformer(nnx.Module):
             aux = moe_lib.combine_layer_stats(stats)
         x_BxLxD, cache = carry
 
+        pooled_BxD = None
+        if cfg.encoder.pooler:  # of each row's first token, whatever logits are asked for
+            first_Bx1xD = x_BxLxD[:, :1]
+            if cfg.norm_placement != "post":
+                first_Bx1xD = self.final_norm(first_Bx1xD)
+            pooled_BxD = self.pooler(first_Bx1xD)
         if logits_at_BxQ is not None:
             x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
         if cfg.norm_placement != "post":
             x_BxLxD = self.final_norm(x_BxLxD)
+        if cfg.encoder.mlm_head:
+            x_BxLxD = self.mlm_transform(x_BxLxD)
         if cfg.head == "score":  # [B, L, 1] scores, in float32 as logits
             scores_BxLx1 = matmul("bld,do->blo", x_BxLxD, self.score[...], dtype, jnp.float32)
             return ModelOutput(constrain(scores_BxLx1, ("batch", "length", None)), cache, aux)
@@ -295,6 +216,8 @@ class Transformer(nnx.Module):
         else:
             head = lora.kernel(self, "lm_head")
             logits_BxLxV = matmul("bld,dv->blv", x_BxLxD, head, dtype, jnp.float32)
+        if cfg.encoder.mlm_head:
+            logits_BxLxV = logits_BxLxV + self.lm_bias[...].astype(jnp.float32)[None, None]
         if cfg.final_soft_cap is not None:
             cap = jnp.float32(cfg.final_soft_cap)
             logits_BxLxV = cap * jnp.tanh(logits_BxLxV / cap)
@@ -302,7 +225,21 @@ class Transformer(nnx.Module):
         values_BxL = None
         if cfg.value_head:
             values_BxL = matmul("bld,do->blo", x_BxLxD, self.value[...], dtype, jnp.float32)[..., 0]
-        return ModelOutput(logits_BxLxV, cache, aux, values_BxL)
+        return ModelOutput(logits_BxLxV, cache, aux, values_BxL, pooled_BxD)
+
+    def _encoder_embeddings(self, x_BxLxD, token_types_BxL):
+        """The embeddings with an encoder's token types added and its embedding norm applied
+        (`cfg.encoder`); unchanged without them."""
+        if hasattr(self, "type_embed"):
+            if token_types_BxL is None:
+                type_1x1xD = self.type_embed[...][0][None, None]
+                x_BxLxD = x_BxLxD + type_1x1xD.astype(x_BxLxD.dtype)
+            else:
+                types_BxLxD = jnp.take(self.type_embed[...], token_types_BxL, axis=0)
+                x_BxLxD = x_BxLxD + types_BxLxD.astype(x_BxLxD.dtype)
+        if hasattr(self, "embed_norm"):
+            x_BxLxD = self.embed_norm(x_BxLxD)
+        return x_BxLxD
 
     def _embed(self, tokens_BxL):
         """Token embeddings; with a soft prompt (peft.method=prompt), the ids -1 .. -P are its
@@ -325,7 +262,7 @@ class Transformer(nnx.Module):
             return model_state, {}
         return moe_lib.after_step(self.cfg.moe, model_state, stats, keep)
 
-    def _body(self, graphdef, positions_BxL, segment_ids_BxL, remat: bool):
+    def _body(self, graphdef, positions_BxL, segment_ids_BxL, prefix_BxL, remat: bool):
         """Scan body of one block: ((x, cache), (state, per-layer inputs)) -> ((x, cache),
         stats); the cache (when there is one) is pointed at the block's own layer."""
 
@@ -336,17 +273,21 @@ class Transformer(nnx.Module):
             layer = inputs.pop("layer", None)
             view = None if cache is None else cache.at_layer(layer)
             block = nnx.merge(graphdef, state)
-            x_BxLxD, view, stats = block(x_BxLxD, positions_BxL, segment_ids_BxL, view, **inputs)
+            x_BxLxD, view, stats = block(
+                x_BxLxD, positions_BxL, segment_ids_BxL, view, prefix_BxL=prefix_BxL, **inputs
+            )
             return (x_BxLxD, view), stats
 
         if remat:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         return body
 
-    def _scan(self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, remat: bool):
+    def _scan(
+        self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, prefix_BxL, remat: bool
+    ):
         """Runs the blocks of a stacked module in order; returns the carry and stacked stats."""
         graphdef, state = nnx.split(stack)
-        body = self._body(graphdef, positions_BxL, segment_ids_BxL, remat)
+        body = self._body(graphdef, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
         return jax.lax.scan(body, carry, (state, per_layer), unroll=self.cfg.scan_unroll)
 
 

@@ -26,8 +26,10 @@ from jaxllm import adapters, checkpoint, config, optim, sharding
 from jaxllm.config import JaxllmWarning
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.data import check_vocab
+from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.span_corruption import corrupted_splits
+from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import load_weights, weight_targets
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.model import abstract_model
@@ -162,8 +164,9 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} "
             f"eval docs ({time.perf_counter() - t0:.1f}s)"
         )
-        batches = train_batches(train_rows, cfg.data, gbs, local)
-        held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local)
+        rewrite = row_transform(cfg, make_tokenizer(cfg.data))  # mlm / prefix_lm; else None
+        batches = train_batches(train_rows, cfg.data, gbs, local, rewrite)
+        held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local, rewrite)
 
     # The run directory: checked, then locked; nothing was written before this point.
     if lead:
@@ -431,7 +434,8 @@ def _loop(
     if stopped:
         return {**final, "stopped": stopped}
 
-    if cfg.train.sample_prompt and cfg.train.sample_tokens and cfg.model.head == "lm":
+    generates = cfg.model.head == "lm" and cfg.model.kind != "encoder"
+    if cfg.train.sample_prompt and cfg.train.sample_tokens and generates:
         weights = (state.params, state.frozen, state.model_state)
         if jax.process_count() > 1:  # every process takes part in the gather
             from jax.experimental import multihost_utils

@@ -27,6 +27,9 @@ An objective that needs frozen models besides the policy names them in its `othe
 reference, on batches the policy samples itself (`jaxllm.train.rollout`); `ppo`
 (`jaxllm.train.ppo`) is PPO on the same batches, with GAE from the policy's value head.
 `distill` (`jaxllm.train.distill`) matches a frozen teacher's next-token distributions.
+`mlm` is masked LM for encoders (`model.kind=encoder`): the pipeline corrupts the rows
+(`jaxllm.data.mlm`) and the loss is cross-entropy at the selected positions. `prefix_lm` is
+next-token prediction after a bidirectional prefix (`jaxllm.data.objective_rows`).
 `span_corruption` (`jaxllm.train.seq2seq`) is T5's denoising loss of an encoder–decoder.
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
 the preference losses, `reward`, `grpo`, `ppo`, `distill`, `span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME`
@@ -47,16 +50,19 @@ __all__ = [
     "Objective",
     "ObjectiveOutput",
     "from_config",
+    "mlm",
     "next_token",
+    "prefix_lm",
     "sft",
     "token_nll",
 ]
 
 
-def next_token(z_loss: float = 0.0) -> Objective:
+def next_token(z_loss: float = 0.0, prefix: bool = False) -> Objective:
     """Mean next-token cross-entropy over the tokens whose `loss_mask` is 1, in float32, plus
     `z_loss` times the mean squared log-normaliser (PaLM, arXiv:2204.02311), plus the MoE
-    balancing losses the model reports. Metrics: `loss` (the cross-entropy), `z_loss`."""
+    balancing losses the model reports. Metrics: `loss` (the cross-entropy), `z_loss`.
+    `prefix`: the batch's `prefix` attends bidirectionally (`prefix_lm`)."""
 
     def objective(model, batch: dict, rng) -> ObjectiveOutput:
         out = model(
@@ -64,6 +70,7 @@ def next_token(z_loss: float = 0.0) -> Objective:
             positions_BxL=batch["positions"],
             segment_ids_BxL=batch["segment_ids"],
             dropout_key=rng,
+            **({"prefix_BxL": batch["prefix"]} if prefix else {}),
         )
         nll_BxL, logz_BxL = token_nll(out.logits, batch["targets"])
         mask_BxL = batch["loss_mask"].astype(jnp.float32)
@@ -89,9 +96,26 @@ def sft(z_loss: float = 0.0) -> Objective:
     return next_token(z_loss)
 
 
+def mlm(z_loss: float = 0.0) -> Objective:
+    """Masked LM (BERT): cross-entropy of the original tokens at the positions
+    `jaxllm.data.mlm` selected (its rows carry them as `targets` and `loss_mask`, the corrupted
+    tokens as `inputs`), computed by an encoder that sees the whole row. The loss is that of
+    `next_token` on those rows: the data, not the step, decides what is predicted."""
+    return next_token(z_loss)
+
+
+def prefix_lm(z_loss: float = 0.0) -> Objective:
+    """Prefix LM for decoders: `next_token` with each example's prefix
+    (`jaxllm.data.objective_rows.PrefixLM`: the prompt, or a drawn length of plain text)
+    attending bidirectionally, and the loss on what follows it."""
+    return next_token(z_loss, prefix=True)
+
+
 BUILT_IN = {
     "next_token": lambda cfg: next_token(cfg.train.z_loss),
     "sft": lambda cfg: sft(cfg.train.z_loss),
+    "mlm": lambda cfg: mlm(cfg.train.z_loss),
+    "prefix_lm": lambda cfg: prefix_lm(cfg.train.z_loss),
     **{
         kind: (lambda cfg, kind=kind: preference.from_train_config(kind, cfg.train))
         for kind in preference.KINDS
@@ -103,7 +127,7 @@ BUILT_IN = {
     "span_corruption": lambda cfg: seq2seq.span_corruption(cfg.train.z_loss),
 }
 # The built-ins that read train.z_loss; set for another objective it would do nothing.
-Z_LOSS_OBJECTIVES = ("next_token", "sft", "span_corruption")
+Z_LOSS_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm", "span_corruption")
 
 
 def _check_head(name: str, head: str) -> None:
