@@ -212,3 +212,12 @@ def corrupted_splits(data_cfg, vocab_size: int):
         )
 
     return corrupted(train), corrupted(held_out)
+
+
+def batch_lengths(data_cfg) -> dict[str, int]:
+    """The length of each array of a span-corruption row (`SpanCorruptionRows`), for synthetic
+    and abstract batches (`jaxllm bench`, `jaxllm plan`)."""
+    sc = data_cfg.span_corruption
+    targets = raw_length(data_cfg.seq_len, sc.noise_density, sc.mean_span_length)[1]
+    encoder = dict.fromkeys(("inputs", "segment_ids"), data_cfg.seq_len)
+    return {**encoder, **dict.fromkeys(("decoder_inputs", "targets", "loss_mask"), targets)}
