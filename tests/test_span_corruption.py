@@ -7,12 +7,16 @@ import numpy as np
 import pytest
 
 from jaxllm.cli import main
+from jaxllm.config import ConfigError, DataConfig
 from jaxllm.data.span_corruption import (
     SpanCorruptionRows,
     corrupt,
+    corrupted_splits,
     random_spans_noise_mask,
     raw_length,
+    sentinel_start_id,
 )
+from jaxllm.data.tokenizer import ByteTokenizer
 
 
 def test_corrupt_known_sequence():
@@ -125,3 +129,31 @@ def test_jaxllm_eval_and_generate_encoder_decoder(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", str(run), "--prompt", "import os", "--max-new-tokens", "3"]) == 0
     assert "3 new tokens" in capsys.readouterr().err
+
+
+class _Vocab:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def token_to_id(self, token):
+        return self.ids.get(token)
+
+
+class _Tok:
+    def __init__(self, ids):
+        self._tok = _Vocab(ids)
+
+
+def test_sentinels_come_from_extra_ids_else_the_top_of_the_vocabulary():
+    assert sentinel_start_id(_Tok({"<extra_id_0>": 32099}), 32128, None) == 32099
+    assert sentinel_start_id(_Tok({}), 384, None) == 383
+    assert sentinel_start_id(ByteTokenizer(), 384, None) == 383
+    assert sentinel_start_id(_Tok({"<extra_id_0>": 32099}), 32128, 500) == 500
+
+
+def test_sentinels_must_fit_above_the_tokenizer():
+    data = DataConfig(seq_len=64, max_files=5, eval_fraction=0.4)
+    rows = corrupted_splits(data, 384)[0]
+    assert rows[0]["targets"][0] == 383  # sentinel 0 opens the targets
+    with pytest.raises(ConfigError, match="data.span_corruption.sentinel_start"):
+        corrupted_splits(data, 260)  # 258 byte ids leave 2 ids for 3 spans

@@ -93,6 +93,7 @@ def test_decoder_logits_match_transformers(tmp_path, v11):
 def test_export_round_trip(tmp_path, v11):
     path = t5_dir(tmp_path, v11)
     cfg = model_config(path, ["model.dtype=float32"])
+    assert cfg.train.objective == "span_corruption"  # what an imported T5 trains with
     model = jaxllm.load_model(path, overrides=["model.dtype=float32"])
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     out = tmp_path / "exported"
