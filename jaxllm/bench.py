@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxllm import config, sharding
+from jaxllm.data import span_corruption
 from jaxllm.metrics import flops_per_token, param_counts, peak_flops
 from jaxllm.train import loss_scale
 from jaxllm.train.loop import compile_steps, to_global
@@ -24,6 +25,14 @@ from jaxllm.train.state import init_state, layout
 def synthetic_batch(cfg: config.Config, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     b, l = cfg.train.global_batch_size, cfg.data.seq_len
+    if cfg.train.objective == "span_corruption":  # encoder and decoder arrays, no padding
+        lengths = span_corruption.batch_lengths(cfg.data)
+        return {
+            k: np.ones((b, n), np.int32)
+            if k in ("segment_ids", "loss_mask")
+            else rng.integers(0, 256, (b, n), dtype=np.int32)
+            for k, n in lengths.items()
+        }
     tokens = rng.integers(0, 256, size=(b, l + 1), dtype=np.int32)
     return {
         "inputs": tokens[:, :-1],

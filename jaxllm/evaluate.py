@@ -14,6 +14,7 @@ import jax
 from jaxllm import sharding
 from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits
+from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import restore
 from jaxllm.train import objectives
@@ -50,7 +51,10 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
     )
     gbs = cfg.train.global_batch_size
     whole_inputs = cfg.train.objective == "reward"  # as training packed it (`train.loop`)
-    _, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
+    if cfg.train.objective == "span_corruption":  # encoder inputs, decoder targets
+        _, eval_rows = corrupted_splits(cfg.data, cfg.model.vocab_size)
+    else:
+        _, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
     batches = eval_batches(
         eval_rows,
         gbs,

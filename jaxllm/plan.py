@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxllm import config, sharding
+from jaxllm.data import span_corruption
 from jaxllm.infer.kv_cache import KINDS, model_bytes_per_token
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
@@ -120,9 +121,11 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
     )
     b, l = cfg.train.global_batch_size, cfg.data.seq_len
+    lengths = dict.fromkeys(("inputs", "targets", "segment_ids", "positions", "loss_mask"), l)
+    if cfg.train.objective == "span_corruption":  # encoder and decoder arrays
+        lengths = span_corruption.batch_lengths(cfg.data)
     batch = {
-        k: jax.ShapeDtypeStruct((b, l), np.int32, sharding=batch_sh)
-        for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+        k: jax.ShapeDtypeStruct((b, n), np.int32, sharding=batch_sh) for k, n in lengths.items()
     }
     t0 = time.perf_counter()
     compiled = jit_train.lower(abstract_state, batch).compile()

@@ -45,6 +45,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "q_lora": None,  # MLA latents: narrow, their projections split over `embed` / `heads`
     "kv_lora": None,
     "positions": None,  # rows of a learned position table
+    "relative_buckets": None,  # rows of a T5 relative position bias table
     "mlp": ("tensor",),
     "norm": ("fsdp",),
     "expert": ("expert",),

@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.moe import MoEConfig
+from jaxllm.config.seq2seq import RelativeConfig, validate_encoder_decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +86,16 @@ class MLAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-style decoder, or a bidirectional encoder (`kind`). Shapes use the dimension
+    """A Llama-style decoder, a bidirectional encoder or a T5-style encoder–decoder (`kind`). Shapes use the dimension
     letters of `jaxllm.model`."""
 
     kind: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"
     """`decoder`: causal self-attention (GPT / Llama; every objective but `mlm`). `encoder`:
     bidirectional self-attention (BERT), where a token sees every token of its own segment,
     before and after it, and padding (segment id 0) sees only padding; its BERT parts are
-    `encoder`. `encoder_decoder` (T5) is reserved."""
+    `encoder`. `encoder_decoder` (T5, `jaxllm.model.encoder_decoder`): an encoder stack of
+    num_layers blocks and a decoder stack of decoder_layers blocks with cross-attention, called
+    as model(input_ids, decoder_input_ids); objective `span_corruption`."""
     vocab_size: int = 384
     """V: rows of the embedding table; at least the tokenizer's vocabulary (258 for bytes)."""
     d_model: int = 256
@@ -109,11 +112,12 @@ class ModelConfig:
     """F: hidden width of the SwiGLU MLP."""
     max_seq_len: int = 2048
     """Largest position the model is built for; data.seq_len may not exceed it."""
-    position: Literal["rope", "alibi", "learned", "none"] = "rope"
+    position: Literal["rope", "alibi", "learned", "none", "relative"] = "rope"
     """How tokens know their position: `rope` (rotary, Su et al. 2021), `alibi` (a per-head
     linear distance penalty on attention logits, Press et al. 2022; attention_impl xla only),
-    `learned` (an absolute [max_seq_len, D] table added to the embeddings, GPT-2), or `none`
-    (causal masking alone, NoPE)."""
+    `learned` (an absolute [max_seq_len, D] table added to the embeddings, GPT-2), `none`
+    (causal masking alone, NoPE), or `relative` (T5's relative position buckets, `relative`;
+    kind=encoder_decoder, attention_impl xla for self-attention)."""
     rope: RopeConfig = RopeConfig()
     """Rotary position embedding (`position=rope`): base, context extension, pair layout."""
     mlp_activation: Literal["swiglu", "geglu", "gelu", "relu", "relu2"] = "swiglu"
@@ -157,6 +161,9 @@ class ModelConfig:
     """Multiply token embeddings by sqrt(d_model) (Gemma)."""
     tie_embeddings: bool = False
     """Use the token embedding (transposed) as the LM head."""
+    scale_head_input: bool = False
+    """Multiply the final hidden state by d_model ** -0.5 before the LM head: T5 v1.0, whose
+    head is the tied embedding (transformers' `scale_decoder_outputs`); kind=encoder_decoder."""
     head: Literal["lm", "score"] = "lm"
     """What the decoder ends in: `lm`, the LM head (logits [B, L, V] over the vocabulary), or
     `score`, a reward model's scalar head: one projection `score` [D, 1] (no bias, as Hugging
@@ -203,6 +210,10 @@ class ModelConfig:
     encoder: EncoderConfig = EncoderConfig()
     """BERT / RoBERTa parts of an encoder (kind=encoder): token types, embedding norm, position
     offset, MLM head, pooler."""
+    relative: RelativeConfig = RelativeConfig()
+    """T5 relative position buckets (`position=relative`)."""
+    decoder_layers: int | None = None
+    """kind=encoder_decoder: blocks of the decoder stack; null means num_layers (the encoder's)."""
 
     moved_keys: ClassVar[dict[str, str]] = {
         f"rope_{f.name}": f"rope.{f.name}" for f in dataclasses.fields(RopeConfig)
@@ -214,6 +225,10 @@ class ModelConfig:
         """Whether self-attention is causal (a decoder's) rather than bidirectional (an
         encoder's); `kind=encoder_decoder` is causal here (its decoder's)."""
         return self.kind != "encoder"
+
+    @property
+    def resolved_decoder_layers(self) -> int:
+        return self.num_layers if self.decoder_layers is None else self.decoder_layers
 
     @property
     def resolved_head_dim(self) -> int:
@@ -249,8 +264,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Combinations of model keys no field type can express (raises ConfigError)."""
-        if self.kind == "encoder_decoder":
-            _fail("model.kind=encoder_decoder is not yet supported; use decoder or encoder.")
+        validate_encoder_decoder(self)
         self.encoder.validate(self.kind, self.position, self.mlp_activation)
         if self.kind == "encoder" and (self.head != "lm" or self.value_head):
             _fail(

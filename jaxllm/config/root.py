@@ -23,6 +23,7 @@ from jaxllm.config.sections import (
     RunConfig,
     mesh_degrees,
 )
+from jaxllm.config.seq2seq import validate_span_corruption
 from jaxllm.config.train import (
     PAIR_OBJECTIVES,
     ROLLOUT_OBJECTIVES,
@@ -121,6 +122,7 @@ class Config:
                 "change one of them so that head_dim = d_model / num_heads is an integer."
             )
         m.validate()
+        validate_span_corruption(self)
         self._validate_head()
         if self.mesh.sequence_attention == "ring" and (
             m.position == "alibi"

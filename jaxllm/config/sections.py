@@ -8,6 +8,7 @@ import math
 from typing import Literal
 
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.seq2seq import SpanCorruptionConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +265,9 @@ class DataConfig:
     count is reported in one warning per source; an example left with no trained token is
     dropped either way."""
     seed: int = 0
-    """Seed of the row shuffle and of the mixture."""
+    """Seed of the row shuffle and of the mixture (and of span corruption's noise masks)."""
+    span_corruption: SpanCorruptionConfig = SpanCorruptionConfig()
+    """T5's span corruption of each row (`train.objective=span_corruption`)."""
     workers: int = 0
     """Grain worker processes preparing batches (0: in the training process)."""
 

@@ -36,7 +36,8 @@ class TrainConfig:
     sources; `jaxllm.train.grpo`, `jaxllm.train.ppo`), `mlm` (masked LM, BERT: an encoder,
     `model.kind=encoder`, predicts the tokens `jaxllm.data.mlm` hid), `prefix_lm` (a decoder
     reads each example's prefix, its prompt or a drawn length of text, bidirectionally and
-    learns what follows; `jaxllm.data.objective_rows`), or your own objective
+    learns what follows; `jaxllm.data.objective_rows`), `span_corruption` (T5's denoising of
+    `model.kind=encoder_decoder`; `data.span_corruption`), or your own objective
     function as `MODULE:NAME` or `path/to/file.py:NAME` (see `jaxllm.train.objectives`)."""
     mask_rate: float = 0.15
     """`mlm`: the share of real tokens (neither padding nor BOS / EOS) selected for prediction,
@@ -120,7 +121,7 @@ class TrainConfig:
     """`ppo`: the value head's new estimate is clipped to within this of the rollout's (> 0)."""
     z_loss: float = 0.0
     """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
-    (`next_token`, `sft`, `mlm` and `prefix_lm` objectives)."""
+    (`next_token`, `sft`, `mlm`, `prefix_lm` and `span_corruption` objectives)."""
     log_every: int = 10
     """Write a metrics line every this many steps."""
     eval_every: int = 50

@@ -6,9 +6,9 @@ model (`to_hf`), and the `Link`s between its safetensors names and our parameter
 transform is a reshape, a transpose or a split/concatenation, so importing and exporting give
 back the same bytes. The families live by group: `llama.py` (Llama, Mistral, Qwen2 / Qwen3,
 Mixtral), `gemma.py` (Gemma 2, Gemma 3 text), `deepseek.py` (DeepSeek-V2, DeepSeek-V3),
-`gpt2.py` and `bert.py` (BERT, RoBERTa: encoders); this module holds the registry
-`FAMILIES`, picks a model's family, and checks that an exported config.json says what the model
-is.
+`gpt2.py`, `bert.py` (BERT, RoBERTa: encoders) and `t5.py` (T5 v1.0 / v1.1: encoder–decoders);
+this module holds the registry `FAMILIES`, picks a model's family, and checks that an exported
+config.json says what the model is.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jaxllm.convert.gemma import GEMMA2, GEMMA3
 from jaxllm.convert.gpt2 import GPT2
 from jaxllm.convert.links import Family
 from jaxllm.convert.llama import LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3
+from jaxllm.convert.t5 import T5
 
 # ModelConfig fields that are training or compute choices, not part of a checkpoint.
 NOT_ARCHITECTURE = frozenset(
@@ -51,6 +52,7 @@ FAMILIES: dict[str, Family] = {
     for f in (
         *(LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V2, GPT2),
         *(BERT, ROBERTA),
+        T5,
     )
 }
 
@@ -123,6 +125,8 @@ def first_line(e: BaseException) -> str:
 
 def guess_family(cfg: ModelConfig) -> Family:
     """The family a model exports as when none is named: the one its knobs point to."""
+    if cfg.kind == "encoder_decoder":
+        return FAMILIES["t5"]
     if cfg.kind == "encoder":  # RoBERTa numbers its positions after padding_idx
         return FAMILIES["roberta" if cfg.encoder.position_offset else "bert"]
     if cfg.mla.enabled and cfg.moe.enabled and cfg.moe.router_score == "softmax":

@@ -155,8 +155,9 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     )
     offset = fields.get("encoder", {}).get("position_offset", 0)  # RoBERTa's first rows
     tree = {"model": fields, "data": {"seq_len": min(256, fields["max_seq_len"] - offset)}}
-    if fields.get("kind") == "encoder":  # what an encoder trains with
-        tree["train"] = {"objective": "mlm"}
+    objective = {"encoder": "mlm", "encoder_decoder": "span_corruption"}.get(fields.get("kind"))
+    if objective:  # what an encoder / encoder–decoder trains with
+        tree["train"] = {"objective": objective}
     tree = config_lib.apply_overrides(tree, overrides)
     vocab, data = tree["model"].get("vocab_size"), tree["data"]
     tokenizer = hf_dir / "tokenizer.json"

@@ -7,6 +7,9 @@ logits, then a `lax.while_loop` of single-token decode steps until every sequenc
 end-of-turn marker written as text, `<|im_end|>` in bytes): no Python runs per token. Tokens can
 be streamed to the host as they are made (`on_token`, through an ordered `jax.debug.callback`).
 
+An encoder–decoder (`model.kind=encoder_decoder`) encodes the prompt once and decodes from
+its decoder start token (`jaxllm.infer.seq2seq`), with the same sampling, stops and caches.
+
 `greedy_continue` is the cache-free reference: every step re-runs the full forward pass over a
 fixed buffer, exactly what training computes; cached decoding is tested against it.
 """
@@ -24,7 +27,7 @@ from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.config import ConfigError, GenerateConfig
-from jaxllm.infer import kv_cache
+from jaxllm.infer import kv_cache, seq2seq
 from jaxllm.infer.sampling import sample
 from jaxllm.kernels.decode_attention.ops import on_hopper
 
@@ -217,7 +220,9 @@ def generate(
     b = -(-n_real // dp) * dp  # pad the batch with 1-token prompts to split evenly
     prompts = [list(p) for p in prompts] + [[0]] * (b - n_real)
     lengths = np.array([len(p) for p in prompts], np.int32)
-    if int(lengths.max()) + gen.max_new_tokens > cfg.max_seq_len:
+    seq2seq_model = cfg.kind == "encoder_decoder"  # the prompt is the encoder's input
+    longest = max(int(lengths.max()), gen.max_new_tokens)
+    if (longest if seq2seq_model else int(lengths.max()) + gen.max_new_tokens) > cfg.max_seq_len:
         raise ValueError(
             f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({gen.max_new_tokens}) "
             f"exceeds the model's max_seq_len ({cfg.max_seq_len})"
@@ -230,6 +235,8 @@ def generate(
     kind, group = gen.kv_cache_dtype, gen.kv_group
     g, k, _ = kv_cache.cache_dims(cfg)
     nl = cfg.num_layers
+    if gen.kv_page_size and seq2seq_model:
+        raise ValueError("an encoder-decoder decodes with a contiguous cache: kv_page_size=0")
     if gen.kv_page_size:
         table, num_pages = kv_cache.allocate_pages(need_B, gen.kv_page_size)
         max_len, block_table = gen.kv_page_size, jnp.asarray(table)
@@ -256,19 +263,35 @@ def generate(
     for row, q in zip(stop_SxM, seqs):
         row[len(row) - len(q) :] = q
     graphdef, state = nnx.split(model)
-    with sharding.active(sharding.Parallel(mesh)):
-        out_BxN, done_B = _generate(
-            graphdef,
-            state,
-            jnp.asarray(prompt_BxL),
-            jnp.asarray(lengths),
-            block_table,
-            stop_S,
-            jnp.asarray(stop_SxM),
-            jax.random.key(gen.seed),
-            plan,
-            on_token,
-        )
+    if seq2seq_model:
+        nl = cfg.resolved_decoder_layers
+        cache_tokens = b * seq2seq.cache_tokens(prompt_len, plan)
+        with sharding.active(sharding.Parallel(mesh)):
+            out_BxN, done_B = seq2seq.generate_core(
+                graphdef,
+                state,
+                jnp.asarray(prompt_BxL),
+                jnp.asarray(lengths),
+                stop_S,
+                jnp.asarray(stop_SxM),
+                jax.random.key(gen.seed),
+                plan,
+                on_token,
+            )
+    else:
+        with sharding.active(sharding.Parallel(mesh)):
+            out_BxN, done_B = _generate(
+                graphdef,
+                state,
+                jnp.asarray(prompt_BxL),
+                jnp.asarray(lengths),
+                block_table,
+                stop_S,
+                jnp.asarray(stop_SxM),
+                jax.random.key(gen.seed),
+                plan,
+                on_token,
+            )
     out_BxN, done_B = np.asarray(out_BxN), np.asarray(done_B)
     stops = set(np.asarray(stop_S).tolist())
     tokens, stopped, ends = [], [], []

@@ -14,6 +14,7 @@ under a mesh (kernels, ring attention, MoE dispatch) goes through `jaxllm.parall
 """
 
 from jaxllm.model.attention import Attention, dot_product_attention
+from jaxllm.model.encoder_decoder import EncoderDecoder
 from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, make_norm, matmul
 from jaxllm.model.mla import MLAttention, make_attention
 from jaxllm.model.mlp import MLP
@@ -40,6 +41,7 @@ __all__ = [
     "MLAttention",
     "Block",
     "Embed",
+    "EncoderDecoder",
     "LayerNorm",
     "MLP",
     "RMSNorm",

@@ -107,6 +107,7 @@ def dot_product_attention(
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     alibi_slopes_H: jax.Array | None = None,
+    bias_HxLxS: jax.Array | None = None,
     impl: str = "xla",
     prefix_BxL: jax.Array | None = None,
 ) -> jax.Array:
@@ -115,7 +116,8 @@ def dot_product_attention(
     Causality is by index: query i sees keys j <= i (q and kv aligned, L == S); a sliding window
     w further limits it to i - w < j. `sliding_window` may be a traced int32 (0: no window) for
     `xla`, so scanned layers can differ; the kernels need a Python int. `soft_cap` c maps each
-    scaled logit s to c * tanh(s / c); `alibi_slopes_H` adds -slope_h * (i - j) (xla only).
+    scaled logit s to c * tanh(s / c); `alibi_slopes_H` adds -slope_h * (i - j) and
+    `bias_HxLxS` any float32 bias (T5's relative positions), both xla only.
     `prefix_BxL` (a prefix LM; self-attention, xla only, so `auto` picks xla): where query and
     key are both 1 (the prefix of their segment) the key is visible even after the query, so the
     prefix attends bidirectionally and the tokens after it causally.
@@ -123,9 +125,10 @@ def dot_product_attention(
     l, k = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
-    impl = resolve_impl(impl, alibi_slopes_H is not None or prefix_BxL is not None)
-    if impl != "xla" and alibi_slopes_H is not None:
-        raise ValueError(f"attention_impl={impl} takes no ALiBi bias; use xla")
+    bias = alibi_slopes_H is not None or bias_HxLxS is not None
+    impl = resolve_impl(impl, bias or prefix_BxL is not None)
+    if impl != "xla" and bias:
+        raise ValueError(f"attention_impl={impl} takes no additive bias (ALiBi, T5); use xla")
     if impl != "xla" and prefix_BxL is not None:
         raise ValueError(f"attention_impl={impl} takes no prefix-LM mask; use xla")
     if impl != "xla" and v_BxSxGxK.shape[-1] != k:  # MLA: the kernels want one head width
@@ -185,10 +188,10 @@ def dot_product_attention(
         if segment_ids is not None:
             both_BxLxS &= segment_ids[0][:, :, None] == segment_ids[1][:, None, :]
         mask_XxLxS = mask_XxLxS | both_BxLxS
-    bias_HxLxS = None
     if alibi_slopes_H is not None:
         distance_LxS = jnp.abs(q_idx_L[:, None] - kv_idx_S[None, :]).astype(jnp.float32)
-        bias_HxLxS = -jnp.asarray(alibi_slopes_H, jnp.float32)[:, None, None] * distance_LxS[None]
+        alibi_HxLxS = -jnp.asarray(alibi_slopes_H, jnp.float32)[:, None, None] * distance_LxS[None]
+        bias_HxLxS = alibi_HxLxS if bias_HxLxS is None else bias_HxLxS + alibi_HxLxS
     return _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS)
 
 

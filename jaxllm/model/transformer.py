@@ -291,11 +291,21 @@ class Transformer(nnx.Module):
         return jax.lax.scan(body, carry, (state, per_layer), unroll=self.cfg.scan_unroll)
 
 
+# model.kind -> its module class when not `Transformer` (`encoder_decoder` registers itself on
+# import; `jaxllm.model` imports it).
+MODEL_KINDS: dict[str, type] = {}
+
+
+def model_class(cfg: ModelConfig) -> type:
+    """The module class of `cfg.kind`."""
+    return MODEL_KINDS.get(cfg.kind, Transformer)
+
+
 def build(cfg: ModelConfig, seed: int | jax.Array = 0, peft: PeftConfig | None = None):
     """A model with freshly initialised parameters (on the default device), with the adapters
     or soft prompt of `peft` attached."""
     key = jax.random.key(seed) if isinstance(seed, int) else seed
-    model = Transformer(cfg, rngs=nnx.Rngs(params=key))
+    model = model_class(cfg)(cfg, rngs=nnx.Rngs(params=key))
     attach_peft(model, peft, key)
     return model
 
@@ -375,6 +385,6 @@ def abstract_frozen(cfg: ModelConfig, peft: PeftConfig | None = None):
 
 def abstract_model_state(cfg: ModelConfig):
     """(abstract non-Param model variables as a dict of ShapeDtypeStruct, logical axes dict)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
     _, _, state = nnx.split(model, nnx.Param, ...)
     return nnx.to_pure_dict(state), logical_axes(state)

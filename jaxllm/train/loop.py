@@ -28,6 +28,7 @@ from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.data import check_vocab
 from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
+from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import load_weights, weight_targets
 from jaxllm.metrics import MetricsWriter, plot_losses
@@ -153,7 +154,10 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
         _log(f"data: {len(batches.prompts)} rollout prompts, {len(batches.eval_prompts)} eval")
     else:
         whole_inputs = cfg.train.objective == "reward"  # its score is read at a closing slot
-        train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
+        if cfg.train.objective == "span_corruption":  # encoder inputs, decoder targets
+            train_rows, eval_rows = corrupted_splits(cfg.data, cfg.model.vocab_size)
+        else:
+            train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
         sources = ", ".join(src.path for src in cfg.data.sources)
         _log(
             f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} "

@@ -30,8 +30,9 @@ reference, on batches the policy samples itself (`jaxllm.train.rollout`); `ppo`
 `mlm` is masked LM for encoders (`model.kind=encoder`): the pipeline corrupts the rows
 (`jaxllm.data.mlm`) and the loss is cross-entropy at the selected positions. `prefix_lm` is
 next-token prediction after a bidirectional prefix (`jaxllm.data.objective_rows`).
+`span_corruption` (`jaxllm.train.seq2seq`) is T5's denoising loss of an encoder–decoder.
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
-the preference losses, `reward`, `grpo`, `ppo`, `distill`, or `MODULE:NAME` / `path/to/file.py:NAME`
+the preference losses, `reward`, `grpo`, `ppo`, `distill`, `span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME`
 for an objective of your own.
 """
 
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
-from jaxllm.train import distill, grpo, ppo, preference, reward
+from jaxllm.train import distill, grpo, ppo, preference, reward, seq2seq
 from jaxllm.train.output import Objective, ObjectiveOutput, load_function, token_nll
 
 __all__ = [
@@ -123,9 +124,10 @@ BUILT_IN = {
     "grpo": lambda cfg: grpo.from_train_config(cfg.train),
     "ppo": ppo.from_config,
     "distill": distill.from_config,
+    "span_corruption": lambda cfg: seq2seq.span_corruption(cfg.train.z_loss),
 }
 # The built-ins that read train.z_loss; set for another objective it would do nothing.
-Z_LOSS_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm")
+Z_LOSS_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm", "span_corruption")
 
 
 def _check_head(name: str, head: str) -> None:
@@ -143,6 +145,16 @@ def _check_head(name: str, head: str) -> None:
         )
 
 
+def _check_kind(name: str, kind: str) -> None:
+    """An encoder–decoder trains with `span_corruption`, which trains nothing else (an
+    objective of your own may train either)."""
+    if (name == "span_corruption") != (kind == "encoder_decoder"):
+        raise ConfigError(
+            f"train.objective={name} does not train model.kind={kind}: an encoder–decoder "
+            "(model.kind=encoder_decoder) trains with train.objective=span_corruption."
+        )
+
+
 def from_config(cfg: Config) -> Objective:
     """The objective `train.objective` names: a built-in (`BUILT_IN`), or `MODULE:NAME` /
     `FILE.py:NAME` naming an objective function. ConfigError when it cannot be loaded."""
@@ -154,6 +166,7 @@ def from_config(cfg: Config) -> Objective:
         )
     if name in BUILT_IN:
         _check_head(name, cfg.model.head)
+        _check_kind(name, cfg.model.kind)
         return BUILT_IN[name](cfg)
     where, _, attr = name.rpartition(":")
     if not where or not attr:

@@ -1,0 +1,34 @@
+"""`span_corruption`: T5's denoising objective for `model.kind=encoder_decoder`.
+
+The batch (`jaxllm.data.span_corruption`) holds the encoder's `inputs` [B, S] with their
+`segment_ids` (0 on padding), and the decoder's `decoder_inputs`, `targets` and `loss_mask`
+[B, L]. The loss is the cross-entropy of the decoder's predictions of `targets` (each sentinel
+and the span it hides, then EOS) over the `loss_mask` tokens, with teacher forcing.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
+
+
+def span_corruption(z_loss: float = 0.0) -> Objective:
+    """Mean decoder cross-entropy over the target tokens (`loss`), plus `z_loss` times the mean
+    squared log-normaliser (`z_loss`)."""
+
+    def objective(model, batch: dict, rng) -> ObjectiveOutput:
+        out = model(
+            batch["inputs"],
+            batch["decoder_inputs"],
+            segment_ids_BxS=batch["segment_ids"],
+            dropout_key=rng,
+        )
+        nll_BxL, logz_BxL = token_nll(out.logits, batch["targets"])
+        mask_BxL = batch["loss_mask"].astype(jnp.float32)
+        nll_sum = jnp.sum(nll_BxL * mask_BxL)
+        z_sum = jnp.sum(jnp.square(logz_BxL) * mask_BxL)
+        metrics = {"loss": nll_sum, "z_loss": z_sum}
+        return ObjectiveOutput(nll_sum + z_loss * z_sum, jnp.sum(mask_BxL), metrics, {})
+
+    return objective
