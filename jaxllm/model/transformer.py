@@ -27,7 +27,7 @@ from flax import nnx
 from jaxllm.config import ModelConfig, PeftConfig
 from jaxllm.model import lora
 from jaxllm.model import moe as moe_lib
-from jaxllm.model.layers import Embed, make_norm, matmul, param
+from jaxllm.model.layers import Embed, logical_axes, make_norm, matmul, param
 from jaxllm.model.mla import make_attention
 from jaxllm.model.mlp import MLP
 from jaxllm.model.moe import MoE
@@ -216,9 +216,51 @@ class Transformer(nnx.Module):
         logits. `dropout_key` (training) turns on dropout when `cfg.dropout` > 0. `aux` holds
         the MoE load statistics (see `ModelOutput`); {} for dense models.
         """
-        cfg = self.cfg
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
+        x_BxLxD, positions_BxL, segment_ids_BxL, keys = self.inputs(
+            tokens_BxL, positions_BxL, segment_ids_BxL, embeddings_BxLxD, dropout_key
+        )
+        cfg = self.cfg
+        per_layer = self.per_layer(keys, cache is not None)
+        remat = cache is None and cfg.remat != "none"
+        carry = (x_BxLxD, cache)
+        n_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
+        if self.layers is not None:
+            take = jax.tree.map(lambda a: a[:n_dense], per_layer)
+            carry, _ = self.scan(self.layers, carry, take, positions_BxL, segment_ids_BxL, remat)
+        aux = {}
+        if cfg.moe.enabled:
+            every = cfg.moe.moe_every
+            rest = jax.tree.map(lambda a: a[n_dense:].reshape(-1, every, *a.shape[1:]), per_layer)
+            group_def, group_state = nnx.split(self.moe_layers)
+
+            def group_body(carry, xs):
+                state, inputs = xs
+                group = nnx.merge(group_def, state)
+                if group.dense is not None:
+                    dense_in = jax.tree.map(lambda a: a[:-1], inputs)
+                    carry, _ = self.scan(
+                        group.dense, carry, dense_in, positions_BxL, segment_ids_BxL, remat
+                    )
+                moe_in = jax.tree.map(lambda a: a[-1], inputs)
+                moe_def, moe_state = nnx.split(group.moe)
+                body = self._body(moe_def, positions_BxL, segment_ids_BxL, remat)
+                return body(carry, (moe_state, moe_in))
+
+            carry, stats = jax.lax.scan(
+                group_body, carry, (group_state, rest), unroll=cfg.scan_unroll
+            )
+            aux = moe_lib.combine_layer_stats(stats)
+        x_BxLxD, cache = carry
+        if logits_at_BxQ is not None:
+            x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
+        return self.outputs(x_BxLxD, cache, aux)
+
+    def inputs(self, tokens_BxL, positions_BxL, segment_ids_BxL, embeddings_BxLxD, dropout_key):
+        """(x, positions, segment ids, per-layer dropout keys or None): the input of the first
+        block, from tokens or embeddings, with the default positions and segment ids."""
+        cfg = self.cfg
         if embeddings_BxLxD is None:
             embeddings_BxLxD = self._embed(tokens_BxL)
         b, l = embeddings_BxLxD.shape[:2]
@@ -239,9 +281,12 @@ class Transformer(nnx.Module):
             x_BxLxD = _dropout(x_BxLxD, cfg.dropout, embed_key)
             keys = jax.random.split(layers_key, cfg.num_layers)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
+        return x_BxLxD, positions_BxL, segment_ids_BxL, keys
 
-        # Per-layer inputs of the scan: parameters, and when layers differ their window flag
-        # and dropout key; with a cache, the layer index.
+    def per_layer(self, keys, with_cache: bool = False) -> dict:
+        """Per-layer inputs of the scan, arrays over all N layers: when layers differ their
+        window flag and dropout key; with a cache, the layer index."""
+        cfg = self.cfg
         windows = cfg.layer_windows()
         per_layer = {
             "windowed": None
@@ -249,42 +294,13 @@ class Transformer(nnx.Module):
             else jnp.asarray(windows, jnp.int32) > 0,
             "key": keys,
         }
-        if cache is not None:
+        if with_cache:
             per_layer["layer"] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        per_layer = {k: v for k, v in per_layer.items() if v is not None}
-        remat = cache is None and cfg.remat != "none"
-        carry = (x_BxLxD, cache)
-        n_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
-        if self.layers is not None:
-            take = jax.tree.map(lambda a: a[:n_dense], per_layer)
-            carry, _ = self._scan(self.layers, carry, take, positions_BxL, segment_ids_BxL, remat)
-        aux = {}
-        if cfg.moe.enabled:
-            every = cfg.moe.moe_every
-            rest = jax.tree.map(lambda a: a[n_dense:].reshape(-1, every, *a.shape[1:]), per_layer)
-            group_def, group_state = nnx.split(self.moe_layers)
+        return {k: v for k, v in per_layer.items() if v is not None}
 
-            def group_body(carry, xs):
-                state, inputs = xs
-                group = nnx.merge(group_def, state)
-                if group.dense is not None:
-                    dense_in = jax.tree.map(lambda a: a[:-1], inputs)
-                    carry, _ = self._scan(
-                        group.dense, carry, dense_in, positions_BxL, segment_ids_BxL, remat
-                    )
-                moe_in = jax.tree.map(lambda a: a[-1], inputs)
-                moe_def, moe_state = nnx.split(group.moe)
-                body = self._body(moe_def, positions_BxL, segment_ids_BxL, remat)
-                return body(carry, (moe_state, moe_in))
-
-            carry, stats = jax.lax.scan(
-                group_body, carry, (group_state, rest), unroll=cfg.scan_unroll
-            )
-            aux = moe_lib.combine_layer_stats(stats)
-        x_BxLxD, cache = carry
-
-        if logits_at_BxQ is not None:
-            x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
+    def outputs(self, x_BxLxD, cache=None, aux=None) -> ModelOutput:
+        """The model's output from the last block's output: final norm, then the head."""
+        cfg, aux, dtype = self.cfg, aux or {}, jnp.dtype(self.cfg.dtype)
         if cfg.norm_placement != "post":
             x_BxLxD = self.final_norm(x_BxLxD)
         if cfg.head == "score":  # [B, L, 1] scores, in float32 as logits
@@ -343,7 +359,7 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         return body
 
-    def _scan(self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, remat: bool):
+    def scan(self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, remat: bool):
         """Runs the blocks of a stacked module in order; returns the carry and stacked stats."""
         graphdef, state = nnx.split(stack)
         body = self._body(graphdef, positions_BxL, segment_ids_BxL, remat)
@@ -396,44 +412,3 @@ def attach_peft(model: Transformer, peft: PeftConfig | None, key: jax.Array) -> 
         model.soft_prompt = lora.PromptParam(init, axes=("virtual_tokens", "embed"))
     else:
         lora.attach(model, peft, key)
-
-
-def logical_axes(state) -> dict:
-    """A model's (abstract) `nnx.State` -> nested dict of logical-axes tuples, like its params."""
-    return {
-        k: tuple(v.get_metadata()["axes"]) if isinstance(v, nnx.Variable) else logical_axes(v)
-        for k, v in state.items()
-    }
-
-
-def _abstract_split(cfg: ModelConfig, peft: PeftConfig | None):
-    """(graphdef, trainable, frozen, model state) of the abstract model, as `nnx.State`s."""
-    model = nnx.eval_shape(lambda: build(cfg, 0, peft))
-    if peft is None or peft.method == "none":
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        return graphdef, params, nnx.State({}), rest
-    return nnx.split(model, lora.trainable(peft), nnx.Param, ...)
-
-
-def abstract_model(cfg: ModelConfig, peft: PeftConfig | None = None):
-    """(graphdef, abstract trainable params as a dict of ShapeDtypeStruct, logical axes dict):
-    every parameter, or under `peft` only the adapters / soft prompt (`abstract_frozen` has the
-    rest).
-
-    The graphdef merges with params, the frozen params and the model state: `nnx.merge(graphdef,
-    params, frozen, model_state)` (empty ones may be left out)."""
-    graphdef, state, _, _ = _abstract_split(cfg, peft)
-    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
-
-
-def abstract_frozen(cfg: ModelConfig, peft: PeftConfig | None = None):
-    """(abstract frozen params, logical axes): the base under `peft`, {} without it."""
-    _, _, state, _ = _abstract_split(cfg, peft)
-    return nnx.to_pure_dict(state), logical_axes(state)
-
-
-def abstract_model_state(cfg: ModelConfig):
-    """(abstract non-Param model variables as a dict of ShapeDtypeStruct, logical axes dict)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    _, _, state = nnx.split(model, nnx.Param, ...)
-    return nnx.to_pure_dict(state), logical_axes(state)
