@@ -28,7 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxllm import sharding
 from jaxllm.parallel import schedules as S
+
+SEND_AXES = ("batch", "length", "act_mlp")  # the activations between stages
 
 
 def _tree_zeros(tree, dtype=None):
@@ -78,10 +81,14 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
         def at(tree, j):
             return jax.tree.map(lambda a: a[j], tree)
 
-        zeros_act = jnp.zeros(act.shape, act.dtype)
+        zeros_act = sharding.constrain(jnp.zeros(act.shape, act.dtype), SEND_AXES)
         carry = {
-            "x": jnp.zeros((table.x_slots, *act.shape), act.dtype),
-            "g": jnp.zeros((table.grad_slots, *act.shape), act.dtype),
+            "x": sharding.constrain(
+                jnp.zeros((table.x_slots, *act.shape), act.dtype), (None, *SEND_AXES)
+            ),
+            "g": sharding.constrain(
+                jnp.zeros((table.grad_slots, *act.shape), act.dtype), (None, *SEND_AXES)
+            ),
             "d_stack": _tree_zeros(t_stack, jnp.float32),
             "d_rest": _tree_zeros(t_rest, jnp.float32),
             "sums": _tree_zeros(sums_like),
@@ -139,13 +146,17 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
             carry, send_f, send_b = jax.lax.switch(
                 kind, [idle, fwd, bwd_input, bwd_weights, bwd_both], carry
             )
+            # split over every automatic axis: XLA's SPMD partitioner fails on a permute of a
+            # buffer split over some axes (data) and replicated over others (tensor)
+            send_f, send_b = (sharding.constrain(a, SEND_AXES) for a in (send_f, send_b))
             recv_f = jax.lax.ppermute(send_f, "stage", [(i, (i + 1) % p) for i in range(p)])
             recv_b = jax.lax.ppermute(send_b, "stage", [(i, (i - 1) % p) for i in range(p)])
             carry = dict(carry)
             for name, slot, got in (("x", rx, recv_f), ("g", rg, recv_b)):
                 safe = jnp.maximum(slot, 0)
                 buf = carry[name]
-                carry[name] = buf.at[safe].set(jnp.where(slot >= 0, got, buf[safe]))
+                buf = buf.at[safe].set(jnp.where(slot >= 0, got, buf[safe]))
+                carry[name] = sharding.constrain(buf, (None, *SEND_AXES))
             return carry, None
 
         carry, _ = jax.lax.scan(tick, carry, actions)
