@@ -27,6 +27,7 @@ BASE = [
     "train.eval_every=0",
     "optim.warmup_steps=0",
     "optim.eps=1e-6",
+    "optim.schedule=constant",
 ]
 PP2_DP4 = ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1"]
 FSDP8 = ["mesh.stage=1", "mesh.data=1", "mesh.fsdp=8"]

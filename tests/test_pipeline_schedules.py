@@ -63,10 +63,10 @@ def test_bubble_and_in_flight_match_the_formulas(case):
     schedule, p, m, v = case
     table = S.build(schedule, p, m, v)
     if schedule == "zero_bubble":
-        # F, B and W of one tick each: 2 (p - 1) idle ticks per stage, against 1F1B's
-        # 2 (p - 1) ticks of idle per 2 m ticks of work (its B a whole tick of input and weight
-        # gradients); the textbook (p - 1) / (3 m) needs W passes later than ZB-H1's memory
-        # bound allows at the tail (see docs/parallelism.md)
+        # F, B and W one tick each: 2 (p - 1) idle ticks per stage of 3 m busy ones, 2/3 of
+        # 1F1B's bubble in the same units (its BW counted as the two ticks it costs); the
+        # textbook (p - 1) / (3 m) fills the tail with W passes that ZB-H1's memory bound (no
+        # more inputs held than 1F1B) leaves no room for in a lock-step table
         assert table.bubble_ratio == pytest.approx(2 * (p - 1) / (3 * m))
         assert table.bubble_ratio > S.formula(schedule, p, m, v)
         assert table.in_flight == S.build("1f1b", p, m).in_flight

@@ -46,6 +46,18 @@ def _join(stack, rest):
     return {**rest, STACK: stack} if stack else dict(rest)
 
 
+def _gathered_table(rest):
+    """XLA's SPMD partitioner aborts on the embedding gather inside the stages when the table is
+    split over its embed dim (fsdp): the stage function gathers it over that dim first (as FSDP does
+    for the lookup anyway), still split over `vocab`."""
+    table = rest.get("embed", {}).get("embedding")
+    if table is None:
+        return rest
+    return dict(
+        rest, embed=dict(rest["embed"], embedding=sharding.constrain(table, ("vocab", None)))
+    )
+
+
 def stage_function(graphdef, objective: Objective, cfg, chunks: int):
     """`stage_fn(train, const, x, mb, c)` of `pipeline.run` for a model of `cfg` cut into
     `chunks` virtual stages: train = (stack chunk, rest) of the trainable parameters, const =
@@ -55,6 +67,8 @@ def stage_function(graphdef, objective: Objective, cfg, chunks: int):
 
     def stage_fn(train, const, x_BxLxD, mb, c):
         (t_stack, t_rest), ((f_stack, s_stack), c_rest) = train, const
+        t_rest = _gathered_table(t_rest)
+        c_rest = dict(c_rest, frozen=_gathered_table(c_rest["frozen"]))
         model = merge_model(
             graphdef,
             _join(t_stack, t_rest),
