@@ -135,3 +135,28 @@ def test_refuses_model_features_the_pipeline_lacks():
     )
     with pytest.raises(config.ConfigError, match="token-level objectives"):
         cfg.validate(8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, peft",
+    [
+        (dict(dropout=0.1, remat="full"), config.PeftConfig()),
+        ({}, config.PeftConfig(method="lora", rank=4, dropout=0.1, targets=("q_proj", "lm_head"))),
+    ],
+    ids=["dropout-remat", "lora"],
+)
+def test_stage_features_match_single_device(model, peft):
+    """Dropout (the same masks: each chunk takes its layers' keys), remat inside the stages and
+    LoRA adapters (with their dropout) train as on one device."""
+
+    def cfg(**mesh):
+        base = _cfg(**mesh)
+        m = tiny_model(vocab_size=264, num_layers=4, **model)
+        return config.Config(**{**base.__dict__, "model": m, "peft": peft})
+
+    ref_losses, ref_state = _train(cfg(), jax.devices()[:1])
+    losses, state = _train(cfg(stage=2, data=2, tensor=2), jax.devices())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
