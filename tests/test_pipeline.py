@@ -56,6 +56,7 @@ SLOW_CASES = {
     "zero_bubble-pp2_dp2_tp2": dict(PP2_DP2_TP2, pipeline_schedule="zero_bubble"),
     "zero_bubble-pp4_fsdp2": dict(PP4_FSDP2, pipeline_schedule="zero_bubble"),
     "interleaved-pp2_v2_dp2_tp2": dict(PP2_V2, pipeline_schedule="interleaved"),
+    "1f1b-pp2_sp2_dp2": dict(stage=2, sequence=2, data=2, pipeline_schedule="1f1b"),
     "interleaved-pp2_v2_fsdp4": dict(
         stage=2, fsdp=4, virtual_stages=2, pipeline_schedule="interleaved"
     ),
