@@ -134,7 +134,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
     rows = []
     flat_axes = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))
     for (path, ax), leaf in zip(flat_axes[0], jax.tree.leaves(abstract_params)):
-        spec = sharding.spec(ax)
+        spec = sharding.named(mesh, ax).spec
         shard_shape = sharding.named(mesh, ax).shard_shape(leaf.shape)
         rows.append(
             {
