@@ -15,10 +15,12 @@ import jax
 import numpy as np
 
 from jaxllm import config, sharding
+from jaxllm.config.pipeline import microbatches
 from jaxllm.data import span_corruption
 from jaxllm.infer.kv_cache import KINDS, model_bytes_per_token
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
+from jaxllm.parallel import schedules
 from jaxllm.train import loss_scale
 from jaxllm.train.loop import compile_steps
 from jaxllm.train.state import grad_shardings, init_state, layout
@@ -135,7 +137,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
     rows = []
     flat_axes = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))
     for (path, ax), leaf in zip(flat_axes[0], jax.tree.leaves(abstract_params)):
-        spec = sharding.spec(ax)
+        spec = sharding.named(mesh, ax).spec
         shard_shape = sharding.named(mesh, ax).shard_shape(leaf.shape)
         rows.append(
             {
@@ -166,6 +168,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         + memory["code"]
     )
     return {
+        "pipeline": pipeline_report(cfg, mesh),
         "kv_cache": kv_cache_report(cfg, mesh),
         "mesh": dict(mesh.shape),
         "devices": f"{len(devices)} x {devices[0].device_kind}",
@@ -256,6 +259,43 @@ def memory_bill(state, shardings, axes, grad_sh=None) -> dict:
     }
 
 
+def pipeline_report(cfg: config.Config, mesh) -> dict | None:
+    """The pipeline's schedule table in numbers (None without stages): ticks, bubble (idle
+    share of stage-ticks, and idle per busy tick against the textbook formula), and the peak
+    in-flight microbatches per stage (the input slots each device keeps; XLA's memory analysis
+    above holds them)."""
+    p = mesh.shape["stage"]
+    if p == 1:
+        return None
+    m, v, name = microbatches(cfg), cfg.mesh.virtual_stages, cfg.mesh.pipeline_schedule
+    table = schedules.build(name, p, m, v)
+    return {
+        "schedule": name,
+        "stages": p,
+        "microbatches": m,
+        "virtual": v,
+        "ticks": table.ticks,
+        "bubble": table.bubble,
+        "bubble_ratio": table.bubble_ratio,
+        "formula": schedules.formula(name, p, m, v),
+        "in_flight": table.in_flight,
+    }
+
+
+def _pipeline_lines(pp: dict | None) -> list[str]:
+    if pp is None:
+        return []
+    return [
+        "",
+        f"pipeline    {pp['schedule']}: {pp['stages']} stages x {pp['virtual']} virtual, "
+        f"{pp['microbatches']} microbatches, {pp['ticks']} ticks",
+        f"  bubble {pp['bubble']:.3f} of stage-ticks; idle per busy tick {pp['bubble_ratio']:.3f} "
+        f"(formula {pp['formula']:.3f})",
+        f"  in-flight microbatches per stage {list(pp['in_flight'])} (memory above: the "
+        "largest stage, every device keeps that many input slots)",
+    ]
+
+
 def kv_cache_report(cfg: config.Config, mesh) -> dict:
     """KV-cache bytes per token (all layers, scales included) for every cache dtype, and the
     cache of `train.global_batch_size` sequences of `model.max_seq_len` tokens per device with
@@ -320,6 +360,7 @@ def format_plan(r: dict) -> str:
         f"  optimizer state per parameter: {r['bill']['opt_bytes_per_param']:.3f} bytes "
         f"({r['bill']['opt_bytes_per_matrix_param']:.3f} over matrices)",
         *_base_lines(r["base"]),
+        *_pipeline_lines(r.get("pipeline")),
         "",
         f"FLOPs per step  {r['flops_per_step']:.4g}  (6N + attention, all devices)",
         "collectives in the compiled step (static: ops in the layer loop run once per layer)",

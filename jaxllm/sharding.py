@@ -36,7 +36,8 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "act_vocab": ("tensor",),
     "act_kv_length": None,  # keys/values all-gathered over `sequence` for attention
     # parameters
-    "layers": None,
+    # the stacked blocks: pipeline stage s holds its slice of the stack (`jaxllm.parallel.pipeline`)
+    "layers": ("stage",),
     "embed": ("fsdp",),
     "vocab": ("tensor",),
     "heads": ("tensor",),
@@ -116,6 +117,10 @@ def _slices(devices: list, n: int) -> list[list]:
 
 
 def named(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
+    """The sharding of `logical_axes` on `mesh`; without pipeline stages the `layers` axis stays
+    replicated (no size-1 `stage` in the spec)."""
+    if mesh.shape.get("stage", 1) == 1:
+        logical_axes = [None if a == "layers" else a for a in logical_axes]
     return NamedSharding(mesh, spec(logical_axes))
 
 
@@ -160,11 +165,24 @@ class Parallel:
     mesh: Mesh | None = None
     sequence_attention: str = "all_gather"
     expert_dispatch: str = "annotations"
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     @classmethod
     def of(cls, mesh: Mesh | None, cfg: MeshConfig) -> Parallel:
         """The settings of a config's `mesh` section on `mesh`."""
-        return cls(mesh, cfg.sequence_attention, cfg.expert_dispatch)
+        return cls(
+            mesh,
+            cfg.sequence_attention,
+            cfg.expert_dispatch,
+            cfg.pipeline_schedule,
+            cfg.virtual_stages,
+        )
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages of the mesh (1: no pipeline)."""
+        return 1 if self.mesh is None else self.mesh.shape.get("stage", 1)
 
 
 _ACTIVE: contextvars.ContextVar[Parallel] = contextvars.ContextVar("parallel", default=Parallel())
@@ -189,4 +207,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     mesh = _ACTIVE.get().mesh
     if mesh is None or mesh.size == 1:
         return x
+    inner = jax.sharding.get_abstract_mesh()
+    if inner.manual_axes:  # inside a shard_map manual over some axes (pipeline stages)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(inner, spec(logical_axes)))
     return jax.lax.with_sharding_constraint(x, named(mesh, logical_axes))

@@ -128,7 +128,14 @@ def test_fsdp8_argument_bytes_are_an_eighth():
 
 def test_dcn_degrees_put_slices_outermost():
     mesh = sharding.make_mesh(config.MeshConfig(data=1, fsdp=4, dcn_data=2), jax.devices())
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1, "sequence": 1, "expert": 1}
+    assert dict(mesh.shape) == {
+        "stage": 1,
+        "data": 2,
+        "fsdp": 4,
+        "tensor": 1,
+        "sequence": 1,
+        "expert": 1,
+    }
     ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(2, 4)
     np.testing.assert_array_equal(ids, [[0, 1, 2, 3], [4, 5, 6, 7]])  # data over the groups
 

@@ -12,6 +12,7 @@ from jaxllm.config.errors import fail as _fail
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.moe import validate_moe
 from jaxllm.config.peft import PeftConfig
+from jaxllm.config.pipeline import microbatches, validate_pipeline
 from jaxllm.config.sections import (
     OPTIM_READS,
     OPTIM_SPECIFIC,
@@ -149,19 +150,22 @@ class Config:
                 _fail(
                     f"model.{name} must be float32, bfloat16 or float16, not {getattr(m, name)!r}."
                 )
-        if t.global_batch_size % t.grad_accum_steps:
+        n_micro = microbatches(self)
+        validate_pipeline(self, None)
+        if t.global_batch_size % n_micro:
             _fail(
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                f"train.grad_accum_steps ({t.grad_accum_steps})."
+                f"train.grad_accum_steps / mesh.pipeline_microbatches ({n_micro})."
             )
         if num_devices is not None:
             degrees = mesh_degrees(self.mesh, num_devices)
+            validate_pipeline(self, degrees["stage"])
             dp = degrees["data"] * degrees["fsdp"] * degrees["expert"]
-            micro = t.global_batch_size // t.grad_accum_steps
+            micro = t.global_batch_size // n_micro
             if micro % dp:
                 _fail(
-                    f"train.global_batch_size ({t.global_batch_size}) / train.grad_accum_steps "
-                    f"({t.grad_accum_steps}) = {micro} rows per microbatch is not divisible by the "
+                    f"train.global_batch_size ({t.global_batch_size}) / microbatches "
+                    f"({n_micro}) = {micro} rows per microbatch is not divisible by the "
                     f"data-parallel size mesh.data * mesh.fsdp * mesh.expert = {dp}; use a "
                     f"multiple of {dp}."
                 )

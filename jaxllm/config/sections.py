@@ -30,6 +30,9 @@ class MeshConfig:
     degrees must equal the number of devices.
     """
 
+    stage: int = 1
+    """PP: pipeline stages, each holding a contiguous slice of the layer stack (the `stage`
+    axis, outermost after the dcn axes; `jaxllm.parallel.pipeline`)."""
     data: int = -1
     """DP: replicas that each see a slice of the batch."""
     fsdp: int = 1
@@ -41,6 +44,8 @@ class MeshConfig:
     expert: int = 1
     """EP: experts of MoE layers split; outside MoE layers the batch is split over it as over
     `data`."""
+    dcn_stage: int = 1
+    """Slices the pipeline stages are spread over (cheap: one activation per tick crosses)."""
     dcn_data: int = 1
     """Slices that replicate the model (the usual multi-slice choice: data over DCN)."""
     dcn_fsdp: int = 1
@@ -59,6 +64,18 @@ class MeshConfig:
     optimizer state `mesh.data` ways, 2 the gradients too (a reduce-scatter replaces the
     all-reduce; the updated parameters are all-gathered). Stage 3, parameters sharded as well,
     is `mesh.fsdp`. 0: plain data parallelism."""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    """With mesh.stage > 1, the order in which stages run forwards and backwards of the
+    microbatches (`jaxllm.parallel.schedules`): `gpipe` (all forwards, then all backwards),
+    `1f1b`, `interleaved` (1F1B over mesh.virtual_stages chunks per device) or `zero_bubble`
+    (ZB-H1: input- and weight-gradient passes split, weight passes fill the bubbles)."""
+    virtual_stages: int = 1
+    """Chunks of the layer stack per stage for the `interleaved` schedule: the stack is cut in
+    stage * virtual_stages chunks and stage s holds chunks s, s + stage, ... (circular)."""
+    pipeline_microbatches: int | None = None
+    """Microbatches the pipeline splits the global batch into; they are the step's gradient
+    accumulation microbatches (null: train.grad_accum_steps; set, it is the number of them,
+    and train.grad_accum_steps must be 1 or equal)."""
     expert_dispatch: Literal["annotations", "all_to_all"] = "annotations"
     """How capacity-mode MoE layers move token buffers to their experts' devices over
     `expert`: sharding constraints on the buffers, from which XLA makes the all-to-all, or an
@@ -329,7 +346,7 @@ class GenerateConfig:
     CPU), `xla` (dequantize, then attend), `auto` (kernel on TPU and Hopper, xla elsewhere)."""
 
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+MESH_AXES = ("stage", "data", "fsdp", "tensor", "sequence", "expert")
 
 
 def mesh_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:

@@ -13,9 +13,10 @@ Every parameter is an `nnx.Param` whose `axes` metadata names its logical axes
 under a mesh (kernels, ring attention, MoE dispatch) goes through `jaxllm.parallel`.
 """
 
+from jaxllm.model.abstract import abstract_frozen, abstract_model, abstract_model_state
 from jaxllm.model.attention import Attention, dot_product_attention
 from jaxllm.model.encoder_decoder import EncoderDecoder
-from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, make_norm, matmul
+from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, logical_axes, make_norm, matmul
 from jaxllm.model.mla import MLAttention, make_attention
 from jaxllm.model.mlp import MLP
 from jaxllm.model.moe import MoE, RouterBias
@@ -24,13 +25,9 @@ from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
 from jaxllm.model.transformer import (
     Block,
     Transformer,
-    abstract_frozen,
-    abstract_model,
-    abstract_model_state,
     attach_peft,
     build,
     init_keys,
-    logical_axes,
     merge_model,
     split_peft,
 )

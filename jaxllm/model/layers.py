@@ -148,3 +148,11 @@ class Embed(nnx.Module):
     def attend(self, x_BxLxD: jax.Array) -> jax.Array:
         """Tied LM head: logits in float32."""
         return matmul("bld,vd->blv", x_BxLxD, self.embedding[...], self.dtype, jnp.float32)
+
+
+def logical_axes(state) -> dict:
+    """A model's (abstract) `nnx.State` -> nested dict of logical-axes tuples, like its params."""
+    return {
+        k: tuple(v.get_metadata()["axes"]) if isinstance(v, nnx.Variable) else logical_axes(v)
+        for k, v in state.items()
+    }

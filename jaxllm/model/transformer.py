@@ -30,7 +30,7 @@ from jaxllm.config import ModelConfig, PeftConfig
 from jaxllm.model import heads, lora
 from jaxllm.model import moe as moe_lib
 from jaxllm.model.block import Block, MoEGroup, apply_dropout, stack
-from jaxllm.model.layers import Embed, make_norm, matmul, param
+from jaxllm.model.layers import Embed, logical_axes, make_norm, matmul, param
 from jaxllm.model.outputs import ModelOutput
 from jaxllm.sharding import constrain
 
@@ -119,9 +119,79 @@ class Transformer(nnx.Module):
         `prefix_BxL` (prefix LM, training and scoring): 1 where a token belongs to its
         segment's prefix, which attends bidirectionally within itself (attention on xla).
         """
-        cfg = self.cfg
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
+        x_BxLxD, positions_BxL, segment_ids_BxL, keys = self.inputs(
+            tokens_BxL,
+            positions_BxL,
+            segment_ids_BxL,
+            embeddings_BxLxD,
+            dropout_key,
+            token_types_BxL,
+        )
+        cfg = self.cfg
+        per_layer = self.per_layer(keys, cache is not None)
+        remat = cache is None and cfg.remat != "none"
+        carry = (x_BxLxD, cache)
+        n_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
+        if self.layers is not None:
+            take = jax.tree.map(lambda a: a[:n_dense], per_layer)
+            carry, _ = self.scan(
+                self.layers, carry, take, positions_BxL, segment_ids_BxL, remat, prefix_BxL
+            )
+        aux = {}
+        if cfg.moe.enabled:
+            every = cfg.moe.moe_every
+            rest = jax.tree.map(lambda a: a[n_dense:].reshape(-1, every, *a.shape[1:]), per_layer)
+            group_def, group_state = nnx.split(self.moe_layers)
+
+            def group_body(carry, xs):
+                state, inputs = xs
+                group = nnx.merge(group_def, state)
+                if group.dense is not None:
+                    dense_in = jax.tree.map(lambda a: a[:-1], inputs)
+                    carry, _ = self.scan(
+                        group.dense,
+                        carry,
+                        dense_in,
+                        positions_BxL,
+                        segment_ids_BxL,
+                        remat,
+                        prefix_BxL,
+                    )
+                moe_in = jax.tree.map(lambda a: a[-1], inputs)
+                moe_def, moe_state = nnx.split(group.moe)
+                body = self._body(moe_def, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
+                return body(carry, (moe_state, moe_in))
+
+            carry, stats = jax.lax.scan(
+                group_body, carry, (group_state, rest), unroll=cfg.scan_unroll
+            )
+            aux = moe_lib.combine_layer_stats(stats)
+        x_BxLxD, cache = carry
+        pooled_BxD = None
+        if cfg.encoder.pooler:  # of each row's first token, whatever logits are asked for
+            first_Bx1xD = x_BxLxD[:, :1]
+            if cfg.norm_placement != "post":
+                first_Bx1xD = self.final_norm(first_Bx1xD)
+            pooled_BxD = self.pooler(first_Bx1xD)
+        if logits_at_BxQ is not None:
+            x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
+        return self.outputs(x_BxLxD, cache, aux, pooled_BxD)
+
+    def inputs(
+        self,
+        tokens_BxL,
+        positions_BxL,
+        segment_ids_BxL,
+        embeddings_BxLxD,
+        dropout_key,
+        token_types_BxL=None,
+    ):
+        """(x, positions, segment ids, per-layer dropout keys or None): the input of the first
+        block, from tokens or embeddings (with an encoder's token types), with the default
+        positions and segment ids."""
+        cfg = self.cfg
         if embeddings_BxLxD is None:
             embeddings_BxLxD = self._embed(tokens_BxL)
         b, l = embeddings_BxLxD.shape[:2]
@@ -144,9 +214,12 @@ class Transformer(nnx.Module):
             x_BxLxD = apply_dropout(x_BxLxD, cfg.dropout, embed_key)
             keys = jax.random.split(layers_key, cfg.num_layers)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
+        return x_BxLxD, positions_BxL, segment_ids_BxL, keys
 
-        # Per-layer inputs of the scan: parameters, and when layers differ their window flag
-        # and dropout key; with a cache, the layer index.
+    def per_layer(self, keys, with_cache: bool = False) -> dict:
+        """Per-layer inputs of the scan, arrays over all N layers: when layers differ their
+        window flag and dropout key; with a cache, the layer index."""
+        cfg = self.cfg
         windows = cfg.layer_windows()
         per_layer = {
             "windowed": None
@@ -154,56 +227,14 @@ class Transformer(nnx.Module):
             else jnp.asarray(windows, jnp.int32) > 0,
             "key": keys,
         }
-        if cache is not None:
+        if with_cache:
             per_layer["layer"] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        per_layer = {k: v for k, v in per_layer.items() if v is not None}
-        remat = cache is None and cfg.remat != "none"
-        carry = (x_BxLxD, cache)
-        n_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
-        if self.layers is not None:
-            take = jax.tree.map(lambda a: a[:n_dense], per_layer)
-            carry, _ = self._scan(
-                self.layers, carry, take, positions_BxL, segment_ids_BxL, prefix_BxL, remat
-            )
-        aux = {}
-        if cfg.moe.enabled:
-            every = cfg.moe.moe_every
-            rest = jax.tree.map(lambda a: a[n_dense:].reshape(-1, every, *a.shape[1:]), per_layer)
-            group_def, group_state = nnx.split(self.moe_layers)
+        return {k: v for k, v in per_layer.items() if v is not None}
 
-            def group_body(carry, xs):
-                state, inputs = xs
-                group = nnx.merge(group_def, state)
-                if group.dense is not None:
-                    dense_in = jax.tree.map(lambda a: a[:-1], inputs)
-                    carry, _ = self._scan(
-                        group.dense,
-                        carry,
-                        dense_in,
-                        positions_BxL,
-                        segment_ids_BxL,
-                        prefix_BxL,
-                        remat,
-                    )
-                moe_in = jax.tree.map(lambda a: a[-1], inputs)
-                moe_def, moe_state = nnx.split(group.moe)
-                body = self._body(moe_def, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
-                return body(carry, (moe_state, moe_in))
-
-            carry, stats = jax.lax.scan(
-                group_body, carry, (group_state, rest), unroll=cfg.scan_unroll
-            )
-            aux = moe_lib.combine_layer_stats(stats)
-        x_BxLxD, cache = carry
-
-        pooled_BxD = None
-        if cfg.encoder.pooler:  # of each row's first token, whatever logits are asked for
-            first_Bx1xD = x_BxLxD[:, :1]
-            if cfg.norm_placement != "post":
-                first_Bx1xD = self.final_norm(first_Bx1xD)
-            pooled_BxD = self.pooler(first_Bx1xD)
-        if logits_at_BxQ is not None:
-            x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
+    def outputs(self, x_BxLxD, cache=None, aux=None, pooled_BxD=None) -> ModelOutput:
+        """The model's output from the last block's output: final norm, then the head (and an
+        encoder's MLM transform); `pooled_BxD`: the pooler's output, passed through."""
+        cfg, aux, dtype = self.cfg, aux or {}, jnp.dtype(self.cfg.dtype)
         if cfg.norm_placement != "post":
             x_BxLxD = self.final_norm(x_BxLxD)
         if cfg.encoder.mlm_head:
@@ -282,8 +313,8 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         return body
 
-    def _scan(
-        self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, prefix_BxL, remat: bool
+    def scan(
+        self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, remat: bool, prefix_BxL=None
     ):
         """Runs the blocks of a stacked module in order; returns the carry and stacked stats."""
         graphdef, state = nnx.split(stack)
@@ -347,44 +378,3 @@ def attach_peft(model: Transformer, peft: PeftConfig | None, key: jax.Array) -> 
         model.soft_prompt = lora.PromptParam(init, axes=("virtual_tokens", "embed"))
     else:
         lora.attach(model, peft, key)
-
-
-def logical_axes(state) -> dict:
-    """A model's (abstract) `nnx.State` -> nested dict of logical-axes tuples, like its params."""
-    return {
-        k: tuple(v.get_metadata()["axes"]) if isinstance(v, nnx.Variable) else logical_axes(v)
-        for k, v in state.items()
-    }
-
-
-def _abstract_split(cfg: ModelConfig, peft: PeftConfig | None):
-    """(graphdef, trainable, frozen, model state) of the abstract model, as `nnx.State`s."""
-    model = nnx.eval_shape(lambda: build(cfg, 0, peft))
-    if peft is None or peft.method == "none":
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        return graphdef, params, nnx.State({}), rest
-    return nnx.split(model, lora.trainable(peft), nnx.Param, ...)
-
-
-def abstract_model(cfg: ModelConfig, peft: PeftConfig | None = None):
-    """(graphdef, abstract trainable params as a dict of ShapeDtypeStruct, logical axes dict):
-    every parameter, or under `peft` only the adapters / soft prompt (`abstract_frozen` has the
-    rest).
-
-    The graphdef merges with params, the frozen params and the model state: `nnx.merge(graphdef,
-    params, frozen, model_state)` (empty ones may be left out)."""
-    graphdef, state, _, _ = _abstract_split(cfg, peft)
-    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
-
-
-def abstract_frozen(cfg: ModelConfig, peft: PeftConfig | None = None):
-    """(abstract frozen params, logical axes): the base under `peft`, {} without it."""
-    _, _, state, _ = _abstract_split(cfg, peft)
-    return nnx.to_pure_dict(state), logical_axes(state)
-
-
-def abstract_model_state(cfg: ModelConfig):
-    """(abstract non-Param model variables as a dict of ShapeDtypeStruct, logical axes dict)."""
-    model = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
-    _, _, state = nnx.split(model, nnx.Param, ...)
-    return nnx.to_pure_dict(state), logical_axes(state)

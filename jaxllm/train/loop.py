@@ -24,6 +24,7 @@ import jax
 
 from jaxllm import adapters, checkpoint, config, optim, sharding
 from jaxllm.config import JaxllmWarning
+from jaxllm.config.pipeline import microbatches
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.data import check_vocab
 from jaxllm.data.objective_rows import row_transform
@@ -73,7 +74,7 @@ def compile_steps(cfg: config.Config, mesh):
         lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
         objective=objective,
         parallel_settings=parallel_settings,
-        grad_accum_steps=cfg.train.grad_accum_steps,
+        grad_accum_steps=microbatches(cfg),
         grad_shardings=grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft),
         offload_opt_state=cfg.optim.offload == "host",
         loss_scaling=scaling,

@@ -35,7 +35,11 @@ def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array):
     """(-log p(target) [B, L], log Z [B, L]) in float32: the pieces of a token-level loss."""
     logits_BxLxV = logits_BxLxV.astype(jnp.float32)
     logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
-    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], -1)[..., 0]
+    # a masked sum rather than a gather: exact (zeros added), split over a vocab-sharded axis
+    # as partial sums, and partitioned where XLA's gather fails (inside pipeline stages)
+    vocab_BxLxV = jax.lax.broadcasted_iota(jnp.int32, logits_BxLxV.shape, 2)
+    hit_BxLxV = vocab_BxLxV == targets_BxL[..., None].astype(jnp.int32)
+    target_logit_BxL = jnp.sum(jnp.where(hit_BxLxV, logits_BxLxV, 0.0), axis=-1)
     return logz_BxL - target_logit_BxL, logz_BxL
 
 

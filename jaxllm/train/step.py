@@ -19,6 +19,7 @@ from jaxllm import parallel, sharding
 from jaxllm.model import merge_model
 from jaxllm.sharding import Parallel
 from jaxllm.train import others as others_lib
+from jaxllm.train import pipelined
 from jaxllm.train.loss_scale import LossScaling
 from jaxllm.train.objectives import Objective
 from jaxllm.train.state import TrainState
@@ -128,16 +129,32 @@ def train_step(
             sums = jax.tree.map(jnp.add, sums, out)
             return (grads, sums), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        if grad_shardings is not None:  # like their parameters, or split further (ZeRO-2)
-            zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-        # The accumulator's shapes, from a forward trace of the first microbatch.
-        first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(grad_fn, state.params, first, step_key)[1]
-        sum_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        (grads, sums), _ = jax.lax.scan(
-            accumulate, (zeros, sum_zeros), (jnp.arange(grad_accum_steps), micro)
-        )
+        if parallel_settings.stages > 1:  # the microbatches stream through the stages
+            micro = jax.tree.map(lambda x: sharding.constrain(x, (None, *BATCH_AXES)), micro)
+            grads, sums = pipelined.grads_and_sums(
+                state.params,
+                state.frozen,
+                state.model_state,
+                micro,
+                jax.random.key_data(step_key),
+                graphdef=graphdef,
+                objective=objective,
+                parallel_settings=parallel_settings,
+                seed=1.0 if scale is None else scale / positions,
+            )
+            if grad_shardings is not None:
+                grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            if grad_shardings is not None:  # like their parameters, or split further (ZeRO-2)
+                zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+            # The accumulator's shapes, from a forward trace of the first microbatch.
+            first = jax.tree.map(lambda x: x[0], micro)
+            shapes = jax.eval_shape(grad_fn, state.params, first, step_key)[1]
+            sum_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            (grads, sums), _ = jax.lax.scan(
+                accumulate, (zeros, sum_zeros), (jnp.arange(grad_accum_steps), micro)
+            )
 
         count = jnp.maximum(sums.tokens, 1.0)
         # Unscaled in float32 (the accumulator's dtype), before clipping and the optimizer.

@@ -1,0 +1,44 @@
+"""The model's parameters without creating them: shapes, dtypes and logical axes from
+`jax.eval_shape`, for sharding and initialisation plans."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from jaxllm.config import ModelConfig, PeftConfig
+from jaxllm.model import lora
+from jaxllm.model.layers import logical_axes
+from jaxllm.model.transformer import build, model_class
+
+
+def _abstract_split(cfg: ModelConfig, peft: PeftConfig | None):
+    """(graphdef, trainable, frozen, model state) of the abstract model, as `nnx.State`s."""
+    model = nnx.eval_shape(lambda: build(cfg, 0, peft))
+    if peft is None or peft.method == "none":
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return graphdef, params, nnx.State({}), rest
+    return nnx.split(model, lora.trainable(peft), nnx.Param, ...)
+
+
+def abstract_model(cfg: ModelConfig, peft: PeftConfig | None = None):
+    """(graphdef, abstract trainable params as a dict of ShapeDtypeStruct, logical axes dict):
+    every parameter, or under `peft` only the adapters / soft prompt (`abstract_frozen` has the
+    rest).
+
+    The graphdef merges with params, the frozen params and the model state: `nnx.merge(graphdef,
+    params, frozen, model_state)` (empty ones may be left out)."""
+    graphdef, state, _, _ = _abstract_split(cfg, peft)
+    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
+
+
+def abstract_frozen(cfg: ModelConfig, peft: PeftConfig | None = None):
+    """(abstract frozen params, logical axes): the base under `peft`, {} without it."""
+    _, _, state, _ = _abstract_split(cfg, peft)
+    return nnx.to_pure_dict(state), logical_axes(state)
+
+
+def abstract_model_state(cfg: ModelConfig):
+    """(abstract non-Param model variables as a dict of ShapeDtypeStruct, logical axes dict)."""
+    model = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
+    _, _, state = nnx.split(model, nnx.Param, ...)
+    return nnx.to_pure_dict(state), logical_axes(state)

@@ -1,0 +1,152 @@
+"""The train step's gradients through the pipeline (`mesh.stage` > 1).
+
+The model's layer stack (`params['layers']`, the `layers` logical axis, split over the `stage`
+mesh axis) is cut into stage * virtual_stages chunks; `stage_function` runs one chunk as a
+virtual pipeline stage: the first one also embeds the microbatch's tokens
+(`Transformer.inputs`), the last one also applies the final norm and head
+(`Transformer.outputs`) and the objective, whose sums it returns. The embedding, final norm and
+head are replicated over the stages (each keeps its automatic fsdp / tensor sharding) and used
+by the first and last stage only; their gradients are summed over the stages.
+`jaxllm.parallel.pipeline.run` runs the schedule's table with it.
+
+Only token-level objectives (`next_token`, `sft`) run pipelined (`jaxllm.config.pipeline`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm import sharding
+from jaxllm.model import merge_model
+from jaxllm.parallel import pipeline, schedules
+from jaxllm.sharding import Parallel
+from jaxllm.train.objectives import Objective
+
+STACK = "layers"
+
+
+class _Head:
+    """Stands in for the model in the objective: returns the last stage's outputs."""
+
+    def __init__(self, cfg, out):
+        self.cfg, self._out = cfg, out
+
+    def __call__(self, *args, **kwargs):
+        return self._out
+
+
+def _split(tree):
+    """(the stacked blocks, everything else) of a params / frozen / model-state dict."""
+    tree = tree or {}
+    return tree.get(STACK, {}), {k: v for k, v in tree.items() if k != STACK}
+
+
+def _join(stack, rest):
+    return {**rest, STACK: stack} if stack else dict(rest)
+
+
+def _gathered_table(rest):
+    """XLA's SPMD partitioner aborts on the embedding gather inside the stages when the table is
+    split over its embed dim (fsdp): the stage function gathers it over that dim first (as FSDP does
+    for the lookup anyway), still split over `vocab`."""
+    table = rest.get("embed", {}).get("embedding")
+    if table is None:
+        return rest
+    return dict(
+        rest, embed=dict(rest["embed"], embedding=sharding.constrain(table, ("vocab", None)))
+    )
+
+
+def stage_function(graphdef, objective: Objective, cfg, chunks: int):
+    """`stage_fn(train, const, x, mb, c)` of `pipeline.run` for a model of `cfg` cut into
+    `chunks` virtual stages: train = (stack chunk, rest) of the trainable parameters, const =
+    ((frozen chunk, state chunk), {frozen, state, batch, key}) of the rest."""
+    per_chunk = cfg.num_layers // chunks
+    remat = cfg.remat != "none"
+
+    def stage_fn(train, const, x_BxLxD, mb, c):
+        (t_stack, t_rest), ((f_stack, s_stack), c_rest) = train, const
+        t_rest = _gathered_table(t_rest)
+        c_rest = dict(c_rest, frozen=_gathered_table(c_rest["frozen"]))
+        model = merge_model(
+            graphdef,
+            _join(t_stack, t_rest),
+            _join(f_stack, c_rest["frozen"]) or None,
+            _join(s_stack, c_rest["state"]),
+        )
+        batch = jax.tree.map(lambda a: a[mb], c_rest["batch"])
+        batch = jax.tree.map(lambda a: sharding.constrain(a, ("batch", "length")), batch)
+        rng = jax.random.fold_in(jax.random.wrap_key_data(c_rest["key"]), mb)
+        pos_BxL, seg_BxL = batch["positions"], batch["segment_ids"]
+
+        def embed():
+            return model.inputs(batch["inputs"], pos_BxL, seg_BxL, None, rng)[0].astype(
+                x_BxLxD.dtype
+            )
+
+        x_BxLxD = jax.lax.cond(c == 0, embed, lambda: x_BxLxD)
+        keys = model.inputs(batch["inputs"], pos_BxL, seg_BxL, None, rng)[3]
+        per_layer = jax.tree.map(
+            lambda a: jax.lax.dynamic_slice_in_dim(a, c * per_chunk, per_chunk),
+            model.per_layer(keys),
+        )
+        (x_BxLxD, _), _ = model.scan(
+            model.layers, (x_BxLxD, None), per_layer, pos_BxL, seg_BxL, remat
+        )
+
+        def head(x_BxLxD):
+            out = objective(_Head(model.cfg, model.outputs(x_BxLxD)), batch, rng)
+            return (jnp.zeros_like(x_BxLxD), out.loss_sum.astype(jnp.float32)), out
+
+        def middle(x_BxLxD):
+            shapes = jax.eval_shape(head, x_BxLxD)[1]
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return (x_BxLxD, jnp.zeros((), jnp.float32)), zeros
+
+        return jax.lax.cond(c == chunks - 1, head, middle, x_BxLxD)
+
+    return stage_fn
+
+
+def grads_and_sums(
+    params,
+    frozen,
+    model_state,
+    micro: dict,
+    step_key,
+    *,
+    graphdef,
+    objective: Objective,
+    parallel_settings: Parallel,
+    seed,
+):
+    """(float32 gradients like `params`, summed ObjectiveOutput) of `objective` over the
+    microbatches `micro` ([m, rows, ...] leaves), run through the pipeline of
+    `parallel_settings` (its mesh's `stage` axis, schedule and virtual stages)."""
+    m = jax.tree.leaves(micro)[0].shape[0]
+    p, v = parallel_settings.stages, parallel_settings.virtual_stages
+    table = schedules.build(parallel_settings.pipeline_schedule, p, m, v)
+    model = merge_model(graphdef, params, frozen, model_state)
+    cfg = model.cfg
+    rows, length = micro["inputs"].shape[1:3]
+    act = jax.ShapeDtypeStruct((rows, length, cfg.d_model), jnp.dtype(cfg.dtype))
+    first = jax.tree.map(lambda a: a[0], micro)
+    sums_like = jax.eval_shape(lambda: objective(model, first, jax.random.key(0)))
+    sums_like = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_like)
+    t_stack, t_rest = _split(params)
+    f_stack, f_rest = _split(frozen)
+    s_stack, s_rest = _split(model_state)
+    const_rest = {"frozen": f_rest, "state": s_rest, "batch": micro, "key": step_key}
+    stage_fn = stage_function(graphdef, objective, cfg, p * v)
+    (d_stack, d_rest), sums = pipeline.run(
+        table,
+        stage_fn,
+        (t_stack, t_rest),
+        ((f_stack, s_stack), const_rest),
+        mesh=parallel_settings.mesh,
+        act=act,
+        sums_like=sums_like,
+        seed=seed,
+    )
+    return _join(d_stack, d_rest), sums
