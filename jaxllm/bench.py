@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxllm import config, sharding
+from jaxllm.config.pipeline import microbatches
 from jaxllm.data import span_corruption
 from jaxllm.metrics import flops_per_token, param_counts, peak_flops
 from jaxllm.train import loss_scale
@@ -56,9 +57,10 @@ def compiled_step_flops(cfg: config.Config, mesh) -> float | None:
     XLA counts a while-loop body once, whatever its trip count, so this analyses the same step
     with the layer scan fully unrolled and one microbatch, and scales by the microbatch count.
     """
-    accum = cfg.train.grad_accum_steps
+    accum = microbatches(cfg)
     cost_cfg = dataclasses.replace(
         cfg,
+        mesh=dataclasses.replace(cfg.mesh, pipeline_microbatches=None),
         model=dataclasses.replace(cfg.model, scan_unroll=cfg.model.num_layers),
         train=dataclasses.replace(
             cfg.train, grad_accum_steps=1, global_batch_size=cfg.train.global_batch_size // accum
