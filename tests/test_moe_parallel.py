@@ -94,8 +94,10 @@ def single_device_runs():
     "dispatch, mesh",
     [
         ("dropless", dict(expert=8)),
-        ("capacity", dict(expert=8, expert_dispatch="annotations")),
-        ("dropless", dict(expert=2, fsdp=2, tensor=2)),
+        pytest.param(
+            "capacity", dict(expert=8, expert_dispatch="annotations"), marks=pytest.mark.slow
+        ),
+        pytest.param("dropless", dict(expert=2, fsdp=2, tensor=2), marks=pytest.mark.slow),
         ("capacity", dict(expert=2, fsdp=2, tensor=2, expert_dispatch="all_to_all")),
     ],
     ids=[

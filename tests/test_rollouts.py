@@ -191,7 +191,7 @@ def test_updates_per_rollout_reuse_the_batch_and_resume_between_them(tmp_path, o
             assert resumed[r["step"]][key] == r[key], (r["step"], key)
 
 
-@pytest.mark.parametrize("objective", ["grpo", "ppo"])
+@pytest.mark.parametrize("objective", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_the_same_losses_on_one_device_and_on_a_mesh(tmp_path, request, objective):
     base = [*RUN, f"data.sources={_prompts(tmp_path)}", "train.steps=3", "optim.lr=3e-3"]
     base += ["train.beta=0.05", f"checkpoint.init_from={_lm_run(tmp_path / 'start')}"]
