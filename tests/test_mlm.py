@@ -173,6 +173,7 @@ BERT_LIKE = [
 ]
 
 
+@pytest.mark.slow  # ~50 s; the encoder's attention and masking keep default tests
 def test_sharded_encoder_train_step_matches_one_device():
     """A BERT-shaped encoder's masked-LM steps on 1 device and on data 2 x fsdp 2 x tensor 2:
     the same losses and parameters."""
