@@ -1,6 +1,8 @@
 """The three pretraining styles on the same corpus and compute: a causal LM (GPT), a masked LM
 (BERT) and span corruption (T5), each trained by `jaxllm train` for the same steps on the same
-batches of byte-tokenized standard-library sources, then measured two ways.
+batches of byte-tokenized standard-library sources, then measured two ways. The masked LM runs
+twice: with the causal LM's blocks made bidirectional (only the objective differs), and as
+configs/runs/mlm.yaml's BERT (post-LayerNorm, learned positions, MLM head).
 
     python scripts/objective_comparison.py OUT.md [--runs runs/objectives] [--steps 150]
         [--probe 400] [--quick] [key=value ...]
@@ -42,16 +44,25 @@ from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import restore
 
 REPO = Path(__file__).resolve().parents[1]
-STYLES = {  # name -> (preset, what its loss is per)
-    "causal LM": (None, "next byte"),
-    "masked LM": (REPO / "configs/runs/mlm.yaml", "selected byte"),
-    "span corruption": (REPO / "configs/runs/span_corruption.yaml", "target token"),
+# "masked LM, causal LM's blocks" is the default model made bidirectional (pre-RMSNorm, RoPE,
+# SwiGLU, lr 3e-3), so that against the causal LM only the objective changes; "masked LM (BERT)"
+# is configs/runs/mlm.yaml, BERT's parts.
+SAME_BLOCKS = ["model.kind=encoder", "train.objective=mlm"]
+STYLES = {  # name -> (run directory, preset, its own overrides, what its loss is per)
+    "causal LM": ("causal_LM", None, [], "next byte"),
+    "masked LM, causal LM's blocks": ("masked_same_blocks", None, SAME_BLOCKS, "selected byte"),
+    "masked LM (BERT)": ("masked_LM", REPO / "configs/runs/mlm.yaml", [], "selected byte"),
+    "span corruption": (
+        "span_corruption",
+        REPO / "configs/runs/span_corruption.yaml",
+        [],
+        "target token",
+    ),
 }
 SPAN, CHOICES = 4, 4
 
 
-def train(name: str, preset: Path | None, overrides: list[str], runs: Path) -> Path:
-    run = runs / name.replace(" ", "_")
+def train(run: Path, preset: Path | None, overrides: list[str]) -> Path:
     cmd = [sys.executable, "-m", "jaxllm", "train"] + ([str(preset)] if preset else [])
     cmd += [f"run.dir={run}", 'train.sample_prompt=""', *overrides]
     print("+", " ".join(cmd), flush=True)
@@ -195,8 +206,8 @@ def main() -> None:
     common += args.overrides
     items = probe_items(config.load(None, common).data, n_probe)
     results = {}
-    for name, (preset, per) in STYLES.items():
-        run = train(name, preset, common, args.runs)
+    for name, (folder, preset, own, per) in STYLES.items():
+        run = train(args.runs / folder, preset, own + common)
         results[name] = {"loss_per": per, **run_numbers(run), **probe(name, run, items)}
         print(name, results[name], flush=True)
     lines = [
