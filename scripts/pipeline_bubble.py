@@ -100,9 +100,9 @@ CASES = [  # (schedule, p, m, v)
 def main() -> None:
     print(
         "| schedule | p | m | v | ticks | table bubble | table idle/busy | formula (idle/busy) "
-        "| in-flight per stage | T1 (s) | Tp (s) | measured Tp/(T1/p) - 1 |"
+        "| in-flight per stage | lock-step model | T1 (s) | Tp (s) | measured Tp/(T1/p) - 1 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ref: dict[int, float] = {}
     for schedule, p, m, v in CASES:
         if m not in ref:
