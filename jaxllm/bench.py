@@ -77,7 +77,9 @@ def compiled_step_flops(cfg: config.Config, mesh) -> float | None:
     return None if per_device is None else per_device * mesh.size * accum
 
 
-def bench_train(cfg: config.Config, steps: int = 10, warmup: int = 2) -> dict:
+def bench_train(
+    cfg: config.Config, steps: int = 10, warmup: int = 2, compiled_flops: bool = True
+) -> dict:
     devices = jax.devices()
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -102,7 +104,7 @@ def bench_train(cfg: config.Config, steps: int = 10, warmup: int = 2) -> dict:
     step_s = statistics.median(times)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     analytic = fpt["total"] * tokens
-    compiled_total = compiled_step_flops(cfg, mesh)
+    compiled_total = compiled_step_flops(cfg, mesh) if compiled_flops else None
     peak = peak_flops(devices[0].device_kind)
     result = {
         "device": f"{len(devices)} x {devices[0].device_kind}",

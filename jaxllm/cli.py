@@ -79,7 +79,8 @@ def cmd_bench(ns) -> int:
     cfg = config.load_args(ns.args)
     from jaxllm.bench import bench_train, format_result
 
-    print(format_result(bench_train(cfg, steps=ns.steps, warmup=ns.warmup)))
+    result = bench_train(cfg, steps=ns.steps, warmup=ns.warmup, compiled_flops=ns.compiled_flops)
+    print(format_result(result))
     return 0
 
 
@@ -186,6 +187,12 @@ def parser() -> argparse.ArgumentParser:
     bt.add_argument("args", nargs="*", metavar="CONFIG|key=value")
     bt.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     bt.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    bt.add_argument(
+        "--no-compiled-flops",
+        dest="compiled_flops",
+        action="store_false",
+        help="skip XLA's FLOP count (a second compile, of the step with its layers unrolled)",
+    )
     bt.set_defaults(func=cmd_bench)
     from jaxllm.convert_cli import add_convert_parser
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser

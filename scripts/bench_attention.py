@@ -46,14 +46,18 @@ def attention_fn(impl: str, *, causal: bool, flash_backend, block_sizes, interpr
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def time_call(fn, args, warmup: int, iters: int) -> float:
+def time_call(fn, args, warmup: int, iters: int, reps: int = 3) -> float:
+    """Median over `reps` of (time of `iters` back-to-back calls) / iters."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(iters):
+    for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        out = None
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
 
 

@@ -201,8 +201,12 @@ class ModelConfig:
     pass)."""
     attention_impl: Literal["auto", "xla", "flash", "cudnn"] = "auto"
     """`xla` (einsum, float32 softmax), `flash` (the Pallas kernel of `jaxllm.kernels`;
-    interpreted on CPU), `cudnn` (`jax.nn.dot_product_attention` on NVIDIA GPUs, no packed
-    segments), or `auto`: flash on TPU, xla elsewhere (see docs/benchmarks.md for GPU)."""
+    interpreted on CPU), `cudnn` (cuDNN's fused attention on NVIDIA GPUs, packed documents as
+    segment offsets), or `auto`, the fastest measured (docs/benchmarks.md): flash on TPU; on a
+    GPU cudnn for bfloat16 / float16, flash with a logit soft cap, xla for float32; xla on CPU."""
+    cudnn_max_segments: int = 32
+    """attention_impl=cudnn (or auto on a GPU): the most packed documents per row that cuDNN
+    takes as segment offsets; a batch with a fuller row runs the flash kernel for that step."""
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts feed-forward layers; dense unless moe.num_experts > 0."""
     mla: MLAConfig = MLAConfig()
@@ -299,6 +303,8 @@ class ModelConfig:
                 f"model.position=alibi needs model.attention_impl=xla (or auto): the "
                 f"{self.attention_impl} kernel has no ALiBi bias."
             )
+        if self.cudnn_max_segments < 1:
+            _fail(f"model.cudnn_max_segments must be >= 1, not {self.cudnn_max_segments}.")
         if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
             _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
         if self.matmul_dtype not in (None, "float8", self.dtype):

@@ -96,8 +96,7 @@ class Generation:
 
 def resolve_decode_impl(impl: str, cfg=None) -> tuple[str, bool]:
     """(`kernel` | `xla`, interpret): `auto` is the Pallas kernel on TPU and on Hopper GPUs
-    (Mosaic GPU), XLA elsewhere (other GPUs' kernel is Pallas-Triton, deprecated in JAX: opt-in
-    with `kernel`). An MLA model (`cfg`) always decodes with XLA: the kernels read separate keys
+    (Triton, measured on an H100), XLA elsewhere (other GPUs: opt-in with `kernel`). An MLA model (`cfg`) always decodes with XLA: the kernels read separate keys
     and values."""
     latent = cfg is not None and cfg.mla.enabled
     if impl == "kernel" and latent:

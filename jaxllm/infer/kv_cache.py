@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxllm import parallel
 from jaxllm.kernels.decode_attention import quant
-from jaxllm.kernels.decode_attention.ops import decode_attention, on_hopper
+from jaxllm.kernels.decode_attention.ops import decode_attention
 from jaxllm.kernels.decode_attention.quant import KVCache, cache_bytes_per_token
 from jaxllm.kernels.decode_attention.reference import decode_attention_reference
 
@@ -322,10 +322,6 @@ class CacheView:
                 masks["sliding_window"] = named.pop("sliding_window")[0]
             named = {k: v for k, v in named.items() if v[0] is not None}
 
-            # On Hopper the default backend is the Mosaic GPU kernel; other GPUs get here only
-            # when `kernel` is asked for, and run Pallas-Triton (deprecated in JAX).
-            backend = "triton" if jax.default_backend() == "gpu" and not on_hopper() else None
-
             def kernel(q, kv, lengths, layer, *extra):
                 return decode_attention(
                     q,
@@ -333,7 +329,6 @@ class CacheView:
                     lengths,
                     layer=layer,
                     interpret=self.interpret,
-                    backend=backend,
                     **masks,
                     **dict(zip(named, extra)),
                 )

@@ -25,6 +25,7 @@ from jaxllm import parallel
 from jaxllm.kernels import flash_attention
 from jaxllm.kernels.reference import attention_mask, masked_scores
 from jaxllm.model import lora
+from jaxllm.model.cudnn import cudnn_attention
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
 from jaxllm.model.outputs import AttentionOutput
@@ -59,14 +60,22 @@ def pad_values(v_BxSxGxV: jax.Array, width: int) -> jax.Array:
     return jnp.pad(v_BxSxGxV, [(0, 0)] * 3 + [(0, width - v_BxSxGxV.shape[-1])])
 
 
-def resolve_impl(impl: str, alibi: bool = False) -> str:
-    """`auto` -> the implementation for the default backend: the Pallas kernel on TPU, XLA
-    elsewhere (on GPU the kernel's Pallas backend is Triton, deprecated in new jax; the choice
-    between cudnn and a kernel waits for the GPU benchmark). ALiBi always runs on XLA: the
+def resolve_impl(impl: str, alibi: bool = False, soft_cap: bool = False, dtype=None) -> str:
+    """`auto` -> the fastest implementation measured for the default backend (docs/benchmarks.md):
+    on TPU the Pallas kernel; on a CUDA GPU cuDNN's fused attention for bfloat16 / float16
+    (2-3x the Mosaic GPU kernel on an H100, packed documents included), the kernel when a logit
+    soft cap rules cuDNN out, XLA for float32; XLA on CPU. ALiBi always runs on XLA: the
     kernels take no additive bias."""
     if impl != "auto":
         return impl
-    return "flash" if jax.default_backend() == "tpu" and not alibi else "xla"
+    platform = jax.default_backend()
+    if alibi or platform not in ("tpu", "gpu"):
+        return "xla"
+    if platform == "tpu":
+        return "flash"
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return "xla"
+    return "flash" if soft_cap else "cudnn"
 
 
 def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window, soft_cap):
@@ -95,6 +104,42 @@ def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale
     )
 
 
+def _cudnn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window, m):
+    """cuDNN's fused attention per shard (`jaxllm.model.cudnn`), packed segments as offsets;
+    the flash kernel when a row holds more than `m` segments."""
+
+    def fallback(q, k, v, q_seg, kv_seg):
+        return flash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=(q_seg, kv_seg),
+            sm_scale=scale,
+            sliding_window=window,
+        )
+
+    def kernel(q, k, v, q_seg, kv_seg):
+        return cudnn_attention(
+            q,
+            k,
+            v,
+            q_seg,
+            kv_seg,
+            causal=causal,
+            scale=scale,
+            sliding_window=window,
+            max_segments=m,
+            fallback=fallback,
+        )
+
+    if q_seg_BxL is not None and kv_seg_BxS is None:
+        kv_seg_BxS = q_seg_BxL
+    return parallel.per_shard_attention(
+        kernel, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS
+    )
+
+
 def dot_product_attention(
     q_BxLxHxK: jax.Array,
     k_BxSxGxK: jax.Array,
@@ -110,6 +155,7 @@ def dot_product_attention(
     bias_HxLxS: jax.Array | None = None,
     impl: str = "xla",
     prefix_BxL: jax.Array | None = None,
+    cudnn_max_segments: int = 32,
 ) -> jax.Array:
     """Softmax(cap(q k^T * scale) + alibi + mask) v, the layout of `jax.nn.dot_product_attention`.
 
@@ -126,7 +172,7 @@ def dot_product_attention(
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
     bias = alibi_slopes_H is not None or bias_HxLxS is not None
-    impl = resolve_impl(impl, bias or prefix_BxL is not None)
+    impl = resolve_impl(impl, bias or prefix_BxL is not None, soft_cap is not None, q_BxLxHxK.dtype)
     if impl != "xla" and bias:
         raise ValueError(f"attention_impl={impl} takes no additive bias (ALiBi, T5); use xla")
     if impl != "xla" and prefix_BxL is not None:
@@ -143,6 +189,7 @@ def dot_product_attention(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             impl=impl,
+            cudnn_max_segments=cudnn_max_segments,
         )
         return out[..., : v_BxSxGxK.shape[-1]]
     if impl == "flash":
@@ -158,19 +205,18 @@ def dot_product_attention(
             soft_cap,
         )
     if impl == "cudnn":
-        if q_segment_ids_BxL is not None:
-            raise ValueError("attention_impl=cudnn does not take packed segment ids; use flash")
         if soft_cap is not None:
             raise ValueError("attention_impl=cudnn has no logit soft cap; use flash or xla")
-        window = None if sliding_window is None else (sliding_window - 1, 0)
-        return jax.nn.dot_product_attention(
+        return _cudnn(
             q_BxLxHxK,
             k_BxSxGxK,
             v_BxSxGxK,
-            scale=scale,
-            is_causal=causal,
-            local_window_size=window,
-            implementation="cudnn",
+            q_segment_ids_BxL,
+            kv_segment_ids_BxS,
+            causal,
+            scale,
+            sliding_window,
+            cudnn_max_segments,
         )
     if impl != "xla":
         raise ValueError(f"unknown attention implementation {impl!r}")
@@ -219,6 +265,7 @@ class Attention(nnx.Module):
     def _init_common(self, cfg):
         """What every attention variant has: masks, caps and positions."""
         self.dtype, self.impl = jnp.dtype(cfg.dtype), cfg.attention_impl
+        self.cudnn_max_segments = cfg.cudnn_max_segments
         self.causal = cfg.causal  # False in an encoder: bidirectional within each segment
         self.fp8 = cfg.fp8
         self.position, self.window = cfg.position, cfg.sliding_window
@@ -297,6 +344,7 @@ class Attention(nnx.Module):
             causal=self.causal,
             impl=self.impl,
             prefix_BxL=prefix_BxL,
+            cudnn_max_segments=self.cudnn_max_segments,
         )
         dynamic = self.window is not None and windowed is not None
         xla = resolve_impl(self.impl, self.position == "alibi" or prefix_BxL is not None) == "xla"

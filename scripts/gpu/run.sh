@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/benchmarks.md, as steps of one script, each under its own time
+# limit, each writing its log to $OUT (default /tmp/gpu-out):
+#
+#   scripts/gpu/run.sh setup env tests probe attention decode train ...
+#
+# `setup` installs jaxllm (editable, no dependencies) into the machine's Python and, when a
+# `.whl/` folder is present, the wheels in it (packages the machine's image lacks) to /tmp/site.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, report status
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/steps.log"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+ATT_SEQS=${ATT_SEQS:-2048,4096,8192,16384}
+for s in "$@"; do
+  case $s in
+    setup)
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/site
+      fi
+      $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/setup.log" 2>&1 \
+        || { cat "$OUT/setup.log"; exit 1; } ;;
+    env)
+      step env 60 bash -c "nvidia-smi; $PY -c 'import jax, jaxlib, flax, optax, grain, jaxllm; \
+print(jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__, grain.__version__); \
+print(jax.devices(), jax.devices()[0].device_kind)'" ;;
+    tests)
+      step tests 300 $PY -m pytest -p no:cacheprovider -m gpu -n 0 -q --timeout 240 \
+        -o addopts="" tests/test_gpu.py ;;
+    probe)
+      step probe 120 $PY scripts/gpu/cudnn_packed_probe.py 64 ;;
+    attention)
+      step attention 240 $PY scripts/bench_attention.py --impls flash,cudnn,xla --seqs "$ATT_SEQS" ;;
+    attention_triton)
+      step attention_triton 120 $PY scripts/bench_attention.py --impls flash --flash-backend triton \
+        --seqs "$ATT_SEQS" ;;
+    attention_d64)
+      step attention_d64 150 $PY scripts/bench_attention.py --impls flash,cudnn,xla --head-dim 64 \
+        --seqs 4096 ;;
+    decode)
+      step decode 150 $PY scripts/bench_decode.py --contexts 4096,32768,131072 --batch 1,16 ;;
+    decode_triton)
+      step decode_triton 120 $PY scripts/bench_decode.py --contexts 32768 --batch 1,16 \
+        --backend triton ;;
+    attention_blocks)  # block sizes of both flash backends at seq 8k, head dim 128
+      for bk in 64,64 64,128 128,64 128,128; do
+        for be in mosaic_gpu triton; do
+          step "blocks_${be}_${bk/,/x}" 60 $PY scripts/bench_attention.py --impls flash \
+            --flash-backend $be --seqs 8192 --block-q ${bk%,*} --block-kv ${bk#*,}
+        done
+      done ;;
+    decode_backends)  # each decode backend at 32k, batch 1 and 16
+      for be in mosaic_gpu triton xla; do
+        step "decode_$be" 90 $PY scripts/bench_decode.py --contexts 32768 --batch 1,16 --backend $be
+      done ;;
+    train:*)  # train:REMAT[:IMPL[:BATCH]]: `jaxllm bench train` on the Llama-3.2-1B shape, seq 4096
+      IFS=: read -r _ remat impl batch <<<"$s"
+      step "train_${remat}_${impl:-flash}_b${batch:-4}${TAG:-}" 240 $PY -m jaxllm bench train \
+        configs/models/llama3_2_1b.yaml data.seq_len=4096 train.global_batch_size=${batch:-4} \
+        model.remat=$remat model.attention_impl=${impl:-flash} --steps 5 --warmup 2 \
+        --no-compiled-flops ;;
+    *)
+      echo "unknown step $s"; exit 2 ;;
+  esac
+done
