@@ -53,6 +53,9 @@ def test_segment_offsets_match_the_runs_of_each_row(m):
         ("gpu", {"dtype": jnp.bfloat16, "soft_cap": True}, "flash"),
         ("gpu", {"dtype": jnp.float32}, "xla"),
         ("gpu", {"dtype": jnp.bfloat16, "alibi": True}, "xla"),
+        ("gpu", {"dtype": jnp.bfloat16, "head_dim": 64}, "cudnn"),
+        ("gpu", {"dtype": jnp.bfloat16, "head_dim": 192}, "xla"),  # MLA's q/k width
+        ("gpu", {"dtype": jnp.bfloat16, "causal": False}, "flash"),  # an encoder
         ("tpu", {"dtype": jnp.bfloat16}, "flash"),
         ("tpu", {"alibi": True}, "xla"),
         ("cpu", {"dtype": jnp.bfloat16}, "xla"),

@@ -203,7 +203,8 @@ class ModelConfig:
     """`xla` (einsum, float32 softmax), `flash` (the Pallas kernel of `jaxllm.kernels`;
     interpreted on CPU), `cudnn` (cuDNN's fused attention on NVIDIA GPUs, packed documents as
     segment offsets), or `auto`, the fastest measured (docs/benchmarks.md): flash on TPU; on a
-    GPU cudnn for bfloat16 / float16, flash with a logit soft cap, xla for float32; xla on CPU."""
+    GPU, for bfloat16 / float16 with head dim 64 or 128, cudnn when causal and flash with a
+    logit soft cap or bidirectional, otherwise xla; xla on CPU."""
     cudnn_max_segments: int = 32
     """attention_impl=cudnn (or auto on a GPU): the most packed documents per row that cuDNN
     takes as segment offsets; a batch with a fuller row runs the flash kernel for that step."""

@@ -60,12 +60,20 @@ def pad_values(v_BxSxGxV: jax.Array, width: int) -> jax.Array:
     return jnp.pad(v_BxSxGxV, [(0, 0)] * 3 + [(0, width - v_BxSxGxV.shape[-1])])
 
 
-def resolve_impl(impl: str, alibi: bool = False, soft_cap: bool = False, dtype=None) -> str:
+def resolve_impl(
+    impl: str,
+    alibi: bool = False,
+    soft_cap: bool = False,
+    dtype=None,
+    head_dim: int | None = None,
+    causal: bool = True,
+) -> str:
     """`auto` -> the fastest implementation measured for the default backend (docs/benchmarks.md):
-    on TPU the Pallas kernel; on a CUDA GPU cuDNN's fused attention for bfloat16 / float16
-    (2-3x the Mosaic GPU kernel on an H100, packed documents included), the kernel when a logit
-    soft cap rules cuDNN out, XLA for float32; XLA on CPU. ALiBi always runs on XLA: the
-    kernels take no additive bias."""
+    on TPU the Pallas kernel; on a CUDA GPU, for bfloat16 / float16 with head dim 64 or 128,
+    cuDNN's fused attention for causal self-attention (2-3x the Mosaic GPU kernel on an H100,
+    packed documents included) and the kernel when a logit soft cap rules cuDNN out or the
+    attention is bidirectional (the cases checked on the device), XLA otherwise; XLA on CPU.
+    ALiBi always runs on XLA: the kernels take no additive bias."""
     if impl != "auto":
         return impl
     platform = jax.default_backend()
@@ -75,7 +83,9 @@ def resolve_impl(impl: str, alibi: bool = False, soft_cap: bool = False, dtype=N
         return "flash"
     if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return "xla"
-    return "flash" if soft_cap else "cudnn"
+    if head_dim is not None and head_dim not in (64, 128):
+        return "xla"
+    return "flash" if soft_cap or not causal else "cudnn"
 
 
 def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window, soft_cap):
@@ -172,7 +182,9 @@ def dot_product_attention(
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
     bias = alibi_slopes_H is not None or bias_HxLxS is not None
-    impl = resolve_impl(impl, bias or prefix_BxL is not None, soft_cap is not None, q_BxLxHxK.dtype)
+    impl = resolve_impl(
+        impl, bias or prefix_BxL is not None, soft_cap is not None, q_BxLxHxK.dtype, k, causal
+    )
     if impl != "xla" and bias:
         raise ValueError(f"attention_impl={impl} takes no additive bias (ALiBi, T5); use xla")
     if impl != "xla" and prefix_BxL is not None:
