@@ -78,6 +78,11 @@ class Config:
         for key, value in positive.items():
             if value < 1:
                 _fail(f"{key} must be at least 1, not {value}.")
+        if t.loss_chunks >= 1 and self.data.seq_len % t.loss_chunks:
+            _fail(
+                f"train.loss_chunks ({t.loss_chunks}) must divide data.seq_len "
+                f"({self.data.seq_len})."
+            )
         if t.eval_every < 0 or t.sample_tokens < 0 or self.optim.warmup_steps < 0:
             _fail("train.eval_every, train.sample_tokens and optim.warmup_steps must be >= 0.")
         self._validate_values()

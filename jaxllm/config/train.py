@@ -122,6 +122,12 @@ class TrainConfig:
     z_loss: float = 0.0
     """Weight of the z-loss (log of the softmax normaliser squared) added to the loss
     (`next_token`, `sft`, `mlm`, `prefix_lm` and `span_corruption` objectives)."""
+    loss_chunks: int = 1
+    """`next_token`, `sft`, `mlm`, `prefix_lm`: run the LM head and the cross-entropy on
+    data.seq_len / loss_chunks tokens of each row at a time, each chunk recomputed in the
+    backward, so the [batch, seq, vocab] float32 logits never exist at once (with a large
+    vocabulary, the largest activation of the step). Same loss and gradients; must divide
+    data.seq_len."""
     log_every: int = 10
     """Write a metrics line every this many steps."""
     eval_every: int = 50
@@ -166,6 +172,7 @@ OBJECTIVE_KEYS = {
         )
     },
     "grpo_normalization": ("grpo",),
+    "loss_chunks": ("next_token", "sft", "mlm", "prefix_lm"),
     "mask_rate": ("mlm",),
     "mask_token_id": ("mlm",),
     **{key: ("ppo",) for key in ("gae_gamma", "gae_lambda", "value_coef", "value_clip")},
@@ -193,6 +200,8 @@ def validate_train(t: TrainConfig) -> None:
                 f"train.{key} has no effect with train.objective={t.objective}; it belongs to "
                 f"{', '.join(readers)}."
             )
+    if t.loss_chunks < 1:
+        _fail(f"train.loss_chunks must be >= 1, not {t.loss_chunks}.")
     if not 0 < t.mask_rate < 1:
         _fail(f"train.mask_rate must be in (0, 1), not {t.mask_rate}.")
     if t.mask_token_id is not None and t.mask_token_id < 0:

@@ -32,10 +32,12 @@ class ModelOutput(NamedTuple):
     `aux_loss` and `router_z_loss` over MoE layers, `expert_counts` [N_moe, E] and the number of
     `dropped` assignments, {} for dense models; `values`: with `ModelConfig.value_head` the
     value head's V [B, L] (float32), else None; `pooled`: with `ModelConfig.encoder.pooler` the
-    pooler's output [B, D] (float32), else None."""
+    pooler's output [B, D] (float32), else None; `hidden`: with `hidden_only=True` the LM
+    head's input [B, L, D] (and `logits` None), else None."""
 
-    logits: jax.Array
+    logits: jax.Array | None
     cache: Any = None
     aux: dict = {}  # noqa: RUF012 - never mutated; a fresh dict is passed by the model
     values: jax.Array | None = None
     pooled: jax.Array | None = None
+    hidden: jax.Array | None = None

@@ -107,6 +107,7 @@ class Transformer(nnx.Module):
         dropout_key=None,
         token_types_BxL=None,
         prefix_BxL=None,
+        hidden_only=False,
     ) -> ModelOutput:
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
@@ -118,6 +119,8 @@ class Transformer(nnx.Module):
         the token types of a model with `cfg.encoder.type_vocab_size` (default 0).
         `prefix_BxL` (prefix LM, training and scoring): 1 where a token belongs to its
         segment's prefix, which attends bidirectionally within itself (attention on xla).
+        `hidden_only`: return the LM head's input as `hidden` and no logits (a loss computed in
+        chunks calls `head_logits` per chunk).
         """
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
@@ -177,7 +180,7 @@ class Transformer(nnx.Module):
             pooled_BxD = self.pooler(first_Bx1xD)
         if logits_at_BxQ is not None:
             x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
-        return self.outputs(x_BxLxD, cache, aux, pooled_BxD)
+        return self.outputs(x_BxLxD, cache, aux, pooled_BxD, hidden_only)
 
     def inputs(
         self,
@@ -231,9 +234,12 @@ class Transformer(nnx.Module):
             per_layer["layer"] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         return {k: v for k, v in per_layer.items() if v is not None}
 
-    def outputs(self, x_BxLxD, cache=None, aux=None, pooled_BxD=None) -> ModelOutput:
+    def outputs(
+        self, x_BxLxD, cache=None, aux=None, pooled_BxD=None, hidden_only=False
+    ) -> ModelOutput:
         """The model's output from the last block's output: final norm, then the head (and an
-        encoder's MLM transform); `pooled_BxD`: the pooler's output, passed through."""
+        encoder's MLM transform); `pooled_BxD`: the pooler's output, passed through.
+        `hidden_only`: no logits; `hidden` holds the head's input (for `head_logits`)."""
         cfg, aux, dtype = self.cfg, aux or {}, jnp.dtype(self.cfg.dtype)
         if cfg.norm_placement != "post":
             x_BxLxD = self.final_norm(x_BxLxD)
@@ -242,6 +248,17 @@ class Transformer(nnx.Module):
         if cfg.head == "score":  # [B, L, 1] scores, in float32 as logits
             scores_BxLx1 = matmul("bld,do->blo", x_BxLxD, self.score[...], dtype, jnp.float32)
             return ModelOutput(constrain(scores_BxLx1, ("batch", "length", None)), cache, aux)
+        values_BxL = None
+        if cfg.value_head:
+            values_BxL = matmul("bld,do->blo", x_BxLxD, self.value[...], dtype, jnp.float32)[..., 0]
+        if hidden_only:
+            return ModelOutput(None, cache, aux, values_BxL, pooled_BxD, x_BxLxD)
+        return ModelOutput(self.head_logits(x_BxLxD), cache, aux, values_BxL, pooled_BxD)
+
+    def head_logits(self, x_BxLxD) -> jax.Array:
+        """float32 logits [B, L, V] of the LM head from its input (after the final norm): tied
+        or separate head, an encoder's output bias, the final soft cap."""
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         if cfg.tie_embeddings:
             logits_BxLxV = self.embed.attend(x_BxLxD)
         else:
@@ -252,11 +269,7 @@ class Transformer(nnx.Module):
         if cfg.final_soft_cap is not None:
             cap = jnp.float32(cfg.final_soft_cap)
             logits_BxLxV = cap * jnp.tanh(logits_BxLxV / cap)
-        logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
-        values_BxL = None
-        if cfg.value_head:
-            values_BxL = matmul("bld,do->blo", x_BxLxD, self.value[...], dtype, jnp.float32)[..., 0]
-        return ModelOutput(logits_BxLxV, cache, aux, values_BxL, pooled_BxD)
+        return constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
 
     def _encoder_embeddings(self, x_BxLxD, token_types_BxL):
         """The embeddings with an encoder's token types added and its embedding norm applied

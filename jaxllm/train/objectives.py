@@ -43,7 +43,13 @@ import jax.numpy as jnp
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
 from jaxllm.train import distill, grpo, ppo, preference, reward, seq2seq
-from jaxllm.train.output import Objective, ObjectiveOutput, load_function, token_nll
+from jaxllm.train.output import (
+    Objective,
+    ObjectiveOutput,
+    load_function,
+    masked_nll_sums,
+    token_nll,
+)
 
 __all__ = [
     "BUILT_IN",
@@ -58,11 +64,12 @@ __all__ = [
 ]
 
 
-def next_token(z_loss: float = 0.0, prefix: bool = False) -> Objective:
+def next_token(z_loss: float = 0.0, prefix: bool = False, loss_chunks: int = 1) -> Objective:
     """Mean next-token cross-entropy over the tokens whose `loss_mask` is 1, in float32, plus
     `z_loss` times the mean squared log-normaliser (PaLM, arXiv:2204.02311), plus the MoE
     balancing losses the model reports. Metrics: `loss` (the cross-entropy), `z_loss`.
-    `prefix`: the batch's `prefix` attends bidirectionally (`prefix_lm`)."""
+    `prefix`: the batch's `prefix` attends bidirectionally (`prefix_lm`). `loss_chunks` > 1:
+    the LM head and the loss run in that many chunks of the sequence (`masked_nll_sums`)."""
 
     def objective(model, batch: dict, rng) -> ObjectiveOutput:
         out = model(
@@ -70,13 +77,11 @@ def next_token(z_loss: float = 0.0, prefix: bool = False) -> Objective:
             positions_BxL=batch["positions"],
             segment_ids_BxL=batch["segment_ids"],
             dropout_key=rng,
+            hidden_only=loss_chunks > 1,
             **({"prefix_BxL": batch["prefix"]} if prefix else {}),
         )
-        nll_BxL, logz_BxL = token_nll(out.logits, batch["targets"])
-        mask_BxL = batch["loss_mask"].astype(jnp.float32)
-        nll_sum = jnp.sum(nll_BxL * mask_BxL)
-        z_sum = jnp.sum(jnp.square(logz_BxL) * mask_BxL)
-        count = jnp.sum(mask_BxL)
+        nll_sum, z_sum = masked_nll_sums(model, batch, out, loss_chunks)
+        count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
         loss_sum = nll_sum + z_loss * z_sum
         metrics = {"loss": nll_sum, "z_loss": z_sum}
         stats = {}
@@ -89,33 +94,33 @@ def next_token(z_loss: float = 0.0, prefix: bool = False) -> Objective:
     return objective
 
 
-def sft(z_loss: float = 0.0) -> Objective:
+def sft(z_loss: float = 0.0, loss_chunks: int = 1) -> Objective:
     """Supervised fine-tuning: `next_token` over the tokens the data marks as trained (the
     assistant turns / completions of SFT sources, or with data.train_on_prompt every token of
     the example); the mean is over those tokens only, so padding and prompts weigh nothing."""
-    return next_token(z_loss)
+    return next_token(z_loss, loss_chunks=loss_chunks)
 
 
-def mlm(z_loss: float = 0.0) -> Objective:
+def mlm(z_loss: float = 0.0, loss_chunks: int = 1) -> Objective:
     """Masked LM (BERT): cross-entropy of the original tokens at the positions
     `jaxllm.data.mlm` selected (its rows carry them as `targets` and `loss_mask`, the corrupted
     tokens as `inputs`), computed by an encoder that sees the whole row. The loss is that of
     `next_token` on those rows: the data, not the step, decides what is predicted."""
-    return next_token(z_loss)
+    return next_token(z_loss, loss_chunks=loss_chunks)
 
 
-def prefix_lm(z_loss: float = 0.0) -> Objective:
+def prefix_lm(z_loss: float = 0.0, loss_chunks: int = 1) -> Objective:
     """Prefix LM for decoders: `next_token` with each example's prefix
     (`jaxllm.data.objective_rows.PrefixLM`: the prompt, or a drawn length of plain text)
     attending bidirectionally, and the loss on what follows it."""
-    return next_token(z_loss, prefix=True)
+    return next_token(z_loss, prefix=True, loss_chunks=loss_chunks)
 
 
 BUILT_IN = {
-    "next_token": lambda cfg: next_token(cfg.train.z_loss),
-    "sft": lambda cfg: sft(cfg.train.z_loss),
-    "mlm": lambda cfg: mlm(cfg.train.z_loss),
-    "prefix_lm": lambda cfg: prefix_lm(cfg.train.z_loss),
+    "next_token": lambda cfg: next_token(cfg.train.z_loss, loss_chunks=cfg.train.loss_chunks),
+    "sft": lambda cfg: sft(cfg.train.z_loss, cfg.train.loss_chunks),
+    "mlm": lambda cfg: mlm(cfg.train.z_loss, cfg.train.loss_chunks),
+    "prefix_lm": lambda cfg: prefix_lm(cfg.train.z_loss, cfg.train.loss_chunks),
     **{
         kind: (lambda cfg, kind=kind: preference.from_train_config(kind, cfg.train))
         for kind in preference.KINDS
@@ -128,6 +133,8 @@ BUILT_IN = {
 }
 # The built-ins that read train.z_loss; set for another objective it would do nothing.
 Z_LOSS_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm", "span_corruption")
+# The built-ins that read train.loss_chunks.
+LOSS_CHUNK_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm")
 
 
 def _check_head(name: str, head: str) -> None:

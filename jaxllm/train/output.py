@@ -1,5 +1,6 @@
 """What every objective shares: the `ObjectiveOutput` of sums it returns, the `Objective`
-signature, `token_nll`, the float32 pieces of a token-level cross-entropy, and `load_function`
+signature, `token_nll`, the float32 pieces of a token-level cross-entropy (`masked_nll_sums`
+their masked sums, optionally in chunks of the sequence), and `load_function`
 for the `MODULE:NAME` specs of user code (objectives, rewards). Its own module
 so that the objectives of other methods (`jaxllm.train.distill`) build on it while
 `jaxllm.train.objectives`, the registry, imports them."""
@@ -41,6 +42,40 @@ def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array):
     hit_BxLxV = vocab_BxLxV == targets_BxL[..., None].astype(jnp.int32)
     target_logit_BxL = jnp.sum(jnp.where(hit_BxLxV, logits_BxLxV, 0.0), axis=-1)
     return logz_BxL - target_logit_BxL, logz_BxL
+
+
+def masked_nll_sums(model, batch: dict, out, chunks: int = 1):
+    """(sum of -log p(target), sum of log Z squared) over the tokens whose `loss_mask` is 1.
+
+    chunks = 1: from `out.logits`. chunks > 1: `out` holds the head's input (`hidden_only`) and
+    the LM head and cross-entropy run on L / chunks tokens of each row at a time in a scan,
+    each chunk rematerialised in the backward, so the [B, L, V] float32 logits and their
+    gradient never exist at once (at a 128k vocabulary they are the largest activation).
+    """
+    mask_BxL = batch["loss_mask"].astype(jnp.float32)
+    if chunks == 1:
+        nll_BxL, logz_BxL = token_nll(out.logits, batch["targets"])
+        return jnp.sum(nll_BxL * mask_BxL), jnp.sum(jnp.square(logz_BxL) * mask_BxL)
+    b, l, d = out.hidden.shape
+    if l % chunks:
+        raise ValueError(f"{chunks} loss chunks do not divide the sequence length {l}")
+
+    def split(x):  # [B, L, ...] -> [chunks, B, L / chunks, ...]
+        return jnp.moveaxis(x.reshape(b, chunks, l // chunks, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def chunk(sums, xs):
+        h_BxCxD, targets_BxC, mask_BxC = xs
+        nll_BxC, logz_BxC = token_nll(model.head_logits(h_BxCxD), targets_BxC)
+        return (
+            sums[0] + jnp.sum(nll_BxC * mask_BxC),
+            sums[1] + jnp.sum(jnp.square(logz_BxC) * mask_BxC),
+        ), None
+
+    zero = jnp.zeros((), jnp.float32)
+    xs = (split(out.hidden), split(batch["targets"]), split(mask_BxL))
+    (nll_sum, z_sum), _ = jax.lax.scan(chunk, (zero, zero), xs)
+    return nll_sum, z_sum
 
 
 def load_function(spec: str, key: str) -> Callable:

@@ -27,13 +27,17 @@ STACK = "layers"
 
 
 class _Head:
-    """Stands in for the model in the objective: returns the last stage's outputs."""
+    """Stands in for the model in the objective: returns the last stage's outputs (the head's
+    input alone with `hidden_only`, and `head_logits` for a loss computed in chunks)."""
 
-    def __init__(self, cfg, out):
-        self.cfg, self._out = cfg, out
+    def __init__(self, model, x_BxLxD):
+        self.cfg, self._model, self._x = model.cfg, model, x_BxLxD
 
-    def __call__(self, *args, **kwargs):
-        return self._out
+    def __call__(self, *args, hidden_only=False, **kwargs):
+        return self._model.outputs(self._x, hidden_only=hidden_only)
+
+    def head_logits(self, x_BxLxD):
+        return self._model.head_logits(x_BxLxD)
 
 
 def _split(tree):
@@ -96,7 +100,7 @@ def stage_function(graphdef, objective: Objective, cfg, chunks: int):
         )
 
         def head(x_BxLxD):
-            out = objective(_Head(model.cfg, model.outputs(x_BxLxD)), batch, rng)
+            out = objective(_Head(model, x_BxLxD), batch, rng)
             return (jnp.zeros_like(x_BxLxD), out.loss_sum.astype(jnp.float32)), out
 
         def middle(x_BxLxD):
