@@ -66,8 +66,10 @@ def main():
 
     def ref(q, kk, v):
         return flash_attention_reference(q, kk, v, causal=True, segment_ids=seg)
+
     def fl(q, kk, v):
         return flash_attention(q, kk, v, causal=True, segment_ids=seg)
+
     def fl0(q, kk, v):
         return flash_attention(q, kk, v, causal=True)
 
