@@ -8,8 +8,11 @@ rematerialisation, which adds recomputed forward FLOPs to the compiled count).
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -77,8 +80,52 @@ def compiled_step_flops(cfg: config.Config, mesh) -> float | None:
     return None if per_device is None else per_device * mesh.size * accum
 
 
+def device_op_summary(trace_dir: str, top: int = 15) -> list[tuple[str, float, int]]:
+    """(name, total ms, count) of the `top` device ops by total time in the Perfetto trace that
+    `jax.profiler.trace(trace_dir, create_perfetto_trace=True)` wrote: the complete events of
+    the `/device:` processes (GPU kernels, TPU ops), summed over every stream. Empty when the
+    trace has no device events (the CPU client records host activity only)."""
+    paths = sorted(Path(trace_dir).glob("**/perfetto_trace.json.gz"))
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(paths[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device_pids = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and str(e.get("args", {}).get("name", "")).startswith("/device:")
+    }
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device_pids:
+            entry = totals.setdefault(e["name"], [0.0, 0])
+            entry[0] += float(e.get("dur", 0.0)) / 1e3  # microseconds -> ms
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(name, ms, count) for name, (ms, count) in ranked]
+
+
+def format_summary(rows: list[tuple[str, float, int]], steps: int) -> str:
+    if not rows:
+        return "profile: no device ops in the trace (a CPU run records host activity only)"
+    total = sum(ms for _, ms, _ in rows)
+    lines = [f"top device ops over {steps} profiled steps (ms per step, share of these rows)"]
+    for name, ms, count in rows:
+        lines.append(
+            f"  {ms / steps:9.2f} ms {100 * ms / total:5.1f}%  x{count // steps:<5} {name[:90]}"
+        )
+    return "\n".join(lines)
+
+
 def bench_train(
-    cfg: config.Config, steps: int = 10, warmup: int = 2, compiled_flops: bool = True
+    cfg: config.Config,
+    steps: int = 10,
+    warmup: int = 2,
+    compiled_flops: bool = True,
+    profile_dir: str | None = None,
 ) -> dict:
     devices = jax.devices()
     cfg.validate(len(devices))
@@ -100,6 +147,14 @@ def bench_train(
         if i >= warmup:
             times.append(time.perf_counter() - t0)
 
+    profile = None
+    if profile_dir is not None:  # two more steps under the profiler, after the timed ones
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for _ in range(2):
+                state, metrics = compiled(state, batch)
+                jax.block_until_ready(metrics)
+        profile = format_summary(device_op_summary(profile_dir), 2)
+
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     step_s = statistics.median(times)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -118,6 +173,7 @@ def bench_train(
         "compiled_over_analytic": compiled_total / analytic if compiled_total else None,
         "mfu": analytic / step_s / (peak * len(devices)) if peak else None,
         "final_loss": float(metrics["loss"]),
+        "profile": profile,
     }
     return result
 
@@ -139,5 +195,6 @@ def format_result(r: dict) -> str:
             f"compiled FLOPs/step    {na if compiled is None else f'{compiled:.4g}'}  (XLA cost analysis)",
             f"compiled / analytic    {na if ratio is None else f'{ratio:.3f}'}",
             f"MFU                    {mfu}",
+            *([r["profile"]] if r.get("profile") else []),
         ]
     )

@@ -7,7 +7,7 @@
         [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4] [key=value ...]
     jaxllm generate RUN_DIR|CHECKPOINT --chat MESSAGE [--system TEXT] | --chat-file F.jsonl
     jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
-    jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N]
+    jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N] [--no-compiled-flops] [--profile DIR]
     jaxllm bench data [CONFIG.yaml] [key=value ...]
     jaxllm data tokenizer SOURCE... --vocab-size N --out DIR
     jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N]
@@ -79,7 +79,13 @@ def cmd_bench(ns) -> int:
     cfg = config.load_args(ns.args)
     from jaxllm.bench import bench_train, format_result
 
-    result = bench_train(cfg, steps=ns.steps, warmup=ns.warmup, compiled_flops=ns.compiled_flops)
+    result = bench_train(
+        cfg,
+        steps=ns.steps,
+        warmup=ns.warmup,
+        compiled_flops=ns.compiled_flops,
+        profile_dir=ns.profile,
+    )
     print(format_result(result))
     return 0
 
@@ -192,6 +198,12 @@ def parser() -> argparse.ArgumentParser:
         dest="compiled_flops",
         action="store_false",
         help="skip XLA's FLOP count (a second compile, of the step with its layers unrolled)",
+    )
+    bt.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="profile two more steps into DIR (jax.profiler, Perfetto trace) and print the "
+        "device ops that took the most time",
     )
     bt.set_defaults(func=cmd_bench)
     from jaxllm.convert_cli import add_convert_parser

@@ -1,13 +1,21 @@
 """The benchmark's FLOP accounting: analytic 6N + attention against XLA's count of the step."""
 
 import dataclasses
+import gzip
+import json
 
 import jax
 from conftest import tiny_model
 from flax import nnx
 
 from jaxllm import config, sharding
-from jaxllm.bench import compiled_step_flops
+from jaxllm.bench import (
+    bench_train,
+    compiled_step_flops,
+    device_op_summary,
+    format_result,
+    format_summary,
+)
 from jaxllm.metrics import flops_per_token, param_counts, peak_flops
 from jaxllm.model import build
 
@@ -57,3 +65,38 @@ def test_peak_flops_table():
     assert peak_flops("TPU v5 lite") == 197e12
     assert peak_flops("TPU v5p") == 459e12
     assert peak_flops("cpu") is None
+
+
+def test_device_op_summary_sums_device_events_only(tmp_path):
+    """The Perfetto trace's complete events of `/device:` processes, summed by name over
+    streams; host events (the Python thread, the PjRt client) are left out."""
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(step)", "dur": 9000.0},
+        {"ph": "X", "pid": 7, "tid": 1, "name": "cudnn_flash_fwd", "dur": 300.0},
+        {"ph": "X", "pid": 7, "tid": 2, "name": "cudnn_flash_fwd", "dur": 500.0},
+        {"ph": "X", "pid": 7, "tid": 1, "name": "gemm_fusion", "dur": 1200.0},
+        {"ph": "X", "pid": 7, "tid": 1, "name": "loop_fusion", "dur": 100.0},
+    ]
+    out = tmp_path / "plugins" / "profile" / "run"
+    out.mkdir(parents=True)
+    with gzip.open(out / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = device_op_summary(str(tmp_path), top=2)
+    assert rows == [("gemm_fusion", 1.2, 1), ("cudnn_flash_fwd", 0.8, 2)]
+    text = format_summary(rows, steps=1)
+    assert "gemm_fusion" in text and "PjitFunction" not in text
+
+
+def test_bench_profile_on_cpu_says_it_saw_no_device_ops(tmp_path):
+    cfg = _cfg()
+    cfg = dataclasses.replace(  # bench_train takes every device: 8 simulated ones here
+        cfg,
+        mesh=config.MeshConfig(data=-1),
+        train=dataclasses.replace(cfg.train, global_batch_size=8),
+    )
+    r = bench_train(cfg, steps=1, warmup=0, compiled_flops=False, profile_dir=str(tmp_path))
+    assert r["profile"].startswith("profile: no device ops")
+    assert any(tmp_path.glob("**/perfetto_trace.json.gz"))
+    assert "profile: no device ops" in format_result(r)

@@ -68,12 +68,18 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
       for be in mosaic_gpu triton xla; do
         step "decode_$be" 90 $PY scripts/bench_decode.py --contexts 32768 --batch 1,16 --backend $be
       done ;;
-    train:*)  # train:REMAT[:IMPL[:BATCH]]: `jaxllm bench train` on the Llama-3.2-1B shape, seq 4096
+    train:*)  # train:REMAT[:IMPL[:BATCH]]: `jaxllm bench train` on the Llama-3.2-1B shape, seq
+      # 4096; $EXTRA adds overrides (e.g. "train.loss_chunks=8"), $TAG names the log, and
+      # XLA_PYTHON_CLIENT_MEM_FRACTION (default .75) how much of the GPU JAX takes
       IFS=: read -r _ remat impl batch <<<"$s"
-      step "train_${remat}_${impl:-flash}_b${batch:-4}${TAG:-}" 240 $PY -m jaxllm bench train \
+      # shellcheck disable=SC2086
+      step "train_${remat}_${impl:-auto}_b${batch:-4}${TAG:-}" 240 $PY -m jaxllm bench train \
         configs/models/llama3_2_1b.yaml data.seq_len=4096 train.global_batch_size=${batch:-4} \
-        model.remat=$remat model.attention_impl=${impl:-flash} --steps 5 --warmup 2 \
+        model.remat=$remat model.attention_impl=${impl:-auto} ${EXTRA:-} --steps 5 --warmup 2 \
         --no-compiled-flops ;;
+    profile)  # the best measured step, profiled: the device ops that take the time
+      step profile 240 $PY -m jaxllm bench train configs/runs/llama3_2_1b_h100.yaml --steps 3 \
+        --warmup 1 --no-compiled-flops --profile /tmp/jaxllm-trace ;;
     *)
       echo "unknown step $s"; exit 2 ;;
   esac
