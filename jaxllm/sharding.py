@@ -203,6 +203,13 @@ def current() -> Parallel:
     return _ACTIVE.get()
 
 
+def shard_map_mesh(mesh: Mesh):
+    """The mesh a nested `shard_map` names: inside one manual over some axes (a pipeline
+    stage) the context's abstract mesh, which carries those axes as manual, else `mesh`."""
+    inner = jax.sharding.get_abstract_mesh()
+    return inner if inner.manual_axes else mesh
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     mesh = _ACTIVE.get().mesh
     if mesh is None or mesh.size == 1:

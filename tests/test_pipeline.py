@@ -121,10 +121,10 @@ def test_refusals(mesh, overrides, needle):
 
 
 def test_refuses_model_features_the_pipeline_lacks():
-    moe = config.MoEConfig(num_experts=4, experts_per_token=2)
+    moe = config.MoEConfig(num_experts=4, experts_per_token=2, moe_every=2)
     cfg = _cfg(stage=2, data=-1)
     cfg = config.Config(**{**cfg.__dict__, "model": tiny_model(vocab_size=264, moe=moe)})
-    with pytest.raises(config.ConfigError, match="MoE"):
+    with pytest.raises(config.ConfigError, match="every layer is an MoE block"):
         cfg.validate(8)
     cfg = _cfg(stage=2, data=-1)
     cfg = config.Config(

@@ -144,31 +144,9 @@ class Transformer(nnx.Module):
             )
         aux = {}
         if cfg.moe.enabled:
-            every = cfg.moe.moe_every
-            rest = jax.tree.map(lambda a: a[n_dense:].reshape(-1, every, *a.shape[1:]), per_layer)
-            group_def, group_state = nnx.split(self.moe_layers)
-
-            def group_body(carry, xs):
-                state, inputs = xs
-                group = nnx.merge(group_def, state)
-                if group.dense is not None:
-                    dense_in = jax.tree.map(lambda a: a[:-1], inputs)
-                    carry, _ = self.scan(
-                        group.dense,
-                        carry,
-                        dense_in,
-                        positions_BxL,
-                        segment_ids_BxL,
-                        remat,
-                        prefix_BxL,
-                    )
-                moe_in = jax.tree.map(lambda a: a[-1], inputs)
-                moe_def, moe_state = nnx.split(group.moe)
-                body = self._body(moe_def, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
-                return body(carry, (moe_state, moe_in))
-
-            carry, stats = jax.lax.scan(
-                group_body, carry, (group_state, rest), unroll=cfg.scan_unroll
+            rest = jax.tree.map(lambda a: a[n_dense:], per_layer)
+            carry, stats = self.moe_scan(
+                self.moe_layers, carry, rest, positions_BxL, segment_ids_BxL, remat, prefix_BxL
             )
             aux = moe_lib.combine_layer_stats(stats)
         x_BxLxD, cache = carry
@@ -305,6 +283,33 @@ class Transformer(nnx.Module):
         if not stats:
             return model_state, {}
         return moe_lib.after_step(self.cfg.moe, model_state, stats, keep)
+
+    def moe_scan(
+        self, groups, carry, per_layer, positions_BxL, segment_ids_BxL, remat, prefix_BxL=None
+    ):
+        """(carry, stacked stats of each MoE layer) of a scan over a stack of `MoEGroup`s
+        (moe_every - 1 dense blocks, then an MoE block) with their layers' inputs
+        (`per_layer`, one entry per layer)."""
+        every = self.cfg.moe.moe_every
+        per_group = jax.tree.map(lambda a: a.reshape(-1, every, *a.shape[1:]), per_layer)
+        group_def, group_state = nnx.split(groups)
+
+        def group_body(carry, xs):
+            state, inputs = xs
+            group = nnx.merge(group_def, state)
+            if group.dense is not None:
+                dense_in = jax.tree.map(lambda a: a[:-1], inputs)
+                carry, _ = self.scan(
+                    group.dense, carry, dense_in, positions_BxL, segment_ids_BxL, remat, prefix_BxL
+                )
+            moe_in = jax.tree.map(lambda a: a[-1], inputs)
+            moe_def, moe_state = nnx.split(group.moe)
+            body = self._body(moe_def, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
+            return body(carry, (moe_state, moe_in))
+
+        return jax.lax.scan(
+            group_body, carry, (group_state, per_group), unroll=self.cfg.scan_unroll
+        )
 
     def _body(self, graphdef, positions_BxL, segment_ids_BxL, prefix_BxL, remat: bool):
         """Scan body of one block: ((x, cache), (state, per-layer inputs)) -> ((x, cache),

@@ -51,7 +51,10 @@ def per_shard_dropless(fn, x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, do
         return fn(x, idx, w, gate, up, down, expert_axis=expert, tensor_axis=tensor)
 
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(tokens, tokens, tokens, in_w, in_w, out_w), out_specs=tokens
+        local,
+        mesh=sharding.shard_map_mesh(mesh),
+        in_specs=(tokens, tokens, tokens, in_w, in_w, out_w),
+        out_specs=tokens,
     )(x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD)
 
 
@@ -66,6 +69,9 @@ def per_shard_all_to_all(fn, buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
     def local(buf, gate, up, down):
         return fn(buf, gate, up, down, expert_axis=expert, tensor_axis=tensor)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(bufs, in_w, in_w, out_w), out_specs=bufs)(
-        buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD
-    )
+    return jax.shard_map(
+        local,
+        mesh=sharding.shard_map_mesh(mesh),
+        in_specs=(bufs, in_w, in_w, out_w),
+        out_specs=bufs,
+    )(buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD)

@@ -19,7 +19,11 @@ def per_shard_attention(fn, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_B
     qkv = PartitionSpec(batch, None, heads, None)
     seg = None if q_seg_BxL is None else PartitionSpec(batch, None)
     return jax.shard_map(
-        fn, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv, check_vma=False
+        fn,
+        mesh=sharding.shard_map_mesh(mesh),
+        in_specs=(qkv, qkv, qkv, seg, seg),
+        out_specs=qkv,
+        check_vma=False,
     )(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS)
 
 
@@ -40,7 +44,7 @@ def per_shard(fn, args: tuple, in_axes: tuple, out_axes):
 
     return jax.shard_map(
         fn,
-        mesh=mesh,
+        mesh=sharding.shard_map_mesh(mesh),
         in_specs=tuple(to_spec(a) for a in in_axes),
         out_specs=to_spec(out_axes),
         check_vma=False,

@@ -13,7 +13,8 @@ At each tick every stage looks up its own entry of the table and runs it (`lax.s
 
 then sends its output to the next stage and its input gradient to the previous one
 (`lax.ppermute`, both every tick), and the receivers store what arrives in the slot the table
-names. The last virtual stage's backward seeds the loss with `seed` (1, or the loss scale).
+names. Each virtual stage's backward seeds its loss output with `seed` (1, or the loss scale):
+the last stage's is the objective's, the others' are 0 or their own terms (MoE balancing).
 Weight gradients add up in float32 over the microbatches.
 
 Parameters come as (stack, rest) pairs: stack leaves have the layer axis first ([N, ...], split
@@ -106,7 +107,9 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
             def grads_in(carry):
                 x = carry["x"][xs]
                 g_y = jnp.where(c < last, carry["g"][gs], zeros_act)
-                g_loss = jnp.where(c == last, seed, 0.0).astype(jnp.float32)
+                # every stage's loss is seeded: the last one's objective, and any stage's own
+                # terms (an MoE block's balancing losses)
+                g_loss = jnp.asarray(seed, jnp.float32)
                 return x, (g_y, g_loss)
 
             def add_weights(carry, d):

@@ -151,7 +151,7 @@ def ring_attention_on_mesh(
     # so the kernel ring runs unchecked, as `per_shard_attention` does.
     return jax.shard_map(
         local,
-        mesh=mesh,
+        mesh=sharding.shard_map_mesh(mesh),
         in_specs=(heads_spec, heads_spec, heads_spec, tokens_spec, tokens_spec),
         out_specs=heads_spec,
         check_vma=impl != "flash",

@@ -23,7 +23,10 @@ from jaxllm.parallel import pipeline, schedules
 from jaxllm.sharding import Parallel
 from jaxllm.train.objectives import Objective
 
-STACK = "layers"
+
+def stack_name(cfg) -> str:
+    """The parameter subtree split over the stages: the blocks, or an MoE model's groups."""
+    return "moe_layers" if cfg.moe.enabled else "layers"
 
 
 class _Head:
@@ -40,14 +43,31 @@ class _Head:
         return self._model.head_logits(x_BxLxD)
 
 
-def _split(tree):
-    """(the stacked blocks, everything else) of a params / frozen / model-state dict."""
+def _split(tree, name: str):
+    """(the stacked blocks `name`, everything else) of a params / frozen / model-state dict."""
     tree = tree or {}
-    return tree.get(STACK, {}), {k: v for k, v in tree.items() if k != STACK}
+    return tree.get(name, {}), {k: v for k, v in tree.items() if k != name}
 
 
-def _join(stack, rest):
-    return {**rest, STACK: stack} if stack else dict(rest)
+def _join(stack, rest, name: str):
+    return {**rest, name: stack} if stack else dict(rest)
+
+
+def _moe_terms(cfg, stats, batch, c, per_chunk: int):
+    """(loss term, metric sums, model stats) of one virtual stage's MoE layers, laid out as the
+    whole model's `moe.objective_terms` would give them, so that the stages' sums add up to
+    the unpipelined objective's: the balancing and z-losses as this chunk's share of the mean
+    over all MoE layers, its expert loads in its rows of [N_moe, E]."""
+    count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    n = cfg.num_layers
+    aux_sum = jnp.sum(stats["aux_loss"]) / n * count
+    z_sum = jnp.sum(stats["router_z_loss"]) / n * count
+    term = cfg.moe.aux_loss_weight * aux_sum + cfg.moe.router_z_loss_weight * z_sum
+    counts = stats["expert_counts"]
+    full = jnp.zeros((n, *counts.shape[1:]), counts.dtype)
+    full = jax.lax.dynamic_update_slice_in_dim(full, counts, c * per_chunk, axis=0)
+    metrics = {"moe_aux_loss": aux_sum, "moe_router_z_loss": z_sum}
+    return term, metrics, {"expert_counts": full, "dropped": jnp.sum(stats["dropped"])}
 
 
 def _gathered_table(rest):
@@ -68,6 +88,7 @@ def stage_function(graphdef, objective: Objective, cfg, chunks: int):
     ((frozen chunk, state chunk), {frozen, state, batch, key}) of the rest."""
     per_chunk = cfg.num_layers // chunks
     remat = cfg.remat != "none"
+    name = stack_name(cfg)
 
     def stage_fn(train, const, x_BxLxD, mb, c):
         (t_stack, t_rest), ((f_stack, s_stack), c_rest) = train, const
@@ -75,9 +96,9 @@ def stage_function(graphdef, objective: Objective, cfg, chunks: int):
         c_rest = dict(c_rest, frozen=_gathered_table(c_rest["frozen"]))
         model = merge_model(
             graphdef,
-            _join(t_stack, t_rest),
-            _join(f_stack, c_rest["frozen"]) or None,
-            _join(s_stack, c_rest["state"]),
+            _join(t_stack, t_rest, name),
+            _join(f_stack, c_rest["frozen"], name) or None,
+            _join(s_stack, c_rest["state"], name),
         )
         batch = jax.tree.map(lambda a: a[mb], c_rest["batch"])
         batch = jax.tree.map(lambda a: sharding.constrain(a, ("batch", "length")), batch)
@@ -95,9 +116,14 @@ def stage_function(graphdef, objective: Objective, cfg, chunks: int):
             lambda a: jax.lax.dynamic_slice_in_dim(a, c * per_chunk, per_chunk),
             model.per_layer(keys),
         )
-        (x_BxLxD, _), _ = model.scan(
-            model.layers, (x_BxLxD, None), per_layer, pos_BxL, seg_BxL, remat
-        )
+        if cfg.moe.enabled:  # every layer an MoE block (`config.pipeline` checks)
+            (x_BxLxD, _), stats = model.moe_scan(
+                model.moe_layers, (x_BxLxD, None), per_layer, pos_BxL, seg_BxL, remat
+            )
+        else:
+            (x_BxLxD, _), _ = model.scan(
+                model.layers, (x_BxLxD, None), per_layer, pos_BxL, seg_BxL, remat
+            )
 
         def head(x_BxLxD):
             out = objective(_Head(model, x_BxLxD), batch, rng)
@@ -108,7 +134,16 @@ def stage_function(graphdef, objective: Objective, cfg, chunks: int):
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             return (x_BxLxD, jnp.zeros((), jnp.float32)), zeros
 
-        return jax.lax.cond(c == chunks - 1, head, middle, x_BxLxD)
+        (y, loss), out = jax.lax.cond(c == chunks - 1, head, middle, x_BxLxD)
+        if cfg.moe.enabled:  # every stage adds its own layers' balancing losses and loads
+            term, metrics, moe_stats = _moe_terms(cfg, stats, batch, c, per_chunk)
+            loss = loss + term
+            out = out._replace(
+                loss_sum=out.loss_sum + term,
+                metrics={**out.metrics, **metrics},
+                model_stats=moe_stats,
+            )
+        return (y, loss), out
 
     return stage_fn
 
@@ -138,9 +173,10 @@ def grads_and_sums(
     first = jax.tree.map(lambda a: a[0], micro)
     sums_like = jax.eval_shape(lambda: objective(model, first, jax.random.key(0)))
     sums_like = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_like)
-    t_stack, t_rest = _split(params)
-    f_stack, f_rest = _split(frozen)
-    s_stack, s_rest = _split(model_state)
+    name = stack_name(cfg)
+    t_stack, t_rest = _split(params, name)
+    f_stack, f_rest = _split(frozen, name)
+    s_stack, s_rest = _split(model_state, name)
     const_rest = {"frozen": f_rest, "state": s_rest, "batch": micro, "key": step_key}
     stage_fn = stage_function(graphdef, objective, cfg, p * v)
     (d_stack, d_rest), sums = pipeline.run(
@@ -153,4 +189,4 @@ def grads_and_sums(
         sums_like=sums_like,
         seed=seed,
     )
-    return _join(d_stack, d_rest), sums
+    return _join(d_stack, d_rest, name), sums
