@@ -96,7 +96,10 @@ def test_chunks_cut_the_step_memory_by_the_logits():
 
 @pytest.mark.parametrize(
     "mesh",
-    [dict(data=2, fsdp=2, tensor=2), dict(stage=2, data=2, tensor=2)],
+    [
+        dict(data=2, fsdp=2, tensor=2),
+        pytest.param(dict(stage=2, data=2, tensor=2), marks=pytest.mark.slow),
+    ],
     ids=["dp-fsdp-tp", "pp2"],
 )
 def test_chunks_sharded_and_pipelined_match_one_device(mesh):

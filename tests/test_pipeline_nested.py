@@ -85,7 +85,9 @@ def test_moe_pipeline_matches_single_device(dispatch, mesh):
 @pytest.mark.parametrize(
     "model,mesh",
     [
-        (dict(attention_impl="flash"), dict(stage=2, data=2, tensor=2)),
+        pytest.param(
+            dict(attention_impl="flash"), dict(stage=2, data=2, tensor=2), marks=pytest.mark.slow
+        ),
     ],
     ids=["flash-pp2_dp2_tp2"],
 )
