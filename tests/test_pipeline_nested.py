@@ -1,6 +1,5 @@
 """What runs its own `shard_map` inside a pipeline stage: MoE dispatch and the attention
-kernels (ring attention inside stages is refused: the stages do not lay batches out in its
-zigzag order). MoE models: each stage adds its own layers' balancing losses and expert loads, so
+kernels (ring attention inside stages is refused: its losses differ from one device's). MoE models: each stage adds its own layers' balancing losses and expert loads, so
 three train steps on pp2 x dp2 x tp2 (and pp2 x ep2 x dp2) match one device: losses, the MoE
 metrics, the parameters and the router biases of auxiliary-loss-free balancing. The flash
 kernel inside stages matches one device too."""

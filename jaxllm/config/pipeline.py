@@ -73,8 +73,8 @@ def validate_pipeline(cfg, stages: int | None) -> None:
         )
     if mesh.sequence_attention == "ring" and mesh.sequence * mesh.dcn_sequence > 1:
         _fail(
-            "mesh.stage > 1 with mesh.sequence_attention=ring is not supported yet (the "
-            "stages do not lay batches out in the ring's zigzag order); use all_gather."
+            "mesh.stage > 1 with mesh.sequence_attention=ring is not supported yet (inside a "
+            "stage the ring's losses differ from one device's); use all_gather."
         )
     if m.kind != "decoder":
         _fail(
