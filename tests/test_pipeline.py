@@ -111,7 +111,6 @@ def test_each_stage_holds_only_its_layers():
         (dict(stage=2, virtual_stages=2), {}, "needs mesh.pipeline_schedule=interleaved"),
         (dict(stage=2, pipeline_microbatches=4), dict(micro=2), "disagree"),
         (dict(pipeline_schedule="gpipe"), {}, "act only with mesh.stage > 1"),
-        (dict(stage=2, sequence=2, sequence_attention="ring"), {}, "ring"),
     ],
 )
 def test_refusals(mesh, overrides, needle):

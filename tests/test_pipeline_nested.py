@@ -1,12 +1,14 @@
-"""What runs its own `shard_map` inside a pipeline stage: MoE dispatch and the attention
-kernels (ring attention inside stages is refused: its losses differ from one device's). MoE models: each stage adds its own layers' balancing losses and expert loads, so
-three train steps on pp2 x dp2 x tp2 (and pp2 x ep2 x dp2) match one device: losses, the MoE
-metrics, the parameters and the router biases of auxiliary-loss-free balancing. The flash
-kernel inside stages matches one device too."""
+"""What runs its own `shard_map` inside a pipeline stage: MoE dispatch, the attention kernels
+and ring attention. MoE models: each stage adds its own layers' balancing losses and expert
+loads, so three train steps on pp2 x dp2 x tp2 (and pp2 x ep2 x dp2) match one device: losses,
+the MoE metrics, the parameters and the router biases of auxiliary-loss-free balancing. The
+flash kernel and ring attention (stage x sequence) inside stages match one device too, and the
+ring's rotation moves each stage's own data while another stage runs a different one."""
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model
@@ -17,6 +19,7 @@ from jaxllm.train.loop import compile_steps, to_global
 from jaxllm.train.state import init_state, layout
 
 STEPS = 3
+AUTO = jax.sharding.AxisType.Auto
 
 
 def _cfg(dispatch: str | None, micro: int = 4, **mesh) -> config.Config:
@@ -81,16 +84,48 @@ def test_moe_pipeline_matches_single_device(dispatch, mesh):
     assert biases and np.abs(biases[0]).max() > 0  # the loads moved the biases
 
 
+RING = dict(sequence_attention="ring")
+
+
 @pytest.mark.parametrize(
     "model,mesh",
     [
+        (dict(), dict(stage=2, sequence=2, data=2, **RING)),
+        pytest.param(
+            dict(),
+            dict(stage=2, sequence=4, pipeline_schedule="zero_bubble", **RING),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            dict(),
+            dict(
+                stage=2,
+                sequence=2,
+                tensor=2,
+                virtual_stages=2,
+                pipeline_schedule="interleaved",
+                **RING,
+            ),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            dict(attention_impl="flash"),
+            dict(stage=2, sequence=2, data=2, **RING),
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             dict(attention_impl="flash"), dict(stage=2, data=2, tensor=2), marks=pytest.mark.slow
         ),
     ],
-    ids=["flash-pp2_dp2_tp2"],
+    ids=[
+        "ring-1f1b-pp2_sp2_dp2",
+        "ring-zero_bubble-pp2_sp4",
+        "ring-interleaved-pp2_v2_sp2_tp2",
+        "ring_flash-1f1b-pp2_sp2_dp2",
+        "flash-pp2_dp2_tp2",
+    ],
 )
-def test_attention_kernels_inside_stages_match_single_device(model, mesh):
+def test_attention_inside_stages_matches_single_device(model, mesh):
     def cfg_of(**m):
         cfg = _cfg(None, **m)
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
@@ -99,3 +134,44 @@ def test_attention_kernels_inside_stages_match_single_device(model, mesh):
     got, got_state = _train(cfg_of(**mesh), jax.devices())
     np.testing.assert_allclose([m["loss"] for m in got], [m["loss"] for m in want], rtol=1e-5)
     _assert_trees_close(got_state, want_state)
+
+
+def test_ring_rotation_inside_stages_keeps_the_stages_collectives_apart():
+    """In each tick one stage takes a ring step (`rotate` over `sequence`) while the other does
+    not, then both send to the next stage (as `pipeline.run` does): every value lands where it
+    should. (With a plain ppermute for the ring step, the CPU runtime matches it with the other
+    stage's send and the sends arrive wrong.)"""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxllm.parallel.ring_xla import rotate
+
+    n = 4
+    mesh = jax.make_mesh((2, n), ("stage", "sequence"), axis_types=(AUTO, AUTO))
+    ring = [(j, (j + 1) % n) for j in range(n)]
+
+    def in_stage(x_1xL):
+        step = jax.shard_map(
+            lambda a: rotate(a, "sequence", ring),
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=P(None, "sequence"),
+            out_specs=P(None, "sequence"),
+        )
+
+        def tick(carry, t):
+            x, sent = carry
+            x = jax.lax.cond(jax.lax.axis_index("stage") == t % 2, step, lambda a: a, x)
+            return (x, jax.lax.ppermute(sent, "stage", [(0, 1), (1, 0)])), None
+
+        return jax.lax.scan(tick, (x_1xL, 10 * x_1xL), jnp.arange(4))[0]
+
+    x = np.arange(2 * 8, dtype=np.float32).reshape(2, 8)
+    got_x, got_sent = jax.jit(
+        jax.shard_map(
+            in_stage, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"}
+        )
+    )(x)
+    # each stage took two ring steps; the sends went there and back twice
+    np.testing.assert_array_equal(
+        np.asarray(got_x), np.roll(x.reshape(2, n, 2), 2, axis=1).reshape(2, 8)
+    )
+    np.testing.assert_array_equal(np.asarray(got_sent), 10 * x)

@@ -71,11 +71,6 @@ def validate_pipeline(cfg, stages: int | None) -> None:
             f"mesh.stage > 1 pipelines the token-level objectives "
             f"({', '.join(PIPELINE_OBJECTIVES)}), not train.objective={t.objective}."
         )
-    if mesh.sequence_attention == "ring" and mesh.sequence * mesh.dcn_sequence > 1:
-        _fail(
-            "mesh.stage > 1 with mesh.sequence_attention=ring is not supported yet (inside a "
-            "stage the ring's losses differ from one device's); use all_gather."
-        )
     if m.kind != "decoder":
         _fail(
             f"mesh.stage > 1 pipelines decoder models, not model.kind={m.kind}; use mesh.stage=1."

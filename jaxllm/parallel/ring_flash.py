@@ -43,7 +43,7 @@ from jaxllm.kernels.flash_attention.reference import (
     masked_attention_backward,
 )
 from jaxllm.kernels.reference import attention_mask
-from jaxllm.parallel.ring_xla import halves
+from jaxllm.parallel.ring_xla import halves, rotate
 
 
 def ring_flash_local(
@@ -230,7 +230,7 @@ def _ring_flash_forward(
 
     def step(_, carry):
         kv, acc = carry
-        next_kv = tuple(jax.lax.ppermute(x, opts.axis_name, ring) for x in kv)  # overlaps pairs
+        next_kv = tuple(rotate(x, opts.axis_name, ring) for x in kv)  # overlaps pairs
         kv_halves = tuple(_stack_halves(x) for x in kv)
         acc = jax.lax.fori_loop(0, p * p, lambda i, acc: pair(i, acc, kv_halves), acc)
         return next_kv, acc
@@ -278,7 +278,7 @@ def _ring_flash_bwd(opts: _RingOptions, residuals, dout_BxLxHxK):
     branches = _pair_branches(opts)
 
     def send(xs):
-        return tuple(jax.lax.ppermute(x, opts.axis_name, ring) for x in xs)
+        return tuple(rotate(x, opts.axis_name, ring) for x in xs)
 
     def pair(i, grads, kv_halves):  # adds pair (query half a, key half c) to dq[a], dk/dv[c]
         a, c = jax.lax.div(i, p), jax.lax.rem(i, p)

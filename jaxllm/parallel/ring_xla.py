@@ -26,6 +26,37 @@ def halves(x, axis=1):
     return jnp.split(x, 2, axis=axis) if x.shape[axis] % 2 == 0 else [x]
 
 
+def _in_pipeline_stage() -> bool:
+    """Whether this code runs on a mesh split into pipeline stages (`stage` > 1)."""
+    shape = dict(jax.sharding.get_abstract_mesh().shape)
+    return shape.get("stage", 1) > 1
+
+
+def rotate(x, axis_name: str, perm):
+    """`lax.ppermute(x, axis_name, perm)`, also correct inside pipeline stages.
+
+    There the stages run different actions in the same tick (`jaxllm.parallel.pipeline`), and
+    every ppermute of a shard_map is lowered with the same channel id and with the pairs of every
+    stage, so a runtime that matches collective-permutes by channel and participants (XLA's CPU
+    runtime does) pairs one stage's ring step with another stage's different ppermute and moves
+    the wrong data. An `all_to_all` over the axis is grouped by stage, so inside stages the
+    shift is one: each device puts x in the slot of its destination (zeros elsewhere) and takes
+    the slot of its source; n times ppermute's traffic, the price of matching the stage's
+    collectives to the stage alone."""
+    if not _in_pipeline_stage():
+        return jax.lax.ppermute(x, axis_name, perm)
+    n = jax.lax.axis_size(axis_name)
+    dest, src = [-1] * n, [-1] * n
+    for a, b in perm:
+        dest[a], src[b] = b, a
+    i = jax.lax.axis_index(axis_name)
+    to, frm = jnp.asarray(dest)[i], jnp.asarray(src)[i]
+    slots = jnp.zeros((n, *x.shape), x.dtype)
+    slots = jnp.where((to >= 0) & (jnp.arange(n) == to).reshape(-1, *[1] * x.ndim), x, slots)
+    got = jax.lax.all_to_all(slots, axis_name, 0, 0, tiled=True)
+    return jnp.where(frm >= 0, got[jnp.maximum(frm, 0)], jnp.zeros_like(x))
+
+
 def _varying_axes(x) -> frozenset:
     """Mesh axes over which `x` varies inside shard_map: `aval.vma` up to jax 0.9, then
     `aval.manual_axis_type.varying` (jax 0.10). Empty outside shard_map or with check_vma=False.
@@ -107,7 +138,7 @@ def ring_xla_local(
         # Send this shard on before computing with it: the transfer does not depend on the
         # compute, so it can overlap it. The last visiting shard need not move on.
         if step < n - 1:
-            next_kv = tuple(jax.lax.ppermute(x, axis_name, ring) for x in kv)
+            next_kv = tuple(rotate(x, axis_name, ring) for x in kv)
         kv_parts = list(zip(*(halves(x) for x in kv)))
         for a, (q_part_BxLxGxRxK, q_seg_part_BxL, q_idx_part_BxL) in enumerate(q_parts):
             for k_part_BxSxGxK, v_part_BxSxGxK, kv_seg_part_BxS, kv_idx_part_BxS in kv_parts:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm import sharding
+from jaxllm import parallel, sharding
 from jaxllm.model import merge_model
 from jaxllm.parallel import pipeline, schedules
 from jaxllm.sharding import Parallel
@@ -164,6 +164,9 @@ def grads_and_sums(
     microbatches `micro` ([m, rows, ...] leaves), run through the pipeline of
     `parallel_settings` (its mesh's `stage` axis, schedule and virtual stages)."""
     m = jax.tree.leaves(micro)[0].shape[0]
+    # Ring attention's zigzag order, as `train.step` lays out each batch; here before the stages
+    # (a gather of the sequence-sharded batch inside the stage region aborts XLA's partitioner).
+    micro = jax.vmap(parallel.sequence_layout)(micro)
     p, v = parallel_settings.stages, parallel_settings.virtual_stages
     table = schedules.build(parallel_settings.pipeline_schedule, p, m, v)
     model = merge_model(graphdef, params, frozen, model_state)
