@@ -119,12 +119,23 @@ def test_refusals(mesh, overrides, needle):
         cfg.validate(8)
 
 
-def test_refuses_model_features_the_pipeline_lacks():
-    moe = config.MoEConfig(num_experts=4, experts_per_token=2, moe_every=2)
-    cfg = _cfg(stage=2, data=-1)
-    cfg = config.Config(**{**cfg.__dict__, "model": tiny_model(vocab_size=264, moe=moe)})
-    with pytest.raises(config.ConfigError, match="every layer is an MoE block"):
+@pytest.mark.parametrize(
+    "layers, stage, layout, needle",
+    [
+        (4, 4, dict(moe_every=2), "2 MoE groups"),  # 2 groups over 4 stages
+        (5, 2, dict(first_dense_layers=1, moe_every=2), "first_dense_layers \\(1\\)"),
+    ],
+)
+def test_refuses_moe_stacks_the_stages_cannot_split(layers, stage, layout, needle):
+    moe = config.MoEConfig(num_experts=4, experts_per_token=2, **layout)
+    cfg = _cfg(stage=stage, data=-1)
+    model = tiny_model(vocab_size=264, num_layers=layers, moe=moe)
+    cfg = config.Config(**{**cfg.__dict__, "model": model})
+    with pytest.raises(config.ConfigError, match=needle):
         cfg.validate(8)
+
+
+def test_refuses_objectives_the_pipeline_lacks():
     cfg = _cfg(stage=2, data=-1)
     cfg = config.Config(
         **{

@@ -22,8 +22,9 @@ STEPS = 3
 AUTO = jax.sharding.AxisType.Auto
 
 
-def _cfg(dispatch: str | None, micro: int = 4, **mesh) -> config.Config:
+def _cfg(dispatch: str | None, micro: int = 4, layers: int = 4, moe_layout=None, **mesh):
     moe = config.MoEConfig(
+        **(moe_layout or {}),
         num_experts=4,
         experts_per_token=2,
         expert_mlp_dim=32,
@@ -33,7 +34,9 @@ def _cfg(dispatch: str | None, micro: int = 4, **mesh) -> config.Config:
         bias_update_rate=0.01,
     )
     return config.Config(
-        model=tiny_model(vocab_size=264, num_layers=4, moe=moe if dispatch else config.MoEConfig()),
+        model=tiny_model(
+            vocab_size=264, num_layers=layers, moe=moe if dispatch else config.MoEConfig()
+        ),
         mesh=config.MeshConfig(**{"data": 1, **mesh}),
         data=config.DataConfig(seq_len=16),
         train=config.TrainConfig(global_batch_size=16, steps=STEPS, grad_accum_steps=micro),
@@ -59,17 +62,23 @@ def _assert_trees_close(got, want):
         np.testing.assert_allclose(a, flat_want[path], rtol=1e-4, atol=2e-5, err_msg=str(path))
 
 
+# DeepSeek's layout: two dense blocks first (run by the first stage after the embedding), then
+# groups of a dense block and an MoE block (moe_every=2), one group per stage
+MIXED = dict(layers=6, moe_layout=dict(first_dense_layers=2, moe_every=2))
+
+
 @pytest.mark.parametrize(
-    "dispatch,mesh",
+    "dispatch,mesh,layout",
     [
-        ("capacity", dict(stage=2, data=2, tensor=2)),
-        pytest.param("dropless", dict(stage=2, data=2, expert=2), marks=pytest.mark.slow),
+        ("capacity", dict(stage=2, data=2, tensor=2), {}),
+        pytest.param("dropless", dict(stage=2, data=2, expert=2), {}, marks=pytest.mark.slow),
+        pytest.param("capacity", dict(stage=2, data=2, tensor=2), MIXED, marks=pytest.mark.slow),
     ],
-    ids=["capacity-pp2_dp2_tp2", "dropless-pp2_ep2_dp2"],
+    ids=["capacity-pp2_dp2_tp2", "dropless-pp2_ep2_dp2", "dense_prefix_groups-pp2_dp2_tp2"],
 )
-def test_moe_pipeline_matches_single_device(dispatch, mesh):
-    want, want_state = _train(_cfg(dispatch), jax.devices()[:1])
-    got, got_state = _train(_cfg(dispatch, **mesh), jax.devices())
+def test_moe_pipeline_matches_single_device(dispatch, mesh, layout):
+    want, want_state = _train(_cfg(dispatch, **layout), jax.devices()[:1])
+    got, got_state = _train(_cfg(dispatch, **layout, **mesh), jax.devices())
     for name in ("loss", "moe_aux_loss", "moe_router_z_loss"):
         np.testing.assert_allclose(
             [m[name] for m in got], [m[name] for m in want], rtol=1e-5, err_msg=name

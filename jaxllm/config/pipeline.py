@@ -50,7 +50,22 @@ def validate_pipeline(cfg, stages: int | None) -> None:
             )
         return
     chunks = stages * mesh.virtual_stages
-    if m.num_layers % chunks:
+    moe = m.moe
+    if moe.enabled:  # the stages split the MoE groups; the dense prefix goes with the embedding
+        groups = (m.num_layers - moe.first_dense_layers) // moe.moe_every
+        if groups % chunks:
+            _fail(
+                f"model.moe's {groups} MoE groups ((model.num_layers - "
+                "model.moe.first_dense_layers) / model.moe.moe_every) must be divisible by "
+                f"mesh.stage * mesh.virtual_stages ({stages} * {mesh.virtual_stages} = {chunks})."
+            )
+        if moe.first_dense_layers % stages:
+            _fail(
+                f"model.moe.first_dense_layers ({moe.first_dense_layers}) must be divisible by "
+                f"mesh.stage ({stages}): the first stage runs them, and between steps they are "
+                "stored split over the stages like the other stacked blocks."
+            )
+    elif m.num_layers % chunks:
         _fail(
             f"model.num_layers ({m.num_layers}) must be divisible by mesh.stage * "
             f"mesh.virtual_stages ({stages} * {mesh.virtual_stages} = {chunks})."
@@ -74,11 +89,4 @@ def validate_pipeline(cfg, stages: int | None) -> None:
     if m.kind != "decoder":
         _fail(
             f"mesh.stage > 1 pipelines decoder models, not model.kind={m.kind}; use mesh.stage=1."
-        )
-    if m.moe.enabled and (m.moe.moe_every != 1 or m.moe.first_dense_layers):
-        _fail(
-            "mesh.stage > 1 pipelines MoE models whose every layer is an MoE block "
-            f"(model.moe.moe_every=1, first_dense_layers=0), not moe_every={m.moe.moe_every} "
-            f"with first_dense_layers={m.moe.first_dense_layers}: each stage must hold the same "
-            "kind of blocks."
         )

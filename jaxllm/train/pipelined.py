@@ -1,9 +1,9 @@
 """The train step's gradients through the pipeline (`mesh.stage` > 1).
 
-The model's layer stack (`params['layers']`, the `layers` logical axis, split over the `stage`
-mesh axis) is cut into stage * virtual_stages chunks; `stage_function` runs one chunk as a
-virtual pipeline stage: the first one also embeds the microbatch's tokens
-(`Transformer.inputs`), the last one also applies the final norm and head
+The model's layer stack (`params['layers']`, or an MoE model's `moe_layers` groups; the `layers`
+logical axis, split over the `stage` mesh axis) is cut into stage * virtual_stages chunks;
+`stage_function` runs one chunk as a virtual pipeline stage: the first one also embeds the
+microbatch's tokens (`Transformer.inputs`) and runs an MoE model's dense prefix, the last one also applies the final norm and head
 (`Transformer.outputs`) and the objective, whose sums it returns. The embedding, final norm and
 head are replicated over the stages (each keeps its automatic fsdp / tensor sharding) and used
 by the first and last stage only; their gradients are summed over the stages.
@@ -27,6 +27,18 @@ from jaxllm.train.objectives import Objective
 def stack_name(cfg) -> str:
     """The parameter subtree split over the stages: the blocks, or an MoE model's groups."""
     return "moe_layers" if cfg.moe.enabled else "layers"
+
+
+def dense_prefix(cfg) -> int:
+    """An MoE model's leading dense blocks (`layers`), run by the first stage after the
+    embedding."""
+    return cfg.moe.first_dense_layers if cfg.moe.enabled else 0
+
+
+def moe_groups(cfg) -> int:
+    """An MoE model's `MoEGroup`s (moe_every - 1 dense blocks, then an MoE block): the stack
+    the stages split."""
+    return (cfg.num_layers - cfg.moe.first_dense_layers) // cfg.moe.moe_every
 
 
 class _Head:
@@ -53,19 +65,20 @@ def _join(stack, rest, name: str):
     return {**rest, name: stack} if stack else dict(rest)
 
 
-def _moe_terms(cfg, stats, batch, c, per_chunk: int):
-    """(loss term, metric sums, model stats) of one virtual stage's MoE layers, laid out as the
-    whole model's `moe.objective_terms` would give them, so that the stages' sums add up to
-    the unpipelined objective's: the balancing and z-losses as this chunk's share of the mean
-    over all MoE layers, its expert loads in its rows of [N_moe, E]."""
+def _moe_terms(cfg, stats, batch, c, groups: int):
+    """(loss term, metric sums, model stats) of one virtual stage's MoE layers (`groups` of
+    them, one per `MoEGroup`), laid out as the whole model's `moe.objective_terms` would give
+    them, so that the stages' sums add up to the unpipelined objective's: the balancing and
+    z-losses as this chunk's share of the mean over all MoE layers, its expert loads in its rows
+    of [N_moe, E]."""
     count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-    n = cfg.num_layers
+    n = moe_groups(cfg)
     aux_sum = jnp.sum(stats["aux_loss"]) / n * count
     z_sum = jnp.sum(stats["router_z_loss"]) / n * count
     term = cfg.moe.aux_loss_weight * aux_sum + cfg.moe.router_z_loss_weight * z_sum
     counts = stats["expert_counts"]
     full = jnp.zeros((n, *counts.shape[1:]), counts.dtype)
-    full = jax.lax.dynamic_update_slice_in_dim(full, counts, c * per_chunk, axis=0)
+    full = jax.lax.dynamic_update_slice_in_dim(full, counts, c * groups, axis=0)
     metrics = {"moe_aux_loss": aux_sum, "moe_router_z_loss": z_sum}
     return term, metrics, {"expert_counts": full, "dropped": jnp.sum(stats["dropped"])}
 
@@ -86,7 +99,8 @@ def stage_function(graphdef, objective: Objective, cfg, chunks: int):
     """`stage_fn(train, const, x, mb, c)` of `pipeline.run` for a model of `cfg` cut into
     `chunks` virtual stages: train = (stack chunk, rest) of the trainable parameters, const =
     ((frozen chunk, state chunk), {frozen, state, batch, key}) of the rest."""
-    per_chunk = cfg.num_layers // chunks
+    prefix = dense_prefix(cfg)
+    per_chunk = (cfg.num_layers - prefix) // chunks  # blocks of one virtual stage
     remat = cfg.remat != "none"
     name = stack_name(cfg)
 
@@ -105,18 +119,22 @@ def stage_function(graphdef, objective: Objective, cfg, chunks: int):
         rng = jax.random.fold_in(jax.random.wrap_key_data(c_rest["key"]), mb)
         pos_BxL, seg_BxL = batch["positions"], batch["segment_ids"]
 
+        keys = model.inputs(batch["inputs"], pos_BxL, seg_BxL, None, rng)[3]
+        all_layers = model.per_layer(keys)
+
         def embed():
-            return model.inputs(batch["inputs"], pos_BxL, seg_BxL, None, rng)[0].astype(
-                x_BxLxD.dtype
-            )
+            x = model.inputs(batch["inputs"], pos_BxL, seg_BxL, None, rng)[0]
+            if prefix:  # an MoE model's leading dense blocks
+                first = jax.tree.map(lambda a: a[:prefix], all_layers)
+                (x, _), _ = model.scan(model.layers, (x, None), first, pos_BxL, seg_BxL, remat)
+            return x.astype(x_BxLxD.dtype)
 
         x_BxLxD = jax.lax.cond(c == 0, embed, lambda: x_BxLxD)
-        keys = model.inputs(batch["inputs"], pos_BxL, seg_BxL, None, rng)[3]
         per_layer = jax.tree.map(
-            lambda a: jax.lax.dynamic_slice_in_dim(a, c * per_chunk, per_chunk),
-            model.per_layer(keys),
+            lambda a: jax.lax.dynamic_slice_in_dim(a, prefix + c * per_chunk, per_chunk),
+            all_layers,
         )
-        if cfg.moe.enabled:  # every layer an MoE block (`config.pipeline` checks)
+        if cfg.moe.enabled:  # the chunk's MoE groups
             (x_BxLxD, _), stats = model.moe_scan(
                 model.moe_layers, (x_BxLxD, None), per_layer, pos_BxL, seg_BxL, remat
             )
@@ -136,7 +154,9 @@ def stage_function(graphdef, objective: Objective, cfg, chunks: int):
 
         (y, loss), out = jax.lax.cond(c == chunks - 1, head, middle, x_BxLxD)
         if cfg.moe.enabled:  # every stage adds its own layers' balancing losses and loads
-            term, metrics, moe_stats = _moe_terms(cfg, stats, batch, c, per_chunk)
+            term, metrics, moe_stats = _moe_terms(
+                cfg, stats, batch, c, per_chunk // cfg.moe.moe_every
+            )
             loss = loss + term
             out = out._replace(
                 loss_sum=out.loss_sum + term,
