@@ -5,6 +5,7 @@ import gzip
 import json
 
 import jax
+import pytest
 from conftest import tiny_model
 from flax import nnx
 
@@ -89,6 +90,7 @@ def test_device_op_summary_sums_device_events_only(tmp_path):
     assert "gemm_fusion" in text and "PjitFunction" not in text
 
 
+@pytest.mark.slow  # ~19 s; the trace reading itself is tested above on a stored trace
 def test_bench_profile_on_cpu_says_it_saw_no_device_ops(tmp_path):
     cfg = _cfg()
     cfg = dataclasses.replace(  # bench_train takes every device: 8 simulated ones here

@@ -80,12 +80,16 @@ CASES = [
 ]
 BF16_CASES = {"full_mha", "causal_gqa4_odd", "all_masks_odd_k128"}  # all_masks: every mask at once
 BF16_SLOW = {"causal_mqa8", "segments_causal_odd", "window_causal", "softcap_causal"}
+# in all_masks_odd_k128 (window, soft cap, head dim 128) or the multi-block grids (block 64,
+# bidirectional windows) by default
+F32_SLOW = {"causal_gqa2_k128", "full_odd_block64", "window_causal", "window_full_odd"}
+F32_SLOW |= {"softcap_causal"}
 
 
 def _params():
     for dtype in (jnp.float32, jnp.bfloat16):
         for name, *case in CASES:
-            slow = dtype == jnp.bfloat16 and name in BF16_SLOW
+            slow = name in (BF16_SLOW if dtype == jnp.bfloat16 else F32_SLOW)
             if dtype == jnp.float32 or name in BF16_CASES or slow:
                 marks = [pytest.mark.slow] if slow else []
                 yield pytest.param(dtype, *case, id=f"{jnp.dtype(dtype).name}-{name}", marks=marks)

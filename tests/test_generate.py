@@ -199,10 +199,17 @@ KNOBS = {
 }
 
 
+KERNEL_KNOBS = ("window_pattern", "gemma2", "gemma3", "alibi")
+
+
 @pytest.mark.parametrize(
     "knobs, impl",
     [
-        *((k, "xla") for k in KNOBS),
+        # a knob the decode kernel also takes runs with the kernel by default, XLA with -m slow
+        *(
+            pytest.param(k, "xla", marks=pytest.mark.slow) if k in KERNEL_KNOBS else (k, "xla")
+            for k in KNOBS
+        ),
         ("window_pattern", "kernel"),
         ("gemma2", "kernel"),
         ("gemma3", "kernel"),

@@ -33,6 +33,12 @@ def _pure(model):
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+def _logits(model, tokens):
+    """The model's logits, compiled (eager NNX calls dispatch op by op)."""
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda s: nnx.merge(graphdef, s)(tokens).logits)(state)
+
+
 def _set(model, pure):
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, pure))
@@ -123,17 +129,17 @@ def test_qk_norm_makes_attention_invariant_to_query_and_key_scale():
     p = _pure(model)
     assert p["layers"]["attn"]["q_norm"]["scale"].shape == (2, 8)
     tokens = _tokens(2, 8)
-    ref = model(tokens).logits
+    ref = _logits(model, tokens)
     for name in ("q_proj", "k_proj"):
         p["layers"]["attn"][name] = p["layers"]["attn"][name] * 7.0
     _set(model, p)
-    np.testing.assert_allclose(model(tokens).logits, ref, atol=2e-4)
+    np.testing.assert_allclose(_logits(model, tokens), ref, atol=2e-4)
     plain = build(tiny_model(init_std=0.3), seed=0)
     q = _pure(plain)
     q["layers"]["attn"]["q_proj"] = q["layers"]["attn"]["q_proj"] * 7.0
-    before = plain(tokens).logits
+    before = _logits(plain, tokens)
     _set(plain, q)
-    assert not np.allclose(plain(tokens).logits, before, atol=1e-3)
+    assert not np.allclose(_logits(plain, tokens), before, atol=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -185,7 +191,7 @@ def test_sliding_window_limits_the_receptive_field():
             seed=1,
         )
         emb = model.embed(_tokens(1, 14)).astype(jnp.float32)
-        g = jax.grad(lambda e: model(embeddings_BxLxD=e).logits[0, t].sum())(emb)
+        g = jax.jit(jax.grad(lambda e: model(embeddings_BxLxD=e).logits[0, t].sum()))(emb)
         seen = np.abs(np.asarray(g[0])).sum(-1) > 0
         assert seen[first_seen : t + 1].all() and not seen[t + 1 :].any()
         assert not seen[:first_seen].any()
@@ -252,10 +258,13 @@ def test_dropout_only_with_a_key():
         "loss_mask": jnp.ones((2, 8)),
     }
 
+    objective = next_token()
+
     def loss(params, graphdef, rng=None):
-        return float(
-            objective_value(params, batch, rng, graphdef=graphdef, objective=next_token())[0]
+        value = jax.jit(
+            lambda p, r: objective_value(p, batch, r, graphdef=graphdef, objective=objective)[0]
         )
+        return float(value(params, rng))
 
     base = loss(off_params, off_def)
     assert loss(params, graphdef) == pytest.approx(base, rel=1e-6)
