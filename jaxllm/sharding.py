@@ -38,7 +38,9 @@ RULES: dict[str, tuple[str, ...] | None] = {
     # parameters
     # the stacked blocks: pipeline stage s holds its slice of the stack (`jaxllm.parallel.pipeline`)
     "layers": ("stage",),
-    "embed": ("fsdp",),
+    # with pipeline stages, the unstacked parameters (embedding, head) are split over them too,
+    # like fsdp (a stacked one's `stage` goes to its `layers` axis first)
+    "embed": ("fsdp", "stage"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -117,11 +119,20 @@ def _slices(devices: list, n: int) -> list[list]:
 
 
 def named(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
-    """The sharding of `logical_axes` on `mesh`; without pipeline stages the `layers` axis stays
-    replicated (no size-1 `stage` in the spec)."""
-    if mesh.shape.get("stage", 1) == 1:
-        logical_axes = [None if a == "layers" else a for a in logical_axes]
-    return NamedSharding(mesh, spec(logical_axes))
+    """The sharding of `logical_axes` on `mesh`; without pipeline stages the spec names no
+    `stage` (the `layers` axis stays replicated)."""
+    if mesh.shape.get("stage", 1) > 1:
+        return NamedSharding(mesh, spec(logical_axes))
+    entries = [
+        tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a != "stage")
+        for e in spec(logical_axes)
+    ]
+    return NamedSharding(mesh, PartitionSpec(*(_entry(e) for e in entries)))
+
+
+def _entry(axes: tuple[str, ...]):
+    """A PartitionSpec entry of mesh axes: None, one name, or a tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def check_divisible(mesh: Mesh, abstract_params: dict, logical_tree: dict) -> None:
@@ -216,5 +227,11 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     inner = jax.sharding.get_abstract_mesh()
     if inner.manual_axes:  # inside a shard_map manual over some axes (pipeline stages)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(inner, spec(logical_axes)))
+        manual = set(inner.manual_axes)
+        entries = [
+            tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual)
+            for e in spec(logical_axes)
+        ]
+        inside = PartitionSpec(*(_entry(e) for e in entries))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(inner, inside))
     return jax.lax.with_sharding_constraint(x, named(mesh, logical_axes))
