@@ -18,7 +18,7 @@ the last stage's is the objective's, the others' are 0 or their own terms (MoE b
 Weight gradients add up in float32 over the microbatches.
 
 Parameters come as (stack, rest) pairs: stack leaves have the layer axis first ([N, ...], split
-over `stage`), the rest (embedding, head, final norm) is replicated over the stages, its
+over `stage`), the rest (embedding, head, final norm) enters every stage whole, its
 gradient summed over them at the end. With v virtual stages the stack is viewed as
 [v, p, N / (p v), ...], so device s holds chunks s, s + p, ... (circular).
 """
