@@ -239,7 +239,7 @@ def test_xla_backend_is_the_reference():
     np.testing.assert_array_equal(f32(out), f32(_reference(q, cache, lengths)))
 
 
-@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("nq", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_sliding_window_and_alibi(nq):
     """Windowed attention sees only the last w positions and ALiBi subtracts slope * distance
     (checked against dense float64 math). A traced window runs the reference when w > 0 and the
