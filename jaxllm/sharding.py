@@ -123,16 +123,16 @@ def named(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
     `stage` (the `layers` axis stays replicated)."""
     if mesh.shape.get("stage", 1) > 1:
         return NamedSharding(mesh, spec(logical_axes))
-    entries = [
-        tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a != "stage")
-        for e in spec(logical_axes)
-    ]
-    return NamedSharding(mesh, PartitionSpec(*(_entry(e) for e in entries)))
+    return NamedSharding(mesh, _without(spec(logical_axes), {"stage"}))
 
 
-def _entry(axes: tuple[str, ...]):
-    """A PartitionSpec entry of mesh axes: None, one name, or a tuple."""
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+def _without(partition: PartitionSpec, axes: set[str]) -> PartitionSpec:
+    """`partition` with the mesh `axes` left out of every entry."""
+    entries = []
+    for e in partition:
+        kept = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
 
 
 def check_divisible(mesh: Mesh, abstract_params: dict, logical_tree: dict) -> None:
@@ -227,11 +227,6 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     inner = jax.sharding.get_abstract_mesh()
     if inner.manual_axes:  # inside a shard_map manual over some axes (pipeline stages)
-        manual = set(inner.manual_axes)
-        entries = [
-            tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual)
-            for e in spec(logical_axes)
-        ]
-        inside = PartitionSpec(*(_entry(e) for e in entries))
+        inside = _without(spec(logical_axes), set(inner.manual_axes))
         return jax.lax.with_sharding_constraint(x, NamedSharding(inner, inside))
     return jax.lax.with_sharding_constraint(x, named(mesh, logical_axes))

@@ -3,12 +3,12 @@
 The model's layer stack (`params['layers']`, or an MoE model's `moe_layers` groups; the `layers`
 logical axis, split over the `stage` mesh axis) is cut into stage * virtual_stages chunks;
 `stage_function` runs one chunk as a virtual pipeline stage: the first one also embeds the
-microbatch's tokens (`Transformer.inputs`) and runs an MoE model's dense prefix, the last one also applies the final norm and head
-(`Transformer.outputs`) and the objective, whose sums it returns. The embedding, final norm and
-head enter the stages whole (between steps the embedding and head are split over the stages
-too, by the `embed` rule) and are used by the first and last stage only; their gradients are
-summed over the stages.
-`jaxllm.parallel.pipeline.run` runs the schedule's table with it.
+microbatch's tokens (`Transformer.inputs`) and runs an MoE model's dense prefix, the last one
+also applies the final norm and head (`Transformer.outputs`) and the objective, whose sums it
+returns. The embedding, final norm and head enter the stages whole (between steps the embedding
+and head are split over the stages too, by the `embed` rule) and are used by the first and last
+stage only; their gradients are summed over the stages. `jaxllm.parallel.pipeline.run` runs the
+schedule's table with it.
 
 Only token-level objectives (`next_token`, `sft`) run pipelined (`jaxllm.config.pipeline`).
 """
