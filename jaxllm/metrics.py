@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -125,9 +126,7 @@ class MetricsWriter:
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self._tb = _summary_writer_class()(str(Path(run_dir) / "tensorboard"))
 
     def write(self, step: int, values: dict) -> None:
         row = {"step": int(step), **{k: _py(v) for k, v in values.items()}}
@@ -142,6 +141,22 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter. Its import pulls in torch where torch is installed (about
+    1.5 s at every start) only to accept torch tensors; the writer logs Python floats here, so
+    unless torch is already loaded it is imported with `import torch` failing, as without torch."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _py(v):

@@ -23,11 +23,11 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 def run_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gen") / "run"
     overrides = [
-        "train.steps=120",
+        "train.steps=60",
         "train.eval_every=0",
         "train.eval_batches=1",
         "train.sample_tokens=0",
-        "train.log_every=40",
+        "train.log_every=20",
         "data.max_files=150",
         "data.seq_len=128",
         "model.d_model=128",

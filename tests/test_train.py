@@ -91,6 +91,7 @@ def test_jaxllm_train_end_to_end(tmp_path):
         "train.eval_every=10",
         "train.eval_batches=2",
         "train.sample_tokens=16",
+        "train.global_batch_size=8",
         "data.max_files=150",
         "model.num_layers=2",
         f"run.dir={run_dir}",

@@ -68,6 +68,13 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
       for be in mosaic_gpu triton xla; do
         step "decode_$be" 90 $PY scripts/bench_decode.py --contexts 32768 --batch 1,16 --backend $be
       done ;;
+    decode_sweep)  # the Triton decode kernel's kv block and split counts: 32k context, batch 16
+      for bk in 32 64 128 256; do
+        for ns in 4 16 64; do
+          step "decode_bk${bk}_s${ns}" 90 $PY scripts/bench_decode.py --contexts 32768 --batch 16 \
+            --backend triton --block-kv $bk --num-splits $ns --iters 10
+        done
+      done ;;
     train:*)  # train:REMAT[:IMPL[:BATCH]]: `jaxllm bench train` on the Llama-3.2-1B shape, seq
       # 4096; $EXTRA adds overrides (e.g. "train.loss_chunks=8"), $TAG names the log, and
       # XLA_PYTHON_CLIENT_MEM_FRACTION (default .75) how much of the GPU JAX takes
