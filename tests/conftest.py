@@ -5,8 +5,12 @@ import os
 import shutil
 import tempfile
 
+# The tests compile far more than they compute: LLVM's optimisations (level 0) take about half
+# of XLA's CPU compile time and buy little on tiny models. HLO optimisation, and so every
+# program's ops, fusions and memory plan, is unchanged.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA compilation cache for the whole run, shared by the pytest workers and the `jaxllm`
@@ -55,6 +59,16 @@ def pytest_collection_modifyitems(config, items):
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = [item for item in items if item.get_closest_marker("torch") is None]
+
+
+def cpu_env(devices: int = 1, *, optimize: bool = False, **extra) -> dict:
+    """The environment of a `jaxllm` process a test starts: the CPU with `devices` simulated
+    devices and the tests' XLA flags (`optimize`: XLA's defaults, for runs that compute more
+    than they compile), plus `extra`."""
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    if not optimize:
+        flags += " " + TEST_XLA_FLAGS
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
 
 
 def abstract_state(*overrides: str):

@@ -3,7 +3,6 @@ checkpoints, non-finite steps, and `jaxllm eval`. Real subprocesses and real sig
 
 import dataclasses
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import cpu_env
 from flax import nnx
 
 import jaxllm
@@ -41,11 +41,7 @@ TINY = [
 
 
 def _start(args, devices=1, **kw):
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-    )
+    env = cpu_env(devices)
     return subprocess.Popen(
         [sys.executable, "-m", "jaxllm", "train", *args],
         cwd=REPO,
@@ -235,7 +231,7 @@ def test_jaxllm_eval_reports_the_final_eval_loss(tmp_path):
     rc, out = _run([*TINY, "train.steps=3", "train.eval_every=3", f"run.dir={tmp_path}"])
     assert rc == 0, out
     final = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["eval_loss"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = cpu_env()
     proc = subprocess.run(
         [sys.executable, "-m", "jaxllm", "eval", str(tmp_path)],
         cwd=REPO,

@@ -1,12 +1,12 @@
 """Generation on a model trained for a minute: quantized-cache accuracy and the CLI."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import cpu_env
 
 import jaxllm
 from jaxllm import config
@@ -16,7 +16,7 @@ from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer import generate, greedy_continue, score_with_cache
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+ENV = cpu_env(optimize=True)
 
 
 @pytest.fixture(scope="module")

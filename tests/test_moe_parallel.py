@@ -6,7 +6,6 @@ balancing bias; presets trained with the CLI and planned on expert-parallel mesh
 import dataclasses
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import cpu_env, tiny_model
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -234,11 +233,7 @@ def test_checkpoint_round_trips_the_balancing_bias(one_step, tmp_path):
 
 
 def _jaxllm(*args, devices=1):
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-    )
+    env = cpu_env(devices)
     return subprocess.run(
         [sys.executable, "-m", "jaxllm", *args],
         cwd=REPO,

@@ -1,12 +1,12 @@
 """`jaxllm plan`: ahead-of-time compile reports for meshes larger than the machine."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import pytest
+from conftest import cpu_env
 
 from jaxllm import config
 from jaxllm.plan import collectives, parse_bytes, plan
@@ -107,7 +107,7 @@ def test_full_remat_plans_far_fewer_temporaries_for_llama3_8b():
 
 
 def _cli(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = cpu_env()
     return subprocess.run(
         [sys.executable, "-m", "jaxllm", "plan", *args],
         cwd=REPO,

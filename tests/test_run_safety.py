@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import SMALL_RUN, tiny_model
+from conftest import SMALL_RUN, cpu_env, tiny_model
 from test_faults import tree_hash
 
 import jaxllm
@@ -128,9 +128,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
 def _start(args, shell_setup: str = ""):
     """`python -m jaxllm train ARGS` in a child process (after `shell_setup` in bash, whose
     limits and ignored signals the program inherits)."""
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1"
-    )
+    env = cpu_env()
     cmd = [sys.executable, "-m", "jaxllm", "train", *args]
     if shell_setup:
         cmd = ["bash", "-c", f'{shell_setup}; exec "$0" "$@"', *cmd]

@@ -3,7 +3,6 @@ shardings of parameters and optimizer state asserted; FSDP memory; multi-process
 
 import dataclasses
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import cpu_env, tiny_model
 from jax.sharding import PartitionSpec as P
 
 from jaxllm import config, sharding
@@ -156,11 +155,7 @@ def _free_port() -> int:
 
 
 def _jaxllm_train(args, devices: int, extra_env=None):
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-    )
+    env = cpu_env(devices)
     env.update(extra_env or {})
     return subprocess.Popen(
         [sys.executable, "-m", "jaxllm", "train", *args],

@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import chex
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import cpu_env, tiny_model
 
 import jaxllm
 from jaxllm import config, sharding
@@ -84,7 +83,7 @@ def test_loss_mask_excludes_tokens():
 
 def test_jaxllm_train_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = cpu_env(optimize=True)
     overrides = [
         "train.steps=20",
         "train.log_every=5",
