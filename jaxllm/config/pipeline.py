@@ -46,7 +46,8 @@ def validate_pipeline(cfg, stages: int | None) -> None:
         if stages == 1 and (mesh.pipeline_schedule != "1f1b" or mesh.virtual_stages != 1):
             _fail(
                 "mesh.pipeline_schedule and mesh.virtual_stages act only with mesh.stage > 1; "
-                "set mesh.stage or leave them at their defaults."
+                "set mesh.stage, or reset them (mesh.pipeline_schedule=1f1b "
+                "mesh.virtual_stages=1), as when resuming a pipelined run without stages."
             )
         return
     chunks = stages * mesh.virtual_stages
