@@ -147,15 +147,14 @@ def _summary_writer_class():
     """tensorboardX's SummaryWriter. Its import pulls in torch where torch is installed (about
     1.5 s at every start) only to accept torch tensors; the writer logs Python floats here, so
     unless torch is already loaded it is imported with `import torch` failing, as without torch."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if hide:
+            del sys.modules["torch"]
     return SummaryWriter
 
 

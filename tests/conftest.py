@@ -9,9 +9,14 @@ import tempfile
 # of XLA's CPU compile time and buy little on tiny models. HLO optimisation, and so every
 # program's ops, fusions and memory plan, is unchanged.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}"
-).strip()
+
+
+def _xla_flags(devices: int, optimize: bool = False) -> str:
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    return flags if optimize else f"{flags} {TEST_XLA_FLAGS}"
+
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_xla_flags(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA compilation cache for the whole run, shared by the pytest workers and the `jaxllm`
 # processes that tests start (they inherit the environment): the many small runs of the same
@@ -65,10 +70,12 @@ def cpu_env(devices: int = 1, *, optimize: bool = False, **extra) -> dict:
     """The environment of a `jaxllm` process a test starts: the CPU with `devices` simulated
     devices and the tests' XLA flags (`optimize`: XLA's defaults, for runs that compute more
     than they compile), plus `extra`."""
-    flags = f"--xla_force_host_platform_device_count={devices}"
-    if not optimize:
-        flags += " " + TEST_XLA_FLAGS
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": _xla_flags(devices, optimize),
+        **extra,
+    }
 
 
 def abstract_state(*overrides: str):

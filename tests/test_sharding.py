@@ -155,8 +155,7 @@ def _free_port() -> int:
 
 
 def _jaxllm_train(args, devices: int, extra_env=None):
-    env = cpu_env(devices)
-    env.update(extra_env or {})
+    env = cpu_env(devices, **(extra_env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "jaxllm", "train", *args],
         cwd=REPO,
