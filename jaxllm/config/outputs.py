@@ -1,0 +1,91 @@
+"""Output directories that a tool writes whole or not at all.
+
+`jaxllm data prepare`, `data tokenizer`, `convert import / export` (and every later writer of a
+directory) build their output in a hidden temporary sibling, `.<name>.partial-<pid>`, and rename
+it into place only when it is complete. A write that fails or is interrupted removes its
+sibling, and one killed outright leaves only that hidden sibling: never a directory that a later
+command would take for valid output. An output directory that already holds something is
+refused (ConfigError, exit 2) unless the writer was told to overwrite it; then the old
+directory is replaced by the new one in one rename, after the new one is complete.
+
+Here, at the bottom floor beside the errors, so that writers on every floor use one rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from jaxllm.config.errors import ConfigError, RunError
+
+PARTIAL = ".partial-"  # in the temporary sibling's name: `.<name>.partial-<pid>`
+
+
+def check_output(out: str | Path, *, flag: str, overwrite: bool = False) -> Path:
+    """`out` as a Path when it may be written: absent, an empty directory, or (with
+    `overwrite`) a directory with contents. ConfigError naming `flag` otherwise. Writes
+    nothing, so a command can check its output before any long work."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag} {out} is a file; give a directory to write into.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"{flag} {out} already holds files; choose a new directory, or pass --overwrite "
+            "to replace it."
+        )
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {out} cannot be made: {existing} is a file.")
+    return out
+
+
+@contextlib.contextmanager
+def written(out: str | Path, *, flag: str, overwrite: bool = False) -> Iterator[Path]:
+    """Yields a fresh temporary sibling of `out` to build the output in; when the block ends
+    normally, renames it to `out` (replacing an existing `out` when `overwrite`). When the
+    block raises (or is interrupted), the sibling is removed and `out` is left as it was. An
+    OSError of the write (a full or read-only disk) becomes a RunError naming `out`."""
+    out = check_output(out, flag=flag, overwrite=overwrite)
+    tmp = out.with_name(f".{out.name}{PARTIAL}{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a killed writer that had this pid
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        raise RunError(f"cannot write {out} ({e.strerror or e}); nothing was written.") from e
+    try:
+        yield tmp
+        _replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RunError(
+            f"writing {out} failed ({e.strerror or e}: {e.filename or tmp}); nothing was "
+            "written" + (" and the old one was kept." if out.exists() else ".")
+        ) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Puts the complete `tmp` at `out`: a rename; an existing `out` is first renamed aside
+    and removed only after the new one is in place."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if old.exists():
+        shutil.rmtree(old)
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
