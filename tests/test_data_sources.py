@@ -1,5 +1,6 @@
 """Tests of corpus sources: every format read back exactly, directories / globs / max_files, the
-eval split, weighted mixtures, and the promised errors and warnings on bad input.
+eval split, weighted mixtures, the promised errors and warnings on bad input, and encodings
+(undecodable bytes repaired and counted in every JSON-lines format, UTF-16/32 and binary refused).
 
 Documents are tiny files written in tmp_path with the byte tokenizer, so a row's tokens can be
 read back as text and compared with what was written.
@@ -17,7 +18,9 @@ from jaxllm import JaxllmWarning
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.data.pipeline import MixtureRows, load_splits, train_batches
 from jaxllm.data.sources import BadRecords, list_files, read_texts
+from jaxllm.data.tokenizer import ByteTokenizer
 
+BYTES = ByteTokenizer()
 DOCS = ["first document\n", "zweites Dokument — ü", "third: 日本語 🙂", "4"]
 
 
@@ -236,3 +239,82 @@ def test_parquet_without_the_column_and_corrupt_arrayrecord(tmp_path):
 
 def test_bad_records_warn_is_silent_when_clean():
     BadRecords("data.sources[0]", "text").warn()  # pytest turns a JaxllmWarning into an error
+
+
+# ------------------------------------------------------------------------- encodings
+
+LATIN1 = {  # one record of each JSON-lines format, with accents that Latin-1 writes as one byte
+    "jsonl": {"text": "café crème"},
+    "chat": {
+        "messages": [{"role": "user", "content": "¿qué?"}, {"role": "assistant", "content": "sí"}]
+    },
+    "prompt_completion": {"prompt": "Grüße ", "completion": "aus Köln"},
+    "preference": {"prompt": "Grüße ", "chosen": "aus Köln", "rejected": "aus Zürich"},
+    "rollout": {"prompt": "Grüße aus ", "answer": "Köln"},
+}
+
+
+def _read_all(path, fmt: str) -> list:
+    """Everything a source of `fmt` reads from `path`; its one warning is issued."""
+    from jaxllm.data import preference, rollout, sft
+
+    src = SourceConfig(path=str(path), format=fmt)
+    if fmt == "rollout":  # reads whole sources and warns itself
+        return [p.prompt + p.answer for p in rollout.read_prompts([src], DataConfig(), BYTES)]
+    (f,) = list_files(src, "k")
+    bad = BadRecords("k")
+    if fmt == "jsonl":
+        read = list(read_texts(f, bad=bad))
+    elif fmt == "preference":
+        read = list(preference.read_pairs(f, src, BYTES, bad=bad))
+    else:
+        read = list(sft.read_examples(f, src, BYTES, bad=bad))
+    bad.warn()
+    return read
+
+
+@pytest.mark.parametrize("fmt", list(LATIN1))
+def test_every_json_lines_format_repairs_undecodable_bytes_and_counts_them(tmp_path, fmt):
+    line = json.dumps(LATIN1[fmt], ensure_ascii=False) + "\n"
+    (tmp_path / "l.jsonl").write_bytes((line * 3).encode("latin-1"))
+    with pytest.warns(JaxllmWarning) as seen:
+        read = _read_all(tmp_path / "l.jsonl", fmt)
+    assert len(read) == 3 and "\ufffd" in str(read[0])
+    (message,) = [str(w.message) for w in seen]
+    assert "skipped" not in message
+    assert "undecodable byte sequence(s) with U+FFFD in 1 file(s) (first: " in message
+    assert f"{tmp_path}/l.jsonl line 1; text is read as UTF-8" in message
+
+
+def texts_of_bad(path, bad) -> list[str]:
+    (f,) = list_files(SourceConfig(path=str(path)), "k")
+    return list(read_texts(f, bad=bad))
+
+
+def test_lone_surrogates_bom_and_files_counted_once(tmp_path):
+    lines = [r'{"text": "a\ud800b \ud83d\ude00"}', r'{"text": "\uDFFF"}', '{"text": "ok"}']
+    (tmp_path / "s.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    bad = BadRecords("k")
+    assert texts_of_bad(tmp_path / "s.jsonl", bad) == ["a\ufffdb \U0001f600", "\ufffd", "ok"]
+    assert (bad.surrogates, bad.replaced) == (2, 0)
+    assert bad.first_surrogate == f"{tmp_path}/s.jsonl line 1"
+    write_arrayrecord(tmp_path / "r.arrayrecord", [b"caf\xe9", b"ok", b"\xff"])
+    bad = BadRecords("k")
+    assert texts_of_bad(tmp_path / "r.arrayrecord", bad) == ["caf\ufffd", "ok", "\ufffd"]
+    assert (bad.replaced, bad.files_replaced) == (2, 1)
+    assert bad.first_replaced == f"{tmp_path}/r.arrayrecord record 1"
+
+
+def test_wide_encodings_and_binary_records_are_refused(tmp_path):
+    (tmp_path / "w.txt").write_text("windows text", encoding="utf-16")
+    with pytest.raises(ConfigError, match=r"w.txt is UTF-16 .*iconv -f UTF-16 -t UTF-8"):
+        texts_of(tmp_path / "w.txt")
+    (tmp_path / "w.jsonl").write_text('{"text": "x"}\n', encoding="utf-32")
+    with pytest.raises(ConfigError, match=r"w.jsonl is UTF-32"):
+        texts_of(tmp_path / "w.jsonl")
+    ids = np.arange(300, dtype="<i4").tobytes()  # token ids, as `data prepare` writes them
+    write_arrayrecord(tmp_path / "ids.arrayrecord", [b"text", ids])
+    with pytest.raises(
+        ConfigError, match=r"record 2 of ArrayRecord file .*ids.arrayrecord holds NUL"
+    ):
+        texts_of(tmp_path / "ids.arrayrecord")

@@ -29,7 +29,6 @@ source.
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -39,7 +38,7 @@ import numpy as np
 from jaxllm.config import ConfigError, DataConfig, JaxllmWarning, SourceConfig
 from jaxllm.data import chat
 from jaxllm.data.packing import FirstFitRows
-from jaxllm.data.sources import BadRecords, DataFile
+from jaxllm.data.sources import BadRecords, DataFile, json_lines
 
 KINDS = ("chat", "prompt_completion")
 
@@ -87,20 +86,11 @@ def _records(f: DataFile, columns: dict[str, str], on_bad_record: str, bad: BadR
     if f.path.suffix == ".parquet":
         yield from _parquet_records(f, columns)
         return
-    with open(f.path, "rb") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{f.path} line {number}"
-            try:
-                record = json.loads(line)
-            except ValueError:  # also undecodable bytes (UnicodeDecodeError)
-                _bad("is not valid JSON", where, on_bad_record, bad)
-                continue
-            if not isinstance(record, dict):
-                _bad("is not a JSON object", where, on_bad_record, bad)
-                continue
-            yield where, record
+    for where, record in json_lines(f, on_bad_record, bad):
+        if not isinstance(record, dict):
+            _bad("is not a JSON object", where, on_bad_record, bad)
+            continue
+        yield where, record
 
 
 def _parquet_records(f: DataFile, columns: dict[str, str]):

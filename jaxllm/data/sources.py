@@ -10,7 +10,19 @@ extension. One document is:
     parquet        the `text_field` string of each row
     arrayrecord    each record, as UTF-8 text (tokenized shards are read via their directory)
 
-The SFT formats `chat` and `prompt_completion` are read into examples by `jaxllm.data.sft`.
+The SFT formats `chat` and `prompt_completion` are read into examples by `jaxllm.data.sft`, the
+preference and rollout formats by their modules; JSON lines of every format through `json_lines`.
+
+Text is UTF-8. Undecodable bytes become U+FFFD and are counted, in text files and JSON lines alike
+(a JSON line's structure is ASCII, so only its strings change), as are JSON escapes of lone
+surrogates, which no tokenizer can encode. A file that starts with a UTF-16/32 byte-order
+mark is refused (read as UTF-8 it would pass as text with a NUL between letters), and so is an
+ArrayRecord record holding NUL bytes: binary, not text (a serialized proto, or token ids).
+
+The shards of `jaxllm data prepare` (`train-NNNNN.arrayrecord`, `eval-NNNNN.arrayrecord`) are
+token ids, never text: beside their manifest they are read via their directory
+(`jaxllm.data.prepare.PreparedDir`); without it (a preparation that did not finish, or a
+manifest removed) they are refused.
 
 Files are held out for evaluation by a CRC32 of their path relative to the source root, so the
 split never changes when files are added elsewhere. Bad records are counted in a `BadRecords`
@@ -24,6 +36,7 @@ import glob
 import io
 import json
 import os
+import re
 import sysconfig
 import tokenize
 import warnings
@@ -34,6 +47,14 @@ from pathlib import Path
 from jaxllm.config import ConfigError, JaxllmWarning, SourceConfig
 
 MANIFEST = "manifest.json"  # marks a directory written by `jaxllm data prepare`
+SHARD_NAME = re.compile(r"(train|eval)-\d{5}\.arrayrecord")  # the shards `prepare` writes
+_WIDE_BOMS = {  # byte-order marks of encodings that UTF-8 would misread without an error
+    b"\xff\xfe\x00\x00": "UTF-32",
+    b"\x00\x00\xfe\xff": "UTF-32",
+    b"\xff\xfe": "UTF-16",
+    b"\xfe\xff": "UTF-16",
+}
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _FORMAT_BY_SUFFIX = {
     ".jsonl": "jsonl",
     ".json": "jsonl",
@@ -86,6 +107,12 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
         root = stdlib_root()
         return [DataFile(p, fmt, p.relative_to(root).as_posix()) for p in stdlib_files(max_files)]
     path = Path(src.path).expanduser()
+    if is_prepared_dir(path):  # training reads it whole (PreparedDir); it holds no text files
+        raise ConfigError(
+            f"{key}.path: {src.path} is a directory of `jaxllm data prepare` (token ids, not "
+            f"text); train on it with data.sources=[{{path: {src.path}}}], or give here the "
+            "files it was prepared from."
+        )
     if glob.has_magic(src.path):
         root = _glob_root(str(path))
         paths = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
@@ -109,13 +136,30 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
     files = []
     for p in paths[:max_files] if max_files else paths:
         fmt = src.format if src.format != "auto" else _FORMAT_BY_SUFFIX.get(p.suffix, "text")
-        if fmt == "arrayrecord" and is_prepared_dir(p.parent):
+        if (fmt == "arrayrecord" or SHARD_NAME.fullmatch(p.name)) and is_prepared_dir(p.parent):
             raise ConfigError(
                 f"{key}.path: {p} is a shard of the prepared directory {p.parent}; set the path "
                 "to that directory so its manifest (tokenizer, split) is used."
             )
+        if SHARD_NAME.fullmatch(p.name):
+            raise ConfigError(
+                f"{key}.path: {p} is a shard of `jaxllm data prepare` (token ids, not text) but "
+                f"{p.parent} has no manifest.json: that preparation did not finish or its "
+                "manifest was removed; re-run `jaxllm data prepare`."
+            )
         files.append(DataFile(p, fmt, p.relative_to(root).as_posix()))
     return files
+
+
+def refuse_output_over(out: Path, paths: Sequence[Path], flag: str) -> None:
+    """ConfigError when the output directory `out` holds one of the source files `paths`: an
+    overwrite would replace the sources with their own output."""
+    inside = next((p for p in paths if p.resolve().is_relative_to(out.resolve())), None)
+    if inside is not None:
+        raise ConfigError(
+            f"{flag} {out} would replace SOURCE file {inside}, which it holds; write the "
+            "output outside the sources."
+        )
 
 
 def held_out(key: str, eval_fraction: float) -> bool:
@@ -145,16 +189,28 @@ class BadRecords:
         self.key, self.text_field = key, text_field
         self.expected = expected or f"JSON objects with a string field {text_field!r}"
         self.records, self.first_record = 0, ""
-        self.replaced, self.files_replaced, self.first_replaced = 0, 0, ""
+        self.replaced, self.first_replaced = 0, ""
+        self._files_replaced: set[Path] = set()
+        self.surrogates, self.first_surrogate = 0, ""
+
+    @property
+    def files_replaced(self) -> int:
+        return len(self._files_replaced)
 
     def record(self, where: str) -> None:
         self.records += 1
         self.first_record = self.first_record or where
 
-    def repaired(self, path: Path, count: int) -> None:
+    def repaired(self, path: Path, count: int, where: str = "") -> None:
+        """`count` undecodable byte sequences replaced by U+FFFD in `path` (at `where`)."""
         self.replaced += count
-        self.files_replaced += 1
-        self.first_replaced = self.first_replaced or str(path)
+        self._files_replaced.add(path)
+        self.first_replaced = self.first_replaced or where or str(path)
+
+    def lone_surrogates(self, count: int, where: str) -> None:
+        """`count` JSON escapes of lone surrogates replaced by U+FFFD at `where`."""
+        self.surrogates += count
+        self.first_surrogate = self.first_surrogate or where
 
     def warn(self) -> None:
         parts = []
@@ -166,19 +222,74 @@ class BadRecords:
         if self.replaced:
             parts.append(
                 f"replaced {self.replaced} undecodable byte sequence(s) with U+FFFD in "
-                f"{self.files_replaced} file(s) (first: {self.first_replaced})"
+                f"{self.files_replaced} file(s) (first: {self.first_replaced}; text is read as "
+                "UTF-8, so convert a file in another encoding: iconv -f LATIN1 -t UTF-8)"
+            )
+        if self.surrogates:
+            parts.append(
+                f"replaced {self.surrogates} JSON escape(s) of a lone surrogate (half a UTF-16 "
+                f"pair, not text) with U+FFFD (first: {self.first_surrogate})"
             )
         if parts:
             warnings.warn(f"{self.key}: {' and '.join(parts)}.", JaxllmWarning, stacklevel=3)
 
 
-def _decode(data: bytes, path: Path, bad: BadRecords) -> str:
+def _decode(data: bytes, path: Path, bad: BadRecords, where: str = "") -> str:
+    """`data` as UTF-8, undecodable bytes replaced by U+FFFD and counted in `bad`."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         text = data.decode("utf-8", errors="replace")
-        bad.repaired(path, text.count("\ufffd") - data.count("\ufffd".encode()))
+        bad.repaired(path, text.count("\ufffd") - data.count("\ufffd".encode()), where)
         return text
+
+
+def _refuse_wide(head: bytes, path: Path) -> None:
+    """ConfigError when `head` (a file's first bytes) is a UTF-16/32 byte-order mark."""
+    for bom, encoding in _WIDE_BOMS.items():
+        if head.startswith(bom):
+            raise ConfigError(
+                f"{path} is {encoding} (it starts with a {encoding} byte-order mark); sources "
+                f"are read as UTF-8: convert it (iconv -f {encoding} -t UTF-8)."
+            )
+
+
+def _no_surrogates(value, count: list[int]):
+    """`value` (parsed JSON) with lone surrogates replaced by U+FFFD, counted in `count[0]`."""
+    if isinstance(value, str):
+        fixed, n = _SURROGATE.subn("\ufffd", value)
+        count[0] += n
+        return fixed
+    if isinstance(value, list):
+        return [_no_surrogates(v, count) for v in value]
+    if isinstance(value, dict):
+        return {_no_surrogates(k, count): _no_surrogates(v, count) for k, v in value.items()}
+    return value
+
+
+def json_lines(f: DataFile, on_bad_record: str, bad: BadRecords) -> Iterator[tuple[str, object]]:
+    """(where, value) of each non-blank line of a JSON-lines file, `where` its file and line.
+    Bytes that are not UTF-8 and escapes of lone surrogates become U+FFFD, counted in `bad` (as
+    for text files); a line that is not JSON is a bad record."""
+    with open(f.path, "rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if number == 1:
+                _refuse_wide(line, f.path)
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+            if not line.strip():
+                continue
+            where = f"{f.path} line {number}"
+            try:
+                value = json.loads(_decode(line, f.path, bad, where))
+            except ValueError:
+                _bad_record("is not valid JSON", where, on_bad_record, bad)
+                continue
+            if b"\\u" in line and re.search(rb"\\u[dD][89a-fA-F]", line):
+                count = [0]
+                value = _no_surrogates(value, count)
+                if count[0]:
+                    bad.lone_surrogates(count[0], where)
+            yield where, value
 
 
 def _python_source(data: bytes) -> str | None:
@@ -198,30 +309,21 @@ def _python_source(data: bytes) -> str | None:
 def _bad_record(msg: str, where: str, on_bad_record: str, bad: BadRecords) -> None:
     if on_bad_record == "fail":
         raise ConfigError(f"{where} {msg}; fix it or set data.on_bad_record=skip.")
-    bad.record(where)
+    bad.record(f"{where} {msg}")
 
 
 def _jsonl_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
-    with open(f.path, "rb") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{f.path} line {number}"
-            try:
-                record = json.loads(line)
-            except ValueError:  # also undecodable bytes (UnicodeDecodeError)
-                _bad_record("is not valid JSON", where, on_bad_record, bad)
-                continue
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                _bad_record(
-                    f"has no string field {text_field!r} (set the source's text_field)",
-                    where,
-                    on_bad_record,
-                    bad,
-                )
-                continue
-            yield text
+    for where, record in json_lines(f, on_bad_record, bad):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            _bad_record(
+                f"has no string field {text_field!r} (set the source's text_field)",
+                where,
+                on_bad_record,
+                bad,
+            )
+            continue
+        yield text
 
 
 def _parquet_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
@@ -283,9 +385,22 @@ def read_texts(
     elif f.format == "parquet":
         texts = _parquet_texts(f, text_field, on_bad_record, bad)
     elif f.format == "arrayrecord":
-        texts = (_decode(r, f.path, bad) for r in read_arrayrecord(f.path))
+        texts = (_record_text(r, i, f.path, bad) for i, r in enumerate(read_arrayrecord(f.path)))
     elif f.format == "stdlib":
         texts = iter([_python_source(f.path.read_bytes()) or ""])
     else:
-        texts = iter([_decode(f.path.read_bytes(), f.path, bad)])
+        data = f.path.read_bytes()
+        _refuse_wide(data[:4], f.path)
+        texts = iter([_decode(data, f.path, bad)])
     return (t for t in texts if t)
+
+
+def _record_text(record: bytes, index: int, path: Path, bad: BadRecords) -> str:
+    """An ArrayRecord record as text; ConfigError when it is binary (holds NUL bytes)."""
+    if b"\0" in record:
+        raise ConfigError(
+            f"record {index + 1} of ArrayRecord file {path} holds NUL bytes, so it is binary, "
+            "not UTF-8 text (a serialized proto, or the token ids of a `jaxllm data prepare` "
+            "shard away from its manifest.json); an ArrayRecord source holds one text per record."
+        )
+    return _decode(record, path, bad, f"{path} record {index + 1}")
