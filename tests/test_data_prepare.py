@@ -1,10 +1,12 @@
 """Tests of `jaxllm data prepare`: the manifest's counts equal the tokens in the shards, training
 from the prepared directory gives the very rows of tokenizing on the fly, worker processes write
-the same shards, and a truncated shard or another tokenizer is refused with a clear error.
+the same shards, `--overwrite` replaces a preparation whole, and a truncated shard, a damaged
+manifest or another tokenizer is refused with a clear error.
 """
 
 import argparse
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -120,8 +122,33 @@ def test_workers_and_cli_write_the_same_shards(corpus, prepared, tmp_path, capsy
     assert again["shards"] == manifest["shards"]
     a, b = shard_docs(out, manifest), shard_docs(tmp_path / "cli", again)
     assert all(np.array_equal(x, y) for f in a for x, y in zip(a[f], b[f], strict=True))
-    with pytest.raises(ConfigError, match="exists and is not empty"):
+    with pytest.raises(ConfigError, match="already holds files; .* pass --overwrite"):
         run_cli("data", "prepare", str(corpus), "--out", str(tmp_path / "cli"))
+
+
+def test_overwrite_replaces_a_preparation_whole(corpus, prepared, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(prepared[0], out)
+    (out / "stale.arrayrecord").write_bytes(b"")
+    one = prepare([SourceConfig(path=str(corpus / "doc00.txt"))], out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train-00000.arrayrecord"]
+    assert one["docs"] == 1 and not list(tmp_path.glob(".*"))  # no temporary sibling left
+    with pytest.raises(ConfigError, match=r"is a directory of `jaxllm data prepare` \(token ids"):
+        prepare([SourceConfig(path=str(out))], tmp_path / "again")
+
+
+def test_damaged_manifest_is_refused(prepared, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(prepared[0], out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    cfg = DataConfig(sources=(SourceConfig(path=str(out)),), seq_len=16, eval_fraction=0.1)
+    for damage in ({"shards": [{"file": 3}]}, {"tokenizer": "byte"}, {"eval_fraction": None}):
+        (out / "manifest.json").write_text(json.dumps({**manifest, **damage}))
+        with pytest.raises(ConfigError, match="lacks the tokenizer, eval_fraction or shards"):
+            load_splits(cfg)
+    (out / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="is not a `jaxllm data prepare` manifest"):
+        load_splits(cfg)
 
 
 def test_truncated_shard_names_the_file(prepared, tmp_path):

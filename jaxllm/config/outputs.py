@@ -64,8 +64,10 @@ def written(out: str | Path, *, flag: str, overwrite: bool = False) -> Iterator[
         _replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # named at its place in `out`: the temporary sibling is gone by the time this is read
+        where = str(e.filename or tmp).replace(str(tmp), str(out), 1)
         raise RunError(
-            f"writing {out} failed ({e.strerror or e}: {e.filename or tmp}); nothing was "
+            f"writing {out} failed ({e.strerror or e}: {where}); nothing was "
             "written" + (" and the old one was kept." if out.exists() else ".")
         ) from e
     except BaseException:

@@ -7,8 +7,13 @@
 
 A SOURCE is what `data.sources[i].path` accepts: `stdlib`, a directory, a glob or a file;
 `--format` and the field options apply to all of them (`--format chat` / `prompt_completion`:
-SFT examples; `data tokenizer` trains on them as the built-in chat template renders them). Each handler returns the exit code; a
-ConfigError propagates to `jaxllm.cli.main`, which prints it and exits 2.
+SFT examples; `data tokenizer` trains on them as the built-in chat template renders them).
+
+The three writers build their output directory whole or not at all
+(`jaxllm.config.outputs.written`): in a hidden temporary sibling, renamed into place when
+complete. A DIR / OUT_DIR that already holds anything is refused unless `--overwrite`. Each
+handler returns the exit code; a ConfigError propagates to `jaxllm.cli.main`, which prints it and
+exits 2 (a RunError: exit 1).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import typing
 
 from jaxllm.config import DataConfig, SourceConfig, load_args
+from jaxllm.config.outputs import check_output, written
 
 _FORMATS = typing.get_args(typing.get_type_hints(SourceConfig)["format"])
 
@@ -44,6 +50,14 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_overwrite(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an output directory that holds something (once the new one is complete)",
+    )
+
+
 def _sources(ns) -> list[SourceConfig]:
     fields = ("text_field", "messages_field", "prompt_field", "completion_field")
     return [
@@ -54,24 +68,35 @@ def _sources(ns) -> list[SourceConfig]:
 
 def cmd_tokenizer(ns) -> int:
     from jaxllm.data import sft
-    from jaxllm.data.sources import BadRecords, list_files, read_texts
-    from jaxllm.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+    from jaxllm.data.sources import BadRecords, list_files, read_texts, refuse_output_over
+    from jaxllm.data.tokenizer import (
+        ByteTokenizer,
+        check_bpe_vocab_size,
+        load_tokenizer,
+        train_bpe,
+    )
 
+    check_bpe_vocab_size(ns.vocab_size)
+    out = check_output(ns.out, flag="--out", overwrite=ns.overwrite)
     sources = _sources(ns)
+    files = [(src, list_files(src, f"SOURCE {src.path}", ns.max_files)) for src in sources]
+    refuse_output_over(out, [f.path for _, fs in files for f in fs], "--out")
     bad = BadRecords(", ".join(ns.sources), ns.text_field)
     if sft.is_sft(sources[0]):
         bad = sft.bad_records(", ".join(ns.sources), sources[0])
 
     def texts():
-        for src in sources:
-            for f in list_files(src, f"SOURCE {src.path}", ns.max_files):
+        for src, src_files in files:
+            for f in src_files:
                 if sft.is_sft(src):  # the tokenizer has no template yet: the built-in one
                     examples = sft.read_examples(f, src, ByteTokenizer(), ns.on_bad_record, bad)
                     yield from (ex.text for ex in examples)
                 else:
                     yield from read_texts(f, src.text_field, ns.on_bad_record, bad)
 
-    path = train_bpe(texts(), ns.vocab_size, ns.out)
+    with written(out, flag="--out", overwrite=ns.overwrite) as tmp:
+        train_bpe(texts(), ns.vocab_size, tmp)
+    path = out / "tokenizer.json"
     bad.warn()
     tok = load_tokenizer(str(path))
     print(
@@ -93,6 +118,7 @@ def cmd_prepare(ns) -> int:
         max_files=ns.max_files,
         eval_fraction=ns.eval_fraction,
         on_bad_record=ns.on_bad_record,
+        overwrite=ns.overwrite,
     )
     split = manifest["splits"]
     print(
@@ -106,7 +132,8 @@ def cmd_prepare(ns) -> int:
 def cmd_stdlib_qa(ns) -> int:
     from jaxllm.data.stdlib_qa import write_stdlib_qa
 
-    info = write_stdlib_qa(ns.out_dir, ns.max_modules or None, ns.seed, ns.test_fraction)
+    with written(ns.out_dir, flag="OUT_DIR", overwrite=ns.overwrite) as tmp:
+        info = write_stdlib_qa(tmp, ns.max_modules or None, ns.seed, ns.test_fraction)
     counts = {k: sum(v.values()) for k, v in info["questions"].items()}
     print(
         f"wrote {counts['train']:,} train and {counts['test']:,} test questions about "
@@ -132,11 +159,13 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     t = dsub.add_parser("tokenizer", help="train a byte-level BPE tokenizer -> DIR/tokenizer.json")
     _add_source_args(t)
     t.add_argument("--vocab-size", type=int, required=True, help="ids, with 256 bytes + 3 specials")
-    t.add_argument("--out", required=True, metavar="DIR")
+    t.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory")
+    _add_overwrite(t)
     t.set_defaults(func=cmd_tokenizer)
     p = dsub.add_parser("prepare", help="tokenize once into ArrayRecord shards + manifest.json")
     _add_source_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory")
+    _add_overwrite(p)
     p.add_argument("--tokenizer", default="byte", help="byte, a tokenizer.json or a .model")
     p.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: in this one)")
     p.add_argument("--shard-docs", type=int, default=10_000, help="documents per shard")
@@ -150,7 +179,8 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     q = dsub.add_parser(
         "stdlib-qa", help="questions about the standard library -> train/test chat JSONL"
     )
-    q.add_argument("out_dir", metavar="OUT_DIR")
+    q.add_argument("out_dir", metavar="OUT_DIR", help="a new (or empty) directory")
+    _add_overwrite(q)
     q.add_argument("--max-modules", type=int, default=40, help="modules asked about (0: all)")
     q.add_argument("--seed", type=int, default=0, help="salts the split and the phrasings")
     q.add_argument(

@@ -7,7 +7,12 @@ One record is one document's int32 tokens (little-endian, no BOS/EOS: the packer
 eval by the same path hash as on-the-fly loading (`--eval-fraction`, default that of DataConfig),
 written to `train-NNNNN.arrayrecord` and `eval-NNNNN.arrayrecord`, and `DIR/manifest.json`
 records the tokenizer (with a SHA-256 of its file), every shard's documents and tokens, and the
-totals. The manifest is written last: a directory without one is an interrupted preparation.
+totals. The directory is built in a hidden temporary sibling with the manifest written last, and
+renamed into place when complete (`jaxllm.config.outputs.written`), so a preparation that fails
+(a full disk: exit 1; a bad record under `--on-bad-record fail`: exit 2) or is interrupted leaves
+nothing at DIR. A DIR that holds anything is refused unless `--overwrite` (never one holding a
+SOURCE). Shards without their manifest are refused wherever a source names them
+(`jaxllm.data.sources`): they are token ids, never text.
 
 Tokenization runs in a pool of `--workers` processes (spawned, so no inherited threads) fed
 chunks of documents in order, with at most two chunks per worker in flight; a training source
@@ -27,12 +32,14 @@ from __future__ import annotations
 import collections
 import json
 import multiprocessing
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
+from jaxllm.config.outputs import check_output, written
 from jaxllm.data import chat, sft
 from jaxllm.data.sources import (
     MANIFEST,
@@ -41,6 +48,7 @@ from jaxllm.data.sources import (
     list_files,
     read_arrayrecord,
     read_texts,
+    refuse_output_over,
 )
 from jaxllm.data.tokenizer import encode_documents, load_tokenizer, tokenizer_fingerprint
 
@@ -100,16 +108,30 @@ class _ShardWriter:
                 self.close()
                 name = f"{self.split}-{len(self.shards):05d}.arrayrecord"
                 # group_size 64: small groups keep random reads of one document cheap
-                self._writer = ArrayRecordWriter(str(self.out / name), "group_size:64")
+                self._writer = _io(ArrayRecordWriter, str(self.out / name), "group_size:64")
                 self.shards.append({"file": name, "split": self.split, "docs": 0, "tokens": 0})
-            self._writer.write(record)
+            _io(self._writer.write, record)
             self.shards[-1]["docs"] += 1
             self.shards[-1]["tokens"] += tokens
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            _io(writer.close)
+
+
+def _io(fn, *args):
+    """`fn(*args)` of array_record, whose failed writes (a full disk) raise RuntimeError, not
+    OSError: re-raised as the OSError they are, with the reason and the file."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = re.search(r"failed: ([^;]+)", text)
+        path = re.search(r"writing (\S+);", text)
+        raise OSError(
+            None, reason.group(1) if reason else text, path.group(1) if path else None
+        ) from e
 
 
 def prepare(
@@ -122,16 +144,13 @@ def prepare(
     max_files: int | None = None,
     eval_fraction: float = DataConfig.eval_fraction,
     on_bad_record: str = "skip",
+    overwrite: bool = False,
 ) -> dict:
-    """Tokenizes `sources` (concatenated in order) into shards under `out_dir`; returns the
-    manifest it wrote."""
-    from tqdm import tqdm
-
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not empty; choose a new directory.")
+    """Tokenizes `sources` (concatenated in order) into shards at `out_dir`, whole or not at all
+    (an `out_dir` holding anything is replaced only with `overwrite`); returns the manifest."""
     if shard_docs < 1 or workers < 0 or not 0 <= eval_fraction < 1:
         raise ConfigError("--shard-docs must be >= 1, --workers >= 0, --eval-fraction in [0, 1).")
+    out = check_output(out_dir, flag="--out", overwrite=overwrite)
     kinds = {src.format if sft.is_sft(src) else "text" for src in sources}
     if len(kinds) > 1:
         raise ConfigError(
@@ -141,6 +160,7 @@ def prepare(
     kind = kinds.pop()
     tok = load_tokenizer(tokenizer, "--tokenizer")  # a bad path fails before anything is written
     files = [(f, src) for src in sources for f in list_files(src, f"SOURCE {src.path}", max_files)]
+    refuse_output_over(out, [f.path for f, _ in files], "--out")
     names = ", ".join(src.path for src in sources)
     bad = (
         BadRecords(names, sources[0].text_field)
@@ -169,26 +189,43 @@ def prepare(
             files_done += 1
         yield split, items, files_done, kind
 
-    out.mkdir(parents=True, exist_ok=True)
+    with written(out, flag="--out", overwrite=overwrite) as tmp:
+        shards = _write_shards(tmp, chunks(), shard_docs, workers, tokenizer, len(files))
+        if not shards:
+            raise ConfigError(f"the {len(files)} file(s) of the sources hold no text to prepare.")
+        manifest = _manifest(kind, tok, tokenizer, sources, len(files), eval_fraction, shards)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last
+    bad.warn()
+    return manifest
+
+
+def _write_shards(
+    out: Path, chunks: Iterator, shard_docs: int, workers: int, tokenizer: str, files: int
+) -> list[dict]:
+    """Encodes `chunks` into the train and eval shards under `out`; their manifest entries."""
+    from tqdm import tqdm
+
     writers = {split: _ShardWriter(out, split, shard_docs) for split in ("train", "eval")}
-    bar = tqdm(total=len(files), unit="file", desc="prepare", disable=None)
+    bar = tqdm(total=files, unit="file", desc="prepare", disable=None)
     try:
-        for split, docs, files_done in _ordered_map(_encode_chunk, chunks(), workers, tokenizer):
+        for split, docs, files_done in _ordered_map(_encode_chunk, chunks, workers, tokenizer):
             writers[split].write(docs)
             bar.update(files_done)
     finally:
         bar.close()
         for w in writers.values():
             w.close()
-    shards = writers["train"].shards + writers["eval"].shards
-    if not shards:
-        raise ConfigError(f"the {len(files)} file(s) of the sources hold no text to prepare.")
+    return writers["train"].shards + writers["eval"].shards
+
+
+def _manifest(kind, tok, tokenizer, sources, files, eval_fraction, shards) -> dict:
+    """The manifest.json of `shards`, made from `files` files of `sources` with `tok`."""
 
     def total(split=None) -> dict:
         chosen = [s for s in shards if split in (None, s["split"])]
         return {"docs": sum(s["docs"] for s in chosen), "tokens": sum(s["tokens"] for s in chosen)}
 
-    manifest = {
+    return {
         "format": FORMAT if kind == "text" else FORMAT_SFT,
         **({} if kind == "text" else {"kind": kind}),
         **({"chat_template": chat.fingerprint(tok)} if kind == "chat" else {}),
@@ -200,15 +237,12 @@ def prepare(
             "eos_id": tok.eos_id,
         },
         "sources": [_source_record(src) for src in sources],
-        "files": len(files),
+        "files": files,
         "eval_fraction": eval_fraction,
         "shards": shards,
         **total(),
         "splits": {"train": total("train"), "eval": total("eval")},
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    bad.warn()
-    return manifest
 
 
 def _source_record(src: SourceConfig) -> dict:
@@ -217,6 +251,24 @@ def _source_record(src: SourceConfig) -> dict:
         "prompt_completion": ("prompt_field", "completion_field"),
     }.get(src.format, ("text_field",))
     return {"path": src.path, "format": src.format, **{k: getattr(src, k) for k in fields}}
+
+
+def _whole(manifest: dict) -> bool:
+    """Whether a manifest has every entry that training reads."""
+    made_with, shards = manifest.get("tokenizer"), manifest.get("shards")
+    return (
+        isinstance(made_with, dict)
+        and {"spec", "fingerprint"} <= made_with.keys()
+        and isinstance(manifest.get("eval_fraction"), int | float)
+        and isinstance(shards, list)
+        and all(
+            isinstance(s, dict)
+            and isinstance(s.get("file"), str)
+            and s.get("split") in ("train", "eval")
+            and isinstance(s.get("docs"), int)
+            for s in shards
+        )
+    )
 
 
 class PreparedDir:
@@ -228,10 +280,17 @@ class PreparedDir:
             self.manifest = json.loads((self.path / MANIFEST).read_text())
         except ValueError as e:
             raise ConfigError(f"{key}.path: {self.path / MANIFEST} is not valid JSON ({e}).")
-        if self.manifest.get("format") not in (FORMAT, FORMAT_SFT):
+        found = self.manifest.get("format") if isinstance(self.manifest, dict) else None
+        if found not in (FORMAT, FORMAT_SFT):
             raise ConfigError(
                 f"{key}.path: {self.path / MANIFEST} is not a `jaxllm data prepare` manifest "
-                f"(format {self.manifest.get('format')!r}, expected {FORMAT!r} or {FORMAT_SFT!r})."
+                f"(format {found!r}, expected {FORMAT!r} or {FORMAT_SFT!r})."
+            )
+        if not _whole(self.manifest):
+            raise ConfigError(
+                f"{key}.path: {self.path / MANIFEST} lacks the tokenizer, eval_fraction or "
+                "shards (file, split, docs) of a `jaxllm data prepare` manifest; re-run "
+                "`jaxllm data prepare`."
             )
         made_with = self.manifest["tokenizer"]
         if made_with["fingerprint"] != tokenizer_fingerprint(tokenizer):

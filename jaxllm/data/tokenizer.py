@@ -380,17 +380,23 @@ def encode_documents(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
     return [ids for ids in tok.encode_batch(texts) if len(ids)]
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
-    """Trains a byte-level BPE of `vocab_size` ids (specials and the 256 bytes included) on
-    `texts`; writes and returns `out_dir/tokenizer.json`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+def check_bpe_vocab_size(vocab_size: int) -> None:
+    """ConfigError when a byte-level BPE cannot have `vocab_size` ids."""
     minimum = 256 + len(BPE_SPECIALS)
     if vocab_size < minimum:
         raise ConfigError(
             f"vocab size {vocab_size} is too small: a byte-level BPE needs at least {minimum} "
             f"ids (256 bytes + {', '.join(BPE_SPECIALS)})."
         )
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
+    """Trains a byte-level BPE of `vocab_size` ids (specials and the 256 bytes included) on
+    `texts`; writes and returns `out_dir/tokenizer.json` (`jaxllm data tokenizer` gives a
+    temporary directory that becomes its --out when complete)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    check_bpe_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -403,5 +409,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Pat
     tok.train_from_iterator(texts, trainer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    # written here, not by tok.save, whose failed writes raise a bare Exception, not OSError
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True))
     return out / "tokenizer.json"
