@@ -151,7 +151,11 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
     model reads the LM's body only. The LM head (if any) stays behind and `score` is absent
     from the parameters returned; `init_state_from` starts it fresh from the run's seed. So
     does PPO's `value` head (`model.value_head`) when the source has none; a source's value
-    head that this model has not (SFT on from a PPO run) stays behind."""
+    head that this model has not (SFT on from a PPO run) stays behind.
+
+    A fine-tuning run (peft) as the source gives its merged model: base + adapters, the NF4 of
+    QLoRA dequantized, as `convert export --merge` writes it. A prompt-tuning run has none
+    (ConfigError)."""
     hf = _is_hf_source(source)
     if hf:
         theirs = model_config(source)
@@ -160,8 +164,31 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
             raise ConfigError(f"checkpoint.init_from={source} does not exist.")
         run_dir, ckpt_dir, step = resolve(source)
         theirs = config.load(run_dir / "config.yaml")
-    target_cfg, model_cfg = model_cfg, _as_source(model_cfg, theirs.model)
-    want, have = _shapes(abstract_model(model_cfg)[1]), _shapes(abstract_model(theirs.model)[1])
+    target_cfg, model_cfg = model_cfg, check_shapes(source, model_cfg, theirs.model)
+    if hf:
+        params, model_state, _ = load_params(source, model_cfg, mesh)
+        return _heads_of(params, target_cfg), model_state
+    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, theirs.checkpoint.dir)
+    _, target, ms_target = weight_targets(model_cfg, mesh)
+    want_ms = _shapes(abstract_model_state(model_cfg)[0])
+    same_ms = bool(want_ms) and want_ms == _shapes(abstract_model_state(theirs.model)[0])
+    if theirs.peft.method != "none":  # a fine-tuning run: its merged model
+        _mergeable(source, theirs)
+        restored = restore(source, mesh=mesh)
+        params = merged_weights(restored, target)
+        return _heads_of(params, target_cfg), restored.model_state if same_ms else None
+    if not same_ms:
+        params = checkpoint.restore_weights(ckpt_dir, target, step=step).params
+        return _heads_of(params, target_cfg), None
+    weights = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
+    return _heads_of(weights.params, target_cfg), weights.model_state
+
+
+def check_shapes(source, model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
+    """The model to read from `source`, whose model section is `theirs` (`_as_source`);
+    ConfigError naming the first parameter whose shape differs from `model_cfg`'s."""
+    read = _as_source(model_cfg, theirs)
+    want, have = _shapes(abstract_model(read)[1]), _shapes(abstract_model(theirs)[1])
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))[0][0]
         raise ConfigError(
@@ -169,17 +196,35 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
             f"{diff}: {have.get(diff)} there, {want.get(diff)} here); make the model "
             "section match it (e.g. start from its config.yaml)."
         )
-    if hf:
-        params, model_state, _ = load_params(source, model_cfg, mesh)
-        return _heads_of(params, target_cfg), model_state
-    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, theirs.checkpoint.dir)
-    _, target, ms_target = weight_targets(model_cfg, mesh)
-    want_ms = _shapes(abstract_model_state(model_cfg)[0])
-    if not want_ms or want_ms != _shapes(abstract_model_state(theirs.model)[0]):
-        params = checkpoint.restore_weights(ckpt_dir, target, step=step).params
-        return _heads_of(params, target_cfg), None
-    weights = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
-    return _heads_of(weights.params, target_cfg), weights.model_state
+    return read
+
+
+def merged_weights(restored: Restored, target) -> dict:
+    """The plain parameters of a restored fine-tuning run (`restore` with its base): every
+    adapter merged into its weight, W + s A B, NF4 dequantized (`lora.merged_params`), in the
+    dtypes and shards of `target` (`weight_targets` of the model without peft)."""
+    out_sh = jax.tree.map(lambda t: t.sharding, target)
+
+    def merge(params, frozen, model_state):
+        merged = lora.merged_params(restored.graphdef, params, frozen, model_state)
+        return jax.tree.map(lambda x, t: x.astype(t.dtype), merged, target)
+
+    return jax.jit(merge, out_shardings=out_sh)(
+        restored.params, restored.frozen, restored.model_state
+    )
+
+
+def _mergeable(source, theirs: Config) -> None:
+    """ConfigError for a fine-tuning run whose training has no merged model: a soft prompt is
+    an input, not a weight."""
+    if theirs.peft.method == "prompt":
+        base = theirs.checkpoint.init_from
+        raise ConfigError(
+            f"checkpoint.init_from={source} is a prompt-tuning run (peft.method=prompt), whose "
+            "soft prompt merges into no weight; continue it with peft.method=prompt and "
+            "checkpoint.init_adapters=continue, or start from its base"
+            + (f" ({base})." if base else ".")
+        )
 
 
 def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:

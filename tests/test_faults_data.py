@@ -121,6 +121,13 @@ def _utf16(t: Path) -> None:
     (t / "src" / "w.txt").write_text("text saved by a Windows editor\n" * 20, encoding="utf-16")
 
 
+def _json_array(t: Path) -> None:
+    """A .json file as Alpaca ships it: one array of records, pretty-printed."""
+    (t / "src").mkdir()
+    records = [{"prompt": f"Add {i} and {i}.", "completion": str(2 * i)} for i in range(5)]
+    (t / "src" / "alpaca.json").write_text(json.dumps(records, indent=2))
+
+
 def _train_on(path: str) -> Callable[[Path], list[str]]:
     return lambda t: [
         "train",
@@ -260,6 +267,22 @@ CASES = [
         kept="src",
     ),
     Case("utf16-text", _prepare("src"), 2, "w.txt is UTF-16", _utf16),
+    # other formats taken for JSON lines, and a source left with nothing, say why (exit 2)
+    Case(
+        "json-array-file",
+        lambda t: [*_prepare("src/alpaca.json")(t), "--format", "prompt_completion"],
+        2,
+        "alpaca.json is one JSON array, not JSON lines",
+        _json_array,
+    ),
+    Case(
+        "prepare-every-record-bad",
+        _prepare("src/a.jsonl"),
+        2,
+        "hold nothing to prepare (skipped 2 record(s) that are not JSON objects with a string "
+        "field 'text' (first: ",
+        lambda t: (t / "src").mkdir() or (t / "src" / "a.jsonl").write_text('{"txt": 1}\n[]\n'),
+    ),
 ]
 
 

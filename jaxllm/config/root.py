@@ -293,6 +293,12 @@ class Config:
             _fail("checkpoint.keep and checkpoint.keep_every must be >= 1 (keep_every: null).")
         if c.dir is not None and not c.dir.strip():
             _fail("checkpoint.dir is empty; give a directory or null (<run.dir>/checkpoints).")
+        if c.init_adapters == "continue" and (self.peft.method == "none" or not c.init_from):
+            _fail(
+                "checkpoint.init_adapters=continue trains on the adapters of the fine-tuning run "
+                f"that checkpoint.init_from names (here {c.init_from or 'null'}) under this "
+                f"run's peft (here peft.method={self.peft.method}); set both, or drop it."
+            )
         d = self.data
         if d.workers < 0:
             _fail(f"data.workers must be >= 0 (0: in the training process), not {d.workers}.")

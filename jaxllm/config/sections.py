@@ -311,7 +311,16 @@ class CheckpointConfig:
     init_from: str | None = None
     """A fresh run (nothing to resume) starts from these parameters instead of random ones: a
     run directory, its checkpoints directory, one step of it, or a Hugging Face model directory
-    (config.json + safetensors). The model section must describe the same parameters."""
+    (config.json + safetensors). The model section must describe the same parameters. A
+    LoRA / QLoRA run counts as its merged model (base + adapters, NF4 dequantized), unless
+    `init_adapters` continues its adapters; a prompt-tuning run's soft prompt only continues."""
+    init_adapters: Literal["merge", "continue"] = "merge"
+    """When `init_from` is a fine-tuning run (peft) and this run has `peft` too: `merge` starts
+    from that run's merged model and trains new adapters (or a new soft prompt) on it, as TRL
+    does with an SFT adapter given to DPO; `continue` trains on that run's own adapters (or
+    soft prompt) over its base, which needs the same peft.rank, alpha, rslora and targets (or
+    num_virtual_tokens). Either way a reference (DPO, GRPO / PPO's KL) is the starting model.
+    A run without peft always starts from the merged model."""
 
 
 @dataclasses.dataclass(frozen=True)

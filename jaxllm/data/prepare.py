@@ -192,7 +192,10 @@ def prepare(
     with written(out, flag="--out", overwrite=overwrite) as tmp:
         shards = _write_shards(tmp, chunks(), shard_docs, workers, tokenizer, len(files))
         if not shards:
-            raise ConfigError(f"the {len(files)} file(s) of the sources hold no text to prepare.")
+            why = f" ({bad.summary()})" if bad.summary() else ""
+            raise ConfigError(
+                f"the {len(files)} file(s) of the sources hold nothing to prepare{why}."
+            )
         manifest = _manifest(kind, tok, tokenizer, sources, len(files), eval_fraction, shards)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last
     bad.warn()

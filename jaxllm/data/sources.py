@@ -17,7 +17,9 @@ Text is UTF-8. Undecodable bytes become U+FFFD and are counted, in text files an
 (a JSON line's structure is ASCII, so only its strings change), as are JSON escapes of lone
 surrogates, which no tokenizer can encode. A file that starts with a UTF-16/32 byte-order
 mark is refused (read as UTF-8 it would pass as text with a NUL between letters), and so is an
-ArrayRecord record holding NUL bytes: binary, not text (a serialized proto, or token ids).
+ArrayRecord record holding NUL bytes: binary, not text (a serialized proto, or token ids). A
+JSON-lines file whose first line opens an array (a `.json` file holding one array of records, as
+Alpaca ships) is refused with the command that converts it, not skipped line by line.
 
 The shards of `jaxllm data prepare` (`train-NNNNN.arrayrecord`, `eval-NNNNN.arrayrecord`) are
 token ids, never text: beside their manifest they are read via their directory
@@ -213,6 +215,11 @@ class BadRecords:
         self.first_surrogate = self.first_surrogate or where
 
     def warn(self) -> None:
+        if self.summary():
+            warnings.warn(f"{self.key}: {self.summary()}.", JaxllmWarning, stacklevel=3)
+
+    def summary(self) -> str:
+        """What was skipped or repaired, in words; "" when nothing was."""
         parts = []
         if self.records:
             parts.append(
@@ -230,8 +237,7 @@ class BadRecords:
                 f"replaced {self.surrogates} JSON escape(s) of a lone surrogate (half a UTF-16 "
                 f"pair, not text) with U+FFFD (first: {self.first_surrogate})"
             )
-        if parts:
-            warnings.warn(f"{self.key}: {' and '.join(parts)}.", JaxllmWarning, stacklevel=3)
+        return " and ".join(parts)
 
 
 def _decode(data: bytes, path: Path, bad: BadRecords, where: str = "") -> str:
@@ -276,6 +282,11 @@ def json_lines(f: DataFile, on_bad_record: str, bad: BadRecords) -> Iterator[tup
             if number == 1:
                 _refuse_wide(line, f.path)
                 line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+                if line.lstrip().startswith(b"["):  # every format's records are objects
+                    raise ConfigError(
+                        f"{f.path} is one JSON array, not JSON lines (one object per line); "
+                        f"convert it: jq -c '.[]' {f.path} > {f.path.with_suffix('.jsonl')}"
+                    )
             if not line.strip():
                 continue
             where = f"{f.path} line {number}"

@@ -31,7 +31,6 @@ from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
-from jaxllm.load import load_weights, weight_targets
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.model import abstract_model
 from jaxllm.train import loss_scale, objectives, precompute, rollout
@@ -267,16 +266,14 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
             )
             _log(f"the checkpoint has no loss scale; starting at {scaling.init:g}")
     elif (source := _init_source(cfg, ckpt.directory)) is not None:
-        params, model_state = load_weights(source, cfg.model, mesh)
-        target = weight_targets(cfg.model, mesh, cfg.peft)[1] if base else None
-        trained = adapters.imported_adapters(ckpt.directory, target, base)
-        kw = dict(layout(cfg), adapters=trained)
+        # a fine-tuning run's merged model, or its base and adapters (checkpoint.init_adapters)
+        w = adapters.starting_weights(cfg, source, mesh, base, ckpt.directory)
+        kw = dict(layout(cfg), adapters=w.adapters)
         state = init_state_from(
-            params, cfg.model, tx, mesh, cfg.run.seed, model_state, scaling, **kw
+            w.params, cfg.model, tx, mesh, cfg.run.seed, w.model_state, scaling, **kw
         )
         start = 0
-        how = ", adapters from this run's imported checkpoint" if trained else ""
-        _log(f"initialized parameters from {source}{how}")
+        _log(f"initialized parameters from {source}{w.how}")
     else:
         state, start = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg)), 0
     return state, start

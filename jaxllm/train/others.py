@@ -16,8 +16,12 @@ holds it (`held_names`), and the rollouts (`jaxllm.train.rollout`) read it from 
 Where each comes from (`source_of`): `train.teacher`; `train.reward`; `train.reference`, else the run's
 starting point `checkpoint.init_from`. Under `peft` with no `train.reference` the reference is
 the policy's own frozen base with its adapters zeroed, W + s A 0 = W (as PEFT's
-`disable_adapter`), so no second copy is held: it has no entry in `TrainState.others`. A
-source that is itself a PEFT run counts as its merged model (base + adapters).
+`disable_adapter`), so no second copy is held: it has no entry in `TrainState.others`. That base
+is the starting point, even when it is a fine-tuning run's merged model
+(`jaxllm.adapters.chain`). A run that continues a fine-tuning run's adapters
+(`checkpoint.init_adapters=continue`) starts from the base with those adapters: its reference
+holds only them (`Other.peft`), applied to the policy's base. Any other source that is itself a
+PEFT run counts as its merged model (base + adapters).
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm import checkpoint, config
-from jaxllm.config import Config, ConfigError, ModelConfig, RunError
+from jaxllm.adapters.chain import adapters_of, continued
+from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, RunError
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.convert import is_hf_dir, load_params, model_config
-from jaxllm.load import content_hash, resolve, restore, weight_files, weight_targets
-from jaxllm.model import abstract_model, lora, merge_model
+from jaxllm.load import content_hash, merged_weights, resolve, restore, weight_files, weight_targets
+from jaxllm.model import abstract_model, merge_model
 from jaxllm.train.distill import check_teacher
 from jaxllm.train.objectives import from_config
 from jaxllm.train.rewards import is_model
@@ -44,10 +49,12 @@ OTHERS_ITEM = "others"  # the checkpoint's JSON item: {name: {"source", "sha256"
 
 class Other(NamedTuple):
     """One frozen model: where its weights are (None: the policy's base, adapters off) and its
-    model section."""
+    model section; with `peft`, only the adapters (soft prompt) of `source`, applied to the
+    policy's own base."""
 
     source: str | None
     model: ModelConfig
+    peft: PeftConfig | None = None
 
 
 def names(objective) -> tuple[str, ...]:
@@ -73,6 +80,8 @@ def source_of(cfg: Config, name: str) -> str | None:
     if name == "reference":
         if cfg.train.reference:
             return cfg.train.reference
+        if peft and continued(cfg) is not None:  # the base with the adapters it starts from
+            return cfg.checkpoint.init_from
         if peft:
             if cfg.peft.method == "prompt":
                 raise ConfigError(
@@ -121,6 +130,9 @@ def resolve_others(cfg: Config, objective) -> dict[str, Other]:
         if source is None:
             out[name] = Other(None, cfg.model)
             continue
+        if name == "reference" and not cfg.train.reference and cfg.peft.method != "none":
+            out[name] = Other(source, cfg.model, cfg.peft)  # continued adapters
+            continue
         model = model_of(source, _key(cfg, name))
         if name == "teacher":  # its vocabulary and the length of the rows it will read
             check_teacher(cfg.model, model, source, cfg.data.seq_len)
@@ -151,10 +163,17 @@ def _check_reward_model(model: ModelConfig, source: str, seq_len: int) -> None:
 
 def graphdefs(others: dict[str, Other]) -> dict:
     """name -> the nnx graph of each held model (not of the policy's own base)."""
-    return {n: abstract_model(o.model)[0] for n, o in others.items() if o.source is not None}
+    return {
+        n: abstract_model(o.model)[0]
+        for n, o in others.items()
+        if o.source is not None and o.peft is None
+    }
 
 
 def _targets(other: Other, mesh: Mesh) -> dict:
+    if other.peft is not None:  # the adapters alone (a value head is the policy's business)
+        params = weight_targets(other.model, mesh, other.peft)[1]
+        return {"params": {k: v for k, v in params.items() if k != "value"}, "model_state": {}}
     _, params, model_state = weight_targets(other.model, mesh)
     return {"params": params, "model_state": model_state}
 
@@ -173,16 +192,19 @@ def load(others: dict[str, Other], mesh: Mesh) -> dict | None:
     for name, other in others.items():
         if other.source is None:
             continue
-        if is_hf_dir(other.source):
+        if other.peft is not None:  # the starting adapters: the policy's base goes under them
+            cfg = config.Config(model=other.model, peft=other.peft)
+            theirs = config.load(resolve(other.source)[0] / "config.yaml")
+            params = adapters_of(other.source, cfg, theirs, mesh)[0]
+            params.pop("value", None)
+            model_state = {}
+        elif is_hf_dir(other.source):
             params, model_state, _ = load_params(other.source, other.model, mesh)
         else:
             restored = restore(other.source, mesh=mesh)
             params, model_state = restored.params, restored.model_state
             if restored.frozen is not None:  # a PEFT run: its merged model
-                target = _targets(other, mesh)["params"]
-                merge = lambda p, f, m: lora.merged_params(restored.graphdef, p, f, m)  # noqa: E731
-                out_sh = jax.tree.map(lambda t: t.sharding, target)
-                params = jax.jit(merge, out_shardings=out_sh)(params, restored.frozen, model_state)
+                params = merged_weights(restored, _targets(other, mesh)["params"])
         out[name] = {"params": params, "model_state": model_state or {}}
     return out or None
 
@@ -212,12 +234,19 @@ def check(recorded: dict | None, current: dict | None) -> None:
 
 def modules(names_, graphdefs_, held, *, graphdef, params, frozen, model_state) -> dict:
     """name -> nnx.Module of each frozen model for one call of the objective: a held one from
-    `held` (`TrainState.others`), the policy's base with its adapters zeroed otherwise."""
+    `held` (`TrainState.others`), held adapters on the policy's base (a value head's zeros
+    beside them), the policy's base with its adapters zeroed otherwise."""
     out = {}
     for name in names_:
         if name in graphdefs_:
             w = held[name]
             out[name] = merge_model(graphdefs_[name], w["params"], None, w["model_state"])
+        elif held and name in held:
+            w = held[name]["params"]
+            start = {
+                k: w[k] if k in w else jax.tree.map(jnp.zeros_like, v) for k, v in params.items()
+            }
+            out[name] = merge_model(graphdef, start, frozen, model_state)
         else:
             off = jax.tree.map(jnp.zeros_like, params)  # constants: no gradient flows
             out[name] = merge_model(graphdef, off, frozen, model_state)
