@@ -11,6 +11,11 @@ A fine-tuning run (peft.method lora / qlora) exports with `--peft` (its adapters
 Face PEFT's adapter_config.json + adapter_model.safetensors, for `PeftModel.from_pretrained` on
 the base) or `--merge` (one model, the adapters merged into the base); `import HF_DIR OUT_DIR
 --peft ADAPTER_DIR` makes such a run of a PEFT adapter (`jaxllm.adapters.hf_peft`).
+
+Both write their output directory whole or not at all: built in a hidden sibling and renamed
+into place when complete (`jaxllm.config.outputs.written`). An output directory that holds
+files, a file in its place, or one that is (or holds) what the command reads is refused before
+anything is loaded; `--overwrite` replaces an occupied one, once the new one is complete.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from jaxllm import checkpoint, config, sharding
 from jaxllm.adapters import BASE_ITEM, export_peft, import_peft
 from jaxllm.config import ConfigError, MeshConfig
 from jaxllm.convert import FAMILIES, export_hf, import_hf, is_hf_dir
+from jaxllm.convert.export import OUT_FLAG
+from jaxllm.convert.hf import check_out_dir
 from jaxllm.load import resolve, restore
 from jaxllm.model import lora
 
@@ -33,9 +40,9 @@ def cmd_import(ns: argparse.Namespace) -> int:
             "jaxllm convert import HF_DIR OUT_DIR takes only key=value after OUT_DIR."
         )
     if ns.peft:
-        report = import_peft(ns.hf_dir, ns.peft, ns.out_dir, overrides)
+        report = import_peft(ns.hf_dir, ns.peft, ns.out_dir, overrides, overwrite=ns.overwrite)
     else:
-        report = import_hf(ns.hf_dir, ns.out_dir, overrides)
+        report = import_hf(ns.hf_dir, ns.out_dir, overrides, overwrite=ns.overwrite)
     for line in report:
         print(line)
     print(f"imported {len(report)} tensor names into {ns.out_dir}", file=sys.stderr)
@@ -44,7 +51,8 @@ def cmd_import(ns: argparse.Namespace) -> int:
 
 def cmd_export(ns: argparse.Namespace) -> int:
     run_dir = resolve(ns.source)[0]
-    method = config.load(run_dir / "config.yaml").peft.method
+    saved = config.load(run_dir / "config.yaml")
+    method = saved.peft.method
     if method == "none" and (ns.peft or ns.merge):
         flag = "--peft" if ns.peft else "--merge"
         raise ConfigError(
@@ -63,13 +71,17 @@ def cmd_export(ns: argparse.Namespace) -> int:
             "no Hugging Face PEFT LoRA layout and no weights to merge into; it cannot be "
             "exported yet."
         )
+    # Before the (long) restore: the output, and that it is not the run or its base.
+    ckpts = checkpoint.checkpoint_dir(run_dir, saved.checkpoint.dir)
+    reads = (run_dir, ckpts, saved.checkpoint.init_from)
+    check_out_dir(ns.hf_dir, flag=OUT_FLAG, overwrite=ns.overwrite, reads=reads)
     mesh = sharding.make_mesh(MeshConfig())
     restored = restore(ns.source, mesh=mesh, base=not ns.peft)  # newest readable
     cfg, params, model_state = restored.cfg, restored.params, restored.model_state
     if ns.peft:
         ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
         base = checkpoint.read_json_item(ckpt_dir, restored.step, BASE_ITEM)
-        report = export_peft(params, cfg, ns.hf_dir, ns.family, base)
+        report = export_peft(params, cfg, ns.hf_dir, ns.family, base, overwrite=ns.overwrite)
         source = (base or {}).get("source")
         if not (source and is_hf_dir(source)):
             print(
@@ -82,7 +94,13 @@ def cmd_export(ns: argparse.Namespace) -> int:
         if ns.merge:
             params = lora.merged_params(restored.graphdef, params, restored.frozen, model_state)
         report = export_hf(
-            params, cfg, ns.hf_dir, ns.family, model_state=model_state, run_dir=run_dir
+            params,
+            cfg,
+            ns.hf_dir,
+            ns.family,
+            model_state=model_state,
+            run_dir=run_dir,
+            overwrite=ns.overwrite,
         )
     for line in report:
         print(line)
@@ -104,6 +122,11 @@ def add_convert_parser(sub) -> None:
         "adapter_model.safetensors): OUT_DIR becomes a fine-tuning run of those adapters on "
         "the base HF_DIR",
     )
+    i.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR when it already holds files (once the new run is complete)",
+    )
     i.set_defaults(func=cmd_import)
     e = csub.add_parser("export", help="a run directory or checkpoint -> a Hugging Face directory")
     e.add_argument("source", help="run directory, its checkpoints directory, or one step")
@@ -120,5 +143,10 @@ def add_convert_parser(sub) -> None:
         "--merge",
         action="store_true",
         help="a LoRA / QLoRA run as one model: the adapters merged into the base weights",
+    )
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace HF_DIR when it already holds files (once the new export is complete)",
     )
     e.set_defaults(func=cmd_export)

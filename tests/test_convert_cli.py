@@ -74,7 +74,7 @@ def test_export_refuses_knobs_the_family_cannot_hold(tmp_path, capsys):
     src = save_hf(hf_model("llama2"), tmp_path / "hf")
     assert run_cli("convert", "import", src, tmp_path / "run") == 0
     err = stderr_of_failure(capsys, "convert", "import", src, tmp_path / "run")
-    assert "already holds checkpoints" in err
+    assert "already holds files" in err
     err = stderr_of_failure(
         capsys, "convert", "export", tmp_path / "run", tmp_path / "o", "--family", "gpt2"
     )
@@ -154,6 +154,37 @@ def test_converted_checkpoint_trains_and_generates(tmp_path, capsys):
 
     with pytest.raises(config.ConfigError, match="other parameters"):
         load_weights(src, bad.model, sharding.make_mesh(MeshConfig()))
+
+
+def test_an_import_names_its_final_directory(tmp_path, capsys):
+    """The run is built in a hidden sibling and renamed: its config.yaml and checkpoint name
+    the final directory and its own tokenizer.json, so it generates, trains and exports there."""
+    from jaxllm import checkpoint
+    from jaxllm.data import train_bpe
+
+    src = save_hf(hf_model("llama2"), tmp_path / "hf")
+    bpe = train_bpe(["def f(x):\n    return x + 1\n"] * 40, 300, tmp_path / "bpe")
+    (src / "tokenizer.json").write_bytes(bpe.read_bytes())
+    run = tmp_path / "run"
+    assert run_cli("convert", "import", src, run, "model.dtype=float32") == 0
+    cfg = config.load(run / "config.yaml")
+    assert (cfg.run.dir, cfg.data.tokenizer) == (str(run), str(run / "tokenizer.json"))
+    saved = checkpoint.read_json_item(run / "checkpoints", 0, "config")
+    assert saved["run"]["dir"] == str(run) and saved["data"]["tokenizer"] == cfg.data.tokenizer
+    # (Orbax's commit_success.txt markers note where they were written; nothing reads that.)
+    files = [f for f in run.rglob("*") if f.is_file() and f.name != "commit_success.txt"]
+    assert not [f for f in files if b".partial-" in f.read_bytes()]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe", "hf", "run"]
+    assert run_cli("generate", run, "--prompt", "def", "--max-new-tokens", "3") == 0
+    train = ["train.global_batch_size=8", "data.seq_len=32", "data.max_files=20"]
+    train += ["train.eval_batches=1", "train.sample_tokens=0"]
+    assert run_cli("train", run, "train.steps=1", *train) == 0
+    assert "initialized parameters from" in capsys.readouterr().err
+    assert run_cli("convert", "export", run, tmp_path / "out") == 0
+    exported, trained = (
+        json.loads(p.read_text())["model"] for p in (tmp_path / "out" / "tokenizer.json", bpe)
+    )
+    assert exported == trained
 
 
 def _params(model):

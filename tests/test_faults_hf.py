@@ -286,8 +286,8 @@ CASES = [
     (tokenizer_is_garbage, "cannot read tokenizer"),
     (tokenizer_larger_than_vocab, "has 400 ids but config.json's vocab_size is 320"),
     (generation_config_eos_is_text, "eos_token_id is a token id or a list of them"),
-    (out_dir_holds_checkpoints, "already holds checkpoints"),
-    (out_dir_is_a_file, "is a file; give a new directory"),
+    (out_dir_holds_checkpoints, "already holds files"),
+    (out_dir_is_a_file, "is a file; give a directory to write into"),
     (hf_dir_does_not_exist, "nowhere does not exist"),
     (hf_dir_is_a_file, "config.json is a file, not a directory"),
 ]

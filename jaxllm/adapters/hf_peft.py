@@ -11,6 +11,10 @@ like a weight with the single input r, and whatever the weight's link does to it
 it does to A's, to its output dims to B's. A weight whose Hugging Face side is not one Linear
 (or GPT-2 Conv1D) module per layer has no PEFT layout: transformers keeps a layer's routed
 experts in one fused parameter, and GPT-2 fuses q, k and v into `c_attn`.
+
+Both directions write their output whole or not at all (`jaxllm.config.outputs.written`, as
+`jaxllm.convert` does): an adapter directory or run directory that already holds files is
+refused before anything is read, unless `overwrite`.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ from safetensors.numpy import save_file
 from jaxllm import checkpoint, sharding
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError, ModelConfig, PeftConfig
+from jaxllm.config.outputs import check_output, written
 from jaxllm.convert import is_hf_dir, load_params
+from jaxllm.convert.export import OUT_FLAG, library_os_errors
 from jaxllm.convert.families import export_family, family_of, hf_config, model_fields
-from jaxllm.convert.hf import new_run
+from jaxllm.convert.hf import OUT_FLAG as RUN_FLAG
+from jaxllm.convert.hf import check_out_dir, new_run
 from jaxllm.convert.links import Family, Link
 from jaxllm.convert.mapping import Mapped, each, element_shapes, flatten, unflatten
 from jaxllm.convert.reader import Reader, read_hf_config, read_json
@@ -159,12 +166,15 @@ def export_peft(
     out_dir,
     family: str | None = None,
     base: dict | None = None,
+    overwrite: bool = False,
 ) -> list[Mapped]:
     """`jaxllm convert export --peft`: writes the LoRA `adapters` (a nested dict of arrays,
     possibly sharded) of a run with config `cfg` as adapter_config.json and
     adapter_model.safetensors into `out_dir`, in the family's names (`family`, else the one
     the model's knobs point to). `base`: the run's base record, whose source becomes
-    base_model_name_or_path when it is a Hugging Face directory."""
+    base_model_name_or_path when it is a Hugging Face directory. An `out_dir` that holds
+    files is refused, or with `overwrite` replaced once the new one is complete."""
+    check_output(out_dir, flag=OUT_FLAG, overwrite=overwrite)
     if not cfg.peft.lora:
         raise ConfigError(
             f"--peft exports LoRA adapters, and this run has peft.method={cfg.peft.method}; "
@@ -197,11 +207,10 @@ def export_peft(
     source = (base or {}).get("source")
     conv = any(w.kind == "conv" for w in weights)
     hf_base = source if source and is_hf_dir(source) else None
-    written = adapter_config(cfg.peft, modules, hf_base, conv)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(written, indent=2) + "\n")
+    settings = adapter_config(cfg.peft, modules, hf_base, conv)
+    with written(out_dir, flag=OUT_FLAG, overwrite=overwrite) as tmp, library_os_errors(tmp):
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     return report
 
 
@@ -257,14 +266,18 @@ def _peft_overrides(hf: dict, modules: set[str], family: Family, cfg: ModelConfi
     ]
 
 
-def import_peft(hf_dir, adapter_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
+def import_peft(
+    hf_dir, adapter_dir, out_dir, overrides=(), mesh=None, overwrite=False
+) -> list[Mapped]:
     """`jaxllm convert import HF_DIR OUT_DIR --peft ADAPTER_DIR`: a PEFT run directory whose
     base is the Hugging Face model `hf_dir` (`checkpoint.init_from`) and whose step-0
     checkpoint holds the LoRA adapters of `adapter_dir` with the record of that base, so that
     `load_model`, `generate` and `eval` apply them and `train` goes on training them. The
     peft.* keys come from adapter_config.json (`overrides` after them). Every check happens
-    before anything is written."""
+    before anything is written, that of `out_dir` first (`jaxllm.convert.hf.new_run`)."""
     hf_dir, adapter_dir = Path(hf_dir).resolve(), Path(adapter_dir)
+    reads = (hf_dir, adapter_dir)
+    check_out_dir(out_dir, flag=RUN_FLAG, overwrite=overwrite, reads=reads)
     hf = read_adapter_config(adapter_dir)
     family = family_of(read_hf_config(hf_dir))
     reader = Reader(adapter_dir)
@@ -276,7 +289,8 @@ def import_peft(hf_dir, adapter_dir, out_dir, overrides=(), mesh=None) -> list[M
     }
     plain = config_lib.from_dict({"model": model_fields(read_hf_config(hf_dir))}).model
     peft = _peft_overrides(hf, modules, family, plain)
-    new = new_run(hf_dir, out_dir, [f"checkpoint.init_from={hf_dir}", *peft, *overrides])
+    overrides = [f"checkpoint.init_from={hf_dir}", *peft, *overrides]
+    new = new_run(hf_dir, out_dir, overrides, overwrite=overwrite, reads=reads)
     cfg = new.cfg
     if not cfg.peft.lora:
         raise ConfigError(

@@ -1,12 +1,22 @@
 """Hugging Face directories out: `jaxllm convert export` (`export_hf`) writes a model's
 config.json and safetensors in a family's layout, one layer (or one layer's expert) on the host
-at a time, with the run's tokenizer and its special-token ids."""
+at a time, with the run's tokenizer and its special-token ids.
+
+The directory is written whole or not at all (`jaxllm.config.outputs.written`): built in a
+hidden sibling, config.json last, and renamed into place; a directory that already holds files
+is refused unless `overwrite`. safetensors and Orbax report a full or read-only disk in their own
+exception types; `library_os_errors` gives those back as the OSError they were.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -16,6 +26,7 @@ from tokenizers import Tokenizer, processors
 
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
+from jaxllm.config.outputs import check_output, written
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.convert.mapping import Mapped, each, flatten
 from jaxllm.convert.reader import INDEX, TOKENIZER_FILES
@@ -28,6 +39,25 @@ from jaxllm.data.tokenizer import (
 )
 
 SHARD_BYTES = 4 * 2**30  # a new safetensors file past this many bytes
+OUT_FLAG = "HF_DIR"  # how refusals name the output directory
+# The OS error code in safetensors' (Rust) and tensorstore's messages.
+_OS_ERROR = re.compile(r"os error (\d+)|os_error_code='?(\d+)")
+
+
+@contextlib.contextmanager
+def library_os_errors(path) -> Iterator[None]:
+    """An exception of safetensors, tokenizers or Orbax that carries an OS error code (a full
+    disk: `File too large (os error 27)`) raised again as that OSError, naming `path`."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        found = _OS_ERROR.search(str(e))
+        if not found:
+            raise
+        code = int(found[1] or found[2])
+        raise OSError(code, os.strerror(code), str(path)) from e
 
 
 def export_hf(
@@ -38,12 +68,16 @@ def export_hf(
     shard_bytes: int = SHARD_BYTES,
     model_state: dict | None = None,
     run_dir=None,
+    overwrite: bool = False,
 ) -> list[Mapped]:
     """Writes config.json and model.safetensors (or shards + index) of `params` and
     `model_state` (nested dicts of arrays, possibly sharded: each tensor is fetched to the host
     one layer, or one layer's expert, at a time), in the family's first layout (Mixtral,
     DeepSeek-V3: per-expert tensors); and the run's tokenizer with its special-token ids
-    (`_write_tokenizer`; `run_dir`: where else to look for a generation_config.json)."""
+    (`_write_tokenizer`; `run_dir`: where else to look for a generation_config.json). A
+    `hf_dir` that holds files is refused, or with `overwrite` replaced once the new one is
+    complete."""
+    check_output(hf_dir, flag=OUT_FLAG, overwrite=overwrite)
     if cfg.model.value_head:  # PPO's critic has no Hugging Face counterpart: the LM goes alone
         params = {k: v for k, v in params.items() if k != "value"}
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, value_head=False))
@@ -60,8 +94,6 @@ def export_hf(
         raise ConfigError(
             f"the {fam.name} mapping does not cover the parameters {sorted(set(flat) ^ owned)}."
         )
-    hf_dir = Path(hf_dir)
-    hf_dir.mkdir(parents=True, exist_ok=True)
     files: list[dict] = [{}]
     size = 0
     report = []
@@ -82,21 +114,20 @@ def export_hf(
         if len(files) == 1
         else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     )
-    for old in hf_dir.glob("*.safetensors"):
-        old.unlink()
-    for name, tensors in zip(names, files):
-        save_file(tensors, str(hf_dir / name), metadata={"format": "pt"})
-    if len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.nbytes for f in files for t in f.values())},
-            "weight_map": {t: n for n, f in zip(names, files) for t in f},
-        }
-        (hf_dir / INDEX).write_text(json.dumps(index, indent=2))
-    ids = _write_tokenizer(cfg, hf_dir, run_dir)
-    if m.encoder.position_offset:  # RoBERTa: pad_token_id places the positions, it stays
-        ids.pop("pad_token_id", None)
-    hf = {**hf, **ids}
-    (hf_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    with written(hf_dir, flag=OUT_FLAG, overwrite=overwrite) as tmp, library_os_errors(tmp):
+        for name, tensors in zip(names, files):
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        if len(files) > 1:
+            index = {
+                "metadata": {"total_size": sum(t.nbytes for f in files for t in f.values())},
+                "weight_map": {t: n for n, f in zip(names, files) for t in f},
+            }
+            (tmp / INDEX).write_text(json.dumps(index, indent=2))
+        ids = _write_tokenizer(cfg, tmp, run_dir)
+        if m.encoder.position_offset:  # RoBERTa: pad_token_id places the positions, it stays
+            ids.pop("pad_token_id", None)
+        hf = {**hf, **ids}
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return report
 
 

@@ -14,6 +14,7 @@ ones and shape mismatches.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import shutil
@@ -28,6 +29,8 @@ import numpy as np
 from jaxllm import checkpoint, sharding
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError, JaxllmWarning, ModelConfig
+from jaxllm.config.outputs import check_output, written
+from jaxllm.convert.export import library_os_errors
 from jaxllm.convert.families import family_of, model_fields
 from jaxllm.convert.links import Link
 from jaxllm.convert.mapping import Mapped, check, each, element_shapes, flatten, unflatten
@@ -41,6 +44,8 @@ from jaxllm.data.tokenizer import (
     load_tokenizer,
 )
 from jaxllm.model import abstract_model, abstract_model_state
+
+OUT_FLAG = "OUT_DIR"  # how refusals name the run directory being written
 
 
 def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, dict, list[Mapped]]:
@@ -186,17 +191,38 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     return config_lib.from_dict(tree).validate()
 
 
-def import_hf(hf_dir, out_dir, overrides=(), mesh=None) -> list[Mapped]:
+def import_hf(hf_dir, out_dir, overrides=(), mesh=None, overwrite=False) -> list[Mapped]:
     """`jaxllm convert import`: a run directory (config.yaml, a weights-only checkpoint at step
     0, and the tokenizer.json with its tokenizer_config.json, special_tokens_map.json, chat
     template and generation_config.json, where the directory has them) that `jaxllm generate
     / eval / train` accept. Every check and every tensor read happens before anything is
-    written: a refused import leaves no `out_dir` behind."""
-    new = new_run(hf_dir, out_dir, overrides)
+    written: a refused import leaves no `out_dir` behind, and one that holds files is refused
+    (replaced whole with `overwrite`)."""
+    new = new_run(hf_dir, out_dir, overrides, overwrite=overwrite)
     mesh = mesh or sharding.make_mesh(new.cfg.mesh)
     params, model_state, report = load_params(hf_dir, new.cfg.model, mesh)
     new.write(params, model_state)
     return report
+
+
+def check_out_dir(out, *, flag: str, overwrite: bool = False, reads=()) -> Path:
+    """`out` as a Path when a convert command may write it (`check_output`), and neither it nor
+    anything in it is one of the paths `reads` that the command reads (with `overwrite` it
+    would be replaced)."""
+    out = Path(out)
+    for source in filter(None, reads):
+        if Path(source).resolve().is_relative_to(out.resolve()):
+            raise ConfigError(
+                f"{flag} {out} is or holds {source}, which this command reads; choose another "
+                "directory to write into."
+            )
+    return check_output(out, flag=flag, overwrite=overwrite)
+
+
+def _inside(path: Path, parent: Path) -> Path | None:
+    """`path` relative to `parent` when it is `parent` or under it, else None."""
+    path, parent = path.resolve(), parent.resolve()
+    return path.relative_to(parent) if path.is_relative_to(parent) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,35 +234,47 @@ class NewRun:
     cfg: config_lib.Config
     ckpt_dir: Path
     copies: tuple[Path, ...]
+    overwrite: bool = False
 
     def write(self, params, model_state, base: dict | None = None) -> None:
-        """Writes the directory: the copied files, config.yaml and a weights-only checkpoint
-        at step 0 of `params` (the adapters of a PEFT run, whose `base` record it keeps)."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        for f in self.copies:
-            shutil.copy(f, self.out_dir / f.name)
-        config_lib.dump(self.cfg, self.out_dir / "config.yaml")
-        checkpoint.save_params(
-            self.ckpt_dir,
-            params,
-            step=0,
-            model_state=model_state,
-            config=config_lib.to_dict(self.cfg),
-            tokenizer=checkpoint.tokenizer_record(self.cfg.data.tokenizer),
-            base=base,
-        )
+        """Writes the directory: the copied files, a weights-only checkpoint at step 0 of
+        `params` (the adapters of a PEFT run, whose `base` record it keeps), and config.yaml
+        last; built in a hidden sibling, renamed into place when complete. A checkpoint.dir
+        outside the run directory is written the same way, before it."""
+        with written(self.out_dir, flag=OUT_FLAG, overwrite=self.overwrite) as tmp:
+            for f in self.copies:
+                shutil.copy(f, tmp / f.name)
+            # The config names the final tokenizer.json; its record is read from the copy.
+            tokenizer = tmp / "tokenizer.json" if self.copies else self.cfg.data.tokenizer
+            within = _inside(self.ckpt_dir, self.out_dir)
+            ckpt = (
+                contextlib.nullcontext(tmp / within)
+                if within is not None
+                else written(self.ckpt_dir, flag="checkpoint.dir", overwrite=self.overwrite)
+            )
+            with ckpt as ckpt_dir, library_os_errors(ckpt_dir):
+                checkpoint.save_params(
+                    ckpt_dir,
+                    params,
+                    step=0,
+                    model_state=model_state,
+                    config=config_lib.to_dict(self.cfg),
+                    tokenizer=checkpoint.tokenizer_record(str(tokenizer)),
+                    base=base,
+                )
+            config_lib.dump(self.cfg, tmp / "config.yaml")
 
 
-def new_run(hf_dir, out_dir, overrides=()) -> NewRun:
+def new_run(hf_dir, out_dir, overrides=(), overwrite=False, reads=()) -> NewRun:
     """The checked plan of importing `hf_dir` into the new run directory `out_dir` (with
-    `key=value` overrides); nothing is written yet."""
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"{out_dir} is a file; give a new directory to import into.")
+    `key=value` overrides); nothing is written yet. `out_dir` is checked first (it may not
+    hold files unless `overwrite`, nor `hf_dir` or the other paths `reads`)."""
+    hf_dir = Path(hf_dir)
+    out_dir = check_out_dir(out_dir, flag=OUT_FLAG, overwrite=overwrite, reads=(hf_dir, *reads))
     cfg = model_config(hf_dir, [f"run.dir={out_dir}", *overrides])
     ckpt_dir = checkpoint.checkpoint_dir(out_dir, cfg.checkpoint.dir)
-    if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
-        raise ConfigError(f"{ckpt_dir} already holds checkpoints; import into a new directory.")
+    if _inside(ckpt_dir, out_dir) is None:
+        check_out_dir(ckpt_dir, flag="checkpoint.dir", overwrite=overwrite, reads=(hf_dir, *reads))
     if cfg.data.tokenizer != NO_TOKENIZER:
         tok = load_tokenizer(cfg.data.tokenizer)
         check_coverage(tok, cfg.model.vocab_size, f"importing {hf_dir}")
@@ -251,4 +289,4 @@ def new_run(hf_dir, out_dir, overrides=()) -> NewRun:
             generation_stop_ids(hf_dir / GENERATION_CONFIG)  # a broken file fails now, not later
         run_tokenizer = str((out_dir / "tokenizer.json").resolve())
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_tokenizer))
-    return NewRun(out_dir, cfg, ckpt_dir, tuple(copies))
+    return NewRun(out_dir, cfg, ckpt_dir, tuple(copies), overwrite)
