@@ -1,8 +1,13 @@
 """Post-training chains through fine-tuning runs: `checkpoint.init_from` a LoRA or QLoRA run
 starts from its merged model (`checkpoint.init_adapters=merge`, the default) or goes on with its
 adapters over its base (`continue`), and a reference (DPO, GRPO's KL) is that starting model.
-The chain SFT-LoRA -> DPO -> GRPO -> export runs through `jaxllm.cli.main`; a combination that
-cannot work is one `jaxllm:` line, exit 2, with nothing changed."""
+Runs go through `jaxllm.cli.main`: DPO from a LoRA and a QLoRA SFT run, merged and continued;
+a combination that cannot work is one `jaxllm:` line, exit 2, with nothing changed; and (slow:
+GRPO's rollouts compile a generator) the chain SFT-LoRA -> DPO -> GRPO -> export.
+
+The QLoRA run is the LoRA SFT run's adapters on its NF4 base (its config.yaml says
+peft.method=qlora, as `jaxllm convert import --peft ... peft.method=qlora` writes one): what
+starts another run from it is the same as for a QLoRA-trained one, without a second compile."""
 
 from __future__ import annotations
 
@@ -50,7 +55,6 @@ COMMON = [
     "mesh.fsdp=-1",
 ]
 LORA = ["peft.method=lora", "peft.rank=4", "peft.alpha=8", "peft.targets=[all-linear]"]
-QLORA = ["peft.method=qlora", *LORA[1:]]
 
 
 def lowercase_share(prompts, completions, answers):
@@ -119,23 +123,33 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _sft(tmp_path_factory, data, name, peft) -> Path:
-    run = tmp_path_factory.mktemp(name) / "run"
-    args = [*sft_args(data, run), *peft, "train.steps=2", "optim.lr=3e-2"]
-    assert main(["train", *args]) == 0
+@pytest.fixture(scope="module")
+def sft_lora(tmp_path_factory, data) -> Path:
+    run = tmp_path_factory.mktemp("sft_lora") / "run"
+    assert main(["train", *sft_args(data, run), *LORA, "train.steps=2", "optim.lr=3e-2"]) == 0
     adapters_b = [x for k, x in _flat(restore(run, base=False).params) if k.endswith("_lora_b")]
     assert max(float(jnp.abs(b).max()) for b in adapters_b) > 0  # the SFT moved the model
     return run
 
 
-@pytest.fixture(scope="module")
-def sft_lora(tmp_path_factory, data) -> Path:
-    return _sft(tmp_path_factory, data, "sft_lora", LORA)
+def _peft_of(method: str) -> Callable[[Path], None]:
+    """Makes a copy of the LoRA SFT run one of peft.method=`method` by its config.yaml (which
+    is what reads it: a QLoRA run of its adapters, or for the refusals, runs of other
+    methods)."""
+
+    def setup(run: Path) -> None:
+        text = (run / "config.yaml").read_text()
+        (run / "config.yaml").write_text(text.replace("method: lora", f"method: {method}"))
+
+    return setup
 
 
 @pytest.fixture(scope="module")
-def sft_qlora(tmp_path_factory, data) -> Path:
-    return _sft(tmp_path_factory, data, "sft_qlora", QLORA)
+def sft_qlora(tmp_path_factory, sft_lora) -> Path:
+    run = tmp_path_factory.mktemp("sft_qlora") / "run"
+    shutil.copytree(sft_lora, run)
+    _peft_of("qlora")(run)
+    return run
 
 
 def _flat(tree):
@@ -192,22 +206,20 @@ class Case:
     check: Callable[[Path], None] | None = None  # the new run (exit 0)
 
 
-def _peft_of(method: str) -> Callable[[Path], None]:
-    """The source run made into one of peft.method=`method` by its config.yaml, the only
-    thing these refusals read."""
-
-    def setup(run: Path) -> None:
-        text = (run / "config.yaml").read_text()
-        (run / "config.yaml").write_text(text.replace("method: lora", f"method: {method}"))
-
-    return setup
-
-
 def _starts_at_the_reference(run: Path) -> None:
-    """DPO's first step: the policy is the reference (both the merged SFT model)."""
+    """DPO's first step: the policy is the reference (both the SFT model)."""
     first = metrics(run)[0]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+
+
+def _continues(run: Path) -> None:
+    """A continued run: the SFT run's base, and a reference of its adapters alone."""
+    _starts_at_the_reference(run)
+    step = checkpoint.steps(run / "checkpoints")[-1]
+    assert checkpoint.read_json_item(run / "checkpoints", step, "base") == {"seed": 0}
+    held = checkpoint.read_json_item(run / "checkpoints", step, "others")
+    assert held["reference"]["source"].endswith("source/checkpoints/2")
 
 
 CONTINUE = "checkpoint.init_adapters=continue"
@@ -218,6 +230,19 @@ CASES = [
         lambda d, s, r: [*dpo_args(d, r, s), "train.steps=1"],
         0,
         check=_starts_at_the_reference,
+    ),
+    Case(
+        "dpo-full-from-qlora-sft",
+        lambda d, s, r: [*dpo_args(d, r, s), "train.steps=1"],
+        0,
+        setup=_peft_of("qlora"),
+        check=_starts_at_the_reference,
+    ),
+    Case(
+        "dpo-lora-continuing-lora-sft",
+        lambda d, s, r: [*dpo_args(d, r, s), *LORA, CONTINUE, "train.steps=1"],
+        0,
+        check=_continues,
     ),
     Case(
         "continue-other-rank",
@@ -295,6 +320,7 @@ def _tree_hash(root: Path) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.slow  # GRPO's rollouts compile a generator; DPO from LoRA runs by default above
 def test_sft_lora_then_dpo_then_grpo_then_export(data, sft_lora, tmp_path):
     """SFT with LoRA; DPO with new adapters on its merged model (the default); GRPO going on
     with DPO's adapters (`continue`), its KL at the start 0 because the reference is the
