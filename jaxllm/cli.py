@@ -232,8 +232,14 @@ class _QuietLibraryRecords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.exc_info is None and not str(record.msg).startswith(
-            "Metadata file does not exist"
+            ("Metadata file does not exist", "Failed to get item metadata")
         )
+
+
+def _library_coroutine(obj) -> bool:
+    """Whether `obj` is a coroutine of a library's code (not jaxllm's)."""
+    code = getattr(obj, "cr_code", None)
+    return code is not None and "jaxllm" not in Path(code.co_filename).parts
 
 
 _process_quiet = None
@@ -250,6 +256,8 @@ def _quiet_libraries():
     loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
 
     def showwarning(message, category, *args, **kw):
+        if issubclass(category, RuntimeWarning) and "was never awaited" in str(message):
+            return  # a failed save's other writes, never started: the failure is reported
         (_show_warning if issubclass(category, JaxllmWarning) else show)(
             message, category, *args, **kw
         )
@@ -262,7 +270,10 @@ def _quiet_libraries():
             hook(tp, value, tb)
 
     def unraisablehook(u):
-        if not closed_loop(u.exc_type, u.exc_value):
+        # A checkpoint read that failed leaves Orbax's other reads of it as coroutines that
+        # end with the same error when collected, each printed with its traceback (hundreds of
+        # lines); the failure itself reached the command as one exception.
+        if not (closed_loop(u.exc_type, u.exc_value) or _library_coroutine(u.object)):
             unraisable(u)
 
     quiet = _QuietLibraryRecords()

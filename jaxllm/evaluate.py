@@ -19,7 +19,8 @@ from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import restore
 from jaxllm.train import objectives
 from jaxllm.train import others as others_lib
-from jaxllm.train.loop import evaluate, process_rows
+from jaxllm.train.batches import process_rows
+from jaxllm.train.compiled import evaluate
 from jaxllm.train.step import BATCH_AXES, eval_step
 
 

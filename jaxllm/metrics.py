@@ -111,15 +111,26 @@ class MetricsWriter:
     Each line is written whole with one `write` and flushed, so a crash leaves at most a torn
     last line, which `read_jsonl` drops with a warning."""
 
-    def __init__(self, run_dir: str | Path, *, resume_step: int = 0, tensorboard: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        resume_step: int = 0,
+        resume_row: dict | None = None,
+        tensorboard: bool = True,
+    ):
         """A run resumed at `resume_step` keeps the lines up to that step and drops later ones
         (written by the attempt that died after its last checkpoint); a fresh run starts empty.
-        The kept lines are written to a temporary file that replaces the old one, so a crash
-        here loses nothing."""
+        `resume_row`: the row of `resume_step` that its checkpoint saved, added back when the
+        file lacks it (a crash tore it, as the last line). The kept lines are written to a
+        temporary file that replaces the old one, so a crash here loses nothing."""
         self.path = Path(run_dir) / "metrics.jsonl"
         kept = []
         if resume_step and self.path.exists():
             kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
+        if resume_row and resume_row.get("step") == resume_step:
+            if not any(r.get("step") == resume_step and _same_kind(r, resume_row) for r in kept):
+                kept.append(resume_row)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
         os.replace(tmp, self.path)
@@ -156,6 +167,11 @@ def _summary_writer_class():
         if hide:
             del sys.modules["torch"]
     return SummaryWriter
+
+
+def _same_kind(a: dict, b: dict) -> bool:
+    """Whether two rows of one step are the same record (not, say, an event row beside it)."""
+    return set(a) == set(b)
 
 
 def _py(v):

@@ -22,7 +22,7 @@ from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
 from jaxllm.parallel import schedules
 from jaxllm.train import loss_scale
-from jaxllm.train.loop import compile_steps
+from jaxllm.train.compiled import compile_steps
 from jaxllm.train.state import grad_shardings, init_state, layout
 
 _UNITS = {

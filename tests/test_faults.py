@@ -94,6 +94,12 @@ def _no_checkpoints(run: Path, tmp: Path) -> None:
     shutil.rmtree(run / "checkpoints")
 
 
+def _unrecorded_config(run: Path, tmp: Path) -> None:
+    """Checkpoints whose recorded config this version cannot read (as after an upgrade)."""
+    for step in (run / "checkpoints").iterdir():
+        (step / "config" / "metadata").write_text('{"model": {"size": "?"}}')
+
+
 def _damage_all(run: Path, tmp: Path) -> None:
     for step in (run / "checkpoints").iterdir():
         for f in (step / "params").rglob("*"):
@@ -237,6 +243,38 @@ CASES = [
         lambda r, t: ["train", str(r), f"data.tokenizer={_bpe(t)}"],
         2,
         "data.tokenizer ('byte' there",
+    ),
+    Case(
+        "resume-other-optimizer",
+        lambda r, t: ["train", str(r), "optim.name=sgd"],
+        2,
+        "optim.name ('adamw' there, 'sgd' here)",
+    ),
+    Case(
+        "resume-lion",
+        lambda r, t: ["train", str(r), "optim.name=lion", "train.steps=6"],
+        2,
+        "checkpoint.reset_optimizer=true",
+    ),
+    Case(
+        "resume-amsgrad",
+        lambda r, t: ["train", str(r), "optim.amsgrad=true"],
+        2,
+        "optim.amsgrad (False there, True here)",
+    ),
+    Case(
+        "resume-other-optimizer-unrecorded",
+        lambda r, t: ["train", str(r), "optim.name=sgd", "train.steps=6"],
+        2,
+        "holds a training state of another structure",
+        setup=_unrecorded_config,
+    ),
+    Case(
+        "resume-every-checkpoint-unreadable",
+        lambda r, t: ["train", str(r), "train.steps=6"],
+        1,
+        "no checkpoint in",
+        setup=_damage_all,
     ),
     Case(
         "resume-false-over-checkpoints",

@@ -9,7 +9,8 @@ from conftest import tiny_model
 
 from jaxllm import config, sharding
 from jaxllm.bench import synthetic_batch
-from jaxllm.train.loop import compile_steps, to_global
+from jaxllm.train.batches import to_global
+from jaxllm.train.compiled import compile_steps
 from jaxllm.train.state import init_state, layout
 
 STEPS = 3

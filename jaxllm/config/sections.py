@@ -308,6 +308,16 @@ class CheckpointConfig:
     """Write a checkpoint of the train state when training ends."""
     resume: bool = True
     """Continue from the newest readable checkpoint in the directory, if there is one."""
+    reset_optimizer: bool = False
+    """Resume with a fresh optimizer state: the checkpoint's parameters, step, rng and data
+    position are kept and its optimizer state is dropped, so `optim.*` may change (another
+    `optim.name`, `amsgrad`, ...). Acts once, on this command's resume: the run's config.yaml
+    records it as false with the new `optim.*`, and metrics.jsonl gets an `optimizer_reset`
+    row at the step. Without it, a checkpoint of another optimizer is refused."""
+    start_fresh: bool = False
+    """Start over at step 0 in a run directory that holds checkpoints: the old run (its files,
+    and `checkpoint.dir` when that lies elsewhere) is first moved aside to a sibling
+    `<run.dir>.old` (`.old2`, ...), never deleted. Acts once; config.yaml records it as false."""
     init_from: str | None = None
     """A fresh run (nothing to resume) starts from these parameters instead of random ones: a
     run directory, its checkpoints directory, one step of it, or a Hugging Face model directory

@@ -14,7 +14,6 @@ checkpoint is written before the optional outputs (loss plot, sample).
 from __future__ import annotations
 
 import contextlib
-import functools
 import shutil
 import time
 import warnings
@@ -22,9 +21,8 @@ from pathlib import Path
 
 import jax
 
-from jaxllm import adapters, checkpoint, config, optim, sharding
+from jaxllm import adapters, checkpoint, config, sharding
 from jaxllm.config import JaxllmWarning
-from jaxllm.config.pipeline import microbatches
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.data import check_vocab
 from jaxllm.data.objective_rows import row_transform
@@ -32,15 +30,22 @@ from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.metrics import MetricsWriter, plot_losses
-from jaxllm.model import abstract_model
-from jaxllm.train import loss_scale, objectives, precompute, rollout
+from jaxllm.train import loss_scale, precompute, rollout
 from jaxllm.train import others as others_lib
 from jaxllm.train.batches import process_rows, to_global
+from jaxllm.train.compiled import compile_steps, evaluate
 from jaxllm.train.console import _log, _Plain, _progress, _show, sample
-from jaxllm.train.run_dir import RunLock, check_paths, check_resume
+from jaxllm.train.run_dir import (
+    RunLock,
+    check_paths,
+    check_resume,
+    move_aside,
+    move_back,
+    optimizer_change,
+    recorded,
+)
 from jaxllm.train.signals import Signals
-from jaxllm.train.state import grad_shardings, init_state, init_state_from, layout, state_shardings
-from jaxllm.train.step import BATCH_AXES, eval_step, train_step
+from jaxllm.train.state import init_state, init_state_from, layout
 
 
 def _init_source(cfg: config.Config, ckpt_dir: Path) -> str | None:
@@ -52,72 +57,6 @@ def _init_source(cfg: config.Config, ckpt_dir: Path) -> str | None:
     if steps and not checkpoint.has_train_state(ckpt_dir, steps[-1]):
         return str(ckpt_dir / str(steps[-1]))
     return None
-
-
-def compile_steps(cfg: config.Config, mesh):
-    """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
-    graphdef, _, axes = abstract_model(cfg.model, cfg.peft)
-    tx = optim.build(cfg.optim, cfg.train.steps, axes)
-    scaling = loss_scale.from_config(cfg.optim, cfg.model)
-    batch_sh = sharding.named(mesh, BATCH_AXES)
-    objective = objectives.from_config(cfg)
-    held = others_lib.resolve_others(cfg, objective)  # a reference, a teacher
-    shardings = state_shardings(cfg.model, tx, mesh, scaling, **layout(cfg))
-    shardings = shardings.replace(others=others_lib.shardings(held, mesh))
-    other_graphdefs = others_lib.graphdefs(held)
-    parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
-    step_fn = functools.partial(
-        train_step,
-        graphdef=graphdef,
-        tx=tx,
-        lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
-        objective=objective,
-        parallel_settings=parallel_settings,
-        grad_accum_steps=microbatches(cfg),
-        grad_shardings=grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft),
-        offload_opt_state=cfg.optim.offload == "host",
-        loss_scaling=scaling,
-        other_graphdefs=other_graphdefs,
-    )
-    jit_train = jax.jit(
-        step_fn,
-        in_shardings=(shardings, batch_sh),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
-    jit_eval = jax.jit(
-        functools.partial(
-            eval_step,
-            graphdef=graphdef,
-            objective=objective,
-            parallel_settings=parallel_settings,
-            other_graphdefs=other_graphdefs,
-        ),
-        in_shardings=(
-            shardings.params,
-            batch_sh,
-            shardings.model_state,
-            shardings.frozen,
-            shardings.others,
-        ),
-    )
-    return jit_train, jit_eval, tx, shardings, batch_sh
-
-
-def evaluate(
-    jit_eval, params, batches: list[dict], batch_sh, model_state=None, frozen=None, others=None
-) -> dict[str, float]:
-    """{'eval_loss', 'eval_<metric>' ...}: every metric of the objective over the held-out
-    `batches`, its sum divided by the summed `tokens` (as training logs them)."""
-    global_rows = len(batches[0]["inputs"]) * jax.process_count() if batches else 0
-    model_state = {} if model_state is None else model_state
-    sums = [
-        jit_eval(params, to_global(b, batch_sh, global_rows), model_state, frozen, others)
-        for b in batches
-    ]
-    totals = {k: sum(float(s[k]) for s in sums) for k in (sums[0] if sums else {"loss": 0})}
-    tokens = max(totals.pop("tokens", 0.0), 1.0)
-    return {f"eval_{k}": v / tokens for k, v in totals.items()}
 
 
 def train(cfg: config.Config, signals: Signals | None = None) -> dict:
@@ -174,12 +113,24 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     check_resume(cfg, ckpt_dir)
     lock = RunLock(run_dir) if lead else None
     made = [p for p in (ckpt_dir, run_dir, run_dir / precompute.STORE) if not p.exists()]
+    moved: list[tuple[Path, Path]] = []  # checkpoint.start_fresh: (old place, aside)
+    committed = False
 
     def undo() -> None:  # a start-up that fails leaves what it made as it found it: absent
-        if lock:
-            lock.release()
+        if lock and not committed:
             for p in made:
                 shutil.rmtree(p, ignore_errors=True)
+            move_back(moved)
+            lock.release()
+
+    def commit() -> None:  # training goes on: from here the run directory is this command's
+        nonlocal committed
+        committed = True
+        if lead:
+            with signals.writing:
+                config.dump(recorded(cfg), run_dir / "config.yaml")
+        for old, aside in moved:
+            _log(f"checkpoint.start_fresh: the old run is in {aside}")
 
     signals.on_startup_exit(undo)
     if lock:
@@ -187,17 +138,27 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             lock.acquire()
     try:
         with _run_errors(run_dir):
+            if cfg.checkpoint.start_fresh:
+                if lead:
+                    with signals.writing:
+                        moved = move_aside(run_dir, ckpt_dir)
+                checkpoint.sync("jaxllm_start_fresh")
             with signals.writing:
                 ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint)
             base = adapters.base_record(cfg)
             state, start = _start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
+            if start >= cfg.train.steps:  # changes nothing: no config.yaml, no pruning
+                _log(
+                    f"nothing to do: the checkpoint is at step {start} and "
+                    f"train.steps={cfg.train.steps}"
+                )
+                ckpt.close(prune=False)
+                undo()
+                return {"step": start}
             state, held = others_lib.attach(state, cfg, mesh, ckpt.directory, start)
             if reference is not None:  # the rows then carry the reference's log-probabilities
                 rows = (train_rows, eval_rows)
                 batches, held_out = reference.attach(state, start, rows, batches, mesh)
-            if lead:
-                with signals.writing:
-                    config.dump(cfg, run_dir / "config.yaml")
     except BaseException:
         undo()
         raise
@@ -216,7 +177,11 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
                 batch_sh,
                 base,
                 held,
+                commit,
             )
+    except BaseException:
+        undo()  # a failed compile: config.yaml not written, a fresh start's old run put back
+        raise
     finally:
         if lock:
             lock.release()
@@ -240,7 +205,7 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
     comes from `base` (`adapters.base_record`), the one its checkpoints record."""
     restored = None
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
-    if cfg.checkpoint.resume:
+    if cfg.checkpoint.resume and not cfg.checkpoint.start_fresh:
         abstract = jax.eval_shape(
             lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg))
         )
@@ -249,9 +214,13 @@ def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batche
             abstract,
             shardings.replace(others=None),
         )
-        restored = ckpt.restore_latest(abstract)
+        restored = ckpt.restore_latest(abstract, optimizer=not cfg.checkpoint.reset_optimizer)
     if restored is not None:
         state, data_state, start = restored
+        if cfg.checkpoint.reset_optimizer:
+            init_opt = jax.jit(tx.init, out_shardings=shardings.opt_state)
+            state = state.replace(opt_state=init_opt(state.params))
+            _log(f"checkpoint.reset_optimizer: a fresh {cfg.optim.name} state at step {start}")
         if base is not None:
             adapters.check_base(
                 checkpoint.read_json_item(ckpt.directory, start, adapters.BASE_ITEM), base
@@ -292,13 +261,16 @@ def _loop(
     batch_sh,
     base=None,
     held=None,
+    commit=lambda: None,
 ) -> dict:
+    """Trains from `start` to `train.steps`. `commit` runs once the step is compiled, before
+    the first step: from there on the run directory is this command's (config.yaml)."""
     run_dir = Path(cfg.run.dir)
     lead = jax.process_index() == 0
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     _log(f"model: {sum(x.size for x in jax.tree.leaves(state.params)):,} parameters")
     extras = {
-        "config": config.to_dict(cfg),
+        "config": config.to_dict(recorded(cfg)),
         "tokenizer": checkpoint.tokenizer_record(cfg.data.tokenizer),
     }
     if base is not None:
@@ -307,13 +279,9 @@ def _loop(
         extras["others"] = held
 
     def save(at_state, data_state) -> None:
-        step = ckpt.save(at_state, data_state=data_state, **extras)
+        row = final if final.get("step") == int(jax.device_get(at_state.step)) else None
+        step = ckpt.save(at_state, data_state=data_state, metrics=row, **extras)
         _log(f"checkpoint: {ckpt.directory.resolve()}/{step}")
-
-    if start >= steps:
-        _log(f"nothing to do: the checkpoint is at step {start} and train.steps={steps}")
-        ckpt.close()
-        return {"step": start}
 
     t0 = time.perf_counter()
     batch = to_global(rollout.next_rows(batches, state), batch_sh, gbs)
@@ -321,8 +289,20 @@ def _loop(
     jit_train = jit_train.lower(state, batch).compile()
     _log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
 
+    commit()
     with signals.writing:
-        writer = MetricsWriter(run_dir, resume_step=start) if lead else None
+        writer = None
+        if lead:
+            row = (
+                checkpoint.read_json_item(ckpt.directory, start, checkpoint.METRICS_ITEM)
+                if start
+                else None
+            )
+            writer = MetricsWriter(run_dir, resume_step=start, resume_row=row)
+            if start and cfg.checkpoint.reset_optimizer:
+                writer.write(
+                    start, {"optimizer_reset": optimizer_change(cfg, ckpt.directory, start)}
+                )
     tokens_per_step = gbs * cfg.data.seq_len
     bar = _progress(steps, start) if lead else _Plain()
     final: dict = {}
@@ -373,6 +353,10 @@ def _loop(
         _show(bar, step, values)
         return not (cfg.train.nonfinite == "stop" and bad_in_a_row >= cfg.train.nonfinite_patience)
 
+    def saves(step: int) -> bool:
+        every = cfg.checkpoint.every
+        return bool(every and step % every == 0 and step < steps)
+
     def eval_due(step: int) -> bool:
         every = cfg.train.eval_every
         return step == steps or bool(every and step % every == 0)
@@ -389,8 +373,8 @@ def _loop(
         if pending is not None:
             ok = finish(*pending)  # ... then read step n-1 while n runs
             pending = None
-        if eval_due(step):
-            ok = finish(step, metrics, state) and ok
+        if eval_due(step) or saves(step):  # a checkpoint saves its step's metrics row too
+            ok = finish(step, metrics, state if eval_due(step) else None) and ok
         else:
             pending = (step, metrics)
         if not ok:
@@ -412,7 +396,7 @@ def _loop(
             )
             save(state, step_data_state)
             break
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < steps:
+        if saves(step):
             save(state, step_data_state)
     bar.close()
     if writer:

@@ -2,10 +2,13 @@
 
 - `check_paths`: `run.dir` and `checkpoint.dir` must be (or become) writable directories;
   a file in their place or a read-only file system is a RunError (exit 1).
-- `check_resume`: a run directory whose checkpoints were written for another model shape or
-  tokenizer is refused with a ConfigError naming the keys that differ (exit 2), instead of
-  taking its checkpoints for damaged ones and training over them. So is `checkpoint.resume=false`
-  in a directory that holds training checkpoints.
+- `check_resume`: a run directory whose checkpoints were written for another model shape,
+  tokenizer or optimizer state is refused with a ConfigError naming the keys that differ
+  (exit 2), instead of taking its checkpoints for damaged ones and training over them. So is
+  `checkpoint.resume=false` in a directory that holds training checkpoints.
+- `move_aside` / `move_back`: `checkpoint.start_fresh` puts the old run in a sibling
+  `<run.dir>.old` (never deletes it), and back when the start-up fails.
+- `recorded`: the config as config.yaml and the checkpoints record it, one-shot keys off.
 - `RunLock`: one writer per run directory, an OS file lock (`filelock`) plus a small JSON file
   naming the holder's pid and host for the refusal message. The kernel releases the lock of a
   process that dies; a holder file left behind by one is taken over with a warning.
@@ -13,16 +16,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
 import os
+import shutil
 import socket
 import warnings
 from pathlib import Path
 
 import jax
 
-from jaxllm import checkpoint, config
+from jaxllm import checkpoint, config, optim
 from jaxllm.config import ConfigError, JaxllmWarning, RunError
 from jaxllm.model import abstract_model, abstract_model_state
 
@@ -69,12 +75,15 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
     another tokenizer, or `checkpoint.resume=false` would train over them. Reads only the
     newest checkpoint's small `config` and `tokenizer` items; changes nothing."""
 
+    if cfg.checkpoint.start_fresh:
+        return  # the old run is moved aside, not continued
     found = checkpoint.steps(ckpt_dir)
     trained = [s for s in found if checkpoint.has_train_state(ckpt_dir, s)]
     if trained and not cfg.checkpoint.resume:
         raise ConfigError(
             f"checkpoint.resume=false, but {ckpt_dir} holds checkpoints up to step {trained[-1]} "
-            "that training would overwrite; give a new run.dir (or checkpoint.dir) for a fresh run."
+            "that training would overwrite; give a new run.dir (or checkpoint.dir) for a fresh "
+            "run, or add checkpoint.start_fresh=true to move this one aside first."
         )
     saved = next(
         (c for s in reversed(found) if (c := checkpoint.read_json_item(ckpt_dir, s, "config"))),
@@ -103,16 +112,111 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
             if ours.get(k) != old.get(k)
         ]
         differ = differ or ["the model's parameter shapes"]
+    elif trained and not cfg.checkpoint.reset_optimizer:
+        differ = _optimizer_differs(theirs, cfg)
     saved_tok = checkpoint.read_json_item(ckpt_dir, found[-1], "tokenizer")
     if saved_tok is not None and saved_tok != checkpoint.tokenizer_record(cfg.data.tokenizer):
         differ.append(
             f"data.tokenizer ({saved_tok.get('name')!r} there, {cfg.data.tokenizer!r} here)"
+        )
+    if differ and any(d.startswith("optim.") for d in differ):
+        raise ConfigError(
+            f"{ckpt_dir} holds checkpoints whose optimizer state is another optimizer's: "
+            f"{'; '.join(differ)}; resume with the same optim.* settings, add "
+            "checkpoint.reset_optimizer=true to keep the parameters and start a fresh optimizer "
+            "state, or start a new run with run.dir=NEW_DIR."
         )
     if differ:
         raise ConfigError(
             f"{ckpt_dir} holds checkpoints of another model or tokenizer: {'; '.join(differ)}; "
             "to train this config, start a new run with run.dir=NEW_DIR."
         )
+
+
+def _opt_shapes(cfg: config.Config) -> dict:
+    """{path: (shape, dtype)} of the optimizer state this config's optimizer keeps."""
+    _, params, axes = abstract_model(cfg.model, cfg.peft)
+    tx = optim.build(cfg.optim, cfg.train.steps, axes)
+    leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
+    return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
+
+
+def _optimizer_differs(theirs: config.Config, ours: config.Config) -> list[str]:
+    """The `optim.*` keys (old and new values) when the two configs' optimizers keep state of
+    another structure, shapes or dtypes (a checkpoint of one cannot resume the other); []
+    when they keep the same (a new learning rate, say, resumes fine)."""
+    if _opt_shapes(theirs) == _opt_shapes(ours):
+        return []
+    old, new = config.to_dict(theirs)["optim"], config.to_dict(ours)["optim"]
+    differ = [
+        f"optim.{k} ({old.get(k)!r} there, {new.get(k)!r} here)"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
+    return differ or ["optim.* (the optimizer state's structure)"]
+
+
+def optimizer_change(cfg: config.Config, ckpt_dir: Path, step: int) -> str:
+    """'optim.name adamw -> sgd, ...': how this config's optimizer differs from the one of the
+    checkpoint at `step` (what `checkpoint.reset_optimizer` records in metrics.jsonl)."""
+    saved = checkpoint.read_json_item(ckpt_dir, step, "config") or {}
+    old, new = saved.get("optim", {}), config.to_dict(cfg)["optim"]
+    changed = [f"optim.{k} {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
+    return ", ".join(changed) or "same optim.* settings, fresh state"
+
+
+def recorded(cfg: config.Config) -> config.Config:
+    """`cfg` as config.yaml and the checkpoints record it: the one-shot keys
+    (`checkpoint.reset_optimizer`, `checkpoint.start_fresh`) false, so that resuming the run
+    from its own config.yaml does not act on them again."""
+    once = dataclasses.replace(cfg.checkpoint, reset_optimizer=False, start_fresh=False)
+    return dataclasses.replace(cfg, checkpoint=once)
+
+
+def _aside(path: Path) -> Path:
+    aside, n = path.with_name(f"{path.name}.old"), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.old{n}")
+    return aside
+
+
+def move_aside(run_dir: Path, ckpt_dir: Path) -> list[tuple[Path, Path]]:
+    """Moves the run in `run_dir` (every entry but the lock files) into a new sibling
+    `<run_dir>.old` (`.old2`, ...), and `ckpt_dir` when it lies outside `run_dir` and holds
+    something to its own `.old` sibling; returns the (old place, new place) pairs, [] when
+    there was nothing to move. Renames only: nothing is copied or deleted."""
+    keep = {LOCK_NAME, HOLDER_NAME}
+    moved = []
+    entries = sorted(p for p in run_dir.iterdir() if p.name not in keep) if run_dir.is_dir() else []
+    if entries:
+        aside = _aside(run_dir)
+        aside.mkdir()
+        for p in entries:
+            p.rename(aside / p.name)
+            moved.append((p, aside / p.name))
+    outside = ckpt_dir.resolve() != run_dir.resolve() and not ckpt_dir.resolve().is_relative_to(
+        run_dir.resolve()
+    )
+    if outside and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
+        aside = _aside(ckpt_dir)
+        ckpt_dir.rename(aside)
+        moved.append((ckpt_dir, aside))
+    return moved
+
+
+def move_back(moved: list[tuple[Path, Path]]) -> None:
+    """Undoes `move_aside` (a start-up that failed after it): what the failed start made in
+    the old places is removed, the old entries renamed back, the emptied sibling removed."""
+    for old, aside in reversed(moved):
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
+        aside.rename(old)
+    for parent in {aside.parent for old, aside in moved if aside.parent != old.parent}:
+        with contextlib.suppress(OSError):
+            parent.rmdir()
 
 
 class RunLock:

@@ -220,7 +220,7 @@ def eval_step(
 ) -> dict:
     """Sums for a held-out batch: `tokens` and every metric of the objective (`loss` is its
     `loss` metric, or its loss sum when it has none); the caller adds them over batches and
-    divides each by the summed `tokens` (`jaxllm.train.loop.evaluate`)."""
+    divides each by the summed `tokens` (`jaxllm.train.compiled.evaluate`)."""
     with sharding.active(parallel_settings):
         batch = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), batch)
         _, out = objective_value(

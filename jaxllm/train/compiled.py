@@ -1,0 +1,83 @@
+"""The jitted train and eval steps of a config, and evaluation over held-out batches: what
+`jaxllm train`, `plan`, `bench` and `eval` compile the same way."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jaxllm import config, optim, sharding
+from jaxllm.config.pipeline import microbatches
+from jaxllm.model import abstract_model
+from jaxllm.train import loss_scale, objectives
+from jaxllm.train import others as others_lib
+from jaxllm.train.batches import to_global
+from jaxllm.train.state import grad_shardings, layout, state_shardings
+from jaxllm.train.step import BATCH_AXES, eval_step, train_step
+
+
+def compile_steps(cfg: config.Config, mesh):
+    """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
+    graphdef, _, axes = abstract_model(cfg.model, cfg.peft)
+    tx = optim.build(cfg.optim, cfg.train.steps, axes)
+    scaling = loss_scale.from_config(cfg.optim, cfg.model)
+    batch_sh = sharding.named(mesh, BATCH_AXES)
+    objective = objectives.from_config(cfg)
+    held = others_lib.resolve_others(cfg, objective)  # a reference, a teacher
+    shardings = state_shardings(cfg.model, tx, mesh, scaling, **layout(cfg))
+    shardings = shardings.replace(others=others_lib.shardings(held, mesh))
+    other_graphdefs = others_lib.graphdefs(held)
+    parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
+    step_fn = functools.partial(
+        train_step,
+        graphdef=graphdef,
+        tx=tx,
+        lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
+        objective=objective,
+        parallel_settings=parallel_settings,
+        grad_accum_steps=microbatches(cfg),
+        grad_shardings=grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft),
+        offload_opt_state=cfg.optim.offload == "host",
+        loss_scaling=scaling,
+        other_graphdefs=other_graphdefs,
+    )
+    jit_train = jax.jit(
+        step_fn,
+        in_shardings=(shardings, batch_sh),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
+    jit_eval = jax.jit(
+        functools.partial(
+            eval_step,
+            graphdef=graphdef,
+            objective=objective,
+            parallel_settings=parallel_settings,
+            other_graphdefs=other_graphdefs,
+        ),
+        in_shardings=(
+            shardings.params,
+            batch_sh,
+            shardings.model_state,
+            shardings.frozen,
+            shardings.others,
+        ),
+    )
+    return jit_train, jit_eval, tx, shardings, batch_sh
+
+
+def evaluate(
+    jit_eval, params, batches: list[dict], batch_sh, model_state=None, frozen=None, others=None
+) -> dict[str, float]:
+    """{'eval_loss', 'eval_<metric>' ...}: every metric of the objective over the held-out
+    `batches`, its sum divided by the summed `tokens` (as training logs them)."""
+    global_rows = len(batches[0]["inputs"]) * jax.process_count() if batches else 0
+    model_state = {} if model_state is None else model_state
+    sums = [
+        jit_eval(params, to_global(b, batch_sh, global_rows), model_state, frozen, others)
+        for b in batches
+    ]
+    totals = {k: sum(float(s[k]) for s in sums) for k in (sums[0] if sums else {"loss": 0})}
+    tokens = max(totals.pop("tokens", 0.0), 1.0)
+    return {f"eval_{k}": v / tokens for k, v in totals.items()}
