@@ -67,7 +67,7 @@ def test_resume_heals_a_damaged_run(small_run, tmp_path, monkeypatch, capsys):
         code = main(["train", str(run), "train.steps=6", "checkpoint.keep=2"])
     said = _warnings_printed(capsys.readouterr().err)
     assert code == 0
-    assert "step 4" in said and "moved it to 4.damaged, resuming from step 2" in said
+    assert "step 4" in said and "moved it to 4.damaged, falling back to step 2" in said
     assert "metrics.jsonl:" in said and "not a whole JSON line" in said
     assert "could not draw" in said  # ... after the final checkpoint was written
     assert checkpoint.steps(ckpts) == [4, 6]  # step 4 redone and saved; 2 pruned, not 999

@@ -254,7 +254,7 @@ class Checkpointer:
                 name = set_aside(self.directory, step).name
             sync("jaxllm_checkpoint_damaged")
             _warn_unreadable(
-                self.directory, step, e, f"moved it to {name}, resuming from step {used}", 4
+                self.directory, step, e, f"moved it to {name}, falling back to step {used}", 4
             )
         if unreadable:
             self._mgr.reload()
