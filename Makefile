@@ -1,14 +1,17 @@
 # Two entry points do all set-up on a fresh machine with Python 3.11+:
-#   make train   trains the default model on the built-in corpus (the main job)
-#   make test    runs the test suite
-# Both create .venv and install jaxllm into it (once; again when pyproject.toml changes).
+#   make train   trains the default model on the built-in corpus (the main job); installs only
+#                jaxllm and what training needs
+#   make test    runs the test suite; installs the test extra too (pytest, ruff, and the
+#                reference libraries of the parity tests: torch, transformers, peft, trl)
+# Both create .venv and install into it (once; again when pyproject.toml changes).
 #   make test-newest   the suite again on Python 3.12 with the newest jax, flax, optax, orbax and
 #                      grain (in .venv-newest; the tests that need torch run on the main line only)
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+CORE   := $(VENV)/.installed-core
+TESTS  := $(VENV)/.installed-test
 
 # The newest line's interpreter: python3.12 on PATH, or one that pyenv holds without selecting it.
 NEWEST_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(if $(shell $(p) -c 'import sys; print(sys.version_info[:2] == (3, 12))' 2>/dev/null | grep True),$(p))))
@@ -16,19 +19,25 @@ NEWEST_VENV   ?= .venv-newest
 
 .PHONY: train test test-all test-newest bench lint clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
 
-train: $(STAMP)
+$(CORE): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(CORE)
+
+$(TESTS): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(TESTS) $(CORE)
+
+train: $(CORE)
 	$(BIN)/jaxllm train $(ARGS)
 
-test: $(STAMP)
+test: $(TESTS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+test-all: $(TESTS)
 	$(BIN)/python -m pytest -m 'not gpu' $(PYTEST_ARGS)
 
 test-newest:
@@ -42,11 +51,11 @@ else
 	$(NEWEST_VENV)/bin/python -m pytest --without-torch $(PYTEST_ARGS)
 endif
 
-lint: $(STAMP)
+lint: $(TESTS)
 	$(BIN)/ruff format --check jaxllm kernels tests scripts
 	$(BIN)/ruff check jaxllm kernels tests scripts
 
-bench: $(STAMP)
+bench: $(CORE)
 	$(BIN)/jaxllm bench train $(ARGS)
 
 clean:
