@@ -286,7 +286,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+# slow: the same DPO run as the LoRA row; QLoRA's merged and continued starts run by default above
+SLOW = {"dpo-full-from-qlora-sft"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.id in SLOW else []) for c in CASES],
+)
 def test_init_from_a_fine_tuning_run(case: Case, data, sft_lora, tmp_path, capsys):
     source = tmp_path / "source"
     shutil.copytree(sft_lora, source)
