@@ -35,7 +35,16 @@ from jaxllm import checkpoint, config
 from jaxllm.adapters.hf_peft import imported_adapters
 from jaxllm.config import Config, ConfigError, PeftConfig
 from jaxllm.convert import is_hf_dir
-from jaxllm.load import BASE_ITEM, check_shapes, load_weights, resolve, weight_files, weight_targets
+from jaxllm.load import (
+    BASE_ITEM,
+    check_base,
+    check_shapes,
+    content_hash,
+    load_weights,
+    resolve,
+    weight_files,
+    weight_targets,
+)
 from jaxllm.load import base_record as _own_base_record
 from jaxllm.model import abstract_model, build, init_keys, split_peft
 
@@ -155,7 +164,9 @@ def starting_weights(cfg: Config, source: str, mesh: Mesh, base: dict | None, ck
         shardings = jax.tree.map(lambda t: t.sharding, weight_targets(cfg.model, mesh)[1])
         init = lambda: split_peft(build(cfg.model, init_key), None)[1]  # noqa: E731
         params = jax.jit(init, out_shardings=shardings)()
-    else:
+    else:  # as its own readers do, the base must still hold the weights it recorded
+        where, files = weight_files(Path(base["source"]))
+        check_base(base, {"source": str(where), "sha256": content_hash(files, where)})
         params, _ = load_weights(base["source"], cfg.model, mesh)
     trained, model_state = adapters_of(source, cfg, theirs, mesh)
     if not cfg.model.value_head:
