@@ -24,6 +24,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_faults import tree_hash
 
 import jaxllm
 from jaxllm import adapters, checkpoint, config, sharding
@@ -299,14 +300,14 @@ def test_init_from_a_fine_tuning_run(case: Case, data, sft_lora, tmp_path, capsy
     shutil.copytree(sft_lora, source)
     if case.setup:
         case.setup(source)
-    before = _tree_hash(source)
+    before = tree_hash(source)
     run = tmp_path / "run"
     code = main(["train", *case.argv(data, source, run)])
     out, err = capsys.readouterr()
     messages = [ln for ln in err.splitlines() if ln.startswith("jaxllm:")]
     assert code == case.code, err
     assert "Traceback" not in out + err
-    assert _tree_hash(source) == before, "the command changed the source run"
+    assert tree_hash(source) == before, "the command changed the source run"
     if case.code:
         assert len(messages) == 1, err
         assert case.says in messages[0], messages[0]
@@ -314,17 +315,6 @@ def test_init_from_a_fine_tuning_run(case: Case, data, sft_lora, tmp_path, capsy
     else:
         assert not messages, err
         case.check(run)
-
-
-def _tree_hash(root: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(str(p.relative_to(root)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.mark.slow  # GRPO's rollouts compile a generator; DPO from LoRA runs by default above
