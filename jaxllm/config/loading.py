@@ -18,9 +18,46 @@ from jaxllm.config.errors import fail as _fail
 from jaxllm.config.root import Config
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that gives a key twice (PyYAML would keep the last one without a word)."""
+
+    def __init__(self, key: str, lines: tuple[int, int]):
+        super().__init__(f"{key} is given twice (lines {lines[0]} and {lines[1]})")
+        self.key, self.lines = key, lines
+
+
+def _check_unique(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """Raises DuplicateKey for the first key given twice in a mapping under `node`; `path`
+    names `node` in the message (`train`, `data.sources[0]`). Merge keys (`<<: *base`) may be
+    overridden on purpose and are left alone."""
+    if id(node) in seen:  # an alias of a node already checked (or a recursive one)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            name = f"{path}.{key.value}" if path else key.value
+            line = key.start_mark.line + 1
+            if (key.tag, key.value) in first:
+                raise DuplicateKey(name, (first[key.tag, key.value], line))
+            first[key.tag, key.value] = line
+            _check_unique(value, name, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique(item, f"{path}[{i}]", seen)
+
+
 class _Loader(yaml.SafeLoader):
     """YAML 1.2 scalars: only true/false are booleans (`yes`, `on` stay strings) and `1e-3` is
-    a float (YAML 1.1 wants a dot)."""
+    a float (YAML 1.1 wants a dot); and a key given twice in one mapping is a DuplicateKey. (The
+    check walks the whole document before it is built, since a mapping alone does not know its
+    path, which the message names.)"""
+
+    def construct_document(self, node):
+        _check_unique(node, "", set())
+        return super().construct_document(node)
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -44,8 +81,19 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _yaml(text: str):
+def _yaml(text: str | bytes):
     return yaml.load(text, Loader=_Loader)
+
+
+def _what(value: Any) -> str:
+    """A YAML value as a message names it: `a list`, `the number 3`, `the string 'x'`."""
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int | float):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return f"the string {value if len(value) <= 40 else value[:37] + '...'!r}"
+    return "a list" if isinstance(value, list) else f"a {type(value).__name__}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -69,17 +117,28 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not path.is_file():
         _fail(f"config file {path} does not exist; check the path.")
     try:
-        raw = _yaml(path.read_text()) or {}
+        raw = _yaml(path.read_bytes())  # bytes: YAML's own encodings (UTF-8, -16), not the locale's
+    except yaml.reader.ReaderError as e:  # bytes that are not UTF-8, or control characters
+        at = (
+            f"byte {e.position} is not {e.encoding.upper()}"
+            if e.encoding != "unicode"  # a decoding error, not a character YAML refuses
+            else f"character {e.position} is U+{e.character:04X}, which YAML does not allow"
+        )
+        _fail(f"{path} is not a text YAML file ({at}); give a YAML config.")
+    except DuplicateKey as e:
+        _fail(f"{path}: {e}; keep one of them.")
     except yaml.YAMLError as e:
         _fail(f"{path} is not valid YAML: {str(e).splitlines()[0]}.")
+    if raw is None:
+        _fail(f"{path} is empty; give it sections (train:, model:, ...) or no CONFIG at all.")
     if not isinstance(raw, dict):
-        _fail(f"{path} must hold a mapping of sections, not a {type(raw).__name__}.")
+        _fail(f"{path} must hold a mapping of sections (train:, model:, ...), not {_what(raw)}.")
     for section, value in raw.items():
         if section == "include" or value is None or isinstance(value, dict):
             continue
         if not (isinstance(value, str) and section in _PRESET_DIRS):
             what = "a mapping of keys" + (" or a preset name" if section in _PRESET_DIRS else "")
-            _fail(f"{path}: section `{section}:` must be {what}, not a {type(value).__name__}.")
+            _fail(f"{path}: section `{section}:` must be {what}, not {_what(value)}.")
     includes = raw.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
@@ -129,6 +188,9 @@ def _parse_override(item: str) -> dict:
     key = key.strip()
     try:
         value = _yaml(text) if text.strip() else None
+    except DuplicateKey as e:
+        where = e.key if e.key.startswith("[") else f".{e.key}"
+        _fail(f"override {item!r}: {key}{where} is given twice; keep one of them.")
     except yaml.YAMLError:
         value = text
     if key in _PRESET_DIRS and isinstance(value, str):
