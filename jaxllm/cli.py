@@ -18,10 +18,12 @@
 Exit codes, each failure with one sentence on stderr and no traceback:
   0    done; also when SIGINT / SIGTERM stopped training and a checkpoint was written
   1    the environment failed (read-only or full disk, a path that is a file, a directory
-       removed mid-run, the run directory held by another process), or non-finite steps
-       stopped training, or `plan` found the model does not fit
+       removed mid-run, the run directory held by another process, JAX_PLATFORMS naming a
+       platform the machine cannot start, a coordinator that does not answer), or non-finite
+       steps stopped training, or `plan` found the model does not fit
   2    a mistake the user can fix (config keys, types, impossible shapes, bad data or
-       checkpoints), reported before anything is compiled or written
+       checkpoints, a config file that is not a YAML mapping or gives a key twice, option values
+       out of range), reported before anything is compiled or written
   130  SIGINT (143: SIGTERM) during start-up, before training ran; nothing to save
 """
 
@@ -30,7 +32,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
+import re
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -45,10 +50,11 @@ def cmd_train(ns) -> int:
     from jaxllm.train.signals import Signals
 
     with Signals() as signals:  # before jax is imported: a signal at any point is handled
-        cfg = config.load_args(ns.args)
         from jaxllm import distributed
 
-        distributed.initialize(ns.coordinator, ns.num_processes, ns.process_id)
+        group = distributed.settings(ns.coordinator, ns.num_processes, ns.process_id)
+        cfg = config.load_args(ns.args)
+        distributed.initialize(group)
         from jaxllm.train.loop import train
 
         result = train(cfg, signals)
@@ -94,8 +100,6 @@ def cmd_eval(ns) -> int:
     path, overrides = config.split_args(ns.args)
     if path is None:
         raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
-    if ns.batches is not None and ns.batches < 1:
-        raise ConfigError(f"--batches must be at least 1, not {ns.batches}.")
     if ns.chat_exact_match is not None:
         from jaxllm.infer.cli import cmd_exact_match
 
@@ -220,6 +224,72 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Numeric options of every command, which argparse checks for type only: (argparse dest, the
+# least value, what 0 means) and (dest, whether 0 is allowed) for floats, which must be finite.
+# `main` checks them before the command runs. (bench train checks --steps and --warmup.)
+_COUNTS = (
+    ("devices", 1, ""),
+    ("max_new_tokens", 1, ""),
+    ("top_k", 0, "off"),
+    ("kv_page_size", 0, "a contiguous cache"),
+    ("batches", 1, ""),
+    ("workers", 0, "in this process"),
+    ("shard_docs", 1, ""),
+    ("max_files", 1, ""),
+)
+_AMOUNTS = (("temperature", True), ("seconds", False))
+
+
+def check_options(ns: argparse.Namespace) -> None:
+    """A ConfigError naming the first numeric option out of its range, and what it allows."""
+    for dest, least, zero in _COUNTS:
+        value = getattr(ns, dest, None)
+        if value is not None and value < least:
+            means = f" (0: {zero})" if zero else ""
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least {least}{means}, not {value}.")
+    for dest, zero_ok in _AMOUNTS:
+        value = getattr(ns, dest, None)
+        if value is not None and not (
+            math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+        ):
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(
+                f"{flag} must be a finite number {'>=' if zero_ok else '>'} 0, not {value}."
+            )
+
+
+def _backend_failure(e: BaseException) -> str | None:
+    """JAX failing to start the platforms JAX_PLATFORMS names (or a broken plugin) as one
+    sentence: the machine's setup, not a bug. None for any other error. (JAX raises a
+    RuntimeError, or a bare AssertionError when it skipped every platform named, e.g. `cuda`
+    without a visible GPU, wherever a command first asks for devices: so here, not in each.)"""
+    said = re.fullmatch(
+        r"Unable to initialize backend '([^']*)': (.*?)\.?"
+        r"(?: \((?:set JAX_PLATFORMS|you may need)[^()]*\))?",
+        " ".join(str(e).split()),
+    )
+    last = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    skipped_all = isinstance(e, AssertionError) and (
+        last is not None and (Path(last.filename).name, last.name) == ("xla_bridge.py", "backends")
+    )
+    if said is None and not skipped_all:
+        return None
+    import jax
+
+    platforms = jax.config.jax_platforms
+    fix = "unset JAX_PLATFORMS to use what this machine has, or set JAX_PLATFORMS=cpu"
+    if said is None:
+        return f"JAX_PLATFORMS={platforms}: none of these platforms is on this machine; {fix}."
+    name, why = said.groups()
+    if not platforms:
+        return (
+            f"JAX cannot start platform '{name}' ({why}); set JAX_PLATFORMS=cpu to skip it, or "
+            "repair or remove its plugin."
+        )
+    return f"JAX_PLATFORMS={platforms}: JAX cannot start platform '{name}' here ({why}); {fix}."
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"jaxllm: warning: {message}", file=sys.stderr if file is None else file)
 
@@ -312,12 +382,19 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse(argv)
     with _quiet_libraries():
         try:
+            check_options(ns)
             return ns.func(ns)
         except ConfigError as e:
             print(f"jaxllm: config error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
         except RunError as e:
             print(f"jaxllm: error: {e}", file=sys.stderr)
+            return EXIT_ENVIRONMENT
+        except (RuntimeError, AssertionError) as e:
+            said = _backend_failure(e)
+            if said is None:
+                raise
+            print(f"jaxllm: error: {said}", file=sys.stderr)
             return EXIT_ENVIRONMENT
         except OSError as e:  # the machine, not the user's config: one line, no traceback
             where = f": {e.filename}" if e.filename else ""

@@ -32,7 +32,10 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
         key, sep, values = item.partition("=")
         if not sep or not key.strip() or not values.strip():
             raise ConfigError(f"--grid {item!r} must look like key=value1,value2.")
-        grid.append((key.strip(), [v.strip() for v in values.split(",") if v.strip()]))
+        listed = [v.strip() for v in values.split(",") if v.strip()]
+        if not listed:
+            raise ConfigError(f"--grid {item!r} gives no values; list them after '=', with commas.")
+        grid.append((key.strip(), listed))
     keys = [k for k, _ in grid]
     if len(set(keys)) != len(keys):
         raise ConfigError(f"--grid names a key twice: {', '.join(keys)}.")
