@@ -117,11 +117,13 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     committed = False
 
     def undo() -> None:  # a start-up that fails leaves what it made as it found it: absent
-        if lock and not committed:
+        if not lock:
+            return
+        if not committed:
             for p in made:
                 shutil.rmtree(p, ignore_errors=True)
             move_back(moved)
-            lock.release()
+        lock.release()
 
     def commit() -> None:  # training goes on: from here the run directory is this command's
         nonlocal committed
