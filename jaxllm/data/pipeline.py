@@ -7,8 +7,9 @@
 Each source is packed on its own (a row never mixes sources); several sources become a
 `MixtureRows`. Text is packed by `data.packing`; SFT examples (format chat / prompt_completion,
 `jaxllm.data.sft`) are packed whole, first-fit, with their loss masks; preference pairs
-(`jaxllm.data.preference`) likewise, a pair's two sequences side by side. Without `data.eval_sources` each source holds out `data.eval_fraction` of its
-files; a prepared directory holds out the files `prepare` held out, by the same rule (so its
+(`jaxllm.data.preference`) likewise, a pair's two sequences side by side. Without
+`data.eval_sources` each source holds out `data.eval_fraction` of its files, or of its records
+when it has too few files (`jaxllm.data.sources.split_source`); a prepared directory holds out the files `prepare` held out, by the same rule (so its
 rows equal those of tokenizing the same files here), and `data.max_files` caps its shards.
 """
 
@@ -24,7 +25,7 @@ from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.data import preference, sft
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
-from jaxllm.data.sources import BadRecords, is_prepared_dir, list_files, read_texts, split_files
+from jaxllm.data.sources import BadRecords, is_prepared_dir, list_files, read_texts, split_source
 from jaxllm.data.tokenizer import Tokenizer, encode_documents, make_tokenizer
 
 Rows = PackedRows | FirstFitRows | preference.PairRows
@@ -93,9 +94,10 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
             f"{key}.path: the {len(files)} file(s) of {src.path} hold no documents (empty, or "
             "every record was skipped as bad)."
         )
-    held = {f.path for f in split_files(files, cfg.eval_fraction, key)[1]} if hold_out else set()
-    train = [t for f, ts in zip(files, texts) if f.path not in held for t in ts]
-    evals = [t for f, ts in zip(files, texts) if f.path in held for t in ts]
+    if hold_out:
+        train, evals = split_source(files, texts, cfg.eval_fraction, key)
+    else:
+        train, evals = [t for ts in texts for t in ts], []
     if sft.is_sft(src):
         return sft.encode_examples(tok, train, src.format), sft.encode_examples(
             tok, evals, src.format

@@ -4,7 +4,8 @@
 
 One record is one document's int32 tokens (little-endian, no BOS/EOS: the packer adds them per
 `data.add_bos` / `data.add_eos`, so one preparation serves both). Files are split into train and
-eval by the same path hash as on-the-fly loading (`--eval-fraction`, default that of DataConfig),
+eval by the same rule as on-the-fly loading (`--eval-fraction`, default that of DataConfig: whole
+files by a path hash, or records when a source has too few files; 0 holds out nothing),
 written to `train-NNNNN.arrayrecord` and `eval-NNNNN.arrayrecord`, and `DIR/manifest.json`
 records the tokenizer (with a SHA-256 of its file), every shard's documents and tokens, and the
 totals. The directory is built in a hidden temporary sibling with the manifest written last, and
@@ -44,11 +45,12 @@ from jaxllm.data import chat, sft
 from jaxllm.data.sources import (
     MANIFEST,
     BadRecords,
-    held_out,
+    by_records,
     list_files,
     read_arrayrecord,
     read_texts,
     refuse_output_over,
+    split_records,
 )
 from jaxllm.data.tokenizer import encode_documents, load_tokenizer, tokenizer_fingerprint
 
@@ -173,17 +175,21 @@ def prepare(
             return read_texts(f, src.text_field, on_bad_record, bad)
         return sft.read_examples(f, src, tok, on_bad_record, bad)
 
+    # each source's split, by its files or (too few files) its records, as training makes it
+    records = {
+        id(src): by_records([f for f, s in files if s is src], eval_fraction) for src in sources
+    }
+
     def chunks() -> Iterator[tuple[str, list, int, str]]:
         items, chars, split, files_done = [], 0, "train", 0
         for f, src in files:
-            file_split = "eval" if held_out(f.key, eval_fraction) else "train"
-            for item in read(f, src):
+            for item_split, item in split_records(f, read(f, src), eval_fraction, records[id(src)]):
                 if items and (
-                    file_split != split or len(items) == _CHUNK_DOCS or chars > _CHUNK_CHARS
+                    item_split != split or len(items) == _CHUNK_DOCS or chars > _CHUNK_CHARS
                 ):
                     yield split, items, files_done, kind
                     items, chars, files_done = [], 0, 0
-                split = file_split
+                split = item_split
                 items.append(item)
                 chars += len(item if kind == "text" else item.text)
             files_done += 1
