@@ -69,6 +69,8 @@ def cmd_train(ns) -> int:
         said = [f"train loss {result['loss']:.3f}"]
         said += [f"eval loss {result['eval_loss']:.3f}"] if "eval_loss" in result else []
         said += [f"eval reward {result['eval_reward']:.3f}"] if "eval_reward" in result else []
+        if not cfg.data.eval_sources and cfg.data.eval_fraction == 0:
+            unit += "; no eval: no held-out split (data.eval_fraction=0)"
         print(
             f"{'stopped' if result.get('stopped') else 'done'}: step {result['step']}, "
             f"{', '.join(said)}{unit}",

@@ -1,7 +1,9 @@
 """`jaxllm eval`: restore only the weights of a run and report loss and perplexity on a dataset.
 
 The dataset is the run's own held-out split unless overrides name another one, e.g.
-`data.eval_sources=[{path: valid.jsonl}]`.
+`data.eval_sources=[{path: valid.jsonl}]`. The held-out split follows training's rules
+(`jaxllm.data.pipeline`); with none at all (`data.eval_fraction=0` and no `data.eval_sources`)
+there is nothing to evaluate.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import jax
 
 from jaxllm import sharding
+from jaxllm.config import ConfigError
 from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.data.span_corruption import corrupted_splits
@@ -56,6 +59,11 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
         _, eval_rows = corrupted_splits(cfg.data, cfg.model.vocab_size)
     else:
         _, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
+    if eval_rows is None:
+        raise ConfigError(
+            "data.eval_fraction=0 holds nothing out and data.eval_sources is empty: there is no "
+            "held-out split to evaluate; name one, e.g. data.eval_sources=[{path: valid.jsonl}]."
+        )
     batches = eval_batches(
         eval_rows,
         gbs,

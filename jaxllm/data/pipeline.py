@@ -146,8 +146,9 @@ def _mix(parts: list[Rows], sources: Sequence[SourceConfig], seed: int) -> Rows 
 
 def load_splits(
     cfg: DataConfig, virtual_tokens: int = 0, whole_inputs: bool = False
-) -> tuple[Rows | MixtureRows, Rows | MixtureRows]:
-    """(train rows, eval rows) of the configured sources; ConfigError for anything the user can
+) -> tuple[Rows | MixtureRows, Rows | MixtureRows | None]:
+    """(train rows, eval rows) of the configured sources, eval rows None when nothing is held out
+    (`data.eval_fraction=0` without `data.eval_sources`); ConfigError for anything the user can
     fix (missing path, no files, no text, bad records under on_bad_record=fail, tokenizer).
     `virtual_tokens`: a soft prompt's length (peft.method=prompt), whose placeholder ids start
     every SFT example. `whole_inputs`: preference sequences get their closing slot (reward
@@ -159,7 +160,7 @@ def load_splits(
                 raise ConfigError(f"data.{name}[{i}].weight must be positive, not {src.weight}.")
     if not cfg.sources:
         raise ConfigError("data.sources is empty; name at least one corpus.")
-    hold_out = not cfg.eval_sources
+    hold_out = not cfg.eval_sources and cfg.eval_fraction > 0
     train_parts, eval_parts = [], []
     for i, src in enumerate(cfg.sources):
         key = f"data.sources[{i}]"
@@ -174,6 +175,8 @@ def load_splits(
         docs = _source_documents(src, key, cfg, tok, False)[0]
         eval_parts.append(_rows(docs, key, cfg, tok, virtual_tokens, whole_inputs))
     eval_weights_from = cfg.sources if hold_out else cfg.eval_sources
+    if not eval_parts:
+        return _mix(train_parts, cfg.sources, cfg.seed), None
     return _mix(train_parts, cfg.sources, cfg.seed), _mix(eval_parts, eval_weights_from, cfg.seed)
 
 
@@ -269,14 +272,17 @@ def train_batches(
 
 
 def eval_batches(
-    rows: Rows | MixtureRows,
+    rows: Rows | MixtureRows | None,
     batch_size: int,
     num_batches: int,
     local: slice | None = None,
     transform=None,
 ) -> list[dict]:
     """The same first `num_batches` batches of the held-out rows at every evaluation, each row
-    rewritten by `transform(index, row)` when given (as `train_batches`)."""
+    rewritten by `transform(index, row)` when given (as `train_batches`); none when `rows` is
+    None (no held-out split)."""
+    if rows is None:
+        return []
     n = min(num_batches * batch_size, len(rows) - len(rows) % batch_size)
     if n == 0:
         raise ConfigError(

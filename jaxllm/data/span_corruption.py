@@ -211,7 +211,7 @@ def corrupted_splits(data_cfg, vocab_size: int):
             mean_span_length=sc.mean_span_length,
         )
 
-    return corrupted(train), corrupted(held_out)
+    return corrupted(train), None if held_out is None else corrupted(held_out)
 
 
 def batch_lengths(data_cfg) -> dict[str, int]:

@@ -100,9 +100,15 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
         sources = ", ".join(src.path for src in cfg.data.sources)
         _log(
             f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} "
-            f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; {eval_rows.num_docs} "
-            f"eval docs ({time.perf_counter() - t0:.1f}s)"
+            f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; "
+            f"{'no' if eval_rows is None else eval_rows.num_docs} eval docs "
+            f"({time.perf_counter() - t0:.1f}s)"
         )
+        if eval_rows is None:
+            _log(
+                "eval: none, no held-out split (data.eval_fraction=0 and no data.eval_sources); "
+                "train.eval_every does nothing"
+            )
         rewrite = row_transform(cfg, make_tokenizer(cfg.data))  # mlm / prefix_lm; else None
         batches = train_batches(train_rows, cfg.data, gbs, local, rewrite)
         held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local, rewrite)
@@ -345,7 +351,7 @@ def _loop(
         values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
         if at_state is not None and isinstance(batches, rollout.Rollouts):
             values.update(batches.evaluate(at_state))  # held-out reward, greedy
-        elif at_state is not None:
+        elif at_state is not None and held_out:  # none: no held-out split
             weights = (at_state.params, at_state.model_state, at_state.frozen, at_state.others)
             values.update(evaluate(jit_eval, weights[0], held_out, batch_sh, *weights[1:]))
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
