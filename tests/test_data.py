@@ -13,7 +13,8 @@ from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.data import ByteTokenizer
 from jaxllm.data.packing import PackedRows
 from jaxllm.data.pipeline import eval_batches, train_batches
-from jaxllm.data.sources import list_files, split_files
+from jaxllm.data.sources import list_files
+from jaxllm.data.split import split_files
 
 BOS, EOS = 256, 257
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -224,8 +225,14 @@ def test_eval_batches_are_fixed(synthetic_rows):
             np.testing.assert_array_equal(b[k], np.stack([rows[4 * i + j][k] for j in range(4)]))
     # more batches than the split holds: only whole batches, no partial one
     assert len(eval_batches(rows, batch_size=4, num_batches=10_000)) == len(rows) // 4
-    with pytest.raises(ConfigError, match="fewer than one batch of 4"):
-        eval_batches(pack([np.array([1, 2, 3])], seq_len=2), batch_size=4, num_batches=1)
+    # fewer rows than a batch: one batch, filled up with all-zero padding rows
+    small = pack([np.array([1, 2, 3])], seq_len=2)
+    (padded,) = eval_batches(small, batch_size=4, num_batches=1)
+    for k in KEYS:
+        np.testing.assert_array_equal(
+            padded[k][: len(small)], np.stack([small[i][k] for i in range(len(small))])
+        )
+        assert not padded[k][len(small) :].any(), k
 
 
 def test_rows_out_of_range_raise_index_error():

@@ -14,7 +14,8 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.data import pipeline, preference, sft
 from jaxllm.data.prepare import prepare
-from jaxllm.data.sources import TEXT_RECORD_LINES, held_out, list_files
+from jaxllm.data.sources import list_files
+from jaxllm.data.split import TEXT_RECORD_LINES, held_out
 from jaxllm.data.tokenizer import make_tokenizer
 
 # ------------------------------------------------------------------------- the split rule
@@ -139,3 +140,153 @@ def test_a_prepared_file_splits_as_training_splits_it(tmp_path):
     manifest = prepare([SourceConfig(path=str(path))], tmp_path / "prep", eval_fraction=0.2)
     assert manifest["splits"]["eval"]["docs"] > 0
     assert _split(tmp_path / "prep", "auto") == _split(path, "jsonl")
+
+
+# ------------------------------------------------------------------------- no held-out split
+
+
+def test_eval_fraction_0_trains_without_evaluation(tmp_path, capsys):
+    from conftest import SMALL_RUN
+
+    from jaxllm.cli import main
+
+    run = tmp_path / "run"
+    args = [*SMALL_RUN, "data.eval_fraction=0", "train.eval_every=1", "train.steps=2"]
+    assert main(["train", *args, f"run.dir={run}"]) == 0
+    err = capsys.readouterr().err
+    assert "no held-out split" in err and "train.eval_every does nothing" in err
+    assert "no eval: no held-out split (data.eval_fraction=0)" in err.splitlines()[-1]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and not [k for r in rows for k in r if k.startswith("eval_")]
+    # `jaxllm eval` of that run has nothing to evaluate unless told what: one config error
+    assert main(["eval", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "jaxllm: config error:" in err and "eval_sources" in err
+
+
+# ------------------------------------------------------------------------- a split under a batch
+
+TINY = [
+    "model.vocab_size=320",
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.mlp_dim=64",
+    "model.max_seq_len=64",
+    "model.dtype=float32",
+    "data.seq_len=32",
+    "train.global_batch_size=16",
+    "train.eval_batches=1",
+    "mesh.data=1",
+    "mesh.fsdp=1",
+]
+ENCODER = [  # a BERT-shaped encoder (tests/test_mlm.py)
+    "model.kind=encoder",
+    "model.position=learned",
+    "model.norm=layernorm",
+    "model.tie_embeddings=true",
+    "model.encoder.mlm_head=true",
+    "model.mlp_activation=gelu",
+]
+OBJECTIVES = {  # objective -> (source format, more overrides)
+    "next_token": ("jsonl", []),
+    "sft": ("prompt_completion", ["train.objective=sft"]),
+    "prefix_lm": ("jsonl", ["train.objective=prefix_lm"]),
+    "mlm": ("jsonl", [*ENCODER, "train.objective=mlm"]),
+    "span_corruption": (
+        "jsonl",
+        [
+            "train.objective=span_corruption",
+            "model.kind=encoder_decoder",
+            "model.position=relative",
+        ],
+    ),
+    "dpo": ("preference", ["train.objective=dpo"]),  # + train.reference, as distill's teacher
+    "ipo": ("preference", ["train.objective=ipo"]),
+    "simpo": ("preference", ["train.objective=simpo"]),
+    "orpo": ("preference", ["train.objective=orpo"]),
+    "reward": ("preference", ["train.objective=reward", "model.head=score"]),
+    "distill": ("jsonl", ["train.objective=distill"]),
+}
+WITH_OTHER = {"dpo": "train.reference", "ipo": "train.reference", "distill": "train.teacher"}
+
+
+@pytest.fixture(scope="module")
+def other_run(tmp_path_factory):
+    """A run directory holding a weights-only checkpoint of a tiny decoder: the reference of
+    DPO / IPO, the teacher of distillation."""
+    from jaxllm import checkpoint, config
+    from jaxllm.model import build, split_peft
+
+    cfg = config.load(None, TINY)
+    path = tmp_path_factory.mktemp("other") / "run"
+    path.mkdir()
+    config.dump(cfg, path / "config.yaml")
+    checkpoint.save_params(
+        checkpoint.checkpoint_dir(path, cfg.checkpoint.dir),
+        split_peft(build(cfg.model, 3), None)[1],
+        step=0,
+        config=config.to_dict(cfg),
+        tokenizer=checkpoint.tokenizer_record(cfg.data.tokenizer),
+    )
+    return path
+
+
+def _eval_of_five(tmp_path, name: str, *more: str):
+    """(the eval loss of a 5-row eval split, padded to a batch of 16, through `evaluate`; the
+    mean over those 5 rows computed directly, one row at a time)."""
+    import jax
+
+    from jaxllm import config, sharding
+    from jaxllm.data.objective_rows import row_transform
+    from jaxllm.data.span_corruption import corrupted_splits
+    from jaxllm.train import objectives
+    from jaxllm.train import others as others_lib
+    from jaxllm.train.batches import to_global
+    from jaxllm.train.compiled import compile_steps, evaluate
+    from jaxllm.train.state import init_state, layout
+
+    fmt, overrides = OBJECTIVES[name]
+    path = tmp_path / f"{name}.jsonl"
+    _write(path, fmt, _records(fmt, 0, 40))
+    source = f"[{{path: {path}, format: {fmt}}}]"
+    args = [*TINY, *overrides, f"data.sources={source}", f"data.eval_sources={source}", *more]
+    cfg = config.load(None, args).validate(1)
+    if name == "span_corruption":
+        _, rows = corrupted_splits(cfg.data, cfg.model.vocab_size)
+    else:
+        _, rows = pipeline.load_splits(cfg.data, whole_inputs=name == "reward")
+    five = [rows[i] for i in range(5)]  # the eval split: 5 rows, a third of a batch
+    rewrite = row_transform(cfg, make_tokenizer(cfg.data))
+    batches = pipeline.eval_batches(five, 16, 1, None, rewrite)
+    assert len(batches) == 1 and len(batches[0]["inputs"]) == 16
+
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    _, jit_eval, tx, _, batch_sh = compile_steps(cfg, mesh)
+    state = init_state(cfg.model, tx, mesh, 0, **layout(cfg))
+    held = others_lib.resolve_others(cfg, objectives.from_config(cfg))
+    state = state.replace(others=others_lib.load(held, mesh))
+    weights = (state.model_state, state.frozen, state.others)
+    padded = evaluate(jit_eval, state.params, batches, batch_sh, *weights)["eval_loss"]
+    loss = tokens = 0.0
+    for i, row in enumerate(five):
+        one = {k: v[None] for k, v in (rewrite(i, row) if rewrite else row).items()}
+        sums = jit_eval(state.params, to_global(one, batch_sh, 1), *weights)
+        loss, tokens = loss + float(sums["loss"]), tokens + float(sums["tokens"])
+    assert tokens > 0
+    return padded, loss / tokens
+
+
+FAST = ["next_token", "sft", "orpo", "reward"]  # the rest (~50 s) are marked slow
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in OBJECTIVES]
+)
+def test_an_eval_split_under_a_batch_is_the_mean_over_its_rows(tmp_path, name, request):
+    more = (
+        [f"{WITH_OTHER[name]}={request.getfixturevalue('other_run')}"] if name in WITH_OTHER else []
+    )
+    padded, direct = _eval_of_five(tmp_path, name, *more)
+    assert padded == pytest.approx(direct, rel=1e-5)

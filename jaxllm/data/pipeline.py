@@ -25,7 +25,8 @@ from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.data import preference, sft
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
-from jaxllm.data.sources import BadRecords, is_prepared_dir, list_files, read_texts, split_source
+from jaxllm.data.sources import BadRecords, is_prepared_dir, list_files, read_texts
+from jaxllm.data.split import split_source
 from jaxllm.data.tokenizer import Tokenizer, encode_documents, make_tokenizer
 
 Rows = PackedRows | FirstFitRows | preference.PairRows
@@ -280,17 +281,22 @@ def eval_batches(
 ) -> list[dict]:
     """The same first `num_batches` batches of the held-out rows at every evaluation, each row
     rewritten by `transform(index, row)` when given (as `train_batches`); none when `rows` is
-    None (no held-out split)."""
+    None (no held-out split). A split of fewer rows than one batch is one batch, filled up with
+    padding rows (all zeros: no segment, loss_mask 0), which every objective leaves out of its
+    sums and its counts."""
     if rows is None:
         return []
     n = min(num_batches * batch_size, len(rows) - len(rows) % batch_size)
-    if n == 0:
-        raise ConfigError(
-            f"the eval split has {len(rows)} rows, fewer than one batch of {batch_size}; add "
-            "eval data, raise data.eval_fraction, or lower train.global_batch_size."
-        )
-    ds = grain.MapDataset.source(rows)[:n]
+    if n == 0 and len(rows) == 0:
+        raise ConfigError("the eval split has no rows; add eval data or raise data.eval_fraction.")
+    ds = grain.MapDataset.source(rows)[: n or len(rows)]
     if transform is not None:
         ds = ds.map_with_index(transform)
+    if n == 0:  # fewer rows than one batch
+        items = [ds[i] for i in range(len(rows))]
+        pad = {k: np.zeros_like(v) for k, v in items[0].items()}
+        items += [pad] * (batch_size - len(items))
+        items = items[local] if local is not None else items
+        return [{k: np.stack([it[k] for it in items]) for k in items[0]}]
     batches = _local_rows(ds, batch_size, local)
     return [{k: np.asarray(v) for k, v in batches[i].items()} for i in range(len(batches))]

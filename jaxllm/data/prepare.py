@@ -45,13 +45,12 @@ from jaxllm.data import chat, sft
 from jaxllm.data.sources import (
     MANIFEST,
     BadRecords,
-    by_records,
     list_files,
     read_arrayrecord,
     read_texts,
     refuse_output_over,
-    split_records,
 )
+from jaxllm.data.split import by_records, split_records
 from jaxllm.data.tokenizer import encode_documents, load_tokenizer, tokenizer_fingerprint
 
 FORMAT = "jaxllm-prepared/1"

@@ -26,20 +26,14 @@ token ids, never text: beside their manifest they are read via their directory
 (`jaxllm.data.prepare.PreparedDir`); without it (a preparation that did not finish, or a
 manifest removed) they are refused.
 
-Files are held out for evaluation by a CRC32 of their path relative to the source root, so the
-split never changes when files are added elsewhere. A source whose files that rule cannot split
-(one file, or too few for the fraction: one side would be empty) holds out records instead, by a
-hash of (file key, record index): appending records never moves earlier ones. A text file's
-records are blocks of `TEXT_RECORD_LINES` lines. A source that grows from such a file to files
-the file rule can split changes to the file rule (and its split with it). Bad records are counted in a `BadRecords`
-and reported in one warning per source.
+A file's `key` is what the eval split hashes (`jaxllm.data.split`). Bad records are counted in a
+`BadRecords` and reported in one warning per source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import io
 import json
 import os
@@ -47,8 +41,7 @@ import re
 import sysconfig
 import tokenize
 import warnings
-import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from jaxllm.config import ConfigError, JaxllmWarning, SourceConfig
@@ -61,7 +54,6 @@ _WIDE_BOMS = {  # byte-order marks of encodings that UTF-8 would misread without
     b"\xff\xfe": "UTF-16",
     b"\xfe\xff": "UTF-16",
 }
-TEXT_RECORD_LINES = 100  # a text file split by records is cut into blocks of this many lines
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 _FORMAT_BY_SUFFIX = {
     ".jsonl": "jsonl",
@@ -168,103 +160,6 @@ def refuse_output_over(out: Path, paths: Sequence[Path], flag: str) -> None:
             f"{flag} {out} would replace SOURCE file {inside}, which it holds; write the "
             "output outside the sources."
         )
-
-
-def held_out(key: str, eval_fraction: float) -> bool:
-    return zlib.crc32(key.encode()) < int(eval_fraction * 2**32)
-
-
-def by_records(files: Sequence[DataFile], eval_fraction: float) -> bool:
-    """Whether a source holds out records instead of files: when holding out whole files by
-    their key would leave either side empty (one file, or too few for the fraction)."""
-    if eval_fraction <= 0:
-        return False
-    held = sum(held_out(f.key, eval_fraction) for f in files)
-    return held in (0, len(files))
-
-
-def record_held_out(file_key: str, index: int, eval_fraction: float) -> bool:
-    """Whether record `index` (0-based, in file order) of the file keyed `file_key` is held out
-    by the record-level split: a hash of both, so appended records never move earlier ones."""
-    digest = hashlib.blake2b(f"{file_key}\0{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") < int(eval_fraction * 2**64)
-
-
-def _text_blocks(text: str) -> list[str]:
-    """A text document as records: blocks of `TEXT_RECORD_LINES` lines."""
-    lines = text.splitlines(keepends=True)
-    n = TEXT_RECORD_LINES
-    return ["".join(lines[i : i + n]) for i in range(0, len(lines), n)] or [text]
-
-
-def split_records(
-    f: DataFile, items: Iterable, eval_fraction: float, records: bool
-) -> Iterator[tuple[str, object]]:
-    """(split, item) of each item of file `f`, split 'train' or 'eval'. With `records` (see
-    `by_records`) item i is held out by `record_held_out`, a text file's documents being cut
-    into blocks of lines first (consecutive blocks of one split are joined back into one
-    document); otherwise the whole file is, by `held_out`."""
-    if not records:
-        side = "eval" if held_out(f.key, eval_fraction) else "train"
-        yield from ((side, item) for item in items)
-        return
-    if f.format not in ("text", "stdlib"):
-        for i, item in enumerate(items):
-            yield ("eval" if record_held_out(f.key, i, eval_fraction) else "train"), item
-        return
-    index = 0
-    for doc in items:
-        run, run_side = [], None
-        for block in _text_blocks(doc):
-            side = "eval" if record_held_out(f.key, index, eval_fraction) else "train"
-            index += 1
-            if run and side != run_side:
-                yield run_side, "".join(run)
-                run = []
-            run.append(block)
-            run_side = side
-        if run:
-            yield run_side, "".join(run)
-
-
-def split_files(
-    files: Sequence[DataFile], eval_fraction: float, key: str = "data.sources"
-) -> tuple[list[DataFile], list[DataFile]]:
-    """(train, eval) by the hash of each file's key; ConfigError if either side is empty."""
-    train = [f for f in files if not held_out(f.key, eval_fraction)]
-    held = [f for f in files if held_out(f.key, eval_fraction)]
-    if not held or not train:
-        raise ConfigError(
-            f"data.eval_fraction={eval_fraction} leaves {len(train)} train and {len(held)} eval "
-            f"files of the {len(files)} in {key}; choose a fraction that leaves both non-empty, "
-            "or set data.eval_sources."
-        )
-    return train, held
-
-
-def split_source(
-    files: Sequence[DataFile],
-    items: Sequence[Iterable],
-    eval_fraction: float,
-    key: str = "data.sources",
-) -> tuple[list, list]:
-    """(train, eval) items of `files` (`items[i]` those of `files[i]`, in file order): whole
-    files by the hash of their key, or records when that would leave a side empty
-    (`by_records`); ConfigError if a side is still empty."""
-    records = by_records(files, eval_fraction)
-    sides: dict[str, list] = {"train": [], "eval": []}
-    for f, its in zip(files, items):
-        for side, item in split_records(f, its, eval_fraction, records):
-            sides[side].append(item)
-    train, held = sides["train"], sides["eval"]
-    if not held or not train:
-        unit = "records" if records else "documents"
-        counted = f"{len(train)} train and {len(held)} eval {unit} of the {len(files)} file(s)"
-        raise ConfigError(
-            f"data.eval_fraction={eval_fraction} leaves {counted} in {key}; choose a fraction that "
-            "leaves both non-empty, or set data.eval_sources."
-        )
-    return train, held
 
 
 class BadRecords:

@@ -189,7 +189,7 @@ class ReferenceLogps:
         train_rows, eval_rows = rows
         counts = {
             "train": len(train_rows),
-            "eval": min(cfg.train.eval_batches * gbs, len(eval_rows)),
+            "eval": 0 if eval_rows is None else min(cfg.train.eval_batches * gbs, len(eval_rows)),
         }
         record = self.record()
         meta_path = self.dir / META
@@ -205,6 +205,8 @@ class ReferenceLogps:
         meta = {"reference": record}
         logps, forward, weights = {}, None, None
         for split, split_rows in (("train", train_rows), ("eval", eval_rows)):
+            if split_rows is None:  # no held-out split (data.eval_fraction=0)
+                continue
             t0 = time.perf_counter()
             n, path = counts[split], self.dir / f"{split}.npy"
             meta[split] = {"rows": n, "seq_len": cfg.data.seq_len}
@@ -233,9 +235,10 @@ class ReferenceLogps:
         with_ref = {
             s: WithReference(r, logps[s], self.dir / f"{s}.npy" if lead else None)
             for s, r in (("train", train_rows), ("eval", eval_rows))
+            if r is not None
         }
         local = process_rows(sharding.named(mesh, BATCH_AXES), gbs)
         new = train_batches(with_ref["train"], cfg.data, gbs, local)
         new.set_state(batches.get_state())
         batches.close()
-        return new, eval_batches(with_ref["eval"], gbs, cfg.train.eval_batches, local)
+        return new, eval_batches(with_ref.get("eval"), gbs, cfg.train.eval_batches, local)
