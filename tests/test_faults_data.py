@@ -128,6 +128,12 @@ def _json_array(t: Path) -> None:
     (t / "src" / "alpaca.json").write_text(json.dumps(records, indent=2))
 
 
+def _two_records(t: Path) -> None:
+    """One JSONL file of two records: too few for data.eval_fraction to hold one out."""
+    (t / "src").mkdir()
+    (t / "src" / "two.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+
+
 def _train_on(path: str) -> Callable[[Path], list[str]]:
     return lambda t: [
         "train",
@@ -157,6 +163,19 @@ def _tokenizer(*args: str, out: str = "out", more: tuple = ()) -> Callable[[Path
 
 
 CASES = [
+    # a file too small for its held-out split (records, not files, are held out from one file)
+    Case(
+        "one-file-too-few-records",
+        lambda t: [
+            "train",
+            *SMALL_RUN,
+            f"run.dir={t / 'run'}",
+            f"data.sources=[{{path: '{t}/src/two.jsonl'}}]",
+        ],
+        2,
+        "data.eval_fraction=0.05 leaves 2 train and 0 eval records of the 1 file(s) in data.sources[0]",
+        _two_records,
+    ),
     # prepared shards are never read as text, with or without their manifest (exit 2)
     Case(
         "prepared-without-manifest-train",
