@@ -2,8 +2,8 @@
 
 The dataset is the run's own held-out split unless overrides name another one, e.g.
 `data.eval_sources=[{path: valid.jsonl}]`. The held-out split follows training's rules
-(`jaxllm.data.pipeline`); with none at all (`data.eval_fraction=0` and no `data.eval_sources`)
-there is nothing to evaluate.
+(`jaxllm.data.pipeline`): one smaller than a batch is one padded batch; with none at all
+(`data.eval_fraction=0` and no `data.eval_sources`) there is nothing to evaluate.
 """
 
 from __future__ import annotations
@@ -76,5 +76,5 @@ def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> d
         "step": step,
         **results,
         "perplexity": math.exp(results["eval_loss"]),
-        "tokens": len(batches) * gbs * cfg.data.seq_len,
+        "tokens": min(len(batches) * gbs, len(eval_rows)) * cfg.data.seq_len,  # padding: none
     }

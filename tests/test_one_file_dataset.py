@@ -290,3 +290,13 @@ def test_an_eval_split_under_a_batch_is_the_mean_over_its_rows(tmp_path, name, r
     )
     padded, direct = _eval_of_five(tmp_path, name, *more)
     assert padded == pytest.approx(direct, rel=1e-5)
+
+
+def test_jaxllm_eval_evaluates_a_split_under_a_batch(other_run, tmp_path):
+    from jaxllm.evaluate import evaluate_checkpoint
+
+    path = tmp_path / "valid.jsonl"  # 3 short examples: 1 row of 32, not a batch of 16
+    _write(path, "prompt_completion", _records("prompt_completion", 0, 3))
+    source = f"[{{path: {path}, format: prompt_completion}}]"
+    out = evaluate_checkpoint(other_run, ["mesh.fsdp=-1", f"data.eval_sources={source}"])
+    assert np.isfinite(out["eval_loss"]) and out["tokens"] == 32

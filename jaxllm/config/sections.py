@@ -265,7 +265,9 @@ class DataConfig:
     seq_len: int = 256
     """Tokens per row the model sees (rows are packed documents)."""
     eval_fraction: float = 0.05
-    """Fraction of files held out for eval (by a hash of their path) when eval_sources is empty."""
+    """Fraction held out for eval when eval_sources is empty: of each source's files (by a hash of
+    their path), or of its records (by a hash of file and record number) when it has too few
+    files for that (`jaxllm.data.split`). 0: nothing is held out and the run does not evaluate."""
     max_files: int | None = None
     """Read at most this many files (sorted by path) of each source; null reads all."""
     on_bad_record: Literal["skip", "fail"] = "skip"

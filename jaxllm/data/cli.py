@@ -173,7 +173,8 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
         "--eval-fraction",
         type=float,
         default=DataConfig.eval_fraction,
-        help="fraction of files held out as eval shards, by path hash",
+        help="fraction held out as eval shards: of the files by path hash, of the records "
+        "(by file and record number) when a source has too few files; 0: none",
     )
     p.set_defaults(func=cmd_prepare)
     q = dsub.add_parser(
