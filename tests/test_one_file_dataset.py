@@ -300,3 +300,18 @@ def test_jaxllm_eval_evaluates_a_split_under_a_batch(other_run, tmp_path):
     source = f"[{{path: {path}, format: prompt_completion}}]"
     out = evaluate_checkpoint(other_run, ["mesh.fsdp=-1", f"data.eval_sources={source}"])
     assert np.isfinite(out["eval_loss"]) and out["tokens"] == 32
+
+
+@pytest.mark.slow  # ~20 s: a DPO train step
+def test_precomputed_reference_without_a_held_out_split(other_run, tmp_path):
+    from jaxllm import config
+    from jaxllm.train.loop import train
+
+    path = tmp_path / "pairs.jsonl"
+    _write(path, "preference", _records("preference", 0, 40))
+    args = [*TINY, "mesh.fsdp=-1", "train.objective=dpo", f"train.reference={other_run}"]
+    args += ["train.precompute_reference=true", "data.eval_fraction=0", "train.steps=2"]
+    args += [f"data.sources=[{{path: {path}, format: preference}}]", f"run.dir={tmp_path / 'run'}"]
+    result = train(config.load(None, args))
+    assert result["step"] == 2 and np.isfinite(result["loss"])
+    assert not [k for k in result if k.startswith("eval_")]
