@@ -1,11 +1,13 @@
 """The `jaxllm` command line.
 
     jaxllm train [CONFIG.yaml] [key=value ...] [--coordinator H:P --num-processes N --process-id I]
-    jaxllm eval RUN_DIR|CHECKPOINT [key=value ...] [--batches N]
+    jaxllm eval RUN_DIR|CHECKPOINT [key=value ...] [--batches N] [--checkpoint best|last|STEP]
     jaxllm eval RUN_DIR|CHECKPOINT --chat-exact-match F.jsonl [--replies OUT.jsonl]
     jaxllm generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
         [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4] [key=value ...]
     jaxllm generate RUN_DIR|CHECKPOINT --chat MESSAGE [--system TEXT] | --chat-file F.jsonl
+        (generate, eval and convert export: [--checkpoint best|last|STEP], default last, the
+        newest readable; best, the best by evaluation that checkpoint.keep_best kept)
     jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
     jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N] [--no-compiled-flops] [--profile DIR]
     jaxllm bench data [CONFIG.yaml] [key=value ...]
@@ -16,7 +18,8 @@
     jaxllm sweep [CONFIG.yaml] [key=value ...] --grid KEY=V1,V2 [--grid ...] [--out DIR]
 
 Exit codes, each failure with one sentence on stderr and no traceback:
-  0    done; also when SIGINT / SIGTERM stopped training and a checkpoint was written
+  0    done; also when SIGINT / SIGTERM or train.early_stopping stopped training and a
+       checkpoint was written
   1    the environment failed (read-only or full disk, a path that is a file, a directory
        removed mid-run, the run directory held by another process, JAX_PLATFORMS naming a
        platform the machine cannot start, a coordinator that does not answer), or non-finite
@@ -71,9 +74,9 @@ def cmd_train(ns) -> int:
         said += [f"eval reward {result['eval_reward']:.3f}"] if "eval_reward" in result else []
         if not cfg.data.eval_sources and cfg.data.eval_fraction == 0:
             unit += "; no eval: no held-out split (data.eval_fraction=0)"
+        how = {"early": "stopped early", "signal": "stopped", None: "done"}
         print(
-            f"{'stopped' if result.get('stopped') else 'done'}: step {result['step']}, "
-            f"{', '.join(said)}{unit}",
+            f"{how[result.get('stopped')]}: step {result['step']}, {', '.join(said)}{unit}",
             file=sys.stderr,
         )
     return 0
@@ -110,7 +113,7 @@ def cmd_eval(ns) -> int:
         raise ConfigError("--replies goes with --chat-exact-match; add it.")
     from jaxllm.evaluate import evaluate_checkpoint
 
-    r = evaluate_checkpoint(path, overrides, ns.batches)
+    r = evaluate_checkpoint(path, overrides, ns.batches, ns.checkpoint)
     print(
         f"step {r['step']}: eval loss {r['eval_loss']:.4f} nats/token, perplexity "
         f"{r['perplexity']:.3f} ({r['tokens']:,} tokens)"
@@ -141,6 +144,8 @@ def cmd_generate(ns) -> int:
 
 
 def _add_generate_parser(sub) -> None:
+    from jaxllm.convert_cli import CHECKPOINT_HELP
+
     g = sub.add_parser("generate", help="generate text from a trained run, with a KV cache")
     g.add_argument("args", nargs="+", metavar="RUN_DIR|CHECKPOINT|key=value")
     src = g.add_mutually_exclusive_group(required=True)
@@ -162,10 +167,13 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--kv-cache-dtype", choices=("bfloat16", "float32", "int8", "int4"))
     g.add_argument("--kv-page-size", type=int, help="tokens per page; 0 = contiguous cache")
     g.add_argument("--decode-impl", choices=("auto", "xla", "kernel"))
+    g.add_argument("--checkpoint", default="last", help=CHECKPOINT_HELP)
     g.set_defaults(func=cmd_generate)
 
 
 def parser() -> argparse.ArgumentParser:
+    from jaxllm import convert_cli
+
     p = argparse.ArgumentParser(prog="jaxllm", description="Train LLMs with JAX.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model (no arguments: the default run)")
@@ -184,6 +192,7 @@ def parser() -> argparse.ArgumentParser:
         help="greedy replies to a chat JSONL's conversations: accuracy against their last turn",
     )
     ev.add_argument("--replies", type=Path, help="with --chat-exact-match: write them here")
+    ev.add_argument("--checkpoint", default="last", help=convert_cli.CHECKPOINT_HELP)
     ev.set_defaults(func=cmd_eval)
     pl = sub.add_parser(
         "plan", help="compile the train step ahead of time: memory, sharding, FLOPs"

@@ -32,6 +32,11 @@ from jaxllm.convert.hf import check_out_dir
 from jaxllm.load import resolve, restore
 from jaxllm.model import lora
 
+CHECKPOINT_HELP = (
+    "which checkpoint: last (the newest readable, the default), best (by evaluation, as "
+    "checkpoint.keep_best keeps it) or a step number"
+)
+
 
 def cmd_import(ns: argparse.Namespace) -> int:
     overrides = [a for a in ns.overrides]
@@ -76,7 +81,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
     reads = (run_dir, ckpts, saved.checkpoint.init_from)
     check_out_dir(ns.hf_dir, flag=OUT_FLAG, overwrite=ns.overwrite, reads=reads)
     mesh = sharding.make_mesh(MeshConfig())
-    restored = restore(ns.source, mesh=mesh, base=not ns.peft)  # newest readable
+    # the newest readable, or the one --checkpoint names
+    restored = restore(ns.source, mesh=mesh, base=not ns.peft, which=ns.checkpoint)
     cfg, params, model_state = restored.cfg, restored.params, restored.model_state
     if ns.peft:
         ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
@@ -144,6 +150,7 @@ def add_convert_parser(sub) -> None:
         action="store_true",
         help="a LoRA / QLoRA run as one model: the adapters merged into the base weights",
     )
+    e.add_argument("--checkpoint", default="last", help=CHECKPOINT_HELP)
     e.add_argument(
         "--overwrite",
         action="store_true",

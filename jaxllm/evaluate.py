@@ -31,8 +31,11 @@ def _shardings(tree):
     return jax.tree.map(lambda p: p.sharding, tree)
 
 
-def evaluate_checkpoint(path, overrides=(), num_batches: int | None = None) -> dict:
-    cfg, mesh, graphdef, params, model_state, step, frozen = restore(path, overrides)
+def evaluate_checkpoint(
+    path, overrides=(), num_batches: int | None = None, which: str = "last"
+) -> dict:
+    """`which`: `--checkpoint best|last|STEP` (`jaxllm.load.pick_step`)."""
+    cfg, mesh, graphdef, params, model_state, step, frozen = restore(path, overrides, which=which)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
     held = others_lib.resolve_others(cfg, objective)  # a DPO reference, a teacher

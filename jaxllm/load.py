@@ -2,13 +2,16 @@
 Hugging Face model directory, always straight into their shards on a mesh.
 
     resolve(path)                  -> (run dir, checkpoints dir, step or None)
+    pick_step(ckpt_dir, step, which) -> the step `--checkpoint best|last|STEP` names
     restore(path, overrides)       -> Restored(cfg, mesh, graphdef, params, model_state, step)
     load_model(path)               -> an nnx.Module (run directory or Hugging Face directory);
                                       a fine-tuning run's model has its adapters / soft prompt
     load_weights(source, cfg, mesh) -> (params, model state): `checkpoint.init_from`
 
-Every reader takes the newest readable checkpoint unless a step is named: a damaged newer one
-is reported with a JaxllmWarning and skipped (`checkpoint.restore_weights`).
+Every reader takes the newest readable checkpoint unless a step is named (a step's directory, or
+`--checkpoint STEP`, or `--checkpoint best`: the best step by evaluation that the run's newest
+checkpoint records, `checkpoint.keep_best`): a damaged newer one is reported with a
+JaxllmWarning and skipped (`checkpoint.restore_weights`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,42 @@ def resolve(path: str | Path) -> tuple[Path, Path | None, int | None]:
     )
 
 
+def pick_step(ckpt_dir: Path, step: int | None, which: str = "last") -> int | None:
+    """The step `--checkpoint which` names (`last`: `step`, None for the newest readable;
+    `best`: the best step the run recorded; digits: that step); ConfigError when that
+    checkpoint does not exist or `which` and a step's directory both name one."""
+    which = str(which)
+    if which == "last":
+        return step
+    if step is not None:
+        raise ConfigError(
+            f"--checkpoint {which} and the step directory {ckpt_dir / str(step)} both name a "
+            "checkpoint; give the run directory with --checkpoint, or the step's directory alone."
+        )
+    if which == "best":
+        best = checkpoint.best_step(ckpt_dir)
+        if best is None:
+            raise ConfigError(
+                f"--checkpoint best: no checkpoint in {ckpt_dir} records a best step (train "
+                "with checkpoint.keep_best=true)."
+            )
+        if best not in checkpoint.steps(ckpt_dir):
+            raise ConfigError(
+                f"--checkpoint best: the best step, {best}, is no longer in {ckpt_dir} (train "
+                "with checkpoint.keep_best=true to keep it)."
+            )
+        return best
+    if not which.isdigit():
+        raise ConfigError(f"--checkpoint must be best, last or a step number, not {which!r}.")
+    found = checkpoint.steps(ckpt_dir)
+    if int(which) not in found:
+        have = ", ".join(map(str, found)) or "none"
+        raise ConfigError(
+            f"--checkpoint {which}: no checkpoint of that step in {ckpt_dir} (it has {have})."
+        )
+    return int(which)
+
+
 def weight_targets(model_cfg: ModelConfig, mesh: Mesh, peft=None):
     """(graphdef, params target, model-state target): the abstract weights of `model_cfg` (the
     adapters / prompt of `peft`) as ShapeDtypeStructs carrying their shardings on `mesh`, ready
@@ -90,21 +129,24 @@ def _on(mesh: Mesh, abstract, axes):
     )
 
 
-def restore(path, overrides=(), *, mesh: Mesh | None = None, base: bool = True) -> Restored:
+def restore(
+    path, overrides=(), *, mesh: Mesh | None = None, base: bool = True, which: str = "last"
+) -> Restored:
     """A run directory / checkpoint path -> its config (with `overrides`) and the weights of the
     newest readable (or the named) checkpoint, restored straight into their shards. Without
     `mesh`, on the configured mesh over all devices, and the run's tokenizer must fit the model
     (`eval` and `generate` use both); with `mesh`, the weights alone on that mesh. A PEFT run's
-    base is loaded (and checked) too, unless `base` is False (`frozen` is then None).
-    ConfigError when there is nothing to restore."""
+    base is loaded (and checked) too, unless `base` is False (`frozen` is then None). `which`:
+    `--checkpoint best|last|STEP` (`pick_step`). ConfigError when there is nothing to restore."""
     run_dir, ckpt_dir, step = resolve(path)
     cfg = config.load(run_dir / "config.yaml", list(overrides))
+    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
+    step = pick_step(ckpt_dir, step, which)
     if mesh is None:
         check_vocab(cfg.data, cfg.model.vocab_size)
         devices = jax.devices()
         cfg.validate(len(devices))
         mesh = sharding.make_mesh(cfg.mesh, devices)
-    ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
     graphdef, target, ms_target = weight_targets(cfg.model, mesh, cfg.peft)
     params, model_state, step = checkpoint.restore_weights(ckpt_dir, target, ms_target, step)
     frozen = None

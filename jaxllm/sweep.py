@@ -22,7 +22,7 @@ from pathlib import Path
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 
-COLUMNS = ("run", "eval_loss", "train_loss", "tokens_per_sec", "params", "steps", "status")
+COLUMNS = ("run", "eval_loss", "train_loss", "tokens_per_s", "params", "steps", "status")
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -61,7 +61,7 @@ class Result:
     run: str
     eval_loss: float | None = None
     train_loss: float | None = None
-    tokens_per_sec: float | None = None
+    tokens_per_s: float | None = None
     params: int | None = None
     steps: int | None = None
     status: str = "ok"
@@ -80,12 +80,12 @@ def summarize(name: str, run_dir: Path, params: int | None) -> Result:
         return Result(name, params=params, status="no metrics")
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    speeds = [r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r]
+    speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     return Result(
         name,
         eval_loss=evals[-1][1] if evals else None,
         train_loss=train[-1][1] if train else None,
-        tokens_per_sec=statistics.median(speeds) if speeds else None,
+        tokens_per_s=statistics.median(speeds) if speeds else None,
         params=params,
         steps=rows[-1]["step"],
         curve=train,
@@ -160,7 +160,7 @@ def write_report(results: list[Result], grid, out: Path) -> None:
         if r.eval_loss is not None and r.eval_loss == best:
             ev = f"**{ev}**"
         lines.append(
-            f"| {r.run} | {ev} | {_fmt(r.train_loss)} | {_fmt(r.tokens_per_sec, 0)} | "
+            f"| {r.run} | {ev} | {_fmt(r.train_loss)} | {_fmt(r.tokens_per_s, 0)} | "
             f"{_fmt(r.params)} | {_fmt(r.steps)} | {r.status} |"
         )
     (out / "results.md").write_text("\n".join(lines) + "\n")

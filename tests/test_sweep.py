@@ -54,7 +54,7 @@ def test_sweep_cli_trains_a_2x1_grid_and_writes_table_csv_and_plot(tmp_path, cap
     ]
     for r in rows:
         assert r["status"] == "ok" and r["steps"] == "5"
-        assert 0 < float(r["eval_loss"]) < math.log(258) + 1 and float(r["tokens_per_sec"]) > 0
+        assert 0 < float(r["eval_loss"]) < math.log(258) + 1 and float(r["tokens_per_s"]) > 0
         assert int(r["params"]) > 0
         assert (out / r["run"] / "metrics.jsonl").is_file()
     assert rows[0]["eval_loss"] != rows[1]["eval_loss"]  # the knob changed the model

@@ -113,7 +113,7 @@ def test_jaxllm_train_end_to_end(tmp_path):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20]
     for r in rows:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s"} <= set(r)
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(r)
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [10, 20]
     assert evals[-1]["eval_loss"] < math.log(256) - 1.0  # well below uniform bytes

@@ -55,7 +55,7 @@ def run_metrics(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-TIMINGS = ("step_time_s", "tokens_per_sec")
+TIMINGS = ("step_time_s", "tokens_per_s")
 LORA = ["peft.method=lora", "peft.rank=4", "peft.alpha=8", "peft.targets=[all-linear]"]
 
 

@@ -6,7 +6,9 @@ arrays, `data` (the input iterator's state), `config` (the resolved config) and 
 (what is needed to rebuild it); models with non-trained variables (MoE router balancing
 biases) add a sixth, `model_state`, which inference restores with the parameters, and runs with
 dynamic loss scaling one more, `loss_scale` (the scale and its clean-step count; a checkpoint
-without it resumes with the configured initial scale). Orbax writes
+without it resumes with the configured initial scale), and runs with `train.early_stopping` or
+`checkpoint.keep_best` the JSON item `best` (the watched eval metric's best value, its step, the
+evaluations since; retention under keep_best never deletes that step). Orbax writes
 into a temporary directory and renames it when complete, so a process killed mid-save leaves the
 previous checkpoint as the newest one.
 
@@ -24,8 +26,10 @@ can be saved under its number.
 """
 
 from jaxllm.checkpoint.files import (
+    BEST_ITEM,
     FINALIZED,
     Weights,
+    best_step,
     checkpoint_dir,
     has_train_state,
     latest_step,
@@ -41,10 +45,12 @@ from jaxllm.checkpoint.files import (
 from jaxllm.checkpoint.trainer import METRICS_ITEM, Checkpointer
 
 __all__ = [
+    "BEST_ITEM",
     "FINALIZED",
     "METRICS_ITEM",
     "Checkpointer",
     "Weights",
+    "best_step",
     "checkpoint_dir",
     "has_train_state",
     "latest_step",

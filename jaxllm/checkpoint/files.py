@@ -40,6 +40,21 @@ def latest_step(directory: str | Path) -> int | None:
     return found[-1] if found else None
 
 
+# The JSON item with the state of the watched eval metric (`jaxllm.train.watch.Best`): its
+# best value, the step of it, the evaluations since; `--checkpoint best` reads the step.
+BEST_ITEM = "best"
+
+
+def best_step(directory: str | Path) -> int | None:
+    """The best step the newest checkpoint with a `best` item records (None: none records
+    one, the run had neither train.early_stopping nor checkpoint.keep_best)."""
+    for s in reversed(steps(directory)):
+        saved = read_json_item(directory, s, BEST_ITEM)
+        if saved and saved.get("step") is not None:
+            return int(saved["step"])
+    return None
+
+
 def read_json_item(directory: str | Path, step: int, item: str) -> dict | None:
     """A JSON item (`config`, `tokenizer`, `data`) of one checkpoint, or None when it is missing
     or unreadable. Reads one small file; no Orbax manager, nothing created."""

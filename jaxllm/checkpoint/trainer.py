@@ -11,11 +11,13 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxllm.checkpoint.files import (
+    BEST_ITEM,
     _first_line,
     _warn_unreadable,
     has_train_state,
     latest_step,
     manager,
+    read_json_item,
     set_aside,
     steps,
     sync,
@@ -59,13 +61,15 @@ class Checkpointer:
         base: dict | None = None,
         others: dict | None = None,
         metrics: dict | None = None,
+        best: dict | None = None,
     ) -> int:
         """Starts writing `state` at its step (returns at once when async); returns the step.
         `base`: a fine-tuning run's base record (`jaxllm.adapters.base_record`), saved as the
         JSON item `base`; `others`: where the objective's frozen models came from
         (`jaxllm.train.others.records`), the JSON item `others`; `metrics`: the metrics.jsonl
         row of this step, the JSON item `metrics_row`, which a resume writes back when the file
-        lost it (`MetricsWriter`'s `resume_row`).
+        lost it (`MetricsWriter`'s `resume_row`); `best`: the watched eval metric's state
+        (`jaxllm.train.watch.Best.record`), the JSON item `best`.
         RunError when the directory is gone or the write fails (disk full, read-only)."""
         step = int(jax.device_get(state.step))
         self._finish("the previous checkpoint")
@@ -100,6 +104,8 @@ class Checkpointer:
             extra["others"] = ocp.args.JsonSave(others)
         if metrics is not None:
             extra[METRICS_ITEM] = ocp.args.JsonSave(metrics)
+        if best is not None:
+            extra[BEST_ITEM] = ocp.args.JsonSave(best)
         try:
             self._mgr.save(
                 step,
@@ -129,11 +135,15 @@ class Checkpointer:
 
     def prune(self) -> None:
         """Deletes finalized checkpoints beyond the newest `keep` (sparing multiples of
-        `keep_every`); strays are never counted or touched."""
+        `keep_every`, and with `keep_best` the best step each kept one records); strays are
+        never counted or touched."""
         found = steps(self.directory)
         keep = set(found[-self.cfg.keep :])
         if self.cfg.keep_every:
             keep |= {s for s in found if s % self.cfg.keep_every == 0}
+        if self.cfg.keep_best:
+            records = (read_json_item(self.directory, s, BEST_ITEM) or {} for s in keep.copy())
+            keep |= {r["step"] for r in records if r.get("step") is not None}
         doomed = [s for s in found if s not in keep]
         if doomed:
             self._mgr.reload()

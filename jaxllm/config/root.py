@@ -29,6 +29,7 @@ from jaxllm.config.train import (
     PAIR_OBJECTIVES,
     ROLLOUT_OBJECTIVES,
     TrainConfig,
+    validate_evaluated,
     validate_train,
 )
 
@@ -86,6 +87,7 @@ class Config:
         if t.eval_every < 0 or t.sample_tokens < 0 or self.optim.warmup_steps < 0:
             _fail("train.eval_every, train.sample_tokens and optim.warmup_steps must be >= 0.")
         self._validate_values()
+        validate_evaluated(t, self.data, self.checkpoint.keep_best)
         self._validate_kind()
         self.peft.validate()
         gen = self.generate

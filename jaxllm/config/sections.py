@@ -304,6 +304,12 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints ..."""
     keep_every: int | None = None
     """... plus every checkpoint whose step is a multiple of this (null: none)."""
+    keep_best: bool = False
+    """... plus the best checkpoint by evaluation (`train.early_stopping.metric`, by default
+    eval_loss): a checkpoint is written at every evaluation (`train.eval_every`), each records
+    the best step so far (its JSON item `best`), and retention never deletes that one.
+    `--checkpoint best` of generate / eval / convert export reads it. Needs periodic
+    evaluation."""
     async_save: bool = True
     """Write checkpoints in a background thread."""
     save_final: bool = True

@@ -18,6 +18,28 @@ ROLLOUT_OBJECTIVES = ("grpo", "ppo")
 
 
 @dataclasses.dataclass(frozen=True)
+class EarlyStoppingConfig:
+    """`train.early_stopping`: end the run when evaluation stops improving. Each evaluation
+    (`train.eval_every`) compares `metric` with its best so far; after `patience` evaluations
+    without an improvement of more than `min_delta`, the run writes a checkpoint, logs why,
+    and exits 0 saying it stopped early. Its state is saved in every checkpoint, so a resumed
+    run stops where the uninterrupted one would."""
+
+    patience: int | None = None
+    """Evaluations without improvement before the run stops; null or 0: never stops early."""
+    min_delta: float = 0.0
+    """An evaluation improves only when it beats the best so far by more than this (>= 0)."""
+    metric: str = "eval_loss"
+    """The eval metric watched (by `checkpoint.keep_best` too): `eval_loss` or any other
+    `eval_<name>` the objective logs (`eval_reward` of `grpo` / `ppo`, which log no
+    eval_loss; `eval_accuracy` of a reward model). A name the objective does not log is
+    refused at its first evaluation (for rollout objectives at config load)."""
+    mode: Literal["min", "max"] | None = None
+    """Whether lower (`min`) or higher (`max`) is better; null: `max` for eval_reward,
+    eval_accuracy, eval_margin and eval_chosen_reward, `min` for every other metric (losses)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 150
     """Optimizer steps."""
@@ -145,6 +167,8 @@ class TrainConfig:
     `nonfinite_patience` such steps in a row, with a checkpoint of the last good state."""
     nonfinite_patience: int = 1
     """Consecutive non-finite steps tolerated before `stop` ends the run."""
+    early_stopping: EarlyStoppingConfig = EarlyStoppingConfig()
+    """Stop when evaluation no longer improves (`EarlyStoppingConfig`)."""
 
 
 # The keys only some objectives read: set away from its default for another objective, a key
@@ -220,10 +244,62 @@ def validate_train(t: TrainConfig) -> None:
         )
     if not 0 <= t.distill_weight <= 1:
         _fail(f"train.distill_weight must be in [0, 1], not {t.distill_weight}.")
+    validate_early_stopping(t)
     if t.objective == "distill" and not t.teacher:
         _fail(
             "train.objective=distill needs train.teacher: a run directory or a Hugging Face "
             "directory of the teacher."
+        )
+
+
+def validate_early_stopping(t: TrainConfig) -> None:
+    """The checks of `train.early_stopping` that need nothing but the train section."""
+    es = t.early_stopping
+    if es.patience is not None and es.patience < 0:
+        _fail(f"train.early_stopping.patience must be >= 0 (0 or null: off), not {es.patience}.")
+    if not es.min_delta >= 0:
+        _fail(f"train.early_stopping.min_delta must be >= 0, not {es.min_delta}.")
+    if not es.metric.startswith("eval_"):
+        _fail(
+            f"train.early_stopping.metric={es.metric} is not an eval metric; name one the "
+            "objective logs at evaluation, e.g. eval_loss."
+        )
+    if t.objective in ROLLOUT_OBJECTIVES and es.metric != "eval_reward":
+        _fail(
+            f"train.early_stopping.metric={es.metric}: train.objective={t.objective} evaluates "
+            "only eval_reward (the greedy completions' mean reward); set "
+            "train.early_stopping.metric=eval_reward."
+        )
+
+
+def validate_evaluated(t: TrainConfig, data, keep_best: bool) -> None:
+    """`train.early_stopping` and `checkpoint.keep_best` watch periodic evaluations: refused
+    when the run evaluates only at its end (`train.eval_every=0`) or has nothing held out."""
+    users = [
+        k
+        for k, on in (
+            ("train.early_stopping.patience", t.early_stopping.patience),
+            ("checkpoint.keep_best", keep_best),
+        )
+        if on
+    ]
+    if not users:
+        return
+    need = " and ".join(users) + (" need" if len(users) > 1 else " needs")
+    if t.eval_every == 0:
+        _fail(
+            f"{need} periodic evaluation, but train.eval_every=0 evaluates "
+            "only at the end; set train.eval_every to a number of steps."
+        )
+    rollout = t.objective in ROLLOUT_OBJECTIVES
+    if not data.eval_sources and (rollout or data.eval_fraction == 0):
+        _fail(
+            f"{need} a held-out split, but "
+            + (
+                "data.eval_sources is empty (rollout objectives evaluate only its prompts)."
+                if rollout
+                else "data.eval_sources is empty and data.eval_fraction=0."
+            )
         )
 
 

@@ -91,11 +91,11 @@ def _check_generates(cfg, path) -> None:
         )
 
 
-def load_chat(path, overrides=()) -> Chat:
+def load_chat(path, overrides=(), which: str = "last") -> Chat:
     """A `jaxllm.infer.chat.Chat` of a run: its model (adapters unmerged for a PEFT run),
     tokenizer, `generate` section and stop ids (generation_config.json's, as `jaxllm generate`
-    reads them)."""
-    restored = restore(path, overrides)
+    reads them). `which`: `--checkpoint best|last|STEP`."""
+    restored = restore(path, overrides, which=which)
     cfg = restored.cfg
     _check_generates(cfg, path)
     tok = make_tokenizer(cfg.data)
@@ -112,7 +112,7 @@ def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
         conversations = [Conversation(({"role": "user", "content": ns.chat},))]
     else:
         conversations = read_conversations(ns.chat_file)
-    chat = load_chat(path, [*overrides, *_overrides(ns)])
+    chat = load_chat(path, [*overrides, *_overrides(ns)], ns.checkpoint)
     asked = [_with_system(c.messages, ns.system) for c in conversations]
     t0 = time.perf_counter()
     replies = chat.replies(asked)
@@ -135,7 +135,7 @@ def cmd_exact_match(ns: argparse.Namespace) -> int:
     if path is None:
         raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
     conversations = read_conversations(ns.chat_exact_match)
-    chat = load_chat(path, overrides)
+    chat = load_chat(path, overrides, ns.checkpoint)
     score = chat.exact_match(conversations)
     if ns.replies is not None:
         with open(ns.replies, "w") as f:
@@ -166,7 +166,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         if not prompts:
             raise ConfigError(f"--prompts-file {ns.prompts_file} has no prompts.")
 
-    restored = restore(path, [*overrides, *_overrides(ns)])
+    restored = restore(path, [*overrides, *_overrides(ns)], which=ns.checkpoint)
     cfg, mesh, step, model = restored.cfg, restored.mesh, restored.step, restored.model()
     _check_generates(cfg, path)
 

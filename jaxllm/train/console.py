@@ -55,7 +55,14 @@ def _progress(total: int, start: int = 0):
 
 
 def _show(bar, step: int, v: dict) -> None:
-    text = f"loss {v['loss']:.3f}  {v['tokens_per_sec']:,.0f} tok/s  lr {v['lr']:.2e}"
+    text = f"loss {v['loss']:.3f}  {v['tokens_per_s']:,.0f} tok/s  lr {v['lr']:.2e}"
+    if "mfu" in v:  # where the device's peak is known
+        text += f"  mfu {100 * v['mfu']:.1f}%"
+    if "memory_in_use_bytes" in v:  # where the backend reports it
+        text += f"  mem {v['memory_in_use_bytes'] / 2**30:.2f}"
+        if "memory_peak_bytes" in v:
+            text += f"/{v['memory_peak_bytes'] / 2**30:.2f}"
+        text += " GiB"
     if "eval_loss" in v:
         text += f"  eval {v['eval_loss']:.3f}"
     if "eval_accuracy" in v:  # a reward model's held-out pairs ranked right

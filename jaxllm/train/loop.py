@@ -30,7 +30,7 @@ from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.metrics import MetricsWriter, plot_losses
-from jaxllm.train import loss_scale, precompute, rollout
+from jaxllm.train import loss_scale, precompute, rollout, watch
 from jaxllm.train import others as others_lib
 from jaxllm.train.batches import process_rows, to_global
 from jaxllm.train.compiled import compile_steps, evaluate
@@ -45,24 +45,14 @@ from jaxllm.train.run_dir import (
     recorded,
 )
 from jaxllm.train.signals import Signals
-from jaxllm.train.state import init_state, init_state_from, layout
-
-
-def _init_source(cfg: config.Config, ckpt_dir: Path) -> str | None:
-    """Where a fresh run's parameters come from: `checkpoint.init_from`, else a weights-only
-    checkpoint in the run's own directory (what `jaxllm convert import` writes), else None."""
-    if cfg.checkpoint.init_from:
-        return cfg.checkpoint.init_from
-    steps = checkpoint.steps(ckpt_dir)
-    if steps and not checkpoint.has_train_state(ckpt_dir, steps[-1]):
-        return str(ckpt_dir / str(steps[-1]))
-    return None
+from jaxllm.train.start import start_state
 
 
 def train(cfg: config.Config, signals: Signals | None = None) -> dict:
     """Runs (or resumes) the configured training; returns the last logged metrics, plus `stopped`
-    ('signal' or 'nonfinite') when the run ended early. `signals` (the CLI passes its own, set
-    up before jax is imported) decides what SIGINT / SIGTERM do; by default a fresh one."""
+    ('signal', 'nonfinite', or 'early' for `train.early_stopping`) when the run ended early.
+    `signals` (the CLI passes its own, set up before jax is imported) decides what SIGINT /
+    SIGTERM do; by default a fresh one."""
     with contextlib.ExitStack() as stack:
         if signals is None:
             signals = stack.enter_context(Signals())
@@ -154,12 +144,10 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             with signals.writing:
                 ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint)
             base = adapters.base_record(cfg)
-            state, start = _start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
-            if start >= cfg.train.steps:  # changes nothing: no config.yaml, no pruning
-                _log(
-                    f"nothing to do: the checkpoint is at step {start} and "
-                    f"train.steps={cfg.train.steps}"
-                )
+            state, start = start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
+            best = watch.Best.of(cfg, ckpt.directory, start)
+            if why := watch.nothing_to_do(cfg, best, start):  # no config.yaml, no pruning
+                _log(f"nothing to do: {why}")
                 ckpt.close(prune=False)
                 undo()
                 return {"step": start}
@@ -186,6 +174,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
                 base,
                 held,
                 commit,
+                best,
             )
     except BaseException:
         undo()  # a failed compile: config.yaml not written, a fresh start's old run put back
@@ -207,55 +196,6 @@ def _run_errors(run_dir: Path):
         ) from e
 
 
-def _start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batches, base):
-    """(state, step): the state resumed from the newest readable checkpoint, or initialised
-    from `checkpoint.init_from` / an imported checkpoint, or fresh. A PEFT run's frozen base
-    comes from `base` (`adapters.base_record`), the one its checkpoints record."""
-    restored = None
-    scaling = loss_scale.from_config(cfg.optim, cfg.model)
-    if cfg.checkpoint.resume and not cfg.checkpoint.start_fresh:
-        abstract = jax.eval_shape(
-            lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg))
-        )
-        abstract = jax.tree.map(  # the frozen models are loaded, never restored
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract,
-            shardings.replace(others=None),
-        )
-        restored = ckpt.restore_latest(abstract, optimizer=not cfg.checkpoint.reset_optimizer)
-    if restored is not None:
-        state, data_state, start = restored
-        if cfg.checkpoint.reset_optimizer:
-            init_opt = jax.jit(tx.init, out_shardings=shardings.opt_state)
-            state = state.replace(opt_state=init_opt(state.params))
-            _log(f"checkpoint.reset_optimizer: a fresh {cfg.optim.name} state at step {start}")
-        if base is not None:
-            adapters.check_base(
-                checkpoint.read_json_item(ckpt.directory, start, adapters.BASE_ITEM), base
-            )
-            state = state.replace(frozen=adapters.load_frozen(cfg, mesh, base))
-        batches.set_state(data_state)
-        _log(f"resumed from step {start} ({ckpt.directory.resolve()}/{start})")
-        if scaling is not None and scaling.dynamic and state.loss_scale is None:
-            # A checkpoint of a run without dynamic loss scaling: the scale starts afresh.
-            state = state.replace(
-                loss_scale=jax.device_put(scaling.initial(), shardings.loss_scale)
-            )
-            _log(f"the checkpoint has no loss scale; starting at {scaling.init:g}")
-    elif (source := _init_source(cfg, ckpt.directory)) is not None:
-        # a fine-tuning run's merged model, or its base and adapters (checkpoint.init_adapters)
-        w = adapters.starting_weights(cfg, source, mesh, base, ckpt.directory)
-        kw = dict(layout(cfg), adapters=w.adapters)
-        state = init_state_from(
-            w.params, cfg.model, tx, mesh, cfg.run.seed, w.model_state, scaling, **kw
-        )
-        start = 0
-        _log(f"initialized parameters from {source}{w.how}")
-    else:
-        state, start = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg)), 0
-    return state, start
-
-
 def _loop(
     cfg,
     signals,
@@ -270,9 +210,11 @@ def _loop(
     base=None,
     held=None,
     commit=lambda: None,
+    best: watch.Best | None = None,
 ) -> dict:
     """Trains from `start` to `train.steps`. `commit` runs once the step is compiled, before
-    the first step: from there on the run directory is this command's (config.yaml)."""
+    the first step: from there on the run directory is this command's (config.yaml). `best`
+    follows the eval metric of `train.early_stopping` / `checkpoint.keep_best`."""
     run_dir = Path(cfg.run.dir)
     lead = jax.process_index() == 0
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
@@ -288,7 +230,8 @@ def _loop(
 
     def save(at_state, data_state) -> None:
         row = final if final.get("step") == int(jax.device_get(at_state.step)) else None
-        step = ckpt.save(at_state, data_state=data_state, metrics=row, **extras)
+        record = best.record() if best is not None else None
+        step = ckpt.save(at_state, data_state=data_state, metrics=row, best=record, **extras)
         _log(f"checkpoint: {ckpt.directory.resolve()}/{step}")
 
     t0 = time.perf_counter()
@@ -311,7 +254,8 @@ def _loop(
                 writer.write(
                     start, {"optimizer_reset": optimizer_change(cfg, ckpt.directory, start)}
                 )
-    tokens_per_step = gbs * cfg.data.seq_len
+    speed = watch.Speed(cfg)
+    patience = cfg.train.early_stopping.patience
     bar = _progress(steps, start) if lead else _Plain()
     final: dict = {}
     pending = None  # (step, metrics on device) of the step dispatched last
@@ -347,13 +291,14 @@ def _loop(
         if step % cfg.train.log_every and at_state is None and not values["nonfinite"]:
             return True
         elapsed = time.perf_counter() - window_start
-        values["step_time_s"] = elapsed / window_steps
-        values["tokens_per_sec"] = tokens_per_step * window_steps / elapsed
+        values.update(speed.metrics(elapsed, window_steps))
         if at_state is not None and isinstance(batches, rollout.Rollouts):
             values.update(batches.evaluate(at_state))  # held-out reward, greedy
         elif at_state is not None and held_out:  # none: no held-out split
             weights = (at_state.params, at_state.model_state, at_state.frozen, at_state.others)
             values.update(evaluate(jit_eval, weights[0], held_out, batch_sh, *weights[1:]))
+        if at_state is not None and best is not None:
+            best.update(step, values)
         window_start, window_steps = time.perf_counter(), 0  # eval time is not step time
         if writer:
             writer.write(step, values)
@@ -362,8 +307,9 @@ def _loop(
         return not (cfg.train.nonfinite == "stop" and bad_in_a_row >= cfg.train.nonfinite_patience)
 
     def saves(step: int) -> bool:
-        every = cfg.checkpoint.every
-        return bool(every and step % every == 0 and step < steps)
+        every, keep_best = cfg.checkpoint.every, cfg.checkpoint.keep_best
+        periodic = every and step % every == 0 or keep_best and eval_due(step)
+        return bool(periodic and step < steps)
 
     def eval_due(step: int) -> bool:
         every = cfg.train.eval_every
@@ -389,6 +335,8 @@ def _loop(
             stopped = "nonfinite"
         elif signals.received is not None:
             stopped = "signal"
+        elif best is not None and eval_due(step) and step < steps and best.exhausted(patience):
+            stopped = "early"
         if stopped:
             if pending is not None:
                 finish(*pending)
@@ -398,6 +346,8 @@ def _loop(
                 + (
                     "signal received"
                     if stopped == "signal"
+                    else best.why(patience)
+                    if stopped == "early"
                     else f"{bad_in_a_row} non-finite step(s) in a row (train.nonfinite=stop); the "
                     "checkpoint holds the last finite parameters"
                 )
@@ -409,7 +359,7 @@ def _loop(
     bar.close()
     if writer:
         writer.close()
-    if stopped is None and cfg.checkpoint.save_final:
+    if stopped is None and (cfg.checkpoint.save_final or cfg.checkpoint.keep_best):
         save(state, step_data_state)
     ckpt.close()  # the checkpoint is complete before anything optional runs
     if writer:
