@@ -186,3 +186,13 @@ def test_checkpoint_option_picks_best_last_or_a_step(watched, capsys):
     assert main(["eval", str(watched), "--checkpoint", "best", "--batches", "1"]) == 0
     out = capsys.readouterr().out
     assert f"eval loss {rows[1]['eval_loss']:.4f}" in out
+
+
+def test_generate_and_export_read_the_best_checkpoint(watched, tmp_path, capsys):
+    argv = ["generate", str(watched), "--prompt", "def", "--max-new-tokens", "2"]
+    assert main([*argv, "--checkpoint", "best"]) == 0
+    assert "step 1: 1 prompt(s)" in capsys.readouterr().err
+    assert (
+        main(["convert", "export", str(watched), str(tmp_path / "hf"), "--checkpoint", "best"]) == 0
+    )
+    assert "exported step 1 to" in capsys.readouterr().err
