@@ -196,3 +196,13 @@ def test_generate_and_export_read_the_best_checkpoint(watched, tmp_path, capsys)
         main(["convert", "export", str(watched), str(tmp_path / "hf"), "--checkpoint", "best"]) == 0
     )
     assert "exported step 1 to" in capsys.readouterr().err
+
+
+def test_the_console_line_shows_speed_mfu_and_memory(capsys):
+    from jaxllm.train.console import _Plain, _show
+
+    v = {"loss": 2.0, "tokens_per_s": 1234.0, "lr": 1e-3, "step_time_s": 0.25}
+    _show(_Plain(), 3, v)
+    assert "1,234 tok/s" in capsys.readouterr().err
+    _show(_Plain(), 3, {**v, "mfu": 0.4, "memory_in_use_bytes": 2**30, "memory_peak_bytes": 2**31})
+    assert "mfu 40.0%  mem 1.00/2.00 GiB" in capsys.readouterr().err
