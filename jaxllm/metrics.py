@@ -106,7 +106,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """One JSON object per line in metrics.jsonl, and the same scalars to TensorBoard.
+    """One JSON object per line in metrics.jsonl, and the same scalars to TensorBoard and to
+    the `sinks` (`jaxllm.trackers`: W&B, MLflow).
 
     Each line is written whole with one `write` and flushed, so a crash leaves at most a torn
     last line, which `read_jsonl` drops with a warning."""
@@ -118,12 +119,14 @@ class MetricsWriter:
         resume_step: int = 0,
         resume_row: dict | None = None,
         tensorboard: bool = True,
+        sinks: list | None = None,
     ):
         """A run resumed at `resume_step` keeps the lines up to that step and drops later ones
         (written by the attempt that died after its last checkpoint); a fresh run starts empty.
         `resume_row`: the row of `resume_step` that its checkpoint saved, added back when the
         file lacks it (a crash tore it, as the last line). The kept lines are written to a
-        temporary file that replaces the old one, so a crash here loses nothing."""
+        temporary file that replaces the old one, so a crash here loses nothing. `sinks`:
+        objects with `write(step, row)` and `finish(summary, files)`, which fail quietly."""
         self.path = Path(run_dir) / "metrics.jsonl"
         kept = []
         if resume_step and self.path.exists():
@@ -136,6 +139,7 @@ class MetricsWriter:
         os.replace(tmp, self.path)
         self._file = self.path.open("a")
         self._tb = None
+        self._sinks = list(sinks or ())
         if tensorboard:
             self._tb = _summary_writer_class()(str(Path(run_dir) / "tensorboard"))
 
@@ -147,11 +151,19 @@ class MetricsWriter:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+        for sink in self._sinks:
+            sink.write(step, row)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+    def finish(self, summary: dict, files: list[Path]) -> None:
+        """Ends the sinks' runs with the closing `summary` and the `files` (loss.png) as
+        artifacts; after `close`, once the run's last output is written."""
+        for sink in self._sinks:
+            sink.finish(summary, files)
 
 
 def _summary_writer_class():

@@ -1,8 +1,8 @@
 """The import floors of the house, read from the source (no imports run):
 
-    config -> data, sharding, checkpoint, optim, metrics, distributed -> kernels -> parallel
-    -> model -> infer, convert -> load -> adapters -> train -> evaluate, plan, bench, sweep
-    -> cli
+    config -> data, sharding, checkpoint, optim, metrics, trackers, distributed -> kernels
+    -> parallel -> model -> infer, convert -> load -> adapters -> train -> evaluate, plan,
+    bench, sweep -> cli
 
 A module imports only from its own floor's package or from floors below; nothing imports
 upward, there are no circles, and a function-level import of a jaxllm module appears only where
@@ -25,6 +25,7 @@ FLOORS = [
     (1, "jaxllm.checkpoint"),
     (1, "jaxllm.optim"),
     (1, "jaxllm.metrics"),
+    (1, "jaxllm.trackers"),
     (1, "jaxllm.distributed"),
     (2, "jaxllm.kernels"),
     (3, "jaxllm.parallel"),

@@ -25,6 +25,7 @@ from jaxllm.config.sections import (
     mesh_degrees,
 )
 from jaxllm.config.seq2seq import validate_span_corruption
+from jaxllm.config.trackers import validate_trackers
 from jaxllm.config.train import (
     PAIR_OBJECTIVES,
     ROLLOUT_OBJECTIVES,
@@ -247,6 +248,7 @@ class Config:
         negative learning rate, a checkpoint period of 0, a negative worker count, ..."""
         if not self.run.dir.strip():
             _fail("run.dir is empty; name a directory for the run (e.g. run.dir=runs/mine).")
+        validate_trackers(self.run.trackers, self.run.wandb, self.run.mlflow)
         o = self.optim
         finite = {
             "optim.lr": o.lr,

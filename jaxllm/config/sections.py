@@ -9,6 +9,7 @@ from typing import Literal
 
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.seq2seq import SpanCorruptionConfig
+from jaxllm.config.trackers import MlflowConfig, Tracker, WandbConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +18,14 @@ class RunConfig:
     """Run directory: config.yaml, metrics.jsonl, TensorBoard events, loss.png, checkpoints."""
     seed: int = 0
     """Seed for parameter init and the train-state rng (data order has its own seed)."""
+    trackers: tuple[Tracker, ...] = ("jsonl", "tensorboard")
+    """Where metrics go: `jsonl` (metrics.jsonl, always kept), `tensorboard` (tensorboard/),
+    `wandb` (Weights & Biases, run.wandb.*) and `mlflow` (run.mlflow.*); the last two need the
+    `trackers` extra. A resumed run goes on in the same W&B / MLflow run (RUN/trackers.json)."""
+    wandb: WandbConfig = WandbConfig()
+    """Weights & Biases: the project (`jaxllm.config.trackers.WandbConfig`)."""
+    mlflow: MlflowConfig = MlflowConfig()
+    """MLflow: tracking URI and experiment (`jaxllm.config.trackers.MlflowConfig`)."""
 
 
 @dataclasses.dataclass(frozen=True)

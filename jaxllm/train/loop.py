@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from jaxllm import adapters, checkpoint, config, sharding
+from jaxllm import adapters, checkpoint, config, sharding, trackers
 from jaxllm.config import JaxllmWarning
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.data import check_vocab
@@ -63,6 +63,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     devices = jax.devices()
     cfg.validate(len(devices))
     check_vocab(cfg.data, cfg.model.vocab_size)
+    trackers.check(cfg.run)  # the W&B / MLflow packages, before anything is written
     mesh = sharding.make_mesh(cfg.mesh, devices)
     run_dir = Path(cfg.run.dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
@@ -249,7 +250,13 @@ def _loop(
                 if start
                 else None
             )
-            writer = MetricsWriter(run_dir, resume_step=start, resume_row=row)
+            writer = MetricsWriter(
+                run_dir,
+                resume_step=start,
+                resume_row=row,
+                tensorboard="tensorboard" in cfg.run.trackers,
+                sinks=trackers.open_trackers(cfg.run, extras["config"]),
+            )
             if start and cfg.checkpoint.reset_optimizer:
                 writer.write(
                     start, {"optimizer_reset": optimizer_change(cfg, ckpt.directory, start)}
@@ -372,6 +379,8 @@ def _loop(
                 stacklevel=2,
             )
     if stopped:
+        if writer:
+            writer.finish({**final, "stopped": stopped}, [run_dir / "loss.png"])
         return {**final, "stopped": stopped}
 
     generates = cfg.model.head == "lm" and cfg.model.kind != "encoder"
@@ -383,4 +392,6 @@ def _loop(
             weights = multihost_utils.process_allgather(weights, tiled=True)
         if lead:
             final["sample"] = sample(cfg, *weights)
+    if writer:
+        writer.finish(final, [run_dir / "loss.png"])
     return final
