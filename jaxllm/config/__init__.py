@@ -13,8 +13,9 @@ order, the including file winning). A section may be named by preset instead of 
 User mistakes raise `ConfigError` with one sentence naming the key and the fix; the CLI turns it
 into exit code 2 before anything is compiled.
 
-Modules: `model` (the model section), `train`, `peft`, `sections` (the others), `root` (`Config` and the
-cross-section checks), `loading` (YAML, presets, overrides, type checks), `errors`.
+Modules: `model` (the model section), `train`, `peft`, `sections` (the others), `trackers`
+(`run.trackers` and the W&B / MLflow keys), `root` (`Config` and the cross-section checks),
+`loading` (YAML, presets, overrides, type checks), `errors`.
 """
 
 from jaxllm.config.encoder import EncoderConfig

@@ -2,7 +2,8 @@
 
 It respects asynchronous dispatch: step n is launched before step n-1's metrics are read, so the
 device always has the next step queued while the host logs, and NaN checks run on that delayed
-copy. Outputs go to `run.dir`: config.yaml, metrics.jsonl, tensorboard/, loss.png, checkpoints/.
+copy. Outputs go to `run.dir`: config.yaml, metrics.jsonl, tensorboard/, loss.png, checkpoints/,
+and to the trackers of `run.trackers` (`jaxllm.trackers`: W&B, MLflow).
 
 Start-up does everything that can fail (config, data, the run directory's paths, whether its
 checkpoints fit this config) before it writes anything; then it locks the directory
