@@ -74,6 +74,8 @@ def test_wandb_offline_logs_config_metrics_artifacts_and_resumes(tmp_path, monke
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):  # nothing in ~
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
     run = tmp_path / "run"
     flags = ["run.trackers=[jsonl, wandb]", "run.wandb.project=jaxllm-tests"]
     _train(run, 2, *flags, "optim.lr=0.002")
