@@ -191,6 +191,23 @@ def test_mlflow_logs_config_metrics_artifacts_and_resumes(mlflow_server, tmp_pat
     assert summary["step"] == 4 and summary["loss"] == pytest.approx(expected[4]["loss"])
 
 
+def test_a_sweep_logs_one_mlflow_run_per_combination(mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+
+    uri, _ = mlflow_server
+    flags = [*_mlflow_flags(uri)[:2], "run.mlflow.experiment=jaxllm-sweep"]
+    grid = ["--grid", "optim.lr=0.001,0.002", "--out", str(tmp_path / "sweep")]
+    assert main(["sweep", *SMALL_RUN, "train.steps=2", *flags, *grid]) == 0
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("jaxllm-sweep")
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted((r.info.run_name, r.data.params["optim.lr"]) for r in runs) == [
+        ("lr=0.001", "0.001"),
+        ("lr=0.002", "0.002"),
+    ]
+    assert all(r.data.metrics["loss"] > 0 and r.info.status == "FINISHED" for r in runs)
+
+
 def test_mlflow_server_gone_mid_run_warns_once(mlflow_server, tmp_path, monkeypatch, capsys):
     """Runs last: it stops the module's server after the first row reached it."""
     uri, proc = mlflow_server
