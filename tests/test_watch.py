@@ -164,8 +164,10 @@ def test_rollout_objectives_watch_eval_reward():
     from jaxllm.config.train import EarlyStoppingConfig, TrainConfig, validate_early_stopping
 
     grpo = TrainConfig(objective="grpo", early_stopping=EarlyStoppingConfig(patience=2))
+    validate_early_stopping(grpo)  # the default metric is the objective's: eval_reward
+    es = EarlyStoppingConfig(patience=2, metric="eval_loss")
     with pytest.raises(ConfigError, match="set train.early_stopping.metric=eval_reward"):
-        validate_early_stopping(grpo)
+        validate_early_stopping(TrainConfig(objective="grpo", early_stopping=es))
     es = EarlyStoppingConfig(patience=2, metric="eval_reward")
     validate_early_stopping(TrainConfig(objective="grpo", early_stopping=es))
 

@@ -315,7 +315,7 @@ class CheckpointConfig:
     """... plus every checkpoint whose step is a multiple of this (null: none)."""
     keep_best: bool = False
     """... plus the best checkpoint by evaluation (`train.early_stopping.metric`, by default
-    eval_loss): a checkpoint is written at every evaluation (`train.eval_every`), each records
+    the objective's main one): a checkpoint is written at every evaluation (`train.eval_every`), each records
     the best step so far (its JSON item `best`), and retention never deletes that one.
     `--checkpoint best` of generate / eval / convert export reads it. Needs periodic
     evaluation."""

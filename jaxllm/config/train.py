@@ -29,11 +29,12 @@ class EarlyStoppingConfig:
     """Evaluations without improvement before the run stops; null or 0: never stops early."""
     min_delta: float = 0.0
     """An evaluation improves only when it beats the best so far by more than this (>= 0)."""
-    metric: str = "eval_loss"
-    """The eval metric watched (by `checkpoint.keep_best` too): `eval_loss` or any other
-    `eval_<name>` the objective logs (`eval_reward` of `grpo` / `ppo`, which log no
-    eval_loss; `eval_accuracy` of a reward model). A name the objective does not log is
-    refused at its first evaluation (for rollout objectives at config load)."""
+    metric: str | None = None
+    """The eval metric watched (by `checkpoint.keep_best` too); null: the objective's main
+    one, `eval_reward` for `grpo` / `ppo` (which log no eval_loss), `eval_loss` for every
+    other. Any `eval_<name>` the objective logs may be named (`eval_accuracy` of a reward
+    model). A name the objective does not log is refused at its first evaluation (for
+    rollout objectives at config load)."""
     mode: Literal["min", "max"] | None = None
     """Whether lower (`min`) or higher (`max`) is better; null: `max` for eval_reward,
     eval_accuracy, eval_margin and eval_chosen_reward, `min` for every other metric (losses)."""
@@ -252,6 +253,13 @@ def validate_train(t: TrainConfig) -> None:
         )
 
 
+def watched_metric(t: TrainConfig) -> str:
+    """The eval metric `train.early_stopping` and `checkpoint.keep_best` watch."""
+    if t.early_stopping.metric is not None:
+        return t.early_stopping.metric
+    return "eval_reward" if t.objective in ROLLOUT_OBJECTIVES else "eval_loss"
+
+
 def validate_early_stopping(t: TrainConfig) -> None:
     """The checks of `train.early_stopping` that need nothing but the train section."""
     es = t.early_stopping
@@ -259,12 +267,12 @@ def validate_early_stopping(t: TrainConfig) -> None:
         _fail(f"train.early_stopping.patience must be >= 0 (0 or null: off), not {es.patience}.")
     if not es.min_delta >= 0:
         _fail(f"train.early_stopping.min_delta must be >= 0, not {es.min_delta}.")
-    if not es.metric.startswith("eval_"):
+    if es.metric is not None and not es.metric.startswith("eval_"):
         _fail(
             f"train.early_stopping.metric={es.metric} is not an eval metric; name one the "
             "objective logs at evaluation, e.g. eval_loss."
         )
-    if t.objective in ROLLOUT_OBJECTIVES and es.metric != "eval_reward":
+    if t.objective in ROLLOUT_OBJECTIVES and watched_metric(t) != "eval_reward":
         _fail(
             f"train.early_stopping.metric={es.metric}: train.objective={t.objective} evaluates "
             "only eval_reward (the greedy completions' mean reward); set "

@@ -22,6 +22,7 @@ import jax
 from jaxllm import checkpoint
 from jaxllm.checkpoint.files import BEST_ITEM
 from jaxllm.config import ConfigError
+from jaxllm.config.train import watched_metric
 from jaxllm.metrics import flops_per_token, peak_flops
 
 
@@ -81,7 +82,8 @@ class Best:
         es = cfg.train.early_stopping
         if not (es.patience or cfg.checkpoint.keep_best):
             return None
-        best = cls(es.metric, direction(es.metric, es.mode), es.min_delta)
+        metric = watched_metric(cfg.train)
+        best = cls(metric, direction(metric, es.mode), es.min_delta)
         saved = checkpoint.read_json_item(ckpt_dir, start, BEST_ITEM) if start else None
         if saved and saved.get("metric") == best.metric and saved.get("mode") == best.mode:
             best.value, best.step, best.since = saved["value"], saved["step"], saved["since"]
