@@ -358,6 +358,28 @@ CASES = [
 ]
 
 
+def fault_output(argv: list[str], capsys) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `jaxllm ARGV` run in-process, its warnings printed as
+    `jaxllm: warning:` lines (they do not fail here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line(case, code: int, out: str, err: str) -> None:
+    """The contract of a fault: `case.code`, exactly one `jaxllm:` message line (warnings aside)
+    holding `case.says`, and no traceback."""
+    messages = [
+        ln for ln in err.splitlines() if ln.startswith("jaxllm:") and "warning:" not in ln[:16]
+    ]
+    assert code == case.code, err
+    assert len(messages) == 1, err
+    assert case.says in messages[0], messages[0]
+    assert "Traceback" not in out + err
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_fault(case: Case, small_run, tmp_path, capsys):
     run = tmp_path / "run"
@@ -367,18 +389,9 @@ def test_fault(case: Case, small_run, tmp_path, capsys):
     cleanup = case.setup(run, scratch) if case.setup else None
     before = tree_hash(run)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("default")  # warnings print as lines; they do not fail here
-            code = main(case.argv(run, scratch))
+        code, out, err = fault_output(case.argv(run, scratch), capsys)
     finally:
         if cleanup:
             cleanup()
-    out, err = capsys.readouterr()
-    messages = [
-        ln for ln in err.splitlines() if ln.startswith("jaxllm:") and "warning:" not in ln[:16]
-    ]
-    assert code == case.code, err
-    assert len(messages) == 1, err
-    assert case.says in messages[0], messages[0]
-    assert "Traceback" not in out + err
+    assert_one_line(case, code, out, err)
     assert tree_hash(run) == before, "the command changed the run directory"

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import shutil
 import sys
-import warnings
 
 import pytest
-from test_faults import Case, tree_hash
-
-from jaxllm.cli import main
+from test_faults import Case, assert_one_line, fault_output, tree_hash
 
 WANDB = ["run.trackers=[jsonl, wandb]", "run.wandb.project=jaxllm-tests"]
 MLFLOW = ["run.trackers=[jsonl, mlflow]"]
@@ -138,18 +135,9 @@ def test_fault(case: Case, small_run, tmp_path, capsys):
     cleanup = case.setup(run, scratch) if case.setup else None
     before = tree_hash(run), tree_hash(scratch)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("default")
-            code = main(case.argv(run, scratch))
+        code, out, err = fault_output(case.argv(run, scratch), capsys)
     finally:
         if cleanup:
             cleanup()
-    out, err = capsys.readouterr()
-    messages = [
-        ln for ln in err.splitlines() if ln.startswith("jaxllm:") and "warning:" not in ln[:16]
-    ]
-    assert code == case.code, err
-    assert len(messages) == 1, err
-    assert case.says in messages[0], messages[0]
-    assert "Traceback" not in out + err
+    assert_one_line(case, code, out, err)
     assert (tree_hash(run), tree_hash(scratch)) == before, "the command changed a directory"

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 
 import pytest
-from test_faults import Case, tree_hash
+from test_faults import Case, assert_one_line, fault_output, tree_hash
 
 from jaxllm import checkpoint
-from jaxllm.cli import main
 
 
 def _best_pruned(run, tmp) -> None:
@@ -123,15 +121,5 @@ def test_fault(case: Case, small_run, tmp_path, capsys):
     if case.setup:
         case.setup(run, scratch)
     before = tree_hash(run), tree_hash(scratch)
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")
-        code = main(case.argv(run, scratch))
-    out, err = capsys.readouterr()
-    messages = [
-        ln for ln in err.splitlines() if ln.startswith("jaxllm:") and "warning:" not in ln[:16]
-    ]
-    assert code == case.code, err
-    assert len(messages) == 1, err
-    assert case.says in messages[0], messages[0]
-    assert "Traceback" not in out + err
+    assert_one_line(case, *fault_output(case.argv(run, scratch), capsys))
     assert (tree_hash(run), tree_hash(scratch)) == before, "the command changed a directory"
