@@ -83,15 +83,21 @@ def tokenizer_record(path_or_name: str) -> dict:
     return {"name": p.name, "content_b64": base64.b64encode(p.read_bytes()).decode()}
 
 
+def aside_name(path: Path, why: str) -> Path:
+    """A free sibling name for `path` set aside: `<name>.<why>`, numbered (`.<why>2`, ...)
+    when that exists."""
+    dst, n = path.with_name(f"{path.name}.{why}"), 1
+    while dst.exists():
+        n += 1
+        dst = path.with_name(f"{path.name}.{why}{n}")
+    return dst
+
+
 def set_aside(directory: str | Path, step: int, why: str = "damaged") -> Path:
     """Renames `<step>` to `<step>.<why>` (numbered if that exists) so the step can be written
     again; nothing is deleted. Returns the new path."""
     src = Path(directory) / str(step)
-    dst = src.with_name(f"{step}.{why}")
-    n = 1
-    while dst.exists():
-        n += 1
-        dst = src.with_name(f"{step}.{why}{n}")
+    dst = aside_name(src, why)
     src.rename(dst)
     return dst
 

@@ -173,14 +173,6 @@ def recorded(cfg: config.Config) -> config.Config:
     return dataclasses.replace(cfg, checkpoint=once)
 
 
-def _aside(path: Path) -> Path:
-    aside, n = path.with_name(f"{path.name}.old"), 1
-    while aside.exists():
-        n += 1
-        aside = path.with_name(f"{path.name}.old{n}")
-    return aside
-
-
 def move_aside(run_dir: Path, ckpt_dir: Path) -> list[tuple[Path, Path]]:
     """Moves the run in `run_dir` (every entry but the lock files) into a new sibling
     `<run_dir>.old` (`.old2`, ...), and `ckpt_dir` when it lies outside `run_dir` and holds
@@ -190,7 +182,7 @@ def move_aside(run_dir: Path, ckpt_dir: Path) -> list[tuple[Path, Path]]:
     moved = []
     entries = sorted(p for p in run_dir.iterdir() if p.name not in keep) if run_dir.is_dir() else []
     if entries:
-        aside = _aside(run_dir)
+        aside = checkpoint.aside_name(run_dir, "old")
         aside.mkdir()
         for p in entries:
             p.rename(aside / p.name)
@@ -199,7 +191,7 @@ def move_aside(run_dir: Path, ckpt_dir: Path) -> list[tuple[Path, Path]]:
         run_dir.resolve()
     )
     if outside and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
-        aside = _aside(ckpt_dir)
+        aside = checkpoint.aside_name(ckpt_dir, "old")
         ckpt_dir.rename(aside)
         moved.append((ckpt_dir, aside))
     return moved
