@@ -260,7 +260,7 @@ def _read_all(path, fmt: str) -> list:
 
     src = SourceConfig(path=str(path), format=fmt)
     if fmt == "rollout":  # reads whole sources and warns itself
-        return [p.prompt + p.answer for p in rollout.read_prompts([src], DataConfig(), BYTES)]
+        return [p.prompt + p.answer for p in rollout.read_prompts([src], DataConfig(), BYTES)[0]]
     (f,) = list_files(src, "k")
     bad = BadRecords("k")
     if fmt == "jsonl":

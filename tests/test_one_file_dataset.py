@@ -12,7 +12,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
-from jaxllm.data import pipeline, preference, sft
+from jaxllm.data import pipeline, preference, rollout, sft
 from jaxllm.data.prepare import prepare
 from jaxllm.data.sources import list_files
 from jaxllm.data.split import TEXT_RECORD_LINES, held_out
@@ -37,6 +37,8 @@ def _records(fmt: str, start: int, stop: int) -> list:
         ]
     if fmt == "prompt_completion":
         return [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(start, stop)]
+    if fmt == "rollout":
+        return [{"prompt": f"q{i}=", "answer": f"a{i}"} for i in range(start, stop)]
     assert fmt == "preference"
     return [
         {"prompt": f"q{i}", "chosen": f" y{i}", "rejected": f" n{i}"} for i in range(start, stop)
@@ -70,6 +72,9 @@ def _seqs(docs) -> list[tuple]:
 def _split(path, fmt: str, fraction: float = 0.2):
     src = SourceConfig(path=str(path), format=fmt)
     cfg = DataConfig(sources=(src,), seq_len=32, eval_fraction=fraction)
+    if fmt == "rollout":  # prompts, read by the rollouts rather than the pipeline
+        train, held = rollout.prompt_splits(cfg, make_tokenizer(cfg))
+        return [(p.prompt, p.answer) for p in train], [(p.prompt, p.answer) for p in held]
     train, held = pipeline._source_documents(src, "data.sources[0]", cfg, make_tokenizer(cfg), True)
     return _seqs(train), _seqs(held)
 
@@ -78,7 +83,7 @@ SUFFIX = {"parquet": ".parquet", "arrayrecord": ".arrayrecord"}
 
 
 @pytest.mark.parametrize(
-    "fmt", ["jsonl", "parquet", "arrayrecord", "chat", "prompt_completion", "preference"]
+    "fmt", ["jsonl", "parquet", "arrayrecord", "chat", "prompt_completion", "preference", "rollout"]
 )
 def test_one_file_holds_out_records_stable_under_appends(tmp_path, fmt):
     path = tmp_path / f"data{SUFFIX.get(fmt, '.jsonl')}"

@@ -107,6 +107,7 @@ def grpo_args(data, run, init_from) -> list[str]:
     return [
         *COMMON,
         f"data.sources={data['rollout']}",
+        "data.eval_fraction=0",  # eight prompts: none held out
         "data.seq_len=24",
         "generate.kv_cache_dtype=float32",
         "train.objective=grpo",

@@ -22,6 +22,7 @@ import numpy as np
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.data import chat, sft
 from jaxllm.data.sources import BadRecords, list_files
+from jaxllm.data.split import split_source
 
 
 class Prompt(NamedTuple):
@@ -62,29 +63,57 @@ def _prompt_ids(prompt, tok, add_bos: bool) -> np.ndarray | str:
     return np.asarray(tok.encode_offsets(text, specials=True)[0], np.int32)
 
 
-def read_prompts(
-    sources: Sequence[SourceConfig], cfg: DataConfig, tok, key: str = "data.sources"
-) -> list[Prompt]:
-    """The prompts of every file of `sources` (files in path order, records in file order);
-    ConfigError naming `key` when they hold none."""
+def _file_prompts(f, src: SourceConfig, cfg: DataConfig, tok, bad: BadRecords) -> list[Prompt]:
+    """The prompts of one file of `src`, in record order."""
     out = []
+    columns = {"prompt_field": src.prompt_field, "answer_field": src.answer_field}
+    for where, record in sft._records(f, columns, cfg.on_bad_record, bad):
+        if src.answer_field not in record:
+            why = f"has no field {src.answer_field!r} (set the source's answer_field)"
+            sft._bad(why, where, cfg.on_bad_record, bad)
+            continue
+        ids = _prompt_ids(record.get(src.prompt_field), tok, cfg.add_bos)
+        if isinstance(ids, str):
+            sft._bad(ids, where, cfg.on_bad_record, bad)
+            continue
+        out.append(Prompt(ids, record[src.answer_field], record[src.prompt_field]))
+    return out
+
+
+def read_prompts(
+    sources: Sequence[SourceConfig],
+    cfg: DataConfig,
+    tok,
+    key: str = "data.sources",
+    eval_fraction: float = 0.0,
+) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held-out) prompts of every file of `sources` (files in path order, records in
+    file order). With `eval_fraction` > 0 each source holds out that fraction of its files, or
+    of its records when it has too few files, by the same rule as every other format
+    (`jaxllm.data.split.split_source`); otherwise nothing is held out. ConfigError naming `key`
+    when the sources hold no prompt."""
+    train, held = [], []
     for i, src in enumerate(sources):
         where_key = f"{key}[{i}]"
         files = list_files(src, where_key, cfg.max_files)
         bad = bad_records(where_key, src)
-        columns = {"prompt_field": src.prompt_field, "answer_field": src.answer_field}
-        for f in files:
-            for where, record in sft._records(f, columns, cfg.on_bad_record, bad):
-                if src.answer_field not in record:
-                    why = f"has no field {src.answer_field!r} (set the source's answer_field)"
-                    sft._bad(why, where, cfg.on_bad_record, bad)
-                    continue
-                ids = _prompt_ids(record.get(src.prompt_field), tok, cfg.add_bos)
-                if isinstance(ids, str):
-                    sft._bad(ids, where, cfg.on_bad_record, bad)
-                    continue
-                out.append(Prompt(ids, record[src.answer_field], record[src.prompt_field]))
+        per_file = [_file_prompts(f, src, cfg, tok, bad) for f in files]
         bad.warn()
-    if not out and sources:
+        if eval_fraction > 0 and any(per_file):
+            t, e = split_source(files, per_file, eval_fraction, where_key)
+        else:
+            t, e = [p for ps in per_file for p in ps], []
+        train += t
+        held += e
+    if not train and sources:
         raise ConfigError(f"{key} hold no rollout prompt; see docs/alignment.md for the format.")
-    return out
+    return train, held
+
+
+def prompt_splits(cfg: DataConfig, tok) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, eval) rollout prompts of a run: `data.eval_sources` when set; otherwise
+    `data.eval_fraction` of `data.sources` held out (0: no eval prompts)."""
+    if cfg.eval_sources:
+        train = read_prompts(cfg.sources, cfg, tok)[0]
+        return train, read_prompts(cfg.eval_sources, cfg, tok, "data.eval_sources")[0]
+    return read_prompts(cfg.sources, cfg, tok, eval_fraction=cfg.eval_fraction)

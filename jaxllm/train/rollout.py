@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxllm import parallel, sharding
 from jaxllm.config import Config, ConfigError, GenerateConfig
-from jaxllm.data.rollout import Prompt, read_prompts
+from jaxllm.data.rollout import Prompt, prompt_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer.chat import end_of_turn
 from jaxllm.infer.generate import generate
@@ -125,10 +125,7 @@ class Rollouts:
         self.cfg, self.mesh, self.local = cfg, mesh, local
         self.batch_sharding = batch_sharding
         self.tok = make_tokenizer(cfg.data)
-        self.prompts = read_prompts(cfg.data.sources, cfg.data, self.tok)
-        self.eval_prompts = read_prompts(
-            cfg.data.eval_sources, cfg.data, self.tok, "data.eval_sources"
-        )
+        self.prompts, self.eval_prompts = prompt_splits(cfg.data, self.tok)
         self.group = t.num_generations
         self.per_step = t.global_batch_size // self.group
         if len(self.prompts) < self.per_step:
