@@ -90,8 +90,8 @@ def tiny_run(tmp_path) -> Config:
 def test_bench_data_counts_batches_and_tokens(tiny_run):
     r = bench_data(tiny_run, batches=20)
     assert r["batches"] == 20 and r["batch_tokens"] == 4 * 32
-    assert r["tokens_per_sec"] == pytest.approx(20 * 128 / r["seconds"])
-    assert 0 < r["real_tokens_per_sec"] <= r["tokens_per_sec"]
+    assert r["tokens_per_s"] == pytest.approx(20 * 128 / r["seconds"])
+    assert 0 < r["real_tokens_per_s"] <= r["tokens_per_s"]
     assert r["docs"] == 12 and r["rows"] > 0
 
 

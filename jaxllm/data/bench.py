@@ -2,7 +2,7 @@
 
 It loads the splits exactly as `jaxllm train` does, then pulls global batches from
 `train_batches` (with `data.workers` Grain processes when set) as fast as it can. Tokens/s counts
-every slot of a batch (B x L, what a train step consumes); `real_tokens_per_sec` counts only
+every slot of a batch (B x L, what a train step consumes); `real_tokens_per_s` counts only
 slots with loss_mask 1, so first-fit padding shows up as the gap between the two. Compare it with
 the `tokens/s` of `jaxllm bench train`: the pipeline should be many times faster than the step.
 """
@@ -59,8 +59,8 @@ def bench_data(
         "docs": train_rows.num_docs,
         "tokens": train_rows.num_tokens,
         "batch_tokens": b * l,
-        "tokens_per_sec": n * b * l / elapsed,
-        "real_tokens_per_sec": real / elapsed,
+        "tokens_per_s": n * b * l / elapsed,
+        "real_tokens_per_s": real / elapsed,
     }
 
 
@@ -73,7 +73,7 @@ def format_data_result(r: dict) -> str:
             f"load (read, tokenize)  {r['load_s']:.2f} s",
             f"first batch            {r['first_batch_s']:.2f} s",
             f"batches timed          {r['batches']} of {r['batch_tokens']:,} tokens in {r['seconds']:.2f} s",
-            f"tokens/s               {r['tokens_per_sec']:,.0f}",
-            f"real tokens/s          {r['real_tokens_per_sec']:,.0f}  (loss_mask 1)",
+            f"tokens/s               {r['tokens_per_s']:,.0f}",
+            f"real tokens/s          {r['real_tokens_per_s']:,.0f}  (loss_mask 1)",
         ]
     )
