@@ -34,6 +34,8 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+from objectstore import s3, s3_env  # noqa: E402, F401  (the moto server fixtures)
+
 from jaxllm.config import Config, ModelConfig  # noqa: E402
 
 # Files that import torch / transformers at the top (their reference models) and tests marked

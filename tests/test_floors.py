@@ -1,7 +1,7 @@
 """The import floors of the house, read from the source (no imports run):
 
-    config -> data, sharding, checkpoint, optim, metrics, trackers, distributed -> kernels
-    -> parallel -> model -> infer, convert -> load -> adapters -> train -> evaluate, plan,
+    config -> storage -> data, sharding, checkpoint, optim, metrics, trackers, distributed
+    -> kernels -> parallel -> model -> infer, convert -> load -> adapters -> train -> evaluate, plan,
     bench, sweep -> cli
 
 A module imports only from its own floor's package or from floors below; nothing imports
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (floor, package or module prefix); the most specific prefix wins
 FLOORS = [
     (0, "jaxllm.config"),
+    (0.5, "jaxllm.storage"),  # object storage: between the config and the base floor
     (1, "jaxllm.data"),
     (1, "jaxllm.sharding"),
     (1, "jaxllm.checkpoint"),
