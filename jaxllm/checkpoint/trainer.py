@@ -43,13 +43,16 @@ def _fields(struct) -> dict:
 
 class Checkpointer:
     """One Orbax manager for the life of a run: periodic async saves, final save, retention,
-    resume. Create it only once the run directory is ready to be written."""
+    resume. Create it only once the run directory is ready to be written. `mirror` (a run on
+    object storage, `jaxllm.checkpoint.mirror.Remote`): every finalized checkpoint is uploaded
+    to the bucket, and retention's deletions are done there too."""
 
-    def __init__(self, directory: str | Path, cfg: CheckpointConfig):
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig, mirror=None):
         self.directory = Path(directory)
         self.cfg = cfg
         self._lead = jax.process_index() == 0
         self._mgr = manager(self.directory, cfg)
+        self.mirror = mirror if self._lead else None
 
     def save(
         self,
@@ -121,6 +124,8 @@ class Checkpointer:
             )
         except Exception as e:
             raise RunError(f"writing checkpoint {path} failed ({_first_line(e)}).") from e
+        if self.mirror is not None:  # uploaded once Orbax has finalized it
+            self.mirror.saved(step)
         return step
 
     def _finish(self, what: str) -> None:
@@ -146,9 +151,13 @@ class Checkpointer:
             keep |= {r["step"] for r in records if r.get("step") is not None}
         doomed = [s for s in found if s not in keep]
         if doomed:
+            if self.mirror is not None:
+                self.mirror.wait()  # no upload reads a step deleted under it
             self._mgr.reload()
             for s in doomed:
                 self._mgr.delete(s)
+            if self.mirror is not None:
+                self.mirror.removed(doomed)
 
     def wait(self) -> None:
         self._finish("a checkpoint")

@@ -40,10 +40,13 @@ from jaxllm.train.run_dir import (
     RunLock,
     check_paths,
     check_resume,
+    let_go,
     move_aside,
     move_back,
     optimizer_change,
+    pull_remote,
     recorded,
+    staged,
 )
 from jaxllm.train.signals import Signals
 from jaxllm.train.start import start_state
@@ -66,10 +69,15 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     check_vocab(cfg.data, cfg.model.vocab_size)
     trackers.check(cfg.run)  # the W&B / MLflow packages, before anything is written
     mesh = sharding.make_mesh(cfg.mesh, devices)
+    url, cfg = staged(cfg)  # run.dir on object storage: trains in its staging dir
     run_dir = Path(cfg.run.dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
     lead = jax.process_index() == 0  # writes the run's files; every process computes
-    _log(f"run dir: {run_dir.resolve()}")
+    _log(
+        f"run dir: {url} (staged in {run_dir.resolve()})"
+        if url
+        else f"run dir: {run_dir.resolve()}"
+    )
     _log(
         f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s)"
         + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
@@ -108,8 +116,13 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     # The run directory: checked, then locked; nothing was written before this point.
     if lead:
         check_paths(run_dir, ckpt_dir)
-    check_resume(cfg, ckpt_dir)
     lock = RunLock(run_dir) if lead else None
+    remote = pull_remote(url, run_dir, lock, signals) if url else None
+    try:
+        check_resume(cfg, ckpt_dir)
+    except BaseException:
+        let_go(remote, lock)
+        raise
     made = [p for p in (ckpt_dir, run_dir, run_dir / precompute.STORE) if not p.exists()]
     moved: list[tuple[Path, Path]] = []  # checkpoint.start_fresh: (old place, aside)
     committed = False
@@ -121,19 +134,19 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             for p in made:
                 shutil.rmtree(p, ignore_errors=True)
             move_back(moved)
-        lock.release()
+        let_go(remote, lock)
 
     def commit() -> None:  # training goes on: from here the run directory is this command's
         nonlocal committed
         committed = True
         if lead:
             with signals.writing:
-                config.dump(recorded(cfg), run_dir / "config.yaml")
+                config.dump(recorded(cfg, url), run_dir / "config.yaml")
         for old, aside in moved:
             _log(f"checkpoint.start_fresh: the old run is in {aside}")
 
     signals.on_startup_exit(undo)
-    if lock:
+    if lock and not url:  # a staged run took its locks before pulling
         with signals.writing:
             lock.acquire()
     try:
@@ -144,7 +157,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
                         moved = move_aside(run_dir, ckpt_dir)
                 checkpoint.sync("jaxllm_start_fresh")
             with signals.writing:
-                ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint)
+                ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, remote)
             base = adapters.base_record(cfg)
             state, start = start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
             best = watch.Best.of(cfg, ckpt.directory, start)
@@ -177,13 +190,13 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
                 held,
                 commit,
                 best,
+                url,
             )
     except BaseException:
         undo()  # a failed compile: config.yaml not written, a fresh start's old run put back
         raise
     finally:
-        if lock:
-            lock.release()
+        let_go(remote, lock)
 
 
 @contextlib.contextmanager
@@ -213,16 +226,18 @@ def _loop(
     held=None,
     commit=lambda: None,
     best: watch.Best | None = None,
+    url: str | None = None,
 ) -> dict:
     """Trains from `start` to `train.steps`. `commit` runs once the step is compiled, before
     the first step: from there on the run directory is this command's (config.yaml). `best`
-    follows the eval metric of `train.early_stopping` / `checkpoint.keep_best`."""
+    follows the eval metric of `train.early_stopping` / `checkpoint.keep_best`; `url`: the
+    bucket a staged run is mirrored to (what config.yaml and the checkpoints record)."""
     run_dir = Path(cfg.run.dir)
     lead = jax.process_index() == 0
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     _log(f"model: {sum(x.size for x in jax.tree.leaves(state.params)):,} parameters")
     extras = {
-        "config": config.to_dict(recorded(cfg)),
+        "config": config.to_dict(recorded(cfg, url)),
         "tokenizer": checkpoint.tokenizer_record(cfg.data.tokenizer),
     }
     if base is not None:
@@ -382,6 +397,8 @@ def _loop(
     if stopped:
         if writer:
             writer.finish({**final, "stopped": stopped}, [run_dir / "loss.png"])
+        if ckpt.mirror is not None:
+            ckpt.mirror.finish()  # loss.png, summary.json, ...: the run's every file
         return {**final, "stopped": stopped}
 
     generates = cfg.model.head == "lm" and cfg.model.kind != "encoder"
@@ -395,4 +412,6 @@ def _loop(
             final["sample"] = sample(cfg, *weights)
     if writer:
         writer.finish(final, [run_dir / "loss.png"])
+    if ckpt.mirror is not None:
+        ckpt.mirror.finish()
     return final

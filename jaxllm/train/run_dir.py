@@ -28,7 +28,8 @@ from pathlib import Path
 
 import jax
 
-from jaxllm import checkpoint, config, optim
+from jaxllm import checkpoint, config, optim, storage
+from jaxllm.checkpoint import mirror
 from jaxllm.config import ConfigError, JaxllmWarning, RunError
 from jaxllm.model import abstract_model, abstract_model_state
 
@@ -165,12 +166,66 @@ def optimizer_change(cfg: config.Config, ckpt_dir: Path, step: int) -> str:
     return ", ".join(changed) or "same optim.* settings, fresh state"
 
 
-def recorded(cfg: config.Config) -> config.Config:
+def recorded(cfg: config.Config, url: str | None = None) -> config.Config:
     """`cfg` as config.yaml and the checkpoints record it: the one-shot keys
     (`checkpoint.reset_optimizer`, `checkpoint.start_fresh`) false, so that resuming the run
-    from its own config.yaml does not act on them again."""
+    from its own config.yaml does not act on them again; a staged run's `run.dir` its `url`."""
     once = dataclasses.replace(cfg.checkpoint, reset_optimizer=False, start_fresh=False)
-    return dataclasses.replace(cfg, checkpoint=once)
+    run = dataclasses.replace(cfg.run, dir=url) if url else cfg.run
+    return dataclasses.replace(cfg, checkpoint=once, run=run)
+
+
+def staged(cfg: config.Config) -> tuple[str | None, config.Config]:
+    """(url, cfg): for `run.dir` on object storage the URL and the config with `run.dir` its
+    local staging directory (`jaxllm.checkpoint.mirror`); (None, cfg) for a local run.dir.
+    ConfigError for a malformed URL and for what a staged run cannot do."""
+    storage.check_url(cfg.run.dir, "run.dir")
+    if cfg.checkpoint.dir:
+        storage.check_url(cfg.checkpoint.dir, "checkpoint.dir")
+    if not storage.is_url(cfg.run.dir):
+        if cfg.checkpoint.dir and storage.is_url(cfg.checkpoint.dir):
+            raise ConfigError(
+                f"checkpoint.dir={cfg.checkpoint.dir}: checkpoints go to object storage with "
+                "the run: set run.dir to the URL and leave checkpoint.dir unset."
+            )
+        return None, cfg
+    url = cfg.run.dir.rstrip("/")
+    mirror.check_run_config(cfg, url)
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"run.dir={url} with {jax.process_count()} processes: a run on object storage "
+            "trains in one machine's staging directory; train multi-process runs on a shared "
+            "file system."
+        )
+    local = mirror.staging_dir(url)
+    return url, dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(local)))
+
+
+def pull_remote(url: str, run_dir: Path, lock: RunLock, signals) -> mirror.Remote:
+    """Locks the staging directory and the bucket's run, then makes the staging directory the
+    bucket's run (`Remote.pull`); on any failure both locks are let go again."""
+    remote = mirror.Remote(url, run_dir)
+    signals.on_startup_exit(lambda: let_go(remote, lock))
+    try:
+        with signals.writing:
+            lock.acquire()
+            remote.lock()
+        remote.pull()
+    except BaseException:
+        let_go(remote, lock)
+        raise
+    return remote
+
+
+def let_go(remote: mirror.Remote | None, lock: RunLock | None) -> None:
+    """Uploads what was finalized and queued, then releases the bucket's lock and the local
+    one (each a no-op when not held). Never raises: it runs on the way out of a failure."""
+    if remote is not None:
+        with contextlib.suppress(Exception):
+            remote.close()
+        remote.unlock()
+    if lock is not None:
+        lock.release()
 
 
 def move_aside(run_dir: Path, ckpt_dir: Path) -> list[tuple[Path, Path]]:

@@ -1,0 +1,499 @@
+"""`run.dir` on object storage (`s3://bucket/key`, `gs://bucket/key`): a local staging
+directory mirrored to the bucket.
+
+Orbax writes arrays only to a file system (and to gs:// through TensorStore, not to s3://), so a
+run on object storage trains in a local directory with all of the local code unchanged, and
+that directory is mirrored to the bucket, which stays the truth:
+
+- `staging_dir(url)`: `$JAXLLM_CACHE/runs/<scheme>/<bucket>/<key>` (`~/.cache/jaxllm` when
+  unset); readers (`jaxllm eval / generate / convert export`) copy into `.../read/...` instead,
+  so they never touch the directory a run on this machine is writing.
+- `Remote.pull`: the bucket's run comes down before anything reads the staging directory:
+  every file outside `checkpoints/`, and the checkpoints whose commit marker (Orbax's
+  `_CHECKPOINT_METADATA`) is in the bucket; a local file the bucket does not have is deleted,
+  one it has is downloaded unless the local manifest (`.jaxllm.mirror.json`) says it is the
+  same object. Each step's marker comes down last, so an interrupted pull leaves no local
+  checkpoint that the bucket does not hold.
+- `Remote.saved(step)`: once the (asynchronous) save of `step` is finalized, a worker thread
+  uploads the run files that go with it (metrics.jsonl, config.yaml, trackers.json), then the
+  step directory with its marker last, after deleting (marker first) whatever the bucket held
+  under that step. A step without its marker in the bucket is never a checkpoint: `pull` skips
+  it, and the next upload of that step replaces it. `removed(steps)`: retention's deletions,
+  marker first. `finish()`: everything else of the run directory (loss.png, summary.json,
+  tensorboard/, ...), once training ended or stopped on a signal.
+- `Remote.lock()`: one writer per bucket run, the object `<url>/.jaxllm.lock.json` created only
+  if absent (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`, through s3fs / gcsfs
+  `mode="create"`), naming the holder. The holder renews it every `RENEW_S` seconds and after
+  every upload; a lock of a process on this host that is no longer running, or one not renewed
+  for `STALE_S` seconds, is taken over with a warning (on S3 by a write conditional on the
+  stale object's ETag, so two machines cannot both take it over; elsewhere by deleting and
+  creating it again). A holder that finds its lock taken over stops uploading and fails the run
+  with a RunError.
+
+Errors of the bucket (missing, credentials refused, endpoint unreachable) are one RunError
+naming the URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+from jaxllm import storage
+from jaxllm.checkpoint.files import FINALIZED
+from jaxllm.config import ConfigError, JaxllmWarning, RunError
+from jaxllm.config.urls import split_url
+
+LOCK_OBJECT = ".jaxllm.lock.json"
+MANIFEST = ".jaxllm.mirror.json"
+LOCAL_ONLY_PREFIX = ".jaxllm."  # the local lock, its holder file, the manifest: never mirrored
+CHECKPOINTS = "checkpoints"
+RUN_FILES = ("metrics.jsonl", "config.yaml", "trackers.json")  # uploaded with each checkpoint
+RENEW_S = 60.0
+STALE_S = 300.0
+
+
+def staging_dir(url: str, kind: str = "runs") -> Path:
+    """`<cache>/<kind>/<scheme>/<bucket>/<key>` (`storage.cache_dir()`: `$JAXLLM_CACHE`, else
+    `~/.cache/jaxllm`): `runs` for the writer, `read` for readers."""
+    scheme, bucket, path = split_url(url)
+    return storage.cache_dir() / kind / scheme / bucket / path
+
+
+def remote_errors(url: str, key: str, fs=None):
+    """A failure of the bucket inside the block as one sentence naming `url` (RunError for the
+    bucket, credentials, endpoint): `jaxllm.storage`'s one translation of them."""
+    return storage._errors(url, key, fs)
+
+
+def _identity(info: dict) -> list:
+    """What tells one stored object from another: its size and the store's tag."""
+    tag = next(
+        (info[k] for k in ("ETag", "etag", "md5Hash", "generation") if info.get(k)),
+        info.get("LastModified") or info.get("updated") or info.get("mtime"),
+    )
+    return [int(info.get("size") or 0), str(tag)]
+
+
+def _local_files(root: Path) -> dict[str, Path]:
+    """{relative posix path: file} under `root`, the local-only files left out."""
+    if not root.is_dir():
+        return {}
+    return {
+        p.relative_to(root).as_posix(): p
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.startswith(LOCAL_ONLY_PREFIX)
+    }
+
+
+def _step_of(rel: str) -> int | None:
+    """The step of a path under `checkpoints/<step>/`, else None (strays: `4.damaged/...`)."""
+    parts = rel.split("/")
+    if len(parts) >= 3 and parts[0] == CHECKPOINTS and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _stamp() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+class Remote:
+    """The mirror of one run directory: `local` (the staging directory) and `url`."""
+
+    def __init__(self, url: str, local: Path, key: str = "run.dir"):
+        self.url, self.local, self.key = url.rstrip("/"), Path(local), key
+        self.fs = storage.filesystem(self.url, key)
+        _, bucket, path = split_url(self.url)
+        self.bucket, self.root = bucket, f"{bucket}/{path}" if path else bucket
+        self._manifest: dict[str, list] = {}
+        self._tasks: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()  # set by `close`: no more waiting for markers
+        self._worker: threading.Thread | None = None
+        self._lock_tag: str | None = None  # our lock object's ETag / token
+        self._token = uuid.uuid4().hex
+        self._renewed = 0.0
+        self._since: str | None = None  # set while this process holds the lock
+
+    # -- the bucket's side -------------------------------------------------------------------
+
+    def _remote(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def listing(self) -> dict[str, dict]:
+        """{relative path: info} of every object of the run in the bucket, the lock left out."""
+        with remote_errors(self.url, self.key, self.fs):
+            if not self.fs.exists(self.bucket):
+                raise RunError(f"{self.url}: the bucket does not exist.")
+            found = self.fs.find(self.root, detail=True)
+        out = {}
+        for path, info in found.items():
+            rel = path[len(self.root) + 1 :]
+            if rel and not rel.split("/")[-1].startswith(LOCAL_ONLY_PREFIX):
+                out[rel] = info
+        return out
+
+    def complete_steps(self, listing: dict[str, dict]) -> list[int]:
+        """The steps whose commit marker is in the bucket: its checkpoints."""
+        return sorted(
+            s
+            for rel in listing
+            if (s := _step_of(rel)) is not None and rel == f"{CHECKPOINTS}/{s}/{FINALIZED}"
+        )
+
+    # -- pull ----------------------------------------------------------------------------------
+
+    def _load_manifest(self) -> None:
+        try:
+            value = json.loads((self.local / MANIFEST).read_text())
+        except (OSError, ValueError):
+            value = {}
+        self._manifest = value if isinstance(value, dict) else {}
+
+    def _save_manifest(self) -> None:
+        tmp = self.local / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(self._manifest, sort_keys=True))
+        tmp.replace(self.local / MANIFEST)
+
+    def _record(self, rel: str, info: dict) -> None:
+        local = self.local / rel
+        st = local.stat()
+        self._manifest[rel] = [*_identity(info), st.st_size, st.st_mtime_ns]
+
+    def _known(self, rel: str, info: dict | None) -> bool:
+        """Whether the local file `rel` is the bucket's object `info` (by the manifest)."""
+        seen, local = self._manifest.get(rel), self.local / rel
+        if not seen or not local.is_file():
+            return False
+        st = local.stat()
+        same_local = seen[2:] == [st.st_size, st.st_mtime_ns]
+        return same_local and (info is None or seen[:2] == _identity(info))
+
+    def pull(self, steps: set[int] | None = None) -> list[int]:
+        """Makes the staging directory the bucket's run; returns the bucket's checkpoint steps.
+        `steps` (readers): only these checkpoints come down."""
+        self.local.mkdir(parents=True, exist_ok=True)
+        self._load_manifest()
+        listing = self.listing()
+        complete = self.complete_steps(listing)
+        wanted = {
+            rel: info
+            for rel, info in listing.items()
+            if (s := _step_of(rel)) is not None
+            and s in complete
+            and (steps is None or s in steps)
+            or rel.split("/")[0] != CHECKPOINTS
+        }
+        for rel, path in _local_files(self.local).items():
+            if rel not in wanted:
+                path.unlink()
+                self._manifest.pop(rel, None)
+        for d in sorted(
+            (p for p in self.local.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)
+        ):
+            if not any(d.iterdir()):
+                d.rmdir()
+        fetch = [rel for rel, info in wanted.items() if not self._known(rel, info)]
+        markers = [rel for rel in fetch if rel.endswith("/" + FINALIZED)]
+        for batch in ([r for r in fetch if r not in markers], markers):
+            for rel in batch:  # a changed step: its marker goes first, comes back last
+                if rel.endswith(FINALIZED):
+                    continue
+                marker = self.local / CHECKPOINTS / rel.split("/")[1] / FINALIZED
+                if _step_of(rel) is not None and marker.exists():
+                    marker.unlink()
+            self._download(batch, wanted)
+        self._manifest = {k: v for k, v in self._manifest.items() if k in wanted}
+        self._save_manifest()
+        return [s for s in complete if steps is None or s in steps]
+
+    def _download(self, rels: list[str], infos: dict[str, dict]) -> None:
+        if not rels:
+            return
+        for rel in rels:
+            (self.local / rel).parent.mkdir(parents=True, exist_ok=True)
+        with remote_errors(self.url, self.key, self.fs):
+            tmps = [str(self.local / rel) + ".jaxllm-part" for rel in rels]
+            self.fs.get([self._remote(r) for r in rels], tmps)
+        for rel, tmp in zip(rels, tmps):
+            os.replace(tmp, self.local / rel)
+            self._record(rel, infos[rel])
+
+    # -- push (the worker) ----------------------------------------------------------------------
+
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="jaxllm-mirror", daemon=True)
+            self._worker.start()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RunError(str(e)) if not isinstance(e, RunError) else e
+
+    def saved(self, step: int) -> None:
+        """Queues the upload of checkpoint `step` (written asynchronously: the worker waits for
+        its marker) with the run files as they are now."""
+        self._check()
+        files = {}
+        for name in RUN_FILES:
+            with contextlib.suppress(OSError):
+                files[name] = (self.local / name).read_bytes()
+        self._start_worker()
+        self._tasks.put(("step", step, files))
+
+    def removed(self, steps: list[int]) -> None:
+        """Queues the deletion of checkpoints retention deleted locally."""
+        self._check()
+        self._start_worker()
+        self._tasks.put(("remove", steps, None))
+
+    def wait(self) -> None:
+        """Blocks until every queued upload is done; RunError when one failed."""
+        if self._worker is not None:
+            self._tasks.join()
+        self._check()
+
+    def finish(self) -> None:
+        """Uploads every file of the run not uploaded yet (after the queued checkpoints)."""
+        self.wait()
+        self._start_worker()
+        self._tasks.put(("rest", None, None))
+        self.wait()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                kind, arg, files = self._tasks.get(timeout=RENEW_S / 4)
+            except queue.Empty:
+                self._maybe_renew()
+                continue
+            try:
+                if self._error is None:
+                    if kind == "step":
+                        self._push_step(arg, files)
+                    elif kind == "remove":
+                        self._remove_steps(arg)
+                    elif kind == "rest":
+                        self._push_rest()
+                    self._maybe_renew(force=True)
+            except BaseException as e:  # reported to the main thread by `_check`
+                self._error = e
+            finally:
+                self._tasks.task_done()
+
+    def _push_step(self, step: int, files: dict[str, bytes]) -> None:
+        step_dir = self.local / CHECKPOINTS / str(step)
+        while not (step_dir / FINALIZED).is_file():  # Orbax finalizes in the background
+            if self._stop.is_set():
+                return  # the save never finished: nothing of it goes up
+            time.sleep(0.05)
+        with remote_errors(self.url, self.key, self.fs):
+            for name, data in files.items():
+                self.fs.pipe_file(self._remote(name), data)
+            prefix = self._remote(f"{CHECKPOINTS}/{step}")
+            if self.fs.exists(prefix):  # an older upload of this step: marker first
+                self.fs.rm(f"{prefix}/{FINALIZED}") if self.fs.exists(
+                    f"{prefix}/{FINALIZED}"
+                ) else None
+                self.fs.rm(prefix, recursive=True)
+            rels = [
+                f"{CHECKPOINTS}/{step}/{p.relative_to(step_dir).as_posix()}"
+                for p in sorted(step_dir.rglob("*"))
+                if p.is_file() and p.name != FINALIZED
+            ]
+            self.fs.put([str(self.local / r) for r in rels], [self._remote(r) for r in rels])
+            marker = f"{CHECKPOINTS}/{step}/{FINALIZED}"
+            self.fs.put_file(str(self.local / marker), self._remote(marker))
+            self.fs.invalidate_cache(prefix)
+            infos = self.fs.find(prefix, detail=True)
+        for path, info in infos.items():
+            rel = path[len(self.root) + 1 :]
+            if (self.local / rel).is_file():
+                self._record(rel, info)
+        self._save_manifest()
+
+    def _remove_steps(self, steps: list[int]) -> None:
+        with remote_errors(self.url, self.key, self.fs):
+            for step in steps:
+                prefix = self._remote(f"{CHECKPOINTS}/{step}")
+                if self.fs.exists(f"{prefix}/{FINALIZED}"):
+                    self.fs.rm(f"{prefix}/{FINALIZED}")
+                if self.fs.exists(prefix):
+                    self.fs.rm(prefix, recursive=True)
+                self.fs.invalidate_cache(prefix)
+        for rel in [r for r in self._manifest if _step_of(r) in steps]:
+            self._manifest.pop(rel)
+        self._save_manifest()
+
+    def _push_rest(self) -> None:
+        """Every local file outside checkpoints/ that the bucket does not hold as it is."""
+        rels = [
+            rel
+            for rel in _local_files(self.local)
+            if rel.split("/")[0] != CHECKPOINTS and not self._known(rel, None)
+        ]
+        if not rels:
+            return
+        with remote_errors(self.url, self.key, self.fs):
+            self.fs.put([str(self.local / r) for r in rels], [self._remote(r) for r in rels])
+            self.fs.invalidate_cache(self.root)
+            for rel in rels:
+                self._record(rel, self.fs.info(self._remote(rel)))
+        self._save_manifest()
+
+    def close(self) -> None:
+        """Stops the worker: queued steps whose save never finished are not uploaded."""
+        self._stop.set()
+        if self._worker is not None:
+            self._tasks.join()
+
+    # -- the lock ------------------------------------------------------------------------------
+
+    @property
+    def _lock_path(self) -> str:
+        return self._remote(LOCK_OBJECT)
+
+    def _holder_body(self, since: str | None = None) -> bytes:
+        now = time.time()
+        body = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": since or _stamp(),
+            "renewed": now,
+            "token": self._token,
+        }
+        return (json.dumps(body) + "\n").encode()
+
+    def holder(self) -> tuple[dict, dict] | None:
+        """(the lock's holder record, the object's info), or None when there is no lock."""
+        with remote_errors(self.url, self.key, self.fs):
+            try:
+                info = self.fs.info(self._lock_path)
+                data = self.fs.cat_file(self._lock_path)
+            except FileNotFoundError:
+                return None
+        try:
+            value = json.loads(data)
+        except ValueError:
+            value = {}
+        return (value if isinstance(value, dict) else {}), info
+
+    def lock(self) -> None:
+        """Creates the lock object, or takes a stale one over; RunError naming the holder."""
+        with remote_errors(self.url, self.key, self.fs):
+            self.listing()  # the bucket exists and these credentials may list it
+            self.fs.invalidate_cache(self._lock_path)
+            try:
+                self.fs.pipe_file(self._lock_path, self._holder_body(), mode="create")
+            except FileExistsError:
+                self._take_over()
+        self._renewed = time.monotonic()
+        self._since = json.loads(self.fs.cat_file(self._lock_path)).get("since")
+
+    def _stale(self, h: dict) -> bool:
+        if h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int):
+            try:
+                os.kill(h["pid"], 0)
+            except ProcessLookupError:
+                return True
+            except OSError:
+                pass
+            else:
+                return False
+        renewed = h.get("renewed")
+        return not isinstance(renewed, (int, float)) or time.time() - renewed > STALE_S
+
+    def _take_over(self) -> None:
+        found = self.holder()
+        if found is None:  # released meanwhile
+            self.fs.pipe_file(self._lock_path, self._holder_body(), mode="create")
+            return
+        h, info = found
+        if not self._stale(h):
+            raise RunError(
+                f"{self.url} is being written by another jaxllm train (pid {h.get('pid', '?')} "
+                f"on {h.get('host', '?')}, since {h.get('since', '?')}); wait for it to finish or "
+                f"stop it (a lock not renewed for {STALE_S:.0f} s is taken over)."
+            )
+        if self.url.startswith("s3://") and info.get("ETag"):
+            try:  # only one taker can replace that very object
+                self.fs.pipe_file(self._lock_path, self._holder_body(), IfMatch=info["ETag"])
+            except (FileExistsError, OSError) as e:
+                raise RunError(
+                    f"{self.url}: another jaxllm train took the run over just now; wait for it "
+                    f"to finish or stop it ({' '.join(str(e).split())[:120]})."
+                ) from None
+        else:
+            self.fs.rm(self._lock_path)
+            self.fs.pipe_file(self._lock_path, self._holder_body(), mode="create")
+        warnings.warn(
+            f"{self.url} was locked by pid {h.get('pid', '?')} on {h.get('host', '?')}, which "
+            "is no longer running (or stopped renewing its lock); taking the run over.",
+            JaxllmWarning,
+            stacklevel=4,
+        )
+
+    def _maybe_renew(self, force: bool = False) -> None:
+        if not self._since or (not force and time.monotonic() - self._renewed < RENEW_S):
+            return
+        try:
+            self.fs.invalidate_cache(self._lock_path)
+            found = self.holder()
+            if found is None or found[0].get("token") != self._token:
+                raise RunError(
+                    f"{self.url}: the run's lock was taken over by another jaxllm train "
+                    f"({(found or ({},))[0].get('host', 'lock removed')}); this one stops "
+                    "uploading."
+                )
+            self.fs.pipe_file(self._lock_path, self._holder_body(self._since))
+            self._renewed = time.monotonic()
+        except BaseException as e:
+            self._error = self._error or e
+
+    def unlock(self) -> None:
+        """Deletes the lock object if it is still ours."""
+        if not self._since:
+            return
+        self._since = None
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(self._lock_path)
+            found = self.holder()
+            if found is not None and found[0].get("token") == self._token:
+                self.fs.rm(self._lock_path)
+
+
+def check_run_config(cfg, url: str) -> None:
+    """ConfigError for what a run on object storage cannot do."""
+    if cfg.checkpoint.dir:
+        raise ConfigError(
+            f"checkpoint.dir={cfg.checkpoint.dir} with run.dir={url}: a run on object storage "
+            "keeps its checkpoints in <run.dir>/checkpoints; leave checkpoint.dir unset."
+        )
+    if cfg.checkpoint.start_fresh:
+        raise ConfigError(
+            f"checkpoint.start_fresh=true with run.dir={url}: a bucket cannot move the old run "
+            "aside (it has no rename); give a new run.dir instead."
+        )
+
+
+def read_copy(url: str, steps: set[int] | None = None, key: str = "path") -> Path:
+    """A local copy of the run at `url` for a reader (eval, generate, export), under
+    `<cache>/read/...`, held by a file lock while it is brought up to date."""
+    from filelock import FileLock
+
+    local = staging_dir(url, "read")
+    local.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(local) + ".jaxllm.lock"):
+        Remote(url, local, key).pull(steps)
+    return local
