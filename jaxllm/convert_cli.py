@@ -23,14 +23,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxllm import checkpoint, config, sharding
+from jaxllm import checkpoint, config, sharding, storage
 from jaxllm.adapters import BASE_ITEM, export_peft, import_peft
 from jaxllm.config import ConfigError, MeshConfig
+from jaxllm.config.urls import check_url
 from jaxllm.convert import FAMILIES, export_hf, import_hf, is_hf_dir
 from jaxllm.convert.export import OUT_FLAG
 from jaxllm.convert.hf import check_out_dir
-from jaxllm.load import resolve, restore
+from jaxllm.load import fetched, resolve, restore
 from jaxllm.model import lora
+
+# What a reader of each output looks for, published last to a bucket (`storage.staged`): an
+# imported run's checkpoint metadata, then its config.yaml; an export's index, then config.json.
+RUN_MARKERS = ("_CHECKPOINT_METADATA", "config.yaml")
+HF_MARKERS = ("model.safetensors.index.json", "config.json")
+PEFT_MARKERS = ("adapter_config.json",)
 
 CHECKPOINT_HELP = (
     "which checkpoint: last (the newest readable, the default), best (by evaluation, as "
@@ -44,10 +51,13 @@ def cmd_import(ns: argparse.Namespace) -> int:
         raise ConfigError(
             "jaxllm convert import HF_DIR OUT_DIR takes only key=value after OUT_DIR."
         )
-    if ns.peft:
-        report = import_peft(ns.hf_dir, ns.peft, ns.out_dir, overrides, overwrite=ns.overwrite)
-    else:
-        report = import_hf(ns.hf_dir, ns.out_dir, overrides, overwrite=ns.overwrite)
+    hf_dir = fetched(check_url(ns.hf_dir, "HF_DIR"), "HF_DIR")
+    adapter = ns.peft and fetched(check_url(ns.peft, "--peft"), "--peft")
+    with storage.staged(ns.out_dir, "OUT_DIR", overwrite=ns.overwrite, last=RUN_MARKERS) as out:
+        if adapter:
+            report = import_peft(hf_dir, adapter, out, overrides, overwrite=ns.overwrite)
+        else:
+            report = import_hf(hf_dir, out, overrides, overwrite=ns.overwrite)
     for line in report:
         print(line)
     print(f"imported {len(report)} tensor names into {ns.out_dir}", file=sys.stderr)
@@ -55,7 +65,14 @@ def cmd_import(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    run_dir = resolve(ns.source)[0]
+    source = fetched(check_url(ns.source, "RUN_DIR"), "RUN_DIR")
+    markers = PEFT_MARKERS if ns.peft else HF_MARKERS
+    with storage.staged(ns.hf_dir, OUT_FLAG, overwrite=ns.overwrite, last=markers) as hf_dir:
+        return _export(ns, source, hf_dir)
+
+
+def _export(ns: argparse.Namespace, source: str, hf_dir) -> int:
+    run_dir = resolve(source)[0]
     saved = config.load(run_dir / "config.yaml")
     method = saved.peft.method
     if method == "none" and (ns.peft or ns.merge):
@@ -79,15 +96,15 @@ def cmd_export(ns: argparse.Namespace) -> int:
     # Before the (long) restore: the output, and that it is not the run or its base.
     ckpts = checkpoint.checkpoint_dir(run_dir, saved.checkpoint.dir)
     reads = (run_dir, ckpts, saved.checkpoint.init_from)
-    check_out_dir(ns.hf_dir, flag=OUT_FLAG, overwrite=ns.overwrite, reads=reads)
+    check_out_dir(hf_dir, flag=OUT_FLAG, overwrite=ns.overwrite, reads=reads)
     mesh = sharding.make_mesh(MeshConfig())
     # the newest readable, or the one --checkpoint names
-    restored = restore(ns.source, mesh=mesh, base=not ns.peft, which=ns.checkpoint)
+    restored = restore(source, mesh=mesh, base=not ns.peft, which=ns.checkpoint)
     cfg, params, model_state = restored.cfg, restored.params, restored.model_state
     if ns.peft:
         ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
         base = checkpoint.read_json_item(ckpt_dir, restored.step, BASE_ITEM)
-        report = export_peft(params, cfg, ns.hf_dir, ns.family, base, overwrite=ns.overwrite)
+        report = export_peft(params, cfg, hf_dir, ns.family, base, overwrite=ns.overwrite)
         source = (base or {}).get("source")
         if not (source and is_hf_dir(source)):
             print(
@@ -102,7 +119,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
         report = export_hf(
             params,
             cfg,
-            ns.hf_dir,
+            hf_dir,
             ns.family,
             model_state=model_state,
             run_dir=run_dir,

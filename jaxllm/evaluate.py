@@ -15,11 +15,12 @@ import jax
 
 from jaxllm import sharding
 from jaxllm.config import ConfigError
+from jaxllm.config.urls import check_url
 from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
-from jaxllm.load import restore
+from jaxllm.load import fetched, restore
 from jaxllm.train import objectives
 from jaxllm.train import others as others_lib
 from jaxllm.train.batches import process_rows
@@ -35,6 +36,7 @@ def evaluate_checkpoint(
     path, overrides=(), num_batches: int | None = None, which: str = "last"
 ) -> dict:
     """`which`: `--checkpoint best|last|STEP` (`jaxllm.load.pick_step`)."""
+    path = fetched(check_url(path, "RUN_DIR"), "RUN_DIR")  # a bucket's run: its local copy
     cfg, mesh, graphdef, params, model_state, step, frozen = restore(path, overrides, which=which)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)

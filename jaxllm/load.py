@@ -7,6 +7,11 @@ Hugging Face model directory, always straight into their shards on a mesh.
     load_model(path)               -> an nnx.Module (run directory or Hugging Face directory);
                                       a fine-tuning run's model has its adapters / soft prompt
     load_weights(source, cfg, mesh) -> (params, model state): `checkpoint.init_from`
+    fetched_inputs(cfg)            -> cfg with its model URLs (init_from, teacher, reference,
+                                      reward) replaced by their local copies
+
+A `gs://` / `s3://` URL of a run or Hugging Face directory is read from its local copy
+(`jaxllm.storage.fetch`), so everything below sees local paths.
 
 Every reader takes the newest readable checkpoint unless a step is named (a step's directory, or
 `--checkpoint STEP`, or `--checkpoint best`: the best step by evaluation that the run's newest
@@ -25,7 +30,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxllm import checkpoint, config, sharding
+from jaxllm import checkpoint, config, sharding, storage
 from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, RunError
 from jaxllm.convert import is_hf_dir, load_params, model_config
 from jaxllm.data import check_vocab
@@ -55,6 +60,31 @@ class Restored(NamedTuple):
     def model(self) -> nnx.Module:
         """The restored model (with its adapters unmerged, for a PEFT run)."""
         return merge_model(self.graphdef, self.params, self.frozen, self.model_state)
+
+
+def fetched(path, key: str):
+    """`path` unchanged, or for a `gs://` / `s3://` URL the path of its local copy (a str)."""
+    return str(storage.fetch(path, key)) if storage.is_url(path) else path
+
+
+# the keys that name a model to read: (section, field)
+MODEL_KEYS = (("checkpoint", "init_from"), ("train", "teacher"), ("train", "reference"))
+
+
+def fetched_inputs(cfg: Config) -> Config:
+    """`cfg` with every model it reads from a bucket (`checkpoint.init_from`, `train.teacher`,
+    `train.reference`, a reward model's `train.reward`) replaced by its local copy, fetched
+    now; the same `cfg` when none is a URL."""
+    changes = {}
+    for section, field in (*MODEL_KEYS, ("train", "reward")):
+        value = getattr(getattr(cfg, section), field)
+        if storage.is_url(value):
+            changes.setdefault(section, {})[field] = fetched(value, f"{section}.{field}")
+    for section, fields in changes.items():
+        cfg = dataclasses.replace(
+            cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)}
+        )
+    return cfg
 
 
 def resolve(path: str | Path) -> tuple[Path, Path | None, int | None]:
@@ -163,8 +193,9 @@ def load_model(path, *, mesh: Mesh | None = None, overrides=()) -> nnx.Module:
     Hugging Face model directory (config.json + safetensors; `overrides` like
     `model.dtype=float32` apply). Returns an `nnx.Module` mapping int tokens [batch, length] to
     float32 logits [batch, length, vocab], its parameters restored straight into their shards
-    on `mesh` (default: all devices, data-parallel, i.e. replicated)."""
-    path = Path(path)
+    on `mesh` (default: all devices, data-parallel, i.e. replicated). A `gs://` / `s3://` URL
+    is read from its local copy."""
+    path = Path(fetched(path, "path"))
     if _is_hf_source(path):
         cfg = model_config(path, overrides)
         mesh = mesh or sharding.make_mesh(cfg.mesh)
@@ -198,6 +229,7 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
     A fine-tuning run (peft) as the source gives its merged model: base + adapters, the NF4 of
     QLoRA dequantized, as `convert export --merge` writes it. A prompt-tuning run has none
     (ConfigError)."""
+    source = fetched(source, "checkpoint.init_from")
     hf = _is_hf_source(source)
     if hf:
         theirs = model_config(source)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import glob as globlib
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -319,3 +320,39 @@ def remove(url: str, key: str) -> None:
     with _errors(url, key, fs):
         if exists(url, key):
             fs.rm(_remote(url), recursive=True)
+
+
+@contextlib.contextmanager
+def staged(out: str | Path, flag: str, *, overwrite: bool, last: Sequence[str]) -> Iterator[Path]:
+    """The local directory to write the output `out` into: `out` itself when it is local; for
+    a URL, its place in the cache (where `fetch` puts it, so paths the output records hold
+    there), published to the URL with the markers `last` at the end once the block succeeds.
+
+    A URL whose final marker (`last[-1]`) exists holds a finished output: refused before the
+    block runs unless `overwrite`. One without it holds at most an upload that failed, which
+    is replaced without asking. The old objects are removed only once the new output is
+    complete locally; if the upload then fails, the URL holds no marker."""
+    if not is_url(str(out)):
+        yield Path(out)
+        return
+    url = check_url(str(out), flag)
+    finished = exists(f"{url.rstrip('/')}/{last[-1]}", flag)  # also: bucket, credentials
+    if finished and not overwrite:
+        raise ConfigError(
+            f"{flag} {url} already holds files; choose a new directory, or pass --overwrite "
+            "to replace it."
+        )
+    local = local_cache(url)
+    try:
+        if local.is_dir():  # a fetched copy of what is replaced
+            shutil.rmtree(local)
+        elif local.exists():
+            local.unlink()
+        local.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(
+            f"cannot stage {url} in the cache {cache_dir()} ({e.strerror or e})."
+        ) from None
+    yield local
+    remove(url, flag)
+    publish(local, url, flag, last=last)

@@ -33,6 +33,7 @@ from jaxllm.config.train import (
     validate_evaluated,
     validate_train,
 )
+from jaxllm.config.urls import validate_urls
 
 # The keys of `optim.loss_scale`, the ones static scaling ignores after the first.
 _LOSS_SCALE_KEYS = (
@@ -320,6 +321,7 @@ class Config:
                 )
         if not d.sources:
             _fail("data.sources is empty; name at least one corpus.")
+        validate_urls(self)
         self._validate_pairs()
         self._validate_loss_scale()
         if self.train.nonfinite_patience < 1:

@@ -23,6 +23,7 @@ import typing
 
 from jaxllm.config import DataConfig, SourceConfig, load_args
 from jaxllm.config.outputs import check_output, written
+from jaxllm.config.urls import check_url
 
 _FORMATS = typing.get_args(typing.get_type_hints(SourceConfig)["format"])
 
@@ -61,7 +62,9 @@ def _add_overwrite(p: argparse.ArgumentParser) -> None:
 def _sources(ns) -> list[SourceConfig]:
     fields = ("text_field", "messages_field", "prompt_field", "completion_field")
     return [
-        SourceConfig(path=p, format=ns.format, **{k: getattr(ns, k) for k in fields})
+        SourceConfig(
+            path=check_url(p, "SOURCE"), format=ns.format, **{k: getattr(ns, k) for k in fields}
+        )
         for p in ns.sources
     ]
 
@@ -107,19 +110,23 @@ def cmd_tokenizer(ns) -> int:
 
 
 def cmd_prepare(ns) -> int:
+    from jaxllm import storage
     from jaxllm.data.prepare import prepare
+    from jaxllm.data.sources import MANIFEST
 
-    manifest = prepare(
-        _sources(ns),
-        ns.out,
-        tokenizer=ns.tokenizer,
-        workers=ns.workers,
-        shard_docs=ns.shard_docs,
-        max_files=ns.max_files,
-        eval_fraction=ns.eval_fraction,
-        on_bad_record=ns.on_bad_record,
-        overwrite=ns.overwrite,
-    )
+    # --out s3://... / gs://...: built locally, published with the manifest last
+    with storage.staged(ns.out, "--out", overwrite=ns.overwrite, last=[MANIFEST]) as out:
+        manifest = prepare(
+            _sources(ns),
+            out,
+            tokenizer=ns.tokenizer,
+            workers=ns.workers,
+            shard_docs=ns.shard_docs,
+            max_files=ns.max_files,
+            eval_fraction=ns.eval_fraction,
+            on_bad_record=ns.on_bad_record,
+            overwrite=ns.overwrite,
+        )
     split = manifest["splits"]
     print(
         f"wrote {len(manifest['shards'])} shard(s) to {ns.out}: {manifest['docs']:,} documents, "

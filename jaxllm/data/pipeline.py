@@ -25,7 +25,7 @@ from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.data import preference, sft
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
-from jaxllm.data.sources import BadRecords, is_prepared_dir, list_files, read_texts
+from jaxllm.data.sources import BadRecords, fetched, is_prepared_dir, list_files, read_texts
 from jaxllm.data.split import split_source
 from jaxllm.data.tokenizer import Tokenizer, encode_documents, make_tokenizer
 
@@ -68,6 +68,7 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
     """(train documents, eval documents) of one source, all in train unless `hold_out`: token
     arrays, `sft.Examples` for a chat / prompt_completion source, `preference.Pairs` for a
     preference source."""
+    src = fetched(src, key)  # a bucket's source is read from its local copy
     if is_prepared_dir(src.path):
         prepared = PreparedDir(src.path, key, cfg.tokenizer)
         if not hold_out:

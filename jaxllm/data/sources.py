@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from jaxllm import storage
 from jaxllm.config import ConfigError, JaxllmWarning, SourceConfig
 
 MANIFEST = "manifest.json"  # marks a directory written by `jaxllm data prepare`
@@ -99,9 +100,20 @@ def _glob_root(pattern: str) -> Path:
     return Path(*parts[:first_wildcard]) if first_wildcard else Path(".")
 
 
+def fetched(src: SourceConfig, key: str) -> SourceConfig:
+    """`src` with a `gs://` / `s3://` path replaced by its local copy (`jaxllm.storage.fetch`:
+    the object, the prefix as a directory, or the glob's objects, in the cache). Keys relative
+    to the source root are the same as the bucket's, so the held-out split does not move."""
+    if not storage.is_url(src.path):
+        return src
+    return dataclasses.replace(src, path=str(storage.fetch(src.path, f"{key}.path")))
+
+
 def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> list[DataFile]:
     """The files of a source, sorted by path, at most `max_files`; ConfigError (naming `key`,
-    e.g. `data.sources[0]`) when the path is missing or matches no file."""
+    e.g. `data.sources[0]`) when the path is missing or matches no file. A URL is read from
+    its local copy (`fetched`)."""
+    src = fetched(src, key)
     if src.path == "stdlib":
         fmt = "stdlib" if src.format == "auto" else src.format
         root = stdlib_root()

@@ -22,6 +22,7 @@ import sys
 import time
 
 from jaxllm.config import ConfigError, split_args
+from jaxllm.config.urls import check_url
 from jaxllm.data.tokenizer import (
     check_coverage,
     generation_config,
@@ -30,7 +31,7 @@ from jaxllm.data.tokenizer import (
 )
 from jaxllm.infer.chat import Chat, Conversation, read_conversations
 from jaxllm.infer.generate import generate
-from jaxllm.load import resolve, restore
+from jaxllm.load import fetched, resolve, restore
 
 
 def _overrides(ns: argparse.Namespace) -> list[str]:
@@ -134,6 +135,7 @@ def cmd_exact_match(ns: argparse.Namespace) -> int:
     path, overrides = split_args(ns.args)
     if path is None:
         raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
+    path = fetched(check_url(path, "RUN_DIR"), "RUN_DIR")  # a bucket's run: its local copy
     conversations = read_conversations(ns.chat_exact_match)
     chat = load_chat(path, overrides, ns.checkpoint)
     score = chat.exact_match(conversations)
@@ -153,6 +155,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     path, overrides = split_args(ns.args)
     if path is None:
         raise ConfigError("jaxllm generate needs a run directory or checkpoint path.")
+    path = fetched(check_url(path, "RUN_DIR"), "RUN_DIR")  # a bucket's run: its local copy
     if ns.system is not None and ns.chat is None and ns.chat_file is None:
         raise ConfigError("--system goes with --chat or --chat-file; add one of them.")
     if ns.chat is not None or ns.chat_file is not None:
