@@ -7,11 +7,15 @@ the next three do not improve, and the run stops at step 4 of 8."""
 
 from __future__ import annotations
 
-import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
 from types import SimpleNamespace
 
 import pytest
-from conftest import SMALL_RUN
+from conftest import SMALL_RUN, cpu_env
 
 from jaxllm import checkpoint, config
 from jaxllm.cli import main
@@ -63,17 +67,39 @@ def test_the_closing_line_says_it_stopped_early(tmp_path, capsys):
     assert checkpoint.steps(run / "checkpoints") == [1, 2]
 
 
-def test_a_resumed_run_stops_and_keeps_the_best_where_the_uninterrupted_one_did(watched, tmp_path):
-    """As after kill -9 just after checkpoint 2: its saved state (best step 1, one evaluation
-    without improvement) carries on, so the run stops at 4 with step 1 the best, as `watched`
-    did. Without the state, step 3 would be the first evaluation and the best, and the run
-    would go on to step 6."""
+def test_early_stopping_and_the_best_survive_kill_9(watched, tmp_path, capsys):
+    """Killed (SIGKILL) once checkpoint 2 is on disk, the run resumes with that checkpoint's
+    saved state (best step 1, one evaluation without improvement), so it stops at 4 with step 1
+    the best, as the uninterrupted `watched` did. Without the state, step 3 would be the first
+    evaluation and the best, and the run would go on to step 6."""
     run = tmp_path / "run"
-    assert main(["train", *WATCHED, "checkpoint.keep=9", f"run.dir={run}"]) == 0
-    assert checkpoint.steps(run / "checkpoints") == [1, 2, 3, 4]
-    for step in (3, 4):
-        shutil.rmtree(run / "checkpoints" / str(step))
-    assert main(["train", str(run)]) == 0
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxllm",
+        "train",
+        *WATCHED,
+        "checkpoint.keep=9",
+        f"run.dir={run}",
+    ]
+    victim = subprocess.Popen(
+        argv, env=cpu_env(8), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    marker = run / "checkpoints" / "2" / checkpoint.FINALIZED
+    t0 = time.monotonic()
+    while not marker.exists():
+        assert victim.poll() is None, victim.communicate()[0]
+        assert time.monotonic() - t0 < 300, "checkpoint 2 never appeared"
+        time.sleep(0.02)
+    victim.kill()
+    out = victim.communicate()[0]
+    assert victim.returncode == -signal.SIGKILL, out  # killed before it could stop on its own
+    assert 2 in checkpoint.steps(run / "checkpoints")
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # printed as a `jaxllm: warning:` line
+        assert main(["train", str(run)]) == 0
+    assert "which is no longer running; taking the run over" in capsys.readouterr().err
     assert read_jsonl(run / "metrics.jsonl")[-1]["step"] == 4
     assert checkpoint.steps(run / "checkpoints") == [1, 2, 3, 4]
     assert checkpoint.best_step(run / "checkpoints") == 1
