@@ -133,8 +133,7 @@ class Remote:
     def listing(self) -> dict[str, dict]:
         """{relative path: info} of every object of the run in the bucket, the lock left out."""
         with remote_errors(self.url, self.key, self.fs):
-            if not self.fs.exists(self.bucket):
-                raise RunError(f"{self.url}: the bucket does not exist.")
+            self.fs.info(self.bucket)  # a missing bucket, refused credentials, no endpoint
             found = self.fs.find(self.root, detail=True)
         out = {}
         for path, info in found.items():
@@ -205,14 +204,11 @@ class Remote:
                 d.rmdir()
         fetch = [rel for rel, info in wanted.items() if not self._known(rel, info)]
         markers = [rel for rel in fetch if rel.endswith("/" + FINALIZED)]
-        for batch in ([r for r in fetch if r not in markers], markers):
-            for rel in batch:  # a changed step: its marker goes first, comes back last
-                if rel.endswith(FINALIZED):
-                    continue
-                marker = self.local / CHECKPOINTS / rel.split("/")[1] / FINALIZED
-                if _step_of(rel) is not None and marker.exists():
-                    marker.unlink()
-            self._download(batch, wanted)
+        for rel in fetch:  # a step that changed: its local marker goes first, comes back last
+            if (step := _step_of(rel)) is not None:
+                (self.local / CHECKPOINTS / str(step) / FINALIZED).unlink(missing_ok=True)
+        self._download([r for r in fetch if r not in markers], wanted)
+        self._download(markers, wanted)
         self._manifest = {k: v for k, v in self._manifest.items() if k in wanted}
         self._save_manifest()
         return [s for s in complete if steps is None or s in steps]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import jax
 
-from jaxllm import adapters, checkpoint, config, sharding, trackers
+from jaxllm import adapters, checkpoint, config, sharding, storage, trackers
+from jaxllm.checkpoint import mirror
 from jaxllm.config import JaxllmWarning
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.data import check_vocab
@@ -60,7 +61,15 @@ def train(cfg: config.Config, signals: Signals | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         if signals is None:
             signals = stack.enter_context(Signals())
-        return _train(cfg, signals)
+        try:
+            return _train(cfg, signals)
+        except (config.ConfigError, config.RunError) as e:
+            if not storage.is_url(cfg.run.dir):
+                raise
+            staging = str(mirror.staging_dir(cfg.run.dir.rstrip("/")))
+            if staging not in str(e):
+                raise
+            raise type(e)(str(e).replace(staging, cfg.run.dir.rstrip("/"))) from None
 
 
 def _train(cfg: config.Config, signals: Signals) -> dict:
