@@ -6,6 +6,7 @@ Hugging Face directory in a bucket and comes back (`convert export` / `import`, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -74,3 +75,26 @@ def test_a_run_round_trips_through_a_bucket(s3_env, small_run, tmp_path, capsys)
     assert s3_env.keys(hf) == before
     assert main(["convert", "export", str(small_run), hf, "--overwrite"]) == 0
     assert s3_env.keys(hf) == before
+
+
+def test_every_model_key_is_read_from_its_local_copy(s3_env, small_run):
+    """`jaxllm train` hands the loop a config whose models in a bucket (init_from, teacher,
+    reference, a reward model) are their local copies; other values stay as they are."""
+    from jaxllm.config import CheckpointConfig, Config, TrainConfig
+    from jaxllm.load import fetched_inputs, resolve
+
+    bucket = s3_env.bucket()
+    storage.publish(small_run, f"{bucket}/run", "k")
+    storage.publish(small_run, f"{bucket}/rm", "k")
+    cfg = Config(
+        train=TrainConfig(teacher=f"{bucket}/run", reference=str(small_run), reward=f"{bucket}/rm"),
+        checkpoint=CheckpointConfig(init_from=f"{bucket}/run/checkpoints/4"),
+    )
+    got = fetched_inputs(cfg)
+    assert got.train.reference == str(small_run)
+    assert got.train.teacher == str(storage.local_cache(f"{bucket}/run"))
+    assert resolve(got.train.teacher)[0] == storage.local_cache(f"{bucket}/run")
+    assert resolve(got.checkpoint.init_from)[2] == 4
+    assert (Path(got.train.reward) / "config.yaml").is_file()
+    plain = Config(train=TrainConfig(reward="exact_match"))
+    assert fetched_inputs(plain) is plain
