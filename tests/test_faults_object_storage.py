@@ -197,3 +197,22 @@ def test_eval_reads_the_bucket_run(bucket_run, s3_env, capsys):
         code, out, err = fault_output(["eval", bucket_run, "--checkpoint", which], capsys)
         assert code == 0, err
         assert out.startswith(f"step {step}: eval loss"), out
+
+
+def test_a_step_without_its_marker_in_the_bucket_is_never_a_checkpoint(bucket_run, s3_env, capsys):
+    """What a killed upload leaves (a step's files, no `_CHECKPOINT_METADATA`) is not pulled
+    and not resumed from: the run's newest checkpoint is still 4, so there is nothing to do."""
+    bucket, _, prefix = bucket_run.removeprefix("s3://").partition("/")
+    key = f"{prefix}/checkpoints/6/params/_METADATA"
+    s3_env.client().put_object(Bucket=bucket, Key=key, Body=b"torn")
+    try:
+        code, _, err = fault_output(
+            ["train", *TINY, "train.steps=6", "model.d_model=32", f"run.dir={bucket_run}"], capsys
+        )
+        staged = mirror.staging_dir(bucket_run) / "checkpoints"
+        assert code == 2 and "model.d_model (64 there, 32 here)" in err, err
+        assert sorted(p.name for p in staged.iterdir()) == ["2", "4"]
+        code, _, err = fault_output(["train", *TINY, f"run.dir={bucket_run}"], capsys)
+        assert code == 0 and "nothing to do" in err, err
+    finally:
+        s3_env.client().delete_object(Bucket=bucket, Key=key)

@@ -150,3 +150,12 @@ def test_sigkill_then_resume_from_the_bucket_is_bit_identical(s3, tmp_path, monk
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "reader-cache"))
     _same_run(straight, Path(_copy(url)))
+
+
+def test_retention_deletes_in_the_bucket_too(s3_env, tmp_path):
+    url = s3_env.bucket() + "/run"
+    argv = ["train", *SMALL_RUN, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=1"]
+    assert main([*argv, f"run.dir={url}"]) == 0
+    assert _steps(s3_env, url) == [6]
+    run_key = url.split("/", 3)[3]
+    assert not [k for k in s3_env.keys(url) if k.startswith(f"{run_key}/checkpoints/2/")]

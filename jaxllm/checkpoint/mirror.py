@@ -233,9 +233,11 @@ class Remote:
             self._worker.start()
 
     def _check(self) -> None:
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise RunError(str(e)) if not isinstance(e, RunError) else e
+        """Raises the worker's failure (again at every call: after one, nothing more goes up,
+        so the bucket keeps its newest complete checkpoint)."""
+        e = self._error
+        if e is not None:
+            raise e if isinstance(e, RunError) else RunError(str(e))
 
     def saved(self, step: int) -> None:
         """Queues the upload of checkpoint `step` (written asynchronously: the worker waits for
@@ -268,9 +270,11 @@ class Remote:
         self.wait()
 
     def _work(self) -> None:
-        while True:
+        """Runs the queued uploads in order, and renews the lock; ends once `close` was called
+        and the queue is empty."""
+        while not (self._stop.is_set() and self._tasks.empty()):
             try:
-                kind, arg, files = self._tasks.get(timeout=RENEW_S / 4)
+                kind, arg, files = self._tasks.get(timeout=0.2)
             except queue.Empty:
                 self._maybe_renew()
                 continue
@@ -298,11 +302,7 @@ class Remote:
             for name, data in files.items():
                 self.fs.pipe_file(self._remote(name), data)
             prefix = self._remote(f"{CHECKPOINTS}/{step}")
-            if self.fs.exists(prefix):  # an older upload of this step: marker first
-                self.fs.rm(f"{prefix}/{FINALIZED}") if self.fs.exists(
-                    f"{prefix}/{FINALIZED}"
-                ) else None
-                self.fs.rm(prefix, recursive=True)
+            self._delete_step(prefix)  # an older upload of this step (a damaged or torn one)
             rels = [
                 f"{CHECKPOINTS}/{step}/{p.relative_to(step_dir).as_posix()}"
                 for p in sorted(step_dir.rglob("*"))
@@ -322,15 +322,21 @@ class Remote:
     def _remove_steps(self, steps: list[int]) -> None:
         with remote_errors(self.url, self.key, self.fs):
             for step in steps:
-                prefix = self._remote(f"{CHECKPOINTS}/{step}")
-                if self.fs.exists(f"{prefix}/{FINALIZED}"):
-                    self.fs.rm(f"{prefix}/{FINALIZED}")
-                if self.fs.exists(prefix):
-                    self.fs.rm(prefix, recursive=True)
-                self.fs.invalidate_cache(prefix)
+                self._delete_step(self._remote(f"{CHECKPOINTS}/{step}"))
         for rel in [r for r in self._manifest if _step_of(r) in steps]:
             self._manifest.pop(rel)
         self._save_manifest()
+
+    def _delete_step(self, prefix: str) -> None:
+        """Deletes a step in the bucket, its marker first: never a marker without its files."""
+        found = self.fs.find(prefix)
+        marker = f"{prefix}/{FINALIZED}"
+        if marker in found:
+            self.fs.rm_file(marker)
+        rest = [p for p in found if p != marker]
+        if rest:
+            self.fs.rm(rest)
+        self.fs.invalidate_cache(prefix)
 
     def _push_rest(self) -> None:
         """Every local file outside checkpoints/ that the bucket does not hold as it is."""
@@ -352,7 +358,7 @@ class Remote:
         """Stops the worker: queued steps whose save never finished are not uploaded."""
         self._stop.set()
         if self._worker is not None:
-            self._tasks.join()
+            self._worker.join()
 
     # -- the lock ------------------------------------------------------------------------------
 
@@ -374,6 +380,7 @@ class Remote:
     def holder(self) -> tuple[dict, dict] | None:
         """(the lock's holder record, the object's info), or None when there is no lock."""
         with remote_errors(self.url, self.key, self.fs):
+            self.fs.invalidate_cache(self._lock_path)
             try:
                 info = self.fs.info(self._lock_path)
                 data = self.fs.cat_file(self._lock_path)
@@ -394,8 +401,9 @@ class Remote:
                 self.fs.pipe_file(self._lock_path, self._holder_body(), mode="create")
             except FileExistsError:
                 self._take_over()
+            self._since = json.loads(self.fs.cat_file(self._lock_path)).get("since")
         self._renewed = time.monotonic()
-        self._since = json.loads(self.fs.cat_file(self._lock_path)).get("since")
+        self._start_worker()  # renews the lock from now on
 
     def _stale(self, h: dict) -> bool:
         if h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int):
@@ -444,7 +452,6 @@ class Remote:
         if not self._since or (not force and time.monotonic() - self._renewed < RENEW_S):
             return
         try:
-            self.fs.invalidate_cache(self._lock_path)
             found = self.holder()
             if found is None or found[0].get("token") != self._token:
                 raise RunError(
@@ -452,7 +459,9 @@ class Remote:
                     f"({(found or ({},))[0].get('host', 'lock removed')}); this one stops "
                     "uploading."
                 )
-            self.fs.pipe_file(self._lock_path, self._holder_body(self._since))
+            match = {"IfMatch": found[1]["ETag"]} if found[1].get("ETag") else {}
+            with remote_errors(self.url, self.key, self.fs):
+                self.fs.pipe_file(self._lock_path, self._holder_body(self._since), **match)
             self._renewed = time.monotonic()
         except BaseException as e:
             self._error = self._error or e
