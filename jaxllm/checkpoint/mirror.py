@@ -124,6 +124,7 @@ class Remote:
         self._token = uuid.uuid4().hex
         self._renewed = 0.0
         self._since: str | None = None  # set while this process holds the lock
+        self.pending: set[int] = set()  # steps queued for upload and not uploaded yet
 
     # -- the bucket's side -------------------------------------------------------------------
 
@@ -248,6 +249,7 @@ class Remote:
             with contextlib.suppress(OSError):
                 files[name] = (self.local / name).read_bytes()
         self._start_worker()
+        self.pending.add(step)
         self._tasks.put(("step", step, files))
 
     def removed(self, steps: list[int]) -> None:
@@ -282,6 +284,7 @@ class Remote:
                 if self._error is None:
                     if kind == "step":
                         self._push_step(arg, files)
+                        self.pending.discard(arg)
                     elif kind == "remove":
                         self._remove_steps(arg)
                     elif kind == "rest":

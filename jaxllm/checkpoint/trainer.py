@@ -151,7 +151,7 @@ class Checkpointer:
             keep |= {r["step"] for r in records if r.get("step") is not None}
         doomed = [s for s in found if s not in keep]
         if doomed:
-            if self.mirror is not None:
+            if self.mirror is not None and self.mirror.pending & set(doomed):
                 self.mirror.wait()  # no upload reads a step deleted under it
             self._mgr.reload()
             for s in doomed:
