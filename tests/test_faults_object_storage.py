@@ -17,7 +17,7 @@ import pytest
 from conftest import SMALL_RUN
 from test_faults import Case, assert_one_line, fault_output
 
-from jaxllm.checkpoint import mirror
+from jaxllm.checkpoint import bucket_lock, mirror
 from jaxllm.cli import main
 
 TINY = [*SMALL_RUN, "train.steps=4", "checkpoint.every=2"]
@@ -160,10 +160,10 @@ def test_the_refusal_names_the_url_not_the_staging_directory(bucket_run, s3_env,
 
 
 def test_nothing_to_do_and_a_stale_lock_taken_over(bucket_run, s3_env, capsys):
-    """A lock not renewed for longer than mirror.STALE_S (its holder on another machine died)
+    """A lock not renewed for longer than bucket_lock.STALE_S (its holder on another machine died)
     is taken over with a warning; "nothing to do" then changes nothing but that lock."""
     before = _objects(s3_env, bucket_run)
-    _live_lock(s3_env, bucket_run, age=mirror.STALE_S + 60)
+    _live_lock(s3_env, bucket_run, age=bucket_lock.STALE_S + 60)
     code, _, err = fault_output(["train", *TINY, f"run.dir={bucket_run}"], capsys)
     assert code == 0, err
     assert "no longer running" in err and "nothing to do" in err, err

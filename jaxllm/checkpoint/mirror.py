@@ -6,8 +6,8 @@ run on object storage trains in a local directory with all of the local code unc
 that directory is mirrored to the bucket, which stays the truth:
 
 - `staging_dir(url)`: `$JAXLLM_CACHE/runs/<scheme>/<bucket>/<key>` (`~/.cache/jaxllm` when
-  unset); readers (`jaxllm eval / generate / convert export`) copy into `.../read/...` instead,
-  so they never touch the directory a run on this machine is writing.
+  unset). Readers (`jaxllm eval / generate / convert export`, `load_model`) fetch the run into
+  `.../remote/...` (`jaxllm.load.fetched`), so they never touch a writer's staging directory.
 - `Remote.pull`: the bucket's run comes down before anything reads the staging directory:
   every file outside `checkpoints/`, and the checkpoints whose commit marker (Orbax's
   `_CHECKPOINT_METADATA`) is in the bucket; a local file the bucket does not have is deleted,
@@ -22,13 +22,8 @@ that directory is mirrored to the bucket, which stays the truth:
   marker first. `finish()`: everything else of the run directory (loss.png, summary.json,
   tensorboard/, ...), once training ended or stopped on a signal.
 - `Remote.lock()`: one writer per bucket run, the object `<url>/.jaxllm.lock.json` created only
-  if absent (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`, through s3fs / gcsfs
-  `mode="create"`), naming the holder. The holder renews it every `RENEW_S` seconds and after
-  every upload; a lock of a process on this host that is no longer running, or one not renewed
-  for `STALE_S` seconds, is taken over with a warning (on S3 by a write conditional on the
-  stale object's ETag, so two machines cannot both take it over; elsewhere by deleting and
-  creating it again). A holder that finds its lock taken over stops uploading and fails the run
-  with a RunError.
+  if absent and renewed by the worker (`jaxllm.checkpoint.bucket_lock`). A holder that finds
+  its lock taken over stops uploading and fails the run with a RunError.
 
 Errors of the bucket (missing, credentials refused, endpoint unreachable) are one RunError
 naming the URL.
@@ -37,20 +32,17 @@ naming the URL.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import queue
-import socket
 import threading
 import time
-import uuid
-import warnings
 from pathlib import Path
 
 from jaxllm import storage
+from jaxllm.checkpoint.bucket_lock import BucketLock
 from jaxllm.checkpoint.files import FINALIZED
-from jaxllm.config import ConfigError, JaxllmWarning, RunError
+from jaxllm.config import ConfigError, RunError
 from jaxllm.config.urls import split_url
 
 LOCK_OBJECT = ".jaxllm.lock.json"
@@ -58,15 +50,13 @@ MANIFEST = ".jaxllm.mirror.json"
 LOCAL_ONLY_PREFIX = ".jaxllm."  # the local lock, its holder file, the manifest: never mirrored
 CHECKPOINTS = "checkpoints"
 RUN_FILES = ("metrics.jsonl", "config.yaml", "trackers.json")  # uploaded with each checkpoint
-RENEW_S = 60.0
-STALE_S = 300.0
 
 
-def staging_dir(url: str, kind: str = "runs") -> Path:
-    """`<cache>/<kind>/<scheme>/<bucket>/<key>` (`storage.cache_dir()`: `$JAXLLM_CACHE`, else
-    `~/.cache/jaxllm`): `runs` for the writer, `read` for readers."""
+def staging_dir(url: str) -> Path:
+    """`<cache>/runs/<scheme>/<bucket>/<key>` (`storage.cache_dir()`: `$JAXLLM_CACHE`, else
+    `~/.cache/jaxllm`): where the run at `url` trains."""
     scheme, bucket, path = split_url(url)
-    return storage.cache_dir() / kind / scheme / bucket / path
+    return storage.cache_dir() / "runs" / scheme / bucket / path
 
 
 def remote_errors(url: str, key: str, fs=None):
@@ -103,10 +93,6 @@ def _step_of(rel: str) -> int | None:
     return None
 
 
-def _stamp() -> str:
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
 class Remote:
     """The mirror of one run directory: `local` (the staging directory) and `url`."""
 
@@ -121,9 +107,7 @@ class Remote:
         self._stop = threading.Event()  # set by `close`: no more waiting for markers
         self._worker: threading.Thread | None = None
         self._lock_tag: str | None = None  # our lock object's ETag / token
-        self._token = uuid.uuid4().hex
-        self._renewed = 0.0
-        self._since: str | None = None  # set while this process holds the lock
+        self._lock = BucketLock(self.fs, self.url, key, self._remote(LOCK_OBJECT))
         self.pending: set[int] = set()  # steps queued for upload and not uploaded yet
 
     # -- the bucket's side -------------------------------------------------------------------
@@ -179,9 +163,8 @@ class Remote:
         same_local = seen[2:] == [st.st_size, st.st_mtime_ns]
         return same_local and (info is None or seen[:2] == _identity(info))
 
-    def pull(self, steps: set[int] | None = None) -> list[int]:
-        """Makes the staging directory the bucket's run; returns the bucket's checkpoint steps.
-        `steps` (readers): only these checkpoints come down."""
+    def pull(self) -> list[int]:
+        """Makes the staging directory the bucket's run; returns the bucket's checkpoint steps."""
         self.local.mkdir(parents=True, exist_ok=True)
         self._load_manifest()
         listing = self.listing()
@@ -189,10 +172,7 @@ class Remote:
         wanted = {
             rel: info
             for rel, info in listing.items()
-            if (s := _step_of(rel)) is not None
-            and s in complete
-            and (steps is None or s in steps)
-            or rel.split("/")[0] != CHECKPOINTS
+            if _step_of(rel) in complete or rel.split("/")[0] != CHECKPOINTS
         }
         for rel, path in _local_files(self.local).items():
             if rel not in wanted:
@@ -212,7 +192,7 @@ class Remote:
         self._download(markers, wanted)
         self._manifest = {k: v for k, v in self._manifest.items() if k in wanted}
         self._save_manifest()
-        return [s for s in complete if steps is None or s in steps]
+        return complete
 
     def _download(self, rels: list[str], infos: dict[str, dict]) -> None:
         if not rels:
@@ -363,122 +343,24 @@ class Remote:
         if self._worker is not None:
             self._worker.join()
 
-    # -- the lock ------------------------------------------------------------------------------
-
-    @property
-    def _lock_path(self) -> str:
-        return self._remote(LOCK_OBJECT)
-
-    def _holder_body(self, since: str | None = None) -> bytes:
-        now = time.time()
-        body = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "since": since or _stamp(),
-            "renewed": now,
-            "token": self._token,
-        }
-        return (json.dumps(body) + "\n").encode()
-
-    def holder(self) -> tuple[dict, dict] | None:
-        """(the lock's holder record, the object's info), or None when there is no lock."""
-        with remote_errors(self.url, self.key, self.fs):
-            self.fs.invalidate_cache(self._lock_path)
-            try:
-                info = self.fs.info(self._lock_path)
-                data = self.fs.cat_file(self._lock_path)
-            except FileNotFoundError:
-                return None
-        try:
-            value = json.loads(data)
-        except ValueError:
-            value = {}
-        return (value if isinstance(value, dict) else {}), info
+    # -- the lock (`bucket_lock.BucketLock`) --------------------------------------------------
 
     def lock(self) -> None:
-        """Creates the lock object, or takes a stale one over; RunError naming the holder."""
-        with remote_errors(self.url, self.key, self.fs):
-            self.listing()  # the bucket exists and these credentials may list it
-            self.fs.invalidate_cache(self._lock_path)
-            try:
-                self.fs.pipe_file(self._lock_path, self._holder_body(), mode="create")
-            except FileExistsError:
-                self._take_over()
-            self._since = json.loads(self.fs.cat_file(self._lock_path)).get("since")
-        self._renewed = time.monotonic()
-        self._start_worker()  # renews the lock from now on
-
-    def _stale(self, h: dict) -> bool:
-        if h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int):
-            try:
-                os.kill(h["pid"], 0)
-            except ProcessLookupError:
-                return True
-            except OSError:
-                pass
-            else:
-                return False
-        renewed = h.get("renewed")
-        return not isinstance(renewed, (int, float)) or time.time() - renewed > STALE_S
-
-    def _take_over(self) -> None:
-        found = self.holder()
-        if found is None:  # released meanwhile
-            self.fs.pipe_file(self._lock_path, self._holder_body(), mode="create")
-            return
-        h, info = found
-        if not self._stale(h):
-            raise RunError(
-                f"{self.url} is being written by another jaxllm train (pid {h.get('pid', '?')} "
-                f"on {h.get('host', '?')}, since {h.get('since', '?')}); wait for it to finish or "
-                f"stop it (a lock not renewed for {STALE_S:.0f} s is taken over)."
-            )
-        if self.url.startswith("s3://") and info.get("ETag"):
-            try:  # only one taker can replace that very object
-                self.fs.pipe_file(self._lock_path, self._holder_body(), IfMatch=info["ETag"])
-            except (FileExistsError, OSError) as e:
-                raise RunError(
-                    f"{self.url}: another jaxllm train took the run over just now; wait for it "
-                    f"to finish or stop it ({' '.join(str(e).split())[:120]})."
-                ) from None
-        else:
-            self.fs.rm(self._lock_path)
-            self.fs.pipe_file(self._lock_path, self._holder_body(), mode="create")
-        warnings.warn(
-            f"{self.url} was locked by pid {h.get('pid', '?')} on {h.get('host', '?')}, which "
-            "is no longer running (or stopped renewing its lock); taking the run over.",
-            JaxllmWarning,
-            stacklevel=4,
-        )
+        """Takes the run's lock object (after checking the bucket can be listed); from then on
+        the worker renews it."""
+        self.listing()  # the bucket exists and these credentials may list it
+        self._lock.acquire()
+        self._start_worker()
 
     def _maybe_renew(self, force: bool = False) -> None:
-        if not self._since or (not force and time.monotonic() - self._renewed < RENEW_S):
-            return
         try:
-            found = self.holder()
-            if found is None or found[0].get("token") != self._token:
-                raise RunError(
-                    f"{self.url}: the run's lock was taken over by another jaxllm train "
-                    f"({(found or ({},))[0].get('host', 'lock removed')}); this one stops "
-                    "uploading."
-                )
-            match = {"IfMatch": found[1]["ETag"]} if found[1].get("ETag") else {}
-            with remote_errors(self.url, self.key, self.fs):
-                self.fs.pipe_file(self._lock_path, self._holder_body(self._since), **match)
-            self._renewed = time.monotonic()
+            self._lock.renew(force)
         except BaseException as e:
             self._error = self._error or e
 
     def unlock(self) -> None:
         """Deletes the lock object if it is still ours."""
-        if not self._since:
-            return
-        self._since = None
-        with contextlib.suppress(Exception):
-            self.fs.invalidate_cache(self._lock_path)
-            found = self.holder()
-            if found is not None and found[0].get("token") == self._token:
-                self.fs.rm(self._lock_path)
+        self._lock.release()
 
 
 def check_run_config(cfg, url: str) -> None:
@@ -493,15 +375,3 @@ def check_run_config(cfg, url: str) -> None:
             f"checkpoint.start_fresh=true with run.dir={url}: a bucket cannot move the old run "
             "aside (it has no rename); give a new run.dir instead."
         )
-
-
-def read_copy(url: str, steps: set[int] | None = None, key: str = "path") -> Path:
-    """A local copy of the run at `url` for a reader (eval, generate, export), under
-    `<cache>/read/...`, held by a file lock while it is brought up to date."""
-    from filelock import FileLock
-
-    local = staging_dir(url, "read")
-    local.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(local) + ".jaxllm.lock"):
-        Remote(url, local, key).pull(steps)
-    return local
