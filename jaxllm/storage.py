@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import glob as globlib
+import logging
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -85,6 +86,9 @@ def filesystem(url: str, key: str):
         ) from None
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
     if (scheme, env) not in _filesystems:
+        # their retries and fallbacks are logged with tracebacks; the failure that ends them is
+        # reported here, as one sentence
+        logging.getLogger(package).setLevel(logging.CRITICAL)
         # no listings cache: other processes write the same buckets
         _filesystems[scheme, env] = fsspec.filesystem(
             scheme, skip_instance_cache=True, use_listings_cache=False
@@ -111,12 +115,12 @@ def _endpoint(scheme: str) -> str:
         return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
             "AWS_ENDPOINT_URL", "the S3 endpoint"
         )
-    return os.environ.get("STORAGE_EMULATOR_HOST", "the GCS endpoint")
+    return os.environ.get("STORAGE_EMULATOR_HOST", "https://storage.googleapis.com")
 
 
 def _cause(e: BaseException, url: str, fs) -> str | None:
     """The sentence that says why storage failed, or None when `e` is not a storage failure."""
-    names = {type(c).__name__ for c in _chain(e)}
+    names = {k.__name__ for c in _chain(e) for k in type(c).__mro__}
     text = " ".join(str(c) for c in _chain(e)).lower()
     if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
         return "no credentials found (set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or Google application default credentials)"
@@ -131,7 +135,7 @@ def _cause(e: BaseException, url: str, fs) -> str | None:
         why = "connection refused"
         if any(isinstance(c, TimeoutError) for c in _chain(e)) or "timeout" in text:
             why = "timed out"
-        elif "name or service not known" in text or "nodename nor servname" in text:
+        elif "name or service not known" in text or "dns" in text or "nodename nor" in text:
             why = "unknown host"
         return f"cannot reach the endpoint {_endpoint(split_url(url)[0])} ({why})"
     if any(isinstance(c, PermissionError) for c in _chain(e)) or names & {"RefreshError"}:
