@@ -123,7 +123,9 @@ def _cause(e: BaseException, url: str, fs) -> str | None:
     names = {k.__name__ for c in _chain(e) for k in type(c).__mro__}
     text = " ".join(str(c) for c in _chain(e)).lower()
     if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
-        return "no credentials found (set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or Google application default credentials)"
+        if split_url(url)[0] == "s3":
+            return "no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+        return "no credentials found (run gcloud auth application-default login)"
     if names & {
         "EndpointConnectionError",
         "ConnectTimeoutError",

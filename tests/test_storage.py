@@ -139,7 +139,7 @@ def test_markers_are_published_last(s3_env, tmp_path, monkeypatch):
     assert not [k for k in s3_env.keys(url2) if k.endswith("manifest.json")]
 
 
-def test_failures_are_one_sentence_each(s3_env, monkeypatch):
+def test_failures_are_one_sentence_each(s3_env, monkeypatch, tmp_path):
     url = s3_env.bucket()
     with pytest.raises(ConfigError) as e:
         storage.fetch(url + "/missing.jsonl", "data.sources[0].path")
@@ -150,6 +150,17 @@ def test_failures_are_one_sentence_each(s3_env, monkeypatch):
     with pytest.raises(RunError) as e:
         storage.exists("s3://nobucket-here/run", "k")
     assert one_line(e) == "s3://nobucket-here/run: the bucket does not exist."
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws either
+    with pytest.raises(RunError) as e:
+        storage.fetch(url + "/x", "k")
+    assert one_line(e) == (
+        f"{url}/x: no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)."
+    )
+    for name, value in s3_env.env.items():
+        monkeypatch.setenv(name, value)
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.denying_env()["AWS_ENDPOINT_URL"])
     with pytest.raises(RunError) as e:
