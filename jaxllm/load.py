@@ -34,6 +34,7 @@ from jaxllm import checkpoint, config, sharding, storage
 from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, RunError
 from jaxllm.convert import is_hf_dir, load_params, model_config
 from jaxllm.data import check_vocab
+from jaxllm.data.tokenizer import fetched_tokenizer
 from jaxllm.model import (
     abstract_frozen,
     abstract_model,
@@ -73,13 +74,15 @@ MODEL_KEYS = (("checkpoint", "init_from"), ("train", "teacher"), ("train", "refe
 
 def fetched_inputs(cfg: Config) -> Config:
     """`cfg` with every model it reads from a bucket (`checkpoint.init_from`, `train.teacher`,
-    `train.reference`, a reward model's `train.reward`) replaced by its local copy, fetched
-    now; the same `cfg` when none is a URL."""
+    `train.reference`, a reward model's `train.reward`) and its `data.tokenizer` replaced by
+    their local copies, fetched now; the same `cfg` when none is a URL."""
     changes = {}
     for section, field in (*MODEL_KEYS, ("train", "reward")):
         value = getattr(getattr(cfg, section), field)
         if storage.is_url(value):
             changes.setdefault(section, {})[field] = fetched(value, f"{section}.{field}")
+    if storage.is_url(cfg.data.tokenizer):  # with the files read beside it
+        changes["data"] = {"tokenizer": fetched_tokenizer(cfg.data.tokenizer)}
     for section, fields in changes.items():
         cfg = dataclasses.replace(
             cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)}

@@ -92,3 +92,21 @@ def test_prepare_to_a_bucket_and_read_it_back(s3_env, tmp_path, capsys):
         return [d.tolist() for d in tr], [d.tolist() for d in ev]
 
     assert docs(out) == docs(str(local)) and docs(out)[1]
+
+
+def test_a_tokenizer_in_a_bucket(s3_env, tmp_path):
+    """data.tokenizer / --tokenizer as a URL of a tokenizer.json (or its directory): the same
+    ids and fingerprint as the local file, its tokenizer_config.json read beside it."""
+    from jaxllm.data import train_bpe
+    from jaxllm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    local = train_bpe(["def f(x):\n    return x + 1\n"] * 40, 300, tmp_path / "tok")
+    (local.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    url = s3_env.bucket() + "/tok"
+    storage.publish(local.parent, url, "k")
+    text = "def g(y): return y"
+    for spec in (f"{url}/tokenizer.json", url):
+        tok = load_tokenizer(spec)
+        assert list(tok.encode(text)) == list(load_tokenizer(str(local)).encode(text))
+        assert tokenizer_fingerprint(spec) == tokenizer_fingerprint(str(local))
+        assert (storage.local_cache(url) / "tokenizer_config.json").is_file()

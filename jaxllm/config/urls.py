@@ -65,13 +65,14 @@ def check_url(value: str, key: str) -> str:
 
 def validate_urls(cfg) -> None:
     """Every path key of `cfg` (a `Config`) that may be a URL, checked by `check_url`: data
-    sources, `checkpoint.init_from`, `train.teacher` / `train.reference` / `train.reward`
+    sources, `data.tokenizer`, `checkpoint.init_from`, `train.teacher` / `train.reference` / `train.reward`
     (a reward model's directory; the function specs `exact_match`, `regex:...` are not
     paths)."""
     for name in ("sources", "eval_sources"):
         for i, src in enumerate(getattr(cfg.data, name)):
             check_url(src.path, f"data.{name}[{i}].path")
     keys = {
+        "data.tokenizer": cfg.data.tokenizer,
         "checkpoint.init_from": cfg.checkpoint.init_from,
         "train.teacher": cfg.train.teacher,
         "train.reference": cfg.train.reference,

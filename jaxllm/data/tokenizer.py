@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm import storage
 from jaxllm.config import ConfigError, JaxllmWarning
 
 BPE_SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -228,9 +229,38 @@ Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
 NO_TOKENIZER = "none"  # data.tokenizer of a run that has none
 
 
+# read beside a tokenizer.json (`HFTokenizer`, `generation_config`): fetched with it from a bucket
+_BESIDE = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def fetched_tokenizer(spec: str, key: str = "data.tokenizer") -> str:
+    """`spec` unchanged, or for a `gs://` / `s3://` URL (a tokenizer.json or .model, or a
+    directory holding tokenizer.json) the path of its local copy, with the files read beside
+    it (`jaxllm.storage.fetch`)."""
+    if not storage.is_url(spec):
+        return spec
+    url = spec.rstrip("/")
+    if not url.endswith((".json", ".model")):
+        url += "/tokenizer.json"
+    local = storage.fetch(url, key)
+    parent = url.rsplit("/", 1)[0]
+    for name in _BESIDE if url.endswith(".json") else ():
+        if storage.exists(f"{parent}/{name}", key):
+            storage.fetch(f"{parent}/{name}", key)
+        else:
+            (local.parent / name).unlink(missing_ok=True)
+    return str(local)
+
+
 def _tokenizer_file(spec: str, key: str) -> Path:
-    """The file a `data.tokenizer` value names (a directory stands for its tokenizer.json)."""
-    path = Path(spec).expanduser()
+    """The file a `data.tokenizer` value names (a directory stands for its tokenizer.json; a
+    URL for its local copy)."""
+    path = Path(fetched_tokenizer(spec, key)).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if not path.is_file():
