@@ -26,7 +26,13 @@ from jaxllm.cli import main
 REPO = Path(__file__).resolve().parent.parent
 # A constant learning rate: the updates do not depend on train.steps, so a run stopped at any
 # step and resumed to step T is compared with a straight run of T steps.
-ARGS = [*SMALL_RUN, "optim.schedule=constant", "optim.warmup_steps=0", "train.eval_every=0"]
+ARGS = [
+    *SMALL_RUN,
+    "optim.schedule=constant",
+    "optim.warmup_steps=0",
+    "train.eval_every=0",
+    "run.trackers=[jsonl]",
+]
 
 
 def _env(s3, cache: Path) -> dict:
@@ -86,6 +92,9 @@ def _same_run(a: Path, b: Path) -> None:
 
 
 def test_sigterm_then_resume_on_another_machine_is_bit_identical(s3, tmp_path, monkeypatch):
+    """Train into the bucket, stop on SIGTERM, delete the local staging
+    directory, resume from the bucket: the parameters and every step's loss equal a straight
+    run's."""
     url = s3.bucket() + "/run"
     cache = tmp_path / "cache"
     staging = mirror.staging_dir(url).relative_to(mirror.storage.cache_dir())
@@ -125,7 +134,8 @@ def _copy(url: str) -> str:
 
 @pytest.mark.slow
 def test_sigkill_then_resume_from_the_bucket_is_bit_identical(s3, tmp_path, monkeypatch):
-    """kill -9 once a checkpoint is in the bucket: what the killed run left (a lock, maybe a
+    """A second writer is refused while the run trains; then kill -9 once a checkpoint is in
+    the bucket: what the killed run left (a lock, maybe a
     step uploaded without its marker, local steps the bucket lacks) does not count; the same
     machine takes its own dead lock over and resumes from the bucket's newest checkpoint."""
     url = s3.bucket() + "/run"
@@ -137,6 +147,12 @@ def test_sigkill_then_resume_from_the_bucket_is_bit_identical(s3, tmp_path, monk
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() - t0 < 300
         time.sleep(0.05)
+    # A second writer on "another machine" (its own cache, so no local lock stops it) is
+    # refused by the bucket's lock object, which names the first one.
+    rc, second = _run([*ARGS, "train.steps=400", f"run.dir={url}"], _env(s3, tmp_path / "other"))
+    assert rc == 1, second
+    assert f"is being written by another jaxllm train (pid {proc.pid} on" in second, second
+    assert proc.poll() is None  # the first one trains on
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     assert any(k.endswith(mirror.LOCK_OBJECT) for k in s3.keys(url))  # left by the dead run
