@@ -1,6 +1,7 @@
 """The `jaxllm` command line.
 
-    jaxllm train [CONFIG.yaml] [key=value ...] [--coordinator H:P --num-processes N --process-id I]
+    jaxllm train [CONFIG.yaml|RUN_DIR|s3://... gs://... run] [key=value ...]
+        [--coordinator H:P --num-processes N --process-id I]
     jaxllm eval RUN_DIR|CHECKPOINT [key=value ...] [--batches N] [--checkpoint best|last|STEP]
     jaxllm eval RUN_DIR|CHECKPOINT --chat-exact-match F.jsonl [--replies OUT.jsonl]
     jaxllm generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
@@ -56,7 +57,7 @@ def cmd_train(ns) -> int:
         from jaxllm import distributed
 
         group = distributed.settings(ns.coordinator, ns.num_processes, ns.process_id)
-        cfg = config.load_args(ns.args)
+        cfg = config.load_args(_bucket_run(ns.args))
         distributed.initialize(group)
         from jaxllm.load import fetched_inputs
         from jaxllm.train.loop import train
@@ -83,6 +84,20 @@ def cmd_train(ns) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _bucket_run(args: list[str]) -> list[str]:
+    """`jaxllm train s3://BUCKET/RUN [key=value ...]`: as a local run directory stands for its
+    config.yaml, a run on object storage stands for the config.yaml in the bucket (fetched),
+    with `run.dir` the URL."""
+    from jaxllm.config.urls import is_url
+
+    if not args or not is_url(args[0]):
+        return args
+    from jaxllm import storage
+
+    url = args[0].rstrip("/")
+    return [str(storage.fetch(f"{url}/config.yaml", "run.dir")), *args[1:], f"run.dir={url}"]
 
 
 def cmd_bench(ns) -> int:

@@ -108,6 +108,12 @@ CASES = [
         1,
         ": access denied",
     ),
+    Case(
+        "run-without-config",
+        lambda u, t: ["train", u.rsplit("/", 1)[0] + "/no-run"],
+        2,
+        "/no-run/config.yaml does not exist",
+    ),
     Case("malformed-url", lambda u, t: ["train", *TINY, "run.dir=s3:/bkt/run"], 2, "run.dir=s3:/"),
     Case(
         "other-scheme",

@@ -114,7 +114,7 @@ def test_sigterm_then_resume_on_another_machine_is_bit_identical(s3, tmp_path, m
     assert {"run/loss.png", "run/metrics.jsonl", "run/config.yaml"} <= set(keys)
 
     shutil.rmtree(cache)  # another machine: nothing local, the bucket alone
-    rc, out = _run([*ARGS, f"train.steps={stopped + 2}", f"run.dir={url}"], _env(s3, cache))
+    rc, out = _run([url, f"train.steps={stopped + 2}"], _env(s3, cache))  # its config.yaml
     assert rc == 0 and f"resumed from step {stopped}" in out, out
     assert _steps(s3, url)[-1] == stopped + 2
 
