@@ -175,3 +175,28 @@ def test_retention_deletes_in_the_bucket_too(s3_env, tmp_path):
     assert _steps(s3_env, url) == [6]
     run_key = url.split("/", 3)[3]
     assert not [k for k in s3_env.keys(url) if k.startswith(f"{run_key}/checkpoints/2/")]
+
+
+def test_a_failed_upload_stops_the_run_and_the_bucket_keeps_its_checkpoint(
+    s3_env, monkeypatch, capsys
+):
+    """An upload that fails (here the one of step 4) ends the run with one line, exit 1, and
+    nothing more goes up: the bucket's newest checkpoint is still the complete step 2."""
+    url = s3_env.bucket() + "/run"
+    push = mirror.Remote._push_step
+
+    def failing(self, step, files):
+        if step == 4:
+            raise OSError("the connection was reset")
+        return push(self, step, files)
+
+    monkeypatch.setattr(mirror.Remote, "_push_step", failing)
+    argv = ["train", *ARGS, "train.steps=8", "checkpoint.every=2", f"run.dir={url}"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("jaxllm:")]
+    assert code == 1 and len(lines) == 1, err
+    assert f"uploading to {url}: the connection was reset" in lines[0]
+    assert _steps(s3_env, url) == [2]
+    assert not [k for k in s3_env.keys(url) if "/checkpoints/4/" in k or "/checkpoints/6/" in k]
+    assert not any(k.endswith(mirror.LOCK_OBJECT) for k in s3_env.keys(url))  # let go

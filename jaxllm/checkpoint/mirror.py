@@ -213,17 +213,17 @@ class Remote:
             self._worker = threading.Thread(target=self._work, name="jaxllm-mirror", daemon=True)
             self._worker.start()
 
-    def _check(self) -> None:
+    def check(self) -> None:
         """Raises the worker's failure (again at every call: after one, nothing more goes up,
         so the bucket keeps its newest complete checkpoint)."""
         e = self._error
         if e is not None:
-            raise e if isinstance(e, RunError) else RunError(str(e))
+            raise e if isinstance(e, RunError) else RunError(f"uploading to {self.url}: {e}")
 
     def saved(self, step: int) -> None:
         """Queues the upload of checkpoint `step` (written asynchronously: the worker waits for
         its marker) with the run files as they are now."""
-        self._check()
+        self.check()
         files = {}
         for name in RUN_FILES:
             with contextlib.suppress(OSError):
@@ -234,7 +234,7 @@ class Remote:
 
     def removed(self, steps: list[int]) -> None:
         """Queues the deletion of checkpoints retention deleted locally."""
-        self._check()
+        self.check()
         self._start_worker()
         self._tasks.put(("remove", steps, None))
 
@@ -242,7 +242,7 @@ class Remote:
         """Blocks until every queued upload is done; RunError when one failed."""
         if self._worker is not None:
             self._tasks.join()
-        self._check()
+        self.check()
 
     def finish(self) -> None:
         """Uploads every file of the run not uploaded yet (after the queued checkpoints)."""
@@ -270,7 +270,7 @@ class Remote:
                     elif kind == "rest":
                         self._push_rest()
                     self._maybe_renew(force=True)
-            except BaseException as e:  # reported to the main thread by `_check`
+            except BaseException as e:  # reported to the main thread by `check`
                 self._error = e
             finally:
                 self._tasks.task_done()

@@ -76,6 +76,8 @@ class Checkpointer:
         RunError when the directory is gone or the write fails (disk full, read-only)."""
         step = int(jax.device_get(state.step))
         self._finish("the previous checkpoint")
+        if self.mirror is not None:
+            self.mirror.check()  # an upload failed: stop before writing more
         if not self.directory.is_dir():
             raise RunError(
                 f"the checkpoint directory {self.directory} disappeared while training; step "
