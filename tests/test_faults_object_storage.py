@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 
@@ -222,3 +223,28 @@ def test_a_step_without_its_marker_in_the_bucket_is_never_a_checkpoint(bucket_ru
         assert code == 0 and "nothing to do" in err, err
     finally:
         s3_env.client().delete_object(Bucket=bucket, Key=key)
+
+
+def test_an_interrupted_start_up_leaves_the_bucket_as_it_was(bucket_run, s3_env, tmp_path):
+    """SIGINT once the run is synced down and restored, while the step compiles: exit 130, and
+    the lock it took is gone again with everything else in the bucket unchanged."""
+    import subprocess
+    import sys
+
+    from conftest import cpu_env
+
+    before = _objects(s3_env, bucket_run)
+    env = cpu_env(8, **s3_env.env, JAXLLM_CACHE=str(tmp_path / "cache"))
+    argv = [sys.executable, "-m", "jaxllm", "train", *TINY, "train.steps=6"]
+    proc = subprocess.Popen(
+        [*argv, f"run.dir={bucket_run}"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    said = []
+    for line in proc.stderr:
+        said.append(line)
+        if line.startswith("resumed from step 4"):
+            proc.send_signal(signal.SIGINT)
+            break
+    said += proc.stderr.readlines()
+    assert proc.wait(timeout=120) == 130, "".join(said)
+    assert _objects(s3_env, bucket_run) == before
