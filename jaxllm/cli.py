@@ -59,10 +59,7 @@ def cmd_train(ns) -> int:
         group = distributed.settings(ns.coordinator, ns.num_processes, ns.process_id)
         cfg = config.load_args(_bucket_run(ns.args))
         distributed.initialize(group)
-        from jaxllm.load import fetched_inputs
         from jaxllm.train.loop import train
-
-        cfg = fetched_inputs(cfg)  # models in a bucket are read from their local copies
 
         result = train(cfg, signals)
     if result.get("stopped") == "nonfinite":

@@ -18,7 +18,7 @@ outputs are written into a local staging directory as usual and published when c
     exists, listdir, remove(url, key)
 
 `key` is the config key or option the URL came from, named in errors. Every failure is one
-sentence: a missing bucket, refused credentials or an unreachable endpoint are `RunError`s
+sentence, by `errors(url, key)` (a context manager the run mirror and its lock use too): a missing bucket, refused credentials or an unreachable endpoint are `RunError`s
 (exit 1) naming the URL and the cause; a missing object is a `ConfigError` naming the key
 (exit 2); a missing s3fs / gcsfs names the extra that installs it.
 """
@@ -155,7 +155,7 @@ def _cause(e: BaseException, url: str, fs) -> str | None:
 
 
 @contextlib.contextmanager
-def _errors(url: str, key: str, fs=None, *, missing: str = "does not exist") -> Iterator[None]:
+def errors(url: str, key: str, fs=None, *, missing: str = "does not exist") -> Iterator[None]:
     """Storage failures inside the block as one sentence: RunError for the bucket, the
     credentials and the endpoint; ConfigError naming `key` for a missing object."""
     try:
@@ -223,14 +223,14 @@ def fetch(url: str, key: str) -> Path:
     naming `key` when nothing is there."""
     fs = filesystem(url, key)
     local_root = local_cache(url)
-    with _errors(url, key, fs):
+    with errors(url, key, fs):
         base, files = _remote_files(fs, url)
     if not files and globlib.has_magic(url):
         raise ConfigError(f"{key}: {url} matches no objects; check the pattern.")
     base_url = f"{split_url(url)[0]}://{base}"
     local_base, stamp_base = local_cache(base_url), _stamp_path(base_url)
     try:
-        with _errors(url, key, fs):
+        with errors(url, key, fs):
             for rel, info in sorted(files.items()):
                 rpath = f"{base}/{rel}" if rel else base
                 _download(fs, rpath, local_base / rel, stamp_base / rel, _stamp(info))
@@ -274,7 +274,7 @@ def publish(local: str | Path, url: str, key: str, *, last: Sequence[str] = ()) 
     fs = filesystem(url, key)
     remote = _remote(url)
     if local.is_file():
-        with _errors(url, key, fs):
+        with errors(url, key, fs):
             fs.put_file(str(local), remote)
         return
     rels = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
@@ -283,7 +283,7 @@ def publish(local: str | Path, url: str, key: str, *, last: Sequence[str] = ()) 
         (r for r in rels if _is_last(r, last) is not None),
         key=lambda r: (_is_last(r, last), r.count("/"), r),
     )
-    with _errors(url, key, fs):
+    with errors(url, key, fs):
         if not fs.exists(split_url(url)[1]):
             raise FileNotFoundError(f"{url}: bucket does not exist")
         if first:
@@ -296,7 +296,7 @@ def exists(url: str, key: str) -> bool:
     """Whether an object or a non-empty prefix is at `url`. RunError when its bucket does not
     exist (or cannot be reached)."""
     fs = filesystem(url, key)
-    with _errors(url, key, fs):
+    with errors(url, key, fs):
         try:
             fs.info(_remote(url))
             return True
@@ -310,7 +310,7 @@ def listdir(url: str, key: str) -> list[str]:
     """The names directly under the prefix `url`, sorted; [] when there are none."""
     fs = filesystem(url, key)
     remote = _remote(url)
-    with _errors(url, key, fs):
+    with errors(url, key, fs):
         try:
             entries = fs.ls(remote, detail=False)
         except FileNotFoundError as e:
@@ -323,7 +323,7 @@ def listdir(url: str, key: str) -> list[str]:
 def remove(url: str, key: str) -> None:
     """Deletes the object or every object under the prefix `url`; nothing there is no error."""
     fs = filesystem(url, key)
-    with _errors(url, key, fs):
+    with errors(url, key, fs):
         if exists(url, key):
             fs.rm(_remote(url), recursive=True)
 

@@ -50,6 +50,9 @@ def test_training_reads_data_and_init_from_a_bucket(s3_env, small_run, tmp_path,
     assert "initialized parameters from" in err, err
     for a, b in zip(_params(run), _params(small_run)):  # lr 0: the starting weights
         np.testing.assert_array_equal(a, b)
+    recorded = jaxllm.config.load(run / "config.yaml")  # the URLs, not the local copies
+    assert recorded.checkpoint.init_from == f"{bucket}/run"
+    assert recorded.data.sources[0].path == f"{bucket}/data.jsonl"
 
 
 def test_a_run_round_trips_through_a_bucket(s3_env, small_run, tmp_path, capsys):

@@ -44,7 +44,7 @@ class BucketLock:
         self._renewed = 0.0
 
     def _errors(self):
-        return storage._errors(self.url, self.key, self.fs)
+        return storage.errors(self.url, self.key, self.fs)
 
     def _body(self) -> bytes:
         body = {

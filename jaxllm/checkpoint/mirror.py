@@ -59,12 +59,6 @@ def staging_dir(url: str) -> Path:
     return storage.cache_dir() / "runs" / scheme / bucket / path
 
 
-def remote_errors(url: str, key: str, fs=None):
-    """A failure of the bucket inside the block as one sentence naming `url` (RunError for the
-    bucket, credentials, endpoint): `jaxllm.storage`'s one translation of them."""
-    return storage._errors(url, key, fs)
-
-
 def _identity(info: dict) -> list:
     """What tells one stored object from another: its size and the store's tag."""
     tag = next(
@@ -117,7 +111,7 @@ class Remote:
 
     def listing(self) -> dict[str, dict]:
         """{relative path: info} of every object of the run in the bucket, the lock left out."""
-        with remote_errors(self.url, self.key, self.fs):
+        with storage.errors(self.url, self.key, self.fs):
             self.fs.info(self.bucket)  # a missing bucket, refused credentials, no endpoint
             found = self.fs.find(self.root, detail=True)
         out = {}
@@ -199,7 +193,7 @@ class Remote:
             return
         for rel in rels:
             (self.local / rel).parent.mkdir(parents=True, exist_ok=True)
-        with remote_errors(self.url, self.key, self.fs):
+        with storage.errors(self.url, self.key, self.fs):
             tmps = [str(self.local / rel) + ".jaxllm-part" for rel in rels]
             self.fs.get([self._remote(r) for r in rels], tmps)
         for rel, tmp in zip(rels, tmps):
@@ -281,7 +275,7 @@ class Remote:
             if self._stop.is_set():
                 return  # the save never finished: nothing of it goes up
             time.sleep(0.05)
-        with remote_errors(self.url, self.key, self.fs):
+        with storage.errors(self.url, self.key, self.fs):
             for name, data in files.items():
                 self.fs.pipe_file(self._remote(name), data)
             prefix = self._remote(f"{CHECKPOINTS}/{step}")
@@ -303,7 +297,7 @@ class Remote:
         self._save_manifest()
 
     def _remove_steps(self, steps: list[int]) -> None:
-        with remote_errors(self.url, self.key, self.fs):
+        with storage.errors(self.url, self.key, self.fs):
             for step in steps:
                 self._delete_step(self._remote(f"{CHECKPOINTS}/{step}"))
         for rel in [r for r in self._manifest if _step_of(r) in steps]:
@@ -330,7 +324,7 @@ class Remote:
         ]
         if not rels:
             return
-        with remote_errors(self.url, self.key, self.fs):
+        with storage.errors(self.url, self.key, self.fs):
             self.fs.put([str(self.local / r) for r in rels], [self._remote(r) for r in rels])
             self.fs.invalidate_cache(self.root)
             for rel in rels:

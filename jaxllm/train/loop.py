@@ -31,6 +31,7 @@ from jaxllm.data.objective_rows import row_transform
 from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
 from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
+from jaxllm.load import fetched_inputs
 from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.train import loss_scale, precompute, rollout, watch
 from jaxllm.train import others as others_lib
@@ -78,7 +79,9 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     check_vocab(cfg.data, cfg.model.vocab_size)
     trackers.check(cfg.run)  # the W&B / MLflow packages, before anything is written
     mesh = sharding.make_mesh(cfg.mesh, devices)
+    asked = cfg  # what config.yaml records: URLs as given, not their local copies
     url, cfg = staged(cfg)  # run.dir on object storage: trains in its staging dir
+    cfg = fetched_inputs(cfg)  # models and a tokenizer in a bucket: read from local copies
     run_dir = Path(cfg.run.dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
     lead = jax.process_index() == 0  # writes the run's files; every process computes
@@ -150,7 +153,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
         committed = True
         if lead:
             with signals.writing:
-                config.dump(recorded(cfg, url), run_dir / "config.yaml")
+                config.dump(recorded(cfg, asked), run_dir / "config.yaml")
         for old, aside in moved:
             _log(f"checkpoint.start_fresh: the old run is in {aside}")
 
@@ -182,6 +185,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     except BaseException:
         undo()
         raise
+    opened: list[MetricsWriter] = []  # the metrics writer once _loop opened it
     try:
         with _run_errors(run_dir):
             return _loop(
@@ -199,10 +203,13 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
                 held,
                 commit,
                 best,
-                url,
+                asked,
+                opened,
             )
-    except BaseException:
+    except BaseException as e:
         undo()  # a failed compile: config.yaml not written, a fresh start's old run put back
+        for writer in opened:  # the trackers' runs end as failed, not left running
+            writer.fail(e)
         raise
     finally:
         let_go(remote, lock)
@@ -235,18 +242,20 @@ def _loop(
     held=None,
     commit=lambda: None,
     best: watch.Best | None = None,
-    url: str | None = None,
+    asked: config.Config | None = None,
+    opened: list | None = None,
 ) -> dict:
     """Trains from `start` to `train.steps`. `commit` runs once the step is compiled, before
     the first step: from there on the run directory is this command's (config.yaml). `best`
-    follows the eval metric of `train.early_stopping` / `checkpoint.keep_best`; `url`: the
-    bucket a staged run is mirrored to (what config.yaml and the checkpoints record)."""
+    follows the eval metric of `train.early_stopping` / `checkpoint.keep_best`; `asked`: the
+    config as given, whose URLs config.yaml and the checkpoints record (`recorded`); `opened`
+    receives the metrics writer, which the caller fails if the loop raises."""
     run_dir = Path(cfg.run.dir)
     lead = jax.process_index() == 0
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
     _log(f"model: {sum(x.size for x in jax.tree.leaves(state.params)):,} parameters")
     extras = {
-        "config": config.to_dict(recorded(cfg, url)),
+        "config": config.to_dict(recorded(cfg, asked)),
         "tokenizer": checkpoint.tokenizer_record(cfg.data.tokenizer),
     }
     if base is not None:
@@ -282,6 +291,8 @@ def _loop(
                 tensorboard="tensorboard" in cfg.run.trackers,
                 sinks=trackers.open_trackers(cfg.run, extras["config"]),
             )
+            if opened is not None:
+                opened.append(writer)
             if start and cfg.checkpoint.reset_optimizer:
                 writer.write(
                     start, {"optimizer_reset": optimizer_change(cfg, ckpt.directory, start)}

@@ -166,13 +166,30 @@ def optimizer_change(cfg: config.Config, ckpt_dir: Path, step: int) -> str:
     return ", ".join(changed) or "same optim.* settings, fresh state"
 
 
-def recorded(cfg: config.Config, url: str | None = None) -> config.Config:
+# what a run may read from object storage through a local copy, recorded as the URL it named
+_READ_FROM_URLS = (
+    ("run", "dir"),
+    ("checkpoint", "init_from"),
+    ("train", "teacher"),
+    ("train", "reference"),
+    ("train", "reward"),
+    ("data", "tokenizer"),
+)
+
+
+def recorded(cfg: config.Config, asked: config.Config | None = None) -> config.Config:
     """`cfg` as config.yaml and the checkpoints record it: the one-shot keys
     (`checkpoint.reset_optimizer`, `checkpoint.start_fresh`) false, so that resuming the run
-    from its own config.yaml does not act on them again; a staged run's `run.dir` its `url`."""
+    from its own config.yaml does not act on them again; and with `asked` (the config as the
+    user gave it) every key that named a URL (`run.dir` of a staged run, a model or tokenizer
+    read through its local copy) the URL again, so the run resumes anywhere."""
+    for section, field in _READ_FROM_URLS if asked is not None else ():
+        value = getattr(getattr(asked, section), field)
+        if storage.is_url(value):
+            part = dataclasses.replace(getattr(cfg, section), **{field: value})
+            cfg = dataclasses.replace(cfg, **{section: part})
     once = dataclasses.replace(cfg.checkpoint, reset_optimizer=False, start_fresh=False)
-    run = dataclasses.replace(cfg.run, dir=url) if url else cfg.run
-    return dataclasses.replace(cfg, checkpoint=once, run=run)
+    return dataclasses.replace(cfg, checkpoint=once)
 
 
 def staged(cfg: config.Config) -> tuple[str | None, config.Config]:
