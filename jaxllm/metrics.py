@@ -162,8 +162,17 @@ class MetricsWriter:
     def finish(self, summary: dict, files: list[Path]) -> None:
         """Ends the sinks' runs with the closing `summary` and the `files` (loss.png) as
         artifacts; after `close`, once the run's last output is written."""
-        for sink in self._sinks:
+        sinks, self._sinks = self._sinks, []  # ended: a later `fail` has none to end
+        for sink in sinks:
             sink.finish(summary, files)
+
+    def fail(self, error: BaseException) -> None:
+        """Ends the sinks' runs as failed by `error` (killed, for an interrupt); metrics.jsonl
+        stays as written."""
+        if not self._file.closed:
+            self.close()
+        for sink in self._sinks:
+            sink.fail(error)
 
 
 def _summary_writer_class():

@@ -4,7 +4,8 @@ Each tracker is a sink of `jaxllm.metrics.MetricsWriter`: it logs the resolved c
 run's parameters (flat keys, `optim.lr`), every metrics.jsonl row's numbers at their step under
 the same names, and at the end loss.png and the closing summary (the last metrics, the sample)
 as artifacts. The tracker's run id is kept in RUN/trackers.json, so a resumed run goes on in
-the same W&B / MLflow run.
+the same W&B / MLflow run. A run that ends in an error ends its tracker run as failed (MLflow
+FAILED, or KILLED for an interrupt; W&B's exit code 1).
 
 metrics.jsonl stays the run's record: a tracker that fails (its server gone) warns once and is
 dropped, and training goes on. The packages (`pip install 'jaxllm[trackers]'`: wandb and
@@ -115,6 +116,9 @@ class _Guarded:
     def finish(self, summary: dict, files: list[Path]) -> None:
         self._call("finish", summary, files)
 
+    def fail(self, error: BaseException) -> None:
+        self._call("fail", error)
+
 
 class _Wandb:
     """A W&B run named after the run directory; its files go to RUN/wandb (or WANDB_DIR)."""
@@ -153,6 +157,9 @@ class _Wandb:
                 artifact.add_file(str(path))
         self.run.log_artifact(artifact)
         self.run.finish()
+
+    def fail(self, error: BaseException) -> None:
+        self.run.finish(exit_code=130 if isinstance(error, KeyboardInterrupt) else 1)
 
 
 class _Mlflow:
@@ -195,3 +202,7 @@ class _Mlflow:
                 self.client.log_artifact(self.run_id, str(path))
         self.client.log_dict(self.run_id, summary, "summary.json")
         self.client.set_terminated(self.run_id)
+
+    def fail(self, error: BaseException) -> None:
+        interrupted = isinstance(error, KeyboardInterrupt)
+        self.client.set_terminated(self.run_id, status="KILLED" if interrupted else "FAILED")

@@ -208,6 +208,32 @@ def test_a_sweep_logs_one_mlflow_run_per_combination(mlflow_server, tmp_path):
     assert all(r.data.metrics["loss"] > 0 and r.info.status == "FINISHED" for r in runs)
 
 
+def test_a_run_that_fails_ends_its_mlflow_run_as_failed(mlflow_server, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from jaxllm.config import RunError
+    from jaxllm.train import watch
+
+    uri, _ = mlflow_server
+    metrics = watch.Speed.metrics
+
+    def fail_at_step_2(self, elapsed, steps):
+        if self.steps_seen >= 1:
+            raise RunError("the disk went away")
+        self.steps_seen = 1
+        return metrics(self, elapsed, steps)
+
+    monkeypatch.setattr(watch.Speed, "steps_seen", 0, raising=False)
+    monkeypatch.setattr(watch.Speed, "metrics", fail_at_step_2)
+    run = tmp_path / "run"
+    argv = ["train", *SMALL_RUN, "train.steps=4", f"run.dir={run}", *_mlflow_flags(uri)]
+    assert main(argv) == 1
+    run_id = json.loads((run / trackers.STORE).read_text())["mlflow"]["run_id"]
+    found = MlflowClient(uri).get_run(run_id)
+    assert found.info.status == "FAILED"  # not left RUNNING
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
+
+
 def test_mlflow_server_gone_mid_run_warns_once(mlflow_server, tmp_path, monkeypatch, capsys):
     """Runs last: it stops the module's server after the first row reached it."""
     uri, proc = mlflow_server
