@@ -21,8 +21,8 @@ from jaxllm import config, sharding
 from jaxllm.config.pipeline import microbatches
 from jaxllm.data import span_corruption
 from jaxllm.metrics import flops_per_token, param_counts, peak_flops
+from jaxllm.sharding import to_global
 from jaxllm.train import loss_scale
-from jaxllm.train.batches import to_global
 from jaxllm.train.compiled import compile_steps
 from jaxllm.train.state import init_state, layout
 

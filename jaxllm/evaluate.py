@@ -21,9 +21,9 @@ from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import fetched, restore
+from jaxllm.sharding import process_rows
 from jaxllm.train import objectives
 from jaxllm.train import others as others_lib
-from jaxllm.train.batches import process_rows
 from jaxllm.train.compiled import evaluate
 from jaxllm.train.step import BATCH_AXES, eval_step
 

@@ -2,6 +2,7 @@
 Hugging Face model directory, always straight into their shards on a mesh.
 
     resolve(path)                  -> (run dir, checkpoints dir, step or None)
+    model_section(source, key)     -> the ModelConfig of a run or Hugging Face directory
     pick_step(ckpt_dir, step, which) -> the step `--checkpoint best|last|STEP` names
     restore(path, overrides)       -> Restored(cfg, mesh, graphdef, params, model_state, step)
     load_model(path)               -> an nnx.Module (run directory or Hugging Face directory);
@@ -106,6 +107,18 @@ def resolve(path: str | Path) -> tuple[Path, Path | None, int | None]:
     raise ConfigError(
         f"{path} is not a run directory, its checkpoints directory, or a checkpoint step in one."
     )
+
+
+def model_section(source: str | Path, key: str) -> ModelConfig:
+    """The model section of a run directory (its config.yaml, adapters merged away) or a
+    Hugging Face directory; ConfigError naming `key` when `source` is neither."""
+    path = Path(source)
+    if is_hf_dir(path):
+        return model_config(path).model
+    if not path.exists():
+        raise ConfigError(f"{key}={source} does not exist.")
+    run_dir, _, _ = resolve(path)  # ConfigError when it is not a run
+    return config.load(run_dir / "config.yaml").model
 
 
 def pick_step(ckpt_dir: Path, step: int | None, which: str = "last") -> int | None:

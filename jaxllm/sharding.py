@@ -7,6 +7,9 @@ tuple of logical names into a `PartitionSpec`. Changing the parallel layout is a
 
 The model operations that run per device under `shard_map` (kernels per shard, ring attention,
 MoE dispatch) live in `jaxllm.parallel`, which reads the active `Parallel` settings from here.
+
+`process_rows` and `to_global` place the batches: the rows of each global batch a process
+feeds, and their assembly into global arrays on the mesh.
 """
 
 from __future__ import annotations
@@ -159,6 +162,35 @@ def tree_shardings(mesh: Mesh, logical_tree):
     return jax.tree.map(
         lambda axes: named(mesh, axes), logical_tree, is_leaf=lambda x: isinstance(x, tuple)
     )
+
+
+# Global batches: which rows of each batch a process feeds, and their assembly into global
+# jax arrays laid out on the mesh.
+
+
+def process_rows(batch_sharding: NamedSharding, global_batch_size: int) -> slice:
+    """The rows of each global batch that this process's devices hold (a contiguous range)."""
+    index_map = batch_sharding.addressable_devices_indices_map((global_batch_size, 1))
+    starts = [idx[0].start or 0 for idx in index_map.values()]
+    stops = [
+        global_batch_size if idx[0].stop is None else idx[0].stop for idx in index_map.values()
+    ]
+    rows = slice(min(starts), max(stops))
+    held = set().union(*(range(a, b) for a, b in zip(starts, stops)))
+    if len(held) != rows.stop - rows.start:
+        raise ValueError(f"this process's batch rows {sorted(held)} are not contiguous")
+    return rows
+
+
+def to_global(batch: dict, batch_sharding: NamedSharding, global_batch_size: int | None = None):
+    """This process's rows of a batch (numpy) -> global jax arrays laid out on the mesh."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        v = v.astype(np.float32 if v.dtype.kind == "f" else np.int32)  # ids, masks; log-probs
+        shape = None if global_batch_size is None else (global_batch_size, *v.shape[1:])
+        out[k] = jax.make_array_from_process_local_data(batch_sharding, v, shape)
+    return out
 
 
 # Activation constraints: the train step makes its `Parallel` settings active while tracing;

@@ -246,9 +246,9 @@ def _eval_of_five(tmp_path, name: str, *more: str):
     from jaxllm import config, sharding
     from jaxllm.data.objective_rows import row_transform
     from jaxllm.data.span_corruption import corrupted_splits
+    from jaxllm.sharding import to_global
     from jaxllm.train import objectives
     from jaxllm.train import others as others_lib
-    from jaxllm.train.batches import to_global
     from jaxllm.train.compiled import compile_steps, evaluate
     from jaxllm.train.state import init_state, layout
 

@@ -9,7 +9,7 @@ from conftest import tiny_model
 
 from jaxllm import config, sharding
 from jaxllm.bench import synthetic_batch
-from jaxllm.train.batches import to_global
+from jaxllm.sharding import to_global
 from jaxllm.train.compiled import compile_steps
 from jaxllm.train.state import init_state, layout
 

@@ -10,9 +10,9 @@ import jax
 from jaxllm import config, optim, sharding
 from jaxllm.config.pipeline import microbatches
 from jaxllm.model import abstract_model
+from jaxllm.sharding import to_global
 from jaxllm.train import loss_scale, objectives
 from jaxllm.train import others as others_lib
-from jaxllm.train.batches import to_global
 from jaxllm.train.state import grad_shardings, layout, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 

@@ -33,9 +33,9 @@ from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import fetched_inputs
 from jaxllm.metrics import MetricsWriter, plot_losses
+from jaxllm.sharding import process_rows, to_global
 from jaxllm.train import loss_scale, precompute, rollout, watch
 from jaxllm.train import others as others_lib
-from jaxllm.train.batches import process_rows, to_global
 from jaxllm.train.compiled import compile_steps, evaluate
 from jaxllm.train.console import _log, _Plain, _progress, _show, sample
 from jaxllm.train.run_dir import (

@@ -37,8 +37,16 @@ from jaxllm import checkpoint, config
 from jaxllm.adapters.chain import adapters_of, continued
 from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, RunError
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
-from jaxllm.convert import is_hf_dir, load_params, model_config
-from jaxllm.load import content_hash, merged_weights, resolve, restore, weight_files, weight_targets
+from jaxllm.convert import is_hf_dir, load_params
+from jaxllm.load import (
+    content_hash,
+    merged_weights,
+    model_section,
+    resolve,
+    restore,
+    weight_files,
+    weight_targets,
+)
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.train.distill import check_teacher
 from jaxllm.train.objectives import from_config
@@ -108,18 +116,6 @@ def _key(cfg: Config, name: str) -> str:
     return f"train.{name}"
 
 
-def model_of(source: str, key: str) -> ModelConfig:
-    """The model section of a run directory (its config.yaml, adapters merged away) or a
-    Hugging Face directory."""
-    path = Path(source)
-    if is_hf_dir(path):
-        return model_config(path).model
-    if not path.exists():
-        raise ConfigError(f"{key}={source} does not exist.")
-    run_dir, _, _ = resolve(path)  # ConfigError when it is not a run
-    return config.load(run_dir / "config.yaml").model
-
-
 def resolve_others(cfg: Config, objective) -> dict[str, Other]:
     """The frozen models of this run (`held_names`), checked: each must share the policy's
     vocabulary, a reward model must have a score head (ConfigError before anything is
@@ -133,7 +129,7 @@ def resolve_others(cfg: Config, objective) -> dict[str, Other]:
         if name == "reference" and not cfg.train.reference and cfg.peft.method != "none":
             out[name] = Other(source, cfg.model, cfg.peft)  # continued adapters
             continue
-        model = model_of(source, _key(cfg, name))
+        model = model_section(source, _key(cfg, name))
         if name == "teacher":  # its vocabulary and the length of the rows it will read
             check_teacher(cfg.model, model, source, cfg.data.seq_len)
         if name == "reward_model":

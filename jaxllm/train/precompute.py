@@ -38,8 +38,8 @@ from jaxllm.config import Config, RunError
 from jaxllm.config.train import REFERENCE_OBJECTIVES
 from jaxllm.data.pipeline import eval_batches, train_batches
 from jaxllm.model import abstract_model
+from jaxllm.sharding import process_rows, to_global
 from jaxllm.train import others as others_lib
-from jaxllm.train.batches import process_rows, to_global
 from jaxllm.train.console import _log
 from jaxllm.train.output import ObjectiveOutput
 from jaxllm.train.preference import reference_logps

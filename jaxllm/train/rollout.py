@@ -50,12 +50,12 @@ from jaxllm.data.rollout import Prompt, prompt_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer.chat import end_of_turn
 from jaxllm.infer.generate import generate
+from jaxllm.load import model_section
 from jaxllm.model import abstract_model, merge_model
+from jaxllm.sharding import to_global
 from jaxllm.train import ppo
 from jaxllm.train import rewards as rewards_lib
-from jaxllm.train.batches import to_global
 from jaxllm.train.grpo import group_advantages
-from jaxllm.train.others import model_of
 from jaxllm.train.preference import token_logps
 from jaxllm.train.reward import sequence_scores
 
@@ -162,7 +162,7 @@ class Rollouts:
             )
         )
         if self.reward_model:
-            scorer = abstract_model(model_of(t.reward, "train.reward"))[0]
+            scorer = abstract_model(model_section(t.reward, "train.reward"))[0]
             self._model_rewards = jax.jit(
                 functools.partial(
                     _model_rewards, graphdef=scorer, parallel_settings=parallel_settings
