@@ -38,15 +38,25 @@ _PIECES = {
     "train_step": "jaxllm.train",
     "eval_step": "jaxllm.train",
     "init_state": "jaxllm.train",
-    "Objective": "jaxllm.train",
-    "ObjectiveOutput": "jaxllm.train",
-    "next_token": "jaxllm.train",
+    "Objective": "jaxllm.objectives",
+    "ObjectiveOutput": "jaxllm.objectives",
+    "next_token": "jaxllm.objectives",
     "make_mesh": "jaxllm.sharding",
     "Parallel": "jaxllm.sharding",
     "flash_attention": "jaxllm.kernels",
     "decode_attention": "jaxllm.kernels",
 }
-_MODULES = ("config", "model", "train", "sharding", "kernels", "load", "checkpoint", "data")
+_MODULES = (
+    "config",
+    "model",
+    "objectives",
+    "train",
+    "sharding",
+    "kernels",
+    "load",
+    "checkpoint",
+    "data",
+)
 
 
 def __getattr__(name: str):

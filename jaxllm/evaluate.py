@@ -13,7 +13,7 @@ import math
 
 import jax
 
-from jaxllm import sharding
+from jaxllm import objectives, sharding
 from jaxllm.config import ConfigError
 from jaxllm.config.urls import check_url
 from jaxllm.data.objective_rows import row_transform
@@ -22,8 +22,7 @@ from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import fetched, restore
 from jaxllm.sharding import process_rows
-from jaxllm.train import objectives
-from jaxllm.train import others as others_lib
+from jaxllm.train import companions
 from jaxllm.train.compiled import evaluate
 from jaxllm.train.step import BATCH_AXES, eval_step
 
@@ -40,15 +39,15 @@ def evaluate_checkpoint(
     cfg, mesh, graphdef, params, model_state, step, frozen = restore(path, overrides, which=which)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
-    held = others_lib.resolve_others(cfg, objective)  # a DPO reference, a teacher
-    others = others_lib.load(held, mesh)
+    held = companions.resolve_others(cfg, objective)  # a DPO reference, a teacher
+    others = companions.load(held, mesh)
     jit_eval = jax.jit(
         functools.partial(
             eval_step,
             graphdef=graphdef,
             objective=objective,
             parallel_settings=sharding.Parallel.of(mesh, cfg.mesh),
-            other_graphdefs=others_lib.graphdefs(held),
+            other_graphdefs=companions.graphdefs(held),
         ),
         in_shardings=(
             _shardings(params),

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm import config
+from jaxllm import config, objectives
 from jaxllm.config import Config, ConfigError, MeshConfig, ModelConfig, RopeConfig, TrainConfig
-from jaxllm.train import objectives
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RUN = REPO / "configs" / "runs" / "default.yaml"

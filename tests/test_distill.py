@@ -17,14 +17,14 @@ from conftest import tiny_model
 from flax import nnx
 
 import jaxllm
-from jaxllm import config, sharding
+from jaxllm import config, objectives, sharding
 from jaxllm.bench import synthetic_batch
 from jaxllm.cli import main
 from jaxllm.config import ConfigError, MoEConfig
 from jaxllm.model import build
-from jaxllm.train import distill, objectives
-from jaxllm.train import others as others_lib
-from jaxllm.train.distill import LOSSES, check_teacher, divergence_BxL
+from jaxllm.objectives import distill
+from jaxllm.objectives.distill import LOSSES, check_teacher, divergence_BxL
+from jaxllm.train import companions
 from jaxllm.train.loop import compile_steps, to_global, train
 from jaxllm.train.state import init_state, layout
 
@@ -314,7 +314,7 @@ def _three_steps(teacher: Path, devices, **mesh) -> list[float]:
     mesh_ = sharding.make_mesh(cfg.mesh, devices)
     step, _, tx, _, batch_sh = compile_steps(cfg, mesh_)
     state = init_state(cfg.model, tx, mesh_, 0, **layout(cfg))
-    state, _ = others_lib.attach(state, cfg, mesh_, None, 0)
+    state, _ = companions.attach(state, cfg, mesh_, None, 0)
     losses = []
     for i in range(3):
         state, metrics = step(state, to_global(synthetic_batch(cfg, seed=i), batch_sh))

@@ -1,8 +1,8 @@
 """The import floors of the house, read from the source (no imports run):
 
     config -> storage -> data, sharding, checkpoint, optim, metrics, trackers, distributed
-    -> kernels -> parallel -> model -> infer, convert -> load -> adapters -> train -> evaluate, plan,
-    bench, sweep -> cli
+    -> kernels -> parallel -> model -> infer, convert -> load -> adapters -> objectives -> train
+    -> evaluate, plan, bench, sweep -> cli
 
 A module imports only from its own floor's package or from floors below; nothing imports
 upward, there are no circles, and a function-level import of a jaxllm module appears only where
@@ -35,17 +35,18 @@ FLOORS = [
     (5, "jaxllm.convert"),
     (6, "jaxllm.load"),
     (7, "jaxllm.adapters"),
-    (8, "jaxllm.train"),
-    (9, "jaxllm.evaluate"),
-    (9, "jaxllm.plan"),
-    (9, "jaxllm.bench"),
-    (9, "jaxllm.sweep"),
-    (10, "jaxllm.cli"),
-    (10, "jaxllm.data.cli"),
-    (10, "jaxllm.infer.cli"),
-    (10, "jaxllm.convert_cli"),
-    (10, "jaxllm"),  # the package root names the public pieces
-    (10, "jaxllm.__main__"),
+    (8, "jaxllm.objectives"),
+    (9, "jaxllm.train"),
+    (10, "jaxllm.evaluate"),
+    (10, "jaxllm.plan"),
+    (10, "jaxllm.bench"),
+    (10, "jaxllm.sweep"),
+    (11, "jaxllm.cli"),
+    (11, "jaxllm.data.cli"),
+    (11, "jaxllm.infer.cli"),
+    (11, "jaxllm.convert_cli"),
+    (11, "jaxllm"),  # the package root names the public pieces
+    (11, "jaxllm.__main__"),
 ]
 
 # module -> why its function-level imports of jaxllm modules are there

@@ -12,9 +12,9 @@ import pytest
 
 from jaxllm import config
 from jaxllm.config import ConfigError
-from jaxllm.train import grpo, rewards
+from jaxllm.objectives.rollout import grpo, rewards
+from jaxllm.objectives.rollout.sampling import rows, sequences
 from jaxllm.train.loop import train
-from jaxllm.train.rollout import rows, sequences
 
 
 def _batch(seed=0, b=4, length=6):

@@ -1,5 +1,5 @@
 """GRPO against TRL's own code: for the same per-token log-probabilities of the policy, the old
-policy and the reference, and the same advantages, `jaxllm.train.grpo`'s loss equals
+policy and the reference, and the same advantages, `jaxllm.objectives.rollout.grpo`'s loss equals
 `GRPOTrainer._compute_loss` (loss_type grpo and dr_grpo, token-level ratios, a KL term) within
 1e-6, called on a stand-in holding the attributes it reads; the group advantages equal TRL's
 (centred by the group mean, scaled by its `nanstd` + 1e-4)."""
@@ -15,7 +15,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import nanstd
 
-from jaxllm.train import grpo
+from jaxllm.objectives.rollout import grpo
 
 pytestmark = pytest.mark.torch
 

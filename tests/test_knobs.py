@@ -21,7 +21,7 @@ from jaxllm.model import (
     RMSNorm,
     build,
 )
-from jaxllm.train.objectives import next_token
+from jaxllm.objectives import next_token
 from jaxllm.train.step import objective_value
 
 

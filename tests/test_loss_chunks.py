@@ -14,8 +14,8 @@ from jaxllm import config, sharding
 from jaxllm.bench import synthetic_batch
 from jaxllm.config import ConfigError
 from jaxllm.model import build
+from jaxllm.objectives import mlm, next_token
 from jaxllm.train.loop import compile_steps, to_global
-from jaxllm.train.objectives import mlm, next_token
 from jaxllm.train.state import init_state, layout
 
 

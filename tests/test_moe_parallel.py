@@ -24,8 +24,8 @@ from jaxllm.config import ConfigError, MoEConfig
 from jaxllm.metrics import param_counts
 from jaxllm.model import abstract_model
 from jaxllm.model.moe import RouterBias
+from jaxllm.objectives import next_token
 from jaxllm.train.loop import compile_steps, to_global
-from jaxllm.train.objectives import next_token
 from jaxllm.train.state import init_state
 from jaxllm.train.step import objective_value
 

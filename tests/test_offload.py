@@ -14,12 +14,11 @@ import pytest
 from conftest import SMALL_RUN, abstract_state, tiny_model
 from lowering import lower
 
-from jaxllm import config, optim, sharding
+from jaxllm import config, objectives, optim, sharding
 from jaxllm.bench import synthetic_batch
 from jaxllm.cli import main
 from jaxllm.model import abstract_model
 from jaxllm.plan import memory_bill
-from jaxllm.train import objectives
 from jaxllm.train.loop import compile_steps, to_global
 from jaxllm.train.state import init_state
 from jaxllm.train.step import train_step

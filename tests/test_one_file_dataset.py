@@ -243,12 +243,11 @@ def _eval_of_five(tmp_path, name: str, *more: str):
     mean over those 5 rows computed directly, one row at a time)."""
     import jax
 
-    from jaxllm import config, sharding
+    from jaxllm import config, objectives, sharding
     from jaxllm.data.objective_rows import row_transform
     from jaxllm.data.span_corruption import corrupted_splits
     from jaxllm.sharding import to_global
-    from jaxllm.train import objectives
-    from jaxllm.train import others as others_lib
+    from jaxllm.train import companions
     from jaxllm.train.compiled import compile_steps, evaluate
     from jaxllm.train.state import init_state, layout
 
@@ -270,8 +269,8 @@ def _eval_of_five(tmp_path, name: str, *more: str):
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     _, jit_eval, tx, _, batch_sh = compile_steps(cfg, mesh)
     state = init_state(cfg.model, tx, mesh, 0, **layout(cfg))
-    held = others_lib.resolve_others(cfg, objectives.from_config(cfg))
-    state = state.replace(others=others_lib.load(held, mesh))
+    held = companions.resolve_others(cfg, objectives.from_config(cfg))
+    state = state.replace(others=companions.load(held, mesh))
     weights = (state.model_state, state.frozen, state.others)
     padded = evaluate(jit_eval, state.params, batches, batch_sh, *weights)["eval_loss"]
     loss = tokens = 0.0

@@ -1,4 +1,4 @@
-"""Frozen models beside the trained one (`jaxllm.train.others`): an objective that names a
+"""Frozen models beside the trained one (`jaxllm.train.companions`): an objective that names a
 reference gets it, loaded from the run's starting point or, under LoRA, as the policy's own base
 with the adapters off; it stays fixed while the policy trains, and a resumed run refuses other
 reference weights in one line."""
@@ -11,8 +11,8 @@ from conftest import SMALL_RUN
 
 from jaxllm.cli import main
 from jaxllm.config import RunError
-from jaxllm.train import others
-from jaxllm.train.objectives import ObjectiveOutput, next_token, token_nll
+from jaxllm.objectives import ObjectiveOutput, next_token, token_nll
+from jaxllm.train import companions
 
 
 def reference_gap(model, batch, rng, others):
@@ -79,13 +79,13 @@ def test_the_reference_is_the_start_and_stays_fixed_while_the_policy_learns(
 
 def test_records_must_match_at_a_resume():
     was = {"reference": {"source": "/runs/ref/checkpoints/1", "sha256": "a" * 64}}
-    others.check(was, was)
+    companions.check(was, was)
     moved = {"reference": {"source": "/elsewhere/checkpoints/1", "sha256": "a" * 64}}
-    others.check(was, moved)  # the same weights at another path
+    companions.check(was, moved)  # the same weights at another path
     for now in ({"reference": {"source": "/runs/ref/checkpoints/2", "sha256": "b" * 64}}, None):
         with pytest.raises(RunError, match="this run trained with the reference /runs/ref"):
-            others.check(was, now)
-    others.check(None, was)  # a run that held no frozen model records none
+            companions.check(was, now)
+    companions.check(None, was)  # a run that held no frozen model records none
 
 
 @pytest.mark.slow  # the same check, through a resumed jaxllm train (records: test above)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from jaxllm.train.pairs import pair_sums
+from jaxllm.objectives.base import pair_sums
 
 
 def test_pair_sums_read_each_pair_and_mark_incomplete_ones():

@@ -13,14 +13,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxllm import config, sharding
+from jaxllm import config, objectives, sharding
 from jaxllm.adapters import export_peft
 from jaxllm.config import ConfigError, ModelConfig
 from jaxllm.convert.export import export_hf
 from jaxllm.load import load_weights, restore
 from jaxllm.model import build
 from jaxllm.model.transformer import init_keys
-from jaxllm.train import objectives, ppo
+from jaxllm.objectives.rollout import ppo
 from jaxllm.train.loop import train
 
 

@@ -9,9 +9,9 @@ import pytest
 from conftest import tiny_model
 from flax import nnx
 
-from jaxllm import config
+from jaxllm import config, objectives
 from jaxllm.model import build
-from jaxllm.train import objectives, preference
+from jaxllm.objectives import base, preference
 
 L = 24
 
@@ -95,7 +95,7 @@ def test_reference_from_the_batch_equals_the_live_reference_and_takes_no_gradien
     live = preference.objective("dpo", 0.1)
     pre = preference.objective("dpo", 0.1, precompute_reference=True)
     assert pre.others == ()
-    ref_logps = nnx.jit(preference.reference_logps)(reference, batch)
+    ref_logps = nnx.jit(base.reference_logps)(reference, batch)
     assert float(jnp.abs(ref_logps * (1 - batch["loss_mask"])).max()) == 0.0
     a = nnx.jit(live)(model, batch, None, {"reference": reference})
     b = nnx.jit(pre)(model, {**batch, "ref_logps": ref_logps}, None)

@@ -1,5 +1,5 @@
 """The DPO family against TRL's own loss code: for the same per-sequence log-probability sums
-(and answer lengths), `jaxllm.train.preference`'s losses and reward metrics equal TRL's within
+(and answer lengths), `jaxllm.objectives.preference`'s losses and reward metrics equal TRL's within
 1e-6. TRL's code is called directly: `DPOTrainer._compute_loss` on a stand-in model that hands
 back the per-token log-probabilities, `CPOTrainer.cpo_loss` (SimPO) and
 `ORPOTrainer.odds_ratio_loss`, each bound to a stand-in holding the attributes they read."""
@@ -15,7 +15,7 @@ from trl import DPOTrainer
 from trl.experimental.cpo import CPOTrainer
 from trl.experimental.orpo import ORPOTrainer
 
-from jaxllm.train import preference
+from jaxllm.objectives import preference
 
 pytestmark = pytest.mark.torch
 

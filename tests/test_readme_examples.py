@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_RUN
 
-from jaxllm import config
+from jaxllm import config, objectives
 from jaxllm.cli import main
-from jaxllm.train import objectives
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

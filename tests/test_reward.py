@@ -13,17 +13,17 @@ import pytest
 from conftest import tiny_model
 from jax.sharding import PartitionSpec
 
-from jaxllm import checkpoint, cli, config, optim, sharding
+from jaxllm import checkpoint, cli, config, objectives, optim, sharding
 from jaxllm.config import ConfigError, MeshConfig
 from jaxllm.evaluate import evaluate_checkpoint
 from jaxllm.infer.reward import score
 from jaxllm.load import load_weights
 from jaxllm.metrics import param_counts
 from jaxllm.model import abstract_model, build, split_peft
-from jaxllm.train import objectives, reward
+from jaxllm.objectives import reward
+from jaxllm.objectives.base import pair_sums
+from jaxllm.objectives.reward import last_positions
 from jaxllm.train.loop import compile_steps, evaluate, train
-from jaxllm.train.pairs import pair_sums
-from jaxllm.train.reward import last_positions
 from jaxllm.train.state import init_state, init_state_from, layout
 
 L = 32
@@ -133,7 +133,7 @@ def test_a_head_that_does_not_fit_the_objective_is_refused():
         with pytest.raises(ConfigError, match=message):
             objectives.from_config(cfg)
     # an objective of your own may use either head
-    mine = "train.objective=jaxllm.train.objectives:next_token"
+    mine = "train.objective=jaxllm.objectives:next_token"
     objectives.from_config(config.load(None, [*TINY, "model.head=score", mine]).validate(8))
     refused = {
         "model.tie_embeddings=true": "model.tie_embeddings acts on the LM head",

@@ -1,6 +1,6 @@
-"""The rollouts of GRPO and PPO (`jaxllm.train.rollout`): the stop a completion ends with, a
-reward model as the reward, several updates per rollout (and a resume between them), and the
-same losses on one device and on a data x fsdp x tensor mesh."""
+"""The rollouts of GRPO and PPO (`jaxllm.objectives.rollout.sampling`): the stop a completion
+ends with, a reward model as the reward, several updates per rollout (and a resume between
+them), and the same losses on one device and on a data x fsdp x tensor mesh."""
 
 import json
 from types import SimpleNamespace
@@ -10,15 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm import checkpoint, config, sharding
+from jaxllm import checkpoint, config, objectives, sharding
 from jaxllm.config import ConfigError
 from jaxllm.infer.generate import _first_stop, _stop_at
 from jaxllm.infer.reward import score
 from jaxllm.model import build, split_peft
-from jaxllm.train import objectives
-from jaxllm.train import others as others_lib
+from jaxllm.objectives.rollout.sampling import Rollouts, rows, sequences
+from jaxllm.train import companions
 from jaxllm.train.loop import train
-from jaxllm.train.rollout import Rollouts, rows, sequences
 from jaxllm.train.step import BATCH_AXES
 
 TINY = [
@@ -131,9 +130,9 @@ def test_a_reward_model_scores_each_sequence_at_its_last_token(tmp_path, layout)
     )
     devices = jax.devices()[: 1 if layout is ONE_DEVICE else 8]
     mesh = sharding.make_mesh(cfg.mesh, devices)
-    held = others_lib.resolve_others(cfg, objectives.from_config(cfg))
+    held = companions.resolve_others(cfg, objectives.from_config(cfg))
     assert list(held) == ["reward_model"]
-    state = SimpleNamespace(others=others_lib.load(held, mesh))
+    state = SimpleNamespace(others=companions.load(held, mesh))
     roll = Rollouts(cfg, mesh, sharding.named(mesh, BATCH_AXES), slice(None))
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 256, n).astype(np.int32) for n in rng.integers(3, 24, 16)]
@@ -159,12 +158,12 @@ def test_grpo_takes_a_reward_model_and_refuses_a_language_model(tmp_path, one_de
     assert len(m) == 2 and all(np.isfinite(r["reward_mean"]) for r in m)
     assert len({r["reward_mean"] for r in m}) == 2  # a score of the samples, not a constant
     ckpt_dir = checkpoint.checkpoint_dir(run)
-    recorded = checkpoint.read_json_item(ckpt_dir, 2, others_lib.OTHERS_ITEM)
+    recorded = checkpoint.read_json_item(ckpt_dir, 2, companions.OTHERS_ITEM)
     assert set(recorded) == {"reward_model"}
 
     bad = config.load(None, [*base, f"train.reward={_lm_run(tmp_path / 'lm')}"])
     with pytest.raises(ConfigError, match="not a reward model"):
-        others_lib.resolve_others(bad, objectives.from_config(bad))
+        companions.resolve_others(bad, objectives.from_config(bad))
 
 
 def test_updates_per_rollout_reuse_the_batch_and_resume_between_them(tmp_path, one_device):

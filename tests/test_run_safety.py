@@ -28,9 +28,9 @@ from jaxllm.bench import synthetic_batch
 from jaxllm.cli import main
 from jaxllm.metrics import read_jsonl
 from jaxllm.model import abstract_model
+from jaxllm.objectives import next_token
 from jaxllm.train import step as step_lib
 from jaxllm.train.loop import to_global
-from jaxllm.train.objectives import next_token
 from jaxllm.train.run_dir import RunLock
 from jaxllm.train.state import init_state
 

@@ -15,10 +15,9 @@ from conftest import tiny_model
 from flax import nnx
 
 import jaxllm
-from jaxllm import config, sharding
+from jaxllm import config, objectives, sharding
 from jaxllm.data.pipeline import load_splits
-from jaxllm.train import objectives
-from jaxllm.train import others as others_lib
+from jaxllm.train import companions
 from jaxllm.train.loop import compile_steps, to_global, train
 from jaxllm.train.state import init_state, layout
 
@@ -118,8 +117,8 @@ def _steps(cfg, devices, batches):
     mesh = sharding.make_mesh(cfg.mesh, devices)
     step, _, tx, _, batch_sh = compile_steps(cfg, mesh)
     state = init_state(cfg.model, tx, mesh, seed=0, **layout(cfg))
-    held = others_lib.resolve_others(cfg, objectives.from_config(cfg))
-    state = state.replace(others=others_lib.load(held, mesh))  # the reference, if any
+    held = companions.resolve_others(cfg, objectives.from_config(cfg))
+    state = state.replace(others=companions.load(held, mesh))  # the reference, if any
     metrics = []
     for batch in batches:
         state, m = step(state, to_global(batch, batch_sh))

@@ -7,9 +7,8 @@ import math
 import pytest
 from conftest import SMALL_RUN
 
-from jaxllm import config
+from jaxllm import config, objectives
 from jaxllm.cli import main
-from jaxllm.train import objectives
 
 REPLY = 1 + len("<|im_end|>")  # every reply is one digit and its end-of-turn marker, in bytes
 

@@ -18,7 +18,7 @@ A fine-tuning run's checkpoints hold its adapters (or soft prompt) and a record 
   peft.method may go from lora to qlora or back (the base is then stored the new way). Its base
   record is the source's, so `convert export --peft` names the same Hugging Face base. The
   reference is the starting model, the base with the starting adapters: only those adapters
-  are held beside the policy (`jaxllm.train.others`), as TRL's second adapter loaded for the
+  are held beside the policy (`jaxllm.train.companions`), as TRL's second adapter loaded for the
   reference, so a QLoRA run never holds a full-precision copy.
 """
 

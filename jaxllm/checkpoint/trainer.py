@@ -69,7 +69,7 @@ class Checkpointer:
         """Starts writing `state` at its step (returns at once when async); returns the step.
         `base`: a fine-tuning run's base record (`jaxllm.adapters.base_record`), saved as the
         JSON item `base`; `others`: where the objective's frozen models came from
-        (`jaxllm.train.others.records`), the JSON item `others`; `metrics`: the metrics.jsonl
+        (`jaxllm.train.companions.records`), the JSON item `others`; `metrics`: the metrics.jsonl
         row of this step, the JSON item `metrics_row`, which a resume writes back when the file
         lost it (`MetricsWriter`'s `resume_row`); `best`: the watched eval metric's state
         (`jaxllm.train.watch.Best.record`), the JSON item `best`.

@@ -236,7 +236,7 @@ class Config:
 
     def _validate_head(self) -> None:
         """A reward model's fresh score head trains whole (no peft). Whether the head fits the
-        objective is checked where the objective is chosen (`train.objectives.from_config`):
+        objective is checked where the objective is chosen (`jaxllm.objectives.from_config`):
         an imported reward model's run is valid before any objective is given to it."""
         if self.model.head == "score" and self.peft.method != "none":
             _fail(

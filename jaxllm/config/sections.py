@@ -223,7 +223,7 @@ class SourceConfig:
     the assistant turns / the completion (see `data.train_on_prompt`). `preference` records
     hold a prompt with a chosen and a rejected answer, for the DPO family and reward models.
     `rollout` records hold a prompt and the answer its completions are checked against, for
-    GRPO (`jaxllm.train.rollout`): the model writes the completions."""
+    GRPO (`jaxllm.objectives.rollout.sampling`): the model writes the completions."""
     text_field: str = "text"
     """Field holding the document in JSONL lines and Parquet rows."""
     messages_field: str = "messages"

@@ -87,7 +87,7 @@ def validate_encoder_decoder(m) -> None:
 def validate_span_corruption(cfg) -> None:
     """`data.span_corruption` is read by `train.objective=span_corruption` only, which reads
     concat-packed text (ConfigError). Whether the objective fits `model.kind` is checked where
-    the objective is chosen (`jaxllm.train.objectives.from_config`): an imported T5 loads
+    the objective is chosen (`jaxllm.objectives.from_config`): an imported T5 loads
     before any objective is given to it."""
     objective, kind, sc = cfg.train.objective, cfg.model.kind, cfg.data.span_corruption
     if objective != "span_corruption" and sc != SpanCorruptionConfig():

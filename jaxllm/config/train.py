@@ -54,14 +54,14 @@ class TrainConfig:
     `loss_mask` covers only the assistant turns; on plain text it trains every token), the
     preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `reward`
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
-    -log sigmoid(r_chosen - r_rejected); `jaxllm.train.reward`), `distill`
+    -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `distill`
     (match `train.teacher`), the rollout objectives `grpo` and `ppo` (on `format: rollout`
-    sources; `jaxllm.train.grpo`, `jaxllm.train.ppo`), `mlm` (masked LM, BERT: an encoder,
+    sources; `jaxllm.objectives.rollout`), `mlm` (masked LM, BERT: an encoder,
     `model.kind=encoder`, predicts the tokens `jaxllm.data.mlm` hid), `prefix_lm` (a decoder
     reads each example's prefix, its prompt or a drawn length of text, bidirectionally and
     learns what follows; `jaxllm.data.objective_rows`), `span_corruption` (T5's denoising of
     `model.kind=encoder_decoder`; `data.span_corruption`), or your own objective
-    function as `MODULE:NAME` or `path/to/file.py:NAME` (see `jaxllm.train.objectives`)."""
+    function as `MODULE:NAME` or `path/to/file.py:NAME` (see `jaxllm.objectives`)."""
     mask_rate: float = 0.15
     """`mlm`: the share of real tokens (neither padding nor BOS / EOS) selected for prediction,
     each independently; of those 80% become the mask token, 10% a random token and 10% stay."""

@@ -1,5 +1,5 @@
 """Preference pairs: records -> a chosen and a rejected sequence with loss masks -> rows of whole
-pairs, for the DPO family (`jaxllm.train.preference`) and reward models.
+pairs, for the DPO family (`jaxllm.objectives.preference`) and reward models.
 
 A `format: preference` record holds a prompt and two answers to it, the preferred and the
 dispreferred one, in the source's `prompt_field`, `chosen_field` and `rejected_field` (rows of a

@@ -2,7 +2,7 @@
 policy-gradient training (GRPO, PPO) on the policy's rollouts.
 
 A sequence's reward is the score head read at its last token, as in training
-(`jaxllm.train.reward`) and in Hugging Face's `*ForSequenceClassification` (the last non-pad
+(`jaxllm.objectives.reward`) and in Hugging Face's `*ForSequenceClassification` (the last non-pad
 token). Rows are right-padded; attention is causal, so the padding after a sequence never
 reaches its last token, and only those positions go through the final norm and the head.
 """

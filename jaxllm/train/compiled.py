@@ -7,12 +7,11 @@ import functools
 
 import jax
 
-from jaxllm import config, optim, sharding
+from jaxllm import config, objectives, optim, sharding
 from jaxllm.config.pipeline import microbatches
 from jaxllm.model import abstract_model
 from jaxllm.sharding import to_global
-from jaxllm.train import loss_scale, objectives
-from jaxllm.train import others as others_lib
+from jaxllm.train import companions, loss_scale
 from jaxllm.train.state import grad_shardings, layout, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
@@ -24,10 +23,10 @@ def compile_steps(cfg: config.Config, mesh):
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
-    held = others_lib.resolve_others(cfg, objective)  # a reference, a teacher
+    held = companions.resolve_others(cfg, objective)  # a reference, a teacher
     shardings = state_shardings(cfg.model, tx, mesh, scaling, **layout(cfg))
-    shardings = shardings.replace(others=others_lib.shardings(held, mesh))
-    other_graphdefs = others_lib.graphdefs(held)
+    shardings = shardings.replace(others=companions.shardings(held, mesh))
+    other_graphdefs = companions.graphdefs(held)
     parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
     step_fn = functools.partial(
         train_step,

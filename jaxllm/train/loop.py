@@ -33,9 +33,9 @@ from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import fetched_inputs
 from jaxllm.metrics import MetricsWriter, plot_losses
+from jaxllm.objectives.rollout.sampling import Rollouts, next_rows
 from jaxllm.sharding import process_rows, to_global
-from jaxllm.train import loss_scale, precompute, rollout, watch
-from jaxllm.train import others as others_lib
+from jaxllm.train import companions, loss_scale, precompute, watch
 from jaxllm.train.compiled import compile_steps, evaluate
 from jaxllm.train.console import _log, _Plain, _progress, _show, sample
 from jaxllm.train.run_dir import (
@@ -101,7 +101,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     gbs = cfg.train.global_batch_size
     local = process_rows(batch_sh, gbs)
     if cfg.train.objective in ROLLOUT_OBJECTIVES:  # the policy samples its own batches
-        batches, held_out = rollout.Rollouts(cfg, mesh, batch_sh, local), []
+        batches, held_out = Rollouts(cfg, mesh, batch_sh, local), []
         _log(f"data: {len(batches.prompts)} rollout prompts, {len(batches.eval_prompts)} eval")
     else:
         whole_inputs = cfg.train.objective == "reward"  # its score is read at a closing slot
@@ -178,7 +178,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
                 ckpt.close(prune=False)
                 undo()
                 return {"step": start}
-            state, held = others_lib.attach(state, cfg, mesh, ckpt.directory, start)
+            state, held = companions.attach(state, cfg, mesh, ckpt.directory, start)
             if reference is not None:  # the rows then carry the reference's log-probabilities
                 rows = (train_rows, eval_rows)
                 batches, held_out = reference.attach(state, start, rows, batches, mesh)
@@ -270,7 +270,7 @@ def _loop(
         _log(f"checkpoint: {ckpt.directory.resolve()}/{step}")
 
     t0 = time.perf_counter()
-    batch = to_global(rollout.next_rows(batches, state), batch_sh, gbs)
+    batch = to_global(next_rows(batches, state), batch_sh, gbs)
     data_state = batches.get_state()  # the iterator just after this step's batch
     jit_train = jit_train.lower(state, batch).compile()
     _log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
@@ -335,7 +335,7 @@ def _loop(
             return True
         elapsed = time.perf_counter() - window_start
         values.update(speed.metrics(elapsed, window_steps))
-        if at_state is not None and isinstance(batches, rollout.Rollouts):
+        if at_state is not None and isinstance(batches, Rollouts):
             values.update(batches.evaluate(at_state))  # held-out reward, greedy
         elif at_state is not None and held_out:  # none: no held-out split
             weights = (at_state.params, at_state.model_state, at_state.frozen, at_state.others)
@@ -364,7 +364,7 @@ def _loop(
         state, metrics = jit_train(state, batch)  # dispatch step n ...
         step_data_state = data_state
         if step < steps:
-            batch = to_global(rollout.next_rows(batches, state), batch_sh, gbs)
+            batch = to_global(next_rows(batches, state), batch_sh, gbs)
             data_state = batches.get_state()
         ok = True
         if pending is not None:

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 
 from jaxllm import parallel, sharding
 from jaxllm.model import merge_model
+from jaxllm.objectives import Objective
 from jaxllm.parallel import pipeline, schedules
 from jaxllm.sharding import Parallel
-from jaxllm.train.objectives import Objective
 
 
 def stack_name(cfg) -> str:

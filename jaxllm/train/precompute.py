@@ -4,12 +4,12 @@ DPO and IPO read their frozen reference only through its per-token log-probabili
 rows' targets, log ref(t_i | t_<i) at every slot i (0 outside the loss mask). The reference does
 not change, so these are a fixed function of the row: computed once they replace a reference
 forward pass at every step, and the reference's weights on the device, by one float32 per slot
-that comes with the batch as `ref_logps` (`jaxllm.train.preference` reads it when present).
+that comes with the batch as `ref_logps` (`jaxllm.objectives.preference` reads it when present).
 
-Before the first step the reference, loaded as `jaxllm.train.others` loads it (`train.reference`,
-else `checkpoint.init_from`; under peft with no `train.reference` the policy's own base with its
-adapters zeroed, built from the state's `frozen` as `others.modules` builds it), runs over every
-train row and every row evaluation reads, a microbatch at a time, through the same jitted
+Before the first step the reference, loaded as `jaxllm.train.companions` loads it
+(`train.reference`, else `checkpoint.init_from`; under peft with no `train.reference` the
+policy's own base with its adapters zeroed, built from the state's `frozen` as
+`companions.modules` builds it), runs over every train row and every row evaluation reads, a microbatch at a time, through the same jitted
 objective machinery as the live reference on the run's mesh: every process computes, the lead
 writes. The results are `run_dir/reference_logps/{train,eval}.npy` (float32 [rows, L]) and
 `meta.json`: the reference's record (source and content hash, or the base's record under peft)
@@ -38,11 +38,10 @@ from jaxllm.config import Config, RunError
 from jaxllm.config.train import REFERENCE_OBJECTIVES
 from jaxllm.data.pipeline import eval_batches, train_batches
 from jaxllm.model import abstract_model
+from jaxllm.objectives.base import ObjectiveOutput, reference_logps
 from jaxllm.sharding import process_rows, to_global
-from jaxllm.train import others as others_lib
+from jaxllm.train import companions
 from jaxllm.train.console import _log
-from jaxllm.train.output import ObjectiveOutput
-from jaxllm.train.preference import reference_logps
 from jaxllm.train.step import BATCH_AXES, objective_value
 
 STORE = "reference_logps"  # the folder in the run directory
@@ -119,20 +118,20 @@ class ReferenceLogps:
         """None unless `train.precompute_reference` is set for an objective with a reference."""
         if not (cfg.train.precompute_reference and cfg.train.objective in REFERENCE_OBJECTIVES):
             return None
-        return cls(cfg, others_lib.resolve_others(cfg, _reference_objective))
+        return cls(cfg, companions.resolve_others(cfg, _reference_objective))
 
     def record(self) -> dict:
         """What the reference is: its source and content hash, or under peft the base's record
         (`adapters.base_record`: the reference is the base with the adapters off)."""
         if self.held["reference"].source is None:
             return {"base": adapters.base_record(self.cfg)}
-        return others_lib.records(self.held)["reference"]
+        return companions.records(self.held)["reference"]
 
     def _forward(self, mesh):
         """A jitted (params, frozen, model_state, others, batch) -> [B, L] log-probabilities,
         replicated, built as the step builds its objective's frozen models."""
         graphdef = abstract_model(self.cfg.model, self.cfg.peft)[0]
-        other_graphdefs = others_lib.graphdefs(self.held)
+        other_graphdefs = companions.graphdefs(self.held)
         settings = sharding.Parallel.of(mesh, self.cfg.mesh)
 
         def forward(params, frozen, model_state, others, batch):
@@ -221,7 +220,7 @@ class ReferenceLogps:
                     self.dir.mkdir(parents=True, exist_ok=True)
                     meta_path.unlink(missing_ok=True)  # the files change: not valid until done
                 forward = self._forward(mesh)
-                held = others_lib.load(self.held, mesh)
+                held = companions.load(self.held, mesh)
                 weights = (state.params, state.frozen, state.model_state, held)
             logps[split] = self._compute(forward, weights, split_rows, n, mesh, path)
             _log(

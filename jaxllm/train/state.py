@@ -46,7 +46,7 @@ class TrainState:
     # matmul weights in NF4 under QLoRA); a nested dict like params, None without peft. Never
     # checkpointed: it is loaded again from the base the run records.
     frozen: Any = None
-    # Frozen models the objective reads beside this one (`jaxllm.train.others`: a DPO
+    # Frozen models the objective reads beside this one (`jaxllm.train.companions`: a DPO
     # reference, a distillation teacher), {name: {"params", "model_state"}}; None without.
     # Never checkpointed: loaded again from the sources the run records.
     others: Any = None

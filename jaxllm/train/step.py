@@ -2,7 +2,7 @@
 
 Static pieces (model graph, optimizer, schedule, objective, parallel settings) are bound with
 `functools.partial` before `jax.jit`, so the jitted function takes exactly (state, batch). The
-step never names a loss: an `Objective` (`jaxllm.train.objectives`) gives the sums of one
+step never names a loss: an `Objective` (`jaxllm.objectives`) gives the sums of one
 microbatch, gradient accumulation scans over microbatches inside the step and normalises by the
 token count of the whole global batch, so it equals one big batch exactly (up to float
 summation order). The model's own statistics (MoE expert loads) go back to the model after the
@@ -17,11 +17,10 @@ import optax
 
 from jaxllm import parallel, sharding
 from jaxllm.model import merge_model
+from jaxllm.objectives import Objective
 from jaxllm.sharding import Parallel
-from jaxllm.train import others as others_lib
-from jaxllm.train import pipelined
+from jaxllm.train import companions, pipelined
 from jaxllm.train.loss_scale import LossScaling
-from jaxllm.train.objectives import Objective
 from jaxllm.train.state import TrainState
 
 BATCH_AXES = ("batch", "length")
@@ -42,14 +41,14 @@ def objective_value(
     """(loss sum, ObjectiveOutput) of `objective` on `batch` with these parameters: the
     function the step differentiates. An objective that names frozen models
     (`objective.others`) also gets them, built from `others` (`TrainState.others`) and their
-    `other_graphdefs` (`jaxllm.train.others`)."""
+    `other_graphdefs` (`jaxllm.train.companions`)."""
     batch = parallel.sequence_layout(batch)
     model = merge_model(graphdef, params, frozen, model_state)
-    wanted = others_lib.names(objective)
+    wanted = companions.names(objective)
     if not wanted:
         out = objective(model, batch, rng)
         return out.loss_sum, out
-    held = others_lib.modules(
+    held = companions.modules(
         wanted,
         other_graphdefs or {},
         others,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
+from jaxllm.objectives.base import Objective, ObjectiveOutput, token_nll
 
 
 def span_corruption(z_loss: float = 0.0) -> Objective:

@@ -1,5 +1,6 @@
-"""Frozen models beside the one that trains: the reference of the DPO family (and of GRPO /
-PPO's KL), the teacher of distillation, the reward model that scores GRPO / PPO rollouts.
+"""The frozen companion models beside the one that trains: the reference of the DPO family (and
+of GRPO / PPO's KL), the teacher of distillation, the reward model that scores GRPO / PPO
+rollouts; which a run holds, where each comes from, their shardings, loading and records.
 
 An objective that needs them names them in a function attribute, `objective.others =
 ("reference",)`, and is then called `objective(model, batch, rng, others)` with `others` a
@@ -10,8 +11,9 @@ teacher wider or deeper than the student shards like any model; the step differe
 checkpointed: a run records where each came from with a content hash (the checkpoint's
 `others` item) and loads them again at resume, refusing different weights in one line.
 
-The reward model is not the objective's: a rollout objective whose `train.reward` is a directory
-holds it (`held_names`), and the rollouts (`jaxllm.train.rollout`) read it from the state.
+The reward model is not the objective's: a rollout objective whose `train.reward` is a
+directory holds it (`held_names`), and the rollouts (`jaxllm.objectives.rollout.sampling`) read
+it from the state.
 
 Where each comes from (`source_of`): `train.teacher`; `train.reward`; `train.reference`, else the run's
 starting point `checkpoint.init_from`. Under `peft` with no `train.reference` the reference is
@@ -48,9 +50,9 @@ from jaxllm.load import (
     weight_targets,
 )
 from jaxllm.model import abstract_model, merge_model
-from jaxllm.train.distill import check_teacher
-from jaxllm.train.objectives import from_config
-from jaxllm.train.rewards import is_model
+from jaxllm.objectives import from_config
+from jaxllm.objectives.distill import check_teacher
+from jaxllm.objectives.rollout.rewards import is_model
 
 OTHERS_ITEM = "others"  # the checkpoint's JSON item: {name: {"source", "sha256"}}
 

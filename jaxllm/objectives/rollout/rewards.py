@@ -14,8 +14,8 @@ of TRL's `reward_funcs`. `train.reward` names it:
 
 A reward model stands in their place when `train.reward` is a directory (`is_model`): a
 `train.objective=reward` run or a Hugging Face `*ForSequenceClassification` export. It is a
-frozen model held on the mesh beside the policy (`jaxllm.train.others`, name `reward_model`)
-and scores the token rows of the rollouts on the device (`jaxllm.train.rollout`).
+frozen model held on the mesh beside the policy (`jaxllm.train.companions`, name `reward_model`)
+and scores the token rows of the rollouts on the device (`jaxllm.objectives.rollout.sampling`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from jaxllm.config import ConfigError
-from jaxllm.train.output import load_function
+from jaxllm.objectives.base import load_function
 
 RewardFn = Callable[[Sequence, Sequence[str], Sequence], Sequence[float]]
 

@@ -1,7 +1,7 @@
 """The DPO family: preference losses over (chosen, rejected) pairs, as objectives of the train step.
 
 Every loss is a small pure function of per-pair quantities, [B, P] arrays read off a packed
-preference row by `pairs.pair_sums`: the policy's log-probability sums of the chosen and
+preference row by `base.pair_sums`: the policy's log-probability sums of the chosen and
 rejected answers pi_c, pi_r (log pi(y | x) summed over the answer's tokens, the `loss_mask`
 ones), the reference's ref_c, ref_r, and the answers' token counts n_c, n_r. With
 sigma the logistic function and beta = `train.beta`:
@@ -28,8 +28,9 @@ losses read them), and `loss`, the preference loss (what evaluation reports). Th
 `tokens` is the number of pairs, so the step's sums divided by it are means over pairs.
 
 The reference of `dpo` / `ipo` is `batch["ref_logps"]` when the batch carries it (per-token
-log-probabilities of the targets computed once before training, `reference_logps`), else the
-frozen model `others["reference"]`, run on the same rows with no gradient.
+log-probabilities of the targets, `base.reference_logps`, computed once before training by
+`jaxllm.train.precompute`), else the frozen model `others["reference"]`, run on the same rows
+with no gradient.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.model import moe as moe_lib
-from jaxllm.train.output import ObjectiveOutput, token_nll
-from jaxllm.train.pairs import pair_sums
+from jaxllm.objectives.base import ObjectiveOutput, pair_sums, reference_logps, token_logps
 
 
 class PairTerms(NamedTuple):
@@ -92,24 +92,6 @@ def orpo_loss(pi_c, pi_r, n_c, n_r, beta: float) -> PairTerms:
     log_odds = (avg_c - avg_r) - (_log1mexp(avg_c) - _log1mexp(avg_r))
     loss = -avg_c - beta * jax.nn.log_sigmoid(log_odds)
     return PairTerms(loss, beta * avg_c, beta * avg_r, avg_c, avg_r)
-
-
-def token_logps(model, batch: dict, rng=None):
-    """(log p(target) [B, L] float32, 0 where `loss_mask` is 0; the model's output)."""
-    out = model(
-        batch["inputs"],
-        positions_BxL=batch["positions"],
-        segment_ids_BxL=batch["segment_ids"],
-        dropout_key=rng,
-    )
-    nll_BxL, _ = token_nll(out.logits, batch["targets"])
-    return -nll_BxL * batch["loss_mask"].astype(jnp.float32), out
-
-
-def reference_logps(reference, batch: dict) -> jax.Array:
-    """The reference's per-token log-probabilities of a batch's targets [B, L] (0 outside the
-    loss mask), without gradient: what `batch["ref_logps"]` holds when precomputed."""
-    return jax.lax.stop_gradient(token_logps(reference, batch)[0])
 
 
 KINDS = ("dpo", "ipo", "simpo", "orpo")

@@ -1,9 +1,19 @@
 """What every objective shares: the `ObjectiveOutput` of sums it returns, the `Objective`
-signature, `token_nll`, the float32 pieces of a token-level cross-entropy (`masked_nll_sums`
-their masked sums, optionally in chunks of the sequence), and `load_function`
-for the `MODULE:NAME` specs of user code (objectives, rewards). Its own module
-so that the objectives of other methods (`jaxllm.train.distill`) build on it while
-`jaxllm.train.objectives`, the registry, imports them."""
+signature, and the sums the families build on: `token_nll` and `masked_nll_sums` (the float32
+pieces of a token-level cross-entropy, optionally in chunks of the sequence), `token_logps` and
+`reference_logps` (per-token log-probabilities of the targets, the policy's and a frozen
+reference's), `pair_sums` (per-pair sums of the preference layout), and `load_function` for
+the `MODULE:NAME` specs of user code (objectives, rewards). The families (`jaxllm.objectives.*`)
+build on this module while the registry, `jaxllm.objectives`, imports them.
+
+Preference pairs in packed rows: a preference row (`jaxllm.data.preference`) holds whole
+pairs; pair k of the row is two consecutive segments, its chosen sequence segment 2k + 1 and
+its rejected sequence segment 2k + 2 (segment id 0 is padding). Every sequence takes at least
+one slot, so at most P = L // 2 pairs fit a row of L slots, and the pair axis has that fixed
+size whatever the row holds. The losses of the DPO family and of reward models are functions
+of per-sequence sums (log-probabilities, token counts, a score at one position), which
+`pair_sums` reads off.
+"""
 
 from __future__ import annotations
 
@@ -76,6 +86,44 @@ def masked_nll_sums(model, batch: dict, out, chunks: int = 1):
     xs = (split(out.hidden), split(batch["targets"]), split(mask_BxL))
     (nll_sum, z_sum), _ = jax.lax.scan(chunk, (zero, zero), xs)
     return nll_sum, z_sum
+
+
+def token_logps(model, batch: dict, rng=None):
+    """(log p(target) [B, L] float32, 0 where `loss_mask` is 0; the model's output)."""
+    out = model(
+        batch["inputs"],
+        positions_BxL=batch["positions"],
+        segment_ids_BxL=batch["segment_ids"],
+        dropout_key=rng,
+    )
+    nll_BxL, _ = token_nll(out.logits, batch["targets"])
+    return -nll_BxL * batch["loss_mask"].astype(jnp.float32), out
+
+
+def reference_logps(reference, batch: dict) -> jax.Array:
+    """The reference's per-token log-probabilities of a batch's targets [B, L] (0 outside the
+    loss mask), without gradient: what `batch["ref_logps"]` holds when precomputed."""
+    return jax.lax.stop_gradient(token_logps(reference, batch)[0])
+
+
+def pair_sums(x_BxL: jax.Array, segment_ids_BxL: jax.Array):
+    """(chosen_BxP, rejected_BxP, valid_BxP): the sums of `x` over each pair's chosen segment
+    (2k + 1) and rejected segment (2k + 2), and whether both segments are present in the row
+    (True where the pair exists), with P = L // 2 (see the module docstring). Sums are in
+    float32; a missing segment sums to 0. Segment ids above 2P (never written by the packer)
+    are left out."""
+    num_pairs = segment_ids_BxL.shape[-1] // 2
+    num_segments = 2 * num_pairs + 1  # 0 (padding), then 1 .. 2P
+
+    def per_row(x_L, seg_L):
+        sums_S = jax.ops.segment_sum(x_L, seg_L, num_segments=num_segments)
+        present_S = jax.ops.segment_sum(jnp.ones_like(seg_L), seg_L, num_segments=num_segments)
+        return sums_S, present_S > 0
+
+    sums_BxS, present_BxS = jax.vmap(per_row)(x_BxL.astype(jnp.float32), segment_ids_BxL)
+    chosen_BxP, rejected_BxP = sums_BxS[:, 1::2], sums_BxS[:, 2::2]
+    valid_BxP = present_BxS[:, 1::2] & present_BxS[:, 2::2]
+    return chosen_BxP, rejected_BxP, valid_BxP
 
 
 def load_function(spec: str, key: str) -> Callable:

@@ -1,7 +1,7 @@
 """PPO: proximal policy optimisation with a learned value head, as an objective of the one step.
 
-The policy samples its own batches as for GRPO (`jaxllm.train.rollout`); a completion of T
-tokens a_0 .. a_{T-1} is an episode whose state s_t is the prompt and a_<t. The critic is the
+The policy samples its own batches as for GRPO (`sampling`); a completion of T tokens
+a_0 .. a_{T-1} is an episode whose state s_t is the prompt and a_<t. The critic is the
 policy's own value head (`model.value_head`: V(s_t) = h_t . w_v on the final hidden state h_t
 that also predicts a_t), so one forward gives log pi(a_t | s_t) and V(s_t) [B, L].
 
@@ -26,8 +26,8 @@ value loss of OpenAI's baselines, which TRL 1.16's PPOTrainer writes the same wa
     l_t   = pg_t + c_v vf_t + beta k3_t                                 c_v = train.value_coef
 
 with eps_v = `train.value_clip` and the KL to the reference in the loss, Schulman's k3 on the
-sampled tokens as GRPO keeps it (`jaxllm.train.grpo.k3`), weighted by beta = `train.beta`
-(0: no reference). TRL and InstructGPT (Ouyang et al. 2022, arXiv:2203.02155, eq. 2) instead
+sampled tokens as GRPO keeps it (`grpo.k3`), weighted by beta = `train.beta` (0: no
+reference). TRL and InstructGPT (Ouyang et al. 2022, arXiv:2203.02155, eq. 2) instead
 subtract beta (log pi_old - log ref) from each r_t; here the KL is a term of the loss, whose
 gradient flows straight into the policy, and the value head fits the task reward only.
 
@@ -51,9 +51,8 @@ import numpy as np
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
-from jaxllm.train.grpo import k3
-from jaxllm.train.output import ObjectiveOutput
-from jaxllm.train.preference import reference_logps, token_logps
+from jaxllm.objectives.base import ObjectiveOutput, reference_logps, token_logps
+from jaxllm.objectives.rollout.grpo import k3
 
 
 def gae(rewards_BxL, values_BxL, mask_BxL, gamma: float, lam: float):

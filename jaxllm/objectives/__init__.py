@@ -18,19 +18,19 @@ biases, the model's non-trained state, move.
 cross-entropy over the tokens whose `loss_mask` is 1, which for chat / prompt_completion sources
 (`jaxllm.data.sft`) are the assistant turns and completions only, so a run names what it does;
 on plain text sources every token is in the mask and `sft` trains exactly as `next_token`.
-The DPO family, `dpo`, `ipo`, `simpo` and `orpo` (`jaxllm.train.preference`), are losses over
+The DPO family, `dpo`, `ipo`, `simpo` and `orpo` (`jaxllm.objectives.preference`), are losses over
 the (chosen, rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
 An objective that needs frozen models besides the policy names them in its `others` attribute
 (`("reference",)` for DPO / IPO).
-`reward` fits a reward model (`model.head=score`) to the same pairs (`jaxllm.train.reward`).
-`grpo` (`jaxllm.train.grpo`) is GRPO's clipped, group-relative policy gradient with a KL to the
-reference, on batches the policy samples itself (`jaxllm.train.rollout`); `ppo`
-(`jaxllm.train.ppo`) is PPO on the same batches, with GAE from the policy's value head.
-`distill` (`jaxllm.train.distill`) matches a frozen teacher's next-token distributions.
+`reward` fits a reward model (`model.head=score`) to the same pairs (`jaxllm.objectives.reward`).
+`grpo` (`jaxllm.objectives.rollout.grpo`) is GRPO's clipped, group-relative policy gradient with a KL to the
+reference, on batches the policy samples itself (`jaxllm.objectives.rollout.sampling`); `ppo`
+(`jaxllm.objectives.rollout.ppo`) is PPO on the same batches, with GAE from the policy's value head.
+`distill` (`jaxllm.objectives.distill`) matches a frozen teacher's next-token distributions.
 `mlm` is masked LM for encoders (`model.kind=encoder`): the pipeline corrupts the rows
 (`jaxllm.data.mlm`) and the loss is cross-entropy at the selected positions. `prefix_lm` is
 next-token prediction after a bidirectional prefix (`jaxllm.data.objective_rows`).
-`span_corruption` (`jaxllm.train.seq2seq`) is T5's denoising loss of an encoder–decoder.
+`span_corruption` (`jaxllm.objectives.denoising`) is T5's denoising loss of an encoder–decoder.
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
 the preference losses, `reward`, `grpo`, `ppo`, `distill`, `span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME`
 for an objective of your own.
@@ -42,14 +42,15 @@ import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.model import moe as moe_lib
-from jaxllm.train import distill, grpo, ppo, preference, reward, seq2seq
-from jaxllm.train.output import (
+from jaxllm.objectives import denoising, distill, preference, reward
+from jaxllm.objectives.base import (
     Objective,
     ObjectiveOutput,
     load_function,
     masked_nll_sums,
     token_nll,
 )
+from jaxllm.objectives.rollout import grpo, ppo
 
 __all__ = [
     "BUILT_IN",
@@ -129,7 +130,7 @@ BUILT_IN = {
     "grpo": lambda cfg: grpo.from_train_config(cfg.train),
     "ppo": ppo.from_config,
     "distill": distill.from_config,
-    "span_corruption": lambda cfg: seq2seq.span_corruption(cfg.train.z_loss),
+    "span_corruption": lambda cfg: denoising.span_corruption(cfg.train.z_loss),
 }
 # The built-ins that read train.z_loss; set for another objective it would do nothing.
 Z_LOSS_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm", "span_corruption")

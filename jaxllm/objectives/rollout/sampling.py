@@ -13,11 +13,10 @@ and it
    quantized caches too), up to `train.max_completion_tokens` or EOS; the sampling key is
    seeded by (run.seed, rollout number);
 3. scores every completion: on the host with the reward function of its decoded text
-   (`jaxllm.train.rewards`), or on the mesh with a reward model (`train.reward` a directory,
-   held frozen in `TrainState.others`) read at the sequence's last token; then turns the
-   rewards into group-relative advantages (`jaxllm.train.grpo.group_advantages`),
-   or for PPO into GAE advantages and returns from the value head's V_old
-   (`jaxllm.train.ppo.rollout_fields`);
+   (`rewards`), or on the mesh with a reward model (`train.reward` a directory, held frozen
+   in `TrainState.others`) read at the sequence's last token; then turns the rewards into
+   group-relative advantages (`grpo.group_advantages`), or for PPO into GAE advantages and
+   returns from the value head's V_old (`ppo.rollout_fields`);
 4. builds one row per completion, prompt then completion then the stop that ended it (EOS;
    after a chat prompt also the chat template's end-of-turn marker, `jaxllm.infer.chat`),
    `loss_mask` on the completion's tokens, with float32 `advantages`, `rewards` and
@@ -52,12 +51,12 @@ from jaxllm.infer.chat import end_of_turn
 from jaxllm.infer.generate import generate
 from jaxllm.load import model_section
 from jaxllm.model import abstract_model, merge_model
+from jaxllm.objectives.base import token_logps
+from jaxllm.objectives.reward import sequence_scores
+from jaxllm.objectives.rollout import ppo
+from jaxllm.objectives.rollout import rewards as rewards_lib
+from jaxllm.objectives.rollout.grpo import group_advantages
 from jaxllm.sharding import to_global
-from jaxllm.train import ppo
-from jaxllm.train import rewards as rewards_lib
-from jaxllm.train.grpo import group_advantages
-from jaxllm.train.preference import token_logps
-from jaxllm.train.reward import sequence_scores
 
 
 def _policy_logps(params, frozen, model_state, batch, *, graphdef, parallel_settings):

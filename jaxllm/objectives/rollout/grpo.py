@@ -1,7 +1,7 @@
 """GRPO: group relative policy optimisation, as an objective of the one train step.
 
-For each prompt the policy samples a group of G completions (`jaxllm.train.rollout`); a
-verifiable reward r_i scores each, and a completion's advantage is its reward relative to its
+For each prompt the policy samples a group of G completions (`sampling`); a verifiable
+reward r_i scores each, and a completion's advantage is its reward relative to its
 group's (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300, section 4.1.2):
 
     sequence   A_i = (r_i - mean_g r) / (std_g r + 1e-4)      (std with Bessel's correction)
@@ -42,8 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.model import moe as moe_lib
-from jaxllm.train.output import ObjectiveOutput
-from jaxllm.train.preference import reference_logps, token_logps
+from jaxllm.objectives.base import ObjectiveOutput, reference_logps, token_logps
 
 NORMALIZATIONS = ("sequence", "dr_grpo")
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError, ModelConfig
 from jaxllm.model import moe as moe_lib
-from jaxllm.train.output import Objective, ObjectiveOutput, token_nll
+from jaxllm.objectives.base import Objective, ObjectiveOutput, token_nll
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
 

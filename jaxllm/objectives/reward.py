@@ -6,7 +6,7 @@ arXiv:2203.02155) and TRL's `RewardTrainer`:
     loss = -log sigmoid(r_chosen - r_rejected), averaged over pairs,
 
 where r(x, y) is the score head read at the last token of prompt + answer. The pairs come in
-the preference layout (`jaxllm.train.pairs`); the packer gives each sequence one extra input
+the preference layout (`jaxllm.objectives.base`); the packer gives each sequence one extra input
 position holding its last token (`whole_inputs`), so the last input position of a segment has
 seen the whole sequence.
 """
@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.model import moe as moe_lib
-from jaxllm.train.output import Objective, ObjectiveOutput
-from jaxllm.train.pairs import pair_sums
+from jaxllm.objectives.base import Objective, ObjectiveOutput, pair_sums
 
 
 def last_positions(positions_BxL: jax.Array, segment_ids_BxL: jax.Array) -> jax.Array:
