@@ -14,42 +14,37 @@ model's own statistics (MoE expert loads and balancing losses), which the step a
 hands back to the model after the update (`Transformer.after_step`): that is how the router
 biases, the model's non-trained state, move.
 
-`next_token` is pretraining's objective. `sft` is supervised fine-tuning's: the same
-cross-entropy over the tokens whose `loss_mask` is 1, which for chat / prompt_completion sources
-(`jaxllm.data.sft`) are the assistant turns and completions only, so a run names what it does;
-on plain text sources every token is in the mask and `sft` trains exactly as `next_token`.
-The DPO family, `dpo`, `ipo`, `simpo` and `orpo` (`jaxllm.objectives.preference`), are losses over
-the (chosen, rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
+One module per family, each building on `base` (`ObjectiveOutput`, `Objective`, the shared
+sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolution of
+`train.objective` (`from_config`):
+
+- `lm`: `next_token` (pretraining), `sft` (the same cross-entropy over the tokens whose
+  `loss_mask` is 1: for chat / prompt_completion sources the assistant turns and completions),
+  `prefix_lm` (next-token prediction after a bidirectional prefix).
+- `preference`: the DPO family, `dpo`, `ipo`, `simpo` and `orpo`, losses over the (chosen,
+  rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
+- `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry).
+- `rollout`: `grpo` (GRPO's clipped, group-relative policy gradient with a KL to the
+  reference) and `ppo` (PPO with GAE from the policy's value head), on batches the policy
+  samples itself (`rollout.sampling`), scored by `rollout.rewards`.
+- `distill`: matches a frozen teacher's next-token distributions.
+- `denoising`: `mlm` (masked LM for encoders, `model.kind=encoder`, on rows `jaxllm.data.mlm`
+  corrupts) and `span_corruption` (T5's denoising loss of an encoder–decoder).
+
 An objective that needs frozen models besides the policy names them in its `others` attribute
-(`("reference",)` for DPO / IPO).
-`reward` fits a reward model (`model.head=score`) to the same pairs (`jaxllm.objectives.reward`).
-`grpo` (`jaxllm.objectives.rollout.grpo`) is GRPO's clipped, group-relative policy gradient with a KL to the
-reference, on batches the policy samples itself (`jaxllm.objectives.rollout.sampling`); `ppo`
-(`jaxllm.objectives.rollout.ppo`) is PPO on the same batches, with GAE from the policy's value head.
-`distill` (`jaxllm.objectives.distill`) matches a frozen teacher's next-token distributions.
-`mlm` is masked LM for encoders (`model.kind=encoder`): the pipeline corrupts the rows
-(`jaxllm.data.mlm`) and the loss is cross-entropy at the selected positions. `prefix_lm` is
-next-token prediction after a bidirectional prefix (`jaxllm.data.objective_rows`).
-`span_corruption` (`jaxllm.objectives.denoising`) is T5's denoising loss of an encoder–decoder.
-`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`, one of
-the preference losses, `reward`, `grpo`, `ppo`, `distill`, `span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME`
-for an objective of your own.
+(`("reference",)` for DPO / IPO); the engine holds them (`jaxllm.train.companions`).
+`train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
+`mlm`, `prefix_lm`, one of the preference losses, `reward`, `grpo`, `ppo`, `distill`,
+`span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from jaxllm.config import Config, ConfigError
-from jaxllm.model import moe as moe_lib
 from jaxllm.objectives import denoising, distill, preference, reward
-from jaxllm.objectives.base import (
-    Objective,
-    ObjectiveOutput,
-    load_function,
-    masked_nll_sums,
-    token_nll,
-)
+from jaxllm.objectives.base import Objective, ObjectiveOutput, load_function, token_nll
+from jaxllm.objectives.denoising import mlm
+from jaxllm.objectives.lm import next_token, prefix_lm, sft
 from jaxllm.objectives.rollout import grpo, ppo
 
 __all__ = [
@@ -63,58 +58,6 @@ __all__ = [
     "sft",
     "token_nll",
 ]
-
-
-def next_token(z_loss: float = 0.0, prefix: bool = False, loss_chunks: int = 1) -> Objective:
-    """Mean next-token cross-entropy over the tokens whose `loss_mask` is 1, in float32, plus
-    `z_loss` times the mean squared log-normaliser (PaLM, arXiv:2204.02311), plus the MoE
-    balancing losses the model reports. Metrics: `loss` (the cross-entropy), `z_loss`.
-    `prefix`: the batch's `prefix` attends bidirectionally (`prefix_lm`). `loss_chunks` > 1:
-    the LM head and the loss run in that many chunks of the sequence (`masked_nll_sums`)."""
-
-    def objective(model, batch: dict, rng) -> ObjectiveOutput:
-        out = model(
-            batch["inputs"],
-            positions_BxL=batch["positions"],
-            segment_ids_BxL=batch["segment_ids"],
-            dropout_key=rng,
-            hidden_only=loss_chunks > 1,
-            **({"prefix_BxL": batch["prefix"]} if prefix else {}),
-        )
-        nll_sum, z_sum = masked_nll_sums(model, batch, out, loss_chunks)
-        count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-        loss_sum = nll_sum + z_loss * z_sum
-        metrics = {"loss": nll_sum, "z_loss": z_sum}
-        stats = {}
-        if out.aux:
-            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
-            loss_sum += extra
-            metrics.update(aux_metrics)
-        return ObjectiveOutput(loss_sum, count, metrics, stats)
-
-    return objective
-
-
-def sft(z_loss: float = 0.0, loss_chunks: int = 1) -> Objective:
-    """Supervised fine-tuning: `next_token` over the tokens the data marks as trained (the
-    assistant turns / completions of SFT sources, or with data.train_on_prompt every token of
-    the example); the mean is over those tokens only, so padding and prompts weigh nothing."""
-    return next_token(z_loss, loss_chunks=loss_chunks)
-
-
-def mlm(z_loss: float = 0.0, loss_chunks: int = 1) -> Objective:
-    """Masked LM (BERT): cross-entropy of the original tokens at the positions
-    `jaxllm.data.mlm` selected (its rows carry them as `targets` and `loss_mask`, the corrupted
-    tokens as `inputs`), computed by an encoder that sees the whole row. The loss is that of
-    `next_token` on those rows: the data, not the step, decides what is predicted."""
-    return next_token(z_loss, loss_chunks=loss_chunks)
-
-
-def prefix_lm(z_loss: float = 0.0, loss_chunks: int = 1) -> Objective:
-    """Prefix LM for decoders: `next_token` with each example's prefix
-    (`jaxllm.data.objective_rows.PrefixLM`: the prompt, or a drawn length of plain text)
-    attending bidirectionally, and the loss on what follows it."""
-    return next_token(z_loss, prefix=True, loss_chunks=loss_chunks)
 
 
 BUILT_IN = {
