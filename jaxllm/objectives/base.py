@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ConfigError
+from jaxllm.model import moe as moe_lib
 
 
 class ObjectiveOutput(NamedTuple):
@@ -40,6 +41,18 @@ class ObjectiveOutput(NamedTuple):
 
 
 Objective = Callable[[nnx.Module, dict, "jax.Array | None"], ObjectiveOutput]
+
+
+def output(model, out, loss_sum, count, metrics: dict) -> ObjectiveOutput:
+    """The objective's sums with the model's own terms added: an MoE model's balancing losses
+    (`out.aux`, weighted by `count`) join the loss and the metrics, and its routing statistics
+    become the output's `model_stats`."""
+    stats = {}
+    if out.aux:
+        extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
+        loss_sum += extra
+        metrics.update(aux_metrics)
+    return ObjectiveOutput(loss_sum, count, metrics, stats)
 
 
 def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array):

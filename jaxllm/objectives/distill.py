@@ -43,8 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import Config, ConfigError, ModelConfig
-from jaxllm.model import moe as moe_lib
-from jaxllm.objectives.base import Objective, ObjectiveOutput, token_nll
+from jaxllm.objectives.base import Objective, ObjectiveOutput, output, token_nll
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -118,12 +117,8 @@ def distill(
         count = jnp.sum(mask_BxL)
         loss_sum = weight * div_sum + (1 - weight) * nll_sum
         metrics = {"loss": loss_sum, "distill": div_sum, "nll": nll_sum}
-        stats = {}
-        if out.aux:  # the student's balancing losses; the teacher's routing is not trained
-            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
-            loss_sum += extra
-            metrics.update(aux_metrics)
-        return ObjectiveOutput(loss_sum, count, metrics, stats)
+        # the student's balancing losses join; the teacher's routing is not trained
+        return output(model, out, loss_sum, count, metrics)
 
     objective.others = ("teacher",)
     return objective

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxllm.model import moe as moe_lib
-from jaxllm.objectives.base import Objective, ObjectiveOutput, masked_nll_sums
+from jaxllm.objectives.base import Objective, ObjectiveOutput, masked_nll_sums, output
 
 
 def next_token(z_loss: float = 0.0, prefix: bool = False, loss_chunks: int = 1) -> Objective:
@@ -37,12 +36,7 @@ def next_token(z_loss: float = 0.0, prefix: bool = False, loss_chunks: int = 1) 
         count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
         loss_sum = nll_sum + z_loss * z_sum
         metrics = {"loss": nll_sum, "z_loss": z_sum}
-        stats = {}
-        if out.aux:
-            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
-            loss_sum += extra
-            metrics.update(aux_metrics)
-        return ObjectiveOutput(loss_sum, count, metrics, stats)
+        return output(model, out, loss_sum, count, metrics)
 
     return objective
 

@@ -40,8 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxllm.model import moe as moe_lib
-from jaxllm.objectives.base import ObjectiveOutput, pair_sums, reference_logps, token_logps
+from jaxllm.objectives.base import ObjectiveOutput, output, pair_sums, reference_logps, token_logps
 
 
 class PairTerms(NamedTuple):
@@ -150,12 +149,7 @@ def objective(
             "logps/chosen": total(terms.chosen_logps),
             "logps/rejected": total(terms.rejected_logps),
         }
-        stats = {}
-        if out.aux:
-            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
-            loss_sum += extra
-            metrics.update(aux_metrics)
-        return ObjectiveOutput(loss_sum, count, metrics, stats)
+        return output(model, out, loss_sum, count, metrics)
 
     preference_objective.others = (
         ("reference",) if kind in NEEDS_REFERENCE and not precompute_reference else ()

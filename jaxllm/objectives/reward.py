@@ -16,8 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.model import moe as moe_lib
-from jaxllm.objectives.base import Objective, ObjectiveOutput, pair_sums
+from jaxllm.objectives.base import Objective, ObjectiveOutput, output, pair_sums
 
 
 def last_positions(positions_BxL: jax.Array, segment_ids_BxL: jax.Array) -> jax.Array:
@@ -74,11 +73,6 @@ def objective() -> Objective:
     def reward_objective(model, batch: dict, rng) -> ObjectiveOutput:
         scores_BxL, out = sequence_scores(model, batch, rng)
         loss_sum, count, metrics = bradley_terry(scores_BxL, batch["segment_ids"])
-        stats = {}
-        if out.aux:
-            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
-            loss_sum += extra
-            metrics.update(aux_metrics)
-        return ObjectiveOutput(loss_sum, count, metrics, stats)
+        return output(model, out, loss_sum, count, metrics)
 
     return reward_objective

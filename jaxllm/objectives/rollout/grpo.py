@@ -41,8 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.model import moe as moe_lib
-from jaxllm.objectives.base import ObjectiveOutput, reference_logps, token_logps
+from jaxllm.objectives.base import ObjectiveOutput, output, reference_logps, token_logps
 
 NORMALIZATIONS = ("sequence", "dr_grpo")
 
@@ -131,12 +130,7 @@ def objective(
         }
         if kl_BxL is not None:
             metrics["kl"] = seq_mean(kl_BxL)
-        stats = {}
-        if out.aux:
-            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
-            loss_sum += extra
-            metrics.update(aux_metrics)
-        return ObjectiveOutput(loss_sum, count, metrics, stats)
+        return output(model, out, loss_sum, count, metrics)
 
     grpo_objective.others = ("reference",) if beta else ()
     return grpo_objective

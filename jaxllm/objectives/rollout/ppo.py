@@ -50,8 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import Config, ConfigError
-from jaxllm.model import moe as moe_lib
-from jaxllm.objectives.base import ObjectiveOutput, reference_logps, token_logps
+from jaxllm.objectives.base import ObjectiveOutput, output, reference_logps, token_logps
 from jaxllm.objectives.rollout.grpo import k3
 
 
@@ -156,12 +155,7 @@ def objective(beta: float, clip_epsilon=0.2, value_coef=0.1, value_clip=0.2):
         }
         if kl_BxL is not None:
             metrics["kl"] = token_mean(kl_BxL)
-        stats = {}
-        if out.aux:
-            extra, aux_metrics, stats = moe_lib.objective_terms(model.cfg.moe, out.aux, count)
-            loss_sum += extra
-            metrics.update(aux_metrics)
-        return ObjectiveOutput(loss_sum, count, metrics, stats)
+        return output(model, out, loss_sum, count, metrics)
 
     ppo_objective.others = ("reference",) if beta else ()
     return ppo_objective
