@@ -25,7 +25,9 @@ def matmul(
     """Every weight matmul of the model goes through here: `einsum(spec, x, kernel)` with both
     operands in the compute `dtype`, or with `fp8` in e4m3 with float32 accumulation (and e5m2
     output gradients; `fp8.py`). The output is in `out_dtype` (default `dtype`). The kernel may
-    be an array, an `NF4Tensor` (dequantized here) or a `lora.LoRAKernel` (x W + s (x A) B)."""
+    be an array, an `NF4Tensor` or a `quantized.QuantizedTensor` (dequantized here, inside the
+    jitted computation, where XLA fuses it into the dot) or a `lora.LoRAKernel` (x W + s (x A) B,
+    whose base may be either)."""
     out_dtype = out_dtype or dtype
     if isinstance(kernel, lora.LoRAKernel):
         y = matmul(spec, x, kernel.base, dtype, out_dtype, fp8=fp8)

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS
-from jaxllm.model import nf4
+from jaxllm.model import nf4, quantized
 
 
 class LoRAParam(nnx.Param):
@@ -174,7 +174,9 @@ def dense(module: nnx.Module, name: str, dtype) -> jax.Array:
 
 def as_array(w, dtype) -> jax.Array:
     """A stored weight in the compute `dtype`: cast, or dequantized from NF4 (each stacked
-    layer's on its own)."""
+    layer's on its own) or from integer codes (`quantized.QuantizedTensor`, `jaxllm quantize`)."""
+    if isinstance(w, quantized.QuantizedTensor):
+        return quantized.dequantize(w, dtype)
     if not isinstance(w, nf4.NF4Tensor):
         return w.astype(dtype)
     stacked = w.codes.ndim - nf4.kept_ndim(w.shape) - 1
