@@ -13,7 +13,7 @@ order, the including file winning). A section may be named by preset instead of 
 User mistakes raise `ConfigError` with one sentence naming the key and the fix; the CLI turns it
 into exit code 2 before anything is compiled.
 
-Modules: `model` (the model section), `train`, `peft`, `sections` (the others), `trackers`
+Modules: `model` (the model section), `train`, `peft`, `quantize`, `sections` (the others), `trackers`
 (`run.trackers` and the W&B / MLflow keys), `root` (`Config` and the cross-section checks),
 `loading` (YAML, presets, overrides, type checks), `errors`.
 """
@@ -34,6 +34,7 @@ from jaxllm.config.loading import (
 from jaxllm.config.model import MLAConfig, ModelConfig, RopeConfig
 from jaxllm.config.moe import MoEConfig
 from jaxllm.config.peft import PeftConfig
+from jaxllm.config.quantize import QuantizeConfig
 from jaxllm.config.root import Config
 from jaxllm.config.sections import (
     MESH_AXES,
@@ -58,6 +59,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "GenerateConfig",
+    "QuantizeConfig",
     "JaxllmWarning",
     "MLAConfig",
     "MeshConfig",

@@ -13,6 +13,7 @@ from jaxllm.config.model import ModelConfig
 from jaxllm.config.moe import validate_moe
 from jaxllm.config.peft import PeftConfig
 from jaxllm.config.pipeline import microbatches, validate_pipeline
+from jaxllm.config.quantize import QuantizeConfig
 from jaxllm.config.sections import (
     OPTIM_READS,
     OPTIM_SPECIFIC,
@@ -57,6 +58,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     generate: GenerateConfig = GenerateConfig()
     peft: PeftConfig = PeftConfig()
+    quantize: QuantizeConfig = QuantizeConfig()
 
     def validate(self, num_devices: int | None = None) -> Config:
         """Checks combinations no field type can express; returns self or raises ConfigError."""
@@ -92,6 +94,7 @@ class Config:
         validate_evaluated(t, self.data, self.checkpoint.keep_best)
         self._validate_kind()
         self.peft.validate()
+        self.quantize.validate()
         gen = self.generate
         if gen.max_new_tokens < 1 or gen.temperature < 0 or gen.top_k < 0:
             _fail("generate.max_new_tokens must be >= 1, generate.temperature and top_k >= 0.")
