@@ -1,8 +1,8 @@
 """The import floors of the house, read from the source (no imports run):
 
     config -> storage -> data, sharding, checkpoint, optim, metrics, trackers, distributed
-    -> kernels -> parallel -> model -> infer, convert -> load -> adapters -> objectives -> train
-    -> evaluate, plan, bench, sweep -> cli
+    -> kernels -> parallel -> model -> compress -> infer, convert -> load -> adapters ->
+    objectives -> train -> evaluate, plan, quantize, bench, sweep -> cli
 
 A module imports only from its own floor's package or from floors below; nothing imports
 upward, there are no circles, and a function-level import of a jaxllm module appears only where
@@ -31,6 +31,7 @@ FLOORS = [
     (2, "jaxllm.kernels"),
     (3, "jaxllm.parallel"),
     (4, "jaxllm.model"),
+    (4.5, "jaxllm.compress"),  # quantization methods over the model's quantized tensors
     (5, "jaxllm.infer"),
     (5, "jaxllm.convert"),
     (6, "jaxllm.load"),
@@ -39,6 +40,7 @@ FLOORS = [
     (9, "jaxllm.train"),
     (10, "jaxllm.evaluate"),
     (10, "jaxllm.plan"),
+    (10, "jaxllm.quantize"),
     (10, "jaxllm.bench"),
     (10, "jaxllm.sweep"),
     (11, "jaxllm.cli"),

@@ -1,0 +1,147 @@
+"""`jaxllm quantize SRC OUT --method M`: a trained model's weights quantized into a new run.
+
+SRC is a run directory (or its checkpoints, or one step), a fine-tuning run (its adapters are
+merged into the base first, NF4 dequantized) or a Hugging Face directory. OUT is a run directory
+like `jaxllm convert import` writes: config.yaml (the source's, with `quantize.*` recording the
+method and `run.dir` OUT), the tokenizer's files, and a weights-only checkpoint at step 0 whose
+chosen weights are packed codes and scales (`jaxllm.model.quantized`). `generate`, `eval`,
+`plan` and `load_model` read it like any run.
+
+Every check runs before any work: the method, bits and group size (`quantize.*`), the group
+size and packing against each chosen weight, a source that is already quantized, and OUT (which
+may not hold files without --overwrite). OUT is built in a hidden sibling and renamed into
+place when complete (`jaxllm.config.outputs.written`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from jaxllm import compress, sharding
+from jaxllm import config as config_lib
+from jaxllm.config import Config, ConfigError, PeftConfig
+from jaxllm.config.quantize import DEFAULT_BITS
+from jaxllm.convert import load_params
+from jaxllm.convert.hf import NewRun, check_out_dir, new_run
+from jaxllm.convert.reader import TOKENIZER_FILES
+from jaxllm.data.tokenizer import GENERATION_CONFIG
+from jaxllm.load import (
+    _is_hf_source,
+    _mergeable,
+    fetched,
+    merged_weights,
+    resolve,
+    restore,
+    weight_targets,
+)
+from jaxllm.model import abstract_model
+
+OUT_FLAG = "OUT"
+
+
+def options(method: str, bits: int | None, group_size: int | None, symmetric: bool | None):
+    """The `quantize.*` overrides of the command's options (a method's default bits)."""
+    out = [f"quantize.method={method}"]
+    if bits is None:
+        bits = DEFAULT_BITS.get(method)
+    if bits is not None:
+        out.append(f"quantize.bits={bits}")
+    if group_size is not None:
+        out.append(f"quantize.group_size={group_size}")
+    if symmetric is not None:
+        out.append(f"quantize.symmetric={str(symmetric).lower()}")
+    return out
+
+
+def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
+    """Writes the quantized run OUT from SRC; `overrides` are `key=value`s, the `quantize.*` of
+    the command's options among them. Returns OUT."""
+    src = Path(fetched(src, "SRC"))
+    if _is_hf_source(src):
+        new = new_run(src, out, overrides, overwrite=overwrite)
+        cfg = new.cfg.validate()
+        _check_method(cfg)
+        mesh = sharding.make_mesh(cfg.mesh)
+        _check_weights(cfg)
+        params, model_state, _ = load_params(src, cfg.model, mesh)
+    else:
+        out = check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))
+        run_dir, _, _ = resolve(src)
+        saved = config_lib.load(run_dir / "config.yaml")
+        if saved.quantize.enabled:
+            raise ConfigError(
+                f"{src} is already quantized (quantize.method={saved.quantize.method}, "
+                f"{saved.quantize.bits} bits); quantize the run it was made from."
+            )
+        cfg = _out_config(saved, out, overrides)
+        _check_method(cfg)
+        devices = jax.devices()
+        cfg.validate(len(devices))
+        _check_weights(cfg)
+        mesh = sharding.make_mesh(cfg.mesh, devices)
+        params, model_state = _source_weights(src, saved, cfg, mesh)
+        new = NewRun(out, cfg, out / "checkpoints", _tokenizer_files(saved), overwrite)
+        new = _with_tokenizer(new)
+    _, _, axes = abstract_model(cfg.model)
+    q = compress.quantize_params(params, axes, cfg.quantize, mesh)
+    new.write(q, model_state)
+    return Path(out)
+
+
+def _check_method(cfg: Config) -> None:
+    if not cfg.quantize.enabled:
+        raise ConfigError("quantize.method=none quantizes nothing; name a method (--method rtn).")
+
+
+def _check_weights(cfg: Config) -> None:
+    """ConfigError, before any weight is read, when the groups or packing do not fit."""
+    _, abstract, axes = abstract_model(cfg.model)
+    compress.quantized_abstract(abstract, axes, cfg.quantize)
+
+
+def _out_config(saved: Config, out: Path, overrides) -> Config:
+    """The quantized run's config: the source's (merged into a plain model when it fine-tuned
+    adapters), its directories OUT's own, with `overrides` applied."""
+    tree = config_lib.to_dict(
+        dataclasses.replace(
+            saved,
+            peft=PeftConfig(),
+            run=dataclasses.replace(saved.run, dir=str(out)),
+            checkpoint=dataclasses.replace(saved.checkpoint, dir=None, init_from=None),
+        )
+    )
+    tree = config_lib.apply_overrides(tree, list(overrides))
+    return config_lib.from_dict(tree)
+
+
+def _source_weights(src: Path, saved: Config, cfg: Config, mesh):
+    """(params, model state) of the source on `mesh`: a fine-tuning run's merged model."""
+    if saved.peft.method == "none":
+        restored = restore(src, mesh=mesh)
+        return restored.params, restored.model_state
+    _mergeable(src, saved)
+    restored = restore(src, mesh=mesh)
+    _, target, _ = weight_targets(cfg.model, mesh)
+    return merged_weights(restored, target), restored.model_state
+
+
+def _tokenizer_files(saved: Config) -> tuple[Path, ...]:
+    """The source's tokenizer.json and the files beside it that belong to it, to copy (a
+    SentencePiece model stays where the source's config names it)."""
+    tok = Path(saved.data.tokenizer)
+    if not tok.is_file() or tok.name != "tokenizer.json":
+        return ()
+    extra = (tok.parent / n for n in (*TOKENIZER_FILES, GENERATION_CONFIG))
+    return (tok, *(p for p in extra if p.is_file()))
+
+
+def _with_tokenizer(new: NewRun) -> NewRun:
+    """`new` whose config names the tokenizer copied into OUT (`NewRun.write` copies it)."""
+    if not new.copies:
+        return new
+    name = (new.out_dir / new.copies[0].name).resolve()
+    data = dataclasses.replace(new.cfg.data, tokenizer=str(name))
+    return dataclasses.replace(new, cfg=dataclasses.replace(new.cfg, data=data))
