@@ -154,34 +154,6 @@ def cmd_plan(ns) -> int:
     return 1 if report["fits"] is False else 0
 
 
-def cmd_quantize(ns) -> int:
-    src, out, *rest = ns.args if len(ns.args) >= 2 else (None, None)
-    stray = [a for a in rest if "=" not in a]
-    if src is None or out is None or stray:
-        raise ConfigError("jaxllm quantize takes SRC OUT, then only key=value.")
-    from jaxllm.quantize import options, quantize_run
-
-    how = options(ns.method, ns.bits, ns.group_size, ns.symmetric)
-    quantize_run(src, out, [*rest, *how], overwrite=ns.overwrite)
-    print(f"quantized {src} into {out}", file=sys.stderr)
-    return 0
-
-
-def _add_quantize_parser(sub) -> None:
-    q = sub.add_parser("quantize", help="quantize a trained model's weights into a new run")
-    q.add_argument("args", nargs="+", metavar="SRC OUT key=value")
-    q.add_argument("--method", required=True, help="rtn (round-to-nearest)")
-    q.add_argument("--bits", type=int, help="bits per weight (rtn: 8, 4, 3, 2; default 8)")
-    q.add_argument(
-        "--group-size", type=int, help="input channels per scale; 0 (default): per channel"
-    )
-    sym = q.add_mutually_exclusive_group()
-    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
-    sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
-    q.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    q.set_defaults(func=cmd_quantize)
-
-
 def cmd_generate(ns) -> int:
     from jaxllm.infer.cli import cmd_generate as run
 
@@ -268,9 +240,10 @@ def parser() -> argparse.ArgumentParser:
     bt.set_defaults(func=cmd_bench)
     from jaxllm.convert_cli import add_convert_parser
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser
+    from jaxllm.quantize import add_quantize_parser
 
     _add_generate_parser(sub)
-    _add_quantize_parser(sub)
+    add_quantize_parser(sub)
 
     add_bench_data_parser(bsub)
     add_data_parser(sub)

@@ -16,6 +16,7 @@ place when complete (`jaxllm.config.outputs.written`).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import jax
@@ -23,7 +24,7 @@ import jax
 from jaxllm import compress, sharding
 from jaxllm import config as config_lib
 from jaxllm.config import Config, ConfigError, PeftConfig
-from jaxllm.config.quantize import DEFAULT_BITS
+from jaxllm.config.quantize import DEFAULT_BITS, METHOD_BITS
 from jaxllm.convert import load_params
 from jaxllm.convert.hf import NewRun, check_out_dir, new_run
 from jaxllm.convert.reader import TOKENIZER_FILES
@@ -44,6 +45,11 @@ OUT_FLAG = "OUT"
 
 def options(method: str, bits: int | None, group_size: int | None, symmetric: bool | None):
     """The `quantize.*` overrides of the command's options (a method's default bits)."""
+    if method not in METHOD_BITS:
+        raise ConfigError(
+            f"--method {method} is not a quantization method jaxllm has; it has "
+            f"{', '.join(METHOD_BITS)}."
+        )
     out = [f"quantize.method={method}"]
     if bits is None:
         bits = DEFAULT_BITS.get(method)
@@ -145,3 +151,29 @@ def _with_tokenizer(new: NewRun) -> NewRun:
     name = (new.out_dir / new.copies[0].name).resolve()
     data = dataclasses.replace(new.cfg.data, tokenizer=str(name))
     return dataclasses.replace(new, cfg=dataclasses.replace(new.cfg, data=data))
+
+
+def cmd_quantize(ns) -> int:
+    src, out, *rest = ns.args if len(ns.args) >= 2 else (None, None)
+    stray = [a for a in rest if "=" not in a]
+    if src is None or out is None or stray:
+        raise ConfigError("jaxllm quantize takes SRC OUT, then only key=value.")
+    how = options(ns.method, ns.bits, ns.group_size, ns.symmetric)
+    quantize_run(src, out, [*rest, *how], overwrite=ns.overwrite)
+    print(f"quantized {src} into {out}", file=sys.stderr)
+    return 0
+
+
+def add_quantize_parser(sub) -> None:
+    q = sub.add_parser("quantize", help="quantize a trained model's weights into a new run")
+    q.add_argument("args", nargs="+", metavar="SRC OUT key=value")
+    q.add_argument("--method", required=True, help="rtn (round-to-nearest)")
+    q.add_argument("--bits", type=int, help="bits per weight (rtn: 8, 4, 3, 2; default 8)")
+    q.add_argument(
+        "--group-size", type=int, help="input channels per scale; 0 (default): per channel"
+    )
+    sym = q.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    q.set_defaults(func=cmd_quantize)

@@ -76,6 +76,12 @@ def train(cfg: config.Config, signals: Signals | None = None) -> dict:
 def _train(cfg: config.Config, signals: Signals) -> dict:
     devices = jax.devices()
     cfg.validate(len(devices))
+    if cfg.quantize.enabled:
+        raise config.ConfigError(
+            f"quantize.method={cfg.quantize.method}: this is a quantized run (jaxllm quantize), "
+            "whose packed weights do not train; train the run it was quantized from, or "
+            "quantize.method=none for a new run."
+        )
     check_vocab(cfg.data, cfg.model.vocab_size)
     trackers.check(cfg.run)  # the W&B / MLflow packages, before anything is written
     mesh = sharding.make_mesh(cfg.mesh, devices)

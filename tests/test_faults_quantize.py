@@ -1,0 +1,109 @@
+"""Bad input of `jaxllm quantize`: an unknown method, bits or a group size the method does not
+take, a group size that does not divide a weight's input channels, a source that is already
+quantized, an existing OUT, and training a quantized run.
+
+Like test_faults.py, every row runs one command on a copy of the shared small run and asserts
+the exit code, exactly one `jaxllm:` line naming the problem, no traceback, an unchanged run
+directory, and a scratch directory (where OUT would go) that is unchanged too: nothing written.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import SMALL_RUN
+from test_faults import Case, assert_one_line, fault_output, tree_hash
+
+from jaxllm.cli import main
+
+
+def _quantize(*options, out="out"):
+    return lambda r, t: ["quantize", str(r), str(t / out), *options]
+
+
+def _existing_out(run, tmp) -> None:
+    (tmp / "out").mkdir()
+    (tmp / "out" / "keep.txt").write_text("mine\n")
+
+
+def _quantized(run, tmp) -> None:
+    assert main(["quantize", str(run), str(tmp / "q"), "--method", "rtn"]) == 0
+
+
+CASES = [
+    Case(
+        "unknown-method",
+        _quantize("--method", "gptq9"),
+        2,
+        "--method gptq9 is not a quantization method jaxllm has; it has rtn",
+    ),
+    Case(
+        "bits-the-method-does-not-take",
+        _quantize("--method", "rtn", "--bits", "5"),
+        2,
+        "quantize.bits=5: method rtn takes 8, 4, 3, 2 bits",
+    ),
+    Case(
+        "negative-group-size",
+        _quantize("--method", "rtn", "--group-size", "-1"),
+        2,
+        "quantize.group_size must be >= 0",
+    ),
+    Case(
+        "group-size-does-not-divide",
+        _quantize("--method", "rtn", "--bits", "4", "--group-size", "48"),
+        2,
+        "--group-size 48 does not divide the 64 input channels of layers/attn/k_proj",
+    ),
+    Case(
+        "already-quantized",
+        lambda r, t: ["quantize", str(t / "q"), str(t / "out"), "--method", "rtn"],
+        2,
+        "is already quantized (quantize.method=rtn, 8 bits); quantize the run it was made from",
+        setup=_quantized,
+    ),
+    Case(
+        "existing-out",
+        _quantize("--method", "rtn"),
+        2,
+        "OUT",
+        setup=_existing_out,
+    ),
+    Case(
+        "train-a-quantized-run",
+        lambda r, t: ["train", str(t / "q" / "config.yaml"), "train.steps=6"],
+        2,
+        "this is a quantized run (jaxllm quantize), whose packed weights do not train",
+        setup=_quantized,
+    ),
+    Case(
+        "init-from-a-quantized-run",
+        lambda r, t: [
+            "train",
+            *SMALL_RUN,
+            f"run.dir={t / 'fresh'}",
+            f"checkpoint.init_from={t / 'q'}",
+            "train.steps=6",
+        ],
+        2,
+        "holds quantized weights (quantize.method=rtn), which do not train",
+        setup=_quantized,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_fault(case: Case, small_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    if case.setup:
+        case.setup(run, scratch)
+        capsys.readouterr()
+    before, before_scratch = tree_hash(run), tree_hash(scratch)
+    code, out, err = fault_output(case.argv(run, scratch), capsys)
+    assert_one_line(case, code, out, err)
+    assert tree_hash(run) == before, "the command changed the run directory"
+    assert tree_hash(scratch) == before_scratch, "the command wrote or changed OUT"
