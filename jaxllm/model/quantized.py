@@ -81,6 +81,11 @@ class QuantizedTensor:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
+def _along(v: jax.Array, ndim: int, axis: int) -> jax.Array:
+    """The vector `v` as an array of rank `ndim` running along `axis`."""
+    return v.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
+
+
 def _pack(q: jax.Array, bits: int, axis: int) -> jax.Array:
     """uint8 codes [..., n, ...] (values < 2^bits) -> packed bytes [..., n * bits / 8, ...]."""
     n_codes, n_bytes = chunk(bits)
@@ -88,8 +93,8 @@ def _pack(q: jax.Array, bits: int, axis: int) -> jax.Array:
         return q.astype(jnp.uint8)
     s = q.shape
     q = q.astype(jnp.uint32).reshape(*s[:axis], s[axis] // n_codes, n_codes, *s[axis + 1 :])
-    shifts = jnp.arange(n_codes, dtype=jnp.uint32) * bits
-    word = jnp.sum(q << shifts.reshape(-1, *(1,) * (q.ndim - axis - 2)), axis=axis + 1)
+    shifts = _along(jnp.arange(n_codes, dtype=jnp.uint32) * bits, q.ndim, axis + 1)
+    word = jnp.sum(q << shifts, axis=axis + 1)
     out = jnp.stack([(word >> (8 * j)) & 0xFF for j in range(n_bytes)], axis=axis + 1)
     return out.astype(jnp.uint8).reshape(*s[:axis], s[axis] // n_codes * n_bytes, *s[axis + 1 :])
 
@@ -101,10 +106,9 @@ def _unpack(packed: jax.Array, bits: int, axis: int) -> jax.Array:
     n_codes, n_bytes = chunk(bits)
     s = packed.shape
     b = packed.astype(jnp.uint32).reshape(*s[:axis], s[axis] // n_bytes, n_bytes, *s[axis + 1 :])
-    expand = (1,) * (b.ndim - axis - 2)
-    shifts = (jnp.arange(n_bytes, dtype=jnp.uint32) * 8).reshape(-1, *expand)
+    shifts = _along(jnp.arange(n_bytes, dtype=jnp.uint32) * 8, b.ndim, axis + 1)
     word = jnp.sum(b << shifts, axis=axis + 1, keepdims=True)
-    code_shifts = (jnp.arange(n_codes, dtype=jnp.uint32) * bits).reshape(-1, *expand)
+    code_shifts = _along(jnp.arange(n_codes, dtype=jnp.uint32) * bits, b.ndim, axis + 1)
     q = (word >> code_shifts) & (2**bits - 1)
     return q.astype(jnp.uint8).reshape(*s[:axis], s[axis] // n_bytes * n_codes, *s[axis + 1 :])
 
@@ -127,7 +131,8 @@ def quantize(
     Symmetric: s = absmax / (2^(b-1) - 1/2), q = clip(round(w / s), -2^(b-1), 2^(b-1) - 1) +
     2^(b-1) (GPTQ's and compressed-tensors' scale). Asymmetric: the range [min(w, 0),
     max(w, 0)] over 2^b - 1 steps, z = clip(round(-min / s), 0, 2^b - 1),
-    q = clip(round(w / s) + z, 0, 2^b - 1). An all-zero group takes s = 1."""
+    q = clip(round(w / s) + z, 0, 2^b - 1). An all-zero group takes s = 1. w / s is computed
+    as w * (1 / s) in float32, round half to even."""
     shape = tuple(w.shape)
     gshape = group_shape(shape, n_in, n_out, group)
     lead = len(shape) - n_in - n_out
@@ -136,16 +141,19 @@ def quantize(
     red = g_axis + 1
     top = 2**bits - 1
     if symmetric:
-        scale = jnp.max(jnp.abs(grouped), axis=red, keepdims=True) / (top / 2)
+        scale = jnp.max(jnp.abs(grouped), axis=red, keepdims=True) * np.float32(2 / top)
         zero = jnp.full_like(scale, 2 ** (bits - 1))
     else:
         lo = jnp.minimum(jnp.min(grouped, axis=red, keepdims=True), 0.0)
         hi = jnp.maximum(jnp.max(grouped, axis=red, keepdims=True), 0.0)
-        scale = (hi - lo) / top
+        scale = (hi - lo) * np.float32(1 / top)
     scale = jnp.where(scale == 0, 1.0, scale).astype(w.dtype).astype(jnp.float32)
+    # Divisions as products with float32 reciprocals (of the constant, and one exact division
+    # per group), as bitsandbytes rounds: XLA rewrites x / c so, and codes must not depend on it.
+    inv = 1.0 / scale
     if not symmetric:
-        zero = jnp.clip(jnp.round(-lo / scale), 0, top)
-    q = jnp.clip(jnp.round(grouped / scale) + zero, 0, top).reshape(shape)
+        zero = jnp.clip(jnp.round(-lo * inv), 0, top)
+    q = jnp.clip(jnp.round(grouped * inv) + zero, 0, top).reshape(shape)
     return QuantizedTensor(
         codes=_pack(q.astype(jnp.uint8), bits, lead + n_in - 1),
         scales=scale.reshape(gshape).astype(w.dtype),

@@ -1,0 +1,296 @@
+"""Post-training quantization: RTN against a NumPy re-derivation (and Qwix's rounding), the
+packed format's sizes, the matmul seam (also under LoRA), and `jaxllm quantize` end to end:
+`load_model` of its run against a model built from NumPy-dequantized weights, 1 vs 8 devices,
+`generate` / `eval`, and the eval loss of int8 and int4 against the float run."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import SMALL_RUN
+from flax import nnx
+
+import jaxllm
+from jaxllm import sharding
+from jaxllm.cli import main
+from jaxllm.config import MeshConfig
+from jaxllm.evaluate import evaluate_checkpoint
+from jaxllm.model import layers, lora, quantized
+
+# ------------------------------------------------------------------ the NumPy re-derivation
+
+
+def np_rtn(w, bits, group, symmetric, n_in, n_out):
+    """(codes [*w.shape] in [0, 2^b), scales, zero points) of round-to-nearest, as GPTQ's
+    Quantizer and compressed-tensors compute them, over groups of the flattened inputs."""
+    w = np.asarray(w, np.float32)
+    lead = w.ndim - n_in - n_out
+    k, outs = math.prod(w.shape[lead : lead + n_in]), w.shape[lead + n_in :]
+    g = group or k
+    x = w.reshape(*w.shape[:lead], k // g, g, *outs)
+    top = 2**bits - 1
+    if symmetric:
+        s = np.abs(x).max(axis=lead + 1, keepdims=True) * np.float32(2 / top)
+    else:
+        lo = np.minimum(x.min(axis=lead + 1, keepdims=True), 0)
+        s = (np.maximum(x.max(axis=lead + 1, keepdims=True), 0) - lo) * np.float32(1 / top)
+    s = np.where(s == 0, np.float32(1), s).astype(np.float32)
+    inv = np.float32(1) / s  # w / s as w * (1 / s) in float32, round half to even
+    z = np.full_like(s, 2 ** (bits - 1)) if symmetric else np.clip(np.round(-lo * inv), 0, top)
+    q = np.clip(np.round(x * inv) + z, 0, top)
+    return q.reshape(w.shape).astype(np.uint8), s, z
+
+
+def np_dequantize(q, s, z, n_in, n_out):
+    lead = q.ndim - n_in - n_out
+    g = s.shape[lead]
+    x = q.astype(np.float32).reshape(*q.shape[:lead], g, -1, *q.shape[lead + n_in :])
+    return ((x - z) * s).reshape(q.shape)
+
+
+def np_pack(q, bits, axis):
+    """Codes as a little-endian bit stream along `axis`, b bits each, in bytes."""
+    q = np.moveaxis(q, axis, -1)
+    stream = ((q[..., None] >> np.arange(bits)) & 1).astype(np.uint8)
+    packed = np.packbits(stream.reshape(*q.shape[:-1], -1), axis=-1, bitorder="little")
+    return np.moveaxis(packed, -1, axis)
+
+
+SHAPES = {  # name -> (shape, contracted dims, output dims)
+    "mlp": ((2, 64, 24), 1, 1),  # a stacked [layers, in, out]
+    "o_proj": ((2, 4, 16, 24), 2, 1),  # [layers, heads, head_dim, out]: groups span heads
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("group", [0, 32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_rtn_matches_numpy(bits, symmetric, group, shape):
+    shape, n_in, n_out = SHAPES[shape]
+    w = np.random.default_rng(bits).normal(0, 0.05, shape).astype(np.float32)
+    w[0, 0] = 0.0  # an all-zero channel has scale 1 and code z
+    t = jax.jit(
+        lambda w: quantized.quantize(
+            w, bits=bits, group=group, symmetric=symmetric, n_in=n_in, n_out=n_out
+        )
+    )(w)
+    q, s, z = np_rtn(w, bits, group, symmetric, n_in, n_out)
+    lead = len(shape) - n_in - n_out
+    np.testing.assert_array_equal(np.asarray(t.codes), np_pack(q, bits, lead + n_in - 1))
+    assert t.codes.nbytes * 8 == w.size * bits
+    np.testing.assert_array_equal(np.asarray(t.scales), s.squeeze(lead + 1))
+    if symmetric:
+        assert t.zeros is None
+    else:
+        np.testing.assert_array_equal(np.asarray(t.zeros), z.squeeze(lead + 1))
+    deq = np.asarray(quantized.dequantize(t))
+    np.testing.assert_array_equal(deq, np_dequantize(q, s, z, n_in, n_out))
+    step = np_dequantize(np.ones_like(q), s, np.zeros_like(z), n_in, n_out)  # s per value
+    assert np.all(np.abs(deq - w) <= step / 2 * (1 + 1e-4))  # half a step, float32 rounding
+    assert t.shape == shape
+
+
+@pytest.mark.parametrize("bits, group", [(8, 0), (4, 0), (4, 32), (3, 16), (2, 32)])
+def test_rtn_symmetric_codes_are_qwix_codes(bits, group):
+    """Qwix (the JAX quantization library) rounds symmetric integers with the same bound,
+    absmax / (qmax + 1/2): its codes are ours minus the offset 2^(b-1)."""
+    qarray = pytest.importorskip("qwix._src.core.qarray")
+    w = np.random.default_rng(1).normal(0, 0.05, (64, 24)).astype(np.float32)
+    qtype = {8: jnp.int8, 4: jnp.int4}.get(bits, f"int{bits}")
+    how = qarray.HowToQuantize(
+        qtype=qtype, channelwise_axes=(1,), tiled_axes={0: group} if group else {}
+    )
+    theirs = qarray.quantize(jnp.asarray(w), how)
+    ours = quantized.quantize(w, bits=bits, group=group, symmetric=True, n_in=1, n_out=1)
+    codes = np.asarray(quantized._unpack(ours.codes, bits, 0)).astype(np.int32)
+    np.testing.assert_array_equal(codes - 2 ** (bits - 1), np.asarray(theirs.qvalue, np.int32))
+    np.testing.assert_allclose(
+        np.asarray(ours.scales), np.asarray(theirs.scale).reshape(ours.scales.shape), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "bits, group, symmetric, per_value",
+    [
+        (8, 0, True, 1),
+        (4, 32, True, 0.5),
+        (4, 32, False, 0.5),
+        (3, 64, True, 3 / 8),
+        (2, 0, True, 1 / 4),
+    ],
+)
+def test_packed_sizes(bits, group, symmetric, per_value):
+    """Codes take bits / 8 bytes a value; each group adds a bfloat16 scale (and a uint8 zero
+    point when asymmetric)."""
+    shape, k, out = (512, 256), 512, 256
+    groups = k // (group or k)
+    want = int(k * out * per_value) + groups * out * (2 + (0 if symmetric else 1))
+    how = dict(bits=bits, group=group, symmetric=symmetric, n_in=1, n_out=1)
+    t = quantized.quantize(jnp.ones(shape, jnp.bfloat16), **how)
+    assert t.nbytes == want == quantized.packed_nbytes(shape, jnp.bfloat16, **how)
+
+
+def test_matmul_dequantizes_inside_jit_and_under_lora():
+    """`layers.matmul` of a quantized kernel equals the matmul of its dequantized array, as the
+    base of a LoRA kernel too."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.05, (64, 4, 16)).astype(np.float32)
+    x = rng.normal(0, 1, (2, 3, 64)).astype(np.float32)
+    t = quantized.quantize(w, bits=4, group=32, symmetric=False, n_in=1, n_out=2)
+    dense = quantized.dequantize(t)
+    f = jax.jit(lambda x, k: layers.matmul("bld,dhk->blhk", x, k, jnp.float32))
+    np.testing.assert_allclose(f(x, t), f(x, dense), rtol=1e-6, atol=1e-6)
+    a, b = rng.normal(0, 0.1, (64, 8)), rng.normal(0, 0.1, (8, 4, 16))
+
+    @jax.jit
+    def g(x, base):
+        kernel = lora.LoRAKernel(
+            base, jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), 2.0
+        )
+        return layers.matmul("bld,dhk->blhk", x, kernel, jnp.float32)
+
+    np.testing.assert_allclose(g(x, t), g(x, dense), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(g(x, t), f(x, t))  # the adapter path is there
+
+
+# ------------------------------------------------------------------------ runs end to end
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """SMALL_RUN trained 300 steps at a high learning rate: enough that quantizing its layers
+    shows in the loss."""
+    run = tmp_path_factory.mktemp("quantize") / "run"
+    argv = ["train", *SMALL_RUN, "train.steps=300", "checkpoint.every=300", "optim.lr=1e-2"]
+    argv += ["train.log_every=100"]
+    assert main([*argv, "train.eval_batches=4", f"run.dir={run}"]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def quantized_runs(trained):
+    """{name: run} of `trained` quantized by rtn: int8 per channel, int4 groups of 32
+    (asymmetric)."""
+    out = {}
+    for name, opts in {
+        "int8": ["--bits", "8"],
+        "int4-g32": ["--bits", "4", "--group-size", "32", "--asymmetric"],
+    }.items():
+        out[name] = trained.parent / name
+        assert main(["quantize", str(trained), str(out[name]), "--method", "rtn", *opts]) == 0
+    return out
+
+
+def _eval_loss(run) -> float:
+    return evaluate_checkpoint(run)["eval_loss"]
+
+
+def _params(model) -> dict:
+    return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def test_quantized_run_computes_its_dequantized_weights(trained, quantized_runs):
+    """`load_model` of the int4 run gives the logits of the float model whose chosen weights
+    are replaced by their NumPy re-derived RTN (the head, embeddings and norms as they were);
+    the int8 run's are close to the float model's."""
+    src = jaxllm.load_model(trained)
+    graphdef = nnx.graphdef(src)
+    params = _params(src)
+    tokens = np.random.default_rng(0).integers(0, 320, (2, 32))
+    float_logits = np.asarray(src(tokens).logits)
+    want = {}
+    for name, (bits, group, sym) in {"int8": (8, 0, True), "int4-g32": (4, 32, False)}.items():
+        changed = jax.tree.map(lambda x: x, params)
+        for block in ("attn", "mlp"):
+            for k, w in params["layers"][block].items():
+                if k.endswith("_proj"):
+                    n_in = 2 if k == "o_proj" else 1
+                    n_out = w.ndim - 1 - n_in
+                    q, s, z = np_rtn(w, bits, group, sym, n_in, n_out)
+                    changed["layers"][block][k] = np_dequantize(q, s, z, n_in, n_out)
+        model = nnx.merge(graphdef, changed)
+        want[name] = np.asarray(model(tokens).logits)
+        got_model = jaxllm.load_model(quantized_runs[name])
+        assert isinstance(got_model.layers.attn.q_proj.get_value(), quantized.QuantizedTensor)
+        assert isinstance(got_model.lm_head.get_value(), jax.Array)  # the head stays
+        np.testing.assert_allclose(got_model(tokens).logits, want[name], rtol=1e-5, atol=1e-5)
+    assert np.abs(want["int8"] - float_logits).max() < 0.05 * np.abs(float_logits).max()
+    assert not np.allclose(want["int4-g32"], float_logits, atol=1e-3)
+
+
+def test_quantized_run_is_the_same_on_8_devices(quantized_runs):
+    tokens = np.random.default_rng(1).integers(0, 320, (8, 16))
+    run = quantized_runs["int4-g32"]
+    one = jaxllm.load_model(run, mesh=sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
+    mesh = sharding.make_mesh(MeshConfig(fsdp=4, tensor=2))
+    eight = jaxllm.load_model(run, mesh=mesh)
+    codes = eight.layers.attn.q_proj.get_value().codes
+    assert len(codes.sharding.device_set) == 8 and not codes.sharding.is_fully_replicated
+    np.testing.assert_allclose(
+        np.asarray(eight(tokens).logits), np.asarray(one(tokens).logits), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_quantized_runs_eval_generate_and_stay_small(trained, quantized_runs, capsys):
+    """int8 RTN costs little eval loss, int4 in groups of 32 more; both generate; the int4
+    checkpoint's parameters are well under half the float run's on disk."""
+    base = _eval_loss(trained)
+    int8 = _eval_loss(quantized_runs["int8"])
+    int4 = _eval_loss(quantized_runs["int4-g32"])
+    assert abs(int8 - base) < 0.002
+    assert int4 > int8
+    capsys.readouterr()
+    assert main(["eval", str(quantized_runs["int4-g32"])]) == 0
+    said = re.search(r"eval loss ([0-9.]+)", capsys.readouterr().out).group(1)
+    assert float(said) == pytest.approx(int4, abs=1e-4)
+    argv = ["generate", str(quantized_runs["int4-g32"]), "--prompt", "def ", "--max-new-tokens"]
+    assert main([*argv, "4"]) == 0
+
+    def size(run, step):
+        files = (run / "checkpoints" / step / "params").rglob("*")
+        return sum(f.stat().st_size for f in files if f.is_file())
+
+    bits, src_shape = {"int8": 8, "int4-g32": 4}, (2, 64, 4, 16)  # q_proj: [N, D, H, K]
+    packed, total = {}, {}  # bytes in memory: of the quantized weights, of all parameters
+    for name, run in quantized_runs.items():
+        weights = jax.tree.leaves(
+            nnx.state(jaxllm.load_model(run), nnx.Param),
+            is_leaf=lambda x: isinstance(x, quantized.QuantizedTensor),
+        )
+        chosen = [w for w in weights if isinstance(w, quantized.QuantizedTensor)]
+        assert len(chosen) == 7
+        packed[name] = sum(w.nbytes for w in chosen)
+        total[name] = sum(w.nbytes for w in weights)
+        floats = sum(math.prod(w.shape) * 4 for w in chosen)
+    assert packed["int8"] < floats / 3.5 and packed["int4-g32"] < floats / 5.5
+    # what the checkpoints store: the packed arrays, their bytes those in memory
+    for name, run in quantized_runs.items():
+        stored = ocp.StandardCheckpointer().metadata(run / "checkpoints" / "0" / "params")
+        tree = stored.item_metadata.tree
+        q_proj = tree["layers"]["attn"]["q_proj"]
+        assert q_proj["codes"].dtype == np.uint8
+        assert math.prod(q_proj["codes"].shape) * 8 == math.prod(src_shape) * bits[name]
+        nbytes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)]
+        assert sum(nbytes) == total[name]
+    assert size(quantized_runs["int8"], "0") < size(trained, "300") - 0.5 * (
+        floats - packed["int8"]
+    )
+
+
+def test_skip_and_head_choose_the_weights(trained, tmp_path):
+    out = tmp_path / "q"
+    extra = ["quantize.head=true", "quantize.skip=[layers/mlp/*]"]
+    assert main(["quantize", str(trained), str(out), "--method", "rtn", *extra]) == 0
+    model = jaxllm.load_model(out)
+    assert isinstance(model.lm_head.get_value(), quantized.QuantizedTensor)
+    assert isinstance(model.layers.mlp.down_proj.get_value(), jax.Array)
+    assert isinstance(model.layers.attn.o_proj.get_value(), quantized.QuantizedTensor)
+    shutil.rmtree(out)
