@@ -14,7 +14,7 @@ from collections import defaultdict
 import jax
 import numpy as np
 
-from jaxllm import config, sharding
+from jaxllm import compress, config, sharding
 from jaxllm.config.pipeline import microbatches
 from jaxllm.data import span_corruption
 from jaxllm.infer.kv_cache import KINDS, model_bytes_per_token
@@ -152,6 +152,9 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
     grad_sh = grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft)
     bill = memory_bill(abstract_state, shardings, axes, grad_sh)
     trainable = sum(p.size for p in jax.tree.leaves(abstract_params))
+    q_bill = cfg.quantize.enabled and compress.weight_bytes(
+        abstract_params, axes, cfg.quantize, mesh
+    )
     mem = compiled.memory_analysis()
     memory = {
         "arguments": mem.argument_size_in_bytes,
@@ -175,6 +178,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         "params": param_counts(cfg.model)["total"],
         "trainable": trainable,
         "base": base_bill(abstract_state.frozen, shardings.frozen),
+        "quantized": q_bill,  # a quantized run's weights as stored
         "param_rows": rows,
         "memory": memory,
         "bill": bill,
@@ -360,6 +364,7 @@ def format_plan(r: dict) -> str:
         f"  optimizer state per parameter: {r['bill']['opt_bytes_per_param']:.3f} bytes "
         f"({r['bill']['opt_bytes_per_matrix_param']:.3f} over matrices)",
         *_base_lines(r["base"]),
+        *(_quantized_line(**r["quantized"]) if r["quantized"] else []),
         *_pipeline_lines(r.get("pipeline")),
         "",
         f"FLOPs per step  {r['flops_per_step']:.4g}  (6N + attention, all devices)",
@@ -386,6 +391,14 @@ def format_plan(r: dict) -> str:
             f"verdict: {verdict}: {fmt_bytes(m['total'])} of {fmt_bytes(r['hbm'])} per device",
         ]
     return "\n".join(lines)
+
+
+def _quantized_line(how, quantized, quantized_bytes, per_device, total) -> list[str]:
+    n, nb = quantized, quantized_bytes
+    return [
+        f"  quantized weights    {fmt_bytes(per_device)} (all, {fmt_bytes(total)}); {how}: "
+        f"{n:,} parameters in {fmt_bytes(nb)}, {8 * nb / n:.3f} bits each"
+    ]
 
 
 def _base_lines(base: dict | None) -> list[str]:

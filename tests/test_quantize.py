@@ -294,3 +294,12 @@ def test_skip_and_head_choose_the_weights(trained, tmp_path):
     assert isinstance(model.layers.mlp.down_proj.get_value(), jax.Array)
     assert isinstance(model.layers.attn.o_proj.get_value(), quantized.QuantizedTensor)
     shutil.rmtree(out)
+
+
+def test_plan_bills_the_packed_bytes(quantized_runs, capsys):
+    """int4 in asymmetric groups of 32 with float32 scales: 4 + 32 / 32 + 8 / 32 bits."""
+    capsys.readouterr()
+    assert main(["plan", str(quantized_runs["int4-g32"] / "config.yaml")]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "quantized weights" in ln)
+    assert "rtn 4-bit groups of 32 asymmetric: 73,728 parameters in" in line
+    assert line.endswith("5.250 bits each")

@@ -8,6 +8,12 @@ writes the quantized one is `jaxllm.quantize`.
 """
 
 from jaxllm.compress.rtn import rtn
-from jaxllm.compress.weights import METHODS, dims, quantize_params, quantized_abstract
+from jaxllm.compress.weights import (
+    METHODS,
+    dims,
+    quantize_params,
+    quantized_abstract,
+    weight_bytes,
+)
 
-__all__ = ["METHODS", "dims", "quantize_params", "quantized_abstract", "rtn"]
+__all__ = ["METHODS", "dims", "quantize_params", "quantized_abstract", "rtn", "weight_bytes"]

@@ -158,3 +158,28 @@ def _get(tree, keys):
     for k in keys:
         tree = tree[k.key]
     return tree
+
+
+def weight_bytes(abstract: dict, axes: dict, cfg: QuantizeConfig, mesh: Mesh) -> dict:
+    """What the weights of a model quantized by `cfg` take: {"how": the method in words,
+    "quantized": parameters stored as codes, "quantized_bytes": their codes, scales and zero
+    points, "total": all parameters' bytes, "per_device": those on one device of `mesh`}."""
+    q_abstract, q_axes = quantized_abstract(abstract, axes, cfg)
+    is_q = lambda x: isinstance(x, quantized.QuantizedTensor)  # noqa: E731
+    groups = f"groups of {cfg.group_size}" if cfg.group_size else "per channel"
+    how = f"{cfg.method} {cfg.bits}-bit {groups}" + ("" if cfg.symmetric else " asymmetric")
+    out = {"how": how, "quantized": 0, "quantized_bytes": 0, "total": 0, "per_device": 0}
+    for leaf, sh in zip(
+        jax.tree.leaves(q_abstract, is_leaf=is_q),
+        jax.tree.leaves(sharding.tree_shardings(mesh, q_axes), is_leaf=is_q),
+    ):
+        parts, shs = jax.tree.leaves(leaf), jax.tree.leaves(sh)
+        nbytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in parts)
+        out["total"] += nbytes
+        out["per_device"] += sum(
+            math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(parts, shs)
+        )
+        if is_q(leaf):
+            out["quantized"] += math.prod(leaf.shape)
+            out["quantized_bytes"] += nbytes
+    return out
