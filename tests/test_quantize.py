@@ -303,3 +303,52 @@ def test_plan_bills_the_packed_bytes(quantized_runs, capsys):
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "quantized weights" in ln)
     assert "rtn 4-bit groups of 32 asymmetric: 73,728 parameters in" in line
     assert line.endswith("5.250 bits each")
+
+
+def _same_codes(a, b) -> None:
+    leaves = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))  # noqa: E731
+    for x, y in zip(leaves(a), leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_sources_hf_peft_and_moe(trained, quantized_runs, tmp_path):
+    """A Hugging Face export of the run quantizes to the same codes as the run; a LoRA run
+    quantizes as its merged model; a MoE run's routed and shared experts are quantized (the
+    router is not) and its logits are those of its dequantized weights."""
+    hf = tmp_path / "hf"
+    assert main(["convert", "export", str(trained), str(hf)]) == 0
+    opts = ["--method", "rtn", "--bits", "4", "--group-size", "32", "--asymmetric"]
+    assert main(["quantize", str(hf), str(tmp_path / "qhf"), *opts]) == 0
+    _same_codes(
+        jaxllm.load_model(tmp_path / "qhf", overrides=["model.dtype=float32"]),
+        jaxllm.load_model(quantized_runs["int4-g32"]),
+    )
+
+    lora_run = tmp_path / "lora"
+    argv = ["train", *SMALL_RUN, "train.steps=2", "peft.method=lora", f"run.dir={lora_run}"]
+    assert main([*argv, f"checkpoint.init_from={trained}"]) == 0
+    assert main(["quantize", str(lora_run), str(tmp_path / "qlora"), "--method", "rtn"]) == 0
+    merged = tmp_path / "merged"
+    assert main(["convert", "export", str(lora_run), str(merged), "--merge"]) == 0
+    assert main(["quantize", str(merged), str(tmp_path / "qmerged"), "--method", "rtn"]) == 0
+    _same_codes(
+        jaxllm.load_model(tmp_path / "qlora"),
+        jaxllm.load_model(tmp_path / "qmerged", overrides=["model.dtype=float32"]),
+    )
+
+    moe = tmp_path / "moe"
+    extra = ["model.moe.num_experts=4", "model.moe.num_shared_experts=1"]
+    assert main(["train", *SMALL_RUN, *extra, "train.steps=2", f"run.dir={moe}"]) == 0
+    assert main(["quantize", str(moe), str(tmp_path / "qmoe"), *opts]) == 0
+    model = jaxllm.load_model(tmp_path / "qmoe")
+    mlp = model.moe_layers.moe.mlp
+    assert isinstance(mlp.gate_proj.get_value(), quantized.QuantizedTensor)  # [N, E, D, F]
+    assert isinstance(mlp.shared.up_proj.get_value(), quantized.QuantizedTensor)
+    assert isinstance(mlp.router.get_value(), jax.Array)
+    is_q = lambda x: isinstance(x, quantized.QuantizedTensor)  # noqa: E731
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    dense = jax.tree.map(lambda x: quantized.dequantize(x) if is_q(x) else x, params, is_leaf=is_q)
+    tokens = np.random.default_rng(2).integers(0, 320, (2, 16))
+    want = nnx.merge(nnx.graphdef(model), dense, nnx.state(model, nnx.Not(nnx.Param)))
+    np.testing.assert_allclose(model(tokens).logits, want(tokens).logits, rtol=1e-5, atol=1e-5)
