@@ -69,8 +69,7 @@ SHAPES = {  # name -> (shape, contracted dims, output dims)
 }
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("group", [0, 32])
+@pytest.mark.parametrize("group, shape", [(0, "mlp"), (32, "mlp"), (32, "o_proj")])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
 def test_rtn_matches_numpy(bits, symmetric, group, shape):
@@ -98,7 +97,7 @@ def test_rtn_matches_numpy(bits, symmetric, group, shape):
     assert t.shape == shape
 
 
-@pytest.mark.parametrize("bits, group", [(8, 0), (4, 0), (4, 32), (3, 16), (2, 32)])
+@pytest.mark.parametrize("bits, group", [(8, 0), (4, 32), (3, 16), (2, 32)])
 def test_rtn_symmetric_codes_are_qwix_codes(bits, group):
     """Qwix (the JAX quantization library) rounds symmetric integers with the same bound,
     absmax / (qmax + 1/2): its codes are ours minus the offset 2^(b-1)."""
@@ -293,6 +292,15 @@ def test_skip_and_head_choose_the_weights(trained, tmp_path):
     assert isinstance(model.lm_head.get_value(), quantized.QuantizedTensor)
     assert isinstance(model.layers.mlp.down_proj.get_value(), jax.Array)
     assert isinstance(model.layers.attn.o_proj.get_value(), quantized.QuantizedTensor)
+    # --overwrite replaces the whole run
+    assert (
+        main(["quantize", str(trained), str(out), "--method", "rtn", "--bits", "2"]) == 2
+    )  # refused: OUT exists
+    again = ["quantize", str(trained), str(out), "--method", "rtn", "--bits", "2", "--overwrite"]
+    assert main(again) == 0
+    model = jaxllm.load_model(out)
+    assert model.layers.attn.o_proj.get_value().bits == 2
+    assert isinstance(model.lm_head.get_value(), jax.Array)
     shutil.rmtree(out)
 
 
