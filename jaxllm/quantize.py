@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from jaxllm import compress, sharding
+from jaxllm import compress, sharding, storage
 from jaxllm import config as config_lib
 from jaxllm.config import Config, ConfigError, PeftConfig
 from jaxllm.config.quantize import DEFAULT_BITS, METHOD_BITS
@@ -65,6 +65,11 @@ def options(method: str, bits: int | None, group_size: int | None, symmetric: bo
 def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
     """Writes the quantized run OUT from SRC; `overrides` are `key=value`s, the `quantize.*` of
     the command's options among them. Returns OUT."""
+    if storage.is_url(str(out)):
+        raise ConfigError(
+            f"OUT {out}: jaxllm quantize writes a local directory; write it there and copy it "
+            "to the bucket."
+        )
     src = Path(fetched(src, "SRC"))
     if _is_hf_source(src):
         new = new_run(src, out, overrides, overwrite=overwrite)

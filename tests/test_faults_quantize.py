@@ -64,6 +64,12 @@ CASES = [
         setup=_quantized,
     ),
     Case(
+        "out-in-a-bucket",
+        lambda r, t: ["quantize", str(r), "s3://bucket/q", "--method", "rtn"],
+        2,
+        "OUT s3://bucket/q: jaxllm quantize writes a local directory",
+    ),
+    Case(
         "existing-out",
         _quantize("--method", "rtn"),
         2,
