@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxllm import checkpoint, compress, config, sharding, storage
-from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, QuantizeConfig, RunError
+from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, RunError
 from jaxllm.convert import is_hf_dir, load_params, model_config
 from jaxllm.data import check_vocab
 from jaxllm.data.tokenizer import fetched_tokenizer
@@ -157,16 +157,12 @@ def pick_step(ckpt_dir: Path, step: int | None, which: str = "last") -> int | No
     return int(which)
 
 
-def weight_targets(
-    model_cfg: ModelConfig, mesh: Mesh, peft=None, quantize: QuantizeConfig | None = None
-):
+def weight_targets(model_cfg: ModelConfig, mesh: Mesh, peft=None, quantize=None):
     """(graphdef, params target, model-state target): the abstract weights of `model_cfg` (the
-    adapters / prompt of `peft`; the packed codes of a run that `quantize` describes) as
-    ShapeDtypeStructs carrying their shardings on `mesh`, ready for
-    `checkpoint.restore_weights`."""
+    adapters / prompt of `peft`, the packed codes `quantize` describes) as ShapeDtypeStructs
+    carrying their shardings on `mesh`, ready for `checkpoint.restore_weights`."""
     graphdef, abstract, axes = abstract_model(model_cfg, peft)
-    if quantize is not None and quantize.enabled:
-        abstract, axes = compress.quantized_abstract(abstract, axes, quantize)
+    abstract, axes = compress.quantized_abstract(abstract, axes, quantize)
     sharding.check_divisible(mesh, abstract, axes)
     abstract_ms, ms_axes = abstract_model_state(model_cfg)
     return graphdef, _on(mesh, abstract, axes), _on(mesh, abstract_ms, ms_axes)
@@ -259,12 +255,7 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
             raise ConfigError(f"checkpoint.init_from={source} does not exist.")
         run_dir, ckpt_dir, step = resolve(source)
         theirs = config.load(run_dir / "config.yaml")
-        if theirs.quantize.enabled:
-            raise ConfigError(
-                f"checkpoint.init_from={source} holds quantized weights (quantize.method="
-                f"{theirs.quantize.method}), which do not train; start from the run it was "
-                "quantized from."
-            )
+        compress.not_trained(theirs.quantize, f"checkpoint.init_from={source}")
     target_cfg, model_cfg = model_cfg, check_shapes(source, model_cfg, theirs.model)
     if hf:
         params, model_state, _ = load_params(source, model_cfg, mesh)

@@ -80,7 +80,7 @@ CASES = [
         "train-a-quantized-run",
         lambda r, t: ["train", str(t / "q" / "config.yaml"), "train.steps=6"],
         2,
-        "this is a quantized run (jaxllm quantize), whose packed weights do not train",
+        "holds quantized weights (quantize.method=rtn, jaxllm quantize), which do not train",
         setup=_quantized,
     ),
     Case(
@@ -93,7 +93,7 @@ CASES = [
             "train.steps=6",
         ],
         2,
-        "holds quantized weights (quantize.method=rtn), which do not train",
+        "holds quantized weights (quantize.method=rtn, jaxllm quantize), which do not train",
         setup=_quantized,
     ),
 ]

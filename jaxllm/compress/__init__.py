@@ -11,9 +11,18 @@ from jaxllm.compress.rtn import rtn
 from jaxllm.compress.weights import (
     METHODS,
     dims,
+    not_trained,
     quantize_params,
     quantized_abstract,
     weight_bytes,
 )
 
-__all__ = ["METHODS", "dims", "quantize_params", "quantized_abstract", "rtn", "weight_bytes"]
+__all__ = [
+    "METHODS",
+    "dims",
+    "not_trained",
+    "quantize_params",
+    "quantized_abstract",
+    "rtn",
+    "weight_bytes",
+]

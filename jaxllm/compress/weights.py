@@ -71,10 +71,22 @@ def _check(path: str, shape: tuple, n_in: int, n_out: int, cfg: QuantizeConfig) 
         )
 
 
-def quantized_abstract(abstract: dict, axes: dict, cfg: QuantizeConfig) -> tuple[dict, dict]:
+def not_trained(cfg: QuantizeConfig, what: str) -> None:
+    """ConfigError when `what` (a run's weights, to train or start from) is quantized."""
+    if cfg.enabled:
+        raise ConfigError(
+            f"{what} holds quantized weights (quantize.method={cfg.method}, jaxllm quantize), "
+            "which do not train; train the run it was quantized from."
+        )
+
+
+def quantized_abstract(abstract: dict, axes: dict, cfg: QuantizeConfig | None):
     """(abstract params, logical axes) of the model's parameters once `cfg` quantized them:
     chosen weights become `QuantizedTensor`s of ShapeDtypeStructs (with their axes as the
-    same structure); ConfigError when a group size or packing does not fit a weight."""
+    same structure); ConfigError when a group size or packing does not fit a weight. Both
+    unchanged without a method."""
+    if cfg is None or not cfg.enabled:
+        return abstract, axes
     flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
     flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
     out, out_axes = {}, {}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from jaxllm import adapters, checkpoint, config, sharding, storage, trackers
+from jaxllm import adapters, checkpoint, compress, config, sharding, storage, trackers
 from jaxllm.checkpoint import mirror
 from jaxllm.config import JaxllmWarning
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
@@ -76,12 +76,7 @@ def train(cfg: config.Config, signals: Signals | None = None) -> dict:
 def _train(cfg: config.Config, signals: Signals) -> dict:
     devices = jax.devices()
     cfg.validate(len(devices))
-    if cfg.quantize.enabled:
-        raise config.ConfigError(
-            f"quantize.method={cfg.quantize.method}: this is a quantized run (jaxllm quantize), "
-            "whose packed weights do not train; train the run it was quantized from, or "
-            "quantize.method=none for a new run."
-        )
+    compress.not_trained(cfg.quantize, f"run.dir={cfg.run.dir}")
     check_vocab(cfg.data, cfg.model.vocab_size)
     trackers.check(cfg.run)  # the W&B / MLflow packages, before anything is written
     mesh = sharding.make_mesh(cfg.mesh, devices)
