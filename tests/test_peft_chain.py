@@ -226,7 +226,7 @@ def _continues(run: Path) -> None:
 
 CONTINUE = "checkpoint.init_adapters=continue"
 CASES = [
-    # issue 34, case 14: "no checkpoint ... is readable" before; the merged model now
+    # "no checkpoint ... is readable" before; the merged model now
     Case(
         "dpo-full-from-lora-sft",
         lambda d, s, r: [*dpo_args(d, r, s), "train.steps=1"],
