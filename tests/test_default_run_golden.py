@@ -18,8 +18,10 @@ at step 10), covers that spread; real changes move these losses by far more (opt
 16 instead of 15 moves step 3 by 1.6e-2 and step 10 by 2.3e-2). Where this machine is the
 file's (core count, CPU model and flags, jaxlib), losses and grad norms must match exactly:
 only that catches a change in the last bits, as a5ec4f4's, whose first trace in this run is
-step 17's grad norm. The default run trains on the running Python's standard library, so under
-another Python version these tests skip.
+step 17's grad norm. The default run trains on the running Python's standard library, so each
+Python version the suite runs under has its own golden file (`golden/default_run_steps*.json`,
+its `python` naming the version); under a version without one these tests fail and say how to
+record it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,20 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-GOLDEN = Path(__file__).resolve().parent / "golden" / "default_run_steps.json"
+GOLDENS = Path(__file__).resolve().parent / "golden"
+
+
+def golden_file(python: str | None = None) -> Path:
+    """The golden file of this Python version (the default run's corpus is its standard
+    library): `default_run_steps.json`, or `default_run_steps-py<version>.json` beside it."""
+    python = python or platform.python_version()
+    for path in sorted(GOLDENS.glob("default_run_steps*.json")):
+        if json.loads(path.read_text())["python"] == python:
+            return path
+    return GOLDENS / f"default_run_steps-py{python}.json"
+
+
+GOLDEN = golden_file()
 TOLERANCE_PER_STEP = 2e-5
 
 
@@ -116,15 +131,16 @@ def _env() -> dict:
     return cpu_env(1, optimize=True)  # the default run's: one device, XLA's default flags
 
 
-def _skip_unless_same_corpus():
-    # The default run trains on the running Python's standard library: another Python's is
-    # another corpus, whose losses the golden file does not hold.
-    python = json.loads(GOLDEN.read_text())["python"]
-    if platform.python_version() != python:
-        pytest.skip(f"the golden default run trained on Python {python}'s standard library")
+def _require_this_pythons_golden():
+    assert GOLDEN.exists(), (
+        f"no golden default run for Python {platform.python_version()} (its standard library is "
+        f"the default run's corpus): record {GOLDEN.relative_to(REPO)} with "
+        "`python tests/test_default_run_golden.py`"
+    )
 
 
 def test_check_is_exact_on_the_golden_machine_and_within_tolerance_elsewhere(monkeypatch):
+    _require_this_pythons_golden()
     golden = json.loads(GOLDEN.read_text())
     rows = {int(s): (v, golden["grad_norm"][s]) for s, v in golden["loss"].items()}
     nudged = {s: (v + TOLERANCE_PER_STEP * s / 2, g) for s, (v, g) in rows.items()}
@@ -144,13 +160,13 @@ def test_check_is_exact_on_the_golden_machine_and_within_tolerance_elsewhere(mon
 
 
 def test_default_run_first_3_steps_match_golden(tmp_path):
-    _skip_unless_same_corpus()
+    _require_this_pythons_golden()
     check(default_run_losses(tmp_path / "run", 3, _env()))
 
 
 @pytest.mark.slow
 def test_default_run_first_20_steps_match_golden(tmp_path):
-    _skip_unless_same_corpus()
+    _require_this_pythons_golden()
     check(default_run_losses(tmp_path / "run", 20, _env()))
 
 
