@@ -230,7 +230,9 @@ def load_model(path, *, mesh: Mesh | None = None, overrides=()) -> nnx.Module:
     return restored.model()
 
 
-def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict | None]:
+def load_weights(
+    source, model_cfg: ModelConfig, mesh: Mesh, *, quantize=None
+) -> tuple[dict, dict | None]:
     """(parameters, model state) for `model_cfg` from a Hugging Face directory or a jaxllm run
     directory / checkpoint (`checkpoint.init_from`), in their shards on `mesh`. The source
     must describe the same parameter shapes; ConfigError names the first that differs. The
@@ -245,7 +247,11 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
 
     A fine-tuning run (peft) as the source gives its merged model: base + adapters, the NF4 of
     QLoRA dequantized, as `convert export --merge` writes it. A prompt-tuning run has none
-    (ConfigError)."""
+    (ConfigError).
+
+    A quantized run (`jaxllm quantize`) is read only as the frozen base of LoRA: `quantize`
+    must then be its `quantize` section, and its weights come as they are stored (packed
+    codes); otherwise ConfigError, since quantized weights do not train."""
     source = fetched(source, "checkpoint.init_from")
     hf = _is_hf_source(source)
     if hf:
@@ -255,13 +261,16 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh) -> tuple[dict, dict
             raise ConfigError(f"checkpoint.init_from={source} does not exist.")
         run_dir, ckpt_dir, step = resolve(source)
         theirs = config.load(run_dir / "config.yaml")
-        compress.not_trained(theirs.quantize, f"checkpoint.init_from={source}")
+        if theirs.peft.method == "none" and theirs.quantize != (
+            quantize or config.QuantizeConfig()
+        ):
+            compress.not_trained(theirs.quantize, f"checkpoint.init_from={source}")
     target_cfg, model_cfg = model_cfg, check_shapes(source, model_cfg, theirs.model)
     if hf:
         params, model_state, _ = load_params(source, model_cfg, mesh)
         return _heads_of(params, target_cfg), model_state
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, theirs.checkpoint.dir)
-    _, target, ms_target = weight_targets(model_cfg, mesh)
+    _, target, ms_target = weight_targets(model_cfg, mesh, quantize=quantize)
     want_ms = _shapes(abstract_model_state(model_cfg)[0])
     same_ms = bool(want_ms) and want_ms == _shapes(abstract_model_state(theirs.model)[0])
     if theirs.peft.method != "none":  # a fine-tuning run: its merged model
@@ -426,7 +435,7 @@ def _describe(record: dict | None) -> str:
 def load_frozen(cfg: Config, mesh, record: dict, *, verify: bool = False):
     """The frozen base of a PEFT run from its `record`, in its shards on `mesh`; with `verify`,
     RunError when the recorded path no longer holds the recorded weights."""
-    shardings = frozen_shardings(cfg.model, mesh, cfg.peft)
+    shardings = frozen_shardings(cfg.model, mesh, cfg.peft, cfg.quantize)
     if "seed" in record:
         init_key = init_keys(record["seed"])[0]
         init = lambda: split_peft(build(cfg.model, init_key, cfg.peft), cfg.peft)[2]  # noqa: E731
@@ -434,15 +443,16 @@ def load_frozen(cfg: Config, mesh, record: dict, *, verify: bool = False):
     if verify:
         source, files = weight_files(Path(record["source"]))
         check_base(record, {"source": str(source), "sha256": content_hash(files, source)})
-    params, _ = load_weights(record["source"], cfg.model, mesh)
+    params, _ = load_weights(record["source"], cfg.model, mesh, quantize=cfg.quantize)
     axes = abstract_frozen(cfg.model, cfg.peft)[1]
     return jax.jit(lambda p: lora.freeze(p, axes, cfg.peft), out_shardings=shardings)(params)
 
 
-def frozen_shardings(model_cfg: ModelConfig, mesh: Mesh, peft: PeftConfig | None):
-    """NamedShardings of the frozen base under `peft` (None without)."""
+def frozen_shardings(model_cfg: ModelConfig, mesh: Mesh, peft: PeftConfig | None, quantize=None):
+    """NamedShardings of the frozen base under `peft` (None without), its weights packed as
+    `quantize` says when the base is a quantized run (LoRA on a quantized base)."""
     if peft is None or peft.method == "none":
         return None
-    abstract, axes = abstract_frozen(model_cfg, peft)
+    abstract, axes = compress.quantized_abstract(*abstract_frozen(model_cfg, peft), quantize)
     sharding.check_divisible(mesh, abstract, axes)
     return sharding.tree_shardings(mesh, lora.frozen_axes(abstract, axes, peft))

@@ -33,7 +33,8 @@ from jax.sharding import Mesh
 
 from jaxllm import checkpoint, config
 from jaxllm.adapters.hf_peft import imported_adapters
-from jaxllm.config import Config, ConfigError, PeftConfig
+from jaxllm.compress import not_trained
+from jaxllm.config import Config, ConfigError, PeftConfig, QuantizeConfig
 from jaxllm.convert import is_hf_dir
 from jaxllm.load import (
     BASE_ITEM,
@@ -87,6 +88,36 @@ def continued(cfg: Config) -> Config | None:
             "checkpoint.init_adapters=merge to train new adapters on its merged model."
         )
     return theirs
+
+
+def quantized_base(cfg: Config) -> Config:
+    """`cfg` with the `quantize` section of its frozen base. LoRA trains on a quantized run
+    (`jaxllm quantize`) as QLoRA does on NF4: the base stays in its packed codes, and the run's
+    `quantize.*` records how (taken from `checkpoint.init_from`, or from the run it continues
+    the adapters of). ConfigError when anything else would train quantized weights, or when
+    `quantize.*` is set by hand to something other than the base's."""
+    theirs = source_config(cfg)
+    base = QuantizeConfig()
+    if theirs is not None and (theirs.peft.method == "none" or continued(cfg) is not None):
+        base = theirs.quantize
+    if not base.enabled and not cfg.quantize.enabled:
+        return cfg
+    if not base.enabled and cfg.peft.method == "none":  # a quantized run's own config
+        not_trained(cfg.quantize, f"run.dir={cfg.run.dir}")
+    if cfg.quantize.enabled and cfg.quantize != base:
+        where = f"checkpoint.init_from={cfg.checkpoint.init_from}" if base.enabled else "nothing"
+        raise ConfigError(
+            f"quantize.method={cfg.quantize.method}: a run's quantize section describes "
+            f"quantized weights it holds, and {where} gives that; leave quantize.* unset "
+            "(jaxllm quantize writes it)."
+        )
+    if cfg.peft.method != "lora":
+        raise ConfigError(
+            f"checkpoint.init_from={cfg.checkpoint.init_from} holds quantized weights "
+            f"(quantize.method={base.method}, jaxllm quantize), which do not train; train LoRA "
+            "adapters on it (peft.method=lora), or start from the run it was quantized from."
+        )
+    return dataclasses.replace(cfg, quantize=base)
 
 
 def _peft_keys(cfg: Config, theirs: Config) -> list[str]:
@@ -154,7 +185,8 @@ def starting_weights(cfg: Config, source: str, mesh: Mesh, base: dict | None, ck
     run (`continued`), the base of its record `base` and its adapters."""
     theirs = continued(cfg) if source == cfg.checkpoint.init_from else None
     if theirs is None:
-        params, model_state = load_weights(source, cfg.model, mesh)
+        base_q = cfg.quantize if base else None  # LoRA on a quantized run: its codes
+        params, model_state = load_weights(source, cfg.model, mesh, quantize=base_q)
         target = weight_targets(cfg.model, mesh, cfg.peft)[1] if base else None
         trained = imported_adapters(Path(ckpt_dir), target, base)
         how = ", adapters from this run's imported checkpoint" if trained else ""
@@ -167,7 +199,7 @@ def starting_weights(cfg: Config, source: str, mesh: Mesh, base: dict | None, ck
     else:  # as its own readers do, the base must still hold the weights it recorded
         where, files = weight_files(Path(base["source"]))
         check_base(base, {"source": str(where), "sha256": content_hash(files, where)})
-        params, _ = load_weights(base["source"], cfg.model, mesh)
+        params, _ = load_weights(base["source"], cfg.model, mesh, quantize=cfg.quantize)
     trained, model_state = adapters_of(source, cfg, theirs, mesh)
     if not cfg.model.value_head:
         trained.pop("value", None)

@@ -185,7 +185,8 @@ def as_array(w, dtype) -> jax.Array:
 
 def merged_params(graphdef, params, frozen, model_state=None) -> dict:
     """The plain model's parameters (the structure of `build(cfg)` without peft) with every
-    adapter merged into its weight, W + s A B, and NF4 weights dequantized, in the base's
+    adapter merged into its weight, W + s A B, and NF4 / quantized weights dequantized (a
+    QLoRA base, LoRA on a `jaxllm quantize` run), in the base's
     parameter dtype: what a merged export writes."""
     model = nnx.merge(graphdef, *(s for s in (params, frozen, model_state) if s))
     for _, module in list(nnx.iter_modules(model)):
@@ -194,7 +195,8 @@ def merged_params(graphdef, params, frozen, model_state=None) -> dict:
                 continue
             value = var.get_value()
             dtype = value.dtype
-            if hasattr(module, f"{name}_lora_a") or isinstance(value, nf4.NF4Tensor):
+            packed = isinstance(value, (nf4.NF4Tensor, quantized.QuantizedTensor))
+            if hasattr(module, f"{name}_lora_a") or packed:
                 var.set_value(dense(module, name, jnp.float32).astype(dtype))
             for suffix in ("_lora_a", "_lora_b", "_lora_scale", "_lora_dropout"):
                 if hasattr(module, name + suffix):

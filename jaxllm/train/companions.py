@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 from jaxllm import checkpoint, config
 from jaxllm.adapters.chain import adapters_of, continued
-from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, RunError
+from jaxllm.config import Config, ConfigError, ModelConfig, PeftConfig, QuantizeConfig, RunError
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.convert import is_hf_dir, load_params
 from jaxllm.load import (
@@ -60,11 +60,13 @@ OTHERS_ITEM = "others"  # the checkpoint's JSON item: {name: {"source", "sha256"
 class Other(NamedTuple):
     """One frozen model: where its weights are (None: the policy's base, adapters off) and its
     model section; with `peft`, only the adapters (soft prompt) of `source`, applied to the
-    policy's own base."""
+    policy's own base. A quantized run is held as it is stored, its matmul weights in packed
+    codes (`quantize`), computed by the model's matmul seam like any quantized run's."""
 
     source: str | None
     model: ModelConfig
     peft: PeftConfig | None = None
+    quantize: QuantizeConfig | None = None  # a quantized run's packing (`jaxllm quantize`)
 
 
 def names(objective) -> tuple[str, ...]:
@@ -142,8 +144,17 @@ def resolve_others(cfg: Config, objective) -> dict[str, Other]:
                 f"model {cfg.model.vocab_size}; the {name} must share the trained model's "
                 "vocabulary (and tokenizer)."
             )
-        out[name] = Other(source, model)
+        out[name] = Other(source, model, quantize=_packing(source))
     return out
+
+
+def _packing(source: str) -> QuantizeConfig | None:
+    """The `quantize` section of a quantized run `source` (None for any other model; a
+    fine-tuning run's merged model is plain weights even on a quantized base)."""
+    if is_hf_dir(source):
+        return None
+    theirs = config.load(resolve(source)[0] / "config.yaml")
+    return theirs.quantize if theirs.quantize.enabled and theirs.peft.method == "none" else None
 
 
 def _check_reward_model(model: ModelConfig, source: str, seq_len: int) -> None:
@@ -172,7 +183,7 @@ def _targets(other: Other, mesh: Mesh) -> dict:
     if other.peft is not None:  # the adapters alone (a value head is the policy's business)
         params = weight_targets(other.model, mesh, other.peft)[1]
         return {"params": {k: v for k, v in params.items() if k != "value"}, "model_state": {}}
-    _, params, model_state = weight_targets(other.model, mesh)
+    _, params, model_state = weight_targets(other.model, mesh, quantize=other.quantize)
     return {"params": params, "model_state": model_state}
 
 

@@ -15,6 +15,7 @@ checkpoint is written before the optional outputs (loss plot, sample).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import time
 import warnings
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import jax
 
-from jaxllm import adapters, checkpoint, compress, config, sharding, storage, trackers
+from jaxllm import adapters, checkpoint, config, sharding, storage, trackers
 from jaxllm.checkpoint import mirror
 from jaxllm.config import JaxllmWarning
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
@@ -76,13 +77,14 @@ def train(cfg: config.Config, signals: Signals | None = None) -> dict:
 def _train(cfg: config.Config, signals: Signals) -> dict:
     devices = jax.devices()
     cfg.validate(len(devices))
-    compress.not_trained(cfg.quantize, f"run.dir={cfg.run.dir}")
     check_vocab(cfg.data, cfg.model.vocab_size)
     trackers.check(cfg.run)  # the W&B / MLflow packages, before anything is written
     mesh = sharding.make_mesh(cfg.mesh, devices)
     asked = cfg  # what config.yaml records: URLs as given, not their local copies
     url, cfg = staged(cfg)  # run.dir on object storage: trains in its staging dir
     cfg = fetched_inputs(cfg)  # models and a tokenizer in a bucket: read from local copies
+    cfg = adapters.quantized_base(cfg)  # LoRA on a quantized run: its quantize section
+    asked = dataclasses.replace(asked, quantize=cfg.quantize)
     run_dir = Path(cfg.run.dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
     lead = jax.process_index() == 0  # writes the run's files; every process computes

@@ -16,8 +16,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllm import sharding
-from jaxllm.config import ConfigError, ModelConfig, PeftConfig
+from jaxllm import compress, sharding
+from jaxllm.config import ConfigError, ModelConfig, PeftConfig, QuantizeConfig
 from jaxllm.load import frozen_shardings
 from jaxllm.model import (
     abstract_frozen,
@@ -58,9 +58,16 @@ def _init(
     seed: int,
     loss_scale=None,
     peft: PeftConfig | None = None,
+    quantize: QuantizeConfig | None = None,
 ) -> TrainState:
     init_key, state_key = init_keys(seed)
     _, params, frozen, model_state = split_peft(build(model_cfg, init_key, peft), peft)
+    if frozen is not None and quantize is not None and quantize.enabled:
+        # LoRA on a quantized run: the base always comes from checkpoint.init_from, so here
+        # only its packed shapes matter (the abstract state of a resume); zeros stand in.
+        axes = abstract_frozen(model_cfg, peft)[1]
+        packed = compress.quantized_abstract(frozen, axes, quantize)[0]
+        frozen = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), packed)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -178,11 +185,13 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param
 
 def layout(cfg) -> dict:
     """The `state_shardings` / `init_state` keywords a `Config` asks for: ZeRO stage,
-    optimizer-state offload, and what trains (`peft`)."""
+    optimizer-state offload, what trains (`peft`) and how its frozen base is packed (the
+    `quantize` section of LoRA on a quantized run)."""
     return {
         "zero_stage": cfg.mesh.zero_stage,
         "offload": cfg.optim.offload == "host",
         "peft": cfg.peft,
+        "quantize": cfg.quantize,
     }
 
 
@@ -222,6 +231,7 @@ def state_shardings(
     zero_stage: int = 0,
     offload: bool = False,
     peft: PeftConfig | None = None,
+    quantize: QuantizeConfig | None = None,
 ):
     """NamedShardings of every TrainState leaf: params, their optimizer moments, the frozen
     base of `peft` and the model state by the logical rules, scalars (the loss scale of
@@ -244,7 +254,7 @@ def state_shardings(
         rng=replicated,
         model_state=model_state_sh,
         loss_scale=_initial_loss_scale(loss_scaling, lambda _: replicated),
-        frozen=frozen_shardings(model_cfg, mesh, peft),
+        frozen=frozen_shardings(model_cfg, mesh, peft, quantize),
     )
 
 
@@ -265,15 +275,23 @@ def init_state(
     zero_stage: int = 0,
     offload: bool = False,
     peft: PeftConfig | None = None,
+    quantize: QuantizeConfig | None = None,
 ) -> TrainState:
     """A freshly initialised TrainState, each leaf created in its shards (`state_shardings`);
     `loss_scaling` (`jaxllm.train.loss_scale.LossScaling`, None: no scaling) gives the loss
     scale's start; under `peft` the base is the seed's random one."""
     shardings = state_shardings(
-        model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload, peft=peft
+        model_cfg,
+        tx,
+        mesh,
+        loss_scaling,
+        zero_stage=zero_stage,
+        offload=offload,
+        peft=peft,
+        quantize=quantize,
     )
     init = jax.jit(
-        lambda: _init(model_cfg, tx, seed, _initial_loss_scale(loss_scaling), peft),
+        lambda: _init(model_cfg, tx, seed, _initial_loss_scale(loss_scaling), peft, quantize),
         out_shardings=shardings,
     )
     return init()
@@ -291,6 +309,7 @@ def init_state_from(
     zero_stage: int = 0,
     offload: bool = False,
     peft: PeftConfig | None = None,
+    quantize: QuantizeConfig | None = None,
     adapters=None,
 ) -> TrainState:
     """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
@@ -300,7 +319,14 @@ def init_state_from(
     the seed. Without it, the top-level parameters `params` lacks start fresh from the seed
     too: the score head of a reward model started from a language model (`load_weights`)."""
     shardings = state_shardings(
-        model_cfg, tx, mesh, loss_scaling, zero_stage=zero_stage, offload=offload, peft=peft
+        model_cfg,
+        tx,
+        mesh,
+        loss_scaling,
+        zero_stage=zero_stage,
+        offload=offload,
+        peft=peft,
+        quantize=quantize,
     )
 
     abstract_ms, _ = abstract_model_state(model_cfg)
