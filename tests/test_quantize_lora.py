@@ -1,4 +1,5 @@
-"""A quantized run (`jaxllm quantize`) as the frozen base of LoRA, and as a held teacher.
+"""A quantized run (`jaxllm quantize`) as the frozen base of LoRA and as a held teacher, and a
+quantized MoE run sharded over the expert axis.
 
 LoRA trains on its packed codes as QLoRA does on NF4: the train state's frozen base holds the
 `QuantizedTensor`s, the run's config.yaml records the base's `quantize.*`, the run resumes, and
@@ -125,3 +126,27 @@ def test_refusals(q_run, tmp_path, capsys, extra, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxllm:") and message in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", pytest.param("capacity", marks=pytest.mark.slow)])
+def test_quantized_experts_are_the_same_expert_parallel(tmp_path, dispatch):
+    """A MoE run quantized to int4: its routed and shared experts' codes shard over the expert
+    axis (4 experts on expert=4 x fsdp=2), and the logits equal one device's."""
+    moe = tmp_path / "moe"
+    extra = ["model.moe.num_experts=4", "model.moe.num_shared_experts=1",
+             f"model.moe.dispatch={dispatch}"]  # fmt: skip
+    assert main(["train", *SMALL_RUN, *extra, "train.steps=1", f"run.dir={moe}"]) == 0
+    opts = ["--method", "rtn", "--bits", "4", "--group-size", "32"]
+    assert main(["quantize", str(moe), str(tmp_path / "q"), *opts]) == 0
+    tokens = np.random.default_rng(3).integers(0, 320, (8, 16))
+    one = jaxllm.load_model(
+        tmp_path / "q", mesh=sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    )
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, expert=4))
+    eight = jaxllm.load_model(tmp_path / "q", mesh=mesh)
+    codes = eight.moe_layers.moe.mlp.gate_proj.get_value().codes  # [N, E, D / 2, F]
+    assert _is_q(eight.moe_layers.moe.mlp.gate_proj.get_value())
+    assert "expert" in str(codes.sharding.spec) and len(codes.sharding.device_set) == 8
+    np.testing.assert_allclose(
+        np.asarray(eight(tokens).logits), np.asarray(one(tokens).logits), rtol=1e-5, atol=1e-5
+    )
