@@ -54,6 +54,8 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
         --seqs 4096 ;;
     decode)
       step decode 150 $PY scripts/bench_decode.py --contexts 4096,32768,131072 --batch 1,16 ;;
+    int4_matmul)  # the int4 weight-only matmul kernel vs a bf16 weight, Llama-3.2-1B shapes
+      step int4_matmul 150 $PY scripts/bench_int4_matmul.py --batch 1,16 ;;
     decode_triton)
       step decode_triton 120 $PY scripts/bench_decode.py --contexts 32768 --batch 1,16 \
         --backend triton ;;
