@@ -7,6 +7,7 @@
     jaxllm generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
         [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4] [key=value ...]
     jaxllm generate RUN_DIR|CHECKPOINT --chat MESSAGE [--system TEXT] | --chat-file F.jsonl
+        [--out FILE.jsonl: a chat (or prompt/completion) dataset of the replies]
         (generate, eval and convert export: [--checkpoint best|last|STEP], default last, the
         newest readable; best, the best by evaluation that checkpoint.keep_best kept)
     jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
@@ -176,6 +177,13 @@ def _add_generate_parser(sub) -> None:
         help="chat JSONL: one JSON line {reply, reference} per conversation",
     )
     g.add_argument("--system", help="--chat / --chat-file: a system message first")
+    g.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE.jsonl",
+        help="write a dataset: chat records (--chat/--chat-file) or prompt/completion records",
+    )
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     g.add_argument("--max-new-tokens", type=int, help="tokens per prompt at most")
     g.add_argument("--temperature", type=float, help="0 = greedy")
     g.add_argument("--top-k", type=int, help="0 = off")

@@ -8,9 +8,11 @@ import pytest
 from conftest import SMALL_RUN
 from test_data_chat import LLAMA3, QWEN, bpe
 
+from jaxllm import config
 from jaxllm.cli import main
 from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.data import tokenizer as tokenizer_lib
+from jaxllm.data.pipeline import load_splits
 from jaxllm.infer import chat
 from jaxllm.infer.cli import load_chat
 from jaxllm.infer.generate import generate
@@ -131,6 +133,37 @@ def test_generate_chat_file_prints_a_json_line_per_conversation(answers, tmp_pat
     assert main(["generate", str(answers), "--chat-file", str(asked)]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines == [{"reply": "heapq", "reference": "json"}] * 3 + [{"reply": "heapq"}]
+
+
+def test_generate_out_writes_a_chat_dataset_a_student_trains_on(answers, tmp_path, capsys):
+    """Black-box distillation: the teacher's replies to a chat file become a `format: chat`
+    dataset (the asked turns, then the reply), which SFT reads; prompts become
+    prompt/completion records; an existing --out is refused and kept."""
+    asked = _chats(tmp_path / "ask.jsonl", 3, lambda i: "json")
+    out = tmp_path / "teacher.jsonl"
+    argv = ["generate", str(answers), "--chat-file", str(asked), "--system", "Be brief."]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert capsys.readouterr().out == ""
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["messages"][-1] for r in rows] == [{"role": "assistant", "content": "heapq"}] * 3
+    assert rows[0]["messages"][:2] == [
+        SYSTEM,
+        {"role": "user", "content": "Which module defines `f0`?"},
+    ]
+    before = out.read_text()
+    assert main([*argv, "--out", str(out)]) == 2
+    assert "--out" in capsys.readouterr().err and out.read_text() == before
+    source = f"[{{path: {out}, format: chat}}]"  # what a student's SFT run reads
+    keys = [f"data.sources={source}", f"data.eval_sources={source}", "data.seq_len=160"]
+    cfg = config.load(None, ["train.objective=sft", *keys])
+    train_rows, _ = load_splits(cfg.data, 0, False)
+    assert train_rows.num_docs == 3 and len(train_rows) >= 1
+    plain = tmp_path / "completions.jsonl"
+    argv = ["generate", str(answers), "--prompt", "def ", "--prompt", "import "]
+    assert main([*argv, "--max-new-tokens", "3", "--out", str(plain)]) == 0
+    rows = [json.loads(line) for line in plain.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["def ", "import "]
+    assert all(isinstance(r["completion"], str) for r in rows)
 
 
 def test_eval_chat_exact_match_of_a_plain_and_a_lora_run(answers, tmp_path, capsys):

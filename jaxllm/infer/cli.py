@@ -6,6 +6,13 @@ last user turn) and prints one JSON object per line, `{"reply": ...}` with the c
 own final assistant turn as `"reference"` when it has one (`jaxllm.infer.chat`).
 `jaxllm eval RUN_DIR --chat-exact-match F.jsonl` prints the greedy replies' exact-match accuracy.
 
+`--out FILE.jsonl` writes a dataset instead of printing: with `--chat` / `--chat-file`, one
+`format: chat` record per conversation, `{"messages": [...the conversation up to its last user
+turn, {"role": "assistant", "content": REPLY}]}` (black-box distillation: the teacher's answers,
+which SFT of a student trains on); with `--prompt` / `--prompts-file`, one `format:
+prompt_completion` record `{"prompt": ..., "completion": ...}` per prompt. FILE appears only
+when complete, and an existing one is refused unless `--overwrite`.
+
 Only generated text goes to stdout (streamed as it is made when there is one prompt and one
 device, since the streaming host callback is ordered, which jax allows on a single device only;
 one block per prompt otherwise); the cache size and speed go to stderr. A sequence ends at any of its stop
@@ -18,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from jaxllm.config import ConfigError, split_args
 from jaxllm.config.urls import check_url
@@ -107,6 +116,32 @@ def load_chat(path, overrides=(), which: str = "last") -> Chat:
     return chat
 
 
+def check_out_file(out: Path | None, overwrite: bool) -> None:
+    """ConfigError, before any work, when `--out` cannot be written as a new file."""
+    if out is None:
+        return
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a .jsonl file to write.")
+    if out.exists() and not overwrite:
+        raise ConfigError(
+            f"--out {out} already exists; choose a new file, or pass --overwrite to replace it."
+        )
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: its directory {out.parent} does not exist.")
+
+
+def write_jsonl(out: Path, records) -> None:
+    """`records` as JSON lines to `out`, which appears only when complete."""
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
     """--chat / --chat-file: replies only (see the module docstring)."""
     if ns.chat is not None:
@@ -117,9 +152,18 @@ def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
     asked = [_with_system(c.messages, ns.system) for c in conversations]
     t0 = time.perf_counter()
     replies = chat.replies(asked)
-    if ns.chat is not None:
+    if ns.out is not None:  # a chat dataset of the replies
+        write_jsonl(
+            ns.out,
+            (
+                {"messages": [*a, {"role": "assistant", "content": r}]}
+                for a, r in zip(asked, replies)
+            ),
+        )
+        print(f"wrote {len(replies)} conversations to {ns.out}", file=sys.stderr)
+    elif ns.chat is not None:
         print(replies[0])
-    for reply, c in zip(replies, conversations) if ns.chat is None else ():
+    for reply, c in zip(replies, conversations) if ns.chat is None and ns.out is None else ():
         record = {"reply": reply} | ({"reference": c.reference} if c.reference is not None else {})
         print(json.dumps(record, ensure_ascii=False))
     print(
@@ -158,6 +202,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     path = fetched(check_url(path, "RUN_DIR"), "RUN_DIR")  # a bucket's run: its local copy
     if ns.system is not None and ns.chat is None and ns.chat_file is None:
         raise ConfigError("--system goes with --chat or --chat-file; add one of them.")
+    check_out_file(ns.out, ns.overwrite)
     if ns.chat is not None or ns.chat_file is not None:
         return cmd_chat(ns, path, overrides)
     if ns.prompt:
@@ -179,7 +224,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     ids = [bos + tok.encode(p).tolist() for p in prompts]
     stops = {tok.eos_id} if tok.eos_id is not None else set()
     stops |= generation_stop_ids(generation_config(cfg.data.tokenizer, resolve(path)[0]))
-    streams = len(prompts) == 1 and mesh.devices.size == 1
+    streams = len(prompts) == 1 and mesh.devices.size == 1 and ns.out is None
     stream = _Stream(tok, stops | set(cfg.generate.stop_tokens)) if streams else None
     t0 = time.perf_counter()
     try:
@@ -189,12 +234,17 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     secs = time.perf_counter() - t0
-    if stream is None:
+    if ns.out is not None:
+        texts = [tok.decode(new) for new in out.tokens]
+        write_jsonl(ns.out, ({"prompt": p, "completion": t} for p, t in zip(prompts, texts)))
+        print(f"wrote {len(prompts)} completions to {ns.out}", file=sys.stderr)
+    elif stream is None:
         for i, new in enumerate(out.tokens):
             sys.stdout.write(("\n\n" if i else "") + tok.decode(new))
     else:
         stream.finish()
-    sys.stdout.write("\n")
+    if ns.out is None:
+        sys.stdout.write("\n")
     n_new = sum(len(t) for t in out.tokens)
     g = cfg.generate
     print(
