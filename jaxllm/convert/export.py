@@ -27,6 +27,7 @@ from tokenizers import Tokenizer, processors
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 from jaxllm.config.outputs import check_output, written
+from jaxllm.convert import compressed
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.convert.mapping import Mapped, each, flatten
 from jaxllm.convert.reader import INDEX, TOKENIZER_FILES
@@ -37,6 +38,7 @@ from jaxllm.data.tokenizer import (
     generation_config,
     load_tokenizer,
 )
+from jaxllm.model import quantized
 
 SHARD_BYTES = 4 * 2**30  # a new safetensors file past this many bytes
 OUT_FLAG = "HF_DIR"  # how refusals name the output directory
@@ -97,18 +99,27 @@ def export_hf(
     files: list[dict] = [{}]
     size = 0
     report = []
+    targets, ignore = [], []  # compressed-tensors' quantized and float linear modules
     for link in links:
+        quant = isinstance(flat[link.ours[0]], quantized.QuantizedTensor)
         for index in each(link, shapes):  # one layer (and expert) at a time to the host
-            xs = [
-                np.asarray(jax.device_get(flat[p][index] if index else flat[p])) for p in link.ours
-            ]
-            t = link.to_hf(xs)
-            if size and size + t.nbytes > shard_bytes:
+            xs = [jax.device_get(_at(flat[p], index)) for p in link.ours]
+            if quant:
+                tensors = compressed.link_tensors(link, xs[0], link.name(index))
+                targets.append(link.name(index).removesuffix(".weight"))
+            else:
+                tensors = {link.name(index): link.to_hf([np.asarray(x) for x in xs])}
+                if link.kind == "linear" and link.name(index).endswith(".weight"):
+                    ignore.append(link.name(index).removesuffix(".weight"))
+            nbytes = sum(t.nbytes for t in tensors.values())
+            if size and size + nbytes > shard_bytes:
                 files.append({})
                 size = 0
-            files[-1][link.name(index)] = t
-            size += t.nbytes
+            files[-1].update(tensors)
+            size += nbytes
         report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
+    if targets:
+        hf["quantization_config"] = compressed.quantization_config(cfg.quantize, targets, ignore)
     names = (
         ["model.safetensors"]
         if len(files) == 1
@@ -129,6 +140,11 @@ def export_hf(
         hf = {**hf, **ids}
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return report
+
+
+def _at(x, index: tuple[int, ...]):
+    """Element `index` of a stacked parameter (an array or a `QuantizedTensor`)."""
+    return jax.tree.map(lambda a: a[index], x) if index else x
 
 
 def _check_pad(cfg: config_lib.Config, architecture: str) -> None:

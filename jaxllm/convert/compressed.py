@@ -1,0 +1,142 @@
+"""A quantized run out in the compressed-tensors layout (`jaxllm convert export` of a run made by
+`jaxllm quantize`), which transformers loads with its compressed-tensors integration and vLLM
+serves.
+
+compressed-tensors' `pack-quantized` format (its `PackedQuantizationCompressor`) stores a
+weight-only integer linear layer W [out, in] quantized as w = (q_s - z_s) * s, with signed codes
+q_s in [-2^(b-1), 2^(b-1) - 1], as
+
+- `weight_packed`: int32 [out, ceil(in * b / 32)], the codes offset to unsigned
+  q = q_s + 2^(b-1) and packed densely along the input, little-endian: code i at bits
+  b*i .. b*i + b - 1 of the row's bit stream, a code may straddle two words (`pack_to_int32`);
+- `weight_scale`: [out, groups] in the weight's dtype (groups of `group_size` consecutive
+  inputs; per channel: one);
+- `weight_zero_point`: asymmetric only, the signed z_s as int8 codes packed the same way along
+  the *output* dim: int32 [ceil(out * b / 32), groups];
+- `weight_shape`: int64 [2], (out, in).
+
+jaxllm's `QuantizedTensor` (docs/compression.md "The tensor format") holds the same unsigned
+codes q (symmetric: z = 2^(b-1), the offset), packed little-endian along the contracted dim into
+bytes, and groups over the flattened input, so the export moves codes, scales and zero points
+across without re-rounding: the integer codes are bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jaxllm import config as config_lib
+from jaxllm.config import ConfigError
+from jaxllm.convert.links import Link
+from jaxllm.model import quantized
+
+FORMAT = "pack-quantized"
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+def pack_int32(q: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned codes [rows, n] (< 2^bits) -> int32 [rows, ceil(n * bits / 32)], the dense
+    little-endian bit stream of `pack_to_int32`."""
+    rows, n = q.shape
+    stream = ((q[..., None].astype(np.uint8) >> np.arange(bits, dtype=np.uint8)) & 1).reshape(
+        rows, n * bits
+    )
+    words = math.ceil(n * bits / 32)
+    stream = np.pad(stream, ((0, 0), (0, words * 32 - n * bits)))
+    packed = np.packbits(stream, axis=-1, bitorder="little")  # bytes, little-endian words
+    return packed.view("<u4").view(np.int32).reshape(rows, words)
+
+
+def unpack_int32(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """The inverse of `pack_int32`: int32 [rows, words] -> uint8 codes [rows, n]."""
+    rows = packed.shape[0]
+    stream = np.unpackbits(
+        np.ascontiguousarray(packed).astype("<i4").view(np.uint8).reshape(rows, -1),
+        axis=-1,
+        bitorder="little",
+    )[:, : n * bits]
+    weights = (1 << np.arange(bits)).astype(np.uint16)
+    return (stream.reshape(rows, n, bits) * weights).sum(-1).astype(np.uint8)
+
+
+def _hf_order(link: Link, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """(the permutation of our flattened outputs that gives Hugging Face's rows, the number of
+    inputs) of a `linear` link's element of `shape` [*in, *out], found by sending the elements'
+    indices through the link. The inputs must keep their (flattened row-major) order, since the
+    groups run along them; a link that reorders them is refused."""
+    n_out = math.prod(shape[link.n_in :])
+    ids = link.to_hf([np.arange(math.prod(shape), dtype=np.float64).reshape(shape)])
+    if ids.ndim != 2:
+        raise ConfigError(f"{link.hf} is not a 2-D linear weight in the Hugging Face layout.")
+    ids = ids.astype(np.int64)
+    rows, cols = ids // n_out, ids % n_out
+    if not (rows == np.arange(ids.shape[1])).all() or not (cols == cols[:, :1]).all():
+        raise ConfigError(
+            f"{link.hf}: the Hugging Face layout reorders the weight's inputs, which the "
+            "compressed-tensors groups cannot follow; it cannot be exported quantized."
+        )
+    return cols[:, 0], ids.shape[1]
+
+
+def link_tensors(link: Link, t: quantized.QuantizedTensor, name: str) -> dict[str, np.ndarray]:
+    """The compressed-tensors tensors of one element (one layer / expert) `t` of a quantized
+    weight that `link` maps to the Hugging Face tensor `name` (`<module>.weight`)."""
+    if link.kind != "linear" or len(link.ours) != 1 or link.n_lead:
+        raise ConfigError(
+            f"{name} is quantized but is not one Hugging Face linear weight (its link is "
+            f"{link.kind} of {len(link.ours)} parameters); compressed-tensors cannot express it."
+        )
+    if t.n_in != link.n_in or t.codes.ndim != t.n_in + t.n_out:
+        raise ConfigError(f"{name}: the quantized tensor does not match its link's dims.")
+    codes = np.asarray(quantized._unpack(t.codes, t.bits, t.packed_axis))
+    shape = codes.shape
+    perm, n_in = _hf_order(link, shape)
+    q = codes.reshape(n_in, -1)[:, perm].T  # [out, in], Hugging Face's rows
+    scales = np.asarray(t.scales).reshape(-1, len(perm))[:, perm].T  # [out, groups]
+    module = name.removesuffix(".weight")
+    out = {
+        f"{module}.weight_packed": pack_int32(q, t.bits),
+        f"{module}.weight_scale": np.ascontiguousarray(scales),
+        f"{module}.weight_shape": np.array(q.shape, np.int64),
+    }
+    if t.zeros is not None:
+        z = np.asarray(t.zeros).reshape(-1, len(perm))[:, perm]  # [groups, out]
+        out[f"{module}.weight_zero_point"] = np.ascontiguousarray(pack_int32(z, t.bits).T)
+    return out
+
+
+def quantization_config(
+    q: config_lib.QuantizeConfig, targets: list[str], ignore: list[str]
+) -> dict:
+    """config.json's `quantization_config`: one scheme, weight-only int of the run's bits,
+    symmetric or not, per channel or in groups, over the `targets` modules (by name);
+    `ignore`: the linear modules left in float (the LM head unless quantized)."""
+    weights = {
+        "num_bits": q.bits,
+        "type": "int",
+        "symmetric": q.symmetric,
+        "strategy": "group" if q.group_size else "channel",
+        "group_size": q.group_size or None,
+        "dynamic": False,
+        "actorder": None,
+        "block_structure": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+    scheme = {
+        "targets": targets,
+        "weights": weights,
+        "input_activations": None,
+        "output_activations": None,
+        "format": FORMAT,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": scheme},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+    }
