@@ -1,0 +1,97 @@
+"""Quantized runs out in the compressed-tensors layout: `jaxllm convert export` of a run made by
+`jaxllm quantize` loads in transformers (compressed-tensors decompressing on load) with the
+logits of jaxllm's quantized model; its int32 packing is compressed-tensors' own
+(`pack_to_int32`), its config its `QuantizationConfig`; what the layout cannot express is
+refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+from compressed_tensors.quantization import QuantizationConfig
+from conftest import SMALL_RUN
+from hf_models import hf_model, save_hf, stderr_of_failure
+from safetensors.numpy import load_file
+from transformers import AutoModelForCausalLM
+from transformers.utils.quantization_config import CompressedTensorsConfig
+
+import jaxllm
+from jaxllm.cli import main
+from jaxllm.convert import compressed
+
+KINDS = {  # name -> jaxllm quantize options
+    "int8": ["--bits", "8"],
+    "int4-g32": ["--bits", "4", "--group-size", "32"],
+    "int4-g32-asym": ["--bits", "4", "--group-size", "32", "--asymmetric"],
+    "int3-g32-asym": ["--bits", "3", "--group-size", "32", "--asymmetric"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{kind: (quantized run, its export)} of one SMALL_RUN trained 2 steps."""
+    root = tmp_path_factory.mktemp("ct")
+    run = root / "run"
+    assert main(["train", *SMALL_RUN, "train.steps=2", "checkpoint.every=2", f"run.dir={run}"]) == 0
+    out = {}
+    for kind, opts in KINDS.items():
+        q, hf = root / kind, root / f"{kind}-hf"
+        assert main(["quantize", str(run), str(q), "--method", "rtn", *opts]) == 0
+        assert main(["convert", "export", str(q), str(hf)]) == 0
+        out[kind] = (q, hf)
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_packing_is_compressed_tensors_own(bits):
+    """`pack_int32` of unsigned codes is `pack_to_int32` of the signed ones, along the input
+    (a row of 40: the last int32 part-filled) and, transposed, along the output; and back."""
+    q = np.random.default_rng(bits).integers(0, 2**bits, (6, 40)).astype(np.uint8)
+    signed = torch.tensor(q.astype(np.int16) - 2 ** (bits - 1), dtype=torch.int8)
+    want = pack_to_int32(signed, bits).numpy()
+    np.testing.assert_array_equal(compressed.pack_int32(q, bits), want)
+    want0 = pack_to_int32(signed.T.contiguous(), bits, packed_dim=0).numpy()
+    np.testing.assert_array_equal(compressed.pack_int32(q, bits).T, want0)
+    np.testing.assert_array_equal(compressed.unpack_int32(want, bits, 40), q)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_export_loads_in_transformers_with_jaxllm_logits(runs, kind):
+    """transformers' compressed-tensors integration decompresses the export to the weights
+    jaxllm computes with: the logits agree to float32 rounding (2e-5 of their scale)."""
+    q, hf = runs[kind]
+    cfg = json.loads((hf / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(cfg)  # the library's own schema
+    scheme = parsed.config_groups["group_0"].weights
+    assert (scheme.num_bits, scheme.symmetric) == (int(KINDS[kind][1]), "asym" not in kind)
+    assert cfg["ignore"] == ["lm_head"] and len(cfg["config_groups"]["group_0"]["targets"]) == 14
+    tensors = load_file(hf / "model.safetensors")
+    packed = tensors["model.layers.0.self_attn.o_proj.weight_packed"]
+    assert packed.dtype == np.int32 and packed.shape == (64, 64 * scheme.num_bits // 32)
+    assert ("model.layers.1.mlp.down_proj.weight_zero_point" in tensors) == ("asym" in kind)
+    model = AutoModelForCausalLM.from_pretrained(
+        hf, quantization_config=CompressedTensorsConfig(run_compressed=False)
+    )
+    tokens = np.random.default_rng(0).integers(0, 320, (2, 16))
+    want = np.asarray(jaxllm.load_model(q)(tokens).logits)
+    with torch.no_grad():
+        got = model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_export_refuses_a_layout_compressed_tensors_cannot_express(tmp_path, capsys):
+    """GPT-2's Conv1D weights (q, k and v fused in one tensor) are not one linear module each:
+    a quantized GPT-2 run is refused in one line and nothing is written."""
+    src = save_hf(hf_model("gpt2"), tmp_path / "hf")
+    assert main(["convert", "import", str(src), str(tmp_path / "run")]) == 0
+    opts = ["--method", "rtn", "--bits", "4"]
+    assert main(["quantize", str(tmp_path / "run"), str(tmp_path / "q"), *opts]) == 0
+    capsys.readouterr()
+    err = stderr_of_failure(capsys, "convert", "export", tmp_path / "q", tmp_path / "out")
+    assert err.startswith("jaxllm: ") and err.count("\n") == 1, err
+    assert "compressed-tensors cannot express it" in err
+    assert not (tmp_path / "out").exists()
