@@ -7,21 +7,26 @@ refused."""
 from __future__ import annotations
 
 import json
+import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationConfig
 from conftest import SMALL_RUN
+from flax import nnx
 from hf_models import hf_model, save_hf, stderr_of_failure
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
 import jaxllm
+from jaxllm import config
 from jaxllm.cli import main
 from jaxllm.convert import compressed
+from jaxllm.model import quantized
 
 KINDS = {  # name -> jaxllm quantize options
     "int8": ["--bits", "8"],
@@ -95,3 +100,41 @@ def test_export_refuses_a_layout_compressed_tensors_cannot_express(tmp_path, cap
     assert err.startswith("jaxllm: ") and err.count("\n") == 1, err
     assert "compressed-tensors cannot express it" in err
     assert not (tmp_path / "out").exists()
+
+
+def _params(model) -> list:
+    return jax.tree.leaves(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4-g32-asym", "int3-g32-asym"])
+def test_import_keeps_the_codes(runs, kind, tmp_path):
+    """run -> export -> import: the same codes, scales and zero points (and every other
+    parameter), in a run whose quantize.* is the original's."""
+    q, hf = runs[kind]
+    assert main(["convert", "import", str(hf), str(tmp_path / "back")]) == 0
+    a, b = jaxllm.load_model(q), jaxllm.load_model(tmp_path / "back")
+    assert isinstance(b.layers.mlp.down_proj.get_value(), quantized.QuantizedTensor)
+    for x, y in zip(_params(a), _params(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    saved = lambda run: config.load(run / "config.yaml").quantize  # noqa: E731
+    assert saved(tmp_path / "back") == saved(q)
+
+
+def test_import_refuses_what_it_cannot_hold(runs, tmp_path, capsys):
+    """Another quant_method, or activations quantized too: one line, nothing written."""
+    _, hf = runs["int4-g32"]
+    cfg = json.loads((hf / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    act = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    group = {**qc["config_groups"]["group_0"], "input_activations": act}
+    for bad, says in [
+        ({"quant_method": "gptq", "bits": 4}, "quant_method gptq"),
+        ({**qc, "config_groups": {"group_0": group}}, "quantized activations"),
+    ]:
+        src = tmp_path / "src"
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.copytree(hf, src)
+        (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": bad}))
+        err = stderr_of_failure(capsys, "convert", "import", src, tmp_path / "out")
+        assert err.startswith("jaxllm: ") and err.count("\n") == 1 and says in err, err
+        assert not (tmp_path / "out").exists()

@@ -140,3 +140,122 @@ def quantization_config(
         "ignore": ignore,
         "kv_cache_scheme": None,
     }
+
+
+def run_quantize(hf: dict, where) -> dict:
+    """The `quantize.*` of a checkpoint whose config.json has a compressed-tensors
+    `quantization_config` ({} without one); what jaxllm cannot hold keeping the codes (another
+    quant_method or format, activations quantized, several schemes, not int, an
+    `actorder`) is refused naming it."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return {}
+    method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+    if method != "compressed-tensors":
+        raise ConfigError(
+            f"{where} is a quantized checkpoint (quantization_config: quant_method {method}); "
+            "jaxllm imports float32 / bfloat16 / float16 tensors and compressed-tensors' "
+            f"{FORMAT} weight-only integers: dequantize it first (for DeepSeek-V3's FP8 "
+            "weights, to bfloat16 with their weight_scale_inv scales)."
+        )
+    groups = list((qc.get("config_groups") or {}).values())
+    w = (groups[0].get("weights") or {}) if len(groups) == 1 else {}
+    fmt = groups[0].get("format") or qc.get("format") if len(groups) == 1 else None
+    problems = [
+        len(groups) != 1 and f"{len(groups)} config groups (one is imported)",
+        fmt != FORMAT and f"format {fmt} (not {FORMAT})",
+        any(groups[0].get(k) for k in ("input_activations", "output_activations"))
+        and "quantized activations (weight-only schemes are imported)",
+        w.get("type") != "int" and f"weights of type {w.get('type')} (not int)",
+        w.get("num_bits") not in quantized.BITS and f"{w.get('num_bits')}-bit weights",
+        w.get("strategy") not in ("channel", "group") and f"strategy {w.get('strategy')}",
+        w.get("actorder") and f"actorder {w.get('actorder')}",
+        qc.get("kv_cache_scheme") and "a quantized KV cache",
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ConfigError(
+            f"{where}'s compressed-tensors quantization_config has {'; '.join(problems)}, "
+            "which jaxllm cannot import keeping the codes."
+        )
+    return {
+        "method": "rtn",
+        "bits": w["num_bits"],
+        "group_size": w.get("group_size") or 0 if w["strategy"] == "group" else 0,
+        "symmetric": bool(w.get("symmetric", True)),
+    }
+
+
+def module_codes(read, module: str, bits: int, dtype) -> tuple[np.ndarray, ...]:
+    """(unsigned codes [out, in], scales [out, groups], zero points [out, groups] or None) of
+    the compressed-tensors module `module`; `read(name)` reads one tensor."""
+    out, n_in = (int(x) for x in read(f"{module}.weight_shape"))
+    q = unpack_int32(read(f"{module}.weight_packed"), bits, n_in)
+    scales = read(f"{module}.weight_scale").astype(dtype)
+    try:
+        zp = read(f"{module}.weight_zero_point")
+    except KeyError:
+        return q, scales, None
+    return q, scales, unpack_int32(zp.T, bits, out).T
+
+
+def dequantized(read, module: str, bits: int, dtype) -> np.ndarray:
+    """The float [out, in] weight of a compressed-tensors module: (q - z) * s."""
+    q, s, z = module_codes(read, module, bits, dtype)
+    g = s.shape[1]
+    z = np.full(s.shape, 2 ** (bits - 1)) if z is None else z
+    x = q.astype(np.float32).reshape(q.shape[0], g, -1) - z.astype(np.float32)[..., None]
+    return (x * s.astype(np.float32)[..., None]).reshape(q.shape).astype(dtype)
+
+
+def imported_codes(hf_dir, params: dict, cfg: config_lib.Config) -> dict:
+    """`params` (read through the dequantizing `Reader`) with each compressed-tensors module's
+    weight replaced by a `QuantizedTensor` of its own codes, scales and zero points: the
+    inverse of `link_tensors`, bit-identical."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxllm.convert.families import family_of  # noqa: PLC0415
+    from jaxllm.convert.mapping import each, flatten, unflatten  # noqa: PLC0415
+    from jaxllm.convert.reader import Reader, read_hf_config  # noqa: PLC0415
+
+    reader = Reader(hf_dir)
+    flat = flatten(params)
+    shapes = {p: tuple(a.shape) for p, a in flat.items()}
+    q_cfg = cfg.quantize
+    for link in family_of(read_hf_config(hf_dir)).layouts(cfg.model)[0]:
+        indices = list(each(link, shapes))
+        if link.name(indices[0]) not in reader.modules:
+            continue
+        path = link.ours[0]
+        counts = link.counts(shapes)
+        elem = shapes[path][len(counts) :]
+        perm, n_in = _hf_order(link, elem)
+        dtype = flat[path].dtype
+        parts: dict[str, list] = {"codes": [], "scales": [], "zeros": []}
+        for index in indices:
+            q, s, z = module_codes(
+                reader._read, reader.modules[link.name(index)], q_cfg.bits, dtype
+            )
+            codes = np.empty((n_in, len(perm)), np.uint8)
+            codes[:, perm] = q.T
+            scales = np.empty((s.shape[1], len(perm)), s.dtype)
+            scales[:, perm] = s.T
+            parts["codes"].append(codes.reshape(elem))
+            parts["scales"].append(scales.reshape(s.shape[1], *elem[link.n_in :]))
+            if z is not None:
+                zeros = np.empty((z.shape[1], len(perm)), np.uint8)
+                zeros[:, perm] = z.T
+                parts["zeros"].append(zeros.reshape(s.shape[1], *elem[link.n_in :]))
+        stack = {k: np.stack(v).reshape(*counts, *v[0].shape) for k, v in parts.items() if v}
+        lead = len(counts)
+        flat[path] = quantized.QuantizedTensor(
+            codes=quantized._pack(jnp.asarray(stack["codes"]), q_cfg.bits, lead + link.n_in - 1),
+            scales=jnp.asarray(stack["scales"]),
+            zeros=jnp.asarray(stack["zeros"]) if "zeros" in stack else None,
+            bits=q_cfg.bits,
+            group=q_cfg.group_size,
+            n_in=link.n_in,
+            n_out=len(elem) - link.n_in,
+            dtype=np.dtype(dtype),
+        )
+    return unflatten(flat)

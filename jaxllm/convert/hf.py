@@ -30,6 +30,7 @@ from jaxllm import checkpoint, sharding
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError, JaxllmWarning, ModelConfig
 from jaxllm.config.outputs import check_output, written
+from jaxllm.convert import compressed
 from jaxllm.convert.export import library_os_errors
 from jaxllm.convert.families import family_of, model_fields
 from jaxllm.convert.links import Link
@@ -131,14 +132,7 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     still loads and computes logits from ids, and only encoding or decoding text is refused."""
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
-    quantization = hf.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise ConfigError(
-            f"{hf_dir} is a quantized checkpoint (quantization_config: quant_method {method}); "
-            "jaxllm imports float32 / bfloat16 / float16 tensors: dequantize it first (for "
-            "DeepSeek-V3's FP8 weights, to bfloat16 with their weight_scale_inv scales)."
-        )
+    quantize = compressed.run_quantize(hf, hf_dir)  # {}, or its codes' quantize.*
     fields = model_fields(hf, hf_dir / "config.json")
     family = family_of(hf)
     if family.file_fields is not None:  # what the tensors say (BERT's pooler)
@@ -160,6 +154,8 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     )
     offset = fields.get("encoder", {}).get("position_offset", 0)  # RoBERTa's first rows
     tree = {"model": fields, "data": {"seq_len": min(256, fields["max_seq_len"] - offset)}}
+    if quantize:
+        tree["quantize"] = quantize
     objective = {"encoder": "mlm", "encoder_decoder": "span_corruption"}.get(fields.get("kind"))
     if objective:  # what an encoder / encoder–decoder trains with
         tree["train"] = {"objective": objective}
@@ -201,6 +197,8 @@ def import_hf(hf_dir, out_dir, overrides=(), mesh=None, overwrite=False) -> list
     new = new_run(hf_dir, out_dir, overrides, overwrite=overwrite)
     mesh = mesh or sharding.make_mesh(new.cfg.mesh)
     params, model_state, report = load_params(hf_dir, new.cfg.model, mesh)
+    if new.cfg.quantize.enabled:  # compressed-tensors: the codes themselves
+        params = compressed.imported_codes(hf_dir, params, new.cfg)
     new.write(params, model_state)
     return report
 

@@ -129,7 +129,44 @@ class Reader:
                     "download the files again."
                 )
 
+        self._compressed(hf_dir)
+
+    def _compressed(self, hf_dir: Path) -> None:
+        """compressed-tensors' packed modules (`M.weight_packed`, ...) seen as their float
+        `M.weight`, which `read` dequantizes (`jaxllm.convert.compressed`)."""
+        from jaxllm.convert import compressed  # noqa: PLC0415 (it imports the links)
+
+        self.modules: dict[str, str] = {}
+        self.bits = 0
+        packed = [n.removesuffix(".weight_packed") for n in self.shapes if n.endswith("_packed")]
+        if not packed:
+            return
+        self.bits = compressed.run_quantize(read_hf_config(hf_dir), hf_dir).get("bits", 0)
+        if not self.bits:
+            raise ConfigError(
+                f"{hf_dir} holds compressed-tensors packed weights ({packed[0]}.weight_packed) "
+                "but config.json has no compressed-tensors quantization_config."
+            )
+        for m in packed:
+            name = f"{m}.weight"
+            self.modules[name] = m
+            self.shapes[name] = tuple(int(x) for x in self._read(f"{m}.weight_shape"))
+            self.dtypes[name] = self.dtypes[f"{m}.weight_scale"]
+            for suffix in compressed.SUFFIXES:
+                self.shapes.pop(f"{m}.{suffix}", None)
+                self.dtypes.pop(f"{m}.{suffix}", None)
+
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        if name in self.modules:
+            from jaxllm.convert import compressed  # noqa: PLC0415
+
+            w = compressed.dequantized(self._read, self.modules[name], self.bits, np.float32)
+            return w if index is None else w[index]
+        return self._read(name, index)
+
+    def _read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        if name not in self.where:
+            raise KeyError(name)
         try:
             with safe_open(self.where[name], framework="numpy") as h:
                 if index is None:
