@@ -17,8 +17,8 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationConfig
 from conftest import SMALL_RUN
 from flax import nnx
-from hf_models import hf_model, save_hf, stderr_of_failure
-from safetensors.numpy import load_file
+from hf_models import hf_logits, hf_model, sample_tokens, save_hf, stderr_of_failure
+from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
@@ -138,3 +138,67 @@ def test_import_refuses_what_it_cannot_hold(runs, tmp_path, capsys):
         err = stderr_of_failure(capsys, "convert", "import", src, tmp_path / "out")
         assert err.startswith("jaxllm: ") and err.count("\n") == 1 and says in err, err
         assert not (tmp_path / "out").exists()
+    # one projection left in float: the run would not load as the quantize.* it records
+    tensors = load_file(src / "model.safetensors")
+    m = "model.layers.1.mlp.up_proj"
+    w = compressed.dequantized(tensors.__getitem__, m, 4, np.float32)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(f"{m}.")}
+    save_file({**tensors, f"{m}.weight": w}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps(cfg))
+    err = stderr_of_failure(capsys, "convert", "import", src, tmp_path / "out")
+    assert "in float for model.layers.1.mlp.up_proj.weight" in err, err
+    assert not (tmp_path / "out").exists()
+    # the LM head in codes too, which a run with quantize.head=false holds in float
+    tensors = load_file(hf / "model.safetensors")
+    head = tensors.pop("lm_head.weight")
+    q = np.random.default_rng(0).integers(0, 16, head.shape).astype(np.uint8)
+    tensors["lm_head.weight_packed"] = compressed.pack_int32(q, 4)
+    tensors["lm_head.weight_scale"] = np.ones((head.shape[0], 2), np.float32)
+    tensors["lm_head.weight_shape"] = np.array(head.shape, np.int64)
+    save_file(tensors, str(src / "model.safetensors"))
+    err = stderr_of_failure(capsys, "convert", "import", src, tmp_path / "out")
+    assert "in codes here only: ['lm_head']" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_of_compressed_tensors_own_checkpoint(tmp_path):
+    """A Llama quantized by compressed-tensors itself (int4 in groups of 32, asymmetric; its
+    `calculate_qparams` scales, its `ModelCompressor`) imports as an int4 run whose logits are
+    those transformers computes from the same file."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = hf_model("llama2")
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=32
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "weight_scale"):
+                w = m.weight.reshape(m.weight.shape[0], -1, 32)
+                s, z = calculate_qparams(w.amin(-1), w.amax(-1), args)
+                m.weight_scale.copy_(s.reshape(m.weight_scale.shape))
+                m.weight_zero_point.copy_(z.reshape(m.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    src = tmp_path / "ct"
+    model.save_pretrained(src)
+    compressor.update_config(str(src))
+    assert main(["convert", "import", str(src), str(tmp_path / "run")]) == 0
+    ours = jaxllm.load_model(tmp_path / "run")
+    assert ours.layers.mlp.up_proj.get_value().bits == 4
+    ref = AutoModelForCausalLM.from_pretrained(
+        src, quantization_config=CompressedTensorsConfig(run_compressed=False)
+    )
+    tokens = sample_tokens()
+    want = hf_logits(ref, tokens)
+    np.testing.assert_allclose(ours(tokens).logits, want, rtol=0, atol=2e-5 * np.abs(want).max())

@@ -224,8 +224,15 @@ def imported_codes(hf_dir, params: dict, cfg: config_lib.Config) -> dict:
     q_cfg = cfg.quantize
     for link in family_of(read_hf_config(hf_dir)).layouts(cfg.model)[0]:
         indices = list(each(link, shapes))
-        if link.name(indices[0]) not in reader.modules:
+        packed = [link.name(i) in reader.modules for i in indices]
+        if not any(packed):
             continue
+        if not all(packed):
+            raise ConfigError(
+                f"the checkpoint holds {link.hf} in codes for some layers and in float for "
+                f"{link.name(indices[packed.index(False)])}; a jaxllm run quantizes a weight in "
+                "every layer or none: dequantize it first."
+            )
         path = link.ours[0]
         counts = link.counts(shapes)
         elem = shapes[path][len(counts) :]
@@ -258,4 +265,23 @@ def imported_codes(hf_dir, params: dict, cfg: config_lib.Config) -> dict:
             n_out=len(elem) - link.n_in,
             dtype=np.dtype(dtype),
         )
+    _check_chosen(flat, cfg)
     return unflatten(flat)
+
+
+def _check_chosen(flat: dict, cfg: config_lib.Config) -> None:
+    """The weights imported in codes must be those the run's `quantize.*` quantizes (the
+    projections, not the LM head), since that is what loading the run expects."""
+    from jaxllm.compress.weights import dims  # noqa: PLC0415
+    from jaxllm.convert.mapping import flatten  # noqa: PLC0415
+    from jaxllm.model import abstract_model  # noqa: PLC0415
+
+    axes = flatten(abstract_model(cfg.model)[2])
+    want = {p for p in flat if dims(p, tuple(axes[p]), cfg.quantize)}
+    got = {p for p, x in flat.items() if isinstance(x, quantized.QuantizedTensor)}
+    if want != got:
+        raise ConfigError(
+            "the checkpoint quantizes a different set of weights than a jaxllm quantized run "
+            f"holds (in codes here only: {sorted(got - want)[:3]}; in float here only: "
+            f"{sorted(want - got)[:3]}); dequantize it first."
+        )
