@@ -1,0 +1,255 @@
+"""GGUF files out, for llama.cpp: `jaxllm convert export RUN OUT --format gguf`.
+
+The export builds on the Hugging Face one (`export_hf`, into a temporary directory) and maps
+its state dict to the names llama.cpp's convert_hf_to_gguf.py writes (token_embd.weight,
+blk.N.attn_q.weight, ..., output_norm.weight, output.weight), with the llama architecture's
+metadata and the run's byte-level BPE tokenizer (tokenizer.ggml.model "gpt2").
+
+Q/K rows. Hugging Face's Llama rotates the two halves of each head (rotate_half); llama.cpp's
+llama architecture rotates adjacent pairs, so convert_hf_to_gguf.py's `LlamaModel.permute`
+reorders each head's rows: W.reshape(H, 2, d/2, in).swapaxes(1, 2).reshape(H*d, in), with H
+the query heads for attn_q and the key/value heads for attn_k. The same is done here.
+
+Tensor types (`gguf_type`): f32, f16, bf16 store every 2-D weight in that type; q8_0 and q4_0
+quantize them with GGUF's own block formats along each row (the input dim), blocks of 32
+(`gguf.quants.quantize`): Q8_0 a f16 scale d = absmax / 127 and 32 int8 codes round(x / d);
+Q4_0 d = m / -8 with m the value of largest magnitude and 16 bytes of codes
+clip(round(x / d) + 8, 0, 15) (llama.cpp's ggml-quants.c). A weight whose rows are not a
+multiple of 32 long stays f16, as convert_hf_to_gguf.py keeps it; norms (1-D) stay f32.
+
+A jaxllm-quantized run is refused for now (its codes are not carried into GGUF blocks yet):
+export a float run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm import config as config_lib
+from jaxllm.config import ConfigError
+from jaxllm.convert.export import export_hf
+from jaxllm.convert.families import export_family, hf_config
+
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+FAMILIES = ("llama", "mistral")  # the llama architecture in llama.cpp
+BLOCK = 32
+_LAYER = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError(
+            "--format gguf needs the gguf package: pip install 'jaxllm[export]'."
+        ) from None
+    return gguf
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name for a Hugging Face Llama tensor."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    found = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    if not found or found[2] not in _LAYER:
+        raise ConfigError(f"{hf_name} has no GGUF name in the llama architecture.")
+    return f"blk.{found[1]}.{_LAYER[found[2]]}"
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's `LlamaModel.permute` (module docstring): rotate_half's row
+    order of each of `n_head` heads to llama.cpp's interleaved pairs."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of `permute`."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def check_gguf(cfg: config_lib.Config, family: str | None, gguf_type: str | None) -> str:
+    """The tensor type to write, or a ConfigError for what GGUF export cannot hold."""
+    if cfg.quantize.enabled:
+        raise ConfigError(
+            f"--format gguf exports float runs; this run is quantized (quantize.method="
+            f"{cfg.quantize.method}, {cfg.quantize.bits} bits) and its codes are not mapped to "
+            "GGUF blocks yet: export the float run it came from with --gguf-type q8_0 or q4_0."
+        )
+    fam = export_family(cfg.model, family)
+    if fam.name not in FAMILIES:
+        raise ConfigError(
+            f"--format gguf writes the llama architecture ({', '.join(FAMILIES)} families); "
+            f"this run exports as {fam.name}."
+        )
+    rope = hf_config(cfg.model, fam).get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(
+            f"--format gguf writes plain RoPE; this run's RoPE scaling ({kind}) is not written."
+        )
+    return gguf_type or "f16"
+
+
+def export_gguf(
+    params: dict,
+    cfg: config_lib.Config,
+    out,
+    gguf_type: str | None = None,
+    family: str | None = None,
+    model_state: dict | None = None,
+    run_dir=None,
+    overwrite: bool = False,
+) -> list[str]:
+    """Writes `out` (one .gguf file) of `params`, whole or not at all (a temporary sibling
+    renamed into place); an existing `out` is refused unless `overwrite`. Returns one report
+    line per tensor: GGUF name, shape, type."""
+    gguf = _gguf()
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"OUT {out} is a directory; --format gguf writes one file.")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"OUT {out} already exists; pass --overwrite to replace it.")
+    kind = check_gguf(cfg, family, gguf_type)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = Path(tmp) / "hf"
+        export_hf(params, cfg, hf_dir, family, model_state=model_state, run_dir=run_dir)
+        hf = json.loads((hf_dir / "config.json").read_text())
+        from safetensors.numpy import load_file
+
+        tensors = {}
+        for f in sorted(hf_dir.glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        part = out.with_name(f".{out.name}.partial")
+        try:
+            report = _write(gguf, part, hf, tensors, kind, hf_dir / "tokenizer.json")
+            os.replace(part, out)
+        finally:
+            part.unlink(missing_ok=True)
+    return report
+
+
+def _write(gguf, path: Path, hf: dict, tensors: dict, kind: str, tokenizer: Path) -> list[str]:
+    arch = "llama"
+    n_head, n_kv = (
+        hf["num_attention_heads"],
+        hf.get("num_key_value_heads") or hf["num_attention_heads"],
+    )
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(hf.get("_name_or_path") or "jaxllm")
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(float(hf.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(hf["rms_norm_eps"]))
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(hf["vocab_size"])
+    file_type = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    }[kind]
+    w.add_file_type(file_type)
+    if tokenizer.is_file():
+        _add_tokenizer(gguf, w, tokenizer, hf)
+    report = []
+    for hf_name, t in tensors.items():
+        name = gguf_name(hf_name)
+        x = t.astype(np.float32)
+        if name.endswith("attn_q.weight"):
+            x = permute(x, n_head)
+        elif name.endswith("attn_k.weight"):
+            x = permute(x, n_kv)
+        qtype = _tensor_type(gguf, kind, x)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, x)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        report.append(f"{hf_name} -> {name} {list(t.shape)} {qtype.name}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return report
+
+
+def _tensor_type(gguf, kind: str, x: np.ndarray):
+    """The GGML type of one tensor: norms f32, rows not a multiple of 32 f16 when quantizing."""
+    T = gguf.GGMLQuantizationType
+    if x.ndim == 1 or kind == "f32":
+        return T.F32
+    if kind in ("q8_0", "q4_0") and x.shape[-1] % BLOCK:
+        return T.F16
+    return {"f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}[kind]
+
+
+def _add_tokenizer(gguf, w, path: Path, hf: dict) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp's "gpt2" vocabulary: tokens by id (ids the
+    file lacks up to the model's vocab as [PADi]), their types (added special tokens CONTROL,
+    other added USER_DEFINED), merges and the special-token ids (`gguf.SpecialVocab`)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    model = json.loads(path.read_text()).get("model", {})
+    if model.get("type") != "BPE":
+        raise ConfigError(
+            f"--format gguf writes byte-level BPE tokenizers; {path.name} is a "
+            f"{model.get('type')} one."
+        )
+    vocab = tok.get_vocab(with_added_tokens=True)
+    by_id = {i: t for t, i in vocab.items()}
+    added = {a.content: a.special for a in tok.get_added_tokens_decoder().values()}
+    T = gguf.TokenType
+    tokens, types = [], []
+    for i in range(max(hf["vocab_size"], len(vocab))):
+        t = by_id.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(T.UNUSED)
+        else:
+            tokens.append(t)
+            types.append((T.CONTROL if added[t] else T.USER_DEFINED) if t in added else T.NORMAL)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(path.parent, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w)
