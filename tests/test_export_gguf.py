@@ -4,12 +4,17 @@ permuted as convert_hf_to_gguf.py does, f16 within rounding of the weights, q8_0
 bytes of gguf's own quantization of them; bad inputs one line, exit 2, nothing written."""
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_models import hf_model, run_cli, save_hf, stderr_of_failure
 from safetensors.numpy import load_file
 
+from jaxllm import sharding
+from jaxllm.config import MeshConfig
 from jaxllm.convert.gguf_export import gguf_name, permute, unpermute
+from jaxllm.load import restore
+from jaxllm.model import quantized
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +117,57 @@ def test_bad_inputs_one_line(run, capsys):
         capsys, "convert", "export", tmp / "run", tmp / "h", "--gguf-type", "q8_0"
     )
     assert "--format gguf" in err and not (tmp / "h").exists()
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gguf_q")
+    src = save_hf(hf_model("llama2"), tmp / "hf")
+    assert run_cli("convert", "import", src, tmp / "run", "model.param_dtype=bfloat16") == 0
+    return tmp
+
+
+@pytest.mark.parametrize("bits,kind", [(8, "Q8_0"), (4, "Q4_0")])
+def test_quantized_run_codes_map_exactly(bf16_run, bits, kind):
+    """A bf16 run quantized symmetric in groups of 32: its GGUF blocks dequantize to jaxllm's
+    dequantized weights bit for bit (Q/K un-permuted)."""
+    tmp = bf16_run
+    q_run, out = tmp / f"q{bits}", tmp / f"q{bits}.gguf"
+    opts = ["--method", "rtn", "--bits", str(bits), "--group-size", "32"]
+    assert run_cli("quantize", tmp / "run", q_run, *opts) == 0
+    assert run_cli("convert", "export", q_run, out, "--format", "gguf") == 0
+    restored = restore(q_run, mesh=sharding.make_mesh(MeshConfig()))
+    attn = restored.params["layers"]["attn"]
+    n_head = restored.cfg.model.num_heads
+    want = np.asarray(quantized.dequantize(attn["q_proj"], jnp.float32))
+    got = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    T = gguf.GGMLQuantizationType
+    n_quantized = sum(t.tensor_type == T[kind] for t in got.values())
+    assert n_quantized == 14  # 7 projections x 2 layers; embedding, head, norms stay float
+    assert got["token_embd.weight"].tensor_type == T.F16
+    for layer in range(2):
+        t = got[f"blk.{layer}.attn_q.weight"]
+        back = gguf.quants.dequantize(np.asarray(t.data), T[kind])
+        back = unpermute(back.reshape(-1, back.shape[-1]), n_head)  # [out, in]
+        ours = want[layer].reshape(want[layer].shape[0], -1).T  # [in, heads*dim] -> [out, in]
+        assert back.dtype == np.float32 and np.array_equal(back, ours), layer
+
+
+def test_quantized_run_refusals(bf16_run, capsys):
+    tmp = bf16_run
+    opts = ["--method", "rtn", "--bits", "8", "--group-size", "64"]
+    assert run_cli("quantize", tmp / "run", tmp / "g64", *opts) == 0
+    capsys.readouterr()
+    err = stderr_of_failure(
+        capsys, "convert", "export", tmp / "g64", tmp / "a.gguf", "--format", "gguf"
+    )
+    assert "no exact GGUF type" in err and err.count("\n") == 1 and not (tmp / "a.gguf").exists()
+    q = tmp / "q8"
+    if not q.exists():
+        opts = ["--method", "rtn", "--bits", "8", "--group-size", "32"]
+        assert run_cli("quantize", tmp / "run", q, *opts) == 0
+        capsys.readouterr()
+    err = stderr_of_failure(
+        capsys, "convert", "export", q, tmp / "b.gguf", "--format", "gguf", "--gguf-type", "q4_0"
+    )
+    assert "would re-quantize" in err and not (tmp / "b.gguf").exists()

@@ -17,24 +17,41 @@ Q4_0 d = m / -8 with m the value of largest magnitude and 16 bytes of codes
 clip(round(x / d) + 8, 0, 15) (llama.cpp's ggml-quants.c). A weight whose rows are not a
 multiple of 32 long stays f16, as convert_hf_to_gguf.py keeps it; norms (1-D) stay f32.
 
-A jaxllm-quantized run is refused for now (its codes are not carried into GGUF blocks yet):
-export a float run.
+A jaxllm-quantized run (`jaxllm quantize`, rtn) is written from its own codes where they map
+exactly, never re-quantized: jaxllm's symmetric b-bit codes are offset binary, q = k + 2^(b-1)
+with k = clip(round(w / s), -2^(b-1), 2^(b-1) - 1), dequantized as (q - 2^(b-1)) * s. GGUF's
+Q8_0 dequantizes d * k8 (k8 an int8) and Q4_0 d * (n - 8) (n a nibble), so int8 groups of 32
+are Q8_0 blocks with k8 = q - 128 and int4 groups of 32 are Q4_0 blocks with the nibbles
+unchanged (Q4_0 stores element j of a block in the low nibble of byte j and element j + 16 in
+its high nibble), both with d = s. The only loss could be d's f16: a scale that f16 does not
+hold exactly (a bf16 one below f16's normal range, a float32 one with more mantissa) is
+refused, as are other bit widths, asymmetric codes (zero points) and groups other than 32.
+Every GGUF block then dequantizes to jaxllm's dequantized weight bit for bit; weights jaxllm
+left in float (embedding, norms, an unquantized head) are written f16 (norms f32).
+
+The codes and scales reach the Hugging Face layout by the same export as the weights (the
+family's transposes and head reshapes move elements, never mix them): once with each quantized
+weight replaced by its signed codes (exact in float32) and once by its scale broadcast over
+its group, so each GGUF row of 32 carries one scale, checked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 from jaxllm.convert.export import export_hf
 from jaxllm.convert.families import export_family, hf_config
+from jaxllm.model import quantized
 
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 FAMILIES = ("llama", "mistral")  # the llama architecture in llama.cpp
@@ -98,11 +115,11 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def check_gguf(cfg: config_lib.Config, family: str | None, gguf_type: str | None) -> str:
     """The tensor type to write, or a ConfigError for what GGUF export cannot hold."""
-    if cfg.quantize.enabled:
+    mapped = _mapped_type(cfg.quantize)
+    if mapped and gguf_type not in (None, mapped):
         raise ConfigError(
-            f"--format gguf exports float runs; this run is quantized (quantize.method="
-            f"{cfg.quantize.method}, {cfg.quantize.bits} bits) and its codes are not mapped to "
-            "GGUF blocks yet: export the float run it came from with --gguf-type q8_0 or q4_0."
+            f"this run's codes map to GGUF {mapped} exactly; --gguf-type {gguf_type} would "
+            "re-quantize them: leave --gguf-type out, or export the float run it came from."
         )
     fam = export_family(cfg.model, family)
     if fam.name not in FAMILIES:
@@ -116,7 +133,39 @@ def check_gguf(cfg: config_lib.Config, family: str | None, gguf_type: str | None
         raise ConfigError(
             f"--format gguf writes plain RoPE; this run's RoPE scaling ({kind}) is not written."
         )
-    return gguf_type or "f16"
+    return mapped or gguf_type or "f16"
+
+
+def _mapped_type(q) -> str | None:
+    """The GGUF type a quantized run's codes are (module docstring), None for a float run."""
+    if not q.enabled:
+        return None
+    kind = {8: "q8_0", 4: "q4_0"}.get(q.bits)
+    if q.method != "rtn" or not q.symmetric or q.group_size != BLOCK or kind is None:
+        raise ConfigError(
+            f"this run's codes (quantize.method={q.method}, bits={q.bits}, group_size="
+            f"{q.group_size}, symmetric={q.symmetric}) have no exact GGUF type: --format gguf "
+            "takes symmetric rtn int8 or int4 in groups of 32 (Q8_0 / Q4_0); export the float "
+            "run it came from with --gguf-type q8_0 or q4_0."
+        )
+    return kind
+
+
+def _is_q(x) -> bool:
+    return isinstance(x, quantized.QuantizedTensor)
+
+
+def _signed_codes(t: quantized.QuantizedTensor) -> np.ndarray:
+    """k = q - 2^(b-1) of a symmetric `t`, float32 in the weight's shape."""
+    q = np.asarray(quantized._unpack(jax.device_get(t.codes), t.bits, t.packed_axis))
+    return q.astype(np.float32) - 2 ** (t.bits - 1)
+
+
+def _group_scales(t: quantized.QuantizedTensor) -> np.ndarray:
+    """`t`'s scale at each element of the weight, float32."""
+    s = np.asarray(jax.device_get(t.scales)).astype(np.float32)
+    lead = s.ndim - 1 - t.n_out
+    return np.repeat(s, t.group, axis=lead).reshape(t.shape)
 
 
 def export_gguf(
@@ -141,24 +190,70 @@ def export_gguf(
     kind = check_gguf(cfg, family, gguf_type)
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "hf"
+        scales = None
+        if cfg.quantize.enabled:  # codes and scales through the same export (module docstring)
+            float_cfg = dataclasses.replace(
+                cfg, quantize=dataclasses.replace(cfg.quantize, method="none")
+            )
+            nan = lambda x: x if _is_q(x) else np.full(x.shape, np.nan, np.float32)  # noqa: E731
+            per = jax.tree.map(
+                lambda x: _group_scales(x) if _is_q(x) else nan(x), params, is_leaf=_is_q
+            )
+            export_hf(per, float_cfg, Path(tmp) / "scales", family, model_state=model_state)
+            scales = _tensors(Path(tmp) / "scales")
+            params = jax.tree.map(
+                lambda x: _signed_codes(x) if _is_q(x) else x, params, is_leaf=_is_q
+            )
+            cfg = float_cfg
         export_hf(params, cfg, hf_dir, family, model_state=model_state, run_dir=run_dir)
         hf = json.loads((hf_dir / "config.json").read_text())
-        from safetensors.numpy import load_file
-
-        tensors = {}
-        for f in sorted(hf_dir.glob("*.safetensors")):
-            tensors.update(load_file(str(f)))
+        tensors = _tensors(hf_dir)
         out.parent.mkdir(parents=True, exist_ok=True)
         part = out.with_name(f".{out.name}.partial")
         try:
-            report = _write(gguf, part, hf, tensors, kind, hf_dir / "tokenizer.json")
+            report = _write(gguf, part, hf, tensors, kind, hf_dir / "tokenizer.json", scales)
             os.replace(part, out)
         finally:
             part.unlink(missing_ok=True)
     return report
 
 
-def _write(gguf, path: Path, hf: dict, tensors: dict, kind: str, tokenizer: Path) -> list[str]:
+def _tensors(hf_dir: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _blocks(gguf, name: str, k: np.ndarray, s: np.ndarray, kind: str) -> np.ndarray:
+    """GGUF Q8_0 / Q4_0 bytes [rows, blocks * block bytes] of signed codes `k` with scales `s`
+    (both [rows, cols], one scale per block of 32), exactly (module docstring)."""
+    rows, cols = k.shape
+    k = k.reshape(rows, cols // BLOCK, BLOCK)
+    s = s.reshape(rows, cols // BLOCK, BLOCK)
+    d = s[..., 0]
+    if not (s == d[..., None]).all():
+        raise ConfigError(f"{name}: its scale groups do not fall on GGUF's rows of 32.")
+    d16 = d.astype(np.float16)
+    if not (d16.astype(np.float32) == d).all():
+        raise ConfigError(
+            f"{name} has scales that f16 does not hold exactly, so GGUF's blocks cannot carry "
+            "its codes losslessly; export the float run it came from with --gguf-type."
+        )
+    head = d16[..., None].view(np.uint8)
+    if kind == "q8_0":
+        body = k.astype(np.int8).view(np.uint8)
+    else:
+        n = (k + 8).astype(np.uint8)
+        body = n[..., :16] | (n[..., 16:] << 4)
+    return np.concatenate([head, body], axis=-1).reshape(rows, -1)
+
+
+def _write(
+    gguf, path: Path, hf: dict, tensors: dict, kind: str, tokenizer: Path, scales=None
+) -> list[str]:
     arch = "llama"
     n_head, n_kv = (
         hf["num_attention_heads"],
@@ -198,6 +293,17 @@ def _write(gguf, path: Path, hf: dict, tensors: dict, kind: str, tokenizer: Path
         elif name.endswith("attn_k.weight"):
             x = permute(x, n_kv)
         qtype = _tensor_type(gguf, kind, x)
+        s = None if scales is None else scales[hf_name].astype(np.float32)
+        if s is not None and np.isnan(s).all():  # a weight the run left in float
+            qtype = gguf.GGMLQuantizationType.F32 if x.ndim == 1 else gguf.GGMLQuantizationType.F16
+        elif s is not None:
+            if name.endswith("attn_q.weight"):
+                s = permute(s, n_head)
+            elif name.endswith("attn_k.weight"):
+                s = permute(s, n_kv)
+            w.add_tensor(name, _blocks(gguf, hf_name, x, s, kind), raw_dtype=qtype)
+            report.append(f"{hf_name} -> {name} {list(t.shape)} {qtype.name} (the run's codes)")
+            continue
         if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, x)
         elif qtype == gguf.GGMLQuantizationType.F16:
