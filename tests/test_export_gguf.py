@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hf_models import hf_model, run_cli, save_hf, stderr_of_failure
 from safetensors.numpy import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxllm import sharding
 from jaxllm.config import MeshConfig
@@ -21,8 +22,23 @@ from jaxllm.model import quantized
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gguf")
     src = save_hf(hf_model("llama2"), tmp / "hf")
+    _byte_bpe().save(str(src / "tokenizer.json"))
     assert run_cli("convert", "import", src, tmp / "run", "model.dtype=float32") == 0
     return tmp, load_file(str(src / "model.safetensors"))
+
+
+def _byte_bpe() -> Tokenizer:
+    """A byte-level BPE of 300 tokens (the model has 320 rows) with two special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    return tok
 
 
 def _weights(hf, n_head, n_kv):
@@ -68,6 +84,12 @@ def test_export_reads_back(run, kind):
         "llama.vocab_size",
     ):
         assert key in meta, key
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert len(tokens) == 320 and tokens[:2] == ["<s>", "</s>"] and tokens[-1] == "[PAD319]"
+    types = meta["tokenizer.ggml.token_type"]
+    assert types[0] == gguf.TokenType.CONTROL and types[-1] == gguf.TokenType.UNUSED
+    assert types[100] == gguf.TokenType.NORMAL and meta["tokenizer.ggml.merges"]
     want = _weights(hf, n_head, n_kv)
     got = {t.name: t for t in r.tensors}
     assert sorted(got) == sorted(want)
