@@ -3,6 +3,8 @@ and q4_0 and read back with gguf's own reader: llama.cpp's metadata and tensor n
 permuted as convert_hf_to_gguf.py does, f16 within rounding of the weights, q8_0 / q4_0 the
 bytes of gguf's own quantization of them; bad inputs one line, exit 2, nothing written."""
 
+import sys
+
 import gguf
 import jax.numpy as jnp
 import numpy as np
@@ -117,8 +119,14 @@ def test_export_reads_back(run, kind):
         )
 
 
-def test_bad_inputs_one_line(run, capsys):
+def test_bad_inputs_one_line(run, capsys, monkeypatch):
     tmp, _ = run
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "gguf", None)  # not installed: import gguf raises ImportError
+        err = stderr_of_failure(
+            capsys, "convert", "export", tmp / "run", tmp / "m.gguf", "--format", "gguf"
+        )
+    assert "jaxllm[export]" in err and err.count("\n") == 1 and not (tmp / "m.gguf").exists()
     out = tmp / "exists.gguf"
     out.write_bytes(b"x")
     err = stderr_of_failure(capsys, "convert", "export", tmp / "run", out, "--format", "gguf")

@@ -115,6 +115,7 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def check_gguf(cfg: config_lib.Config, family: str | None, gguf_type: str | None) -> str:
     """The tensor type to write, or a ConfigError for what GGUF export cannot hold."""
+    _gguf()
     mapped = _mapped_type(cfg.quantize)
     if mapped and gguf_type not in (None, mapped):
         raise ConfigError(
