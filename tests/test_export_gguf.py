@@ -201,3 +201,12 @@ def test_quantized_run_refusals(bf16_run, capsys):
         capsys, "convert", "export", q, tmp / "b.gguf", "--format", "gguf", "--gguf-type", "q4_0"
     )
     assert "would re-quantize" in err and not (tmp / "b.gguf").exists()
+
+
+def test_refuses_a_sliding_window(tmp_path, capsys):
+    src = save_hf(hf_model("mistral"), tmp_path / "hf")
+    assert run_cli("convert", "import", src, tmp_path / "run") == 0
+    capsys.readouterr()
+    out = tmp_path / "m.gguf"
+    err = stderr_of_failure(capsys, "convert", "export", tmp_path / "run", out, "--format", "gguf")
+    assert "sliding window (6)" in err and err.count("\n") == 1 and not out.exists()

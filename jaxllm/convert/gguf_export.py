@@ -128,7 +128,13 @@ def check_gguf(cfg: config_lib.Config, family: str | None, gguf_type: str | None
             f"--format gguf writes the llama architecture ({', '.join(FAMILIES)} families); "
             f"this run exports as {fam.name}."
         )
-    rope = hf_config(cfg.model, fam).get("rope_scaling") or {}
+    hf = hf_config(cfg.model, fam)
+    if hf.get("sliding_window"):  # llama.cpp's llama architecture attends to the whole context
+        raise ConfigError(
+            f"--format gguf writes full attention; this run's sliding window "
+            f"({hf['sliding_window']}) has no place in llama.cpp's llama architecture."
+        )
+    rope = hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise ConfigError(
