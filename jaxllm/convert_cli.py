@@ -21,6 +21,7 @@ anything is loaded; `--overwrite` replaces an occupied one, once the new one is 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxllm import checkpoint, config, sharding, storage
@@ -29,6 +30,7 @@ from jaxllm.config import ConfigError, MeshConfig
 from jaxllm.config.urls import check_url
 from jaxllm.convert import FAMILIES, export_hf, import_hf, is_hf_dir
 from jaxllm.convert.export import OUT_FLAG
+from jaxllm.convert.gguf_export import TYPES, check_gguf, export_gguf
 from jaxllm.convert.hf import check_out_dir
 from jaxllm.load import fetched, resolve, restore
 from jaxllm.model import lora
@@ -66,6 +68,10 @@ def cmd_import(ns: argparse.Namespace) -> int:
 
 def cmd_export(ns: argparse.Namespace) -> int:
     source = fetched(check_url(ns.source, "RUN_DIR"), "RUN_DIR")
+    if ns.format == "gguf":
+        return _export_gguf(ns, source)
+    if ns.gguf_type:
+        raise ConfigError("--gguf-type goes with --format gguf.")
     markers = PEFT_MARKERS if ns.peft else HF_MARKERS
     with storage.staged(ns.hf_dir, OUT_FLAG, overwrite=ns.overwrite, last=markers) as hf_dir:
         return _export(ns, source, hf_dir)
@@ -131,6 +137,43 @@ def _export(ns: argparse.Namespace, source: str, hf_dir) -> int:
     return 0
 
 
+def _export_gguf(ns: argparse.Namespace, source: str) -> int:
+    """`--format gguf`: one .gguf file for llama.cpp (`jaxllm.convert.gguf_export`)."""
+    if ns.peft:
+        raise ConfigError("--format gguf writes a whole model; --peft has no GGUF form.")
+    run_dir = resolve(source)[0]
+    saved = config.load(run_dir / "config.yaml")
+    if saved.peft.method != "none" and not ns.merge:
+        raise ConfigError(
+            f"{ns.source} is a fine-tuning run (peft.method={saved.peft.method}); pass --merge "
+            "to export it as one model."
+        )
+    check_gguf(saved, ns.family, ns.gguf_type)  # before the (long) restore
+    if os.path.exists(ns.hf_dir) and not ns.overwrite:
+        raise ConfigError(f"OUT {ns.hf_dir} already exists; pass --overwrite to replace it.")
+    mesh = sharding.make_mesh(MeshConfig())
+    restored = restore(source, mesh=mesh, which=ns.checkpoint)
+    params = restored.params
+    if ns.merge:
+        params = lora.merged_params(
+            restored.graphdef, params, restored.frozen, restored.model_state
+        )
+    report = export_gguf(
+        params,
+        restored.cfg,
+        ns.hf_dir,
+        ns.gguf_type,
+        ns.family,
+        model_state=restored.model_state,
+        run_dir=run_dir,
+        overwrite=ns.overwrite,
+    )
+    for line in report:
+        print(line)
+    print(f"exported step {restored.step} to {ns.hf_dir}", file=sys.stderr)
+    return 0
+
+
 def add_convert_parser(sub) -> None:
     c = sub.add_parser("convert", help="Hugging Face checkpoints in and out")
     csub = c.add_subparsers(dest="direction", required=True)
@@ -166,6 +209,19 @@ def add_convert_parser(sub) -> None:
         "--merge",
         action="store_true",
         help="a LoRA / QLoRA run as one model: the adapters merged into the base weights",
+    )
+    e.add_argument(
+        "--format",
+        choices=("hf", "gguf"),
+        default="hf",
+        help="hf: a Hugging Face directory (the default); gguf: one .gguf file for llama.cpp "
+        "(llama / mistral families), HF_DIR being its path",
+    )
+    e.add_argument(
+        "--gguf-type",
+        choices=TYPES,
+        help="with --format gguf: the type of the 2-D weights (default f16; q8_0 / q4_0: "
+        "GGUF's blocks of 32, quantized at export)",
     )
     e.add_argument("--checkpoint", default="last", help=CHECKPOINT_HELP)
     e.add_argument(
