@@ -1,0 +1,90 @@
+"""FP8 and MXFP4 weight codes (jaxllm/model/quantized_float.py) against NumPy re-derivations
+of the FP8 cast and the OCP MX rules."""
+
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxllm.model import quantized_float as qf
+
+
+def _w(k=64, n=8, seed=0):
+    return np.random.default_rng(seed).normal(size=(k, n)).astype(np.float32)
+
+
+def test_fp8_codes_match_ml_dtypes_cast():
+    w = _w()
+    w[:, 3] = 0.0
+    q, s = qf.fp8_quantize(jnp.asarray(w))
+    amax = np.abs(w).max(0)
+    s_ref = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(s), s_ref, rtol=2e-7)  # XLA: amax * (1 / 448)
+    s_ref = np.asarray(s)
+    q_ref = (w / s_ref).astype(ml_dtypes.float8_e4m3fn)
+    assert q.dtype == jnp.float8_e4m3fn
+    assert (np.asarray(q).view(np.uint8) == q_ref.view(np.uint8)).all()
+    assert np.abs(np.asarray(q, np.float32)).max() == 448.0
+    back = np.asarray(qf.fp8_dequantize(q, s))
+    np.testing.assert_allclose(back, q_ref.astype(np.float32) * s_ref, rtol=1e-6)
+    assert np.abs(back - w).max() <= amax.max() / 448.0 * 32  # E4M3: 3 mantissa bits
+
+
+def _e2m1_ref(v):
+    """Nearest E2M1 grid index of |v|, ties to the even index, saturating: by distances."""
+    a = np.minimum(np.abs(v), 6.0)
+    d = np.abs(a[..., None] - qf.E2M1_GRID)
+    best = d.min(-1, keepdims=True)
+    tied = np.isclose(d, best, rtol=0, atol=1e-12)
+    even = tied & (np.arange(8) % 2 == 0)
+    return np.where(even.any(-1), even.argmax(-1), tied.argmax(-1))
+
+
+def test_e2m1_rounding_ties_to_even_and_saturates():
+    v = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.26, 5.01, 7.0, 100.0, -2.5, -0.2])
+    idx = np.asarray(qf.e2m1_index(jnp.asarray(v, jnp.float32)))
+    assert list(idx) == [0, 2, 2, 4, 4, 6, 6, 1, 7, 7, 7, 4, 0]
+    r = np.random.default_rng(1).uniform(-8, 8, 4096).astype(np.float32)
+    assert (np.asarray(qf.e2m1_index(jnp.asarray(r))) == _e2m1_ref(r)).all()
+
+
+def test_mxfp4_known_bit_patterns():
+    w = np.zeros((64, 2), np.float32)
+    w[:4, 0] = [6.0, -0.5, 1.5, -6.0]  # absmax 6: e = floor(log2 6) - 2 = 0, byte 127
+    w[32:36, 0] = [0.75, 3.0, 24.0, -1.0]  # absmax 24: e = 4 - 2 = 2, X = 4
+    codes, scales = qf.mxfp4_quantize(jnp.asarray(w))
+    codes, scales = np.asarray(codes), np.asarray(scales)
+    assert codes.shape == (32, 2) and scales.shape == (2, 2)
+    assert list(scales[:, 0]) == [127, 129]
+    assert list(scales[:, 1]) == [0, 0]  # all-zero blocks: e = -127
+    # 6 -> 0b0111, -0.5 -> 0b1001; 1.5 -> 0b0011, -6 -> 0b1111 (first code low nibble)
+    assert codes[0, 0] == 0x97 and codes[1, 0] == 0xF3
+    # 0.75/4 = 0.1875 -> 0 (below 0.25); 3/4 = 0.75 -> tie 0.5|1 -> 1 (0b0010); 24/4 = 6 -> 0b0111;
+    # -1/4 = -0.25 -> tie 0|0.5 -> -0 (0b1000)
+    assert codes[16, 0] == 0x20 and codes[17, 0] == 0x87
+    back = np.asarray(qf.mxfp4_dequantize(jnp.asarray(codes), jnp.asarray(scales)))
+    assert list(back[:4, 0]) == [6.0, -0.5, 1.5, -6.0]
+    assert list(back[32:36, 0]) == [0.0, 4.0, 24.0, 0.0]
+
+
+def _mxfp4_ref(w):
+    k, n = w.shape
+    b = w.reshape(k // 32, 32, n)
+    amax = np.abs(b).max(1)
+    e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2, -127)
+    x = np.exp2(e)[:, None, :]
+    v = b / x
+    mag = qf.E2M1_GRID[_e2m1_ref(v)]
+    return (np.where(v < 0, -mag, mag) * x).reshape(k, n), (e + 127).astype(np.uint8)
+
+
+def test_mxfp4_random_matches_reference_and_bits():
+    w = _w(k=128, n=16, seed=2) * np.exp2(np.random.default_rng(3).integers(-6, 6, (1, 16)))
+    codes, scales = qf.mxfp4_quantize(jnp.asarray(w))
+    ref, s_ref = _mxfp4_ref(w)
+    assert (np.asarray(scales) == s_ref).all()
+    back = np.asarray(qf.mxfp4_dequantize(codes, scales))
+    np.testing.assert_array_equal(back, ref.astype(np.float32))
+    bits = 8 * (codes.size * codes.dtype.itemsize + scales.size) / w.size
+    assert math.isclose(bits, 4.25)
