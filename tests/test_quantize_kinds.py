@@ -1,5 +1,6 @@
 """FP8 and MXFP4 weight codes (jaxllm/model/quantized_float.py) against NumPy re-derivations
-of the FP8 cast and the OCP MX rules."""
+of the FP8 cast and the OCP MX rules; the W8A8 and LLM.int8() matmuls and SmoothQuant's
+smoothing (jaxllm/model/quantized_act.py) against NumPy references of the same operands."""
 
 import math
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxllm.model import quantized_act as qa
 from jaxllm.model import quantized_float as qf
 
 
@@ -88,3 +90,60 @@ def test_mxfp4_random_matches_reference_and_bits():
     np.testing.assert_array_equal(back, ref.astype(np.float32))
     bits = 8 * (codes.size * codes.dtype.itemsize + scales.size) / w.size
     assert math.isclose(bits, 4.25)
+
+
+# W8A8 / LLM.int8() / SmoothQuant (jaxllm/model/quantized_act.py)
+
+
+def _int8_ref(a, axis):
+    amax = np.abs(a).max(axis, keepdims=True)
+    s = np.where(amax > 0, amax / np.float32(127.0), 1.0).astype(np.float32)
+    return np.clip(np.round(a / s), -127, 127).astype(np.int8), s
+
+
+def test_w8a8_matmul_is_the_int32_dot_of_the_same_codes():
+    w, x = _w(64, 16, seed=4), _w(6, 64, seed=5) * 3
+    q_w, s_w = qa.int8_quantize(jnp.asarray(w))
+    qr, sr = _int8_ref(w, 0)
+    assert (np.asarray(q_w) == qr).all()
+    np.testing.assert_allclose(np.asarray(s_w), sr, rtol=2e-7)
+    y = np.asarray(qa.w8a8_matmul(jnp.asarray(x), q_w, s_w))
+    q_x, s_x = (np.asarray(a) for a in qa.int8_quantize(jnp.asarray(x), axis=-1))
+    assert (np.abs(q_x.astype(np.int32) - _int8_ref(x, -1)[0]) <= 1).all()
+    acc = q_x.astype(np.int32) @ np.asarray(q_w).astype(np.int32)
+    np.testing.assert_array_equal(y, acc.astype(np.float32) * s_x * np.asarray(s_w))
+    assert np.abs(y - x @ w).max() < 0.05 * np.abs(x @ w).max()
+
+
+def test_llm_int8_outlier_features_go_through_16_bits():
+    w, x = _w(64, 16, seed=6), np.random.default_rng(7).normal(size=(2, 5, 64)).astype(np.float32)
+    x[1, 3, [5, 40]] = [60.0, -9.0]  # two outlier features, one token each
+    q_w, s_w = qa.int8_quantize(jnp.asarray(w))
+    y = np.asarray(qa.llm_int8_matmul(jnp.asarray(x), q_w, s_w, threshold=6.0))
+    m = np.zeros(64, bool)
+    m[[5, 40]] = True
+    w_dq = np.asarray(q_w).astype(np.float32) * np.asarray(s_w)
+    reg = np.asarray(qa.w8a8_matmul(jnp.asarray(np.where(m, 0, x)), q_w, s_w))
+    np.testing.assert_allclose(y, reg + np.where(m, x, 0) @ w_dq, rtol=1e-5, atol=1e-5)
+    plain = np.asarray(qa.w8a8_matmul(jnp.asarray(x), q_w, s_w))
+    ref = x @ w
+    assert np.abs(y - ref).max() < 0.5 * np.abs(plain - ref).max()  # the outliers hurt int8
+
+
+def test_smooth_matches_numpy_and_keeps_the_product():
+    rng = np.random.default_rng(8)
+    ws = [rng.normal(size=(32, n)).astype(np.float32) for n in (16, 8)]
+    x = rng.normal(size=(10, 32)).astype(np.float32) * np.exp2(rng.integers(-3, 5, 32))
+    g = rng.uniform(0.5, 1.5, 32).astype(np.float32)
+    amax = np.abs(x * g).max(0)
+    out, g2 = qa.smooth([jnp.asarray(w) for w in ws], jnp.asarray(amax), jnp.asarray(g), 0.5)
+    wmax = np.maximum(np.abs(ws[0]).max(1), np.abs(ws[1]).max(1))
+    s = np.sqrt(amax) / np.sqrt(wmax)
+    np.testing.assert_allclose(np.asarray(g2), g / s, rtol=1e-5)
+    for w, o in zip(ws, out):
+        np.testing.assert_allclose(np.asarray(o), w * s[:, None], rtol=1e-5)
+        np.testing.assert_allclose(
+            (x * np.asarray(g2)) @ np.asarray(o), (x * g) @ w, rtol=1e-4, atol=1e-4
+        )
+    smoothed_amax = np.abs(x * np.asarray(g2)).max(0)
+    assert smoothed_amax.max() / smoothed_amax.min() < amax.max() / amax.min()
