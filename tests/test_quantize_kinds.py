@@ -92,6 +92,20 @@ def test_mxfp4_random_matches_reference_and_bits():
     assert math.isclose(bits, 4.25)
 
 
+def test_fp8_act_matmul_is_the_float32_dot_of_the_e4m3_operands():
+    w, x = _w(64, 16, seed=9), np.random.default_rng(10).normal(size=(3, 4, 64)).astype(np.float32)
+    x[0, 0] = 0.0
+    q_w, s_w = qf.fp8_quantize(jnp.asarray(w))
+    y = np.asarray(qf.fp8_act_matmul(jnp.asarray(x), q_w, s_w))
+    amax = np.abs(x).max(-1, keepdims=True)
+    s_x = np.where(amax > 0, amax / np.float32(448.0), 1.0).astype(np.float32)
+    q_x = (x / s_x).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    ref = (q_x @ np.asarray(q_w).astype(np.float64)) * s_x * np.asarray(s_w)
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5)
+    assert (y[0, 0] == 0).all()
+    assert np.abs(y - x @ w).max() < 0.1 * np.abs(x @ w).max()
+
+
 # W8A8 / LLM.int8() / SmoothQuant (jaxllm/model/quantized_act.py)
 
 

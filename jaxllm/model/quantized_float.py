@@ -1,4 +1,4 @@
-"""Float weight codes: FP8 (E4M3) per output channel and OCP Microscaling MXFP4.
+"""Float weight codes: FP8 (E4M3) per output channel, W8A8-FP8, and OCP Microscaling MXFP4.
 
 Both act on a weight of shape [*in, *out] viewed as a matrix [K, N]: K the contracted (input)
 channels flattened row-major, N the output channels flattened.
@@ -8,7 +8,9 @@ scale per output channel, s_n = max_k |W_kn| / 448 (448 the largest finite E4M3 
 
     q_kn = E4M3(W_kn / s_n)   (round to nearest even, as ml_dtypes' cast),   W_kn ~ q_kn * s_n.
 
-A column of zeros gets s = 1. One byte a weight plus 4 bytes a column.
+A column of zeros gets s = 1. One byte a weight plus 4 bytes a column. W8A8-FP8 quantizes each
+token's activation row the same way at run time (s_x = max |x| / 448) and takes an E4M3 x E4M3
+dot accumulated in float32, rescaled by s_x * s_w (`fp8_act_matmul`).
 
 MXFP4 (OCP Microscaling Formats (MX) v1.0 Specification, 2023; Rouhani et al. 2023,
 arXiv:2310.10537). The input channels are cut into blocks of 32; each block of a column shares
@@ -89,3 +91,16 @@ def mxfp4_dequantize(codes: jax.Array, scales: jax.Array, dtype=jnp.float32) -> 
     val = jnp.where(q & 8, -mag, mag).reshape(-1, MX_BLOCK, n)
     x = jnp.ldexp(jnp.ones(scales.shape, jnp.float32), scales.astype(jnp.int32) - E8M0_BIAS)
     return (val * x[:, None, :]).reshape(2 * k2, n).astype(dtype)
+
+
+def fp8_act_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, dtype=None) -> jax.Array:
+    """W8A8-FP8: each token's row of `x` [..., K] in E4M3 with s_x = max_k |x_k| / 448 (a zero
+    row s_x = 1), an E4M3 x E4M3 dot against `q_w` [K, N] accumulated in float32, rescaled by
+    s_x * s_w (`s_w` [N] from `fp8_quantize`)."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    s_x = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    q_x = (xf / s_x).astype(jnp.float8_e4m3fn)
+    acc = jnp.einsum("...k,kn->...n", q_x, q_w, preferred_element_type=jnp.float32)
+    s_w = s_w.reshape((1,) * (acc.ndim - 1) + s_w.shape[-1:])
+    return (acc * s_x * s_w).astype(dtype or x.dtype)
