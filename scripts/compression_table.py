@@ -1,11 +1,11 @@
 """Quantize a trained run with every method and bit width jaxllm offers; measure each.
 
-    python scripts/compression_table.py RUN [--methods rtn,gptq,...] [--workdir DIR]
+    python scripts/compression_table.py RUN [--methods rtn,gptq,...] [--bits 8,4] [--workdir DIR]
         [--out FILE.json] [--samples 32] [--new-tokens 64] [--repeats 5] [--kv int8,int4]
         [--score-rows 8] [--prefix 16]
 
 The methods are those of `jaxllm.config.quantize.METHOD_BITS` when the script runs (each bit
-width it takes), or the `--methods` among them. Each is made by `jaxllm quantize RUN OUT
+width it takes), or the `--methods` and `--bits` among them. Each is made by `jaxllm quantize RUN OUT
 --method M --bits B` (a method the command refuses without calibration data is retried with
 `--samples N`, where the command has that option; one it still refuses is reported with its
 error line, not measured). For the float run and each quantized run:
@@ -31,13 +31,14 @@ Writes the raw results as JSON (`--out`) and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,7 +47,7 @@ import jax
 import numpy as np
 
 import jaxllm
-from jaxllm import compress, config, sharding
+from jaxllm import cli, compress, config, sharding
 from jaxllm.config import GenerateConfig
 from jaxllm.config.quantize import METHOD_BITS
 from jaxllm.data.pipeline import load_splits
@@ -63,30 +64,27 @@ SEED_DELTAS = {
 }
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "jaxllm", *args], capture_output=True, text=True, check=False
-    )
-
-
 def quantize_options() -> set[str]:
-    """The `--options` `jaxllm quantize` has (read from its help)."""
-    text = cli("quantize", "--help").stdout
-    return {w.strip("[],") for w in text.split() if w.startswith(("--", "[--"))}
+    """The options `jaxllm quantize` has (from the CLI's own parser)."""
+    sub = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {o for a in sub.choices["quantize"]._actions for o in a.option_strings}
 
 
 def quantize(run: Path, out: Path, method: str, bits: int, samples: int, opts: set[str]) -> dict:
-    """Runs `jaxllm quantize`; {"seconds", "command"} or {"error"}: its stderr's last line."""
+    """Runs `jaxllm quantize` (in this process); {"seconds", "command"} or {"error"}: the
+    command's one-line message."""
     base = ["quantize", str(run), str(out), "--method", method, "--bits", str(bits), "--overwrite"]
     tries = [base]
     if "--samples" in opts:
         tries.append([*base, "--samples", str(samples)])
     for args in tries:
+        said = io.StringIO()
         t0 = time.perf_counter()
-        done = cli(*args)
-        if done.returncode == 0:
+        with contextlib.redirect_stderr(said):
+            code = cli.main(args)
+        if code == 0:
             return {"seconds": time.perf_counter() - t0, "command": "jaxllm " + " ".join(args)}
-    return {"error": (done.stderr.strip().splitlines() or ["no message"])[-1]}
+    return {"error": (said.getvalue().strip().splitlines() or [f"exit {code}"])[-1]}
 
 
 def checkpoint_params_bytes(run: Path) -> int:
@@ -201,6 +199,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run", type=Path)
     p.add_argument("--methods", help="comma-separated; default: every method of METHOD_BITS")
+    p.add_argument("--bits", help="comma-separated bit widths to keep; default: all")
     p.add_argument("--workdir", type=Path, help="where the quantized runs go (default RUN-q)")
     p.add_argument("--keep", action="store_true", help="keep the quantized runs")
     p.add_argument("--out", type=Path, help="the JSON of raw results")
@@ -237,6 +236,8 @@ def main(argv=None) -> dict:
     print(f"float: PPL {results['rows'][0]['perplexity']:.3f}", file=sys.stderr)
     for method in wanted:
         for bits in METHOD_BITS[method]:
+            if ns.bits and str(bits) not in ns.bits.split(","):
+                continue
             name = f"{method} {bits}-bit"
             out = work / f"{method}-{bits}"
             row = {"name": name, "method": method, "bits": bits}
