@@ -19,6 +19,9 @@
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME] [--peft | --merge]
     jaxllm quantize SRC OUT --method rtn [--bits B] [--group-size G] [--symmetric | --asymmetric]
         [key=value ...] [--overwrite]
+    jaxllm merge OUT --method linear|task_arithmetic|ties|dare_linear|dare_ties RUN RUN...
+        [--weights W1,W2,...] [--base BASE] [--density D] [--majority-sign total|frequency]
+        [--seed S] [--overwrite]
     jaxllm sweep [CONFIG.yaml] [key=value ...] --grid KEY=V1,V2 [--grid ...] [--out DIR]
 
 Exit codes, each failure with one sentence on stderr and no traceback:
@@ -248,10 +251,12 @@ def parser() -> argparse.ArgumentParser:
     bt.set_defaults(func=cmd_bench)
     from jaxllm.convert_cli import add_convert_parser
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser
+    from jaxllm.merge import add_merge_parser
     from jaxllm.quantize import add_quantize_parser
 
     _add_generate_parser(sub)
     add_quantize_parser(sub)
+    add_merge_parser(sub)
 
     add_bench_data_parser(bsub)
     add_data_parser(sub)
