@@ -412,7 +412,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser()
     ns, extra = p.parse_known_args(argv)
     target = next((name for name in ("args", "overrides") if hasattr(ns, name)), None)
-    stray = [a for a in extra if target is None or a.startswith("-") or "=" not in a]
+    # A command of plain positional lists (merge's runs) takes them after options too.
+    loose = getattr(ns, "positionals_anywhere", False)
+    stray = [a for a in extra if target is None or a.startswith("-") or not (loose or "=" in a)]
     if stray:
         p.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:

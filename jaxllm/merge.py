@@ -51,7 +51,6 @@ from jaxllm.load import (
     fetched,
     load_weights,
     merged_weights,
-    pick_step,
     resolve,
     restore,
     weight_targets,
@@ -88,7 +87,7 @@ def majority_sign_mask(stack: jax.Array, method: str = "total") -> jax.Array:
     (`total`) or sign(sum_i sign(tau_i)) (`frequency`), zero counting as positive."""
     sign = jnp.sign(stack)
     votes = stack.sum(0) if method == "total" else sign.sum(0)
-    return sign == jnp.where(votes >= 0, 1.0, -1.0)
+    return sign == jnp.where(votes >= 0, 1.0, -1.0)[None]
 
 
 def disjoint_merge(weighted: jax.Array, agree: jax.Array) -> jax.Array:
@@ -275,7 +274,8 @@ def _shapes(cfg: Config) -> dict:
 def _base_of(run: Path, cfg: Config) -> dict:
     run_dir, ckpt_dir, step = resolve(run)
     ckpt_dir = ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
-    step = pick_step(ckpt_dir, step)
+    if step is None:  # the newest, as restore reads
+        step = (checkpoint.steps(ckpt_dir) or [None])[-1]
     record = checkpoint.read_json_item(ckpt_dir, step, BASE_ITEM)
     if record is None:
         raise ConfigError(f"{ckpt_dir}/{step} has no record of its fine-tuning base.")
@@ -364,4 +364,4 @@ def add_merge_parser(sub) -> None:
     m.add_argument("--majority-sign", choices=("total", "frequency"), help="TIES's sign vote")
     m.add_argument("--seed", type=int, help="DARE's random drop (default 0)")
     m.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    m.set_defaults(func=cmd_merge)
+    m.set_defaults(func=cmd_merge, positionals_anywhere=True)
