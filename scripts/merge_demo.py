@@ -5,10 +5,10 @@
 Skill `code`: the built-in corpus (the standard library's Python sources), its held-out split.
 Skill `arith`: generated lines like "add 17 and 25: 42." (train and held-out files written into
 OUT_DIR, disjoint number pairs). The base trains on `code` for --base-steps; fine-tune A
-continues it on `code`, fine-tune B on `arith`, for --steps each. Then `jaxllm merge` with
-every method (`--weights 1,1` for the task-vector ones, density 0.5), and the held-out
-cross-entropy (nats/token, `jaxllm.evaluate`, the same batches for every model) of each model
-on each skill. Prints a markdown table; OUT_DIR/results.json holds every number.
+continues it on `code`, fine-tune B on `arith`, for --steps each at a third of the base's
+learning rate. Then `jaxllm merge` with every method (`--weights 1,1` for the task-vector
+ones, density 0.5), and the held-out cross-entropy (nats/token, `jaxllm.evaluate`, the same
+batches for every model) of each model on each skill. Prints a markdown table; OUT_DIR/results.json holds every number.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ MERGES = {
     "dare_ties": ["--weights", "1,1", "--density", "0.5"],
 }
 EVAL_BATCHES = 8
+FT_LR = 1e-3  # the fine-tunes' learning rate, a third of the base's: they stay near it
 
 
 def arith_files(out: Path) -> tuple[Path, Path]:
@@ -74,10 +75,12 @@ def run_demo(out: Path, base_steps: int, steps: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     a_train, a_valid = arith_files(out)
     arith = [f"data.sources=[{{path: {a_train}}}]", f"data.eval_sources=[{{path: {a_valid}}}]"]
-    skills = {"code": [], "arith": arith}
+    # Each skill's data named outright: a run's own config.yaml names the data it trained on.
+    code = ["data.sources=[{path: stdlib}]", "data.eval_sources=[]", "data.seed=0"]
+    skills = {"code": code, "arith": arith}
     base = train(out / "base", base_steps, [])
     runs = {"base": base}
-    start = [f"checkpoint.init_from={base}"]
+    start = [f"checkpoint.init_from={base}", f"optim.lr={FT_LR}"]
     runs["A (code)"] = train(out / "ft_code", steps, [*start, "data.seed=1"])
     runs["B (arith)"] = train(out / "ft_arith", steps, [*start, *arith])
     for method, opts in MERGES.items():
