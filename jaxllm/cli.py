@@ -19,6 +19,9 @@
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME] [--peft | --merge]
     jaxllm quantize SRC OUT --method rtn [--bits B] [--group-size G] [--symmetric | --asymmetric]
         [key=value ...] [--overwrite]
+    jaxllm merge OUT --method linear|task_arithmetic|ties|dare_linear|dare_ties RUN RUN...
+        [--weights W1,W2,...] [--base BASE] [--density D] [--majority-sign total|frequency]
+        [--seed S] [--overwrite]
     jaxllm sweep [CONFIG.yaml] [key=value ...] --grid KEY=V1,V2 [--grid ...] [--out DIR]
 
 Exit codes, each failure with one sentence on stderr and no traceback:
@@ -248,10 +251,12 @@ def parser() -> argparse.ArgumentParser:
     bt.set_defaults(func=cmd_bench)
     from jaxllm.convert_cli import add_convert_parser
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser
+    from jaxllm.merge import add_merge_parser
     from jaxllm.quantize import add_quantize_parser
 
     _add_generate_parser(sub)
     add_quantize_parser(sub)
+    add_merge_parser(sub)
 
     add_bench_data_parser(bsub)
     add_data_parser(sub)
@@ -407,7 +412,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser()
     ns, extra = p.parse_known_args(argv)
     target = next((name for name in ("args", "overrides") if hasattr(ns, name)), None)
-    stray = [a for a in extra if target is None or a.startswith("-") or "=" not in a]
+    # A command of plain positional lists (merge's runs) takes them after options too.
+    loose = getattr(ns, "positionals_anywhere", False)
+    stray = [a for a in extra if target is None or a.startswith("-") or not (loose or "=" in a)]
     if stray:
         p.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:

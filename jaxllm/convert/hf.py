@@ -234,14 +234,16 @@ class NewRun:
     copies: tuple[Path, ...]
     overwrite: bool = False
 
-    def write(self, params, model_state, base: dict | None = None) -> None:
-        """Writes the directory: the copied files, a weights-only checkpoint at step 0 of
-        `params` (the adapters of a PEFT run, whose `base` record it keeps), and config.yaml
-        last; built in a hidden sibling, renamed into place when complete. A checkpoint.dir
+    def write(self, params, model_state, base: dict | None = None, files=None) -> None:
+        """Writes the directory: the copied files, `files` ({name: text}, e.g. merge.json), a
+        weights-only checkpoint at step 0 of `params` (the adapters of a PEFT run, whose `base`
+        record it keeps), and config.yaml last; built in a hidden sibling, renamed into place when complete. A checkpoint.dir
         outside the run directory is written the same way, before it."""
         with written(self.out_dir, flag=OUT_FLAG, overwrite=self.overwrite) as tmp:
             for f in self.copies:
                 shutil.copy(f, tmp / f.name)
+            for name, text in (files or {}).items():
+                (tmp / name).write_text(text)
             # The config names the final tokenizer.json; its record is read from the copy.
             tokenizer = tmp / "tokenizer.json" if self.copies else self.cfg.data.tokenizer
             within = _inside(self.ckpt_dir, self.out_dir)
