@@ -25,7 +25,7 @@ from transformers.utils.quantization_config import CompressedTensorsConfig
 import jaxllm
 from jaxllm import config
 from jaxllm.cli import main
-from jaxllm.convert import compressed
+from jaxllm.convert import packed
 from jaxllm.model import quantized
 
 KINDS = {  # name -> jaxllm quantize options
@@ -58,10 +58,10 @@ def test_packing_is_compressed_tensors_own(bits):
     q = np.random.default_rng(bits).integers(0, 2**bits, (6, 40)).astype(np.uint8)
     signed = torch.tensor(q.astype(np.int16) - 2 ** (bits - 1), dtype=torch.int8)
     want = pack_to_int32(signed, bits).numpy()
-    np.testing.assert_array_equal(compressed.pack_int32(q, bits), want)
+    np.testing.assert_array_equal(packed.pack_int32(q, bits), want)
     want0 = pack_to_int32(signed.T.contiguous(), bits, packed_dim=0).numpy()
-    np.testing.assert_array_equal(compressed.pack_int32(q, bits).T, want0)
-    np.testing.assert_array_equal(compressed.unpack_int32(want, bits, 40), q)
+    np.testing.assert_array_equal(packed.pack_int32(q, bits).T, want0)
+    np.testing.assert_array_equal(packed.unpack_int32(want, bits, 40), q)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -141,7 +141,7 @@ def test_import_refuses_what_it_cannot_hold(runs, tmp_path, capsys):
     # one projection left in float: the run would not load as the quantize.* it records
     tensors = load_file(src / "model.safetensors")
     m = "model.layers.1.mlp.up_proj"
-    w = compressed.dequantized(tensors.__getitem__, m, 4, np.float32)
+    w = packed.dequantized(tensors.__getitem__, m, 4, np.float32)
     tensors = {k: v for k, v in tensors.items() if not k.startswith(f"{m}.")}
     save_file({**tensors, f"{m}.weight": w}, str(src / "model.safetensors"))
     (src / "config.json").write_text(json.dumps(cfg))
@@ -152,7 +152,7 @@ def test_import_refuses_what_it_cannot_hold(runs, tmp_path, capsys):
     tensors = load_file(hf / "model.safetensors")
     head = tensors.pop("lm_head.weight")
     q = np.random.default_rng(0).integers(0, 16, head.shape).astype(np.uint8)
-    tensors["lm_head.weight_packed"] = compressed.pack_int32(q, 4)
+    tensors["lm_head.weight_packed"] = packed.pack_int32(q, 4)
     tensors["lm_head.weight_scale"] = np.ones((head.shape[0], 2), np.float32)
     tensors["lm_head.weight_shape"] = np.array(head.shape, np.int64)
     save_file(tensors, str(src / "model.safetensors"))

@@ -30,7 +30,7 @@ from jaxllm import checkpoint, sharding
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError, JaxllmWarning, ModelConfig
 from jaxllm.config.outputs import check_output, written
-from jaxllm.convert import compressed
+from jaxllm.convert import compressed, packed
 from jaxllm.convert.export import library_os_errors
 from jaxllm.convert.families import family_of, model_fields
 from jaxllm.convert.links import Link
@@ -132,7 +132,7 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     still loads and computes logits from ids, and only encoding or decoding text is refused."""
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
-    quantize = compressed.run_quantize(hf, hf_dir)  # {}, or its codes' quantize.*
+    quantize = packed.run_quantize(hf, hf_dir)  # {}, or its codes' quantize.*
     fields = model_fields(hf, hf_dir / "config.json")
     family = family_of(hf)
     if family.file_fields is not None:  # what the tensors say (BERT's pooler)

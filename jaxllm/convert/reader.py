@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxllm.config import ConfigError
 from jaxllm.convert.families import first_line
+from jaxllm.convert.packed import SUFFIXES, dequantized, run_quantize
 
 DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 INDEX = "model.safetensors.index.json"
@@ -134,14 +135,13 @@ class Reader:
     def _compressed(self, hf_dir: Path) -> None:
         """compressed-tensors' packed modules (`M.weight_packed`, ...) seen as their float
         `M.weight`, which `read` dequantizes (`jaxllm.convert.compressed`)."""
-        from jaxllm.convert import compressed  # noqa: PLC0415 (it imports the links)
 
         self.modules: dict[str, str] = {}
         self.bits = 0
         packed = [n.removesuffix(".weight_packed") for n in self.shapes if n.endswith("_packed")]
         if not packed:
             return
-        self.bits = compressed.run_quantize(read_hf_config(hf_dir), hf_dir).get("bits", 0)
+        self.bits = run_quantize(read_hf_config(hf_dir), hf_dir).get("bits", 0)
         if not self.bits:
             raise ConfigError(
                 f"{hf_dir} holds compressed-tensors packed weights ({packed[0]}.weight_packed) "
@@ -152,15 +152,13 @@ class Reader:
             self.modules[name] = m
             self.shapes[name] = tuple(int(x) for x in self._read(f"{m}.weight_shape"))
             self.dtypes[name] = self.dtypes[f"{m}.weight_scale"]
-            for suffix in compressed.SUFFIXES:
+            for suffix in SUFFIXES:
                 self.shapes.pop(f"{m}.{suffix}", None)
                 self.dtypes.pop(f"{m}.{suffix}", None)
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         if name in self.modules:
-            from jaxllm.convert import compressed  # noqa: PLC0415
-
-            w = compressed.dequantized(self._read, self.modules[name], self.bits, np.float32)
+            w = dequantized(self._read, self.modules[name], self.bits, np.float32)
             return w if index is None else w[index]
         return self._read(name, index)
 
