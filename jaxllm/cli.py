@@ -173,19 +173,9 @@ def _add_generate_parser(sub) -> None:
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", type=Path, help="one prompt per line")
     src.add_argument("--chat", metavar="MESSAGE", help="a user message: print the reply alone")
-    src.add_argument(
-        "--chat-file",
-        type=Path,
-        metavar="F.jsonl",
-        help="chat JSONL: one JSON line {reply, reference} per conversation",
-    )
+    src.add_argument("--chat-file", type=Path, metavar="F.jsonl", help="chat JSONL, a line each")
     g.add_argument("--system", help="--chat / --chat-file: a system message first")
-    g.add_argument(
-        "--out",
-        type=Path,
-        metavar="FILE.jsonl",
-        help="write a dataset: chat records (--chat/--chat-file) or prompt/completion records",
-    )
+    g.add_argument("--out", type=Path, metavar="F.jsonl", help="write the replies as a dataset")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     g.add_argument("--max-new-tokens", type=int, help="tokens per prompt at most")
     g.add_argument("--temperature", type=float, help="0 = greedy")
@@ -213,18 +203,12 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on a dataset")
     ev.add_argument("args", nargs="+", metavar="RUN_DIR|CHECKPOINT|key=value")
     ev.add_argument("--batches", type=int, help="batches to evaluate (default train.eval_batches)")
-    ev.add_argument(
-        "--chat-exact-match",
-        type=Path,
-        metavar="F.jsonl",
-        help="greedy replies to a chat JSONL's conversations: accuracy against their last turn",
-    )
+    em = "greedy replies to a chat JSONL's conversations: accuracy against their last turn"
+    ev.add_argument("--chat-exact-match", type=Path, metavar="F.jsonl", help=em)
     ev.add_argument("--replies", type=Path, help="with --chat-exact-match: write them here")
     ev.add_argument("--checkpoint", default="last", help=convert_cli.CHECKPOINT_HELP)
     ev.set_defaults(func=cmd_eval)
-    pl = sub.add_parser(
-        "plan", help="compile the train step ahead of time: memory, sharding, FLOPs"
-    )
+    pl = sub.add_parser("plan", help="compile the train step ahead of time: memory, FLOPs")
     pl.add_argument("args", nargs="*", metavar="CONFIG|key=value")
     pl.add_argument("--devices", type=int, help="simulate this many CPU devices")
     pl.add_argument("--hbm", help="per-device memory budget, e.g. 80GiB; exit 1 if over it")

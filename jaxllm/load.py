@@ -5,11 +5,9 @@ Hugging Face model directory, always straight into their shards on a mesh.
     model_section(source, key)     -> the ModelConfig of a run or Hugging Face directory
     pick_step(ckpt_dir, step, which) -> the step `--checkpoint best|last|STEP` names
     restore(path, overrides)       -> Restored(cfg, mesh, graphdef, params, model_state, step)
-    load_model(path)               -> an nnx.Module (run directory or Hugging Face directory);
-                                      a fine-tuning run's model has its adapters / soft prompt
+    load_model(path)               -> an nnx.Module (a run's, adapters and all; or a HF dir's)
     load_weights(source, cfg, mesh) -> (params, model state): `checkpoint.init_from`
-    fetched_inputs(cfg)            -> cfg with its model URLs (init_from, teacher, reference,
-                                      reward) replaced by their local copies
+    fetched_inputs(cfg)            -> cfg with its model URLs replaced by their local copies
 
 A `gs://` / `s3://` URL of a run or Hugging Face directory is read from its local copy
 (`jaxllm.storage.fetch`), so everything below sees local paths.
@@ -230,9 +228,7 @@ def load_model(path, *, mesh: Mesh | None = None, overrides=()) -> nnx.Module:
     return restored.model()
 
 
-def load_weights(
-    source, model_cfg: ModelConfig, mesh: Mesh, *, quantize=None
-) -> tuple[dict, dict | None]:
+def load_weights(source, model_cfg: ModelConfig, mesh: Mesh, *, quantize=None):
     """(parameters, model state) for `model_cfg` from a Hugging Face directory or a jaxllm run
     directory / checkpoint (`checkpoint.init_from`), in their shards on `mesh`. The source
     must describe the same parameter shapes; ConfigError names the first that differs. The
@@ -246,12 +242,9 @@ def load_weights(
     head that this model has not (SFT on from a PPO run) stays behind.
 
     A fine-tuning run (peft) as the source gives its merged model: base + adapters, the NF4 of
-    QLoRA dequantized, as `convert export --merge` writes it. A prompt-tuning run has none
-    (ConfigError).
-
-    A quantized run (`jaxllm quantize`) is read only as the frozen base of LoRA: `quantize`
-    must then be its `quantize` section, and its weights come as they are stored (packed
-    codes); otherwise ConfigError, since quantized weights do not train."""
+    QLoRA dequantized, as `convert export --merge` writes it (a prompt-tuning run: ConfigError).
+    A quantized run is read only as LoRA's frozen base, in its codes: `quantize` must be its
+    `quantize` section (else ConfigError: quantized weights do not train)."""
     source = fetched(source, "checkpoint.init_from")
     hf = _is_hf_source(source)
     if hf:
@@ -449,8 +442,7 @@ def load_frozen(cfg: Config, mesh, record: dict, *, verify: bool = False):
 
 
 def frozen_shardings(model_cfg: ModelConfig, mesh: Mesh, peft: PeftConfig | None, quantize=None):
-    """NamedShardings of the frozen base under `peft` (None without), its weights packed as
-    `quantize` says when the base is a quantized run (LoRA on a quantized base)."""
+    """NamedShardings of the frozen base under `peft` (None without), packed as `quantize` says."""
     if peft is None or peft.method == "none":
         return None
     abstract, axes = compress.quantized_abstract(*abstract_frozen(model_cfg, peft), quantize)

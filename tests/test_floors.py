@@ -61,6 +61,7 @@ DEFERRED = {
     "built for every command, imports this module",
     "jaxllm.kernels.flash_attention.ops": "a backend (Triton, Mosaic) loads only when used",
     "jaxllm.kernels.decode_attention.ops": "a backend (Triton, Mosaic) loads only when used",
+    "jaxllm.kernels.int4_matmul.ops": "the Triton backend loads only when used",
 }
 
 
