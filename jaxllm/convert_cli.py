@@ -131,9 +131,14 @@ def _export(ns: argparse.Namespace, source: str, hf_dir) -> int:
             run_dir=run_dir,
             overwrite=ns.overwrite,
         )
+    return _reported(report, restored.step, ns.hf_dir)
+
+
+def _reported(report, step, out) -> int:
+    """Prints an export's report lines, then what was exported where (stderr)."""
     for line in report:
         print(line)
-    print(f"exported step {restored.step} to {ns.hf_dir}", file=sys.stderr)
+    print(f"exported step {step} to {out}", file=sys.stderr)
     return 0
 
 
@@ -168,10 +173,7 @@ def _export_gguf(ns: argparse.Namespace, source: str) -> int:
         run_dir=run_dir,
         overwrite=ns.overwrite,
     )
-    for line in report:
-        print(line)
-    print(f"exported step {restored.step} to {ns.hf_dir}", file=sys.stderr)
-    return 0
+    return _reported(report, restored.step, ns.hf_dir)
 
 
 def add_convert_parser(sub) -> None:
