@@ -16,6 +16,7 @@ place when complete (`jaxllm.config.outputs.written`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -23,8 +24,9 @@ import jax
 
 from jaxllm import compress, sharding, storage
 from jaxllm import config as config_lib
+from jaxllm.compress.calibrate import quantize_calibrated
 from jaxllm.config import Config, ConfigError, PeftConfig
-from jaxllm.config.quantize import DEFAULT_BITS, METHOD_BITS
+from jaxllm.config.quantize import CALIBRATED, DEFAULT_BITS, METHOD_BITS
 from jaxllm.convert import load_params
 from jaxllm.convert.hf import NewRun, check_out_dir, new_run
 from jaxllm.convert.reader import TOKENIZER_FILES
@@ -43,7 +45,14 @@ from jaxllm.model import abstract_model
 OUT_FLAG = "OUT"
 
 
-def options(method: str, bits: int | None, group_size: int | None, symmetric: bool | None):
+def options(
+    method: str,
+    bits: int | None,
+    group_size: int | None,
+    symmetric: bool | None,
+    calibration: str | None = None,
+    samples: int | None = None,
+):
     """The `quantize.*` overrides of the command's options (a method's default bits)."""
     if method not in METHOD_BITS:
         raise ConfigError(
@@ -59,6 +68,15 @@ def options(method: str, bits: int | None, group_size: int | None, symmetric: bo
         out.append(f"quantize.group_size={group_size}")
     if symmetric is not None:
         out.append(f"quantize.symmetric={str(symmetric).lower()}")
+    if (calibration is not None or samples is not None) and method not in CALIBRATED:
+        raise ConfigError(
+            f"--method {method} reads no calibration data (--calibration, --samples); the "
+            f"calibrated methods are {', '.join(CALIBRATED)}."
+        )
+    if calibration is not None:
+        out.append(f"quantize.calibration={json.dumps(calibration)}")
+    if samples is not None:
+        out.append(f"quantize.samples={samples}")
     return out
 
 
@@ -97,7 +115,10 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         new = NewRun(out, cfg, out / "checkpoints", _tokenizer_files(saved), overwrite)
         new = _with_tokenizer(new)
     _, _, axes = abstract_model(cfg.model)
-    q = compress.quantize_params(params, axes, cfg.quantize, mesh)
+    if cfg.quantize.calibrated:
+        q = quantize_calibrated(params, model_state, axes, cfg, mesh)
+    else:
+        q = compress.quantize_params(params, axes, cfg.quantize, mesh)
     new.write(q, model_state)
     return Path(out)
 
@@ -163,7 +184,7 @@ def cmd_quantize(ns) -> int:
     stray = [a for a in rest if "=" not in a]
     if src is None or out is None or stray:
         raise ConfigError("jaxllm quantize takes SRC OUT, then only key=value.")
-    how = options(ns.method, ns.bits, ns.group_size, ns.symmetric)
+    how = options(ns.method, ns.bits, ns.group_size, ns.symmetric, ns.calibration, ns.samples)
     quantize_run(src, out, [*rest, *how], overwrite=ns.overwrite)
     print(f"quantized {src} into {out}", file=sys.stderr)
     return 0
@@ -172,11 +193,19 @@ def cmd_quantize(ns) -> int:
 def add_quantize_parser(sub) -> None:
     q = sub.add_parser("quantize", help="quantize a trained model's weights into a new run")
     q.add_argument("args", nargs="+", metavar="SRC OUT key=value")
-    q.add_argument("--method", required=True, help="rtn (round-to-nearest)")
-    q.add_argument("--bits", type=int, help="bits per weight (rtn: 8, 4, 3, 2; default 8)")
+    q.add_argument("--method", required=True, help="rtn | gptq | awq (docs/compression.md)")
+    q.add_argument(
+        "--bits", type=int, help="bits per weight: 8, 4, 3, 2 (default: rtn 8, gptq / awq 4)"
+    )
     q.add_argument(
         "--group-size", type=int, help="input channels per scale; 0 (default): per channel"
     )
+    q.add_argument(
+        "--calibration",
+        help="gptq / awq: a data source (a path, or a mapping like {path: x.jsonl, format: "
+        "chat}); default: the run's held-out split",
+    )
+    q.add_argument("--samples", type=int, help="calibration rows of data.seq_len (default 128)")
     sym = q.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false")

@@ -32,7 +32,7 @@ METHODS: dict[str, Callable[..., quantized.QuantizedTensor]] = {"rtn": rtn}
 LEAD_AXES = ("layers", "expert")  # dims each quantized on its own, kept whole
 
 
-def _path(keys) -> str:
+def path_of(keys) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in keys)
 
 
@@ -91,7 +91,7 @@ def quantized_abstract(abstract: dict, axes: dict, cfg: QuantizeConfig | None):
     flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
     out, out_axes = {}, {}
     for (keys, leaf), ax in zip(flat, flat_axes):
-        path, ax = _path(keys), tuple(ax)
+        path, ax = path_of(keys), tuple(ax)
         d = dims(path, ax, cfg)
         if d is not None:
             _check(path, leaf.shape, *d, cfg)
@@ -126,9 +126,9 @@ def quantize_params(params: dict, axes: dict, cfg: QuantizeConfig, mesh: Mesh) -
     flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
     jobs = {}  # path -> (keys, weight, n_in, n_out, stacked)
     for (keys, w), ax in zip(flat, flat_axes):
-        d = dims(_path(keys), tuple(ax), cfg)
+        d = dims(path_of(keys), tuple(ax), cfg)
         if d is not None:
-            jobs[_path(keys)] = (keys, w, *d, bool(ax) and ax[0] == "layers")
+            jobs[path_of(keys)] = (keys, w, *d, bool(ax) and ax[0] == "layers")
     depth = max((j[1].shape[0] for j in jobs.values() if j[4]), default=0)
     shard = sharding.tree_shardings(mesh, q_axes)
     slices = {p: [] for p, j in jobs.items() if j[4]}

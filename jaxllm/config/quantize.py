@@ -14,8 +14,10 @@ from jaxllm.config.errors import fail
 
 # method -> the bit widths it takes. (A method and its widths are added together, with the
 # function in `jaxllm.compress` that computes it.)
-METHOD_BITS = {"rtn": (8, 4, 3, 2)}
-DEFAULT_BITS = {"rtn": 8}
+METHOD_BITS = {"rtn": (8, 4, 3, 2), "gptq": (8, 4, 3, 2), "awq": (8, 4, 3, 2)}
+DEFAULT_BITS = {"rtn": 8, "gptq": 4, "awq": 4}
+# The methods that read calibration data (`jaxllm.compress.calibrate`).
+CALIBRATED = ("gptq", "awq")
 
 # The weights a method may quantize, by name: the attention, MLP and expert projections, MLA's
 # projections, and (with quantize.head) the untied LM head. Embeddings, norms, biases, the MoE
@@ -36,15 +38,42 @@ QUANTIZABLE = (
 
 
 @dataclasses.dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ's settings (`jaxllm.compress.gptq`; Frantar et al. 2022)."""
+
+    block_size: int = 128
+    """Input channels rounded between two lazy updates of the rest (the paper's 128)."""
+    dampening: float = 0.01
+    """Added to the Hessian's diagonal, as a fraction of its mean (the paper's 1%)."""
+    act_order: bool = False
+    """Round the channels in order of decreasing activation energy H_kk (AutoGPTQ's
+    desc_act); with groups it needs static_groups."""
+    static_groups: bool = False
+    """Every group's grid from the original weights before any update (llm-compressor's);
+    false: from the weights as they are when the group's first channel is reached (the
+    paper's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AWQConfig:
+    """AWQ's settings (`jaxllm.compress.awq`; Lin et al. 2023)."""
+
+    grid: int = 20
+    """Points of the search for the exponent alpha of the scales s = mean|x|^alpha, over
+    [0, 1) (the paper's 20)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantizeConfig:
     """Post-training weight quantization (docs/compression.md). Set by `jaxllm quantize`, which
     writes the quantized run; editing these keys in a run's config.yaml does not re-quantize
     its checkpoint (its codes would no longer match, and loading it fails)."""
 
-    method: Literal["none", "rtn"] = "none"
-    """`rtn`: round-to-nearest per channel or per group (weight-only integer codes)."""
+    method: Literal["none", "rtn", "gptq", "awq"] = "none"
+    """Weight-only integer codes: `rtn` round-to-nearest; `gptq` with Hessian error feedback
+    and `awq` with activation-aware scales, both calibrated (docs/compression.md)."""
     bits: int = 8
-    """Bits per weight code: 8, 4, 3 or 2 for rtn. Codes are packed into bytes (int4 two a
+    """Bits per weight code: 8, 4, 3 or 2 (`jaxllm quantize` defaults: rtn 8, gptq and awq 4). Codes are packed into bytes (int4 two a
     byte, int3 eight in three bytes, int2 four a byte)."""
     group_size: int = 0
     """Consecutive values of the contracted (input) dim that share a scale; 0: one scale per
@@ -58,6 +87,18 @@ class QuantizeConfig:
     skip: tuple[str, ...] = ()
     """More weights to leave in their dtype: parameter-path patterns (`fnmatch`, e.g.
     `layers/mlp/down_proj` or `*/o_proj`), matched against paths like `layers/attn/q_proj`."""
+
+    calibration: str | None = None
+    """The calibrated methods' data: a `data.sources` entry, a path or a mapping such as
+    `{path: chats.jsonl, format: chat}`; unset: the run's own held-out split."""
+    samples: int = 128
+    """Rows of `data.seq_len` tokens of the calibration data used (GPTQ's and AWQ's 128)."""
+    gptq: GPTQConfig = GPTQConfig()
+    awq: AWQConfig = AWQConfig()
+
+    @property
+    def calibrated(self) -> bool:
+        return self.method in CALIBRATED
 
     @property
     def enabled(self) -> bool:
@@ -74,6 +115,23 @@ class QuantizeConfig:
             )
         if self.group_size < 0:
             fail(f"quantize.group_size must be >= 0 (0: per channel), not {self.group_size}.")
+        if self.calibration and not self.calibrated:
+            fail(
+                f"quantize.calibration: method {self.method} reads no calibration data; the "
+                f"calibrated methods are {', '.join(CALIBRATED)}."
+            )
+        if self.samples < 1:
+            fail(f"quantize.samples must be at least 1, not {self.samples}.")
+        g = self.gptq
+        if g.block_size < 1 or not g.dampening >= 0:
+            fail("quantize.gptq.block_size must be >= 1 and quantize.gptq.dampening >= 0.")
+        if self.method == "gptq" and g.act_order and self.group_size and not g.static_groups:
+            fail(
+                "quantize.gptq.act_order with --group-size needs quantize.gptq.static_groups="
+                "true: the checkpoint keeps contiguous groups, with no group index."
+            )
+        if self.awq.grid < 1:
+            fail(f"quantize.awq.grid must be at least 1, not {self.awq.grid}.")
         for pattern in self.skip:
             if not pattern or not isinstance(pattern, str):
                 fail(f"quantize.skip: {pattern!r} is not a parameter-path pattern.")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.model import fp8 as fp8_ops
-from jaxllm.model import lora
+from jaxllm.model import lora, tap
 
 
 def param(rngs: nnx.Rngs, init, shape: Sequence[int], axes: tuple[str, ...], dtype) -> nnx.Param:
@@ -29,6 +29,8 @@ def matmul(
     jitted computation, where XLA fuses it into the dot) or a `lora.LoRAKernel` (x W + s (x A) B,
     whose base may be either)."""
     out_dtype = out_dtype or dtype
+    if (recorder := tap.active()) is not None:  # calibration (`tap`)
+        recorder.see(spec, x, kernel)
     if isinstance(kernel, lora.LoRAKernel):
         y = matmul(spec, x, kernel.base, dtype, out_dtype, fp8=fp8)
         return y + _lora_path(spec, x, kernel, dtype).astype(out_dtype)

@@ -42,7 +42,7 @@ from flax import nnx
 
 from jaxllm import parallel
 from jaxllm.config import MoEConfig
-from jaxllm.model import lora
+from jaxllm.model import lora, tap
 from jaxllm.model.layers import matmul, param, ragged_matmul
 from jaxllm.model.mlp import MLP
 from jaxllm.model.outputs import MoEOutput
@@ -235,6 +235,31 @@ def dense_reference(x_BxLxD, combine_BxLxE, gate_ExDxF, up_ExDxF, down_ExFxD, dt
     return out.astype(dtype)
 
 
+def record_experts(recorder, layer, x_BxLxD, combine_BxLxE) -> None:
+    """Calibration statistics (`tap`) of the experts' weights that `recorder` names: each
+    expert's inputs are the tokens routed to it (capacity drops aside), and its down
+    projection's the SwiGLU of those."""
+    names = [recorder.claim(getattr(layer, n).get_value()) for n in EXPERT_WEIGHTS]
+    if not any(names):
+        return
+    f32 = jnp.float32
+    gate, up, _ = (lora.dense(layer, n, f32) for n in EXPERT_WEIGHTS)
+    x_TxD = x_BxLxD.reshape(-1, x_BxLxD.shape[-1]).astype(f32)
+    chosen_ExT = (combine_BxLxE.reshape(-1, combine_BxLxE.shape[-1]) > 0).T.astype(f32)
+    if recorder.mask_T is not None:
+        chosen_ExT = chosen_ExT * recorder.mask_T.astype(f32)
+    x_ExDxT = jnp.broadcast_to(x_TxD.T, (gate.shape[0], *x_TxD.T.shape))
+    h_ExFxT = jax.nn.silu(jnp.einsum("td,edf->eft", x_TxD, gate)) * jnp.einsum(
+        "td,edf->eft", x_TxD, up
+    )
+    for name, rows in zip(names, (x_ExDxT, x_ExDxT, h_ExFxT)):
+        if name is not None:
+            recorder.add(name, rows, chosen_ExT)
+
+
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
 def combine_weights(routing: Routing, num_experts: int, keep_BxLxX=None) -> jax.Array:
     """Routing -> [B, L, E] weights of every expert (zero for unchosen or dropped ones)."""
     weight_BxLxX = routing.weight_BxLxX
@@ -299,6 +324,8 @@ class MoE(nnx.Module):
         bias_E = None if self.router_bias is None else self.router_bias[...]
         r = route(logits_BxLxE, bias_E, cfg)
         gate, up, down = (lora.dense(self, n, dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+        if (recorder := tap.active()) is not None:  # calibration
+            record_experts(recorder, self, x_BxLxD, combine_weights(r, e))
         dropped = jnp.zeros((), jnp.float32)
         if cfg.dispatch == "dropless":
             fn = functools.partial(dropless_experts_local, dtype=dtype, fp8=self.fp8)

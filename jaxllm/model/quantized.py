@@ -138,31 +138,61 @@ def quantize(
     lead = len(shape) - n_in - n_out
     g_axis = lead  # in the grouped view [*lead, groups, group, *out]
     grouped = w.astype(jnp.float32).reshape(*gshape[: g_axis + 1], -1, *gshape[g_axis + 1 :])
-    red = g_axis + 1
-    top = 2**bits - 1
-    if symmetric:
-        scale = jnp.max(jnp.abs(grouped), axis=red, keepdims=True) * np.float32(2 / top)
-        zero = jnp.full_like(scale, 2 ** (bits - 1))
-    else:
-        lo = jnp.minimum(jnp.min(grouped, axis=red, keepdims=True), 0.0)
-        hi = jnp.maximum(jnp.max(grouped, axis=red, keepdims=True), 0.0)
-        scale = (hi - lo) * np.float32(1 / top)
-    scale = jnp.where(scale == 0, 1.0, scale).astype(w.dtype).astype(jnp.float32)
-    # Divisions as products with float32 reciprocals (of the constant, and one exact division
-    # per group), as bitsandbytes rounds: XLA rewrites x / c so, and codes must not depend on it.
-    inv = 1.0 / scale
-    if not symmetric:
-        zero = jnp.clip(jnp.round(-lo * inv), 0, top)
-    q = jnp.clip(jnp.round(grouped * inv) + zero, 0, top).reshape(shape)
-    return QuantizedTensor(
-        codes=_pack(q.astype(jnp.uint8), bits, lead + n_in - 1),
-        scales=scale.reshape(gshape).astype(w.dtype),
-        zeros=None if symmetric else zero.reshape(gshape).astype(jnp.uint8),
+    scale, zero = grid(grouped, g_axis + 1, bits=bits, symmetric=symmetric, dtype=w.dtype)
+    q = codes_of(grouped, scale, zero, bits).reshape(shape)
+    return from_codes(
+        q,
+        scale.reshape(gshape),
+        None if symmetric else zero.reshape(gshape),
         bits=bits,
         group=group,
         n_in=n_in,
         n_out=n_out,
-        dtype=np.dtype(w.dtype),
+        dtype=w.dtype,
+    )
+
+
+def grid(grouped: jax.Array, axis: int, *, bits: int, symmetric: bool, dtype):
+    """(scale, zero) in float32 of each group of `grouped` (float32, its groups' values along
+    `axis`, kept as a dim of 1), as `quantize` says; the scale rounded to `dtype`, as stored."""
+    top = 2**bits - 1
+    if symmetric:
+        scale = jnp.max(jnp.abs(grouped), axis=axis, keepdims=True) * np.float32(2 / top)
+        zero = jnp.full_like(scale, 2 ** (bits - 1))
+    else:
+        lo = jnp.minimum(jnp.min(grouped, axis=axis, keepdims=True), 0.0)
+        hi = jnp.maximum(jnp.max(grouped, axis=axis, keepdims=True), 0.0)
+        scale = (hi - lo) * np.float32(1 / top)
+    scale = jnp.where(scale == 0, 1.0, scale).astype(dtype).astype(jnp.float32)
+    if not symmetric:
+        # Divisions as products with float32 reciprocals (of the constant, and one exact
+        # division per group), as bitsandbytes rounds: XLA rewrites x / c so, and codes must
+        # not depend on it.
+        zero = jnp.clip(jnp.round(-lo * (1.0 / scale)), 0, top)
+    return scale, zero
+
+
+def codes_of(w: jax.Array, scale: jax.Array, zero, bits: int) -> jax.Array:
+    """Codes (float32) of float32 values `w` on the grid (scale, zero) broadcast against it:
+    clip(round(w * (1 / s)) + z, 0, 2^b - 1)."""
+    return jnp.clip(jnp.round(w * (1.0 / scale)) + zero, 0, 2**bits - 1)
+
+
+def from_codes(
+    q: jax.Array, scales, zeros, *, bits: int, group: int, n_in: int, n_out: int, dtype
+) -> QuantizedTensor:
+    """The `QuantizedTensor` of codes `q` [*lead, *in, *out] (values < 2^bits), `scales` and
+    (asymmetric) `zeros` [*lead, groups, *out]."""
+    lead = q.ndim - n_in - n_out
+    return QuantizedTensor(
+        codes=_pack(q.astype(jnp.uint8), bits, lead + n_in - 1),
+        scales=scales.astype(dtype),
+        zeros=None if zeros is None else zeros.astype(jnp.uint8),
+        bits=bits,
+        group=group,
+        n_in=n_in,
+        n_out=n_out,
+        dtype=np.dtype(dtype),
     )
 
 
