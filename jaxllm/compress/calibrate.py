@@ -33,6 +33,7 @@ from tqdm import tqdm
 from jaxllm import config as config_lib
 from jaxllm import sharding
 from jaxllm.compress import weights as weights_lib
+from jaxllm.compress.awq import awq_unit
 from jaxllm.compress.gptq import gptq
 from jaxllm.config import Config, ConfigError
 from jaxllm.data.pipeline import load_splits
@@ -46,6 +47,7 @@ def per_weight(fn) -> Callable:
     jitted = jax.jit(fn, static_argnames=("cfg", "n_in", "n_out"))
 
     def method(params, chosen, stats, cfg, prefix):
+        cfg = cfg.quantize
         out = jax.tree.map(lambda x: x, params)
         for path, (n_in, n_out) in chosen.items():
             *parents, name = path.split("/")
@@ -56,8 +58,8 @@ def per_weight(fn) -> Callable:
     return method
 
 
-# method -> fn(unit params, {path: (n_in, n_out)}, {path: stats}, cfg, prefix) -> unit params
-UNIT_METHODS: dict[str, Callable] = {"gptq": per_weight(gptq)}
+# method -> fn(unit params, {path: (n_in, n_out)}, {path: stats}, Config, prefix) -> params
+UNIT_METHODS: dict[str, Callable] = {"gptq": per_weight(gptq), "awq": awq_unit}
 
 TOKENS_PER_DEVICE = 2048  # rows per calibration batch: about this many tokens per device
 
@@ -204,7 +206,7 @@ def quantize_calibrated(params: dict, model_state: dict, axes: dict, cfg: Config
         missing = [n for n in names if n not in (stats or {})]
         if missing:
             raise ConfigError(f"calibration saw no input of {prefix}/{missing[0]}.")
-        return method(p, chosen, stats, q, prefix)
+        return method(p, chosen, stats, cfg, prefix)
 
     out_units: dict[tuple, list] = {}
     todo = units(cfg.model)

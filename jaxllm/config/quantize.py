@@ -61,6 +61,9 @@ class AWQConfig:
     grid: int = 20
     """Points of the search for the exponent alpha of the scales s = mean|x|^alpha, over
     [0, 1) (the paper's 20)."""
+    duo_scaling: bool = False
+    """s = mean|x|^alpha / mean|w|^(1 - alpha) (llm-compressor's default) instead of the
+    paper's mean|x|^alpha; |w| relative to each output's largest."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,210 @@
+"""AWQ (Lin et al. 2023, arXiv:2306.00978): activation-aware weight quantization. The input
+channels that carry large activations matter most; scaling them up before rounding (and the
+activations down by the same factor) shrinks their relative rounding error.
+
+For each set of weights that read the same input (a block's q/k/v projections, its MLP's gate
+and up projections, and its down projection, which reads the up projection's output in a gated
+MLP), per input channel k:
+
+    s_k = mean|x_k|^alpha, normalised by sqrt(max(s) min(s)),   W' = Q(diag(s) W) ... / s
+
+with alpha searched over `quantize.awq.grid` points of [0, 1), keeping the one whose output
+error over the calibration rows, sum ||X (W - diag(s)^-1 Q(diag(s) W))||^2 = tr(dW^T X^T X dW)
+summed over the set, is least (alpha = 0 is round-to-nearest, so AWQ never does worse on it).
+The paper measures the error after the whole attention / MLP; this measures it at the
+projections' outputs, from the Gram matrices calibration records.
+
+The 1/s is folded into what produces the input, so the model computes the same function in
+float: the preceding norm's scale (and bias), whose other readers are compensated (the MoE
+router's rows times s); the up projection's output columns for the down projection; the value
+projection's output for the output projection when every query head has its own value head
+(MHA). A set whose input comes from elsewhere (post-norm blocks, a non-gated MLP's down
+projection, GQA's output projection) keeps s = 1. Then every chosen weight takes RTN codes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.compress.rtn import rtn
+from jaxllm.config import Config
+from jaxllm.model import quantized
+
+ATTN_INPUTS = ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj")
+
+
+def _get(tree, path):
+    for part in path.split("/"):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _set(tree, path, value):
+    *parents, name = path.split("/")
+    for part in parents:
+        tree = tree[part]
+    tree[name] = value
+
+
+def sets(params: dict, cfg: Config) -> list[tuple[str, list[str], str]]:
+    """(producer, readers, kind) of each set of weights sharing an input whose scales fold
+    into its producer: kind "norm" (a norm's scale), "columns" (a weight's output columns)."""
+    out = []
+    pre = cfg.model.norm_placement != "post"
+    for norm, module, names in (
+        ("attn_norm", "attn", ATTN_INPUTS),
+        ("mlp_norm", "mlp", ("gate_proj", "up_proj", "shared/gate_proj", "shared/up_proj")),
+    ):
+        readers = [f"{module}/{n}" for n in names if _get(params, f"{module}/{n}") is not None]
+        if pre and readers and _get(params, norm) is not None:
+            out.append((norm, readers, "norm"))
+    for mlp in ("mlp", "mlp/shared"):
+        if _get(params, f"{mlp}/gate_proj") is not None:
+            out.append((f"{mlp}/up_proj", [f"{mlp}/down_proj"], "columns"))
+    v, o = _get(params, "attn/v_proj"), _get(params, "attn/o_proj")
+    if v is not None and o is not None and v.shape[-2:] == o.shape[-3:-1]:
+        out.append(("attn/v_proj", ["attn/o_proj"], "columns"))
+    if pre and _get(params, "lm_head") is not None and _get(params, "final_norm") is not None:
+        out.append(("final_norm", ["lm_head"], "norm"))
+    return out
+
+
+def awq_unit(params: dict, chosen: dict, stats: dict, cfg: Config, prefix: str) -> dict:
+    """A block's (or the model's head's) parameters with AWQ's scales folded in and its
+    chosen weights quantized (module docstring)."""
+    q = cfg.quantize
+    out = jax.tree.map(lambda x: x, params)
+    for producer, readers, kind in sets(params, cfg):
+        measured = [r for r in readers if r in chosen]
+        if not measured:
+            continue
+        ws = tuple(_flat(_get(out, r), *chosen[r]) for r in measured)
+        hs = tuple(stats[r]["gram"] for r in measured)
+        shared = kind == "norm"  # one s for all readers (and all their experts)
+        abs_sum = sum(_lead_sum(stats[r]["abs_sum"], shared) for r in measured)
+        count = sum(_lead_sum(stats[r]["count"], shared, counts=True) for r in measured)
+        s = _search(ws, hs, abs_sum, count, q, shared)
+        for r in readers:
+            _set(out, r, _scale_rows(_get(out, r), s, *_in_dims(params, r)))
+        _fold(out, producer, kind, s, cfg)
+    for path, (n_in, n_out) in chosen.items():
+        _set(out, path, _rtn(_get(out, path), q, n_in, n_out))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("q", "n_in", "n_out"))
+def _rtn(w, q, n_in, n_out):
+    return rtn(w, q, n_in=n_in, n_out=n_out)
+
+
+def _flat(w, n_in: int, n_out: int):
+    """w [*lead, *in, *out] -> [*lead, K, N]."""
+    lead = w.ndim - n_in - n_out
+    return w.reshape(*w.shape[:lead], math.prod(w.shape[lead : lead + n_in]), -1)
+
+
+def _lead_sum(x, shared: bool, counts: bool = False):
+    """Statistics [*lead, K] (counts [*lead]) summed over the experts when the set shares
+    one s."""
+    if not shared:
+        return x
+    return x.sum() if counts else x.reshape(-1, x.shape[-1]).sum(0)
+
+
+@functools.partial(jax.jit, static_argnames=("q", "shared"))
+def _search(ws, hs, abs_sum, count, q, shared):
+    """The scales s [*lead, K] of least output error over the grid of alpha."""
+    mean = abs_sum / jnp.maximum(count, 1.0)[..., None] if not shared else abs_sum / count
+    mean = jnp.where(mean > 0, mean, 0.0)
+
+    w_mean = _weight_magnitude(ws, shared) if q.awq.duo_scaling else None
+
+    def scales(alpha):
+        s = jnp.maximum(mean**alpha, 1e-4)
+        if w_mean is not None:
+            s = s / (w_mean ** (1 - alpha) + 1e-4)
+        return s / jnp.sqrt(jnp.max(s, -1, keepdims=True) * jnp.min(s, -1, keepdims=True))
+
+    def loss(alpha):
+        s = scales(alpha)
+        total = 0.0
+        for w, h in zip(ws, hs):
+            w32 = w.astype(jnp.float32)
+            sk = s[..., :, None]
+            t = quantized.quantize(
+                (w32 * sk).astype(w.dtype),
+                bits=q.bits,
+                group=q.group_size,
+                symmetric=q.symmetric,
+                n_in=1,
+                n_out=1,
+            )
+            dw = w32 - quantized.dequantize(t, jnp.float32) / sk
+            total = total + jnp.sum(dw * jnp.einsum("...kj,...jn->...kn", h, dw))
+        return total
+
+    alphas = jnp.arange(q.awq.grid, dtype=jnp.float32) / q.awq.grid
+    losses = jax.lax.map(loss, alphas)
+    return scales(alphas[jnp.argmin(losses)])
+
+
+def _weight_magnitude(ws, shared: bool):
+    """Per input channel, the mean over the set's outputs of |W| relative to its output's
+    largest (llm-compressor's duo scaling): [*lead, K], or [K] shared."""
+    parts = []
+    for w in ws:
+        a = jnp.abs(w.astype(jnp.float32))
+        a = a / (jnp.max(a, axis=-2, keepdims=True) + 1e-6)
+        parts.append(a.reshape(-1, a.shape[-2], a.shape[-1]).mean((0, 2)) if shared else a.mean(-1))
+    return sum(parts) / len(parts)
+
+
+def _in_dims(params: dict, path: str) -> tuple[int, int]:
+    """(lead dims, contracted dims) of the weight at `path` of a block: routed experts have
+    an expert dim; the output projection contracts (heads, head_dim)."""
+    experts = _get(params, "mlp/router") is not None and path.count("/") == 1
+    return int(experts and path.startswith("mlp/")), 2 if path.endswith("o_proj") else 1
+
+
+def _scale_rows(w, s, lead: int, n_in: int):
+    """w [*lead, *in, *out] with its flattened input channels times s ([*lead, K], or [K]
+    shared by all the lead dims)."""
+    n_out = w.ndim - lead - n_in
+    s_in = s.reshape(*s.shape[:-1], *w.shape[lead : lead + n_in])
+    s_in = s_in.reshape(*(1,) * (lead - (s.ndim - 1)), *s_in.shape, *(1,) * n_out)
+    return (w.astype(jnp.float32) * s_in).astype(w.dtype)
+
+
+def _fold(params: dict, producer: str, kind: str, s, cfg: Config) -> None:
+    """Divides what produces the input by s: a norm's (offset + scale) and bias, or a weight's
+    output columns (and its bias); the MoE router, which reads the same norm, takes s on its
+    rows."""
+    inv = 1.0 / s
+    if kind == "norm":
+        norm = _get(params, producer)
+        off = cfg.model.norm_offset
+        norm["scale"] = ((off + norm["scale"].astype(jnp.float32)) * inv - off).astype(
+            norm["scale"].dtype
+        )
+        if "bias" in norm:
+            norm["bias"] = (norm["bias"].astype(jnp.float32) * inv).astype(norm["bias"].dtype)
+        router = _get(params, producer.replace("_norm", "") + "/router")
+        if router is not None:
+            _set(params, producer.replace("_norm", "") + "/router", _scale_rows(router, s, 0, 1))
+        return
+    w = _get(params, producer)  # [*lead, D, *out]: its out dims flattened are s's K
+    lead_n = s.ndim - 1
+    out_shape = w.shape[lead_n + 1 :]
+    s_out = inv.reshape(*s.shape[:-1], *((1,)), *out_shape)
+    _set(params, producer, (w.astype(jnp.float32) * s_out).astype(w.dtype))
+    bias_path = producer.replace("_proj", "_bias")
+    bias = _get(params, bias_path)
+    if bias is not None:
+        b_inv = inv.reshape(*s.shape[:-1], *out_shape)
+        _set(params, bias_path, (bias.astype(jnp.float32) * b_inv).astype(bias.dtype))
