@@ -55,89 +55,6 @@ def np_dequantize(q, s, z, n_in, n_out):
     return ((x - z) * s).reshape(q.shape)
 
 
-def np_pack(q, bits, axis):
-    """Codes as a little-endian bit stream along `axis`, b bits each, in bytes."""
-    q = np.moveaxis(q, axis, -1)
-    stream = ((q[..., None] >> np.arange(bits)) & 1).astype(np.uint8)
-    packed = np.packbits(stream.reshape(*q.shape[:-1], -1), axis=-1, bitorder="little")
-    return np.moveaxis(packed, -1, axis)
-
-
-SHAPES = {  # name -> (shape, contracted dims, output dims)
-    "mlp": ((2, 64, 24), 1, 1),  # a stacked [layers, in, out]
-    "o_proj": ((2, 4, 16, 24), 2, 1),  # [layers, heads, head_dim, out]: groups span heads
-}
-
-
-@pytest.mark.parametrize("group, shape", [(0, "mlp"), (32, "mlp"), (32, "o_proj")])
-@pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("bits", [8, 4, 3, 2])
-def test_rtn_matches_numpy(bits, symmetric, group, shape):
-    shape, n_in, n_out = SHAPES[shape]
-    w = np.random.default_rng(bits).normal(0, 0.05, shape).astype(np.float32)
-    w[0, 0] = 0.0  # an all-zero channel has scale 1 and code z
-    t = jax.jit(
-        lambda w: quantized.quantize(
-            w, bits=bits, group=group, symmetric=symmetric, n_in=n_in, n_out=n_out
-        )
-    )(w)
-    q, s, z = np_rtn(w, bits, group, symmetric, n_in, n_out)
-    lead = len(shape) - n_in - n_out
-    np.testing.assert_array_equal(np.asarray(t.codes), np_pack(q, bits, lead + n_in - 1))
-    assert t.codes.nbytes * 8 == w.size * bits
-    np.testing.assert_array_equal(np.asarray(t.scales), s.squeeze(lead + 1))
-    if symmetric:
-        assert t.zeros is None
-    else:
-        np.testing.assert_array_equal(np.asarray(t.zeros), z.squeeze(lead + 1))
-    deq = np.asarray(quantized.dequantize(t))
-    np.testing.assert_array_equal(deq, np_dequantize(q, s, z, n_in, n_out))
-    step = np_dequantize(np.ones_like(q), s, np.zeros_like(z), n_in, n_out)  # s per value
-    assert np.all(np.abs(deq - w) <= step / 2 * (1 + 1e-4))  # half a step, float32 rounding
-    assert t.shape == shape
-
-
-@pytest.mark.parametrize("bits, group", [(8, 0), (4, 32), (3, 16), (2, 32)])
-def test_rtn_symmetric_codes_are_qwix_codes(bits, group):
-    """Qwix (the JAX quantization library) rounds symmetric integers with the same bound,
-    absmax / (qmax + 1/2): its codes are ours minus the offset 2^(b-1)."""
-    from qwix._src.core import qarray  # test-core installs qwix: a missing one fails
-
-    w = np.random.default_rng(1).normal(0, 0.05, (64, 24)).astype(np.float32)
-    qtype = {8: jnp.int8, 4: jnp.int4}.get(bits, f"int{bits}")
-    how = qarray.HowToQuantize(
-        qtype=qtype, channelwise_axes=(1,), tiled_axes={0: group} if group else {}
-    )
-    theirs = qarray.quantize(jnp.asarray(w), how)
-    ours = quantized.quantize(w, bits=bits, group=group, symmetric=True, n_in=1, n_out=1)
-    codes = np.asarray(quantized._unpack(ours.codes, bits, 0)).astype(np.int32)
-    np.testing.assert_array_equal(codes - 2 ** (bits - 1), np.asarray(theirs.qvalue, np.int32))
-    np.testing.assert_allclose(
-        np.asarray(ours.scales), np.asarray(theirs.scale).reshape(ours.scales.shape), rtol=1e-6
-    )
-
-
-@pytest.mark.parametrize(
-    "bits, group, symmetric, per_value",
-    [
-        (8, 0, True, 1),
-        (4, 32, True, 0.5),
-        (4, 32, False, 0.5),
-        (3, 64, True, 3 / 8),
-        (2, 0, True, 1 / 4),
-    ],
-)
-def test_packed_sizes(bits, group, symmetric, per_value):
-    """Codes take bits / 8 bytes a value; each group adds a bfloat16 scale (and a uint8 zero
-    point when asymmetric)."""
-    shape, k, out = (512, 256), 512, 256
-    groups = k // (group or k)
-    want = int(k * out * per_value) + groups * out * (2 + (0 if symmetric else 1))
-    how = dict(bits=bits, group=group, symmetric=symmetric, n_in=1, n_out=1)
-    t = quantized.quantize(jnp.ones(shape, jnp.bfloat16), **how)
-    assert t.nbytes == want == quantized.packed_nbytes(shape, jnp.bfloat16, **how)
-
-
 def test_matmul_dequantizes_inside_jit_and_under_lora():
     """`layers.matmul` of a quantized kernel equals the matmul of its dequantized array, as the
     base of a LoRA kernel too."""
@@ -373,3 +290,33 @@ def test_sources_hf_peft_and_moe(trained, quantized_runs, tmp_path):
     tokens = np.random.default_rng(2).integers(0, 320, (2, 16))
     want = nnx.merge(nnx.graphdef(model), dense, nnx.state(model, nnx.Not(nnx.Param)))
     np.testing.assert_allclose(model(tokens).logits, want(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def calibration_file(tmp_path_factory):
+    """Text the run never saw: standard-library files past the 60 it trained and held out on."""
+    from jaxllm.data.sources import stdlib_files
+
+    path = tmp_path_factory.mktemp("calibration") / "calib.txt"
+    path.write_text("\n".join(f.read_text(errors="ignore") for f in stdlib_files(140)[100:]))
+    return path
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_gptq_beats_rtn_on_held_out_text(trained, calibration_file, tmp_path, bits):
+    """Calibrated on other text, GPTQ's held-out loss is strictly below RTN's at the same
+    bits (per channel). AWQ, calibrated the same way, stays within 0.01 nats of RTN (on this
+    small model it does not beat it: docs/compression.md)."""
+    losses = {}
+    for method in ("rtn", "gptq", "awq"):
+        out = tmp_path / method
+        argv = ["quantize", str(trained), str(out), "--method", method, "--bits", str(bits)]
+        if method != "rtn":
+            source = "{path: %s, format: text}" % calibration_file
+            argv += ["--calibration", source, "--samples", "16"]
+        assert main(argv) == 0
+        losses[method] = _eval_loss(out)
+    assert losses["gptq"] < losses["rtn"] and losses["awq"] < losses["rtn"] + 0.01, losses
+    saved = jaxllm.config.load(tmp_path / "gptq" / "config.yaml").quantize
+    assert (saved.method, saved.bits, saved.samples) == ("gptq", bits, 16)
+    assert str(calibration_file) in saved.calibration

@@ -61,9 +61,9 @@ class AWQConfig:
     grid: int = 20
     """Points of the search for the exponent alpha of the scales s = mean|x|^alpha, over
     [0, 1) (the paper's 20)."""
-    duo_scaling: bool = False
-    """s = mean|x|^alpha / mean|w|^(1 - alpha) (llm-compressor's default) instead of the
-    paper's mean|x|^alpha; |w| relative to each output's largest."""
+    duo_scaling: bool = True
+    """s = mean|x|^alpha / mean|w|^(1 - alpha), AutoAWQ's and llm-compressor's default (|w|
+    relative to each output's largest); false: the paper's s = mean|x|^alpha."""
 
 
 @dataclasses.dataclass(frozen=True)
