@@ -1,6 +1,7 @@
 """Bad input of `jaxllm quantize`: an unknown method, bits or a group size the method does not
-take, a group size that does not divide a weight's input channels, a source that is already
-quantized, an existing OUT, and training a quantized run.
+take, a group size that does not divide a weight's input channels, calibration options for a
+method without calibration, too few calibration tokens, GPTQ's act order with dynamic groups,
+a source that is already quantized, an existing OUT, and training a quantized run.
 
 Like test_faults.py, every row runs one command on a copy of the shared small run and asserts
 the exit code, exactly one `jaxllm:` line naming the problem, no traceback, an unchanged run
@@ -55,6 +56,24 @@ CASES = [
         _quantize("--method", "rtn", "--bits", "4", "--group-size", "48"),
         2,
         "--group-size 48 does not divide the 64 input channels of layers/attn/k_proj",
+    ),
+    Case(
+        "calibration-for-rtn",
+        _quantize("--method", "rtn", "--calibration", "calib.txt"),
+        2,
+        "--method rtn reads no calibration data (--calibration, --samples)",
+    ),
+    Case(
+        "too-few-calibration-tokens",
+        _quantize("--method", "gptq", "--samples", "100000"),
+        2,
+        "--samples 100000 needs 6400000: pass more data or fewer --samples",
+    ),
+    Case(
+        "act-order-with-groups-not-static",
+        _quantize("--method", "gptq", "--group-size", "32", "quantize.gptq.act_order=true"),
+        2,
+        "quantize.gptq.act_order with --group-size needs quantize.gptq.static_groups=true",
     ),
     Case(
         "already-quantized",
