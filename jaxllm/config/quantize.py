@@ -16,6 +16,9 @@ from jaxllm.config.errors import fail
 # function in `jaxllm.compress` that computes it.)
 METHOD_BITS = {"rtn": (8, 4, 3, 2), "gptq": (8, 4, 3, 2), "awq": (8, 4, 3, 2)}
 DEFAULT_BITS = {"rtn": 8, "gptq": 4, "awq": 4}
+# The methods whose checkpoints hold integer codes on RTN's grid (`quantized.QuantizedTensor`):
+# what GGUF's Q8_0 / Q4_0 and compressed-tensors' pack-quantized store.
+INTEGER_CODES = ("rtn", "gptq", "awq")
 # The methods that read calibration data (`jaxllm.compress.calibrate`).
 CALIBRATED = ("gptq", "awq")
 

@@ -49,6 +49,7 @@ import numpy as np
 
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
+from jaxllm.config.quantize import INTEGER_CODES
 from jaxllm.convert.export import export_hf
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.model import quantized
@@ -148,11 +149,11 @@ def _mapped_type(q) -> str | None:
     if not q.enabled:
         return None
     kind = {8: "q8_0", 4: "q4_0"}.get(q.bits)
-    if q.method != "rtn" or not q.symmetric or q.group_size != BLOCK or kind is None:
+    if q.method not in INTEGER_CODES or not q.symmetric or q.group_size != BLOCK or kind is None:
         raise ConfigError(
             f"this run's codes (quantize.method={q.method}, bits={q.bits}, group_size="
             f"{q.group_size}, symmetric={q.symmetric}) have no exact GGUF type: --format gguf "
-            "takes symmetric rtn int8 or int4 in groups of 32 (Q8_0 / Q4_0); export the float "
+            "takes symmetric int8 or int4 codes in groups of 32 (Q8_0 / Q4_0); export the float "
             "run it came from with --gguf-type q8_0 or q4_0."
         )
     return kind
