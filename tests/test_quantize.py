@@ -303,20 +303,21 @@ def calibration_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("bits", [4, 3])
-def test_gptq_beats_rtn_on_held_out_text(trained, calibration_file, tmp_path, bits):
+def test_calibrated_methods_against_rtn_on_held_out_text(trained, calibration_file, tmp_path, bits):
     """Calibrated on other text, GPTQ's held-out loss is strictly below RTN's at the same
-    bits (per channel). AWQ, calibrated the same way, stays within 0.01 nats of RTN (on this
-    small model it does not beat it: docs/compression.md)."""
+    bits (per channel), and AWQ's too at 4 bits; at 3 bits AWQ stays within 0.005 nats of RTN
+    (on this small model it does not beat it there: docs/compression.md)."""
     losses = {}
     for method in ("rtn", "gptq", "awq"):
         out = tmp_path / method
         argv = ["quantize", str(trained), str(out), "--method", method, "--bits", str(bits)]
         if method != "rtn":
             source = "{path: %s, format: text}" % calibration_file
-            argv += ["--calibration", source, "--samples", "16"]
+            argv += ["--calibration", source, "--samples", "64"]
         assert main(argv) == 0
         losses[method] = _eval_loss(out)
-    assert losses["gptq"] < losses["rtn"] and losses["awq"] < losses["rtn"] + 0.01, losses
+    assert losses["gptq"] < losses["rtn"], losses
+    assert losses["awq"] < losses["rtn"] + (0 if bits == 4 else 0.005), losses
     saved = jaxllm.config.load(tmp_path / "gptq" / "config.yaml").quantize
-    assert (saved.method, saved.bits, saved.samples) == ("gptq", bits, 16)
+    assert (saved.method, saved.bits, saved.samples) == ("gptq", bits, 64)
     assert str(calibration_file) in saved.calibration

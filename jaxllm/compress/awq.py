@@ -9,10 +9,12 @@ MLP), per input channel k:
     s_k = mean|x_k|^alpha, normalised by sqrt(max(s) min(s)),   W' = Q(diag(s) W) ... / s
 
 with alpha searched over `quantize.awq.grid` points of [0, 1), keeping the one whose output
-error over the calibration rows, sum ||X (W - diag(s)^-1 Q(diag(s) W))||^2 = tr(dW^T X^T X dW)
-summed over the set, is least (alpha = 0 is round-to-nearest, so AWQ never does worse on it).
-The paper measures the error after the whole attention / MLP; this measures it at the
-projections' outputs, from the Gram matrices calibration records.
+error over the calibration rows is least (alpha = 0 is round-to-nearest, so AWQ never does
+worse on it). As in the paper, a norm's readers are judged by the output of the module they
+feed (the attention, or the MLP / MoE layer) run on the norm's recorded output with the set's
+weights as diag(s)^-1 Q(diag(s) W); the other sets' readers are their own module, whose error
+is tr(dW^T X^T X dW) from the Gram matrices calibration records. With duo scaling (AutoAWQ's
+and llm-compressor's default) s_k is divided by the mean |w_k|^(1 - alpha).
 
 The 1/s is folded into what produces the input, so the model computes the same function in
 float: the preceding norm's scale (and bias), whose other readers are compensated (the MoE
@@ -29,10 +31,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from jaxllm.compress.rtn import rtn
 from jaxllm.config import Config
 from jaxllm.model import quantized
+from jaxllm.model.outputs import MoEOutput
 
 ATTN_INPUTS = ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj")
 
@@ -75,9 +80,26 @@ def sets(params: dict, cfg: Config) -> list[tuple[str, list[str], str]]:
     return out
 
 
-def awq_unit(params: dict, chosen: dict, stats: dict, cfg: Config, prefix: str) -> dict:
+# The norms whose readers' error is measured after the whole module they feed (the paper's
+# "module2inspect"); the other sets' readers are that module themselves.
+MODULES = {"attn_norm": "attn", "mlp_norm": "mlp"}
+
+
+def kept(params: dict, chosen: dict, cfg: Config) -> frozenset:
+    """The weights whose inputs calibration keeps whole: one reader of each norm in
+    `MODULES`, whose input is the module's."""
+    out = set()
+    for producer, readers, _ in sets(params, cfg):
+        measured = [r for r in readers if r in chosen]
+        if producer in MODULES and measured:
+            out.add(measured[0])
+    return frozenset(out)
+
+
+def awq_unit(params: dict, chosen: dict, stats: dict, cfg: Config, prefix: str, ctx=None) -> dict:
     """A block's (or the model's head's) parameters with AWQ's scales folded in and its
-    chosen weights quantized (module docstring)."""
+    chosen weights quantized (module docstring). `ctx` (`calibrate.Context`): the block's
+    graphdef, state, per-layer inputs, batches and kept inputs, for the module losses."""
     q = cfg.quantize
     out = jax.tree.map(lambda x: x, params)
     for producer, readers, kind in sets(params, cfg):
@@ -89,7 +111,15 @@ def awq_unit(params: dict, chosen: dict, stats: dict, cfg: Config, prefix: str) 
         shared = kind == "norm"  # one s for all readers (and all their experts)
         abs_sum = sum(_lead_sum(stats[r]["abs_sum"], shared) for r in measured)
         count = sum(_lead_sum(stats[r]["count"], shared, counts=True) for r in measured)
-        s = _search(ws, hs, abs_sum, count, q, shared)
+        candidates = _candidates(ws, abs_sum, count, q, shared)
+        if ctx is not None and producer in MODULES and measured[0] in ctx.raw:
+            members = tuple((r, *_in_dims(params, r), chosen[r][1]) for r in measured)
+            losses = _module_losses(
+                out, members, candidates, MODULES[producer], q, ctx, measured[0]
+            )
+        else:
+            losses = _gram_losses(ws, hs, candidates, q)
+        s = candidates[jnp.argmin(jnp.asarray(losses))]
         for r in readers:
             _set(out, r, _scale_rows(_get(out, r), s, *_in_dims(params, r)))
         _fold(out, producer, kind, s, cfg)
@@ -117,12 +147,59 @@ def _lead_sum(x, shared: bool, counts: bool = False):
     return x.sum() if counts else x.reshape(-1, x.shape[-1]).sum(0)
 
 
+def _module_losses(params, members, candidates, module: str, q, ctx, kept_name: str):
+    """For each candidate s, the squared error over the calibration rows of the module's
+    output (attention or MLP, on its recorded input) with the set's weights as Q(diag(s) W) /
+    s, against the float module: [grid]."""
+    losses = np.zeros(len(candidates))
+    for (_, pos, seg, mask), raw in zip(ctx.batches, ctx.raw[kept_name]):
+        xn = raw.T.reshape(*pos.shape, raw.shape[0])
+        ref = _module_out(ctx.gdef, params, ctx.state, module, xn, pos, seg, ctx.inputs)
+        for i, s in enumerate(candidates):
+            losses[i] += _module_error(
+                ctx.gdef,
+                params,
+                ctx.state,
+                s,
+                members,
+                q,
+                module,
+                xn,
+                pos,
+                seg,
+                mask,
+                ctx.inputs,
+                ref,
+            )
+    return jnp.stack(losses)
+
+
+def _call(gdef, params, state, module, xn, pos, seg, inputs):
+    block = nnx.merge(gdef, params, state) if state else nnx.merge(gdef, params)
+    if module == "attn":
+        return block.attn(xn, pos, seg, None, inputs.get("windowed")).out
+    y = block.mlp(xn)
+    return y.out if isinstance(y, MoEOutput) else y
+
+
+_module_out = jax.jit(_call, static_argnums=(0, 3))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _module_error(gdef, params, state, s, members, q, module, xn, pos, seg, mask, inputs, ref):
+    p = jax.tree.map(lambda x: x, params)
+    for path, lead, n_in, n_out in members:
+        w = _get(p, path)
+        _set(p, path, _fake(w, s, q, n_in, n_out, lead).astype(w.dtype))
+    d = (_call(gdef, p, state, module, xn, pos, seg, inputs) - ref).astype(jnp.float32)
+    return jnp.sum(jnp.square(d) * mask[..., None])
+
+
 @functools.partial(jax.jit, static_argnames=("q", "shared"))
-def _search(ws, hs, abs_sum, count, q, shared):
-    """The scales s [*lead, K] of least output error over the grid of alpha."""
+def _candidates(ws, abs_sum, count, q, shared):
+    """The scales [grid, *lead, K] of each alpha of the grid."""
     mean = abs_sum / jnp.maximum(count, 1.0)[..., None] if not shared else abs_sum / count
     mean = jnp.where(mean > 0, mean, 0.0)
-
     w_mean = _weight_magnitude(ws, shared) if q.awq.duo_scaling else None
 
     def scales(alpha):
@@ -131,27 +208,41 @@ def _search(ws, hs, abs_sum, count, q, shared):
             s = s / (w_mean ** (1 - alpha) + 1e-4)
         return s / jnp.sqrt(jnp.max(s, -1, keepdims=True) * jnp.min(s, -1, keepdims=True))
 
-    def loss(alpha):
-        s = scales(alpha)
+    return jax.vmap(scales)(jnp.arange(q.awq.grid, dtype=jnp.float32) / q.awq.grid)
+
+
+def _fake(w, s, q, n_in: int = 1, n_out: int = 1, lead: int | None = None):
+    """Q(diag(s) W) / s in float32: w [*lead, *in, *out] as quantized with its rows scaled."""
+    lead = w.ndim - n_in - n_out if lead is None else lead
+    t = quantized.quantize(
+        _scale_rows(w, s, lead, n_in),
+        bits=q.bits,
+        group=q.group_size,
+        symmetric=q.symmetric,
+        n_in=n_in,
+        n_out=n_out,
+    )
+    return _scale_rows(quantized.dequantize(t, jnp.float32), 1.0 / s, lead, n_in)
+
+
+@functools.partial(jax.jit, static_argnames=("q",))
+def _gram_losses(ws, hs, candidates, q):
+    """sum over the set of tr(dW^T H dW) for each candidate s: [grid]."""
+
+    def loss(s):
         total = 0.0
         for w, h in zip(ws, hs):
-            w32 = w.astype(jnp.float32)
-            sk = s[..., :, None]
-            t = quantized.quantize(
-                (w32 * sk).astype(w.dtype),
-                bits=q.bits,
-                group=q.group_size,
-                symmetric=q.symmetric,
-                n_in=1,
-                n_out=1,
-            )
-            dw = w32 - quantized.dequantize(t, jnp.float32) / sk
+            dw = w.astype(jnp.float32) - _fake(w, s, q)
             total = total + jnp.sum(dw * jnp.einsum("...kj,...jn->...kn", h, dw))
         return total
 
-    alphas = jnp.arange(q.awq.grid, dtype=jnp.float32) / q.awq.grid
-    losses = jax.lax.map(loss, alphas)
-    return scales(alphas[jnp.argmin(losses)])
+    return jax.lax.map(loss, candidates)
+
+
+def _search(ws, hs, abs_sum, count, q, shared):
+    """The scales s [*lead, K] of least output error of the set's own outputs."""
+    candidates = _candidates(ws, abs_sum, count, q, shared)
+    return candidates[jnp.argmin(_gram_losses(ws, hs, candidates, q))]
 
 
 def _weight_magnitude(ws, shared: bool):

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from jaxllm import config as config_lib
 from jaxllm import sharding
 from jaxllm.compress import weights as weights_lib
-from jaxllm.compress.awq import awq_unit
+from jaxllm.compress.awq import awq_unit, kept
 from jaxllm.compress.gptq import gptq
 from jaxllm.config import Config, ConfigError
 from jaxllm.data.pipeline import load_splits
@@ -46,7 +46,7 @@ def per_weight(fn) -> Callable:
     n_out)` (jitted, in the weight's shards)."""
     jitted = jax.jit(fn, static_argnames=("cfg", "n_in", "n_out"))
 
-    def method(params, chosen, stats, cfg, prefix):
+    def method(params, chosen, stats, cfg, prefix, ctx=None):
         cfg = cfg.quantize
         out = jax.tree.map(lambda x: x, params)
         for path, (n_in, n_out) in chosen.items():
@@ -58,8 +58,11 @@ def per_weight(fn) -> Callable:
     return method
 
 
-# method -> fn(unit params, {path: (n_in, n_out)}, {path: stats}, Config, prefix) -> params
+# method -> fn(unit params, {path: (n_in, n_out)}, {path: stats}, Config, prefix, Context)
+# -> the unit's params
 UNIT_METHODS: dict[str, Callable] = {"gptq": per_weight(gptq), "awq": awq_unit}
+# method -> fn(unit params, chosen, Config) -> the names whose inputs it needs whole
+KEEP: dict[str, Callable] = {"awq": kept}
 
 TOKENS_PER_DEVICE = 2048  # rows per calibration batch: about this many tokens per device
 
@@ -146,12 +149,25 @@ def _chosen(params: dict, axes: dict, prefix: str, cfg) -> dict[str, tuple[int, 
     return out
 
 
-def _run(gdef, params, state, x, pos, seg, mask, per_layer, names, kind):
+@dataclasses.dataclass
+class Context:
+    """What a unit method may run the block on: its graphdef, state and per-layer inputs,
+    the calibration batches ([x, positions, segment ids, mask]) and, per name it asked to
+    keep (`KEEP`), that weight's input [K, B * L] in each batch."""
+
+    gdef: object
+    state: dict
+    inputs: dict
+    batches: list
+    raw: dict
+
+
+def _run(gdef, params, state, x, pos, seg, mask, per_layer, names, kind, keep=frozenset()):
     """The block's (or with kind="tail" the model's head's) output on x and, with `names`,
-    the statistics of those weights' inputs."""
+    the statistics of those weights' inputs (and the inputs of `keep`)."""
     module = nnx.merge(gdef, params, state) if state else nnx.merge(gdef, params)
     ids = {id(_var(module, p).get_value()): p for p in names}
-    with tap.recording(ids, mask.reshape(-1)) as rec:
+    with tap.recording(ids, mask.reshape(-1), keep) as rec:
         if kind == "tail":
             return module.outputs(x).logits[..., :0], rec.stats
         y = module(x, pos, seg, None, **per_layer)[0]
@@ -181,7 +197,7 @@ def quantize_calibrated(params: dict, model_state: dict, axes: dict, cfg: Config
     def embed(p, s, t, pos, seg):
         return nnx.merge(full_def, p, s).inputs(t, pos, seg, None, None)[0]
 
-    run = jax.jit(_run, static_argnums=(0, 8, 9))
+    run = jax.jit(_run, static_argnums=(0, 8, 9, 10))
     batches = []  # (x, positions, segment ids, mask) of each batch
     for start in range(0, len(rows["inputs"]), bsz):
         part = {k: v[start : start + bsz] for k, v in rows.items()}
@@ -199,14 +215,17 @@ def quantize_calibrated(params: dict, model_state: dict, axes: dict, cfg: Config
     def calibrate(gdef, p, s, prefix, layer_inputs, chosen, kind="block"):
         """`p` quantized by the method from its statistics over every batch."""
         names = tuple(sorted(chosen))
-        stats = None
+        keep = KEEP[q.method](p, chosen, cfg) if q.method in KEEP and kind == "block" else ()
+        stats, raw = None, {n: [] for n in keep}
         for x, pos, seg, mask in batches:
-            _, got = run(gdef, p, s, x, pos, seg, mask, layer_inputs, names, kind)
+            _, got = run(gdef, p, s, x, pos, seg, mask, layer_inputs, names, kind, keep)
+            for n in keep:
+                raw[n].append(got[n].pop("x"))
             stats = got if stats is None else {k: tap.merge(stats[k], got[k]) for k in stats}
         missing = [n for n in names if n not in (stats or {})]
         if missing:
             raise ConfigError(f"calibration saw no input of {prefix}/{missing[0]}.")
-        return method(p, chosen, stats, cfg, prefix)
+        return method(p, chosen, stats, cfg, prefix, Context(gdef, s, layer_inputs, batches, raw))
 
     out_units: dict[tuple, list] = {}
     todo = units(cfg.model)

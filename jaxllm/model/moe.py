@@ -253,8 +253,8 @@ def record_experts(recorder, layer, x_BxLxD, combine_BxLxE) -> None:
         "td,edf->eft", x_TxD, up
     )
     for name, rows in zip(names, (x_ExDxT, x_ExDxT, h_ExFxT)):
-        if name is not None:
-            recorder.add(name, rows, chosen_ExT)
+        if name is not None:  # what is kept whole: the layer's input, for all experts
+            recorder.add(name, rows, chosen_ExT, raw=x_TxD.T if rows is x_ExDxT else None)
 
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")

@@ -27,8 +27,11 @@ _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("tap",
 
 
 class Recorder:
-    def __init__(self, names: dict[int, str], mask_T: jax.Array | None = None):
+    def __init__(
+        self, names: dict[int, str], mask_T: jax.Array | None = None, keep: frozenset = frozenset()
+    ):
         self.names = names
+        self.keep = keep  # names whose inputs themselves are kept too, as "x" [K, T]
         self.mask_T = mask_T  # 1 where a token counts (not padding), over the batch's B * L
         self.stats: dict[str, dict[str, jax.Array]] = {}
         self.claimed: set[str] = set()  # recorded by their layer (`claim`), not by `see`
@@ -36,9 +39,10 @@ class Recorder:
     def name(self, kernel) -> str | None:
         return self.names.get(id(kernel))
 
-    def add(self, name: str, x_KxT: jax.Array, mask_T: jax.Array | None = None) -> None:
+    def add(self, name: str, x_KxT: jax.Array, mask_T: jax.Array | None = None, raw=None) -> None:
         """Adds rows: `x_KxT` [*lead, K, T] (T rows of K channels), `mask_T` [*lead, T] (1
-        where a row counts)."""
+        where a row counts); with `name` in `keep`, the input itself (`raw`, default x_KxT)
+        is kept as "x" (of one call: a layer's weight reads one input per run)."""
         x = x_KxT.astype(jnp.float32)
         if mask_T is None:
             mask_T = jnp.ones((*x.shape[:-2], x.shape[-1]), jnp.float32)
@@ -50,7 +54,9 @@ class Recorder:
             "count": jnp.sum(mask_T.astype(jnp.float32), axis=-1),
         }
         old = self.stats.get(name)
-        self.stats[name] = new if old is None else merge(old, new)
+        self.stats[name] = new if old is None else {**old, **merge(old, new)}
+        if name in self.keep:
+            self.stats[name].setdefault("x", x_KxT if raw is None else raw)
 
     def claim(self, kernel) -> str | None:
         """The name of `kernel`, whose layer records its rows itself (`add`): `see` then
@@ -95,10 +101,11 @@ def active() -> Recorder | None:
 
 
 @contextlib.contextmanager
-def recording(names: dict[int, str], mask_T: jax.Array | None = None):
+def recording(names: dict[int, str], mask_T: jax.Array | None = None, keep=frozenset()):
     """Records the inputs of the weights `names` names (module docstring); `mask_T`: the
-    tokens that count, as the model's [B, L] flattened."""
-    rec = Recorder(names, mask_T)
+    tokens that count, as the model's [B, L] flattened; `keep`: names whose inputs are kept
+    whole too."""
+    rec = Recorder(names, mask_T, frozenset(keep))
     token = _ACTIVE.set(rec)
     try:
         yield rec
