@@ -6,6 +6,9 @@
 # Both create .venv and install into it (once; again when pyproject.toml changes).
 #   make test-newest   the suite again on Python 3.12 with the newest jax, flax, optax, orbax and
 #                      grain (in .venv-newest; the tests that need torch run on the main line only)
+#   make test-reference   the tests marked `reference` (GPTQ against llm-compressor) on Python
+#                         3.11 in .venv-reference: llm-compressor pins transformers and
+#                         compressed-tensors below the `test` extra's, so it has its own venv
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -17,7 +20,10 @@ TESTS  := $(VENV)/.installed-test
 NEWEST_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(if $(shell $(p) -c 'import sys; print(sys.version_info[:2] == (3, 12))' 2>/dev/null | grep True),$(p))))
 NEWEST_VENV   ?= .venv-newest
 
-.PHONY: train test test-all test-newest bench lint clean
+REFERENCE_PYTHON ?= python3.11
+REFERENCE_VENV   ?= .venv-reference
+
+.PHONY: train test test-all test-newest test-reference bench lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +44,7 @@ test: $(TESTS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-all: $(TESTS)
-	$(BIN)/python -m pytest -m 'not gpu' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m 'not gpu and not reference' $(PYTEST_ARGS)
 
 test-newest:
 ifeq ($(NEWEST_PYTHON),)
@@ -51,6 +57,12 @@ else
 	$(NEWEST_VENV)/bin/python -m pytest --without-torch $(PYTEST_ARGS)
 endif
 
+test-reference:
+	$(REFERENCE_PYTHON) -m venv $(REFERENCE_VENV)
+	$(REFERENCE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(REFERENCE_VENV)/bin/python -m pip install --quiet -e '.[test-core,reference]'
+	$(REFERENCE_VENV)/bin/python -m pytest -m reference tests/test_gptq_reference.py -n 0 $(PYTEST_ARGS)
+
 lint: $(TESTS)
 	$(BIN)/ruff format --check jaxllm kernels tests scripts
 	$(BIN)/ruff check jaxllm kernels tests scripts
@@ -59,4 +71,4 @@ bench: $(CORE)
 	$(BIN)/jaxllm bench train $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(NEWEST_VENV) $(REFERENCE_VENV) runs .pytest_cache
