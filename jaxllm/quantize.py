@@ -193,16 +193,22 @@ def cmd_quantize(ns) -> int:
 def add_quantize_parser(sub) -> None:
     q = sub.add_parser("quantize", help="quantize a trained model's weights into a new run")
     q.add_argument("args", nargs="+", metavar="SRC OUT key=value")
-    q.add_argument("--method", required=True, help="rtn | gptq | awq (docs/compression.md)")
     q.add_argument(
-        "--bits", type=int, help="bits per weight: 8, 4, 3, 2 (default: rtn 8, gptq / awq 4)"
+        "--method",
+        required=True,
+        help="rtn | gptq | awq | smoothquant | llm_int8 | fp8 | mxfp4 (docs/compression.md)",
+    )
+    q.add_argument(
+        "--bits",
+        type=int,
+        help="bits per weight: rtn / gptq / awq 8, 4, 3, 2 (default 8, 4, 4); mxfp4 4; others 8",
     )
     q.add_argument(
         "--group-size", type=int, help="input channels per scale; 0 (default): per channel"
     )
     q.add_argument(
         "--calibration",
-        help="gptq / awq: a data source (a path, or a mapping like {path: x.jsonl, format: "
+        help="gptq / awq / smoothquant: a data source (a path, or a mapping like {path: x.jsonl, format: "
         "chat}); default: the run's held-out split",
     )
     q.add_argument("--samples", type=int, help="calibration rows of data.seq_len (default 128)")

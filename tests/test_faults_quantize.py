@@ -1,6 +1,8 @@
 """Bad input of `jaxllm quantize`: an unknown method, bits or a group size the method does not
 take, a group size that does not divide a weight's input channels, calibration options for a
 method without calibration, too few calibration tokens, GPTQ's act order with dynamic groups,
+a group size for a fixed-grid kind, exporting a kind the compressed-tensors export does not
+write,
 a source that is already quantized, an existing OUT, and training a quantized run.
 
 Like test_faults.py, every row runs one command on a copy of the shared small run and asserts
@@ -74,6 +76,19 @@ CASES = [
         _quantize("--method", "gptq", "--group-size", "32", "quantize.gptq.act_order=true"),
         2,
         "quantize.gptq.act_order with --group-size needs quantize.gptq.static_groups=true",
+    ),
+    Case(
+        "group-size-with-a-fixed-grid",
+        _quantize("--method", "fp8", "--group-size", "32"),
+        2,
+        "method fp8 has a fixed grid (per output channel, symmetric): it takes no --group-size",
+    ),
+    Case(
+        "export-a-kind-the-export-does-not-write",
+        lambda r, t: ["convert", "export", str(t / "q8"), str(t / "out")],
+        2,
+        "this run's weights are quantize.method=fp8 codes, which the export does not write",
+        setup=lambda r, t: main(["quantize", str(r), str(t / "q8"), "--method", "fp8"]),
     ),
     Case(
         "already-quantized",

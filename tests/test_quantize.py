@@ -321,3 +321,31 @@ def test_calibrated_methods_against_rtn_on_held_out_text(trained, calibration_fi
     saved = jaxllm.config.load(tmp_path / "gptq" / "config.yaml").quantize
     assert (saved.method, saved.bits, saved.samples) == ("gptq", bits, 64)
     assert str(calibration_file) in saved.calibration
+
+
+def test_float_and_weight_activation_methods(trained, tmp_path, capsys):
+    """fp8 (weight-only and W8A8-FP8), mxfp4, llm_int8 and smoothquant: each run holds its
+    kind's codes, evaluates within its error of the float run, and `plan` bills its bits;
+    SmoothQuant's scales are folded into the norms (its float function unchanged)."""
+    want = _eval_loss(trained)
+    cases = {  # name -> (options, kind, act, tolerance in nats)
+        "fp8": ([], "fp8", "none", 0.005),
+        "fp8-w8a8": (["quantize.fp8_activations=true"], "fp8", "fp8", 0.005),
+        "mxfp4": ([], "mxfp4", "none", 0.02),
+        "llm_int8": ([], "int8", "llm_int8", 0.005),
+        "smoothquant": (["--samples", "16"], "int8", "int8", 0.005),
+    }
+    for name, (opts, kind, act, tol) in cases.items():
+        out = tmp_path / name
+        method = name.split("-")[0]
+        assert main(["quantize", str(trained), str(out), "--method", method, *opts]) == 0
+        loss = _eval_loss(out)
+        assert abs(loss - want) < tol, (name, loss, want)
+        model = jaxllm.load_model(out)
+        q_proj = model.layers.attn.q_proj.get_value()
+        assert (q_proj.kind, q_proj.act) == (kind, act)
+    src, smoothed = jaxllm.load_model(trained), jaxllm.load_model(tmp_path / "smoothquant")
+    assert not np.allclose(src.layers.attn_norm.scale[...], smoothed.layers.attn_norm.scale[...])
+    capsys.readouterr()
+    assert main(["plan", str(tmp_path / "mxfp4" / "config.yaml")]) == 0
+    assert "4.250 bits each" in capsys.readouterr().out

@@ -35,6 +35,7 @@ from jaxllm import sharding
 from jaxllm.compress import weights as weights_lib
 from jaxllm.compress.awq import awq_unit, kept
 from jaxllm.compress.gptq import gptq
+from jaxllm.compress.smoothquant import smoothquant_unit
 from jaxllm.config import Config, ConfigError
 from jaxllm.data.pipeline import load_splits
 from jaxllm.model import tap
@@ -60,7 +61,11 @@ def per_weight(fn) -> Callable:
 
 # method -> fn(unit params, {path: (n_in, n_out)}, {path: stats}, Config, prefix, Context)
 # -> the unit's params
-UNIT_METHODS: dict[str, Callable] = {"gptq": per_weight(gptq), "awq": awq_unit}
+UNIT_METHODS: dict[str, Callable] = {
+    "gptq": per_weight(gptq),
+    "awq": awq_unit,
+    "smoothquant": smoothquant_unit,
+}
 # method -> fn(unit params, chosen, Config) -> the names whose inputs it needs whole
 KEEP: dict[str, Callable] = {"awq": kept}
 

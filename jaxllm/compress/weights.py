@@ -24,10 +24,40 @@ from tqdm import tqdm
 from jaxllm import sharding
 from jaxllm.compress.rtn import rtn
 from jaxllm.config import ConfigError, QuantizeConfig
-from jaxllm.config.quantize import QUANTIZABLE
-from jaxllm.model import quantized
+from jaxllm.config.quantize import INTEGER_CODES, QUANTIZABLE
+from jaxllm.model import coded, quantized
 
-METHODS: dict[str, Callable[..., quantized.QuantizedTensor]] = {"rtn": rtn}
+
+def _coded(kind: str, act):
+    def method(w, cfg: QuantizeConfig, *, n_in: int, n_out: int) -> coded.CodedTensor:
+        how = dict(kind=kind, act=act(cfg), threshold=cfg.llm_int8.threshold)
+        return coded.encode(w, **how, n_in=n_in, n_out=n_out)
+
+    return method
+
+
+# The methods that quantize each weight on its own (the calibrated ones are in
+# `calibrate.UNIT_METHODS`); `encoder` has every method's per-weight format.
+METHODS: dict[str, Callable] = {
+    "rtn": rtn,
+    "fp8": _coded("fp8", lambda cfg: "fp8" if cfg.fp8_activations else "none"),
+    "mxfp4": _coded("mxfp4", lambda cfg: "none"),
+    "llm_int8": _coded("int8", lambda cfg: "llm_int8"),
+}
+_SMOOTHQUANT = _coded("int8", lambda cfg: "int8")
+
+
+def encoder(cfg: QuantizeConfig) -> Callable:
+    """The function that stores a weight as `cfg.method` does (what a calibrated method ends
+    with: RTN's codes for gptq / awq, W8A8 int8 for smoothquant)."""
+    if cfg.method in INTEGER_CODES:
+        return rtn
+    return _SMOOTHQUANT if cfg.method == "smoothquant" else METHODS[cfg.method]
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, (quantized.QuantizedTensor, coded.CodedTensor))
+
 
 LEAD_AXES = ("layers", "expert")  # dims each quantized on its own, kept whole
 
@@ -56,6 +86,14 @@ def _check(path: str, shape: tuple, n_in: int, n_out: int, cfg: QuantizeConfig) 
     """ConfigError when `cfg`'s groups or packing do not fit the weight at `path`."""
     lead = len(shape) - n_in - n_out
     k = math.prod(shape[lead : lead + n_in])  # input channels: the groups run over them
+    if cfg.method == "mxfp4" and (k % 32 or shape[lead + n_in - 1] % 2):
+        raise ConfigError(
+            f"mxfp4 scales blocks of 32 input channels, packed two a byte along the last; "
+            f"{path} has {k} (last dim {shape[lead + n_in - 1]}); leave it out with "
+            "quantize.skip."
+        )
+    if cfg.method not in INTEGER_CODES:
+        return
     g = cfg.group_size
     if g and k % g:
         raise ConfigError(
@@ -95,16 +133,12 @@ def quantized_abstract(abstract: dict, axes: dict, cfg: QuantizeConfig | None):
         d = dims(path, ax, cfg)
         if d is not None:
             _check(path, leaf.shape, *d, cfg)
-            leaf = quantized.abstract(
-                leaf.shape,
-                leaf.dtype,
-                bits=cfg.bits,
-                group=cfg.group_size,
-                symmetric=cfg.symmetric,
-                n_in=d[0],
-                n_out=d[1],
-            )
-            ax = quantized.quantized_axes(leaf, ax)
+            fn = encoder(cfg)
+            leaf = jax.eval_shape(lambda w, d=d: fn(w, cfg, n_in=d[0], n_out=d[1]), leaf)
+            if isinstance(leaf, quantized.QuantizedTensor):
+                ax = quantized.quantized_axes(leaf, ax)
+            else:
+                ax = coded.axes(leaf, ax)
         _put(out, keys, leaf)
         _put(out_axes, keys, ax)
     return out, out_axes
@@ -177,9 +211,16 @@ def weight_bytes(abstract: dict, axes: dict, cfg: QuantizeConfig, mesh: Mesh) ->
     "quantized": parameters stored as codes, "quantized_bytes": their codes, scales and zero
     points, "total": all parameters' bytes, "per_device": those on one device of `mesh`}."""
     q_abstract, q_axes = quantized_abstract(abstract, axes, cfg)
-    is_q = lambda x: isinstance(x, quantized.QuantizedTensor)  # noqa: E731
+    is_q = is_quantized
     groups = f"groups of {cfg.group_size}" if cfg.group_size else "per channel"
     how = f"{cfg.method} {cfg.bits}-bit {groups}" + ("" if cfg.symmetric else " asymmetric")
+    if cfg.method not in INTEGER_CODES:
+        how = {
+            "fp8": "fp8 e4m3 per channel" + (", fp8 activations" if cfg.fp8_activations else ""),
+            "mxfp4": "mxfp4 e2m1, e8m0 scales per 32",
+            "llm_int8": f"llm_int8 int8 per channel, outliers > {cfg.llm_int8.threshold:g}",
+            "smoothquant": f"smoothquant w8a8 int8 (alpha {cfg.smoothquant.alpha:g})",
+        }[cfg.method]
     out = {"how": how, "quantized": 0, "quantized_bytes": 0, "total": 0, "per_device": 0}
     for leaf, sh in zip(
         jax.tree.leaves(q_abstract, is_leaf=is_q),

@@ -14,13 +14,31 @@ from jaxllm.config.errors import fail
 
 # method -> the bit widths it takes. (A method and its widths are added together, with the
 # function in `jaxllm.compress` that computes it.)
-METHOD_BITS = {"rtn": (8, 4, 3, 2), "gptq": (8, 4, 3, 2), "awq": (8, 4, 3, 2)}
-DEFAULT_BITS = {"rtn": 8, "gptq": 4, "awq": 4}
+METHOD_BITS = {
+    "rtn": (8, 4, 3, 2),
+    "gptq": (8, 4, 3, 2),
+    "awq": (8, 4, 3, 2),
+    "smoothquant": (8,),
+    "llm_int8": (8,),
+    "fp8": (8,),
+    "mxfp4": (4,),
+}
+DEFAULT_BITS = {
+    "rtn": 8,
+    "gptq": 4,
+    "awq": 4,
+    "smoothquant": 8,
+    "llm_int8": 8,
+    "fp8": 8,
+    "mxfp4": 4,
+}
 # The methods whose checkpoints hold integer codes on RTN's grid (`quantized.QuantizedTensor`):
 # what GGUF's Q8_0 / Q4_0 and compressed-tensors' pack-quantized store.
 INTEGER_CODES = ("rtn", "gptq", "awq")
 # The methods that read calibration data (`jaxllm.compress.calibrate`).
-CALIBRATED = ("gptq", "awq")
+CALIBRATED = ("gptq", "awq", "smoothquant")
+# The methods of `coded.CodedTensor`, whose grids are fixed: no group size, no zero point.
+FIXED_GRID = ("smoothquant", "llm_int8", "fp8", "mxfp4")
 
 # The weights a method may quantize, by name: the attention, MLP and expert projections, MLA's
 # projections, and (with quantize.head) the untied LM head. Embeddings, norms, biases, the MoE
@@ -70,14 +88,34 @@ class AWQConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SmoothQuantConfig:
+    """SmoothQuant's settings (`jaxllm.compress.smoothquant`; Xiao et al. 2022)."""
+
+    alpha: float = 0.5
+    """Migration strength: s = max|x|^alpha / max|w|^(1 - alpha) (the paper's 0.5)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMInt8Config:
+    """LLM.int8()'s settings (Dettmers et al. 2022)."""
+
+    threshold: float = 6.0
+    """Input features with any |x| above this stay in 16 bits (the paper's 6.0)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantizeConfig:
     """Post-training weight quantization (docs/compression.md). Set by `jaxllm quantize`, which
     writes the quantized run; editing these keys in a run's config.yaml does not re-quantize
     its checkpoint (its codes would no longer match, and loading it fails)."""
 
-    method: Literal["none", "rtn", "gptq", "awq"] = "none"
+    method: Literal["none", "rtn", "gptq", "awq", "smoothquant", "llm_int8", "fp8", "mxfp4"] = (
+        "none"
+    )
     """Weight-only integer codes: `rtn` round-to-nearest; `gptq` with Hessian error feedback
-    and `awq` with activation-aware scales, both calibrated (docs/compression.md)."""
+    and `awq` with activation-aware scales, both calibrated. `smoothquant` (calibrated) W8A8
+    int8, `llm_int8` int8 with 16-bit outlier features, `fp8` E4M3 weights, `mxfp4` OCP
+    microscaling E2M1 (docs/compression.md)."""
     bits: int = 8
     """Bits per weight code: 8, 4, 3 or 2 (`jaxllm quantize` defaults: rtn 8, gptq and awq 4). Codes are packed into bytes (int4 two a
     byte, int3 eight in three bytes, int2 four a byte)."""
@@ -101,6 +139,11 @@ class QuantizeConfig:
     """Rows of `data.seq_len` tokens of the calibration data used (GPTQ's and AWQ's 128)."""
     gptq: GPTQConfig = GPTQConfig()
     awq: AWQConfig = AWQConfig()
+    smoothquant: SmoothQuantConfig = SmoothQuantConfig()
+    llm_int8: LLMInt8Config = LLMInt8Config()
+    fp8_activations: bool = False
+    """fp8 only: W8A8-FP8, each token's activations in E4M3 with its own scale at run time and
+    an E4M3 x E4M3 dot (false: fp8 weights, activations in the compute dtype)."""
 
     @property
     def calibrated(self) -> bool:
@@ -119,6 +162,16 @@ class QuantizeConfig:
                 f"quantize.bits={self.bits}: method {self.method} takes "
                 f"{', '.join(map(str, takes))} bits."
             )
+        if self.method in FIXED_GRID and (self.group_size or not self.symmetric):
+            fail(
+                f"method {self.method} has a fixed grid (per output channel"
+                f"{', MXFP4 blocks of 32' if self.method == 'mxfp4' else ''}, symmetric): it "
+                "takes no --group-size and no --asymmetric."
+            )
+        if self.fp8_activations and self.method != "fp8":
+            fail(f"quantize.fp8_activations is fp8's; method {self.method} does not take it.")
+        if not 0 <= self.smoothquant.alpha <= 1 or not self.llm_int8.threshold > 0:
+            fail("quantize.smoothquant.alpha must be in [0, 1], quantize.llm_int8.threshold > 0.")
         if self.group_size < 0:
             fail(f"quantize.group_size must be >= 0 (0: per channel), not {self.group_size}.")
         if self.calibration and not self.calibrated:

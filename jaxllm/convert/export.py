@@ -27,6 +27,7 @@ from tokenizers import Tokenizer, processors
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 from jaxllm.config.outputs import check_output, written
+from jaxllm.config.quantize import INTEGER_CODES
 from jaxllm.convert import compressed
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.convert.mapping import Mapped, each, flatten
@@ -84,6 +85,12 @@ def export_hf(
         params = {k: v for k, v in params.items() if k != "value"}
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, value_head=False))
     m = cfg.model
+    if cfg.quantize.enabled and cfg.quantize.method not in INTEGER_CODES:
+        raise ConfigError(
+            f"this run's weights are quantize.method={cfg.quantize.method} codes, which the "
+            "export does not write (it writes compressed-tensors' pack-quantized integer codes "
+            "of rtn, gptq and awq); export the float run it was quantized from."
+        )
     fam = export_family(m, family)
     hf = hf_config(m, fam)
     flat = {**flatten(params), **flatten(model_state or {})}

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.model import coded, lora, tap
 from jaxllm.model import fp8 as fp8_ops
-from jaxllm.model import lora, tap
 
 
 def param(rngs: nnx.Rngs, init, shape: Sequence[int], axes: tuple[str, ...], dtype) -> nnx.Param:
@@ -25,15 +25,18 @@ def matmul(
     """Every weight matmul of the model goes through here: `einsum(spec, x, kernel)` with both
     operands in the compute `dtype`, or with `fp8` in e4m3 with float32 accumulation (and e5m2
     output gradients; `fp8.py`). The output is in `out_dtype` (default `dtype`). The kernel may
-    be an array, an `NF4Tensor` or a `quantized.QuantizedTensor` (dequantized here, inside the
-    jitted computation, where XLA fuses it into the dot) or a `lora.LoRAKernel` (x W + s (x A) B,
-    whose base may be either)."""
+    be an array, an `NF4Tensor`, a `quantized.QuantizedTensor` or a weight-only
+    `coded.CodedTensor` (dequantized here, inside the jitted computation, where XLA fuses it
+    into the dot), a `coded.CodedTensor` with quantized activations (an int8 or fp8 dot,
+    `coded.matmul`) or a `lora.LoRAKernel` (x W + s (x A) B, whose base may be any of them)."""
     out_dtype = out_dtype or dtype
     if (recorder := tap.active()) is not None:  # calibration (`tap`)
         recorder.see(spec, x, kernel)
     if isinstance(kernel, lora.LoRAKernel):
         y = matmul(spec, x, kernel.base, dtype, out_dtype, fp8=fp8)
         return y + _lora_path(spec, x, kernel, dtype).astype(out_dtype)
+    if isinstance(kernel, coded.CodedTensor) and kernel.act != "none":  # W8A8 kinds
+        return coded.matmul(spec, x, kernel, dtype, out_dtype)
     x, kernel = x.astype(dtype), lora.as_array(kernel, dtype)
     if fp8:
         return fp8_ops.einsum(spec, x, kernel, dtype, out_dtype)

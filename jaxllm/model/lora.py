@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS
-from jaxllm.model import nf4, quantized
+from jaxllm.model import coded, nf4, quantized
 
 
 class LoRAParam(nnx.Param):
@@ -174,9 +174,12 @@ def dense(module: nnx.Module, name: str, dtype) -> jax.Array:
 
 def as_array(w, dtype) -> jax.Array:
     """A stored weight in the compute `dtype`: cast, or dequantized from NF4 (each stacked
-    layer's on its own) or from integer codes (`quantized.QuantizedTensor`, `jaxllm quantize`)."""
+    layer's on its own), from integer codes (`quantized.QuantizedTensor`) or from the float and
+    int8 kinds (`coded.CodedTensor`) of `jaxllm quantize`."""
     if isinstance(w, quantized.QuantizedTensor):
         return quantized.dequantize(w, dtype)
+    if isinstance(w, coded.CodedTensor):
+        return coded.decode(w, dtype)
     if not isinstance(w, nf4.NF4Tensor):
         return w.astype(dtype)
     stacked = w.codes.ndim - nf4.kept_ndim(w.shape) - 1
@@ -195,7 +198,9 @@ def merged_params(graphdef, params, frozen, model_state=None) -> dict:
                 continue
             value = var.get_value()
             dtype = value.dtype
-            packed = isinstance(value, (nf4.NF4Tensor, quantized.QuantizedTensor))
+            packed = isinstance(
+                value, (nf4.NF4Tensor, quantized.QuantizedTensor, coded.CodedTensor)
+            )
             if hasattr(module, f"{name}_lora_a") or packed:
                 var.set_value(dense(module, name, jnp.float32).astype(dtype))
             for suffix in ("_lora_a", "_lora_b", "_lora_scale", "_lora_dropout"):
