@@ -2,7 +2,7 @@
 
     python scripts/compression_table.py RUN [--methods rtn,gptq,...] [--bits 8,4] [--workdir DIR]
         [--out FILE.json] [--samples 32] [--new-tokens 64] [--repeats 5] [--kv int8,int4]
-        [--score-rows 8] [--prefix 16]
+        [--score-rows 8] [--prefix 16] [--calibration PATH]
 
 The methods are those of `jaxllm.config.quantize.METHOD_BITS` when the script runs (each bit
 width it takes), or the `--methods` and `--bits` among them. Each is made by `jaxllm quantize RUN OUT
@@ -49,7 +49,7 @@ import numpy as np
 import jaxllm
 from jaxllm import cli, compress, config, sharding
 from jaxllm.config import GenerateConfig
-from jaxllm.config.quantize import METHOD_BITS
+from jaxllm.config.quantize import CALIBRATED, METHOD_BITS
 from jaxllm.data.pipeline import load_splits
 from jaxllm.evaluate import evaluate_checkpoint
 from jaxllm.infer import generate, score_with_cache
@@ -70,10 +70,21 @@ def quantize_options() -> set[str]:
     return {o for a in sub.choices["quantize"]._actions for o in a.option_strings}
 
 
-def quantize(run: Path, out: Path, method: str, bits: int, samples: int, opts: set[str]) -> dict:
+def quantize(
+    run: Path,
+    out: Path,
+    method: str,
+    bits: int,
+    samples: int,
+    opts: set[str],
+    calibration: str | None = None,
+) -> dict:
     """Runs `jaxllm quantize` (in this process); {"seconds", "command"} or {"error"}: the
-    command's one-line message."""
+    command's one-line message. `calibration`: passed to the methods that read calibration
+    data."""
     base = ["quantize", str(run), str(out), "--method", method, "--bits", str(bits), "--overwrite"]
+    if calibration and method in CALIBRATED:
+        base += ["--calibration", calibration, "--samples", str(samples)]
     tries = [base]
     if "--samples" in opts:
         tries.append([*base, "--samples", str(samples)])
@@ -204,6 +215,11 @@ def main(argv=None) -> dict:
     p.add_argument("--keep", action="store_true", help="keep the quantized runs")
     p.add_argument("--out", type=Path, help="the JSON of raw results")
     p.add_argument("--samples", type=int, default=32, help="calibration samples, where taken")
+    p.add_argument(
+        "--calibration",
+        help="the calibrated methods' data (a path or a data source); default: the run's "
+        "held-out split, which is also what the table evaluates on",
+    )
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
@@ -241,7 +257,7 @@ def main(argv=None) -> dict:
             name = f"{method} {bits}-bit"
             out = work / f"{method}-{bits}"
             row = {"name": name, "method": method, "bits": bits}
-            row |= quantize(run, out, method, bits, ns.samples, opts)
+            row |= quantize(run, out, method, bits, ns.samples, opts, ns.calibration)
             if "error" not in row:
                 row |= measure(out, ns, prompt, tokens, kv_kinds)
                 if not ns.keep:
