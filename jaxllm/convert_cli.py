@@ -55,11 +55,15 @@ def cmd_import(ns: argparse.Namespace) -> int:
         )
     hf_dir = fetched(check_url(ns.hf_dir, "HF_DIR"), "HF_DIR")
     adapter = ns.peft and fetched(check_url(ns.peft, "--peft"), "--peft")
+    if adapter and ns.dequantize:
+        raise ConfigError("--dequantize imports a quantized model alone, not with --peft.")
     with storage.staged(ns.out_dir, "OUT_DIR", overwrite=ns.overwrite, last=RUN_MARKERS) as out:
         if adapter:
             report = import_peft(hf_dir, adapter, out, overrides, overwrite=ns.overwrite)
         else:
-            report = import_hf(hf_dir, out, overrides, overwrite=ns.overwrite)
+            report = import_hf(
+                hf_dir, out, overrides, overwrite=ns.overwrite, dequantize=ns.dequantize
+            )
     for line in report:
         print(line)
     print(f"imported {len(report)} tensor names into {ns.out_dir}", file=sys.stderr)
@@ -189,6 +193,12 @@ def add_convert_parser(sub) -> None:
         help="a Hugging Face PEFT LoRA adapter of HF_DIR (adapter_config.json + "
         "adapter_model.safetensors): OUT_DIR becomes a fine-tuning run of those adapters on "
         "the base HF_DIR",
+    )
+    i.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="a quantized checkpoint (compressed-tensors, GPTQ, AWQ) as a float run, its "
+        "weights dequantized (default: a quantized run keeping the codes)",
     )
     i.add_argument(
         "--overwrite",

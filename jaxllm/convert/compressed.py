@@ -36,7 +36,6 @@ from jaxllm.convert.links import Link
 from jaxllm.convert.mapping import each, flatten, unflatten
 from jaxllm.convert.packed import (
     FORMAT,
-    module_codes,
     pack_int32,
 )
 from jaxllm.convert.reader import Reader, read_hf_config
@@ -151,9 +150,7 @@ def imported_codes(hf_dir, params: dict, cfg: config_lib.Config) -> dict:
         dtype = flat[path].dtype
         parts: dict[str, list] = {"codes": [], "scales": [], "zeros": []}
         for index in indices:
-            q, s, z = module_codes(
-                reader._read, reader.modules[link.name(index)], q_cfg.bits, dtype
-            )
+            q, s, z = reader.codes(link.name(index), dtype)
             codes = np.empty((n_in, len(perm)), np.uint8)
             codes[:, perm] = q.T
             scales = np.empty((s.shape[1], len(perm)), s.dtype)

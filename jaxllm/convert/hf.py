@@ -122,7 +122,7 @@ def _callback(reader: Reader, link: Link, k: int, shapes: dict, dtype) -> Callab
     return callback
 
 
-def model_config(hf_dir, overrides=()) -> config_lib.Config:
+def model_config(hf_dir, overrides=(), dequantize: bool = False) -> config_lib.Config:
     """The run config of a Hugging Face directory: its architecture, its storage dtype as
     param_dtype, config.json's dtype (else the storage dtype) as the compute dtype, its
     tokenizer.json if any; then `key=value` overrides.
@@ -133,6 +133,10 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
     quantize = packed.run_quantize(hf, hf_dir)  # {}, or its codes' quantize.*
+    if dequantize and not quantize:
+        raise ConfigError(f"--dequantize: {hf_dir} holds no quantized weights to dequantize.")
+    if dequantize:  # a float run: the Reader dequantizes every packed module
+        quantize = {}
     fields = model_fields(hf, hf_dir / "config.json")
     family = family_of(hf)
     if family.file_fields is not None:  # what the tensors say (BERT's pooler)
@@ -187,17 +191,20 @@ def model_config(hf_dir, overrides=()) -> config_lib.Config:
     return config_lib.from_dict(tree).validate()
 
 
-def import_hf(hf_dir, out_dir, overrides=(), mesh=None, overwrite=False) -> list[Mapped]:
+def import_hf(
+    hf_dir, out_dir, overrides=(), mesh=None, overwrite=False, dequantize=False
+) -> list[Mapped]:
     """`jaxllm convert import`: a run directory (config.yaml, a weights-only checkpoint at step
     0, and the tokenizer.json with its tokenizer_config.json, special_tokens_map.json, chat
     template and generation_config.json, where the directory has them) that `jaxllm generate
     / eval / train` accept. Every check and every tensor read happens before anything is
     written: a refused import leaves no `out_dir` behind, and one that holds files is refused
-    (replaced whole with `overwrite`)."""
-    new = new_run(hf_dir, out_dir, overrides, overwrite=overwrite)
+    (replaced whole with `overwrite`). A quantized checkpoint (compressed-tensors, GPTQ, AWQ)
+    keeps its codes, or with `dequantize` becomes a float run."""
+    new = new_run(hf_dir, out_dir, overrides, overwrite=overwrite, dequantize=dequantize)
     mesh = mesh or sharding.make_mesh(new.cfg.mesh)
     params, model_state, report = load_params(hf_dir, new.cfg.model, mesh)
-    if new.cfg.quantize.enabled:  # compressed-tensors: the codes themselves
+    if new.cfg.quantize.enabled:  # compressed-tensors, GPTQ, AWQ: the codes themselves
         params = compressed.imported_codes(hf_dir, params, new.cfg)
     new.write(params, model_state)
     return report
@@ -265,13 +272,13 @@ class NewRun:
             config_lib.dump(self.cfg, tmp / "config.yaml")
 
 
-def new_run(hf_dir, out_dir, overrides=(), overwrite=False, reads=()) -> NewRun:
+def new_run(hf_dir, out_dir, overrides=(), overwrite=False, reads=(), dequantize=False) -> NewRun:
     """The checked plan of importing `hf_dir` into the new run directory `out_dir` (with
     `key=value` overrides); nothing is written yet. `out_dir` is checked first (it may not
     hold files unless `overwrite`, nor `hf_dir` or the other paths `reads`)."""
     hf_dir = Path(hf_dir)
     out_dir = check_out_dir(out_dir, flag=OUT_FLAG, overwrite=overwrite, reads=(hf_dir, *reads))
-    cfg = model_config(hf_dir, [f"run.dir={out_dir}", *overrides])
+    cfg = model_config(hf_dir, [f"run.dir={out_dir}", *overrides], dequantize)
     ckpt_dir = checkpoint.checkpoint_dir(out_dir, cfg.checkpoint.dir)
     if _inside(ckpt_dir, out_dir) is None:
         check_out_dir(ckpt_dir, flag="checkpoint.dir", overwrite=overwrite, reads=(hf_dir, *reads))

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from jaxllm.config import ConfigError
+from jaxllm.convert import autoquant
 from jaxllm.model import quantized
 
 FORMAT = "pack-quantized"
@@ -52,11 +53,13 @@ def run_quantize(hf: dict, where) -> dict:
     if not qc:
         return {}
     method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+    if method in autoquant.METHODS:
+        return autoquant.run_quantize(qc, where)
     if method != "compressed-tensors":
         raise ConfigError(
             f"{where} is a quantized checkpoint (quantization_config: quant_method {method}); "
-            "jaxllm imports float32 / bfloat16 / float16 tensors and compressed-tensors' "
-            f"{FORMAT} weight-only integers: dequantize it first (for DeepSeek-V3's FP8 "
+            "jaxllm imports float32 / bfloat16 / float16 tensors, compressed-tensors' "
+            f"{FORMAT} weight-only integers and GPTQ / AWQ (GEMM) codes: dequantize it first (for DeepSeek-V3's FP8 "
             "weights, to bfloat16 with their weight_scale_inv scales)."
         )
     groups = list((qc.get("config_groups") or {}).values())

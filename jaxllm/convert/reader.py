@@ -12,8 +12,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxllm.config import ConfigError
+from jaxllm.convert import autoquant
 from jaxllm.convert.families import first_line
-from jaxllm.convert.packed import SUFFIXES, dequantized, run_quantize
+from jaxllm.convert.packed import SUFFIXES, dequantized, module_codes, run_quantize
 
 DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 INDEX = "model.safetensors.index.json"
@@ -138,7 +139,11 @@ class Reader:
 
         self.modules: dict[str, str] = {}
         self.bits = 0
+        self.auto: dict | None = None  # a GPTQ / AWQ quantization_config
         packed = [n.removesuffix(".weight_packed") for n in self.shapes if n.endswith("_packed")]
+        auto = [n.removesuffix(".qweight") for n in self.shapes if n.endswith(".qweight")]
+        if auto:
+            self._auto(hf_dir, auto)
         if not packed:
             return
         self.bits = run_quantize(read_hf_config(hf_dir), hf_dir).get("bits", 0)
@@ -156,9 +161,39 @@ class Reader:
                 self.shapes.pop(f"{m}.{suffix}", None)
                 self.dtypes.pop(f"{m}.{suffix}", None)
 
+    def _auto(self, hf_dir: Path, modules: list[str]) -> None:
+        """GPTQ / AWQ packed modules (`M.qweight`, ...) seen as their float `M.weight`
+        (`jaxllm.convert.autoquant`)."""
+        qc = read_hf_config(hf_dir).get("quantization_config") or {}
+        if qc.get("quant_method") not in autoquant.METHODS:
+            raise ConfigError(
+                f"{hf_dir} holds GPTQ / AWQ packed weights ({modules[0]}.qweight) but "
+                "config.json has no gptq or awq quantization_config."
+            )
+        self.auto = qc
+        self.bits = run_quantize(read_hf_config(hf_dir), hf_dir)["bits"]
+        for m in modules:
+            name = f"{m}.weight"
+            self.modules[name] = m
+            self.shapes[name] = autoquant.shape(self._read, m, qc)
+            self.dtypes[name] = self.dtypes[f"{m}.scales"]
+            for suffix in autoquant.SUFFIXES:
+                self.shapes.pop(f"{m}.{suffix}", None)
+                self.dtypes.pop(f"{m}.{suffix}", None)
+
+    def codes(self, name: str, dtype) -> tuple[np.ndarray, ...]:
+        """(codes [out, in], scales [out, groups], zero points or None) of the packed module
+        whose float weight is `name`."""
+        if self.auto is not None:
+            return autoquant.module_codes(self._read, self.modules[name], self.auto, dtype)
+        return module_codes(self._read, self.modules[name], self.bits, dtype)
+
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         if name in self.modules:
-            w = dequantized(self._read, self.modules[name], self.bits, np.float32)
+            if self.auto is not None:
+                w = autoquant.dequantized(self._read, self.modules[name], self.auto, np.float32)
+            else:
+                w = dequantized(self._read, self.modules[name], self.bits, np.float32)
             return w if index is None else w[index]
         return self._read(name, index)
 
