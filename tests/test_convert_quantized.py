@@ -128,7 +128,8 @@ def test_import_refuses_what_it_cannot_hold(runs, tmp_path, capsys):
     act = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
     group = {**qc["config_groups"]["group_0"], "input_activations": act}
     for bad, says in [
-        ({"quant_method": "gptq", "bits": 4}, "quant_method gptq"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method bitsandbytes"),
+        ({"quant_method": "gptq", "bits": 4}, "but config.json's quantization_config says"),
         ({**qc, "config_groups": {"group_0": group}}, "quantized activations"),
     ]:
         src = tmp_path / "src"

@@ -146,7 +146,15 @@ class Reader:
             self._auto(hf_dir, auto)
         if not packed:
             return
-        self.bits = run_quantize(read_hf_config(hf_dir), hf_dir).get("bits", 0)
+        hf = read_hf_config(hf_dir)
+        method = (hf.get("quantization_config") or {}).get("quant_method")
+        if method in autoquant.METHODS:
+            raise ConfigError(
+                f"{hf_dir} holds compressed-tensors packed weights ({packed[0]}.weight_packed) "
+                f"but config.json's quantization_config says quant_method {method}; fix "
+                "config.json."
+            )
+        self.bits = run_quantize(hf, hf_dir).get("bits", 0)
         if not self.bits:
             raise ConfigError(
                 f"{hf_dir} holds compressed-tensors packed weights ({packed[0]}.weight_packed) "
