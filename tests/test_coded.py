@@ -95,3 +95,19 @@ def test_smoothquant_scales_are_the_cores():
     np.testing.assert_allclose(norm / s, norm_s, rtol=1e-6)
     for w, want in zip(ws, smoothed):
         np.testing.assert_allclose(w * s[:, None], want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("act", ["int8", "fp8", "llm_int8"])
+def test_w8a8_passes_the_decoded_weights_gradient(act):
+    """The activations' gradient through a W8A8 matmul is that of the decoded weight (straight
+    through the rounding), so LoRA trains on such a base."""
+    shape, n_in, n_out, spec, x_shape = SHAPES["o_proj"]
+    w = jax.random.normal(jax.random.key(1), shape) * 0.05
+    x = jax.random.normal(jax.random.key(2), x_shape)
+    kind = "fp8" if act == "fp8" else "int8"
+    t = coded.encode(w, kind=kind, act=act, threshold=6.0, n_in=n_in, n_out=n_out)
+    got = jax.grad(lambda x: jnp.sum(jnp.sin(layers.matmul(spec, x, t, jnp.float32))))(x)
+    deq = coded.decode(t, jnp.float32)
+    y = layers.matmul(spec, x, t, jnp.float32)
+    want = jax.vjp(lambda x: jnp.einsum(spec, x, deq), x)[1](jnp.cos(y))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -135,7 +135,33 @@ def abstract(shape, dtype, **how) -> CodedTensor:
 
 def matmul(spec: str, x: jax.Array, t: CodedTensor, dtype, out_dtype) -> jax.Array:
     """`einsum(spec, x, W)` with activations quantized per row as `t.act` says (module
-    docstring): the rows' scales over the contracted dims, the weight's per output channel."""
+    docstring): the rows' scales over the contracted dims, the weight's per output channel.
+    Differentiable in x as the matmul by the decoded weight (straight through the rounding),
+    so LoRA trains on a W8A8 base; the codes take no gradient."""
+    meta = t.replace(codes=None, scales=None)
+
+    @jax.custom_vjp
+    def f(x, codes, scales):
+        return _quantized_matmul(
+            spec, x, meta.replace(codes=codes, scales=scales), dtype, out_dtype
+        )
+
+    def fwd(x, codes, scales):
+        return f(x, codes, scales), (x, codes, scales)
+
+    def bwd(res, g):
+        x, codes, scales = res
+        w = decode(meta.replace(codes=codes, scales=scales), jnp.float32)
+        _, vjp = jax.vjp(lambda x: jnp.einsum(spec, x.astype(jnp.float32), w), x)
+        (dx,) = vjp(g.astype(jnp.float32))
+        zero = np.zeros(codes.shape, jax.dtypes.float0)
+        return dx.astype(x.dtype), zero, jnp.zeros_like(scales)
+
+    f.defvjp(fwd, bwd)
+    return f(x, t.codes, t.scales)
+
+
+def _quantized_matmul(spec: str, x: jax.Array, t: CodedTensor, dtype, out_dtype) -> jax.Array:
     ins, out = spec.split("->")
     xs, ks = ins.split(",")
     contracted = tuple(i for i, c in enumerate(xs) if c in ks and c not in out)
