@@ -9,11 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SMALL_RUN
 
+import jaxllm
+from jaxllm.cli import main
 from jaxllm.compress import awq, gptq
 from jaxllm.config import Config, QuantizeConfig
 from jaxllm.config.quantize import AWQConfig
-from jaxllm.model import quantized, tap
+from jaxllm.model import coded, quantized, tap
 
 
 def np_grid(w, bits, symmetric):
@@ -211,3 +214,49 @@ def test_awq_folds_keep_the_float_function():
     params = fold_all(params)  # the final norm and the LM head
     got = nnx.merge(graphdef, params, rest)(tokens).logits
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def moe_mla_run(tmp_path_factory):
+    """A SMALL_RUN with MLA attention and MoE layers (routed and shared experts, a dense first
+    layer) trained 2 steps."""
+    run = tmp_path_factory.mktemp("moe_mla") / "run"
+    arch = [
+        "model.moe.num_experts=4",
+        "model.moe.num_shared_experts=1",
+        "model.moe.first_dense_layers=1",
+        "model.mla.kv_lora_rank=16",
+        "model.mla.q_lora_rank=12",
+        "model.mla.qk_nope_head_dim=8",
+        "model.mla.qk_rope_head_dim=4",
+        "model.mla.v_head_dim=6",
+        "model.num_kv_heads=4",
+    ]
+    argv = ["train", *SMALL_RUN, *arch, "train.steps=2", "checkpoint.every=2", f"run.dir={run}"]
+    assert main(argv) == 0
+    return run
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "gptq",
+        pytest.param("awq", marks=pytest.mark.slow),
+        pytest.param("smoothquant", marks=pytest.mark.slow),
+    ],
+)
+def test_calibrated_methods_cover_experts_and_mla(moe_mla_run, tmp_path, method):
+    """Every projection of an MLA + MoE model, the experts' and MLA's included, is quantized,
+    and the logits stay near the float model's."""
+    tokens = np.arange(32).reshape(2, 16) * 7 % 320
+    want = np.asarray(jaxllm.load_model(moe_mla_run)(tokens).logits)
+    out = tmp_path / method
+    argv = ["quantize", str(moe_mla_run), str(out), "--method", method, "--bits", "8"]
+    assert main([*argv, "--samples", "8"]) == 0
+    model = jaxllm.load_model(out)
+    moe = model.moe_layers.moe
+    for w in (moe.mlp.gate_proj, moe.mlp.shared.down_proj, moe.attn.kv_b_proj):
+        assert isinstance(w.get_value(), (quantized.QuantizedTensor, coded.CodedTensor))
+    assert isinstance(model.layers.attn.q_a_proj.get_value(), type(w.get_value()))
+    got = np.asarray(model(tokens).logits)
+    assert np.sqrt(np.mean((got - want) ** 2)) < 0.02 * np.sqrt(np.mean(want**2))

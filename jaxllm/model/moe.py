@@ -247,7 +247,7 @@ def record_experts(recorder, layer, x_BxLxD, combine_BxLxE) -> None:
     x_TxD = x_BxLxD.reshape(-1, x_BxLxD.shape[-1]).astype(f32)
     chosen_ExT = (combine_BxLxE.reshape(-1, combine_BxLxE.shape[-1]) > 0).T.astype(f32)
     if recorder.mask_T is not None:
-        chosen_ExT = chosen_ExT * recorder.mask_T.astype(f32)
+        chosen_ExT = chosen_ExT * recorder.mask_T.astype(f32)[None, :]
     x_ExDxT = jnp.broadcast_to(x_TxD.T, (gate.shape[0], *x_TxD.T.shape))
     h_ExFxT = jax.nn.silu(jnp.einsum("td,edf->eft", x_TxD, gate)) * jnp.einsum(
         "td,edf->eft", x_TxD, up
