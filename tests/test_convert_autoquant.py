@@ -2,12 +2,14 @@
 exported in compressed-tensors' layout and re-packed here as AutoGPTQ's `pack` and AutoAWQ's
 `WQLinear_GEMM.from_linear` pack them (GPTQ v1 storing z - 1; AWQ's nibble order), import
 with the same codes (so the same logits) as the run, or with `--dequantize` as a float run of
-the same function; act-order groups and unsupported widths are refused."""
+the same function; act-order groups and unsupported widths are refused. And checkpoints a
+GPTQ library itself wrote (golden/autoquant) read as its own dequantized weights."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 import jaxllm
 from jaxllm.cli import main
 from jaxllm.convert import packed
+from jaxllm.convert.reader import Reader
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -132,3 +135,26 @@ def test_refused_gptq_checkpoints(int4_runs, small_run, tmp_path, capsys):
     argv = ["convert", "import", str(tmp_path / "float"), str(tmp_path / "g"), "--dequantize"]
     assert main(argv) == 2
     assert "holds no quantized weights to dequantize" in capsys.readouterr().err
+
+
+GOLDEN = Path(__file__).parent / "golden" / "autoquant"
+
+
+@pytest.mark.parametrize("name", ["gptq4_g32_sym", "gptq4_g32_asym", "awq4_g32"])
+def test_checkpoints_a_gptq_library_wrote(name, tmp_path):
+    """Tiny Llamas quantized and saved by GPTQModel 7.7.0 (GPTQ v1 symmetric and not, AWQ
+    GEMM; golden/autoquant/README.md): every packed module reads as the library's own
+    dequantized weight, and the imported run (its codes kept) computes the logits of
+    transformers' float32 Llama on those weights."""
+    src = GOLDEN / name
+    ref = load_file(src / "reference.safetensors")
+    reader = Reader(src)
+    modules = [k for k in ref if k.endswith(".weight")]
+    assert len(modules) == 14 and set(modules) <= set(reader.modules)
+    for m in modules:
+        np.testing.assert_array_equal(reader.read(m), ref[m])
+    assert main(["convert", "import", str(src), str(tmp_path / "q"), "model.dtype=float32"]) == 0
+    saved = jaxllm.config.load(tmp_path / "q" / "config.yaml").quantize
+    assert (saved.method, saved.bits, saved.group_size) == (name.split("4")[0], 4, 32)
+    logits = jaxllm.load_model(tmp_path / "q")(np.arange(16)[None] * 7 % 320).logits
+    np.testing.assert_allclose(np.asarray(logits), ref["logits_fp32"], rtol=1e-4, atol=1e-4)
