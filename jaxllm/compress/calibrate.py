@@ -82,7 +82,12 @@ def calibration_rows(cfg: Config) -> dict[str, np.ndarray]:
         tree = config_lib.to_dict(cfg)
         tree["data"].update(sources=[source], eval_sources=[], eval_fraction=0.0)
         data = config_lib.from_dict(tree).data
-        rows, what = load_splits(data)[0], f"--calibration {q.calibration}"
+        what = f"--calibration {q.calibration}"
+        try:
+            rows = load_splits(data)[0]
+        except ConfigError as e:  # named as the option, not the data key it stands in for
+            said = str(e).replace("data.sources[0].", "").replace("data.sources[0]", "it")
+            raise ConfigError(f"{what}: {said}") from None
     else:
         rows, what = load_splits(data)[1], "the run's held-out split"
         if rows is None:
