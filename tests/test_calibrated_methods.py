@@ -129,9 +129,9 @@ def test_tap_records_gram_magnitudes_and_counts():
 
 
 def np_awq_scales(ws, hs, mean, bits, grid, duo):
-    """AWQ's search: the scales of least sum tr(dW^T H dW) over alpha in [0, 1)."""
+    """AWQ's search: the scales of least sum tr(dW^T H dW) over s = 1 and alpha in [0, 1)."""
     best, out = np.inf, None
-    for i in range(grid):
+    for i in range(-1, grid):
         a = i / grid
         s = np.maximum(mean**a, 1e-4)
         if duo:
@@ -139,7 +139,7 @@ def np_awq_scales(ws, hs, mean, bits, grid, duo):
                 (np.abs(w) / (np.abs(w).max(0, keepdims=True) + 1e-6)).mean(1) for w in ws
             ) / len(ws)
             s = s / (wm ** (1 - a) + 1e-4)
-        s = s / np.sqrt(s.max() * s.min())
+        s = s / np.sqrt(s.max() * s.min()) if i >= 0 else np.ones_like(mean)
         loss = 0.0
         for w, h in zip(ws, hs):
             ws_ = (w * s[:, None]).astype(np.float32)

@@ -9,8 +9,8 @@ MLP), per input channel k:
     s_k = mean|x_k|^alpha, normalised by sqrt(max(s) min(s)),   W' = Q(diag(s) W) ... / s
 
 with alpha searched over `quantize.awq.grid` points of [0, 1), keeping the one whose output
-error over the calibration rows is least (alpha = 0 is round-to-nearest, so AWQ never does
-worse on it). As in the paper, a norm's readers are judged by the output of the module they
+error over the calibration rows is least; s = 1 (round-to-nearest) is a candidate too, so
+AWQ never does worse than RTN on that error. As in the paper, a norm's readers are judged by the output of the module they
 feed (the attention, or the MLP / MoE layer) run on the norm's recorded output with the set's
 weights as diag(s)^-1 Q(diag(s) W); the other sets' readers are their own module, whose error
 is tr(dW^T X^T X dW) from the Gram matrices calibration records. With duo scaling (AutoAWQ's
@@ -197,7 +197,7 @@ def _module_error(gdef, params, state, s, members, q, module, xn, pos, seg, mask
 
 @functools.partial(jax.jit, static_argnames=("q", "shared"))
 def _candidates(ws, abs_sum, count, q, shared):
-    """The scales [grid, *lead, K] of each alpha of the grid."""
+    """The scales [1 + grid, *lead, K]: s = 1, then those of each alpha of the grid."""
     mean = abs_sum / jnp.maximum(count, 1.0)[..., None] if not shared else abs_sum / count
     mean = jnp.where(mean > 0, mean, 0.0)
     w_mean = _weight_magnitude(ws, shared) if q.awq.duo_scaling else None
@@ -208,7 +208,10 @@ def _candidates(ws, abs_sum, count, q, shared):
             s = s / (w_mean ** (1 - alpha) + 1e-4)
         return s / jnp.sqrt(jnp.max(s, -1, keepdims=True) * jnp.min(s, -1, keepdims=True))
 
-    return jax.vmap(scales)(jnp.arange(q.awq.grid, dtype=jnp.float32) / q.awq.grid)
+    grid = jax.vmap(scales)(jnp.arange(q.awq.grid, dtype=jnp.float32) / q.awq.grid)
+    # s = 1 (round-to-nearest) too: with duo scaling alpha = 0 is not the identity, and AWQ
+    # should never do worse than RTN on the error it judges
+    return jnp.concatenate([jnp.ones_like(grid[:1]), grid])
 
 
 def _fake(w, s, q, n_in: int = 1, n_out: int = 1, lead: int | None = None):
