@@ -155,12 +155,14 @@ def _module_losses(params, members, candidates, module: str, q, ctx, kept_name: 
     for (_, pos, seg, mask), raw in zip(ctx.batches, ctx.raw[kept_name]):
         xn = raw.T.reshape(*pos.shape, raw.shape[0])
         ref = _module_out(ctx.gdef, params, ctx.state, module, xn, pos, seg, ctx.inputs)
-        for i, s in enumerate(candidates):
-            losses[i] += _module_error(
+        # one program per batch, every candidate in it; waited for before the next (on a CPU
+        # "mesh", programs with collectives left in flight together can starve each other)
+        losses += np.asarray(
+            _module_errors(
                 ctx.gdef,
                 params,
                 ctx.state,
-                s,
+                candidates,
                 members,
                 q,
                 module,
@@ -171,7 +173,8 @@ def _module_losses(params, members, candidates, module: str, q, ctx, kept_name: 
                 ctx.inputs,
                 ref,
             )
-    return jnp.stack(losses)
+        )
+    return losses
 
 
 def _call(gdef, params, state, module, xn, pos, seg, inputs):
@@ -186,13 +189,20 @@ _module_out = jax.jit(_call, static_argnums=(0, 3))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _module_error(gdef, params, state, s, members, q, module, xn, pos, seg, mask, inputs, ref):
-    p = jax.tree.map(lambda x: x, params)
-    for path, lead, n_in, n_out in members:
-        w = _get(p, path)
-        _set(p, path, _fake(w, s, q, n_in, n_out, lead).astype(w.dtype))
-    d = (_call(gdef, p, state, module, xn, pos, seg, inputs) - ref).astype(jnp.float32)
-    return jnp.sum(jnp.square(d) * mask[..., None])
+def _module_errors(
+    gdef, params, state, candidates, members, q, module, xn, pos, seg, mask, inputs, ref
+):
+    """The module's squared output error for each candidate s: [candidates]."""
+
+    def error(s):
+        p = jax.tree.map(lambda x: x, params)
+        for path, lead, n_in, n_out in members:
+            w = _get(p, path)
+            _set(p, path, _fake(w, s, q, n_in, n_out, lead).astype(w.dtype))
+        d = (_call(gdef, p, state, module, xn, pos, seg, inputs) - ref).astype(jnp.float32)
+        return jnp.sum(jnp.square(d) * mask[..., None])
+
+    return jax.lax.map(error, candidates)
 
 
 @functools.partial(jax.jit, static_argnames=("q", "shared"))
