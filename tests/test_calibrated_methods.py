@@ -246,14 +246,16 @@ def moe_mla_run(tmp_path_factory):
     ],
 )
 def test_calibrated_methods_cover_experts_and_mla(moe_mla_run, tmp_path, method):
-    """Every projection of an MLA + MoE model, the experts' and MLA's included, is quantized,
-    and the logits stay near the float model's."""
+    """Every projection of an MLA + MoE model, the experts' and MLA's included, and the LM head
+    (last, with AWQ its scales folded into the final norm) are quantized, and the logits stay
+    near the float model's."""
     tokens = np.arange(32).reshape(2, 16) * 7 % 320
     want = np.asarray(jaxllm.load_model(moe_mla_run)(tokens).logits)
     out = tmp_path / method
     argv = ["quantize", str(moe_mla_run), str(out), "--method", method, "--bits", "8"]
-    assert main([*argv, "--samples", "8"]) == 0
+    assert main([*argv, "--samples", "8", "quantize.head=true"]) == 0
     model = jaxllm.load_model(out)
+    assert isinstance(model.lm_head.get_value(), (quantized.QuantizedTensor, coded.CodedTensor))
     moe = model.moe_layers.moe
     for w in (moe.mlp.gate_proj, moe.mlp.shared.down_proj, moe.attn.kv_b_proj):
         assert isinstance(w.get_value(), (quantized.QuantizedTensor, coded.CodedTensor))

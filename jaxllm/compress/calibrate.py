@@ -262,8 +262,9 @@ def quantize_calibrated(params: dict, model_state: dict, axes: dict, cfg: Config
         _sub(out, keys[:-1])[keys[-1]] = stacked
     head = {k: v for k, v in _chosen(params, axes, "", q).items() if k == "lm_head"}
     if head:  # last, on the final norm's output of the quantized blocks
-        qp = calibrate(full_def, out, model_state, "", {}, head, kind="tail")
-        out["lm_head"] = jax.device_put(qp["lm_head"], shardings["lm_head"])
+        out = calibrate(full_def, out, model_state, "", {}, head, kind="tail")  # AWQ: the
+        # final norm too, which takes the head's scales
+        out["lm_head"] = jax.device_put(out["lm_head"], shardings["lm_head"])
     assert jax.tree.structure(out) == jax.tree.structure(q_abstract)
     return out
 
