@@ -240,7 +240,7 @@ def moe_mla_run(tmp_path_factory):
 @pytest.mark.parametrize(
     "method",
     [
-        "gptq",
+        pytest.param("gptq", marks=pytest.mark.slow),
         pytest.param("awq", marks=pytest.mark.slow),
         pytest.param("smoothquant", marks=pytest.mark.slow),
     ],
@@ -262,3 +262,31 @@ def test_calibrated_methods_cover_experts_and_mla(moe_mla_run, tmp_path, method)
     assert isinstance(model.layers.attn.q_a_proj.get_value(), type(w.get_value()))
     got = np.asarray(model(tokens).logits)
     assert np.sqrt(np.mean((got - want) ** 2)) < 0.02 * np.sqrt(np.mean(want**2))
+
+
+def test_tap_records_each_experts_routed_rows():
+    """A MoE layer records each expert's statistics from the tokens routed to it (padding
+    masked out), its down projection's from their SwiGLU, and not the dispatch buffers."""
+    from flax import nnx
+
+    from jaxllm.config import MoEConfig
+    from jaxllm.model import moe as moe_lib
+
+    moe_cfg = MoEConfig(num_experts=4, dispatch="capacity")
+    opts = dict(init_std=0.5, out_std=0.5, dtype=jnp.float32, param_dtype=jnp.float32)
+    layer = moe_lib.MoE(16, 32, moe_cfg, **opts, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    mask = jnp.asarray([1.0] * 8 + [0.0] * 2)
+    names = {id(getattr(layer, n).get_value()): n for n in moe_lib.EXPERT_WEIGHTS}
+    with tap.recording(names, mask) as rec:
+        layer(x)
+    r = moe_lib.route(jnp.einsum("bld,de->ble", x, layer.router[...]), None, moe_cfg)
+    chosen = np.asarray(moe_lib.combine_weights(r, 4) > 0).reshape(10, 4)
+    chosen = chosen * np.asarray(mask)[:, None]
+    rows = np.asarray(x).reshape(10, 16)
+    gate = rec.stats["gate_proj"]
+    np.testing.assert_allclose(gate["count"], chosen.sum(0))
+    for e in range(4):
+        xe = rows[chosen[:, e] > 0]
+        np.testing.assert_allclose(gate["gram"][e], xe.T @ xe, rtol=1e-5, atol=1e-5)
+    assert rec.stats["down_proj"]["gram"].shape == (4, 32, 32)

@@ -144,6 +144,13 @@ class Reader:
         auto = [n.removesuffix(".qweight") for n in self.shapes if n.endswith(".qweight")]
         if auto:
             self._auto(hf_dir, auto)
+        method = (read_hf_config(hf_dir).get("quantization_config") or {}).get("quant_method")
+        if method in autoquant.METHODS and not auto:
+            raise ConfigError(
+                f"{hf_dir} is a quantized checkpoint (quantization_config: quant_method "
+                f"{method}) whose files hold no packed weights (M.qweight); give the quantized "
+                "files, or remove quantization_config from config.json."
+            )
         if not packed:
             return
         hf = read_hf_config(hf_dir)
