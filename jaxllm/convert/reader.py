@@ -144,8 +144,10 @@ class Reader:
         auto = [n.removesuffix(".qweight") for n in self.shapes if n.endswith(".qweight")]
         if auto:
             self._auto(hf_dir, auto)
-        method = (read_hf_config(hf_dir).get("quantization_config") or {}).get("quant_method")
-        if method in autoquant.METHODS and not auto:
+        has_config = (hf_dir / "config.json").is_file()  # a PEFT adapter directory has none
+        hf = read_hf_config(hf_dir) if has_config else {}
+        method = (hf.get("quantization_config") or {}).get("quant_method")
+        if method in autoquant.METHODS and not auto and not packed:
             raise ConfigError(
                 f"{hf_dir} is a quantized checkpoint (quantization_config: quant_method "
                 f"{method}) whose files hold no packed weights (M.qweight); give the quantized "
