@@ -142,11 +142,12 @@ class Reader:
         self.auto: dict | None = None  # a GPTQ / AWQ quantization_config
         packed = [n.removesuffix(".weight_packed") for n in self.shapes if n.endswith("_packed")]
         auto = [n.removesuffix(".qweight") for n in self.shapes if n.endswith(".qweight")]
-        if auto:
-            self._auto(hf_dir, auto)
-        has_config = (hf_dir / "config.json").is_file()  # a PEFT adapter directory has none
-        hf = read_hf_config(hf_dir) if has_config else {}
+        # config.json, read once (a PEFT adapter directory has none, and nothing packed)
+        has_config = (hf_dir / "config.json").is_file()
+        hf = read_hf_config(hf_dir) if has_config or auto or packed else {}
         method = (hf.get("quantization_config") or {}).get("quant_method")
+        if auto:
+            self._auto(hf_dir, hf, auto)
         if method in autoquant.METHODS and not auto and not packed:
             raise ConfigError(
                 f"{hf_dir} is a quantized checkpoint (quantization_config: quant_method "
@@ -155,8 +156,6 @@ class Reader:
             )
         if not packed:
             return
-        hf = read_hf_config(hf_dir)
-        method = (hf.get("quantization_config") or {}).get("quant_method")
         if method in autoquant.METHODS:
             raise ConfigError(
                 f"{hf_dir} holds compressed-tensors packed weights ({packed[0]}.weight_packed) "
@@ -178,17 +177,17 @@ class Reader:
                 self.shapes.pop(f"{m}.{suffix}", None)
                 self.dtypes.pop(f"{m}.{suffix}", None)
 
-    def _auto(self, hf_dir: Path, modules: list[str]) -> None:
+    def _auto(self, hf_dir: Path, hf: dict, modules: list[str]) -> None:
         """GPTQ / AWQ packed modules (`M.qweight`, ...) seen as their float `M.weight`
-        (`jaxllm.convert.autoquant`)."""
-        qc = read_hf_config(hf_dir).get("quantization_config") or {}
+        (`jaxllm.convert.autoquant`); `hf`: config.json."""
+        qc = hf.get("quantization_config") or {}
         if qc.get("quant_method") not in autoquant.METHODS:
             raise ConfigError(
                 f"{hf_dir} holds GPTQ / AWQ packed weights ({modules[0]}.qweight) but "
                 "config.json has no gptq or awq quantization_config."
             )
         self.auto = qc
-        self.bits = run_quantize(read_hf_config(hf_dir), hf_dir)["bits"]
+        self.bits = run_quantize(hf, hf_dir)["bits"]
         for m in modules:
             name = f"{m}.weight"
             self.modules[name] = m
