@@ -154,6 +154,18 @@ SMALL_RUN = [
 ]
 
 
+def train_for_quantization(tmp_path_factory):
+    """SMALL_RUN trained 300 steps at a high learning rate: enough that quantizing its layers
+    shows in the loss (the quantization tests' float run)."""
+    from jaxllm.cli import main
+
+    run = tmp_path_factory.mktemp("quantize") / "run"
+    argv = ["train", *SMALL_RUN, "train.steps=300", "checkpoint.every=300", "optim.lr=1e-2"]
+    argv += ["train.log_every=100", "train.eval_batches=4", f"run.dir={run}"]
+    assert main(argv) == 0
+    return run
+
+
 @pytest.fixture(scope="session")
 def small_run(tmp_path_factory):
     """A run of SMALL_RUN trained 4 steps with checkpoints at 2 and 4. Shared: copy it before

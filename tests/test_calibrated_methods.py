@@ -165,6 +165,43 @@ def test_awq_search_matches_numpy(duo):
     np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
+def np_awq_clip(w, h, bits, group, symmetric):
+    """AWQ's clip search (AutoAWQ's `auto_clip_layer`) on W [K, N]: per (group, output), the
+    clip ratio in 1, 0.95, ..., 0.55 of least tr(dW^T H_gg dW); returns the clipped W."""
+    out = w.copy()
+    for g in range(0, w.shape[0], group):
+        wg, hg = w[g : g + group], h[g : g + group, g : g + group].astype(np.float64)
+        amax = np.abs(wg).max(0)
+        best = np.full(w.shape[1], np.inf)
+        for r in 1 - np.arange(10) / 20:
+            m = (amax * np.float32(r)).astype(np.float32)
+            c = np.clip(wg, -m, m)
+            sc, z = np_grid(c, bits, symmetric)
+            q = np.clip(np.round(c * (np.float32(1) / sc)) + z, 0, 2**bits - 1)
+            d = (wg - (q - z) * sc).astype(np.float64)
+            err = np.einsum("in,ij,jn->n", d, hg, d)
+            better = err < best
+            best[better], out[g : g + group, better] = err[better], c[:, better]
+    return out
+
+
+@pytest.mark.parametrize("group,symmetric", [(0, True), (8, False)])
+def test_awq_clip_matches_numpy(group, symmetric):
+    rng = np.random.default_rng(2)
+    x = rng.normal(0, 1, (256, 32)) * rng.uniform(0.1, 4, 32)
+    w = rng.standard_t(3, (32, 16)).astype(np.float32) * 0.05  # heavy tails: clipping pays
+    h = (x.T @ x).astype(np.float32)
+    q = QuantizeConfig(method="awq", bits=3, group_size=group, symmetric=symmetric)
+    got = np.asarray(awq._clip(jnp.asarray(w), jnp.asarray(h), None, q))
+    want = np_awq_clip(w, h, 3, group or 32, symmetric)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert not np.array_equal(got, w)  # some groups were clipped
+    s = rng.uniform(0.5, 2, 32).astype(np.float32)  # rows already times s: inputs over s
+    got = awq._clip(jnp.asarray(w * s[:, None]), jnp.asarray(h), jnp.asarray(s), q)
+    want = np_awq_clip(w * s[:, None], h / s[:, None] / s[None, :], 3, group or 32, symmetric)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
 def test_awq_folds_keep_the_float_function():
     """Readers' rows times s and the producers divided by s: the same block output (norm
     with LayerNorm bias and offset, up -> down, MHA v -> o, an MoE router and experts)."""

@@ -21,7 +21,11 @@ float: the preceding norm's scale (and bias), whose other readers are compensate
 router's rows times s); the up projection's output columns for the down projection; the value
 projection's output for the output projection when every query head has its own value head
 (MHA). A set whose input comes from elsewhere (post-norm blocks, a non-gated MLP's down
-projection, GQA's output projection) keeps s = 1. Then every chosen weight takes RTN codes.
+projection, GQA's output projection) keeps s = 1.
+
+Then, as AutoAWQ's `apply_clip` (`quantize.awq.clip`), each chosen weight but the query and key
+projections is clipped per (group, output) to the fraction of its largest |w| (1, 0.95, ...,
+0.55) whose output error over the group's inputs, tr(dW^T H dW), is least, and takes RTN codes.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ def awq_unit(params: dict, chosen: dict, stats: dict, cfg: Config, prefix: str, 
     graphdef, state, per-layer inputs, batches and kept inputs, for the module losses."""
     q = cfg.quantize
     out = jax.tree.map(lambda x: x, params)
+    scales = {}  # reader: the s its rows were scaled by
     for producer, readers, kind in sets(params, cfg):
         measured = [r for r in readers if r in chosen]
         if not measured:
@@ -123,9 +128,46 @@ def awq_unit(params: dict, chosen: dict, stats: dict, cfg: Config, prefix: str, 
         for r in readers:
             _set(out, r, _scale_rows(_get(out, r), s, *_in_dims(params, r)))
         _fold(out, producer, kind, s, cfg)
+        scales.update({r: s for r in measured})
     for path, (n_in, n_out) in chosen.items():
-        _set(out, path, _rtn(_get(out, path), q, n_in, n_out))
+        w = _get(out, path)
+        if q.awq.clip and path.rsplit("/", 1)[-1] not in NO_CLIP:
+            c = _clip(_flat(w, n_in, n_out), stats[path]["gram"], scales.get(path), q)
+            w = c.reshape(w.shape).astype(w.dtype)
+        _set(out, path, _rtn(w, q, n_in, n_out))
     return out
+
+
+# AutoAWQ leaves the query and key projections unclipped: their error is seen through q k^T
+NO_CLIP = ("q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj")
+CLIP_RATIOS = 1.0 - np.arange(10) / 20  # the paper's code: 20 points, shrinking by at most half
+
+
+@functools.partial(jax.jit, static_argnames=("q",))
+def _clip(w, h, s, q):
+    """AWQ's clip search: w [*lead, K, N] clipped to +-r max|w| per (group, output), r of
+    `CLIP_RATIOS` with the least output error tr(dw^T H dw) over the group's own inputs; with
+    the scales s folded in (w's rows are already times s), the inputs' Gram is
+    diag(1/s) H diag(1/s)."""
+    k, n = w.shape[-2:]
+    gs = q.group_size or k
+    if s is not None:
+        inv = 1.0 / s
+        h = h * inv[..., :, None] * inv[..., None, :]
+    lead = w.shape[:-2]
+    wg = w.astype(jnp.float32).reshape(*lead, k // gs, gs, n)
+    hb = jnp.einsum("...gigj->...gij", h.reshape(*h.shape[:-2], k // gs, gs, k // gs, gs))
+    amax = jnp.max(jnp.abs(wg), axis=-2, keepdims=True)
+
+    def error(r):
+        c = jnp.clip(wg, -r * amax, r * amax).reshape(w.shape)
+        d = wg - _fake(c, jnp.ones((k,), jnp.float32), q).reshape(wg.shape)
+        return jnp.einsum("...gin,...gij,...gjn->...gn", d, hb, d)
+
+    ratios = jnp.asarray(CLIP_RATIOS, jnp.float32)
+    best = ratios[jnp.argmin(jax.lax.map(error, ratios), axis=0)]  # [*lead, G, N]
+    m = amax * best[..., None, :]
+    return jnp.clip(wg, -m, m).reshape(w.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("q", "n_in", "n_out"))

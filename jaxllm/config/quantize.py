@@ -85,6 +85,10 @@ class AWQConfig:
     duo_scaling: bool = True
     """s = mean|x|^alpha / mean|w|^(1 - alpha), AutoAWQ's and llm-compressor's default (|w|
     relative to each output's largest); false: the paper's s = mean|x|^alpha."""
+    clip: bool = True
+    """After the scales, search each group's clipping range (AutoAWQ's `apply_clip`): the
+    largest |w| shrunk by up to half, in 20ths, to the least output error on the calibration
+    rows (the query and key projections unclipped); false: the scales alone."""
 
 
 @dataclasses.dataclass(frozen=True)
