@@ -156,13 +156,23 @@ SMALL_RUN = [
 
 def train_for_quantization(tmp_path_factory):
     """SMALL_RUN trained 300 steps at a high learning rate: enough that quantizing its layers
-    shows in the loss (the quantization tests' float run)."""
+    shows in the loss (the quantization tests' float run). Trained once per test session: the
+    xdist workers share it under a file lock. Read it, never change it."""
+    from filelock import FileLock
+
     from jaxllm.cli import main
 
-    run = tmp_path_factory.mktemp("quantize") / "run"
-    argv = ["train", *SMALL_RUN, "train.steps=300", "checkpoint.every=300", "optim.lr=1e-2"]
-    argv += ["train.log_every=100", "train.eval_batches=4", f"run.dir={run}"]
-    assert main(argv) == 0
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each worker's own
+    run, done = root / "quantize-run", root / "quantize-run.done"
+    with FileLock(str(root / "quantize-run.lock")):
+        if not done.exists():
+            shutil.rmtree(run, ignore_errors=True)  # a worker that failed half way
+            argv = ["train", *SMALL_RUN, "train.steps=300", "checkpoint.every=300"]
+            argv += ["optim.lr=1e-2", "train.log_every=100", "train.eval_batches=4"]
+            assert main([*argv, f"run.dir={run}"]) == 0
+            done.touch()
     return run
 
 
