@@ -19,6 +19,7 @@
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME] [--peft | --merge]
     jaxllm quantize SRC OUT --method rtn [--bits B] [--group-size G] [--symmetric | --asymmetric]
         [key=value ...] [--overwrite]
+    jaxllm prune SRC OUT --method M --sparsity S | --pattern N:M [--calibration SRC] [--samples N]
     jaxllm merge OUT --method linear|task_arithmetic|ties|dare_linear|dare_ties RUN RUN...
         [--weights W1,W2,...] [--base BASE] [--density D] [--majority-sign total|frequency]
         [--seed S] [--overwrite]
@@ -236,10 +237,12 @@ def parser() -> argparse.ArgumentParser:
     from jaxllm.convert_cli import add_convert_parser
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser
     from jaxllm.merge import add_merge_parser
+    from jaxllm.prune import add_prune_parser
     from jaxllm.quantize import add_quantize_parser
 
     _add_generate_parser(sub)
     add_quantize_parser(sub)
+    add_prune_parser(sub)
     add_merge_parser(sub)
 
     add_bench_data_parser(bsub)

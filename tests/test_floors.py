@@ -41,6 +41,7 @@ FLOORS = [
     (10, "jaxllm.evaluate"),
     (10, "jaxllm.plan"),
     (10, "jaxllm.quantize"),
+    (10.5, "jaxllm.prune"),  # the pruning command, which reads runs as quantize does
     (10, "jaxllm.bench"),
     (10, "jaxllm.sweep"),
     (11, "jaxllm.cli"),

@@ -8,7 +8,13 @@ section in `jaxllm.config.peft`; the train step is the one of pretraining, diffe
 what trains (`TrainState.params`) with the base held in `TrainState.frozen`.
 """
 
-from jaxllm.adapters.chain import base_record, continued, quantized_base, starting_weights
+from jaxllm.adapters.chain import (
+    base_record,
+    continued,
+    pruned_base,
+    quantized_base,
+    starting_weights,
+)
 from jaxllm.adapters.hf_peft import export_peft, import_peft, imported_adapters
 from jaxllm.load import BASE_ITEM, check_base, load_frozen
 
@@ -22,5 +28,6 @@ __all__ = [
     "imported_adapters",
     "load_frozen",
     "quantized_base",
+    "pruned_base",
     "starting_weights",
 ]

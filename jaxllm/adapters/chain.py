@@ -120,6 +120,19 @@ def quantized_base(cfg: Config) -> Config:
     return dataclasses.replace(cfg, quantize=base)
 
 
+def pruned_base(cfg: Config) -> Config:
+    """`cfg` with the `prune` section of the pruned run a full run starts from
+    (`checkpoint.init_from`), so its zeros stay zero while it trains (`optim.keep_zeros`) and
+    its config.yaml records them. A run that sets `prune.*` itself, or a LoRA run (whose base
+    is frozen, zeros and all), keeps its own."""
+    if cfg.prune.enabled or cfg.peft.method != "none":
+        return cfg
+    theirs = source_config(cfg)
+    if theirs is None or not theirs.prune.enabled:
+        return cfg
+    return dataclasses.replace(cfg, prune=theirs.prune)
+
+
 def _peft_keys(cfg: Config, theirs: Config) -> list[str]:
     """The peft keys whose values keep this run from continuing the adapters of `theirs`."""
     mine, old = cfg.peft, theirs.peft

@@ -1,4 +1,4 @@
-"""Calibrated quantization, one block at a time (GPTQ's and llm-compressor's sequential
+"""Calibrated quantization (and pruning, `sequential` with `cfg.prune`), one block at a time (GPTQ's and llm-compressor's sequential
 scheme): the calibration rows' hidden states pass through the model block by block; each
 block runs once to record the statistics of its chosen weights' inputs (`jaxllm.model.tap`),
 its weights are quantized from them (a `UNIT_METHODS` method), and the quantized block runs
@@ -72,10 +72,11 @@ KEEP: dict[str, Callable] = {"awq": kept}
 TOKENS_PER_DEVICE = 2048  # rows per calibration batch: about this many tokens per device
 
 
-def calibration_rows(cfg: Config) -> dict[str, np.ndarray]:
-    """{inputs, positions, segment_ids} int32 [samples, seq_len]: the first `quantize.samples`
-    rows of the calibration data (module docstring). ConfigError when there are fewer."""
-    q, data = cfg.quantize, cfg.data
+def calibration_rows(cfg: Config, section=None) -> dict[str, np.ndarray]:
+    """{inputs, positions, segment_ids} int32 [samples, seq_len]: the first `samples` rows of
+    the calibration data (module docstring) of `section` (`cfg.quantize` by default, or
+    `cfg.prune`). ConfigError when there are fewer."""
+    q, data = section or cfg.quantize, cfg.data
     if q.calibration:
         source = yaml.safe_load(q.calibration)
         source = source if isinstance(source, dict) else {"path": q.calibration}
@@ -188,8 +189,29 @@ def quantize_calibrated(params: dict, model_state: dict, axes: dict, cfg: Config
     """`params` with the weights `cfg.quantize` chooses quantized by its calibrated method,
     block by block on `mesh` (module docstring)."""
     q = cfg.quantize
-    method = UNIT_METHODS[q.method]
-    rows = calibration_rows(cfg)
+    q_abstract, q_axes = weights_lib.quantized_abstract(params, axes, q)
+    keep = KEEP.get(q.method)
+    out = sequential(params, model_state, axes, cfg, mesh, q, UNIT_METHODS[q.method], keep, q_axes)
+    assert jax.tree.structure(out) == jax.tree.structure(q_abstract)
+    return out
+
+
+def sequential(
+    params: dict,
+    model_state: dict,
+    axes: dict,
+    cfg: Config,
+    mesh: Mesh,
+    section,
+    method: Callable,
+    keep_fn: Callable | None,
+    out_axes: dict,
+):
+    """`params` with the weights `section` (`cfg.quantize` or `cfg.prune`: its method, head,
+    skip, calibration and samples) chooses rewritten by the unit `method`, block by block on
+    `mesh` (module docstring); `out_axes` the logical axes of the result."""
+    q = section
+    rows = calibration_rows(cfg, section)
     abstract = nnx.eval_shape(lambda: build(cfg.model, 0))
     if not isinstance(abstract, Transformer):
         raise ConfigError(
@@ -198,7 +220,6 @@ def quantize_calibrated(params: dict, model_state: dict, axes: dict, cfg: Config
         )
     full_def = nnx.graphdef(abstract)
     per_layer = Transformer.per_layer(abstract, None)
-    q_abstract, q_axes = weights_lib.quantized_abstract(params, axes, q)
     batch_sh = sharding.named(mesh, ("batch", None))
     n_dev = max(1, batch_sh.num_devices // max(1, mesh.shape.get("tensor", 1)))
     bsz = n_dev * max(1, TOKENS_PER_DEVICE // rows["inputs"].shape[1])
@@ -225,7 +246,7 @@ def quantize_calibrated(params: dict, model_state: dict, axes: dict, cfg: Config
     def calibrate(gdef, p, s, prefix, layer_inputs, chosen, kind="block"):
         """`p` quantized by the method from its statistics over every batch."""
         names = tuple(sorted(chosen))
-        keep = KEEP[q.method](p, chosen, cfg) if q.method in KEEP and kind == "block" else ()
+        keep = keep_fn(p, chosen, cfg) if keep_fn is not None and kind == "block" else ()
         stats, raw = None, {n: [] for n in keep}
         for x, pos, seg, mask in batches:
             _, got = run(gdef, p, s, x, pos, seg, mask, layer_inputs, names, kind, keep)
@@ -254,7 +275,7 @@ def quantize_calibrated(params: dict, model_state: dict, axes: dict, cfg: Config
             out_units.setdefault(u.keys, []).append((u.index, qp))
             bar.update(1)
     out = jax.tree.map(lambda x: x, params)
-    shardings = sharding.tree_shardings(mesh, q_axes)
+    shardings = sharding.tree_shardings(mesh, out_axes)
     for keys, parts in out_units.items():
         stacked = jax.jit(_stack_units, static_argnums=0, out_shardings=_sub(shardings, keys))(
             tuple(i for i, _ in parts), [p for _, p in parts]
@@ -265,7 +286,6 @@ def quantize_calibrated(params: dict, model_state: dict, axes: dict, cfg: Config
         out = calibrate(full_def, out, model_state, "", {}, head, kind="tail")  # AWQ: the
         # final norm too, which takes the head's scales
         out["lm_head"] = jax.device_put(out["lm_head"], shardings["lm_head"])
-    assert jax.tree.structure(out) == jax.tree.structure(q_abstract)
     return out
 
 

@@ -34,6 +34,7 @@ from jaxllm.config.loading import (
 from jaxllm.config.model import MLAConfig, ModelConfig, RopeConfig
 from jaxllm.config.moe import MoEConfig
 from jaxllm.config.peft import PeftConfig
+from jaxllm.config.prune import PruneConfig
 from jaxllm.config.quantize import QuantizeConfig
 from jaxllm.config.root import Config
 from jaxllm.config.sections import (
@@ -60,6 +61,7 @@ __all__ = [
     "DataConfig",
     "GenerateConfig",
     "QuantizeConfig",
+    "PruneConfig",
     "JaxllmWarning",
     "MLAConfig",
     "MeshConfig",

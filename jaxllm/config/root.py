@@ -13,6 +13,7 @@ from jaxllm.config.model import ModelConfig
 from jaxllm.config.moe import validate_moe
 from jaxllm.config.peft import PeftConfig
 from jaxllm.config.pipeline import microbatches, validate_pipeline
+from jaxllm.config.prune import PruneConfig
 from jaxllm.config.quantize import QuantizeConfig
 from jaxllm.config.sections import (
     OPTIM_READS,
@@ -59,6 +60,7 @@ class Config:
     generate: GenerateConfig = GenerateConfig()
     peft: PeftConfig = PeftConfig()
     quantize: QuantizeConfig = QuantizeConfig()
+    prune: PruneConfig = PruneConfig()
 
     def validate(self, num_devices: int | None = None) -> Config:
         """Checks combinations no field type can express; returns self or raises ConfigError."""
@@ -95,6 +97,7 @@ class Config:
         self._validate_kind()
         self.peft.validate()
         self.quantize.validate()
+        self.prune.validate()
         gen = self.generate
         if gen.max_new_tokens < 1 or gen.temperature < 0 or gen.top_k < 0:
             _fail("generate.max_new_tokens must be >= 1, generate.temperature and top_k >= 0.")

@@ -18,6 +18,7 @@ from optax.contrib import MuonDimensionNumbers
 from jaxllm.config import OptimConfig
 from jaxllm.optim import adam_mini, adamw_8bit
 from jaxllm.optim.master import with_master_weights
+from jaxllm.optim.sparse import keep_zeros
 
 NO_DECAY_NAMES = ("scale", "bias")  # norm scales; `bias` and every `*_bias` (projections)
 
@@ -113,9 +114,13 @@ def _need_axes(axes, name):
     return axes
 
 
-def build(cfg: OptimConfig, total_steps: int, axes=None) -> optax.GradientTransformation:
+def build(
+    cfg: OptimConfig, total_steps: int, axes=None, sparse=None
+) -> optax.GradientTransformation:
     """The configured optimizer. `axes`: the parameters' logical axes as a tree of tuples
-    (`jaxllm.model.abstract_model`), which adam_mini and muon read to find blocks and matrices."""
+    (`jaxllm.model.abstract_model`), which adam_mini and muon read to find blocks and matrices.
+    `sparse`: a tree of bools over the parameters, those whose zeros stay zero (a pruned run's
+    weights, `sparse.keep_zeros`); None: none."""
     lr = schedule(cfg, total_steps)
     if cfg.name == "adamw" and not cfg.amsgrad:
         tx = optax.adamw(
@@ -142,6 +147,8 @@ def build(cfg: OptimConfig, total_steps: int, axes=None) -> optax.GradientTransf
         tx = optax.chain(*parts)
     if cfg.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+    if sparse is not None:
+        tx = optax.chain(tx, keep_zeros(sparse))
     if cfg.master_weights != "none":
         tx = with_master_weights(tx, cfg.master_weights)
     return tx

@@ -12,14 +12,14 @@ from jaxllm.config.pipeline import microbatches
 from jaxllm.model import abstract_model
 from jaxllm.sharding import to_global
 from jaxllm.train import companions, loss_scale
-from jaxllm.train.state import grad_shardings, layout, state_shardings
+from jaxllm.train.state import grad_shardings, layout, sparse_weights, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
 def compile_steps(cfg: config.Config, mesh):
     """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
     graphdef, _, axes = abstract_model(cfg.model, cfg.peft)
-    tx = optim.build(cfg.optim, cfg.train.steps, axes)
+    tx = optim.build(cfg.optim, cfg.train.steps, axes, sparse_weights(cfg, axes))
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)

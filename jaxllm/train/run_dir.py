@@ -32,6 +32,7 @@ from jaxllm import checkpoint, config, optim, storage
 from jaxllm.checkpoint import mirror
 from jaxllm.config import ConfigError, JaxllmWarning, RunError
 from jaxllm.model import abstract_model, abstract_model_state
+from jaxllm.train.state import sparse_weights
 
 LOCK_NAME = ".jaxllm.lock"
 HOLDER_NAME = ".jaxllm.lock.json"
@@ -137,7 +138,7 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
 def _opt_shapes(cfg: config.Config) -> dict:
     """{path: (shape, dtype)} of the optimizer state this config's optimizer keeps."""
     _, params, axes = abstract_model(cfg.model, cfg.peft)
-    tx = optim.build(cfg.optim, cfg.train.steps, axes)
+    tx = optim.build(cfg.optim, cfg.train.steps, axes, sparse_weights(cfg, axes))
     leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
     return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
 

@@ -142,6 +142,19 @@ def _moment_sharding(leaf, param, param_sh: NamedSharding, other) -> NamedShardi
     return NamedSharding(param_sh.mesh, PartitionSpec(*kept))
 
 
+def sparse_weights(cfg, axes):
+    """The tree of bools over the parameters (logical `axes`) whose zeros stay zero while
+    training (`optim.keep_zeros`): a pruned run's weights (`prune.*`) under full training; None
+    when there are none."""
+    if not cfg.prune.enabled or cfg.peft.method != "none":
+        return None
+    return jax.tree_util.tree_map_with_path(
+        lambda path, ax: compress.dims(compress.path_of(path), tuple(ax), cfg.prune) is not None,
+        axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
 def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param_sh):
     """NamedShardings of `tx`'s state over parameters laid out as `param_sh`: each leaf kept
     for a parameter shards like it (`_moment_sharding`); counters and small vectors are

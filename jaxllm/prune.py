@@ -1,0 +1,180 @@
+"""`jaxllm prune SRC OUT --method M --sparsity S [--pattern N:M]`: a trained model's weights
+pruned into a new run.
+
+SRC is a run directory (or its checkpoints, or one step), a fine-tuning run (its adapters merged
+into the base first) or a Hugging Face directory; OUT is a run like `jaxllm quantize` writes:
+config.yaml (the source's, with `prune.*` recording the method), the tokenizer's files and a
+weights-only checkpoint at step 0, ordinary float weights whose pruned values are exact zeros.
+`generate`, `eval`, `convert export`, `quantize` and `load_model` read it like any run, and a
+run that trains from it (`checkpoint.init_from`) keeps its zeros (`jaxllm.optim.keep_zeros`).
+
+Every check runs before any weight is read: the method, sparsity and pattern (`prune.*`), the
+pattern against each chosen weight's input channels, a quantized source, and OUT (which may
+not hold files without --overwrite). OUT appears only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+
+from jaxllm import config as config_lib
+from jaxllm import sharding, storage
+from jaxllm.compress import dims
+from jaxllm.compress.calibrate import sequential
+from jaxllm.compress.prune import prune_params, prune_unit, sparsity_of
+from jaxllm.config import Config, ConfigError
+from jaxllm.config.prune import CALIBRATED, METHODS
+from jaxllm.convert import load_params
+from jaxllm.convert.hf import NewRun, check_out_dir, new_run
+from jaxllm.load import _is_hf_source, fetched, resolve
+from jaxllm.model import abstract_model
+from jaxllm.quantize import _out_config, _source_weights, _tokenizer_files, _with_tokenizer
+
+
+def options(
+    method: str,
+    sparsity: float | None,
+    pattern: str | None,
+    calibration: str | None = None,
+    samples: int | None = None,
+) -> list[str]:
+    """The `prune.*` overrides of the command's options."""
+    if method not in METHODS:
+        raise ConfigError(
+            f"--method {method} is not a pruning method jaxllm has; it has {', '.join(METHODS)}."
+        )
+    out = [f"prune.method={method}"]
+    if pattern:
+        out.append(f"prune.pattern={json.dumps(pattern)}")
+        n, _, m = pattern.partition(":")
+        if sparsity is not None and n.isdigit() and m.isdigit() and int(m):
+            if not math.isclose(sparsity, int(n) / int(m)):
+                raise ConfigError(
+                    f"--pattern {pattern} zeroes {int(n) / int(m):g} of each weight; drop "
+                    f"--sparsity {sparsity:g} or make it {int(n) / int(m):g}."
+                )
+    elif sparsity is None:
+        raise ConfigError(
+            "jaxllm prune needs --sparsity S (a fraction in [0, 1)) or --pattern N:M."
+        )
+    if sparsity is not None:
+        out.append(f"prune.sparsity={sparsity!r}")
+    if (calibration is not None or samples is not None) and method not in CALIBRATED:
+        raise ConfigError(
+            f"--method {method} reads no calibration data (--calibration, --samples); the "
+            f"calibrated methods are {', '.join(CALIBRATED)}."
+        )
+    if calibration is not None:
+        out.append(f"prune.calibration={json.dumps(calibration)}")
+    if samples is not None:
+        out.append(f"prune.samples={samples}")
+    return out
+
+
+def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
+    """Writes the pruned run OUT from SRC; `overrides` are `key=value`s, the `prune.*` of the
+    command's options among them. Returns OUT."""
+    if storage.is_url(str(out)):
+        raise ConfigError(
+            f"OUT {out}: jaxllm prune writes a local directory; write it there and copy it to "
+            "the bucket."
+        )
+    src = Path(fetched(src, "SRC"))
+    if _is_hf_source(src):
+        new = new_run(src, out, overrides, overwrite=overwrite)
+        cfg = new.cfg.validate()
+        _check(cfg, src)
+        mesh = sharding.make_mesh(cfg.mesh)
+        params, model_state, _ = load_params(src, cfg.model, mesh)
+    else:
+        out = check_out_dir(out, flag="OUT", overwrite=overwrite, reads=(src,))
+        run_dir, _, _ = resolve(src)
+        saved = config_lib.load(run_dir / "config.yaml")
+        cfg = _out_config(saved, out, overrides)
+        devices = jax.devices()
+        cfg.validate(len(devices))
+        _check(cfg, src)
+        mesh = sharding.make_mesh(cfg.mesh, devices)
+        params, model_state = _source_weights(src, saved, cfg, mesh)
+        new = _with_tokenizer(
+            NewRun(out, cfg, out / "checkpoints", _tokenizer_files(saved), overwrite)
+        )
+    _, _, axes = abstract_model(cfg.model)
+    p = cfg.prune
+    if p.calibrated:
+        pruned = sequential(params, model_state, axes, cfg, mesh, p, prune_unit, None, axes)
+    else:
+        pruned = prune_params(params, axes, p, mesh)
+    new.write(pruned, model_state)
+    zeros, total = sparsity_of(pruned, axes, p)
+    print(
+        f"pruned {src} into {out}: {zeros:,} of {total:,} chosen weights zero "
+        f"({zeros / max(total, 1):.1%}, {p.method}{f' {p.pattern}' if p.pattern else ''})",
+        file=sys.stderr,
+    )
+    return Path(out)
+
+
+def _check(cfg: Config, src) -> None:
+    """ConfigError, before any weight is read: no method, a quantized source, or a pattern
+    whose M does not divide a chosen weight's input channels."""
+    if not cfg.prune.enabled:
+        raise ConfigError("prune.method=none prunes nothing; name a method (--method magnitude).")
+    if cfg.quantize.enabled:
+        raise ConfigError(
+            f"{src} is quantized (quantize.method={cfg.quantize.method}); prune the run it was "
+            "quantized from, then quantize the pruned run."
+        )
+    _, abstract, axes = abstract_model(cfg.model)
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    chosen = 0
+    for (keys, leaf), ax in zip(flat, flat_axes):
+        path = "/".join(str(getattr(k, "key", k)) for k in keys)
+        d = dims(path, tuple(ax), cfg.prune)
+        if d is None:
+            continue
+        chosen += 1
+        lead = len(leaf.shape) - d[0] - d[1]
+        k = math.prod(leaf.shape[lead : lead + d[0]])
+        if cfg.prune.nm and k % cfg.prune.nm[1]:
+            raise ConfigError(
+                f"--pattern {cfg.prune.pattern}: M={cfg.prune.nm[1]} does not divide the {k} "
+                f"input channels of {path}; choose another pattern or leave it out with "
+                "prune.skip."
+            )
+    if not chosen:
+        raise ConfigError("prune.skip leaves no weight to prune.")
+
+
+def cmd_prune(ns) -> int:
+    src, out, *rest = ns.args if len(ns.args) >= 2 else (None, None)
+    stray = [a for a in rest if "=" not in a]
+    if src is None or out is None or stray:
+        raise ConfigError("jaxllm prune takes SRC OUT, then only key=value.")
+    how = options(ns.method, ns.sparsity, ns.pattern, ns.calibration, ns.samples)
+    prune_run(src, out, [*rest, *how], overwrite=ns.overwrite)
+    return 0
+
+
+def add_prune_parser(sub) -> None:
+    p = sub.add_parser("prune", help="prune a trained model's weights into a new run")
+    p.add_argument("args", nargs="+", metavar="SRC OUT key=value")
+    p.add_argument(
+        "--method", required=True, help="magnitude | wanda | sparsegpt (docs/compression.md)"
+    )
+    p.add_argument("--sparsity", type=float, help="the fraction of each weight set to zero")
+    p.add_argument("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (N of every M zero)")
+    p.add_argument(
+        "--calibration",
+        help="wanda / sparsegpt: a data source (a path, or a mapping like {path: x.jsonl, "
+        "format: chat}); default: the run's held-out split",
+    )
+    p.add_argument("--samples", type=int, help="calibration rows of data.seq_len (default 128)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.set_defaults(func=cmd_prune)

@@ -1,0 +1,124 @@
+"""Bad input of `jaxllm prune`: an unknown method, a sparsity outside [0, 1), neither a
+sparsity nor a pattern, a malformed pattern, N not below M, a pattern whose M does not divide a
+weight's input channels, a sparsity that contradicts the pattern, calibration options for
+magnitude, too few calibration tokens, a quantized source, and an existing OUT.
+
+As in test_faults.py, every row runs one command on a copy of the shared small run and asserts
+the exit code, exactly one `jaxllm:` line naming the problem, no traceback, and unchanged run
+and scratch directories: nothing written.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from test_faults import Case, assert_one_line, fault_output, tree_hash
+
+from jaxllm.cli import main
+
+
+def _prune(*options, out="out"):
+    return lambda r, t: ["prune", str(r), str(t / out), *options]
+
+
+def _existing_out(run, tmp) -> None:
+    (tmp / "out").mkdir()
+    (tmp / "out" / "keep.txt").write_text("mine\n")
+
+
+CASES = [
+    Case(
+        "unknown-method",
+        _prune("--method", "obs", "--sparsity", "0.5"),
+        2,
+        "--method obs is not a pruning method jaxllm has; it has magnitude, wanda, sparsegpt",
+    ),
+    Case("sparsity-one", _prune("--method", "magnitude", "--sparsity", "1"), 2, "outside [0, 1)"),
+    Case(
+        "negative-sparsity",
+        _prune("--method", "magnitude", "--sparsity", "-0.1"),
+        2,
+        "--sparsity -0.1 is outside [0, 1)",
+    ),
+    Case(
+        "no-sparsity-or-pattern",
+        _prune("--method", "magnitude"),
+        2,
+        "jaxllm prune needs --sparsity S (a fraction in [0, 1)) or --pattern N:M",
+    ),
+    Case(
+        "malformed-pattern",
+        _prune("--method", "magnitude", "--pattern", "2-4"),
+        2,
+        "--pattern '2-4': give N:M, such as 2:4 or 4:8",
+    ),
+    Case(
+        "n-not-below-m",
+        _prune("--method", "magnitude", "--pattern", "4:4"),
+        2,
+        "--pattern 4:4: N must be below M",
+    ),
+    Case(
+        "pattern-does-not-divide",
+        _prune("--method", "wanda", "--pattern", "2:5"),
+        2,
+        "--pattern 2:5: M=5 does not divide the 64 input channels of layers/attn/k_proj",
+    ),
+    Case(
+        "sparsity-against-pattern",
+        _prune("--method", "magnitude", "--pattern", "2:4", "--sparsity", "0.6"),
+        2,
+        "--pattern 2:4 zeroes 0.5 of each weight; drop --sparsity 0.6",
+    ),
+    Case(
+        "calibration-for-magnitude",
+        _prune("--method", "magnitude", "--sparsity", "0.5", "--samples", "8"),
+        2,
+        "--method magnitude reads no calibration data (--calibration, --samples)",
+    ),
+    Case(
+        "too-few-calibration-tokens",
+        _prune("--method", "sparsegpt", "--sparsity", "0.5", "--samples", "100000"),
+        2,
+        "--samples 100000 needs 6400000: pass more data or fewer --samples",
+    ),
+    Case(
+        "a-quantized-source",
+        lambda r, t: [
+            "prune",
+            str(t / "q"),
+            str(t / "out"),
+            "--method",
+            "magnitude",
+            "--sparsity",
+            "0.5",
+        ],
+        2,
+        "is quantized (quantize.method=rtn); prune the run it was quantized from",
+        setup=lambda r, t: main(["quantize", str(r), str(t / "q"), "--method", "rtn"]),
+    ),
+    Case(
+        "existing-out",
+        _prune("--method", "magnitude", "--sparsity", "0.5"),
+        2,
+        "OUT",
+        setup=_existing_out,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_fault(case: Case, small_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    if case.setup:
+        case.setup(run, scratch)
+        capsys.readouterr()
+    before, before_scratch = tree_hash(run), tree_hash(scratch)
+    code, out, err = fault_output(case.argv(run, scratch), capsys)
+    assert_one_line(case, code, out, err)
+    assert tree_hash(run) == before, "the command changed the run directory"
+    assert tree_hash(scratch) == before_scratch, "the command wrote or changed OUT"
