@@ -14,6 +14,7 @@ import math
 import jax
 
 from jaxllm import objectives, sharding
+from jaxllm.compress import qat
 from jaxllm.config import ConfigError
 from jaxllm.config.urls import check_url
 from jaxllm.data.objective_rows import row_transform
@@ -21,6 +22,7 @@ from jaxllm.data.pipeline import eval_batches, load_splits
 from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import fetched, restore
+from jaxllm.model import abstract_model
 from jaxllm.sharding import process_rows
 from jaxllm.train import companions
 from jaxllm.train.compiled import evaluate
@@ -41,6 +43,8 @@ def evaluate_checkpoint(
     objective = objectives.from_config(cfg)
     held = companions.resolve_others(cfg, objective)  # a DPO reference, a teacher
     others = companions.load(held, mesh)
+    _, abstract, axes = abstract_model(cfg.model, cfg.peft)
+    weights = qat.transform(abstract, axes, cfg.train.qat)  # a QAT run: as it trained
     jit_eval = jax.jit(
         functools.partial(
             eval_step,
@@ -48,6 +52,7 @@ def evaluate_checkpoint(
             objective=objective,
             parallel_settings=sharding.Parallel.of(mesh, cfg.mesh),
             other_graphdefs=companions.graphdefs(held),
+            weights=weights,
         ),
         in_shardings=(
             _shardings(params),

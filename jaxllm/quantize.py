@@ -27,6 +27,7 @@ from jaxllm import config as config_lib
 from jaxllm.compress.calibrate import quantize_calibrated
 from jaxllm.config import Config, ConfigError, PeftConfig
 from jaxllm.config.quantize import CALIBRATED, DEFAULT_BITS, METHOD_BITS
+from jaxllm.config.train import QATConfig
 from jaxllm.convert import load_params
 from jaxllm.convert.hf import NewRun, check_out_dir, new_run
 from jaxllm.convert.reader import TOKENIZER_FILES
@@ -136,13 +137,15 @@ def _check_weights(cfg: Config) -> None:
 
 def _out_config(saved: Config, out: Path, overrides) -> Config:
     """The quantized run's config: the source's (merged into a plain model when it fine-tuned
-    adapters), its directories OUT's own, with `overrides` applied."""
+    adapters; `train.qat` off, its weights now what QAT rounded them to), its directories OUT's
+    own, with `overrides` applied."""
     tree = config_lib.to_dict(
         dataclasses.replace(
             saved,
             peft=PeftConfig(),
             run=dataclasses.replace(saved.run, dir=str(out)),
             checkpoint=dataclasses.replace(saved.checkpoint, dir=None, init_from=None),
+            train=dataclasses.replace(saved.train, qat=QATConfig()),  # a QAT run's training
         )
     )
     tree = config_lib.apply_overrides(tree, list(overrides))

@@ -98,6 +98,13 @@ class Config:
         self.peft.validate()
         self.quantize.validate()
         self.prune.validate()
+        if self.train.qat.enabled and self.peft.method != "none":
+            _fail(
+                f"train.qat.weights={self.train.qat.weights} rounds the weights that train; "
+                f"peft.method={self.peft.method} freezes them. Use one or the other."
+            )
+        if self.train.qat.enabled and self.mesh.stage > 1:
+            _fail("train.qat does not run under pipeline stages (mesh.stage > 1) yet.")
         gen = self.generate
         if gen.max_new_tokens < 1 or gen.temperature < 0 or gen.top_k < 0:
             _fail("generate.max_new_tokens must be >= 1, generate.temperature and top_k >= 0.")

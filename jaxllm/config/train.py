@@ -40,6 +40,29 @@ class EarlyStoppingConfig:
     eval_accuracy, eval_margin and eval_chosen_reward, `min` for every other metric (losses)."""
 
 
+QAT_KINDS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class QATConfig:
+    """Quantization-aware training (`jaxllm.compress.qat`): the weights `jaxllm quantize` would
+    take are fake-quantized in every forward pass of training and evaluation, with a
+    straight-through gradient."""
+
+    weights: Literal["none", "int8", "int4", "fp8", "mxfp4", "nvfp4"] = "none"
+    """The kind the weights are rounded to: integer codes on RTN's grid (int8, int4), FP8 E4M3
+    per output channel, OCP MXFP4 (E2M1, an E8M0 scale per 32 inputs) or NVFP4 (E2M1, an E4M3
+    scale per 16 inputs and one float32 scale per weight); none: off."""
+    group_size: int = 0
+    """int8 / int4: input channels per scale (0: per output channel), as `quantize.group_size`."""
+    symmetric: bool = True
+    """int8 / int4: codes around zero; false: a zero point per group, as `quantize.symmetric`."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.weights != "none"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 150
@@ -170,6 +193,8 @@ class TrainConfig:
     """Consecutive non-finite steps tolerated before `stop` ends the run."""
     early_stopping: EarlyStoppingConfig = EarlyStoppingConfig()
     """Stop when evaluation no longer improves (`EarlyStoppingConfig`)."""
+    qat: QATConfig = QATConfig()
+    """Quantization-aware training (`QATConfig`)."""
 
 
 # The keys only some objectives read: set away from its default for another objective, a key
@@ -227,6 +252,16 @@ def validate_train(t: TrainConfig) -> None:
             )
     if t.loss_chunks < 1:
         _fail(f"train.loss_chunks must be >= 1, not {t.loss_chunks}.")
+    q = t.qat
+    if q.group_size < 0:
+        _fail(f"train.qat.group_size must be >= 0 (0: per channel), not {q.group_size}.")
+    if q.weights in ("fp8", "mxfp4", "nvfp4") and (q.group_size or not q.symmetric):
+        _fail(
+            f"train.qat.weights={q.weights} has a fixed grid: it takes no train.qat.group_size "
+            "and no train.qat.symmetric=false."
+        )
+    if not q.enabled and (q.group_size or not q.symmetric):
+        _fail("train.qat.group_size and train.qat.symmetric need train.qat.weights.")
     if not 0 < t.mask_rate < 1:
         _fail(f"train.mask_rate must be in (0, 1), not {t.mask_rate}.")
     if t.mask_token_id is not None and t.mask_token_id < 0:

@@ -8,6 +8,7 @@ import functools
 import jax
 
 from jaxllm import config, objectives, optim, sharding
+from jaxllm.compress import qat
 from jaxllm.config.pipeline import microbatches
 from jaxllm.model import abstract_model
 from jaxllm.sharding import to_global
@@ -18,7 +19,8 @@ from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 def compile_steps(cfg: config.Config, mesh):
     """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
-    graphdef, _, axes = abstract_model(cfg.model, cfg.peft)
+    graphdef, abstract, axes = abstract_model(cfg.model, cfg.peft)
+    weights = qat.transform(abstract, axes, cfg.train.qat)  # None unless train.qat
     tx = optim.build(cfg.optim, cfg.train.steps, axes, sparse_weights(cfg, axes))
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     batch_sh = sharding.named(mesh, BATCH_AXES)
@@ -40,6 +42,7 @@ def compile_steps(cfg: config.Config, mesh):
         offload_opt_state=cfg.optim.offload == "host",
         loss_scaling=scaling,
         other_graphdefs=other_graphdefs,
+        weights=weights,
     )
     jit_train = jax.jit(
         step_fn,
@@ -54,6 +57,7 @@ def compile_steps(cfg: config.Config, mesh):
             objective=objective,
             parallel_settings=parallel_settings,
             other_graphdefs=other_graphdefs,
+            weights=weights,
         ),
         in_shardings=(
             shardings.params,

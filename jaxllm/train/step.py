@@ -37,12 +37,16 @@ def objective_value(
     frozen=None,
     others=None,
     other_graphdefs=None,
+    weights=None,
 ):
     """(loss sum, ObjectiveOutput) of `objective` on `batch` with these parameters: the
     function the step differentiates. An objective that names frozen models
     (`objective.others`) also gets them, built from `others` (`TrainState.others`) and their
-    `other_graphdefs` (`jaxllm.train.companions`)."""
+    `other_graphdefs` (`jaxllm.train.companions`). `weights`: params -> the params the model
+    computes with (QAT's fake quantization, `jaxllm.compress.qat`), or None."""
     batch = parallel.sequence_layout(batch)
+    if weights is not None:
+        params = weights(params)
     model = merge_model(graphdef, params, frozen, model_state)
     wanted = companions.names(objective)
     if not wanted:
@@ -84,6 +88,7 @@ def train_step(
     offload_opt_state: bool = False,
     loss_scaling: LossScaling | None = None,
     other_graphdefs=None,
+    weights=None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step of `objective` on `batch` (the global batch, split into
     `grad_accum_steps` microbatches). Metrics: the objective's (sum / tokens), `nonfinite`,
@@ -107,6 +112,7 @@ def train_step(
                 frozen=state.frozen,
                 others=state.others,
                 other_graphdefs=other_graphdefs,
+                weights=weights,
             )
             # Scaled before differentiation: the backward pass runs S times larger, above
             # float16's underflow; the sums in `out` stay unscaled.
@@ -216,6 +222,7 @@ def eval_step(
     objective: Objective,
     parallel_settings: Parallel = Parallel(),
     other_graphdefs=None,
+    weights=None,
 ) -> dict:
     """Sums for a held-out batch: `tokens` and every metric of the objective (`loss` is its
     `loss` metric, or its loss sum when it has none); the caller adds them over batches and
@@ -232,5 +239,6 @@ def eval_step(
             frozen=frozen,
             others=others,
             other_graphdefs=other_graphdefs,
+            weights=weights,
         )
         return {**out.metrics, "loss": out.metrics.get("loss", out.loss_sum), "tokens": out.tokens}
