@@ -84,7 +84,7 @@ def test_gptq_beats_rtn_on_held_out_text(trained, calibration_file, held_out, tm
     assert str(calibration_file) in saved.calibration
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", [4, pytest.param(3, marks=pytest.mark.slow)])
 def test_awq_beats_rtn_in_kl_at_its_defaults(trained, calibration_file, held_out, tmp_path, bits):
     """At AWQ's own setting (a zero point, groups; here of 32), its KL to the float model on
     held-out rows is below RTN's at the same setting. (Its held-out loss is not asserted: on

@@ -151,8 +151,8 @@ def _clip(w, h, s, q):
     diag(1/s) H diag(1/s)."""
     k, n = w.shape[-2:]
     gs = q.group_size or k
-    if s is not None:
-        inv = 1.0 / s
+    if s is not None:  # [*lead, K], or [K] shared by the experts
+        inv = (1.0 / s).reshape((1,) * (h.ndim - 1 - s.ndim) + s.shape)
         h = h * inv[..., :, None] * inv[..., None, :]
     lead = w.shape[:-2]
     wg = w.astype(jnp.float32).reshape(*lead, k // gs, gs, n)
