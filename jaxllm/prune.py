@@ -33,7 +33,13 @@ from jaxllm.convert import load_params
 from jaxllm.convert.hf import NewRun, check_out_dir, new_run
 from jaxllm.load import _is_hf_source, fetched, resolve
 from jaxllm.model import abstract_model
-from jaxllm.quantize import _out_config, _source_weights, _tokenizer_files, _with_tokenizer
+from jaxllm.quantize import (
+    _out_config,
+    _source_weights,
+    _tokenizer_files,
+    _with_tokenizer,
+    calibration_options,
+)
 
 
 def options(
@@ -64,16 +70,7 @@ def options(
         )
     if sparsity is not None:
         out.append(f"prune.sparsity={sparsity!r}")
-    if (calibration is not None or samples is not None) and method not in CALIBRATED:
-        raise ConfigError(
-            f"--method {method} reads no calibration data (--calibration, --samples); the "
-            f"calibrated methods are {', '.join(CALIBRATED)}."
-        )
-    if calibration is not None:
-        out.append(f"prune.calibration={json.dumps(calibration)}")
-    if samples is not None:
-        out.append(f"prune.samples={samples}")
-    return out
+    return out + calibration_options("prune", method, CALIBRATED, calibration, samples)
 
 
 def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:

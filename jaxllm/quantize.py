@@ -69,16 +69,19 @@ def options(
         out.append(f"quantize.group_size={group_size}")
     if symmetric is not None:
         out.append(f"quantize.symmetric={str(symmetric).lower()}")
-    if (calibration is not None or samples is not None) and method not in CALIBRATED:
+    return out + calibration_options("quantize", method, CALIBRATED, calibration, samples)
+
+
+def calibration_options(section: str, method: str, calibrated, calibration, samples) -> list:
+    """The `SECTION.calibration` / `SECTION.samples` overrides of --calibration / --samples;
+    ConfigError when `method` is not among the `calibrated` ones."""
+    if (calibration is not None or samples is not None) and method not in calibrated:
         raise ConfigError(
             f"--method {method} reads no calibration data (--calibration, --samples); the "
-            f"calibrated methods are {', '.join(CALIBRATED)}."
+            f"calibrated methods are {', '.join(calibrated)}."
         )
-    if calibration is not None:
-        out.append(f"quantize.calibration={json.dumps(calibration)}")
-    if samples is not None:
-        out.append(f"quantize.samples={samples}")
-    return out
+    out = [] if calibration is None else [f"{section}.calibration={json.dumps(calibration)}"]
+    return out + ([] if samples is None else [f"{section}.samples={samples}"])
 
 
 def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:

@@ -12,11 +12,9 @@ directory, and a scratch directory (where OUT would go) that is unchanged too: n
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from conftest import SMALL_RUN
-from test_faults import Case, assert_one_line, fault_output, tree_hash
+from test_faults import Case, check_fault
 
 from jaxllm.cli import main
 
@@ -135,15 +133,4 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_fault(case: Case, small_run, tmp_path, capsys):
-    run = tmp_path / "run"
-    shutil.copytree(small_run, run)
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    if case.setup:
-        case.setup(run, scratch)
-        capsys.readouterr()
-    before, before_scratch = tree_hash(run), tree_hash(scratch)
-    code, out, err = fault_output(case.argv(run, scratch), capsys)
-    assert_one_line(case, code, out, err)
-    assert tree_hash(run) == before, "the command changed the run directory"
-    assert tree_hash(scratch) == before_scratch, "the command wrote or changed OUT"
+    check_fault(case, small_run, tmp_path, capsys)
