@@ -15,6 +15,7 @@ not hold files without --overwrite). OUT appears only when complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -24,15 +25,15 @@ import jax
 
 from jaxllm import config as config_lib
 from jaxllm import sharding, storage
-from jaxllm.compress import dims
-from jaxllm.compress.calibrate import sequential
+from jaxllm.compress import dims, layers
+from jaxllm.compress.calibrate import calibration_rows, sequential
 from jaxllm.compress.prune import prune_params, prune_unit, sparsity_of
 from jaxllm.config import Config, ConfigError
-from jaxllm.config.prune import CALIBRATED, METHODS
+from jaxllm.config.prune import CALIBRATED, METHODS, STRUCTURED
 from jaxllm.convert import load_params
 from jaxllm.convert.hf import NewRun, check_out_dir, new_run
 from jaxllm.load import _is_hf_source, fetched, resolve
-from jaxllm.model import abstract_model
+from jaxllm.model import abstract_model, abstract_model_state
 from jaxllm.quantize import (
     _out_config,
     _source_weights,
@@ -101,8 +102,10 @@ def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         new = _with_tokenizer(
             NewRun(out, cfg, out / "checkpoints", _tokenizer_files(saved), overwrite)
         )
-    _, _, axes = abstract_model(cfg.model)
     p = cfg.prune
+    if p.method in STRUCTURED:
+        return _remove_layers(new, cfg, params, model_state, mesh, src)
+    _, _, axes = abstract_model(cfg.model)
     if p.calibrated:
         pruned = sequential(params, model_state, axes, cfg, mesh, p, prune_unit, None, axes)
     else:
@@ -117,9 +120,33 @@ def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
     return Path(out)
 
 
+def _remove_layers(new: NewRun, cfg: Config, params, model_state, mesh, src) -> Path:
+    """OUT as the model without its least important layers (`jaxllm.compress.layers`)."""
+    graphdef, _, _ = abstract_model(cfg.model)
+    rows = calibration_rows(cfg, cfg.prune)
+    importance = layers.layer_importance(graphdef, params, model_state, rows)
+    keep = layers.kept_layers(importance, cfg.prune.sparsity)
+    model = dataclasses.replace(cfg.model, num_layers=len(keep))
+    cfg = dataclasses.replace(cfg, model=model)
+    _, _, axes = abstract_model(model)
+    _, state_axes = abstract_model_state(model)
+    params = jax.device_put(layers.take_layers(params, keep), sharding.tree_shardings(mesh, axes))
+    model_state = layers.take_layers(model_state, keep)
+    if model_state:
+        model_state = jax.device_put(model_state, sharding.tree_shardings(mesh, state_axes))
+    dataclasses.replace(new, cfg=cfg).write(params, model_state)
+    gone = sorted(set(range(len(importance))) - set(keep))
+    print(
+        f"pruned {src} into {new.out_dir}: removed layers {gone} of {len(importance)} "
+        f"(first-order importance {', '.join(f'{v:.3g}' for v in importance)})",
+        file=sys.stderr,
+    )
+    return Path(new.out_dir)
+
+
 def _check(cfg: Config, src) -> None:
-    """ConfigError, before any weight is read: no method, a quantized source, or a pattern
-    whose M does not divide a chosen weight's input channels."""
+    """ConfigError, before any weight is read: no method, a quantized source, a pattern whose
+    M does not divide a chosen weight's input channels, or layers that cannot be removed."""
     if not cfg.prune.enabled:
         raise ConfigError("prune.method=none prunes nothing; name a method (--method magnitude).")
     if cfg.quantize.enabled:
@@ -127,6 +154,22 @@ def _check(cfg: Config, src) -> None:
             f"{src} is quantized (quantize.method={cfg.quantize.method}); prune the run it was "
             "quantized from, then quantize the pruned run."
         )
+    if cfg.prune.method in STRUCTURED:
+        m = cfg.model
+        different = m.moe.enabled or (m.sliding_window is not None and m.global_every)
+        if different or m.kind not in ("decoder", "encoder"):
+            raise ConfigError(
+                "--method layers removes layers of a stack whose layers are all alike; this "
+                "model's differ (MoE groups, sliding-window patterns) or it is not one stack "
+                f"(model.kind={m.kind})."
+            )
+        if math.floor(cfg.prune.sparsity * m.num_layers) < 1:
+            raise ConfigError(
+                f"--sparsity {cfg.prune.sparsity:g} removes no layer of {m.num_layers} "
+                f"(floor({cfg.prune.sparsity:g} x {m.num_layers}) = 0); ask for at least "
+                f"{1 / m.num_layers:.3g}."
+            )
+        return
     _, abstract, axes = abstract_model(cfg.model)
     flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
     flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
@@ -163,7 +206,9 @@ def add_prune_parser(sub) -> None:
     p = sub.add_parser("prune", help="prune a trained model's weights into a new run")
     p.add_argument("args", nargs="+", metavar="SRC OUT key=value")
     p.add_argument(
-        "--method", required=True, help="magnitude | wanda | sparsegpt (docs/compression.md)"
+        "--method",
+        required=True,
+        help="magnitude | wanda | sparsegpt | layers (docs/compression.md)",
     )
     p.add_argument("--sparsity", type=float, help="the fraction of each weight set to zero")
     p.add_argument("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (N of every M zero)")

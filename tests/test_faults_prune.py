@@ -1,7 +1,8 @@
 """Bad input of `jaxllm prune`: an unknown method, a sparsity outside [0, 1), neither a
 sparsity nor a pattern, a malformed pattern, N not below M, a pattern whose M does not divide a
 weight's input channels, a sparsity that contradicts the pattern, calibration options for
-magnitude, too few calibration tokens, a quantized source, and an existing OUT.
+magnitude, too few calibration tokens, a quantized source, layers that cannot be removed
+(none at that sparsity, a pattern, an MoE stack), and an existing OUT.
 
 As in test_faults.py, every row runs one command on a copy of the shared small run and asserts
 the exit code, exactly one `jaxllm:` line naming the problem, no traceback, and unchanged run
@@ -95,6 +96,24 @@ CASES = [
         2,
         "is quantized (quantize.method=rtn); prune the run it was quantized from",
         setup=lambda r, t: main(["quantize", str(r), str(t / "q"), "--method", "rtn"]),
+    ),
+    Case(
+        "layers-removes-none",
+        _prune("--method", "layers", "--sparsity", "0.2"),
+        2,
+        "--sparsity 0.2 removes no layer of 2 (floor(0.2 x 2) = 0)",
+    ),
+    Case(
+        "layers-with-a-pattern",
+        _prune("--method", "layers", "--pattern", "2:4"),
+        2,
+        "--method layers removes whole layers: it takes no --pattern",
+    ),
+    Case(
+        "layers-of-an-moe-model",
+        _prune("--method", "layers", "--sparsity", "0.5", "model.moe.num_experts=4"),
+        2,
+        "--method layers removes layers of a stack whose layers are all alike",
     ),
     Case(
         "existing-out",

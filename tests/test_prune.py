@@ -5,14 +5,17 @@ trained from it keeps its zeros through optimizer steps (docs/compression.md).""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SMALL_RUN, train_for_quantization
+from flax import nnx
 
 import jaxllm
 from jaxllm.cli import main
 from jaxllm.compress import prune
+from jaxllm.compress.calibrate import calibration_rows
 from jaxllm.config import PruneConfig
 from jaxllm.config.prune import SparseGPTConfig
 from jaxllm.evaluate import evaluate_checkpoint
@@ -177,3 +180,43 @@ def test_pruned_run_generates_exports_and_keeps_its_zeros_in_training(trained, t
         assert np.abs(a - b)[a != 0].min() > 0
     assert jaxllm.config.load(tuned / "config.yaml").prune.pattern == "2:4"
     assert np.all(np.asarray(jaxllm.load_model(trained).layers.attn.q_proj[...]) != 0)
+
+
+def test_layers_removes_the_least_important_layer(trained, tmp_path):
+    """`--method layers --sparsity 0.5` of the 2-layer run keeps the layer of larger
+    first-order Taylor importance, sum |theta * dL/dtheta| over its parameters, with the loss
+    summed over the calibration rows (recomputed here by plain jax.grad), as a 1-layer run
+    that evaluates, generates and exports."""
+    out = tmp_path / "one"
+    argv = ["prune", str(trained), str(out), "--method", "layers", "--sparsity", "0.5"]
+    assert main([*argv, "--samples", "16"]) == 0
+    cfg = jaxllm.config.load(trained / "config.yaml", ["quantize.samples=16"])
+    rows = calibration_rows(cfg)
+    model = jaxllm.load_model(trained)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p):
+        m = nnx.merge(graphdef, p)
+        seg = rows["segment_ids"]
+        logits = m(rows["inputs"], positions_BxL=rows["positions"], segment_ids_BxL=seg)
+        logits = logits.logits[:, :-1]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        nll = -jnp.take_along_axis(logp, rows["inputs"][:, 1:, None], -1)[..., 0]
+        return jnp.sum(jnp.where((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), nll, 0.0))
+
+    grads = nnx.to_pure_dict(jax.grad(loss)(params))["layers"]
+    values = nnx.to_pure_dict(params)["layers"]
+    importance = sum(
+        jnp.sum(jnp.abs(w * g), axis=tuple(range(1, w.ndim)))
+        for w, g in zip(jax.tree.leaves(values), jax.tree.leaves(grads))
+    )
+    keep = int(jnp.argmax(importance))
+    pruned = jaxllm.load_model(out)
+    assert pruned.cfg.num_layers == 1
+    np.testing.assert_array_equal(
+        np.asarray(pruned.layers.attn.q_proj[...])[0],
+        np.asarray(model.layers.attn.q_proj[...])[keep],
+    )
+    assert evaluate_checkpoint(out)["eval_loss"] > 0
+    assert main(["generate", str(out), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert main(["convert", "export", str(out), str(tmp_path / "hf")]) == 0

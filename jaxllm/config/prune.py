@@ -14,9 +14,11 @@ from typing import Literal
 
 from jaxllm.config.errors import fail
 
-METHODS = ("magnitude", "wanda", "sparsegpt")
-# The methods that read calibration data (`jaxllm.compress.calibrate`).
-CALIBRATED = ("wanda", "sparsegpt")
+METHODS = ("magnitude", "wanda", "sparsegpt", "layers")
+# The methods that read calibration data.
+CALIBRATED = ("wanda", "sparsegpt", "layers")
+# The methods that remove whole parts, so the model's shapes shrink (no zeros to keep).
+STRUCTURED = ("layers",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +37,13 @@ class PruneConfig:
     """Post-training pruning (docs/compression.md). Set by `jaxllm prune`, which writes the
     pruned run."""
 
-    method: Literal["none", "magnitude", "wanda", "sparsegpt"] = "none"
+    method: Literal["none", "magnitude", "wanda", "sparsegpt", "layers"] = "none"
     """`magnitude` (|W|, no data); `wanda` (|W| times the norm of its input channel) and
-    `sparsegpt` (OBS-style removal with the Hessian's error feedback), both calibrated."""
+    `sparsegpt` (OBS-style removal with the Hessian's error feedback), both calibrated;
+    `layers` (whole layers by LLM-Pruner's first-order Taylor importance, calibrated)."""
     sparsity: float = 0.5
-    """The fraction of each chosen weight set to zero, in [0, 1). Ignored with a pattern."""
+    """The fraction of each chosen weight set to zero, in [0, 1) (with `layers`: of the layers
+    removed). With a pattern, N/M."""
     pattern: str = ""
     """N:M semi-structured sparsity, e.g. `2:4`: N of every M consecutive input channels of each
     output are zero (M must divide the input channels). Empty: unstructured."""
@@ -91,6 +95,11 @@ class PruneConfig:
             )
         if self.samples < 1:
             fail(f"prune.samples must be at least 1, not {self.samples}.")
+        if self.method in STRUCTURED and (self.pattern or self.head or self.skip):
+            fail(
+                f"--method {self.method} removes whole layers: it takes no --pattern, "
+                "prune.head or prune.skip."
+            )
         g = self.sparsegpt
         if g.block_size < 1 or not g.dampening >= 0:
             fail("prune.sparsegpt.block_size must be >= 1 and prune.sparsegpt.dampening >= 0.")

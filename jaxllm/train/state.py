@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm import compress, sharding
 from jaxllm.config import ConfigError, ModelConfig, PeftConfig, QuantizeConfig
+from jaxllm.config.prune import STRUCTURED
 from jaxllm.load import frozen_shardings
 from jaxllm.model import (
     abstract_frozen,
@@ -146,7 +147,7 @@ def sparse_weights(cfg, axes):
     """The tree of bools over the parameters (logical `axes`) whose zeros stay zero while
     training (`optim.keep_zeros`): a pruned run's weights (`prune.*`) under full training; None
     when there are none."""
-    if not cfg.prune.enabled or cfg.peft.method != "none":
+    if not cfg.prune.enabled or cfg.prune.method in STRUCTURED or cfg.peft.method != "none":
         return None
     return jax.tree_util.tree_map_with_path(
         lambda path, ax: compress.dims(compress.path_of(path), tuple(ax), cfg.prune) is not None,
