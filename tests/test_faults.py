@@ -368,24 +368,6 @@ def fault_output(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-def check_fault(case, small_run, tmp_path, capsys) -> None:
-    """Runs `case` on a copy of the shared small run (its `setup` first) and asserts the
-    contract (`assert_one_line`) and that neither the run nor the scratch directory, where an
-    output would go, changed."""
-    run = tmp_path / "run"
-    shutil.copytree(small_run, run)
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    if case.setup:
-        case.setup(run, scratch)
-        capsys.readouterr()
-    before, before_scratch = tree_hash(run), tree_hash(scratch)
-    code, out, err = fault_output(case.argv(run, scratch), capsys)
-    assert_one_line(case, code, out, err)
-    assert tree_hash(run) == before, "the command changed the run directory"
-    assert tree_hash(scratch) == before_scratch, "the command wrote or changed OUT"
-
-
 def assert_one_line(case, code: int, out: str, err: str) -> None:
     """The contract of a fault: `case.code`, exactly one `jaxllm:` message line (warnings aside)
     holding `case.says`, and no traceback."""

@@ -12,7 +12,8 @@ and scratch directories: nothing written.
 from __future__ import annotations
 
 import pytest
-from test_faults import Case, check_fault
+from test_faults import Case
+from test_faults_quantize import check_fault
 
 from jaxllm.cli import main
 

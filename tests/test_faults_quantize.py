@@ -12,9 +12,11 @@ directory, and a scratch directory (where OUT would go) that is unchanged too: n
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from conftest import SMALL_RUN
-from test_faults import Case, check_fault
+from test_faults import Case, assert_one_line, fault_output, tree_hash
 
 from jaxllm.cli import main
 
@@ -129,6 +131,24 @@ CASES = [
         setup=_quantized,
     ),
 ]
+
+
+def check_fault(case, small_run, tmp_path, capsys) -> None:
+    """Runs `case` on a copy of the shared small run (its `setup` first) and asserts the
+    contract (`assert_one_line`) and that neither the run nor the scratch directory, where an
+    output would go, changed."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    if case.setup:
+        case.setup(run, scratch)
+        capsys.readouterr()
+    before, before_scratch = tree_hash(run), tree_hash(scratch)
+    code, out, err = fault_output(case.argv(run, scratch), capsys)
+    assert_one_line(case, code, out, err)
+    assert tree_hash(run) == before, "the command changed the run directory"
+    assert tree_hash(scratch) == before_scratch, "the command wrote or changed OUT"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
