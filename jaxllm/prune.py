@@ -25,9 +25,10 @@ import jax
 
 from jaxllm import config as config_lib
 from jaxllm import sharding, storage
-from jaxllm.compress import dims, layers
+from jaxllm.compress import layers
 from jaxllm.compress.calibrate import calibration_rows, sequential
 from jaxllm.compress.prune import prune_params, prune_unit, sparsity_of
+from jaxllm.compress.weights import chosen as weights_chosen
 from jaxllm.config import Config, ConfigError
 from jaxllm.config.prune import CALIBRATED, METHODS, STRUCTURED
 from jaxllm.convert import load_params
@@ -171,17 +172,10 @@ def _check(cfg: Config, src) -> None:
             )
         return
     _, abstract, axes = abstract_model(cfg.model)
-    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    chosen = 0
-    for (keys, leaf), ax in zip(flat, flat_axes):
-        path = "/".join(str(getattr(k, "key", k)) for k in keys)
-        d = dims(path, tuple(ax), cfg.prune)
-        if d is None:
-            continue
-        chosen += 1
-        lead = len(leaf.shape) - d[0] - d[1]
-        k = math.prod(leaf.shape[lead : lead + d[0]])
+    chosen = weights_chosen(abstract, axes, cfg.prune)
+    for path, (leaf, n_in, n_out) in chosen.items():
+        lead = len(leaf.shape) - n_in - n_out
+        k = math.prod(leaf.shape[lead : lead + n_in])
         if cfg.prune.nm and k % cfg.prune.nm[1]:
             raise ConfigError(
                 f"--pattern {cfg.prune.pattern}: M={cfg.prune.nm[1]} does not divide the {k} "

@@ -159,19 +159,13 @@ def prune_unit(params, chosen, stats, cfg: Config, prefix, ctx=None):
 def prune_params(params: dict, axes: dict, cfg: PruneConfig, mesh: Mesh) -> dict:
     """`params` (on `mesh`, logical `axes`) with the weights `cfg` chooses pruned by magnitude
     (no data), each in its shards; stacked layers and experts each on their own."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
     shardings = sharding.tree_shardings(mesh, axes)
     out = jax.tree.map(lambda x: x, params)
-    jobs = []
-    for (keys, w), ax in zip(flat, flat_axes):
-        d = weights_lib.dims(weights_lib.path_of(keys), tuple(ax), cfg)
-        if d is not None:
-            jobs.append((keys, w, d))
-    for keys, w, (n_in, n_out) in tqdm(
-        jobs, unit="weight", desc=cfg.method, file=sys.stderr, disable=None
+    jobs = weights_lib.chosen(params, axes, cfg)
+    for path, (w, n_in, n_out) in tqdm(
+        jobs.items(), unit="weight", desc=cfg.method, file=sys.stderr, disable=None
     ):
-        *parents, name = [str(getattr(k, "key", k)) for k in keys]
+        *parents, name = path.split("/")
         leaf, sh = out, shardings
         for part in parents:
             leaf, sh = leaf[part], sh[part]
@@ -182,11 +176,5 @@ def prune_params(params: dict, axes: dict, cfg: PruneConfig, mesh: Mesh) -> dict
 
 def sparsity_of(params: dict, axes: dict, cfg: PruneConfig) -> tuple[int, int]:
     """(zeros, values) over the weights `cfg` chooses."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    zeros = total = 0
-    for (keys, w), ax in zip(flat, flat_axes):
-        if weights_lib.dims(weights_lib.path_of(keys), tuple(ax), cfg) is not None:
-            zeros += int(jnp.sum(w == 0))
-            total += w.size
-    return zeros, total
+    ws = [w for w, _, _ in weights_lib.chosen(params, axes, cfg).values()]
+    return sum(int(jnp.sum(w == 0)) for w in ws), sum(w.size for w in ws)

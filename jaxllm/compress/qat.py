@@ -22,7 +22,8 @@ import types
 import jax
 import jax.numpy as jnp
 
-from jaxllm.compress.weights import dims, path_of
+from jaxllm.compress import weights
+from jaxllm.compress.weights import path_of
 from jaxllm.config import ConfigError
 from jaxllm.config.train import QATConfig
 from jaxllm.model import coded, quantized
@@ -76,23 +77,13 @@ def fake(w, cfg: QATConfig, *, n_in: int, n_out: int):
 
 def chosen(abstract, axes) -> dict[str, tuple[int, int]]:
     """{path: (n_in, n_out)} of the weights QAT rounds."""
-    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    out = {}
-    for (keys, _), ax in zip(flat, flat_axes):
-        d = dims(path_of(keys), tuple(ax), _CHOSEN)
-        if d is not None:
-            out[path_of(keys)] = d
-    return out
+    return {p: d for p, (_, *d) in weights.chosen(abstract, axes, _CHOSEN).items()}
 
 
 def check(abstract, axes, cfg: QATConfig) -> None:
     """ConfigError naming the first weight the kind cannot take (a group size or block that
     does not divide its input channels)."""
-    for path, (n_in, n_out) in chosen(abstract, axes).items():
-        leaf = abstract
-        for part in path.split("/"):
-            leaf = leaf[part]
+    for path, (leaf, n_in, n_out) in weights.chosen(abstract, axes, _CHOSEN).items():
         lead = len(leaf.shape) - n_in - n_out
         k = math.prod(leaf.shape[lead : lead + n_in])
         block = {"mxfp4": qf.MX_BLOCK, "nvfp4": NV_BLOCK}.get(cfg.weights, cfg.group_size)

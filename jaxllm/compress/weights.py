@@ -82,6 +82,20 @@ def dims(path: str, axes: tuple, cfg: QuantizeConfig) -> tuple[int, int] | None:
     return (n_in, n_out) if n_out >= 1 else None
 
 
+def chosen(tree, axes, cfg) -> dict:
+    """{path: (leaf, n_in, n_out)} of the weights of `tree` (arrays or abstract ones, logical
+    `axes`) that `cfg` (a `quantize`, `prune` or QAT section: its enabled, head and skip)
+    takes, in tree order."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    out = {}
+    for (keys, leaf), ax in zip(flat, flat_axes):
+        d = dims(path_of(keys), tuple(ax), cfg)
+        if d is not None:
+            out[path_of(keys)] = (leaf, *d)
+    return out
+
+
 def _check(path: str, shape: tuple, n_in: int, n_out: int, cfg: QuantizeConfig) -> None:
     """ConfigError when `cfg`'s groups or packing do not fit the weight at `path`."""
     lead = len(shape) - n_in - n_out
