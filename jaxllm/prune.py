@@ -208,7 +208,7 @@ def add_prune_parser(sub) -> None:
     p.add_argument("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (N of every M zero)")
     p.add_argument(
         "--calibration",
-        help="wanda / sparsegpt: a data source (a path, or a mapping like {path: x.jsonl, "
+        help="wanda / sparsegpt / layers: a data source (a path, or a mapping like {path: x.jsonl, "
         "format: chat}); default: the run's held-out split",
     )
     p.add_argument("--samples", type=int, help="calibration rows of data.seq_len (default 128)")
