@@ -1,7 +1,8 @@
 """Quantization-aware training (`train.qat.*`): the fake quantization is `jaxllm quantize`'s
 own code (int4 groups, fp8, mxfp4) and NVFP4 a NumPy re-derivation; gradients pass straight
 through; a QAT run's evaluation equals the evaluation of its quantized run; at int4 it ends
-closer to its float loss than round-to-nearest of a float run trained the same steps."""
+closer to its float loss than round-to-nearest of a float run trained the same steps; the
+activations (`train.qat.activations`) are rounded per token as the W8A8 kinds do."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jaxllm.cli import main
 from jaxllm.compress import qat
 from jaxllm.config.train import QATConfig
 from jaxllm.evaluate import evaluate_checkpoint
-from jaxllm.model import coded, quantized
+from jaxllm.model import coded, fake_quant, layers, quantized
 from jaxllm.model.quantized_float import E2M1_GRID
 
 
@@ -70,6 +71,29 @@ def test_gradients_pass_straight_through():
     assert not np.array_equal(used, w) and len(np.unique(np.asarray(used)[:, 0, 0])) <= 16
 
 
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+def test_fake_quantized_activations_per_token(act):
+    """Through the matmul seam, each token's row of x (over the contracted dim d) is rounded
+    on its own scale, as a NumPy re-derivation says; the gradient with respect to x is the
+    plain matmul's (straight through)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_t(3, (2, 5, 48)).astype(np.float32)
+    w = rng.normal(0, 0.2, (48, 3, 8)).astype(np.float32)
+    s = np.abs(x).max(-1, keepdims=True) / (127.0 if act == "int8" else 448.0)
+    if act == "int8":
+        xq = np.clip(np.round(x / s), -127, 127) * s
+    else:
+        xq = (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s
+    k = fake_quant.FakeQuantKernel(jnp.asarray(w), act)
+    f = lambda x: layers.matmul("bsd,dhk->bshk", x, k, jnp.float32)  # noqa: E731
+    got = f(jnp.asarray(x))
+    np.testing.assert_allclose(got, np.einsum("bsd,dhk->bshk", xq, w), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, np.einsum("bsd,dhk->bshk", x, w), rtol=1e-6, atol=1e-6)
+    c = jnp.asarray(rng.normal(0, 1, got.shape), jnp.float32)
+    gx = jax.grad(lambda x: jnp.sum(f(x) * c))(jnp.asarray(x))
+    np.testing.assert_allclose(gx, np.einsum("bshk,dhk->bsd", c, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     return train_for_quantization(tmp_path_factory)
@@ -88,18 +112,30 @@ def _loss(run) -> float:
 def test_qat_evaluates_as_its_quantized_run_and_beats_rtn(trained, tmp_path):
     """30 more steps of the trained run, with int4 QAT (per channel) and without: the QAT
     run's evaluation equals that of `jaxllm quantize --method rtn --bits 4` of it, and is
-    below RTN int4 of the float run's; an MXFP4 QAT run (2 steps) evaluates as its mxfp4 run."""
-    float_run, qat_run, mx_run = tmp_path / "float", tmp_path / "qat", tmp_path / "mx"
-    _continue(trained, float_run)
-    _continue(trained, qat_run, "train.qat.weights=int4")
-    _continue(trained, mx_run, "train.qat.weights=mxfp4", steps=2)
-    for src, method in ((float_run, "rtn"), (qat_run, "rtn"), (mx_run, "mxfp4")):
-        bits = ["--bits", "4"] if method == "rtn" else []
-        assert main(["quantize", str(src), str(src) + "-q", "--method", method, *bits]) == 0
-    loss = {r.name: _loss(r) for r in (float_run, qat_run, mx_run)}
-    loss.update({r.name + "-q": _loss(str(r) + "-q") for r in (float_run, qat_run, mx_run)})
+    below RTN int4 of the float run's; an MXFP4 QAT run (2 steps) evaluates as its mxfp4 run,
+    and an fp8 one with fp8 activations as its W8A8-FP8 run (not as its weight-only fp8 run)."""
+    runs = {n: tmp_path / n for n in ("float", "qat", "mx", "fp8a")}
+    _continue(trained, runs["float"])
+    _continue(trained, runs["qat"], "train.qat.weights=int4")
+    _continue(trained, runs["mx"], "train.qat.weights=mxfp4", steps=2)
+    _continue(trained, runs["fp8a"], "train.qat.weights=fp8", "train.qat.activations=fp8", steps=2)
+    quantized_as = {
+        "float": ["rtn", "--bits", "4"],
+        "qat": ["rtn", "--bits", "4"],
+        "mx": ["mxfp4"],
+        "fp8a": ["fp8", "quantize.fp8_activations=true"],
+    }
+    for name, how in quantized_as.items():
+        assert main(["quantize", str(runs[name]), f"{runs[name]}-q", "--method", *how]) == 0
+    fp8a = runs["fp8a"]
+    assert main(["quantize", str(fp8a), f"{fp8a}-w", "--method", "fp8"]) == 0
+    loss = {n: _loss(r) for n, r in runs.items()}
+    loss.update({n + "-q": _loss(f"{r}-q") for n, r in runs.items()})
+    loss["fp8a-w"] = _loss(f"{fp8a}-w")
     assert loss["qat"] == pytest.approx(loss["qat-q"], abs=1e-6), loss
     assert loss["mx"] == pytest.approx(loss["mx-q"], abs=1e-6), loss
+    assert loss["fp8a"] == pytest.approx(loss["fp8a-q"], abs=2e-6), loss
+    assert abs(loss["fp8a"] - loss["fp8a-w"]) > 1e-5, loss  # the activations were rounded
     assert loss["qat"] < loss["float-q"], loss
 
 

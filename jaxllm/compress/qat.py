@@ -12,6 +12,11 @@ dequantize of the same code `jaxllm quantize` writes: int8 / int4 are RTN's grid
 computes what its QAT evaluation did. NVFP4 (NVIDIA's 4-bit float: E2M1 values, an E4M3 scale
 per 16 input channels, one float32 scale per weight so the block scales fit E4M3) has no stored
 kind in jaxllm yet: it trains and evaluates fake-quantized only.
+
+`train.qat.activations` (int8 or fp8) also rounds those weights' inputs per token, as the
+weight-activation kinds do at run time (`jaxllm.model.fake_quant`); `jaxllm quantize --method
+fp8 quantize.fp8_activations=true` of a run trained with weights and activations fp8 computes
+what its QAT evaluation did.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from jaxllm.config import ConfigError
 from jaxllm.config.train import QATConfig
 from jaxllm.model import coded, quantized
 from jaxllm.model import quantized_float as qf
+from jaxllm.model.fake_quant import FakeQuantKernel
 
 NV_BLOCK = 16
 # the weights QAT rounds: those `jaxllm quantize` takes by default
@@ -96,8 +102,9 @@ def check(abstract, axes, cfg: QATConfig) -> None:
 
 
 def transform(abstract, axes, cfg: QATConfig):
-    """params -> params with the chosen weights fake-quantized, gradients straight through;
-    None when QAT is off."""
+    """params -> params with the chosen weights fake-quantized, gradients straight through,
+    and with `train.qat.activations` wrapped in a `FakeQuantKernel` (their inputs rounded at
+    the matmul seam); None when QAT is off."""
     if not cfg.enabled:
         return None
     check(abstract, axes, cfg)
@@ -108,8 +115,12 @@ def transform(abstract, axes, cfg: QATConfig):
             d = which.get(path_of(keys))
             if d is None:
                 return w
-            q = fake(w, cfg, n_in=d[0], n_out=d[1]).astype(w.dtype)
-            return w - jax.lax.stop_gradient(w) + jax.lax.stop_gradient(q)  # exactly q
+            if cfg.weights != "none":
+                q = fake(w, cfg, n_in=d[0], n_out=d[1]).astype(w.dtype)
+                w = w - jax.lax.stop_gradient(w) + jax.lax.stop_gradient(q)  # exactly q
+            if cfg.activations != "none":
+                w = FakeQuantKernel(w, cfg.activations)
+            return w
 
         return jax.tree_util.tree_map_with_path(one, params)
 

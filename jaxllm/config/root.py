@@ -100,7 +100,7 @@ class Config:
         self.prune.validate()
         if self.train.qat.enabled and self.peft.method != "none":
             _fail(
-                f"train.qat.weights={self.train.qat.weights} rounds the weights that train; "
+                "train.qat rounds the weights that train and their inputs; "
                 f"peft.method={self.peft.method} freezes them. Use one or the other."
             )
         if self.train.qat.enabled and self.mesh.stage > 1:

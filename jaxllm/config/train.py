@@ -57,10 +57,15 @@ class QATConfig:
     """int8 / int4: input channels per scale (0: per output channel), as `quantize.group_size`."""
     symmetric: bool = True
     """int8 / int4: codes around zero; false: a zero point per group, as `quantize.symmetric`."""
+    activations: Literal["none", "int8", "fp8"] = "none"
+    """The inputs of those weights' matmuls, rounded per token (each row's own scale from its
+    largest |x|) as the weight-activation kinds of `jaxllm quantize` do at run time: int8 (the
+    W8A8 dot of smoothquant) or fp8 E4M3 (`--method fp8 quantize.fp8_activations=true`); none:
+    the compute dtype. The routed experts' inputs stay unrounded, as in a quantized run."""
 
     @property
     def enabled(self) -> bool:
-        return self.weights != "none"
+        return self.weights != "none" or self.activations != "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +265,7 @@ def validate_train(t: TrainConfig) -> None:
             f"train.qat.weights={q.weights} has a fixed grid: it takes no train.qat.group_size "
             "and no train.qat.symmetric=false."
         )
-    if not q.enabled and (q.group_size or not q.symmetric):
+    if q.weights == "none" and (q.group_size or not q.symmetric):
         _fail("train.qat.group_size and train.qat.symmetric need train.qat.weights.")
     if not 0 < t.mask_rate < 1:
         _fail(f"train.mask_rate must be in (0, 1), not {t.mask_rate}.")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.model import coded, lora, tap
+from jaxllm.model import coded, fake_quant, lora, tap
 from jaxllm.model import fp8 as fp8_ops
 
 
@@ -28,7 +28,8 @@ def matmul(
     be an array, an `NF4Tensor`, a `quantized.QuantizedTensor` or a weight-only
     `coded.CodedTensor` (dequantized here, inside the jitted computation, where XLA fuses it
     into the dot), a `coded.CodedTensor` with quantized activations (an int8 or fp8 dot,
-    `coded.matmul`) or a `lora.LoRAKernel` (x W + s (x A) B, whose base may be any of them)."""
+    `coded.matmul`), a `fake_quant.FakeQuantKernel` (QAT: the activations rounded first) or a
+    `lora.LoRAKernel` (x W + s (x A) B, whose base may be any of them)."""
     out_dtype = out_dtype or dtype
     if (recorder := tap.active()) is not None:  # calibration (`tap`)
         recorder.see(spec, x, kernel)
@@ -37,6 +38,8 @@ def matmul(
         return y + _lora_path(spec, x, kernel, dtype).astype(out_dtype)
     if isinstance(kernel, coded.CodedTensor) and kernel.act != "none":  # W8A8 kinds
         return coded.matmul(spec, x, kernel, dtype, out_dtype)
+    if isinstance(kernel, fake_quant.FakeQuantKernel):  # QAT of the activations
+        x, kernel = fake_quant.activations(spec, x, kernel), kernel.w
     x, kernel = x.astype(dtype), lora.as_array(kernel, dtype)
     if fp8:
         return fp8_ops.einsum(spec, x, kernel, dtype, out_dtype)

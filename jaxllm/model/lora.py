@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS
-from jaxllm.model import coded, nf4, quantized
+from jaxllm.model import coded, fake_quant, nf4, quantized
 
 
 class LoRAParam(nnx.Param):
@@ -180,6 +180,8 @@ def as_array(w, dtype) -> jax.Array:
         return quantized.dequantize(w, dtype)
     if isinstance(w, coded.CodedTensor):
         return coded.decode(w, dtype)
+    if isinstance(w, fake_quant.FakeQuantKernel):  # QAT: the weight (its input is the seam's)
+        w = w.w
     if not isinstance(w, nf4.NF4Tensor):
         return w.astype(dtype)
     stacked = w.codes.ndim - nf4.kept_ndim(w.shape) - 1
