@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxllm import config as config_lib
 from jaxllm import sharding, storage
@@ -104,8 +105,10 @@ def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
             NewRun(out, cfg, out / "checkpoints", _tokenizer_files(saved), overwrite)
         )
     p = cfg.prune
-    if p.method in STRUCTURED:
+    if p.method == "layers":
         return _remove_layers(new, cfg, params, model_state, mesh, src)
+    if p.method in STRUCTURED:
+        return _remove_units(new, cfg, params, model_state, mesh, src)
     _, _, axes = abstract_model(cfg.model)
     if p.calibrated:
         pruned = sequential(params, model_state, axes, cfg, mesh, p, prune_unit, None, axes)
@@ -145,6 +148,44 @@ def _remove_layers(new: NewRun, cfg: Config, params, model_state, mesh, src) -> 
     return Path(new.out_dir)
 
 
+def _remove_units(new: NewRun, cfg: Config, params, model_state, mesh, src) -> Path:
+    """OUT as the model without each layer's least important head groups or MLP channels
+    (`jaxllm.compress.layers`): fewer heads, or a smaller mlp_dim, in every layer alike."""
+    m, s = cfg.model, cfg.prune.sparsity
+    graphdef, _, axes = abstract_model(m)
+    scores = layers.taylor(graphdef, params, model_state, calibration_rows(cfg, cfg.prune))
+    if cfg.prune.method == "heads":
+        qpk = m.num_heads // m.num_kv_heads
+        imp = layers.group_importance(scores, axes, "heads", qpk)
+        for stack, kv in layers.group_importance(scores, axes, "kv_heads").items():
+            imp[stack] = imp[stack] + kv
+        drop = math.floor(s * m.num_kv_heads)
+        keep = {}
+        for stack, v in imp.items():
+            groups = layers.kept_units(v, drop)  # [L, KV']
+            heads = (groups[:, :, None] * qpk + np.arange(qpk)).reshape(len(groups), -1)
+            keep[stack] = {"kv_heads": groups, "heads": heads}
+        kv = m.num_kv_heads - drop
+        model = dataclasses.replace(
+            m, num_heads=kv * qpk, num_kv_heads=kv, head_dim=m.resolved_head_dim
+        )
+        what = f"{drop} of {m.num_kv_heads} key-value head groups ({drop * qpk} query heads)"
+    else:
+        imp = layers.group_importance(scores, axes, "mlp")
+        drop = math.floor(s * m.mlp_dim)
+        keep = {k: {"mlp": layers.kept_units(v, drop)} for k, v in imp.items()}
+        model = dataclasses.replace(m, mlp_dim=m.mlp_dim - drop)
+        what = f"{drop} of {m.mlp_dim} MLP channels"
+    cfg = dataclasses.replace(cfg, model=model)
+    cfg.validate(len(jax.devices()))
+    _, _, new_axes = abstract_model(model)
+    params = layers.take_units(params, axes, keep)
+    params = jax.device_put(params, sharding.tree_shardings(mesh, new_axes))
+    dataclasses.replace(new, cfg=cfg).write(params, model_state)
+    print(f"pruned {src} into {new.out_dir}: removed {what} in every layer", file=sys.stderr)
+    return Path(new.out_dir)
+
+
 def _check(cfg: Config, src) -> None:
     """ConfigError, before any weight is read: no method, a quantized source, a pattern whose
     M does not divide a chosen weight's input channels, or layers that cannot be removed."""
@@ -155,8 +196,34 @@ def _check(cfg: Config, src) -> None:
             f"{src} is quantized (quantize.method={cfg.quantize.method}); prune the run it was "
             "quantized from, then quantize the pruned run."
         )
-    if cfg.prune.method in STRUCTURED:
-        m = cfg.model
+    m, s = cfg.model, cfg.prune.sparsity
+    if cfg.prune.method == "heads":
+        if m.mla.enabled or m.kind == "encoder_decoder":
+            raise ConfigError(
+                "--method heads prunes the key-value head groups of standard attention; this "
+                f"model has {'MLA' if m.mla.enabled else 'cross-attention (encoder_decoder)'}."
+            )
+        qpk = m.num_heads // m.num_kv_heads
+        if math.floor(s * m.num_kv_heads) < 1:
+            raise ConfigError(
+                f"--sparsity {s:g} removes no head group: the model's {m.num_heads} query heads "
+                f"read {m.num_kv_heads} key-value heads, {qpk} each, and heads go a whole group "
+                f"at a time so the grouping stays even; ask for at least {1 / m.num_kv_heads:.3g}."
+            )
+        return
+    if cfg.prune.method == "channels":
+        if m.moe.enabled or m.kind == "encoder_decoder":
+            raise ConfigError(
+                "--method channels prunes the dense MLP's intermediate channels (model.mlp_dim); "
+                "this model has routed experts or is an encoder_decoder."
+            )
+        if math.floor(s * m.mlp_dim) < 1:
+            raise ConfigError(
+                f"--sparsity {s:g} removes no channel of model.mlp_dim {m.mlp_dim}; ask for at "
+                f"least {1 / m.mlp_dim:.3g}."
+            )
+        return
+    if cfg.prune.method == "layers":
         different = m.moe.enabled or (m.sliding_window is not None and m.global_every)
         if different or m.kind not in ("decoder", "encoder"):
             raise ConfigError(
@@ -202,13 +269,14 @@ def add_prune_parser(sub) -> None:
     p.add_argument(
         "--method",
         required=True,
-        help="magnitude | wanda | sparsegpt | layers (docs/compression.md)",
+        help="magnitude | wanda | sparsegpt (zeros) | layers | heads | channels (smaller "
+        "shapes) (docs/compression.md)",
     )
     p.add_argument("--sparsity", type=float, help="the fraction of each weight set to zero")
     p.add_argument("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (N of every M zero)")
     p.add_argument(
         "--calibration",
-        help="wanda / sparsegpt / layers: a data source (a path, or a mapping like {path: x.jsonl, "
+        help="wanda / sparsegpt / layers / heads / channels: a data source (a path, or a mapping like {path: x.jsonl, "
         "format: chat}); default: the run's held-out split",
     )
     p.add_argument("--samples", type=int, help="calibration rows of data.seq_len (default 128)")

@@ -2,7 +2,9 @@
 sparsity nor a pattern, a malformed pattern, N not below M, a pattern whose M does not divide a
 weight's input channels, a sparsity that contradicts the pattern, calibration options for
 magnitude, too few calibration tokens, a quantized source, layers that cannot be removed
-(none at that sparsity, a pattern, an MoE stack), and an existing OUT.
+(none at that sparsity, a pattern, an MoE stack), heads or channels that cannot be (none at
+that sparsity: heads go a whole GQA group at a time; MLA; routed experts), and an existing
+OUT.
 
 As in test_faults.py, every row runs one command on a copy of the shared small run and asserts
 the exit code, exactly one `jaxllm:` line naming the problem, no traceback, and unchanged run
@@ -108,13 +110,44 @@ CASES = [
         "layers-with-a-pattern",
         _prune("--method", "layers", "--pattern", "2:4"),
         2,
-        "--method layers removes whole layers: it takes no --pattern",
+        "--method layers removes whole parts: it takes no --pattern",
     ),
     Case(
         "layers-of-an-moe-model",
         _prune("--method", "layers", "--sparsity", "0.5", "model.moe.num_experts=4"),
         2,
         "--method layers removes layers of a stack whose layers are all alike",
+    ),
+    Case(
+        "heads-removes-no-group",
+        _prune("--method", "heads", "--sparsity", "0.4"),
+        2,
+        "--sparsity 0.4 removes no head group: the model's 4 query heads read 2 key-value heads",
+    ),
+    Case(
+        "heads-of-an-mla-model",
+        _prune(
+            "--method",
+            "heads",
+            "--sparsity",
+            "0.5",
+            "model.num_kv_heads=4",
+            "model.mla.kv_lora_rank=16",
+        ),  # fmt: skip
+        2,
+        "--method heads prunes the key-value head groups of standard attention; this model has MLA",
+    ),
+    Case(
+        "channels-removes-none",
+        _prune("--method", "channels", "--sparsity", "0.005"),
+        2,
+        "--sparsity 0.005 removes no channel of model.mlp_dim 128",
+    ),
+    Case(
+        "channels-of-an-moe-model",
+        _prune("--method", "channels", "--sparsity", "0.5", "model.moe.num_experts=4"),
+        2,
+        "this model has routed experts",
     ),
     Case(
         "existing-out",

@@ -182,15 +182,10 @@ def test_pruned_run_generates_exports_and_keeps_its_zeros_in_training(trained, t
     assert np.all(np.asarray(jaxllm.load_model(trained).layers.attn.q_proj[...]) != 0)
 
 
-def test_layers_removes_the_least_important_layer(trained, tmp_path):
-    """`--method layers --sparsity 0.5` of the 2-layer run keeps the layer of larger
-    first-order Taylor importance, sum |theta * dL/dtheta| over its parameters, with the loss
-    summed over the calibration rows (recomputed here by plain jax.grad), as a 1-layer run
-    that evaluates, generates and exports."""
-    out = tmp_path / "one"
-    argv = ["prune", str(trained), str(out), "--method", "layers", "--sparsity", "0.5"]
-    assert main([*argv, "--samples", "16"]) == 0
-    cfg = jaxllm.config.load(trained / "config.yaml", ["quantize.samples=16"])
+def _taylor(trained, samples=16):
+    """(the trained model, |theta * dL/dtheta| of its parameters as a pure dict), the loss
+    summed over the calibration rows, by plain jax.grad."""
+    cfg = jaxllm.config.load(trained / "config.yaml", [f"quantize.samples={samples}"])
     rows = calibration_rows(cfg)
     model = jaxllm.load_model(trained)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -204,11 +199,67 @@ def test_layers_removes_the_least_important_layer(trained, tmp_path):
         nll = -jnp.take_along_axis(logp, rows["inputs"][:, 1:, None], -1)[..., 0]
         return jnp.sum(jnp.where((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), nll, 0.0))
 
-    grads = nnx.to_pure_dict(jax.grad(loss)(params))["layers"]
-    values = nnx.to_pure_dict(params)["layers"]
+    grads = nnx.to_pure_dict(jax.grad(loss)(params))
+    return model, jax.tree.map(lambda w, g: jnp.abs(w * g), nnx.to_pure_dict(params), grads)
+
+
+def _logits(model, ids):
+    return np.asarray(model(jnp.asarray(ids)).logits)
+
+
+IDS = np.random.default_rng(0).integers(1, 256, (2, 24))
+
+
+@pytest.mark.parametrize("method", ["heads", "channels"])
+def test_heads_and_channels_remove_the_least_important(trained, tmp_path, method):
+    """Each layer loses its key-value head group (of 2; with its 2 query heads) or its quarter
+    of MLP channels of least first-order Taylor importance (recomputed here by plain
+    jax.grad); the smaller model computes what the trained one does with those parts' outputs
+    zeroed (o_proj rows of the heads, down_proj rows of the channels), evaluates, generates
+    and exports."""
+    out = tmp_path / method
+    sparsity = "0.5" if method == "heads" else "0.25"
+    argv = ["prune", str(trained), str(out), "--method", method, "--sparsity", sparsity]
+    assert main([*argv, "--samples", "16"]) == 0
+    model, scores = _taylor(trained)
+    a, m = scores["layers"]["attn"], scores["layers"]["mlp"]
+    layers = model.cfg.num_layers
+    if method == "heads":
+        qpk = model.cfg.num_heads // model.cfg.num_kv_heads
+        q = (a["q_proj"].sum((1, 3)) + a["o_proj"].sum((2, 3))).reshape(layers, -1, qpk).sum(2)
+        importance = q + a["k_proj"].sum((1, 3)) + a["v_proj"].sum((1, 3))  # [L, KV]
+        gone = np.argmin(np.asarray(importance), axis=1)
+        heads = gone[:, None] * qpk + np.arange(qpk)  # [L, qpk]
+        weight, rows = model.layers.attn.o_proj, heads
+    else:
+        importance = sum(m[n].sum(1) for n in ("gate_proj", "up_proj")) + m["down_proj"].sum(2)
+        rows = np.argsort(np.asarray(importance), axis=1, kind="stable")[
+            :, : model.cfg.mlp_dim // 4
+        ]
+        weight = model.layers.mlp.down_proj
+    zeroed = np.array(weight[...])
+    np.put_along_axis(zeroed, rows.reshape(layers, -1, *([1] * (zeroed.ndim - 2))), 0.0, axis=1)
+    weight[...] = jnp.asarray(zeroed)
+    pruned = jaxllm.load_model(out)
+    want = (1, 2, 16) if method == "heads" else (2, 4, None)
+    assert (pruned.cfg.num_kv_heads, pruned.cfg.num_heads, pruned.cfg.head_dim) == want
+    assert pruned.cfg.mlp_dim == (96 if method == "channels" else 128)
+    np.testing.assert_allclose(_logits(pruned, IDS), _logits(model, IDS), rtol=1e-4, atol=1e-4)
+    assert main(["generate", str(out), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert main(["convert", "export", str(out), str(tmp_path / "hf")]) == 0
+
+
+def test_layers_removes_the_least_important_layer(trained, tmp_path):
+    """`--method layers --sparsity 0.5` of the 2-layer run keeps the layer of larger
+    first-order Taylor importance, sum |theta * dL/dtheta| over its parameters, with the loss
+    summed over the calibration rows (recomputed here by plain jax.grad), as a 1-layer run
+    that evaluates, generates and exports."""
+    out = tmp_path / "one"
+    argv = ["prune", str(trained), str(out), "--method", "layers", "--sparsity", "0.5"]
+    assert main([*argv, "--samples", "16"]) == 0
+    model, scores = _taylor(trained)
     importance = sum(
-        jnp.sum(jnp.abs(w * g), axis=tuple(range(1, w.ndim)))
-        for w, g in zip(jax.tree.leaves(values), jax.tree.leaves(grads))
+        jnp.sum(s, axis=tuple(range(1, s.ndim))) for s in jax.tree.leaves(scores["layers"])
     )
     keep = int(jnp.argmax(importance))
     pruned = jaxllm.load_model(out)

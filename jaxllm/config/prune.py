@@ -14,11 +14,11 @@ from typing import Literal
 
 from jaxllm.config.errors import fail
 
-METHODS = ("magnitude", "wanda", "sparsegpt", "layers")
+METHODS = ("magnitude", "wanda", "sparsegpt", "layers", "heads", "channels")
 # The methods that read calibration data.
-CALIBRATED = ("wanda", "sparsegpt", "layers")
+CALIBRATED = ("wanda", "sparsegpt", "layers", "heads", "channels")
 # The methods that remove whole parts, so the model's shapes shrink (no zeros to keep).
-STRUCTURED = ("layers",)
+STRUCTURED = ("layers", "heads", "channels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +37,16 @@ class PruneConfig:
     """Post-training pruning (docs/compression.md). Set by `jaxllm prune`, which writes the
     pruned run."""
 
-    method: Literal["none", "magnitude", "wanda", "sparsegpt", "layers"] = "none"
+    method: Literal["none", "magnitude", "wanda", "sparsegpt", "layers", "heads", "channels"] = (
+        "none"
+    )
     """`magnitude` (|W|, no data); `wanda` (|W| times the norm of its input channel) and
-    `sparsegpt` (OBS-style removal with the Hessian's error feedback), both calibrated;
-    `layers` (whole layers by LLM-Pruner's first-order Taylor importance, calibrated)."""
+    `sparsegpt` (OBS-style removal with the Hessian's error feedback), both calibrated; the
+    structured `layers`, `heads` (key-value head groups) and `channels` (MLP intermediate
+    channels), removed by LLM-Pruner's first-order Taylor importance (calibrated)."""
     sparsity: float = 0.5
-    """The fraction of each chosen weight set to zero, in [0, 1) (with `layers`: of the layers
-    removed). With a pattern, N/M."""
+    """The fraction of each chosen weight set to zero, in [0, 1) (structured: of the layers,
+    key-value head groups or MLP channels removed, rounded down). With a pattern, N/M."""
     pattern: str = ""
     """N:M semi-structured sparsity, e.g. `2:4`: N of every M consecutive input channels of each
     output are zero (M must divide the input channels). Empty: unstructured."""
@@ -97,7 +100,7 @@ class PruneConfig:
             fail(f"prune.samples must be at least 1, not {self.samples}.")
         if self.method in STRUCTURED and (self.pattern or self.head or self.skip):
             fail(
-                f"--method {self.method} removes whole layers: it takes no --pattern, "
+                f"--method {self.method} removes whole parts: it takes no --pattern, "
                 "prune.head or prune.skip."
             )
         g = self.sparsegpt
