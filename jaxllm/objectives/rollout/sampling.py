@@ -88,6 +88,28 @@ def sequences(prompts: list[np.ndarray], completions: list[list[int]], ends) -> 
     ]
 
 
+def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, seed, stops, ends):
+    """(the generation, each prompt + completion + stop) of one completion per prompt from
+    `model` on `mesh`: up to `train.max_completion_tokens` or one of the stops,
+    at `temperature` (0: greedy) with the `generate` section's top_k / top_p and KV cache.
+    `stops`: the stop ids; `ends`: the stop sequences (a multi-token end-of-turn marker)."""
+    g = cfg.generate
+    gen = GenerateConfig(
+        max_new_tokens=cfg.train.max_completion_tokens,
+        temperature=temperature,
+        top_k=g.top_k if temperature else 0,
+        top_p=g.top_p if temperature else 1.0,
+        seed=seed,
+        stop_tokens=g.stop_tokens,
+        kv_cache_dtype=g.kv_cache_dtype,
+        kv_group=g.kv_group,
+        kv_page_size=g.kv_page_size,
+        decode_impl=g.decode_impl,
+    )
+    out = generate(model, prompts, gen, stop_tokens=stops, stop_sequences=ends, mesh=mesh)
+    return out, sequences(prompts, out.tokens, out.ends)
+
+
 def rows(prompts: list[np.ndarray], seqs: list[np.ndarray], seq_len: int):
     """The train rows of `sequences`: `inputs`, `targets`, `positions`, `segment_ids` (1 on the
     sequence, 0 on padding) and `loss_mask` (1 where the target is a completion token, its stop
@@ -185,29 +207,10 @@ class Rollouts:
             self.served = int(state["served"])
 
     def _generate(self, state, prompts: list[Prompt], temperature: float, seed: int):
-        g = self.cfg.generate
-        gen = GenerateConfig(
-            max_new_tokens=self.cfg.train.max_completion_tokens,
-            temperature=temperature,
-            top_k=g.top_k if temperature else 0,
-            top_p=g.top_p if temperature else 1.0,
-            seed=seed,
-            stop_tokens=g.stop_tokens,
-            kv_cache_dtype=g.kv_cache_dtype,
-            kv_group=g.kv_group,
-            kv_page_size=g.kv_page_size,
-            decode_impl=g.decode_impl,
-        )
+        ids = [p.ids for p in prompts]
         model = merge_model(self.graphdef, state.params, state.frozen, state.model_state)
-        out = generate(
-            model,
-            [p.ids for p in prompts],
-            gen,
-            stop_tokens=self.stops,
-            stop_sequences=self.stop_sequences,
-            mesh=self.mesh,
-        )
-        return out, sequences([p.ids for p in prompts], out.tokens, out.ends)
+        stops = (self.stops, self.stop_sequences)
+        return sample(self.cfg, model, self.mesh, ids, temperature, seed, *stops)
 
     def _rewards(self, state, prompts: list[Prompt], out, seqs) -> list[float]:
         """One reward per completion: the reward function's of the decoded texts, or the
@@ -274,7 +277,8 @@ class Rollouts:
 
 
 def next_rows(batches, state) -> dict:
-    """The next batch's rows: the data pipeline's, or the rollouts `state` samples (GRPO, PPO)."""
-    if isinstance(batches, Rollouts):
+    """The next batch's rows: the data pipeline's, or those `state` samples: GRPO's and PPO's
+    rollouts, on-policy distillation's batches (an iterator with a `policy` attribute)."""
+    if hasattr(batches, "policy"):
         batches.policy = state
     return next(batches)
