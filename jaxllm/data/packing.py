@@ -132,6 +132,7 @@ class FirstFitRows:
         # per token, 1 where it is a trained target (SFT examples, wrapped already); None: all
         self.masks = None if masks is None else _concat(list(masks), None, None)[0].astype(bool)
         self.seq_len, self.pad_id = seq_len, pad_id
+        self.doc_starts = starts  # document d is tokens[doc_starts[d] : doc_starts[d + 1]]
         self.num_docs = len(starts) - 1
         l = seq_len
         predictions = np.maximum(np.diff(starts) - 1, 0)

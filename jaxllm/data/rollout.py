@@ -10,6 +10,9 @@ A string prompt is encoded after BOS (`data.add_bos`), as the prompt of a prompt
 example; a chat prompt is rendered by the tokenizer's chat template with the generation prompt
 (the assistant turn's opening), as the chat examples of SFT are, so a model fine-tuned on those
 completes it in the same format. Nothing is packed: the rollout makes the rows.
+
+On-policy distillation samples from the prompts of packed SFT examples instead
+(`example_prompts`).
 """
 
 from __future__ import annotations
@@ -117,3 +120,27 @@ def prompt_splits(cfg: DataConfig, tok) -> tuple[list[Prompt], list[Prompt]]:
         train = read_prompts(cfg.sources, cfg, tok)[0]
         return train, read_prompts(cfg.eval_sources, cfg, tok, "data.eval_sources")[0]
     return read_prompts(cfg.sources, cfg, tok, eval_fraction=cfg.eval_fraction)
+
+
+def example_prompts(rows) -> list[np.ndarray]:
+    """The prompts of the SFT examples packed in `rows` (`FirstFitRows` with loss masks, or a
+    `MixtureRows` of them), in corpus order, for on-policy distillation: each example's tokens
+    before its last trained span, so a prompt_completion example's BOS + prompt, and a
+    conversation up to its last assistant reply (the template's opening of that reply
+    included). An example trained from its first token (`data.train_on_prompt`) has no prompt
+    and is left out. ConfigError when `rows` are not SFT examples (text has no prompts)."""
+    out = []
+    for part in getattr(rows, "parts", [rows]):
+        masks = getattr(part, "masks", None)
+        if masks is None:
+            raise ConfigError(
+                "on-policy distillation (train.distill_lambda > 0) samples completions of the "
+                "prompts of chat or prompt_completion examples, but data.sources hold text."
+            )
+        starts = part.doc_starts
+        for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+            trained = np.flatnonzero(masks[a:b])
+            untrained = np.flatnonzero(~masks[a : a + trained[-1]]) if len(trained) else []
+            if len(untrained):  # the last trained span starts after its last untrained token
+                out.append(np.asarray(part.tokens[a : a + untrained[-1] + 1], np.int32))
+    return out
