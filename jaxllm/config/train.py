@@ -133,16 +133,21 @@ class TrainConfig:
     distill_weight: float = 1.0
     """`distill`: the loss is distill_weight x divergence + (1 - distill_weight) x next-token
     cross-entropy on the data's targets. In [0, 1]."""
+    distill_lambda: float = 0.0
+    """`distill`: GKD's lambda (TRL's `lmbda`), the share of batches that are on-policy: the
+    student's own completions of the data's prompts (chat / prompt_completion sources), sampled
+    at `rollout_temperature` up to `max_completion_tokens`; the other batches are the data's.
+    In [0, 1]; 0 trains on the data alone (`jaxllm.objectives.rollout.onpolicy`)."""
     num_generations: int = 8
     """`grpo` / `ppo`: completions sampled per prompt (the group G); global_batch_size rows are
     global_batch_size / G prompts, so G must divide it (PPO
     may sample 1)."""
     max_completion_tokens: int = 64
-    """`grpo` / `ppo`: tokens sampled per completion at most (fewer when EOS comes first); the longest
-    prompt plus this must fit a row of data.seq_len + 1 tokens. Dr. GRPO's constant
-    normaliser."""
+    """`grpo` / `ppo` / on-policy `distill`: tokens sampled per completion at most (fewer when
+    EOS comes first); the longest prompt plus this must fit a row of data.seq_len + 1 tokens.
+    Dr. GRPO's constant normaliser."""
     rollout_temperature: float = 1.0
-    """`grpo` / `ppo`: the sampling temperature of the rollouts (> 0)."""
+    """`grpo` / `ppo` / on-policy `distill`: the sampling temperature of the rollouts (> 0)."""
     updates_per_rollout: int = 1
     """`grpo` / `ppo`: optimizer steps on each rollout's batch (GRPO's mu, PPO's epochs): the
     first is on-policy (the ratio is 1), the later ones move pi away from pi_old, where the
@@ -215,12 +220,14 @@ OBJECTIVE_KEYS = {
     "distill_temperature": ("distill",),
     "distill_jsd_beta": ("distill",),
     "distill_weight": ("distill",),
+    "distill_lambda": ("distill",),
+    # on-policy distillation samples with these two as well (`jaxllm.config.distill`)
+    "max_completion_tokens": (*ROLLOUT_OBJECTIVES, "distill"),
+    "rollout_temperature": (*ROLLOUT_OBJECTIVES, "distill"),
     **{
         key: ROLLOUT_OBJECTIVES
         for key in (
             "num_generations",
-            "max_completion_tokens",
-            "rollout_temperature",
             "updates_per_rollout",
             "clip_epsilon",
             "reward",

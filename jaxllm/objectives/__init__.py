@@ -27,7 +27,8 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
 - `rollout`: `grpo` (GRPO's clipped, group-relative policy gradient with a KL to the
   reference) and `ppo` (PPO with GAE from the policy's value head), on batches the policy
   samples itself (`rollout.sampling`), scored by `rollout.rewards`.
-- `distill`: matches a frozen teacher's next-token distributions.
+- `distill`: matches a frozen teacher's next-token distributions, on the data or, with
+  `train.distill_lambda`, partly on the student's own samples (GKD, `rollout.onpolicy`).
 - `denoising`: `mlm` (masked LM for encoders, `model.kind=encoder`, on rows `jaxllm.data.mlm`
   corrupts) and `span_corruption` (T5's denoising loss of an encoder–decoder).
 

@@ -35,6 +35,11 @@ CE the student's next-token cross-entropy on the data's targets. Metrics: `loss`
 combination, the eval loss), `distill` (T^2 D), `nll` (CE), each per token. The teacher may be
 shallower, deeper, narrower or wider than the student, but it must speak the same vocabulary:
 `check_teacher` refuses a mismatch before anything is compiled.
+
+On-policy distillation (GKD, `train.distill_lambda` > 0) is this objective on batches of which
+some hold the student's own completions (`jaxllm.objectives.rollout.onpolicy`); their rows
+carry `sampled` (1 on a sampled row), and the objective then also logs `on_policy`, the share
+of the tokens that were sampled.
 """
 
 from __future__ import annotations
@@ -117,6 +122,8 @@ def distill(
         count = jnp.sum(mask_BxL)
         loss_sum = weight * div_sum + (1 - weight) * nll_sum
         metrics = {"loss": loss_sum, "distill": div_sum, "nll": nll_sum}
+        if "sampled" in batch:  # on-policy distillation: 1 on the rows the student sampled
+            metrics["on_policy"] = jnp.sum(batch["sampled"].astype(jnp.float32) * mask_BxL)
         # the student's balancing losses join; the teacher's routing is not trained
         return output(model, out, loss_sum, count, metrics)
 

@@ -34,6 +34,7 @@ from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import fetched_inputs
 from jaxllm.metrics import MetricsWriter, plot_losses
+from jaxllm.objectives.rollout import onpolicy
 from jaxllm.objectives.rollout.sampling import Rollouts, next_rows
 from jaxllm.sharding import process_rows, to_global
 from jaxllm.train import companions, loss_scale, precompute, watch
@@ -127,6 +128,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             )
         rewrite = row_transform(cfg, make_tokenizer(cfg.data))  # mlm / prefix_lm; else None
         batches = train_batches(train_rows, cfg.data, gbs, local, rewrite)
+        batches = onpolicy.wrap(cfg, mesh, local, train_rows, batches)  # some sampled (GKD)
         held_out = eval_batches(eval_rows, gbs, cfg.train.eval_batches, local, rewrite)
 
     # The run directory: checked, then locked; nothing was written before this point.

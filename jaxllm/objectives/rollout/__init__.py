@@ -4,4 +4,5 @@
 prompts, samples completions with the jitted generator from the state's own parameters, scores
 them (`rewards`: verifiable reward functions of the texts, or a reward model held on the mesh)
 and lays them out as the step's rows with their advantages and old log-probabilities.
+`onpolicy.OnPolicyDistill` samples with the same generator for on-policy distillation (GKD).
 """
