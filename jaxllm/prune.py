@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxllm import config as config_lib
 from jaxllm import sharding, storage
-from jaxllm.compress import layers
+from jaxllm.compress import layers, slicegpt
 from jaxllm.compress.calibrate import calibration_rows, sequential
 from jaxllm.compress.prune import prune_params, prune_unit, sparsity_of
 from jaxllm.compress.weights import chosen as weights_chosen
@@ -107,6 +107,8 @@ def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
     p = cfg.prune
     if p.method == "layers":
         return _remove_layers(new, cfg, params, model_state, mesh, src)
+    if p.method == "slicegpt":
+        return _slice(new, cfg, params, model_state, mesh, src)
     if p.method in STRUCTURED:
         return _remove_units(new, cfg, params, model_state, mesh, src)
     _, _, axes = abstract_model(cfg.model)
@@ -186,6 +188,44 @@ def _remove_units(new: NewRun, cfg: Config, params, model_state, mesh, src) -> P
     return Path(new.out_dir)
 
 
+def _slice(new: NewRun, cfg: Config, params, model_state, mesh, src) -> Path:
+    """OUT as the model rotated by its residual stream's principal components and sliced to
+    d_model - floor(S x d_model) (`jaxllm.compress.slicegpt`)."""
+    m = cfg.model
+    _, _, axes = abstract_model(m)
+    grams = []  # (Gram of gamma * x_hat, gamma) of every norm's output
+
+    def record(p, chosen, stats, _cfg, prefix, ctx=None):
+        if not prefix:  # the LM head's input: the final norm's output
+            seen = [("lm_head", p["final_norm"]["scale"])]
+        else:  # the attention's and the MLP's inputs: their norms' outputs
+            seen = [
+                (next(k for k in readers if k in chosen), p[norm]["scale"])
+                for readers, norm in slicegpt.READERS
+            ]
+        for path, gamma in seen:
+            grams.append((np.asarray(stats[path]["gram"]), np.asarray(gamma) + m.norm_offset))
+        return p
+
+    section = dataclasses.replace(cfg.prune, head=not m.tie_embeddings)
+    sequential(params, model_state, axes, cfg, mesh, section, record, None, axes)
+    keep = m.d_model - math.floor(cfg.prune.sparsity * m.d_model)
+    q = slicegpt.rotation(grams, keep)
+    params = slicegpt.slice_params(params, axes, q, offset=m.norm_offset, tied=m.tie_embeddings)
+    model = dataclasses.replace(m, d_model=keep, head_dim=m.resolved_head_dim, tie_embeddings=False)
+    cfg = dataclasses.replace(cfg, model=model)
+    cfg.validate(len(jax.devices()))
+    _, _, new_axes = abstract_model(model)
+    params = jax.device_put(params, sharding.tree_shardings(mesh, new_axes))
+    dataclasses.replace(new, cfg=cfg).write(params, model_state)
+    print(
+        f"pruned {src} into {new.out_dir}: d_model {m.d_model} -> {keep}, the residual stream "
+        f"rotated by its principal components{'; the LM head untied' if m.tie_embeddings else ''}",
+        file=sys.stderr,
+    )
+    return Path(new.out_dir)
+
+
 def _check(cfg: Config, src) -> None:
     """ConfigError, before any weight is read: no method, a quantized source, a pattern whose
     M does not divide a chosen weight's input channels, or layers that cannot be removed."""
@@ -197,6 +237,30 @@ def _check(cfg: Config, src) -> None:
             "quantized from, then quantize the pruned run."
         )
     m, s = cfg.model, cfg.prune.sparsity
+    if cfg.prune.method == "slicegpt":
+        odd = [
+            what
+            for what, bad in (
+                ("routed experts", m.moe.enabled),
+                ("MLA", m.mla.enabled),
+                ("LayerNorm (SliceGPT here folds RMSNorm only)", m.norm != "rmsnorm"),
+                (f"{m.norm_placement} norms", m.norm_placement != "pre"),
+                ("scaled embeddings", m.scale_embeddings),
+                (f"model.kind={m.kind}", m.kind != "decoder"),
+            )
+            if bad
+        ]
+        if odd:
+            raise ConfigError(
+                "--method slicegpt rotates the residual stream of a pre-norm RMSNorm decoder; "
+                f"this model has {', '.join(odd)}."
+            )
+        if math.floor(s * m.d_model) < 1:
+            raise ConfigError(
+                f"--sparsity {s:g} slices no channel of model.d_model {m.d_model}; ask for at "
+                f"least {1 / m.d_model:.3g}."
+            )
+        return
     if cfg.prune.method == "heads":
         if m.mla.enabled or m.kind == "encoder_decoder":
             raise ConfigError(
@@ -269,14 +333,14 @@ def add_prune_parser(sub) -> None:
     p.add_argument(
         "--method",
         required=True,
-        help="magnitude | wanda | sparsegpt (zeros) | layers | heads | channels (smaller "
-        "shapes) (docs/compression.md)",
+        help="magnitude | wanda | sparsegpt (zeros) | layers | heads | channels | slicegpt "
+        "(smaller shapes) (docs/compression.md)",
     )
     p.add_argument("--sparsity", type=float, help="the fraction of each weight set to zero")
     p.add_argument("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (N of every M zero)")
     p.add_argument(
         "--calibration",
-        help="wanda / sparsegpt / layers / heads / channels: a data source (a path, or a mapping like {path: x.jsonl, "
+        help="every method but magnitude: a data source (a path, or a mapping like {path: x.jsonl, "
         "format: chat}); default: the run's held-out split",
     )
     p.add_argument("--samples", type=int, help="calibration rows of data.seq_len (default 128)")

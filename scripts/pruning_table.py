@@ -37,7 +37,7 @@ from jaxllm.evaluate import evaluate_checkpoint
 SEED_DELTAS = {("sparsegpt", "0.5"): 0.39, ("wanda", "2:4"): 2.69}
 # LLM-Pruner's ~20% (heads and channels together, on LLaMA-7B) and SliceGPT's ~30%: printed
 # beside the structured rows of about that size.
-SEED_STRUCTURED = {"layers": 3.6, "heads": 3.6, "channels": 3.6}
+SEED_STRUCTURED = {"layers": 3.6, "heads": 3.6, "channels": 3.6, "slicegpt": 1.73}
 
 
 def measure(run: Path, ns, prompt) -> dict:

@@ -3,8 +3,8 @@ sparsity nor a pattern, a malformed pattern, N not below M, a pattern whose M do
 weight's input channels, a sparsity that contradicts the pattern, calibration options for
 magnitude, too few calibration tokens, a quantized source, layers that cannot be removed
 (none at that sparsity, a pattern, an MoE stack), heads or channels that cannot be (none at
-that sparsity: heads go a whole GQA group at a time; MLA; routed experts), and an existing
-OUT.
+that sparsity: heads go a whole GQA group at a time; MLA; routed experts), SliceGPT of a model
+it cannot rotate or at a sparsity that slices nothing, and an existing OUT.
 
 As in test_faults.py, every row runs one command on a copy of the shared small run and asserts
 the exit code, exactly one `jaxllm:` line naming the problem, no traceback, and unchanged run
@@ -148,6 +148,19 @@ CASES = [
         _prune("--method", "channels", "--sparsity", "0.5", "model.moe.num_experts=4"),
         2,
         "this model has routed experts",
+    ),
+    Case(
+        "slicegpt-of-an-moe-model",
+        _prune("--method", "slicegpt", "--sparsity", "0.25", "model.moe.num_experts=4"),
+        2,
+        "--method slicegpt rotates the residual stream of a pre-norm RMSNorm decoder; this "
+        "model has routed experts",
+    ),
+    Case(
+        "slicegpt-slices-nothing",
+        _prune("--method", "slicegpt", "--sparsity", "0.01"),
+        2,
+        "--sparsity 0.01 slices no channel of model.d_model 64",
     ),
     Case(
         "existing-out",

@@ -14,11 +14,11 @@ from typing import Literal
 
 from jaxllm.config.errors import fail
 
-METHODS = ("magnitude", "wanda", "sparsegpt", "layers", "heads", "channels")
+METHODS = ("magnitude", "wanda", "sparsegpt", "layers", "heads", "channels", "slicegpt")
 # The methods that read calibration data.
-CALIBRATED = ("wanda", "sparsegpt", "layers", "heads", "channels")
+CALIBRATED = ("wanda", "sparsegpt", "layers", "heads", "channels", "slicegpt")
 # The methods that remove whole parts, so the model's shapes shrink (no zeros to keep).
-STRUCTURED = ("layers", "heads", "channels")
+STRUCTURED = ("layers", "heads", "channels", "slicegpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,16 +37,18 @@ class PruneConfig:
     """Post-training pruning (docs/compression.md). Set by `jaxllm prune`, which writes the
     pruned run."""
 
-    method: Literal["none", "magnitude", "wanda", "sparsegpt", "layers", "heads", "channels"] = (
-        "none"
-    )
+    method: Literal[
+        "none", "magnitude", "wanda", "sparsegpt", "layers", "heads", "channels", "slicegpt"
+    ] = "none"
     """`magnitude` (|W|, no data); `wanda` (|W| times the norm of its input channel) and
     `sparsegpt` (OBS-style removal with the Hessian's error feedback), both calibrated; the
     structured `layers`, `heads` (key-value head groups) and `channels` (MLP intermediate
-    channels), removed by LLM-Pruner's first-order Taylor importance (calibrated)."""
+    channels), removed by LLM-Pruner's first-order Taylor importance, and `slicegpt` (the
+    residual stream rotated by its principal components and d_model sliced), calibrated."""
     sparsity: float = 0.5
     """The fraction of each chosen weight set to zero, in [0, 1) (structured: of the layers,
-    key-value head groups or MLP channels removed, rounded down). With a pattern, N/M."""
+    key-value head groups, MLP channels or d_model channels removed, rounded down). With a
+    pattern, N/M."""
     pattern: str = ""
     """N:M semi-structured sparsity, e.g. `2:4`: N of every M consecutive input channels of each
     output are zero (M must divide the input channels). Empty: unstructured."""
