@@ -10,7 +10,8 @@ generation_config.json).
 A fine-tuning run (peft.method lora / qlora) exports with `--peft` (its adapters as Hugging
 Face PEFT's adapter_config.json + adapter_model.safetensors, for `PeftModel.from_pretrained` on
 the base) or `--merge` (one model, the adapters merged into the base); `import HF_DIR OUT_DIR
---peft ADAPTER_DIR` makes such a run of a PEFT adapter (`jaxllm.adapters.hf_peft`).
+--peft ADAPTER_DIR` makes such a run of a PEFT adapter (`jaxllm.adapters.hf_peft`). A
+bottleneck-adapter run (peft.method adapter) exports in neither form and is refused.
 
 Both write their output directory whole or not at all: built in a hidden sibling and renamed
 into place when complete (`jaxllm.config.outputs.written`). An output directory that holds
@@ -97,6 +98,7 @@ def _export(ns: argparse.Namespace, source: str, hf_dir) -> int:
             "only adapters; pass --peft for Hugging Face PEFT's adapter files or --merge for "
             "a checkpoint with the adapters merged into the base."
         )
+    _no_bottleneck(ns, method)
     if method == "prompt":
         raise ConfigError(
             f"{ns.source} is a prompt-tuning run (peft.method=prompt): its soft prompt has "
@@ -138,6 +140,18 @@ def _export(ns: argparse.Namespace, source: str, hf_dir) -> int:
     return _reported(report, restored.step, ns.hf_dir)
 
 
+def _no_bottleneck(ns: argparse.Namespace, method: str) -> None:
+    """ConfigError for a bottleneck-adapter run, which exports in no form: its adapters are
+    nonlinear layers (no merged weights) of a kind Hugging Face PEFT does not have."""
+    if method == "adapter":
+        raise ConfigError(
+            f"{ns.source} is a bottleneck-adapter run (peft.method=adapter): its adapters are "
+            "nonlinear layers that merge into no weight (--merge), and Hugging Face PEFT has no "
+            "bottleneck adapter type (--peft); it cannot be exported. Use it with jaxllm "
+            "generate / eval / load_model, or train LoRA (peft.method=lora) to export."
+        )
+
+
 def _reported(report, step, out) -> int:
     """Prints an export's report lines, then what was exported where (stderr)."""
     for line in report:
@@ -152,6 +166,7 @@ def _export_gguf(ns: argparse.Namespace, source: str) -> int:
         raise ConfigError("--format gguf writes a whole model; --peft has no GGUF form.")
     run_dir = resolve(source)[0]
     saved = config.load(run_dir / "config.yaml")
+    _no_bottleneck(ns, saved.peft.method)
     if saved.peft.method != "none" and not ns.merge:
         raise ConfigError(
             f"{ns.source} is a fine-tuning run (peft.method={saved.peft.method}); pass --merge "

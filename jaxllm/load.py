@@ -309,24 +309,24 @@ def merged_weights(restored: Restored, target) -> dict:
 
 
 def _mergeable(source, theirs: Config) -> None:
-    """ConfigError for a fine-tuning run whose training has no merged model: a soft prompt is
-    an input, not a weight."""
-    if theirs.peft.method == "prompt":
-        base = theirs.checkpoint.init_from
+    """ConfigError for a run with no merged model: a soft prompt, nonlinear bottleneck adapters."""
+    m, base = theirs.peft.method, theirs.checkpoint.init_from
+    if m in ("prompt", "adapter"):
+        kind = "prompt-tuning" if m == "prompt" else "bottleneck-adapter"
+        what = "soft prompt merges" if m == "prompt" else "nonlinear adapters merge"
         raise ConfigError(
-            f"checkpoint.init_from={source} is a prompt-tuning run (peft.method=prompt), whose "
-            "soft prompt merges into no weight; continue it with peft.method=prompt and "
-            "checkpoint.init_adapters=continue, or start from its base"
-            + (f" ({base})." if base else ".")
+            f"checkpoint.init_from={source} is a {kind} run (peft.method={m}), whose {what} "
+            f"into no weight; continue it with peft.method={m} and checkpoint.init_adapters="
+            "continue, or start from its base" + (f" ({base})." if base else ".")
         )
 
 
 def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
     """The model to read from a source of model `theirs`: `model_cfg` with the source's value
-    head or none (PPO's: one this model lacks is left behind, one it has starts fresh), and
-    for a reward model started from a language model, the same body with the source's LM
-    head."""
-    model_cfg = dataclasses.replace(model_cfg, value_head=theirs.value_head)
+    head and distillation projections or none (one this model lacks is left behind, one it has
+    starts fresh), and for a reward model started from an LM, the body with the LM's head."""
+    heads = dict(value_head=theirs.value_head, distill_proj=theirs.distill_proj)
+    model_cfg = dataclasses.replace(model_cfg, **heads)
     if model_cfg.head == "score" and theirs.head == "lm":
         return dataclasses.replace(model_cfg, head="lm", tie_embeddings=theirs.tie_embeddings)
     return model_cfg
@@ -334,9 +334,9 @@ def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
 
 def _heads_of(params: dict, model_cfg: ModelConfig) -> dict:
     """`params` without a head `model_cfg` does not have (an LM's under a reward model, a
-    value head under any model without one)."""
+    value head under any model without one); a source's distillation projections never."""
     drop = {"lm_head"} if model_cfg.head != "lm" else set()
-    drop |= set() if model_cfg.value_head else {"value"}
+    drop |= {"distill_proj"} | (set() if model_cfg.value_head else {"value"})
     return {k: v for k, v in params.items() if k not in drop}
 
 

@@ -57,6 +57,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "expert": ("expert",),
     "router_expert": None,  # router columns: every token scores every expert
     "lora_rank": None,
+    "adapter": None,  # a bottleneck adapter's narrow dim (its other dim is `embed`)
     "virtual_tokens": None,  # soft-prompt rows  # LoRA factors: their other dims follow the weight they adapt
     "quant_block": None,  # NF4 codes of a weight's trailing dims, packed into blocks
 }

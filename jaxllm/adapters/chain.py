@@ -1,5 +1,5 @@
-"""Starting a run from a fine-tuning run: `checkpoint.init_from` a LoRA, QLoRA or prompt-tuning
-run, the post-training chain SFT -> DPO -> GRPO of TRL's recipes.
+"""Starting a run from a fine-tuning run: `checkpoint.init_from` a LoRA, QLoRA, bottleneck-
+adapter or prompt-tuning run, the post-training chain SFT -> DPO -> GRPO of TRL's recipes.
 
 A fine-tuning run's checkpoints hold its adapters (or soft prompt) and a record of its base
 (`jaxllm.load`), so its starting point for another run is one of two things
@@ -7,15 +7,17 @@ A fine-tuning run's checkpoints hold its adapters (or soft prompt) and a record 
 
 - `merge` (the default, and the only choice without `peft`): the source's merged model, every
   adapter folded into its weight (W + s A B, a QLoRA base dequantized first), as
-  `jaxllm.load.load_weights` reads any PEFT source. Under `peft` the new run trains fresh
+  `jaxllm.load.load_weights` reads any PEFT source (a soft prompt or bottleneck adapters, which
+  merge into no weight, are refused). Under `peft` the new run trains fresh
   adapters on that merged base, of any rank and targets, as TRL's DPOTrainer does when given an
   SFT adapter and a `peft_config` (it merges the adapter and adds a new one). Its base record
   names the source step (with the hash of its adapters; the source's own base is checked when
   it is loaded), and a reference (DPO, GRPO / PPO's KL) is that base with the new adapters off:
   the merged model itself, no copy.
 - `continue`: the new run trains the source's own adapters (or soft prompt) on the source's
-  own base, which needs the same peft.rank, alpha, rslora and targets (or num_virtual_tokens);
-  peft.method may go from lora to qlora or back (the base is then stored the new way). Its base
+  own base, which needs the same peft.rank, alpha, rslora and targets (or num_virtual_tokens,
+  or a bottleneck run's adapter_size and adapter_activation); peft.method may go from lora to
+  qlora or back (the base is then stored the new way). Its base
   record is the source's, so `convert export --peft` names the same Hugging Face base. The
   reference is the starting model, the base with the starting adapters: only those adapters
   are held beside the policy (`jaxllm.train.companions`), as TRL's second adapter loaded for the
@@ -136,10 +138,14 @@ def pruned_base(cfg: Config) -> Config:
 def _peft_keys(cfg: Config, theirs: Config) -> list[str]:
     """The peft keys whose values keep this run from continuing the adapters of `theirs`."""
     mine, old = cfg.peft, theirs.peft
-    if (mine.method == "prompt") != (old.method == "prompt"):
-        return ["method"]
+    for own in ("prompt", "adapter"):  # methods whose parameters no other method has
+        if (mine.method == own) != (old.method == own):
+            return ["method"]
     if mine.method == "prompt":
         return [] if mine.num_virtual_tokens == old.num_virtual_tokens else ["num_virtual_tokens"]
+    if mine.method == "adapter":
+        keys = ("adapter_size", "adapter_activation")
+        return [k for k in keys if getattr(mine, k) != getattr(old, k)]
     keys = [k for k in ("rank", "alpha", "rslora") if getattr(mine, k) != getattr(old, k)]
     if _adapted(cfg.model, mine) != _adapted(theirs.model, old):
         keys.append("targets")

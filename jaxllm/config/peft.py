@@ -1,4 +1,5 @@
-"""The `peft` section: parameter-efficient fine-tuning (LoRA, QLoRA, prompt tuning)."""
+"""The `peft` section: parameter-efficient fine-tuning (LoRA, QLoRA, bottleneck adapters,
+prompt tuning)."""
 
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ ALL_LINEAR = "all-linear"
 @dataclasses.dataclass(frozen=True)
 class PeftConfig:
     """Train a few parameters on top of a frozen base: LoRA adapters (`lora`), LoRA on a base
-    stored in 4-bit NormalFloat (`qlora`), or soft-prompt embeddings (`prompt`). The base comes
-    from `checkpoint.init_from` (else the seed's random initialisation); gradients and
-    optimizer state exist only for what trains, and checkpoints hold only that."""
+    stored in 4-bit NormalFloat (`qlora`), Houlsby bottleneck adapters after every block's
+    attention and MLP (`adapter`), or soft-prompt embeddings (`prompt`). The base comes from
+    `checkpoint.init_from` (else the seed's random initialisation); gradients and optimizer
+    state exist only for what trains, and checkpoints hold only that."""
 
-    method: Literal["none", "lora", "qlora", "prompt"] = "none"
+    method: Literal["none", "lora", "qlora", "adapter", "prompt"] = "none"
     """`none` trains every parameter (pretraining, full fine-tuning)."""
     rank: int = 8
     """LoRA rank r: each adapted weight W gets W + (alpha / r) * A B with A [in, r], B [r, out]."""
@@ -44,8 +46,9 @@ class PeftConfig:
     """LoRA alpha: the adapters' output is scaled by alpha / r (alpha / sqrt(r) with rslora)."""
     dropout: float = 0.0
     """Dropout on the input of the adapters (training only), as Hugging Face PEFT's
-    lora_dropout. The routed experts' adapters are merged into their weights (W + s A B), where
-    there is no separate input to drop, so they take none."""
+    lora_dropout; under `adapter`, on the input of each bottleneck. The routed experts' LoRA
+    adapters are merged into their weights (W + s A B), where there is no separate input to
+    drop, so they take none."""
     targets: tuple[str, ...] = ("q_proj", "v_proj")
     """Which weights get adapters, by name: q_proj k_proj v_proj o_proj gate_proj up_proj
     down_proj (a name matches the dense and the expert weight of that name), experts (all
@@ -55,6 +58,12 @@ class PeftConfig:
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r."""
     num_virtual_tokens: int = 20
     """Prompt tuning: trainable embeddings placed before every example."""
+    adapter_size: int = 64
+    """Bottleneck adapters: the width m of each bottleneck, h + up(act(down(h))) with down
+    [d_model, m] and up [m, d_model] (Houlsby et al. 2019 use 8 to 256)."""
+    adapter_activation: Literal["relu", "gelu", "silu", "tanh"] = "silu"
+    """Bottleneck adapters: the nonlinearity between down and up (gelu is the exact, erf one;
+    silu, also called swish, is the adapters library's choice for Houlsby's configuration)."""
 
     def validate(self) -> None:
         if self.method == "none":
@@ -63,12 +72,16 @@ class PeftConfig:
             if self.num_virtual_tokens < 1:
                 fail(f"peft.num_virtual_tokens must be >= 1, not {self.num_virtual_tokens}.")
             return
+        if not 0 <= self.dropout < 1:
+            fail(f"peft.dropout must be in [0, 1), not {self.dropout}.")
+        if self.method == "adapter":
+            if self.adapter_size < 1:
+                fail(f"peft.adapter_size must be >= 1, not {self.adapter_size}.")
+            return
         if self.rank < 1:
             fail(f"peft.rank must be >= 1, not {self.rank}.")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             fail(f"peft.alpha must be a finite number > 0, not {self.alpha}.")
-        if not 0 <= self.dropout < 1:
-            fail(f"peft.dropout must be in [0, 1), not {self.dropout}.")
         if not self.targets:
             fail("peft.targets is empty; name the weights to adapt, e.g. [q_proj, v_proj].")
         for name in self.targets:
@@ -82,6 +95,12 @@ class PeftConfig:
     def virtual_tokens(self) -> int:
         """The soft prompt's length: num_virtual_tokens under prompt tuning, else 0."""
         return self.num_virtual_tokens if self.method == "prompt" else 0
+
+    @property
+    def bottleneck(self) -> bool:
+        """Whether this is a bottleneck-adapter run (`adapter`), whose adapters are layers of
+        their own: nonlinear, they merge into no weight."""
+        return self.method == "adapter"
 
     @property
     def lora(self) -> bool:

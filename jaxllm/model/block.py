@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig
-from jaxllm.model import lora
+from jaxllm.model import bottleneck, lora
 from jaxllm.model.layers import make_norm
 from jaxllm.model.mla import make_attention
 from jaxllm.model.mlp import MLP
@@ -32,6 +32,9 @@ class Block(nnx.Module):
 
     Returns (x, cache, stats): the updated cache (None without one) and the MoE layer's
     routing statistics ({} for a dense block)."""
+
+    # the sublayers whose outputs get bottleneck adapters (peft.method=adapter)
+    ADAPTER_SITES = ("attn", "mlp")
 
     def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -102,14 +105,14 @@ class Block(nnx.Module):
             out_BxLxD, cache = self.attn(
                 h_BxLxD, positions_BxL, segment_ids_BxL, cache, windowed, prefix_BxL
             )
-            return out_BxLxD
+            return bottleneck.apply(self, "attn", out_BxLxD)
 
         def mlp(h_BxLxD):
             nonlocal stats
             if not self.is_moe:
-                return self.mlp(h_BxLxD)
+                return bottleneck.apply(self, "mlp", self.mlp(h_BxLxD))
             y_BxLxD, stats = self.mlp(h_BxLxD)
-            return y_BxLxD
+            return bottleneck.apply(self, "mlp", y_BxLxD)
 
         post = self.placement == "sandwich"
         with lora.dropout_keys(lora_key):  # the adapters' input dropout (peft.dropout)

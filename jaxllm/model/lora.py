@@ -113,7 +113,8 @@ def dropout_keys(key: jax.Array | None):
         _KEYS.reset(token)
 
 
-def _next_key() -> jax.Array | None:
+def next_key() -> jax.Array | None:
+    """The dropout key of the next adapter in the block being traced; None outside training."""
     state = _KEYS.get()
     if state is None:
         return None
@@ -147,7 +148,7 @@ def kernel(module: nnx.Module, name: str):
         getattr(module, f"{name}_lora_b")[...],
         getattr(module, f"{name}_lora_scale"),
         rate,
-        _next_key() if rate else None,
+        next_key() if rate else None,
     )
 
 
@@ -194,6 +195,11 @@ def merged_params(graphdef, params, frozen, model_state=None) -> dict:
     QLoRA base, LoRA on a `jaxllm quantize` run), in the base's
     parameter dtype: what a merged export writes."""
     model = nnx.merge(graphdef, *(s for s in (params, frozen, model_state) if s))
+    if nnx.state(model, AdapterParam):
+        raise ConfigError(
+            "bottleneck adapters (peft.method=adapter) are layers of their own, nonlinear: "
+            "they merge into no weight."
+        )
     for _, module in list(nnx.iter_modules(model)):
         for name, var in list(vars(module).items()):
             if not isinstance(var, nnx.Param) or isinstance(var, LoRAParam):
@@ -277,11 +283,14 @@ def _map_named(fn, params: dict, axes: dict) -> dict:
 
 def trainable(peft: PeftConfig | None):
     """The nnx filter of what trains under `peft`: every parameter (none), the LoRA factors,
-    or the soft prompt; PPO's value head (`ValueParam`) trains beside either."""
+    the bottleneck adapters or the soft prompt; PPO's value head (`ValueParam`) trains beside
+    any of them."""
     if peft is None or peft.method == "none":
         return nnx.Param
     if peft.method == "prompt":
         return nnx.Any(PromptParam, ValueParam)
+    if peft.method == "adapter":
+        return nnx.Any(AdapterParam, ValueParam)
     return nnx.Any(LoRAParam, ValueParam)
 
 
@@ -291,6 +300,11 @@ class ValueParam(nnx.Param):
 
 class PromptParam(nnx.Param):
     """Soft-prompt embeddings: what trains under peft.method=prompt."""
+
+
+class AdapterParam(nnx.Param):
+    """A bottleneck adapter's weight or bias (`jaxllm.model.bottleneck`): what trains under
+    peft.method=adapter."""
 
 
 def peft_key(init_key: jax.Array) -> jax.Array:

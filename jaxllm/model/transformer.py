@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig, PeftConfig
-from jaxllm.model import heads, lora
+from jaxllm.model import bottleneck, heads, lora
 from jaxllm.model import moe as moe_lib
 from jaxllm.model.block import Block, MoEGroup, apply_dropout, stack
 from jaxllm.model.layers import Embed, logical_axes, make_norm, matmul, param
@@ -385,8 +385,8 @@ def merge_model(graphdef, params, frozen=None, model_state=None) -> nnx.Module:
 
 def attach_peft(model: Transformer, peft: PeftConfig | None, key: jax.Array) -> None:
     """Adds `peft`'s trainable parts to a model built from `key` (their own stream of it): LoRA
-    adapters, or the soft prompt, initialised as the embeddings of random vocabulary tokens
-    (`lora.prompt_token_ids`)."""
+    adapters, bottleneck adapters (`bottleneck.attach`), or the soft prompt, initialised as the
+    embeddings of random vocabulary tokens (`lora.prompt_token_ids`)."""
     if peft is None or peft.method == "none":
         return
     key = lora.peft_key(key)
@@ -394,5 +394,7 @@ def attach_peft(model: Transformer, peft: PeftConfig | None, key: jax.Array) -> 
         ids = lora.prompt_token_ids(key, peft.num_virtual_tokens, model.cfg.vocab_size)
         init = model.embed.embedding[...][ids]
         model.soft_prompt = lora.PromptParam(init, axes=("virtual_tokens", "embed"))
+    elif peft.method == "adapter":
+        bottleneck.attach(model, peft, key)
     else:
         lora.attach(model, peft, key)
