@@ -178,6 +178,13 @@ class ModelConfig:
     (`train.objective=ppo`). `checkpoint.init_from` a model without it starts it fresh;
     a model without it started from a PPO run leaves that run's value head behind. Under
     `peft` it trains beside the adapters."""
+    distill_proj: tuple[int, ...] = ()
+    """Feature distillation's learned projections, [M, D_teacher]: M matrices `distill_proj`
+    [M, d_model, D_teacher] that map the student's hidden states into the teacher's width, one
+    per pair of `train.distill_layers` (`jaxllm.objectives.distill`). `jaxllm train` fills it
+    from the teacher when `train.distill_hidden_weight` > 0; they train and are checkpointed
+    with the model but take no part in its output (generate, eval, export leave them out).
+    []: none."""
     dropout: float = 0.0
     """Dropout rate on the embeddings and on each residual branch's output; training only (the
     train step passes an rng; eval, scoring and generation never drop)."""
@@ -296,6 +303,16 @@ class ModelConfig:
             _fail(
                 "model.value_head sits beside the LM head; a score model (model.head=score) "
                 "has none: set model.value_head=false or model.head=lm."
+            )
+        if self.distill_proj and (
+            len(self.distill_proj) != 2
+            or min(self.distill_proj) < 1
+            or self.kind == "encoder_decoder"
+        ):
+            _fail(
+                f"model.distill_proj must be [] or [M, D_teacher] of positive sizes on a single "
+                f"stack (not model.kind=encoder_decoder), not {list(self.distill_proj)} on "
+                f"kind={self.kind}."
             )
         if not 0 <= self.dropout < 1:
             _fail(f"model.dropout must be in [0, 1), not {self.dropout}.")

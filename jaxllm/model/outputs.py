@@ -33,7 +33,9 @@ class ModelOutput(NamedTuple):
     `dropped` assignments, {} for dense models; `values`: with `ModelConfig.value_head` the
     value head's V [B, L] (float32), else None; `pooled`: with `ModelConfig.encoder.pooler` the
     pooler's output [B, D] (float32), else None; `hidden`: with `hidden_only=True` the LM
-    head's input [B, L, D] (and `logits` None), else None."""
+    head's input [B, L, D] (and `logits` None), else None; `hidden_states`: with
+    `hidden_states=True` the residual stream after each block, [N, B, L, D] in the compute
+    dtype (row i is block i's output; the last row is before the final norm), else None."""
 
     logits: jax.Array | None
     cache: Any = None
@@ -41,3 +43,4 @@ class ModelOutput(NamedTuple):
     values: jax.Array | None = None
     pooled: jax.Array | None = None
     hidden: jax.Array | None = None
+    hidden_states: jax.Array | None = None

@@ -94,6 +94,11 @@ class Transformer(nnx.Module):
         if cfg.value_head:  # PPO's critic on the policy's own final hidden state
             value = init(rngs.params(), (cfg.d_model, 1), pdt)
             self.value = lora.ValueParam(value, axes=("embed", None))
+        if cfg.distill_proj:  # feature distillation's maps into the teacher's width
+            n, d_teacher = cfg.distill_proj
+            init = jax.nn.initializers.normal(cfg.d_model**-0.5)
+            shape, axes = (n, cfg.d_model, d_teacher), (None, "embed", None)
+            self.distill_proj = param(rngs, init, shape, axes, pdt)
 
     def __call__(
         self,
@@ -108,6 +113,7 @@ class Transformer(nnx.Module):
         token_types_BxL=None,
         prefix_BxL=None,
         hidden_only=False,
+        hidden_states=False,
     ) -> ModelOutput:
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
@@ -120,7 +126,8 @@ class Transformer(nnx.Module):
         `prefix_BxL` (prefix LM, training and scoring): 1 where a token belongs to its
         segment's prefix, which attends bidirectionally within itself (attention on xla).
         `hidden_only`: return the LM head's input as `hidden` and no logits (a loss computed in
-        chunks calls `head_logits` per chunk).
+        chunks calls `head_logits` per chunk). `hidden_states`: also return every block's
+        output, [N, B, L, D] (the scans' outputs; feature distillation reads them).
         """
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
@@ -137,17 +144,17 @@ class Transformer(nnx.Module):
         remat = cache is None and cfg.remat != "none"
         carry = (x_BxLxD, cache)
         n_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
+        where = (positions_BxL, segment_ids_BxL, remat, prefix_BxL, hidden_states)
+        kept = []  # with hidden_states: the blocks' outputs, [N, B, L, D] per scan
         if self.layers is not None:
             take = jax.tree.map(lambda a: a[:n_dense], per_layer)
-            carry, _ = self.scan(
-                self.layers, carry, take, positions_BxL, segment_ids_BxL, remat, prefix_BxL
-            )
+            carry, ys = self.scan(self.layers, carry, take, *where)
+            kept += [ys[1]] if hidden_states else []
         aux = {}
         if cfg.moe.enabled:
             rest = jax.tree.map(lambda a: a[n_dense:], per_layer)
-            carry, stats = self.moe_scan(
-                self.moe_layers, carry, rest, positions_BxL, segment_ids_BxL, remat, prefix_BxL
-            )
+            carry, ys = self.moe_scan(self.moe_layers, carry, rest, *where)
+            stats, kept = (ys[0], [*kept, ys[1]]) if hidden_states else (ys, kept)
             aux = moe_lib.combine_layer_stats(stats)
         x_BxLxD, cache = carry
         pooled_BxD = None
@@ -158,7 +165,8 @@ class Transformer(nnx.Module):
             pooled_BxD = self.pooler(first_Bx1xD)
         if logits_at_BxQ is not None:
             x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at_BxQ[:, :, None], axis=1)
-        return self.outputs(x_BxLxD, cache, aux, pooled_BxD, hidden_only)
+        out = self.outputs(x_BxLxD, cache, aux, pooled_BxD, hidden_only)
+        return out._replace(hidden_states=jnp.concatenate(kept)) if hidden_states else out
 
     def inputs(
         self,
@@ -285,11 +293,20 @@ class Transformer(nnx.Module):
         return moe_lib.after_step(self.cfg.moe, model_state, stats, keep)
 
     def moe_scan(
-        self, groups, carry, per_layer, positions_BxL, segment_ids_BxL, remat, prefix_BxL=None
+        self,
+        groups,
+        carry,
+        per_layer,
+        positions_BxL,
+        segment_ids_BxL,
+        remat,
+        prefix_BxL=None,
+        keep=False,
     ):
         """(carry, stacked stats of each MoE layer) of a scan over a stack of `MoEGroup`s
         (moe_every - 1 dense blocks, then an MoE block) with their layers' inputs
-        (`per_layer`, one entry per layer)."""
+        (`per_layer`, one entry per layer); with `keep`, (carry, (stats, every block's output
+        [N_groups * moe_every, B, L, D]))."""
         every = self.cfg.moe.moe_every
         per_group = jax.tree.map(lambda a: a.reshape(-1, every, *a.shape[1:]), per_layer)
         group_def, group_state = nnx.split(groups)
@@ -297,23 +314,29 @@ class Transformer(nnx.Module):
         def group_body(carry, xs):
             state, inputs = xs
             group = nnx.merge(group_def, state)
+            kept = []
             if group.dense is not None:
                 dense_in = jax.tree.map(lambda a: a[:-1], inputs)
-                carry, _ = self.scan(
-                    group.dense, carry, dense_in, positions_BxL, segment_ids_BxL, remat, prefix_BxL
-                )
+                where = (positions_BxL, segment_ids_BxL, remat, prefix_BxL, keep)
+                carry, ys = self.scan(group.dense, carry, dense_in, *where)
+                kept = [ys[1]] if keep else []
             moe_in = jax.tree.map(lambda a: a[-1], inputs)
             moe_def, moe_state = nnx.split(group.moe)
-            body = self._body(moe_def, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
-            return body(carry, (moe_state, moe_in))
+            body = self._body(moe_def, positions_BxL, segment_ids_BxL, prefix_BxL, remat, keep)
+            carry, ys = body(carry, (moe_state, moe_in))
+            return carry, (ys[0], jnp.concatenate([*kept, ys[1][None]])) if keep else ys
 
-        return jax.lax.scan(
+        carry, ys = jax.lax.scan(
             group_body, carry, (group_state, per_group), unroll=self.cfg.scan_unroll
         )
+        if keep:  # [groups, moe_every, B, L, D] -> one block per row
+            ys = (ys[0], ys[1].reshape(-1, *ys[1].shape[2:]))
+        return carry, ys
 
-    def _body(self, graphdef, positions_BxL, segment_ids_BxL, prefix_BxL, remat: bool):
+    def _body(self, graphdef, positions_BxL, segment_ids_BxL, prefix_BxL, remat: bool, keep=False):
         """Scan body of one block: ((x, cache), (state, per-layer inputs)) -> ((x, cache),
-        stats); the cache (when there is one) is pointed at the block's own layer."""
+        stats), with `keep` ((x, cache), (stats, x)); the cache (when there is one) is pointed
+        at the block's own layer."""
 
         def body(carry, xs):
             x_BxLxD, cache = carry
@@ -325,18 +348,27 @@ class Transformer(nnx.Module):
             x_BxLxD, view, stats = block(
                 x_BxLxD, positions_BxL, segment_ids_BxL, view, prefix_BxL=prefix_BxL, **inputs
             )
-            return (x_BxLxD, view), stats
+            return (x_BxLxD, view), ((stats, x_BxLxD) if keep else stats)
 
         if remat:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         return body
 
     def scan(
-        self, stack, carry, per_layer, positions_BxL, segment_ids_BxL, remat: bool, prefix_BxL=None
+        self,
+        stack,
+        carry,
+        per_layer,
+        positions_BxL,
+        segment_ids_BxL,
+        remat: bool,
+        prefix_BxL=None,
+        keep=False,
     ):
-        """Runs the blocks of a stacked module in order; returns the carry and stacked stats."""
+        """Runs the blocks of a stacked module in order; returns the carry and stacked stats
+        (with `keep`, (stats, each block's output [N, B, L, D]))."""
         graphdef, state = nnx.split(stack)
-        body = self._body(graphdef, positions_BxL, segment_ids_BxL, prefix_BxL, remat)
+        body = self._body(graphdef, positions_BxL, segment_ids_BxL, prefix_BxL, remat, keep)
         return jax.lax.scan(body, carry, (state, per_layer), unroll=self.cfg.scan_unroll)
 
 
