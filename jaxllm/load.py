@@ -323,10 +323,10 @@ def _mergeable(source, theirs: Config) -> None:
 
 def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
     """The model to read from a source of model `theirs`: `model_cfg` with the source's value
-    head or none (PPO's: one this model lacks is left behind, one it has starts fresh), and
-    for a reward model started from a language model, the same body with the source's LM
-    head."""
-    model_cfg = dataclasses.replace(model_cfg, value_head=theirs.value_head)
+    head and distillation projections or none (one this model lacks is left behind, one it has
+    starts fresh), and for a reward model started from an LM, the body with the LM's head."""
+    heads = dict(value_head=theirs.value_head, distill_proj=theirs.distill_proj)
+    model_cfg = dataclasses.replace(model_cfg, **heads)
     if model_cfg.head == "score" and theirs.head == "lm":
         return dataclasses.replace(model_cfg, head="lm", tie_embeddings=theirs.tie_embeddings)
     return model_cfg
@@ -334,9 +334,9 @@ def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
 
 def _heads_of(params: dict, model_cfg: ModelConfig) -> dict:
     """`params` without a head `model_cfg` does not have (an LM's under a reward model, a
-    value head under any model without one)."""
+    value head under any model without one); a source's distillation projections never."""
     drop = {"lm_head"} if model_cfg.head != "lm" else set()
-    drop |= set() if model_cfg.value_head else {"value"}
+    drop |= {"distill_proj"} | (set() if model_cfg.value_head else {"value"})
     return {k: v for k, v in params.items() if k not in drop}
 
 

@@ -1,5 +1,8 @@
 """The checks of on-policy distillation's keys (`train.distill_lambda`; the sampling itself is
-`jaxllm.objectives.rollout.onpolicy`), which read the train and the data sections together."""
+`jaxllm.objectives.rollout.onpolicy`), which read the train and the data sections together, and
+of feature distillation's (`train.distill_hidden_weight`, `train.distill_layers`,
+`model.distill_proj`), which read the train, model and peft sections together; the teacher's
+side of the layer map is checked when its config is read (`jaxllm.objectives.distill`)."""
 
 from __future__ import annotations
 
@@ -53,4 +56,51 @@ def validate_on_policy(t, data) -> None:
             f"train.distill_lambda={lam} samples completions of the examples' prompts, but "
             "data.train_on_prompt=true trains every token, so no example has a prompt; set it "
             "to false."
+        )
+
+
+def validate_features(t, model, peft) -> None:
+    """`train.distill_hidden_weight` >= 0; with it above 0, a full (not PEFT) student and layer
+    pairs [student block, teacher block] inside the student's stack; at 0 (or another
+    objective), no layer map and no projections (they would do nothing)."""
+    w = t.distill_hidden_weight
+    if not w >= 0:
+        fail(f"train.distill_hidden_weight must be >= 0 (0: off), not {w}.")
+    if t.objective != "distill" or w == 0:
+        if t.distill_layers:
+            fail(
+                "train.distill_layers has no effect with train.distill_hidden_weight=0; set "
+                "train.distill_hidden_weight > 0 to match hidden states, or drop it."
+            )
+        if model.distill_proj and ":" not in t.objective:
+            fail(
+                "model.distill_proj holds feature distillation's projections, which only "
+                "train.objective=distill with train.distill_hidden_weight > 0 trains; set "
+                "model.distill_proj=[] (a new run from this one starts without them)."
+            )
+        return
+    if peft.method != "none":
+        fail(
+            f"train.distill_hidden_weight={w} trains projections beside the whole student; "
+            f"peft.method={peft.method} trains adapters only: set peft.method=none or "
+            "train.distill_hidden_weight=0."
+        )
+    if model.kind == "encoder_decoder":
+        fail(
+            "train.distill_hidden_weight matches the hidden states of one stack of blocks; "
+            "model.kind=encoder_decoder has two: set train.distill_hidden_weight=0."
+        )
+    n = model.num_layers
+    for pair in t.distill_layers:
+        if len(pair) != 2 or not 0 <= pair[0] < n or pair[1] < 0:
+            fail(
+                f"train.distill_layers holds {list(pair)}; each entry is [student block, "
+                f"teacher block], 0-based, the student's in [0, {n}) (model.num_layers={n})."
+            )
+    m = model.distill_proj
+    if m and t.distill_layers and m[0] != len(t.distill_layers):
+        fail(
+            f"model.distill_proj={list(m)} holds {m[0]} projections but train.distill_layers "
+            f"has {len(t.distill_layers)} pairs; set model.distill_proj=[] (jaxllm train fills "
+            "it) or match them."
         )

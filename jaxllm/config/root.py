@@ -7,7 +7,7 @@ import dataclasses
 import math
 import warnings
 
-from jaxllm.config.distill import validate_on_policy
+from jaxllm.config.distill import validate_features, validate_on_policy
 from jaxllm.config.errors import JaxllmWarning
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.model import ModelConfig
@@ -342,6 +342,7 @@ class Config:
             _fail(f"train.nonfinite_patience must be >= 1, not {self.train.nonfinite_patience}.")
         validate_train(self.train)
         validate_on_policy(self.train, self.data)
+        validate_features(self.train, self.model, self.peft)
 
     def _validate_pairs(self) -> None:
         """Preference pairs and the objectives that read them go together."""

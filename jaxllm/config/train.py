@@ -138,6 +138,14 @@ class TrainConfig:
     student's own completions of the data's prompts (chat / prompt_completion sources), sampled
     at `rollout_temperature` up to `max_completion_tokens`; the other batches are the data's.
     In [0, 1]; 0 trains on the data alone (`jaxllm.objectives.rollout.onpolicy`)."""
+    distill_hidden_weight: float = 0.0
+    """`distill`: the weight of feature distillation, the mean squared error between teacher
+    hidden states and the student's mapped into the teacher's width by learned projections
+    (`model.distill_proj`), added to the loss; >= 0, 0: off."""
+    distill_layers: tuple[tuple[int, ...], ...] = ()
+    """`distill` with `distill_hidden_weight` > 0: the pairs [student block, teacher block]
+    (0-based; each block's output) whose hidden states are matched. []: TinyBERT's uniform map,
+    min(S, T) pairs evenly spaced over both stacks, the last blocks paired."""
     num_generations: int = 8
     """`grpo` / `ppo`: completions sampled per prompt (the group G); global_batch_size rows are
     global_batch_size / G prompts, so G must divide it (PPO
@@ -221,6 +229,8 @@ OBJECTIVE_KEYS = {
     "distill_jsd_beta": ("distill",),
     "distill_weight": ("distill",),
     "distill_lambda": ("distill",),
+    "distill_hidden_weight": ("distill",),
+    "distill_layers": ("distill",),
     # on-policy distillation samples with these two as well (`jaxllm.config.distill`)
     "max_completion_tokens": (*ROLLOUT_OBJECTIVES, "distill"),
     "rollout_temperature": (*ROLLOUT_OBJECTIVES, "distill"),

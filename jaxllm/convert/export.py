@@ -81,9 +81,12 @@ def export_hf(
     `hf_dir` that holds files is refused, or with `overwrite` replaced once the new one is
     complete."""
     check_output(hf_dir, flag=OUT_FLAG, overwrite=overwrite)
-    if cfg.model.value_head:  # PPO's critic has no Hugging Face counterpart: the LM goes alone
-        params = {k: v for k, v in params.items() if k != "value"}
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, value_head=False))
+    if cfg.model.value_head or cfg.model.distill_proj:
+        # PPO's critic and feature distillation's projections have no Hugging Face
+        # counterpart and no part in the LM's output: the LM goes alone
+        params = {k: v for k, v in params.items() if k not in ("value", "distill_proj")}
+        lm = dataclasses.replace(cfg.model, value_head=False, distill_proj=())
+        cfg = dataclasses.replace(cfg, model=lm)
     m = cfg.model
     if cfg.quantize.enabled and cfg.quantize.method not in INTEGER_CODES:
         raise ConfigError(

@@ -40,17 +40,34 @@ On-policy distillation (GKD, `train.distill_lambda` > 0) is this objective on ba
 some hold the student's own completions (`jaxllm.objectives.rollout.onpolicy`); their rows
 carry `sampled` (1 on a sampled row), and the objective then also logs `on_policy`, the share
 of the tokens that were sampled.
+
+Feature distillation (`train.distill_hidden_weight` = w_h > 0) also matches hidden states, as
+TinyBERT (Jiao et al. 2020, arXiv:1909.10351) and TED (Liang et al. 2023, arXiv:2210.01351)
+do: for M pairs (s_m, t_m) of `train.distill_layers`, the student's residual stream after its
+block s_m, h_s [B, L, D_s], is mapped into the teacher's width by a learned projection W_m
+[D_s, D_t] (`model.distill_proj`, trained with the student) and compared with the teacher's
+after its block t_m by the mean squared error per token,
+
+    H = (1 / M) sum_m (1 / D_t) || h_s^(s_m) W_m - h_t^(t_m) ||^2,
+
+    loss = w T^2 D + (1 - w) CE + w_h H,
+
+logged as `hidden` (H per token). The default map (`default_layers`) is TinyBERT's uniform one.
+MSE on the raw residual stream, as TinyBERT's hidden-state loss, rather than TED's
+task-aware filters: the projections are the filters, trained by this loss alone.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.config import Config, ConfigError, ModelConfig
 from jaxllm.objectives.base import Objective, ObjectiveOutput, output, token_nll
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
+Pairs = tuple[tuple[int, int], ...]  # (student block, teacher block), 0-based
 
 
 def _kl_BxL(log_p_BxLxV: jax.Array, log_q_BxLxV: jax.Array) -> jax.Array:
@@ -90,28 +107,83 @@ def divergence_BxL(
     return beta * _kl_BxL(log_t, log_m) + (1 - beta) * _kl_BxL(log_s, log_m)
 
 
+def hidden_mse_BxL(
+    student_NxBxLxD: jax.Array, teacher_NxBxLxE: jax.Array, proj_MxDxE: jax.Array, layers: Pairs
+) -> jax.Array:
+    """H per token [B, L] in float32 (see the module docstring): the mean over the M pairs
+    `layers` and the teacher's width of the squared error between the student's block outputs
+    projected by `proj_MxDxE` and the teacher's."""
+    if proj_MxDxE.shape[0] != len(layers):
+        raise ConfigError(
+            f"the student has {proj_MxDxE.shape[0]} projections (model.distill_proj) but "
+            f"train.distill_layers has {len(layers)} pairs; set model.distill_proj=[] and "
+            "let jaxllm train fill it from the teacher."
+        )
+    s_MxBxLxD = student_NxBxLxD[np.array([s for s, _ in layers])].astype(jnp.float32)
+    t_MxBxLxE = teacher_NxBxLxE[np.array([t for _, t in layers])].astype(jnp.float32)
+    mapped_MxBxLxE = jnp.einsum("mbld,mde->mble", s_MxBxLxD, proj_MxDxE.astype(jnp.float32))
+    return jnp.mean(jnp.square(mapped_MxBxLxE - t_MxBxLxE), axis=(0, 3))
+
+
+def default_layers(student_layers: int, teacher_layers: int) -> Pairs:
+    """TinyBERT's uniform map: n = min(S, T) pairs, pair k the student's block
+    (k + 1) S / n - 1 and the teacher's (k + 1) T / n - 1 (rounded down), so both stacks are
+    sampled evenly and their last blocks are paired (S = 4, T = 12: (0, 2), (1, 5), (2, 8),
+    (3, 11))."""
+    n = min(student_layers, teacher_layers)
+    return tuple(
+        ((k + 1) * student_layers // n - 1, (k + 1) * teacher_layers // n - 1) for k in range(n)
+    )
+
+
+def feature_layers(student: ModelConfig, teacher: ModelConfig, layers: tuple, where: str) -> Pairs:
+    """The layer pairs of feature distillation: `layers` (`train.distill_layers`) or the
+    default map, checked against both stacks (ConfigError naming the teacher at `where`)."""
+    if teacher.kind == "encoder_decoder":
+        raise ConfigError(
+            f"train.teacher={where} is an encoder-decoder; train.distill_hidden_weight matches "
+            "the blocks of one stack: set it to 0."
+        )
+    pairs = tuple(tuple(p) for p in layers) or default_layers(
+        student.num_layers, teacher.num_layers
+    )
+    for s, t in pairs:
+        if not (0 <= s < student.num_layers and 0 <= t < teacher.num_layers):
+            raise ConfigError(
+                f"train.distill_layers pair [{s}, {t}] is outside the stacks: the student's "
+                f"blocks are 0..{student.num_layers - 1}, the teacher's ({where}) "
+                f"0..{teacher.num_layers - 1}."
+            )
+    return pairs
+
+
 def distill(
     loss: str = "forward_kl",
     *,
     temperature: float = 1.0,
     beta: float = 0.5,
     weight: float = 1.0,
+    hidden_weight: float = 0.0,
+    layers: Pairs = (),
 ) -> Objective:
     """The distillation objective: `weight` x T^2 x `loss` between the frozen `teacher` and
-    the student, plus (1 - `weight`) x the student's next-token cross-entropy, summed over the
-    `loss_mask` tokens, plus the student's MoE balancing losses. It declares
-    `others = ("teacher",)`, so the step calls it as `objective(model, batch, rng, others)`
-    with the teacher module in `others["teacher"]`."""
+    the student, plus (1 - `weight`) x the student's next-token cross-entropy, plus
+    `hidden_weight` x the hidden-state error H over the pairs `layers` (a student with
+    `model.distill_proj`), summed over the `loss_mask` tokens, plus the student's MoE
+    balancing losses. It declares `others = ("teacher",)`, so the step calls it as
+    `objective(model, batch, rng, others)` with the teacher module in `others["teacher"]`."""
     if loss not in LOSSES:
         raise ValueError(f"distillation loss {loss!r} is not one of {', '.join(LOSSES)}")
+    features = hidden_weight > 0
 
     def objective(model, batch: dict, rng, others: dict) -> ObjectiveOutput:
         where = dict(positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"])
+        if features:  # every block's output too (`ModelOutput.hidden_states`)
+            where["hidden_states"] = True
         out = model(batch["inputs"], dropout_key=rng, **where)
         # The teacher is frozen and runs without dropout; no gradient reaches its weights.
-        teacher_logits_BxLxV = jax.lax.stop_gradient(
-            others["teacher"](batch["inputs"], **where).logits
-        )
+        taught = jax.lax.stop_gradient(others["teacher"](batch["inputs"], **where))
+        teacher_logits_BxLxV = taught.logits
         mask_BxL = batch["loss_mask"].astype(jnp.float32)
         div_BxL = divergence_BxL(
             out.logits, teacher_logits_BxLxV, loss, temperature=temperature, beta=beta
@@ -122,6 +194,18 @@ def distill(
         count = jnp.sum(mask_BxL)
         loss_sum = weight * div_sum + (1 - weight) * nll_sum
         metrics = {"loss": loss_sum, "distill": div_sum, "nll": nll_sum}
+        if features:
+            if not hasattr(model, "distill_proj"):
+                raise ConfigError(
+                    "train.distill_hidden_weight > 0 needs the student's projections "
+                    "(model.distill_proj), which jaxllm train fills from the teacher; set "
+                    "model.distill_proj=[M, D_teacher]."
+                )
+            proj = model.distill_proj[...]
+            mse_BxL = hidden_mse_BxL(out.hidden_states, taught.hidden_states, proj, layers)
+            metrics["hidden"] = jnp.sum(mse_BxL * mask_BxL)
+            loss_sum = loss_sum + hidden_weight * metrics["hidden"]
+            metrics["loss"] = loss_sum
         if "sampled" in batch:  # on-policy distillation: 1 on the rows the student sampled
             metrics["on_policy"] = jnp.sum(batch["sampled"].astype(jnp.float32) * mask_BxL)
         # the student's balancing losses join; the teacher's routing is not trained
@@ -139,6 +223,8 @@ def from_config(cfg: Config) -> Objective:
         temperature=t.distill_temperature,
         beta=t.distill_jsd_beta,
         weight=t.distill_weight,
+        hidden_weight=t.distill_hidden_weight,
+        layers=t.distill_layers,
     )
 
 

@@ -28,6 +28,7 @@ PEFT run counts as its merged model (base + adapters).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
@@ -51,7 +52,7 @@ from jaxllm.load import (
 )
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.objectives import from_config
-from jaxllm.objectives.distill import check_teacher
+from jaxllm.objectives.distill import check_teacher, feature_layers
 from jaxllm.objectives.rollout.rewards import is_model
 
 OTHERS_ITEM = "others"  # the checkpoint's JSON item: {name: {"source", "sha256"}}
@@ -136,6 +137,8 @@ def resolve_others(cfg: Config, objective) -> dict[str, Other]:
         model = model_section(source, _key(cfg, name))
         if name == "teacher":  # its vocabulary and the length of the rows it will read
             check_teacher(cfg.model, model, source, cfg.data.seq_len)
+            if cfg.train.distill_hidden_weight > 0:  # and its blocks that are matched
+                feature_layers(cfg.model, model, cfg.train.distill_layers, source)
         if name == "reward_model":
             _check_reward_model(model, source, cfg.data.seq_len)
         if model.vocab_size != cfg.model.vocab_size:
@@ -146,6 +149,29 @@ def resolve_others(cfg: Config, objective) -> dict[str, Other]:
             )
         out[name] = Other(source, model, quantize=_packing(source))
     return out
+
+
+def with_features(cfg: Config) -> Config:
+    """`cfg` with feature distillation's layer map and projections filled in from the teacher
+    (`train.distill_hidden_weight` > 0; else `cfg` itself): `train.distill_layers` the pairs
+    given or the default map, `model.distill_proj` [pairs, the teacher's d_model]. What
+    config.yaml then records, so the run's own model (load_model, generate, eval) has the
+    projections its checkpoints hold. ConfigError before anything is written for a pair
+    outside either stack or a `model.distill_proj` set to other sizes."""
+    t = cfg.train
+    if t.objective != "distill" or t.distill_hidden_weight == 0:
+        return cfg
+    teacher = model_section(source_of(cfg, "teacher"), "train.teacher")
+    pairs = feature_layers(cfg.model, teacher, t.distill_layers, t.teacher)
+    proj = (len(pairs), teacher.d_model)
+    if cfg.model.distill_proj not in ((), proj):
+        raise ConfigError(
+            f"model.distill_proj={list(cfg.model.distill_proj)} but feature distillation from "
+            f"train.teacher={t.teacher} needs {list(proj)} ({len(pairs)} layer pairs, the "
+            "teacher's d_model); set model.distill_proj=[] to have it filled."
+        )
+    model = dataclasses.replace(cfg.model, distill_proj=proj)
+    return dataclasses.replace(cfg, model=model, train=dataclasses.replace(t, distill_layers=pairs))
 
 
 def _packing(source: str) -> QuantizeConfig | None:
