@@ -1,5 +1,5 @@
-"""Full fine-tuning, LoRA at two ranks, QLoRA and prompt tuning compared on stdlib-qa: the
-preset configs/runs/sft_stdlib.yaml once per method, from the same base.
+"""Full fine-tuning, LoRA at two ranks, QLoRA, bottleneck adapters and prompt tuning compared
+on stdlib-qa: the preset configs/runs/sft_stdlib.yaml once per method, from the same base.
 
     python scripts/compare_finetuning.py OUT.md [--base runs/default] [--data runs/stdlib_qa]
         [--runs runs/compare_finetuning] [--only full,lora_r4] [--steps N] [--quick]
@@ -38,6 +38,8 @@ METHODS: dict[str, list[str]] = {
     "lora_r4": ["peft.method=lora", "peft.rank=4", "peft.alpha=8"],
     "lora_r16": ["peft.method=lora", "peft.rank=16", "peft.alpha=32"],
     "qlora": ["peft.method=qlora", "peft.rank=16", "peft.alpha=32"],
+    # Houlsby bottlenecks of 64 after every attention and MLP, at the preset's rate
+    "adapter": ["peft.method=adapter", "peft.adapter_size=64"],
     "prompt": ["peft.method=prompt", "peft.num_virtual_tokens=20", "optim.lr=3e-2"],
 }
 
