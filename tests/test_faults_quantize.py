@@ -84,11 +84,12 @@ CASES = [
         "method fp8 has a fixed grid (per output channel, symmetric): it takes no --group-size",
     ),
     Case(
-        "export-a-kind-the-export-does-not-write",
+        "export-a-kind-compressed-tensors-cannot-express",
         lambda r, t: ["convert", "export", str(t / "q8"), str(t / "out")],
         2,
-        "this run's weights are quantize.method=fp8 codes, which the export does not write",
-        setup=lambda r, t: main(["quantize", str(r), str(t / "q8"), "--method", "fp8"]),
+        "this run's weights are quantize.method=llm_int8 codes, whose 16-bit outlier features "
+        "compressed-tensors cannot express",
+        setup=lambda r, t: main(["quantize", str(r), str(t / "q8"), "--method", "llm_int8"]),
     ),
     Case(
         "already-quantized",

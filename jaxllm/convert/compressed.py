@@ -1,6 +1,7 @@
 """A quantized run out in the compressed-tensors layout (`jaxllm convert export` of a run made by
 `jaxllm quantize`), which transformers loads with its compressed-tensors integration and vLLM
-serves.
+serves. The fp8, int8 W8A8 and MXFP4 kinds (`coded.CodedTensor`) go out through
+`jaxllm.convert.compressed_coded`, in their own formats.
 
 compressed-tensors' `pack-quantized` format (its `PackedQuantizationCompressor`) stores a
 weight-only integer linear layer W [out, in] quantized as w = (q_s - z_s) * s, with signed codes
@@ -42,7 +43,7 @@ from jaxllm.convert.reader import Reader, read_hf_config
 from jaxllm.model import abstract_model, quantized
 
 
-def _hf_order(link: Link, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+def hf_order(link: Link, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
     """(the permutation of our flattened outputs that gives Hugging Face's rows, the number of
     inputs) of a `linear` link's element of `shape` [*in, *out], found by sending the elements'
     indices through the link. The inputs must keep their (flattened row-major) order, since the
@@ -73,7 +74,7 @@ def link_tensors(link: Link, t: quantized.QuantizedTensor, name: str) -> dict[st
         raise ConfigError(f"{name}: the quantized tensor does not match its link's dims.")
     codes = np.asarray(quantized._unpack(t.codes, t.bits, t.packed_axis))
     shape = codes.shape
-    perm, n_in = _hf_order(link, shape)
+    perm, n_in = hf_order(link, shape)
     q = codes.reshape(n_in, -1)[:, perm].T  # [out, in], Hugging Face's rows
     scales = np.asarray(t.scales).reshape(-1, len(perm))[:, perm].T  # [out, groups]
     module = name.removesuffix(".weight")
@@ -106,16 +107,24 @@ def quantization_config(
         "observer": "minmax",
         "observer_kwargs": {},
     }
+    return wrap_config(FORMAT, weights, None, targets, ignore)
+
+
+def wrap_config(
+    fmt: str, weights: dict, input_activations: dict | None, targets: list[str], ignore: list[str]
+) -> dict:
+    """A `quantization_config` of one scheme (`weights` and `input_activations` as
+    compressed-tensors' `QuantizationArgs` fields) in format `fmt` over the `targets`."""
     scheme = {
         "targets": targets,
         "weights": weights,
-        "input_activations": None,
+        "input_activations": input_activations,
         "output_activations": None,
-        "format": FORMAT,
+        "format": fmt,
     }
     return {
         "quant_method": "compressed-tensors",
-        "format": FORMAT,
+        "format": fmt,
         "quantization_status": "compressed",
         "config_groups": {"group_0": scheme},
         "ignore": ignore,
@@ -146,7 +155,7 @@ def imported_codes(hf_dir, params: dict, cfg: config_lib.Config) -> dict:
         path = link.ours[0]
         counts = link.counts(shapes)
         elem = shapes[path][len(counts) :]
-        perm, n_in = _hf_order(link, elem)
+        perm, n_in = hf_order(link, elem)
         dtype = flat[path].dtype
         parts: dict[str, list] = {"codes": [], "scales": [], "zeros": []}
         for index in indices:

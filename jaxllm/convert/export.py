@@ -27,8 +27,7 @@ from tokenizers import Tokenizer, processors
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 from jaxllm.config.outputs import check_output, written
-from jaxllm.config.quantize import INTEGER_CODES
-from jaxllm.convert import compressed
+from jaxllm.convert import compressed, compressed_coded
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.convert.mapping import Mapped, each, flatten
 from jaxllm.convert.reader import INDEX, TOKENIZER_FILES
@@ -39,7 +38,7 @@ from jaxllm.data.tokenizer import (
     generation_config,
     load_tokenizer,
 )
-from jaxllm.model import quantized
+from jaxllm.model import coded, quantized
 
 SHARD_BYTES = 4 * 2**30  # a new safetensors file past this many bytes
 OUT_FLAG = "HF_DIR"  # how refusals name the output directory
@@ -88,12 +87,7 @@ def export_hf(
         lm = dataclasses.replace(cfg.model, value_head=False, distill_proj=())
         cfg = dataclasses.replace(cfg, model=lm)
     m = cfg.model
-    if cfg.quantize.enabled and cfg.quantize.method not in INTEGER_CODES:
-        raise ConfigError(
-            f"this run's weights are quantize.method={cfg.quantize.method} codes, which the "
-            "export does not write (it writes compressed-tensors' pack-quantized integer codes "
-            "of rtn, gptq and awq); export the float run it was quantized from."
-        )
+    compressed_coded.check_exportable(cfg.quantize)
     fam = export_family(m, family)
     hf = hf_config(m, fam)
     flat = {**flatten(params), **flatten(model_state or {})}
@@ -110,12 +104,18 @@ def export_hf(
     size = 0
     report = []
     targets, ignore = [], []  # compressed-tensors' quantized and float linear modules
+    coded_kind = None  # a `coded.CodedTensor` of the run (fp8, int8 W8A8, mxfp4), if any
     for link in links:
-        quant = isinstance(flat[link.ours[0]], quantized.QuantizedTensor)
+        first = flat[link.ours[0]]
+        writer = None  # how a quantized weight is written: integer codes or the coded kinds
+        if isinstance(first, quantized.QuantizedTensor):
+            writer = compressed
+        elif isinstance(first, coded.CodedTensor):
+            writer, coded_kind = compressed_coded, first
         for index in each(link, shapes):  # one layer (and expert) at a time to the host
             xs = [jax.device_get(_at(flat[p], index)) for p in link.ours]
-            if quant:
-                tensors = compressed.link_tensors(link, xs[0], link.name(index))
+            if writer:
+                tensors = writer.link_tensors(link, xs[0], link.name(index))
                 targets.append(link.name(index).removesuffix(".weight"))
             else:
                 tensors = {link.name(index): link.to_hf([np.asarray(x) for x in xs])}
@@ -128,7 +128,11 @@ def export_hf(
             files[-1].update(tensors)
             size += nbytes
         report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
-    if targets:
+    if targets and coded_kind is not None:
+        hf["quantization_config"] = compressed_coded.quantization_config(
+            coded_kind, targets, ignore
+        )
+    elif targets:
         hf["quantization_config"] = compressed.quantization_config(cfg.quantize, targets, ignore)
     names = (
         ["model.safetensors"]

@@ -77,7 +77,9 @@ def mxfp4_quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     e = jnp.frexp(safe)[1] - 1 - E2M1_EMAX
     e = jnp.where(amax > 0, jnp.clip(e, -E8M0_BIAS, E8M0_BIAS), -E8M0_BIAS)
     v = b / jnp.ldexp(jnp.ones_like(amax), e)[:, None, :]
-    q = e2m1_index(v) | jnp.where(jnp.signbit(v), 8, 0).astype(jnp.uint8)
+    # the sign from the weight itself: an all-zero block's X = 2^-127 may flush to zero, and
+    # the sign of 0 / 0 is no sign of the weight (its codes are +0, as compressed-tensors packs)
+    q = e2m1_index(v) | jnp.where(jnp.signbit(b), 8, 0).astype(jnp.uint8)
     q = q.reshape(k // 2, 2, n)
     codes = q[:, 0, :] | (q[:, 1, :] << 4)
     return codes.astype(jnp.uint8), (e + E8M0_BIAS).astype(jnp.uint8)
