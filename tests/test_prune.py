@@ -180,6 +180,22 @@ def test_pruned_run_generates_exports_and_keeps_its_zeros_in_training(trained, t
         assert np.abs(a - b)[a != 0].min() > 0
     assert jaxllm.config.load(tuned / "config.yaml").prune.pattern == "2:4"
     assert np.all(np.asarray(jaxllm.load_model(trained).layers.attn.q_proj[...]) != 0)
+    # LoRA from the pruned run: its update keeps the zeros (peft.keep_zeros, set by itself),
+    # so the merged model is as sparse as the pruned one and the kept weights moved
+    lora_run, merged = tmp_path / "lora", tmp_path / "merged"
+    peft = ["peft.method=lora", "peft.targets=[q_proj, o_proj]", "peft.rank=4"]
+    assert main([*argv, f"checkpoint.init_from={pruned}", f"run.dir={lora_run}", *peft]) == 0
+    assert jaxllm.config.load(lora_run / "config.yaml").peft.keep_zeros
+    assert main(["convert", "export", str(lora_run), str(merged), "--merge"]) == 0
+    after = jaxllm.load_model(merged)
+    for name in ("q_proj", "o_proj"):
+        a = np.asarray(getattr(before.layers.attn, name)[...])
+        b = np.asarray(getattr(after.layers.attn, name)[...])
+        np.testing.assert_array_equal(a == 0, b == 0)
+        assert np.abs(a - b)[a != 0].max() > 0
+    ids = jnp.asarray(IDS)  # what trained is what merged: the masked update in the forward too
+    want = np.asarray(jaxllm.load_model(lora_run)(ids).logits)
+    np.testing.assert_allclose(_logits(after, IDS), want, rtol=1e-4, atol=1e-4)
 
 
 def _taylor(trained, samples=16):

@@ -37,6 +37,7 @@ from jaxllm import checkpoint, config
 from jaxllm.adapters.hf_peft import imported_adapters
 from jaxllm.compress import not_trained
 from jaxllm.config import Config, ConfigError, PeftConfig, QuantizeConfig
+from jaxllm.config.prune import STRUCTURED
 from jaxllm.convert import is_hf_dir
 from jaxllm.load import (
     BASE_ITEM,
@@ -123,16 +124,21 @@ def quantized_base(cfg: Config) -> Config:
 
 
 def pruned_base(cfg: Config) -> Config:
-    """`cfg` with the `prune` section of the pruned run a full run starts from
-    (`checkpoint.init_from`), so its zeros stay zero while it trains (`optim.keep_zeros`) and
-    its config.yaml records them. A run that sets `prune.*` itself, or a LoRA run (whose base
-    is frozen, zeros and all), keeps its own."""
-    if cfg.prune.enabled or cfg.peft.method != "none":
+    """`cfg` with the `prune` section of the pruned run it starts from
+    (`checkpoint.init_from`), so its config.yaml records it and its zeros stay zero while it
+    trains: a full run's through `optim.keep_zeros`, a LoRA run's (whose base is frozen) with
+    `peft.keep_zeros` on, so its update keeps them too. A run that sets `prune.*` itself, or
+    one that trains neither (prompt tuning, bottleneck adapters: the base stays as it is),
+    keeps its own."""
+    if cfg.prune.enabled or cfg.peft.method not in ("none", "lora", "qlora"):
         return cfg
     theirs = source_config(cfg)
     if theirs is None or not theirs.prune.enabled:
         return cfg
-    return dataclasses.replace(cfg, prune=theirs.prune)
+    cfg = dataclasses.replace(cfg, prune=theirs.prune)
+    if cfg.peft.lora and theirs.prune.method not in STRUCTURED:
+        cfg = dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, keep_zeros=True))
+    return cfg
 
 
 def _peft_keys(cfg: Config, theirs: Config) -> list[str]:

@@ -56,6 +56,11 @@ class PeftConfig:
     all-linear (every one of them but lm_head)."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r."""
+    keep_zeros: bool = False
+    """LoRA on a pruned base: the update keeps the base's zeros, each adapted layer computing
+    x (W + s (A B) * [W != 0]) (the masked update as a dense weight), so the merged model has
+    the pruned run's sparsity. Set by itself when `checkpoint.init_from` is a run pruned to
+    zeros (`jaxllm prune`, unstructured or N:M)."""
     num_virtual_tokens: int = 20
     """Prompt tuning: trainable embeddings placed before every example."""
     adapter_size: int = 64
@@ -66,6 +71,11 @@ class PeftConfig:
     silu, also called swish, is the adapters library's choice for Houlsby's configuration)."""
 
     def validate(self) -> None:
+        if self.keep_zeros and not self.lora:
+            fail(
+                f"peft.keep_zeros masks a LoRA update; peft.method={self.method} has none "
+                "(a full run from a pruned run keeps its zeros by itself)."
+            )
         if self.method == "none":
             return
         if self.method == "prompt":

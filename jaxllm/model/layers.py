@@ -48,7 +48,8 @@ def matmul(
 
 def _lora_path(spec: str, x: jax.Array, k: lora.LoRAKernel, dtype) -> jax.Array:
     """s (dropout(x) A) B for `matmul`'s spec: A takes the kernel's leading and contracted
-    dims plus the rank, B the leading dims, the rank and the kernel's output dims."""
+    dims plus the rank, B the leading dims, the rank and the kernel's output dims; with
+    `k.masked`, s dropout(x) ((A B) * [W != 0])."""
     ins, rest = spec.split("->")
     xs, ks = ins.split(",")
     r = next(c for c in "rzyxwvu" if c not in spec)
@@ -62,6 +63,10 @@ def _lora_path(spec: str, x: jax.Array, k: lora.LoRAKernel, dtype) -> jax.Array:
     if k.dropout and k.key is not None:
         keep = jax.random.bernoulli(k.key, 1.0 - k.dropout, x.shape)
         x = jnp.where(keep, x / (1.0 - k.dropout), 0).astype(dtype)
+    if k.masked:  # peft.keep_zeros: the update (A B) * [W != 0] as a dense weight
+        d = jnp.einsum(f"{a_spec},{b_spec}->{ks}", k.a.astype(dtype), k.b.astype(dtype))
+        d = jnp.where(lora.as_array(k.base, dtype) != 0, d, 0)
+        return jnp.einsum(spec, x, d) * jnp.asarray(k.scale, dtype)
     h = jnp.einsum(f"{xs},{a_spec}->{h_spec}", x, k.a.astype(dtype))
     y = jnp.einsum(f"{h_spec},{b_spec}->{rest}", h, k.b.astype(dtype))
     return y * jnp.asarray(k.scale, dtype)

@@ -43,6 +43,7 @@ class LoRAKernel(NamedTuple):
     scale: float
     dropout: float = 0.0
     key: jax.Array | None = None
+    masked: bool = False  # peft.keep_zeros: the update is s (A B) * [base != 0]
 
 
 def in_dims(name: str) -> int:
@@ -89,6 +90,7 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
             setattr(module, f"{name}_lora_b", LoRAParam(b, axes=b_axes))
             setattr(module, f"{name}_lora_scale", float(peft.scale))
             setattr(module, f"{name}_lora_dropout", float(peft.dropout))
+            setattr(module, f"{name}_lora_masked", bool(peft.keep_zeros))
     missing = [t for t in peft.targets if t not in found and t != ALL_LINEAR]
     if missing or not found:
         raise ConfigError(
@@ -149,6 +151,7 @@ def kernel(module: nnx.Module, name: str):
         getattr(module, f"{name}_lora_scale"),
         rate,
         next_key() if rate else None,
+        getattr(module, f"{name}_lora_masked", False),
     )
 
 
@@ -170,7 +173,9 @@ def dense(module: nnx.Module, name: str, dtype) -> jax.Array:
     k = kernel(module, name)
     if not isinstance(k, LoRAKernel):
         return k if isinstance(k, jax.Array) else as_array(k, dtype)
-    return as_array(k.base, dtype) + delta(k.a, k.b, k.scale, in_dims(name), dtype)
+    base = as_array(k.base, dtype)
+    d = delta(k.a, k.b, k.scale, in_dims(name), dtype)
+    return base + (jnp.where(base != 0, d, 0).astype(dtype) if k.masked else d)
 
 
 def as_array(w, dtype) -> jax.Array:
@@ -211,7 +216,7 @@ def merged_params(graphdef, params, frozen, model_state=None) -> dict:
             )
             if hasattr(module, f"{name}_lora_a") or packed:
                 var.set_value(dense(module, name, jnp.float32).astype(dtype))
-            for suffix in ("_lora_a", "_lora_b", "_lora_scale", "_lora_dropout"):
+            for suffix in ("_lora_a", "_lora_b", "_lora_scale", "_lora_dropout", "_lora_masked"):
                 if hasattr(module, name + suffix):
                     delattr(module, name + suffix)
     if hasattr(model, "lora_dropout"):

@@ -85,9 +85,9 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     url, cfg = staged(cfg)  # run.dir on object storage: trains in its staging dir
     cfg = fetched_inputs(cfg)  # models and a tokenizer in a bucket: read from local copies
     cfg = adapters.quantized_base(cfg)  # LoRA on a quantized run: its quantize section
-    cfg = adapters.pruned_base(cfg)  # a full run from a pruned run: its zeros stay zero
+    cfg = adapters.pruned_base(cfg)  # from a pruned run: its zeros stay zero
     cfg = companions.with_features(cfg)  # feature distillation: layer pairs, projections
-    asked = dataclasses.replace(asked, quantize=cfg.quantize, prune=cfg.prune)
+    asked = dataclasses.replace(asked, quantize=cfg.quantize, prune=cfg.prune, peft=cfg.peft)
     run_dir = Path(cfg.run.dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
     lead = jax.process_index() == 0  # writes the run's files; every process computes
