@@ -7,7 +7,7 @@
     jaxllm generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
         [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4] [key=value ...]
     jaxllm generate RUN_DIR|CHECKPOINT --chat MESSAGE [--system TEXT] | --chat-file F.jsonl
-        [--out FILE.jsonl: a chat (or prompt/completion) dataset of the replies]
+        [--out F.jsonl: the replies as a dataset] [--adapter NAME[=RUN] ...: one base, each]
         (generate, eval and convert export: [--checkpoint best|last|STEP], default last, the
         newest readable; best, the best by evaluation that checkpoint.keep_best kept)
     jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
@@ -17,8 +17,7 @@
     jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N]
     jaxllm convert import HF_DIR OUT_DIR [key=value ...] [--peft ADAPTER_DIR]
     jaxllm convert export RUN_DIR|CHECKPOINT HF_DIR [--family NAME] [--peft | --merge]
-    jaxllm quantize SRC OUT --method rtn [--bits B] [--group-size G] [--symmetric | --asymmetric]
-        [key=value ...] [--overwrite]
+    jaxllm quantize SRC OUT --method M [--bits B] [--group-size G] [--asymmetric] [key=value ...]
     jaxllm prune SRC OUT --method M --sparsity S | --pattern N:M [--calibration SRC] [--samples N]
     jaxllm merge OUT --method linear|task_arithmetic|ties|dare_linear|dare_ties RUN RUN...
         [--weights W1,W2,...] [--base BASE] [--density D] [--majority-sign total|frequency]
@@ -187,6 +186,8 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--kv-page-size", type=int, help="tokens per page; 0 = contiguous cache")
     g.add_argument("--decode-impl", choices=("auto", "xla", "kernel"))
     g.add_argument("--checkpoint", default="last", help=CHECKPOINT_HELP)
+    ad = "a fine-tuning run on this base (RUN/adapters/NAME, or NAME=RUN); repeat to switch"
+    g.add_argument("--adapter", action="append", metavar="NAME[=RUN]", help=ad)
     g.set_defaults(func=cmd_generate)
 
 
@@ -244,7 +245,6 @@ def parser() -> argparse.ArgumentParser:
     add_quantize_parser(sub)
     add_prune_parser(sub)
     add_merge_parser(sub)
-
     add_bench_data_parser(bsub)
     add_data_parser(sub)
     add_convert_parser(sub)

@@ -13,6 +13,13 @@ which SFT of a student trains on); with `--prompt` / `--prompts-file`, one `form
 prompt_completion` record `{"prompt": ..., "completion": ...}` per prompt. FILE appears only
 when complete, and an existing one is refused unless `--overwrite`.
 
+`--adapter NAME[=RUN]` (repeatable) generates with fine-tuning runs of one base, switched
+without reloading it: the base is loaded once, from the first adapter's record, and each
+adapter restores only its own parameters (LoRA factors, a soft prompt, bottleneck adapters).
+`NAME` alone is the run the positional run holds as RUN/adapters/NAME (a directory or a link);
+`NAME=RUN` names one anywhere. Every prompt (or conversation) is answered by each adapter in
+turn: printed under `[NAME]`, or with an `"adapter"` field in the JSON lines and `--out`.
+
 Only generated text goes to stdout (streamed as it is made when there is one prompt and one
 device, since the streaming host callback is ordered, which jax allows on a single device only;
 one block per prompt otherwise); the cache size and speed go to stderr. A sequence ends at any of its stop
@@ -30,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxllm import checkpoint
 from jaxllm.config import ConfigError, split_args
 from jaxllm.config.urls import check_url
 from jaxllm.data.tokenizer import (
@@ -40,7 +48,8 @@ from jaxllm.data.tokenizer import (
 )
 from jaxllm.infer.chat import Chat, Conversation, read_conversations
 from jaxllm.infer.generate import generate
-from jaxllm.load import fetched, resolve, restore
+from jaxllm.load import BASE_ITEM, fetched, resolve, restore
+from jaxllm.model import merge_model
 
 
 def _overrides(ns: argparse.Namespace) -> list[str]:
@@ -101,6 +110,87 @@ def _check_generates(cfg, path) -> None:
         )
 
 
+def named_adapters(path, specs: list[str]) -> list[tuple[str, Path]]:
+    """(name, run) of each `--adapter`: `NAME=RUN` names a fine-tuning run; `NAME` alone, the
+    one the run PATH holds as PATH/adapters/NAME (a run directory, or a link to one)."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, eq, run = spec.partition("=")
+        if not name or (eq and not run):
+            raise ConfigError(f"--adapter {spec!r}: give NAME or NAME=RUN_DIR.")
+        if name in out:
+            raise ConfigError(f"--adapter {name} is given twice; give each name once.")
+        where = Path(run) if eq else resolve(path)[0] / "adapters" / name
+        if not where.exists():
+            raise ConfigError(
+                f"--adapter {spec}: {where} does not exist; name a fine-tuning run as "
+                "NAME=RUN_DIR, or put it in the run's adapters/ directory."
+            )
+        out[name] = where
+    return list(out.items())
+
+
+def adapter_models(path, specs: list[str], overrides, which: str):
+    """[(name, config, step, model)] of the `--adapter`s (`named_adapters`), their frozen base
+    loaded once, from the first, and shared: each other adapter restores only its own
+    parameters. They must be fine-tuning runs of one base (the same base record and frozen
+    form), else ConfigError."""
+    named = named_adapters(path, specs)
+    first = restore(named[0][1], overrides, which=which)
+    out = []
+    for i, (name, run) in enumerate(named):
+        r = first if i == 0 else restore(run, overrides, mesh=first.mesh, base=False, which=which)
+        if r.cfg.peft.method == "none":
+            raise ConfigError(f"--adapter {name}: {run} is a full run, not a fine-tuning run.")
+        base = checkpoint.read_json_item(_ckpt_dir(run, r.cfg), r.step, BASE_ITEM)
+        if i == 0:
+            first_base = base
+        same = (r.cfg.peft.method == "qlora") == (first.cfg.peft.method == "qlora")
+        if base != first_base or not same or r.cfg.quantize != first.cfg.quantize:
+            raise ConfigError(
+                f"--adapter {name}: {run} was fine-tuned on another base (or holds it in "
+                f"another form) than --adapter {named[0][0]}; adapters switched on one base "
+                "must share it."
+            )
+        model = merge_model(r.graphdef, r.params, first.frozen, r.model_state)
+        out.append((name, r.cfg, r.step, model))
+    return out, first.mesh
+
+
+def _models(ns, path, overrides):
+    """([(adapter name or None, config, step, model)], mesh): the run's own model, or with
+    `--adapter` each named adapter on the one base."""
+    overrides = [*overrides, *_overrides(ns)]
+    if ns.adapter:
+        return adapter_models(path, ns.adapter, overrides, ns.checkpoint)
+    r = restore(path, overrides, which=ns.checkpoint)
+    return [(None, r.cfg, r.step, r.model())], r.mesh
+
+
+def _ckpt_dir(run, cfg) -> Path:
+    run_dir, ckpt_dir, _ = resolve(run)
+    return ckpt_dir or checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
+
+
+def _chats(ns, path, overrides) -> list[tuple[str | None, Chat]]:
+    """The run's `Chat`, or with `--adapter` one per named adapter on the one base."""
+    overrides = [*overrides, *_overrides(ns)]
+    if not ns.adapter:
+        return [(None, load_chat(path, overrides, ns.checkpoint))]
+    models, mesh = adapter_models(path, ns.adapter, overrides, ns.checkpoint)
+    cfg = models[0][1]
+    _check_generates(cfg, path)
+    tok = make_tokenizer(cfg.data)
+    check_coverage(tok, cfg.model.vocab_size, "chat")
+    stops = generation_stop_ids(generation_config(cfg.data.tokenizer, resolve(path)[0]))
+    out = []
+    for name, cfg, step, model in models:
+        chat = Chat(model, tok, cfg.generate, stop_ids=stops, mesh=mesh)
+        chat.step = step
+        out.append((name, chat))
+    return out
+
+
 def load_chat(path, overrides=(), which: str = "last") -> Chat:
     """A `jaxllm.infer.chat.Chat` of a run: its model (adapters unmerged for a PEFT run),
     tokenizer, `generate` section and stop ids (generation_config.json's, as `jaxllm generate`
@@ -148,29 +238,32 @@ def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
         conversations = [Conversation(({"role": "user", "content": ns.chat},))]
     else:
         conversations = read_conversations(ns.chat_file)
-    chat = load_chat(path, [*overrides, *_overrides(ns)], ns.checkpoint)
     asked = [_with_system(c.messages, ns.system) for c in conversations]
-    t0 = time.perf_counter()
-    replies = chat.replies(asked)
-    if ns.out is not None:  # a chat dataset of the replies
-        write_jsonl(
-            ns.out,
-            (
-                {"messages": [*a, {"role": "assistant", "content": r}]}
+    records = []
+    for name, chat in _chats(ns, path, overrides):  # one base, each adapter in turn
+        tag = {"adapter": name} if name else {}
+        t0 = time.perf_counter()
+        replies = chat.replies(asked)
+        if ns.out is not None:  # a chat dataset of the replies
+            records += [
+                {"messages": [*a, {"role": "assistant", "content": r}], **tag}
                 for a, r in zip(asked, replies)
-            ),
+            ]
+        elif ns.chat is not None:
+            print(f"[{name}] {replies[0]}" if name else replies[0])
+        else:
+            for reply, c in zip(replies, conversations):
+                ref = {"reference": c.reference} if c.reference is not None else {}
+                print(json.dumps({"reply": reply, **ref, **tag}, ensure_ascii=False))
+        print(
+            f"{f'[{name}] ' if name else ''}step {chat.step}: {len(replies)} "
+            f"repl{'y' if len(replies) == 1 else 'ies'} in {time.perf_counter() - t0:.2f}s "
+            "including compilation",
+            file=sys.stderr,
         )
-        print(f"wrote {len(replies)} conversations to {ns.out}", file=sys.stderr)
-    elif ns.chat is not None:
-        print(replies[0])
-    for reply, c in zip(replies, conversations) if ns.chat is None and ns.out is None else ():
-        record = {"reply": reply} | ({"reference": c.reference} if c.reference is not None else {})
-        print(json.dumps(record, ensure_ascii=False))
-    print(
-        f"step {chat.step}: {len(replies)} repl{'y' if len(replies) == 1 else 'ies'} in "
-        f"{time.perf_counter() - t0:.2f}s including compilation",
-        file=sys.stderr,
-    )
+    if ns.out is not None:
+        write_jsonl(ns.out, records)
+        print(f"wrote {len(records)} conversations to {ns.out}", file=sys.stderr)
     return 0
 
 
@@ -214,8 +307,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         if not prompts:
             raise ConfigError(f"--prompts-file {ns.prompts_file} has no prompts.")
 
-    restored = restore(path, [*overrides, *_overrides(ns)], which=ns.checkpoint)
-    cfg, mesh, step, model = restored.cfg, restored.mesh, restored.step, restored.model()
+    models, mesh = _models(ns, path, overrides)
+    cfg = models[0][1]
     _check_generates(cfg, path)
 
     tok = make_tokenizer(cfg.data)
@@ -224,34 +317,40 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     ids = [bos + tok.encode(p).tolist() for p in prompts]
     stops = {tok.eos_id} if tok.eos_id is not None else set()
     stops |= generation_stop_ids(generation_config(cfg.data.tokenizer, resolve(path)[0]))
-    streams = len(prompts) == 1 and mesh.devices.size == 1 and ns.out is None
-    stream = _Stream(tok, stops | set(cfg.generate.stop_tokens)) if streams else None
-    t0 = time.perf_counter()
-    try:
-        out = generate(
-            model, ids, cfg.generate, stop_tokens=sorted(stops), mesh=mesh, on_token=stream
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    secs = time.perf_counter() - t0
-    if ns.out is not None:
+    streams = len(prompts) == 1 and len(models) == 1 and mesh.devices.size == 1
+    stream = _Stream(tok, stops | set(cfg.generate.stop_tokens)) if streams and not ns.out else None
+    records = []
+    for name, cfg, step, model in models:  # one base, each adapter in turn (--adapter)
+        t0 = time.perf_counter()
+        try:
+            out = generate(
+                model, ids, cfg.generate, stop_tokens=sorted(stops), mesh=mesh, on_token=stream
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        secs = time.perf_counter() - t0
         texts = [tok.decode(new) for new in out.tokens]
-        write_jsonl(ns.out, ({"prompt": p, "completion": t} for p, t in zip(prompts, texts)))
-        print(f"wrote {len(prompts)} completions to {ns.out}", file=sys.stderr)
-    elif stream is None:
-        for i, new in enumerate(out.tokens):
-            sys.stdout.write(("\n\n" if i else "") + tok.decode(new))
-    else:
-        stream.finish()
-    if ns.out is None:
-        sys.stdout.write("\n")
-    n_new = sum(len(t) for t in out.tokens)
-    g = cfg.generate
-    print(
-        f"step {step}: {len(prompts)} prompt(s), {n_new} new tokens in {secs:.2f}s including "
-        f"compilation; kv cache {g.kv_cache_dtype}"
-        f"{f' paged ({g.kv_page_size} tokens/page)' if g.kv_page_size else ''}: "
-        f"{out.cache_bytes_per_token:,} bytes/token, {out.cache_bytes / 2**20:.2f} MiB allocated",
-        file=sys.stderr,
-    )
+        tag = {"adapter": name} if name else {}
+        records += [{"prompt": p, "completion": t, **tag} for p, t in zip(prompts, texts)]
+        if ns.out is None and stream is None:
+            head = f"[{name}]\n" if name else ""
+            sys.stdout.write(("\n\n" if name != models[0][0] else "") + head)
+            sys.stdout.write("\n\n".join(texts))
+        elif stream is not None:
+            stream.finish()
+        if ns.out is None:
+            sys.stdout.write("\n")
+        n_new = sum(len(t) for t in out.tokens)
+        g = cfg.generate
+        print(
+            f"{f'[{name}] ' if name else ''}step {step}: {len(prompts)} prompt(s), {n_new} new "
+            f"tokens in {secs:.2f}s including compilation; kv cache {g.kv_cache_dtype}"
+            f"{f' paged ({g.kv_page_size} tokens/page)' if g.kv_page_size else ''}: "
+            f"{out.cache_bytes_per_token:,} bytes/token, {out.cache_bytes / 2**20:.2f} MiB "
+            "allocated",
+            file=sys.stderr,
+        )
+    if ns.out is not None:
+        write_jsonl(ns.out, records)
+        print(f"wrote {len(records)} completions to {ns.out}", file=sys.stderr)
     return 0
