@@ -25,7 +25,7 @@ def runs(small_run, tmp_path_factory):
     """Two LoRA runs and a bottleneck-adapter run of the small run, and a LoRA run of another
     base."""
     root = tmp_path_factory.mktemp("adapters")
-    base = ["train", *SMALL_RUN, "train.steps=3", "optim.lr=3e-2", "optim.warmup_steps=0"]
+    base = ["train", *SMALL_RUN, "train.steps=2", "optim.lr=3e-2", "optim.warmup_steps=0"]
     out = {}
     for name, extra in {
         "a": ["peft.method=lora", "run.seed=1"],

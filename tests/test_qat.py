@@ -105,8 +105,8 @@ def _continue(trained, run, *extra, steps=30):
     assert main([*argv, *extra]) == 0
 
 
-def _loss(run) -> float:
-    return evaluate_checkpoint(run, num_batches=16)["eval_loss"]
+def _loss(run, batches=16) -> float:
+    return evaluate_checkpoint(run, num_batches=batches)["eval_loss"]
 
 
 def test_qat_evaluates_as_its_quantized_run_and_beats_rtn(trained, tmp_path):
@@ -129,8 +129,9 @@ def test_qat_evaluates_as_its_quantized_run_and_beats_rtn(trained, tmp_path):
         assert main(["quantize", str(runs[name]), f"{runs[name]}-q", "--method", *how]) == 0
     fp8a = runs["fp8a"]
     assert main(["quantize", str(fp8a), f"{fp8a}-w", "--method", "fp8"]) == 0
-    loss = {n: _loss(r) for n, r in runs.items()}
-    loss.update({n + "-q": _loss(f"{r}-q") for n, r in runs.items()})
+    few = {"mx": 2}  # an equality to 1e-6 needs no more batches
+    loss = {n: _loss(r, few.get(n, 16)) for n, r in runs.items()}
+    loss.update({n + "-q": _loss(f"{r}-q", few.get(n, 16)) for n, r in runs.items()})
     loss["fp8a-w"] = _loss(f"{fp8a}-w")
     assert loss["qat"] == pytest.approx(loss["qat-q"], abs=1e-6), loss
     assert loss["mx"] == pytest.approx(loss["mx-q"], abs=1e-6), loss

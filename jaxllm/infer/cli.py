@@ -174,10 +174,12 @@ def _ckpt_dir(run, cfg) -> Path:
 
 def _chats(ns, path, overrides) -> list[tuple[str | None, Chat]]:
     """The run's `Chat`, or with `--adapter` one per named adapter on the one base."""
-    overrides = [*overrides, *_overrides(ns)]
-    if not ns.adapter:
-        return [(None, load_chat(path, overrides, ns.checkpoint))]
-    models, mesh = adapter_models(path, ns.adapter, overrides, ns.checkpoint)
+    return _chats_of(*_models(ns, path, overrides), path)
+
+
+def _chats_of(models, mesh, path) -> list[tuple[str | None, Chat]]:
+    """[(name, Chat)] of `_models`' models: the run's tokenizer, `generate` section and stop
+    ids (generation_config.json's, as `jaxllm generate` reads them)."""
     cfg = models[0][1]
     _check_generates(cfg, path)
     tok = make_tokenizer(cfg.data)
@@ -193,17 +195,9 @@ def _chats(ns, path, overrides) -> list[tuple[str | None, Chat]]:
 
 def load_chat(path, overrides=(), which: str = "last") -> Chat:
     """A `jaxllm.infer.chat.Chat` of a run: its model (adapters unmerged for a PEFT run),
-    tokenizer, `generate` section and stop ids (generation_config.json's, as `jaxllm generate`
-    reads them). `which`: `--checkpoint best|last|STEP`."""
-    restored = restore(path, overrides, which=which)
-    cfg = restored.cfg
-    _check_generates(cfg, path)
-    tok = make_tokenizer(cfg.data)
-    check_coverage(tok, cfg.model.vocab_size, "chat")
-    stops = generation_stop_ids(generation_config(cfg.data.tokenizer, resolve(path)[0]))
-    chat = Chat(restored.model(), tok, cfg.generate, stop_ids=stops, mesh=restored.mesh)
-    chat.step = restored.step
-    return chat
+    tokenizer, `generate` section and stop ids. `which`: `--checkpoint best|last|STEP`."""
+    r = restore(path, overrides, which=which)
+    return _chats_of([(None, r.cfg, r.step, r.model())], r.mesh, path)[0][1]
 
 
 def check_out_file(out: Path | None, overwrite: bool) -> None:
