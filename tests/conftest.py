@@ -136,6 +136,27 @@ def shard_model(model, mesh):
 
 
 # A small model on the built-in corpus, for runs the tests train through `jaxllm.cli.main`.
+# A one-block model of width 32 the distillation tests train teachers and students from
+# (their own data and depth added).
+TINY_RUN = [
+    "data.seq_len=32",
+    "model.num_layers=1",
+    "model.d_model=32",
+    "model.mlp_dim=64",
+    "model.vocab_size=320",
+    "model.dtype=float32",
+    "train.global_batch_size=8",
+    "train.sample_tokens=0",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "optim.warmup_steps=0",
+    "optim.lr=1e-2",
+    "mesh.data=1",
+    "mesh.fsdp=-1",
+]
+
+
 SMALL_RUN = [
     "data.max_files=60",
     "data.seq_len=64",

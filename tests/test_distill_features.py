@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import TINY_RUN, tiny_model
 from flax import nnx
 
 import jaxllm
@@ -204,24 +204,8 @@ def test_config_checks_the_feature_keys():
 
 # ------------------------------------------------------------------ through jaxllm train
 
-TINY = [
-    "data.max_files=40",
-    "data.seq_len=32",
-    "model.num_layers=2",
-    "model.d_model=32",
-    "model.mlp_dim=64",
-    "model.vocab_size=320",
-    "model.dtype=float32",
-    "train.global_batch_size=8",
-    "train.sample_tokens=0",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "train.log_every=1",
-    "optim.warmup_steps=0",
-    "optim.lr=1e-2",
-    "mesh.data=1",
-    "mesh.fsdp=-1",
-]
+TINY = ["data.max_files=40", *(a for a in TINY_RUN if a != "model.num_layers=1")]
+TINY.append("model.num_layers=2")
 
 
 @pytest.fixture(scope="module")

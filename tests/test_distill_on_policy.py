@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import TINY_RUN, tiny_model
 
 from jaxllm import checkpoint, config, sharding
 from jaxllm.cli import main
@@ -26,23 +26,7 @@ from jaxllm.objectives import distill
 from jaxllm.objectives.rollout import onpolicy
 from jaxllm.objectives.rollout.sampling import rows, sequences
 
-TINY = [
-    "data.seq_len=32",
-    "model.num_layers=1",
-    "model.d_model=32",
-    "model.mlp_dim=64",
-    "model.vocab_size=320",
-    "model.dtype=float32",
-    "train.global_batch_size=8",
-    "train.sample_tokens=0",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "train.log_every=1",
-    "optim.warmup_steps=0",
-    "optim.lr=1e-2",
-    "mesh.data=1",
-    "mesh.fsdp=-1",
-]
+TINY = TINY_RUN
 SUMS = [(a, b) for a in range(3, 40, 7) for b in range(2, 9, 3)]  # 18 prompt/completion records
 
 
