@@ -1,6 +1,6 @@
 """A quantized run (`jaxllm quantize`) in use: as the frozen base of LoRA and as a held
-teacher, decoding over a quantized KV cache, and a quantized MoE run sharded over the expert
-axis.
+teacher, decoding over a quantized KV cache, and a quantized MoE run (int4, and W8A8)
+sharded over the expert axis.
 
 LoRA trains on its packed codes as QLoRA does on NF4: the train state's frozen base holds the
 `QuantizedTensor`s, the run's config.yaml records the base's `quantize.*`, the run resumes, and
@@ -22,7 +22,7 @@ from jaxllm import config, sharding
 from jaxllm.cli import main
 from jaxllm.config import MeshConfig
 from jaxllm.load import load_weights, restore
-from jaxllm.model import abstract_model, quantized
+from jaxllm.model import abstract_model, coded, quantized
 from jaxllm.train import companions
 
 LORA = ["peft.method=lora", "peft.rank=4", "optim.lr=1e-2"]
@@ -129,25 +129,47 @@ def test_refusals(q_run, tmp_path, capsys, extra, message):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", pytest.param("capacity", marks=pytest.mark.slow)])
-def test_quantized_experts_are_the_same_expert_parallel(tmp_path, dispatch):
-    """A MoE run quantized to int4: its routed and shared experts' codes shard over the expert
-    axis (4 experts on expert=4 x fsdp=2), and the logits equal one device's."""
-    moe = tmp_path / "moe"
-    extra = ["model.moe.num_experts=4", "model.moe.num_shared_experts=1",
-             f"model.moe.dispatch={dispatch}"]  # fmt: skip
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    moe = tmp_path_factory.mktemp("moe") / "run"
+    extra = ["model.moe.num_experts=4", "model.moe.num_shared_experts=1"]
     assert main(["train", *SMALL_RUN, *extra, "train.steps=1", f"run.dir={moe}"]) == 0
-    opts = ["--method", "rtn", "--bits", "4", "--group-size", "32"]
-    assert main(["quantize", str(moe), str(tmp_path / "q"), *opts]) == 0
+    return moe
+
+
+@pytest.mark.parametrize(
+    "method, dispatch",
+    [
+        ("rtn", "dropless"),
+        ("fp8", "dropless"),
+        pytest.param("smoothquant", "dropless", marks=pytest.mark.slow),
+        pytest.param("rtn", "capacity", marks=pytest.mark.slow),
+        pytest.param("smoothquant", "capacity", marks=pytest.mark.slow),
+    ],
+)
+def test_quantized_experts_are_the_same_expert_parallel(moe_run, tmp_path, method, dispatch):
+    """A MoE run quantized to int4 (rtn), or to W8A8 (fp8 with fp8 activations, smoothquant's
+    int8), whose routed experts quantize each token's row in the dispatch: its routed and
+    shared experts' codes shard over the expert axis (4 experts on expert=4 x fsdp=2), and the
+    logits equal one device's."""
+    opts = {
+        "rtn": ["--bits", "4", "--group-size", "32"],
+        "smoothquant": ["--samples", "8"],
+        "fp8": ["quantize.fp8_activations=true"],
+    }
+    assert main(["quantize", str(moe_run), str(tmp_path / "q"), "--method", method,
+                 *opts[method]]) == 0  # fmt: skip
     tokens = np.random.default_rng(3).integers(0, 320, (8, 16))
+    load = dict(overrides=[f"model.moe.dispatch={dispatch}"])
     one = jaxllm.load_model(
-        tmp_path / "q", mesh=sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+        tmp_path / "q", mesh=sharding.make_mesh(MeshConfig(), jax.devices()[:1]), **load
     )
     mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, expert=4))
-    eight = jaxllm.load_model(tmp_path / "q", mesh=mesh)
-    codes = eight.moe_layers.moe.mlp.gate_proj.get_value().codes  # [N, E, D / 2, F]
-    assert _is_q(eight.moe_layers.moe.mlp.gate_proj.get_value())
-    assert "expert" in str(codes.sharding.spec) and len(codes.sharding.device_set) == 8
+    eight = jaxllm.load_model(tmp_path / "q", mesh=mesh, **load)
+    assert eight.moe_layers.moe.mlp.cfg.dispatch == dispatch
+    gate = eight.moe_layers.moe.mlp.gate_proj.get_value()  # codes [N, E, D(/2), F]
+    assert _is_q(gate) if method == "rtn" else coded.w8a8(gate)
+    assert "expert" in str(gate.codes.sharding.spec) and len(gate.codes.sharding.device_set) == 8
     np.testing.assert_allclose(
         np.asarray(eight(tokens).logits), np.asarray(one(tokens).logits), rtol=1e-5, atol=1e-5
     )

@@ -20,7 +20,14 @@ def param(rngs: nnx.Rngs, init, shape: Sequence[int], axes: tuple[str, ...], dty
 
 
 def matmul(
-    spec: str, x: jax.Array, kernel: jax.Array, dtype, out_dtype=None, *, fp8: bool = False
+    spec: str,
+    x: jax.Array,
+    kernel: jax.Array,
+    dtype,
+    out_dtype=None,
+    *,
+    fp8: bool = False,
+    axis_name: str | None = None,
 ) -> jax.Array:
     """Every weight matmul of the model goes through here: `einsum(spec, x, kernel)` with both
     operands in the compute `dtype`, or with `fp8` in e4m3 with float32 accumulation (and e5m2
@@ -29,15 +36,17 @@ def matmul(
     `coded.CodedTensor` (dequantized here, inside the jitted computation, where XLA fuses it
     into the dot), a `coded.CodedTensor` with quantized activations (an int8 or fp8 dot,
     `coded.matmul`), a `fake_quant.FakeQuantKernel` (QAT: the activations rounded first) or a
-    `lora.LoRAKernel` (x W + s (x A) B, whose base may be any of them)."""
+    `lora.LoRAKernel` (x W + s (x A) B, whose base may be any of them). `axis_name` (under
+    `shard_map`): the mesh axis the contracted dims are split over, for a W8A8 kernel's
+    per-token scales."""
     out_dtype = out_dtype or dtype
     if (recorder := tap.active()) is not None:  # calibration (`tap`)
         recorder.see(spec, x, kernel)
     if isinstance(kernel, lora.LoRAKernel):
-        y = matmul(spec, x, kernel.base, dtype, out_dtype, fp8=fp8)
+        y = matmul(spec, x, kernel.base, dtype, out_dtype, fp8=fp8, axis_name=axis_name)
         return y + _lora_path(spec, x, kernel, dtype).astype(out_dtype)
     if isinstance(kernel, coded.CodedTensor) and kernel.act != "none":  # W8A8 kinds
-        return coded.matmul(spec, x, kernel, dtype, out_dtype)
+        return coded.matmul(spec, x, kernel, dtype, out_dtype, axis_name)
     if isinstance(kernel, fake_quant.FakeQuantKernel):  # QAT of the activations
         x, kernel = fake_quant.activations(spec, x, kernel), kernel.w
     x, kernel = x.astype(dtype), lora.as_array(kernel, dtype)
@@ -73,10 +82,20 @@ def _lora_path(spec: str, x: jax.Array, k: lora.LoRAKernel, dtype) -> jax.Array:
 
 
 def ragged_matmul(
-    x_AxD: jax.Array, kernel_ExDxF: jax.Array, sizes_E: jax.Array, dtype, *, fp8: bool = False
+    x_AxD: jax.Array,
+    kernel_ExDxF: jax.Array,
+    sizes_E: jax.Array,
+    dtype,
+    *,
+    fp8: bool = False,
+    axis_name: str | None = None,
 ) -> jax.Array:
     """The grouped matmul of dropless MoE experts (`jax.lax.ragged_dot`: the first sizes_E[0]
-    rows times kernel 0, and so on), in `dtype` or fp8 as `matmul`."""
+    rows times kernel 0, and so on), in `dtype` or fp8 as `matmul`; of a W8A8 expert stack
+    (`coded.w8a8`) with each row quantized, an int8 or fp8 ragged dot (`coded.ragged_matmul`;
+    `axis_name` as `matmul`'s)."""
+    if coded.w8a8(kernel_ExDxF):
+        return coded.ragged_matmul(x_AxD, kernel_ExDxF, sizes_E, dtype, axis_name)
     x_AxD, kernel_ExDxF = x_AxD.astype(dtype), kernel_ExDxF.astype(dtype)
     if fp8:
         return fp8_ops.ragged_dot(x_AxD, kernel_ExDxF, sizes_E, dtype)

@@ -25,6 +25,9 @@ by DeepSeek-V3): a per-expert bias added to the scores for the top-k choice only
 train step against the sign of each expert's load error (`update_router_bias`). Group-limited
 routing (DeepSeek-V2/V3) restricts each token's top-k to its best few groups of experts.
 
+Quantized experts: W8A8 codes (`coded.w8a8`) reach the dispatch as stored, whose matmuls quantize
+each token's row (int8 / E4M3 ragged dots or the seam's einsums); other codes are decoded first.
+
 Placement is not decided here: `jaxllm.parallel` runs the per-device functions below under
 `shard_map` and hands them the mesh axis names. `dense_reference` runs every expert on every
 token and is what the layer is tested against.
@@ -42,7 +45,7 @@ from flax import nnx
 
 from jaxllm import parallel
 from jaxllm.config import MoEConfig
-from jaxllm.model import lora, tap
+from jaxllm.model import coded, lora, tap
 from jaxllm.model.layers import matmul, param, ragged_matmul
 from jaxllm.model.mlp import MLP
 from jaxllm.model.outputs import MoEOutput
@@ -132,12 +135,12 @@ def capacity_slots(expert_BxLxX: jax.Array, num_experts: int, cap: int):
     return slot_BxLxX, keep_BxLxX
 
 
-def expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=False) -> jax.Array:
-    """Each expert's SwiGLU on its own buffer rows."""
+def expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=False, axis_name=None):
+    """Each expert's SwiGLU on its own buffer rows (hidden units split over `axis_name`)."""
     gate_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, gate_ExDxF, dtype, fp8=fp8)
     up_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, up_ExDxF, dtype, fp8=fp8)
     h_BxExCxF = jax.nn.silu(gate_BxExCxF) * up_BxExCxF
-    return matmul("gecf,efd->gecd", h_BxExCxF, down_ExFxD, dtype, fp8=fp8)
+    return matmul("gecf,efd->gecd", h_BxExCxF, down_ExFxD, dtype, fp8=fp8, axis_name=axis_name)
 
 
 def capacity_experts_local(
@@ -147,17 +150,17 @@ def capacity_experts_local(
     expert (all-to-all over `expert_axis`: [B, E, C, D] -> [n * B, E / n, C, D]), runs the
     local experts (hidden units split over `tensor_axis`), and sends the results back."""
     x_BxExCxD = jax.lax.all_to_all(buf_BxExCxD, expert_axis, 1, 0, tiled=True)
-    y_BxExCxD = expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8)
+    y_BxExCxD = expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8, tensor_axis)
     y_BxExCxD = jax.lax.psum(y_BxExCxD, tensor_axis)
     return jax.lax.all_to_all(y_BxExCxD, expert_axis, 0, 1, tiled=True)
 
 
 def grouped_experts(
-    x_TxD, expert_TxX, weight_TxX, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=False
+    x_TxD, expert_TxX, weight_TxX, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=False, axis=None
 ):
     """Dropless experts on one device: assignments sorted by expert, grouped matmuls, unsorted
     and combined. `expert_TxX` indexes the E experts given; assignments outside [0, E) belong
-    to other devices' experts and contribute nothing here."""
+    to other devices' experts and contribute nothing here. Hidden units split over `axis`."""
     e = gate_ExDxF.shape[0]
     t, x = expert_TxX.shape
     expert_A = expert_TxX.reshape(t * x)
@@ -168,11 +171,11 @@ def grouped_experts(
     sizes_E = jnp.sum(jax.nn.one_hot(key_A, e, dtype=jnp.int32), axis=0)
     xs_AxD = jnp.take(x_TxD, order_A // x, axis=0).astype(dtype)
 
-    def grouped(lhs, rhs):
-        return ragged_matmul(lhs, rhs, sizes_E, dtype, fp8=fp8)
+    def grouped(lhs, rhs, axis_name=None):
+        return ragged_matmul(lhs, rhs, sizes_E, dtype, fp8=fp8, axis_name=axis_name)
 
     h_AxF = jax.nn.silu(grouped(xs_AxD, gate_ExDxF)) * grouped(xs_AxD, up_ExDxF)
-    y_AxD = jnp.take(grouped(h_AxF, down_ExFxD), inverse_A, axis=0)
+    y_AxD = jnp.take(grouped(h_AxF, down_ExFxD, axis), inverse_A, axis=0)
     y_AxD = jnp.where(mine_A[:, None], y_AxD, 0)
     out_TxD = jnp.einsum(
         "tx,txd->td",
@@ -214,6 +217,7 @@ def dropless_experts_local(
         down_ExFxD,
         dtype,
         fp8,
+        tensor_axis,
     )
     out_BxLxD = out_TxD.reshape(b, l, d)
     if expert_axis is not None:
@@ -258,6 +262,15 @@ def record_experts(recorder, layer, x_BxLxD, combine_BxLxE) -> None:
 
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_weight(layer, name: str, dtype):
+    """A routed expert stack as the dispatch takes it: W8A8 codes as stored (its matmuls
+    quantize each token's row), anything else one array (`lora.dense`: an adapter merged in)."""
+    w = getattr(layer, name).get_value()
+    if coded.w8a8(w) and not hasattr(layer, f"{name}_lora_a"):
+        return w
+    return lora.dense(layer, name, dtype)
 
 
 def combine_weights(routing: Routing, num_experts: int, keep_BxLxX=None) -> jax.Array:
@@ -323,7 +336,7 @@ class MoE(nnx.Module):
         )
         bias_E = None if self.router_bias is None else self.router_bias[...]
         r = route(logits_BxLxE, bias_E, cfg)
-        gate, up, down = (lora.dense(self, n, dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+        gate, up, down = (expert_weight(self, n, dtype) for n in EXPERT_WEIGHTS)
         if (recorder := tap.active()) is not None:  # calibration
             record_experts(recorder, self, x_BxLxD, combine_weights(r, e))
         dropped = jnp.zeros((), jnp.float32)

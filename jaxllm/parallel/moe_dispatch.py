@@ -10,11 +10,20 @@ from jax.sharding import PartitionSpec
 from jaxllm import sharding
 
 
-def _expert_specs():
-    """(expert axis, tensor axis) and the specs of stacked expert weights inside shard_map:
-    experts split over `expert`, hidden units over `tensor`, `embed` gathered (FSDP)."""
+def _expert_specs(gate_ExDxF, up_ExDxF, down_ExFxD):
+    """(expert axis, tensor axis) and the specs of the stacked expert weights inside shard_map:
+    experts split over `expert`, hidden units over `tensor`, `embed` gathered (FSDP). A coded
+    stack's (`jaxllm.model.coded`) codes are laid out like the weight; its per-output-channel
+    scales [E, out] take the expert and output entries."""
     expert, tensor = sharding.RULES["expert"][0], sharding.RULES["mlp"][0]
-    return expert, tensor, PartitionSpec(expert, None, tensor), PartitionSpec(expert, tensor, None)
+
+    def like(w, spec: PartitionSpec):
+        scales = PartitionSpec(spec[0], spec[2])
+        return jax.tree.map(lambda leaf: spec if leaf.ndim == len(spec) else scales, w)
+
+    in_w, out_w = PartitionSpec(expert, None, tensor), PartitionSpec(expert, tensor, None)
+    specs = (like(gate_ExDxF, in_w), like(up_ExDxF, in_w), like(down_ExFxD, out_w))
+    return expert, tensor, specs
 
 
 def expert_all_to_all_active() -> bool:
@@ -44,7 +53,7 @@ def per_shard_dropless(fn, x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, do
             expert_axis=None,
             tensor_axis=None,
         )
-    expert, tensor, in_w, out_w = _expert_specs()
+    expert, tensor, weights = _expert_specs(gate_ExDxF, up_ExDxF, down_ExFxD)
     tokens = PartitionSpec(sharding.RULES["batch"], sharding.RULES["length"][0], None)
 
     def local(x, idx, w, gate, up, down):
@@ -53,7 +62,7 @@ def per_shard_dropless(fn, x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, do
     return jax.shard_map(
         local,
         mesh=sharding.shard_map_mesh(mesh),
-        in_specs=(tokens, tokens, tokens, in_w, in_w, out_w),
+        in_specs=(tokens, tokens, tokens, *weights),
         out_specs=tokens,
     )(x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD)
 
@@ -63,7 +72,7 @@ def per_shard_all_to_all(fn, buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
     device's rows of expert buffers [B, E, C, D] (rows split like the batch); `fn` exchanges
     them with the devices holding the experts."""
     mesh = sharding.current().mesh
-    expert, tensor, in_w, out_w = _expert_specs()
+    expert, tensor, weights = _expert_specs(gate_ExDxF, up_ExDxF, down_ExFxD)
     bufs = PartitionSpec(sharding.RULES["batch"], None, None, None)
 
     def local(buf, gate, up, down):
@@ -72,6 +81,6 @@ def per_shard_all_to_all(fn, buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
     return jax.shard_map(
         local,
         mesh=sharding.shard_map_mesh(mesh),
-        in_specs=(bufs, in_w, in_w, out_w),
+        in_specs=(bufs, *weights),
         out_specs=bufs,
     )(buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD)
