@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import config as config_lib
-from jaxllm.compress.weights import dims
+from jaxllm.compress.weights import is_quantized, quantized_abstract
 from jaxllm.config import ConfigError
 from jaxllm.convert.families import family_of
 from jaxllm.convert.links import Link
@@ -40,7 +40,7 @@ from jaxllm.convert.packed import (
     pack_int32,
 )
 from jaxllm.convert.reader import Reader, read_hf_config
-from jaxllm.model import abstract_model, quantized
+from jaxllm.model import abstract_model, coded, quantized
 
 
 def hf_order(link: Link, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
@@ -134,13 +134,15 @@ def wrap_config(
 
 def imported_codes(hf_dir, params: dict, cfg: config_lib.Config) -> dict:
     """`params` (read through the dequantizing `Reader`) with each compressed-tensors module's
-    weight replaced by a `QuantizedTensor` of its own codes, scales and zero points: the
-    inverse of `link_tensors`, bit-identical."""
+    weight replaced by the run's quantized tensor of its own codes and scales: a
+    `QuantizedTensor` (with its zero points) for pack-quantized, a `coded.CodedTensor` of the
+    kind `cfg.quantize` records for the fp8, int8 W8A8 and MXFP4 formats; the inverse of
+    `link_tensors` and `compressed_coded.link_tensors`, bit-identical."""
 
     reader = Reader(hf_dir)
     flat = flatten(params)
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
-    q_cfg = cfg.quantize
+    found = {}  # path -> (its link, the link's indices), the weights the files hold in codes
     for link in family_of(read_hf_config(hf_dir)).layouts(cfg.model)[0]:
         indices = list(each(link, shapes))
         packed = [link.name(i) in reader.modules for i in indices]
@@ -152,47 +154,78 @@ def imported_codes(hf_dir, params: dict, cfg: config_lib.Config) -> dict:
                 f"{link.name(indices[packed.index(False)])}; a jaxllm run quantizes a weight in "
                 "every layer or none: dequantize it first."
             )
-        path = link.ours[0]
+        found[link.ours[0]] = (link, indices)
+    _, abstract, axes = abstract_model(cfg.model)
+    targets = flatten(quantized_abstract(abstract, axes, cfg.quantize)[0])
+    _check_chosen(set(found), targets)
+    for path, (link, indices) in found.items():
         counts = link.counts(shapes)
-        elem = shapes[path][len(counts) :]
-        perm, n_in = hf_order(link, elem)
-        dtype = flat[path].dtype
-        parts: dict[str, list] = {"codes": [], "scales": [], "zeros": []}
-        for index in indices:
-            q, s, z = reader.codes(link.name(index), dtype)
-            codes = np.empty((n_in, len(perm)), np.uint8)
-            codes[:, perm] = q.T
-            scales = np.empty((s.shape[1], len(perm)), s.dtype)
-            scales[:, perm] = s.T
-            parts["codes"].append(codes.reshape(elem))
-            parts["scales"].append(scales.reshape(s.shape[1], *elem[link.n_in :]))
-            if z is not None:
-                zeros = np.empty((z.shape[1], len(perm)), np.uint8)
-                zeros[:, perm] = z.T
-                parts["zeros"].append(zeros.reshape(s.shape[1], *elem[link.n_in :]))
-        stack = {k: np.stack(v).reshape(*counts, *v[0].shape) for k, v in parts.items() if v}
-        lead = len(counts)
-        flat[path] = quantized.QuantizedTensor(
-            codes=quantized._pack(jnp.asarray(stack["codes"]), q_cfg.bits, lead + link.n_in - 1),
-            scales=jnp.asarray(stack["scales"]),
-            zeros=jnp.asarray(stack["zeros"]) if "zeros" in stack else None,
-            bits=q_cfg.bits,
-            group=q_cfg.group_size,
-            n_in=link.n_in,
-            n_out=len(elem) - link.n_in,
-            dtype=np.dtype(dtype),
-        )
-    _check_chosen(flat, cfg)
+        elem = shapes[path][len(counts) :]  # one layer's (and expert's) weight
+        if isinstance(targets[path], coded.CodedTensor):
+            perm = hf_order(link, elem)[0]
+            flat[path] = _coded_weight(reader, link, indices, perm, targets[path])
+        else:
+            how = (counts, elem, flat[path].dtype, cfg.quantize)
+            flat[path] = _integer_weight(reader, link, indices, *how)
     return unflatten(flat)
 
 
-def _check_chosen(flat: dict, cfg: config_lib.Config) -> None:
-    """The weights imported in codes must be those the run's `quantize.*` quantizes (the
-    projections, not the LM head), since that is what loading the run expects."""
+def _coded_weight(reader: Reader, link: Link, indices, perm, target: coded.CodedTensor):
+    """`target` (the run's abstract coded weight: its kind, shapes and dtypes) holding the
+    codes and scales of the link's modules as they are stored."""
+    n = len(perm)
+    parts: dict[str, list] = {"codes": [], "scales": []}
+    for index in indices:
+        for key, x in zip(parts, reader.codes(link.name(index), None)):
+            ours = np.empty((x.shape[1], n), x.dtype)  # [in (groups), out], our outputs' order
+            ours[:, perm] = x.T
+            parts[key].append(ours)
+    codes, scales = (np.stack(parts[k]) for k in parts)
+    assert (codes.dtype, scales.dtype) == (target.codes.dtype, target.scales.dtype)
+    return target.replace(
+        codes=jnp.asarray(codes.reshape(target.codes.shape)),
+        scales=jnp.asarray(scales.reshape(target.scales.shape)),
+    )
 
-    axes = flatten(abstract_model(cfg.model)[2])
-    want = {p for p in flat if dims(p, tuple(axes[p]), cfg.quantize)}
-    got = {p for p, x in flat.items() if isinstance(x, quantized.QuantizedTensor)}
+
+def _integer_weight(reader: Reader, link: Link, indices, counts, elem, dtype, q_cfg):
+    """The `QuantizedTensor` (of `q_cfg`'s bits and groups, in `dtype`) of the link's
+    pack-quantized modules, `counts` of elements of shape `elem`: their codes, scales and zero
+    points."""
+    perm, n_in = hf_order(link, elem)
+    parts: dict[str, list] = {"codes": [], "scales": [], "zeros": []}
+    for index in indices:
+        q, s, z = reader.codes(link.name(index), dtype)
+        codes = np.empty((n_in, len(perm)), np.uint8)
+        codes[:, perm] = q.T
+        scales = np.empty((s.shape[1], len(perm)), s.dtype)
+        scales[:, perm] = s.T
+        parts["codes"].append(codes.reshape(elem))
+        parts["scales"].append(scales.reshape(s.shape[1], *elem[link.n_in :]))
+        if z is not None:
+            zeros = np.empty((z.shape[1], len(perm)), np.uint8)
+            zeros[:, perm] = z.T
+            parts["zeros"].append(zeros.reshape(s.shape[1], *elem[link.n_in :]))
+    stack = {k: np.stack(v).reshape(*counts, *v[0].shape) for k, v in parts.items() if v}
+    lead = len(counts)
+    return quantized.QuantizedTensor(
+        codes=quantized._pack(jnp.asarray(stack["codes"]), q_cfg.bits, lead + link.n_in - 1),
+        scales=jnp.asarray(stack["scales"]),
+        zeros=jnp.asarray(stack["zeros"]) if "zeros" in stack else None,
+        bits=q_cfg.bits,
+        group=q_cfg.group_size,
+        n_in=link.n_in,
+        n_out=len(elem) - link.n_in,
+        dtype=np.dtype(dtype),
+    )
+
+
+def _check_chosen(got: set[str], targets: dict) -> None:
+    """The weights imported in codes (`got`) must be those the run's `quantize.*` quantizes
+    (the projections, not the LM head: the quantized leaves of `targets`, the run's abstract
+    parameters), since that is what loading the run expects."""
+
+    want = {p for p, x in targets.items() if is_quantized(x)}
     if want != got:
         raise ConfigError(
             "the checkpoint quantizes a different set of weights than a jaxllm quantized run "

@@ -20,7 +20,8 @@ token, dynamic, symmetric) and `MXFP4A16`. Those decode as w = q * s, jaxllm's n
 bytes with the same bias, so the codes and scales move across as they are stored, bit-identical.
 
 LLM.int8() (`llm_int8`) keeps its outlier features in 16 bits at run time, which no
-compressed-tensors scheme expresses: its export is refused (`check_exportable`).
+compressed-tensors scheme expresses: its export is refused (`check_exportable`). `jaxllm
+convert import` reads these layouts back (`jaxllm.convert.coded_formats`).
 """
 
 from __future__ import annotations

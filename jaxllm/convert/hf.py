@@ -132,7 +132,7 @@ def model_config(hf_dir, overrides=(), dequantize: bool = False) -> config_lib.C
     still loads and computes logits from ids, and only encoding or decoding text is refused."""
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
-    quantize = packed.run_quantize(hf, hf_dir)  # {}, or its codes' quantize.*
+    quantize = packed.run_quantize(hf, hf_dir, dequantize)  # {}, or its codes' quantize.*
     if dequantize and not quantize:
         raise ConfigError(f"--dequantize: {hf_dir} holds no quantized weights to dequantize.")
     if dequantize:  # a float run: the Reader dequantizes every packed module

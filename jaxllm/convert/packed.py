@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from jaxllm.config import ConfigError
-from jaxllm.convert import autoquant
+from jaxllm.convert import autoquant, coded_formats
 from jaxllm.model import quantized
 
 FORMAT = "pack-quantized"
@@ -44,23 +44,27 @@ def unpack_int32(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
     return (stream.reshape(rows, n, bits) * weights).sum(-1).astype(np.uint8)
 
 
-def run_quantize(hf: dict, where) -> dict:
+def run_quantize(hf: dict, where, dequantize: bool = False) -> dict:
     """The `quantize.*` of a checkpoint whose config.json has a compressed-tensors
     `quantization_config` ({} without one); what jaxllm cannot hold keeping the codes (another
     quant_method or format, activations quantized, several schemes, not int, an
-    `actorder`) is refused naming it."""
+    `actorder`) is refused naming it. The fp8, int8 W8A8 and MXFP4 formats are
+    `coded_formats.run_quantize`'s (with `dequantize`, only their weights are checked)."""
     qc = hf.get("quantization_config")
     if not qc:
         return {}
     method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
     if method in autoquant.METHODS:
         return autoquant.run_quantize(qc, where)
+    if coded_formats.is_coded(qc):
+        return coded_formats.run_quantize(qc, where, dequantize)
     if method != "compressed-tensors":
         raise ConfigError(
             f"{where} is a quantized checkpoint (quantization_config: quant_method {method}); "
             "jaxllm imports float32 / bfloat16 / float16 tensors, compressed-tensors' "
-            f"{FORMAT} weight-only integers and GPTQ / AWQ (GEMM) codes: dequantize it first (for DeepSeek-V3's FP8 "
-            "weights, to bfloat16 with their weight_scale_inv scales)."
+            f"{FORMAT} weight-only integers, its fp8, int8 W8A8 and MXFP4 formats and GPTQ / "
+            "AWQ (GEMM) codes: dequantize it first (for DeepSeek-V3's FP8 weights, to bfloat16 "
+            "with their weight_scale_inv scales)."
         )
     groups = list((qc.get("config_groups") or {}).values())
     w = (groups[0].get("weights") or {}) if len(groups) == 1 else {}

@@ -12,7 +12,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxllm.config import ConfigError
-from jaxllm.convert import autoquant
+from jaxllm.convert import autoquant, coded_formats
 from jaxllm.convert.families import first_line
 from jaxllm.convert.packed import SUFFIXES, dequantized, module_codes, run_quantize
 
@@ -124,6 +124,8 @@ class Reader:
                         "files to read)."
                     )
                 self.where[name], self.shapes[name], self.dtypes[name] = f, shape, dtype
+        # tensors numpy has no dtype for (E4M3 weights): `read` gives their bytes, uint8
+        self.bytes_only = {n for n, dt in self.dtypes.items() if dt == "F8_E4M3"}
         for name, file in (weight_map or {}).items():
             if self.where.get(name) != hf_dir / file:
                 raise ConfigError(
@@ -135,11 +137,13 @@ class Reader:
 
     def _compressed(self, hf_dir: Path) -> None:
         """compressed-tensors' packed modules (`M.weight_packed`, ...) seen as their float
-        `M.weight`, which `read` dequantizes (`jaxllm.convert.compressed`)."""
+        `M.weight`, which `read` dequantizes (`jaxllm.convert.compressed`); its fp8, int8 and
+        MXFP4 modules in `_coded`."""
 
         self.modules: dict[str, str] = {}
         self.bits = 0
         self.auto: dict | None = None  # a GPTQ / AWQ quantization_config
+        self.coded: str | None = None  # the kind of compressed-tensors' fp8 / int8 / MXFP4 codes
         packed = [n.removesuffix(".weight_packed") for n in self.shapes if n.endswith("_packed")]
         auto = [n.removesuffix(".qweight") for n in self.shapes if n.endswith(".qweight")]
         # config.json, read once (a PEFT adapter directory has none, and nothing packed)
@@ -154,6 +158,9 @@ class Reader:
                 f"{method}) whose files hold no packed weights (M.qweight); give the quantized "
                 "files, or remove quantization_config from config.json."
             )
+        if coded_formats.is_coded(hf.get("quantization_config")):
+            self._coded(hf_dir, hf["quantization_config"])
+            return
         if not packed:
             return
         if method in autoquant.METHODS:
@@ -176,6 +183,32 @@ class Reader:
             for suffix in SUFFIXES:
                 self.shapes.pop(f"{m}.{suffix}", None)
                 self.dtypes.pop(f"{m}.{suffix}", None)
+
+    def _coded(self, hf_dir: Path, qc: dict) -> None:
+        """compressed-tensors' fp8 / int8 / MXFP4 modules (every `M.weight_scale`) seen as
+        their float `M.weight` (`jaxllm.convert.coded_formats`), stored as the checkpoint's
+        other float tensors are; `qc`: config.json's quantization_config."""
+        kind = self.coded = coded_formats.weight_kind(qc, hf_dir)
+        scales = [n for n in self.shapes if n.endswith(".weight_scale")]
+        modules = [n.removesuffix(".weight_scale") for n in scales]
+        if not modules:
+            raise ConfigError(
+                f"{hf_dir}'s config.json has a compressed-tensors {kind} quantization_config "
+                "but its files hold no quantized modules (M.weight_scale); give the quantized "
+                "files, or remove quantization_config from config.json."
+            )
+        found = {
+            m: coded_formats.weight_shape(kind, self.shapes, self.dtypes, m, hf_dir)
+            for m in modules
+        }
+        for m in modules:
+            for name in (f"{m}.weight", *(f"{m}.{suffix}" for suffix in coded_formats.SUFFIXES)):
+                self.shapes.pop(name, None)
+                self.dtypes.pop(name, None)
+        stored = {v: k for k, v in DTYPES.items()}[self.param_dtype()]
+        for m, shape in found.items():
+            self.modules[f"{m}.weight"] = m
+            self.shapes[f"{m}.weight"], self.dtypes[f"{m}.weight"] = shape, stored
 
     def _auto(self, hf_dir: Path, hf: dict, modules: list[str]) -> None:
         """GPTQ / AWQ packed modules (`M.qweight`, ...) seen as their float `M.weight`
@@ -202,12 +235,18 @@ class Reader:
         whose float weight is `name`."""
         if self.auto is not None:
             return autoquant.module_codes(self._read, self.modules[name], self.auto, dtype)
+        if self.coded is not None:  # (codes, scales [out, groups] as jaxllm holds them, None)
+            return (*coded_formats.module_codes(self._read, self.modules[name], self.coded), None)
         return module_codes(self._read, self.modules[name], self.bits, dtype)
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         if name in self.modules:
             if self.auto is not None:
                 w = autoquant.dequantized(self._read, self.modules[name], self.auto, np.float32)
+            elif self.coded is not None:
+                w = coded_formats.dequantized(
+                    self._read, self.modules[name], self.coded, np.float32
+                )
             else:
                 w = dequantized(self._read, self.modules[name], self.bits, np.float32)
             return w if index is None else w[index]
@@ -216,6 +255,9 @@ class Reader:
     def _read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         if name not in self.where:
             raise KeyError(name)
+        if name in self.bytes_only:
+            raw = tensor_bytes(self.where[name], name)
+            return raw if index is None else raw[index]
         try:
             with safe_open(self.where[name], framework="numpy") as h:
                 if index is None:
@@ -256,6 +298,23 @@ class Reader:
             )
             for i in range(0, n, rows)
         )
+
+
+def tensor_bytes(path: Path, name: str) -> np.ndarray:
+    """Tensor `name` of the safetensors file `path` as its bytes (uint8, the tensor's shape;
+    one-byte dtypes only), read by the file's header offsets."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            meta = json.loads(f.read(n))[name]
+            begin, end = meta["data_offsets"]
+            f.seek(8 + n + begin)
+            data = f.read(end - begin)
+        return np.frombuffer(data, np.uint8).reshape(meta["shape"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(
+            f"cannot read tensor {name} from {path} ({first_line(e)}); download the file again."
+        ) from None
 
 
 def _header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
