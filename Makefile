@@ -6,9 +6,10 @@
 # Both create .venv and install into it (once; again when pyproject.toml changes).
 #   make test-newest   the suite again on Python 3.12 with the newest jax, flax, optax, orbax and
 #                      grain (in .venv-newest; the tests that need torch run on the main line only)
-#   make test-reference   the tests marked `reference` (GPTQ against llm-compressor) on Python
-#                         3.11 in .venv-reference: llm-compressor pins transformers and
-#                         compressed-tensors below the `test` extra's, so it has its own venv
+#   make test-reference   the tests marked `reference` (GPTQ, AWQ and SmoothQuant against
+#                         llm-compressor) on Python 3.11 in .venv-reference: llm-compressor pins
+#                         transformers and compressed-tensors below the `test` extra's, so it
+#                         has its own venv
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -61,7 +62,8 @@ test-reference:
 	$(REFERENCE_PYTHON) -m venv $(REFERENCE_VENV)
 	$(REFERENCE_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(REFERENCE_VENV)/bin/python -m pip install --quiet -e '.[test-core,reference]'
-	$(REFERENCE_VENV)/bin/python -m pytest -m reference tests/test_gptq_reference.py -n 0 $(PYTEST_ARGS)
+	$(REFERENCE_VENV)/bin/python -m pytest -m reference tests/test_gptq_reference.py \
+		tests/test_awq_smoothquant_reference.py -n 0 $(PYTEST_ARGS)
 
 lint: $(TESTS)
 	$(BIN)/ruff format --check jaxllm kernels tests scripts

@@ -133,12 +133,13 @@ def np_awq_scales(ws, hs, mean, bits, grid, duo):
     best, out = np.inf, None
     for i in range(-1, grid):
         a = i / grid
-        s = np.maximum(mean**a, 1e-4)
+        s = mean**a
         if duo:
             wm = sum(
                 (np.abs(w) / (np.abs(w).max(0, keepdims=True) + 1e-6)).mean(1) for w in ws
             ) / len(ws)
             s = s / (wm ** (1 - a) + 1e-4)
+        s = np.maximum(s, 1e-4)
         s = s / np.sqrt(s.max() * s.min()) if i >= 0 else np.ones_like(mean)
         loss = 0.0
         for w, h in zip(ws, hs):

@@ -14,7 +14,9 @@ AWQ never does worse than RTN on that error. As in the paper, a norm's readers a
 feed (the attention, or the MLP / MoE layer) run on the norm's recorded output with the set's
 weights as diag(s)^-1 Q(diag(s) W); the other sets' readers are their own module, whose error
 is tr(dW^T X^T X dW) from the Gram matrices calibration records. With duo scaling (AutoAWQ's
-and llm-compressor's default) s_k is divided by the mean |w_k|^(1 - alpha).
+and llm-compressor's default) s_k is divided by mean|w_k|^(1 - alpha), |w| taken relative to
+the largest of its quantization group and averaged over all the set's outputs; s is floored
+at 1e-4.
 
 The 1/s is folded into what produces the input, so the model computes the same function in
 float: the preceding norm's scale (and bias), whose other readers are compensated (the MoE
@@ -252,12 +254,13 @@ def _candidates(ws, abs_sum, count, q, shared):
     """The scales [1 + grid, *lead, K]: s = 1, then those of each alpha of the grid."""
     mean = abs_sum / jnp.maximum(count, 1.0)[..., None] if not shared else abs_sum / count
     mean = jnp.where(mean > 0, mean, 0.0)
-    w_mean = _weight_magnitude(ws, shared) if q.awq.duo_scaling else None
+    w_mean = _weight_magnitude(ws, shared, q.group_size) if q.awq.duo_scaling else None
 
     def scales(alpha):
-        s = jnp.maximum(mean**alpha, 1e-4)
+        s = mean**alpha
         if w_mean is not None:
             s = s / (w_mean ** (1 - alpha) + 1e-4)
+        s = jnp.maximum(s, 1e-4)  # floored after the division, as AutoAWQ and llm-compressor
         return s / jnp.sqrt(jnp.max(s, -1, keepdims=True) * jnp.min(s, -1, keepdims=True))
 
     grid = jax.vmap(scales)(jnp.arange(q.awq.grid, dtype=jnp.float32) / q.awq.grid)
@@ -300,15 +303,23 @@ def _search(ws, hs, abs_sum, count, q, shared):
     return candidates[jnp.argmin(_gram_losses(ws, hs, candidates, q))]
 
 
-def _weight_magnitude(ws, shared: bool):
-    """Per input channel, the mean over the set's outputs of |W| relative to its output's
-    largest (llm-compressor's duo scaling): [*lead, K], or [K] shared."""
-    parts = []
+def _weight_magnitude(ws, shared: bool, group: int):
+    """Per input channel, the mean over all the set's outputs (its readers' concatenated, and
+    the experts' with `shared`) of |W| relative to the largest |W| of its quantization group
+    (of its whole output with `group` 0), as AutoAWQ's and llm-compressor's duo scaling:
+    [*lead, K], or [K] shared."""
+    total, count = 0.0, 0
     for w in ws:
-        a = jnp.abs(w.astype(jnp.float32))
-        a = a / (jnp.max(a, axis=-2, keepdims=True) + 1e-6)
-        parts.append(a.reshape(-1, a.shape[-2], a.shape[-1]).mean((0, 2)) if shared else a.mean(-1))
-    return sum(parts) / len(parts)
+        k, n = w.shape[-2:]
+        g = group or k
+        a = jnp.abs(w.astype(jnp.float32)).reshape(*w.shape[:-2], k // g, g, n)
+        a = (a / (jnp.max(a, axis=-2, keepdims=True) + 1e-6)).reshape(w.shape)
+        if shared:
+            a = a.reshape(-1, k, n)
+            total, count = total + a.sum((0, 2)), count + a.shape[0] * n
+        else:
+            total, count = total + a.sum(-1), count + n
+    return total / count
 
 
 def _in_dims(params: dict, path: str) -> tuple[int, int]:
