@@ -66,7 +66,8 @@ def llm_int8_matmul(
 def smooth(w_list, act_absmax: jax.Array, norm_weight: jax.Array, alpha: float = 0.5):
     """SmoothQuant's migration for the weights [K, N_i] of `w_list` that read one norm's
     output: s_j = max|X_j|^alpha / max_i,n |W_i[j, n]|^(1 - alpha) from the calibration
-    `act_absmax` [K], both maxima floored at 1e-5 (as the reference code). Returns
+    `act_absmax` [K], both maxima floored at 1e-5 (the reference code floors max|W| and s:
+    they differ only for a channel no calibration row reaches). Returns
     ([s[:, None] * W_i], norm_weight / s): the same products, X W = (X / s)(s W)."""
     a = jnp.maximum(act_absmax.astype(jnp.float32), 1e-5)
     wmax = jnp.max(jnp.stack([jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1) for w in w_list]), 0)
