@@ -4,7 +4,7 @@ reference, sliding windows and ALiBi, argument checks. Quantizers are in
 in `test_decode_attention_lowering.py`.
 
 Every kernel case runs a ragged batch: a length-0 padding row, lengths that are not multiples
-of the kv block or the int4 group, and a full row. Cache contents past each sequence's end
+of the kv block or the int4 / int2 group, and a full row. Cache contents past each sequence's end
 (and pages no sequence owns) are poisoned with NaN, so any read of stale data that reached the
 output would show.
 """
@@ -40,7 +40,8 @@ def _kv(b, g, t, d, seed):
 
 def _poison(cache: KVCache, lengths):
     """NaN into everything at or past each sequence's end that the kernel must not use: float
-    rows, int8 scales, int4 scales of groups not yet full (their codes are left as they are)."""
+    rows, int8 scales, int4 / int2 scales of groups not yet full (their codes are left as they
+    are)."""
     n = jnp.asarray(lengths)[:, None, None]
     t = cache.k.shape[2]
     pos = jnp.arange(t)[None, None, :]
@@ -65,7 +66,7 @@ def _poison(cache: KVCache, lengths):
     dead_group = (jnp.arange(t // GROUP)[None, None, :] * GROUP >= full)[..., None]
     dead_row = (pos >= full)[..., None]
     return KVCache(
-        kind="int4",
+        kind=cache.kind,
         group=GROUP,
         k=cache.k,
         v=cache.v,
@@ -155,6 +156,10 @@ CASES = [
     ("int4-mha-q4-paged-bf16", "int4", None, 2, 1, 4, None, True, jnp.bfloat16),
     ("int4-triton-gqa4-q4-paged-layer", "int4", "triton", 2, 4, 4, 2, True, jnp.float32),
     ("int4-triton-mha-q1", "int4", "triton", 2, 1, 1, None, False, jnp.bfloat16),
+    ("int2-gqa2-q4-paged-layer", "int2", None, 2, 2, 4, 2, True, jnp.float32),
+    ("int2-mha-q1-bf16", "int2", None, 2, 1, 1, None, False, jnp.bfloat16),
+    ("int2-triton-gqa2-q4-paged-layer", "int2", "triton", 2, 2, 4, 2, True, jnp.float32),
+    ("int2-triton-mqa-q1", "int2", "triton", 1, 4, 1, None, False, jnp.bfloat16),
 ]
 
 

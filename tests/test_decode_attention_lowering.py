@@ -96,7 +96,7 @@ LOWERINGS = [  # (platform, backend, custom call the kernel must lower to)
 
 
 @pytest.mark.parametrize("platform,backend,target", LOWERINGS, ids=[p for p, *_ in LOWERINGS])
-@pytest.mark.parametrize("kind", ["int8", "int4", "bfloat16"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int2", "bfloat16"])
 @pytest.mark.parametrize("page", [None, 256], ids=["contiguous", "paged"])
 def test_lowers(platform, backend, target, kind, page):
     cache = _abstract_cache(kind, page=page)

@@ -1,8 +1,10 @@
-"""Decode-attention cache quantizers: int8 and KIVI int4 (keys per channel in token groups,
-values per token in channel groups) round trips, nibble packing, bytes per cached token."""
+"""Decode-attention cache quantizers: int8 and KIVI int4 / int2 (keys per channel in token
+groups, values per token in channel groups) round trips, code packing (int2 against a NumPy
+re-derivation), bytes per cached token."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jaxllm.kernels.decode_attention import (
@@ -10,11 +12,17 @@ from jaxllm.kernels.decode_attention import (
     dequantize_int4_keys,
     dequantize_int4_values,
     dequantize_int8,
+    dequantize_kivi_keys,
+    dequantize_kivi_values,
+    pack_codes,
     pack_int4,
     quantize_cache,
     quantize_int4_keys,
     quantize_int4_values,
     quantize_int8,
+    quantize_kivi_keys,
+    quantize_kivi_values,
+    unpack_codes,
     unpack_int4,
 )
 
@@ -79,6 +87,72 @@ def test_bytes_per_token():
     assert cache_bytes_per_token("bfloat16", 8, 64) == 8 * 256
     assert cache_bytes_per_token("int8", 8, 64) == 8 * 132
     assert cache_bytes_per_token("int4", 8, 64, 32) == 8 * (64 + 8 + 8)
+    assert cache_bytes_per_token("int2", 8, 64, 32) == 8 * (32 + 8 + 8)
     kv = jnp.zeros((1, 8, 64, 64))
-    cache = jax.eval_shape(lambda: quantize_cache(kv, kv, "int4"))
-    assert cache.bytes_per_token() == cache_bytes_per_token("int4", 8, 64, 32)
+    for kind in ("int4", "int2"):
+        cache = jax.eval_shape(lambda kind=kind: quantize_cache(kv, kv, kind))
+        assert cache.bytes_per_token() == cache_bytes_per_token(kind, 8, 64, 32)
+    with pytest.raises(ValueError, match="latent"):
+        cache_bytes_per_token("int2", 1, 64, 32, latent=True)
+
+
+# ------------------------------------------------------------------------ int2 (KIVI-2)
+
+
+def _np_int2(x, axis):
+    """NumPy KIVI-2 of x over `axis`: codes 0..3 against the bf16-rounded zero and scale."""
+    bf16 = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    zero = bf16(x.min(axis=axis, keepdims=True))
+    scale = bf16((x.max(axis=axis, keepdims=True) - zero) / np.float32(3.0))
+    q = np.where(scale == 0, 0.0, (x - zero) / np.where(scale == 0, 1.0, scale))
+    return np.clip(np.round(q), 0, 3).astype(np.uint8), scale, zero
+
+
+def _np_pack2(codes):
+    """Four codes a byte: channel 4i + j at bits 2j .. 2j + 1 of byte i."""
+    c = codes.astype(np.uint32)
+    return (c[..., 0::4] | c[..., 1::4] << 2 | c[..., 2::4] << 4 | c[..., 3::4] << 6).astype(
+        np.uint8
+    )
+
+
+def test_int2_packing_layout_and_round_trip():
+    codes = jax.random.randint(jax.random.key(4), (2, 5, 64), 0, 4).astype(jnp.uint8)
+    packed = pack_codes(codes, 2)
+    assert packed.dtype == jnp.uint8 and packed.shape == (2, 5, 16)
+    np.testing.assert_array_equal(np.asarray(packed), _np_pack2(np.asarray(codes)))
+    np.testing.assert_array_equal(np.asarray(unpack_codes(packed, 2)), np.asarray(codes))
+    assert int(pack_codes(jnp.array([1, 2, 3, 0], jnp.uint8), 2)[0]) == 0b00111001
+    with pytest.raises(ValueError, match="divisible by 4"):
+        pack_codes(jnp.zeros((6,), jnp.uint8), 2)
+
+
+def test_int2_keys_and_values_match_numpy():
+    """Codes, scales, zeros and dequantized values of KIVI-2 keys (per channel over 32-token
+    groups) and values (per token over 32-channel groups) equal a NumPy re-derivation."""
+    kk, kv = jax.random.split(jax.random.key(5))
+    k = jax.random.normal(kk, (2, 3, 64, 64), jnp.float32) * 2.0
+    k = k.at[0, 0, :GROUP].set(0.0)  # an all-zero group: scale 0, decodes to 0
+    v = jax.random.normal(kv, (2, 3, 40, 64), jnp.float32)
+    nk, nv = f32(k), f32(v)
+
+    packed, scale, zero = jax.jit(quantize_kivi_keys, static_argnums=(1, 2))(k, GROUP, 2)
+    codes, s, z = _np_int2(nk.reshape(2, 3, 2, GROUP, 64), axis=-2)
+    assert packed.shape == (2, 3, 64, 16) and scale.shape == zero.shape == (2, 3, 2, 64)
+    np.testing.assert_array_equal(np.asarray(packed), _np_pack2(codes.reshape(nk.shape)))
+    np.testing.assert_array_equal(f32(scale), s[..., 0, :])
+    np.testing.assert_array_equal(f32(zero), z[..., 0, :])
+    deq = dequantize_kivi_keys(packed, scale, zero, GROUP, 2)
+    np.testing.assert_allclose(f32(deq), (codes * s + z).reshape(nk.shape), rtol=1e-6)
+    assert np.all(f32(deq)[0, 0, :GROUP] == 0.0)
+
+    packed, scale, zero = jax.jit(quantize_kivi_values, static_argnums=(1, 2))(v, GROUP, 2)
+    codes, s, z = _np_int2(nv.reshape(2, 3, 40, 2, GROUP), axis=-1)
+    assert packed.shape == (2, 3, 40, 16) and scale.shape == (2, 3, 40, 2)
+    np.testing.assert_array_equal(np.asarray(packed), _np_pack2(codes.reshape(nv.shape)))
+    np.testing.assert_array_equal(f32(scale), s[..., 0])
+    deq = dequantize_kivi_values(packed, scale, zero, GROUP, 2)
+    np.testing.assert_allclose(f32(deq), (codes * s + z).reshape(nv.shape), rtol=1e-6)
+    # within half a step plus the bf16 rounding of zero and of the 3-step range
+    bound = np.repeat(f32(scale) / 2 + 2.0**-8 * (np.abs(f32(zero)) + 3 * f32(scale)), GROUP, -1)
+    assert np.all(np.abs(nv - f32(deq)) <= bound + 1e-6)

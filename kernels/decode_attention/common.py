@@ -13,25 +13,26 @@ Two program structures share one block math (`update`): Mosaic TPU (`mosaic_tpu.
 block of all G kv heads per grid step, scalar-prefetched lengths / block table / layer read by
 the index maps, so nothing is gathered or sliced in XLA) and Triton (`triton.py`: each program
 loops over the live kv blocks of its split, loading pages through the block table). Mosaic GPU
-(`mosaic_gpu.py`, Hopper) keeps the contract, the limits, the page lookup and the nibble
-unpacking of this module, and does the block math with wgmma on transposed scores (its
-docstring says why).
+(`mosaic_gpu.py`, Hopper; bf16 / int8 / int4) keeps the contract, the limits, the page lookup
+and the nibble unpacking of this module, and does the block math with wgmma on transposed
+scores (its docstring says why).
 
 Each backend's `forward(q_parts, arrays, lengths, block_table, layer, cfg)` takes q_parts
-[B, G, M, K] (or its even / odd channel halves for int4 on TPU), the cache arrays of
+[B, G, M, K] (or its n channel parts, n codes a byte, for int4 / int2 on TPU), the cache arrays of
 ARRAY_NAMES[kind], lengths int32 [B], block_table int32 [B * pages_per_seq] (flattened; any [1]
 placeholder when contiguous) and layer int32 [1], and returns cfg.num_parts float32 outputs
-[B, G, S, M, K / parts] (normalized per split) followed by lse [B, G, S, M, 1].
+[B, G, S, M, K / num_parts] (normalized per split) followed by lse [B, G, S, M, 1].
 
 Quantized blocks are dequantized in VMEM/registers:
 - int8: codes go to the MXU in the compute dtype (exact: |code| <= 127); the key scale scales the
   logits, the value scale scales p before p @ v.
-- int4: nibbles are unpacked with shifts and masks. Mosaic cannot interleave lanes, so the TPU
-  path keeps channels split in halves: even channels (low nibbles) and odd channels (high
-  nibbles) are separate [*, K / 2] operands, q arrives split the same way, and the output
-  leaves split (ops.py re-interleaves them). The per-channel key scales are split with a 0/1
-  selection matmul and the per-group value scales widened with a 0/1 expansion matmul (both
-  exact: each output is one bf16 input). Triton joins the nibbles back into channel order.
+- int4 / int2 (KIVI): the n = 2 / 4 codes of a byte are unpacked with shifts and masks; code j
+  of byte i is channel n * i + j. Mosaic cannot interleave lanes, so the TPU path keeps channels
+  split in n parts: part j (channels j, n + j, 2n + j, ...) is a separate [*, K / n] operand,
+  q arrives split the same way, and the output leaves split (ops.py re-interleaves them). The
+  per-channel key scales are split with 0/1 selection matmuls and the per-group value scales
+  widened with a 0/1 expansion matmul (both exact: each output is one bf16 input). Triton joins
+  the parts back into channel order, two at a time.
 
 Rows past a sequence's end (stale cache contents, the padded edge block) are masked in the
 logits and zeroed in the values, so even NaN garbage never reaches the output.
@@ -44,6 +45,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jaxllm.kernels.decode_attention.quant import KIVI_BITS, codes_per_byte
 from jaxllm.kernels.reference import MASK_VALUE
 
 # Kernel backends; `ops.py` imports the module of one only when a call uses it.
@@ -55,6 +57,7 @@ ARRAY_NAMES = {
     "bfloat16": ("k", "v"),
     "int8": ("k", "v", "k_scale", "v_scale"),
     "int4": ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"),
+    "int2": ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"),
 }
 
 
@@ -63,7 +66,7 @@ class Config:
     """Static description of one decode call."""
 
     kind: str
-    group: int  # int4 key group (tokens); the value group is min(group, head_dim)
+    group: int  # KIVI key group (tokens); the value group is min(group, head_dim)
     head_dim: int
     num_kv_heads: int
     seq_len: int  # T (pages_per_seq * page_size when paged)
@@ -81,13 +84,22 @@ class Config:
     interpret: bool
 
     @property
-    def split_halves(self) -> bool:
-        """int4 on Mosaic TPU: channels as (even, odd) halves instead of interleaved."""
-        return self.kind == "int4" and self.backend == "mosaic_tpu"
+    def kivi(self) -> bool:
+        """int4 / int2: packed codes, a per-group scale and zero, a full-precision residual."""
+        return self.kind in KIVI_BITS
+
+    @property
+    def bits(self) -> int:
+        return KIVI_BITS[self.kind]
+
+    @property
+    def split_channels(self) -> bool:
+        """KIVI on Mosaic TPU: channels as `codes_per_byte` strided parts, not interleaved."""
+        return self.kivi and self.backend == "mosaic_tpu"
 
     @property
     def num_parts(self) -> int:
-        return 2 if self.split_halves else 1
+        return codes_per_byte(self.kind) if self.split_channels else 1
 
     @property
     def value_group(self) -> int:
@@ -103,8 +115,8 @@ def _dot_nn(a, b):  # a @ b
 
 
 def kernel_limit(length, cfg: Config):
-    """Tokens the kernel covers: all n of them, or for int4 the q(n) in full groups."""
-    if cfg.kind == "int4":
+    """Tokens the kernel covers: all n of them, or for int4 / int2 the q(n) in full groups."""
+    if cfg.kivi:
         return lax.div(length, cfg.group) * cfg.group
     return length
 
@@ -112,28 +124,39 @@ def kernel_limit(length, cfg: Config):
 # -------------------------------------------------------------------------- block math
 
 
+def _unpack(packed, bits: int):
+    """uint8 [r, K * bits / 8] -> the 8 / bits parts [r, K * bits / 8] of float32 codes: part j
+    holds code j of each byte (channels j, n + j, ...)."""
+    x, mask = packed.astype(jnp.int32), (1 << bits) - 1
+    return [
+        jnp.bitwise_and(lax.shift_right_logical(x, bits * j), mask).astype(jnp.float32)
+        for j in range(8 // bits)
+    ]
+
+
 def _nibbles(packed):
     """uint8 [n, K / 2] -> (even channels, odd channels) as float32 codes 0..15."""
-    x = packed.astype(jnp.int32)
-    low = jnp.bitwise_and(x, 15)
-    high = jnp.bitwise_and(lax.shift_right_logical(x, 4), 15)
-    return low.astype(jnp.float32), high.astype(jnp.float32)
+    return tuple(_unpack(packed, 4))
 
 
-def _interleave(even, odd):
-    """(even, odd) [n, K / 2] -> [n, K] in channel order (Triton: a join)."""
-    n, h = even.shape
-    return jnp.stack([even, odd], axis=-1).reshape(n, 2 * h)
+def _interleave(parts):
+    """The n parts [r, K / n] of `_unpack` -> [r, K] in channel order, by 2-way joins (Triton
+    joins two tensors at a time): parts 0, 2, .. are the even channels, 1, 3, .. the odd."""
+    if len(parts) == 1:
+        return parts[0]
+    even, odd = _interleave(parts[0::2]), _interleave(parts[1::2])
+    r, h = even.shape
+    return jnp.stack([even, odd], axis=-1).reshape(r, 2 * h)
 
 
-def _deinterleave(x):
-    """[n, K] -> (x[:, 0::2], x[:, 1::2]) in float32, by 0/1 selection matmuls (Mosaic)."""
+def _deinterleave(x, n: int):
+    """[r, K] -> [x[:, j::n] for j < n] in float32, by 0/1 selection matmuls (Mosaic)."""
     d = x.shape[1]
-    c = lax.broadcasted_iota(jnp.int32, (d, d // 2), 0)
-    i = lax.broadcasted_iota(jnp.int32, (d, d // 2), 1)
+    c = lax.broadcasted_iota(jnp.int32, (d, d // n), 0)
+    i = lax.broadcasted_iota(jnp.int32, (d, d // n), 1)
 
     def pick(offset):
-        sel = (c == 2 * i + offset).astype(x.dtype)
+        sel = (c == n * i + offset).astype(x.dtype)
         return lax.dot_general(
             x,
             sel,
@@ -142,7 +165,7 @@ def _deinterleave(x):
             preferred_element_type=jnp.float32,
         )
 
-    return pick(0), pick(1)
+    return [pick(j) for j in range(n)]
 
 
 def _repeat_rows(x, rep: int):
@@ -177,25 +200,25 @@ def _scores(q_parts, blk, cfg: Config):
     if cfg.kind == "int8":
         codes = blk["k"].astype(jnp.float32).astype(cd)
         return _dot_nt(q_parts[0], codes) * blk["k_scale"]  # [1, bk] f32
-    low, high = _nibbles(blk["k"])
+    codes = _unpack(blk["k"], cfg.bits)
     g = cfg.group
-    if cfg.split_halves:
-        (s_even, s_odd), (z_even, z_odd) = (
-            _deinterleave(blk["k_scale"]),
-            _deinterleave(blk["k_zero"]),
-        )
-        k_even = low * _repeat_rows(s_even, g) + _repeat_rows(z_even, g)
-        k_odd = high * _repeat_rows(s_odd, g) + _repeat_rows(z_odd, g)
-        q_even, q_odd = q_parts
-        return _dot_nt(q_even, k_even.astype(cd)) + _dot_nt(q_odd, k_odd.astype(cd))
+    if cfg.split_channels:
+        n = cfg.num_parts
+        scales, zeros = _deinterleave(blk["k_scale"], n), _deinterleave(blk["k_zero"], n)
+        s = None
+        for q_j, c_j, s_j, z_j in zip(q_parts, codes, scales, zeros):
+            k_j = c_j * _repeat_rows(s_j, g) + _repeat_rows(z_j, g)
+            s_j = _dot_nt(q_j, k_j.astype(cd))
+            s = s_j if s is None else s + s_j
+        return s
     scale = _repeat_rows(blk["k_scale"].astype(jnp.float32), g)
     zero = _repeat_rows(blk["k_zero"].astype(jnp.float32), g)
-    k = _interleave(low, high) * scale + zero
+    k = _interleave(codes) * scale + zero
     return _dot_nt(q_parts[0], k.astype(cd))
 
 
 def _values(p, blk, start, limit, cfg: Config, cd):
-    """p @ v of one kv block, one [M, K] (or two [M, K / 2] halves) float32 array per part.
+    """p @ v of one kv block, one [M, K] (or n [M, K / n] parts) float32 array per part.
 
     Rows at or past `limit` are zeroed (p is 0 there, but 0 * NaN garbage would not be)."""
     bk = cfg.block_kv
@@ -207,15 +230,16 @@ def _values(p, blk, start, limit, cfg: Config, cd):
         live_1xB = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1) < limit
         p_scaled = p * jnp.where(live_1xB, blk["v_scale"], 0.0)  # v = code * scale per token
         return [_dot_nn(p_scaled.astype(cd), blk["v"].astype(jnp.float32).astype(cd))]
-    low, high = _nibbles(blk["v"])
+    codes = _unpack(blk["v"], cfg.bits)
     scale, zero = blk["v_scale"].astype(jnp.float32), blk["v_zero"].astype(jnp.float32)
     gv = cfg.value_group
-    if cfg.split_halves:  # channels 2i and 2i + 1 share value group i // (gv / 2)
-        scale, zero = _repeat_lanes(scale, gv // 2, cfg), _repeat_lanes(zero, gv // 2, cfg)
-        halves = (low * scale + zero, high * scale + zero)
-        return [_dot_nn(p.astype(cd), jnp.where(live_Bx1, h, 0.0).astype(cd)) for h in halves]
+    if cfg.split_channels:  # channels n * i + j (j < n) share value group i // (gv / n)
+        n = cfg.num_parts
+        scale, zero = _repeat_lanes(scale, gv // n, cfg), _repeat_lanes(zero, gv // n, cfg)
+        parts = [c_j * scale + zero for c_j in codes]
+        return [_dot_nn(p.astype(cd), jnp.where(live_Bx1, h, 0.0).astype(cd)) for h in parts]
     scale, zero = _repeat_lanes(scale, gv, cfg), _repeat_lanes(zero, gv, cfg)
-    v = _interleave(low, high) * scale + zero
+    v = _interleave(codes) * scale + zero
     return [_dot_nn(p.astype(cd), jnp.where(live_Bx1, v, 0.0).astype(cd))]
 
 
@@ -239,7 +263,7 @@ def update(carry, q_parts, blk, start, length, cfg: Config):
     shape = (cfg.num_rows, cfg.block_kv)
     q_pos = length - cfg.num_queries + _query_index(shape, cfg.num_queries)
     t = start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    mask = (t <= q_pos) & (t < limit)  # causal among the Q new tokens; int4: codes part only
+    mask = (t <= q_pos) & (t < limit)  # causal among the Q new tokens; KIVI: codes part only
     s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # rows with nothing visible keep m == MASK

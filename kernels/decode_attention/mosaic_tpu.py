@@ -24,6 +24,7 @@ from jaxllm.kernels.decode_attention.common import (
     unpack_refs,
     update,
 )
+from jaxllm.kernels.decode_attention.quant import codes_per_byte
 
 
 def _live_block(b, s, i, lengths_ref, cfg: Config):
@@ -50,7 +51,7 @@ def cache_index_map(cfg: Config, block_ndim: int):
 def _array_spec(name: str, cfg: Config):
     bk, g, d = cfg.block_kv, cfg.num_kv_heads, cfg.head_dim
     if name in ("k", "v"):
-        block = (None, g, bk, d // 2 if cfg.kind == "int4" else d)
+        block = (None, g, bk, d // codes_per_byte(cfg.kind))
     elif cfg.kind == "int8":  # scales [.., G, T]
         block = (None, g, bk)
     elif name in ("k_scale", "k_zero"):  # one row per `group` tokens

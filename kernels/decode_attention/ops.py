@@ -10,14 +10,14 @@ Backends (`backend=`):
 - `"mosaic_tpu"`: the Pallas Mosaic TPU kernel (`mosaic_tpu.py`: scalar-prefetched lengths /
   block table / layer, one kv block of all kv heads per grid step); the default on TPU, and with
   `interpret=True` anywhere. Blocks must tile the arrays (`_tpu_block_ok`): int8 a multiple of
-  128 rows, int4 of 16 * group, or the whole page / cache length. A paged block never spans
-  pages, so pages smaller than the default block mean more, smaller grid steps.
+  128 rows, int4 / int2 of 16 * group, or the whole page / cache length. A paged block never
+  spans pages, so pages smaller than the default block mean more, smaller grid steps.
 - `"mosaic_gpu"`: the Mosaic GPU kernel for Hopper (`mosaic_gpu.py`: TMA, two-slot pipeline,
   wgmma), only when asked for: on an H100 it runs at about half of Triton's speed on bf16
   caches and a third to a fifth on int8 / int4 (docs/benchmarks.md). It takes
   (`mosaic_gpu_supported`: bf16 / int8 caches with head dim 64 or 128, int4 with 128, at most 64
   query rows R * Q per kv head, blocks of a multiple of 64 rows dividing the cache length or
-  page size).
+  page size; int2 caches run on Triton or Mosaic TPU, not here).
 - `"triton"`: the Pallas Triton kernel for CUDA GPUs (`triton.py`); the default on CUDA GPUs,
   the fastest measured on an H100 (JAX deprecates Pallas-on-Triton, so the Mosaic GPU kernel
   stays beside it). Needs a power-of-2 head dim >= 32 and a power-of-2 block (>= 16) dividing
@@ -36,8 +36,8 @@ Windowed layers attend to at most w tokens, so the reference's cost there is bou
 window, not by the context; the kernel keeps the long global layers.
 
 Split-K (flash-decoding): the kernel returns a partial (out, lse) per split of the cache length;
-for int4 the residual tokens (at most `group`, full precision) are attended here in XLA as one
-more partial; all partials merge exactly by logsumexp.
+for int4 / int2 the residual tokens (at most `group`, full precision) are attended here in XLA
+as one more partial; all partials merge exactly by logsumexp.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jaxllm.kernels.decode_attention.common import ARRAY_NAMES, BACKENDS, Config
-from jaxllm.kernels.decode_attention.quant import KVCache, cache_geometry
+from jaxllm.kernels.decode_attention.quant import KIVI_BITS, KVCache, cache_geometry
 from jaxllm.kernels.decode_attention.reference import (
     attend_partial,
     decode_attention_reference,
@@ -64,7 +64,7 @@ from jaxllm.config.errors import JaxllmWarning
 
 # Default kv rows per kernel block. TPU (all G heads per grid step): ~256-512 KiB of codes per
 # step at G = 8, K = 128 amortizes the per-step overhead; int8 needs a multiple of 128 (its
-# scales are [G, T], T on lanes) and int4 of 16 * group (its key scales [T / group, K] must
+# scales are [G, T], T on lanes) and int4 / int2 of 16 * group (its key scales [T / group, K] must
 # make whole bf16 (16, 128) tiles). Triton: 64 keeps the dequantized [64, K] tiles in registers.
 TPU_BLOCK = {"float32": 128, "bfloat16": 256, "int8": 256}
 TRITON_BLOCK = 64
@@ -130,7 +130,7 @@ def triton_supported(kind: str, head_dim: int, rows: int, group: int, latent: bo
     if head_dim < 32 or head_dim & (head_dim - 1):
         return f"head dim {head_dim} (needs a power of 2 >= 32)"
     bk = default_block_kv(kind, "triton", group, rows, paged=False)
-    if bk < 16 or (kind == "int4" and bk % group):
+    if bk < 16 or (kind in KIVI_BITS and bk % group):
         return f"a cache length or page size of {rows} (no power-of-2 block >= 16 divides it)"
     return None
 
@@ -173,14 +173,14 @@ def _kernel_forward(q_parts, arrays, lengths, block_table, layer, cfg: Config):
 
 def _tpu_block_ok(bk: int, rows: int, kind: str, group: int) -> bool:
     """Whether bk rows of every array of `kind` make whole Mosaic tiles (or the full dim)."""
-    if kind == "int4" and bk % group:
+    if kind in KIVI_BITS and bk % group:
         return False
     if bk == rows:
         return True
     # Rows of one (8 x 32-bit) tile: f32 8, bf16 16, int8 / uint8 codes 32; int8 scale blocks
     # [G, bk] put bk on lanes (128).
-    rows_per_tile = {"float32": 8, "bfloat16": 16, "int8": 128, "int4": 32}[kind]
-    if kind == "int4" and (bk // group) % 16:  # [bk / group, K] bf16 key scale rows
+    rows_per_tile = {"float32": 8, "bfloat16": 16, "int8": 128, "int4": 32, "int2": 32}[kind]
+    if kind in KIVI_BITS and (bk // group) % 16:  # [bk / group, K] bf16 key scale rows
         return False
     return bk % rows_per_tile == 0
 
@@ -188,9 +188,9 @@ def _tpu_block_ok(bk: int, rows: int, kind: str, group: int) -> bool:
 def default_block_kv(kind: str, backend: str, group: int, rows: int, paged: bool) -> int:
     """Block rows for a cache of `rows` tokens per sequence (or per page when paged)."""
     if backend == "mosaic_gpu":
-        return max(MOSAIC_GPU_BLOCK, group if kind == "int4" else 0)
+        return max(MOSAIC_GPU_BLOCK, group if kind in KIVI_BITS else 0)
     if backend == "triton":
-        want = max(TRITON_BLOCK, group if kind == "int4" else 0)
+        want = max(TRITON_BLOCK, group if kind in KIVI_BITS else 0)
         bk = min(want, rows)
         while rows % bk:
             bk //= 2
@@ -210,8 +210,8 @@ def _check_block(bk, rows, kind, group, backend, paged, interpret):
     """Divisibility always; Mosaic TPU tiling only when compiling (interpret runs any size);
     Mosaic GPU blocks are wgmma row tiles in the interpreter too."""
     where = f"the page size {rows}" if paged else f"the cache length {rows}"
-    if kind == "int4" and bk % group:
-        raise ValueError(f"int4 block_kv {bk} must be a multiple of group {group}")
+    if kind in KIVI_BITS and bk % group:
+        raise ValueError(f"{kind} block_kv {bk} must be a multiple of group {group}")
     if backend == "triton":
         if rows % bk or bk < 16 or bk & (bk - 1):
             raise ValueError(f"Triton block_kv {bk} must be a power of 2 >= 16 dividing {where}")
@@ -248,7 +248,7 @@ def merge_partials(out_BxGxSxMxK, lse_BxGxSxMx1):
 
 
 def _residual_partial(q_BxGxMxK, cache: KVCache, lengths_B, layer, nq, sm_scale, soft_cap):
-    """(out, lse) [B, G, 1, M, *] of the int4 residual: tokens q(n) .. n - 1."""
+    """(out, lse) [B, G, 1, M, *] of the KIVI residual: tokens q(n) .. n - 1."""
     k_res, v_res = cache.k_res, cache.v_res
     if layer is not None:
         k_res = lax.dynamic_index_in_dim(k_res, layer, 0, keepdims=False)
@@ -397,17 +397,15 @@ def _decode_attention(
 
     q_BxGxMxK = rows_from_queries(q_BxQxHxK, g)
     q_rows = jnp.pad(q_BxGxMxK, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
-    q_parts = (q_rows[..., 0::2], q_rows[..., 1::2]) if cfg.split_halves else (q_rows,)
+    n = cfg.num_parts  # KIVI on TPU: channel j of every n in part j
+    q_parts = tuple(q_rows[..., j::n] for j in range(n))
     arrays = [getattr(cache, name) for name in ARRAY_NAMES[cache.kind]]
     block_table = cache.block_table.reshape(-1) if paged else jnp.zeros((1,), jnp.int32)
     layer_1 = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     outs, lse = _kernel_forward(q_parts, arrays, lengths_B, block_table, layer_1, cfg)
-    if cfg.split_halves:  # (even, odd) channel halves -> channel order
-        out = jnp.stack(outs, axis=-1).reshape(*outs[0].shape[:-1], d)
-    else:
-        out = outs[0]
+    out = jnp.stack(outs, axis=-1).reshape(*outs[0].shape[:-1], d)  # parts -> channel order
     out, lse = out[:, :, :, :m], lse[:, :, :, :m]
-    if cache.kind == "int4":
+    if cache.kind in KIVI_BITS:
         layer_idx = None if layer is None else jnp.asarray(layer, jnp.int32)
         out_r, lse_r = _residual_partial(
             q_BxGxMxK, cache, lengths_B, layer_idx, nq, sm_scale, soft_cap

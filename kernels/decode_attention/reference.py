@@ -2,7 +2,7 @@
 `xla` backend of `decode_attention`.
 
 Dequantizes the whole cache to float32 (gathering pages through the block table, overlaying
-the int4 residual), then plain masked softmax attention in float32, with the mask and masked
+the int4 / int2 residual), then plain masked softmax attention in float32, with the mask and masked
 logits of `jaxllm.kernels.reference`. Query i of Q (0-based) of sequence b sits at position
 lengths[b] - Q + i and sees tokens 0 .. lengths[b] - Q + i.
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jaxllm.kernels.decode_attention.quant import (
+    KIVI_BITS,
     KVCache,
     cache_geometry,
-    dequantize_int4_keys,
-    dequantize_int4_values,
     dequantize_int8,
+    dequantize_kivi_keys,
+    dequantize_kivi_values,
 )
 from jaxllm.kernels.reference import attention_mask, masked_logits
 
@@ -39,7 +40,7 @@ def dequantize_cache(cache: KVCache, lengths_B, *, layer=None):
     """(k, v) float32 [B, G, T, K]: every token of `cache` (one layer) in logical order (v
     [B, G, T, value_dim] of a latent cache: a slice of k).
 
-    For int4, tokens q(n) .. q(n) + group - 1 come from the residual and the rest from the
+    For int4 / int2, tokens q(n) .. q(n) + group - 1 come from the residual and the rest from the
     codes (rows past n - 1 are whatever the cache holds; callers mask them).
     """
     geo = cache_geometry(cache)
@@ -63,8 +64,9 @@ def dequantize_cache(cache: KVCache, lengths_B, *, layer=None):
         return a["k"].astype(f32), a["v"].astype(f32)
     if cache.kind == "int8":
         return dequantize_int8(a["k"], a["k_scale"]), dequantize_int8(a["v"], a["v_scale"])
-    k_BxGxTxK = dequantize_int4_keys(a["k"], a["k_scale"], a["k_zero"], group)
-    v_BxGxTxK = dequantize_int4_values(a["v"], a["v_scale"], a["v_zero"], group)
+    bits = KIVI_BITS[cache.kind]
+    k_BxGxTxK = dequantize_kivi_keys(a["k"], a["k_scale"], a["k_zero"], group, bits)
+    v_BxGxTxK = dequantize_kivi_values(a["v"], a["v_scale"], a["v_zero"], group, bits)
     t = geo.seq_len
     start_B = (jnp.asarray(lengths_B, jnp.int32) // group) * group
     offset_BxT = jnp.arange(t)[None, :] - start_B[:, None]  # row in the residual

@@ -39,7 +39,7 @@ def _block(cache_refs, b, g, j, layer, bt_ref, cfg: Config):
             blk[name] = ref[(*lead, pl.ds(row, bk))].astype(jnp.float32).reshape(1, bk)
         elif name in ("k", "v", "v_scale", "v_zero"):  # one row per token
             blk[name] = ref[(*lead, pl.ds(row, bk), slice(None))]
-        else:  # int4 key scale / zero: one row per `group` tokens
+        else:  # KIVI key scale / zero: one row per `group` tokens
             blk[name] = ref[(*lead, pl.ds(lax.div(row, grp), bk // grp), slice(None))]
     return blk
 
