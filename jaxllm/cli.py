@@ -5,7 +5,7 @@
     jaxllm eval RUN_DIR|CHECKPOINT [key=value ...] [--batches N] [--checkpoint best|last|STEP]
     jaxllm eval RUN_DIR|CHECKPOINT --chat-exact-match F.jsonl [--replies OUT.jsonl]
     jaxllm generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
-        [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4] [key=value ...]
+        [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4|int2] [key=value ...]
     jaxllm generate RUN_DIR|CHECKPOINT --chat MESSAGE [--system TEXT] | --chat-file F.jsonl
         [--out F.jsonl: the replies as a dataset] [--adapter NAME[=RUN] ...: one base, each]
         (generate, eval and convert export: [--checkpoint best|last|STEP], default last, the
@@ -182,7 +182,7 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--top-k", type=int, help="0 = off")
     g.add_argument("--top-p", type=float, help="1 = off")
     g.add_argument("--seed", type=int)
-    g.add_argument("--kv-cache-dtype", choices=("bfloat16", "float32", "int8", "int4"))
+    g.add_argument("--kv-cache-dtype", choices=("bfloat16", "float32", "int8", "int4", "int2"))
     g.add_argument("--kv-page-size", type=int, help="tokens per page; 0 = contiguous cache")
     g.add_argument("--decode-impl", choices=("auto", "xla", "kernel"))
     g.add_argument("--checkpoint", default="last", help=CHECKPOINT_HELP)

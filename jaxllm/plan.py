@@ -17,7 +17,7 @@ import numpy as np
 from jaxllm import compress, config, sharding
 from jaxllm.config.pipeline import microbatches
 from jaxllm.data import span_corruption
-from jaxllm.infer.kv_cache import KINDS, model_bytes_per_token
+from jaxllm.infer.kv_cache import KINDS, KIVI_KINDS, model_bytes_per_token
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
 from jaxllm.parallel import schedules
@@ -305,7 +305,7 @@ def kv_cache_report(cfg: config.Config, mesh) -> dict:
     cache of `train.global_batch_size` sequences of `model.max_seq_len` tokens per device with
     `generate.kv_cache_dtype` (batch split over the data axes, kv heads over `tensor`)."""
     m, gen = cfg.model, cfg.generate
-    kinds = [k for k in KINDS if not (m.mla.enabled and k == "int4")]  # no int4 latent
+    kinds = [k for k in KINDS if not (m.mla.enabled and k in KIVI_KINDS)]  # no KIVI latent
     per_token = {kind: model_bytes_per_token(m, kind, gen.kv_group) for kind in kinds}
     # MLA's latent cache is one "head": tensor shards each hold all of it
     split_axes = (*sharding.RULES["batch"], *(() if m.mla.enabled else ("tensor",)))

@@ -83,9 +83,9 @@ def random_cache(key, kind, *, batch, kv_heads, context, head_dim, group, page_s
 
 
 def bytes_per_step(kind, *, batch, kv_heads, context, head_dim, group) -> int:
-    """Cache bytes one step reads: every live token's codes and scales (+ int4 residual)."""
+    """Cache bytes one step reads: every live token's codes and scales (+ KIVI residual)."""
     total = batch * context * cache_bytes_per_token(kind, kv_heads, head_dim, group)
-    if kind == "int4":
+    if kind in ("int4", "int2"):
         total += batch * kv_heads * group * head_dim * 2 * 2  # bf16 k_res and v_res
     return total
 

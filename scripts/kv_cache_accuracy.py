@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--prefix", type=int, default=16)
-    p.add_argument("--group", type=int, default=32, help="int4 group / residual window")
+    p.add_argument("--group", type=int, default=32, help="int4 / int2 group / residual window")
     ns = p.parse_args(argv)
 
     cfg = config.load(f"{ns.run_dir}/config.yaml")
@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     )
     preds = {}
     ref = None
-    for kind in ("bfloat16", "float32", "int8") + (() if m.mla.enabled else ("int4",)):
+    for kind in ("bfloat16", "float32", "int8") + (() if m.mla.enabled else ("int4", "int2")):
         gen = GenerateConfig(kv_cache_dtype=kind, kv_group=ns.group)
         nll, preds[kind] = score_with_cache(model, tokens, gen, prefix=ns.prefix)
         ppl = float(np.exp(nll.mean()))

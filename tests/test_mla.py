@@ -219,6 +219,10 @@ def test_param_count_matches_the_model(model):
             "int4",
         ),
         (
+            ["model.mla.kv_lora_rank=16", "model.num_kv_heads=4", "generate.kv_cache_dtype=int2"],
+            "int2",
+        ),
+        (
             ["model.mla.kv_lora_rank=16", "model.num_kv_heads=4", "generate.decode_impl=kernel"],
             "decode_impl",
         ),

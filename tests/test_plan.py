@@ -61,12 +61,13 @@ def test_plan_reports_kv_cache_bytes_per_token():
     assert kv["per_token"]["bfloat16"] == m.num_layers * m.num_kv_heads * m.resolved_head_dim * 4
     assert kv["per_token"]["int8"] <= 0.55 * kv["per_token"]["bfloat16"]
     assert kv["per_token"]["int4"] <= 0.32 * kv["per_token"]["bfloat16"]
+    assert kv["per_token"]["int2"] <= 0.19 * kv["per_token"]["bfloat16"]
     tokens = config.TrainConfig().global_batch_size * m.max_seq_len
     assert kv["bytes_per_device"] == kv["per_token"]["int8"] * tokens / 8
 
 
 def test_plan_reports_the_latent_cache_of_an_mla_model():
-    """[latent ; rope key] per token and layer, no int4, and not split over tensor (one head)."""
+    """[latent ; rope key] per token and layer, no int4 / int2, and not split over tensor (one head)."""
     r = _plan(
         "mesh.data=2",
         "mesh.tensor=2",

@@ -118,17 +118,23 @@ class Config:
                 "generate.decode_impl=kernel: the decode kernels read separate keys and values; "
                 "MLA's latent cache decodes with xla (auto picks it)."
             )
-        if gen.kv_cache_dtype == "int4" and m.mla.enabled:
+        kivi, hd = gen.kv_cache_dtype in ("int4", "int2"), m.resolved_head_dim
+        if kivi and m.mla.enabled:
             _fail(
-                "generate.kv_cache_dtype=int4 (KIVI: keys per channel, values per token) cannot "
-                "quantize MLA's latent, which is key and value at once; use int8 or bfloat16."
+                f"generate.kv_cache_dtype={gen.kv_cache_dtype} (KIVI: keys per channel, values "
+                "per token) cannot quantize MLA's latent, which is key and value at once; use "
+                "int8 or bfloat16."
             )
-        if gen.kv_cache_dtype == "int4" and m.resolved_head_dim % min(
-            gen.kv_group, m.resolved_head_dim
-        ):
+        if kivi and hd % min(gen.kv_group, hd):
             _fail(
                 f"generate.kv_group ({gen.kv_group}) must divide the head dim "
-                f"({m.resolved_head_dim}) for the int4 cache's per-token value groups."
+                f"({hd}) for the {gen.kv_cache_dtype} cache's per-token value groups."
+            )
+        if gen.kv_cache_dtype == "int2" and min(gen.kv_group, hd) % 4:
+            _fail(
+                f"generate.kv_cache_dtype=int2 packs four codes a byte: its value group, "
+                f"min(generate.kv_group, head dim) = {min(gen.kv_group, hd)}, must be a "
+                "multiple of 4."
             )
         if gen.kv_page_size and gen.kv_page_size % gen.kv_group:
             _fail(

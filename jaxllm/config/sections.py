@@ -366,11 +366,12 @@ class GenerateConfig:
     """Seed of the sampling rng (ignored when greedy)."""
     stop_tokens: tuple[int, ...] = ()
     """Token ids that end a sequence, besides the tokenizer's end-of-sequence token."""
-    kv_cache_dtype: Literal["bfloat16", "float32", "int8", "int4"] = "bfloat16"
+    kv_cache_dtype: Literal["bfloat16", "float32", "int8", "int4", "int2"] = "bfloat16"
     """Storage of cached keys/values: full precision, int8 (symmetric, one scale per token and kv
-    head) or int4 (KIVI: keys per channel, values per token, asymmetric, two codes per byte)."""
+    head), int4 (KIVI: keys per channel, values per token, asymmetric, two codes per byte) or
+    int2 (KIVI-2: the same at 2 bits, four codes per byte)."""
     kv_group: int = 32
-    """int4 group size: tokens per key scale, channels per value scale; also the number of most
+    """int4 / int2 group size: tokens per key scale, channels per value scale; also the number of most
     recent tokens kept in full precision until their key group fills."""
     kv_page_size: int = 0
     """0 lays the cache out contiguously ([batch, max_len] per layer); N > 0 stores it in pages of

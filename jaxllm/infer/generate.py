@@ -300,7 +300,8 @@ def generate(
         stopped.append(cut is not None)
         ends.append([] if cut is None else _stop_at(row, cut, stops, seqs))
     per_token = kv_cache.model_bytes_per_token(cfg, kind, group)
-    residual = 2 * nl * b * g * group * k * jnp.dtype(cfg.dtype).itemsize if kind == "int4" else 0
+    residual = 2 * nl * b * g * group * k * jnp.dtype(cfg.dtype).itemsize
+    residual = residual if kind in kv_cache.KIVI_KINDS else 0
     return Generation(tokens, stopped, per_token, per_token * cache_tokens + residual, ends)
 
 

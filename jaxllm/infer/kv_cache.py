@@ -14,7 +14,8 @@ what happens around them:
   token that is key and value at once (`KVCache.value_dim`), so a token costs
   kv_lora_rank + qk_rope_head_dim values per layer instead of 2 x heads x head_dim.
 
-Quantize on write, as KIVI (Liu et al. 2024, arXiv:2402.02750) does for int4: keys are quantized
+Quantize on write, as KIVI (Liu et al. 2024, arXiv:2402.02750) does for int4 and int2 (KIVI-2):
+keys are quantized
 per channel over groups of `group` tokens, so the tokens of a group that is not full yet stay in
 a full-precision residual buffer and are quantized together when the group's last token comes.
 int8 (one scale per token and kv head) and full-precision caches write each token directly.
@@ -35,13 +36,14 @@ from jaxllm.kernels.decode_attention.ops import decode_attention
 from jaxllm.kernels.decode_attention.quant import KVCache, cache_bytes_per_token
 from jaxllm.kernels.decode_attention.reference import decode_attention_reference
 
-KINDS = ("bfloat16", "float32", "int8", "int4")
+KINDS = ("bfloat16", "float32", "int8", "int4", "int2")
+KIVI_KINDS = tuple(quant.KIVI_BITS)  # packed codes with a full-precision residual window
 
 
 def cache_length(max_tokens: int, kind: str, group: int, page_size: int = 0) -> int:
-    """Tokens per sequence a contiguous cache reserves: `max_tokens` rounded up to whole int4
-    groups and kernel blocks (pages set their own granularity)."""
-    unit = page_size or math.lcm(group if kind == "int4" else 1, 16)
+    """Tokens per sequence a contiguous cache reserves: `max_tokens` rounded up to whole KIVI
+    (int4 / int2) groups and kernel blocks (pages set their own granularity)."""
+    unit = page_size or math.lcm(group if kind in quant.KIVI_BITS else 1, 16)
     return -(-max_tokens // unit) * unit
 
 
@@ -92,8 +94,8 @@ def init_cache(
     z = lambda *shape, dtype=jnp.bfloat16: jnp.zeros((*rows, g, *shape), dtype)  # noqa: E731
     fields: dict = dict(kind=kind, group=group, block_table=block_table, value_dim=value_dim)
     if value_dim is not None:
-        if kind == "int4":
-            raise ValueError("a latent (MLA) cache cannot be int4: its keys are its values")
+        if kind in quant.KIVI_BITS:
+            raise ValueError(f"a latent (MLA) cache cannot be {kind}: its keys are its values")
         dtype = jnp.int8 if kind == "int8" else jnp.dtype(kind)
         fields.update(k=z(t, k, dtype=dtype), v=None, k_scale=z(t) if kind == "int8" else None)
     elif kind in ("bfloat16", "float32"):
@@ -102,12 +104,12 @@ def init_cache(
         fields.update(
             k=z(t, k, dtype=jnp.int8), v=z(t, k, dtype=jnp.int8), k_scale=z(t), v_scale=z(t)
         )
-    else:
-        vg = min(group, k)
+    else:  # KIVI: codes packed along K, a full-precision residual group per sequence
+        vg, kn = min(group, k), k // quant.codes_per_byte(kind)
         res = jnp.zeros((lyr, batch, g, group, k), compute_dtype)
         fields.update(
-            k=z(t, k // 2, dtype=jnp.uint8),
-            v=z(t, k // 2, dtype=jnp.uint8),
+            k=z(t, kn, dtype=jnp.uint8),
+            v=z(t, kn, dtype=jnp.uint8),
             k_scale=z(t // group, k),
             k_zero=z(t // group, k),
             v_scale=z(t, k // vg),
@@ -121,7 +123,7 @@ def init_cache(
 def bytes_per_token(
     kind: str, num_layers: int, num_kv_heads: int, head_dim: int, group: int, latent: bool = False
 ):
-    """Cache bytes one token costs over all layers, codes and scales included (the int4
+    """Cache bytes one token costs over all layers, codes and scales included (the KIVI
     residual window is a constant `group` tokens per sequence on top; `latent`: keys only)."""
     return num_layers * cache_bytes_per_token(kind, num_kv_heads, head_dim, group, latent)
 
@@ -204,10 +206,10 @@ class CacheView:
                 v_scale=self._put(kv.v_scale, pos_BxL, vs),
             )
         elif self.prefill:
-            kv = self._int4_prefill(kv, k_BxLxGxK, v_BxLxGxK)
+            kv = self._kivi_prefill(kv, k_BxLxGxK, v_BxLxGxK)
         else:
             for j in range(l):  # Q is small; each token may complete a group
-                kv = self._int4_append(kv, pos_BxL[:, j], k_BxLxGxK[:, j], v_BxLxGxK[:, j])
+                kv = self._kivi_append(kv, pos_BxL[:, j], k_BxLxGxK[:, j], v_BxLxGxK[:, j])
         return dataclasses.replace(self, kv=kv)
 
     def _slots(self, pos_BxL, arr_pages: int):
@@ -229,7 +231,7 @@ class CacheView:
         rows, cols = self._slots(pos_BxL, token_axis_len or arr.shape[3])
         return arr.at[self.layer, rows, :, cols].set(val_BxLxGx_.astype(arr.dtype), mode="drop")
 
-    def _int4_prefill(self, kv, k_BxLxGxK, v_BxLxGxK):
+    def _kivi_prefill(self, kv, k_BxLxGxK, v_BxLxGxK):
         b, l, _, _ = k_BxLxGxK.shape
         grp = kv.group
         lg = -(-l // grp) * grp
@@ -237,12 +239,12 @@ class CacheView:
         k_BxLgxGxK, v_BxLgxGxK = jnp.pad(k_BxLxGxK, pad), jnp.pad(v_BxLxGxK, pad)
         k_BxGxLgxK = k_BxLgxGxK[:, :lg].transpose(0, 2, 1, 3)
         v_BxGxLgxK = v_BxLgxGxK[:, :lg].transpose(0, 2, 1, 3)
-        kc, ks, kz = quant.quantize_int4_keys(k_BxGxLgxK, grp)
-        vc, vs, vz = quant.quantize_int4_values(v_BxGxLgxK, grp)
+        kc, ks, kz = quant.quantize_kivi_keys(k_BxGxLgxK, grp, quant.KIVI_BITS[kv.kind])
+        vc, vs, vz = quant.quantize_kivi_values(v_BxGxLgxK, grp, quant.KIVI_BITS[kv.kind])
         pos_BxLg = jnp.broadcast_to(jnp.arange(lg, dtype=jnp.int32), (b, lg))
         # Groups beyond a prompt's last full one hold padding; decode overwrites them when
         # they fill, and attention never reads codes past the last full group.
-        kv = self._int4_put(kv, pos_BxLg, kc, ks, kz, vc, vs, vz)
+        kv = self._kivi_put(kv, pos_BxLg, kc, ks, kz, vc, vs, vz)
         full_B = (self.lengths_B // grp) * grp
         take = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, grp, axis=0))
         k_res = take(k_BxLgxGxK, full_B).transpose(0, 2, 1, 3)  # [B, G, group, K]
@@ -253,7 +255,7 @@ class CacheView:
             v_res=kv.v_res.at[self.layer].set(v_res.astype(kv.v_res.dtype)),
         )
 
-    def _int4_put(self, kv, pos_BxT, kc, ks, kz, vc, vs, vz):
+    def _kivi_put(self, kv, pos_BxT, kc, ks, kz, vc, vs, vz):
         """Writes whole quantized groups: codes/value scales per token, key scales per group.
         pos_BxT lists each group's tokens in order (T a multiple of the group)."""
         grp = kv.group
@@ -274,7 +276,7 @@ class CacheView:
             k_zero=at(kv.k_zero, g_rows, g_cols, tr(kz)),
         )
 
-    def _int4_append(self, kv, pos_B, k_BxGxK, v_BxGxK):
+    def _kivi_append(self, kv, pos_B, k_BxGxK, v_BxGxK):
         """One token into the residual; a sequence whose group it completes quantizes the group
         into the codes (other sequences' writes are dropped)."""
         grp = kv.group
@@ -284,8 +286,9 @@ class CacheView:
         k_res = kv.k_res.at[self.layer, bi, :, slot_B].set(k_BxGxK.astype(kv.k_res.dtype))
         v_res = kv.v_res.at[self.layer, bi, :, slot_B].set(v_BxGxK.astype(kv.v_res.dtype))
         kv = dataclasses.replace(kv, k_res=k_res, v_res=v_res)
-        kc, ks, kz = quant.quantize_int4_keys(k_res[self.layer], grp)
-        vc, vs, vz = quant.quantize_int4_values(v_res[self.layer], grp)
+        bits = quant.KIVI_BITS[kv.kind]
+        kc, ks, kz = quant.quantize_kivi_keys(k_res[self.layer], grp, bits)
+        vc, vs, vz = quant.quantize_kivi_values(v_res[self.layer], grp, bits)
         start_B = pos_B - grp + 1
         full_B = slot_B == grp - 1
         # Sequences whose group is not complete write at an out-of-range position: dropped.
@@ -294,7 +297,7 @@ class CacheView:
         pos_BxG = start_B[:, None] + jnp.arange(grp, dtype=jnp.int32)[None]
         if kv.block_table is not None:  # out of range of the block table -> scratch page 0
             pos_BxG = jnp.where(full_B[:, None], pos_BxG, kv.k.shape[3] * kv.block_table.shape[1])
-        return self._int4_put(kv, pos_BxG, kc, ks, kz, vc, vs, vz)
+        return self._kivi_put(kv, pos_BxG, kc, ks, kz, vc, vs, vz)
 
     # -- attention --------------------------------------------------------------------------
 

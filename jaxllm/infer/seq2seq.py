@@ -2,8 +2,8 @@
 
 The prompt is the encoder's input: it is encoded once, and each decoder layer's cross-attention
 keys and values of the encoder output are computed once into a cache of their own (of the same
-dtype as the self-attention cache: bfloat16, float32, int8 or int4), which every decode step
-reads; the valid encoder tokens of each prompt are its length, so right-padding stays unseen.
+dtype as the self-attention cache: bfloat16, float32, int8, int4 or int2), which every decode
+step reads; the valid encoder tokens of each prompt are its length, so right-padding stays unseen.
 The decoder starts from `DECODER_START` (T5's decoder_start_token_id, the pad id 0) and decodes
 one token per step with its own self-attention KV cache, inside one `lax.while_loop`.
 `greedy_uncached` is the reference: the full forward pass over a fixed decoder buffer per step.

@@ -9,8 +9,8 @@ and it
 2. generates G completions of each with the jitted prefill / decode generator
    (`jaxllm.infer.generate`) on the run's mesh, from the state's own parameter arrays (no copy:
    rollout and update share them), sampling at `train.rollout_temperature` with the
-   `generate` section's top_k / top_p and KV cache (`generate.kv_cache_dtype`: int8 / int4
-   quantized caches too), up to `train.max_completion_tokens` or EOS; the sampling key is
+   `generate` section's top_k / top_p and KV cache (`generate.kv_cache_dtype`: int8 / int4 /
+   int2 quantized caches too), up to `train.max_completion_tokens` or EOS; the sampling key is
    seeded by (run.seed, rollout number);
 3. scores every completion: on the host with the reward function of its decoded text
    (`rewards`), or on the mesh with a reward model (`train.reward` a directory, held frozen
