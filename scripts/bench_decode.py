@@ -1,6 +1,6 @@
 """Benchmark one decode step of `decode_attention` per cache kind and context length.
 
-    python scripts/bench_decode.py [--kinds bfloat16,int8,int4] [--contexts 4096,32768,131072]
+    python scripts/bench_decode.py [--kinds bfloat16,int8,int4,int2] [--contexts 4096,32768,131072]
         [--batch 8] [--heads 32] [--kv-heads 8] [--head-dim 128] [--queries 1] [--page-size N]
         [--backend triton|mosaic_tpu|xla] [--interpret] [--iters 20]
 
@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 from jaxllm.kernels.decode_attention import KVCache, cache_bytes_per_token, decode_attention
+from jaxllm.kernels.decode_attention.quant import codes_per_byte
 
 # Peak HBM bandwidth (bytes/s) by device kind substring.
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
@@ -70,8 +71,8 @@ def random_cache(key, kind, *, batch, kv_heads, context, head_dim, group, page_s
     else:
         res = jax.random.normal(next(ks), (batch, kv_heads, group, d), jnp.bfloat16)
         f = dict(
-            k=codes(rows, d // 2, dtype=jnp.uint8),
-            v=codes(rows, d // 2, dtype=jnp.uint8),
+            k=codes(rows, d // codes_per_byte(kind), dtype=jnp.uint8),
+            v=codes(rows, d // codes_per_byte(kind), dtype=jnp.uint8),
             k_scale=normal(rows // group, d),
             k_zero=normal(rows // group, d),
             v_scale=normal(rows, d // gv),
@@ -124,7 +125,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--queries", type=int, default=1, help="new tokens per step (Q)")
-    p.add_argument("--group", type=int, default=32, help="int4 group size")
+    p.add_argument("--group", type=int, default=32, help="int4 / int2 group size")
     p.add_argument("--page-size", type=int, default=0, help="0: contiguous cache")
     p.add_argument(
         "--backend", default=None, help="default: the op's choice on GPU, mosaic_tpu on TPU"
