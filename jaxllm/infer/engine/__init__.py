@@ -1,0 +1,37 @@
+"""An inference engine: continuous batching over a pool of KV pages.
+
+A library API, the core that `jaxllm serve`, evaluation and rollouts are meant to sit on:
+
+    engine = Engine(model, max_num_seqs=8, page_size=16, num_pages=256)
+    rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=64, temperature=0.7))
+    while engine.has_unfinished():
+        result = engine.step()  # result.new_tokens, result.finished
+    outputs = engine.generate(prompts, SamplingParams(...))  # or all at once
+
+Three pieces, as vLLM's v1 splits them (scheduler, block manager, model runner):
+`pages` (free list, reference counts, hash-keyed prefix pages), `runner` (the jitted step of
+the existing model over the paged cache, and per-row sampling) and `core` (requests and the
+host scheduler). The host schedules in Python; the device runs fixed-shape programs: the slot
+count and page pool are fixed, and each step feeds Q tokens per slot with Q a power of two up
+to `chunk_size`, so there is one compile per bucket, never one per request shape.
+
+What exists:
+- continuous batching: requests join at any step and leave when done (max_tokens or a stop
+  token); sequences take pages as they grow and give them back when they end;
+- chunked prefill: a long prompt is fed `chunk_size` tokens per step, in the same step as the
+  other sequences' decode tokens;
+- prefix sharing: full pages keyed by the hash of their token block chain, reference-counted;
+  a shared system prompt is stored once, and the n samples of a request share its pages;
+- preemption: when the pool runs dry the newest running sequence gives its pages back and is
+  recomputed later (its output is the same as uninterrupted);
+- per-request sampling: temperature, top-k, top-p, min-p, stop tokens, max_tokens, seed, n,
+  logprobs of the chosen tokens.
+
+Not yet: repetition / presence penalties, stop sequences (several tokens), top logprobs,
+int4 / int2 (KIVI) pages, a mesh (the engine runs on one device), keeping freed prefix pages
+cached (LRU) for later requests, the HTTP server.
+"""
+
+from jaxllm.infer.engine.core import Engine, Output, SamplingParams, StepResult
+
+__all__ = ["Engine", "Output", "SamplingParams", "StepResult"]

@@ -1,0 +1,337 @@
+"""The engine: requests, the host scheduler, and the loop around the jitted device step.
+
+Each `Engine.step()` (1) gives every running sequence, oldest first, the pages its next tokens
+need, preempting the newest running sequences when the pool runs dry; (2) admits waiting
+sequences into free slots while pages allow, after looking up their leading full pages in the
+prefix cache; (3) runs one device step (`runner.step`) in which a prefilling sequence feeds
+its next chunk and a decoding one its last token; (4) appends the sampled tokens, registers
+newly filled pages, and retires finished sequences, whose pages go back to the pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.infer import kv_cache
+from jaxllm.infer.engine import runner
+from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes
+from jaxllm.infer.generate import resolve_decode_impl
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is continued (defaults: greedy, 16 tokens)."""
+
+    max_tokens: int = 16
+    """New tokens per sample at most (a stop token ends it earlier and is not returned)."""
+    temperature: float = 0.0
+    """0 is greedy (argmax); the filters below apply only when sampling."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    min_p: float = 0.0
+    """Keep tokens at least min_p times as likely as the most likely one."""
+    stop_tokens: tuple[int, ...] = ()
+    seed: int | None = None
+    """The draws of sample j depend only on (seed, j, token index); None: the request id."""
+    n: int = 1
+    """Independent samples of the prompt; they share the prompt's full pages."""
+    logprobs: bool = False
+    """Return each new token's log-probability under the model (before temperature)."""
+
+    def __post_init__(self):
+        if self.max_tokens < 1 or self.n < 1:
+            raise ValueError("max_tokens and n must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise ValueError("temperature >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1")
+
+
+@dataclasses.dataclass
+class Output:
+    """One finished sample of a request."""
+
+    request_id: int
+    index: int
+    """Which of the request's n samples."""
+    tokens: list[int]
+    finish_reason: str
+    """"stop" (a stop token came) or "length" (max_tokens)."""
+    logprobs: list[float] | None = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one `Engine.step` produced: (request id, sample index, token) per new token, and
+    the samples that finished."""
+
+    new_tokens: list[tuple[int, int, int]]
+    finished: list[Output]
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    request_id: int
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens whose keys/values are in the cache
+    hashed: int = 0  # leading full pages registered in the prefix cache
+    last_hash: int | None = None
+    slot: int | None = None
+    done: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+
+class Engine:
+    """Continuous batching of requests over a pool of KV pages allocated once.
+
+    `max_num_seqs` slots run at a time; `num_pages` pages of `page_size` tokens (page 0 is
+    scratch) hold every sequence's cache; a prompt is prefilled `chunk_size` tokens (a power
+    of two) per step. Device programs compile once per query bucket (1, 2, 4 .. chunk_size).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        max_num_seqs: int = 8,
+        page_size: int = 16,
+        num_pages: int = 64,
+        chunk_size: int = 32,
+        kv_cache_dtype: str = "float32",
+        decode_impl: str = "auto",
+        prefix_sharing: bool = True,
+    ):
+        cfg = model.cfg
+        if cfg.kind != "decoder" or getattr(model, "soft_prompt", None) is not None:
+            raise ValueError("the engine serves decoder-only models without soft prompts")
+        if kv_cache_dtype in kv_cache.KIVI_KINDS:
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype}: the engine's pages hold float32, bfloat16 "
+                "or int8 (the int4 / int2 residual window is per sequence, not paged)"
+            )
+        if chunk_size < 1 or chunk_size & (chunk_size - 1):
+            raise ValueError(f"chunk_size={chunk_size} must be a power of two")
+        self.cfg, self.page_size, self.chunk_size = cfg, page_size, chunk_size
+        self.prefix_sharing = prefix_sharing
+        self._graphdef, self._state = nnx.split(model)
+        self._impl, self._interpret = resolve_decode_impl(decode_impl, cfg)
+        self.pages_per_slot = -(-cfg.max_seq_len // page_size)
+        self.pool = PagePool(num_pages)
+        self._kv = runner.empty_cache(
+            cfg,
+            slots=max_num_seqs,
+            pages_per_slot=self.pages_per_slot,
+            page_size=page_size,
+            num_pages=num_pages,
+            kind=kv_cache_dtype,
+        )
+        self._slots: list[_Seq | None] = [None] * max_num_seqs
+        self._waiting: list[_Seq] = []  # by arrival
+        self._requests: dict[int, list[_Seq]] = {}
+        self._next_id = 0
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams()):
+        """Queues a prompt; returns its request id. It joins the batch at a later `step`."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("an empty prompt has nothing to continue")
+        if len(prompt) + params.max_tokens > self.cfg.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model's max_seq_len ({self.cfg.max_seq_len})"
+            )
+        if -(-(len(prompt) + params.max_tokens) // self.page_size) > self.pool.num_pages - 1:
+            raise ValueError("one sequence of this request needs more pages than the pool has")
+        rid = self._next_id
+        self._next_id += 1
+        base = rid if params.seed is None else params.seed
+        seqs = []
+        for j in range(params.n):
+            seq = _Seq(rid, j, prompt, params, (base * 1_000_003 + j) % 2**31, self._arrivals)
+            self._arrivals += 1
+            seqs.append(seq)
+            self._waiting.append(seq)
+        self._requests[rid] = seqs
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._slots)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams()
+    ) -> list[list[Output]]:
+        """Runs the engine until every request (these and any queued before) has finished;
+        returns these prompts' samples, [prompt][sample]."""
+        ids = [self.add_request(p, params) for p in prompts]
+        done: dict[int, list[Output]] = {}
+        while self.has_unfinished():
+            for o in self.step().finished:
+                done.setdefault(o.request_id, []).append(o)
+        return [sorted(done[i], key=lambda o: o.index) for i in ids]
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def _running(self) -> list[_Seq]:
+        return sorted((s for s in self._slots if s is not None), key=lambda s: s.arrival)
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Frees a running sequence's pages and queues it to be recomputed from its tokens."""
+        self.pool.release(seq.pages)
+        seq.pages, seq.computed, seq.hashed, seq.last_hash = [], 0, 0, None
+        self._slots[seq.slot], seq.slot = None, None
+        bisect.insort(self._waiting, seq, key=lambda s: s.arrival)
+        self.num_preemptions += 1
+
+    def _grow(self, seq: _Seq, num_tokens: int) -> bool:
+        """Gives `seq` pages for `num_tokens`, preempting the newest running sequences while
+        the pool is empty; False if `seq` itself had to go."""
+        while len(seq.pages) < -(-num_tokens // self.page_size):
+            page = self.pool.allocate()
+            if page is None:
+                victim = self._running()[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+                continue
+            seq.pages.append(page)
+        return True
+
+    def _ready(self, seq: _Seq) -> bool:
+        """A later sample of a request waits until the first has its prompt in pages, so it
+        finds them in the prefix cache instead of computing them again."""
+        if seq.index == 0 or not self.prefix_sharing:
+            return True
+        first = self._requests[seq.request_id][0]
+        return first.done or first.computed >= len(first.prompt)
+
+    def _admit(self) -> list[_Seq]:
+        admitted = []
+        free_slots = [i for i, s in enumerate(self._slots) if s is None]
+        for seq in list(self._waiting):
+            if not free_slots:
+                break
+            if not self._ready(seq):
+                continue
+            tokens = seq.tokens
+            if self.prefix_sharing:  # full pages only, and at least one token left to feed
+                hashes = block_hashes(tokens, self.page_size, (len(tokens) - 1) // self.page_size)
+                seq.pages = self.pool.lookup(hashes)
+                seq.computed = seq.hashed = len(seq.pages)
+                seq.computed *= self.page_size
+                seq.last_hash = hashes[len(seq.pages) - 1] if seq.pages else None
+            take = min(len(tokens) - seq.computed, self.chunk_size)
+            need = -(-(seq.computed + take) // self.page_size) - len(seq.pages)
+            if need > self.pool.num_free:
+                self.pool.release(seq.pages)
+                seq.pages, seq.computed, seq.hashed, seq.last_hash = [], 0, 0, None
+                break
+            self._grow(seq, seq.computed + take)
+            seq.slot = free_slots.pop(0)
+            self._slots[seq.slot] = seq
+            self._waiting.remove(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _schedule(self) -> list[tuple[_Seq, int]]:
+        """(sequence, tokens it feeds this step) for every sequence that runs."""
+        batch = []
+        preempted = self.num_preemptions
+        for seq in self._running():
+            if seq.slot is None:  # preempted for an older sequence in this loop
+                continue
+            take = min(len(seq.tokens) - seq.computed, self.chunk_size)
+            if self._grow(seq, seq.computed + take):
+                batch.append((seq, take))
+        if self.num_preemptions == preempted:  # no admissions while the pool is short
+            for seq in self._admit():
+                batch.append((seq, min(len(seq.tokens) - seq.computed, self.chunk_size)))
+        return batch
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """One engine iteration: schedule, one device step, bookkeeping."""
+        batch = self._schedule()
+        if not batch:
+            return StepResult([], [])
+        s, ps = len(self._slots), self.page_size
+        q = 1 << (max(take for _, take in batch) - 1).bit_length()
+        tokens_SxQ = np.zeros((s, q), np.int32)
+        start_S, last_S = np.zeros(s, np.int32), np.zeros(s, np.int32)
+        table_SxJ = np.zeros((s, self.pages_per_slot), np.int32)
+        temp_S, top_p_S, min_p_S = (np.zeros(s, np.float32) for _ in range(3))
+        top_k_S, seed_S, count_S = (np.zeros(s, np.int32) for _ in range(3))
+        top_p_S[:] = 1.0
+        for seq, take in batch:
+            r, p = seq.slot, seq.params
+            tokens_SxQ[r, :take] = seq.tokens[seq.computed : seq.computed + take]
+            start_S[r], last_S[r] = seq.computed, take - 1
+            table_SxJ[r, : len(seq.pages)] = seq.pages
+            temp_S[r], top_k_S[r], top_p_S[r], min_p_S[r] = p.temperature, p.top_k, p.top_p, p.min_p
+            seed_S[r], count_S[r] = seq.seed, len(seq.out)
+        sampling = tuple(map(jnp.asarray, (temp_S, top_k_S, top_p_S, min_p_S, seed_S, count_S)))
+        tok_S, logp_S, self._kv = runner.step(
+            self._graphdef,
+            self._state,
+            self._kv,
+            jnp.asarray(tokens_SxQ),
+            jnp.asarray(start_S),
+            jnp.asarray(last_S),
+            jnp.asarray(table_SxJ),
+            sampling,
+            impl=self._impl,
+            interpret=self._interpret,
+        )
+        tok_S, logp_S = np.asarray(tok_S), np.asarray(logp_S)
+        new, finished = [], []
+        for seq, take in batch:
+            seq.computed += take
+            while self.prefix_sharing and (seq.hashed + 1) * ps <= seq.computed:
+                block = seq.tokens[seq.hashed * ps : (seq.hashed + 1) * ps]
+                seq.last_hash = block_hash(seq.last_hash, block)
+                self.pool.register(seq.last_hash, seq.pages[seq.hashed])
+                seq.hashed += 1
+            if seq.computed < len(seq.tokens):  # mid-prefill: its sample is not used
+                continue
+            t, p = int(tok_S[seq.slot]), seq.params
+            reason = "stop" if t in p.stop_tokens else None
+            if reason is None:
+                seq.out.append(t)
+                seq.logprobs.append(float(logp_S[seq.slot]))
+                new.append((seq.request_id, seq.index, t))
+                reason = "length" if len(seq.out) >= p.max_tokens else None
+            if reason is not None:
+                finished.append(self._finish(seq, reason))
+        return StepResult(new, finished)
+
+    def _finish(self, seq: _Seq, reason: str) -> Output:
+        self.pool.release(seq.pages)
+        self._slots[seq.slot], seq.slot, seq.pages, seq.done = None, None, [], True
+        logprobs = list(seq.logprobs) if seq.params.logprobs else None
+        if all(s.done for s in self._requests[seq.request_id]):
+            del self._requests[seq.request_id]
+        return Output(seq.request_id, seq.index, list(seq.out), reason, logprobs)

@@ -1,0 +1,90 @@
+"""The engine's page pool: a free list of KV pages with reference counts, and full pages keyed
+by a hash of their token block chain so identical prefixes are stored once.
+
+Page 0 is the scratch page (`jaxllm.infer.kv_cache`): block table entries a sequence does not
+own point at it, so padding writes land there; it is never handed out. A full page of tokens is
+registered under `block_hash(parent, tokens)`, the hash of its tokens and of every block before
+it (as vLLM's prefix cache keys blocks), so two sequences share a page only when everything
+before it is identical too. A page returns to the free list, and its hash is forgotten, when
+its last user lets go of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """The key of one full page: its tokens and the key of the page before it."""
+    return hash((parent, tuple(tokens)))
+
+
+def block_hashes(tokens: Sequence[int], page_size: int, num_blocks: int) -> list[int]:
+    """Keys of the first `num_blocks` full pages of `tokens`, chained."""
+    out, parent = [], None
+    for i in range(num_blocks):
+        parent = block_hash(parent, tokens[i * page_size : (i + 1) * page_size])
+        out.append(parent)
+    return out
+
+
+class PagePool:
+    """`num_pages` pages (scratch page 0 included): a free list, reference counts and the
+    hash -> page map of full pages that can be shared."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages}: the pool needs the scratch page and more")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
+        self._refs = [0] * num_pages
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Pages held by at least one sequence (the scratch page not counted)."""
+        return self.num_pages - 1 - len(self._free)
+
+    def allocate(self) -> int | None:
+        """A fresh page with one reference, or None when the pool is empty."""
+        if not self._free:
+            return None
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drops one reference to each page; a page nobody holds goes back to the free list."""
+        for page in pages:
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                h = self._hash_of.pop(page, None)
+                if h is not None:
+                    del self._by_hash[h]
+                self._free.append(page)
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """The registered pages of the longest leading run of `hashes`, each with one more
+        reference (the caller now holds them)."""
+        pages = []
+        for h in hashes:
+            page = self._by_hash.get(h)
+            if page is None:
+                break
+            self._refs[page] += 1
+            pages.append(page)
+        return pages
+
+    def register(self, h: int, page: int) -> None:
+        """Makes a full page findable by its hash (the first page under a hash keeps it)."""
+        if h not in self._by_hash and page not in self._hash_of:
+            self._by_hash[h] = page
+            self._hash_of[page] = h
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
