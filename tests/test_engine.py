@@ -186,3 +186,16 @@ def test_page_pool_counts_references_and_forgets_freed_hashes():
     assert pool.num_free == 3 and pool.lookup(h) == []
     with pytest.raises(ValueError):
         Engine(build(tiny_model(), seed=0), kv_cache_dtype="int4")
+
+
+def test_abort_frees_a_requests_pages_and_the_rest_run_on(model, alone):
+    engine = _engine(model)
+    keep = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=6))
+    drop = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=6, n=2))
+    engine.step()
+    assert engine.num_running == 2 and engine.abort(drop) and not engine.abort(drop)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step().finished
+    assert [(o.request_id, o.tokens) for o in outs] == [(keep, alone(PROMPTS[1], 6))]
+    assert engine.pool.num_used == 0 and engine.num_waiting == 0

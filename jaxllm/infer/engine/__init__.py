@@ -29,7 +29,7 @@ What exists:
 
 Not yet: repetition / presence penalties, stop sequences (several tokens), top logprobs,
 int4 / int2 (KIVI) pages, a mesh (the engine runs on one device), keeping freed prefix pages
-cached (LRU) for later requests, the HTTP server.
+cached (LRU) for later requests.
 """
 
 from jaxllm.infer.engine.core import Engine, Output, SamplingParams, StepResult

@@ -174,6 +174,29 @@ class Engine:
         self._requests[rid] = seqs
         return rid
 
+    def abort(self, request_id: int) -> bool:
+        """Drops a request's unfinished samples, waiting or running; their pages go back to the
+        pool. False when the request is unknown or already finished."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            if seq.slot is not None:
+                self._slots[seq.slot], seq.slot = None, None
+            elif seq in self._waiting:
+                self._waiting.remove(seq)
+            self.pool.release(seq.pages)
+            seq.pages, seq.done = [], True
+        return True
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self._slots)
 
