@@ -240,17 +240,14 @@ def parser() -> argparse.ArgumentParser:
     from jaxllm.merge import add_merge_parser
     from jaxllm.prune import add_prune_parser
     from jaxllm.quantize import add_quantize_parser
-
-    _add_generate_parser(sub)
-    add_quantize_parser(sub)
-    add_prune_parser(sub)
-    add_merge_parser(sub)
-    add_bench_data_parser(bsub)
-    add_data_parser(sub)
-    add_convert_parser(sub)
+    from jaxllm.serve.cli import add_serve_parser
     from jaxllm.sweep import add_sweep_parser
 
-    add_sweep_parser(sub)
+    add_bench_data_parser(bsub)
+    for add in (_add_generate_parser, add_quantize_parser, add_prune_parser, add_merge_parser):
+        add(sub)
+    for add in (add_data_parser, add_convert_parser, add_sweep_parser, add_serve_parser):
+        add(sub)
     return p
 
 

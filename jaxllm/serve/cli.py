@@ -1,0 +1,119 @@
+"""`jaxllm serve RUN_DIR|HF_DIR [--host H] [--port P] [--kv-cache-dtype D] [--max-num-seqs N]
+[--page-size N] [--api-key KEY]`: load a model, start the engine's thread and uvicorn.
+
+SIGTERM (or Ctrl-C) stops accepting requests, cancels those in flight after a short grace and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+from jaxllm.config import ConfigError, split_args
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
+    s.add_argument("args", nargs="+", metavar="RUN_DIR|HF_DIR|key=value")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--kv-cache-dtype",
+        default="float32",
+        choices=("bfloat16", "float32", "int8", "int4", "int2"),
+    )
+    s.add_argument("--max-num-seqs", type=int, default=8, help="sequences batched at a time")
+    s.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    s.add_argument("--num-pages", type=int, help="KV pages (default: max-num-seqs full contexts)")
+    s.add_argument("--chunk-size", type=int, default=32, help="prefill tokens per step")
+    s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
+    s.add_argument("--served-model-name", help="the model id clients name (default: the dir's)")
+    s.set_defaults(func=cmd_serve)
+
+
+def load(path, overrides=()):
+    """(model, tokenizer, stop ids, bos ids) of a run directory or a Hugging Face directory."""
+    from jaxllm.data.tokenizer import generation_config, generation_stop_ids, make_tokenizer
+    from jaxllm.load import _is_hf_source, load_model, model_config, resolve
+
+    if _is_hf_source(Path(path)):
+        cfg, run_dir = model_config(Path(path), list(overrides)), Path(path)
+        model = load_model(path, overrides=list(overrides))
+    else:
+        from jaxllm.infer.cli import _check_generates
+        from jaxllm.load import restore
+
+        r = restore(path, list(overrides))
+        cfg, model, run_dir = r.cfg, r.model(), resolve(path)[0]
+        _check_generates(cfg, path)
+    tok = make_tokenizer(cfg.data)
+    stops = {tok.eos_id} if tok.eos_id is not None else set()
+    stops |= generation_stop_ids(generation_config(cfg.data.tokenizer, run_dir))
+    bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
+    return model, tok, stops, bos
+
+
+def build(model, tok, stops, bos, name: str, *, api_key=None, **engine_kw):
+    """(FastAPI app, worker) serving `model`; the worker is started by the app's lifespan."""
+    import contextlib
+
+    from jaxllm.infer.chat import end_of_turn
+    from jaxllm.infer.engine import Engine
+    from jaxllm.serve.app import Served, make_app
+    from jaxllm.serve.worker import EngineWorker
+
+    if engine_kw.get("num_pages") is None:
+        per_seq = -(-model.cfg.max_seq_len // engine_kw.get("page_size", 16))
+        engine_kw["num_pages"] = engine_kw.get("max_num_seqs", 8) * per_seq + 1
+    try:
+        engine = Engine(model, **engine_kw)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    worker = EngineWorker(engine)
+    app = make_app(Served(worker, tok, name, stops, end_of_turn(tok, sorted(stops)), bos), api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        worker.start()
+        yield
+        worker.stop()
+
+    app.router.lifespan_context = lifespan
+    return app, worker
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise ConfigError("jaxllm serve needs FastAPI and uvicorn: pip install 'jaxllm[serve]'")
+    path, overrides = split_args(ns.args)
+    if path is None:
+        raise ConfigError("jaxllm serve needs a run directory or a Hugging Face directory.")
+    for flag in ("max_num_seqs", "page_size", "chunk_size", "num_pages"):
+        if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1.")
+    model, tok, stops, bos = load(path, overrides)
+    app, _ = build(
+        model,
+        tok,
+        stops,
+        bos,
+        ns.served_model_name or Path(path).resolve().name,
+        api_key=ns.api_key,
+        max_num_seqs=ns.max_num_seqs,
+        page_size=ns.page_size,
+        num_pages=ns.num_pages,
+        chunk_size=ns.chunk_size,
+        kv_cache_dtype=ns.kv_cache_dtype,
+    )
+    config = uvicorn.Config(
+        app, host=ns.host, port=ns.port, log_level="warning", timeout_graceful_shutdown=5
+    )
+    # uvicorn raises the signal it caught again once it has shut down: handled here, the
+    # process then returns 0 instead of dying by it.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.Server(config).run()
+    return 0
