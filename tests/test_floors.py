@@ -60,6 +60,8 @@ DEFERRED = {
     "parser, built for every command, imports this module",
     "jaxllm.sweep": "the training stack (and jax) loads only when a sweep runs: the parser, "
     "built for every command, imports this module",
+    "jaxllm.serve.cli": "the model stack, FastAPI and uvicorn (and jax) load only when the "
+    "server runs: the parser, built for every command, imports this module",
     "jaxllm.kernels.flash_attention.ops": "a backend (Triton, Mosaic) loads only when used",
     "jaxllm.kernels.decode_attention.ops": "a backend (Triton, Mosaic) loads only when used",
     "jaxllm.kernels.int4_matmul.ops": "the Triton backend loads only when used",
