@@ -167,6 +167,8 @@ def test_api_key_is_required(server):
 def test_health_metrics_and_a_dropped_stream_frees_its_pages(server):
     url, worker = server[0], server[5]
     assert httpx.get(url + "/health").json() == {"status": "ok"}
+    aborted, abort = [], worker.engine.abort  # the disconnect must reach the engine
+    worker.engine.abort = lambda rid: (aborted.append(rid), abort(rid))[1]
     body = {"model": "tiny", "prompt": "a long one", "max_tokens": 40, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
@@ -176,8 +178,9 @@ def test_health_metrics_and_a_dropped_stream_frees_its_pages(server):
     t0 = time.time()
     while _metrics(url)["jaxllm_kv_pages_used"] != 0 and time.time() - t0 < 30:
         time.sleep(0.1)
+    worker.engine.abort = abort
     m = _metrics(url)
-    assert m["jaxllm_kv_pages_used"] == 0 and m["jaxllm_requests_running"] == 0
+    assert aborted and m["jaxllm_kv_pages_used"] == 0 and m["jaxllm_requests_running"] == 0
     assert m["jaxllm_generation_tokens_total"] > 0 and "jaxllm_requests_waiting" in m
 
 
