@@ -12,14 +12,13 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
+import uvicorn
 
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-
-from jaxllm.config import GenerateConfig  # noqa: E402
-from jaxllm.infer.generate import generate  # noqa: E402
-from jaxllm.serve.cli import build, load  # noqa: E402
+from jaxllm.config import GenerateConfig
+from jaxllm.infer.generate import generate
+from jaxllm.serve.cli import build, load
 
 KEY = "sk-test"
 
