@@ -32,6 +32,9 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     user: str | None = None
+    ignore_eos: bool = False
+    """vLLM's extra: the model's end-of-sequence / end-of-turn tokens do not end the output
+    (benchmarks ask for exact output lengths); `stop` and `stop_token_ids` still do."""
 
 
 class CompletionRequest(_Common):
@@ -92,7 +95,7 @@ def _params(s: Served, req: _Common, max_tokens, stops, logprobs: bool) -> Sampl
         top_p=req.top_p,
         n=req.n,
         seed=req.seed,
-        stop_tokens=_stop_ids(s, req, stops),
+        stop_tokens=_stop_ids(s, req, () if req.ignore_eos else stops),
         logprobs=logprobs,
     )
 
