@@ -14,10 +14,12 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from jaxllm import sharding
+from jaxllm.config import MeshConfig
 from jaxllm.infer import kv_cache
 from jaxllm.infer.engine import runner
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes
@@ -103,6 +105,11 @@ class Engine:
     `max_num_seqs` slots run at a time; `num_pages` pages of `page_size` tokens (page 0 is
     scratch) hold every sequence's cache; a prompt is prefilled `chunk_size` tokens (a power
     of two) per step. Device programs compile once per query bucket (1, 2, 4 .. chunk_size).
+
+    With `mesh` the engine runs sharded on it, as `generate(..., mesh=mesh)` does: the model's
+    parameters are laid out by their logical axes, the pages' kv heads split over `tensor`, the
+    slots over the data axes (`max_num_seqs` is rounded up to a multiple of their degree);
+    `mesh_config` (a run's `mesh` section) brings its settings, such as `expert_dispatch`.
     """
 
     def __init__(
@@ -116,6 +123,8 @@ class Engine:
         kv_cache_dtype: str = "float32",
         decode_impl: str = "auto",
         prefix_sharing: bool = True,
+        mesh: Mesh | None = None,
+        mesh_config: MeshConfig | None = None,
     ):
         cfg = model.cfg
         if cfg.kind != "decoder" or getattr(model, "soft_prompt", None) is not None:
@@ -129,7 +138,17 @@ class Engine:
             raise ValueError(f"chunk_size={chunk_size} must be a power of two")
         self.cfg, self.page_size, self.chunk_size = cfg, page_size, chunk_size
         self.prefix_sharing = prefix_sharing
+        # on a mesh: parameters by their logical axes, pages' kv heads over `tensor`, slots
+        # over the data axes (their count rounded up to split evenly)
+        self._parallel = (
+            sharding.Parallel(mesh)
+            if mesh_config is None
+            else sharding.Parallel.of(mesh, mesh_config)
+        )
+        dp = runner.data_degree(self._parallel)
+        max_num_seqs = -(-max_num_seqs // dp) * dp
         self._graphdef, self._state = nnx.split(model)
+        self._state = runner.place_params(self._state, self._parallel)
         self._impl, self._interpret = resolve_decode_impl(decode_impl, cfg)
         self.pages_per_slot = -(-cfg.max_seq_len // page_size)
         self.pool = PagePool(num_pages)
@@ -140,6 +159,7 @@ class Engine:
             page_size=page_size,
             num_pages=num_pages,
             kind=kv_cache_dtype,
+            parallel=self._parallel,
         )
         self._slots: list[_Seq | None] = [None] * max_num_seqs
         self._waiting: list[_Seq] = []  # by arrival
@@ -316,18 +336,19 @@ class Engine:
             table_SxJ[r, : len(seq.pages)] = seq.pages
             temp_S[r], top_k_S[r], top_p_S[r], min_p_S[r] = p.temperature, p.top_k, p.top_p, p.min_p
             seed_S[r], count_S[r] = seq.seed, len(seq.out)
-        sampling = tuple(map(jnp.asarray, (temp_S, top_k_S, top_p_S, min_p_S, seed_S, count_S)))
+        rows = runner.put_rows(self._parallel, tokens_SxQ, start_S, last_S, table_SxJ)
+        sampling = runner.put_rows(
+            self._parallel, temp_S, top_k_S, top_p_S, min_p_S, seed_S, count_S
+        )
         tok_S, logp_S, self._kv = runner.step(
             self._graphdef,
             self._state,
             self._kv,
-            jnp.asarray(tokens_SxQ),
-            jnp.asarray(start_S),
-            jnp.asarray(last_S),
-            jnp.asarray(table_SxJ),
+            *rows,
             sampling,
             impl=self._impl,
             interpret=self._interpret,
+            parallel=self._parallel,
         )
         tok_S, logp_S = np.asarray(tok_S), np.asarray(logp_S)
         new, finished = [], []
