@@ -32,6 +32,7 @@ int4 / int2 (KIVI) pages, a mesh (the engine runs on one device), keeping freed 
 cached (LRU) for later requests.
 """
 
-from jaxllm.infer.engine.core import Engine, Output, SamplingParams, StepResult
+from jaxllm.infer.engine.core import Engine, Output, StepResult
+from jaxllm.infer.engine.sampling import SamplingParams
 
 __all__ = ["Engine", "Output", "SamplingParams", "StepResult"]

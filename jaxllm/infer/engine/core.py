@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,36 +24,8 @@ from jaxllm.config import MeshConfig
 from jaxllm.infer import kv_cache
 from jaxllm.infer.engine import runner
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes
+from jaxllm.infer.engine.sampling import RowBuilder, SamplingParams, accept
 from jaxllm.infer.generate import resolve_decode_impl
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request is continued (defaults: greedy, 16 tokens)."""
-
-    max_tokens: int = 16
-    """New tokens per sample at most (a stop token ends it earlier and is not returned)."""
-    temperature: float = 0.0
-    """0 is greedy (argmax); the filters below apply only when sampling."""
-    top_k: int = 0
-    """Keep the k most likely tokens (0: all)."""
-    top_p: float = 1.0
-    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
-    min_p: float = 0.0
-    """Keep tokens at least min_p times as likely as the most likely one."""
-    stop_tokens: tuple[int, ...] = ()
-    seed: int | None = None
-    """The draws of sample j depend only on (seed, j, token index); None: the request id."""
-    n: int = 1
-    """Independent samples of the prompt; they share the prompt's full pages."""
-    logprobs: bool = False
-    """Return each new token's log-probability under the model (before temperature)."""
-
-    def __post_init__(self):
-        if self.max_tokens < 1 or self.n < 1:
-            raise ValueError("max_tokens and n must be at least 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
-            raise ValueError("temperature >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1")
 
 
 @dataclasses.dataclass
@@ -64,14 +37,17 @@ class Output:
     """Which of the request's n samples."""
     tokens: list[int]
     finish_reason: str
-    """"stop" (a stop token came) or "length" (max_tokens)."""
+    """"stop" (a stop token or stop sequence came) or "length" (max_tokens)."""
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, the `top_logprobs` most likely (token, log-prob) pairs, most likely first."""
 
 
 @dataclasses.dataclass
 class StepResult:
-    """What one `Engine.step` produced: (request id, sample index, token) per new token, and
-    the samples that finished."""
+    """What one `Engine.step` produced: (request id, sample index, token) per new token shown
+    (tokens that may begin a stop sequence come once they are known not to), and the samples
+    that finished."""
 
     new_tokens: list[tuple[int, int, int]]
     finished: list[Output]
@@ -87,6 +63,8 @@ class _Seq:
     arrival: int
     out: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)  # per token: top (id, log-prob) pairs
+    emitted: int = 0  # output tokens shown in StepResult.new_tokens
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens whose keys/values are in the cache
     hashed: int = 0  # leading full pages registered in the prefix cache
@@ -162,6 +140,7 @@ class Engine:
             parallel=self._parallel,
         )
         self._slots: list[_Seq | None] = [None] * max_num_seqs
+        self._rows = RowBuilder(max_num_seqs, cfg.max_seq_len)
         self._waiting: list[_Seq] = []  # by arrival
         self._requests: dict[int, list[_Seq]] = {}
         self._next_id = 0
@@ -326,21 +305,15 @@ class Engine:
         tokens_SxQ = np.zeros((s, q), np.int32)
         start_S, last_S = np.zeros(s, np.int32), np.zeros(s, np.int32)
         table_SxJ = np.zeros((s, self.pages_per_slot), np.int32)
-        temp_S, top_p_S, min_p_S = (np.zeros(s, np.float32) for _ in range(3))
-        top_k_S, seed_S, count_S = (np.zeros(s, np.int32) for _ in range(3))
-        top_p_S[:] = 1.0
         for seq, take in batch:
-            r, p = seq.slot, seq.params
+            r = seq.slot
             tokens_SxQ[r, :take] = seq.tokens[seq.computed : seq.computed + take]
             start_S[r], last_S[r] = seq.computed, take - 1
             table_SxJ[r, : len(seq.pages)] = seq.pages
-            temp_S[r], top_k_S[r], top_p_S[r], min_p_S[r] = p.temperature, p.top_k, p.top_p, p.min_p
-            seed_S[r], count_S[r] = seq.seed, len(seq.out)
         rows = runner.put_rows(self._parallel, tokens_SxQ, start_S, last_S, table_SxJ)
-        sampling = runner.put_rows(
-            self._parallel, temp_S, top_k_S, top_p_S, min_p_S, seed_S, count_S
-        )
-        tok_S, logp_S, self._kv = runner.step(
+        put = functools.partial(runner.put_rows, self._parallel)
+        sampling = self._rows.build([seq for seq, _ in batch], put)
+        picked, self._kv = runner.step(
             self._graphdef,
             self._state,
             self._kv,
@@ -350,7 +323,7 @@ class Engine:
             interpret=self._interpret,
             parallel=self._parallel,
         )
-        tok_S, logp_S = np.asarray(tok_S), np.asarray(logp_S)
+        tok_S, logp_S, ids_SxK, top_SxK = map(np.asarray, picked)
         new, finished = [], []
         for seq, take in batch:
             seq.computed += take
@@ -361,13 +334,13 @@ class Engine:
                 seq.hashed += 1
             if seq.computed < len(seq.tokens):  # mid-prefill: its sample is not used
                 continue
-            t, p = int(tok_S[seq.slot]), seq.params
-            reason = "stop" if t in p.stop_tokens else None
-            if reason is None:
-                seq.out.append(t)
-                seq.logprobs.append(float(logp_S[seq.slot]))
-                new.append((seq.request_id, seq.index, t))
-                reason = "length" if len(seq.out) >= p.max_tokens else None
+            r, p = seq.slot, seq.params
+            top = None
+            if p.top_logprobs:
+                top = [(int(i), float(v)) for i, v in zip(ids_SxK[r], top_SxK[r])]
+                top = top[: p.top_logprobs]
+            shown, reason = accept(seq, int(tok_S[r]), float(logp_S[r]), top)
+            new += [(seq.request_id, seq.index, t) for t in shown]
             if reason is not None:
                 finished.append(self._finish(seq, reason))
         return StepResult(new, finished)
@@ -375,7 +348,9 @@ class Engine:
     def _finish(self, seq: _Seq, reason: str) -> Output:
         self.pool.release(seq.pages)
         self._slots[seq.slot], seq.slot, seq.pages, seq.done = None, None, [], True
-        logprobs = list(seq.logprobs) if seq.params.logprobs else None
+        p = seq.params
+        logprobs = list(seq.logprobs) if p.logprobs or p.top_logprobs else None
+        top = list(seq.top) if p.top_logprobs else None
         if all(s.done for s in self._requests[seq.request_id]):
             del self._requests[seq.request_id]
-        return Output(seq.request_id, seq.index, list(seq.out), reason, logprobs)
+        return Output(seq.request_id, seq.index, list(seq.out), reason, logprobs, top)

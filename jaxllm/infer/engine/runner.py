@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.infer import kv_cache
+from jaxllm.infer.engine.sampling import sample_rows
 from jaxllm.model.layers import logical_axes
 
 
@@ -109,33 +110,6 @@ def put_rows(parallel: sharding.Parallel, *arrays):
     )
 
 
-def sample_rows(logits_SxV, temp_S, top_k_S, top_p_S, min_p_S, seed_S, count_S):
-    """(token [S], its log-probability under the model [S]): per-row temperature (0 greedy),
-    top-k (0 off), top-p, min-p (keep tokens with probability >= min_p x the largest), drawn
-    with the key fold_in(key(seed), count), so a token's draw depends on its request's seed and
-    index only (a recomputed or rescheduled sequence draws the same)."""
-    logits_SxV = logits_SxV.astype(jnp.float32)
-    logp_SxV = jax.nn.log_softmax(logits_SxV, axis=-1)
-    greedy_S = jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32)
-    v = logits_SxV.shape[-1]
-    scaled_SxV = logits_SxV / jnp.where(temp_S > 0, temp_S, 1.0)[:, None]
-    sorted_SxV = -jnp.sort(-scaled_SxV, axis=-1)
-    k_S = jnp.where((top_k_S > 0) & (top_k_S < v), top_k_S, v)
-    kth_Sx1 = jnp.take_along_axis(sorted_SxV, (k_S - 1)[:, None], axis=1)
-    probs_SxV = jax.nn.softmax(sorted_SxV, axis=-1)
-    before_SxV = jnp.cumsum(probs_SxV, axis=-1) - probs_SxV  # mass of more likely tokens
-    keep_SxV = before_SxV < top_p_S[:, None]
-    nucleus_Sx1 = jnp.min(jnp.where(keep_SxV, sorted_SxV, jnp.inf), axis=-1, keepdims=True)
-    log_min_p_S = jnp.where(min_p_S > 0, jnp.log(jnp.maximum(min_p_S, 1e-30)), -jnp.inf)
-    min_p_Sx1 = sorted_SxV[:, :1] + log_min_p_S[:, None]
-    cut_Sx1 = jnp.maximum(jnp.maximum(kth_Sx1, nucleus_Sx1), min_p_Sx1)
-    filtered_SxV = jnp.where(scaled_SxV < cut_Sx1, jnp.finfo(jnp.float32).min, scaled_SxV)
-    keys_S = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed_S, count_S)
-    drawn_S = jax.vmap(jax.random.categorical)(keys_S, filtered_SxV).astype(jnp.int32)
-    tok_S = jnp.where(temp_S > 0, drawn_S, greedy_S)
-    return tok_S, jnp.take_along_axis(logp_SxV, tok_S[:, None], axis=1)[:, 0]
-
-
 TRACES = [0]
 """How many times `step` has been traced (each trace is one compile): tests bound it."""
 
@@ -159,9 +133,10 @@ def step(
     parallel: sharding.Parallel = sharding.Parallel(),
 ):
     """Writes each slot's Q tokens at start .. start + Q - 1, and samples the token after its
-    real token `last` (an index into Q). `sampling`: (temperature, top_k, top_p, min_p, seed,
-    count), each [S]. Returns (tokens [S], their log-probabilities [S], the cache). `parallel`:
-    the mesh and its settings the step runs under (none: one device)."""
+    real token `last` (an index into Q). `sampling`: the slots'
+    `sampling.Rows`. Returns (what `sample_rows` returns: tokens [S], their log-probabilities
+    [S], the top 20 token ids [S, 20] and their log-probabilities [S, 20]; the cache).
+    `parallel`: the mesh and its settings the step runs under (none: one device)."""
     TRACES[0] += 1
     with sharding.active(parallel):
         return _step(
@@ -180,5 +155,5 @@ def _step(graphdef, state, kv, tokens_SxQ, start_S, last_S, table_SxJ, sampling,
     logits_Sx1xV, view, *_ = model(
         tokens_SxQ, positions_BxL=positions_SxQ, cache=view, logits_at_BxQ=last_S[:, None]
     )
-    tok_S, logp_S = sample_rows(logits_Sx1xV[:, 0], *sampling)
-    return tok_S, logp_S, _constrain_cache(view.kv)
+    picked = sample_rows(logits_Sx1xV[:, 0], sampling)
+    return picked, _constrain_cache(view.kv)
