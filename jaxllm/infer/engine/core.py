@@ -123,6 +123,13 @@ class Engine:
             if mesh_config is None
             else sharding.Parallel.of(mesh, mesh_config)
         )
+        if mesh is not None and (
+            mesh.shape.get("stage", 1) > 1 or mesh.shape.get("sequence", 1) > 1
+        ):
+            raise ValueError(
+                "the engine splits slots, heads and experts over a mesh, not pipeline stages or "
+                "the sequence: give it a mesh with stage=1 and sequence=1"
+            )
         dp = runner.data_degree(self._parallel)
         max_num_seqs = -(-max_num_seqs // dp) * dp
         self._graphdef, self._state = nnx.split(model)

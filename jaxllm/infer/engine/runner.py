@@ -35,7 +35,9 @@ from jaxllm.model.layers import logical_axes
 def data_degree(parallel: sharding.Parallel) -> int:
     """How many ways the slots are split: the product of the mesh axes `batch` maps to."""
     mesh = parallel.mesh
-    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in sharding.RULES["batch"]]))
+    return (
+        1 if mesh is None else int(np.prod([mesh.shape.get(a, 1) for a in sharding.RULES["batch"]]))
+    )
 
 
 def place_params(state, parallel: sharding.Parallel):

@@ -1,0 +1,127 @@
+"""The inference engine on a mesh: parameters, pages and slots sharded (data x tensor, fsdp,
+MoE experts over `expert`) give the greedy tokens of the one-device engine and of `generate`,
+with one compile per query bucket."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_model
+from jax.sharding import PartitionSpec as P
+
+from jaxllm import sharding
+from jaxllm.config import ConfigError, GenerateConfig, MeshConfig, MoEConfig
+from jaxllm.infer import generate
+from jaxllm.infer.engine import Engine, SamplingParams, runner
+from jaxllm.model.transformer import build
+
+RNG = np.random.default_rng(1)
+PROMPTS = [RNG.integers(1, 64, size=n).tolist() for n in (3, 8, 1, 6, 5)]
+MAX_TOKENS = 5
+ENGINE = dict(max_num_seqs=3, page_size=4, num_pages=40, chunk_size=4)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return build(tiny_model(init_std=0.5, max_seq_len=32, num_kv_heads=4), seed=0)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    cfg = MoEConfig(num_experts=4, experts_per_token=2, num_shared_experts=1, first_dense_layers=1)
+    return build(tiny_model(init_std=0.5, max_seq_len=32, num_kv_heads=4, moe=cfg), seed=1)
+
+
+def _generate_alone(model):
+    """`generate` on one device: the reference every layout must give."""
+    gen = GenerateConfig(kv_cache_dtype="float32", max_new_tokens=MAX_TOKENS)
+    return generate(model, PROMPTS, gen).tokens
+
+
+@pytest.fixture(scope="module")
+def want(dense):
+    return _generate_alone(dense)
+
+
+@pytest.fixture(scope="module")
+def one_device(dense, want):
+    """(tokens, logprobs) of the engine on one device, which are generate's tokens."""
+    tokens, logprobs = _run(Engine(dense, **ENGINE))
+    assert tokens == want
+    return tokens, logprobs
+
+
+def _run(engine):
+    """Two requests join per step (continuous batching); (tokens, logprobs) per prompt."""
+    pending, outs, ids = list(enumerate(PROMPTS)), {}, {}
+    params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=True)
+    while pending or engine.has_unfinished():
+        for _ in range(2):
+            if pending:
+                i, p = pending.pop(0)
+                ids[engine.add_request(p, params)] = i
+        for o in engine.step().finished:
+            outs[ids[o.request_id]] = o
+    return [outs[i].tokens for i in range(len(PROMPTS))], [outs[i].logprobs for i in outs]
+
+
+def _mesh(**degrees):
+    return sharding.make_mesh(MeshConfig(**{"data": 1, **degrees}))
+
+
+@pytest.mark.parametrize(
+    "degrees",
+    [dict(data=2, tensor=4), pytest.param(dict(data=2, fsdp=2, tensor=2), marks=pytest.mark.slow)],
+    ids=["dp2-tp4", "dp2-fsdp2-tp2"],
+)
+def test_engine_on_a_mesh_equals_one_device_and_generate(dense, want, one_device, degrees):
+    mesh = _mesh(**degrees)
+    engine = Engine(dense, mesh=mesh, **ENGINE)
+    # laid out as the logical axes say: kv heads over tensor (the pages' too), slots over data
+    k_proj = engine._state["layers"]["attn"]["k_proj"][...]
+    assert k_proj.sharding.spec == P(None, "fsdp", "tensor", None)
+    assert engine._kv.k.sharding.spec == P(None, None, "tensor", None, None)
+    assert len(engine._slots) % (degrees["data"] * degrees.get("fsdp", 1)) == 0
+    assert dense.layers.attn.k_proj[...].sharding.num_devices == 1  # the model is not moved
+    free, traces = engine.num_free_pages, runner.TRACES[0]
+    tokens, logprobs = _run(engine)
+    assert tokens == want
+    for a, b in zip(logprobs, one_device[1]):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    assert runner.TRACES[0] - traces <= 3  # one compile per bucket (1, 2, 4), as on one device
+    assert engine.num_free_pages == free
+
+
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        dict(expert=2, data=2, tensor=2),
+        pytest.param(dict(expert=4, tensor=2), marks=pytest.mark.slow),
+    ],
+    ids=["ep2-dp2-tp2", "ep4-tp2"],
+)
+def test_moe_engine_with_experts_over_the_expert_axis_equals_generate(moe, degrees):
+    """Dropless MoE (a dense first layer, then experts and a shared expert): the experts
+    split over `expert`, the slots over data x expert, the tokens of one device."""
+    want = _generate_alone(moe)
+    mesh = _mesh(**degrees)
+    engine = Engine(moe, mesh=mesh, mesh_config=MeshConfig(**{"data": 1, **degrees}), **ENGINE)
+    gate = engine._state["moe_layers"]["moe"]["mlp"]["gate_proj"][...]
+    assert gate.sharding.spec == P(None, "expert", "fsdp", "tensor")
+    assert _run(engine)[0] == want
+
+
+def test_a_one_device_mesh_runs_as_no_mesh(dense, want):
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    engine = Engine(dense, mesh=mesh, **ENGINE)
+    assert len(engine._slots) == ENGINE["max_num_seqs"]
+    assert _run(engine)[0] == want
+
+
+def test_a_mesh_the_model_does_not_split_on_is_refused(dense):
+    """Two kv heads cannot split four ways; pipeline stages and a split sequence are not the
+    engine's layouts: each refused before anything compiles."""
+    model = build(tiny_model(num_kv_heads=2), seed=0)
+    with pytest.raises(ConfigError, match="mesh.tensor"):
+        Engine(model, mesh=_mesh(tensor=4, data=2), **ENGINE)
+    with pytest.raises(ValueError, match="stage=1 and sequence=1"):
+        Engine(dense, mesh=_mesh(sequence=2, data=4), **ENGINE)
