@@ -125,3 +125,37 @@ def test_a_mesh_the_model_does_not_split_on_is_refused(dense):
         Engine(model, mesh=_mesh(tensor=4, data=2), **ENGINE)
     with pytest.raises(ValueError, match="stage=1 and sequence=1"):
         Engine(dense, mesh=_mesh(sequence=2, data=4), **ENGINE)
+
+
+def test_jaxllm_serve_runs_the_engine_on_the_runs_mesh(small_run, monkeypatch):
+    """`jaxllm serve RUN mesh.*=...` restores the run onto that mesh and its engine runs there
+    (the HTTP server itself is left out: uvicorn's run is a no-op here)."""
+    import uvicorn
+    from flax import nnx
+
+    from jaxllm.cli import main
+    from jaxllm.serve import cli as serve_cli
+
+    built = {}
+
+    def spy(*args, **kw):
+        built["app"], built["worker"] = serve_cli_build(*args, **kw)
+        return built["app"], built["worker"]
+
+    serve_cli_build = serve_cli.build
+    monkeypatch.setattr(serve_cli, "build", spy)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    monkeypatch.setattr(serve_cli.signal, "signal", lambda *a: None)
+    mesh_args = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    assert main(["serve", str(small_run), *mesh_args, "--max-num-seqs", "3"]) == 0
+    engine = built["worker"].engine
+    assert dict(engine._parallel.mesh.shape) == dict(
+        stage=1, data=2, fsdp=2, tensor=2, sequence=1, expert=1
+    )
+    assert engine._kv.k.sharding.spec == P(None, None, "tensor", None, None)
+    assert len(engine._slots) == 4  # 3 rounded up to split over data x fsdp
+    prompts = [[5, 9, 2, 7], [11, 3]]
+    got = [o[0].tokens for o in engine.generate(prompts, SamplingParams(max_tokens=4))]
+    model = nnx.merge(engine._graphdef, engine._state)
+    gen = GenerateConfig(kv_cache_dtype="float32", max_new_tokens=4)
+    assert got == [t[:4] for t in generate(model, prompts, gen).tokens]

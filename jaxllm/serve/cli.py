@@ -1,6 +1,9 @@
 """`jaxllm serve RUN_DIR|HF_DIR [--host H] [--port P] [--kv-cache-dtype D] [--max-num-seqs N]
 [--page-size N] [--api-key KEY]`: load a model, start the engine's thread and uvicorn.
 
+The engine runs on the run's mesh (its `mesh` section; `mesh.tensor=2`-style overrides change it,
+as for `jaxllm generate`), or for a Hugging Face directory on the mesh its overrides describe.
+
 SIGTERM (or Ctrl-C) stops accepting requests, cancels those in flight after a short grace and
 exits 0.
 """
@@ -8,6 +11,7 @@ exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 from pathlib import Path
 
@@ -33,26 +37,49 @@ def add_serve_parser(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
-def load(path, overrides=()):
-    """(model, tokenizer, stop ids, bos ids) of a run directory or a Hugging Face directory."""
+@dataclasses.dataclass
+class Loaded:
+    """A model to serve, on the mesh it was loaded onto, with its tokenizer's stops and BOS."""
+
+    model: object
+    tok: object
+    stops: set[int]
+    bos: list[int]
+    mesh: object
+    """The `jax.sharding.Mesh` its parameters live on (the engine runs on it)."""
+    mesh_config: object
+    """The `MeshConfig` that made it (its parallel settings, such as expert_dispatch)."""
+
+
+def load_run(path, overrides=()) -> Loaded:
+    """The model of a run directory (on the run's mesh) or a Hugging Face directory (on the
+    mesh of its `mesh.*` overrides), with its tokenizer, stop ids and bos ids."""
+    from jaxllm import sharding
     from jaxllm.data.tokenizer import generation_config, generation_stop_ids, make_tokenizer
     from jaxllm.load import _is_hf_source, load_model, model_config, resolve
 
     if _is_hf_source(Path(path)):
         cfg, run_dir = model_config(Path(path), list(overrides)), Path(path)
-        model = load_model(path, overrides=list(overrides))
+        mesh = sharding.make_mesh(cfg.mesh)
+        model = load_model(path, mesh=mesh, overrides=list(overrides))
     else:
         from jaxllm.infer.cli import _check_generates
         from jaxllm.load import restore
 
         r = restore(path, list(overrides))
-        cfg, model, run_dir = r.cfg, r.model(), resolve(path)[0]
+        cfg, model, run_dir, mesh = r.cfg, r.model(), resolve(path)[0], r.mesh
         _check_generates(cfg, path)
     tok = make_tokenizer(cfg.data)
     stops = {tok.eos_id} if tok.eos_id is not None else set()
     stops |= generation_stop_ids(generation_config(cfg.data.tokenizer, run_dir))
     bos = [tok.bos_id] if cfg.data.add_bos and tok.bos_id is not None else []
-    return model, tok, stops, bos
+    return Loaded(model, tok, stops, bos, mesh, cfg.mesh)
+
+
+def load(path, overrides=()):
+    """(model, tokenizer, stop ids, bos ids) of a run directory or a Hugging Face directory."""
+    r = load_run(path, overrides)
+    return r.model, r.tok, r.stops, r.bos
 
 
 def build(model, tok, stops, bos, name: str, *, api_key=None, **engine_kw):
@@ -95,14 +122,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     for flag in ("max_num_seqs", "page_size", "chunk_size", "num_pages"):
         if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1.")
-    model, tok, stops, bos = load(path, overrides)
+    r = load_run(path, overrides)
     app, _ = build(
-        model,
-        tok,
-        stops,
-        bos,
+        r.model,
+        r.tok,
+        r.stops,
+        r.bos,
         ns.served_model_name or Path(path).resolve().name,
         api_key=ns.api_key,
+        mesh=r.mesh,
+        mesh_config=r.mesh_config,
         max_num_seqs=ns.max_num_seqs,
         page_size=ns.page_size,
         num_pages=ns.num_pages,
