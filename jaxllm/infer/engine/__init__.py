@@ -25,11 +25,15 @@ What exists:
 - preemption: when the pool runs dry the newest running sequence gives its pages back and is
   recomputed later (its output is the same as uninterrupted);
 - per-request sampling: temperature, top-k, top-p, min-p, stop tokens, max_tokens, seed, n,
-  logprobs of the chosen tokens.
+  logprobs of the chosen tokens;
+- a mesh: `Engine(model, mesh=mesh, mesh_config=cfg.mesh)` lays parameters out by their
+  logical axes (tensor, fsdp, expert), the pages' kv heads over `tensor` and the slots over the
+  data axes, as `generate` runs on a mesh.
 
 Not yet: repetition / presence penalties, stop sequences (several tokens), top logprobs,
-int4 / int2 (KIVI) pages, a mesh (the engine runs on one device), keeping freed prefix pages
-cached (LRU) for later requests.
+int4 / int2 (KIVI) pages, keeping freed prefix pages cached (LRU) for later requests, pages
+split over the data axes of a mesh (each data replica holds the whole pool), pipeline stages or
+a split sequence.
 """
 
 from jaxllm.infer.engine.core import Engine, Output, StepResult
