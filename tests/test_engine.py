@@ -11,7 +11,6 @@ from conftest import tiny_model
 from jaxllm.config import GenerateConfig
 from jaxllm.infer import generate
 from jaxllm.infer.engine import Engine, SamplingParams, runner
-from jaxllm.infer.engine.pages import PagePool, block_hashes
 from jaxllm.model.transformer import build
 
 RNG = np.random.default_rng(0)
@@ -170,22 +169,6 @@ def test_sampling_params_filter_and_draw_reproducibly(model):
     assert _engine(model).generate([prompt], near_greedy)[0][0].tokens == (
         _engine(model).generate([prompt], greedy)[0][0].tokens
     )
-
-
-def test_page_pool_counts_references_and_forgets_freed_hashes():
-    pool = PagePool(4)
-    a, b = pool.allocate(), pool.allocate()
-    h = block_hashes([1, 2, 3, 4], 2, 2)
-    pool.register(h[0], a)
-    pool.register(h[1], b)
-    assert pool.lookup(block_hashes([1, 2, 9, 9], 2, 2)) == [a]  # the chain breaks at block 2
-    assert pool.refs(a) == 2 and pool.num_free == 1
-    pool.release([a, b])
-    assert pool.num_free == 2 and pool.lookup(h) == [a]
-    pool.release([a, a])
-    assert pool.num_free == 3 and pool.lookup(h) == []
-    with pytest.raises(ValueError):
-        Engine(build(tiny_model(), seed=0), kv_cache_dtype="int4")
 
 
 def test_abort_frees_a_requests_pages_and_the_rest_run_on(model, alone):

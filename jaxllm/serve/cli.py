@@ -1,5 +1,7 @@
 """`jaxllm serve RUN_DIR|HF_DIR [--host H] [--port P] [--kv-cache-dtype D] [--max-num-seqs N]
-[--page-size N] [--api-key KEY]`: load a model, start the engine's thread and uvicorn.
+[--page-size N] [--swap host|recompute] [--api-key KEY] [key=value ...]`: load a model, start
+the engine's thread and uvicorn. `engine.KEY=VALUE` overrides set the engine's flags
+(`engine.swap=host` is `--swap host`); the other overrides are the model's.
 
 The engine runs on the run's mesh (its `mesh` section; `mesh.tensor=2`-style overrides change it,
 as for `jaxllm generate`), or for a Hugging Face directory on the mesh its overrides describe.
@@ -32,6 +34,13 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     s.add_argument("--num-pages", type=int, help="KV pages (default: max-num-seqs full contexts)")
     s.add_argument("--chunk-size", type=int, default=32, help="prefill tokens per step")
+    s.add_argument(
+        "--swap",
+        default="recompute",
+        choices=("recompute", "host"),
+        help="a sequence preempted when the KV pages run out is recomputed later, or its "
+        "pages are copied to host memory and back",
+    )
     s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
     s.add_argument("--served-model-name", help="the model id clients name (default: the dir's)")
     s.set_defaults(func=cmd_serve)
@@ -111,12 +120,43 @@ def build(model, tok, stops, bos, name: str, *, api_key=None, **engine_kw):
     return app, worker
 
 
+ENGINE_KEYS = {
+    "swap": str,
+    "kv_cache_dtype": str,
+    "max_num_seqs": int,
+    "page_size": int,
+    "num_pages": int,
+    "chunk_size": int,
+}
+"""The engine flags that `engine.KEY=VALUE` overrides set too (`engine.swap=host`)."""
+
+
+def engine_overrides(ns: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """Sets the `engine.KEY=VALUE` overrides on `ns` (as their flags would); returns the rest,
+    the model's."""
+    rest = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if not key.startswith("engine."):
+            rest.append(o)
+            continue
+        name = key.removeprefix("engine.")
+        if name not in ENGINE_KEYS:
+            raise ConfigError(f"{key}: unknown engine key; expected one of {sorted(ENGINE_KEYS)}.")
+        try:
+            setattr(ns, name, ENGINE_KEYS[name](value))
+        except ValueError:
+            raise ConfigError(f"{o}: {key} takes an integer.") from None
+    return rest
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError:
         raise ConfigError("jaxllm serve needs FastAPI and uvicorn: pip install 'jaxllm[serve]'")
     path, overrides = split_args(ns.args)
+    overrides = engine_overrides(ns, overrides)
     if path is None:
         raise ConfigError("jaxllm serve needs a run directory or a Hugging Face directory.")
     for flag in ("max_num_seqs", "page_size", "chunk_size", "num_pages"):
@@ -137,6 +177,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         num_pages=ns.num_pages,
         chunk_size=ns.chunk_size,
         kv_cache_dtype=ns.kv_cache_dtype,
+        swap=ns.swap,
     )
     config = uvicorn.Config(
         app, host=ns.host, port=ns.port, log_level="warning", timeout_graceful_shutdown=5

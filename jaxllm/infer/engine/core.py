@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jaxllm import sharding
 from jaxllm.config import MeshConfig
 from jaxllm.infer import kv_cache
-from jaxllm.infer.engine import runner
+from jaxllm.infer.engine import runner, swap
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes
 from jaxllm.infer.engine.sampling import RowBuilder, SamplingParams, accept
 from jaxllm.infer.generate import resolve_decode_impl
@@ -71,6 +71,8 @@ class _Seq:
     last_hash: int | None = None
     slot: int | None = None
     done: bool = False
+    resumed: bool = False  # preempted once: its lookups no longer count in the hit rate
+    swapped: dict | None = None  # host copy of its computed pages (`swap.save`)
 
     @property
     def tokens(self) -> list[int]:
@@ -101,6 +103,7 @@ class Engine:
         kv_cache_dtype: str = "float32",
         decode_impl: str = "auto",
         prefix_sharing: bool = True,
+        swap: str = "recompute",
         mesh: Mesh | None = None,
         mesh_config: MeshConfig | None = None,
     ):
@@ -116,6 +119,9 @@ class Engine:
             raise ValueError(f"chunk_size={chunk_size} must be a power of two")
         self.cfg, self.page_size, self.chunk_size = cfg, page_size, chunk_size
         self.prefix_sharing = prefix_sharing
+        if swap not in ("recompute", "host"):
+            raise ValueError(f"swap={swap!r}: expected 'recompute' or 'host'")
+        self.swap = swap
         # on a mesh: parameters by their logical axes, pages' kv heads over `tensor`, slots
         # over the data axes (their count rounded up to split evenly)
         self._parallel = (
@@ -153,6 +159,8 @@ class Engine:
         self._next_id = 0
         self._arrivals = 0
         self.num_preemptions = 0
+        self.num_scheduled_tokens = 0  # tokens fed to the model: prefill, recompute, decode
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -227,10 +235,21 @@ class Engine:
     def _running(self) -> list[_Seq]:
         return sorted((s for s in self._slots if s is not None), key=lambda s: s.arrival)
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / prompt tokens looked up (first admissions
+        only; 0 before any)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
     def _preempt(self, seq: _Seq) -> None:
-        """Frees a running sequence's pages and queues it to be recomputed from its tokens."""
+        """Frees a running sequence's pages and queues it to be recomputed from its tokens, or
+        (swap="host") to have its computed pages copied back from host memory."""
+        if self.swap == "host" and seq.computed:
+            seq.swapped = swap.save(self._kv, seq.pages[: -(-seq.computed // self.page_size)])
+        else:
+            seq.computed = 0
         self.pool.release(seq.pages)
-        seq.pages, seq.computed, seq.hashed, seq.last_hash = [], 0, 0, None
+        seq.pages, seq.hashed, seq.last_hash, seq.resumed = [], 0, None, True
         self._slots[seq.slot], seq.slot = None, None
         bisect.insort(self._waiting, seq, key=lambda s: s.arrival)
         self.num_preemptions += 1
@@ -265,20 +284,28 @@ class Engine:
                 break
             if not self._ready(seq):
                 continue
-            tokens = seq.tokens
+            tokens, ps, swapped = seq.tokens, self.page_size, seq.computed  # 0 unless swapped
             if self.prefix_sharing:  # full pages only, and at least one token left to feed
-                hashes = block_hashes(tokens, self.page_size, (len(tokens) - 1) // self.page_size)
+                hashes = block_hashes(tokens, ps, (len(tokens) - 1) // ps)
                 seq.pages = self.pool.lookup(hashes)
-                seq.computed = seq.hashed = len(seq.pages)
-                seq.computed *= self.page_size
-                seq.last_hash = hashes[len(seq.pages) - 1] if seq.pages else None
+                seq.hashed = len(seq.pages)
+                seq.last_hash = hashes[seq.hashed - 1] if seq.pages else None
+            hit = len(seq.pages) * ps
+            seq.computed = max(hit, swapped)
             take = min(len(tokens) - seq.computed, self.chunk_size)
-            need = -(-(seq.computed + take) // self.page_size) - len(seq.pages)
+            need = -(-(seq.computed + take) // ps) - len(seq.pages)
             if need > self.pool.num_free:
                 self.pool.release(seq.pages)
-                seq.pages, seq.computed, seq.hashed, seq.last_hash = [], 0, 0, None
+                seq.pages, seq.computed, seq.hashed, seq.last_hash = [], swapped, 0, None
                 break
             self._grow(seq, seq.computed + take)
+            if hit < swapped:  # the pages the prefix cache no longer has come back from host
+                held = {n: v[:, hit // ps :] for n, v in seq.swapped.items()}
+                self._kv = swap.restore(self._kv, seq.pages[hit // ps : -(-swapped // ps)], held)
+            seq.swapped = None
+            if self.prefix_sharing and not seq.resumed:
+                self.prefix_queries += len(seq.prompt)
+                self.prefix_hits += min(hit, len(seq.prompt))
             seq.slot = free_slots.pop(0)
             self._slots[seq.slot] = seq
             self._waiting.remove(seq)
@@ -298,6 +325,7 @@ class Engine:
         if self.num_preemptions == preempted:  # no admissions while the pool is short
             for seq in self._admit():
                 batch.append((seq, min(len(seq.tokens) - seq.computed, self.chunk_size)))
+        self.num_scheduled_tokens += sum(take for _, take in batch)
         return batch
 
     # -- the step ---------------------------------------------------------------------------
