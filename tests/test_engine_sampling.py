@@ -176,3 +176,22 @@ def test_compiles_stay_within_the_buckets_over_200_mixed_requests(model):
         finished += len(engine.step().finished)
     assert runner.TRACES[0] - before <= 5  # Q in 1, 2, 4, 8, 16
     assert finished == samples and engine.pool.num_used == 0
+
+
+def test_one_sample_aborts_alone_and_new_logprobs_follow_new_tokens(model):
+    engine = _engine(model)
+    params = SamplingParams(max_tokens=5, temperature=1.0, n=2, seed=3, top_logprobs=2)
+    rid = engine.add_request(PROMPTS[1], params)
+    seen, outs = [], []
+    while engine.has_unfinished():
+        r = engine.step()
+        if not seen and r.new_tokens:
+            assert engine.abort(rid, 1) and not engine.abort(rid, 1)
+        assert len(r.new_logprobs) == len(r.new_tokens)
+        seen += [(i, t, lp, top) for (_, i, t), (lp, top) in zip(r.new_tokens, r.new_logprobs)]
+        outs += r.finished
+    (out,) = outs
+    assert out.index == 0 and engine.pool.num_used == 0 and not engine.abort(rid)
+    assert [t for i, t, _, _ in seen if i == 0] == out.tokens
+    assert [lp for i, _, lp, _ in seen if i == 0] == out.logprobs
+    assert [top for i, _, _, top in seen if i == 0] == out.top_logprobs

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxllm.infer.chat import EndOfTurn, prompt_ids
 from jaxllm.infer.engine import SamplingParams
+from jaxllm.serve.texts import SampleText, chat_logprobs, completion_logprobs
 from jaxllm.serve.worker import EngineWorker
 
 
@@ -26,6 +27,14 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1)
+    """vLLM's extra: keep the k most likely tokens (-1 or 0: all)."""
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    """vLLM's extra: keep tokens at least min_p times as likely as the most likely."""
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    """vLLM's extra (HF semantics): > 1 discourages tokens of the prompt and output."""
     n: int = Field(default=1, ge=1, le=64)
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -40,14 +49,14 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=0)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = Field(default=False, le=False)
 
 
 class ChatRequest(_Common):
     messages: list[dict[str, str]]
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
@@ -71,110 +80,114 @@ class Served:
         self.created = int(time.time())
 
 
-def _stop_ids(s: Served, req: _Common, base) -> tuple[int, ...]:
-    """The request's stops as token ids: `stop` strings of one token each, `stop_token_ids`."""
-    stops = set(base) | set(req.stop_token_ids or ())
-    for text in [req.stop] if isinstance(req.stop, str) else req.stop or []:
-        ids = s.tok.encode_offsets(text, specials=True)[0].tolist()
-        if len(ids) != 1:
-            raise BadRequest(
-                f"stop {text!r} is {len(ids)} tokens; only stops of one token are supported "
-                "(stop sequences of several tokens are not yet)",
-                "stop",
-            )
-        stops.add(ids[0])
-    return tuple(sorted(stops))
+def _stop_strings(req: _Common) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
-def _params(s: Served, req: _Common, max_tokens, stops, logprobs: bool) -> SamplingParams:
-    if req.stream and logprobs:
-        raise BadRequest("logprobs are not streamed yet; ask without stream", "logprobs")
-    return SamplingParams(
-        max_tokens=max_tokens or 16,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        n=req.n,
-        seed=req.seed,
-        stop_tokens=_stop_ids(s, req, () if req.ignore_eos else stops),
-        logprobs=logprobs,
-    )
-
-
-async def _run(s: Served, prompt: list[int], params: SamplingParams, outs: list) -> None:
-    """Runs one request to its end, filling outs[index] with each sample's Output."""
+def _params(s: Served, req: _Common, max_tokens, stops, logprobs: bool, top: int):
+    """The engine's SamplingParams of a request; stop strings are matched on the text here."""
     try:
-        rid, events = await s.worker.submit(prompt, params)
+        return SamplingParams(
+            max_tokens=max_tokens or 16,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            n=req.n,
+            seed=req.seed,
+            stop_tokens=tuple(
+                sorted(set(() if req.ignore_eos else stops) | set(req.stop_token_ids or ()))
+            ),
+            logprobs=logprobs,
+            top_logprobs=top,
+        )
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+async def _submit(s: Served, prompt, params):
+    try:
+        return await s.worker.submit(prompt, params)
     except ValueError as e:
         raise BadRequest(str(e), "prompt") from None
-    try:
-        left = params.n
-        while left:
-            event = await events.get()
-            if event[0] == "done":
-                outs[event[1].index] = event[1]
+
+
+async def _follow(s: Served, rid: int, events, texts: list[SampleText]):
+    """Yields (sample, text delta, its (token, log-prob, top) entries, finish reason or None)
+    as a request's events come; a sample whose text reaches a stop string is ended in the
+    engine."""
+    left = len(texts)
+    while left:
+        event = await events.get()
+        if event[0] == "token":
+            _, i, token, logprob, top = event
+            if texts[i].add(token, logprob, top):
+                s.worker.abort(rid, i)
                 left -= 1
-            elif event[0] == "cancelled":
-                return
+                yield (i, *texts[i].take(), "stop")
+            elif not texts[i].done:
+                delta, entries = texts[i].take()
+                if delta:
+                    yield i, delta, entries, None
+        elif event[0] == "done":
+            out = event[1]
+            text = texts[out.index]
+            if text.done:  # already ended by a stop string
+                continue
+            stopped = text.finish(out.tokens, out.logprobs, out.top_logprobs)
+            left -= 1
+            yield (out.index, *text.take(), "stop" if stopped else out.finish_reason)
+        elif event[0] == "cancelled":
+            return
+
+
+async def _run(s: Served, prompt: list[int], params: SamplingParams, stops) -> list:
+    """Runs one request to its end: each sample's (SampleText, finish reason)."""
+    rid, events = await _submit(s, prompt, params)
+    texts = [SampleText(s.tok, stops) for _ in range(params.n)]
+    reasons = ["stop"] * params.n  # a cancelled sample (server stopping) ends as it is
+    try:
+        async for i, _, _, reason in _follow(s, rid, events, texts):
+            reasons[i] = reason or reasons[i]
     finally:
         s.worker.abort(rid)
-
-
-class _Text:
-    """Decodes a sample's tokens into text deltas (whole characters only)."""
-
-    def __init__(self, tok):
-        self.tok, self.ids, self.shown = tok, [], 0
-
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.shown = text[self.shown :], len(text)
-        return delta
-
-    def rest(self) -> str:
-        return self.tok.decode(self.ids)[self.shown :]
+    return list(zip(texts, reasons))
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(s: Served, prompt, params, chat: bool, head: dict):
+async def _stream(s: Served, prompt, params, chat: bool, head: dict, stops):
     """Server-sent events of one request; aborting it when the client goes (the generator is
     closed) frees its pages."""
-    try:
-        rid, events = await s.worker.submit(prompt, params)
-    except ValueError as e:
-        raise BadRequest(str(e), "prompt") from None
+    rid, events = await _submit(s, prompt, params)
+    want = params.logprobs
+    offsets = [0] * params.n
 
-    def chunk(index, text, finish=None):
+    def chunk(index, text, entries, finish=None):
+        lp = None
         if chat:
-            choice = {"index": index, "delta": {"content": text}, "finish_reason": finish}
+            lp = chat_logprobs(s.tok, entries) if want else None
+            choice = {"index": index, "delta": {"content": text}, "logprobs": lp}
         else:
-            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
-        return _sse({**head, "choices": [choice]})
+            lp = completion_logprobs(s.tok, entries, offsets[index]) if want else None
+            offsets[index] += sum(len(t) for t in lp["tokens"]) if lp else 0
+            choice = {"index": index, "text": text, "logprobs": lp}
+        return _sse({**head, "choices": [{**choice, "finish_reason": finish}]})
 
     async def gen():
-        texts = [_Text(s.tok) for _ in range(params.n)]
+        texts = [SampleText(s.tok, stops) for _ in range(params.n)]
         try:
             if chat:
                 for i in range(params.n):
                     role = {"index": i, "delta": {"role": "assistant", "content": ""}}
                     yield _sse({**head, "choices": [{**role, "finish_reason": None}]})
-            left = params.n
-            while left:
-                event = await events.get()
-                if event[0] == "token":
-                    delta = texts[event[1]].add(event[2])
-                    if delta:
-                        yield chunk(event[1], delta)
-                elif event[0] == "done":
-                    out, left = event[1], left - 1
-                    yield chunk(out.index, texts[out.index].rest(), out.finish_reason)
-                else:
-                    break
+            async for i, delta, entries, reason in _follow(s, rid, events, texts):
+                yield chunk(i, delta, entries, reason)
             yield "data: [DONE]\n\n"
         finally:
             s.worker.abort(rid)
@@ -191,7 +204,7 @@ def _prompts(s: Served, prompt) -> list[list[int]]:
 
 
 def _usage(prompt_tokens: int, outs) -> dict:
-    done = sum(len(o.tokens) for o in outs)
+    done = sum(t.generated for t, _ in outs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": done,
@@ -237,74 +250,54 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
     async def completions(req: CompletionRequest):
         check_model(req.model)
         prompts = _prompts(s, req.prompt)
-        params = _params(s, req, req.max_tokens, s.stops, req.logprobs is not None)
+        wants = req.logprobs is not None
+        params = _params(s, req, req.max_tokens, s.stops, wants, req.logprobs or 0)
+        stops = _stop_strings(req)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": s.name}
         head["created"] = int(time.time())
         if req.stream:
             if len(prompts) > 1:
                 raise BadRequest("stream one prompt at a time", "prompt")
-            return await _stream(s, prompts[0], params, False, head)
+            return await _stream(s, prompts[0], params, False, head, stops)
         choices, all_outs = [], []
         for i, p in enumerate(prompts):
-            outs: list = [None] * params.n
-            await _run(s, p, params, outs)
+            outs = await _run(s, p, params, stops)
             all_outs += outs
-            for o in outs:
-                lp = None
-                if req.logprobs is not None:
-                    toks = [s.tok.decode([t]) for t in o.tokens]
-                    lp = {"tokens": toks, "token_logprobs": o.logprobs, "top_logprobs": None}
-                    lp["text_offset"] = [sum(len(t) for t in toks[:k]) for k in range(len(toks))]
-                text = s.tok.decode(o.tokens)
-                choices.append(
-                    {
-                        "index": i * params.n + o.index,
-                        "text": text,
-                        "logprobs": lp,
-                        "finish_reason": o.finish_reason,
-                    }
-                )
+            for j, (t, reason) in enumerate(outs):
+                entries = list(zip(t.ids, t.logprobs, t.tops))
+                lp = completion_logprobs(s.tok, entries) if wants else None
+                choice = {"index": i * params.n + j, "text": t.text, "logprobs": lp}
+                choices.append({**choice, "finish_reason": reason})
         usage = _usage(sum(map(len, prompts)), all_outs)
         return {**head, "choices": choices, "usage": usage}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         try:
             prompt = prompt_ids(req.messages, s.tok)
         except Exception as e:
             raise BadRequest(str(e), "messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = _params(s, req, max_tokens, s.eot.stop_ids | s.stops, req.logprobs)
+        stop_ids = s.eot.stop_ids | s.stops
+        params = _params(s, req, max_tokens, stop_ids, req.logprobs, req.top_logprobs or 0)
+        stops = _stop_strings(req)
+        if s.eot.marker and not req.ignore_eos:  # a marker of several tokens ends the reply
+            stops.append(s.eot.marker)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "model": s.name}
         head["created"] = int(time.time())
         if req.stream:
             head["object"] = "chat.completion.chunk"
-            return await _stream(s, prompt, params, True, head)
-        outs: list = [None] * params.n
-        await _run(s, prompt, params, outs)
+            return await _stream(s, prompt, params, True, head, stops)
+        outs = await _run(s, prompt, params, stops)
         choices = []
-        for o in outs:
-            text = s.tok.decode(o.tokens)
-            if s.eot.marker and s.eot.marker in text:  # a marker of several tokens
-                text = text[: text.index(s.eot.marker)]
-            lp = None
-            if req.logprobs:
-                lp = {
-                    "content": [
-                        {
-                            "token": s.tok.decode([t]),
-                            "logprob": v,
-                            "bytes": None,
-                            "top_logprobs": [],
-                        }
-                        for t, v in zip(o.tokens, o.logprobs)
-                    ]
-                }
-            msg = {"role": "assistant", "content": text}
-            choices.append(
-                {"index": o.index, "message": msg, "logprobs": lp, "finish_reason": o.finish_reason}
-            )
+        for j, (t, reason) in enumerate(outs):
+            entries = list(zip(t.ids, t.logprobs, t.tops))
+            lp = chat_logprobs(s.tok, entries) if req.logprobs else None
+            msg = {"role": "assistant", "content": t.text}
+            choices.append({"index": j, "message": msg, "logprobs": lp, "finish_reason": reason})
         return {**head, "choices": choices, "usage": _usage(len(prompt), outs)}
 
     @app.get("/metrics")

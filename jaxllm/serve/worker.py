@@ -2,8 +2,9 @@
 are pending; HTTP handlers (on the event loop) hand it requests and aborts through a queue and
 receive each request's tokens on an asyncio queue of their own.
 
-Events sent to a request's queue: ("token", sample index, token id) per new token, ("done",
-`Output`) per finished sample, ("error", message) when the engine refused the request.
+Events sent to a request's queue: ("token", sample index, token id, log-probability, top
+(token, log-prob) pairs or None) per new token, ("done", `Output`) per finished sample,
+("cancelled",) when the server stops.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class EngineWorker:
             raise rid
         return rid, events
 
-    def abort(self, rid: int) -> None:
-        self._commands.put(("abort", rid))
+    def abort(self, rid: int, index: int | None = None) -> None:
+        """Ends request `rid` (only its sample `index` if given) in the engine."""
+        self._commands.put(("abort", rid) if index is None else ("abort", rid, index))
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         now = time.monotonic()
@@ -77,8 +79,9 @@ class EngineWorker:
             self.requests_total += 1
             loop.call_soon_threadsafe(_resolve, fut, rid)
         elif cmd[0] == "abort":
-            self.engine.abort(cmd[1])
-            self._streams.pop(cmd[1], None)
+            self.engine.abort(*cmd[1:])
+            if len(cmd) == 2:
+                self._streams.pop(cmd[1], None)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -97,8 +100,8 @@ class EngineWorker:
             while self._recent and now - self._recent[0][0] > 60:
                 self._recent.popleft()
             self.tokens_total += len(result.new_tokens)
-            for rid, index, token in result.new_tokens:
-                self._emit(rid, ("token", index, token))
+            for (rid, index, token), (lp, top) in zip(result.new_tokens, result.new_logprobs):
+                self._emit(rid, ("token", index, token, lp, top))
             for out in result.finished:
                 self._emit(out.request_id, ("done", out))
         for rid in list(self._streams):  # shutting down: cancel what is left

@@ -51,6 +51,11 @@ class StepResult:
 
     new_tokens: list[tuple[int, int, int]]
     finished: list[Output]
+    new_logprobs: list[tuple[float, list[tuple[int, float]] | None]] = dataclasses.field(
+        default_factory=list
+    )
+    """Per new token (in `new_tokens`' order): its log-probability and its top pairs (None
+    unless the request asked for top_logprobs)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -188,20 +193,27 @@ class Engine:
         self._requests[rid] = seqs
         return rid
 
-    def abort(self, request_id: int) -> bool:
-        """Drops a request's unfinished samples, waiting or running; their pages go back to the
-        pool. False when the request is unknown or already finished."""
-        seqs = self._requests.pop(request_id, None)
+    def abort(self, request_id: int, index: int | None = None) -> bool:
+        """Drops a request's unfinished samples (only sample `index` if given), waiting or
+        running; their pages go back to the pool. False when the request is unknown or already
+        finished."""
+        seqs = self._requests.get(request_id)
         if seqs is None:
             return False
+        dropped = False
         for seq in seqs:
+            if seq.done or index not in (None, seq.index):
+                continue
+            dropped = True
             if seq.slot is not None:
                 self._slots[seq.slot], seq.slot = None, None
             elif seq in self._waiting:
                 self._waiting.remove(seq)
             self.pool.release(seq.pages)
             seq.pages, seq.done = [], True
-        return True
+        if all(seq.done for seq in seqs):
+            del self._requests[request_id]
+        return dropped
 
     @property
     def num_running(self) -> int:
@@ -359,7 +371,7 @@ class Engine:
             parallel=self._parallel,
         )
         tok_S, logp_S, ids_SxK, top_SxK = map(np.asarray, picked)
-        new, finished = [], []
+        new, finished, new_logprobs = [], [], []
         for seq, take in batch:
             seq.computed += take
             while self.prefix_sharing and (seq.hashed + 1) * ps <= seq.computed:
@@ -375,10 +387,11 @@ class Engine:
                 top = [(int(i), float(v)) for i, v in zip(ids_SxK[r], top_SxK[r])]
                 top = top[: p.top_logprobs]
             shown, reason = accept(seq, int(tok_S[r]), float(logp_S[r]), top)
-            new += [(seq.request_id, seq.index, t) for t in shown]
+            new += [(seq.request_id, seq.index, t) for t, _, _ in shown]
+            new_logprobs += [(lp, top) for _, lp, top in shown]
             if reason is not None:
                 finished.append(self._finish(seq, reason))
-        return StepResult(new, finished)
+        return StepResult(new, finished, new_logprobs)
 
     def _finish(self, seq: _Seq, reason: str) -> Output:
         self.pool.release(seq.pages)

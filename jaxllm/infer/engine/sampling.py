@@ -234,8 +234,8 @@ def held_back(out: list[int], p: SamplingParams) -> int:
 
 def accept(seq, token: int, logprob: float, top) -> tuple[list[int], str | None]:
     """Adds a sampled token to `seq` (its `out`, `logprobs` and `top`; `top` is the token's
-    top (id, log-prob) pairs or None) under its stop rules. Returns (the tokens shown now, the
-    finish reason or None): tokens that may begin a stop sequence are shown once they are
+    top (id, log-prob) pairs or None) under its stop rules. Returns ((token, log-prob, top) of
+    each token shown now, the finish reason or None): tokens that may begin a stop sequence are shown once they are
     known not to (or when the sample ends), and a stop that ends the sample is dropped unless
     include_stop."""
     p = seq.params
@@ -253,6 +253,7 @@ def accept(seq, token: int, logprob: float, top) -> tuple[list[int], str | None]
         elif len(seq.out) >= p.max_tokens:
             reason = "length"
     end = len(seq.out) if reason else len(seq.out) - held_back(seq.out, p)
-    shown = seq.out[seq.emitted : end]
-    seq.emitted = max(seq.emitted, end)
+    a = seq.emitted
+    shown = list(zip(seq.out[a:end], seq.logprobs[a:end], seq.top[a:end]))
+    seq.emitted = max(a, end)
     return shown, reason

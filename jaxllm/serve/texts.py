@@ -1,0 +1,115 @@
+"""One sample's text as its tokens arrive, cut at OpenAI `stop` strings, and its log-probabilities
+in OpenAI's two shapes.
+
+Stop strings are matched on the detokenized text, as vLLM does: a stop may span tokens, the
+text ends right before it, and while streaming the last (longest stop - 1) characters are held
+back until they cannot begin one. Text is shown in whole characters only (a token that ends
+mid-character waits for the next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class SampleText:
+    """Tokens in, text out: `add` each token, `take` what can be shown, `finish` at the end."""
+
+    def __init__(self, tok, stops: Sequence[str] = ()):
+        self.tok, self.stops = tok, [s for s in stops if s]
+        self.hold = max(map(len, self.stops), default=1) - 1
+        self.ids: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.tops: list = []
+        self.generated = 0  # tokens received, stop string included
+        self.text = ""  # decoded so far (whole characters), cut before a stop once found
+        self.shown = 0  # characters taken
+        self.taken = 0  # tokens whose log-probabilities were taken
+        self.done = False
+
+    def add(self, token: int, logprob: float | None = None, top=None) -> bool:
+        """Adds a token; True when it completes a stop string (the sample is then done)."""
+        if self.done:
+            return False
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        self.tops.append(top)
+        self.generated += 1
+        return self._decode()
+
+    def finish(self, tokens, logprobs=None, tops=None) -> bool:
+        """The engine ended the sample with these tokens (the ones added, and any it held back):
+        True when a stop string is in their text after all."""
+        if self.done:
+            return False
+        self.generated = len(tokens)
+        self.ids = list(tokens)
+        self.logprobs = list(logprobs) if logprobs is not None else [None] * len(tokens)
+        self.tops = list(tops) if tops is not None else [None] * len(tokens)
+        stopped = self._decode(final=True)
+        self.done = True
+        return stopped
+
+    def _decode(self, final: bool = False) -> bool:
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd") and not final:
+            return False
+        start = max(0, min(len(self.text), len(text)) - self.hold)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        self.text = text[: min(hits)] if hits else text
+        if not hits:
+            return False
+        # keep the tokens the cut text needs (their log-probabilities go with the text)
+        k = next(
+            (
+                k
+                for k in range(len(self.ids) + 1)
+                if len(self.tok.decode(self.ids[:k])) >= min(hits)
+            ),
+            len(self.ids),
+        )
+        del self.ids[k:], self.logprobs[k:], self.tops[k:]
+        self.done = True
+        return True
+
+    def take(self) -> tuple[str, list[tuple[int, float | None, object]]]:
+        """(text not taken before, (token, log-prob, top pairs) of the tokens not taken before):
+        all of it once done, else all but the held-back tail."""
+        end = len(self.text) if self.done else max(self.shown, len(self.text) - self.hold)
+        delta, self.shown = self.text[self.shown : end], end
+        if not delta and not self.done:
+            return "", []
+        entries = list(zip(self.ids, self.logprobs, self.tops))[self.taken :]
+        self.taken = len(self.ids)
+        return delta, entries
+
+
+def completion_logprobs(tok, entries, offset: int = 0) -> dict:
+    """The completions API's `logprobs` object for (token, log-prob, top pairs) entries."""
+    texts = [tok.decode([t]) for t, _, _ in entries]
+    offsets, at = [], offset
+    for t in texts:
+        offsets.append(at)
+        at += len(t)
+    tops = [None if top is None else {tok.decode([i]): v for i, v in top} for _, _, top in entries]
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": tops if any(t is not None for t in tops) else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tok, entries) -> dict:
+    """The chat API's `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def item(t, lp):
+        text = tok.decode([t])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**item(t, lp), "top_logprobs": [item(i, v) for i, v in top or ()]}
+            for t, lp, top in entries
+        ]
+    }
