@@ -24,16 +24,17 @@ What exists:
   a shared system prompt is stored once, and the n samples of a request share its pages;
 - preemption: when the pool runs dry the newest running sequence gives its pages back and is
   recomputed later (its output is the same as uninterrupted);
-- per-request sampling: temperature, top-k, top-p, min-p, stop tokens, max_tokens, seed, n,
-  logprobs of the chosen tokens;
+- per-request sampling (`sampling`): temperature, top-k, top-p, min-p, repetition (HF / vLLM)
+  and presence / frequency (OpenAI) penalties, stop tokens and stop sequences of several tokens,
+  max_tokens, seed, n, logprobs of the chosen tokens and the top (<= 20) logprobs, all in the
+  same fixed-shape programs;
 - a mesh: `Engine(model, mesh=mesh, mesh_config=cfg.mesh)` lays parameters out by their
   logical axes (tensor, fsdp, expert), the pages' kv heads over `tensor` and the slots over the
   data axes, as `generate` runs on a mesh.
 
-Not yet: repetition / presence penalties, stop sequences (several tokens), top logprobs,
-int4 / int2 (KIVI) pages, keeping freed prefix pages cached (LRU) for later requests, pages
-split over the data axes of a mesh (each data replica holds the whole pool), pipeline stages or
-a split sequence.
+Not yet: int4 / int2 (KIVI) pages, keeping freed prefix pages cached (LRU) for later
+requests, pages split over the data axes of a mesh (each data replica holds the whole pool),
+pipeline stages or a split sequence.
 """
 
 from jaxllm.infer.engine.core import Engine, Output, StepResult
