@@ -17,7 +17,7 @@ from jaxllm.model.transformer import build
 RNG = np.random.default_rng(1)
 PROMPTS = [RNG.integers(1, 64, size=n).tolist() for n in (3, 8, 1, 6, 5)]
 MAX_TOKENS = 5
-ENGINE = dict(max_num_seqs=3, page_size=4, num_pages=40, chunk_size=4)
+ENGINE = dict(max_num_seqs=3, page_size=4, num_pages=6, chunk_size=4)  # preempts
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,9 @@ def want(dense):
 @pytest.fixture(scope="module")
 def one_device(dense, want):
     """(tokens, logprobs) of the engine on one device, which are generate's tokens."""
-    tokens, logprobs = _run(Engine(dense, **ENGINE))
-    assert tokens == want
+    engine = Engine(dense, **ENGINE)
+    tokens, logprobs = _run(engine)
+    assert tokens == want and engine.num_preemptions > 0
     return tokens, logprobs
 
 
@@ -88,7 +89,7 @@ def test_engine_on_a_mesh_equals_one_device_and_generate(dense, want, one_device
     for a, b in zip(logprobs, one_device[1]):
         np.testing.assert_allclose(a, b, atol=1e-4)
     assert runner.TRACES[0] - traces <= 3  # one compile per bucket (1, 2, 4), as on one device
-    assert engine.num_free_pages == free
+    assert engine.num_preemptions > 0 and engine.num_free_pages == free
 
 
 @pytest.mark.parametrize(
