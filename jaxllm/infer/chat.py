@@ -23,6 +23,10 @@ compares with), and nothing else may follow it. Exact match compares the reply a
 reference with surrounding whitespace stripped and inner runs of whitespace made one space;
 decoding is greedy and runs at most as many tokens as the longest reference (plus the marker and
 8), since a longer reply cannot match.
+
+Replies are generated on the inference engine (`jaxllm.infer.engine.batch`), with the same
+tokens and stops as the static generator, which still runs where the engine cannot (an int4 /
+int2 cache, an encoder-decoder, a soft prompt, a mesh with a stage or sequence axis).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 
 from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.data import chat as templates
-from jaxllm.infer.generate import generate
+from jaxllm.infer.engine import batch as engine_batch
 
 _PROBE = "Probe reply 7"
 
@@ -185,7 +189,7 @@ class Chat:
         out = []
         for start in range(0, len(prompts), batch_size):
             try:
-                new = generate(
+                new = engine_batch.generate(
                     self.model,
                     prompts[start : start + batch_size],
                     gen,

@@ -6,12 +6,15 @@ and it
 
 1. draws global_batch_size / G prompts of the `format: rollout` sources (`jaxllm.data.rollout`),
    a draw without replacement seeded by (data.seed, rollout number);
-2. generates G completions of each with the jitted prefill / decode generator
-   (`jaxllm.infer.generate`) on the run's mesh, from the state's own parameter arrays (no copy:
-   rollout and update share them), sampling at `train.rollout_temperature` with the
-   `generate` section's top_k / top_p and KV cache (`generate.kv_cache_dtype`: int8 / int4 /
-   int2 quantized caches too), up to `train.max_completion_tokens` or EOS; the sampling key is
-   seeded by (run.seed, rollout number);
+2. generates G completions of each on the inference engine (`jaxllm.infer.engine.batch`: one
+   request with n = G per prompt, so the group shares the prompt's KV pages and prefill), or
+   with the jitted prefill / decode generator (`jaxllm.infer.generate`) where the engine cannot
+   run it (an int4 / int2 cache, a pipeline stage or sequence axis), on the run's mesh, from
+   the state's own parameter arrays (no copy: rollout and update share them), sampling at
+   `train.rollout_temperature` with the `generate` section's top_k / top_p and KV cache
+   (`generate.kv_cache_dtype`: int8 / int4 / int2 quantized caches too), up to
+   `train.max_completion_tokens` or EOS; the sampling key is seeded by (run.seed, rollout
+   number);
 3. scores every completion: on the host with the reward function of its decoded text
    (`rewards`), or on the mesh with a reward model (`train.reward` a directory, held frozen
    in `TrainState.others`) read at the sequence's last token; then turns the rewards into
@@ -48,7 +51,7 @@ from jaxllm.config import Config, ConfigError, GenerateConfig
 from jaxllm.data.rollout import Prompt, prompt_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer.chat import end_of_turn
-from jaxllm.infer.generate import generate
+from jaxllm.infer.engine import batch as engine_batch
 from jaxllm.load import model_section
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.objectives.base import token_logps
@@ -106,7 +109,20 @@ def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, see
         kv_page_size=g.kv_page_size,
         decode_impl=g.decode_impl,
     )
-    out = generate(model, prompts, gen, stop_tokens=stops, stop_sequences=ends, mesh=mesh)
+    # on the engine (`jaxllm.infer.engine.batch`: a group's G copies of a prompt share its
+    # pages) unless it cannot run this (an int4 / int2 cache, a stage or sequence axis); a
+    # pool and slot count fixed by the run, so every rollout runs the same compiled programs
+    out = engine_batch.generate(
+        model,
+        prompts,
+        gen,
+        stop_tokens=stops,
+        stop_sequences=ends,
+        mesh=mesh,
+        mesh_config=cfg.mesh,
+        slots=cfg.train.global_batch_size,
+        max_len=min(cfg.data.seq_len, cfg.model.max_seq_len),
+    )
     return out, sequences(prompts, out.tokens, out.ends)
 
 
