@@ -160,3 +160,21 @@ def test_jaxllm_serve_runs_the_engine_on_the_runs_mesh(small_run, monkeypatch):
     model = nnx.merge(engine._graphdef, engine._state)
     gen = GenerateConfig(kv_cache_dtype="float32", max_new_tokens=4)
     assert got == [t[:4] for t in generate(model, prompts, gen).tokens]
+
+
+def test_parameters_already_on_the_mesh_stay_as_they_are(dense):
+    """A training state's parameters (here replicated, as ZeRO-1 keeps them) are used in place,
+    not copied into the logical layout; those on one device are moved."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    mesh = _mesh(data=2, tensor=4)
+    _, state = nnx.split(dense)
+    arrays = nnx.to_pure_dict(state)
+    arrays["layers"]["attn"]["k_proj"] = jax.device_put(
+        arrays["layers"]["attn"]["k_proj"], NamedSharding(mesh, P())
+    )
+    nnx.replace_by_pure_dict(state, arrays)
+    placed = runner.place_params(state, sharding.Parallel(mesh))
+    assert placed["layers"]["attn"]["k_proj"][...] is arrays["layers"]["attn"]["k_proj"]
+    assert placed["layers"]["attn"]["q_proj"][...].sharding.spec == P(None, "fsdp", "tensor", None)

@@ -41,13 +41,19 @@ def data_degree(parallel: sharding.Parallel) -> int:
 
 
 def place_params(state, parallel: sharding.Parallel):
-    """The model's state with every array laid out on the mesh by its logical axes (already
-    placed arrays stay where they are); unchanged without a mesh."""
+    """The model's state with every array laid out on the mesh by its logical axes; an array
+    already on this mesh stays as it is (a training state's parameters, in whatever layout its
+    ZeRO stage gave them, are not copied). Unchanged without a mesh."""
     if parallel.mesh is None:
         return state
     axes, arrays = logical_axes(state), nnx.to_pure_dict(state)
     sharding.check_divisible(parallel.mesh, arrays, axes)
-    placed = jax.device_put(arrays, sharding.tree_shardings(parallel.mesh, axes))
+
+    def put(target, x):
+        on_mesh = isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+        return x if on_mesh and x.sharding.mesh == target.mesh else jax.device_put(x, target)
+
+    placed = jax.tree.map(put, sharding.tree_shardings(parallel.mesh, axes), arrays)
     nnx.replace_by_pure_dict(state, placed)
     return state
 
