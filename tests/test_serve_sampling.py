@@ -60,6 +60,21 @@ def test_a_stop_string_across_tokens_cuts_the_text_streamed_or_not(server, clien
     assert same.text == whole.text and same.finish_reason == whole.finish_reason
 
 
+def test_a_stop_string_ends_one_of_n_samples_and_the_others_run_on(client):
+    kw = dict(model="tiny", prompt="The", max_tokens=12, temperature=1.0, n=3, seed=11)
+    free = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+    texts = [c.text for c in free]
+    stop = next(
+        texts[0][i : i + 2]
+        for i in range(len(texts[0]) - 1)
+        if all(texts[0][i : i + 2] not in t for t in texts[1:])
+    )
+    cut = sorted(client.completions.create(**kw, stop=stop).choices, key=lambda c: c.index)
+    assert cut[0].text == texts[0][: texts[0].index(stop)] and cut[0].finish_reason == "stop"
+    assert [c.text for c in cut[1:]] == texts[1:]
+    assert [c.finish_reason for c in cut[1:]] == [c.finish_reason for c in free[1:]]
+
+
 def test_logprobs_and_top_logprobs_streamed_or_not(client):
     r = _greedy(client, max_tokens=6, logprobs=3).choices[0]
     lp = r.logprobs
