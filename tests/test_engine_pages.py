@@ -101,12 +101,12 @@ def test_eviction_under_page_pressure_keeps_outputs_equal_to_generate_alone(mode
 def test_swap_round_trips_pages_through_host_memory(model):
     engine = _engine(model)
     engine.generate([PROMPTS[5]], SamplingParams(max_tokens=2))  # fills pages 1..9
-    saved = swap.save(engine._kv, [3, 1, 2])
-    assert saved["k"].shape[:2] == (model.cfg.num_layers, 3)
-    kv = swap.restore(engine._kv, [10, 11, 4], saved)
+    saved = swap.save(engine._kv, [3, 1, 2], slot=0)
+    assert saved.pages["k"].shape[:2] == (model.cfg.num_layers, 3) and not saved.residual
+    kv = swap.restore(engine._kv, saved, [10, 11], skip=1, slot=1)
     for name in ("k", "v"):
         arr = np.asarray(getattr(kv, name))
-        np.testing.assert_array_equal(arr[:, [10, 11, 4]], arr[:, [3, 1, 2]])
+        np.testing.assert_array_equal(arr[:, [10, 11]], arr[:, [1, 2]])
 
 
 @pytest.mark.parametrize("mode", ["host", "recompute"])
@@ -134,3 +134,45 @@ def test_swap_mode_is_checked_and_serve_takes_it_as_a_flag_or_an_engine_override
     assert (ns.swap, ns.page_size, rest) == ("recompute", 8, ["model.x=1"])
     with pytest.raises(ConfigError, match="engine.pages"):
         engine_overrides(ns, ["engine.pages=8"])
+
+
+def _kivi_engine(model, kind, **kw):
+    kw = dict(max_num_seqs=4, page_size=8, num_pages=40, chunk_size=16, kv_group=8) | kw
+    return Engine(model, kv_cache_dtype=kind, **kw)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int2"])
+def test_int4_and_int2_pages_decode_each_request_as_it_decodes_alone(model, kind):
+    system = PROMPTS[5][:24]  # three full pages, shared by the last two prompts
+    prompts = [PROMPTS[i] for i in (1, 3, 5, 0, 7)] + [system + [3, 4], system + [9]]
+    params = SamplingParams(max_tokens=9)
+    engine, pending, outs = _kivi_engine(model, kind), list(enumerate(prompts)), {}
+    ids = {}
+    while pending or engine.has_unfinished():  # two join per step: prefill mixes with decode
+        for _ in range(2):
+            if pending:
+                i, p = pending.pop(0)
+                ids[engine.add_request(p, params)] = i
+        for o in engine.step().finished:
+            outs[ids[o.request_id]] = o.tokens
+    assert engine.prefix_hits >= 2 * 24 and engine.pool.num_used == 0
+    for i, p in enumerate(prompts):
+        assert outs[i] == _kivi_engine(model, kind).generate([p], params)[0][0].tokens
+
+
+@pytest.mark.parametrize("mode", ["host", "recompute"])
+def test_int4_pages_preempted_and_resumed_decode_as_alone(model, mode):
+    prompts = [PROMPTS[i] for i in (1, 3, 4, 7)]
+    params = SamplingParams(max_tokens=10)
+    engine = _kivi_engine(model, "int4", num_pages=9, swap=mode)
+    outs = engine.generate(prompts, params)
+    assert engine.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o[0].tokens == _kivi_engine(model, "int4").generate([p], params)[0][0].tokens
+    once = sum(len(p) + 10 - 1 for p in prompts) - engine.prefix_hits
+    assert (engine.num_scheduled_tokens == once) == (mode == "host")
+
+
+def test_int4_pages_need_whole_groups_per_page(model):
+    with pytest.raises(ValueError, match="multiple of its quantization group"):
+        _kivi_engine(model, "int4", page_size=12)

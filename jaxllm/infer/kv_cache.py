@@ -115,7 +115,7 @@ def init_cache(
             v_scale=z(t, k // vg),
             v_zero=z(t, k // vg),
             k_res=res,
-            v_res=res,
+            v_res=jnp.zeros_like(res),  # its own buffer: a step may donate both
         )
     return KVCache(**fields)
 

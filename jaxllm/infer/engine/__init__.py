@@ -22,8 +22,13 @@ What exists:
   other sequences' decode tokens;
 - prefix sharing: full pages keyed by the hash of their token block chain, reference-counted;
   a shared system prompt is stored once, and the n samples of a request share its pages;
+  released prefix pages stay cached (LRU) until the pool needs them, so a system prompt is
+  prefilled once even when no request holds it (`Engine.prefix_cache_hit_rate`);
 - preemption: when the pool runs dry the newest running sequence gives its pages back and is
-  recomputed later (its output is the same as uninterrupted);
+  recomputed later, or with `swap="host"` has its pages copied to host memory and back (its
+  output is the same as uninterrupted either way);
+- every cache dtype: float32, bfloat16, int8, and int4 / int2 (KIVI) pages with a residual
+  window per slot (`kivi` says how chunks keep a request's tokens as they are alone);
 - per-request sampling (`sampling`): temperature, top-k, top-p, min-p, repetition (HF / vLLM)
   and presence / frequency (OpenAI) penalties, stop tokens and stop sequences of several tokens,
   max_tokens, seed, n, logprobs of the chosen tokens and the top (<= 20) logprobs, all in the
@@ -32,8 +37,7 @@ What exists:
   logical axes (tensor, fsdp, expert), the pages' kv heads over `tensor` and the slots over the
   data axes, as `generate` runs on a mesh.
 
-Not yet: int4 / int2 (KIVI) pages, keeping freed prefix pages cached (LRU) for later
-requests, pages split over the data axes of a mesh (each data replica holds the whole pool),
+Not yet: pages split over the data axes of a mesh (each data replica holds the whole pool),
 pipeline stages or a split sequence.
 """
 

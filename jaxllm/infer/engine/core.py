@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jaxllm import sharding
 from jaxllm.config import MeshConfig
 from jaxllm.infer import kv_cache
-from jaxllm.infer.engine import runner, swap
+from jaxllm.infer.engine import kivi, runner, swap
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes
 from jaxllm.infer.engine.sampling import RowBuilder, SamplingParams, accept
 from jaxllm.infer.generate import resolve_decode_impl
@@ -77,7 +77,7 @@ class _Seq:
     slot: int | None = None
     done: bool = False
     resumed: bool = False  # preempted once: its lookups no longer count in the hit rate
-    swapped: dict | None = None  # host copy of its computed pages (`swap.save`)
+    swapped: swap.Swapped | None = None  # host copy of its computed pages (`swap.save`)
 
     @property
     def tokens(self) -> list[int]:
@@ -90,6 +90,9 @@ class Engine:
     `max_num_seqs` slots run at a time; `num_pages` pages of `page_size` tokens (page 0 is
     scratch) hold every sequence's cache; a prompt is prefilled `chunk_size` tokens (a power
     of two) per step. Device programs compile once per query bucket (1, 2, 4 .. chunk_size).
+    `swap`: how a preempted sequence comes back, "recompute" (its tokens prefilled again) or
+    "host" (its pages copied to host memory and back, `swap.py`). `kv_group`: the int4 / int2
+    quantization group, a divisor of `page_size` (`kivi.py`).
 
     With `mesh` the engine runs sharded on it, as `generate(..., mesh=mesh)` does: the model's
     parameters are laid out by their logical axes, the pages' kv heads split over `tensor`, the
@@ -109,16 +112,18 @@ class Engine:
         decode_impl: str = "auto",
         prefix_sharing: bool = True,
         swap: str = "recompute",
+        kv_group: int = 32,
         mesh: Mesh | None = None,
         mesh_config: MeshConfig | None = None,
     ):
         cfg = model.cfg
         if cfg.kind != "decoder" or getattr(model, "soft_prompt", None) is not None:
             raise ValueError("the engine serves decoder-only models without soft prompts")
-        if kv_cache_dtype in kv_cache.KIVI_KINDS:
+        self._group = kv_group if kv_cache_dtype in kv_cache.KIVI_KINDS else None
+        if self._group is not None and page_size % kv_group:
             raise ValueError(
-                f"kv_cache_dtype={kv_cache_dtype}: the engine's pages hold float32, bfloat16 "
-                "or int8 (the int4 / int2 residual window is per sequence, not paged)"
+                f"kv_cache_dtype={kv_cache_dtype}: page_size={page_size} must be a multiple of "
+                f"its quantization group ({kv_group})"
             )
         if chunk_size < 1 or chunk_size & (chunk_size - 1):
             raise ValueError(f"chunk_size={chunk_size} must be a power of two")
@@ -155,6 +160,7 @@ class Engine:
             page_size=page_size,
             num_pages=num_pages,
             kind=kv_cache_dtype,
+            group=kv_group,
             parallel=self._parallel,
         )
         self._slots: list[_Seq | None] = [None] * max_num_seqs
@@ -257,7 +263,8 @@ class Engine:
         """Frees a running sequence's pages and queues it to be recomputed from its tokens, or
         (swap="host") to have its computed pages copied back from host memory."""
         if self.swap == "host" and seq.computed:
-            seq.swapped = swap.save(self._kv, seq.pages[: -(-seq.computed // self.page_size)])
+            n = -(-seq.computed // self.page_size)
+            seq.swapped = swap.save(self._kv, seq.pages[:n], seq.slot)
         else:
             seq.computed = 0
         self.pool.release(seq.pages)
@@ -279,6 +286,13 @@ class Engine:
                 continue
             seq.pages.append(page)
         return True
+
+    def _take(self, seq: _Seq) -> int:
+        """Tokens `seq` feeds next: a chunk, or (int4 / int2) what `kivi.chunk_limit` allows."""
+        take = min(len(seq.tokens) - seq.computed, self.chunk_size)
+        if self._group is not None:
+            take = min(take, kivi.chunk_limit(seq.computed, self._group))
+        return take
 
     def _ready(self, seq: _Seq) -> bool:
         """A later sample of a request waits until the first has its prompt in pages, so it
@@ -304,21 +318,21 @@ class Engine:
                 seq.last_hash = hashes[seq.hashed - 1] if seq.pages else None
             hit = len(seq.pages) * ps
             seq.computed = max(hit, swapped)
-            take = min(len(tokens) - seq.computed, self.chunk_size)
+            take = self._take(seq)
             need = -(-(seq.computed + take) // ps) - len(seq.pages)
             if need > self.pool.num_free:
                 self.pool.release(seq.pages)
                 seq.pages, seq.computed, seq.hashed, seq.last_hash = [], swapped, 0, None
                 break
             self._grow(seq, seq.computed + take)
+            seq.slot = free_slots.pop(0)
             if hit < swapped:  # the pages the prefix cache no longer has come back from host
-                held = {n: v[:, hit // ps :] for n, v in seq.swapped.items()}
-                self._kv = swap.restore(self._kv, seq.pages[hit // ps : -(-swapped // ps)], held)
+                new = seq.pages[hit // ps : -(-swapped // ps)]
+                self._kv = swap.restore(self._kv, seq.swapped, new, hit // ps, seq.slot)
             seq.swapped = None
             if self.prefix_sharing and not seq.resumed:
                 self.prefix_queries += len(seq.prompt)
                 self.prefix_hits += min(hit, len(seq.prompt))
-            seq.slot = free_slots.pop(0)
             self._slots[seq.slot] = seq
             self._waiting.remove(seq)
             admitted.append(seq)
@@ -331,12 +345,15 @@ class Engine:
         for seq in self._running():
             if seq.slot is None:  # preempted for an older sequence in this loop
                 continue
-            take = min(len(seq.tokens) - seq.computed, self.chunk_size)
+            take = self._take(seq)
             if self._grow(seq, seq.computed + take):
                 batch.append((seq, take))
         if self.num_preemptions == preempted:  # no admissions while the pool is short
             for seq in self._admit():
-                batch.append((seq, min(len(seq.tokens) - seq.computed, self.chunk_size)))
+                batch.append((seq, self._take(seq)))
+        if self._group is not None and batch:  # int4 / int2: no padding may close a group
+            takes = kivi.fit([s.computed for s, _ in batch], [t for _, t in batch], self._group)
+            batch = [(seq, take) for (seq, _), take in zip(batch, takes)]
         self.num_scheduled_tokens += sum(take for _, take in batch)
         return batch
 

@@ -83,6 +83,7 @@ def empty_cache(
     page_size: int,
     num_pages: int,
     kind,
+    group: int = 32,
     parallel: sharding.Parallel = sharding.Parallel(),
 ):
     """The engine's page pool on the device (all layers), with an all-scratch block table; on
@@ -97,6 +98,7 @@ def empty_cache(
             head_dim=k,
             max_len=page_size,
             kind=kind,
+            group=group,
             compute_dtype=jnp.dtype(cfg.dtype),
             block_table=jnp.zeros((slots, pages_per_slot), jnp.int32),
             num_pages=num_pages,
