@@ -1,6 +1,7 @@
 """The engine's page management: the LRU prefix cache (released prefix pages stay findable until
-the pool needs them; hit-rate counts), and swapping preempted sequences to host memory; outputs
-always equal `generate` run on each prompt alone."""
+the pool needs them; hit-rate counts; newcomers wait for a prefix being prefilled), swapping
+preempted sequences to host memory, and int4 / int2 pages. Outputs equal `generate` run on each
+prompt alone (int4 / int2: the engine run on each prompt alone)."""
 
 import argparse
 
@@ -85,6 +86,17 @@ def test_a_system_prompt_used_by_sequential_requests_is_prefilled_once(model, al
     assert metrics["jaxllm_prefix_cache_queries_total"] == 51
     assert metrics["jaxllm_prefix_cache_hits_total"] == 32
     assert metrics["jaxllm_prefix_cache_hit_rate"] == pytest.approx(32 / 51)
+
+
+def test_requests_arriving_together_wait_for_the_system_prompt_being_prefilled(model, alone):
+    engine = _engine(model, num_pages=16)
+    system = PROMPTS[3][:16]
+    prompts = [system + [7 + i] for i in range(3)]  # all three join in the same step
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3))
+    for p, o in zip(prompts, outs):
+        assert o[0].tokens == alone(p, 3)
+    assert engine.num_scheduled_tokens == 17 + 2 * 1 + 3 * 2  # the prompt once, then 1 token
+    assert (engine.prefix_hits, engine.prefix_queries) == (2 * 16, 3 * 17)
 
 
 def test_eviction_under_page_pressure_keeps_outputs_equal_to_generate_alone(model, alone):

@@ -23,7 +23,7 @@ from jaxllm import sharding
 from jaxllm.config import MeshConfig
 from jaxllm.infer import kv_cache
 from jaxllm.infer.engine import kivi, runner, swap
-from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes
+from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes, prefill_blocks
 from jaxllm.infer.engine.sampling import RowBuilder, SamplingParams, accept
 from jaxllm.infer.generate import resolve_decode_impl
 
@@ -305,14 +305,21 @@ class Engine:
     def _admit(self) -> list[_Seq]:
         admitted = []
         free_slots = [i for i, s in enumerate(self._slots) if s is None]
+        ps, pending = self.page_size, set()  # blocks that running prefills are computing
+        for s in self._slots:
+            if self.prefix_sharing and s is not None and s.computed < len(s.prompt):
+                pending.update(prefill_blocks(s.prompt, s.hashed, ps))
         for seq in list(self._waiting):
             if not free_slots:
                 break
             if not self._ready(seq):
                 continue
-            tokens, ps, swapped = seq.tokens, self.page_size, seq.computed  # 0 unless swapped
+            tokens, swapped = seq.tokens, seq.computed  # computed: 0 unless swapped to host
             if self.prefix_sharing:  # full pages only, and at least one token left to feed
                 hashes = block_hashes(tokens, ps, (len(tokens) - 1) // ps)
+                n = self.pool.count(hashes)
+                if n < len(hashes) and hashes[n] in pending and not swapped:
+                    continue  # its next block is being prefilled: it will find it cached
                 seq.pages = self.pool.lookup(hashes)
                 seq.hashed = len(seq.pages)
                 seq.last_hash = hashes[seq.hashed - 1] if seq.pages else None
@@ -333,6 +340,8 @@ class Engine:
             if self.prefix_sharing and not seq.resumed:
                 self.prefix_queries += len(seq.prompt)
                 self.prefix_hits += min(hit, len(seq.prompt))
+            if self.prefix_sharing and seq.computed < len(seq.prompt):
+                pending.update(prefill_blocks(seq.prompt, seq.hashed, ps))
             self._slots[seq.slot] = seq
             self._waiting.remove(seq)
             admitted.append(seq)

@@ -35,6 +35,12 @@ def block_hashes(tokens: Sequence[int], page_size: int, num_blocks: int) -> list
     return out
 
 
+def prefill_blocks(prompt: Sequence[int], hashed: int, page_size: int) -> list[int]:
+    """Keys of a prompt's full pages from the `hashed`-th on: those a sequence prefilling it has
+    yet to register."""
+    return block_hashes(prompt, page_size, len(prompt) // page_size)[hashed:]
+
+
 class PagePool:
     """`num_pages` pages (scratch page 0 included): a free list, reference counts, the hash ->
     page map of full pages that can be shared, and the LRU set of cached pages nobody holds."""
@@ -105,6 +111,13 @@ class PagePool:
             self._refs[page] += 1
             pages.append(page)
         return pages
+
+    def count(self, hashes: Sequence[int]) -> int:
+        """How many of the leading `hashes` `lookup` would find (no reference taken)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._by_hash:
+            n += 1
+        return n
 
     def register(self, h: int, page: int) -> None:
         """Makes a full page findable by its hash (the first page under a hash keeps it)."""
