@@ -130,3 +130,11 @@ def test_chat_replies_and_exact_match_are_the_static_generators(monkeypatch):
         results.append(chat.Chat(model, tok, gen, stop_ids=stop).exact_match(convs))
     assert results[0] == results[1]
     assert len(results[0].replies[0]) < len(tok.decode(free.tokens[0]))  # the stop cut it
+
+
+def test_the_static_generator_runs_what_the_engine_cannot(model):
+    assert batch.static_reason(model, GEN, None) is None
+    four = GenerateConfig(kv_cache_dtype="int4", kv_group=4, max_new_tokens=8)
+    assert "int4" in batch.static_reason(model, four, None)
+    want = generate(model, GROUPS[:2], four).tokens
+    assert batch.generate(model, GROUPS[:2], four).tokens == want

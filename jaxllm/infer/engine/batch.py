@@ -128,7 +128,8 @@ def generate(
         gen,
         slots=slots or len(prompts),
         max_len=max_len,
-        mesh=mesh,
+        # a one-device mesh is one device: no sharded pool to build (a compile per engine)
+        mesh=None if mesh is None or mesh.size == 1 else mesh,
         mesh_config=mesh_config,
     )
     seqs = sorted({tuple(int(t) for t in q) for q in stop_sequences if len(q)})
