@@ -7,10 +7,11 @@ collapses within 15 steps (Adam's steps are as large on the few groups that disa
 full gradient) and the held-out accuracy falls to 0.70. `--objective ppo` runs PPO instead
 of GRPO on the same task (a fresh value head on the SFT model, GAE, the same reward), into
 OUT/ppo and OUT/ppo_before. `--updates-per-rollout MU` trains MU steps on each rollout
-(`train.updates_per_rollout`), into OUT/grpo_mu2 (OUT/ppo_mu2, ...).
+(`train.updates_per_rollout`), into OUT/grpo_mu2 (OUT/ppo_mu2, ...). `--rollout-ahead 1`
+samples each rollout one update early (`train.rollout_ahead`), into OUT/grpo_ahead1.
 
     python scripts/grpo_addition.py OUT [--sft-steps N] [--grpo-steps N] [--objective ppo]
-                                        [--updates-per-rollout MU]
+                                        [--updates-per-rollout MU] [--rollout-ahead 1]
 
 writes OUT/add_sft.jsonl (prompt_completion), OUT/add_train.jsonl and OUT/add_test.jsonl
 (rollout prompts), runs OUT/sft and OUT/grpo, prints the held-out reward before and after, and
@@ -101,6 +102,7 @@ def main() -> None:
     p.add_argument("--grpo-lr", type=float, default=5e-5)
     p.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
     p.add_argument("--updates-per-rollout", type=int, default=1)
+    p.add_argument("--rollout-ahead", type=int, default=0)
     ns = p.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     write_data(ns.out)
@@ -141,13 +143,22 @@ def main() -> None:
     ]
     mu = ns.updates_per_rollout
     name = ns.objective + (f"_mu{mu}" if mu > 1 else "")
+    name += f"_ahead{ns.rollout_ahead}" if ns.rollout_ahead else ""
     # the SFT model's held-out reward: one step at learning rate 0
     before_dir = ns.out / _before(ns.objective)
     if not (before_dir / "metrics.jsonl").exists():
         train(config.load(None, [*grpo, "train.steps=1", "optim.lr=0", f"run.dir={before_dir}"]))
     before = json.loads((before_dir / "metrics.jsonl").read_text().splitlines()[-1])
     final = train(
-        config.load(None, [*grpo, f"train.updates_per_rollout={mu}", f"run.dir={ns.out / name}"])
+        config.load(
+            None,
+            [
+                *grpo,
+                f"train.updates_per_rollout={mu}",
+                f"train.rollout_ahead={ns.rollout_ahead}",
+                f"run.dir={ns.out / name}",
+            ],
+        )
     )
     print(f"held-out exact match: {before['eval_reward']:.3f} after SFT, "
           f"{final['eval_reward']:.3f} after {ns.grpo_steps} {ns.objective.upper()} steps")  # fmt: skip

@@ -160,6 +160,11 @@ class TrainConfig:
     """`grpo` / `ppo`: optimizer steps on each rollout's batch (GRPO's mu, PPO's epochs): the
     first is on-policy (the ratio is 1), the later ones move pi away from pi_old, where the
     clipped ratio acts. Each is one train step (`train.steps` counts updates)."""
+    rollout_ahead: int = 0
+    """`grpo` / `ppo`: 0 samples each rollout from the parameters it trains; 1 is one step
+    off-policy (verl's one-step-off-policy, TRL's async GRPO): the next rollout is sampled
+    from the parameters before the current update, in a background thread while it runs,
+    and pi_old is the sampling policy's."""
     clip_epsilon: float = 0.2
     """`grpo` / `ppo`: the ratio exp(log pi - log pi_old) is clipped to [1 - eps, 1 + eps] (PPO)."""
     reward: str = "exact_match"
@@ -239,6 +244,7 @@ OBJECTIVE_KEYS = {
         for key in (
             "num_generations",
             "updates_per_rollout",
+            "rollout_ahead",
             "clip_epsilon",
             "reward",
         )
@@ -394,6 +400,11 @@ def validate_rollout(t: TrainConfig) -> None:
         )
     if t.updates_per_rollout < 1:
         _fail(f"train.updates_per_rollout must be at least 1, not {t.updates_per_rollout}.")
+    if t.rollout_ahead not in (0, 1):
+        _fail(
+            f"train.rollout_ahead must be 0 (on-policy) or 1 (one step off-policy), not "
+            f"{t.rollout_ahead}."
+        )
     if not 0 < t.clip_epsilon < 1:
         _fail(f"train.clip_epsilon must be in (0, 1), not {t.clip_epsilon}.")
     for key in ("gae_gamma", "gae_lambda"):

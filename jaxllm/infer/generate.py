@@ -28,7 +28,7 @@ from flax import nnx
 from jaxllm import sharding
 from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.infer import kv_cache, seq2seq
-from jaxllm.infer.sampling import sample
+from jaxllm.infer.sampling import sample, split_key
 from jaxllm.kernels.decode_attention.ops import on_hopper
 
 
@@ -146,7 +146,7 @@ def _generate(
     pick = functools.partial(
         sample, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p
     )
-    rng, sub = jax.random.split(rng)
+    rng, sub = split_key(rng)
     tok_B = pick(logits_Bx1xV[:, 0], sub)
     out_BxN = jnp.zeros((b, plan.max_new), jnp.int32)
     done_B = jnp.zeros((b,), bool)
@@ -173,7 +173,7 @@ def _generate(
         logits_Bx1xV, view, *_ = model(
             tok_B[:, None], positions_BxL=(lengths_B - 1)[:, None], cache=view
         )
-        rng, sub = jax.random.split(rng)
+        rng, sub = split_key(rng)
         tok_B = pick(logits_Bx1xV[:, 0], sub)
         return i + 1, tok_B, lengths_B, done_B, out_BxN, tail_BxM, view.kv, rng
 
@@ -191,6 +191,7 @@ def generate(
     stop_sequences: Sequence[Sequence[int]] = (),
     mesh=None,
     on_token: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> Generation:
     """Continues each prompt (a list of token ids) by up to `gen.max_new_tokens` tokens.
 
@@ -199,7 +200,9 @@ def generate(
     `stop_sequences` (each left out of the returned tokens, as a stop token is). With `mesh`, the batch is split over its
     data axes and kv heads over `tensor` (the model's parameters should already live on it, e.g.
     `jaxllm.load_model(path, mesh=mesh)`). `on_token(step, tokens_B, done_B)` is called on the
-    host after each step, in order (for streaming).
+    host after each step, in order (for streaming). `seeds` (one per prompt, in place of
+    `gen.seed`) give each row its own key: its draws are then the same in any batch, at any
+    place in it.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
@@ -261,6 +264,14 @@ def generate(
     stop_SxM = np.full((len(seqs), max(map(len, seqs), default=1)), -1, np.int32)
     for row, q in zip(stop_SxM, seqs):
         row[len(row) - len(q) :] = q
+    if seeds is None:
+        rng = jax.random.key(gen.seed)
+    else:
+        if len(seeds) != n_real:
+            raise ValueError(f"generate got {len(seeds)} seeds for {n_real} prompts")
+        seeds_B = np.zeros(b, np.uint32)
+        seeds_B[:n_real] = seeds
+        rng = jax.vmap(jax.random.key)(jnp.asarray(seeds_B))
     graphdef, state = nnx.split(model)
     if seq2seq_model:
         nl = cfg.resolved_decoder_layers
@@ -273,7 +284,7 @@ def generate(
                 jnp.asarray(lengths),
                 stop_S,
                 jnp.asarray(stop_SxM),
-                jax.random.key(gen.seed),
+                rng,
                 plan,
                 on_token,
             )
@@ -287,7 +298,7 @@ def generate(
                 block_table,
                 stop_S,
                 jnp.asarray(stop_SxM),
-                jax.random.key(gen.seed),
+                rng,
                 plan,
                 on_token,
             )

@@ -35,8 +35,21 @@ def sample(
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> jax.Array:
-    """Token ids [B] (int32). `temperature == 0` is greedy (argmax) and ignores the rng."""
+    """Token ids [B] (int32). `temperature == 0` is greedy (argmax) and ignores the rng.
+    `rng`: one key, or one key per row [B] (each row's draw then depends on its key alone,
+    not on the row's place in the batch)."""
     if temperature == 0:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     logits_BxV = filter_logits(logits_BxV / temperature, top_k=top_k, top_p=top_p)
+    if rng.ndim:
+        return jax.vmap(jax.random.categorical)(rng, logits_BxV).astype(jnp.int32)
     return jax.random.categorical(rng, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+def split_key(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the next key, a key to draw with) of one key, or of each row's key [B]."""
+    if rng.ndim:
+        pair_Bx2 = jax.vmap(jax.random.split)(rng)
+        return pair_Bx2[:, 0], pair_Bx2[:, 1]
+    rng, sub = jax.random.split(rng)
+    return rng, sub

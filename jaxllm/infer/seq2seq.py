@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.infer import kv_cache
-from jaxllm.infer.sampling import sample
+from jaxllm.infer.sampling import sample, split_key
 
 DECODER_START = 0
 
@@ -77,7 +77,7 @@ def generate_core(graphdef, state, prompt_BxS, lengths_B, stop_S, stop_SxM, rng,
         dec_len_B = dec_len_B + 1
         out = model.decode(tok_B[:, None], None, cache=_view(kv, dec_len_B, plan), cross=cross)
         logits_Bx1xV, view = out.logits, out.cache
-        rng, sub = jax.random.split(rng)
+        rng, sub = split_key(rng)
         tok_B = pick(logits_Bx1xV[:, 0], sub)
         out_BxN = out_BxN.at[:, i].set(jnp.where(done_B, 0, tok_B))
         if on_token is not None:

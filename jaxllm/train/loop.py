@@ -273,6 +273,9 @@ def _loop(
     def save(at_state, data_state) -> None:
         row = final if final.get("step") == int(jax.device_get(at_state.step)) else None
         record = best.record() if best is not None else None
+        # a part of the iterator's state made in the background (the next rollout of
+        # train.rollout_ahead) comes as a function of the state, asked for only here
+        data_state = {k: v(at_state) if callable(v) else v for k, v in data_state.items()}
         step = ckpt.save(at_state, data_state=data_state, metrics=row, best=record, **extras)
         _log(f"checkpoint: {ckpt.directory.resolve()}/{step}")
 

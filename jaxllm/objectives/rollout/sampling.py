@@ -13,8 +13,9 @@ and it
    the state's own parameter arrays (no copy: rollout and update share them), sampling at
    `train.rollout_temperature` with the `generate` section's top_k / top_p and KV cache
    (`generate.kv_cache_dtype`: int8 / int4 / int2 quantized caches too), up to
-   `train.max_completion_tokens` or EOS; the sampling key is seeded by (run.seed, rollout
-   number);
+   `train.max_completion_tokens` or EOS; each row's sampling key is seeded by (run.seed,
+   rollout number, the row's place in the global batch), so a row's completion does not depend
+   on the rows sampled beside it;
 3. scores every completion: on the host with the reward function of its decoded text
    (`rewards`), or on the mesh with a reward model (`train.reward` a directory, held frozen
    in `TrainState.others`) read at the sequence's last token; then turns the rewards into
@@ -30,21 +31,36 @@ and it
 With `train.updates_per_rollout` = mu > 1 the same batch (its pi_old, advantages and returns
 unchanged) is handed to mu steps in a row before the next rollout.
 
+With several processes each samples and scores only its own rows (whole groups), from a
+whole copy of the parameters on its first device; pi_old, V_old and a reward model's scores
+are computed on the mesh over the global batch assembled from every process's rows, and the
+rollout's whole batch is gathered on every process (the checkpoint holds it). Two processes
+make the batches of one.
+
+With `train.rollout_ahead=1` (one step off-policy) rollout k+1 is sampled from the parameters
+that rollout k is handed out with, from a copy (the step about to run donates them), in a
+background thread while that step runs; its collective half (a reward model, pi_old of the
+sampling parameters) runs when it is handed out (`_Next`).
+
 Its state is the number of rollouts made, so a resumed run draws the same prompts and samples
 with the same keys: given the same parameters, the same batches. Between the mu steps of one
 rollout the state also carries the batch itself (compressed, in the checkpoint's `data` item):
-the parameters it was sampled with are gone by then.
+the parameters it was sampled with are gone by then; so does the next rollout's batch under
+`train.rollout_ahead=1`.
 """
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import functools
 import io
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxllm import parallel, sharding
 from jaxllm.config import Config, ConfigError, GenerateConfig
@@ -95,14 +111,17 @@ def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, see
     """(the generation, each prompt + completion + stop) of one completion per prompt from
     `model` on `mesh`: up to `train.max_completion_tokens` or one of the stops,
     at `temperature` (0: greedy) with the `generate` section's top_k / top_p and KV cache.
-    `stops`: the stop ids; `ends`: the stop sequences (a multi-token end-of-turn marker)."""
+    `seed`: one for the batch, or a list of one per prompt (each row's draws then depend on its
+    seed alone). `stops`: the stop ids; `ends`: the stop sequences (a multi-token end-of-turn
+    marker)."""
+    seeds = None if isinstance(seed, int) else [int(x) for x in seed]
     g = cfg.generate
     gen = GenerateConfig(
         max_new_tokens=cfg.train.max_completion_tokens,
         temperature=temperature,
         top_k=g.top_k if temperature else 0,
         top_p=g.top_p if temperature else 1.0,
-        seed=seed,
+        seed=0 if seeds is not None else seed,
         stop_tokens=g.stop_tokens,
         kv_cache_dtype=g.kv_cache_dtype,
         kv_group=g.kv_group,
@@ -122,6 +141,7 @@ def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, see
         mesh_config=cfg.mesh,
         slots=cfg.train.global_batch_size,
         max_len=min(cfg.data.seq_len, cfg.model.max_seq_len),
+        seeds=seeds,
     )
     return out, sequences(prompts, out.tokens, out.ends)
 
@@ -143,6 +163,42 @@ def rows(prompts: list[np.ndarray], seqs: list[np.ndarray], seq_len: int):
     return out
 
 
+class _Weights(NamedTuple):
+    """The arrays a rollout samples and scores with: a `TrainState`'s, or a copy of them."""
+
+    params: object
+    frozen: object
+    model_state: object
+
+
+def _encode(batch: dict) -> str:
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **batch)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _decode(text: str) -> dict:
+    with np.load(io.BytesIO(base64.b64decode(text))) as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+class _Next:
+    """The next rollout (`train.rollout_ahead=1`): its sampling (generation, the reward
+    function) runs in a background thread; its collective parts (a reward model, pi_old, the
+    rows of the other processes) run in the caller's thread when `batch()` is first asked for,
+    in every process at the same point of the loop."""
+
+    def __init__(self, future=None, finish=None, batch: dict | None = None):
+        self.future, self.finish, self._batch = future, finish, batch
+
+    def batch(self, others) -> dict:
+        """The whole batch; `others`: the live TrainState's (a reward model)."""
+        if self._batch is None:
+            self._batch = self.finish(self.future.result(), others=others)
+            self.future = self.finish = None  # the parameter copy goes with them
+        return self._batch
+
+
 class Rollouts:
     """The iterator of GRPO's and PPO's batches (see the module docstring): `next_rows(it,
     state)` gives this process's rows of the next global batch, made with `state`'s parameters."""
@@ -154,13 +210,21 @@ class Rollouts:
                 f"train.objective={t.objective} does not train soft prompts yet "
                 "(peft.method=prompt): use peft.method=lora or qlora, or full fine-tuning"
             )
-        if jax.process_count() > 1:
+        local = slice(*local.indices(t.global_batch_size)[:2])
+        if local.start % t.num_generations or local.stop % t.num_generations:
             raise ConfigError(
-                f"train.objective={t.objective} runs in one process for now; every process would "
-                "read the whole sampled batch"
+                f"train.global_batch_size={t.global_batch_size} gives rows {local.start} to "
+                f"{local.stop - 1} to process {jax.process_index()} of {jax.process_count()}, "
+                f"which splits a group of train.num_generations={t.num_generations}: each "
+                "process samples whole groups, so global_batch_size / processes must be a "
+                "multiple of num_generations"
             )
         self.cfg, self.mesh, self.local = cfg, mesh, local
         self.batch_sharding = batch_sharding
+        # several processes: each samples its own rows from a whole copy of the parameters on
+        # its first device (the generator runs on process-local data)
+        self.multi = jax.process_count() > 1
+        self.sample_mesh = None if self.multi else mesh
         self.tok = make_tokenizer(cfg.data)
         self.prompts, self.eval_prompts = prompt_splits(cfg.data, self.tok)
         self.group = t.num_generations
@@ -188,9 +252,11 @@ class Rollouts:
         eot = end_of_turn(self.tok) if chat else None
         self.stops = sorted(eot.stop_ids) if eot else ([] if eos is None else [eos])
         self.stop_sequences = eot.stop_sequences if eot else ()
-        self.made = 0  # rollouts made: the iterator's state
+        self.made = 0  # rollouts begun: the iterator's state
         self.pending, self.served = None, 0  # the last rollout's batch, the steps it fed
+        self.next: _Next | None = None  # rollout_ahead: the rollout after `pending`
         self.policy = None  # the TrainState the next rollout samples from
+        self._thread = concurrent.futures.ThreadPoolExecutor(1) if t.rollout_ahead else None
         self.graphdef = abstract_model(cfg.model, cfg.peft)[0]
         parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
         self._logps = jax.jit(
@@ -207,76 +273,146 @@ class Rollouts:
             )
 
     def get_state(self) -> dict:
+        """The rollouts begun, the batch still to be served and (rollout_ahead) the next one,
+        whole batches (every process's rows); the next one as a function of the TrainState that
+        the loop calls when it saves (by then it is made: asking here would wait for it)."""
         state = {"rollouts": self.made}
         if self.pending is not None and self.served < self.cfg.train.updates_per_rollout:
-            buf = io.BytesIO()
-            np.savez_compressed(buf, **self.pending)
-            state |= {"served": self.served, "batch": base64.b64encode(buf.getvalue()).decode()}
+            state |= {"served": self.served, "batch": _encode(self.pending)}
+        if self.next is not None:
+            state["next"] = functools.partial(lambda n, at: _encode(n.batch(at.others)), self.next)
         return state
 
     def set_state(self, state: dict) -> None:
         self.made = int(state["rollouts"])
-        self.pending, self.served = None, 0
+        self.pending, self.served, self.next = None, 0, None
         if "batch" in state:
-            with np.load(io.BytesIO(base64.b64decode(state["batch"]))) as npz:
-                self.pending = {k: npz[k] for k in npz.files}
-            self.served = int(state["served"])
+            self.pending, self.served = _decode(state["batch"]), int(state["served"])
+        if "next" in state:
+            self.next = _Next(batch=_decode(state["next"]))
 
-    def _generate(self, state, prompts: list[Prompt], temperature: float, seed: int):
+    def _sampler(self, weights: _Weights) -> _Weights:
+        """The weights the generator reads: `weights` themselves in one process; with several,
+        a whole copy on this process's first device (every process takes part in the gather)."""
+        if not self.multi:
+            return weights
+        whole = multihost_utils.process_allgather(tuple(weights), tiled=True)
+        return _Weights(*jax.device_put(whole, jax.local_devices()[0]))
+
+    def _generate(self, state, prompts: list[Prompt], temperature: float, seed):
         ids = [p.ids for p in prompts]
         model = merge_model(self.graphdef, state.params, state.frozen, state.model_state)
         stops = (self.stops, self.stop_sequences)
-        return sample(self.cfg, model, self.mesh, ids, temperature, seed, *stops)
+        return sample(self.cfg, model, self.sample_mesh, ids, temperature, seed, *stops)
 
-    def _rewards(self, state, prompts: list[Prompt], out, seqs) -> list[float]:
-        """One reward per completion: the reward function's of the decoded texts, or the
-        reward model's of the token sequences."""
-        if not self.reward_model:
-            texts = [self.tok.decode(c) for c in out.tokens]
-            answers = [p.answer for p in prompts]
-            return rewards_lib.score(self.reward_fn, [p.prompt for p in prompts], texts, answers)
+    def _text_rewards(self, prompts: list[Prompt], out) -> list[float]:
+        """The reward function's score of each decoded completion (host only)."""
+        texts = [self.tok.decode(c) for c in out.tokens]
+        answers = [p.answer for p in prompts]
+        return rewards_lib.score(self.reward_fn, [p.prompt for p in prompts], texts, answers)
+
+    def _model_scores(self, others, seqs: list[np.ndarray]) -> np.ndarray:
+        """The reward model's scores [global_batch_size] of the global batch whose rows of this
+        process are `seqs` (a collective: every process calls it)."""
         n, length = len(seqs), self.cfg.data.seq_len
         rows_ = {k: np.zeros((n, length), np.int32) for k in ("inputs", "segment_ids")}
         rows_["positions"] = np.tile(np.arange(length, dtype=np.int32), (n, 1))
         for i, seq in enumerate(seqs):
             rows_["inputs"][i, : len(seq)], rows_["segment_ids"][i, : len(seq)] = seq, 1
-        held = state.others["reward_model"]
-        scores = self._model_rewards(
-            held["params"], held["model_state"], to_global(rows_, self.batch_sharding)
-        )
-        return [float(r) for r in np.asarray(jax.device_get(scores), np.float32)]
+        held = others["reward_model"]
+        whole = to_global(rows_, self.batch_sharding, self.cfg.train.global_batch_size)
+        scores = self._model_rewards(held["params"], held["model_state"], whole)
+        return np.asarray(multihost_utils.process_allgather(scores, tiled=True), np.float32)
+
+    def _rewards(self, state, prompts: list[Prompt], out, seqs) -> list[float]:
+        """One reward per completion of the whole list (the same in every process): the reward
+        function's of the decoded texts, or the reward model's of the token sequences."""
+        if not self.reward_model:
+            return self._text_rewards(prompts, out)
+        gbs, n = self.cfg.train.global_batch_size, len(seqs)
+        padded = (list(seqs) * gbs)[:gbs] if n < gbs else seqs  # the model reads whole batches
+        return [float(r) for r in self._model_scores(state.others, padded[self.local])[:n]]
 
     def __next__(self) -> dict:
+        if self.policy is None:
+            raise RuntimeError("Rollouts samples from a TrainState: call next_rows(it, state)")
         if self.pending is None or self.served >= self.cfg.train.updates_per_rollout:
-            self.pending, self.served = self._rollout(), 0
+            if self.next is not None:
+                self.pending, self.next = self.next.batch(self.policy.others), None
+            else:
+                weights = _Weights(self.policy.params, self.policy.frozen, self.policy.model_state)
+                sampled = self._sample(self.made, self._sampler(weights))
+                self.pending = self._finish(sampled, weights, self.policy.others)
+                self.made += 1
+            self.served = 0
+            if self._thread is not None:
+                self.next = self._ahead()
         self.served += 1
         return {k: v[self.local] for k, v in self.pending.items()}
 
-    def _rollout(self) -> dict:
-        """The next rollout's whole batch, sampled from `self.policy`."""
-        if self.policy is None:
-            raise RuntimeError("Rollouts samples from a TrainState: call next_rows(it, state)")
-        t, k = self.cfg.train, self.made
+    def _ahead(self) -> _Next:
+        """Begins the next rollout from `self.policy`, which the step about to run updates in
+        place (donated): from a copy, dispatched before that step is."""
+        s = self.policy
+        weights = _Weights(*jax.tree.map(jnp.copy, (s.params, s.frozen, s.model_state)))
+        future = self._thread.submit(self._sample, self.made, self._sampler(weights))
+        self.made += 1
+        return _Next(future, functools.partial(self._finish, weights=weights))
+
+    def _draw(self, k: int) -> tuple[list[Prompt], list[int]]:
+        """Rollout k's prompts of this process's rows, and a sampling seed for each row from
+        (run.seed, k, the row's place in the global batch): the same rows, sampled the same,
+        however the batch is split over processes."""
         draw = np.random.default_rng([self.cfg.data.seed, k])
         picked = draw.choice(len(self.prompts), self.per_step, replace=False)
-        prompts = [self.prompts[i] for i in picked for _ in range(self.group)]
-        seed = int(np.random.SeedSequence([self.cfg.run.seed, k]).generate_state(1)[0])
-        out, seqs = self._generate(self.policy, prompts, t.rollout_temperature, seed)
-        scores = self._rewards(self.policy, prompts, out, seqs)
-        batch = rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
-        whole = to_global(batch, self.batch_sharding)  # every process made the whole batch
-        state = self.policy
-        old, values = self._logps(state.params, state.frozen, state.model_state, whole)
-        batch["old_logps"] = np.asarray(jax.device_get(old), np.float32)
+        where = range(self.local.start, self.local.stop)
+        prompts = [self.prompts[picked[i // self.group]] for i in where]
+        seed = self.cfg.run.seed
+        return prompts, [
+            int(np.random.SeedSequence([seed, k, i]).generate_state(1)[0]) for i in where
+        ]
+
+    def _sample(self, k: int, sampler: _Weights):
+        """Rollout k's process-local half: this process's rows sampled from `sampler`, their
+        reward function's scores (a reward model's come in `_finish`); no collectives, so it can
+        run in a background thread."""
+        prompts, seeds = self._draw(k)
+        out, seqs = self._generate(sampler, prompts, self.cfg.train.rollout_temperature, seeds)
+        scores = None if self.reward_model else self._text_rewards(prompts, out)
+        return seqs, scores, rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
+
+    def _whole(self, local: dict) -> dict:
+        """The global batch of every process's `local` rows (a collective)."""
+        if not self.multi:
+            return local
+        gbs = self.cfg.train.global_batch_size
+        placed = to_global(local, self.batch_sharding, gbs)
+        return {
+            k: np.asarray(v)
+            for k, v in multihost_utils.process_allgather(placed, tiled=True).items()
+        }
+
+    def _finish(self, sampled, weights: _Weights, others) -> dict:
+        """The whole batch of a rollout from its sampled half: a reward model's scores, pi_old
+        (and PPO's V_old) of `weights`, the sampling policy, and the advantages."""
+        t, gbs = self.cfg.train, self.cfg.train.global_batch_size
+        seqs, scores, local = sampled
+        if scores is None:
+            scores = self._model_scores(others, seqs)[self.local]
+        batch = self._whole({**local, "scores": np.asarray(scores, np.float32)[:, None]})
+        scores = batch.pop("scores")[:, 0].astype(np.float64)
+        placed = to_global({k: v[self.local] for k, v in batch.items()}, self.batch_sharding, gbs)
+        old, values = self._logps(weights.params, weights.frozen, weights.model_state, placed)
+        gather = functools.partial(multihost_utils.process_allgather, tiled=True)
+        batch["old_logps"] = np.asarray(gather(old), np.float32)
         if t.objective == "ppo":
-            batch["old_values"] = np.asarray(jax.device_get(values), np.float32)
+            batch["old_values"] = np.asarray(gather(values), np.float32)
             batch.update(ppo.rollout_fields(scores, batch["old_values"], batch["loss_mask"], t))
         else:
-            adv_S = group_advantages(np.asarray(scores), self.group, t.grpo_normalization)
+            adv_S = group_advantages(scores, self.group, t.grpo_normalization)
             shape = batch["inputs"].shape
             batch["advantages"] = np.broadcast_to(adv_S[:, None], shape)
-            batch["rewards"] = np.broadcast_to(np.asarray(scores, np.float32)[:, None], shape)
-        self.made += 1
+            batch["rewards"] = np.broadcast_to(scores[:, None], shape)
         return {k: np.ascontiguousarray(v) for k, v in batch.items()}
 
     def evaluate(self, state) -> dict:
@@ -284,10 +420,12 @@ class Rollouts:
         when data.eval_sources hold none)."""
         if not self.eval_prompts:
             return {}
+        weights = _Weights(state.params, state.frozen, state.model_state)
+        sampler = self._sampler(weights)
         scores = []
         for i in range(0, len(self.eval_prompts), self.cfg.train.global_batch_size):
             chunk = self.eval_prompts[i : i + self.cfg.train.global_batch_size]
-            out, seqs = self._generate(state, chunk, 0.0, 0)
+            out, seqs = self._generate(sampler, chunk, 0.0, 0)
             scores += self._rewards(state, chunk, out, seqs)
         return {"eval_reward": float(np.mean(scores))}
 
