@@ -182,21 +182,27 @@ def test_health_metrics_and_a_dropped_stream_frees_its_pages(server):
     assert m["jaxllm_generation_tokens_total"] > 0 and "jaxllm_requests_waiting" in m
 
 
-def test_sigterm_exits_0_and_a_refused_kv_dtype_is_one_line(small_run):
+def test_sigterm_exits_0_and_a_refused_page_size_is_one_line(small_run):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jaxllm", "serve", str(small_run)]
-    bad = subprocess.run([*cmd, "--kv-cache-dtype", "int4"], env=env, capture_output=True)
+    # int4 pages hold whole quantization groups (32 tokens): a page of 8 is refused
+    bad_flags = ["--kv-cache-dtype", "int4", "--page-size", "8"]
+    bad = subprocess.run([*cmd, *bad_flags], env=env, capture_output=True)
     assert bad.returncode == 2 and bad.stderr.decode().strip().startswith("jaxllm:")
-    assert len(bad.stderr.decode().strip().splitlines()) == 1
+    assert "group" in bad.stderr.decode() and len(bad.stderr.decode().strip().splitlines()) == 1
     port = _free_port()
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port), "--max-num-seqs", "2", "--page-size", "8"],
+    proc = subprocess.Popen(  # int2 with the default page size: the group's
+        [*cmd, "--port", str(port), "--max-num-seqs", "2", "--kv-cache-dtype", "int2"],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        _wait(f"http://127.0.0.1:{port}", proc)
+        url = f"http://127.0.0.1:{port}"
+        _wait(url, proc)
+        body = {"model": small_run.name, "prompt": "ab", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

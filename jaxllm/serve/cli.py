@@ -1,5 +1,5 @@
 """`jaxllm serve RUN_DIR|HF_DIR [--host H] [--port P] [--kv-cache-dtype D] [--max-num-seqs N]
-[--page-size N] [--swap host|recompute] [--api-key KEY] [key=value ...]`: load a model, start
+[--page-size N] [--kv-group N] [--swap host|recompute] [--api-key KEY] [key=value ...]`: load a model, start
 the engine's thread and uvicorn. `engine.KEY=VALUE` overrides set the engine's flags
 (`engine.swap=host` is `--swap host`); the other overrides are the model's.
 
@@ -31,7 +31,14 @@ def add_serve_parser(sub) -> None:
         choices=("bfloat16", "float32", "int8", "int4", "int2"),
     )
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences batched at a time")
-    s.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    s.add_argument(
+        "--page-size",
+        type=int,
+        help="tokens per KV page (default 16; with int4 / int2 the quantization group, 32)",
+    )
+    s.add_argument(
+        "--kv-group", type=int, default=32, help="int4 / int2: tokens per quantization group"
+    )
     s.add_argument("--num-pages", type=int, help="KV pages (default: max-num-seqs full contexts)")
     s.add_argument("--chunk-size", type=int, default=32, help="prefill tokens per step")
     s.add_argument(
@@ -125,6 +132,7 @@ ENGINE_KEYS = {
     "kv_cache_dtype": str,
     "max_num_seqs": int,
     "page_size": int,
+    "kv_group": int,
     "num_pages": int,
     "chunk_size": int,
 }
@@ -159,9 +167,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     overrides = engine_overrides(ns, overrides)
     if path is None:
         raise ConfigError("jaxllm serve needs a run directory or a Hugging Face directory.")
-    for flag in ("max_num_seqs", "page_size", "chunk_size", "num_pages"):
+    for flag in ("max_num_seqs", "page_size", "kv_group", "chunk_size", "num_pages"):
         if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1.")
+    kivi = ns.kv_cache_dtype in ("int4", "int2")
+    if ns.page_size is None:
+        ns.page_size = ns.kv_group if kivi else 16
     r = load_run(path, overrides)
     app, _ = build(
         r.model,
@@ -177,6 +188,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         num_pages=ns.num_pages,
         chunk_size=ns.chunk_size,
         kv_cache_dtype=ns.kv_cache_dtype,
+        **({"kv_group": ns.kv_group} if kivi else {}),
         swap=ns.swap,
     )
     config = uvicorn.Config(
