@@ -28,7 +28,7 @@ def _script():
 def test_serve_static_and_hf_on_the_same_requests(small_run, tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = f"{small_run} --clients 2 --num-requests 5 --output-len 2:6 --prompt-len 2:5 "
-    args += f"--system-prompt 9 --page-size 4 --chunk-size 4 --out {out}"
+    args += f"--system-prompt 9 --page-size 4 --chunk-size 4 --max-model-len 64 --out {out}"
     res = _script().main(args.split())
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
     serve, static, hf = res["serve"], res["static"], res["hf"]
