@@ -217,13 +217,15 @@ def _metrics(run):
 def test_grpo_raises_a_reward(tmp_path):
     base = [*RUN, f"data.sources={_prompts(tmp_path)}", "train.beta=0"]
     run = tmp_path / "run"
-    train(config.load(None, [*base, "train.steps=16", f"run.dir={run}"]))
+    # 24 steps, the first and last 6 averaged: over seeds 0-6 the gain of 16 steps' first and
+    # last 4 ran from 0.036 to 0.126 (either sampler), too close to the bound
+    train(config.load(None, [*base, "train.steps=24", f"run.dir={run}"]))
     m = _metrics(run)
-    assert [r["step"] for r in m] == list(range(1, 17))
+    assert [r["step"] for r in m] == list(range(1, 25))
     assert all(r["tokens"] == 16 for r in m)  # the step counts sequences
     assert "kl" not in m[0]  # beta 0: no reference
-    first = np.mean([r["reward_mean"] for r in m[:4]])
-    last = np.mean([r["reward_mean"] for r in m[-4:]])
+    first = np.mean([r["reward_mean"] for r in m[:6]])
+    last = np.mean([r["reward_mean"] for r in m[-6:]])
     assert last > first + 0.05, (first, last)
 
 
