@@ -4,14 +4,20 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from conftest import tiny_model
+from test_rollouts import ONE_DEVICE, RUN
+from test_rollouts import _prompts as _rollout_prompts
 from test_sharding import REPO, _free_port, _jaxllm_train
 
+from jaxllm import config, sharding
 from jaxllm.config import GenerateConfig
 from jaxllm.infer import generate
-from jaxllm.model import build
+from jaxllm.model import build, split_peft
+from jaxllm.objectives.rollout.sampling import Rollouts, _Weights
+from jaxllm.train.step import BATCH_AXES
 
 
 def test_a_rows_seed_makes_its_sample_independent_of_the_batch():
@@ -25,6 +31,24 @@ def test_a_rows_seed_makes_its_sample_independent_of_the_batch():
     assert generate(model, prompts[::-1], gen, seeds=seeds[::-1]).tokens == batch[::-1]
     other = generate(model, prompts, gen, seeds=[11, 22, 34]).tokens
     assert other[:2] == batch[:2] and other[2] != batch[2]
+
+
+def test_a_processs_rows_are_those_rows_of_the_whole_rollout(tmp_path):
+    """What each of two processes samples and scores (rows 0-7 and 8-15, two groups of 4 each)
+    is those rows of the rollout one process makes of all 16: the same prompts, completions
+    and rewards."""
+    cfg = config.load(None, [*RUN, *ONE_DEVICE, f"data.sources={_rollout_prompts(tmp_path)}"])
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    batch_sh = sharding.named(mesh, BATCH_AXES)
+    weights = _Weights(*split_peft(build(cfg.model, 0), None)[1:])
+    seqs, scores, rows = Rollouts(cfg, mesh, batch_sh, slice(0, 16))._sample(1, weights)
+    assert len({tuple(s) for s in seqs}) > 4  # samples, not one completion per prompt
+    for part in (slice(0, 8), slice(8, 16)):
+        own = Rollouts(cfg, mesh, batch_sh, part)._sample(1, weights)
+        assert [s.tolist() for s in own[0]] == [s.tolist() for s in seqs[part]]
+        assert own[1] == scores[part]
+        for key, value in rows.items():
+            np.testing.assert_array_equal(own[2][key], value[part], err_msg=key)
 
 
 def _prompts(tmp_path):
