@@ -57,6 +57,10 @@ def test_the_same_seed_gives_the_same_samples_and_a_group_differs(model):
     seeds = list(range(100, 100 + len(GROUPS)))  # one per row: a run takes its first row's
     by_row = batch.generate(model, GROUPS, gen, seeds=seeds).tokens
     assert batch.generate(model, GROUPS[:6], gen, seeds=seeds[:6]).tokens == by_row[:6]
+    # two groups of the same prompt side by side sample as each group alone
+    twice = batch.generate(model, GROUPS[:3] * 2, gen, seeds=seeds[:6], group=3).tokens
+    alone = batch.generate(model, GROUPS[:3], gen, seeds=seeds[3:6], group=3).tokens
+    assert twice[3:] == alone and twice[:3] == by_row[:3]
 
 
 RUN = [
@@ -132,9 +136,10 @@ def test_chat_replies_and_exact_match_are_the_static_generators(monkeypatch):
     assert len(results[0].replies[0]) < len(tok.decode(free.tokens[0]))  # the stop cut it
 
 
-def test_the_static_generator_runs_what_the_engine_cannot(model):
-    assert batch.static_reason(model, GEN, None) is None
+def test_int4_pages_and_where_the_static_generator_runs(model):
     four = GenerateConfig(kv_cache_dtype="int4", kv_group=4, max_new_tokens=8)
-    assert "int4" in batch.static_reason(model, four, None)
-    want = generate(model, GROUPS[:2], four).tokens
-    assert batch.generate(model, GROUPS[:2], four).tokens == want
+    assert batch.static_reason(model, four, None) is None
+    want = generate(model, GROUPS, four).tokens
+    assert batch.generate(model, GROUPS, four).tokens == want
+    split = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sequence",))
+    assert "sequence" in batch.static_reason(model, four, split)  # the engine refuses it

@@ -25,8 +25,8 @@ decoding is greedy and runs at most as many tokens as the longest reference (plu
 8), since a longer reply cannot match.
 
 Replies are generated on the inference engine (`jaxllm.infer.engine.batch`), with the same
-tokens and stops as the static generator, which still runs where the engine cannot (an int4 /
-int2 cache, an encoder-decoder, a soft prompt, a mesh with a stage or sequence axis).
+tokens and stops as the static generator, which still runs where the engine cannot (an
+encoder-decoder, a soft prompt, a mesh with a stage or sequence axis).
 """
 
 from __future__ import annotations

@@ -13,13 +13,14 @@ Stops follow the static generator exactly: the engine ends a sample at any stop 
 sequence (an end-of-turn marker spelled as several tokens) and returns it (`include_stop`);
 the sample's tokens are those before it, and it is the sample's `ends` entry.
 
-On a mesh the engine runs sharded as `generate` does (`Engine(mesh=...)`). `static_reason` says
-when the static generator runs instead: a pipeline stage or sequence axis on the mesh, int4 /
-int2 caches (no KIVI pages), an encoder-decoder model or a soft prompt.
+On a mesh the engine runs sharded as `generate` does (`Engine(mesh=...)`); every cache dtype,
+int4 / int2 (KIVI) pages too. `static_reason` says when the static generator runs instead: a
+pipeline stage or sequence axis on the mesh, an encoder-decoder model or a soft prompt.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,8 +40,6 @@ def static_reason(model, gen: GenerateConfig, mesh) -> str | None:
     split = {a: mesh.shape.get(a, 1) for a in ("stage", "sequence")} if mesh is not None else {}
     if any(d > 1 for d in split.values()):
         return "the engine splits slots, heads and experts over a mesh, not stages or sequence"
-    if gen.kv_cache_dtype in kv_cache.KIVI_KINDS:
-        return f"kv_cache_dtype={gen.kv_cache_dtype}: the engine has no int4 / int2 (KIVI) pages"
     if model.cfg.kind != "decoder":
         return f"model.kind={model.cfg.kind}: the engine serves decoder-only models"
     if getattr(model, "soft_prompt", None) is not None:
@@ -53,12 +52,15 @@ def request_seed(seed: int, k: int) -> int:
     return int(np.random.SeedSequence([seed, k]).generate_state(1)[0] % 2**31)
 
 
-def group_runs(prompts: Sequence[Sequence[int]]) -> list[tuple[int, list[int], int]]:
-    """(first row, prompt, how many rows) of each run of equal consecutive prompts."""
+def group_runs(
+    prompts: Sequence[Sequence[int]], group: int | None = None
+) -> list[tuple[int, list[int], int]]:
+    """(first row, prompt, how many rows) of each run of equal consecutive prompts; with
+    `group`, a run also ends at every multiple of `group` rows."""
     runs: list[tuple[int, list[int], int]] = []
     for i, p in enumerate(prompts):
         p = [int(t) for t in p]
-        if runs and runs[-1][1] == p:
+        if runs and runs[-1][1] == p and not (group and i % group == 0):
             runs[-1] = (runs[-1][0], p, runs[-1][2] + 1)
         else:
             runs.append((i, p, 1))
@@ -69,9 +71,12 @@ def make_engine(
     model, gen: GenerateConfig, *, slots: int, max_len: int, mesh=None, mesh_config=None
 ) -> Engine:
     """An engine of `slots` slots (at most MAX_SLOTS) whose pool holds that many sequences
-    of `max_len` tokens at once (no preemption), pages of `gen.kv_page_size` tokens or 16, on
-    `mesh` (None: one device) with the run's `mesh_config`."""
+    of `max_len` tokens at once (no preemption), pages of `gen.kv_page_size` tokens or 16 (int4
+    / int2: a multiple of `gen.kv_group`), on `mesh` (None: one device) with the run's
+    `mesh_config`."""
     page_size = gen.kv_page_size or 16
+    if gen.kv_cache_dtype in kv_cache.KIVI_KINDS:
+        page_size = math.lcm(page_size, gen.kv_group)
     slots = max(1, min(slots, MAX_SLOTS))
     chunk = 1 << (max(max_len, 1) - 1).bit_length()  # a whole prompt in one prefill step
     return Engine(
@@ -81,6 +86,7 @@ def make_engine(
         num_pages=slots * -(-max_len // page_size) + 1,  # + the scratch page
         chunk_size=min(chunk, 512),
         kv_cache_dtype=gen.kv_cache_dtype,
+        kv_group=gen.kv_group,
         decode_impl=gen.decode_impl,
         mesh=mesh,
         mesh_config=mesh_config,
@@ -99,13 +105,16 @@ def generate(
     slots: int | None = None,
     max_len: int | None = None,
     seeds: Sequence[int] | None = None,
+    group: int | None = None,
 ) -> Generation:
     """`jaxllm.infer.generate.generate`'s continuation of `prompts`, on the engine where
     `static_reason` allows (else on the static generator itself); `mesh_config`: the run's
     `mesh` section, for the engine's settings on `mesh`. `slots` and `max_len` size
     the engine (defaults: one slot per prompt, the longest prompt + max_new_tokens); give the
     same values on every call of a loop and its device programs compile once. `seeds`: one
-    per prompt, in place of `gen.seed` (a run of equal prompts samples with its first one's)."""
+    per prompt, in place of `gen.seed` (a run of equal prompts samples with its first one's);
+    `group`: runs never cross a multiple of it (a GRPO group samples the same whatever rows
+    surround it, even beside a group of the same prompt)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
     stops = sorted({*(int(t) for t in stop_tokens), *gen.stop_tokens})
@@ -134,7 +143,7 @@ def generate(
     )
     seqs = sorted({tuple(int(t) for t in q) for q in stop_sequences if len(q)})
     ids = []
-    for k, (first, prompt, n) in enumerate(group_runs(prompts)):
+    for k, (first, prompt, n) in enumerate(group_runs(prompts, group)):
         seed = request_seed(gen.seed, k) if seeds is None else int(seeds[first]) % 2**31
         params = SamplingParams(
             max_tokens=gen.max_new_tokens,

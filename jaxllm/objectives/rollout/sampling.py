@@ -9,7 +9,7 @@ and it
 2. generates G completions of each on the inference engine (`jaxllm.infer.engine.batch`: one
    request with n = G per prompt, so the group shares the prompt's KV pages and prefill), or
    with the jitted prefill / decode generator (`jaxllm.infer.generate`) where the engine cannot
-   run it (an int4 / int2 cache, a pipeline stage or sequence axis), on the run's mesh, from
+   run it (a mesh with a pipeline stage or sequence axis), on the run's mesh, from
    the state's own parameter arrays (no copy: rollout and update share them), sampling at
    `train.rollout_temperature` with the `generate` section's top_k / top_p and KV cache
    (`generate.kv_cache_dtype`: int8 / int4 / int2 quantized caches too), up to
@@ -129,7 +129,7 @@ def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, see
         decode_impl=g.decode_impl,
     )
     # on the engine (`jaxllm.infer.engine.batch`: a group's G copies of a prompt share its
-    # pages) unless it cannot run this (an int4 / int2 cache, a stage or sequence axis); a
+    # pages) unless it cannot run this (a mesh with a stage or sequence axis); a
     # pool and slot count fixed by the run, so every rollout runs the same compiled programs
     out = engine_batch.generate(
         model,
@@ -142,6 +142,7 @@ def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, see
         slots=cfg.train.global_batch_size,
         max_len=min(cfg.data.seq_len, cfg.model.max_seq_len),
         seeds=seeds,
+        group=cfg.train.num_generations,
     )
     return out, sequences(prompts, out.tokens, out.ends)
 
