@@ -23,7 +23,7 @@ def _script():
     return module
 
 
-@pytest.mark.slow  # ~3 min on a loaded 2-core CPU: a server, compiles, three runs
+@pytest.mark.slow  # 25 s to 3 min on the shared 2-core CPU: a server, compiles, three runs
 @pytest.mark.torch
 def test_serve_static_and_hf_on_the_same_requests(small_run, tmp_path, capsys):
     out = tmp_path / "bench.json"
