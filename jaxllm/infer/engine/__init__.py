@@ -1,6 +1,6 @@
 """An inference engine: continuous batching over a pool of KV pages.
 
-A library API, the core that `jaxllm serve`, evaluation and rollouts are meant to sit on:
+A library API, the core that `jaxllm serve`, chat evaluation and rollouts sit on:
 
     engine = Engine(model, max_num_seqs=8, page_size=16, num_pages=256)
     rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=64, temperature=0.7))
@@ -36,6 +36,10 @@ What exists:
 - a mesh: `Engine(model, mesh=mesh, mesh_config=cfg.mesh)` lays parameters out by their
   logical axes (tensor, fsdp, expert), the pages' kv heads over `tensor` and the slots over the
   data axes, as `generate` runs on a mesh.
+- whole batches the static generator's way (`batch.generate`: its arguments, its
+  `Generation`): GRPO / PPO rollouts, on-policy distillation's samples, `jaxllm generate
+  --chat / --chat-file` and `jaxllm eval --chat-exact-match` run on the engine, a GRPO group as
+  one request with n = G sharing its prompt's pages.
 
 Not yet: pages split over the data axes of a mesh (each data replica holds the whole pool),
 pipeline stages or a split sequence.
