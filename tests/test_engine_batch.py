@@ -17,6 +17,7 @@ from jaxllm.infer.engine.pages import PagePool
 from jaxllm.infer.generate import generate
 from jaxllm.model.transformer import build
 from jaxllm.objectives.rollout.sampling import sample
+from jaxllm.train.loop import train
 
 RNG = np.random.default_rng(1)
 PROMPTS = [RNG.integers(1, 64, size=n).tolist() for n in (3, 9, 12, 5)]
@@ -143,3 +144,25 @@ def test_int4_pages_and_where_the_static_generator_runs(model):
     assert batch.generate(model, GROUPS, four).tokens == want
     split = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sequence",))
     assert "sequence" in batch.static_reason(model, four, split)  # the engine refuses it
+
+
+@pytest.mark.slow
+def test_lora_on_a_tensor_mesh_samples_on_the_engine_and_qlora_on_the_static_generator(
+    tmp_path, monkeypatch
+):
+    """A training state's LoRA factors need not split evenly (they stay where training put
+    them); a QLoRA run's NF4 base is not laid out by logical axes: its rollouts fall back."""
+    from test_grpo import RUN as GRPO
+    from test_grpo import _prompts
+
+    static = []
+    real = batch.static_generate
+    monkeypatch.setattr(batch, "static_generate", lambda *a, **k: static.append(1) or real(*a, **k))
+    mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=2", "train.beta=0.1"]
+    for method, targets in [("lora", "q_proj, v_proj"), ("qlora", "o_proj")]:
+        static.clear()
+        run = [*GRPO, *mesh, f"data.sources={_prompts(tmp_path)}", f"peft.method={method}"]
+        train(
+            config.load(None, [*run, f"peft.targets=[{targets}]", f"run.dir={tmp_path / method}"])
+        )
+        assert bool(static) == (method == "qlora"), method

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxllm.config import GenerateConfig
+from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.infer import kv_cache
 from jaxllm.infer.engine import Engine, SamplingParams
 from jaxllm.infer.generate import Generation, _first_stop, _stop_at
@@ -132,15 +132,22 @@ def generate(
             f"model's max_seq_len ({model.cfg.max_seq_len})"
         )
     max_len = max(max_len or 0, longest + gen.max_new_tokens)
-    engine = make_engine(
-        model,
-        gen,
-        slots=slots or len(prompts),
-        max_len=max_len,
-        # a one-device mesh is one device: no sharded pool to build (a compile per engine)
-        mesh=None if mesh is None or mesh.size == 1 else mesh,
-        mesh_config=mesh_config,
-    )
+    sharded = mesh is not None and mesh.size > 1  # a one-device mesh is one device
+    try:
+        engine = make_engine(
+            model,
+            gen,
+            slots=slots or len(prompts),
+            max_len=max_len,
+            mesh=mesh if sharded else None,  # (a sharded pool compiles a program per engine)
+            mesh_config=mesh_config,
+        )
+    except (ConfigError, ValueError):
+        if not sharded:
+            raise
+        # the engine lays the parameters out by their logical axes, which some trained layouts
+        # do not follow (a QLoRA run's NF4 base): the static generator reads them as they lie
+        return static_generate(model, prompts, gen, mesh=mesh, **kw)
     seqs = sorted({tuple(int(t) for t in q) for q in stop_sequences if len(q)})
     ids = []
     for k, (first, prompt, n) in enumerate(group_runs(prompts, group)):

@@ -47,11 +47,18 @@ def place_params(state, parallel: sharding.Parallel):
     if parallel.mesh is None:
         return state
     axes, arrays = logical_axes(state), nnx.to_pure_dict(state)
-    sharding.check_divisible(parallel.mesh, arrays, axes)
+
+    def on_mesh(x):
+        placed = isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+        return placed and x.sharding.mesh == parallel.mesh
+
+    # only the arrays still to place must split evenly (a training state's LoRA factors may not)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    pending = jax.tree.map(lambda x: scalar if on_mesh(x) else x, arrays)
+    sharding.check_divisible(parallel.mesh, pending, axes)
 
     def put(target, x):
-        on_mesh = isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
-        return x if on_mesh and x.sharding.mesh == target.mesh else jax.device_put(x, target)
+        return x if on_mesh(x) else jax.device_put(x, target)
 
     placed = jax.tree.map(put, sharding.tree_shardings(parallel.mesh, axes), arrays)
     nnx.replace_by_pure_dict(state, placed)
