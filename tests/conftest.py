@@ -3,34 +3,12 @@
 import atexit
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
-# XLA's CPU fusion emitters (MLIR) take about half of a small program's compile; the classic
-# elemental emitter compiles the same fusions in under half the time (a 2-step SMALL_RUN run
-# in-process: 10.3 s of CPU against 6.0 s, imports included). jaxlib 0.12 (the newest line) has
-# no such flag, and an unknown flag in XLA_FLAGS aborts the process: it is asked once per test
-# run, in a child process, and the answer kept in the environment for the workers.
-CLASSIC_EMITTER = "--xla_cpu_use_fusion_emitters=false"
-
-
-def _test_xla_flags() -> str:
-    """The tests compile far more than they compute: LLVM's optimisations (level 0) take about
-    half of XLA's CPU compile time and buy little on tiny models; the classic emitter where
-    this jaxlib has it. HLO optimisation, and so every program's ops, fusions and memory plan,
-    is unchanged."""
-    if "JAXLLM_TEST_XLA_FLAGS" not in os.environ:
-        probe = "from jaxlib import xla_client; xla_client.make_cpu_client()"
-        env = {**os.environ, "XLA_FLAGS": CLASSIC_EMITTER, "JAX_PLATFORMS": "cpu"}
-        known = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True)
-        flags = "--xla_backend_optimization_level=0"
-        flags += f" {CLASSIC_EMITTER}" if known.returncode == 0 else ""
-        os.environ["JAXLLM_TEST_XLA_FLAGS"] = flags
-    return os.environ["JAXLLM_TEST_XLA_FLAGS"]
-
-
-TEST_XLA_FLAGS = _test_xla_flags()
+# The tests compile far more than they compute: LLVM's optimisations (level 0) take about half
+# of XLA's CPU compile time and buy little on tiny models. HLO optimisation, and so every
+# program's ops, fusions and memory plan, is unchanged.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def _xla_flags(devices: int, optimize: bool = False) -> str:
