@@ -195,3 +195,14 @@ def test_one_sample_aborts_alone_and_new_logprobs_follow_new_tokens(model):
     assert [t for i, t, _, _ in seen if i == 0] == out.tokens
     assert [lp for i, _, lp, _ in seen if i == 0] == out.logprobs
     assert [top for i, _, _, top in seen if i == 0] == out.top_logprobs
+
+
+def test_a_vocabulary_smaller_than_the_top_logprobs_width_samples():
+    """Top log-probabilities are as many as the vocabulary holds when it has fewer than
+    MAX_TOP_LOGPROBS tokens; greedy tokens are the most likely of them."""
+    small = build(tiny_model(vocab_size=12, num_layers=1, max_seq_len=32), seed=0)
+    params = SamplingParams(max_tokens=3, top_logprobs=MAX_TOP_LOGPROBS)
+    (out,) = _engine(small, num_pages=12).generate([[1, 2, 3]], params)[0]
+    assert len(out.tokens) == 3
+    for token, top in zip(out.tokens, out.top_logprobs):
+        assert len(top) == 12 and top[0][0] == token

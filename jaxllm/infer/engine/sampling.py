@@ -131,14 +131,15 @@ def _penalize(logits_SxV, r: Rows):
 
 
 def sample_rows(logits_SxV, r: Rows):
-    """(token [S], its log-probability under the model [S], the top MAX_TOP_LOGPROBS tokens
-    [S, 20] and their log-probabilities [S, 20]): per-row penalties, temperature (0 greedy),
+    """(token [S], its log-probability under the model [S], the top K = min(MAX_TOP_LOGPROBS,
+    V) tokens [S, K] and their log-probabilities [S, K]): per-row penalties, temperature (0 greedy),
     top-k (0 off), top-p, min-p (keep tokens with probability >= min_p x the largest), drawn
     with the key fold_in(key(seed), count), so a token's draw depends on its request's seed and
     index only (a recomputed or rescheduled sequence draws the same)."""
     logits_SxV = logits_SxV.astype(jnp.float32)
     logp_SxV = jax.nn.log_softmax(logits_SxV, axis=-1)
-    top_logp_SxK, top_ids_SxK = jax.lax.top_k(logp_SxV, MAX_TOP_LOGPROBS)
+    k = min(MAX_TOP_LOGPROBS, logp_SxV.shape[-1])  # a vocabulary may be smaller
+    top_logp_SxK, top_ids_SxK = jax.lax.top_k(logp_SxV, k)
     any_penalty = jnp.any((r.rep_S != 1) | (r.presence_S != 0) | (r.frequency_S != 0))
     logits_SxV = jax.lax.cond(any_penalty, _penalize, lambda x, _: x, logits_SxV, r)
     greedy_S = jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32)
