@@ -82,7 +82,9 @@ def test_compiles_are_bounded_by_the_query_buckets(model):
     before = runner.TRACES[0]
     prompts = [RNG.integers(1, 64, size=n).tolist() for n in RNG.integers(1, 30, size=30)]
     engine.generate(prompts, SamplingParams(max_tokens=3))
-    assert runner.TRACES[0] - before <= 4  # Q in 1, 2, 4, 8
+    traces = runner.TRACES[0] - before  # one per (Q, table width) bucket pair met
+    assert engine.query_buckets == (1, 2, 4, 8) and engine.page_buckets == (1, 2, 4, 8)
+    assert traces <= len(engine.query_buckets) * len(engine.page_buckets) and traces <= 8
     assert engine.pool.num_used == 0
 
 

@@ -88,7 +88,8 @@ def test_engine_on_a_mesh_equals_one_device_and_generate(dense, want, one_device
     assert tokens == want
     for a, b in zip(logprobs, one_device[1]):
         np.testing.assert_allclose(a, b, atol=1e-4)
-    assert runner.TRACES[0] - traces <= 3  # one compile per bucket (1, 2, 4), as on one device
+    traces = runner.TRACES[0] - traces  # one compile per (Q, table width) pair, as on one device
+    assert traces <= len(engine.query_buckets) * len(engine.page_buckets) and traces <= 6
     assert engine.num_preemptions > 0 and engine.num_free_pages == free
 
 

@@ -13,7 +13,9 @@ Three pieces, as vLLM's v1 splits them (scheduler, block manager, model runner):
 the existing model over the paged cache, and per-row sampling) and `core` (requests and the
 host scheduler). The host schedules in Python; the device runs fixed-shape programs: the slot
 count and page pool are fixed, and each step feeds Q tokens per slot with Q a power of two up
-to `chunk_size`, so there is one compile per bucket, never one per request shape.
+to `chunk_size` and attends over a block table as wide as the longest scheduled sequence needs
+(a power of two of pages, at most max_seq_len's), so a step costs what the live lengths need
+and there is one compile per (Q, width) bucket pair, never one per request shape.
 
 What exists:
 - continuous batching: requests join at any step and leave when done (max_tokens or a stop

@@ -89,7 +89,8 @@ class Engine:
 
     `max_num_seqs` slots run at a time; `num_pages` pages of `page_size` tokens (page 0 is
     scratch) hold every sequence's cache; a prompt is prefilled `chunk_size` tokens (a power
-    of two) per step. Device programs compile once per query bucket (1, 2, 4 .. chunk_size).
+    of two) per step. Device programs compile once per query bucket (1, 2, 4 .. chunk_size)
+    and block-table width (1, 2, 4 .. pages, up to max_seq_len's pages: `table_width`).
     `swap`: how a preempted sequence comes back, "recompute" (its tokens prefilled again) or
     "host" (its pages copied to host memory and back, `swap.py`). `kv_group`: the int4 / int2
     quantization group, a divisor of `page_size` (`kivi.py`).
@@ -151,7 +152,10 @@ class Engine:
         self._graphdef, self._state = nnx.split(model)
         self._state = runner.place_params(self._state, self._parallel)
         self._impl, self._interpret = resolve_decode_impl(decode_impl, cfg)
-        self.pages_per_slot = -(-cfg.max_seq_len // page_size)
+        self.pages_per_slot = pps = -(-cfg.max_seq_len // page_size)
+        # compiled shapes: Q (tokens per slot) and J (block-table pages) each from a few buckets
+        self.query_buckets = tuple(1 << i for i in range(chunk_size.bit_length()))
+        self.page_buckets = tuple(1 << i for i in range((pps - 1).bit_length())) + (pps,)
         self.pool = PagePool(num_pages)
         self._kv = runner.empty_cache(
             cfg,
@@ -368,6 +372,15 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------
 
+    def table_width(self, batch: list[tuple[_Seq, int]], q: int) -> int:
+        """Block-table pages the step attends over: enough for every slot's start + Q tokens
+        (its real ones and its padding), rounded up to a power of two, at most
+        `pages_per_slot`. Attention then costs what the live lengths need, not what
+        max_seq_len allows, and each (Q, width) bucket compiles once."""
+        ps = self.page_size
+        pages = max(max(-(-(seq.computed + q) // ps), len(seq.pages)) for seq, _ in batch)
+        return min(1 << (pages - 1).bit_length(), self.pages_per_slot)
+
     def step(self) -> StepResult:
         """One engine iteration: schedule, one device step, bookkeeping."""
         batch = self._schedule()
@@ -377,7 +390,7 @@ class Engine:
         q = 1 << (max(take for _, take in batch) - 1).bit_length()
         tokens_SxQ = np.zeros((s, q), np.int32)
         start_S, last_S = np.zeros(s, np.int32), np.zeros(s, np.int32)
-        table_SxJ = np.zeros((s, self.pages_per_slot), np.int32)
+        table_SxJ = np.zeros((s, self.table_width(batch, q)), np.int32)
         for seq, take in batch:
             r = seq.slot
             tokens_SxQ[r, :take] = seq.tokens[seq.computed : seq.computed + take]

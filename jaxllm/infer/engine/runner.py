@@ -150,7 +150,8 @@ def step(
     parallel: sharding.Parallel = sharding.Parallel(),
 ):
     """Writes each slot's Q tokens at start .. start + Q - 1, and samples the token after its
-    real token `last` (an index into Q). `sampling`: the slots'
+    real token `last` (an index into Q); `table_SxJ`: the slots' pages, J wide (enough for every
+    slot's start + Q tokens, or the pool's full width), in place of `kv`'s. `sampling`: the slots'
     `sampling.Rows`. Returns (what `sample_rows` returns: tokens [S], their log-probabilities
     [S], the top 20 token ids [S, 20] and their log-probabilities [S, 20]; the cache).
     `parallel`: the mesh and its settings the step runs under (none: one device)."""
@@ -165,6 +166,9 @@ def _step(graphdef, state, kv, tokens_SxQ, start_S, last_S, table_SxJ, sampling,
     model = nnx.merge(graphdef, state)
     s, q = tokens_SxQ.shape
     positions_SxQ = start_S[:, None] + jnp.arange(q, dtype=jnp.int32)[None]
+    # the pool's own table is a fixed placeholder, returned as it came: the donated cache keeps
+    # one shape while J (the live table's width, a page bucket) changes between calls
+    placeholder = kv.block_table
     kv = dataclasses.replace(kv, block_table=table_SxJ)
     view = kv_cache.CacheView(
         kv, start_S + q, jnp.int32(0), prefill=False, impl=impl, interpret=interpret
@@ -173,4 +177,4 @@ def _step(graphdef, state, kv, tokens_SxQ, start_S, last_S, table_SxJ, sampling,
         tokens_SxQ, positions_BxL=positions_SxQ, cache=view, logits_at_BxQ=last_S[:, None]
     )
     picked = sample_rows(logits_Sx1xV[:, 0], sampling)
-    return picked, _constrain_cache(view.kv)
+    return picked, _constrain_cache(dataclasses.replace(view.kv, block_table=placeholder))
