@@ -3,6 +3,8 @@
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # The tests compile far more than they compute: LLVM's optimisations (level 0) take about half
@@ -68,16 +70,35 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item.get_closest_marker("torch") is None]
 
 
-def cpu_env(devices: int = 1, *, optimize: bool = False, **extra) -> dict:
+# The `jaxllm` processes the tests start (not this one) compile with XLA's classic CPU emitter:
+# the MLIR fusion emitters take about half of a small program's compile (a 2-step SMALL_RUN
+# train: 10.3 s of CPU against 6.0 s, imports included). Not in this process: its last bits
+# (tanh) move the shared 300-step quantization run, and test_qat's QAT-below-RTN comparison sits
+# within them. jaxlib 0.12 (the newest line) has no such flag and an unknown XLA flag aborts, so
+# a child process asks once; the answer is kept in the environment for the workers.
+CLASSIC_EMITTER = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _classic_emitter() -> str:
+    if "JAXLLM_TEST_CLASSIC_EMITTER" not in os.environ:
+        probe = "from jaxlib import xla_client; xla_client.make_cpu_client()"
+        env = {**os.environ, "XLA_FLAGS": CLASSIC_EMITTER, "JAX_PLATFORMS": "cpu"}
+        known = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True)
+        os.environ["JAXLLM_TEST_CLASSIC_EMITTER"] = CLASSIC_EMITTER if known.returncode == 0 else ""
+    return os.environ["JAXLLM_TEST_CLASSIC_EMITTER"]
+
+
+def cpu_env(
+    devices: int = 1, *, optimize: bool = False, as_this_process: bool = False, **extra
+) -> dict:
     """The environment of a `jaxllm` process a test starts: the CPU with `devices` simulated
-    devices and the tests' XLA flags (`optimize`: XLA's defaults, for runs that compute more
-    than they compile), plus `extra`."""
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": _xla_flags(devices, optimize),
-        **extra,
-    }
+    devices and the tests' XLA flags with the classic emitter (`optimize`: XLA's defaults, for
+    runs that compute more than they compile; `as_this_process`: this process's flags, for runs
+    compared bit for bit with its own), plus `extra`."""
+    flags = _xla_flags(devices, optimize)
+    if not (optimize or as_this_process):
+        flags = f"{flags} {_classic_emitter()}".strip()
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, **extra}
 
 
 def abstract_state(*overrides: str):

@@ -36,9 +36,9 @@ ARGS = [
 
 
 def _env(s3, cache: Path) -> dict:
-    """A subprocess on the 8 simulated devices of this process's in-process runs (one mesh and
-    one compilation cache for both)."""
-    return cpu_env(8, **s3.env, JAXLLM_CACHE=str(cache))
+    """A subprocess on the 8 simulated devices of this process's in-process runs (one mesh, one
+    compilation cache and the same XLA flags: its runs are compared bit for bit with them)."""
+    return cpu_env(8, as_this_process=True, **s3.env, JAXLLM_CACHE=str(cache))
 
 
 def _start(args, env):
