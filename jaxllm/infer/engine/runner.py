@@ -96,25 +96,35 @@ def empty_cache(
     """The engine's page pool on the device (all layers), with an all-scratch block table; on
     a mesh made in its shards (kv heads over `tensor`, block table rows over the data axes)."""
     g, k, value_dim = kv_cache.cache_dims(cfg)
-
-    def init():
-        return kv_cache.init_cache(
-            num_layers=cfg.num_layers,
-            batch=slots,
-            num_kv_heads=g,
-            head_dim=k,
-            max_len=page_size,
-            kind=kind,
-            group=group,
-            compute_dtype=jnp.dtype(cfg.dtype),
-            block_table=jnp.zeros((slots, pages_per_slot), jnp.int32),
-            num_pages=num_pages,
-            value_dim=value_dim,
-        )
-
+    dims = dict(
+        num_layers=cfg.num_layers,
+        slots=slots,
+        num_kv_heads=g,
+        head_dim=k,
+        page_size=page_size,
+        kind=kind,
+        group=group,
+        compute_dtype=jnp.dtype(cfg.dtype),
+        pages_per_slot=pages_per_slot,
+        num_pages=num_pages,
+        value_dim=value_dim,
+    )
     if parallel.mesh is None:
-        return init()
-    return jax.jit(init, out_shardings=_cache_shardings(jax.eval_shape(init), parallel.mesh))()
+        return _init_pool(**dims)
+    return _sharded_pool_init(parallel.mesh, **dims)()
+
+
+def _init_pool(*, slots, page_size, pages_per_slot, **dims):
+    block_table = jnp.zeros((slots, pages_per_slot), jnp.int32)
+    return kv_cache.init_cache(batch=slots, max_len=page_size, block_table=block_table, **dims)
+
+
+@functools.lru_cache(maxsize=8)
+def _sharded_pool_init(mesh, **dims):
+    """The jitted pool maker of one mesh and pool shape, kept: an engine built again for the
+    next rollout reuses its compiled program instead of compiling another."""
+    init = functools.partial(_init_pool, **dims)
+    return jax.jit(init, out_shardings=_cache_shardings(jax.eval_shape(init), mesh))
 
 
 def put_rows(parallel: sharding.Parallel, *arrays):
