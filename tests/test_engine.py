@@ -11,6 +11,7 @@ from conftest import tiny_model
 from jaxllm.config import GenerateConfig
 from jaxllm.infer import generate
 from jaxllm.infer.engine import Engine, SamplingParams, runner
+from jaxllm.infer.engine.precompile import compile_buckets
 from jaxllm.model.transformer import build
 
 RNG = np.random.default_rng(0)
@@ -86,6 +87,15 @@ def test_compiles_are_bounded_by_the_query_buckets(model):
     assert engine.query_buckets == (1, 2, 4, 8) and engine.page_buckets == (1, 2, 4, 8)
     assert traces <= len(engine.query_buckets) * len(engine.page_buckets) and traces <= 8
     assert engine.pool.num_used == 0
+
+
+def test_precompiled_buckets_serve_without_compiling_and_equal_generate_alone(model, alone):
+    engine = _engine(model, max_num_seqs=3, chunk_size=2)  # shapes no other test here compiles
+    assert compile_buckets(engine) == 8  # Q in 1, 2 x table width in 1, 2, 4, 8 pages
+    before = runner.TRACES[0]
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=5))
+    assert runner.TRACES[0] == before and engine.pool.num_used == 0
+    assert [o[0].tokens for o in outs] == [alone(p, 5) for p in PROMPTS]
 
 
 def test_chunked_prefill_interleaves_with_decoding(model, alone):

@@ -1,0 +1,47 @@
+"""Compiling the engine's step for every bucket pair before serving.
+
+A step's shapes are (Q, J): Q tokens per slot (a power of two up to `chunk_size`) and a block
+table J pages wide (a power of two up to max_seq_len's pages), so a server meets up to
+|Q buckets| x |J buckets| programs, each compiled when first met. Met mid-traffic, each
+compile stalls every running request (1-2 s for runs/default on a 2-core CPU); vLLM captures
+its CUDA graphs at start-up for the same reason. `compile_buckets` runs each pair once on
+all-padding slots before any request: every table entry is 0, so the writes land in the
+scratch page, and the KIVI residuals it touches are written afresh by each sequence before
+they are read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from jaxllm.infer.engine import runner
+
+
+def compile_buckets(engine) -> int:
+    """Runs `engine`'s step once per (Q, J) pair that can occur (J pages hold at least Q
+    tokens); returns how many programs that compiled. Only on an idle engine."""
+    if engine.has_unfinished():
+        raise ValueError("compile_buckets runs before any request, on an idle engine")
+    s, ps, parallel = len(engine._slots), engine.page_size, engine._parallel
+    before = runner.TRACES[0]
+    put = functools.partial(runner.put_rows, parallel)
+    for q in engine.query_buckets:
+        for j in engine.page_buckets:
+            if j * ps < q and j < engine.pages_per_slot:
+                continue
+            zeros_S = np.zeros(s, np.int32)
+            rows = put(np.zeros((s, q), np.int32), zeros_S, zeros_S, np.zeros((s, j), np.int32))
+            picked, engine._kv = runner.step(
+                engine._graphdef,
+                engine._state,
+                engine._kv,
+                *rows,
+                engine._rows.build([], put),
+                impl=engine._impl,
+                interpret=engine._interpret,
+                parallel=parallel,
+            )
+    np.asarray(picked[0])  # wait for the last program
+    return runner.TRACES[0] - before
