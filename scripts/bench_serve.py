@@ -9,8 +9,8 @@ Requests come from a seeded RNG: a shared system prompt of K random tokens (0: n
 user prompt of U[a, b] random tokens; each asks for U[lo, hi] new tokens, made exact with
 `ignore_eos` (greedy). The prompts go as token ids, so no tokenizer sits between the runs.
 
-- serve: `jaxllm serve RUN_DIR` in a subprocess on 127.0.0.1 (or `--url` of a running one),
-  warmed up (one request per prefill bucket, on tokens of its own), then N clients,
+- serve: `jaxllm serve RUN_DIR --precompile` in a subprocess on 127.0.0.1 (or `--url` of a
+  running one), warmed up (one request per prefill bucket, own tokens), then N clients,
   each sending its next request as soon as its last one ends (a closed loop), all streaming
   /v1/completions. Requests/s and output tokens/s over the wall time from the first send to the
   last end; time to first token (send to the first streamed text) and inter-token latency (the
@@ -128,9 +128,9 @@ def _free_port() -> int:
 def start_server(ns, log) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "jaxllm", "serve", str(ns.run_dir), "--port", str(port)]
-    cmd += ["--max-num-seqs", str(ns.clients), "--page-size", str(ns.page_size)]
+    cmd += ["--max-num-seqs", str(ns.clients), "--page-size", str(ns.page_size), "--precompile"]
     cmd += ["--chunk-size", str(ns.chunk_size), "--kv-cache-dtype", ns.kv_cache_dtype]
-    # vLLM's --max-model-len: the engine's page tables span max_seq_len whatever the lengths
+    # vLLM's --max-model-len: serve with a shorter model.max_seq_len (fewer step buckets)
     cmd += [f"model.max_seq_len={ns.max_model_len}"] if ns.max_model_len else []
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url, t0 = f"http://127.0.0.1:{port}", time.time()

@@ -1,6 +1,6 @@
 """`jaxllm serve RUN_DIR|HF_DIR [--host H] [--port P] [--kv-cache-dtype D] [--max-num-seqs N]
-[--page-size N] [--kv-group N] [--swap host|recompute] [--api-key KEY] [key=value ...]`: load a model, start
-the engine's thread and uvicorn. `engine.KEY=VALUE` overrides set the engine's flags
+[--page-size N] [--kv-group N] [--swap host|recompute] [--api-key KEY] [--precompile]
+[key=value ...]`: load a model, start the engine's thread and uvicorn. `engine.KEY=VALUE` overrides set the engine's flags
 (`engine.swap=host` is `--swap host`); the other overrides are the model's.
 
 The engine runs on the run's mesh (its `mesh` section; `mesh.tensor=2`-style overrides change it,
@@ -50,6 +50,12 @@ def add_serve_parser(sub) -> None:
     )
     s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
     s.add_argument("--served-model-name", help="the model id clients name (default: the dir's)")
+    s.add_argument(
+        "--precompile",
+        action="store_true",
+        help="compile the engine's step for every (tokens per slot, table width) bucket before "
+        "listening, so no request waits on a compile",
+    )
     s.set_defaults(func=cmd_serve)
 
 
@@ -98,8 +104,9 @@ def load(path, overrides=()):
     return r.model, r.tok, r.stops, r.bos
 
 
-def build(model, tok, stops, bos, name: str, *, api_key=None, **engine_kw):
-    """(FastAPI app, worker) serving `model`; the worker is started by the app's lifespan."""
+def build(model, tok, stops, bos, name: str, *, api_key=None, precompile=False, **engine_kw):
+    """(FastAPI app, worker) serving `model`; the worker is started by the app's lifespan.
+    `precompile`: compile every step bucket first (`engine.precompile`)."""
     import contextlib
 
     from jaxllm.infer.chat import end_of_turn
@@ -114,6 +121,10 @@ def build(model, tok, stops, bos, name: str, *, api_key=None, **engine_kw):
         engine = Engine(model, **engine_kw)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if precompile:
+        from jaxllm.infer.engine.precompile import compile_buckets
+
+        compile_buckets(engine)
     worker = EngineWorker(engine)
     app = make_app(Served(worker, tok, name, stops, end_of_turn(tok, sorted(stops)), bos), api_key)
 
@@ -181,6 +192,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         r.bos,
         ns.served_model_name or Path(path).resolve().name,
         api_key=ns.api_key,
+        precompile=ns.precompile,
         mesh=r.mesh,
         mesh_config=r.mesh_config,
         max_num_seqs=ns.max_num_seqs,
