@@ -98,6 +98,15 @@ def test_precompiled_buckets_serve_without_compiling_and_equal_generate_alone(mo
     assert [o[0].tokens for o in outs] == [alone(p, 5) for p in PROMPTS]
 
 
+def test_int8_pages_decode_each_request_as_alone(model):
+    # narrow block tables alone, wider ones beside the 33-token prompt: the same tokens
+    params = SamplingParams(max_tokens=8)
+    batch = _engine(model, kv_cache_dtype="int8").generate(PROMPTS, params)
+    engine = _engine(model, kv_cache_dtype="int8")
+    for i in (0, 3, 8):
+        assert engine.generate([PROMPTS[i]], params)[0][0].tokens == batch[i][0].tokens
+
+
 def test_chunked_prefill_interleaves_with_decoding(model, alone):
     engine = _engine(model, chunk_size=4)
     short = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=12))
