@@ -20,9 +20,9 @@ def _xla_flags(devices: int, optimize: bool = False) -> str:
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_xla_flags(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One XLA compilation cache for the whole run, shared by the pytest workers and the `jaxllm`
-# processes that tests start (they inherit the environment): the many small runs of the same
-# tiny configs compile their steps once. Compiles under half a second are not worth an entry.
+# One XLA compilation cache for the whole run, shared by the `jaxllm` processes that tests start
+# (they inherit the environment; the pytest processes keep none, below): the many small runs of
+# the same tiny configs compile their steps once. Compiles under half a second are not worth an entry.
 # The process that made the directory removes it at exit.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxllm-test-xla-cache-")
@@ -39,6 +39,11 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# The pytest processes themselves keep no persistent cache (the `jaxllm` processes they start
+# still share it): twice in one suite a worker died of a segmentation fault inside jaxlib's
+# (de)serialization of an in-process train step's executable (`executable.serialize()` on a
+# write, `deserialize_executable` on a read), killing every test left on that worker.
+jax.config.update("jax_enable_compilation_cache", False)
 
 from objectstore import s3, s3_env  # noqa: E402, F401  (the moto server fixtures)
 
