@@ -43,8 +43,9 @@ def _wait(url: str, proc=None, timeout=300) -> None:
     raise AssertionError("the server did not start")
 
 
-@pytest.fixture(scope="module")
-def server(small_run):
+def serving(small_run):
+    """(url, model, tokenizer, stops, bos, worker) of a server on small_run in a thread, until
+    the generator is closed."""
     model, tok, stops, bos = load(small_run)
     app, worker = build(
         model, tok, stops, bos, "tiny", api_key=KEY, max_num_seqs=4, page_size=8, chunk_size=16
@@ -58,6 +59,11 @@ def server(small_run):
     yield url, model, tok, stops, bos, worker
     srv.should_exit = True
     thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(small_run):
+    yield from serving(small_run)
 
 
 @pytest.fixture(scope="module")

@@ -2,33 +2,17 @@
 they begin, even across tokens and while streaming; logprobs and top logprobs (completions and
 chat, streamed too); penalties, top_k and min_p reach the engine as its own SamplingParams."""
 
-import threading
-
 import httpx
 import openai
 import pytest
-import uvicorn
-from test_serve import KEY, _free_port, _wait
+from test_serve import KEY, serving
 
 from jaxllm.infer.engine import Engine, SamplingParams
-from jaxllm.serve.cli import build, load
 
 
 @pytest.fixture(scope="module")
 def server(small_run):
-    model, tok, stops, bos = load(small_run)
-    app, worker = build(
-        model, tok, stops, bos, "tiny", api_key=KEY, max_num_seqs=4, page_size=8, chunk_size=16
-    )
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    _wait(url)
-    yield url, model, tok, stops, bos
-    srv.should_exit = True
-    thread.join(timeout=30)
+    yield from serving(small_run)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +91,7 @@ def test_logprobs_and_top_logprobs_streamed_or_not(client):
 
 
 def test_penalties_top_k_and_min_p_reach_the_engine(server, client):
-    url, model, tok, stops, bos = server
+    url, model, tok, stops, bos, _ = server
     fields = dict(presence_penalty=1.5, frequency_penalty=0.7, top_p=0.9, seed=5)
     extra = dict(repetition_penalty=1.6, top_k=8, min_p=0.05)
     r = client.completions.create(
