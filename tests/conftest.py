@@ -47,6 +47,9 @@ jax.config.update("jax_enable_compilation_cache", False)
 
 from objectstore import s3, s3_env  # noqa: E402, F401  (the moto server fixtures)
 
+# `--dist loadscope` that survives a crashed worker (pytest-xdist 3.8's own can hang the run).
+pytest_plugins = ["xdist_crash_safe"]
+
 from jaxllm.config import Config, ModelConfig  # noqa: E402
 
 # Files that import torch / transformers at the top (their reference models) and tests marked
