@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices and strict numpy semantics, before jax is imported."""
 
 import atexit
+import gc
 import os
 import shutil
 import subprocess
@@ -57,6 +58,38 @@ from jaxllm.config import Config, ModelConfig  # noqa: E402
 # build exists (the newest-jax line, `make test-newest`). Without the option a missing torch is an
 # import error, never a silent skip.
 _TORCH_IMPORT = re.compile(r"^(import torch|import transformers|from hf_models import)", re.M)
+
+
+# Every executable XLA keeps alive holds about nine memory mappings (its JIT-compiled code and
+# data), and a worker that runs half the suite compiles tens of thousands of programs: past the
+# kernel's vm.max_map_count (65,530 by default) the next compile's mmap fails and the worker dies
+# of a segmentation fault (in a compile, or in the compilation cache's serialization). After each
+# test module, a worker holding more than a third of that limit drops jax's caches.
+def _map_limit() -> int:
+    try:
+        return int(open("/proc/sys/vm/max_map_count").read()) // 3
+    except (OSError, ValueError):
+        return 0
+
+
+MAP_LIMIT = _map_limit()
+
+
+def memory_maps() -> int:
+    """How many memory mappings this process holds (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return maps.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_executables():
+    yield
+    if MAP_LIMIT and memory_maps() > MAP_LIMIT:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_addoption(parser):
