@@ -20,15 +20,19 @@ class RopeConfig:
 
     theta: float = 10000.0
     """Base frequency."""
-    scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"
+    scaling: Literal["none", "linear", "ntk", "dynamic", "yarn", "llama3"] = "none"
     """Context extension by `factor` (Hugging Face `rope_type`): `linear` (position
     interpolation: frequencies / factor), `ntk` (NTK-aware: theta * factor^(K / (K - 2))),
+    `dynamic` (dynamic NTK, transformers' `dynamic`: unscaled up to original_max_len, beyond
+    it theta * (factor * s / original_max_len - (factor - 1))^(K / (K - 2)) for the current
+    length s, recomputed every forward pass and decode step; cached keys keep the frequencies
+    they were written with),
     `yarn` (Peng et al. 2023: per-frequency ramp between interpolation and extrapolation, plus
     an attention temperature), `llama3` (Llama 3.1: low frequencies / factor, a smooth band)."""
     factor: float = 1.0
     """Context extension factor of `scaling`; must stay 1 without scaling."""
     original_max_len: int | None = None
-    """Context length the model was pretrained at (`yarn`, `llama3`); null means
+    """Context length the model was pretrained at (`yarn`, `llama3`, `dynamic`); null means
     model.max_seq_len."""
     low_freq_factor: float = 1.0
     """`llama3`: wavelengths above original_max_len / this are interpolated fully."""
@@ -342,7 +346,14 @@ class ModelConfig:
             if changed:
                 _fail(f"{changed[0]} only applies to model.position=rope, not {self.position}.")
         if r.scaling == "none" and r.factor != 1.0:
-            _fail("model.rope.factor needs model.rope.scaling (linear, ntk, yarn or llama3).")
+            _fail(
+                "model.rope.factor needs model.rope.scaling (linear, ntk, dynamic, yarn or llama3)."
+            )
+        if r.scaling == "dynamic" and (self.mla.enabled or self.kind != "decoder"):
+            _fail(
+                "model.rope.scaling=dynamic is supported for decoders with GQA attention, not "
+                f"with MLA or model.kind={self.kind}."
+            )
         if r.factor <= 0 or r.theta <= 0:
             _fail("model.rope.factor and model.rope.theta must be positive.")
         if r.local_theta is not None and r.local_theta <= 0:

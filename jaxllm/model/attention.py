@@ -32,6 +32,7 @@ from jaxllm.model.outputs import AttentionOutput
 from jaxllm.model.positions import (
     alibi_slopes,
     apply_rope,
+    dynamic_inv_freq,
     local_rope_frequencies,
     rope_frequencies,
 )
@@ -288,6 +289,10 @@ class Attention(nnx.Module):
             self.rope_interleave = cfg.rope.interleave
             local = local_rope_frequencies(cfg.rope, cfg.rope_dim)
             self.local_inv_freq = None if local is None else tuple(float(x) for x in local)
+            self.rope_dynamic = None  # dynamic NTK: (rope, dim, original context), per pass
+            if cfg.rope.scaling == "dynamic":
+                original = cfg.rope.original_max_len or cfg.max_seq_len
+                self.rope_dynamic = (cfg.rope, cfg.rope_dim, original)
         if cfg.position == "alibi":
             self.alibi = tuple(float(x) for x in alibi_slopes(cfg.num_heads))
 
@@ -305,23 +310,29 @@ class Attention(nnx.Module):
         if cfg.o_bias:
             self.o_bias = param(rngs, jax.nn.initializers.zeros, (cfg.d_model,), ("embed",), pdt)
 
-    def _rope(self, x_BxLxHxK, positions_BxL, windowed=None):
-        inv_freq, scaling = self._rope_frequencies(windowed)
+    def _rope(self, x_BxLxHxK, positions_BxL, windowed=None, seq_len_B=None):
+        inv_freq, scaling = self._rope_frequencies(windowed, positions_BxL, seq_len_B)
         return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling, self.rope_interleave)
 
-    def _rope_frequencies(self, windowed):
+    def _rope_frequencies(self, windowed, positions_BxL=None, seq_len_B=None):
         """(inv_freq, attention factor) of this layer. With `local_inv_freq`, windowed layers
         use those (factor 1): every layer when `windowed` is None (there is a window, so all are
-        windowed), else picked by the traced flag of the scanned layer."""
+        windowed), else picked by the traced flag of the scanned layer. Dynamic NTK gives each
+        row frequencies [B, K/2] of its current length: `seq_len_B` (a prefill's prompt
+        lengths), else the row's largest position + 1 (transformers takes the largest over the
+        batch; the same for one sequence or rows of equal length)."""
+        inv_freq = self.inv_freq
+        if self.rope_dynamic is not None:
+            if seq_len_B is None:
+                seq_len_B = jnp.max(positions_BxL, axis=1) + 1
+            inv_freq = dynamic_inv_freq(*self.rope_dynamic, seq_len_B)
         if self.local_inv_freq is None:
-            return self.inv_freq, self.rope_scaling
+            return inv_freq, self.rope_scaling
         if windowed is None:
             return self.local_inv_freq, 1.0
-        inv_freq_K2 = jnp.where(
-            windowed,
-            jnp.asarray(self.local_inv_freq, jnp.float32),
-            jnp.asarray(self.inv_freq, jnp.float32),
-        )
+        inv_freq = jnp.asarray(inv_freq, jnp.float32)
+        local = jnp.broadcast_to(jnp.asarray(self.local_inv_freq, jnp.float32), inv_freq.shape)
+        inv_freq_K2 = jnp.where(windowed, local, inv_freq)
         if self.rope_scaling == 1.0:
             return inv_freq_K2, 1.0
         return inv_freq_K2, jnp.where(windowed, jnp.float32(1.0), jnp.float32(self.rope_scaling))
@@ -417,8 +428,10 @@ class Attention(nnx.Module):
         if hasattr(self, "q_norm"):
             q_BxLxHxK, k_BxLxGxK = self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
         if self.position == "rope":
-            q_BxLxHxK = self._rope(q_BxLxHxK, positions_BxL, windowed)
-            k_BxLxGxK = self._rope(k_BxLxGxK, positions_BxL, windowed)
+            # a prefill's right-padded rows: their length is the prompt's, not the padded one
+            seq_len_B = cache.lengths_B if cache is not None and cache.prefill else None
+            q_BxLxHxK = self._rope(q_BxLxHxK, positions_BxL, windowed, seq_len_B)
+            k_BxLxGxK = self._rope(k_BxLxGxK, positions_BxL, windowed, seq_len_B)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
         if cache is not None:
             cache = cache.write(k_BxLxGxK, v_BxLxGxK)
