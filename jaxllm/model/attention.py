@@ -16,13 +16,14 @@ implementation.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm import parallel
-from jaxllm.model import lora
+from jaxllm.model import gaussian, lora
 from jaxllm.model.dot_product import dot_product_attention, pad_values, resolve_impl
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
@@ -57,15 +58,22 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, k, axes=("head_dim",))
             self.k_norm = make_norm(cfg, k, axes=("head_dim",))
+        if self.gaussian and cfg.gaussian_sigma_learned:  # log sigma: sigma stays positive
+            log_sigma = jax.nn.initializers.constant(math.log(cfg.gaussian_sigma))
+            self.gaussian_log_sigma = param(rngs, log_sigma, (h,), ("heads",), pdt)
 
     def _init_common(self, cfg):
         """What every attention variant has: masks, caps and positions."""
         self.dtype, self.impl = jnp.dtype(cfg.dtype), cfg.attention_impl
+        if cfg.attention_kernel == "gaussian":  # auto: the kernels compute no Gaussian logits
+            self.impl = "xla"
         self.cudnn_max_segments = cfg.cudnn_max_segments
         self.causal = cfg.causal  # False in an encoder: bidirectional within each segment
         self.fp8 = cfg.fp8
         self.position, self.window = cfg.position, cfg.sliding_window
         self.scale, self.soft_cap = cfg.attn_scale, cfg.attn_soft_cap
+        self.gaussian = cfg.attention_kernel == "gaussian"  # `jaxllm.model.gaussian`
+        self.gaussian_sigma, self.num_heads = cfg.gaussian_sigma, cfg.num_heads
         if cfg.position == "rope":
             inv_freq, self.rope_scaling = rope_frequencies(cfg.rope, cfg.rope_dim, cfg.max_seq_len)
             self.inv_freq = tuple(float(x) for x in inv_freq)  # hashable: part of the graphdef
@@ -132,8 +140,9 @@ class Attention(nnx.Module):
         if window is not None and windowed is not None:
             window = jnp.where(windowed, jnp.int32(window), jnp.int32(0))
         alibi = None if self.position != "alibi" else jnp.asarray(self.alibi, jnp.float32)
+        scale = 1.0 if self.gaussian else self.scale  # Gaussian: folded into the queries
         return dict(
-            scale=self.scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi, sliding_window=window
+            scale=scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi, sliding_window=window
         )
 
     def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed, prefix_BxL=None):
@@ -179,6 +188,8 @@ class Attention(nnx.Module):
         """Self-attention of a training / scoring pass (no cache): causal in a decoder,
         bidirectional over `prefix_BxL` (prefix LM)."""
         if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
+            if self.gaussian:
+                raise ValueError("ring attention has no Gaussian kernel; use all_gather")
             if prefix_BxL is not None:
                 raise ValueError("ring attention takes no prefix-LM mask; use all_gather")
             width = v_BxLxGxV.shape[-1]
@@ -215,18 +226,27 @@ class Attention(nnx.Module):
             seq_len_B = cache.lengths_B if cache is not None and cache.prefill else None
             q_BxLxHxK = self._rope(q_BxLxHxK, positions_BxL, windowed, seq_len_B)
             k_BxLxGxK = self._rope(k_BxLxGxK, positions_BxL, windowed, seq_len_B)
+        if self.gaussian:  # K + 1 channels whose dot products are the Gaussian logits
+            q_BxLxHxK, k_BxLxGxK = gaussian.augment(q_BxLxHxK, k_BxLxGxK, self._sigma_H())
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
-        if cache is not None:
-            cache = cache.write(k_BxLxGxK, v_BxLxGxK)
+        if cache is not None:  # one width for cached keys and values: v zero-padded
+            cache = cache.write(k_BxLxGxK, pad_values(v_BxLxGxK, k_BxLxGxK.shape[-1]))
             if cache.prefill:  # right-padded prompts: causality alone keeps padding unseen
                 out_BxLxHxK = self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, None, windowed)
             else:
                 out_BxLxHxK = self._attend_cache(q_BxLxHxK, cache, windowed)
+                out_BxLxHxK = out_BxLxHxK[..., : v_BxLxGxK.shape[-1]]
             return AttentionOutput(self._out(out_BxLxHxK), cache)
         out_BxLxHxK = self._self_attention(
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed, prefix_BxL
         )
         return AttentionOutput(self._out(out_BxLxHxK))
+
+    def _sigma_H(self):
+        """The Gaussian kernel's sigma per head [H] (float32), learned or fixed."""
+        if hasattr(self, "gaussian_log_sigma"):
+            return jnp.exp(self.gaussian_log_sigma[...].astype(jnp.float32))
+        return jnp.full((self.num_heads,), self.gaussian_sigma, jnp.float32)
 
     def _out(self, out_BxLxHxV):
         out_BxLxD = matmul(
