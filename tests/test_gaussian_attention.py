@@ -146,3 +146,10 @@ def test_sigma_is_learned_per_head_or_fixed():
 def test_refusals(changes, message):
     with pytest.raises(config.ConfigError, match=message):
         config.from_dict({"model": {**GAUSSIAN, **changes}}).model.validate()
+
+
+def test_export_names_the_kernel_no_config_json_holds():
+    from jaxllm.convert import families
+
+    with pytest.raises(config.ConfigError, match="attention_kernel='gaussian' cannot be"):
+        families.hf_config(tiny_model(**GAUSSIAN), families.FAMILIES["llama"])
