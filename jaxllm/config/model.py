@@ -20,15 +20,19 @@ class RopeConfig:
 
     theta: float = 10000.0
     """Base frequency."""
-    scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"
+    scaling: Literal["none", "linear", "ntk", "dynamic", "yarn", "llama3"] = "none"
     """Context extension by `factor` (Hugging Face `rope_type`): `linear` (position
     interpolation: frequencies / factor), `ntk` (NTK-aware: theta * factor^(K / (K - 2))),
+    `dynamic` (dynamic NTK, transformers' `dynamic`: unscaled up to original_max_len, beyond
+    it theta * (factor * s / original_max_len - (factor - 1))^(K / (K - 2)) for the current
+    length s, recomputed every forward pass and decode step; cached keys keep the frequencies
+    they were written with),
     `yarn` (Peng et al. 2023: per-frequency ramp between interpolation and extrapolation, plus
     an attention temperature), `llama3` (Llama 3.1: low frequencies / factor, a smooth band)."""
     factor: float = 1.0
     """Context extension factor of `scaling`; must stay 1 without scaling."""
     original_max_len: int | None = None
-    """Context length the model was pretrained at (`yarn`, `llama3`); null means
+    """Context length the model was pretrained at (`yarn`, `llama3`, `dynamic`); null means
     model.max_seq_len."""
     low_freq_factor: float = 1.0
     """`llama3`: wavelengths above original_max_len / this are interpolated fully."""
@@ -212,6 +216,19 @@ class ModelConfig:
     segment offsets), or `auto`, the fastest measured (docs/benchmarks.md): flash on TPU; on a
     GPU, for bfloat16 / float16 with head dim 64 or 128, cudnn when causal and flash with a
     logit soft cap or bidirectional, otherwise xla; xla on CPU."""
+    attention_kernel: Literal["softmax", "gaussian"] = "softmax"
+    """How a query scores a key before the softmax: `softmax`, the scaled dot product q.k /
+    sqrt(K) (attn_scale); or `gaussian`, an RBF kernel -||q - k||^2 / (2 sigma_h^2 sqrt(K))
+    with a per-head sigma (`gaussian_sigma`; `jaxllm.model.gaussian`). Gaussian runs on the
+    xla implementation (attention_impl xla or auto), with GQA, packing, windows and ALiBi, and
+    generates through the KV cache, which then holds K + 1 channels per key (k and ||k||^2);
+    not with MLA, attn_scale, attn_soft_cap, kind=encoder_decoder or ring attention."""
+    gaussian_sigma: float = 1.0
+    """attention_kernel=gaussian: sigma of every head (where gaussian_sigma_learned, its value
+    at initialisation)."""
+    gaussian_sigma_learned: bool = False
+    """attention_kernel=gaussian: learn sigma per head (parameter `gaussian_log_sigma` [H],
+    log sigma so it stays positive); false keeps gaussian_sigma fixed."""
     cudnn_max_segments: int = 32
     """attention_impl=cudnn (or auto on a GPU): the most packed documents per row that cuDNN
     takes as segment offsets; a batch with a fuller row runs the flash kernel for that step."""
@@ -321,6 +338,7 @@ class ModelConfig:
                 f"model.position=alibi needs model.attention_impl=xla (or auto): the "
                 f"{self.attention_impl} kernel has no ALiBi bias."
             )
+        self._validate_kernel()
         if self.cudnn_max_segments < 1:
             _fail(f"model.cudnn_max_segments must be >= 1, not {self.cudnn_max_segments}.")
         if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
@@ -330,6 +348,31 @@ class ModelConfig:
                 f"model.matmul_dtype must be null (the compute dtype, model.dtype={self.dtype}) "
                 f"or float8, not {self.matmul_dtype!r}."
             )
+
+    def _validate_kernel(self) -> None:
+        if self.attention_kernel == "softmax":
+            if self.gaussian_sigma != 1.0 or self.gaussian_sigma_learned:
+                _fail(
+                    "model.gaussian_sigma and model.gaussian_sigma_learned apply to "
+                    "model.attention_kernel=gaussian, not softmax."
+                )
+            return
+        if self.gaussian_sigma <= 0:
+            _fail(f"model.gaussian_sigma must be positive, not {self.gaussian_sigma}.")
+        if self.attention_impl not in ("xla", "auto"):
+            _fail(
+                "model.attention_kernel=gaussian runs on the xla attention: set "
+                f"model.attention_impl xla or auto, not {self.attention_impl}."
+            )
+        refused = {
+            "model.mla": self.mla.enabled,
+            "model.attn_scale": self.attn_scale is not None,
+            "model.attn_soft_cap": self.attn_soft_cap is not None,
+            "model.kind=encoder_decoder": self.kind == "encoder_decoder",
+        }
+        for key, bad in refused.items():
+            if bad:
+                _fail(f"model.attention_kernel=gaussian does not combine with {key}.")
 
     def _validate_rope(self) -> None:
         r = self.rope
@@ -342,7 +385,14 @@ class ModelConfig:
             if changed:
                 _fail(f"{changed[0]} only applies to model.position=rope, not {self.position}.")
         if r.scaling == "none" and r.factor != 1.0:
-            _fail("model.rope.factor needs model.rope.scaling (linear, ntk, yarn or llama3).")
+            _fail(
+                "model.rope.factor needs model.rope.scaling (linear, ntk, dynamic, yarn or llama3)."
+            )
+        if r.scaling == "dynamic" and (self.mla.enabled or self.kind != "decoder"):
+            _fail(
+                "model.rope.scaling=dynamic is supported for decoders with GQA attention, not "
+                f"with MLA or model.kind={self.kind}."
+            )
         if r.factor <= 0 or r.theta <= 0:
             _fail("model.rope.factor and model.rope.theta must be positive.")
         if r.local_theta is not None and r.local_theta <= 0:

@@ -48,6 +48,14 @@ def _rope(hf: dict) -> dict:
         return out
     if kind == "linear":
         return {**out, "scaling": "linear", "factor": float(p["factor"])}
+    if kind == "dynamic":  # transformers' original context is max_position_embeddings
+        original = hf["max_position_embeddings"]
+        return {
+            **out,
+            "scaling": "dynamic",
+            "factor": float(p["factor"]),
+            "original_max_len": original,
+        }
     if kind == "llama3":
         return {
             **out,
@@ -75,7 +83,7 @@ def _rope(hf: dict) -> dict:
             "attention_factor": None if attention is None else float(attention),
             "original_max_len": original,
         }
-    _fail(f"RoPE type {kind!r} is not supported (none, linear, llama3 and yarn are).")
+    _fail(f"RoPE type {kind!r} is not supported (none, linear, dynamic, llama3 and yarn are).")
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -92,7 +100,7 @@ def _rope_to_hf(cfg: ModelConfig) -> dict:
     original = r.original_max_len or cfg.max_seq_len
     if r.scaling == "ntk":
         _fail("model.rope.scaling=ntk has no Hugging Face rope_type (its `dynamic` differs).")
-    if r.scaling == "linear":
+    if r.scaling in ("linear", "dynamic"):
         p["factor"] = r.factor
     elif r.scaling == "llama3":
         p.update(
@@ -111,7 +119,10 @@ def _rope_to_hf(cfg: ModelConfig) -> dict:
         if r.attention_factor is not None:
             p["attention_factor"] = r.attention_factor
     legacy = None if r.scaling == "none" else {k: v for k, v in p.items() if k != "rope_theta"}
-    return {"rope_parameters": p, "rope_theta": r.theta, "rope_scaling": legacy}
+    out = {"rope_parameters": p, "rope_theta": r.theta, "rope_scaling": legacy}
+    if r.scaling == "dynamic":  # transformers' `dynamic` scales past max_position_embeddings
+        out["max_position_embeddings"] = original
+    return out
 
 
 def _windows(hf: dict, all_sliding_default: bool) -> dict:

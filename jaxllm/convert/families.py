@@ -237,6 +237,8 @@ def _same(key: str, a, b, cfg: ModelConfig) -> bool:
         return cfg.resolved_head_dim == (b or cfg.d_model // cfg.num_heads)
     if key == "rope.local_theta" and cfg.rope.scaling == "none":  # null: rope.theta
         return math.isclose(a or cfg.rope.theta, b or cfg.rope.theta)
+    if key == "max_seq_len" and cfg.rope.scaling == "dynamic" and cfg.position == "rope":
+        return True  # a `dynamic` config.json has no context limit: its max is the original
     if key == "rope.original_max_len":
         return (a or cfg.max_seq_len) == (b or cfg.max_seq_len)
     if key == "attn_scale":

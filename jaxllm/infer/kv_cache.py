@@ -62,11 +62,13 @@ def allocate_pages(tokens_B, page_size: int) -> tuple[np.ndarray, int]:
 def cache_dims(cfg) -> tuple[int, int, int | None]:
     """(kv heads, key width, value width or None) of a model's cache. An MLA model caches one
     "head" of [latent ; rope key] per token whose first kv_lora_rank channels are the values
-    (None: values as wide as keys, stored apart)."""
+    (None: values as wide as keys, stored apart). Gaussian-kernel attention caches its keys
+    with ||k||^2 appended (`jaxllm.model.gaussian`) and values zero-padded to that width."""
     if cfg.mla.enabled:
         a = cfg.mla
         return 1, a.kv_lora_rank + a.qk_rope_head_dim, a.kv_lora_rank
-    return cfg.num_kv_heads, cfg.resolved_head_dim, None
+    extra = 1 if cfg.attention_kernel == "gaussian" else 0
+    return cfg.num_kv_heads, cfg.resolved_head_dim + extra, None
 
 
 def init_cache(

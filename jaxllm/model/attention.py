@@ -16,241 +16,26 @@ implementation.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm import parallel
-from jaxllm.kernels import flash_attention
-from jaxllm.kernels.reference import attention_mask, masked_scores
-from jaxllm.model import lora
-from jaxllm.model.cudnn import cudnn_attention
+from jaxllm.model import gaussian, lora
+from jaxllm.model.dot_product import dot_product_attention, pad_values, resolve_impl
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
 from jaxllm.model.outputs import AttentionOutput
 from jaxllm.model.positions import (
     alibi_slopes,
     apply_rope,
+    dynamic_inv_freq,
     local_rope_frequencies,
     rope_frequencies,
 )
 from jaxllm.sharding import constrain
-
-
-def _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS):
-    """Softmax over the masked float32 scores of `jaxllm.kernels.reference`; the probabilities
-    are cast to v's dtype for the second matmul."""
-    b, l, h, _ = q_BxLxHxK.shape
-    g = k_BxSxGxK.shape[2]
-    bias_1xGxRxLxS = None
-    if bias_HxLxS is not None:
-        bias_1xGxRxLxS = bias_HxLxS.reshape(1, g, h // g, *bias_HxLxS.shape[1:])
-    scores_BxGxRxLxS, _ = masked_scores(
-        q_BxLxHxK, k_BxSxGxK, mask_XxLxS, scale=scale, soft_cap=soft_cap, bias=bias_1xGxRxLxS
-    )
-    probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
-    out_BxLxGxRxV = jnp.einsum("bgrls,bsgv->blgrv", probs_BxGxRxLxS, v_BxSxGxK)
-    return out_BxLxGxRxV.reshape(b, l, h, v_BxSxGxK.shape[-1])
-
-
-def pad_values(v_BxSxGxV: jax.Array, width: int) -> jax.Array:
-    """Values zero-padded to `width` channels: attention kernels take one head width for q, k
-    and v, and the padded output channels are 0 (callers slice them off)."""
-    return jnp.pad(v_BxSxGxV, [(0, 0)] * 3 + [(0, width - v_BxSxGxV.shape[-1])])
-
-
-def resolve_impl(
-    impl: str,
-    alibi: bool = False,
-    soft_cap: bool = False,
-    dtype=None,
-    head_dim: int | None = None,
-    causal: bool = True,
-) -> str:
-    """`auto` -> the fastest implementation measured for the default backend (docs/benchmarks.md):
-    on TPU the Pallas kernel; on a CUDA GPU, for bfloat16 / float16 with head dim 64 or 128,
-    cuDNN's fused attention for causal self-attention (2-3x the Mosaic GPU kernel on an H100,
-    packed documents included) and the kernel when a logit soft cap rules cuDNN out or the
-    attention is bidirectional (the cases checked on the device), XLA otherwise; XLA on CPU.
-    ALiBi always runs on XLA: the kernels take no additive bias."""
-    if impl != "auto":
-        return impl
-    platform = jax.default_backend()
-    if alibi or platform not in ("tpu", "gpu"):
-        return "xla"
-    if platform == "tpu":
-        return "flash"
-    if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return "xla"
-    if head_dim is not None and head_dim not in (64, 128):
-        return "xla"
-    return "flash" if soft_cap or not causal else "cudnn"
-
-
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window, soft_cap):
-    """The Pallas kernel, run per shard: a custom call cannot be split by the SPMD partitioner,
-    so under a mesh it goes through `shard_map` over batch and heads."""
-    interpret = jax.default_backend() == "cpu"
-
-    def kernel(q, k, v, q_seg, kv_seg):
-        seg = None if q_seg is None else (q_seg, kv_seg)
-        return flash_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=seg,
-            sm_scale=scale,
-            sliding_window=window,
-            soft_cap=soft_cap,
-            interpret=interpret,
-        )
-
-    if q_seg_BxL is not None and kv_seg_BxS is None:
-        kv_seg_BxS = q_seg_BxL
-    return parallel.per_shard_attention(
-        kernel, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS
-    )
-
-
-def _cudnn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window, m):
-    """cuDNN's fused attention per shard (`jaxllm.model.cudnn`), packed segments as offsets;
-    the flash kernel when a row holds more than `m` segments."""
-
-    def fallback(q, k, v, q_seg, kv_seg):
-        return flash_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=(q_seg, kv_seg),
-            sm_scale=scale,
-            sliding_window=window,
-        )
-
-    def kernel(q, k, v, q_seg, kv_seg):
-        return cudnn_attention(
-            q,
-            k,
-            v,
-            q_seg,
-            kv_seg,
-            causal=causal,
-            scale=scale,
-            sliding_window=window,
-            max_segments=m,
-            fallback=fallback,
-        )
-
-    if q_seg_BxL is not None and kv_seg_BxS is None:
-        kv_seg_BxS = q_seg_BxL
-    return parallel.per_shard_attention(
-        kernel, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS
-    )
-
-
-def dot_product_attention(
-    q_BxLxHxK: jax.Array,
-    k_BxSxGxK: jax.Array,
-    v_BxSxGxK: jax.Array,
-    *,
-    q_segment_ids_BxL: jax.Array | None = None,
-    kv_segment_ids_BxS: jax.Array | None = None,
-    causal: bool = True,
-    scale: float | None = None,
-    sliding_window: int | jax.Array | None = None,
-    soft_cap: float | None = None,
-    alibi_slopes_H: jax.Array | None = None,
-    bias_HxLxS: jax.Array | None = None,
-    impl: str = "xla",
-    prefix_BxL: jax.Array | None = None,
-    cudnn_max_segments: int = 32,
-) -> jax.Array:
-    """Softmax(cap(q k^T * scale) + alibi + mask) v, the layout of `jax.nn.dot_product_attention`.
-
-    Causality is by index: query i sees keys j <= i (q and kv aligned, L == S); a sliding window
-    w further limits it to i - w < j. `sliding_window` may be a traced int32 (0: no window) for
-    `xla`, so scanned layers can differ; the kernels need a Python int. `soft_cap` c maps each
-    scaled logit s to c * tanh(s / c); `alibi_slopes_H` adds -slope_h * (i - j) and
-    `bias_HxLxS` any float32 bias (T5's relative positions), both xla only.
-    `prefix_BxL` (a prefix LM; self-attention, xla only, so `auto` picks xla): where query and
-    key are both 1 (the prefix of their segment) the key is visible even after the query, so the
-    prefix attends bidirectionally and the tokens after it causally.
-    """
-    l, k = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
-    s = k_BxSxGxK.shape[1]
-    scale = k**-0.5 if scale is None else scale
-    bias = alibi_slopes_H is not None or bias_HxLxS is not None
-    impl = resolve_impl(
-        impl, bias or prefix_BxL is not None, soft_cap is not None, q_BxLxHxK.dtype, k, causal
-    )
-    if impl != "xla" and bias:
-        raise ValueError(f"attention_impl={impl} takes no additive bias (ALiBi, T5); use xla")
-    if impl != "xla" and prefix_BxL is not None:
-        raise ValueError(f"attention_impl={impl} takes no prefix-LM mask; use xla")
-    if impl != "xla" and v_BxSxGxK.shape[-1] != k:  # MLA: the kernels want one head width
-        out = dot_product_attention(
-            q_BxLxHxK,
-            k_BxSxGxK,
-            pad_values(v_BxSxGxK, k),
-            q_segment_ids_BxL=q_segment_ids_BxL,
-            kv_segment_ids_BxS=kv_segment_ids_BxS,
-            causal=causal,
-            scale=scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-            impl=impl,
-            cudnn_max_segments=cudnn_max_segments,
-        )
-        return out[..., : v_BxSxGxK.shape[-1]]
-    if impl == "flash":
-        return _flash(
-            q_BxLxHxK,
-            k_BxSxGxK,
-            v_BxSxGxK,
-            q_segment_ids_BxL,
-            kv_segment_ids_BxS,
-            causal,
-            scale,
-            sliding_window,
-            soft_cap,
-        )
-    if impl == "cudnn":
-        if soft_cap is not None:
-            raise ValueError("attention_impl=cudnn has no logit soft cap; use flash or xla")
-        return _cudnn(
-            q_BxLxHxK,
-            k_BxSxGxK,
-            v_BxSxGxK,
-            q_segment_ids_BxL,
-            kv_segment_ids_BxS,
-            causal,
-            scale,
-            sliding_window,
-            cudnn_max_segments,
-        )
-    if impl != "xla":
-        raise ValueError(f"unknown attention implementation {impl!r}")
-    segment_ids = None
-    if q_segment_ids_BxL is not None:
-        kv_seg = q_segment_ids_BxL if kv_segment_ids_BxS is None else kv_segment_ids_BxS
-        segment_ids = (q_segment_ids_BxL, kv_seg)
-    q_idx_L, kv_idx_S = jnp.arange(l), jnp.arange(s)
-    mask_XxLxS = attention_mask(
-        q_idx_L, kv_idx_S, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids
-    )
-    if prefix_BxL is not None:  # prefix x prefix of one segment: visible both ways
-        prefix_BxL = prefix_BxL.astype(bool)
-        both_BxLxS = prefix_BxL[:, :, None] & prefix_BxL[:, None, :]
-        if segment_ids is not None:
-            both_BxLxS &= segment_ids[0][:, :, None] == segment_ids[1][:, None, :]
-        mask_XxLxS = mask_XxLxS | both_BxLxS
-    if alibi_slopes_H is not None:
-        distance_LxS = jnp.abs(q_idx_L[:, None] - kv_idx_S[None, :]).astype(jnp.float32)
-        alibi_HxLxS = -jnp.asarray(alibi_slopes_H, jnp.float32)[:, None, None] * distance_LxS[None]
-        bias_HxLxS = alibi_HxLxS if bias_HxLxS is None else bias_HxLxS + alibi_HxLxS
-    return _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS)
 
 
 class Attention(nnx.Module):
@@ -273,21 +58,32 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, k, axes=("head_dim",))
             self.k_norm = make_norm(cfg, k, axes=("head_dim",))
+        if self.gaussian and cfg.gaussian_sigma_learned:  # log sigma: sigma stays positive
+            log_sigma = jax.nn.initializers.constant(math.log(cfg.gaussian_sigma))
+            self.gaussian_log_sigma = param(rngs, log_sigma, (h,), ("heads",), pdt)
 
     def _init_common(self, cfg):
         """What every attention variant has: masks, caps and positions."""
         self.dtype, self.impl = jnp.dtype(cfg.dtype), cfg.attention_impl
+        if cfg.attention_kernel == "gaussian":  # auto: the kernels compute no Gaussian logits
+            self.impl = "xla"
         self.cudnn_max_segments = cfg.cudnn_max_segments
         self.causal = cfg.causal  # False in an encoder: bidirectional within each segment
         self.fp8 = cfg.fp8
         self.position, self.window = cfg.position, cfg.sliding_window
         self.scale, self.soft_cap = cfg.attn_scale, cfg.attn_soft_cap
+        self.gaussian = cfg.attention_kernel == "gaussian"  # `jaxllm.model.gaussian`
+        self.gaussian_sigma, self.num_heads = cfg.gaussian_sigma, cfg.num_heads
         if cfg.position == "rope":
             inv_freq, self.rope_scaling = rope_frequencies(cfg.rope, cfg.rope_dim, cfg.max_seq_len)
             self.inv_freq = tuple(float(x) for x in inv_freq)  # hashable: part of the graphdef
             self.rope_interleave = cfg.rope.interleave
             local = local_rope_frequencies(cfg.rope, cfg.rope_dim)
             self.local_inv_freq = None if local is None else tuple(float(x) for x in local)
+            self.rope_dynamic = None  # dynamic NTK: (rope, dim, original context), per pass
+            if cfg.rope.scaling == "dynamic":
+                original = cfg.rope.original_max_len or cfg.max_seq_len
+                self.rope_dynamic = (cfg.rope, cfg.rope_dim, original)
         if cfg.position == "alibi":
             self.alibi = tuple(float(x) for x in alibi_slopes(cfg.num_heads))
 
@@ -305,23 +101,29 @@ class Attention(nnx.Module):
         if cfg.o_bias:
             self.o_bias = param(rngs, jax.nn.initializers.zeros, (cfg.d_model,), ("embed",), pdt)
 
-    def _rope(self, x_BxLxHxK, positions_BxL, windowed=None):
-        inv_freq, scaling = self._rope_frequencies(windowed)
+    def _rope(self, x_BxLxHxK, positions_BxL, windowed=None, seq_len_B=None):
+        inv_freq, scaling = self._rope_frequencies(windowed, positions_BxL, seq_len_B)
         return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling, self.rope_interleave)
 
-    def _rope_frequencies(self, windowed):
+    def _rope_frequencies(self, windowed, positions_BxL=None, seq_len_B=None):
         """(inv_freq, attention factor) of this layer. With `local_inv_freq`, windowed layers
         use those (factor 1): every layer when `windowed` is None (there is a window, so all are
-        windowed), else picked by the traced flag of the scanned layer."""
+        windowed), else picked by the traced flag of the scanned layer. Dynamic NTK gives each
+        row frequencies [B, K/2] of its current length: `seq_len_B` (a prefill's prompt
+        lengths), else the row's largest position + 1 (transformers takes the largest over the
+        batch; the same for one sequence or rows of equal length)."""
+        inv_freq = self.inv_freq
+        if self.rope_dynamic is not None:
+            if seq_len_B is None:
+                seq_len_B = jnp.max(positions_BxL, axis=1) + 1
+            inv_freq = dynamic_inv_freq(*self.rope_dynamic, seq_len_B)
         if self.local_inv_freq is None:
-            return self.inv_freq, self.rope_scaling
+            return inv_freq, self.rope_scaling
         if windowed is None:
             return self.local_inv_freq, 1.0
-        inv_freq_K2 = jnp.where(
-            windowed,
-            jnp.asarray(self.local_inv_freq, jnp.float32),
-            jnp.asarray(self.inv_freq, jnp.float32),
-        )
+        inv_freq = jnp.asarray(inv_freq, jnp.float32)
+        local = jnp.broadcast_to(jnp.asarray(self.local_inv_freq, jnp.float32), inv_freq.shape)
+        inv_freq_K2 = jnp.where(windowed, local, inv_freq)
         if self.rope_scaling == 1.0:
             return inv_freq_K2, 1.0
         return inv_freq_K2, jnp.where(windowed, jnp.float32(1.0), jnp.float32(self.rope_scaling))
@@ -338,8 +140,9 @@ class Attention(nnx.Module):
         if window is not None and windowed is not None:
             window = jnp.where(windowed, jnp.int32(window), jnp.int32(0))
         alibi = None if self.position != "alibi" else jnp.asarray(self.alibi, jnp.float32)
+        scale = 1.0 if self.gaussian else self.scale  # Gaussian: folded into the queries
         return dict(
-            scale=self.scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi, sliding_window=window
+            scale=scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi, sliding_window=window
         )
 
     def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed, prefix_BxL=None):
@@ -385,6 +188,8 @@ class Attention(nnx.Module):
         """Self-attention of a training / scoring pass (no cache): causal in a decoder,
         bidirectional over `prefix_BxL` (prefix LM)."""
         if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
+            if self.gaussian:
+                raise ValueError("ring attention has no Gaussian kernel; use all_gather")
             if prefix_BxL is not None:
                 raise ValueError("ring attention takes no prefix-LM mask; use all_gather")
             width = v_BxLxGxV.shape[-1]
@@ -417,20 +222,31 @@ class Attention(nnx.Module):
         if hasattr(self, "q_norm"):
             q_BxLxHxK, k_BxLxGxK = self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
         if self.position == "rope":
-            q_BxLxHxK = self._rope(q_BxLxHxK, positions_BxL, windowed)
-            k_BxLxGxK = self._rope(k_BxLxGxK, positions_BxL, windowed)
+            # a prefill's right-padded rows: their length is the prompt's, not the padded one
+            seq_len_B = cache.lengths_B if cache is not None and cache.prefill else None
+            q_BxLxHxK = self._rope(q_BxLxHxK, positions_BxL, windowed, seq_len_B)
+            k_BxLxGxK = self._rope(k_BxLxGxK, positions_BxL, windowed, seq_len_B)
+        if self.gaussian:  # K + 1 channels whose dot products are the Gaussian logits
+            q_BxLxHxK, k_BxLxGxK = gaussian.augment(q_BxLxHxK, k_BxLxGxK, self._sigma_H())
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "act_heads", None))
-        if cache is not None:
-            cache = cache.write(k_BxLxGxK, v_BxLxGxK)
+        if cache is not None:  # one width for cached keys and values: v zero-padded
+            cache = cache.write(k_BxLxGxK, pad_values(v_BxLxGxK, k_BxLxGxK.shape[-1]))
             if cache.prefill:  # right-padded prompts: causality alone keeps padding unseen
                 out_BxLxHxK = self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, None, windowed)
             else:
                 out_BxLxHxK = self._attend_cache(q_BxLxHxK, cache, windowed)
+                out_BxLxHxK = out_BxLxHxK[..., : v_BxLxGxK.shape[-1]]
             return AttentionOutput(self._out(out_BxLxHxK), cache)
         out_BxLxHxK = self._self_attention(
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed, prefix_BxL
         )
         return AttentionOutput(self._out(out_BxLxHxK))
+
+    def _sigma_H(self):
+        """The Gaussian kernel's sigma per head [H] (float32), learned or fixed."""
+        if hasattr(self, "gaussian_log_sigma"):
+            return jnp.exp(self.gaussian_log_sigma[...].astype(jnp.float32))
+        return jnp.full((self.num_heads,), self.gaussian_sigma, jnp.float32)
 
     def _out(self, out_BxLxHxV):
         out_BxLxD = matmul(

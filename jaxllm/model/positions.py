@@ -8,6 +8,13 @@ float32 exactly as Hugging Face's `ROPE_INIT_FUNCTIONS` do, so imported long-con
 
 - `linear`: position interpolation (Chen et al. 2023, arXiv:2306.15595), inv_freq / factor.
 - `ntk`: "NTK-aware" scaling (bloc97, 2023): theta * factor^(K / (K - 2)), the static form.
+- `dynamic`: dynamic NTK (emozilla, 2023; transformers' `dynamic` rope type): the base grows
+  with the current length s once it passes the original context n,
+  theta * (factor * s / n - (factor - 1))^(K / (K - 2)), recomputed on every forward pass
+  (`dynamic_inv_freq`): s is a row's largest position + 1 (the row length of an unpacked
+  training row), and in generation the sequence's length so far, so each decode step rotates
+  its query and new key with the frequencies of its own length while the cached keys keep
+  those they were written with, as transformers' `generate` does.
 - `yarn`: YaRN (Peng et al. 2023, arXiv:2309.00071): a linear ramp over frequency between
   interpolation and extrapolation, and cos/sin multiplied by an attention factor.
 - `llama3`: Llama 3.1's rule: long wavelengths interpolated, short ones kept, a smooth band.
@@ -48,6 +55,7 @@ def rope_frequencies(
     pos_freqs = np.power(f32(theta), exponents).astype(f32)
     inv_freq = (f32(1.0) / pos_freqs).astype(f32)
     original = rope.original_max_len or max_seq_len
+    # `dynamic`: these are its frequencies up to the original context (`dynamic_inv_freq`)
     if rope.scaling in ("llama3", "yarn") and original is None:
         raise ValueError(f"RoPE scaling {rope.scaling} needs original_max_len or max_seq_len")
     scaling = 1.0
@@ -65,6 +73,19 @@ def rope_frequencies(
     elif rope.scaling == "yarn":
         inv_freq, scaling = _yarn(rope, k, pos_freqs, original)
     return inv_freq, scaling
+
+
+def dynamic_inv_freq(rope: RopeConfig, dim: int, original: int, seq_len_B: jax.Array) -> jax.Array:
+    """inv_freq [B, dim/2] of dynamic NTK scaling for rows of current length `seq_len_B`, in
+    float32 in the order of transformers' `_compute_dynamic_ntk_parameters`: the base is
+    theta * ((factor * s / original) - (factor - 1)) ** (dim / (dim - 2)), with s at least
+    `original` (so shorter rows keep the unscaled frequencies)."""
+    s_B = jnp.maximum(seq_len_B, original).astype(jnp.float32)
+    factor = jnp.float32(rope.factor)
+    growth_B = (factor * s_B / jnp.float32(original) - (factor - 1)) ** jnp.float32(dim / (dim - 2))
+    base_B = jnp.float32(rope.theta) * growth_B
+    exponents_K2 = jnp.arange(0, dim, 2, dtype=jnp.int32).astype(jnp.float32) / jnp.float32(dim)
+    return 1.0 / base_B[:, None] ** exponents_K2[None, :]
 
 
 def local_rope_frequencies(rope: RopeConfig, dim: int) -> np.ndarray | None:
@@ -111,9 +132,11 @@ def apply_rope(
 ) -> jax.Array:
     """Rotates channel pairs (i, i + K/2) by angle position * inv_freq[i], in float32; with
     `interleave`, the pairs (2i, 2i + 1) instead. `inv_freq_K2` and `scaling` may be traced (a
-    scanned layer picking its frequencies)."""
-    inv_freq_K2 = jnp.asarray(inv_freq_K2, jnp.float32)
-    angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_K2[None, None, :]
+    scanned layer picking its frequencies); a [B, K/2] array gives each row its own
+    frequencies (dynamic NTK)."""
+    inv_freq = jnp.asarray(inv_freq_K2, jnp.float32)
+    inv_freq_BxK2 = inv_freq if inv_freq.ndim == 2 else inv_freq[None, :]
+    angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_BxK2[:, None, :]
     sin = jnp.sin(angle_BxLxK2)[:, :, None, :]
     cos = jnp.cos(angle_BxLxK2)[:, :, None, :]
     if isinstance(scaling, jax.Array) or scaling != 1.0:
