@@ -142,6 +142,10 @@ class ModelConfig:
     """Biases on the q/k/v projections (Qwen2, GPT-2)."""
     o_bias: bool = False
     """Bias on the attention output projection (GPT-2)."""
+    attention_sinks: bool = False
+    """A learned logit per query head that joins every attention softmax's denominator only, so
+    a head can attend to nothing (gpt-oss; Xiao et al. 2023). attention_impl xla, flash or auto
+    (not cudnn); no ring attention (mesh.sequence with the ring)."""
     mlp_bias: bool = False
     """Biases on the MLP projections (GPT-2)."""
     attn_scale: float | None = None
@@ -325,6 +329,8 @@ class ModelConfig:
             _fail(f"model.cudnn_max_segments must be >= 1, not {self.cudnn_max_segments}.")
         if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
             _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
+        if self.attention_impl == "cudnn" and self.attention_sinks:
+            _fail("model.attention_sinks needs model.attention_impl xla, flash or auto, not cudnn.")
         if self.matmul_dtype not in (None, "float8", self.dtype):
             _fail(
                 f"model.matmul_dtype must be null (the compute dtype, model.dtype={self.dtype}) "
