@@ -40,6 +40,9 @@ class RopeConfig:
     """`yarn`: rotations below which a frequency is interpolated."""
     attention_factor: float | None = None
     """`yarn`: multiplier of cos/sin (attention temperature); null is 0.1 ln(factor) + 1."""
+    truncate: bool = True
+    """`yarn`: round the ramp's ends to whole channel pairs (floor / ceil), as the YaRN paper;
+    false keeps them fractional (gpt-oss, Hugging Face `truncate: false`)."""
     local_theta: float | None = None
     """Base of windowed (sliding-window) layers, which take no `scaling` (Gemma 3: 10k locally,
     theta 1M with linear scaling globally); null: every layer uses theta and the scaling.
@@ -347,6 +350,8 @@ class ModelConfig:
             ]
             if changed:
                 _fail(f"{changed[0]} only applies to model.position=rope, not {self.position}.")
+        if not r.truncate and r.scaling != "yarn":
+            _fail("model.rope.truncate=false only applies to model.rope.scaling=yarn.")
         if r.scaling == "none" and r.factor != 1.0:
             _fail("model.rope.factor needs model.rope.scaling (linear, ntk, yarn or llama3).")
         if r.factor <= 0 or r.theta <= 0:
