@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers as hf
 from hf_models import hf_logits, run_cli, save_hf, stderr_of_failure
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import jaxllm
 from jaxllm.config import GenerateConfig
@@ -97,6 +98,41 @@ def test_generates_like_transformers(imported):
                 torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
             )
         assert got == theirs[0, len(prompt) :].tolist()
+
+
+def test_mxfp4_experts_import_decoded_as_transformers_decodes_them(tmp_path):
+    """The released files' MXFP4 experts (`*_blocks` / `*_scales`, quant_method mxfp4) import
+    as transformers' `convert_moe_packed_tensors` decodes them: the logits of the float model
+    holding those decoded experts. Input widths are multiples of 32 here (64 and 32)."""
+    shape = dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, head_dim=16)
+    model = gpt_oss_model(seed=2, **shape)
+    rng = np.random.default_rng(3)
+    mx = {}
+    for name, out, n_in in (("gate_up_proj", 64, 64), ("down_proj", 64, 32)):
+        blocks = rng.integers(0, 256, (5, out, n_in // 32, 16), dtype=np.uint8)
+        scales = rng.integers(123, 129, (5, out, n_in // 32), dtype=np.uint8)
+        mx[name] = blocks, scales
+        w = convert_moe_packed_tensors(
+            torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+        )
+        with torch.no_grad():
+            for layer in model.model.layers:
+                getattr(layer.mlp.experts, name).copy_(w)
+    src = save_hf(model, tmp_path / "hf")
+    tensors = load_file(str(src / "model.safetensors"))
+    for i in range(3):
+        for name, (blocks, scales) in mx.items():
+            prefix = f"model.layers.{i}.mlp.experts.{name}"
+            del tensors[prefix]
+            tensors[prefix + "_blocks"], tensors[prefix + "_scales"] = blocks, scales
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (src / "config.json").write_text(json.dumps(cfg))
+
+    assert run_cli("convert", "import", src, tmp_path / "run", "model.dtype=float32") == 0
+    got = np.asarray(jaxllm.load_model(tmp_path / "run")(tokens()).logits)
+    np.testing.assert_allclose(got, hf_logits(model, tokens()), atol=1e-4, rtol=1e-4)
 
 
 def test_unknown_layer_type_is_refused(tmp_path, capsys):
