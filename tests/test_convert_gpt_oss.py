@@ -17,6 +17,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import jaxllm
 from jaxllm.config import GenerateConfig
+from jaxllm.convert.reader import Reader
 from jaxllm.infer import generate
 
 VOCAB, LEN = 320, 11  # the byte tokenizer needs >= 258 ids
@@ -100,39 +101,69 @@ def test_generates_like_transformers(imported):
         assert got == theirs[0, len(prompt) :].tolist()
 
 
-def test_mxfp4_experts_import_decoded_as_transformers_decodes_them(tmp_path):
-    """The released files' MXFP4 experts (`*_blocks` / `*_scales`, quant_method mxfp4) import
-    as transformers' `convert_moe_packed_tensors` decodes them: the logits of the float model
-    holding those decoded experts. Input widths are multiples of 32 here (64 and 32)."""
-    shape = dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, head_dim=16)
-    model = gpt_oss_model(seed=2, **shape)
+def test_imported_model_fine_tunes_with_lora_and_generates(imported, tmp_path, capsys):
+    """A few LoRA steps through `jaxllm train` from the imported weights (sinks, biases and the
+    clamped experts in the backward), then `jaxllm generate` from the adapted run."""
+    _, _, run = imported
+    ft = tmp_path / "ft"
+    overrides = [
+        run / "config.yaml",
+        f"run.dir={ft}",
+        f"checkpoint.init_from={run}",
+        "peft.method=lora",
+        "peft.targets=[q_proj,v_proj,o_proj]",
+        "train.steps=3",
+        "train.global_batch_size=8",
+        "data.seq_len=16",
+        "data.max_files=20",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=0",
+    ]
+    assert run_cli("train", *overrides) == 0
+    adapted = jaxllm.load_model(ft)
+    attn = adapted.moe_layers.moe.attn
+    assert np.abs(np.asarray(attn.q_proj_lora_b[...])).max() > 0  # the adapters moved
+    logits = np.asarray(adapted(tokens()).logits)
+    assert np.isfinite(logits).all()
+    capsys.readouterr()
+    assert run_cli("generate", ft, "--prompt", "def", "--max-new-tokens", "4") == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_mxfp4_experts_read_decoded_as_transformers_decodes_them(imported, tmp_path):
+    """The released files' MXFP4 experts (`*_blocks` / `*_scales`, quant_method mxfp4) read as
+    transformers' `convert_moe_packed_tensors` decodes them, exactly (the float import of the
+    test above then holds); the other tensors are untouched."""
+    _, src, _ = imported
     rng = np.random.default_rng(3)
-    mx = {}
-    for name, out, n_in in (("gate_up_proj", 64, 64), ("down_proj", 64, 32)):
-        blocks = rng.integers(0, 256, (5, out, n_in // 32, 16), dtype=np.uint8)
-        scales = rng.integers(123, 129, (5, out, n_in // 32), dtype=np.uint8)
-        mx[name] = blocks, scales
-        w = convert_moe_packed_tensors(
-            torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
-        )
-        with torch.no_grad():
-            for layer in model.model.layers:
-                getattr(layer.mlp.experts, name).copy_(w)
-    src = save_hf(model, tmp_path / "hf")
-    tensors = load_file(str(src / "model.safetensors"))
-    for i in range(3):
-        for name, (blocks, scales) in mx.items():
-            prefix = f"model.layers.{i}.mlp.experts.{name}"
-            del tensors[prefix]
-            tensors[prefix + "_blocks"], tensors[prefix + "_scales"] = blocks, scales
-    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {"model.norm.weight": np.ones(48, np.float32)}
+    for name, out, n_in in (("gate_up_proj", 80, 64), ("down_proj", 48, 32)):
+        prefix = f"model.layers.0.mlp.experts.{name}"
+        tensors[prefix + "_blocks"] = rng.integers(0, 256, (5, out, n_in // 32, 16), np.uint8)
+        tensors[prefix + "_scales"] = rng.integers(120, 131, (5, out, n_in // 32), np.uint8)
+    (tmp_path / "mx").mkdir()
+    save_file(tensors, str(tmp_path / "mx" / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
-    (src / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(cfg))
 
-    assert run_cli("convert", "import", src, tmp_path / "run", "model.dtype=float32") == 0
-    got = np.asarray(jaxllm.load_model(tmp_path / "run")(tokens()).logits)
-    np.testing.assert_allclose(got, hf_logits(model, tokens()), atol=1e-4, rtol=1e-4)
+    reader = Reader(tmp_path / "mx")
+    assert sorted(reader.shapes) == [
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.norm.weight",
+    ]
+    for name in ("gate_up_proj", "down_proj"):
+        prefix = f"model.layers.0.mlp.experts.{name}"
+        want = convert_moe_packed_tensors(
+            torch.from_numpy(tensors[prefix + "_blocks"]),
+            torch.from_numpy(tensors[prefix + "_scales"]),
+            dtype=torch.float32,
+        ).numpy()
+        got = reader.read(prefix)
+        assert reader.shapes[prefix] == want.shape and got.tobytes() == want.tobytes()
 
 
 def test_unknown_layer_type_is_refused(tmp_path, capsys):
