@@ -1,13 +1,17 @@
 """gpt-oss's mixture of experts (`model.moe.router_logit_bias`, `expert_bias`,
 `activation=swiglu_clamped`) against transformers' `GptOssMLP` built tiny in float32: both
-dispatch modes, with values large enough that the clamps bite; and the config checks."""
+dispatch modes, with values large enough that the clamps bite; training of a gpt-oss-shaped
+model (with sinks) on an expert x fsdp x tensor mesh equal to one device; the config checks."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers as hf
+from conftest import tiny_model
 from flax import nnx
+from test_moe_parallel import _train
 
 from jaxllm import config
 from jaxllm.config import ConfigError, MoEConfig
@@ -76,6 +80,62 @@ def test_moe_matches_transformers(dispatch):
         want = mlp(torch.from_numpy(x))[0].numpy()
     got = _ours(mlp, dispatch)(jnp.asarray(x)).out
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+
+
+def _gpt_oss_cfg(dispatch, **mesh) -> config.Config:
+    moe = MoEConfig(
+        num_experts=8,
+        experts_per_token=2,
+        router_logit_bias=True,
+        expert_bias=True,
+        activation="swiglu_clamped",
+        dispatch=dispatch,
+        capacity_factor=1.0,
+    )
+    model = tiny_model(
+        vocab_size=258,
+        attention_sinks=True,
+        qkv_bias=True,
+        o_bias=True,
+        sliding_window=4,
+        global_every=2,
+        moe=moe,
+    )
+    return config.Config(
+        model=model,
+        mesh=config.MeshConfig(**{"data": 1, **mesh}),
+        data=config.DataConfig(seq_len=16),
+        train=config.TrainConfig(global_batch_size=8, steps=2),
+        optim=config.OptimConfig(lr=3e-3, warmup_steps=0, eps=1e-6),
+    )
+
+
+@pytest.mark.parametrize(
+    "dispatch,mesh",
+    [
+        ("dropless", dict(expert=2, fsdp=2, tensor=2)),
+        pytest.param(
+            "capacity",
+            dict(expert=2, fsdp=2, tensor=2, expert_dispatch="all_to_all"),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["ep2_fsdp2_tp2-dropless", "ep2_fsdp2_tp2-capacity-all_to_all"],
+)
+def test_sharded_training_matches_single_device(dispatch, mesh):
+    """Two train steps (sinks, biases and the clamped experts in the gradients) on an expert x
+    fsdp x tensor mesh equal one device's; the biases moved from their zero init."""
+    ref_losses, ref_state, _, initial = _train(_gpt_oss_cfg(dispatch), jax.devices()[:1])
+    losses, state, _, _ = _train(_gpt_oss_cfg(dispatch, **mesh), jax.devices(), initial)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(state.params)),
+        jax.tree.leaves(jax.device_get(ref_state.params)),
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+    mlp = jax.device_get(state.params)["moe_layers"]["moe"]["mlp"]
+    for name in ("router_logit_bias", "gate_bias", "up_bias", "down_bias"):
+        assert np.abs(mlp[name]).max() > 0, name
 
 
 def test_clamped_swiglu_clips():
