@@ -19,6 +19,7 @@ import jaxllm
 from jaxllm.config import GenerateConfig
 from jaxllm.convert.reader import Reader
 from jaxllm.infer import generate
+from jaxllm.infer.engine import Engine, SamplingParams
 
 VOCAB, LEN = 320, 11  # the byte tokenizer needs >= 258 ids
 TINY = dict(
@@ -86,14 +87,16 @@ def test_import_matches_transformers_and_exports_the_same_bytes(imported, tmp_pa
 
 
 def test_generates_like_transformers(imported):
-    """Greedy decoding through the KV cache (sinks in the decode attention, windowed layers)
-    equals transformers' `generate`."""
+    """Greedy decoding through the KV cache (sinks in the decode attention, windowed layers),
+    and through the engine's pages, equals transformers' `generate`."""
     model, _, run = imported
     prompts = [[5, 17, 33, 3], [7, 1, 50, 12, 8, 40, 2]]
-    ours = generate(
-        jaxllm.load_model(run), prompts, GenerateConfig(max_new_tokens=6, kv_cache_dtype="float32")
-    )
-    for prompt, got in zip(prompts, ours.tokens):
+    ours = jaxllm.load_model(run)
+    tokens = generate(ours, prompts, GenerateConfig(max_new_tokens=6, kv_cache_dtype="float32"))
+    engine = Engine(ours, max_num_seqs=2, page_size=4, num_pages=16, chunk_size=8)
+    paged = engine.generate(prompts, SamplingParams(max_tokens=6))
+    assert [p[0].tokens for p in paged] == tokens.tokens
+    for prompt, got in zip(prompts, tokens.tokens):
         with torch.no_grad():
             theirs = model.generate(
                 torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
