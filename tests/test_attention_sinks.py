@@ -167,6 +167,8 @@ def test_backends_without_sinks_are_refused():
     with pytest.raises(ValueError, match="cudnn"):
         q, k, v, _ = _inputs(1, 8, 8, 2, 2, 16, jnp.float32)
         dot_product_attention(q, k, v, sinks_H=_sinks(2), impl="cudnn")
+    mla = ["model.mla.kv_lora_rank=16", "model.num_kv_heads=4"]
+    assert "not of MLA" in load_error("model.attention_sinks=true", *mla)
     assert config.load(None, ["model.attention_sinks=true"]).model.attention_sinks
     with pytest.raises(ConfigError):
         config.load(None, ["model.attention_sinks=maybe"])

@@ -334,6 +334,11 @@ class ModelConfig:
             _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
         if self.attention_impl == "cudnn" and self.attention_sinks:
             _fail("model.attention_sinks needs model.attention_impl xla, flash or auto, not cudnn.")
+        if self.attention_sinks and (self.mla.enabled or self.kind == "encoder_decoder"):
+            _fail(
+                "model.attention_sinks is part of grouped-query attention (decoders, encoders), "
+                "not of MLA (model.mla) or an encoder-decoder."
+            )
         if self.matmul_dtype not in (None, "float8", self.dtype):
             _fail(
                 f"model.matmul_dtype must be null (the compute dtype, model.dtype={self.dtype}) "
