@@ -4,12 +4,16 @@ its column) against the model's XLA path, the flash kernel (interpret mode, forw
 gradients in q, k, v and the sinks), the decode kernel over contiguous and paged caches, their
 lowering for TPU and CUDA, and the refusals (cuDNN, ring attention)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_inputs import inputs as _inputs
 from attention_inputs import packed_ids as _packed_ids
+from conftest import tiny_model
+from flax import nnx
 from jaxllm.kernels import BlockSizes, flash_attention, flash_attention_reference
 from jaxllm.kernels.decode_attention import (
     decode_attention,
@@ -23,6 +27,7 @@ from test_flash_attention_lowering import LOWERINGS
 from jaxllm import config
 from jaxllm.config import ConfigError
 from jaxllm.model.attention import dot_product_attention
+from jaxllm.model.transformer import build
 
 f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
 
@@ -64,6 +69,31 @@ def test_model_attention_matches_eager_formula(impl, window):
     np.testing.assert_allclose(f32(out), _eager(q, k, v, sinks, window=window), atol=2e-5)
     plain = dot_product_attention(q, k, v, sliding_window=window, impl=impl)
     assert np.abs(f32(out) - f32(plain)).max() > 1e-2  # the sinks took weight
+
+
+def test_model_with_windowed_layers_is_the_same_on_flash_and_xla():
+    """A scanned model whose layers alternate window / full (the kernel's window picked per
+    layer with `lax.cond`) gives the same logits and sink gradients with flash and xla."""
+    cfg = tiny_model(attention_sinks=True, sliding_window=4, global_every=2, num_layers=2)
+    model = build(cfg, seed=0)
+    sinks = model.layers.attn.sinks
+    sinks[...] = jax.random.normal(jax.random.key(1), sinks[...].shape)
+    tokens = jax.random.randint(jax.random.key(2), (2, 11), 0, cfg.vocab_size)
+
+    def loss_and_grad(impl):
+        m = build(dataclasses.replace(cfg, attention_impl=impl), seed=0)
+        nnx.update(m, nnx.state(model))
+
+        def loss(m):
+            return jnp.mean(m(tokens).logits ** 2)
+
+        return nnx.value_and_grad(loss)(m)
+
+    (l_x, g_x), (l_f, g_f) = loss_and_grad("xla"), loss_and_grad("flash")
+    np.testing.assert_allclose(float(l_f), float(l_x), rtol=1e-5)
+    gx, gf = g_x.layers.attn.sinks[...], g_f.layers.attn.sinks[...]
+    np.testing.assert_allclose(f32(gf), f32(gx), atol=1e-6, rtol=1e-4)
+    assert np.abs(f32(gx)).min() > 0
 
 
 @pytest.mark.parametrize(
