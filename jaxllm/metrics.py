@@ -52,12 +52,18 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         )
         attn, mla_norms = q + kv + h * a.v_head_dim * d, n * (a.q_lora_rank + a.kv_lora_rank)
     n_moe, moe_total, moe_active = 0, 0, 0
+    moe_bias_total, moe_bias_active = 0, 0
     if cfg.moe.enabled:  # experts and shared experts are SwiGLU FFNs
         m, fe = cfg.moe, cfg.resolved_expert_mlp_dim
         n_moe = (n - m.first_dense_layers) // m.moe_every
         common = attn + d * m.num_experts + 3 * d * fe * m.num_shared_experts  # router, shared
         moe_total = common + 3 * d * fe * m.num_experts
         moe_active = common + 3 * d * fe * m.experts_per_token
+        # gpt-oss: the router's logit bias, each expert's gate / up / down biases
+        per_expert = (2 * fe + d) * m.expert_bias
+        moe_bias_total = n_moe * (m.num_experts * (m.router_logit_bias + per_expert))
+        moe_bias_active = n_moe * (m.num_experts * m.router_logit_bias)
+        moe_bias_active += n_moe * m.experts_per_token * per_expert
     dense_layer = attn + mlp_mats * d * f
     total_matmul = (n - n_moe) * dense_layer + n_moe * moe_total
     active_matmul = (n - n_moe) * dense_layer + n_moe * moe_active
@@ -75,6 +81,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     biases = n * (
         (hk + 2 * gk) * cfg.qkv_bias + d * cfg.o_bias + ((mlp_mats - 1) * f + d) * cfg.mlp_bias
     )
+    biases += n * cfg.num_heads * cfg.attention_sinks  # one sink logit per query head
     positions = cfg.max_seq_len * d if cfg.position == "learned" else 0
     enc = cfg.encoder  # an encoder's BERT parts: token types, embedding norm, MLM head, pooler
     transform = (d * d + d + norm_params * d) * enc.mlm_head
@@ -85,8 +92,15 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         + (d * d + d) * enc.pooler
     )
     return {
-        "total": total_matmul + embed + head + norms + biases + positions + extra,
-        "active": active_matmul + embed + head + norms + biases + positions + extra,
+        "total": total_matmul + embed + head + norms + biases + moe_bias_total + positions + extra,
+        "active": active_matmul
+        + embed
+        + head
+        + norms
+        + biases
+        + moe_bias_active
+        + positions
+        + extra,
         # the LM head is a matmul (the tied embedding too); the input embedding is a gather
         "matmul": active_matmul + head_out * d + d * d * enc.mlm_head,
     }

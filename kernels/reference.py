@@ -9,6 +9,7 @@ attention. The Pallas kernels apply the same mask block by block and are tested 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -110,3 +111,24 @@ def masked_logits(products, mask, *, scale, soft_cap=None, bias=None):
     if bias is not None:
         scores = scores + bias
     return jnp.where(mask, scores, MASK_VALUE), tanh
+
+
+def softmax_with_sinks(scores_XxS, sinks_X1):
+    """softmax over [scores, sink] with the sink's column dropped: a learned per-head logit
+    that joins the denominator only, so a head can put weight on "nothing" (attention sinks,
+    Xiao et al. 2023, arXiv:2309.17453; gpt-oss learns one per head, as transformers'
+    `GptOssAttention`). `sinks_X1` broadcasts against the scores with a last axis of 1."""
+    sinks = jnp.broadcast_to(sinks_X1.astype(jnp.float32), (*scores_XxS.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores_XxS, sinks], axis=-1), axis=-1)
+    return probs[..., :-1]
+
+
+def apply_sinks(out_BxLxHxK, lse_BxHxL, sinks_H):
+    """Attention normalized over its keys, (out, lse), re-normalized with a sink logit per head
+    in the denominator: out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink). Exact, and
+    differentiable through the lse, so a kernel that returns (out, lse) gets sinks (and their
+    gradients) without a change inside it. A row with no visible key (lse `MASK_VALUE`) stays
+    0. Float32; returns out's shape."""
+    sinks_1xHx1 = jnp.asarray(sinks_H, jnp.float32)[None, :, None]
+    weight_BxHxL = jax.nn.sigmoid(lse_BxHxL.astype(jnp.float32) - sinks_1xHx1)
+    return out_BxLxHxK.astype(jnp.float32) * jnp.transpose(weight_BxHxL, (0, 2, 1))[..., None]

@@ -13,7 +13,7 @@ from conftest import tiny_model
 from flax import nnx
 
 from jaxllm import config, optim
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, MoEConfig
 from jaxllm.metrics import param_counts
 from jaxllm.model import (
     MLP,
@@ -316,6 +316,14 @@ def test_invalid_knob_combinations(overrides, key):
         },
         {"norm_placement": "sandwich", "qk_norm": True, "head_dim": 16},
         {"norm_placement": "post", "mlp_activation": "relu2", "norm": "layernorm"},
+        {  # gpt-oss: sinks, attention biases, a router bias and expert biases
+            "attention_sinks": True,
+            "qkv_bias": True,
+            "o_bias": True,
+            "moe": MoEConfig(
+                num_experts=4, experts_per_token=2, router_logit_bias=True, expert_bias=True
+            ),
+        },
     ],
 )
 def test_param_count_matches_the_model(knobs):

@@ -353,3 +353,18 @@ def test_plan_does_not_count_collectives_over_single_devices():
   %e = f32[8,64]{1,0} all-to-all(%x), replica_groups=[8,1]<=[8], dimensions={0}
 """
     assert collectives(hlo) == {"all-reduce": {"count": 2, "bytes": 2 * 8 * 64 * 4}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "preset,params", [("gpt_oss_20b", 20_914_757_184), ("gpt_oss_120b", 116_829_156_672)]
+)
+def test_gpt_oss_plans_on_an_expert_parallel_mesh(preset, params):
+    """The published shapes (sinks, attention and expert biases included)."""
+    r = _plan_preset(preset)
+    assert (
+        r["params"] == params == param_counts(config.load(None, [f"model={preset}"]).model)["total"]
+    )
+    rows = {row["name"]: row for row in r["param_rows"]}
+    assert tuple(rows["moe_layers/moe/mlp/gate_bias"]["spec"])[1] == "expert"
+    assert rows["moe_layers/moe/attn/sinks"]["shape"][1] == 64

@@ -69,7 +69,7 @@ def test_decay_mask_excludes_norm_scales_and_biases():
     params = {
         "layers": {
             "attn_norm": {"scale": x},
-            "attn": {"q_proj": x, "o_proj": x},
+            "attn": {"q_proj": x, "o_proj": x, "sinks": x},  # sinks [N, H]: logits, not weights
             "mlp": {"up_proj": {"kernel": x, "bias": x}},
         },
         "final_norm": {"scale": x},
@@ -79,7 +79,7 @@ def test_decay_mask_excludes_norm_scales_and_biases():
     assert optim.decay_mask(params) == {
         "layers": {
             "attn_norm": {"scale": False},
-            "attn": {"q_proj": True, "o_proj": True},
+            "attn": {"q_proj": True, "o_proj": True, "sinks": False},
             "mlp": {"up_proj": {"kernel": True, "bias": False}},
         },
         "final_norm": {"scale": False},

@@ -44,6 +44,9 @@ class RopeConfig:
     """`yarn`: rotations below which a frequency is interpolated."""
     attention_factor: float | None = None
     """`yarn`: multiplier of cos/sin (attention temperature); null is 0.1 ln(factor) + 1."""
+    truncate: bool = True
+    """`yarn`: round the ramp's ends to whole channel pairs (floor / ceil), as the YaRN paper;
+    false keeps them fractional (gpt-oss, Hugging Face `truncate: false`)."""
     local_theta: float | None = None
     """Base of windowed (sliding-window) layers, which take no `scaling` (Gemma 3: 10k locally,
     theta 1M with linear scaling globally); null: every layer uses theta and the scaling.
@@ -146,6 +149,10 @@ class ModelConfig:
     """Biases on the q/k/v projections (Qwen2, GPT-2)."""
     o_bias: bool = False
     """Bias on the attention output projection (GPT-2)."""
+    attention_sinks: bool = False
+    """A learned logit per query head that joins every attention softmax's denominator only, so
+    a head can attend to nothing (gpt-oss; Xiao et al. 2023). attention_impl xla, flash or auto
+    (not cudnn); no ring attention (mesh.sequence with the ring)."""
     mlp_bias: bool = False
     """Biases on the MLP projections (GPT-2)."""
     attn_scale: float | None = None
@@ -343,6 +350,13 @@ class ModelConfig:
             _fail(f"model.cudnn_max_segments must be >= 1, not {self.cudnn_max_segments}.")
         if self.attention_impl == "cudnn" and self.attn_soft_cap is not None:
             _fail("model.attn_soft_cap needs model.attention_impl xla, flash or auto, not cudnn.")
+        if self.attention_impl == "cudnn" and self.attention_sinks:
+            _fail("model.attention_sinks needs model.attention_impl xla, flash or auto, not cudnn.")
+        if self.attention_sinks and (self.mla.enabled or self.kind == "encoder_decoder"):
+            _fail(
+                "model.attention_sinks is part of grouped-query attention (decoders, encoders), "
+                "not of MLA (model.mla) or an encoder-decoder."
+            )
         if self.matmul_dtype not in (None, "float8", self.dtype):
             _fail(
                 f"model.matmul_dtype must be null (the compute dtype, model.dtype={self.dtype}) "
@@ -384,6 +398,8 @@ class ModelConfig:
             ]
             if changed:
                 _fail(f"{changed[0]} only applies to model.position=rope, not {self.position}.")
+        if not r.truncate and r.scaling != "yarn":
+            _fail("model.rope.truncate=false only applies to model.rope.scaling=yarn.")
         if r.scaling == "none" and r.factor != 1.0:
             _fail(
                 "model.rope.factor needs model.rope.scaling (linear, ntk, dynamic, yarn or llama3)."

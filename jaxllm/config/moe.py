@@ -58,6 +58,19 @@ class MoEConfig:
     """Keep the per-expert choice bias even when bias_update_rate is 0: a model imported from
     DeepSeek-V3 routes with its trained `e_score_correction_bias`, frozen unless
     bias_update_rate > 0 (which implies a bias)."""
+    router_logit_bias: bool = False
+    """A trained per-expert bias added to the router logits themselves, before the top-k and
+    the softmax (gpt-oss's router); unlike `router_bias` it is a parameter."""
+    expert_bias: bool = False
+    """Biases on every expert's gate, up and down projections (gpt-oss)."""
+    activation: Literal["swiglu", "swiglu_clamped"] = "swiglu"
+    """The experts' gate: `swiglu` silu(gate) * up; `swiglu_clamped` gpt-oss's
+    (up + 1) * gate * sigmoid(swiglu_alpha * gate) with gate <= swiglu_limit and
+    |up| <= swiglu_limit."""
+    swiglu_alpha: float = 1.702
+    """activation=swiglu_clamped: the sigmoid's slope (gpt-oss: 1.702)."""
+    swiglu_limit: float = 7.0
+    """activation=swiglu_clamped: where gate and up are clipped (gpt-oss: 7.0)."""
     num_groups: int = 1
     """Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups
     of consecutive experts (one per device or node in DeepSeek's layout); 1: no groups."""
@@ -103,6 +116,8 @@ def validate_moe(m) -> None:
         )
     if moe.capacity_factor <= 0 or moe.route_scale <= 0:
         _fail("model.moe.capacity_factor and model.moe.route_scale must be positive.")
+    if moe.swiglu_alpha <= 0 or moe.swiglu_limit <= 0:
+        _fail("model.moe.swiglu_alpha and model.moe.swiglu_limit must be positive.")
     for name in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate"):
         if getattr(moe, name) < 0:
             _fail(f"model.moe.{name} must be >= 0, not {getattr(moe, name)}.")

@@ -159,10 +159,12 @@ class Config:
             or m.sliding_window is not None
             or m.attn_soft_cap is not None
             or m.attn_scale is not None
+            or m.attention_sinks
         ):
             _fail(
                 "mesh.sequence_attention=ring supports neither model.position=alibi, "
-                "model.sliding_window, model.attn_soft_cap nor model.attn_scale; use all_gather."
+                "model.sliding_window, model.attn_soft_cap, model.attn_scale nor "
+                "model.attention_sinks; use all_gather."
             )
         if self.data.seq_len > m.max_seq_len - m.encoder.position_offset:
             _fail(

@@ -66,8 +66,6 @@ def _rope(hf: dict) -> dict:
             "original_max_len": original,
         }
     if kind == "yarn":
-        if p.get("truncate", True) is False:
-            _fail("YaRN with truncate=false is not supported.")
         factor = p.get("factor") or hf["max_position_embeddings"] / original
         attention = p.get("attention_factor")
         if attention is None and p.get("mscale") and p.get("mscale_all_dim"):
@@ -82,6 +80,7 @@ def _rope(hf: dict) -> dict:
             "beta_slow": float(p.get("beta_slow") or 1.0),
             "attention_factor": None if attention is None else float(attention),
             "original_max_len": original,
+            "truncate": bool(p.get("truncate", True)),
         }
     _fail(f"RoPE type {kind!r} is not supported (none, linear, dynamic, llama3 and yarn are).")
 
@@ -118,6 +117,8 @@ def _rope_to_hf(cfg: ModelConfig) -> dict:
         )
         if r.attention_factor is not None:
             p["attention_factor"] = r.attention_factor
+        if not r.truncate:
+            p["truncate"] = False
     legacy = None if r.scaling == "none" else {k: v for k, v in p.items() if k != "rope_theta"}
     out = {"rope_parameters": p, "rope_theta": r.theta, "rope_scaling": legacy}
     if r.scaling == "dynamic":  # transformers' `dynamic` scales past max_position_embeddings

@@ -6,6 +6,7 @@ model (`to_hf`), and the `Link`s between its safetensors names and our parameter
 transform is a reshape, a transpose or a split/concatenation, so importing and exporting give
 back the same bytes. The families live by group: `llama.py` (Llama, Mistral, Qwen2 / Qwen3,
 Mixtral), `gemma.py` (Gemma 2, Gemma 3 text), `deepseek.py` (DeepSeek-V2, DeepSeek-V3),
+`gpt_oss.py` (gpt-oss),
 `gpt2.py`, `bert.py` (BERT, RoBERTa: encoders) and `t5.py` (T5 v1.0 / v1.1: encoder–decoders);
 this module holds the registry `FAMILIES`, picks a model's family, and checks that an exported
 config.json says what the model is.
@@ -23,6 +24,7 @@ from jaxllm.convert.config_map import _fail
 from jaxllm.convert.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from jaxllm.convert.gemma import GEMMA2, GEMMA3
 from jaxllm.convert.gpt2 import GPT2
+from jaxllm.convert.gpt_oss import GPT_OSS
 from jaxllm.convert.links import Family
 from jaxllm.convert.llama import LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3
 from jaxllm.convert.t5 import T5
@@ -51,6 +53,7 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         *(LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V2, GPT2),
+        GPT_OSS,
         *(BERT, ROBERTA),
         T5,
     )
@@ -133,6 +136,8 @@ def guess_family(cfg: ModelConfig) -> Family:
         return FAMILIES["deepseek_v2"]
     if cfg.mla.enabled:
         return FAMILIES["deepseek_v3"]
+    if cfg.moe.enabled and (cfg.attention_sinks or cfg.moe.expert_bias):
+        return FAMILIES["gpt_oss"]
     if cfg.moe.enabled:
         return FAMILIES["mixtral"]
     if cfg.position == "learned":

@@ -35,7 +35,9 @@ class Link:
     `n_in` axes of ours being inputs), `conv` (GPT-2 Conv1D [in, out] -> ours [in..., out...]).
     The first `n_lead` axes of an element stay in front on both sides (transformers 5's fused
     experts [E, out, in] are per-expert torch layouts). Several `ours` are concatenated along
-    HF axis `axis` (GPT-2's fused q/k/v, Mixtral's fused gate/up). `offset` is the HF layer
+    HF axis `axis` (GPT-2's fused q/k/v, Mixtral's fused gate/up), or with `interleave`
+    alternated element by element along it (gpt-oss's gate_up: gate at even, up at odd
+    indices). `offset` is the HF layer
     number of our first stacked layer (DeepSeek-V3's MoE blocks, stacked apart, follow its
     dense ones).
     """
@@ -47,6 +49,7 @@ class Link:
     axis: int = -1
     n_lead: int = 0
     offset: int = 0
+    interleave: bool = False
 
     @property
     def indices(self) -> tuple[str, ...]:
@@ -81,7 +84,10 @@ class Link:
 
     def to_ours(self, w: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
         parts = [w]
-        if len(shapes) > 1:
+        if len(shapes) > 1 and self.interleave:
+            n, axis = len(shapes), self.axis % w.ndim
+            parts = [w[(slice(None),) * axis + (slice(j, None, n),)] for j in range(n)]
+        elif len(shapes) > 1:
             sizes = np.cumsum([self._part_shape(s)[self.axis] for s in shapes])[:-1]
             parts = np.split(w, sizes, axis=self.axis)
         return [self._one_to_ours(p, s) for p, s in zip(parts, shapes)]
@@ -99,6 +105,12 @@ class Link:
 
     def to_hf(self, xs: list[np.ndarray]) -> np.ndarray:
         parts = [self._one_to_hf(x) for x in xs]
+        if len(parts) > 1 and self.interleave:  # [..., n, ...] stacked after the axis, merged
+            axis = self.axis % parts[0].ndim
+            stacked = np.stack(parts, axis=axis + 1)
+            shape = list(parts[0].shape)
+            shape[axis] *= len(parts)
+            return np.ascontiguousarray(stacked.reshape(shape))
         out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.axis)
         return np.ascontiguousarray(out)
 

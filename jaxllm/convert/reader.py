@@ -12,7 +12,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxllm.config import ConfigError
-from jaxllm.convert import autoquant, coded_formats
+from jaxllm.convert import autoquant, coded_formats, mxfp4
 from jaxllm.convert.families import first_line
 from jaxllm.convert.packed import SUFFIXES, dequantized, module_codes, run_quantize
 
@@ -144,12 +144,16 @@ class Reader:
         self.bits = 0
         self.auto: dict | None = None  # a GPTQ / AWQ quantization_config
         self.coded: str | None = None  # the kind of compressed-tensors' fp8 / int8 / MXFP4 codes
+        self.mx = False  # gpt-oss's MXFP4 experts (`_mxfp4`)
         packed = [n.removesuffix(".weight_packed") for n in self.shapes if n.endswith("_packed")]
         auto = [n.removesuffix(".qweight") for n in self.shapes if n.endswith(".qweight")]
         # config.json, read once (a PEFT adapter directory has none, and nothing packed)
         has_config = (hf_dir / "config.json").is_file()
         hf = read_hf_config(hf_dir) if has_config or auto or packed else {}
         method = (hf.get("quantization_config") or {}).get("quant_method")
+        if method == mxfp4.METHOD:
+            self._mxfp4(hf_dir)
+            return
         if auto:
             self._auto(hf_dir, hf, auto)
         if method in autoquant.METHODS and not auto and not packed:
@@ -183,6 +187,25 @@ class Reader:
             for suffix in SUFFIXES:
                 self.shapes.pop(f"{m}.{suffix}", None)
                 self.dtypes.pop(f"{m}.{suffix}", None)
+
+    def _mxfp4(self, hf_dir: Path) -> None:
+        """gpt-oss's MXFP4 experts (`NAME_blocks` + `NAME_scales`) seen as their float `NAME`
+        (`jaxllm.convert.mxfp4`), stored as the checkpoint's other float tensors are."""
+        found = mxfp4.packed_tensors(self.shapes)
+        if not found:
+            raise ConfigError(
+                f"{hf_dir}'s config.json says quant_method mxfp4 but its files hold no MXFP4 "
+                "tensors (NAME_blocks with NAME_scales); give the quantized files."
+            )
+        for base in found:
+            for suffix in mxfp4.SUFFIXES:
+                self.shapes.pop(base + suffix)
+                self.dtypes.pop(base + suffix)
+        stored = {v: k for k, v in DTYPES.items()}[self.param_dtype()]
+        for base, shape in found.items():
+            self.modules[base] = base
+            self.shapes[base], self.dtypes[base] = shape, stored
+        self.mx = True
 
     def _coded(self, hf_dir: Path, qc: dict) -> None:
         """compressed-tensors' fp8 / int8 / MXFP4 modules (every `M.weight_scale`) seen as
@@ -241,7 +264,9 @@ class Reader:
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         if name in self.modules:
-            if self.auto is not None:
+            if self.mx:
+                w = mxfp4.dequantize(self._read(name + "_blocks"), self._read(name + "_scales"))
+            elif self.auto is not None:
                 w = autoquant.dequantized(self._read, self.modules[name], self.auto, np.float32)
             elif self.coded is not None:
                 w = coded_formats.dequantized(

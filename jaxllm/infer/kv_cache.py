@@ -311,10 +311,11 @@ class CacheView:
         soft_cap=None,
         sliding_window=None,
         alibi_slopes_H=None,
+        sinks_H=None,
     ) -> jax.Array:
         """Attention of the new queries over the cache (causal among themselves), with the
-        layer's logit scale, soft cap, sliding window (int, or traced: 0 is none) and ALiBi
-        slopes. The kernel runs global layers; windowed and ALiBi layers take the reference
+        layer's logit scale, soft cap, sliding window (int, or traced: 0 is none), ALiBi
+        slopes and attention sinks. The kernel runs global layers; windowed and ALiBi layers take the reference
         path (`decode_attention` says why)."""
         masks = dict(sm_scale=sm_scale, soft_cap=soft_cap)
         if self.impl == "kernel":  # per (batch, kv head) shard: a kernel cannot be partitioned
@@ -322,6 +323,7 @@ class CacheView:
             named = {
                 "sliding_window": (sliding_window, None),
                 "alibi_slopes_H": (alibi_slopes_H, ("act_heads",)),
+                "sinks_H": (sinks_H, ("act_heads",)),
             }
             if isinstance(sliding_window, int):
                 masks["sliding_window"] = named.pop("sliding_window")[0]
@@ -359,6 +361,7 @@ class CacheView:
                 layer=self.layer,
                 sliding_window=sliding_window,
                 alibi_slopes_H=alibi_slopes_H,
+                sinks_H=sinks_H,
                 **masks,
             )
         return out.astype(q_BxQxHxK.dtype)

@@ -58,6 +58,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, k, axes=("head_dim",))
             self.k_norm = make_norm(cfg, k, axes=("head_dim",))
+        if cfg.attention_sinks:  # one logit per query head in the softmax denominator
+            self.sinks = param(rngs, zeros, (h,), ("heads",), pdt)
         if self.gaussian and cfg.gaussian_sigma_learned:  # log sigma: sigma stays positive
             log_sigma = jax.nn.initializers.constant(math.log(cfg.gaussian_sigma))
             self.gaussian_log_sigma = param(rngs, log_sigma, (h,), ("heads",), pdt)
@@ -141,8 +143,13 @@ class Attention(nnx.Module):
             window = jnp.where(windowed, jnp.int32(window), jnp.int32(0))
         alibi = None if self.position != "alibi" else jnp.asarray(self.alibi, jnp.float32)
         scale = 1.0 if self.gaussian else self.scale  # Gaussian: folded into the queries
+        sinks = getattr(self, "sinks", None)
         return dict(
-            scale=scale, soft_cap=self.soft_cap, alibi_slopes_H=alibi, sliding_window=window
+            scale=scale,
+            soft_cap=self.soft_cap,
+            alibi_slopes_H=alibi,
+            sliding_window=window,
+            sinks_H=None if sinks is None else sinks[...].astype(jnp.float32),
         )
 
     def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed, prefix_BxL=None):
@@ -180,6 +187,7 @@ class Attention(nnx.Module):
             soft_cap=self.soft_cap,
             sliding_window=masks["sliding_window"],
             alibi_slopes_H=masks["alibi_slopes_H"],
+            sinks_H=masks["sinks_H"],
         )
 
     def _self_attention(
@@ -190,8 +198,8 @@ class Attention(nnx.Module):
         if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             if self.gaussian:
                 raise ValueError("ring attention has no Gaussian kernel; use all_gather")
-            if prefix_BxL is not None:
-                raise ValueError("ring attention takes no prefix-LM mask; use all_gather")
+            if prefix_BxL is not None or hasattr(self, "sinks"):
+                raise ValueError("ring attention takes no prefix-LM mask or sinks; use all_gather")
             width = v_BxLxGxV.shape[-1]
             out_BxLxHxK = parallel.ring_attention(
                 q_BxLxHxK,

@@ -1,7 +1,9 @@
 """`dot_product_attention`, the single function the model calls for attention, and its
 implementations: `xla` (einsum reference with float32 softmax, the only one with ALiBi, T5's
 bias, a prefix LM and a traced per-layer window), `flash` (the Pallas kernel of
-`jaxllm.kernels`) and `cudnn` (`jaxllm.model.cudnn`); `resolve_impl` picks one for `auto`.
+`jaxllm.kernels`) and `cudnn` (`jaxllm.model.cudnn`), both run per shard by
+`jaxllm.model.attention_kernels`; `resolve_impl` picks one for `auto`. `sinks_H` (gpt-oss's
+learned logit per head in the softmax denominator) runs on xla and flash.
 Masks (causal, segments, windows) and caps are described in `jaxllm.model.attention`.
 """
 
@@ -10,15 +12,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm import parallel
-from jaxllm.kernels import flash_attention
-from jaxllm.kernels.reference import attention_mask, masked_scores
-from jaxllm.model.cudnn import cudnn_attention
+from jaxllm.kernels.reference import attention_mask, masked_scores, softmax_with_sinks
+from jaxllm.model.attention_kernels import cudnn, flash
 
 
-def _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS):
-    """Softmax over the masked float32 scores of `jaxllm.kernels.reference`; the probabilities
-    are cast to v's dtype for the second matmul."""
+def _xla_attention(
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS, sinks_H=None
+):
+    """Softmax over the masked float32 scores of `jaxllm.kernels.reference` (and the sink
+    logits, whose column is then dropped); the probabilities are cast to v's dtype for the
+    second matmul."""
     b, l, h, _ = q_BxLxHxK.shape
     g = k_BxSxGxK.shape[2]
     bias_1xGxRxLxS = None
@@ -27,7 +30,11 @@ def _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap,
     scores_BxGxRxLxS, _ = masked_scores(
         q_BxLxHxK, k_BxSxGxK, mask_XxLxS, scale=scale, soft_cap=soft_cap, bias=bias_1xGxRxLxS
     )
-    probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
+    if sinks_H is None:
+        probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1)
+    else:
+        probs_BxGxRxLxS = softmax_with_sinks(scores_BxGxRxLxS, sinks_H.reshape(1, g, h // g, 1, 1))
+    probs_BxGxRxLxS = probs_BxGxRxLxS.astype(v_BxSxGxK.dtype)
     out_BxLxGxRxV = jnp.einsum("bgrls,bsgv->blgrv", probs_BxGxRxLxS, v_BxSxGxK)
     return out_BxLxGxRxV.reshape(b, l, h, v_BxSxGxK.shape[-1])
 
@@ -45,12 +52,13 @@ def resolve_impl(
     dtype=None,
     head_dim: int | None = None,
     causal: bool = True,
+    sinks: bool = False,
 ) -> str:
     """`auto` -> the fastest implementation measured for the default backend (docs/benchmarks.md):
     on TPU the Pallas kernel; on a CUDA GPU, for bfloat16 / float16 with head dim 64 or 128,
     cuDNN's fused attention for causal self-attention (2-3x the Mosaic GPU kernel on an H100,
     packed documents included) and the kernel when a logit soft cap rules cuDNN out or the
-    attention is bidirectional (the cases checked on the device), XLA otherwise; XLA on CPU.
+    attention is bidirectional or has sinks (cuDNN has none), XLA otherwise; XLA on CPU.
     ALiBi always runs on XLA: the kernels take no additive bias."""
     if impl != "auto":
         return impl
@@ -63,69 +71,7 @@ def resolve_impl(
         return "xla"
     if head_dim is not None and head_dim not in (64, 128):
         return "xla"
-    return "flash" if soft_cap or not causal else "cudnn"
-
-
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window, soft_cap):
-    """The Pallas kernel, run per shard: a custom call cannot be split by the SPMD partitioner,
-    so under a mesh it goes through `shard_map` over batch and heads."""
-    interpret = jax.default_backend() == "cpu"
-
-    def kernel(q, k, v, q_seg, kv_seg):
-        seg = None if q_seg is None else (q_seg, kv_seg)
-        return flash_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=seg,
-            sm_scale=scale,
-            sliding_window=window,
-            soft_cap=soft_cap,
-            interpret=interpret,
-        )
-
-    if q_seg_BxL is not None and kv_seg_BxS is None:
-        kv_seg_BxS = q_seg_BxL
-    return parallel.per_shard_attention(
-        kernel, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS
-    )
-
-
-def _cudnn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale, window, m):
-    """cuDNN's fused attention per shard (`jaxllm.model.cudnn`), packed segments as offsets;
-    the flash kernel when a row holds more than `m` segments."""
-
-    def fallback(q, k, v, q_seg, kv_seg):
-        return flash_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=(q_seg, kv_seg),
-            sm_scale=scale,
-            sliding_window=window,
-        )
-
-    def kernel(q, k, v, q_seg, kv_seg):
-        return cudnn_attention(
-            q,
-            k,
-            v,
-            q_seg,
-            kv_seg,
-            causal=causal,
-            scale=scale,
-            sliding_window=window,
-            max_segments=m,
-            fallback=fallback,
-        )
-
-    if q_seg_BxL is not None and kv_seg_BxS is None:
-        kv_seg_BxS = q_seg_BxL
-    return parallel.per_shard_attention(
-        kernel, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS
-    )
+    return "flash" if soft_cap or sinks or not causal else "cudnn"
 
 
 def dot_product_attention(
@@ -144,6 +90,7 @@ def dot_product_attention(
     impl: str = "xla",
     prefix_BxL: jax.Array | None = None,
     cudnn_max_segments: int = 32,
+    sinks_H: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax(cap(q k^T * scale) + alibi + mask) v, the layout of `jax.nn.dot_product_attention`.
 
@@ -154,14 +101,21 @@ def dot_product_attention(
     `bias_HxLxS` any float32 bias (T5's relative positions), both xla only.
     `prefix_BxL` (a prefix LM; self-attention, xla only, so `auto` picks xla): where query and
     key are both 1 (the prefix of their segment) the key is visible even after the query, so the
-    prefix attends bidirectionally and the tokens after it causally.
+    prefix attends bidirectionally and the tokens after it causally. `sinks_H` [H]: a learned
+    logit per head in the softmax denominator only (gpt-oss); xla and flash.
     """
     l, k = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     s = k_BxSxGxK.shape[1]
     scale = k**-0.5 if scale is None else scale
     bias = alibi_slopes_H is not None or bias_HxLxS is not None
     impl = resolve_impl(
-        impl, bias or prefix_BxL is not None, soft_cap is not None, q_BxLxHxK.dtype, k, causal
+        impl,
+        bias or prefix_BxL is not None,
+        soft_cap is not None,
+        q_BxLxHxK.dtype,
+        k,
+        causal,
+        sinks_H is not None,
     )
     if impl != "xla" and bias:
         raise ValueError(f"attention_impl={impl} takes no additive bias (ALiBi, T5); use xla")
@@ -180,10 +134,11 @@ def dot_product_attention(
             soft_cap=soft_cap,
             impl=impl,
             cudnn_max_segments=cudnn_max_segments,
+            sinks_H=sinks_H,
         )
         return out[..., : v_BxSxGxK.shape[-1]]
     if impl == "flash":
-        return _flash(
+        return flash(
             q_BxLxHxK,
             k_BxSxGxK,
             v_BxSxGxK,
@@ -193,11 +148,12 @@ def dot_product_attention(
             scale,
             sliding_window,
             soft_cap,
+            sinks_H,
         )
     if impl == "cudnn":
-        if soft_cap is not None:
-            raise ValueError("attention_impl=cudnn has no logit soft cap; use flash or xla")
-        return _cudnn(
+        if soft_cap is not None or sinks_H is not None:
+            raise ValueError("attention_impl=cudnn has no logit soft cap or sinks; use flash / xla")
+        return cudnn(
             q_BxLxHxK,
             k_BxSxGxK,
             v_BxSxGxK,
@@ -228,4 +184,6 @@ def dot_product_attention(
         distance_LxS = jnp.abs(q_idx_L[:, None] - kv_idx_S[None, :]).astype(jnp.float32)
         alibi_HxLxS = -jnp.asarray(alibi_slopes_H, jnp.float32)[:, None, None] * distance_LxS[None]
         bias_HxLxS = alibi_HxLxS if bias_HxLxS is None else bias_HxLxS + alibi_HxLxS
-    return _xla_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS)
+    return _xla_attention(
+        q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale, soft_cap, bias_HxLxS, sinks_H
+    )

@@ -25,11 +25,15 @@ by DeepSeek-V3): a per-expert bias added to the scores for the top-k choice only
 train step against the sign of each expert's load error (`update_router_bias`). Group-limited
 routing (DeepSeek-V2/V3) restricts each token's top-k to its best few groups of experts.
 
+gpt-oss (OpenAI 2025): a trained bias on the router logits (`router_logit_bias`), biases on every
+expert projection (`expert_bias`; the gate / up biases ride as one more input row of ones, the
+down bias is mixed by the combine weights) and the clamped SwiGLU (`moe_experts`).
+
 Quantized experts: W8A8 codes (`coded.w8a8`) reach the dispatch as stored, whose matmuls quantize
 each token's row (int8 / E4M3 ragged dots or the seam's einsums); other codes are decoded first.
 
 Placement is not decided here: `jaxllm.parallel` runs the per-device functions below under
-`shard_map` and hands them the mesh axis names. `dense_reference` runs every expert on every
+`shard_map` and hands them the mesh axis names. `moe_experts.dense_reference` runs every expert on every
 token and is what the layer is tested against.
 """
 
@@ -45,9 +49,18 @@ from flax import nnx
 
 from jaxllm import parallel
 from jaxllm.config import MoEConfig
-from jaxllm.model import coded, lora, tap
-from jaxllm.model.layers import matmul, param, ragged_matmul
+from jaxllm.model import lora, tap
+from jaxllm.model.layers import param
 from jaxllm.model.mlp import MLP
+from jaxllm.model.moe_experts import (
+    EXPERT_WEIGHTS,
+    capacity_experts_local,
+    dropless_experts_local,
+    expert_activation,
+    expert_mlp,
+    expert_weight,
+    record_experts,
+)
 from jaxllm.model.outputs import MoEOutput
 from jaxllm.sharding import constrain
 
@@ -135,142 +148,20 @@ def capacity_slots(expert_BxLxX: jax.Array, num_experts: int, cap: int):
     return slot_BxLxX, keep_BxLxX
 
 
-def expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=False, axis_name=None):
-    """Each expert's SwiGLU on its own buffer rows (hidden units split over `axis_name`)."""
-    gate_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, gate_ExDxF, dtype, fp8=fp8)
-    up_BxExCxF = matmul("gecd,edf->gecf", x_BxExCxD, up_ExDxF, dtype, fp8=fp8)
-    h_BxExCxF = jax.nn.silu(gate_BxExCxF) * up_BxExCxF
-    return matmul("gecf,efd->gecd", h_BxExCxF, down_ExFxD, dtype, fp8=fp8, axis_name=axis_name)
+def with_input_bias(layer, x_BxLxD, gate_ExDxF, up_ExDxF, dtype):
+    """(x with a column of ones [B, L, D + 1], gate and up with their bias as row D), so that
+    the experts' x W + b is one matmul in either dispatch. The stacks are dense here (codes
+    decoded)."""
+    ones_BxLx1 = jnp.ones((*x_BxLxD.shape[:2], 1), x_BxLxD.dtype)
+    x_BxLxD1 = jnp.concatenate([x_BxLxD, ones_BxLx1], axis=-1)
 
+    def extend(w_ExDxF, name):
+        if not isinstance(w_ExDxF, jax.Array):
+            w_ExDxF = lora.dense(layer, name.replace("bias", "proj"), dtype)
+        bias_Ex1xF = getattr(layer, name)[...].astype(w_ExDxF.dtype)[:, None, :]
+        return jnp.concatenate([w_ExDxF, bias_Ex1xF], axis=1)
 
-def capacity_experts_local(
-    buf_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, *, expert_axis, tensor_axis, dtype, fp8=False
-):
-    """Per device under shard_map: sends each expert's buffer rows to the device holding the
-    expert (all-to-all over `expert_axis`: [B, E, C, D] -> [n * B, E / n, C, D]), runs the
-    local experts (hidden units split over `tensor_axis`), and sends the results back."""
-    x_BxExCxD = jax.lax.all_to_all(buf_BxExCxD, expert_axis, 1, 0, tiled=True)
-    y_BxExCxD = expert_mlp(x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8, tensor_axis)
-    y_BxExCxD = jax.lax.psum(y_BxExCxD, tensor_axis)
-    return jax.lax.all_to_all(y_BxExCxD, expert_axis, 0, 1, tiled=True)
-
-
-def grouped_experts(
-    x_TxD, expert_TxX, weight_TxX, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=False, axis=None
-):
-    """Dropless experts on one device: assignments sorted by expert, grouped matmuls, unsorted
-    and combined. `expert_TxX` indexes the E experts given; assignments outside [0, E) belong
-    to other devices' experts and contribute nothing here. Hidden units split over `axis`."""
-    e = gate_ExDxF.shape[0]
-    t, x = expert_TxX.shape
-    expert_A = expert_TxX.reshape(t * x)
-    mine_A = (expert_A >= 0) & (expert_A < e)
-    key_A = jnp.where(mine_A, expert_A, e)  # others sort last, outside every group
-    order_A = jnp.argsort(key_A, stable=True)
-    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(t * x, dtype=order_A.dtype))
-    sizes_E = jnp.sum(jax.nn.one_hot(key_A, e, dtype=jnp.int32), axis=0)
-    xs_AxD = jnp.take(x_TxD, order_A // x, axis=0).astype(dtype)
-
-    def grouped(lhs, rhs, axis_name=None):
-        return ragged_matmul(lhs, rhs, sizes_E, dtype, fp8=fp8, axis_name=axis_name)
-
-    h_AxF = jax.nn.silu(grouped(xs_AxD, gate_ExDxF)) * grouped(xs_AxD, up_ExDxF)
-    y_AxD = jnp.take(grouped(h_AxF, down_ExFxD, axis), inverse_A, axis=0)
-    y_AxD = jnp.where(mine_A[:, None], y_AxD, 0)
-    out_TxD = jnp.einsum(
-        "tx,txd->td",
-        weight_TxX.astype(dtype),
-        y_AxD.reshape(t, x, -1),
-        preferred_element_type=jnp.float32,
-    )
-    return out_TxD.astype(dtype)
-
-
-def dropless_experts_local(
-    x_BxLxD,
-    expert_BxLxX,
-    weight_BxLxX,
-    gate_ExDxF,
-    up_ExDxF,
-    down_ExFxD,
-    *,
-    expert_axis,
-    tensor_axis,
-    dtype,
-    fp8=False,
-):
-    """Per device (under shard_map, or alone when both axes are None): with experts split over
-    `expert_axis`, gathers the tokens of the expert group, runs this device's experts on the
-    assignments that chose them, and reduce-scatters the partial outputs back."""
-    first = 0
-    if expert_axis is not None:
-        gather = functools.partial(jax.lax.all_gather, axis_name=expert_axis, axis=0, tiled=True)
-        x_BxLxD, expert_BxLxX, weight_BxLxX = map(gather, (x_BxLxD, expert_BxLxX, weight_BxLxX))
-        first = jax.lax.axis_index(expert_axis) * gate_ExDxF.shape[0]
-    b, l, d = x_BxLxD.shape
-    out_TxD = grouped_experts(
-        x_BxLxD.reshape(b * l, d),
-        expert_BxLxX.reshape(b * l, -1) - first,
-        weight_BxLxX.reshape(b * l, -1),
-        gate_ExDxF,
-        up_ExDxF,
-        down_ExFxD,
-        dtype,
-        fp8,
-        tensor_axis,
-    )
-    out_BxLxD = out_TxD.reshape(b, l, d)
-    if expert_axis is not None:
-        out_BxLxD = jax.lax.psum_scatter(out_BxLxD, expert_axis, scatter_dimension=0, tiled=True)
-    if tensor_axis is not None:
-        out_BxLxD = jax.lax.psum(out_BxLxD, tensor_axis)
-    return out_BxLxD
-
-
-def dense_reference(x_BxLxD, combine_BxLxE, gate_ExDxF, up_ExDxF, down_ExFxD, dtype):
-    """Every expert on every token, mixed by `combine_BxLxE` (zero where an expert was not
-    chosen or the assignment was dropped): what both dispatch modes must equal."""
-    gate_BxLxExF = jnp.einsum("bld,edf->blef", x_BxLxD.astype(dtype), gate_ExDxF.astype(dtype))
-    up_BxLxExF = jnp.einsum("bld,edf->blef", x_BxLxD.astype(dtype), up_ExDxF.astype(dtype))
-    y_BxLxExD = jnp.einsum(
-        "blef,efd->bled", jax.nn.silu(gate_BxLxExF) * up_BxLxExF, down_ExFxD.astype(dtype)
-    )
-    out = jnp.einsum("ble,bled->bld", combine_BxLxE, y_BxLxExD, preferred_element_type=jnp.float32)
-    return out.astype(dtype)
-
-
-def record_experts(recorder, layer, x_BxLxD, combine_BxLxE) -> None:
-    """Calibration statistics (`tap`) of the experts' weights that `recorder` names: each
-    expert's inputs are the tokens routed to it (capacity drops aside), and its down
-    projection's the SwiGLU of those."""
-    names = [recorder.claim(getattr(layer, n).get_value()) for n in EXPERT_WEIGHTS]
-    if not any(names):
-        return
-    f32 = jnp.float32
-    gate, up, _ = (lora.dense(layer, n, f32) for n in EXPERT_WEIGHTS)
-    x_TxD = x_BxLxD.reshape(-1, x_BxLxD.shape[-1]).astype(f32)
-    chosen_ExT = (combine_BxLxE.reshape(-1, combine_BxLxE.shape[-1]) > 0).T.astype(f32)
-    if recorder.mask_T is not None:
-        chosen_ExT = chosen_ExT * recorder.mask_T.astype(f32)[None, :]
-    x_ExDxT = jnp.broadcast_to(x_TxD.T, (gate.shape[0], *x_TxD.T.shape))
-    h_ExFxT = jax.nn.silu(jnp.einsum("td,edf->eft", x_TxD, gate)) * jnp.einsum(
-        "td,edf->eft", x_TxD, up
-    )
-    for name, rows in zip(names, (x_ExDxT, x_ExDxT, h_ExFxT)):
-        if name is not None:  # what is kept whole: the layer's input, for all experts
-            recorder.add(name, rows, chosen_ExT, raw=x_TxD.T if rows is x_ExDxT else None)
-
-
-EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
-
-
-def expert_weight(layer, name: str, dtype):
-    """A routed expert stack as the dispatch takes it: W8A8 codes as stored (its matmuls
-    quantize each token's row), anything else one array (`lora.dense`: an adapter merged in)."""
-    w = getattr(layer, name).get_value()
-    if coded.w8a8(w) and not hasattr(layer, f"{name}_lora_a"):
-        return w
-    return lora.dense(layer, name, dtype)
+    return x_BxLxD1, extend(gate_ExDxF, "gate_bias"), extend(up_ExDxF, "up_bias")
 
 
 def combine_weights(routing: Routing, num_experts: int, keep_BxLxX=None) -> jax.Array:
@@ -311,6 +202,9 @@ class MoE(nnx.Module):
             if cfg.has_router_bias
             else None
         )
+        zeros = jax.nn.initializers.zeros
+        if cfg.router_logit_bias:  # gpt-oss: trained, added to the logits themselves
+            self.router_logit_bias = param(rngs, zeros, (e,), ("router_expert",), param_dtype)
         self.gate_proj = param(
             rngs, normal(init_std), (e, d, f), ("expert", "embed", "mlp"), param_dtype
         )
@@ -320,6 +214,10 @@ class MoE(nnx.Module):
         self.down_proj = param(
             rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"), param_dtype
         )
+        if cfg.expert_bias:
+            self.gate_bias = param(rngs, zeros, (e, f), ("expert", "mlp"), param_dtype)
+            self.up_bias = param(rngs, zeros, (e, f), ("expert", "mlp"), param_dtype)
+            self.down_bias = param(rngs, zeros, (e, d), ("expert", "embed"), param_dtype)
         # One SwiGLU as wide as all shared experts together.
         n_shared = cfg.num_shared_experts
         opts = dict(
@@ -334,14 +232,23 @@ class MoE(nnx.Module):
         logits_BxLxE = jnp.einsum(
             "bld,de->ble", x_BxLxD.astype(jnp.float32), self.router[...].astype(jnp.float32)
         )
+        if cfg.router_logit_bias:
+            logits_BxLxE = (
+                logits_BxLxE + self.router_logit_bias[...].astype(jnp.float32)[None, None]
+            )
         bias_E = None if self.router_bias is None else self.router_bias[...]
         r = route(logits_BxLxE, bias_E, cfg)
         gate, up, down = (expert_weight(self, n, dtype) for n in EXPERT_WEIGHTS)
+        act = expert_activation(cfg)
         if (recorder := tap.active()) is not None:  # calibration
-            record_experts(recorder, self, x_BxLxD, combine_weights(r, e))
+            record_experts(recorder, self, x_BxLxD, combine_weights(r, e), act)
+        x_in_BxLxD = x_BxLxD
+        if cfg.expert_bias:  # x W + b = [x, 1] [W; b]: the dispatch stays as it is
+            x_BxLxD, gate, up = with_input_bias(self, x_BxLxD, gate, up, dtype)
+        d_in = x_BxLxD.shape[-1]
         dropped = jnp.zeros((), jnp.float32)
         if cfg.dispatch == "dropless":
-            fn = functools.partial(dropless_experts_local, dtype=dtype, fp8=self.fp8)
+            fn = functools.partial(dropless_experts_local, dtype=dtype, fp8=self.fp8, act=act)
             out_BxLxD = parallel.per_shard_dropless(
                 fn, x_BxLxD, r.expert_BxLxX, r.weight_BxLxX, gate, up, down
             )
@@ -351,17 +258,18 @@ class MoE(nnx.Module):
             dropped = jnp.sum(1.0 - keep_BxLxX.astype(jnp.float32))
 
             def fill(x_LxD, slot_LxX):  # each sequence's tokens into its expert buffers
-                rows_LxXxD = jnp.broadcast_to(x_LxD[:, None], (*slot_LxX.shape, d))
-                return jnp.zeros((e * cap, d), dtype).at[slot_LxX].add(rows_LxXxD, mode="drop")
+                rows_LxXxD = jnp.broadcast_to(x_LxD[:, None], (*slot_LxX.shape, d_in))
+                return jnp.zeros((e * cap, d_in), dtype).at[slot_LxX].add(rows_LxXxD, mode="drop")
 
-            buf_BxExCxD = jax.vmap(fill)(x_BxLxD.astype(dtype), slot_BxLxX).reshape(b, e, cap, d)
+            buf = jax.vmap(fill)(x_BxLxD.astype(dtype), slot_BxLxX)
+            buf_BxExCxD = buf.reshape(b, e, cap, d_in)
             if parallel.expert_all_to_all_active():
-                fn = functools.partial(capacity_experts_local, dtype=dtype, fp8=self.fp8)
+                fn = functools.partial(capacity_experts_local, dtype=dtype, fp8=self.fp8, act=act)
                 y_BxExCxD = parallel.per_shard_all_to_all(fn, buf_BxExCxD, gate, up, down)
             else:  # sharding constraints: filled where the tokens are, XLA moves them over
                 buf_BxExCxD = constrain(buf_BxExCxD, ("batch", None, None, "act_embed"))
                 buf_BxExCxD = constrain(buf_BxExCxD, ("expert_group", "expert", None, "act_embed"))
-                y_BxExCxD = expert_mlp(buf_BxExCxD, gate, up, down, dtype, self.fp8)
+                y_BxExCxD = expert_mlp(buf_BxExCxD, gate, up, down, dtype, self.fp8, act=act)
                 y_BxExCxD = constrain(y_BxExCxD, ("expert_group", "expert", None, "act_embed"))
             y_BxExCxD = constrain(y_BxExCxD, ("batch", None, None, "act_embed"))
             y_BxLxXxD = jax.vmap(lambda y, s: y.at[s].get(mode="fill", fill_value=0))(
@@ -371,8 +279,15 @@ class MoE(nnx.Module):
             out_BxLxD = jnp.einsum(
                 "blx,blxd->bld", weight_BxLxX, y_BxLxXxD, preferred_element_type=jnp.float32
             ).astype(dtype)
+        if cfg.expert_bias:  # sum_x w_x b_down(e_x), zero for dropped assignments
+            keep = None if cfg.dispatch == "dropless" else keep_BxLxX
+            combine_BxLxE = combine_weights(r, e, keep)
+            bias_BxLxD = jnp.einsum(
+                "ble,ed->bld", combine_BxLxE, self.down_bias[...].astype(jnp.float32)
+            )
+            out_BxLxD = (out_BxLxD.astype(jnp.float32) + bias_BxLxD).astype(dtype)
         if self.shared is not None:
-            out_BxLxD = out_BxLxD + self.shared(x_BxLxD)
+            out_BxLxD = out_BxLxD + self.shared(x_in_BxLxD)
         stats = {
             "aux_loss": r.aux_loss,
             "router_z_loss": r.z_loss,

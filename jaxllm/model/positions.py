@@ -106,8 +106,10 @@ def _yarn(
     def correction_dim(rotations: float) -> float:
         return (k * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rope.beta_slow)), k - 1)
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, k - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(k // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)

@@ -20,7 +20,7 @@ from jaxllm.optim import adam_mini, adamw_8bit
 from jaxllm.optim.master import with_master_weights
 from jaxllm.optim.sparse import keep_zeros
 
-NO_DECAY_NAMES = ("scale", "bias")  # norm scales; `bias` and every `*_bias` (projections)
+NO_DECAY_NAMES = ("scale", "bias", "sinks")  # norm scales; biases (and `*_bias`); sink logits
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

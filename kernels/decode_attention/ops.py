@@ -56,6 +56,7 @@ from jaxllm.kernels.decode_attention.reference import (
     decode_attention_reference,
     queries_from_rows,
     rows_from_queries,
+    sink_rows,
     visible_BxMxT,
 )
 from jaxllm.kernels.flash_attention.common import mosaic_gpu_runs_on
@@ -276,6 +277,7 @@ def decode_attention(
     backend: str | None = None,
     sliding_window: int | jax.Array | None = None,
     alibi_slopes_H: jax.Array | None = None,
+    sinks_H: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(cap(q k^T * sm_scale) masked causally by position) v over the cache.
 
@@ -284,8 +286,9 @@ def decode_attention(
     logit s to c * tanh(s / c). block_kv / num_splits override the per-backend defaults
     (`default_block_kv`, `default_num_splits`). sliding_window w > 0 limits each query to the
     last w positions (itself included; 0 or None: no window); alibi_slopes_H [H] adds
-    -slope * distance (see the module docstring for which path runs). Returns [B, Q, H, K] in
-    q's dtype.
+    -slope * distance (see the module docstring for which path runs); sinks_H [H] is a logit
+    per query head in the softmax denominator only (gpt-oss; the kernels merge it as one more
+    split with value 0). Returns [B, Q, H, K] in q's dtype.
     """
     reference = functools.partial(
         decode_attention_reference,
@@ -297,6 +300,7 @@ def decode_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         alibi_slopes_H=alibi_slopes_H,
+        sinks_H=sinks_H,
     )
     kernel_path = functools.partial(
         _decode_attention,
@@ -310,6 +314,7 @@ def decode_attention(
         num_splits=num_splits,
         interpret=interpret,
         backend=backend,
+        sinks_H=sinks_H,
     )
     if alibi_slopes_H is not None or isinstance(sliding_window, int):
         return reference()
@@ -330,6 +335,7 @@ def _decode_attention(
     num_splits,
     interpret,
     backend,
+    sinks_H=None,
 ) -> jax.Array:
     geo = cache_geometry(cache)
     b, nq, h, d = q_BxQxHxK.shape
@@ -353,7 +359,13 @@ def _decode_attention(
     lengths_B = lengths_B.astype(jnp.int32)
     if backend == "xla":
         return decode_attention_reference(
-            q_BxQxHxK, cache, lengths_B, layer=layer, sm_scale=sm_scale, soft_cap=soft_cap
+            q_BxQxHxK,
+            cache,
+            lengths_B,
+            layer=layer,
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sinks_H=sinks_H,
         )
     if cache.value_dim is not None:
         raise ValueError(
@@ -411,5 +423,10 @@ def _decode_attention(
             q_BxGxMxK, cache, lengths_B, layer_idx, nq, sm_scale, soft_cap
         )
         out, lse = jnp.concatenate([out, out_r], axis=2), jnp.concatenate([lse, lse_r], axis=2)
+    if sinks_H is not None:  # the sink: one more split whose value is 0 and lse the sink
+        sinks_1xGx1xMx1 = sink_rows(sinks_H, nq, g)[:, :, None]
+        sink_lse = jnp.broadcast_to(sinks_1xGx1xMx1, (*lse.shape[:2], 1, *lse.shape[3:]))
+        out = jnp.concatenate([out, jnp.zeros_like(out[:, :, :1])], axis=2)
+        lse = jnp.concatenate([lse, sink_lse.astype(lse.dtype)], axis=2)
     out_BxGxMxK = merge_partials(out, lse)
     return queries_from_rows(out_BxGxMxK, nq).astype(q_BxQxHxK.dtype)

@@ -97,10 +97,19 @@ def _query_positions(lengths_B, num_queries: int, num_rows: int):
 
 
 def attend_partial(
-    q_BxGxMxK, k_BxGxTxK, v_BxGxTxK, visible_BxMxT, *, sm_scale, soft_cap, bias_BxGxMxT=None
+    q_BxGxMxK,
+    k_BxGxTxK,
+    v_BxGxTxK,
+    visible_BxMxT,
+    *,
+    sm_scale,
+    soft_cap,
+    bias_BxGxMxT=None,
+    sinks_1xGxMx1=None,
 ):
     """Softmax attention of q rows over the visible tokens, in float32 (`bias` added to the
-    capped logits: ALiBi).
+    capped logits: ALiBi). `sinks_1xGxMx1`: a logit per row in the denominator only (attention
+    sinks); the lse then includes it.
 
     Returns (out [B, G, M, K] normalized over this part, lse [B, G, M, 1]); rows that see no
     token give out 0 and lse MASK_VALUE, so parts merge by logsumexp without NaN.
@@ -116,8 +125,12 @@ def attend_partial(
         products_BxGxMxT, mask_Bx1xMxT, scale=sm_scale, soft_cap=soft_cap, bias=bias_BxGxMxT
     )
     m_BxGxMx1 = jnp.max(s_BxGxMxT, axis=-1, keepdims=True)
+    if sinks_1xGxMx1 is not None:
+        m_BxGxMx1 = jnp.maximum(m_BxGxMx1, sinks_1xGxMx1.astype(jnp.float32))
     p_BxGxMxT = jnp.where(mask_Bx1xMxT, jnp.exp(s_BxGxMxT - m_BxGxMx1), 0.0)
     l_BxGxMx1 = jnp.sum(p_BxGxMxT, axis=-1, keepdims=True)
+    if sinks_1xGxMx1 is not None:  # the sink's share of the denominator; its value is 0
+        l_BxGxMx1 = l_BxGxMx1 + jnp.exp(sinks_1xGxMx1.astype(jnp.float32) - m_BxGxMx1)
     l_safe = jnp.where(l_BxGxMx1 == 0.0, 1.0, l_BxGxMx1)
     # Values of tokens no row sees are zeroed: probability 0 times stale cache contents (even
     # NaN) must not reach the output.
@@ -150,6 +163,15 @@ def queries_from_rows(x_BxGxMxK, num_queries: int):
     return x_BxGxRxQxK.transpose(0, 3, 1, 2, 4).reshape(b, num_queries, m // num_queries * g, d)
 
 
+def sink_rows(sinks_H, num_queries: int, num_kv_heads: int):
+    """[H] per-head sink logits -> [1, G, M, 1] laid out like the query rows."""
+    h = sinks_H.shape[0]
+    sinks_1xQxHx1 = jnp.broadcast_to(
+        jnp.asarray(sinks_H, jnp.float32)[None, None, :, None], (1, num_queries, h, 1)
+    )
+    return rows_from_queries(sinks_1xQxHx1, num_kv_heads)
+
+
 def decode_attention_reference(
     q_BxQxHxK,
     cache: KVCache,
@@ -160,6 +182,7 @@ def decode_attention_reference(
     soft_cap=None,
     sliding_window=None,
     alibi_slopes_H=None,
+    sinks_H=None,
 ):
     """Same contract as `decode_attention`: [B, Q, H, K] in q's dtype; length-0 rows give 0."""
     geo = cache_geometry(cache)
@@ -188,5 +211,6 @@ def decode_attention_reference(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         bias_BxGxMxT=bias_BxGxMxT,
+        sinks_1xGxMx1=None if sinks_H is None else sink_rows(sinks_H, nq, geo.num_kv_heads),
     )
     return queries_from_rows(out_BxGxMxK, nq).astype(q_BxQxHxK.dtype)

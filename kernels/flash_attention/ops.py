@@ -61,6 +61,7 @@ from jaxllm.kernels.flash_attention.reference import (
     reference_mask,
     split_segment_ids,
 )
+from jaxllm.kernels.reference import apply_sinks
 
 from jaxllm.config.errors import JaxllmWarning
 
@@ -247,16 +248,39 @@ def flash_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sm_scale: float | None = None,
+    sinks: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     backend: str | None = None,
 ) -> jax.Array:
     """softmax(mask(cap(q k^T * sm_scale))) v, differentiable in q, k and v.
 
+    sinks: None, or a float [H] logit per query head that joins each row's softmax denominator
+    only (gpt-oss's attention sinks); differentiable. The kernels stay as they are: the sink
+    re-normalizes the (out, lse) of `flash_attention_with_lse` (`apply_sinks`), and the lse's
+    cotangent carries the sink into the kernels' backward.
+
     segment_ids: None, an int [B, L] array shared by q and kv (needs L == S), or a pair
     (q_ids [B, L], kv_ids [B, S]). sm_scale defaults to K ** -0.5. Returns [B, L, H, K] in q's
     dtype; inputs may be float32 or bfloat16 (accumulation is float32 either way).
     """
+    if sinks is not None:
+        if jnp.shape(sinks) != (q_BxLxHxK.shape[2],):
+            raise ValueError(f"sinks must be [{q_BxLxHxK.shape[2]}], got {jnp.shape(sinks)}")
+        out_BxLxHxK, lse_BxHxL = flash_attention_with_lse(
+            q_BxLxHxK,
+            k_BxSxGxK,
+            v_BxSxGxK,
+            causal=causal,
+            segment_ids=segment_ids,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            sm_scale=sm_scale,
+            block_sizes=block_sizes,
+            interpret=interpret,
+            backend=backend,
+        )
+        return apply_sinks(out_BxLxHxK, lse_BxHxL, sinks).astype(q_BxLxHxK.dtype)
     if _resolve_backend(backend, interpret, q_BxLxHxK) == "xla":
         _check_shapes(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sliding_window)
         return flash_attention_reference(

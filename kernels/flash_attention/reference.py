@@ -12,6 +12,7 @@ from jaxllm.kernels.reference import (
     MASK_VALUE,
     attention_mask,
     masked_scores,
+    softmax_with_sinks,
     split_segment_ids,
 )
 
@@ -26,8 +27,12 @@ __all__ = [
 ]
 
 
-def masked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, *, scale, soft_cap=None):
+def masked_attention(
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, *, scale, soft_cap=None, sinks_H=None
+):
     """softmax(mask(cap(q k^T * scale))) v and its logsumexp for an explicit [B or 1, L, S] mask.
+    `sinks_H`: a logit per query head in the softmax denominator only (`softmax_with_sinks`);
+    the lse stays the one over the keys.
 
     Returns (out [B, L, H, K] in q's dtype, lse [B, H, L] float32). Softmax in float32 on float32
     copies of q, k, v. A row with no visible key returns out 0 and lse `MASK_VALUE`, with zero
@@ -42,7 +47,12 @@ def masked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, *, scale, soft
         soft_cap=soft_cap,
     )
     mask_XxGxRxLxS = mask_XxLxS[:, None, None]
-    probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1)
+    if sinks_H is None:
+        probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1)
+    else:
+        g = k_BxSxGxK.shape[2]
+        sinks_1xGxRx1x1 = jnp.asarray(sinks_H).reshape(1, g, h // g, 1, 1)
+        probs_BxGxRxLxS = softmax_with_sinks(scores_BxGxRxLxS, sinks_1xGxRx1x1)
     probs_BxGxRxLxS = jnp.where(mask_XxGxRxLxS, probs_BxGxRxLxS, 0.0)  # empty rows -> 0
     out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", probs_BxGxRxLxS, v_BxSxGxK.astype(jnp.float32))
     # An empty row's logsumexp over MASK_VALUE scores rounds to MASK_VALUE anyway; the where makes
@@ -130,12 +140,14 @@ def flash_attention_reference_with_lse(
     sliding_window=None,
     soft_cap=None,
     sm_scale=None,
+    sinks=None,
     block_sizes=None,
     interpret=False,
     backend=None,
 ):
     """Same contract as `flash_attention_with_lse` (block_sizes / interpret / backend are
-    ignored): (out [B, L, H, K], lse [B, H, L] float32)."""
+    ignored): (out [B, L, H, K], lse [B, H, L] float32). `sinks` [H] (as `flash_attention`)
+    join the softmax of `out` as an extra column; the lse is over the keys only."""
     del block_sizes, interpret, backend
     l, kd = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
     mask_XxLxS = reference_mask(
@@ -147,7 +159,7 @@ def flash_attention_reference_with_lse(
     )
     scale = kd**-0.5 if sm_scale is None else sm_scale
     return masked_attention(
-        q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale=scale, soft_cap=soft_cap
+        q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_XxLxS, scale=scale, soft_cap=soft_cap, sinks_H=sinks
     )
 
 
