@@ -264,6 +264,8 @@ class Attention(nnx.Module):
         self.q_proj = param(rngs, init, (d, h, k), ("embed", "heads", "head_dim"), pdt)
         self.k_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
         self.v_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
+        if cfg.attn_output_gate:  # Qwen3-Next: sigmoid(x W_gate) gates each head's output
+            self.gate_proj = param(rngs, init, (d, h, k), ("embed", "heads", "head_dim"), pdt)
         self._init_out(cfg, k, out_std, rngs)
         zeros = jax.nn.initializers.zeros
         if cfg.qkv_bias:
@@ -307,7 +309,14 @@ class Attention(nnx.Module):
 
     def _rope(self, x_BxLxHxK, positions_BxL, windowed=None):
         inv_freq, scaling = self._rope_frequencies(windowed)
-        return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling, self.rope_interleave)
+        rot = 2 * len(self.inv_freq)
+        if rot == x_BxLxHxK.shape[-1]:
+            return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling, self.rope_interleave)
+        # partial RoPE (model.rope.partial_factor): the first channels rotate, the rest pass
+        rotated = apply_rope(
+            x_BxLxHxK[..., :rot], positions_BxL, inv_freq, scaling, self.rope_interleave
+        )
+        return jnp.concatenate([rotated, x_BxLxHxK[..., rot:]], axis=-1)
 
     def _rope_frequencies(self, windowed):
         """(inv_freq, attention factor) of this layer. With `local_inv_freq`, windowed layers
@@ -426,11 +435,19 @@ class Attention(nnx.Module):
                 out_BxLxHxK = self._attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, None, windowed)
             else:
                 out_BxLxHxK = self._attend_cache(q_BxLxHxK, cache, windowed)
-            return AttentionOutput(self._out(out_BxLxHxK), cache)
+            return AttentionOutput(self._out(self._gate(out_BxLxHxK, x_BxLxD)), cache)
         out_BxLxHxK = self._self_attention(
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed, prefix_BxL
         )
-        return AttentionOutput(self._out(out_BxLxHxK))
+        return AttentionOutput(self._out(self._gate(out_BxLxHxK, x_BxLxD)))
+
+    def _gate(self, out_BxLxHxK, x_BxLxD):
+        """The output gate of model.attn_output_gate (identity without it)."""
+        if not hasattr(self, "gate_proj"):
+            return out_BxLxHxK
+        gate_BxLxHxK = self._project("bld,dhk->blhk", x_BxLxD, "gate")
+        gated = out_BxLxHxK.astype(jnp.float32) * jax.nn.sigmoid(gate_BxLxHxK.astype(jnp.float32))
+        return gated.astype(out_BxLxHxK.dtype)
 
     def _out(self, out_BxLxHxV):
         out_BxLxD = matmul(
