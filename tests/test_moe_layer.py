@@ -19,10 +19,10 @@ from jaxllm.model.moe import (
     MoE,
     capacity,
     combine_weights,
-    dense_reference,
     route,
     update_router_bias,
 )
+from jaxllm.model.moe_reference import dense_reference
 
 
 def _random_init(module, seed=0, std=0.3):

@@ -29,8 +29,8 @@ Quantized experts: W8A8 codes (`coded.w8a8`) reach the dispatch as stored, whose
 each token's row (int8 / E4M3 ragged dots or the seam's einsums); other codes are decoded first.
 
 Placement is not decided here: `jaxllm.parallel` runs the per-device functions below under
-`shard_map` and hands them the mesh axis names. `dense_reference` runs every expert on every
-token and is what the layer is tested against.
+`shard_map` and hands them the mesh axis names. `moe_reference.dense_reference` runs every
+expert on every token and is what the layer is tested against.
 """
 
 from __future__ import annotations
@@ -227,18 +227,6 @@ def dropless_experts_local(
     return out_BxLxD
 
 
-def dense_reference(x_BxLxD, combine_BxLxE, gate_ExDxF, up_ExDxF, down_ExFxD, dtype):
-    """Every expert on every token, mixed by `combine_BxLxE` (zero where an expert was not
-    chosen or the assignment was dropped): what both dispatch modes must equal."""
-    gate_BxLxExF = jnp.einsum("bld,edf->blef", x_BxLxD.astype(dtype), gate_ExDxF.astype(dtype))
-    up_BxLxExF = jnp.einsum("bld,edf->blef", x_BxLxD.astype(dtype), up_ExDxF.astype(dtype))
-    y_BxLxExD = jnp.einsum(
-        "blef,efd->bled", jax.nn.silu(gate_BxLxExF) * up_BxLxExF, down_ExFxD.astype(dtype)
-    )
-    out = jnp.einsum("ble,bled->bld", combine_BxLxE, y_BxLxExD, preferred_element_type=jnp.float32)
-    return out.astype(dtype)
-
-
 def record_experts(recorder, layer, x_BxLxD, combine_BxLxE) -> None:
     """Calibration statistics (`tap`) of the experts' weights that `recorder` names: each
     expert's inputs are the tokens routed to it (capacity drops aside), and its down
@@ -320,12 +308,17 @@ class MoE(nnx.Module):
         self.down_proj = param(
             rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"), param_dtype
         )
-        # One SwiGLU as wide as all shared experts together.
-        n_shared = cfg.num_shared_experts
+        # One SwiGLU as wide as all shared experts together (or shared_mlp_dim).
+        n_shared, shared_f = (
+            cfg.num_shared_experts,
+            cfg.shared_mlp_dim or cfg.num_shared_experts * f,
+        )
         opts = dict(
             init_std=init_std, out_std=out_std, dtype=dtype, param_dtype=param_dtype, fp8=fp8
         )
-        self.shared = MLP(d, n_shared * f, "swiglu", **opts, rngs=rngs) if n_shared else None
+        self.shared = MLP(d, shared_f, "swiglu", **opts, rngs=rngs) if n_shared else None
+        if cfg.shared_expert_gate:  # Qwen3-Next: sigmoid(x w) scales the shared output
+            self.shared_gate = param(rngs, normal(init_std), (d, 1), ("embed", None), param_dtype)
 
     def __call__(self, x_BxLxD: jax.Array):
         cfg, dtype = self.cfg, self.dtype
@@ -372,7 +365,15 @@ class MoE(nnx.Module):
                 "blx,blxd->bld", weight_BxLxX, y_BxLxXxD, preferred_element_type=jnp.float32
             ).astype(dtype)
         if self.shared is not None:
-            out_BxLxD = out_BxLxD + self.shared(x_BxLxD)
+            shared_BxLxD = self.shared(x_BxLxD)
+            if hasattr(self, "shared_gate"):
+                gate = jnp.einsum(
+                    "bld,do->blo", x_BxLxD, self.shared_gate[...].astype(x_BxLxD.dtype)
+                )
+                shared_BxLxD = (jax.nn.sigmoid(gate.astype(jnp.float32)) * shared_BxLxD).astype(
+                    dtype
+                )
+            out_BxLxD = out_BxLxD + shared_BxLxD
         stats = {
             "aux_loss": r.aux_loss,
             "router_z_loss": r.z_loss,
