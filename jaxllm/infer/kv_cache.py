@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import parallel
+from jaxllm.infer.linear_state import LinearState, num_full_layers
 from jaxllm.kernels.decode_attention import quant
 from jaxllm.kernels.decode_attention.ops import decode_attention
 from jaxllm.kernels.decode_attention.quant import KVCache, cache_bytes_per_token
@@ -131,7 +132,8 @@ def bytes_per_token(
 def model_bytes_per_token(cfg, kind: str, group: int = 32) -> int:
     """`bytes_per_token` of a model's cache (`cache_dims`)."""
     g, k, value_dim = cache_dims(cfg)
-    return bytes_per_token(kind, cfg.num_layers, g, k, group, latent=value_dim is not None)
+    n = num_full_layers(cfg)  # linear layers keep a fixed-size state instead
+    return bytes_per_token(kind, n, g, k, group, latent=value_dim is not None)
 
 
 def logical_axes(kv: KVCache) -> KVCache:
@@ -169,9 +171,27 @@ class CacheView:
     prefill: bool = dataclasses.field(metadata=dict(static=True))
     impl: str = dataclasses.field(default="xla", metadata=dict(static=True))
     interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    linear: LinearState | None = None
+    """The linear-attention layers' state (`jaxllm.infer.linear_state`); `layer` indexes
+    it in a linear layer, `kv` in a full one (each counts its own kind of layer)."""
 
     def at_layer(self, layer) -> CacheView:
         return dataclasses.replace(self, layer=layer)
+
+    def linear_state(self) -> jax.Array:
+        return self.linear.state[self.layer]
+
+    def linear_tails(self) -> tuple[jax.Array, ...]:
+        return tuple(t[self.layer] for t in self.linear.tails)
+
+    def write_linear(self, state_BxHxKxV, tails) -> CacheView:
+        """This linear layer's new state and convolution tails."""
+        lin = self.linear
+        new = LinearState(
+            state=lin.state.at[self.layer].set(state_BxHxKxV.astype(lin.state.dtype)),
+            tails=tuple(t.at[self.layer].set(x.astype(t.dtype)) for t, x in zip(lin.tails, tails)),
+        )
+        return dataclasses.replace(self, linear=new)
 
     # -- writes -----------------------------------------------------------------------------
 
