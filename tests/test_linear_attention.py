@@ -113,3 +113,45 @@ def test_mla_is_refused_with_linear_layers():
     )
     with pytest.raises(ConfigError, match="MLA"):
         cfg.validate()
+
+
+def test_sharded_forward_and_generation_match_one_device():
+    """Value and key heads over tensor, the batch over data x fsdp: logits of a packed batch
+    and greedy generation equal one device's."""
+    from conftest import shard_model
+    from flax import nnx
+
+    from jaxllm import sharding
+    from jaxllm.config import MeshConfig
+
+    lin = dataclasses.replace(LINEAR, num_k_heads=2, num_v_heads=4)
+    cfg = dataclasses.replace(HYBRID, num_heads=4, num_kv_heads=2, linear_attention=lin)
+    model = build(cfg, seed=1)
+    toks = jax.random.randint(jax.random.key(5), (4, 16), 0, 64)
+    seg = jnp.asarray([[1] * 7 + [2] * 9] * 4)
+    want = model(toks, segment_ids_BxL=seg).logits
+    mesh = sharding.make_mesh(MeshConfig(data=2, tensor=2, fsdp=2))
+    sharded = shard_model(model, mesh)
+    assert sharded.hybrid_layers.block_0.attn.v_proj[...].sharding.spec[2] == "tensor"
+    graphdef, state = nnx.split(sharded)
+
+    @jax.jit
+    def forward(state, toks, seg):
+        return nnx.merge(graphdef, state)(toks, segment_ids_BxL=seg).logits
+
+    with sharding.active(sharding.Parallel(mesh)):
+        got = forward(state, toks, seg)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    gen = GenerateConfig(max_new_tokens=4, kv_cache_dtype="float32")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3]]
+    assert generate(sharded, prompts, gen, mesh=mesh).tokens == generate(model, prompts, gen).tokens
+
+
+def test_sequence_axis_is_refused_with_linear_layers():
+    from jaxllm import config
+
+    cfg = config.Config(
+        model=HYBRID, mesh=config.MeshConfig(data=1, sequence=8), data=config.DataConfig(seq_len=64)
+    )
+    with pytest.raises(ConfigError, match="mesh.sequence=1"):
+        cfg.validate(8)
