@@ -121,3 +121,24 @@ def test_unknown_layer_type_is_refused_in_one_line(imported, tmp_path, capsys):
     (bad / "config.json").write_text(json.dumps(cfg))
     err = stderr_of_failure(capsys, "convert", "import", bad, tmp_path / "run")
     assert "layer_types entry 'sliding_attention'" in err and err.count("\n") == 1
+
+
+def test_preset_is_the_released_config_and_counts_its_parameters():
+    """configs/models/qwen3_next_80b_a3b.yaml is what the released config.json imports as, and
+    its parameter count is transformers' (79,674,391,296, built on the meta device)."""
+    from hf_models import REPO
+
+    from jaxllm import config
+    from jaxllm.convert import families
+    from jaxllm.metrics import param_counts
+
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    released = hf.Qwen3NextConfig(
+        intermediate_size=5120, max_position_embeddings=262144, rope_parameters=rope
+    )
+    imported = config.from_dict({"model": families.model_fields(released.to_dict())}).model
+    preset = config.load(REPO / "configs/models/qwen3_next_80b_a3b.yaml").model
+    assert families._differences(preset, imported) == []
+    with torch.device("meta"):
+        n = sum(p.numel() for p in hf.Qwen3NextForCausalLM(released).parameters())
+    assert param_counts(preset)["total"] == n == 79_674_391_296

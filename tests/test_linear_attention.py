@@ -155,3 +155,12 @@ def test_sequence_axis_is_refused_with_linear_layers():
     )
     with pytest.raises(ConfigError, match="mesh.sequence=1"):
         cfg.validate(8)
+
+
+def test_param_count_matches_the_model(model):
+    from flax import nnx
+
+    from jaxllm.metrics import param_counts
+
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    assert param_counts(HYBRID)["total"] == sum(x.size for x in jax.tree.leaves(params))
