@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import parallel
-from jaxllm.infer.linear_state import LinearState, num_full_layers
+from jaxllm import parallel, sharding
+from jaxllm.infer.linear_state import LinearState, num_full_layers, state_bytes
 from jaxllm.kernels.decode_attention import quant
 from jaxllm.kernels.decode_attention.ops import decode_attention
 from jaxllm.kernels.decode_attention.quant import KVCache, cache_bytes_per_token
@@ -380,3 +380,26 @@ class CacheView:
                 **masks,
             )
         return out.astype(q_BxQxHxK.dtype)
+
+
+def cache_report(cfg, mesh) -> dict:
+    """KV-cache bytes per token (all layers, scales included) for every cache dtype, and the
+    cache of `train.global_batch_size` sequences of `model.max_seq_len` tokens per device with
+    `generate.kv_cache_dtype` (batch split over the data axes, kv heads over `tensor`); the
+    linear-attention layers' fixed-size state of that batch (`jaxllm plan`)."""
+    m, gen = cfg.model, cfg.generate
+    kinds = [k for k in KINDS if not (m.mla.enabled and k in KIVI_KINDS)]  # no KIVI latent
+    per_token = {kind: model_bytes_per_token(m, kind, gen.kv_group) for kind in kinds}
+    # MLA's latent cache is one "head": tensor shards each hold all of it
+    split_axes = (*sharding.RULES["batch"], *(() if m.mla.enabled else ("tensor",)))
+    split = int(np.prod([mesh.shape[a] for a in split_axes]))
+    tokens = cfg.train.global_batch_size * m.max_seq_len
+    state = state_bytes(m, cfg.train.global_batch_size) if m.layer_pattern else 0
+    return {
+        "linear_state": state,  # batch over the data axes, value heads over tensor
+        "linear_state_per_device": state / split,
+        "per_token": per_token,
+        "kind": gen.kv_cache_dtype,
+        "tokens": tokens,
+        "bytes_per_device": per_token[gen.kv_cache_dtype] * tokens / split,
+    }
