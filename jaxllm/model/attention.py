@@ -309,14 +309,7 @@ class Attention(nnx.Module):
 
     def _rope(self, x_BxLxHxK, positions_BxL, windowed=None):
         inv_freq, scaling = self._rope_frequencies(windowed)
-        rot = 2 * len(self.inv_freq)
-        if rot == x_BxLxHxK.shape[-1]:
-            return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling, self.rope_interleave)
-        # partial RoPE (model.rope.partial_factor): the first channels rotate, the rest pass
-        rotated = apply_rope(
-            x_BxLxHxK[..., :rot], positions_BxL, inv_freq, scaling, self.rope_interleave
-        )
-        return jnp.concatenate([rotated, x_BxLxHxK[..., rot:]], axis=-1)
+        return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling, self.rope_interleave)
 
     def _rope_frequencies(self, windowed):
         """(inv_freq, attention factor) of this layer. With `local_inv_freq`, windowed layers
@@ -445,9 +438,8 @@ class Attention(nnx.Module):
         """The output gate of model.attn_output_gate (identity without it)."""
         if not hasattr(self, "gate_proj"):
             return out_BxLxHxK
-        gate_BxLxHxK = self._project("bld,dhk->blhk", x_BxLxD, "gate")
-        gated = out_BxLxHxK.astype(jnp.float32) * jax.nn.sigmoid(gate_BxLxHxK.astype(jnp.float32))
-        return gated.astype(out_BxLxHxK.dtype)
+        gate = jax.nn.sigmoid(self._project("bld,dhk->blhk", x_BxLxD, "gate").astype(jnp.float32))
+        return (out_BxLxHxK.astype(jnp.float32) * gate).astype(out_BxLxHxK.dtype)
 
     def _out(self, out_BxLxHxV):
         out_BxLxD = matmul(

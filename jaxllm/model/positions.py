@@ -110,9 +110,14 @@ def apply_rope(
     interleave: bool = False,
 ) -> jax.Array:
     """Rotates channel pairs (i, i + K/2) by angle position * inv_freq[i], in float32; with
-    `interleave`, the pairs (2i, 2i + 1) instead. `inv_freq_K2` and `scaling` may be traced (a
-    scanned layer picking its frequencies)."""
+    `interleave`, the pairs (2i, 2i + 1) instead; with fewer frequencies than K / 2 (partial
+    RoPE, `RopeConfig.partial_factor`) only the first 2 * len(inv_freq_K2) channels.
+    `inv_freq_K2` and `scaling` may be traced (a scanned layer picking its frequencies)."""
     inv_freq_K2 = jnp.asarray(inv_freq_K2, jnp.float32)
+    rot = 2 * inv_freq_K2.shape[0]
+    if rot < x_BxLxHxK.shape[-1]:  # partial RoPE: the first `rot` channels turn, the rest pass
+        turned = apply_rope(x_BxLxHxK[..., :rot], positions_BxL, inv_freq_K2, scaling, interleave)
+        return jnp.concatenate([turned, x_BxLxHxK[..., rot:]], axis=-1)
     angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_K2[None, None, :]
     sin = jnp.sin(angle_BxLxK2)[:, :, None, :]
     cos = jnp.cos(angle_BxLxK2)[:, :, None, :]
