@@ -83,9 +83,14 @@ def chunked(
     state_BxHxKxV=None,
     reset_BxL=None,
     chunk: int = 64,
+    kernel: bool = False,
+    interpret: bool = False,
 ):
     """(outputs [B, L, H, V] float32, final state [B, H, K, V] float32), chunk by chunk; equal
-    to `recurrent`. L is padded to whole chunks with g = beta = 0 (no decay, no write)."""
+    to `recurrent`. L is padded to whole chunks with g = beta = 0 (no decay, no write).
+    `kernel`: the state passes between chunks in the Pallas kernel of
+    `jaxllm.kernels.gated_delta` (`interpret`: interpreted, on any backend) instead of a
+    `lax.scan`; everything inside a chunk is the same XLA code."""
     q, k, v, g, beta = _prepare(q_BxLxGxK, k_BxLxGxK, v_BxLxHxV, g_BxLxH, beta_BxLxH)
     b, l, h, kd = k.shape
     vd, c = v.shape[-1], chunk
@@ -125,27 +130,39 @@ def chunked(
     u0_NxBxHxCxV = solve(v * beta_NxBxHxC[..., None])
     w_NxBxHxCxK = solve(k_beta * gamma_NxBxHxC[..., None])
     attn_NxBxHxCxC = jnp.einsum("...ik,...jk->...ij", q, k) * decay_NxBxHxCxC
-    q_decayed = q * gamma_NxBxHxC[..., None]
+    # which tokens read the incoming state: those still in the document the previous chunk
+    # ended in; a chunk that starts a new document passes none of the state on
+    prev_doc_NxB = jnp.concatenate([jnp.zeros((1, b), jnp.int32), doc_NxBxC[:-1, :, -1]])
+    reads_NxBx1xCx1 = (doc_NxBxC == prev_doc_NxB[..., None])[:, :, None, :, None]
+    q_reads = jnp.where(reads_NxBx1xCx1, q * gamma_NxBxHxC[..., None], 0.0)
+    w_reads = jnp.where(reads_NxBx1xCx1, w_NxBxHxCxK, 0.0)
     to_end_NxBxHxC = jnp.exp(cum_NxBxHxC[..., -1:] - cum_NxBxHxC)
     last_same_NxBxC = doc_NxBxC == doc_NxBxC[..., -1:]
     k_to_end = k * jnp.where(last_same_NxBxC[:, :, None], to_end_NxBxHxC, 0.0)[..., None]
-    chunk_decay_NxBxH = gamma_NxBxHxC[..., -1]
+    keeps_NxBx1 = (doc_NxBxC[..., -1] == prev_doc_NxB)[..., None]
+    decay_NxBxHxK = jnp.broadcast_to(
+        jnp.where(keeps_NxBx1, gamma_NxBxHxC[..., -1], 0.0)[..., None], (n, b, h, kd)
+    )
+    xs = (u0_NxBxHxCxV, w_reads, attn_NxBxHxCxC, q_reads, k_to_end, decay_NxBxHxK)
+    if kernel:  # the same recurrence as one Pallas program per (batch, head)
+        from jaxllm.kernels.gated_delta import chunk_scan
 
-    def step(carry, xs):
-        s_BxHxKxV, prev_doc_B = carry
-        u0, w, attn, q_dec, k_end, decay_BxH, doc_BxC = xs
-        reads_Bx1xCx1 = (doc_BxC == prev_doc_B[:, None])[:, None, :, None]
-        u_BxHxCxV = u0 - jnp.einsum("bhck,bhkv->bhcv", jnp.where(reads_Bx1xCx1, w, 0.0), s_BxHxKxV)
-        o_BxHxCxV = jnp.einsum(
-            "bhck,bhkv->bhcv", jnp.where(reads_Bx1xCx1, q_dec, 0.0), s_BxHxKxV
-        ) + jnp.einsum("bhij,bhjv->bhiv", attn, u_BxHxCxV)
-        keeps_Bx1 = (doc_BxC[:, -1] == prev_doc_B)[:, None]
-        s_BxHxKxV = s_BxHxKxV * jnp.where(keeps_Bx1, decay_BxH, 0.0)[..., None, None]
-        s_BxHxKxV = s_BxHxKxV + jnp.einsum("bhck,bhcv->bhkv", k_end, u_BxHxCxV)
-        return (s_BxHxKxV, doc_BxC[:, -1]), o_BxHxCxV
+        o, s = chunk_scan(*(jnp.moveaxis(x, 0, 2) for x in xs), s0, interpret)
+        o_NxBxHxCxV = jnp.moveaxis(o, 2, 0)
+    else:
 
-    xs = (u0_NxBxHxCxV, w_NxBxHxCxK, attn_NxBxHxCxC, q_decayed, k_to_end, chunk_decay_NxBxH)
-    (s, _), o_NxBxHxCxV = jax.lax.scan(step, (s0, jnp.zeros((b,), jnp.int32)), (*xs, doc_NxBxC))
+        def step(s_BxHxKxV, xs):
+            u0, w, attn, q_dec, k_end, decay_BxHxK = xs
+            u_BxHxCxV = u0 - jnp.einsum("bhck,bhkv->bhcv", w, s_BxHxKxV)
+            o_BxHxCxV = jnp.einsum("bhck,bhkv->bhcv", q_dec, s_BxHxKxV) + jnp.einsum(
+                "bhij,bhjv->bhiv", attn, u_BxHxCxV
+            )
+            s_BxHxKxV = s_BxHxKxV * decay_BxHxK[..., None] + jnp.einsum(
+                "bhck,bhcv->bhkv", k_end, u_BxHxCxV
+            )
+            return s_BxHxKxV, o_BxHxCxV
+
+        s, o_NxBxHxCxV = jax.lax.scan(step, s0, xs)
     o_BxLxHxV = jnp.moveaxis(o_NxBxHxCxV, 0, 1).transpose(0, 1, 3, 2, 4).reshape(b, n * c, h, vd)
     return o_BxLxHxV[:, :l], s
 
