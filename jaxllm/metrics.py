@@ -38,7 +38,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     d, f, n = cfg.d_model, cfg.mlp_dim, cfg.num_layers
     hk, gk = cfg.num_heads * cfg.resolved_head_dim, cfg.num_kv_heads * cfg.resolved_head_dim
     mlp_mats = 3 if cfg.gated_mlp else 2
-    attn = d * hk * 2 + d * gk * 2
+    attn = d * hk * (3 if cfg.attn_output_gate else 2) + d * gk * 2
     mla_norms = 0
     if cfg.mla.enabled:
         a, h = cfg.mla, cfg.num_heads
@@ -51,12 +51,15 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
             a.qk_nope_head_dim + a.v_head_dim
         )
         attn, mla_norms = q + kv + h * a.v_head_dim * d, n * (a.q_lora_rank + a.kv_lora_rank)
+    n_lin, lin_mats, lin_other = _linear_layer_params(cfg)
+    attn_all = (n - n_lin) * attn + n_lin * lin_mats  # token mixers of every block
     n_moe, moe_total, moe_active = 0, 0, 0
     moe_bias_total, moe_bias_active = 0, 0
     if cfg.moe.enabled:  # experts and shared experts are SwiGLU FFNs
         m, fe = cfg.moe, cfg.resolved_expert_mlp_dim
-        n_moe = (n - m.first_dense_layers) // m.moe_every
-        common = attn + d * m.num_experts + 3 * d * fe * m.num_shared_experts  # router, shared
+        n_moe = n if cfg.layer_pattern else (n - m.first_dense_layers) // m.moe_every
+        shared = 3 * d * (m.shared_mlp_dim or fe * m.num_shared_experts) + d * m.shared_expert_gate
+        common = d * m.num_experts + shared  # router, shared experts (and their gate)
         moe_total = common + 3 * d * fe * m.num_experts
         moe_active = common + 3 * d * fe * m.experts_per_token
         # gpt-oss: the router's logit bias, each expert's gate / up / down biases
@@ -64,19 +67,23 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         moe_bias_total = n_moe * (m.num_experts * (m.router_logit_bias + per_expert))
         moe_bias_active = n_moe * (m.num_experts * m.router_logit_bias)
         moe_bias_active += n_moe * m.experts_per_token * per_expert
-    dense_layer = attn + mlp_mats * d * f
-    total_matmul = (n - n_moe) * dense_layer + n_moe * moe_total
-    active_matmul = (n - n_moe) * dense_layer + n_moe * moe_active
+    dense_layer = mlp_mats * d * f
+    total_matmul = (n - n_moe) * dense_layer + n_moe * moe_total + attn_all
+    active_matmul = (n - n_moe) * dense_layer + n_moe * moe_active + attn_all
     embed = cfg.vocab_size * d
     head_out = 1 if cfg.head == "score" else cfg.vocab_size  # a reward model's one score
     head = 0 if cfg.tie_embeddings else head_out * d
     norm_params = 2 if cfg.norm == "layernorm" else 1  # scale (and bias) per channel
     norms_per_layer = 4 if cfg.norm_placement == "sandwich" else 2
     final_norms = 0 if cfg.norm_placement == "post" else 1
-    norms = norm_params * (
-        (norms_per_layer * n + final_norms) * d
-        + (2 * n * cfg.resolved_head_dim if cfg.qk_norm else 0)
-        + mla_norms
+    norms = (
+        norm_params
+        * (
+            (norms_per_layer * n + final_norms) * d
+            + (2 * (n - n_lin) * cfg.resolved_head_dim if cfg.qk_norm else 0)
+            + mla_norms
+        )
+        + n_lin * lin_other
     )
     biases = n * (
         (hk + 2 * gk) * cfg.qkv_bias + d * cfg.o_bias + ((mlp_mats - 1) * f + d) * cfg.mlp_bias
@@ -106,6 +113,22 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
+def _linear_layer_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(linear-attention blocks, matmul parameters of one, its other parameters: conv
+    filters, A_log, dt_bias, the gated norm's scale)."""
+    la = cfg.linear_attention
+    n_lin = (
+        sum(
+            cfg.layer_pattern[i % len(cfg.layer_pattern)] == "linear" for i in range(cfg.num_layers)
+        )
+        if cfg.layer_pattern
+        else 0
+    )
+    qk, vz, h = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim, la.num_v_heads
+    mats = cfg.d_model * (2 * qk + 2 * vz + 2 * h) + vz * cfg.d_model
+    return n_lin, mats, la.conv_kernel * (2 * qk + vz) + 2 * h + la.v_head_dim
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Training FLOPs per token (forward + backward = 3x forward), Kaplan/PaLM style:
     6 * active matmul params (of MoE layers only the routed top-k experts), plus attention
@@ -115,7 +138,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     k = v = cfg.resolved_head_dim
     if cfg.mla.enabled:
         k, v = cfg.mla.qk_head_dim, cfg.mla.v_head_dim
-    attn = 6 * cfg.num_layers * cfg.num_heads * (k + v) * seq_len
+    n_lin = _linear_layer_params(cfg)[0]
+    attn = 6 * (cfg.num_layers - n_lin) * cfg.num_heads * (k + v) * seq_len
+    if n_lin:  # chunked delta rule: C x (K + V) inside a chunk, three [K, V] state products
+        la = cfg.linear_attention
+        kd, vd, c = la.k_head_dim, la.v_head_dim, min(la.chunk_size, seq_len)
+        attn += 6 * n_lin * la.num_v_heads * (c * (kd + vd) + 3 * kd * vd)
     return {"dense": float(dense), "attention": float(attn), "total": float(dense + attn)}
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from jaxllm import compress, config, sharding
 from jaxllm.config.pipeline import microbatches
 from jaxllm.data import span_corruption
-from jaxllm.infer.kv_cache import KINDS, KIVI_KINDS, model_bytes_per_token
+from jaxllm.infer import kv_cache
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
 from jaxllm.parallel import schedules
@@ -172,7 +172,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
     )
     return {
         "pipeline": pipeline_report(cfg, mesh),
-        "kv_cache": kv_cache_report(cfg, mesh),
+        "kv_cache": kv_cache.cache_report(cfg, mesh),
         "mesh": dict(mesh.shape),
         "devices": f"{len(devices)} x {devices[0].device_kind}",
         "params": param_counts(cfg.model)["total"],
@@ -300,25 +300,6 @@ def _pipeline_lines(pp: dict | None) -> list[str]:
     ]
 
 
-def kv_cache_report(cfg: config.Config, mesh) -> dict:
-    """KV-cache bytes per token (all layers, scales included) for every cache dtype, and the
-    cache of `train.global_batch_size` sequences of `model.max_seq_len` tokens per device with
-    `generate.kv_cache_dtype` (batch split over the data axes, kv heads over `tensor`)."""
-    m, gen = cfg.model, cfg.generate
-    kinds = [k for k in KINDS if not (m.mla.enabled and k in KIVI_KINDS)]  # no KIVI latent
-    per_token = {kind: model_bytes_per_token(m, kind, gen.kv_group) for kind in kinds}
-    # MLA's latent cache is one "head": tensor shards each hold all of it
-    split_axes = (*sharding.RULES["batch"], *(() if m.mla.enabled else ("tensor",)))
-    split = int(np.prod([mesh.shape[a] for a in split_axes]))
-    tokens = cfg.train.global_batch_size * m.max_seq_len
-    return {
-        "per_token": per_token,
-        "kind": gen.kv_cache_dtype,
-        "tokens": tokens,
-        "bytes_per_device": per_token[gen.kv_cache_dtype] * tokens / split,
-    }
-
-
 def format_plan(r: dict) -> str:
     lines = [
         f"mesh        {' x '.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or 'single'}"
@@ -384,6 +365,11 @@ def format_plan(r: dict) -> str:
         f"  {kv['kind']} cache of {kv['tokens']:,} tokens (global batch x max_seq_len): "
         f"{fmt_bytes(kv['bytes_per_device'])} per device"
     )
+    if kv["linear_state"]:  # fixed-size, in place of the linear layers' KV cache
+        lines.append(
+            f"  + linear-attention state of the global batch (any length): "
+            f"{fmt_bytes(kv['linear_state_per_device'])} per device"
+        )
     if r["hbm"] is not None:
         verdict = "FITS" if r["fits"] else "DOES NOT FIT"
         lines += [

@@ -65,6 +65,7 @@ DEFERRED = {
     "jaxllm.kernels.flash_attention.ops": "a backend (Triton, Mosaic) loads only when used",
     "jaxllm.kernels.decode_attention.ops": "a backend (Triton, Mosaic) loads only when used",
     "jaxllm.kernels.int4_matmul.ops": "the Triton backend loads only when used",
+    "jaxllm.kernels.gated_delta.ops": "the Pallas backend loads only when used",
 }
 
 

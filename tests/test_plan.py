@@ -66,6 +66,24 @@ def test_plan_reports_kv_cache_bytes_per_token():
     assert kv["bytes_per_device"] == kv["per_token"]["int8"] * tokens / 8
 
 
+def test_plan_reports_a_hybrid_models_kv_cache_and_fixed_linear_state():
+    """3:1 linear / full: the KV cache holds the one full layer; the linear layers' state is
+    float32 [H, K, V] plus bf16 conv tails per sequence, split over data x fsdp x tensor."""
+    r = _plan(
+        *("mesh.data=2", "mesh.tensor=2", "mesh.fsdp=2"),
+        "model.layer_pattern=[linear, linear, linear, full]",
+        "model.linear_attention.kind=gated_deltanet",
+    )
+    kv, m = r["kv_cache"], config.ModelConfig()
+    la = config.LinearAttentionConfig()
+    assert kv["per_token"]["bfloat16"] == 1 * m.num_kv_heads * m.resolved_head_dim * 4
+    qk, vd = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
+    per_seq = 4 * la.num_v_heads * la.k_head_dim * la.v_head_dim + 2 * 3 * (2 * qk + vd)
+    batch = config.TrainConfig().global_batch_size
+    assert kv["linear_state"] == 3 * batch * per_seq
+    assert kv["linear_state_per_device"] == kv["linear_state"] / 8
+
+
 def test_plan_reports_the_latent_cache_of_an_mla_model():
     """[latent ; rope key] per token and layer, no int4 / int2, and not split over tensor (one head)."""
     r = _plan(

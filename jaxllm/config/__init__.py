@@ -20,6 +20,7 @@ Modules: `model` (the model section), `train`, `peft`, `quantize`, `sections` (t
 
 from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import ConfigError, JaxllmWarning, RunError
+from jaxllm.config.linear_attention import LinearAttentionConfig
 from jaxllm.config.loading import (
     SECTIONS,
     apply_overrides,
@@ -63,6 +64,7 @@ __all__ = [
     "QuantizeConfig",
     "PruneConfig",
     "JaxllmWarning",
+    "LinearAttentionConfig",
     "MLAConfig",
     "MeshConfig",
     "ModelConfig",

@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 
 from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.linear_attention import LinearAttentionConfig, validate_hybrid
 from jaxllm.config.moe import MoEConfig
 from jaxllm.config.seq2seq import RelativeConfig, validate_encoder_decoder
 
@@ -51,6 +52,9 @@ class RopeConfig:
     """Base of windowed (sliding-window) layers, which take no `scaling` (Gemma 3: 10k locally,
     theta 1M with linear scaling globally); null: every layer uses theta and the scaling.
     Needs model.sliding_window."""
+    partial_factor: float = 1.0
+    """Fraction of each head's channels that RoPE rotates (the first ones; Hugging Face
+    `partial_rotary_factor`, Qwen3-Next: 0.25); the rest carry no position."""
     interleave: bool = False
     """Rotate adjacent channel pairs (2i, 2i + 1) (GPT-J, DeepSeek-V2/V3 checkpoints) instead of
     the "rotate half" pairs (i, i + K/2) of Llama checkpoints."""
@@ -248,6 +252,15 @@ class ModelConfig:
     offset, MLM head, pooler."""
     relative: RelativeConfig = RelativeConfig()
     """T5 relative position buckets (`position=relative`)."""
+    linear_attention: LinearAttentionConfig = LinearAttentionConfig()
+    """The linear-attention token mixer of the blocks `layer_pattern` marks `linear`."""
+    layer_pattern: tuple[str, ...] = ()
+    """Token mixer per block, repeated over the layers: `linear` (model.linear_attention) or
+    `full` (softmax attention), e.g. [linear, linear, linear, full] (Qwen3-Next); its length
+    must divide num_layers. []: every block is `full`."""
+    attn_output_gate: bool = False
+    """Gate softmax attention's output per channel by sigmoid(x W_gate) before the output
+    projection (Qwen3-Next's full-attention layers; `gate_proj` [D, H, K])."""
     decoder_layers: int | None = None
     """kind=encoder_decoder: blocks of the decoder stack; null means num_layers (the encoder's)."""
 
@@ -273,7 +286,9 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """Channels of each query/key head that RoPE rotates."""
-        return self.mla.qk_rope_head_dim if self.mla.enabled else self.resolved_head_dim
+        if self.mla.enabled:
+            return self.mla.qk_rope_head_dim
+        return int(self.resolved_head_dim * self.rope.partial_factor)
 
     @property
     def resolved_expert_mlp_dim(self) -> int:
@@ -308,6 +323,11 @@ class ModelConfig:
                 "(model.kind=encoder) ends in the LM (MLM) head."
             )
         self._validate_rope()
+        validate_hybrid(self)
+        if not 0 < self.rope.partial_factor <= 1 or (
+            self.rope.partial_factor != 1 and self.mla.enabled
+        ):
+            _fail("model.rope.partial_factor must be in (0, 1], and 1 with MLA.")
         if self.mla.enabled:  # off, its widths are ignored (as moe.* without experts)
             self._validate_mla()
         if self.sliding_window is not None and self.sliding_window < 1:

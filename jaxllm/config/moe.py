@@ -27,6 +27,12 @@ class MoEConfig:
     num_shared_experts: int = 0
     """Experts every token passes through besides its routed ones (DeepSeek / Qwen style),
     run as one SwiGLU of width num_shared_experts * expert_mlp_dim."""
+    shared_mlp_dim: int | None = None
+    """Width of the shared experts' one SwiGLU; null means num_shared_experts * expert_mlp_dim
+    (Qwen3-Next: shared_expert_intermediate_size)."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x w_gate), w_gate [D, 1]
+    (Qwen2-MoE, Qwen3-Next: `shared_expert_gate`); needs num_shared_experts > 0."""
     first_dense_layers: int = 0
     """Leading blocks kept dense (DeepSeek-V3 keeps 3)."""
     moe_every: int = 1
@@ -114,6 +120,10 @@ def validate_moe(m) -> None:
             f"multiple of model.moe.moe_every ({moe.moe_every}), so that the MoE pattern repeats "
             "whole and holds at least one MoE block."
         )
+    if moe.shared_expert_gate and not moe.num_shared_experts:
+        _fail("model.moe.shared_expert_gate gates the shared experts: set num_shared_experts.")
+    if moe.shared_mlp_dim is not None and (moe.shared_mlp_dim < 1 or not moe.num_shared_experts):
+        _fail("model.moe.shared_mlp_dim must be positive, with model.moe.num_shared_experts.")
     if moe.capacity_factor <= 0 or moe.route_scale <= 0:
         _fail("model.moe.capacity_factor and model.moe.route_scale must be positive.")
     if moe.swiglu_alpha <= 0 or moe.swiglu_limit <= 0:

@@ -216,6 +216,20 @@ class Config:
                     f"mesh.tensor ({degrees['tensor']}) must divide model.num_heads "
                     f"({m.num_heads}) and model.num_kv_heads ({m.num_kv_heads})."
                 )
+            la = m.linear_attention
+            if la.enabled and (degrees["sequence"] > 1 or degrees["stage"] > 1):
+                _fail(
+                    "linear-attention layers (model.layer_pattern) carry their state along the "
+                    "whole sequence on one shard and scan the pattern in one stack: set "
+                    "mesh.sequence=1 and mesh.stage=1."
+                )
+            if la.enabled and (
+                la.num_k_heads % degrees["tensor"] or la.num_v_heads % degrees["tensor"]
+            ):
+                _fail(
+                    f"mesh.tensor ({degrees['tensor']}) must divide model.linear_attention."
+                    f"num_k_heads ({la.num_k_heads}) and num_v_heads ({la.num_v_heads})."
+                )
             if self.mesh.sequence_attention == "ring" and self.data.seq_len % (
                 2 * degrees["sequence"]
             ):

@@ -6,7 +6,7 @@ model (`to_hf`), and the `Link`s between its safetensors names and our parameter
 transform is a reshape, a transpose or a split/concatenation, so importing and exporting give
 back the same bytes. The families live by group: `llama.py` (Llama, Mistral, Qwen2 / Qwen3,
 Mixtral), `gemma.py` (Gemma 2, Gemma 3 text), `deepseek.py` (DeepSeek-V2, DeepSeek-V3),
-`gpt_oss.py` (gpt-oss),
+`gpt_oss.py` (gpt-oss), `qwen3_next.py` (Qwen3-Next: hybrid linear attention),
 `gpt2.py`, `bert.py` (BERT, RoBERTa: encoders) and `t5.py` (T5 v1.0 / v1.1: encoder–decoders);
 this module holds the registry `FAMILIES`, picks a model's family, and checks that an exported
 config.json says what the model is.
@@ -27,6 +27,7 @@ from jaxllm.convert.gpt2 import GPT2
 from jaxllm.convert.gpt_oss import GPT_OSS
 from jaxllm.convert.links import Family
 from jaxllm.convert.llama import LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3
+from jaxllm.convert.qwen3_next import QWEN3_NEXT
 from jaxllm.convert.t5 import T5
 
 # ModelConfig fields that are training or compute choices, not part of a checkpoint.
@@ -56,6 +57,7 @@ FAMILIES: dict[str, Family] = {
         GPT_OSS,
         *(BERT, ROBERTA),
         T5,
+        QWEN3_NEXT,
     )
 }
 
@@ -130,6 +132,8 @@ def guess_family(cfg: ModelConfig) -> Family:
     """The family a model exports as when none is named: the one its knobs point to."""
     if cfg.kind == "encoder_decoder":
         return FAMILIES["t5"]
+    if cfg.layer_pattern:
+        return FAMILIES["qwen3_next"]
     if cfg.kind == "encoder":  # RoBERTa numbers its positions after padding_idx
         return FAMILIES["roberta" if cfg.encoder.position_offset else "bert"]
     if cfg.mla.enabled and cfg.moe.enabled and cfg.moe.router_score == "softmax":
@@ -240,6 +244,10 @@ def _same(key: str, a, b, cfg: ModelConfig) -> bool:
     `model.`, e.g. `rope.theta`)."""
     if key == "head_dim":
         return cfg.resolved_head_dim == (b or cfg.d_model // cfg.num_heads)
+    if key == "linear_attention":  # the chunk length is a compute choice
+        return dataclasses.replace(a, chunk_size=b.chunk_size) == b
+    if key == "moe.shared_mlp_dim":
+        return (a or cfg.moe.num_shared_experts * cfg.resolved_expert_mlp_dim) == b
     if key == "rope.local_theta" and cfg.rope.scaling == "none":  # null: rope.theta
         return math.isclose(a or cfg.rope.theta, b or cfg.rope.theta)
     if key == "max_seq_len" and cfg.rope.scaling == "dynamic" and cfg.position == "rope":

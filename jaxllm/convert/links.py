@@ -39,7 +39,8 @@ class Link:
     alternated element by element along it (gpt-oss's gate_up: gate at even, up at odd
     indices). `offset` is the HF layer
     number of our first stacked layer (DeepSeek-V3's MoE blocks, stacked apart, follow its
-    dense ones).
+    dense ones), and our k-th stacked layer is HF layer offset + k * `stride` (a hybrid
+    stack's position p of a pattern of P blocks: offset p, stride P).
     """
 
     hf: str
@@ -50,6 +51,7 @@ class Link:
     n_lead: int = 0
     offset: int = 0
     interleave: bool = False
+    stride: int = 1
 
     @property
     def indices(self) -> tuple[str, ...]:
@@ -61,7 +63,9 @@ class Link:
         return tuple(shapes[self.ours[0]][: len(self.indices)])
 
     def name(self, index: tuple[int, ...] = ()) -> str:
-        numbers = [k + (self.offset if f == "i" else 0) for f, k in zip(self.indices, index)]
+        numbers = [
+            k * self.stride + self.offset if f == "i" else k for f, k in zip(self.indices, index)
+        ]
         return self.hf.format(**dict(zip(self.indices, numbers)))
 
     def _part_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -27,7 +27,8 @@ from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.config import ConfigError, GenerateConfig
-from jaxllm.infer import kv_cache, seq2seq
+from jaxllm.infer import kv_cache, linear_state, seq2seq
+from jaxllm.infer.linear_state import num_full_layers
 from jaxllm.infer.sampling import sample, split_key
 from jaxllm.kernels.decode_attention.ops import on_hopper
 
@@ -107,6 +108,19 @@ def resolve_decode_impl(impl: str, cfg=None) -> tuple[str, bool]:
     return impl, impl == "kernel" and jax.default_backend() == "cpu"
 
 
+def _linear_state(cfg, batch: int):
+    """The linear-attention layers' zero state, placed as `linear_state.logical_axes` says
+    (None without linear layers)."""
+    s = linear_state.init_linear_state(cfg, batch)
+    if s is None:
+        return None
+    return jax.tree.map(sharding.constrain, s, linear_state.logical_axes(s), is_leaf=_is_axes)
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
 def _constrain_cache(kv):
     axes = kv_cache.logical_axes(kv)
     return jax.tree.map(
@@ -126,7 +140,7 @@ def _generate(
     b = prompt_BxL.shape[0]
     g, k, value_dim = kv_cache.cache_dims(cfg)
     kv = kv_cache.init_cache(
-        num_layers=cfg.num_layers,
+        num_layers=num_full_layers(cfg),
         batch=b,
         num_kv_heads=g,
         head_dim=k,
@@ -140,7 +154,13 @@ def _generate(
     )
     kv = _constrain_cache(kv)
     view = kv_cache.CacheView(
-        kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl, interpret=plan.interpret
+        kv,
+        lengths_B,
+        jnp.int32(0),
+        prefill=True,
+        impl=plan.impl,
+        interpret=plan.interpret,
+        linear=_linear_state(cfg, b),
     )
     logits_Bx1xV, view, *_ = model(prompt_BxL, cache=view, logits_at_BxQ=(lengths_B - 1)[:, None])
     pick = functools.partial(
@@ -159,7 +179,7 @@ def _generate(
         return (i < plan.max_new) & ~jnp.all(done_B)
 
     def body(carry):
-        i, tok_B, lengths_B, done_B, out_BxN, tail_BxM, kv, rng = carry
+        i, tok_B, lengths_B, done_B, out_BxN, tail_BxM, (kv, linear), rng = carry
         out_BxN = out_BxN.at[:, i].set(jnp.where(done_B, 0, tok_B))
         if on_token is not None:
             jax.debug.callback(on_token, i, tok_B, done_B, ordered=True)
@@ -168,16 +188,23 @@ def _generate(
         done_B = done_B | jnp.isin(tok_B, stop_S) | jnp.any(jnp.all(same_BxSxM, -1), -1)
         lengths_B = lengths_B + 1
         view = kv_cache.CacheView(
-            kv, lengths_B, jnp.int32(0), prefill=False, impl=plan.impl, interpret=plan.interpret
+            kv,
+            lengths_B,
+            jnp.int32(0),
+            prefill=False,
+            impl=plan.impl,
+            interpret=plan.interpret,
+            linear=linear,
         )
         logits_Bx1xV, view, *_ = model(
             tok_B[:, None], positions_BxL=(lengths_B - 1)[:, None], cache=view
         )
         rng, sub = split_key(rng)
         tok_B = pick(logits_Bx1xV[:, 0], sub)
-        return i + 1, tok_B, lengths_B, done_B, out_BxN, tail_BxM, view.kv, rng
+        return i + 1, tok_B, lengths_B, done_B, out_BxN, tail_BxM, (view.kv, view.linear), rng
 
-    carry = (jnp.int32(0), tok_B, lengths_B, done_B, out_BxN, tail_BxM, view.kv, rng)
+    caches = (view.kv, view.linear)
+    carry = (jnp.int32(0), tok_B, lengths_B, done_B, out_BxN, tail_BxM, caches, rng)
     _, _, _, done_B, out_BxN, _, _, _ = jax.lax.while_loop(cond, body, carry)
     return out_BxN, done_B
 
@@ -236,7 +263,7 @@ def generate(
     need_B = lengths + gen.max_new_tokens
     kind, group = gen.kv_cache_dtype, gen.kv_group
     g, k, _ = kv_cache.cache_dims(cfg)
-    nl = cfg.num_layers
+    nl = linear_state.num_full_layers(cfg)
     if gen.kv_page_size and seq2seq_model:
         raise ValueError("an encoder-decoder decodes with a contiguous cache: kv_page_size=0")
     if gen.kv_page_size:
@@ -313,7 +340,9 @@ def generate(
     per_token = kv_cache.model_bytes_per_token(cfg, kind, group)
     residual = 2 * nl * b * g * group * k * jnp.dtype(cfg.dtype).itemsize
     residual = residual if kind in kv_cache.KIVI_KINDS else 0
-    return Generation(tokens, stopped, per_token, per_token * cache_tokens + residual, ends)
+    fixed = linear_state.state_bytes(cfg, b) if cfg.layer_pattern else 0
+    cache_bytes = per_token * cache_tokens + residual + fixed
+    return Generation(tokens, stopped, per_token, cache_bytes, ends)
 
 
 def _first_stop(row: list[int], stops: set[int], seqs: list[tuple[int, ...]]) -> int | None:
@@ -341,7 +370,7 @@ def _score(graphdef, state, tokens_BxT, plan, prefix):
     b, t = tokens_BxT.shape
     g, k, value_dim = kv_cache.cache_dims(cfg)
     kv = kv_cache.init_cache(
-        num_layers=cfg.num_layers,
+        num_layers=num_full_layers(cfg),
         batch=b,
         num_kv_heads=g,
         head_dim=k,
@@ -353,27 +382,34 @@ def _score(graphdef, state, tokens_BxT, plan, prefix):
     )
     lengths_B = jnp.full((b,), prefix, jnp.int32)
     view = kv_cache.CacheView(
-        kv, lengths_B, jnp.int32(0), prefill=True, impl=plan.impl, interpret=plan.interpret
+        kv,
+        lengths_B,
+        jnp.int32(0),
+        prefill=True,
+        impl=plan.impl,
+        interpret=plan.interpret,
+        linear=_linear_state(cfg, b),
     )
     logits_Bx1xV, view, *_ = model(
         tokens_BxT[:, :prefix], cache=view, logits_at_BxQ=(lengths_B - 1)[:, None]
     )
 
-    def step(kv, pos):
+    def step(caches, pos):
         view = kv_cache.CacheView(
-            kv,
+            caches[0],
             jnp.full((b,), pos + 1, jnp.int32),
             jnp.int32(0),
             prefill=False,
             impl=plan.impl,
             interpret=plan.interpret,
+            linear=caches[1],
         )
         logits_Bx1xV, view, *_ = model(
             tokens_BxT[:, pos][:, None], positions_BxL=jnp.full((b, 1), pos, jnp.int32), cache=view
         )
-        return view.kv, logits_Bx1xV[:, 0]
+        return (view.kv, view.linear), logits_Bx1xV[:, 0]
 
-    kv, logits_NxBxV = jax.lax.scan(step, view.kv, jnp.arange(prefix, t - 1))
+    _, logits_NxBxV = jax.lax.scan(step, (view.kv, view.linear), jnp.arange(prefix, t - 1))
     logits_BxNxV = jnp.concatenate([logits_Bx1xV, logits_NxBxV.transpose(1, 0, 2)], axis=1)
     logp_BxNxV = jax.nn.log_softmax(logits_BxNxV.astype(jnp.float32), axis=-1)
     targets_BxN = tokens_BxT[:, prefix:]

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import parallel
+from jaxllm import parallel, sharding
+from jaxllm.infer.linear_state import LinearState, num_full_layers, state_bytes
 from jaxllm.kernels.decode_attention import quant
 from jaxllm.kernels.decode_attention.ops import decode_attention
 from jaxllm.kernels.decode_attention.quant import KVCache, cache_bytes_per_token
@@ -133,7 +134,8 @@ def bytes_per_token(
 def model_bytes_per_token(cfg, kind: str, group: int = 32) -> int:
     """`bytes_per_token` of a model's cache (`cache_dims`)."""
     g, k, value_dim = cache_dims(cfg)
-    return bytes_per_token(kind, cfg.num_layers, g, k, group, latent=value_dim is not None)
+    n = num_full_layers(cfg)  # linear layers keep a fixed-size state instead
+    return bytes_per_token(kind, n, g, k, group, latent=value_dim is not None)
 
 
 def logical_axes(kv: KVCache) -> KVCache:
@@ -171,9 +173,27 @@ class CacheView:
     prefill: bool = dataclasses.field(metadata=dict(static=True))
     impl: str = dataclasses.field(default="xla", metadata=dict(static=True))
     interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    linear: LinearState | None = None
+    """The linear-attention layers' state (`jaxllm.infer.linear_state`); `layer` indexes
+    it in a linear layer, `kv` in a full one (each counts its own kind of layer)."""
 
     def at_layer(self, layer) -> CacheView:
         return dataclasses.replace(self, layer=layer)
+
+    def linear_state(self) -> jax.Array:
+        return self.linear.state[self.layer]
+
+    def linear_tails(self) -> tuple[jax.Array, ...]:
+        return tuple(t[self.layer] for t in self.linear.tails)
+
+    def write_linear(self, state_BxHxKxV, tails) -> CacheView:
+        """This linear layer's new state and convolution tails."""
+        lin = self.linear
+        new = LinearState(
+            state=lin.state.at[self.layer].set(state_BxHxKxV.astype(lin.state.dtype)),
+            tails=tuple(t.at[self.layer].set(x.astype(t.dtype)) for t, x in zip(lin.tails, tails)),
+        )
+        return dataclasses.replace(self, linear=new)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -365,3 +385,26 @@ class CacheView:
                 **masks,
             )
         return out.astype(q_BxQxHxK.dtype)
+
+
+def cache_report(cfg, mesh) -> dict:
+    """KV-cache bytes per token (all layers, scales included) for every cache dtype, and the
+    cache of `train.global_batch_size` sequences of `model.max_seq_len` tokens per device with
+    `generate.kv_cache_dtype` (batch split over the data axes, kv heads over `tensor`); the
+    linear-attention layers' fixed-size state of that batch (`jaxllm plan`)."""
+    m, gen = cfg.model, cfg.generate
+    kinds = [k for k in KINDS if not (m.mla.enabled and k in KIVI_KINDS)]  # no KIVI latent
+    per_token = {kind: model_bytes_per_token(m, kind, gen.kv_group) for kind in kinds}
+    # MLA's latent cache is one "head": tensor shards each hold all of it
+    split_axes = (*sharding.RULES["batch"], *(() if m.mla.enabled else ("tensor",)))
+    split = int(np.prod([mesh.shape[a] for a in split_axes]))
+    tokens = cfg.train.global_batch_size * m.max_seq_len
+    state = state_bytes(m, cfg.train.global_batch_size) if m.layer_pattern else 0
+    return {
+        "linear_state": state,  # batch over the data axes, value heads over tensor
+        "linear_state_per_device": state / split,
+        "per_token": per_token,
+        "kind": gen.kv_cache_dtype,
+        "tokens": tokens,
+        "bytes_per_device": per_token[gen.kv_cache_dtype] * tokens / split,
+    }

@@ -49,6 +49,8 @@ class Attention(nnx.Module):
         self.q_proj = param(rngs, init, (d, h, k), ("embed", "heads", "head_dim"), pdt)
         self.k_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
         self.v_proj = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pdt)
+        if cfg.attn_output_gate:  # Qwen3-Next: sigmoid(x W_gate) gates each head's output
+            self.gate_proj = param(rngs, init, (d, h, k), ("embed", "heads", "head_dim"), pdt)
         self._init_out(cfg, k, out_std, rngs)
         zeros = jax.nn.initializers.zeros
         if cfg.qkv_bias:
@@ -244,11 +246,18 @@ class Attention(nnx.Module):
             else:
                 out_BxLxHxK = self._attend_cache(q_BxLxHxK, cache, windowed)
                 out_BxLxHxK = out_BxLxHxK[..., : v_BxLxGxK.shape[-1]]
-            return AttentionOutput(self._out(out_BxLxHxK), cache)
+            return AttentionOutput(self._out(self._gate(out_BxLxHxK, x_BxLxD)), cache)
         out_BxLxHxK = self._self_attention(
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, windowed, prefix_BxL
         )
-        return AttentionOutput(self._out(out_BxLxHxK))
+        return AttentionOutput(self._out(self._gate(out_BxLxHxK, x_BxLxD)))
+
+    def _gate(self, out_BxLxHxK, x_BxLxD):
+        """The output gate of model.attn_output_gate (identity without it)."""
+        if not hasattr(self, "gate_proj"):
+            return out_BxLxHxK
+        gate = jax.nn.sigmoid(self._project("bld,dhk->blhk", x_BxLxD, "gate").astype(jnp.float32))
+        return (out_BxLxHxK.astype(jnp.float32) * gate).astype(out_BxLxHxK.dtype)
 
     def _sigma_H(self):
         """The Gaussian kernel's sigma per head [H] (float32), learned or fixed."""

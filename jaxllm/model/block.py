@@ -36,11 +36,13 @@ class Block(nnx.Module):
     # the sublayers whose outputs get bottleneck adapters (peft.method=adapter)
     ADAPTER_SITES = ("attn", "mlp")
 
-    def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: ModelConfig, *, moe: bool = False, linear: bool = False, rngs: nnx.Rngs
+    ):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.placement, self.dropout, self.is_moe = cfg.norm_placement, cfg.dropout, moe
         self.attn_norm = make_norm(cfg)
-        self.attn = make_attention(cfg, out_std=out_std, rngs=rngs)
+        self.attn = make_attention(cfg, out_std=out_std, rngs=rngs, linear=linear)
         self.mlp_norm = make_norm(cfg)
         dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         if moe:
@@ -136,6 +138,17 @@ def stack(n: int, make, rngs: nnx.Rngs):
         return make(rngs)
 
     return stacked(rngs)
+
+
+class HybridGroup(nnx.Module):
+    """One repeat of model.layer_pattern: its blocks in order (`block_0`, `block_1`, ...), each
+    with linear or softmax attention as the pattern says; every one MoE when model.moe is on."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.kinds = tuple(cfg.layer_pattern)
+        for i, kind in enumerate(self.kinds):
+            block = Block(cfg, moe=cfg.moe.enabled, linear=kind == "linear", rngs=rngs)
+            setattr(self, f"block_{i}", block)
 
 
 class MoEGroup(nnx.Module):

@@ -10,6 +10,7 @@ from flax import nnx
 from jaxllm.model import lora
 from jaxllm.model.attention import Attention
 from jaxllm.model.layers import make_norm, matmul, param
+from jaxllm.model.linear_attention import GatedDeltaNet
 from jaxllm.model.outputs import AttentionOutput
 from jaxllm.sharding import constrain
 
@@ -142,7 +143,10 @@ class MLAttention(Attention):
         return AttentionOutput(self._out(out_BxLxHxV))
 
 
-def make_attention(cfg, *, out_std: float, rngs: nnx.Rngs) -> Attention:
-    """The configured attention: MLA when model.mla is on, else MHA / GQA / MQA."""
+def make_attention(cfg, *, out_std: float, rngs: nnx.Rngs, linear: bool = False) -> Attention:
+    """The configured attention: with `linear`, the linear-attention layer of
+    model.linear_attention; MLA when model.mla is on; else MHA / GQA / MQA."""
+    if linear:
+        return GatedDeltaNet(cfg, out_std=out_std, rngs=rngs)
     cls = MLAttention if cfg.mla.enabled else Attention
     return cls(cfg, out_std=out_std, rngs=rngs)

@@ -218,12 +218,17 @@ class MoE(nnx.Module):
             self.gate_bias = param(rngs, zeros, (e, f), ("expert", "mlp"), param_dtype)
             self.up_bias = param(rngs, zeros, (e, f), ("expert", "mlp"), param_dtype)
             self.down_bias = param(rngs, zeros, (e, d), ("expert", "embed"), param_dtype)
-        # One SwiGLU as wide as all shared experts together.
-        n_shared = cfg.num_shared_experts
+        # One SwiGLU as wide as all shared experts together (or shared_mlp_dim).
+        n_shared, shared_f = (
+            cfg.num_shared_experts,
+            cfg.shared_mlp_dim or cfg.num_shared_experts * f,
+        )
         opts = dict(
             init_std=init_std, out_std=out_std, dtype=dtype, param_dtype=param_dtype, fp8=fp8
         )
-        self.shared = MLP(d, n_shared * f, "swiglu", **opts, rngs=rngs) if n_shared else None
+        self.shared = MLP(d, shared_f, "swiglu", **opts, rngs=rngs) if n_shared else None
+        if cfg.shared_expert_gate:  # Qwen3-Next: sigmoid(x w) scales the shared output
+            self.shared_gate = param(rngs, normal(init_std), (d, 1), ("embed", None), param_dtype)
 
     def __call__(self, x_BxLxD: jax.Array):
         cfg, dtype = self.cfg, self.dtype
@@ -287,7 +292,15 @@ class MoE(nnx.Module):
             )
             out_BxLxD = (out_BxLxD.astype(jnp.float32) + bias_BxLxD).astype(dtype)
         if self.shared is not None:
-            out_BxLxD = out_BxLxD + self.shared(x_in_BxLxD)
+            shared_BxLxD = self.shared(x_in_BxLxD)
+            if hasattr(self, "shared_gate"):
+                gate = jnp.einsum(
+                    "bld,do->blo", x_in_BxLxD, self.shared_gate[...].astype(x_in_BxLxD.dtype)
+                )
+                shared_BxLxD = (jax.nn.sigmoid(gate.astype(jnp.float32)) * shared_BxLxD).astype(
+                    dtype
+                )
+            out_BxLxD = out_BxLxD + shared_BxLxD
         stats = {
             "aux_loss": r.aux_loss,
             "router_z_loss": r.z_loss,

@@ -133,10 +133,15 @@ def apply_rope(
     interleave: bool = False,
 ) -> jax.Array:
     """Rotates channel pairs (i, i + K/2) by angle position * inv_freq[i], in float32; with
-    `interleave`, the pairs (2i, 2i + 1) instead. `inv_freq_K2` and `scaling` may be traced (a
-    scanned layer picking its frequencies); a [B, K/2] array gives each row its own
-    frequencies (dynamic NTK)."""
+    `interleave`, the pairs (2i, 2i + 1) instead; with fewer frequencies than K / 2 (partial
+    RoPE, `RopeConfig.partial_factor`) only the first 2 * K2 channels. `inv_freq_K2` and
+    `scaling` may be traced (a scanned layer picking its frequencies); a [B, K/2] array gives
+    each row its own frequencies (dynamic NTK)."""
     inv_freq = jnp.asarray(inv_freq_K2, jnp.float32)
+    rot = 2 * inv_freq.shape[-1]
+    if rot < x_BxLxHxK.shape[-1]:  # partial RoPE: the first `rot` channels turn, the rest pass
+        turned = apply_rope(x_BxLxHxK[..., :rot], positions_BxL, inv_freq, scaling, interleave)
+        return jnp.concatenate([turned, x_BxLxHxK[..., rot:]], axis=-1)
     inv_freq_BxK2 = inv_freq if inv_freq.ndim == 2 else inv_freq[None, :]
     angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_BxK2[:, None, :]
     sin = jnp.sin(angle_BxLxK2)[:, :, None, :]

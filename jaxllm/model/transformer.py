@@ -27,9 +27,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig, PeftConfig
-from jaxllm.model import bottleneck, heads, lora
+from jaxllm.config.linear_attention import layer_kinds
+from jaxllm.model import bottleneck, heads, hybrid, lora
 from jaxllm.model import moe as moe_lib
-from jaxllm.model.block import Block, MoEGroup, apply_dropout, stack
+from jaxllm.model.block import Block, HybridGroup, MoEGroup, apply_dropout, stack
+from jaxllm.model.hybrid import dense_layers
 from jaxllm.model.layers import Embed, logical_axes, make_norm, matmul, param
 from jaxllm.model.outputs import ModelOutput
 from jaxllm.sharding import constrain
@@ -73,9 +75,12 @@ class Transformer(nnx.Module):
             self.embed_norm = make_norm(cfg)
 
         moe = cfg.moe
-        n_dense = moe.first_dense_layers if moe.enabled else cfg.num_layers
+        n_dense = dense_layers(cfg)
         self.layers = stack(n_dense, lambda r: Block(cfg, rngs=r), rngs) if n_dense else None
-        if moe.enabled:
+        if cfg.layer_pattern:  # hybrid: one scan over repeats of the pattern
+            groups = cfg.num_layers // len(cfg.layer_pattern)
+            self.hybrid_layers = stack(groups, lambda r: HybridGroup(cfg, rngs=r), rngs)
+        elif moe.enabled:
             groups = (cfg.num_layers - n_dense) // moe.moe_every
             self.moe_layers = stack(groups, lambda r: MoEGroup(cfg, rngs=r), rngs)
         if cfg.norm_placement != "post":  # post-norm blocks already end on a norm
@@ -143,7 +148,7 @@ class Transformer(nnx.Module):
         per_layer = self.per_layer(keys, cache is not None)
         remat = cache is None and cfg.remat != "none"
         carry = (x_BxLxD, cache)
-        n_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else cfg.num_layers
+        n_dense = dense_layers(cfg)
         where = (positions_BxL, segment_ids_BxL, remat, prefix_BxL, hidden_states)
         kept = []  # with hidden_states: the blocks' outputs, [N, B, L, D] per scan
         if self.layers is not None:
@@ -151,7 +156,11 @@ class Transformer(nnx.Module):
             carry, ys = self.scan(self.layers, carry, take, *where)
             kept += [ys[1]] if hidden_states else []
         aux = {}
-        if cfg.moe.enabled:
+        if cfg.layer_pattern:
+            carry, ys = hybrid.scan(self, self.hybrid_layers, carry, per_layer, *where)
+            stats, kept = (ys[0], [*kept, ys[1]]) if hidden_states else (ys, kept)
+            aux = moe_lib.combine_layer_stats(stats) if cfg.moe.enabled else {}
+        elif cfg.moe.enabled:
             rest = jax.tree.map(lambda a: a[n_dense:], per_layer)
             carry, ys = self.moe_scan(self.moe_layers, carry, rest, *where)
             stats, kept = (ys[0], [*kept, ys[1]]) if hidden_states else (ys, kept)
@@ -216,8 +225,10 @@ class Transformer(nnx.Module):
             else jnp.asarray(windows, jnp.int32) > 0,
             "key": keys,
         }
-        if with_cache:
-            per_layer["layer"] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        if with_cache:  # hybrid: full and linear layers count apart (their caches differ)
+            kinds = layer_kinds(cfg)
+            index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
+            per_layer["layer"] = jnp.asarray(index, jnp.int32)
         return {k: v for k, v in per_layer.items() if v is not None}
 
     def outputs(

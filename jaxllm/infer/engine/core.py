@@ -120,6 +120,11 @@ class Engine:
         cfg = model.cfg
         if cfg.kind != "decoder" or getattr(model, "soft_prompt", None) is not None:
             raise ValueError("the engine serves decoder-only models without soft prompts")
+        if cfg.layer_pattern:  # its pages hold keys and values; a recurrent state is not paged
+            raise ValueError(
+                "the engine pages KV caches and has no place for the recurrent state of "
+                "linear-attention layers (model.layer_pattern); use jaxllm generate"
+            )
         self._group = kv_group if kv_cache_dtype in kv_cache.KIVI_KINDS else None
         if self._group is not None and page_size % kv_group:
             raise ValueError(
