@@ -187,6 +187,25 @@ def test_kernels_with_sinks_lower(platform, backend, target):
     assert text.count(target) == 1
 
 
+def test_mosaic_gpu_kernels_with_sinks_lower_for_cuda():
+    """Hopper's kernels: the sink's gradient reaches them through the lse cotangent (1 forward,
+    3 in value_and_grad: forward, dq, dk / dv)."""
+    q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((8,), jnp.float32)
+
+    def fwd(q, k, v, s):
+        return flash_attention(q, k, v, causal=True, sinks=s, backend="mosaic_gpu")
+
+    def loss(q, k, v, s):
+        return fwd(q, k, v, s).astype(jnp.float32).sum()
+
+    grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+    for fn, calls in ((fwd, 1), (grads, 3)):
+        text = lower(fn, q, kv, kv, sinks, platform="cuda").as_text()
+        assert text.count("mosaic_gpu_v2") == calls
+
+
 def test_backends_without_sinks_are_refused():
     assert "model.attention_sinks needs model.attention_impl" in load_error(
         "model.attention_sinks=true", "model.attention_impl=cudnn"

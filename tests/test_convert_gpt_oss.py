@@ -1,8 +1,9 @@
 """Hugging Face conversion of gpt-oss (`GptOssForCausalLM`): an odd-shaped tiny model built by
 transformers in float32 (hidden 48, 3 layers alternating sliding window 4 / full, 6 heads over
 2 kv heads of 16, 5 experts top-2, YaRN without truncation, sinks, biases everywhere) gives the
-same logits imported, exports back byte for byte, generates like transformers, fine-tunes with
-LoRA through the CLI; unknown layer types are refused."""
+same logits imported, exports back byte for byte, generates like transformers (and through the
+engine's pages), fine-tunes with LoRA through the CLI; the released files' MXFP4 experts keep
+their codes and export the same bytes; unknown layer types are refused."""
 
 import json
 import os
@@ -104,6 +105,7 @@ def test_generates_like_transformers(imported):
         assert got == theirs[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow  # ~30 s: two CLI processes' compiles (train, generate)
 def test_imported_model_fine_tunes_with_lora_and_generates(imported, tmp_path, capsys):
     """A few LoRA steps through `jaxllm train` from the imported weights (sinks, biases and the
     clamped experts in the backward), then `jaxllm generate` from the adapted run."""
@@ -167,6 +169,53 @@ def test_mxfp4_experts_read_decoded_as_transformers_decodes_them(imported, tmp_p
         ).numpy()
         got = reader.read(prefix)
         assert reader.shapes[prefix] == want.shape and got.tobytes() == want.tobytes()
+
+
+def test_mxfp4_checkpoint_keeps_its_codes_and_exports_the_same_bytes(tmp_path):
+    """A released-style checkpoint (MXFP4 experts, quant_method mxfp4; input widths 64 and 32)
+    imports as a quantize.method=mxfp4 run holding the experts' very codes, with the logits of
+    the float model holding transformers' decoding of them, and exports `*_blocks` / `*_scales`
+    byte for byte; `--dequantize` gives the float run with the same logits."""
+    model = gpt_oss_model(seed=2, hidden_size=64, intermediate_size=32, num_hidden_layers=2)
+    rng = np.random.default_rng(4)
+    mx = {}
+    for i in range(2):
+        for name, out, n_in in (("gate_up_proj", 64, 64), ("down_proj", 64, 32)):
+            blocks = rng.integers(0, 256, (5, out, n_in // 32, 16), dtype=np.uint8)
+            scales = rng.integers(122, 130, (5, out, n_in // 32), dtype=np.uint8)
+            mx[f"model.layers.{i}.mlp.experts.{name}"] = blocks, scales
+            w = convert_moe_packed_tensors(
+                torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+            )
+            with torch.no_grad():
+                getattr(model.model.layers[i].mlp.experts, name).copy_(w)
+    src = save_hf(model, tmp_path / "hf")
+    tensors = load_file(str(src / "model.safetensors"))
+    for prefix, (blocks, scales) in mx.items():
+        del tensors[prefix]
+        tensors[prefix + "_blocks"], tensors[prefix + "_scales"] = blocks, scales
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    want = hf_logits(model, tokens())
+
+    assert run_cli("convert", "import", src, tmp_path / "run", "model.dtype=float32") == 0
+    run = jaxllm.load_model(tmp_path / "run")
+    assert type(run.moe_layers.moe.mlp.gate_proj.get_value()).__name__ == "CodedTensor"
+    np.testing.assert_allclose(np.asarray(run(tokens()).logits), want, atol=1e-4, rtol=1e-4)
+    assert run_cli("convert", "export", tmp_path / "run", tmp_path / "out") == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(exported) == sorted(tensors)
+    for name, t in tensors.items():
+        assert exported[name].dtype == t.dtype and exported[name].tobytes() == t.tobytes(), name
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out_cfg["quantization_config"]["quant_method"] == "mxfp4"
+
+    args = ("convert", "import", src, tmp_path / "float", "model.dtype=float32", "--dequantize")
+    assert run_cli(*args) == 0
+    got = np.asarray(jaxllm.load_model(tmp_path / "float")(tokens()).logits)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_unknown_layer_type_is_refused(tmp_path, capsys):

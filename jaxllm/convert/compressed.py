@@ -32,6 +32,7 @@ import numpy as np
 from jaxllm import config as config_lib
 from jaxllm.compress.weights import is_quantized, quantized_abstract
 from jaxllm.config import ConfigError
+from jaxllm.convert import mxfp4
 from jaxllm.convert.families import family_of
 from jaxllm.convert.links import Link
 from jaxllm.convert.mapping import each, flatten, unflatten
@@ -141,6 +142,11 @@ def imported_codes(hf_dir, params: dict, cfg: config_lib.Config) -> dict:
 
     reader = Reader(hf_dir)
     flat = flatten(params)
+    if reader.mx:  # gpt-oss's MXFP4 experts
+        _, abstract, axes = abstract_model(cfg.model)
+        targets = flatten(quantized_abstract(abstract, axes, cfg.quantize)[0])
+        links = family_of(read_hf_config(hf_dir)).layouts(cfg.model)[0]
+        return unflatten(mxfp4.imported_codes(reader, links, flat, targets))
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
     found = {}  # path -> (its link, the link's indices), the weights the files hold in codes
     for link in family_of(read_hf_config(hf_dir)).layouts(cfg.model)[0]:

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, processors
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 from jaxllm.config.outputs import check_output, written
-from jaxllm.convert import compressed, compressed_coded
+from jaxllm.convert import compressed, compressed_coded, mxfp4
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.convert.mapping import Mapped, each, flatten
 from jaxllm.convert.reader import INDEX, TOKENIZER_FILES
@@ -110,11 +110,22 @@ def export_hf(
         writer = None  # how a quantized weight is written: integer codes or the coded kinds
         if isinstance(first, quantized.QuantizedTensor):
             writer = compressed
+        elif isinstance(first, coded.CodedTensor) and fam.name == "gpt_oss":
+            if first.kind != mxfp4.METHOD or ".experts." not in link.hf:
+                raise ConfigError(
+                    f"{link.hf}: a gpt_oss checkpoint holds MXFP4 experts only, not "
+                    f"{first.kind} codes of {link.ours[0]}; export the float run, or quantize "
+                    "it with --method mxfp4 and quantize.skip=['*/attn/*']."
+                )
+            writer, coded_kind = mxfp4, first  # the released files' *_blocks / *_scales
         elif isinstance(first, coded.CodedTensor):
             writer, coded_kind = compressed_coded, first
         for index in each(link, shapes):  # one layer (and expert) at a time to the host
             xs = [jax.device_get(_at(flat[p], index)) for p in link.ours]
-            if writer:
+            if writer is mxfp4:
+                tensors = mxfp4.link_tensors(link, xs, link.name(index))
+                targets.append(link.name(index))
+            elif writer:
                 tensors = writer.link_tensors(link, xs[0], link.name(index))
                 targets.append(link.name(index).removesuffix(".weight"))
             else:
@@ -128,7 +139,9 @@ def export_hf(
             files[-1].update(tensors)
             size += nbytes
         report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
-    if targets and coded_kind is not None:
+    if targets and fam.name == "gpt_oss" and coded_kind is not None:
+        hf["quantization_config"] = mxfp4.quantization_config(targets)
+    elif targets and coded_kind is not None:
         hf["quantization_config"] = compressed_coded.quantization_config(
             coded_kind, targets, ignore
         )

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from jaxllm.config import ConfigError
-from jaxllm.convert import autoquant, coded_formats
+from jaxllm.convert import autoquant, coded_formats, mxfp4
 from jaxllm.model import quantized
 
 FORMAT = "pack-quantized"
@@ -58,8 +58,8 @@ def run_quantize(hf: dict, where, dequantize: bool = False) -> dict:
         return autoquant.run_quantize(qc, where)
     if coded_formats.is_coded(qc):
         return coded_formats.run_quantize(qc, where, dequantize)
-    if method == "mxfp4":  # gpt-oss's experts: decoded on import (`jaxllm.convert.mxfp4`)
-        return {}
+    if method == mxfp4.METHOD:  # gpt-oss's experts: their codes kept (`jaxllm.convert.mxfp4`)
+        return mxfp4.run_quantize()
     if method != "compressed-tensors":
         raise ConfigError(
             f"{where} is a quantized checkpoint (quantization_config: quant_method {method}); "

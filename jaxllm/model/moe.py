@@ -32,9 +32,9 @@ down bias is mixed by the combine weights) and the clamped SwiGLU (`moe_experts`
 Quantized experts: W8A8 codes (`coded.w8a8`) reach the dispatch as stored, whose matmuls quantize
 each token's row (int8 / E4M3 ragged dots or the seam's einsums); other codes are decoded first.
 
-Placement is not decided here: `jaxllm.parallel` runs the per-device functions below under
-`shard_map` and hands them the mesh axis names. `moe_experts.dense_reference` runs every expert on every
-token and is what the layer is tested against.
+Placement is not decided here: `jaxllm.parallel` runs the per-device functions of
+`moe_experts` under `shard_map` and hands them the mesh axis names. `moe_experts.dense_reference`
+runs every expert on every token and is what the layer is tested against.
 """
 
 from __future__ import annotations
