@@ -66,6 +66,8 @@ DEFERRED = {
     "jaxllm.kernels.decode_attention.ops": "a backend (Triton, Mosaic) loads only when used",
     "jaxllm.kernels.int4_matmul.ops": "the Triton backend loads only when used",
     "jaxllm.kernels.gated_delta.ops": "the Pallas backend loads only when used",
+    "jaxllm.model.delta_rule": "the gated delta rule's Pallas kernel loads only when a call "
+    "asks for it (kernel=True); the XLA form needs nothing from jaxllm.kernels",
 }
 
 

@@ -246,8 +246,9 @@ def _same(key: str, a, b, cfg: ModelConfig) -> bool:
         return cfg.resolved_head_dim == (b or cfg.d_model // cfg.num_heads)
     if key == "linear_attention":  # the chunk length is a compute choice
         return dataclasses.replace(a, chunk_size=b.chunk_size) == b
-    if key == "moe.shared_mlp_dim":
-        return (a or cfg.moe.num_shared_experts * cfg.resolved_expert_mlp_dim) == b
+    if key == "moe.shared_mlp_dim":  # null: num_shared_experts x expert width
+        width = cfg.moe.num_shared_experts * cfg.resolved_expert_mlp_dim
+        return (a or width) == (b or width)
     if key == "rope.local_theta" and cfg.rope.scaling == "none":  # null: rope.theta
         return math.isclose(a or cfg.rope.theta, b or cfg.rope.theta)
     if key == "max_seq_len" and cfg.rope.scaling == "dynamic" and cfg.position == "rope":

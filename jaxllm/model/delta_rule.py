@@ -29,8 +29,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.kernels.gated_delta import chunk_scan
-
 
 def _prepare(q_BxLxGxK, k_BxLxGxK, v_BxLxHxV, g_BxLxH, beta_BxLxH):
     """float32 inputs with q/k L2-normalised (eps inside the root, as FLA), q scaled by K^-1/2,
@@ -147,6 +145,8 @@ def chunked(
     )
     xs = (u0_NxBxHxCxV, w_reads, attn_NxBxHxCxC, q_reads, k_to_end, decay_NxBxHxK)
     if kernel:  # the same recurrence as one Pallas program per (batch, head)
+        from jaxllm.kernels.gated_delta import chunk_scan
+
         o, s = chunk_scan(*(jnp.moveaxis(x, 0, 2) for x in xs), s0, interpret)
         o_NxBxHxCxV = jnp.moveaxis(o, 2, 0)
     else:
