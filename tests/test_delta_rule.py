@@ -109,3 +109,21 @@ def test_conv_resets_and_carries_its_tail():
     first, tail = delta_rule.causal_conv(x[:, :9], w)
     second, _ = delta_rule.causal_conv(x[:, 9:], w, tail_BxTxC=tail)
     np.testing.assert_allclose(jnp.concatenate([first, second], axis=1), whole, atol=1e-6)
+
+
+def test_unit_lower_inverse_and_its_gradient_equal_numpy():
+    """The forward substitution that replaces a triangular solve: T^-1 against float64 numpy,
+    and the gradient of a loss through it against autodiff of a general inverse of the same
+    matrix (nothing on the unit diagonal or above it)."""
+    a = jax.random.normal(jax.random.key(3), (2, 3, 9, 9)) * 0.5
+    t = jnp.tril(a, -1) + jnp.eye(9)[None, None] + jnp.triu(a, 1)  # the upper part must be ignored
+    inv = delta_rule.unit_lower_inverse(t)
+    t64 = np.tril(np.asarray(t, np.float64), -1) + np.eye(9)
+    ref = np.linalg.inv(t64)
+    np.testing.assert_allclose(np.asarray(inv), ref, rtol=1e-5, atol=1e-5)
+    w = jax.random.normal(jax.random.key(4), (2, 3, 9, 9))
+    grad = jax.grad(lambda t: jnp.sum(jnp.sin(delta_rule.unit_lower_inverse(t)) * w))(t)
+    general = lambda t: jnp.linalg.inv(jnp.tril(t, -1) + jnp.eye(9)[None, None])  # noqa: E731
+    ref_grad = jax.grad(lambda t: jnp.sum(jnp.sin(general(t)) * w))(t)
+    np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-5)
+    assert not np.asarray(grad)[..., np.triu_indices(9)[0], np.triu_indices(9)[1]].any()

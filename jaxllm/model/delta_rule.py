@@ -16,7 +16,10 @@ L2-normalised and q scaled by K^-1/2 first (as Qwen3-Next and flash-linear-atten
   al. 2024, arXiv:2406.06484 section 3): inside a chunk every token's u comes from one unit
   lower-triangular solve, (I + A) U = V_beta - (K_beta * Gamma) S_0 with
   A_ij = beta_i (k_i . k_j) Gamma_i / Gamma_j (j < i), Gamma the cumulative decay; only the
-  state crosses chunks (`lax.scan` over N). Training and prefill.
+  state crosses chunks (`lax.scan` over N). Training and prefill. The solve multiplies by
+  (I + A)^-1, built by forward substitution (`unit_lower_inverse`) as transformers' torch
+  chunked form does, not by a LAPACK triangular solve: XLA:CPU's batched one can deadlock
+  when two run at once on a small machine.
 
 Packed documents: `reset_BxL` marks tokens that start a new document, before which the state
 is zero. In the chunked form that is masks: a token reads the incoming state only while it is
@@ -74,6 +77,36 @@ def recurrent(
     return jnp.moveaxis(o_LxBxHxV, 0, 1), s
 
 
+@jax.custom_vjp
+def unit_lower_inverse(t_XxCxC):
+    """(I + A)^-1 for the unit lower-triangular matrices T = I + A in the last two axes (only
+    A's strictly lower part is read), by forward substitution over rows:
+    Y_i = -A_i - A_i Y with T^-1 = I + Y. C - 1 small vector-matrix steps; the backward pass is
+    two matmuls with the inverse, so nothing per row is kept."""
+    c = t_XxCxC.shape[-1]
+    y = -jnp.tril(t_XxCxC, -1)
+
+    def row(i, y):  # row i reads only rows < i (its own entries at j >= i are zero)
+        r = y[..., i, :]
+        return y.at[..., i, :].set(r + jnp.einsum("...j,...jk->...k", r, y))
+
+    eye = jnp.eye(c, dtype=t_XxCxC.dtype).reshape((1,) * (y.ndim - 2) + (c, c))
+    return jax.lax.fori_loop(1, c, row, y) + eye
+
+
+def _inverse_fwd(t):
+    inv = unit_lower_inverse(t)
+    return inv, inv
+
+
+def _inverse_bwd(inv, g):  # d(T^-1) = -T^-1 dT T^-1, so dT = -T^-T G T^-T on A's entries
+    inv_t = jnp.swapaxes(inv, -1, -2)
+    return (jnp.tril(-(inv_t @ g @ inv_t), -1),)
+
+
+unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
 def chunked(
     q_BxLxGxK,
     k_BxLxGxK,
@@ -124,11 +157,9 @@ def chunked(
     a_NxBxHxCxC = jnp.where(strict_1x1x1xCxC, jnp.einsum("...ik,...jk->...ij", k_beta, k), 0.0)
     t_NxBxHxCxC = a_NxBxHxCxC * decay_NxBxHxCxC + jnp.eye(c, dtype=jnp.float32)[None, None, None]
     gamma_NxBxHxC = jnp.exp(cum_NxBxHxC)
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(  # noqa: E731
-        t_NxBxHxCxC, rhs, lower=True, unit_diagonal=True
-    )
-    u0_NxBxHxCxV = solve(v * beta_NxBxHxC[..., None])
-    w_NxBxHxCxK = solve(k_beta * gamma_NxBxHxC[..., None])
+    inv_NxBxHxCxC = unit_lower_inverse(t_NxBxHxCxC)
+    u0_NxBxHxCxV = inv_NxBxHxCxC @ (v * beta_NxBxHxC[..., None])
+    w_NxBxHxCxK = inv_NxBxHxCxC @ (k_beta * gamma_NxBxHxC[..., None])
     attn_NxBxHxCxC = jnp.einsum("...ik,...jk->...ij", q, k) * decay_NxBxHxCxC
     # which tokens read the incoming state: those still in the document the previous chunk
     # ended in; a chunk that starts a new document passes none of the state on
