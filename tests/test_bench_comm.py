@@ -3,6 +3,7 @@ check of every result, and its mistakes reported as one line."""
 
 import json
 import re
+import socket
 import subprocess
 import sys
 
@@ -155,3 +156,30 @@ def test_mistakes_are_one_line_and_exit_2(args, said, capsys):
     assert main(["bench", "comm", "mesh.data=-1", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("jaxllm: ") and said in err, err
+
+
+def test_two_processes_of_4_devices(tmp_path):
+    """The README's multi-host use: one command per process, the `data` axis across them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "jaxllm", "bench", "comm", "mesh.data=2", "mesh.tensor=4"]
+    argv += ["--ops", "all_reduce,all_gather", "--max-bytes", "1K", "--iters", "2"]
+    argv += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    procs = [
+        subprocess.Popen(
+            [*argv, "--process-id", str(i), "--json", str(tmp_path / f"{i}.json")],
+            env=cpu_env(4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    data = json.loads((tmp_path / "0.json").read_text())
+    assert not (tmp_path / "1.json").exists()  # process 0 reports
+    assert data["processes"] == 2 and data["device"] == "8 x cpu"
+    assert len(data["rows"]) == 2 * 2 and all(r["wrong"] == 0 for r in data["rows"])
+    assert "# wrong elements in all results: 0" in outs[0]
