@@ -13,6 +13,7 @@
     jaxllm plan [CONFIG.yaml] [key=value ...] [--devices N] [--hbm 80GiB] [--target tpu-v5p-8]
     jaxllm bench train [CONFIG.yaml] [key=value ...] [--steps N] [--no-compiled-flops] [--profile DIR]
     jaxllm bench data [CONFIG.yaml] [key=value ...]
+    jaxllm bench comm [CONFIG.yaml] [key=value ...] [--ops OPS] [--max-bytes 16M] [--json F]
     jaxllm data tokenizer SOURCE... --vocab-size N --out DIR
     jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N]
     jaxllm convert import HF_DIR OUT_DIR [key=value ...] [--peft ADAPTER_DIR]
@@ -235,6 +236,7 @@ def parser() -> argparse.ArgumentParser:
         "device ops that took the most time",
     )
     bt.set_defaults(func=cmd_bench)
+    from jaxllm.bench_comm_cli import add_bench_comm_parser
     from jaxllm.convert_cli import add_convert_parser
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser
     from jaxllm.merge import add_merge_parser
@@ -244,6 +246,7 @@ def parser() -> argparse.ArgumentParser:
     from jaxllm.sweep import add_sweep_parser
 
     add_bench_data_parser(bsub)
+    add_bench_comm_parser(bsub)
     for add in (_add_generate_parser, add_quantize_parser, add_prune_parser, add_merge_parser):
         add(sub)
     for add in (add_data_parser, add_convert_parser, add_sweep_parser, add_serve_parser):

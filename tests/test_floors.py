@@ -43,11 +43,13 @@ FLOORS = [
     (10, "jaxllm.quantize"),
     (10.5, "jaxllm.prune"),  # the pruning command, which reads runs as quantize does
     (10, "jaxllm.bench"),
+    (10, "jaxllm.bench_comm"),
     (10, "jaxllm.sweep"),
     (11, "jaxllm.cli"),
     (11, "jaxllm.data.cli"),
     (11, "jaxllm.infer.cli"),
     (11, "jaxllm.convert_cli"),
+    (11, "jaxllm.bench_comm_cli"),
     (11, "jaxllm"),  # the package root names the public pieces
     (11, "jaxllm.__main__"),
 ]
@@ -60,6 +62,8 @@ DEFERRED = {
     "parser, built for every command, imports this module",
     "jaxllm.sweep": "the training stack (and jax) loads only when a sweep runs: the parser, "
     "built for every command, imports this module",
+    "jaxllm.bench_comm_cli": "the collectives' modules (and jax) load only when `bench comm` "
+    "runs, after the process group is joined: the parser, built for every command, imports it",
     "jaxllm.serve.cli": "the model stack, FastAPI and uvicorn (and jax) load only when the "
     "server runs: the parser, built for every command, imports this module",
     "jaxllm.kernels.flash_attention.ops": "a backend (Triton, Mosaic) loads only when used",
