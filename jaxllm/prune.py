@@ -243,6 +243,7 @@ def _check(cfg: Config, src) -> None:
             for what, bad in (
                 ("routed experts", m.moe.enabled),
                 ("MLA", m.mla.enabled),
+                ("linear-attention layers (model.layer_pattern)", bool(m.layer_pattern)),
                 ("LayerNorm (SliceGPT here folds RMSNorm only)", m.norm != "rmsnorm"),
                 (f"{m.norm_placement} norms", m.norm_placement != "pre"),
                 ("scaled embeddings", m.scale_embeddings),
@@ -262,10 +263,12 @@ def _check(cfg: Config, src) -> None:
             )
         return
     if cfg.prune.method == "heads":
-        if m.mla.enabled or m.kind == "encoder_decoder":
+        if m.mla.enabled or m.kind == "encoder_decoder" or m.layer_pattern:
+            other = "cross-attention (encoder_decoder)"
+            other = "linear-attention layers (model.layer_pattern)" if m.layer_pattern else other
             raise ConfigError(
                 "--method heads prunes the key-value head groups of standard attention; this "
-                f"model has {'MLA' if m.mla.enabled else 'cross-attention (encoder_decoder)'}."
+                f"model has {'MLA' if m.mla.enabled else other}."
             )
         qpk = m.num_heads // m.num_kv_heads
         if math.floor(s * m.num_kv_heads) < 1:
@@ -276,10 +279,11 @@ def _check(cfg: Config, src) -> None:
             )
         return
     if cfg.prune.method == "channels":
-        if m.moe.enabled or m.kind == "encoder_decoder":
+        if m.moe.enabled or m.kind == "encoder_decoder" or m.layer_pattern:
             raise ConfigError(
                 "--method channels prunes the dense MLP's intermediate channels (model.mlp_dim); "
-                "this model has routed experts or is an encoder_decoder."
+                "this model has routed experts, is an encoder_decoder or is a hybrid "
+                "(model.layer_pattern)."
             )
         if math.floor(s * m.mlp_dim) < 1:
             raise ConfigError(
@@ -289,10 +293,12 @@ def _check(cfg: Config, src) -> None:
         return
     if cfg.prune.method == "layers":
         different = m.moe.enabled or (m.sliding_window is not None and m.global_every)
+        different = different or bool(m.layer_pattern)
         if different or m.kind not in ("decoder", "encoder"):
             raise ConfigError(
                 "--method layers removes layers of a stack whose layers are all alike; this "
-                "model's differ (MoE groups, sliding-window patterns) or it is not one stack "
+                "model's differ (MoE groups, sliding-window or model.layer_pattern patterns) or "
+                "it is not one stack "
                 f"(model.kind={m.kind})."
             )
         if math.floor(cfg.prune.sparsity * m.num_layers) < 1:

@@ -119,6 +119,13 @@ class Unit:
 
 def units(cfg) -> list[Unit]:
     """The model's blocks in the order they run."""
+    if cfg.layer_pattern:  # hybrid: repeats of the pattern, `block_i` stacked over repeats
+        every = len(cfg.layer_pattern)
+        return [
+            Unit(("hybrid_layers", f"block_{i}"), (g,), g * every + i)
+            for g in range(cfg.num_layers // every)
+            for i in range(every)
+        ]
     moe = cfg.moe
     n_dense = moe.first_dense_layers if moe.enabled else cfg.num_layers
     out = [Unit(("layers",), (i,), i) for i in range(n_dense)]
