@@ -175,7 +175,8 @@ def test_mxfp4_checkpoint_keeps_its_codes_and_exports_the_same_bytes(tmp_path):
     """A released-style checkpoint (MXFP4 experts, quant_method mxfp4; input widths 64 and 32)
     imports as a quantize.method=mxfp4 run holding the experts' very codes, with the logits of
     the float model holding transformers' decoding of them, and exports `*_blocks` / `*_scales`
-    byte for byte; `--dequantize` gives the float run with the same logits."""
+    byte for byte, which transformers loads with the same logits; `--dequantize` gives the
+    float run with the same logits."""
     model = gpt_oss_model(seed=2, hidden_size=64, intermediate_size=32, num_hidden_layers=2)
     rng = np.random.default_rng(4)
     mx = {}
@@ -211,6 +212,10 @@ def test_mxfp4_checkpoint_keeps_its_codes_and_exports_the_same_bytes(tmp_path):
         assert exported[name].dtype == t.dtype and exported[name].tobytes() == t.tobytes(), name
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out_cfg["quantization_config"]["quant_method"] == "mxfp4"
+    loaded = hf.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    with torch.no_grad():  # transformers decodes the exported codes (to bf16 on CPU: exact)
+        back = loaded(torch.from_numpy(np.asarray(tokens()))).logits.float().numpy()
+    np.testing.assert_allclose(back, want, atol=1e-4, rtol=1e-4)
 
     args = ("convert", "import", src, tmp_path / "float", "model.dtype=float32", "--dequantize")
     assert run_cli(*args) == 0
