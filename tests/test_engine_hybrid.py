@@ -156,3 +156,42 @@ def test_on_a_mesh_the_state_splits_over_the_slots_and_equals_generate_alone(mod
     outs = engine.generate(PROMPTS[:4], SamplingParams(max_tokens=6))
     for p, o in zip(PROMPTS[:4], outs):
         assert o[0].tokens == alone(p, 6)
+
+
+def test_openai_server_serves_a_hybrid_model_as_generate(model):
+    """`jaxllm serve`'s app over a hybrid model (byte tokenizer), its step buckets compiled
+    first on idle slots (which must leave every state zero): a greedy completion equals
+    `generate` with the same stop token."""
+    import threading
+
+    import openai
+    import uvicorn
+    from test_serve import _free_port, _wait
+
+    from jaxllm.data.tokenizer import ByteTokenizer
+    from jaxllm.serve.cli import build as build_app
+
+    big = build(dataclasses.replace(HYBRID, vocab_size=264), seed=5)
+    tok = ByteTokenizer()
+    kw = dict(max_num_seqs=2, page_size=16, chunk_size=2, precompile=True)
+    app, worker = build_app(big, tok, {tok.eos_id}, [tok.bos_id], "hybrid", **kw)
+    assert not np.any(np.asarray(worker.engine._linear.state))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait(url)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.completions.create(
+            model="hybrid", prompt="Hi there", max_tokens=8, temperature=0
+        )
+        ids = [tok.bos_id] + tok.encode("Hi there").tolist()
+        gen = GenerateConfig(kv_cache_dtype="float32", max_new_tokens=8, temperature=0.0)
+        ref = generate(big, [ids], gen, stop_tokens=[tok.eos_id]).tokens[0]
+        assert r.choices[0].text == tok.decode(ref)
+        assert r.usage.completion_tokens == len(ref)
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
