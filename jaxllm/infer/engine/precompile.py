@@ -7,7 +7,7 @@ compile stalls every running request (1-2 s for runs/default on a 2-core CPU); v
 its CUDA graphs at start-up for the same reason. `compile_buckets` runs each pair once on
 all-padding slots before any request: every table entry is 0, so the writes land in the
 scratch page, and the KIVI residuals it touches are written afresh by each sequence before
-they are read.
+they are read; slots with no real tokens leave a hybrid model's linear state as it is.
 """
 
 from __future__ import annotations
