@@ -176,6 +176,10 @@ class CacheView:
     linear: LinearState | None = None
     """The linear-attention layers' state (`jaxllm.infer.linear_state`); `layer` indexes
     it in a linear layer, `kv` in a full one (each counts its own kind of layer)."""
+    real_B: jax.Array | None = None
+    """Decode steps of right-padded rows (the engine): how many of this pass's tokens are
+    real per row; linear layers neither decay nor write their state by the rest, and a row of
+    0 keeps its state (None: every token is real). A prefill's real tokens are `lengths_B`."""
 
     def at_layer(self, layer) -> CacheView:
         return dataclasses.replace(self, layer=layer)

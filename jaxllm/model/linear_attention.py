@@ -48,19 +48,21 @@ def document_starts(segment_ids_BxL) -> jax.Array:
     return segment_ids_BxL != prev_BxL
 
 
-def _last_inputs(x_BxLxNxW, lengths_B, taps: int):
-    """The convolution tail [B, taps - 1, N * W] of right-padded rows: each row's inputs
-    just before its length (zeros before the row's start)."""
+def _last_inputs(x_BxLxNxW, lengths_B, tail_BxTxC):
+    """The convolution tail [B, T, N * W] of right-padded rows: each row's last T inputs
+    before its length, the previous `tail_BxTxC` standing before x (a row of length 0 keeps
+    it)."""
     b, l = x_BxLxNxW.shape[:2]
     x_BxLxC = x_BxLxNxW.reshape(b, l, -1)
-    padded_BxSxC = jnp.pad(x_BxLxC, [(0, 0), (taps - 1, 0), (0, 0)])
-    idx_BxT = lengths_B[:, None] + jnp.arange(taps - 1)[None]
+    padded_BxSxC = jnp.concatenate([tail_BxTxC.astype(x_BxLxC.dtype), x_BxLxC], axis=1)
+    idx_BxT = lengths_B[:, None] + jnp.arange(tail_BxTxC.shape[1])[None]
     return jnp.take_along_axis(padded_BxSxC, idx_BxT[..., None], axis=1)
 
 
 class GatedDeltaNet(nnx.Module):
-    """x [B, L, D] -> AttentionOutput(out [B, L, D], cache): chunked form without a cache or in
-    a prefill, recurrent form in decode steps."""
+    """x [B, L, D] -> AttentionOutput(out [B, L, D], cache): chunked form without a cache, in
+    a prefill, or in a decode step of several tokens (the engine's prefill chunks, from the
+    carried state); recurrent form in one-token decode steps."""
 
     def __init__(self, cfg, *, out_std: float, rngs: nnx.Rngs):
         la, d = cfg.linear_attention, cfg.d_model
@@ -123,14 +125,16 @@ class GatedDeltaNet(nnx.Module):
         dt_bias_1x1xH = self.dt_bias[...].astype(jnp.float32)[None, None]
         g_BxLxH = a_1x1xH * jax.nn.softplus(a_BxLxH + dt_bias_1x1xH)
 
+        real_B = None  # real tokens per right-padded row (None: all)
         if cache is None:
             reset_BxL, tails, state = document_starts(segment_ids_BxL), (None,) * 3, None
         else:
             reset_BxL, tails, state = None, cache.linear_tails(), cache.linear_state()
-        if cache is not None and cache.prefill:  # right-padded prompts: padding neither
-            # decays nor writes the state, and each row's tail ends at its own last token
+            real_B = cache.lengths_B if cache.prefill else cache.real_B
+        if real_B is not None:  # right-padded rows (prompts, the engine's chunks): padding
+            # neither decays nor writes the state, and each row's tail ends at its last token
             l = x_BxLxD.shape[1]
-            valid_BxLx1 = (jnp.arange(l)[None] < cache.lengths_B[:, None])[..., None]
+            valid_BxLx1 = (jnp.arange(l)[None] < real_B[:, None])[..., None]
             beta_BxLxH = jnp.where(valid_BxLx1, beta_BxLxH, 0.0)
             g_BxLxH = jnp.where(valid_BxLx1, g_BxLxH, 0.0)
             raw = (q_BxLxGxK, k_BxLxGxK, v_BxLxHxV)
@@ -138,14 +142,14 @@ class GatedDeltaNet(nnx.Module):
         k_BxLxGxK, tail_k = self._conv(k_BxLxGxK, "conv_k", reset_BxL, tails[1])
         v_BxLxHxV, tail_v = self._conv(v_BxLxHxV, "conv_v", reset_BxL, tails[2])
         new_tails = (tail_q, tail_k, tail_v)
-        if cache is not None and cache.prefill:
-            new_tails = tuple(_last_inputs(x, cache.lengths_B, self.conv_q.shape[0]) for x in raw)
+        if real_B is not None:
+            new_tails = tuple(_last_inputs(x, real_B, t) for x, t in zip(raw, tails))
         q_BxLxGxK = constrain(q_BxLxGxK, ("batch", "length", "act_heads", None))
         k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "length", "act_heads", None))
         v_BxLxHxV = constrain(v_BxLxHxV, ("batch", "length", "act_heads", None))
 
         args = (q_BxLxGxK, k_BxLxGxK, v_BxLxHxV, g_BxLxH, beta_BxLxH, state, reset_BxL)
-        if cache is not None and not cache.prefill:
+        if cache is not None and not cache.prefill and x_BxLxD.shape[1] == 1:
             o_BxLxHxV, state = delta_rule.recurrent(*args)
         else:
             o_BxLxHxV, state = delta_rule.chunked(*args, chunk=self.chunk)

@@ -35,6 +35,11 @@ What exists:
   and presence / frequency (OpenAI) penalties, stop tokens and stop sequences of several tokens,
   max_tokens, seed, n, logprobs of the chosen tokens and the top (<= 20) logprobs, all in the
   same fixed-shape programs;
+- hybrid models (`model.layer_pattern`, Gated DeltaNet layers): each slot keeps the linear
+  layers' fixed-size state beside the pages of the full-attention layers (`linear`), zeroed
+  when a sequence starts in the slot and carried across prefill chunks; prefix pages are not
+  shared for them (the state is not per page), and a preempted sequence is recomputed or has
+  its state swapped to host with its pages;
 - a mesh: `Engine(model, mesh=mesh, mesh_config=cfg.mesh)` lays parameters out by their
   logical axes (tensor, fsdp, expert), the pages' kv heads over `tensor` and the slots over the
   data axes, as `generate` runs on a mesh.

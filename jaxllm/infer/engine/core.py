@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jaxllm import sharding
 from jaxllm.config import MeshConfig
 from jaxllm.infer import kv_cache
-from jaxllm.infer.engine import kivi, runner, swap
+from jaxllm.infer.engine import kivi, linear, runner, swap
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes, prefill_blocks
 from jaxllm.infer.engine.sampling import RowBuilder, SamplingParams, accept
 from jaxllm.infer.generate import resolve_decode_impl
@@ -93,7 +93,8 @@ class Engine:
     and block-table width (1, 2, 4 .. pages, up to max_seq_len's pages: `table_width`).
     `swap`: how a preempted sequence comes back, "recompute" (its tokens prefilled again) or
     "host" (its pages copied to host memory and back, `swap.py`). `kv_group`: the int4 / int2
-    quantization group, a divisor of `page_size` (`kivi.py`).
+    quantization group, a divisor of `page_size` (`kivi.py`). A hybrid model's linear layers
+    keep a state per slot beside the pages (`linear.py`); it shares no prefix pages.
 
     With `mesh` the engine runs sharded on it, as `generate(..., mesh=mesh)` does: the model's
     parameters are laid out by their logical axes, the pages' kv heads split over `tensor`, the
@@ -120,11 +121,6 @@ class Engine:
         cfg = model.cfg
         if cfg.kind != "decoder" or getattr(model, "soft_prompt", None) is not None:
             raise ValueError("the engine serves decoder-only models without soft prompts")
-        if cfg.layer_pattern:  # its pages hold keys and values; a recurrent state is not paged
-            raise ValueError(
-                "the engine pages KV caches and has no place for the recurrent state of "
-                "linear-attention layers (model.layer_pattern); use jaxllm generate"
-            )
         self._group = kv_group if kv_cache_dtype in kv_cache.KIVI_KINDS else None
         if self._group is not None and page_size % kv_group:
             raise ValueError(
@@ -134,7 +130,7 @@ class Engine:
         if chunk_size < 1 or chunk_size & (chunk_size - 1):
             raise ValueError(f"chunk_size={chunk_size} must be a power of two")
         self.cfg, self.page_size, self.chunk_size = cfg, page_size, chunk_size
-        self.prefix_sharing = prefix_sharing
+        self.prefix_sharing = prefix_sharing and not cfg.layer_pattern  # see linear.py
         if swap not in ("recompute", "host"):
             raise ValueError(f"swap={swap!r}: expected 'recompute' or 'host'")
         self.swap = swap
@@ -172,6 +168,7 @@ class Engine:
             group=kv_group,
             parallel=self._parallel,
         )
+        self._linear = linear.empty_state(cfg, max_num_seqs, self._parallel)  # hybrid models
         self._slots: list[_Seq | None] = [None] * max_num_seqs
         self._rows = RowBuilder(max_num_seqs, cfg.max_seq_len)
         self._waiting: list[_Seq] = []  # by arrival
@@ -274,6 +271,7 @@ class Engine:
         if self.swap == "host" and seq.computed:
             n = -(-seq.computed // self.page_size)
             seq.swapped = swap.save(self._kv, seq.pages[:n], seq.slot)
+            seq.swapped.linear = linear.save(self._linear, seq.slot)
         else:
             seq.computed = 0
         self.pool.release(seq.pages)
@@ -345,6 +343,7 @@ class Engine:
             if hit < swapped:  # the pages the prefix cache no longer has come back from host
                 new = seq.pages[hit // ps : -(-swapped // ps)]
                 self._kv = swap.restore(self._kv, seq.swapped, new, hit // ps, seq.slot)
+                self._linear = linear.restore(self._linear, seq.swapped.linear, seq.slot)
             seq.swapped = None
             if self.prefix_sharing and not seq.resumed:
                 self.prefix_queries += len(seq.prompt)
@@ -394,20 +393,21 @@ class Engine:
         s, ps = len(self._slots), self.page_size
         q = 1 << (max(take for _, take in batch) - 1).bit_length()
         tokens_SxQ = np.zeros((s, q), np.int32)
-        start_S, last_S = np.zeros(s, np.int32), np.zeros(s, np.int32)
+        start_S, real_S = np.zeros(s, np.int32), np.zeros(s, np.int32)
         table_SxJ = np.zeros((s, self.table_width(batch, q)), np.int32)
         for seq, take in batch:
             r = seq.slot
             tokens_SxQ[r, :take] = seq.tokens[seq.computed : seq.computed + take]
-            start_S[r], last_S[r] = seq.computed, take - 1
+            start_S[r], real_S[r] = seq.computed, take
             table_SxJ[r, : len(seq.pages)] = seq.pages
-        rows = runner.put_rows(self._parallel, tokens_SxQ, start_S, last_S, table_SxJ)
+        rows = runner.put_rows(self._parallel, tokens_SxQ, start_S, real_S, table_SxJ)
         put = functools.partial(runner.put_rows, self._parallel)
         sampling = self._rows.build([seq for seq, _ in batch], put)
-        picked, self._kv = runner.step(
+        picked, self._kv, self._linear = runner.step(
             self._graphdef,
             self._state,
             self._kv,
+            self._linear,
             *rows,
             sampling,
             impl=self._impl,

@@ -7,7 +7,7 @@ compile stalls every running request (1-2 s for runs/default on a 2-core CPU); v
 its CUDA graphs at start-up for the same reason. `compile_buckets` runs each pair once on
 all-padding slots before any request: every table entry is 0, so the writes land in the
 scratch page, and the KIVI residuals it touches are written afresh by each sequence before
-they are read.
+they are read; slots with no real tokens leave a hybrid model's linear state as it is.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ def compile_buckets(engine) -> int:
                 continue
             zeros_S = np.zeros(s, np.int32)
             rows = put(np.zeros((s, q), np.int32), zeros_S, zeros_S, np.zeros((s, j), np.int32))
-            picked, engine._kv = runner.step(
+            picked, engine._kv, engine._linear = runner.step(
                 engine._graphdef,
                 engine._state,
                 engine._kv,
+                engine._linear,
                 *rows,
                 engine._rows.build([], put),
                 impl=engine._impl,

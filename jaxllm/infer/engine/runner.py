@@ -28,7 +28,9 @@ from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.infer import kv_cache
+from jaxllm.infer.engine import linear as linear_slots
 from jaxllm.infer.engine.sampling import sample_rows
+from jaxllm.infer.linear_state import num_full_layers
 from jaxllm.model.layers import logical_axes
 
 
@@ -93,11 +95,12 @@ def empty_cache(
     group: int = 32,
     parallel: sharding.Parallel = sharding.Parallel(),
 ):
-    """The engine's page pool on the device (all layers), with an all-scratch block table; on
-    a mesh made in its shards (kv heads over `tensor`, block table rows over the data axes)."""
+    """The engine's page pool on the device (every full-attention layer: a hybrid model's
+    linear layers keep `linear.py`'s state instead), with an all-scratch block table; on a mesh
+    made in its shards (kv heads over `tensor`, block table rows over the data axes)."""
     g, k, value_dim = kv_cache.cache_dims(cfg)
     dims = dict(
-        num_layers=cfg.num_layers,
+        num_layers=num_full_layers(cfg),
         slots=slots,
         num_kv_heads=g,
         head_dim=k,
@@ -144,15 +147,16 @@ TRACES = [0]
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "impl", "interpret", "parallel"),
-    donate_argnames=("kv",),
+    donate_argnames=("kv", "linear"),
 )
 def step(
     graphdef,
     state,
     kv,
+    linear,
     tokens_SxQ,
     start_S,
-    last_S,
+    real_S,
     table_SxJ,
     sampling,
     impl,
@@ -160,19 +164,33 @@ def step(
     parallel: sharding.Parallel = sharding.Parallel(),
 ):
     """Writes each slot's Q tokens at start .. start + Q - 1, and samples the token after its
-    real token `last` (an index into Q); `table_SxJ`: the slots' pages, J wide (enough for every
+    last real one (`real_S` of its Q are real, 0 in an idle slot); `linear`: the slots' state
+    of linear-attention layers (`linear.py`; None without any); `table_SxJ`: the slots' pages, J wide (enough for every
     slot's start + Q tokens, or the pool's full width), in place of `kv`'s. `sampling`: the slots'
     `sampling.Rows`. Returns (what `sample_rows` returns: tokens [S], their log-probabilities
-    [S], the top 20 token ids [S, 20] and their log-probabilities [S, 20]; the cache).
+    [S], the top 20 token ids [S, 20] and their log-probabilities [S, 20]; the cache; the
+    linear state).
     `parallel`: the mesh and its settings the step runs under (none: one device)."""
     TRACES[0] += 1
     with sharding.active(parallel):
         return _step(
-            graphdef, state, kv, tokens_SxQ, start_S, last_S, table_SxJ, sampling, impl, interpret
+            graphdef,
+            state,
+            kv,
+            linear,
+            tokens_SxQ,
+            start_S,
+            real_S,
+            table_SxJ,
+            sampling,
+            impl,
+            interpret,
         )
 
 
-def _step(graphdef, state, kv, tokens_SxQ, start_S, last_S, table_SxJ, sampling, impl, interpret):
+def _step(
+    graphdef, state, kv, linear, tokens_SxQ, start_S, real_S, table_SxJ, sampling, impl, interpret
+):
     model = nnx.merge(graphdef, state)
     s, q = tokens_SxQ.shape
     positions_SxQ = start_S[:, None] + jnp.arange(q, dtype=jnp.int32)[None]
@@ -181,10 +199,19 @@ def _step(graphdef, state, kv, tokens_SxQ, start_S, last_S, table_SxJ, sampling,
     placeholder = kv.block_table
     kv = dataclasses.replace(kv, block_table=table_SxJ)
     view = kv_cache.CacheView(
-        kv, start_S + q, jnp.int32(0), prefill=False, impl=impl, interpret=interpret
+        kv,
+        start_S + q,
+        jnp.int32(0),
+        prefill=False,
+        impl=impl,
+        interpret=interpret,
+        linear=linear_slots.begin(linear, start_S, real_S),
+        real_B=real_S,
     )
+    last_S = jnp.maximum(real_S - 1, 0)
     logits_Sx1xV, view, *_ = model(
         tokens_SxQ, positions_BxL=positions_SxQ, cache=view, logits_at_BxQ=last_S[:, None]
     )
     picked = sample_rows(logits_Sx1xV[:, 0], sampling)
-    return picked, _constrain_cache(dataclasses.replace(view.kv, block_table=placeholder))
+    kv = _constrain_cache(dataclasses.replace(view.kv, block_table=placeholder))
+    return picked, kv, linear_slots.constrain(view.linear)

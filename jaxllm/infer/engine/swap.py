@@ -9,7 +9,7 @@ when it resumes, it takes the pages the prefix cache still holds for its leading
 (shared or cached ones, identical by their hash chain) and fresh pages for the rest, into
 which the host copy is written back, as is the residual window into its new slot, so no token
 is computed twice. Shared pages are copied too: released, they may be evicted before the
-sequence comes back.
+sequence comes back. A hybrid model's linear-attention state goes with them (`linear.py`).
 
 Gathers and scatters are padded to a power-of-two page count (the pad reads and writes the
 scratch page 0), so there is one compile per bucket, not one per sequence length.
@@ -39,6 +39,8 @@ class Swapped:
 
     pages: dict[str, np.ndarray]
     residual: dict[str, np.ndarray]
+    linear: object = None
+    """A hybrid model's slot slice of the linear-attention state (`linear.save`)."""
 
 
 def _bucket(pages: list[int]) -> np.ndarray:
