@@ -202,7 +202,7 @@ def to_global(batch: dict, batch_sharding: NamedSharding, global_batch_size: int
 class Parallel:
     """How model operations run on the mesh, as one object: the train and eval steps take it.
 
-    `sequence_attention` (`all_gather` or `ring`) is how attention runs over a sharded sequence;
+    `sequence_attention` (`all_gather`, `ring` or `ulysses`) is how attention runs over a sharded sequence;
     `expert_dispatch` (`all_to_all` or `annotations`) is how capacity-mode MoE layers reach
     experts on other devices. No mesh: everything runs as plain single-device code."""
 
