@@ -18,7 +18,8 @@ from jaxllm import config
 from jaxllm.config import ConfigError
 from jaxllm.model import attention_kernels
 from jaxllm.model.attention import dot_product_attention
-from jaxllm.parallel.ulysses import kv_repeats, ulysses_attention_on_mesh
+from jaxllm.parallel.ring import inverse_permutation, zigzag_permutation
+from jaxllm.parallel.ulysses import kv_repeats, ulysses_attention_on_mesh, usp_attention_on_mesh
 
 REPO = Path(__file__).resolve().parent.parent
 B, L, K = 2, 32, 16
@@ -185,14 +186,14 @@ def test_kv_repeats_refuse_heads_the_degree_does_not_divide():
 # -- config ----------------------------------------------------------------------------------
 
 
-def _config(num_heads, num_kv_heads, **mesh):
+def _config(num_heads, num_kv_heads, mode="ulysses", **mesh):
     return config.load(
         None,
         [
             f"model.num_heads={num_heads}",
             f"model.num_kv_heads={num_kv_heads}",
             "model.d_model=96",
-            "mesh.sequence_attention=ulysses",
+            f"mesh.sequence_attention={mode}",
             *(f"mesh.{k}={v}" for k, v in mesh.items()),
         ],
     )
@@ -240,3 +241,70 @@ def test_cli_refuses_the_degrees_in_one_line_exit_2():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxllm: "), proc.stderr
     assert "mesh.sequence_attention=ulysses" in lines[0] and "(1 * 8 = 8)" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "heads, mode, mesh, needle",
+    [
+        (8, "ulysses", dict(sequence=4, sequence_ulysses=2), "mesh.sequence_ulysses (2) is"),
+        (8, "usp", dict(sequence=4, sequence_ulysses=0), "mesh.sequence_ulysses (0) is"),
+        (8, "usp", dict(sequence=8, sequence_ulysses=3), "must divide mesh.sequence (8)"),
+        (6, "usp", dict(sequence=8, sequence_ulysses=4), "(1 * 4 = 4), which does not divide"),
+    ],
+)
+def test_config_refuses_usp_degrees(heads, mode, mesh, needle):
+    with pytest.raises(ConfigError) as e:
+        _config(heads, 2, mode, **mesh).validate(8)
+    assert needle in str(e.value)
+
+
+def test_config_accepts_usp_and_refuses_a_window_for_its_ring():
+    _config(8, 2, "usp", sequence=8, sequence_ulysses=4).validate(8)
+    with pytest.raises(ConfigError, match="sequence_attention=usp supports neither"):
+        config.load(None, ["mesh.sequence_attention=usp", "model.sliding_window=8"])
+
+
+# -- USP: Ulysses inside groups, the ring across them ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout, group, causal, h, g, docs, impl",
+    [
+        ("data2_seq4", 2, True, 8, 2, 3, "xla"),  # 2 rings of 2 groups of 2, packed
+        ("seq8", 2, True, 8, 1, 2, "xla"),  # MQA: the kv head repeated to 2
+        ("seq8", 4, False, 8, 8, 3, "xla"),  # an encoder, 2 groups of 4
+        ("seq4_tensor2", 2, True, 8, 4, 2, "xla"),  # heads over tensor too
+        ("data2_seq4", 2, True, 8, 2, 2, "flash"),  # the kernel per ring block pair
+    ],
+)
+def test_usp_matches_one_device_forward_and_grad(layout, group, causal, h, g, docs, impl):
+    q, k, v, ct, _ = _inputs(h, g)
+    seg = None if docs == 1 else _packed_segments(docs)
+    mesh = _mesh(layout)
+    _, _, batch_axes, head_axis = LAYOUTS[layout]
+    perm = zigzag_permutation(L, mesh.shape["sequence"] // group)
+    inv = inverse_permutation(perm)
+
+    def usp(q, k, v):
+        out = usp_attention_on_mesh(
+            q[:, perm],
+            k[:, perm],
+            v[:, perm],
+            segment_ids_BxL=None if seg is None else seg[:, perm],
+            mesh=mesh,
+            axis_name="sequence",
+            group=group,
+            batch_axes=batch_axes,
+            head_axis=head_axis,
+            causal=causal,
+            impl=impl,
+        )
+        return out[:, inv]
+
+    ref = _attention("xla", causal, None)
+    got, got_grads = _out_and_grads(usp, (q, k, v), ct)
+    want, want_grads = _out_and_grads(lambda q, k, v: ref(q, k, v, seg, None), (q, k, v), ct)
+    tol = TOL if impl == "xla" else dict(atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(got, want, **tol)
+    for name, a, b in zip("qkv", got_grads, want_grads):
+        np.testing.assert_allclose(a, b, err_msg=name, **tol)

@@ -1,6 +1,7 @@
-"""mesh.sequence_attention=ulysses trains like one device: three steps on packed rows (two
-documents each) give the same losses and parameters for causal, sliding-window, GQA (kv heads
-repeated), sink and ALiBi models, with heads over `tensor` too and inside pipeline stages."""
+"""mesh.sequence_attention=ulysses and usp train like one device: three steps on packed rows
+(two documents each) give the same losses and parameters for causal, sliding-window, GQA (kv
+heads repeated), sink and ALiBi models (usp: those its ring supports), with heads over `tensor`
+too and inside pipeline stages."""
 
 import functools
 
@@ -17,6 +18,7 @@ from jaxllm.train.state import init_state, layout
 STEPS = 3
 MODELS = {
     "causal": dict(num_kv_heads=4),
+    "gqa": dict(num_kv_heads=2),
     "gqa_window": dict(num_kv_heads=2, sliding_window=8),
     "gqa_sinks": dict(num_kv_heads=2, attention_sinks=True),
     "alibi": dict(num_kv_heads=2, position="alibi"),
@@ -57,6 +59,7 @@ def _single_device(model: str, accum: int):
 
 
 ULYSSES = dict(sequence_attention="ulysses")
+USP = dict(sequence_attention="usp", sequence_ulysses=2)
 
 
 @pytest.mark.parametrize(
@@ -68,8 +71,20 @@ ULYSSES = dict(sequence_attention="ulysses")
         ("alibi", 1, dict(sequence=8, **ULYSSES)),  # one head per device, its own slope
         # inside pipeline stages: the step's two microbatches run through them
         ("gqa_window", 2, dict(stage=2, sequence=2, data=2, **ULYSSES)),
+        ("causal", 1, dict(data=2, sequence=4, **USP)),  # 2 groups of 2
+        ("gqa", 1, dict(tensor=2, sequence=4, **USP)),  # 1 kv head per tensor shard x2
+        ("gqa", 2, dict(stage=2, sequence=4, **USP)),
     ],
-    ids=["causal-dp2_sp4", "gqa_window-dp2_sp4", "gqa_sinks-tp2_sp4", "alibi-sp8", "pp2_sp2_dp2"],
+    ids=[
+        "causal-dp2_sp4",
+        "gqa_window-dp2_sp4",
+        "gqa_sinks-tp2_sp4",
+        "alibi-sp8",
+        "pp2_sp2_dp2",
+        "usp-causal-dp2_sp4_u2",
+        "usp-gqa-tp2_sp4_u2",
+        "usp-gqa-pp2_sp4_u2",
+    ],
 )
 def test_ulysses_trains_like_one_device(model, accum, mesh):
     want_losses, want_params = _single_device(model, accum)

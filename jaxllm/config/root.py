@@ -243,10 +243,13 @@ class Config:
             m = self.model
             if kind != "decoder":
                 _fail(f"train.objective=prefix_lm trains a decoder (model.kind={kind}).")
-            if m.attention_impl in ("flash", "cudnn") or self.mesh.sequence_attention == "ring":
+            if m.attention_impl in ("flash", "cudnn") or self.mesh.sequence_attention in (
+                "ring",
+                "usp",
+            ):
                 _fail(
                     "train.objective=prefix_lm's prefix mask runs on the xla attention: set "
-                    "model.attention_impl to xla or auto and mesh.sequence_attention=all_gather."
+                    "model.attention_impl to xla or auto and mesh.sequence_attention to all_gather or ulysses."
                 )
         if kind == "encoder" and objective != "mlm":
             _fail(

@@ -1,5 +1,6 @@
 """Checks of context parallelism (`mesh.sequence_attention` over `mesh.sequence`) against the
-model and the data: what ring attention supports, and the degrees Ulysses can split."""
+model and the data: what ring attention (and USP's ring) supports, and the degrees Ulysses
+can split."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from jaxllm.config.errors import fail as _fail
 def validate_sequence(cfg, degrees: dict[str, int] | None) -> None:
     """ConfigError naming the keys when `mesh.sequence_attention` cannot run this config;
     `degrees`: the mesh's degrees (None before the device count is known)."""
-    m, mode = cfg.model, cfg.mesh.sequence_attention
-    if mode == "ring" and (
+    m, mode, u = cfg.model, cfg.mesh.sequence_attention, cfg.mesh.sequence_ulysses
+    if u < 1 or (u != 1 and mode != "usp"):
+        _fail(
+            f"mesh.sequence_ulysses ({u}) is the Ulysses degree of mesh.sequence_attention=usp: "
+            "set it >= 1 with usp, or leave it at 1."
+        )
+    if mode in ("ring", "usp") and (
         m.position == "alibi"
         or m.sliding_window is not None
         or m.attn_soft_cap is not None
@@ -18,7 +24,7 @@ def validate_sequence(cfg, degrees: dict[str, int] | None) -> None:
         or m.attention_sinks
     ):
         _fail(
-            "mesh.sequence_attention=ring supports neither model.position=alibi, "
+            f"mesh.sequence_attention={mode} supports neither model.position=alibi, "
             "model.sliding_window, model.attn_soft_cap, model.attn_scale nor "
             "model.attention_sinks; use all_gather or ulysses."
         )
@@ -35,4 +41,19 @@ def validate_sequence(cfg, degrees: dict[str, int] | None) -> None:
             f"mesh.sequence_attention=ulysses splits model.num_heads ({m.num_heads}) over "
             f"mesh.tensor * mesh.sequence ({tensor} * {seq} = {tensor * seq}), which does not "
             "divide it; change the degrees or use ring / all_gather."
+        )
+    if mode != "usp":
+        return
+    if seq % u:
+        _fail(f"mesh.sequence_ulysses ({u}) must divide mesh.sequence ({seq}).")
+    if m.num_heads % (tensor * u):
+        _fail(
+            f"mesh.sequence_attention=usp splits model.num_heads ({m.num_heads}) over "
+            f"mesh.tensor * mesh.sequence_ulysses ({tensor} * {u} = {tensor * u}), which does "
+            "not divide it; change the degrees."
+        )
+    if cfg.data.seq_len % (2 * seq // u):
+        _fail(
+            f"data.seq_len ({cfg.data.seq_len}) must be divisible by 2 * mesh.sequence / "
+            f"mesh.sequence_ulysses ({2 * seq // u}) for the zigzag layout of USP's ring."
         )

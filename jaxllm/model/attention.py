@@ -210,13 +210,14 @@ class Attention(nnx.Module):
     ):
         """Self-attention of a training / scoring pass (no cache): causal in a decoder,
         bidirectional over `prefix_BxL` (prefix LM)."""
-        if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
+        usp = parallel.usp_active()  # Ulysses in groups, the ring across them
+        if usp or parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             if self.gaussian:
                 raise ValueError("ring attention has no Gaussian kernel; use all_gather")
             if prefix_BxL is not None or hasattr(self, "sinks"):
                 raise ValueError("ring attention takes no prefix-LM mask or sinks; use all_gather")
             width = v_BxLxGxV.shape[-1]
-            out_BxLxHxK = parallel.ring_attention(
+            out_BxLxHxK = (parallel.usp_attention if usp else parallel.ring_attention)(
                 q_BxLxHxK,
                 k_BxLxGxK,
                 pad_values(v_BxLxGxV, q_BxLxHxK.shape[-1]),
