@@ -3,6 +3,7 @@
 heads repeated), sink and ALiBi models (usp: those its ring supports), with heads over `tensor`
 too and inside pipeline stages."""
 
+import dataclasses
 import functools
 
 import jax
@@ -91,6 +92,24 @@ def test_ulysses_trains_like_one_device(model, accum, mesh):
     losses, params = _train(_cfg(model, accum, **mesh), 8)
     # float32 end to end; only the order of cross-device sums differs
     np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+    flat_want = dict(jax.tree_util.tree_flatten_with_path(want_params)[0])
+    for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+        np.testing.assert_allclose(a, flat_want[path], rtol=1e-4, atol=2e-5, err_msg=str(path))
+
+
+# the kernel per head group / per ring block pair is covered in test_ulysses; ~10-15 s each
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh",
+    [dict(data=2, sequence=4, **ULYSSES), dict(data=2, sequence=4, **USP)],
+    ids=["ulysses-dp2_sp4", "usp-dp2_sp4_u2"],
+)
+def test_flash_trains_like_xla_on_one_device(mesh):
+    want_losses, want_params = _single_device("gqa", 1)
+    cfg = _cfg("gqa", 1, **mesh)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="flash"))
+    losses, params = _train(cfg, 8)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     flat_want = dict(jax.tree_util.tree_flatten_with_path(want_params)[0])
     for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
         np.testing.assert_allclose(a, flat_want[path], rtol=1e-4, atol=2e-5, err_msg=str(path))
