@@ -1,7 +1,7 @@
 """mesh.sequence_attention=ulysses and usp train like one device: three steps on packed rows
 (two documents each) give the same losses and parameters for causal, sliding-window, GQA (kv
 heads repeated), sink and ALiBi models (usp: those its ring supports), with heads over `tensor`
-too and inside pipeline stages."""
+too and inside pipeline stages; a Gaussian-kernel model under Ulysses."""
 
 import dataclasses
 import functools
@@ -23,6 +23,7 @@ MODELS = {
     "gqa_window": dict(num_kv_heads=2, sliding_window=8),
     "gqa_sinks": dict(num_kv_heads=2, attention_sinks=True),
     "alibi": dict(num_kv_heads=2, position="alibi"),
+    "gaussian": dict(num_kv_heads=2, attention_kernel="gaussian", gaussian_sigma_learned=True),
 }
 
 
@@ -70,6 +71,7 @@ USP = dict(sequence_attention="usp", sequence_ulysses=2)
         ("gqa_window", 1, dict(data=2, sequence=4, **ULYSSES)),  # 2 kv heads repeated to 4
         ("gqa_sinks", 1, dict(tensor=2, sequence=4, **ULYSSES)),  # 1 kv head per tensor shard x4
         ("alibi", 1, dict(sequence=8, **ULYSSES)),  # one head per device, its own slope
+        ("gaussian", 1, dict(data=2, sequence=4, **ULYSSES)),  # learned sigma per head
         # inside pipeline stages: the step's two microbatches run through them
         ("gqa_window", 2, dict(stage=2, sequence=2, data=2, **ULYSSES)),
         ("causal", 1, dict(data=2, sequence=4, **USP)),  # 2 groups of 2
@@ -81,6 +83,7 @@ USP = dict(sequence_attention="usp", sequence_ulysses=2)
         "gqa_window-dp2_sp4",
         "gqa_sinks-tp2_sp4",
         "alibi-sp8",
+        "gaussian-dp2_sp4",
         "pp2_sp2_dp2",
         "usp-causal-dp2_sp4_u2",
         "usp-gqa-tp2_sp4_u2",
