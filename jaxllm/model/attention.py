@@ -213,9 +213,11 @@ class Attention(nnx.Module):
         usp = parallel.usp_active()  # Ulysses in groups, the ring across them
         if usp or parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             if self.gaussian:
-                raise ValueError("ring attention has no Gaussian kernel; use all_gather")
+                raise ValueError("ring attention has no Gaussian kernel; use all_gather or ulysses")
             if prefix_BxL is not None or hasattr(self, "sinks"):
-                raise ValueError("ring attention takes no prefix-LM mask or sinks; use all_gather")
+                raise ValueError(
+                    "ring attention takes no prefix-LM mask or sinks; use all_gather or ulysses"
+                )
             width = v_BxLxGxV.shape[-1]
             out_BxLxHxK = (parallel.usp_attention if usp else parallel.ring_attention)(
                 q_BxLxHxK,
