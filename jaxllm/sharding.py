@@ -202,7 +202,8 @@ def to_global(batch: dict, batch_sharding: NamedSharding, global_batch_size: int
 class Parallel:
     """How model operations run on the mesh, as one object: the train and eval steps take it.
 
-    `sequence_attention` (`all_gather` or `ring`) is how attention runs over a sharded sequence;
+    `sequence_attention` (`all_gather`, `ring`, `ulysses` or `usp`, with its Ulysses degree
+    `sequence_ulysses`) is how attention runs over a sharded sequence;
     `expert_dispatch` (`all_to_all` or `annotations`) is how capacity-mode MoE layers reach
     experts on other devices. No mesh: everything runs as plain single-device code."""
 
@@ -211,6 +212,7 @@ class Parallel:
     expert_dispatch: str = "annotations"
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
+    sequence_ulysses: int = 1
 
     @classmethod
     def of(cls, mesh: Mesh | None, cfg: MeshConfig) -> Parallel:
@@ -221,6 +223,7 @@ class Parallel:
             cfg.expert_dispatch,
             cfg.pipeline_schedule,
             cfg.virtual_stages,
+            cfg.sequence_ulysses,
         )
 
     @property

@@ -169,12 +169,21 @@ def test_sharded_generation_matches_one_device(model):
     assert generate(sharded, PROMPTS, gen, mesh=mesh).tokens == want
 
 
-# ~50 s; the sharded MLA step compiles in test_plan (latent cache on a mesh) by default
+# ~50 s each; the sharded MLA step compiles in test_plan (latent cache on a mesh) by default
 @pytest.mark.slow
-def test_sharded_training_matches_one_device():
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tensor=2, sequence=4, sequence_attention="ring"),
+        dict(tensor=2, sequence=2, data=2, sequence_attention="ulysses"),
+        dict(tensor=2, sequence=4, sequence_attention="usp", sequence_ulysses=2),
+    ],
+    ids=["ring", "ulysses", "usp"],
+)
+def test_sharded_training_matches_one_device(layout):
     """Heads split over tensor, the sequence over a ring (whose kernel-shaped blocks take the
-    zero-padded values): two steps equal one device's."""
-    layout = dict(tensor=2, sequence=4, sequence_attention="ring")
+    zero-padded values), Ulysses' head groups (values of their own width) or both: two steps
+    equal one device's."""
     from jaxllm.bench import synthetic_batch
     from jaxllm.train.loop import compile_steps, to_global
     from jaxllm.train.state import init_state
@@ -197,7 +206,7 @@ def test_sharded_training_matches_one_device():
         return losses, jax.device_get(state.params)
 
     ref_losses, ref_params = run(MeshConfig(data=1), jax.devices()[:1])
-    losses, params = run(MeshConfig(data=1, **layout), jax.devices())
+    losses, params = run(MeshConfig(**{"data": 1, **layout}), jax.devices())
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)

@@ -28,6 +28,7 @@ from jaxllm.config.sections import (
     mesh_degrees,
 )
 from jaxllm.config.seq2seq import validate_span_corruption
+from jaxllm.config.sequence import validate_sequence
 from jaxllm.config.trackers import validate_trackers
 from jaxllm.config.train import (
     PAIR_OBJECTIVES,
@@ -154,18 +155,7 @@ class Config:
         m.validate()
         validate_span_corruption(self)
         self._validate_head()
-        if self.mesh.sequence_attention == "ring" and (
-            m.position == "alibi"
-            or m.sliding_window is not None
-            or m.attn_soft_cap is not None
-            or m.attn_scale is not None
-            or m.attention_sinks
-        ):
-            _fail(
-                "mesh.sequence_attention=ring supports neither model.position=alibi, "
-                "model.sliding_window, model.attn_soft_cap, model.attn_scale nor "
-                "model.attention_sinks; use all_gather."
-            )
+        validate_sequence(self, None)
         if self.data.seq_len > m.max_seq_len - m.encoder.position_offset:
             _fail(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}) "
@@ -230,13 +220,7 @@ class Config:
                     f"mesh.tensor ({degrees['tensor']}) must divide model.linear_attention."
                     f"num_k_heads ({la.num_k_heads}) and num_v_heads ({la.num_v_heads})."
                 )
-            if self.mesh.sequence_attention == "ring" and self.data.seq_len % (
-                2 * degrees["sequence"]
-            ):
-                _fail(
-                    f"data.seq_len ({self.data.seq_len}) must be divisible by 2 * mesh.sequence "
-                    f"({2 * degrees['sequence']}) for ring attention's zigzag layout."
-                )
+            validate_sequence(self, degrees)
             if self.data.seq_len % degrees["sequence"]:
                 _fail(
                     f"data.seq_len ({self.data.seq_len}) must be divisible by mesh.sequence "
@@ -259,10 +243,13 @@ class Config:
             m = self.model
             if kind != "decoder":
                 _fail(f"train.objective=prefix_lm trains a decoder (model.kind={kind}).")
-            if m.attention_impl in ("flash", "cudnn") or self.mesh.sequence_attention == "ring":
+            if m.attention_impl in ("flash", "cudnn") or self.mesh.sequence_attention in (
+                "ring",
+                "usp",
+            ):
                 _fail(
                     "train.objective=prefix_lm's prefix mask runs on the xla attention: set "
-                    "model.attention_impl to xla or auto and mesh.sequence_attention=all_gather."
+                    "model.attention_impl to xla or auto and mesh.sequence_attention to all_gather or ulysses."
                 )
         if kind == "encoder" and objective != "mlm":
             _fail(

@@ -65,9 +65,17 @@ class MeshConfig:
     """Slices the sequence shards are spread over."""
     dcn_expert: int = 1
     """Slices the experts are spread over."""
-    sequence_attention: Literal["all_gather", "ring"] = "all_gather"
-    """How attention sees keys of other sequence shards: all-gather K/V, or ring attention
-    (K/V blocks passed around the `sequence` axis, zigzag layout for causal load balance)."""
+    sequence_attention: Literal["all_gather", "ring", "ulysses", "usp"] = "all_gather"
+    """How attention sees keys of other sequence shards: all-gather K/V; ring attention (K/V
+    blocks passed around the `sequence` axis, zigzag layout for causal load balance); Ulysses
+    (all-to-alls turn length shards into whole sequences of mesh.sequence head groups,
+    attention runs per group with every mask and implementation; mesh.tensor * mesh.sequence
+    must divide model.num_heads, kv heads are repeated as needed); or `usp`, Ulysses inside
+    groups of mesh.sequence_ulysses devices and the ring across the groups."""
+    sequence_ulysses: int = 1
+    """With sequence_attention=usp: the Ulysses degree, devices per group (it divides
+    mesh.sequence; mesh.tensor * it must divide model.num_heads); the ring runs over
+    mesh.sequence / it groups. Only usp reads it."""
     zero_stage: Literal[0, 1, 2] = 0
     """ZeRO over the `data` axis while parameters stay whole on every replica: 1 shards the
     optimizer state `mesh.data` ways, 2 the gradients too (a reduce-scatter replaces the

@@ -137,28 +137,41 @@ class Attention(nnx.Module):
         bias = getattr(self, f"{name}_bias", None)
         return y if bias is None else y + _broadcast(bias[...].astype(self.dtype), y.ndim)
 
-    def _masks(self, windowed):
+    def _masks(self, windowed, heads=None):
         """Keyword arguments of the attention call for this layer: scale, cap, ALiBi, window
-        (`windowed`: a traced bool of a scanned layer, or None when every layer is alike)."""
+        (`windowed`: a traced bool of a scanned layer, or None when every layer is alike);
+        `heads` replaces the per-head ones (a device's slice of ALiBi slopes and sinks)."""
         window = self.window
         if window is not None and windowed is not None:
             window = jnp.where(windowed, jnp.int32(window), jnp.int32(0))
         alibi = None if self.position != "alibi" else jnp.asarray(self.alibi, jnp.float32)
         scale = 1.0 if self.gaussian else self.scale  # Gaussian: folded into the queries
         sinks = getattr(self, "sinks", None)
+        head_masks = dict(
+            alibi_slopes_H=alibi,
+            sinks_H=None if sinks is None else sinks[...].astype(jnp.float32),
+        )
         return dict(
             scale=scale,
             soft_cap=self.soft_cap,
-            alibi_slopes_H=alibi,
             sliding_window=window,
-            sinks_H=None if sinks is None else sinks[...].astype(jnp.float32),
+            **(head_masks if heads is None else heads),
         )
 
-    def _attend(self, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, windowed, prefix_BxL=None):
-        """`dot_product_attention` with this layer's masks. A kernel takes its window as a
-        Python int, so a layer that is windowed or not by the scan index picks one of two
-        kernel calls with `lax.cond`; XLA reads the traced window directly."""
-        masks = self._masks(windowed)
+    def _attend(
+        self,
+        q_BxLxHxK,
+        k_BxSxGxK,
+        v_BxSxGxK,
+        segment_ids_BxL,
+        windowed,
+        prefix_BxL=None,
+        heads=None,
+    ):
+        """`dot_product_attention` with this layer's masks (`heads`: see `_masks`). A kernel
+        takes its window as a Python int, so a layer that is windowed or not by the scan index
+        picks one of two kernel calls with `lax.cond`; XLA reads the traced window directly."""
+        masks = self._masks(windowed, heads)
         call = functools.partial(
             dot_product_attention,
             q_BxLxHxK,
@@ -197,13 +210,16 @@ class Attention(nnx.Module):
     ):
         """Self-attention of a training / scoring pass (no cache): causal in a decoder,
         bidirectional over `prefix_BxL` (prefix LM)."""
-        if parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
+        usp = parallel.usp_active()  # Ulysses in groups, the ring across them
+        if usp or parallel.ring_active():  # sequence-parallel: K/V blocks travel around the ring
             if self.gaussian:
-                raise ValueError("ring attention has no Gaussian kernel; use all_gather")
+                raise ValueError("ring attention has no Gaussian kernel; use all_gather or ulysses")
             if prefix_BxL is not None or hasattr(self, "sinks"):
-                raise ValueError("ring attention takes no prefix-LM mask or sinks; use all_gather")
+                raise ValueError(
+                    "ring attention takes no prefix-LM mask or sinks; use all_gather or ulysses"
+                )
             width = v_BxLxGxV.shape[-1]
-            out_BxLxHxK = parallel.ring_attention(
+            out_BxLxHxK = (parallel.usp_attention if usp else parallel.ring_attention)(
                 q_BxLxHxK,
                 k_BxLxGxK,
                 pad_values(v_BxLxGxV, q_BxLxHxK.shape[-1]),
@@ -212,6 +228,23 @@ class Attention(nnx.Module):
                 causal=self.causal,
             )
             return out_BxLxHxK[..., :width]
+        if parallel.ulysses_active():  # sequence-parallel: all-to-alls to whole-sequence heads
+            masks = self._masks(None)
+            heads = {name: masks[name] for name in ("alibi_slopes_H", "sinks_H")}
+
+            def local(q, k, v, tokens, heads, windowed):
+                return self._attend(q, k, v, tokens[0], windowed, tokens[1], heads)
+
+            return parallel.ulysses_attention(
+                local,
+                q_BxLxHxK,
+                k_BxLxGxK,
+                v_BxLxGxV,
+                (segment_ids_BxL, prefix_BxL),
+                heads,
+                windowed,
+                impl=resolve_impl(self.impl, self.position == "alibi" or prefix_BxL is not None),
+            )
         # K/V all-gathered over the sequence shards (a no-op without them)
         k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "act_kv_length", "act_heads", None))
         v_BxLxGxV = constrain(v_BxLxGxV, ("batch", "act_kv_length", "act_heads", None))

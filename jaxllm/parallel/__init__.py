@@ -11,6 +11,9 @@ mesh, `shard_map` or a module below:
 - `ring.py`: context-parallel ring attention over the `sequence` axis (`ring_active`,
   `ring_attention`), the zigzag layout of a batch (`sequence_layout`); `ring_xla.py` and
   `ring_flash.py` hold its two block algorithms.
+- `ulysses.py`: Ulysses context parallelism over the `sequence` axis (`ulysses_active`,
+  `ulysses_attention`): all-to-alls between length shards and whole-sequence head groups; and
+  USP (`usp_active`, `usp_attention`): Ulysses inside groups of devices, the ring across them.
 - `moe_dispatch.py`: mixture-of-experts dropless and all-to-all dispatch
   (`per_shard_dropless`, `per_shard_all_to_all`, `expert_all_to_all_active`).
 """
@@ -22,6 +25,7 @@ from jaxllm.parallel.moe_dispatch import (
 )
 from jaxllm.parallel.per_shard import per_shard, per_shard_attention
 from jaxllm.parallel.ring import ring_active, ring_attention, sequence_layout
+from jaxllm.parallel.ulysses import ulysses_active, ulysses_attention, usp_active, usp_attention
 
 __all__ = [
     "expert_all_to_all_active",
@@ -32,4 +36,8 @@ __all__ = [
     "ring_active",
     "ring_attention",
     "sequence_layout",
+    "ulysses_active",
+    "ulysses_attention",
+    "usp_active",
+    "usp_attention",
 ]

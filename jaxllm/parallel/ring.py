@@ -68,8 +68,10 @@ def ring_attention_local(
     impl: str = "xla",
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
+    group: int = 1,
 ) -> jax.Array:
-    """Attention of the local query shard over the keys/values of every shard of `axis_name`.
+    """Attention of the local query shard over the keys/values of every shard of `axis_name`
+    (with `group` > 1, of every `group`-th shard: the ring of USP, `ring_xla.ring_steps`).
 
     Call inside `jax.shard_map` with local shards. `*_seg` are segment ids (keys of other segments
     are masked), `*_idx` the global token indices (causal: query i sees keys j <= i). Rows with no
@@ -90,10 +92,11 @@ def ring_attention_local(
             scale=scale,
             block_sizes=block_sizes,
             interpret=interpret,
+            group=group,
         )
     if impl not in ("xla", "cudnn"):
         raise ValueError(f"unknown attention implementation {impl!r} for ring attention")
-    return ring_xla_local(*args, axis_name=axis_name, causal=causal, scale=scale)
+    return ring_xla_local(*args, axis_name=axis_name, causal=causal, scale=scale, group=group)
 
 
 def ring_attention_on_mesh(
@@ -176,13 +179,16 @@ def ring_active() -> bool:
 
 
 def sequence_layout(batch: dict) -> dict:
-    """Lays each row out in zigzag order along length when ring attention is active, so the
-    causal work of the sequence shards is balanced. Losses are sums over tokens, so nothing has
-    to be put back; RoPE reads the permuted `positions`."""
-    mesh = _ring_mesh()
-    if mesh is None:
+    """Lays each row out in zigzag order along length when ring attention (or USP, whose ring
+    runs over mesh.sequence / mesh.sequence_ulysses groups) is active, so the causal work of the
+    sequence shards is balanced. Losses are sums over tokens, so nothing has to be put back;
+    RoPE reads the permuted `positions`."""
+    settings = sharding.current()
+    mesh, mode = settings.mesh, settings.sequence_attention
+    if mesh is None or mode not in ("ring", "usp") or mesh.shape["sequence"] == 1:
         return batch
-    perm = zigzag_permutation(batch["inputs"].shape[1], mesh.shape["sequence"])
+    n = mesh.shape["sequence"] // (settings.sequence_ulysses if mode == "usp" else 1)
+    perm = zigzag_permutation(batch["inputs"].shape[1], n)
     return {k: v[:, perm] for k, v in batch.items()}
 
 

@@ -43,7 +43,7 @@ from jaxllm.kernels.flash_attention.reference import (
     masked_attention_backward,
 )
 from jaxllm.kernels.reference import attention_mask
-from jaxllm.parallel.ring_xla import halves, rotate
+from jaxllm.parallel.ring_xla import halves, ring_steps, rotate
 
 
 def ring_flash_local(
@@ -60,13 +60,14 @@ def ring_flash_local(
     scale: float,
     block_sizes: BlockSizes | None,
     interpret: bool | None,
+    group: int = 1,
 ) -> jax.Array:
     """`jaxllm.parallel.ring.ring_attention_local` with the kernel per block pair: call inside
     `jax.shard_map` with `check_vma=False` (Pallas outputs carry no varying axes). `interpret`
-    None: interpret on CPU."""
+    None: interpret on CPU; `group`: see `ring_xla.ring_steps`."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    opts = _RingOptions(axis_name, causal, scale, block_sizes, interpret)
+    opts = _RingOptions(axis_name, causal, scale, block_sizes, interpret, group)
     return _ring_flash(
         q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, q_idx_BxL, kv_idx_BxS, opts
     )
@@ -81,6 +82,7 @@ class _RingOptions:
     scale: float
     block_sizes: BlockSizes | None
     interpret: bool
+    group: int = 1
 
 
 def _pair_branches(opts: _RingOptions) -> tuple[str, ...]:
@@ -202,8 +204,7 @@ def _ring_flash_forward(
 ):
     """The kernel ring's forward: (out in q's dtype, merged lse [B, H, L] float32)."""
     b, _, h, kd = q_BxLxHxK.shape
-    n = jax.lax.axis_size(opts.axis_name)
-    ring = [(j, (j + 1) % n) for j in range(n)]
+    n, ring = ring_steps(opts.axis_name, opts.group)
     q_PxBxLxHxK = _stack_halves(q_BxLxHxK)
     q_seg_PxBxL, q_idx_PxBxL = _stack_halves(q_seg_BxL), _stack_halves(q_idx_BxL)
     p, lh = q_PxBxLxHxK.shape[0], q_PxBxLxHxK.shape[2]
@@ -264,8 +265,7 @@ def _ring_flash_bwd(opts: _RingOptions, residuals, dout_BxLxHxK):
     dK/dV of the visiting shard, which follow that shard one step behind and finally go home."""
     q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, q_idx_BxL, kv_idx_BxS = residuals[:7]
     out_BxLxHxK, lse_BxHxL = residuals[7:]
-    n = jax.lax.axis_size(opts.axis_name)
-    ring = [(j, (j + 1) % n) for j in range(n)]
+    n, ring = ring_steps(opts.axis_name, opts.group)
     q_halves = (
         _stack_halves(q_BxLxHxK),
         _stack_halves(out_BxLxHxK),

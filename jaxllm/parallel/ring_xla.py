@@ -57,6 +57,15 @@ def rotate(x, axis_name: str, perm):
     return jnp.where(frm >= 0, got[jnp.maximum(frm, 0)], jnp.zeros_like(x))
 
 
+def ring_steps(axis_name: str, group: int = 1) -> tuple[int, list[tuple[int, int]]]:
+    """(steps, ppermute pairs) of the ring over `axis_name` when its devices form consecutive
+    groups of `group` (USP: Ulysses inside a group, `jaxllm.parallel.ulysses`): device j sends
+    to j + group, so each rank of a group has its own ring through every group, of
+    size / group steps. `group=1`: the plain ring over every device."""
+    size = jax.lax.axis_size(axis_name)
+    return size // group, [(j, (j + group) % size) for j in range(size)]
+
+
 def _varying_axes(x) -> frozenset:
     """Mesh axes over which `x` varies inside shard_map: `aval.vma` up to jax 0.9, then
     `aval.manual_axis_type.varying` (jax 0.10). Empty outside shard_map or with check_vma=False.
@@ -107,14 +116,15 @@ def ring_xla_local(
     axis_name: str,
     causal: bool,
     scale: float,
+    group: int = 1,
 ) -> jax.Array:
     """`jaxllm.parallel.ring.ring_attention_local` with jnp blocks: call inside `jax.shard_map`
     with local shards. Rows with no visible key get zeros; the output is in q's dtype."""
     b, l, h, kd = q_BxLxHxK.shape
     g = k_BxSxGxK.shape[2]
-    n = jax.lax.axis_size(axis_name)
-    # Device j sends to j+1, so at step t device i holds the shard that started on i - t.
-    ring = [(j, (j + 1) % n) for j in range(n)]
+    # Device j sends to j+group, so at step t device i holds the shard that started on
+    # i - t * group.
+    n, ring = ring_steps(axis_name, group)
 
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, kd)
     q_parts = list(zip(halves(q_BxLxGxRxK), halves(q_seg_BxL), halves(q_idx_BxL)))
