@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections import defaultdict
 
 import jax
 import numpy as np
@@ -17,6 +16,7 @@ import numpy as np
 from jaxllm import compress, config, sharding
 from jaxllm.config.pipeline import microbatches
 from jaxllm.data import span_corruption
+from jaxllm.hlo_collectives import collectives
 from jaxllm.infer import kv_cache
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
@@ -37,24 +37,6 @@ _UNITS = {
     "gb": 10**9,
     "tb": 10**12,
 }
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "bf16": 2,
-    "f16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-}
 
 
 def parse_bytes(text: str) -> int:
@@ -71,43 +53,6 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError
-
-
-def _shape_bytes(shape_text: str) -> int:
-    total = 0
-    for dtype, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", shape_text):
-        if dtype in _DTYPE_BYTES:
-            total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-    return total
-
-
-def _group_size(line: str) -> int | None:
-    """Devices per replica group of a collective (None when the line does not say)."""
-    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
-        return len(m.group(1).split(","))
-    if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
-        return int(m.group(1))
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line):
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
-    return None
-
-
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Collective ops in an optimized HLO module: kind -> {count, bytes of their results}.
-
-    Static counts: an op inside a loop body (the layer scan) appears once but runs every
-    iteration. Ops over groups of one device (left for mesh axes of size 1, e.g. by
-    `shard_map`) move nothing and are not counted.
-    """
-    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
-    pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-    for line in hlo_text.splitlines():
-        m = pattern.search(line)
-        if m and _group_size(line) != 1:
-            out[m.group(2)]["count"] += 1
-            out[m.group(2)]["bytes"] += _shape_bytes(m.group(1))
-    return dict(out)
 
 
 def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:

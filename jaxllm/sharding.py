@@ -33,6 +33,9 @@ RULES: dict[str, tuple[str, ...] | None] = {
     # rows of expert-major MoE buffers [B, E, C, D], whose experts hold the `expert` axis
     "expert_group": ("data", "fsdp"),
     "length": ("sequence",),
+    # the residual stream's length: with mesh.tensor_sequence_parallel over `tensor` too
+    # (Megatron-SP; `constrain` adds it where the length divides)
+    "res_length": ("sequence",),
     "act_embed": None,
     "act_heads": ("tensor",),
     "act_mlp": ("tensor",),
@@ -213,6 +216,7 @@ class Parallel:
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
     sequence_ulysses: int = 1
+    tensor_sequence_parallel: bool = False
 
     @classmethod
     def of(cls, mesh: Mesh | None, cfg: MeshConfig) -> Parallel:
@@ -224,6 +228,7 @@ class Parallel:
             cfg.pipeline_schedule,
             cfg.virtual_stages,
             cfg.sequence_ulysses,
+            cfg.tensor_sequence_parallel,
         )
 
     @property
@@ -258,11 +263,31 @@ def shard_map_mesh(mesh: Mesh):
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    mesh = _ACTIVE.get().mesh
+    parallel = _ACTIVE.get()
+    mesh = parallel.mesh
     if mesh is None or mesh.size == 1:
         return x
+    partition = spec(logical_axes)
+    if parallel.tensor_sequence_parallel and "res_length" in logical_axes:
+        partition = _tensor_sequence(partition, list(logical_axes).index("res_length"), x, mesh)
     inner = jax.sharding.get_abstract_mesh()
     if inner.manual_axes:  # inside a shard_map manual over some axes (pipeline stages)
-        inside = _without(spec(logical_axes), set(inner.manual_axes))
+        inside = _without(partition, set(inner.manual_axes))
         return jax.lax.with_sharding_constraint(x, NamedSharding(inner, inside))
-    return jax.lax.with_sharding_constraint(x, named(mesh, logical_axes))
+    if mesh.shape.get("stage", 1) == 1:
+        partition = _without(partition, {"stage"})
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, partition))
+
+
+def _tensor_sequence(partition: PartitionSpec, dim: int, x, mesh: Mesh) -> PartitionSpec:
+    """`partition` with `tensor` added to dimension `dim` (the residual stream's length) when
+    no other dimension holds it and the length divides (a decode step's single token stays
+    whole)."""
+    entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in partition]
+    if any("tensor" in e for e in entries) or mesh.shape.get("tensor", 1) == 1:
+        return partition
+    axes = (*entries[dim], "tensor")
+    if x.shape[dim] % int(np.prod([mesh.shape[a] for a in axes])):
+        return partition
+    entries[dim] = axes
+    return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else e for e in entries))

@@ -26,6 +26,7 @@ FLOORS = [
     (1, "jaxllm.checkpoint"),
     (1, "jaxllm.optim"),
     (1, "jaxllm.metrics"),
+    (1, "jaxllm.hlo_collectives"),
     (1, "jaxllm.trackers"),
     (1, "jaxllm.distributed"),
     (2, "jaxllm.kernels"),

@@ -28,7 +28,7 @@ from jaxllm.config.sections import (
     mesh_degrees,
 )
 from jaxllm.config.seq2seq import validate_span_corruption
-from jaxllm.config.sequence import validate_sequence
+from jaxllm.config.sequence import validate_sequence, validate_tensor_sequence
 from jaxllm.config.trackers import validate_trackers
 from jaxllm.config.train import (
     PAIR_OBJECTIVES,
@@ -226,6 +226,8 @@ class Config:
                     f"data.seq_len ({self.data.seq_len}) must be divisible by mesh.sequence "
                     f"({degrees['sequence']})."
                 )
+            if self.mesh.tensor_sequence_parallel:
+                validate_tensor_sequence(self, degrees)
         return self
 
     def _validate_kind(self) -> None:

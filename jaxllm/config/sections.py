@@ -76,6 +76,12 @@ class MeshConfig:
     """With sequence_attention=usp: the Ulysses degree, devices per group (it divides
     mesh.sequence; mesh.tensor * it must divide model.num_heads); the ring runs over
     mesh.sequence / it groups. Only usp reads it."""
+    tensor_sequence_parallel: bool = False
+    """Megatron-style sequence parallelism in the tensor group (Korthikanti et al. 2022): the
+    residual stream between blocks and inside them (norms, dropout, residual adds) is split on
+    the sequence over `tensor` as well as `sequence`, so its activations take 1 / tensor of
+    the bytes; an all-gather comes before each column-parallel matmul and a reduce-scatter
+    after each row-parallel one, in place of the all-reduce. Needs mesh.tensor > 1."""
     zero_stage: Literal[0, 1, 2] = 0
     """ZeRO over the `data` axis while parameters stay whole on every replica: 1 shards the
     optimizer state `mesh.data` ways, 2 the gradients too (a reduce-scatter replaces the

@@ -57,3 +57,22 @@ def validate_sequence(cfg, degrees: dict[str, int] | None) -> None:
             f"data.seq_len ({cfg.data.seq_len}) must be divisible by 2 * mesh.sequence / "
             f"mesh.sequence_ulysses ({2 * seq // u}) for the zigzag layout of USP's ring."
         )
+
+
+def validate_tensor_sequence(cfg, degrees: dict[str, int]) -> None:
+    """mesh.tensor_sequence_parallel: a tensor group to split over and a length it divides."""
+    t, s = degrees["tensor"], degrees["sequence"]
+    if t == 1:
+        _fail(
+            "mesh.tensor_sequence_parallel splits the residual stream over mesh.tensor, "
+            "which is 1; set mesh.tensor > 1 or leave it false."
+        )
+    if cfg.model.kind == "encoder_decoder":
+        _fail(
+            "mesh.tensor_sequence_parallel covers decoder and encoder stacks, not kind=encoder_decoder."
+        )
+    if cfg.data.seq_len % (t * s):
+        _fail(
+            f"data.seq_len ({cfg.data.seq_len}) must be divisible by mesh.tensor x "
+            f"mesh.sequence ({t * s}) for mesh.tensor_sequence_parallel."
+        )

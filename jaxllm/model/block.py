@@ -121,10 +121,11 @@ class Block(nnx.Module):
             x_BxLxD = self._residual(
                 x_BxLxD, attn, self.attn_norm, self.post_attn_norm if post else None, keys[0]
             )
+            x_BxLxD = constrain(x_BxLxD, ("batch", "res_length", "act_embed"))
             x_BxLxD = self._residual(
                 x_BxLxD, mlp, self.mlp_norm, self.post_mlp_norm if post else None, keys[1]
             )
-        return constrain(x_BxLxD, ("batch", "length", "act_embed")), cache, stats
+        return constrain(x_BxLxD, ("batch", "res_length", "act_embed")), cache, stats
 
 
 def stack(n: int, make, rngs: nnx.Rngs):

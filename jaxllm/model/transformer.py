@@ -211,7 +211,7 @@ class Transformer(nnx.Module):
             embed_key, layers_key = jax.random.split(dropout_key)
             x_BxLxD = apply_dropout(x_BxLxD, cfg.dropout, embed_key)
             keys = jax.random.split(layers_key, cfg.num_layers)
-        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
+        x_BxLxD = constrain(x_BxLxD, ("batch", "res_length", "act_embed"))
         return x_BxLxD, positions_BxL, segment_ids_BxL, keys
 
     def per_layer(self, keys, with_cache: bool = False) -> dict:

@@ -1,0 +1,107 @@
+"""Collectives in an optimized HLO module, by kind, with the bytes they move: what `jaxllm
+plan` reports and what tests of a layout's communication assert.
+
+XLA:CPU has no pass that fuses an all-reduce and the dynamic slice that keeps one shard of it
+into a reduce-scatter (GPU and TPU compilers have one, ReduceScatterCreator), so the SPMD
+partitioner's reduce-scatters reach a CPU module as an all-reduce whose every user reads
+1 / n of it; `collectives` counts such an all-reduce as the reduce-scatter it becomes there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
+
+
+def _shape_bytes(shape_text: str) -> int:
+    total = 0
+    for dtype, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", shape_text):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+def _group_size(line: str) -> int | None:
+    """Devices per replica group of a collective (None when the line does not say)."""
+    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
+        return len(m.group(1).split(","))
+    if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
+        return int(m.group(1))
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
+    return None
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Collective ops in an optimized HLO module: kind -> {count, bytes of their results}.
+
+    Static counts: an op inside a loop body (the layer scan) appears once but runs every
+    iteration. Ops over groups of one device (left for mesh axes of size 1, e.g. by
+    `shard_map`) move nothing and are not counted.
+    """
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    pattern = re.compile(
+        r"(%[\w.-]+)\s*=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\("
+    )
+    lines = hlo_text.splitlines()
+    for line in lines:
+        m = pattern.search(line)
+        n = _group_size(line)
+        if not m or n == 1:
+            continue
+        kind, nbytes = m.group(3), _shape_bytes(m.group(2))
+        if kind == "all-reduce" and n and _sliced_by_users(m.group(1), m.group(2), n, lines):
+            kind, nbytes = "reduce-scatter", nbytes // n
+        out[kind]["count"] += 1
+        out[kind]["bytes"] += nbytes
+    return dict(out)
+
+
+def _dims(shape_text: str) -> list[int] | None:
+    """The dims of a single array shape like `f32[4,64,64]{2,1,0}` (None for a tuple)."""
+    found = re.findall(r"[a-z0-9]+\[([\d,]*)\]", shape_text)
+    if len(found) != 1:
+        return None
+    return [int(d) for d in found[0].split(",") if d]
+
+
+def _sliced_by_users(name: str, shape_text: str, n: int, lines: list[str]) -> bool:
+    """Whether every user of the all-reduce `name` produces its shape with one dim divided by
+    the group size `n`: each keeps one shard of the sum (a reduce-scatter, partitioned)."""
+    dims = _dims(shape_text)
+    if not dims:
+        return False
+    use = re.compile(re.escape(name) + r"[,) ]")
+    head = re.compile(r"^\s*(?:ROOT\s+)?%[\w.-]+\s*=\s*(\S+)\s")
+    users = [line for line in lines if use.search(line) and not line.strip().startswith(name)]
+    for line in users:
+        m = head.search(line)
+        got = _dims(m.group(1)) if m else None
+        if got is None or len(got) != len(dims):
+            return False
+        diff = [(a, b) for a, b in zip(dims, got, strict=True) if a != b]
+        if len(diff) != 1 or diff[0][0] != diff[0][1] * n:
+            return False
+    return bool(users)
