@@ -66,17 +66,33 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         r"(%[\w.-]+)\s*=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\("
     )
     lines = hlo_text.splitlines()
+    users = None
     for line in lines:
         m = pattern.search(line)
         n = _group_size(line)
         if not m or n == 1:
             continue
         kind, nbytes = m.group(3), _shape_bytes(m.group(2))
-        if kind == "all-reduce" and n and _sliced_by_users(m.group(1), m.group(2), n, lines):
-            kind, nbytes = "reduce-scatter", nbytes // n
+        if kind == "all-reduce" and n:
+            users = _users(lines) if users is None else users
+            if _keeps_one_shard(m.group(1), m.group(2), n, users):
+                kind, nbytes = "reduce-scatter", nbytes // n
         out[kind]["count"] += 1
         out[kind]["bytes"] += nbytes
     return dict(out)
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w-]+)\((.*)$")
+
+
+def _users(lines: list[str]) -> dict[str, list[tuple[str, str, str]]]:
+    """{instruction: [(user, its result shape, its opcode)]} of an HLO module's text."""
+    out: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
+    for line in lines:
+        if m := _INSTRUCTION.match(line):
+            for operand in set(re.findall(r"%[\w.-]+", m.group(4).split(", metadata=")[0])):
+                out[operand].append((m.group(1), m.group(2), m.group(3)))
+    return out
 
 
 def _dims(shape_text: str) -> list[int] | None:
@@ -87,21 +103,30 @@ def _dims(shape_text: str) -> list[int] | None:
     return [int(d) for d in found[0].split(",") if d]
 
 
-def _sliced_by_users(name: str, shape_text: str, n: int, lines: list[str]) -> bool:
-    """Whether every user of the all-reduce `name` produces its shape with one dim divided by
-    the group size `n`: each keeps one shard of the sum (a reduce-scatter, partitioned)."""
+def _keeps_one_shard(name: str, shape_text: str, n: int, users, depth: int = 0) -> bool:
+    """Whether every use of `name`'s result keeps one 1 / n slice of it: each user's result
+    has its dims with exactly one divided by `n`, or is the same shape (a dtype convert:
+    XLA:CPU sums bfloat16 in float32) whose own users do. A tuple (combined all-reduces):
+    every element's `get-tuple-element` users do."""
+    used = users.get(name, [])
+    if not used or depth > 3:
+        return False
+    if shape_text.startswith("("):
+        return all(
+            op == "get-tuple-element" and _keeps_one_shard(u, shape, n, users, depth + 1)
+            for u, shape, op in used
+        )
     dims = _dims(shape_text)
     if not dims:
         return False
-    use = re.compile(re.escape(name) + r"[,) ]")
-    head = re.compile(r"^\s*(?:ROOT\s+)?%[\w.-]+\s*=\s*(\S+)\s")
-    users = [line for line in lines if use.search(line) and not line.strip().startswith(name)]
-    for line in users:
-        m = head.search(line)
-        got = _dims(m.group(1)) if m else None
+    for user, shape, _ in used:
+        got = _dims(shape)
         if got is None or len(got) != len(dims):
             return False
         diff = [(a, b) for a, b in zip(dims, got, strict=True) if a != b]
-        if len(diff) != 1 or diff[0][0] != diff[0][1] * n:
+        if not diff:
+            if not _keeps_one_shard(user, shape, n, users, depth + 1):
+                return False
+        elif len(diff) != 1 or diff[0][0] != diff[0][1] * n:
             return False
-    return bool(users)
+    return True

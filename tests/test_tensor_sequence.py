@@ -127,3 +127,28 @@ def test_degrees_it_cannot_take_are_one_line(tmp_path, capsys, args, words):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxllm:") and words in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+HLO = """
+  %ar.1 = f32[4,64,8]{2,1,0} all-reduce(%dot.1), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add
+  %slice.1 = f32[4,16,8]{2,1,0} fusion(%ar.1, %partition-id), kind=kLoop, calls=%fused.1
+  %ar.2 = f32[4,64,8]{2,1,0} all-reduce(%dot.2), channel_id=2, replica_groups=[2,4]<=[8], to_apply=%add
+  %convert.2 = bf16[4,64,8]{2,1,0} fusion(%ar.2), kind=kLoop, calls=%fused.2
+  %slice.2 = bf16[4,16,8]{2,1,0} fusion(%convert.2, %partition-id), kind=kLoop, calls=%fused.3
+  %ar.3 = (f32[4,64,8]{2,1,0}, f32[]) all-reduce(%a, %b), channel_id=3, replica_groups=[2,4]<=[8]
+  %gte.1 = f32[4,64,8]{2,1,0} get-tuple-element(%ar.3), index=0
+  %gte.2 = f32[] get-tuple-element(%ar.3), index=1
+  %slice.3 = f32[4,16,8]{2,1,0} fusion(%gte.1, %partition-id), kind=kLoop, calls=%fused.4
+  %ar.4 = f32[4,64,8]{2,1,0} all-reduce(%dot.4), channel_id=4, replica_groups=[2,4]<=[8], to_apply=%add
+  %slice.4 = f32[4,16,8]{2,1,0} fusion(%ar.4), kind=kLoop, calls=%fused.5
+  %whole.4 = f32[4,64,8]{2,1,0} add(%ar.4, %ar.4)
+"""
+
+
+def test_collectives_count_a_partitioned_reduce_scatter_as_one():
+    """XLA:CPU's form of a reduce-scatter (an all-reduce whose every use keeps one 1 / n slice,
+    through a dtype convert too) counts as one, with a 1 / n of the bytes; an all-reduce used
+    whole, or combined with one that is, stays an all-reduce."""
+    got = collectives(HLO)
+    assert got["reduce-scatter"] == {"count": 2, "bytes": 2 * 4 * 16 * 8 * 4}
+    assert got["all-reduce"] == {"count": 2, "bytes": 2 * 4 * 64 * 8 * 4 + 4}
