@@ -64,18 +64,27 @@ ULYSSES = dict(sequence_attention="ulysses")
 USP = dict(sequence_attention="usp", sequence_ulysses=2)
 
 
+# the slow ones: each case's parts are covered by the default ones and tests/test_ulysses.py
 @pytest.mark.parametrize(
     "model, accum, mesh",
     [
         ("causal", 1, dict(data=2, sequence=4, **ULYSSES)),
         ("gqa_window", 1, dict(data=2, sequence=4, **ULYSSES)),  # 2 kv heads repeated to 4
-        ("gqa_sinks", 1, dict(tensor=2, sequence=4, **ULYSSES)),  # 1 kv head per tensor shard x4
-        ("alibi", 1, dict(sequence=8, **ULYSSES)),  # one head per device, its own slope
-        ("gaussian", 1, dict(data=2, sequence=4, **ULYSSES)),  # learned sigma per head
+        pytest.param(
+            "gqa_sinks", 1, dict(tensor=2, sequence=4, **ULYSSES), marks=pytest.mark.slow
+        ),  # 1 kv head per tensor shard x4
+        pytest.param(
+            "alibi", 1, dict(sequence=8, **ULYSSES), marks=pytest.mark.slow
+        ),  # one head per device, its own slope
+        pytest.param(
+            "gaussian", 1, dict(data=2, sequence=4, **ULYSSES), marks=pytest.mark.slow
+        ),  # learned sigma per head
         # inside pipeline stages: the step's two microbatches run through them
         ("gqa_window", 2, dict(stage=2, sequence=2, data=2, **ULYSSES)),
         ("causal", 1, dict(data=2, sequence=4, **USP)),  # 2 groups of 2
-        ("gqa", 1, dict(tensor=2, sequence=4, **USP)),  # 1 kv head per tensor shard x2
+        pytest.param(
+            "gqa", 1, dict(tensor=2, sequence=4, **USP), marks=pytest.mark.slow
+        ),  # 1 kv head per tensor shard x2
         ("gqa", 2, dict(stage=2, sequence=4, **USP)),
     ],
     ids=[
