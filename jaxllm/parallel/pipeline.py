@@ -20,7 +20,10 @@ Weight gradients add up in float32 over the microbatches.
 Parameters come as (stack, rest) pairs: stack leaves have the layer axis first ([N, ...], split
 over `stage`), the rest (embedding, head, final norm) enters every stage whole, its
 gradient summed over them at the end. With v virtual stages the stack is viewed as
-[v, p, N / (p v), ...], so device s holds chunks s, s + p, ... (circular).
+[v, p, N / (p v), ...], so device s holds chunks s, s + p, ... (circular); DualPipeV's V flips
+the second row, so that device d holds chunks d and 2p - 1 - d. Its activations also go to the
+previous stage and its gradients to the next (the second leg of the V), and stage p - 1 keeps
+what it sends itself between its two chunks: two more permutes per tick.
 """
 
 from __future__ import annotations
@@ -52,9 +55,13 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
     activation, `sums_like`: the structure of `sums`."""
     p, v = table.stages, table.virtual
     last = p * v - 1
+    v_shape = S.v_shaped(table.schedule)
+
+    def flip(a):  # the V: device d's second chunk is 2p - 1 - d (an involution)
+        return jnp.concatenate([a[:1], a[1:, ::-1]]) if v_shape else a
 
     def to_chunks(a):
-        return a.reshape(v, p, a.shape[0] // (p * v), *a.shape[1:])
+        return flip(a.reshape(v, p, a.shape[0] // (p * v), *a.shape[1:]))
 
     def chunk_spec(tree):
         return jax.tree.map(lambda _: P(None, "stage"), tree)
@@ -96,9 +103,9 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
         }
 
         def tick(carry, rows):
-            kind, mb, j, xs, gs, rx, rg = (rows[stage, f] for f in range(S.FIELDS))
+            kind, mb, j, xs, gs = (rows[stage, f] for f in range(S.RECV_X))
             j, xs, gs = (jnp.maximum(a, 0) for a in (j, xs, gs))
-            c = j * p + stage
+            c = jnp.where(j == 0, stage, 2 * p - 1 - stage) if v_shape else j * p + stage
             cst = (at(c_stack, j), c_rest)
 
             def f(params, x):
@@ -152,10 +159,22 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
             # split over every automatic axis: XLA's SPMD partitioner fails on a permute of a
             # buffer split over some axes (data) and replicated over others (tensor)
             send_f, send_b = (sharding.constrain(a, SEND_AXES) for a in (send_f, send_b))
-            recv_f = jax.lax.ppermute(send_f, "stage", [(i, (i + 1) % p) for i in range(p)])
-            recv_b = jax.lax.ppermute(send_b, "stage", [(i, (i - 1) % p) for i in range(p)])
+            down = [(i, (i + 1) % p) for i in range(p)]
+            up = [(i, (i - 1) % p) for i in range(p)]
+            arrivals = [
+                ("x", S.RECV_X, jax.lax.ppermute(send_f, "stage", down)),
+                ("g", S.RECV_G, jax.lax.ppermute(send_b, "stage", up)),
+            ]
+            if v_shape:
+                arrivals += [
+                    ("x", S.RECV_X_UP, jax.lax.ppermute(send_f, "stage", up)),
+                    ("g", S.RECV_G_DOWN, jax.lax.ppermute(send_b, "stage", down)),
+                    ("x", S.KEEP_X, send_f),
+                    ("g", S.KEEP_G, send_b),
+                ]
             carry = dict(carry)
-            for name, slot, got in (("x", rx, recv_f), ("g", rg, recv_b)):
+            for name, field, got in arrivals:
+                slot = rows[stage, field]
                 safe = jnp.maximum(slot, 0)
                 buf = carry[name]
                 buf = buf.at[safe].set(jnp.where(slot >= 0, got, buf[safe]))
@@ -177,5 +196,5 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
         check_vma=False,
     )
     (d_stack, d_rest), sums = run_stages(train, const, actions, jnp.asarray(seed, jnp.float32))
-    d_stack = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), d_stack)
+    d_stack = jax.tree.map(lambda a: flip(a).reshape(-1, *a.shape[3:]), d_stack)
     return (d_stack, d_rest), sums
