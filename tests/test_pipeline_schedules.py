@@ -41,11 +41,11 @@ def check_dependencies(table):
     """Every action once per microbatch and virtual stage, after what it needs: the previous
     stage's forward, the next stage's backward (B or BW), a W after its own B."""
     ev = _events(table)
-    p, m, v = table.stages, table.microbatches, table.virtual
-    last = p * v - 1
+    m, n = table.microbatches, table.chunks
+    last = n - 1
     back = {(mb, c): t for (kind, mb, c), t in ev.items() if kind in (S.B, S.BW)}
     for mb in range(m):
-        for c in range(p * v):
+        for c in range(n):
             f, b = ev[S.F, mb, c], back[mb, c]
             assert (S.B, mb, c) not in ev or (S.BW, mb, c) not in ev
             if c:
@@ -57,7 +57,7 @@ def check_dependencies(table):
                 assert b < ev[S.W, mb, c]
     n_w = sum(kind == S.W for kind, _, _ in ev)
     assert n_w == sum(kind == S.B for kind, _, _ in ev)
-    assert len(ev) == 2 * p * m * v + n_w
+    assert len(ev) == 2 * m * n + n_w
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -93,7 +93,13 @@ def test_bubble_and_in_flight_match_the_formulas(case):
 def check_slots(table):
     """Replaying the table's slot writes and reads: every backward finds its own forward's input
     and its own output gradient in the slots the table names, whichever way they arrived."""
-    p, last = table.stages, table.stages * table.virtual - 1
+    p, last = table.stages, table.chunks - 1
+    where = {}  # (mb, virtual stage) -> the device that runs it
+    for t in range(table.ticks):
+        for s in range(p):
+            kind, mb, j = table.actions[t, s, : S.X_SLOT]
+            if kind == S.F:
+                where[mb, S.chunk_of(table.schedule, p, s, int(j))] = s
     xs = np.full((p, table.x_slots), -1)
     gs = np.full((p, table.grad_slots, 2), -1)
     for t in range(table.ticks):
@@ -106,13 +112,13 @@ def check_slots(table):
                     xs[s, xslot] = mb
                 assert xs[s, xslot] == mb
                 if c < last:
-                    sent_f[s] = (mb, c + 1, S.device_of(table.schedule, p, c + 1)[0])
+                    sent_f[s] = (mb, c + 1, where[mb, c + 1])
             if kind in (S.B, S.W, S.BW):
                 assert xs[s, xslot] == mb, (table.schedule, t, s)
                 if c < last:
                     assert tuple(gs[s, gslot]) == (mb, c + 1)
             if kind in (S.B, S.BW) and c > 0:
-                sent_b[s] = (mb, c, S.device_of(table.schedule, p, c - 1)[0])
+                sent_b[s] = (mb, c, where[mb, c - 1])
         arrivals = (  # (field, buffer, sender, what was sent)
             (S.RECV_X, xs, lambda s: (s - 1) % p, sent_f),
             (S.RECV_G, gs, lambda s: (s + 1) % p, sent_b),

@@ -50,7 +50,13 @@ def validate_pipeline(cfg, stages: int | None) -> None:
                 "mesh.virtual_stages=1), as when resuming a pipelined run without stages."
             )
         return
-    v_shape = mesh.pipeline_schedule == "dualpipev"  # two chunks per stage, placed as a V
+    schedule = mesh.pipeline_schedule
+    if schedule == "dualpipe" and stages % 2:
+        _fail(
+            f"mesh.pipeline_schedule=dualpipe runs two pipelines that meet in the middle and "
+            f"needs an even mesh.stage, not {stages}; use dualpipev for an odd one."
+        )
+    v_shape = schedule == "dualpipev"  # two chunks per stage, placed as a V
     chunks = stages * (2 if v_shape else mesh.virtual_stages)
     if v_shape:
         count = f"2 * mesh.stage (2 * {stages} = {chunks})"
@@ -79,10 +85,15 @@ def validate_pipeline(cfg, stages: int | None) -> None:
             f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs at least mesh.stage "
             f"({stages}) microbatches, not {micro}; raise mesh.pipeline_microbatches."
         )
-    if v_shape and micro < 2 * stages:
+    if schedule in ("dualpipev", "dualpipe") and micro < 2 * stages:
         _fail(
-            f"mesh.pipeline_schedule=dualpipev needs at least 2 * mesh.stage ({2 * stages}) "
+            f"mesh.pipeline_schedule={schedule} needs at least 2 * mesh.stage ({2 * stages}) "
             f"microbatches, not {micro}; raise mesh.pipeline_microbatches."
+        )
+    if schedule == "dualpipe" and micro % 2:
+        _fail(
+            f"mesh.pipeline_schedule=dualpipe sends half the microbatches each way; make "
+            f"mesh.pipeline_microbatches ({micro}) even."
         )
     if mesh.pipeline_schedule == "interleaved" and micro % stages:
         _fail(

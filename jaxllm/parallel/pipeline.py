@@ -21,9 +21,12 @@ Parameters come as (stack, rest) pairs: stack leaves have the layer axis first (
 over `stage`), the rest (embedding, head, final norm) enters every stage whole, its
 gradient summed over them at the end. With v virtual stages the stack is viewed as
 [v, p, N / (p v), ...], so device s holds chunks s, s + p, ... (circular); DualPipeV's V flips
-the second row, so that device d holds chunks d and 2p - 1 - d. Its activations also go to the
-previous stage and its gradients to the next (the second leg of the V), and stage p - 1 keeps
-what it sends itself between its two chunks: two more permutes per tick.
+the second row, so that device d holds chunks d and 2p - 1 - d. DualPipe's stack is viewed as
+[2, p, N / p, ...], its second row the first reversed: device d holds stage d for the
+microbatches going down and stage p - 1 - d for those going up, and the two copies' gradients
+are summed. Both send activations also to the previous stage and gradients to the next (the
+second leg of the V, the way up): two more permutes per tick; DualPipeV's stage p - 1 keeps
+what it sends itself between its two chunks.
 """
 
 from __future__ import annotations
@@ -54,14 +57,22 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
     (stack, rest) are not (a frozen base, the batch, keys). `act`: the ShapeDtypeStruct of an
     activation, `sums_like`: the structure of `sums`."""
     p, v = table.stages, table.virtual
-    last = p * v - 1
-    v_shape = S.v_shaped(table.schedule)
+    last = table.chunks - 1
+    v_shape, dual = table.schedule == "dualpipev", table.schedule == "dualpipe"
 
     def flip(a):  # the V: device d's second chunk is 2p - 1 - d (an involution)
         return jnp.concatenate([a[:1], a[1:, ::-1]]) if v_shape else a
 
     def to_chunks(a):
+        if dual:  # device d: stage d for the way down, stage p - 1 - d for the way up
+            a = a.reshape(p, a.shape[0] // p, *a.shape[1:])
+            return jnp.stack([a, a[::-1]])
         return flip(a.reshape(v, p, a.shape[0] // (p * v), *a.shape[1:]))
+
+    def from_chunks(d):  # the gradient of to_chunks
+        if dual:
+            return (d[0] + d[1, ::-1]).reshape(-1, *d.shape[3:])
+        return flip(d).reshape(-1, *d.shape[3:])
 
     def chunk_spec(tree):
         return jax.tree.map(lambda _: P(None, "stage"), tree)
@@ -105,7 +116,10 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
         def tick(carry, rows):
             kind, mb, j, xs, gs = (rows[stage, f] for f in range(S.RECV_X))
             j, xs, gs = (jnp.maximum(a, 0) for a in (j, xs, gs))
-            c = jnp.where(j == 0, stage, 2 * p - 1 - stage) if v_shape else j * p + stage
+            if v_shape or dual:
+                c = jnp.where(j == 0, stage, last - stage if dual else 2 * p - 1 - stage)
+            else:
+                c = j * p + stage
             cst = (at(c_stack, j), c_rest)
 
             def f(params, x):
@@ -165,13 +179,13 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
                 ("x", S.RECV_X, jax.lax.ppermute(send_f, "stage", down)),
                 ("g", S.RECV_G, jax.lax.ppermute(send_b, "stage", up)),
             ]
-            if v_shape:
+            if v_shape or dual:
                 arrivals += [
                     ("x", S.RECV_X_UP, jax.lax.ppermute(send_f, "stage", up)),
                     ("g", S.RECV_G_DOWN, jax.lax.ppermute(send_b, "stage", down)),
-                    ("x", S.KEEP_X, send_f),
-                    ("g", S.KEEP_G, send_b),
                 ]
+            if v_shape:
+                arrivals += [("x", S.KEEP_X, send_f), ("g", S.KEEP_G, send_b)]
             carry = dict(carry)
             for name, field, got in arrivals:
                 slot = rows[stage, field]
@@ -196,5 +210,5 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
         check_vma=False,
     )
     (d_stack, d_rest), sums = run_stages(train, const, actions, jnp.asarray(seed, jnp.float32))
-    d_stack = jax.tree.map(lambda a: flip(a).reshape(-1, *a.shape[3:]), d_stack)
+    d_stack = jax.tree.map(from_chunks, d_stack)
     return (d_stack, d_rest), sums

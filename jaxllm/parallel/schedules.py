@@ -25,7 +25,11 @@ chunk 1), so a microbatch goes down the devices and back up, and the loss is com
 0. Its order is DeepSeek's eight steps (warm-up forwards, then forward / backward pairs of the
 two local chunks, with the backward split into B and W in the warm-up and the cool-down); an
 activation or gradient then moves to the next device, the previous one, or stays (device p - 1
-between its two chunks), and the table names the slot of each of these arrivals.
+between its two chunks), and the table names the slot of each of these arrivals. DualPipe
+(DeepSeek-V3) runs the same steps on each half of the devices, as two pipelines in opposite
+directions: microbatches 0 .. m/2 - 1 go down stages 0 .. p-1 on devices 0 .. p-1 (local chunk
+0), the others down the same stages on devices p-1 .. 0 (local chunk 1: stage p - 1 - d), so
+every device holds two stages' parameters.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import functools
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev", "dualpipe")
 IDLE, F, B, W, BW = 0, 1, 2, 3, 4  # BW: input and weight gradients in one pass
 # fields of one table entry. Arrivals: RECV_X from stage - 1 and RECV_G from stage + 1 (every
 # schedule); with the V placement also RECV_X_UP from stage + 1, RECV_G_DOWN from stage - 1,
@@ -46,28 +50,20 @@ ACTION, MB, CHUNK, X_SLOT, G_SLOT, RECV_X, RECV_G, RECV_X_UP, RECV_G_DOWN, KEEP_
 FIELDS = 11
 
 
-def v_shaped(schedule: str) -> bool:
-    """Whether `schedule` places its chunks as a V (device d: chunks d and 2p - 1 - d)."""
-    return schedule == "dualpipev"
+def two_way(schedule: str) -> bool:
+    """Whether `schedule` sends activations and gradients both ways: DualPipeV (its chunks
+    placed as a V) and DualPipe (two pipelines in opposite directions)."""
+    return schedule in ("dualpipev", "dualpipe")
 
 
 def chunk_of(schedule: str, p: int, s: int, j: int) -> int:
-    """The virtual stage that device `s` runs as its local chunk `j`."""
-    if v_shaped(schedule):
+    """The virtual stage that device `s` runs as its local chunk `j` (DualPipe: j is the
+    direction, stage s going down, p - 1 - s up)."""
+    if schedule == "dualpipev":
         return s if j == 0 else 2 * p - 1 - s
+    if schedule == "dualpipe":
+        return s if j == 0 else p - 1 - s
     return j * p + s
-
-
-def device_of(schedule: str, p: int, c: int) -> tuple[int, int]:
-    """(device, local chunk) of virtual stage `c`."""
-    if v_shaped(schedule):
-        return (c, 0) if c < p else (2 * p - 1 - c, 1)
-    return c % p, c // p
-
-
-def local_chunks(schedule: str, v: int) -> int:
-    """Chunks of the layer stack per device: 2 for DualPipeV, else `v`."""
-    return 2 if v_shaped(schedule) else v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +77,12 @@ class Table:
     actions: np.ndarray  # int32 [ticks, stages, FIELDS]; -1 where a field does not apply
     in_flight: tuple[int, ...]  # peak input slots in use, per stage
     grad_slots: int  # gradient slots every stage keeps
+
+    @property
+    def chunks(self) -> int:
+        """Virtual stages every microbatch passes: p v, DualPipe p (its two chunks per device
+        are one stage's parameters twice)."""
+        return self.stages if self.schedule == "dualpipe" else self.stages * self.virtual
 
     @property
     def ticks(self) -> int:
@@ -110,13 +112,14 @@ def formula(schedule: str, p: int, m: int, v: int = 1) -> float:
     """The textbook bubble ratio (idle over useful time): (p-1)/m for GPipe and 1F1B,
     (p-1)/(v m) interleaved; ZB-H1's is (p-1)/(3m) with F, B and W of equal cost. DualPipeV's
     (DeepSeek-V3's table) is (PP/2 - 1)(F&B + B - 3W) over its PP = 2p stages: 0 when F, B and
-    W cost the same and an overlapped F&B costs F + B."""
+    W cost the same and an overlapped F&B costs F + B; DualPipe's, over PP = p stages, too."""
     return {
         "gpipe": (p - 1) / m,
         "1f1b": (p - 1) / m,
         "interleaved": (p - 1) / (v * m),
         "zero_bubble": (p - 1) / (3 * m),
         "dualpipev": 0.0,
+        "dualpipe": 0.0,
     }[schedule]
 
 
@@ -165,6 +168,15 @@ def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[int, int, 
     """Per stage, the ordered (action, microbatch, local chunk) it runs (ZB: without its W)."""
     if schedule == "dualpipev":
         return [_dualpipev_order(p, m, r) for r in range(p)]
+    if schedule == "dualpipe":  # the same steps over half the devices and microbatches; on the
+        # lower half phase 0 is the down direction (j = 0, microbatches 0 .. m/2 - 1), on the
+        # upper half the up direction (j = 1, microbatches m/2 .. m - 1)
+        orders = []
+        for r in range(p):
+            flip = int(r >= p // 2)
+            half = _dualpipev_order(p // 2, m // 2, min(r, p - 1 - r))
+            orders.append([(kind, mb + (m // 2) * (j ^ flip), j ^ flip) for kind, mb, j in half])
+        return orders
     orders = []
     for s in range(p):
         if schedule == "gpipe":
@@ -196,12 +208,14 @@ def build(schedule: str, p: int, m: int, v: int = 1) -> Table:
     (DualPipeV: v = 1, its table has 2)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {SCHEDULES}")
-    if v_shaped(schedule):
-        if v != 1 or m < 2 * p:
-            raise ValueError(f"{schedule} needs v = 1 and m >= 2p, not p={p} m={m} v={v}")
+    if two_way(schedule):
+        dual = schedule == "dualpipe"
+        if v != 1 or m < 2 * p or (dual and (p % 2 or m % 2)):
+            need = "even p and m, " if dual else ""
+            raise ValueError(f"{schedule} needs {need}v = 1 and m >= 2p, not p={p} m={m} v={v}")
         v = 2
     orders = _orders(schedule, p, m, v)
-    n_chunks = p * v
+    n_chunks = p if schedule == "dualpipe" else p * v
     done: dict[tuple[int, int, int], int] = {}  # (action kind, mb, virtual stage) -> tick
     pos = [0] * p
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
@@ -250,25 +264,28 @@ def _arrival_field(schedule: str, p: int, s: int, src: int, field: int) -> int:
     """The table field naming the slot of an arrival on stage `s` from stage `src`."""
     if src == s:
         return KEEP_X if field == X_SLOT else KEEP_G
-    if v_shaped(schedule) and field == X_SLOT and src == s + 1:
+    if two_way(schedule) and field == X_SLOT and src == s + 1:
         return RECV_X_UP
-    if v_shaped(schedule) and field == G_SLOT and src == s - 1:
+    if two_way(schedule) and field == G_SLOT and src == s - 1:
         return RECV_G_DOWN
     return RECV_X if field == X_SLOT else RECV_G
 
 
 def _with_slots(schedule, p, m, v, rows) -> Table:
     """Adds input / gradient slots and arrivals to the placed actions."""
-    n_chunks, n_ticks = p * v, len(rows)
+    n_chunks = p if schedule == "dualpipe" else p * v
+    n_ticks = len(rows)
     table = np.full((n_ticks, p, FIELDS), -1, np.int32)
-    # (mb, virtual stage) -> tick of its F, its B (BW) and the tick its inputs may be freed
-    f_tick, b_tick, free_x = {}, {}, {}
+    # (mb, virtual stage) -> tick of its F, its B (BW) and the tick its inputs may be freed,
+    # and the device that runs it
+    f_tick, b_tick, free_x, where = {}, {}, {}, {}
     for t, row in enumerate(rows):
         for s, (kind, mb, j) in enumerate(row):
             table[t, s, :3] = (kind, mb, j)
             c = chunk_of(schedule, p, s, j) if kind != IDLE else -1
             if kind == F:
                 f_tick[mb, c] = t
+                where[mb, c] = s
             if kind in (B, BW):
                 b_tick[mb, c] = t
             if kind in (W, BW):
@@ -282,9 +299,7 @@ def _with_slots(schedule, p, m, v, rows) -> Table:
     g_slots = 0
     for s in range(p):
         for spans, field in ((x_span, X_SLOT), (g_span, G_SLOT)):
-            mine = sorted(
-                (a, b, k) for k, (a, b) in spans.items() if device_of(schedule, p, k[1])[0] == s
-            )
+            mine = sorted((a, b, k) for k, (a, b) in spans.items() if where[k] == s)
             slot_of, free, used, peak = {}, [], {}, 0
             for a, b, k in mine:  # interval colouring by start tick
                 for slot, end in list(used.items()):
@@ -305,7 +320,7 @@ def _with_slots(schedule, p, m, v, rows) -> Table:
             for k, slot in slot_of.items():
                 if field == X_SLOT and k[1] == 0:
                     continue  # the first chunk embeds its own input
-                src = device_of(schedule, p, k[1] - 1 if field == X_SLOT else k[1] + 1)[0]
+                src = where[k[0], k[1] - 1 if field == X_SLOT else k[1] + 1]
                 table[spans[k][0], s, _arrival_field(schedule, p, s, src, field)] = slot
             if field == X_SLOT:
                 in_flight.append(peak)
