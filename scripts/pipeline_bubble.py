@@ -97,6 +97,8 @@ CASES = [  # (schedule, p, m, v)
     ("zero_bubble", 4, 8, 1),
     ("dualpipev", 2, 4, 1),
     ("dualpipev", 4, 8, 1),
+    ("dualpipe", 2, 4, 1),
+    ("dualpipe", 4, 8, 1),
 ]
 
 

@@ -4,10 +4,14 @@ the action needs, however it arrived), its shape matches its closed forms, the t
 simulated devices equals one device, and the config refuses what it cannot run."""
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from conftest import cpu_env
 from test_pipeline import _cfg, _train
 from test_pipeline_schedules import check_dependencies, check_slots
 
@@ -164,3 +168,20 @@ def test_odd_stage_count_matches_single_device():
         strict=True,
     ):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_cli_refuses_dualpipe_on_an_odd_stage_count():
+    """Bad input at the command line: one `jaxllm:` line naming the key, exit 2."""
+    bad = subprocess.run(
+        [sys.executable, "-m", "jaxllm", "plan", "mesh.stage=3", "mesh.data=2"]
+        + ["mesh.pipeline_schedule=dualpipe", "--devices", "6"],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxllm: "), bad.stderr
+    assert "mesh.pipeline_schedule=dualpipe" in lines[0] and "even mesh.stage, not 3" in lines[0]
