@@ -40,9 +40,10 @@ COST = {schedules.IDLE: 0, schedules.F: 1, schedules.B: 2, schedules.W: 2, sched
 
 def lock_step(t: schedules.Table) -> float:
     """Predicted Tp / (T1 / p) - 1 of the lock-step executor: each tick lasts as long as its
-    slowest stage's action; one device does 3 m v chunk-forwards' work per stage share."""
+    slowest stage's action; one device does 3 m (chunks / p) chunk-forwards' work per stage
+    share (chunks / p: v, DualPipeV 2, DualPipe 1: its two chunks are one stage twice)."""
     cost = np.vectorize(COST.get)(t.actions[:, :, schedules.ACTION])
-    return float(cost.max(axis=1).sum()) / (3 * t.microbatches * t.virtual) - 1
+    return float(cost.max(axis=1).sum()) / (3 * t.microbatches * t.chunks / t.stages) - 1
 
 
 def _cfg(p: int, m: int, schedule: str, v: int) -> config.Config:
