@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import test_pipeline_nested as nested
 from conftest import cpu_env
 from test_pipeline import _cfg, _train
 from test_pipeline_schedules import check_dependencies, check_slots
@@ -185,3 +186,24 @@ def test_cli_refuses_dualpipe_on_an_odd_stage_count():
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxllm: "), bad.stderr
     assert "mesh.pipeline_schedule=dualpipe" in lines[0] and "even mesh.stage, not 3" in lines[0]
+
+
+@pytest.mark.slow  # ~40 s each on 2 cores
+@pytest.mark.parametrize(
+    "schedule, layout",
+    [
+        ("dualpipe", nested.MIXED),  # a dense prefix on both devices running stage 0
+        ("dualpipev", dict(layers=8, moe_layout=dict(moe_every=2))),  # 4 groups, 4 chunks
+    ],
+)
+def test_moe_matches_single_device(schedule, layout):
+    """An MoE model's balancing losses, expert loads and router biases add up over the chunks
+    as on one device, whichever device and direction runs each chunk."""
+    want, want_state = nested._train(nested._cfg("capacity", **layout), jax.devices()[:1])
+    mesh = dict(stage=2, data=2, tensor=2, pipeline_schedule=schedule)
+    got, got_state = nested._train(nested._cfg("capacity", **layout, **mesh), jax.devices())
+    for name in ("loss", "moe_aux_loss", "moe_router_z_loss"):
+        np.testing.assert_allclose(
+            [m[name] for m in got], [m[name] for m in want], rtol=1e-5, err_msg=name
+        )
+    nested._assert_trees_close(got_state, want_state)
