@@ -1,7 +1,8 @@
-"""DualPipeV (`mesh.pipeline_schedule=dualpipev`): its table passes the schedule validators of
-`test_pipeline_schedules.py` (every action once, after what it needs; every slot read holds what
-the action needs, however it arrived), its shape matches its closed forms, the train step on 8
-simulated devices equals one device, and the config refuses what it cannot run."""
+"""DualPipeV and DualPipe (`mesh.pipeline_schedule=dualpipev|dualpipe`): their tables pass the
+schedule validators of `test_pipeline_schedules.py` (every action once, after what it needs;
+every slot read holds what the action needs, however it arrived), their shapes match their
+closed forms, the train step on simulated devices equals one device (dense and MoE, odd stage
+counts for DualPipeV), and the config refuses what they cannot run (DualPipe: odd stages)."""
 
 import dataclasses
 import subprocess
