@@ -222,7 +222,7 @@ def pipeline_report(cfg: config.Config, mesh) -> dict | None:
         "schedule": name,
         "stages": p,
         "microbatches": m,
-        "virtual": v,
+        "virtual": table.virtual,
         "ticks": table.ticks,
         "bubble": table.bubble,
         "bubble_ratio": table.bubble_ratio,

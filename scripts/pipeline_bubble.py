@@ -8,6 +8,7 @@ what the table does not count: the stage-level recompute of each forward in the 
 per-tick permutes and buffer updates, and, with more stages than cores, stages that share one.
 
     python scripts/pipeline_bubble.py            # writes the markdown table to stdout
+    python scripts/pipeline_bubble.py dualpipev  # only the rows of the schedules named
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ COST = {schedules.IDLE: 0, schedules.F: 1, schedules.B: 2, schedules.W: 2, sched
 
 def lock_step(t: schedules.Table) -> float:
     """Predicted Tp / (T1 / p) - 1 of the lock-step executor: each tick lasts as long as its
-    slowest stage's action; one device does 3 m v chunk-forwards' work per stage share."""
+    slowest stage's action; one device does 3 m (chunks / p) chunk-forwards' work per stage
+    share (chunks / p: v, DualPipeV 2, DualPipe 1: its two chunks are one stage twice)."""
     cost = np.vectorize(COST.get)(t.actions[:, :, schedules.ACTION])
-    return float(cost.max(axis=1).sum()) / (3 * t.microbatches * t.virtual) - 1
+    return float(cost.max(axis=1).sum()) / (3 * t.microbatches * t.chunks / t.stages) - 1
 
 
 def _cfg(p: int, m: int, schedule: str, v: int) -> config.Config:
@@ -94,6 +96,10 @@ CASES = [  # (schedule, p, m, v)
     ("1f1b", 4, 8, 1),
     ("gpipe", 4, 8, 1),
     ("zero_bubble", 4, 8, 1),
+    ("dualpipev", 2, 4, 1),
+    ("dualpipev", 4, 8, 1),
+    ("dualpipe", 2, 4, 1),
+    ("dualpipe", 4, 8, 1),
 ]
 
 
@@ -104,14 +110,15 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ref: dict[int, float] = {}
-    for schedule, p, m, v in CASES:
+    names = sys.argv[1:] or {c[0] for c in CASES}
+    for schedule, p, m, v in (c for c in CASES if c[0] in names):
         if m not in ref:
             ref[m] = step_time(_cfg(1, m, "1f1b", 1), 1)
         tp = step_time(_cfg(p, m, schedule, v), p)
         t = schedules.build(schedule, p, m, v)
         measured = tp / (ref[m] / p) - 1
         print(
-            f"| {schedule} | {p} | {m} | {v} | {t.ticks} | {t.bubble:.3f} | {t.bubble_ratio:.3f} "
+            f"| {schedule} | {p} | {m} | {t.virtual} | {t.ticks} | {t.bubble:.3f} | {t.bubble_ratio:.3f} "
             f"| {schedules.formula(schedule, p, m, v):.3f} | {list(t.in_flight)} "
             f"| {lock_step(t):.2f} | {ref[m]:.3f} "
             f"| {tp:.3f} | {measured:.2f} |",

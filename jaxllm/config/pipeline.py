@@ -50,7 +50,18 @@ def validate_pipeline(cfg, stages: int | None) -> None:
                 "mesh.virtual_stages=1), as when resuming a pipelined run without stages."
             )
         return
-    chunks = stages * mesh.virtual_stages
+    schedule = mesh.pipeline_schedule
+    if schedule == "dualpipe" and stages % 2:
+        _fail(
+            f"mesh.pipeline_schedule=dualpipe runs two pipelines that meet in the middle and "
+            f"needs an even mesh.stage, not {stages}; use dualpipev for an odd one."
+        )
+    v_shape = schedule == "dualpipev"  # two chunks per stage, placed as a V
+    chunks = stages * (2 if v_shape else mesh.virtual_stages)
+    if v_shape:
+        count = f"2 * mesh.stage (2 * {stages} = {chunks})"
+    else:
+        count = f"mesh.stage * mesh.virtual_stages ({stages} * {mesh.virtual_stages} = {chunks})"
     moe = m.moe
     if moe.enabled:  # the stages split the MoE groups; the dense prefix goes with the embedding
         groups = (m.num_layers - moe.first_dense_layers) // moe.moe_every
@@ -58,7 +69,7 @@ def validate_pipeline(cfg, stages: int | None) -> None:
             _fail(
                 f"model.moe's {groups} MoE groups ((model.num_layers - "
                 "model.moe.first_dense_layers) / model.moe.moe_every) must be divisible by "
-                f"mesh.stage * mesh.virtual_stages ({stages} * {mesh.virtual_stages} = {chunks})."
+                f"{count}."
             )
         if moe.first_dense_layers % stages:
             _fail(
@@ -67,15 +78,22 @@ def validate_pipeline(cfg, stages: int | None) -> None:
                 "stored split over the stages like the other stacked blocks."
             )
     elif m.num_layers % chunks:
-        _fail(
-            f"model.num_layers ({m.num_layers}) must be divisible by mesh.stage * "
-            f"mesh.virtual_stages ({stages} * {mesh.virtual_stages} = {chunks})."
-        )
+        _fail(f"model.num_layers ({m.num_layers}) must be divisible by {count}.")
     micro = microbatches(cfg)
     if mesh.pipeline_schedule in ONE_F_ONE_B and micro < stages:
         _fail(
             f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs at least mesh.stage "
             f"({stages}) microbatches, not {micro}; raise mesh.pipeline_microbatches."
+        )
+    if schedule in ("dualpipev", "dualpipe") and micro < 2 * stages:
+        _fail(
+            f"mesh.pipeline_schedule={schedule} needs at least 2 * mesh.stage ({2 * stages}) "
+            f"microbatches, not {micro}; raise mesh.pipeline_microbatches."
+        )
+    if schedule == "dualpipe" and micro % 2:
+        _fail(
+            f"mesh.pipeline_schedule=dualpipe sends half the microbatches each way; make "
+            f"mesh.pipeline_microbatches ({micro}) even."
         )
     if mesh.pipeline_schedule == "interleaved" and micro % stages:
         _fail(

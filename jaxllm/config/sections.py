@@ -87,11 +87,18 @@ class MeshConfig:
     optimizer state `mesh.data` ways, 2 the gradients too (a reduce-scatter replaces the
     all-reduce; the updated parameters are all-gathered). Stage 3, parameters sharded as well,
     is `mesh.fsdp`. 0: plain data parallelism."""
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    pipeline_schedule: Literal[
+        "gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev", "dualpipe"
+    ] = "1f1b"
     """With mesh.stage > 1, the order in which stages run forwards and backwards of the
     microbatches (`jaxllm.parallel.schedules`): `gpipe` (all forwards, then all backwards),
-    `1f1b`, `interleaved` (1F1B over mesh.virtual_stages chunks per device) or `zero_bubble`
-    (ZB-H1: input- and weight-gradient passes split, weight passes fill the bubbles)."""
+    `1f1b`, `interleaved` (1F1B over mesh.virtual_stages chunks per device), `zero_bubble`
+    (ZB-H1: input- and weight-gradient passes split, weight passes fill the bubbles) or
+    `dualpipev` (DeepSeek's DualPipeV: the stack cut in 2 * mesh.stage chunks placed as a V,
+    stage s holding chunks s and 2 * mesh.stage - 1 - s; needs 2 * mesh.stage microbatches) or
+    `dualpipe` (DeepSeek-V3's DualPipe: half the microbatches go down the stages, half up, so
+    stage s also holds stage mesh.stage - 1 - s's parameters; needs an even mesh.stage and an
+    even number of microbatches, at least 2 * mesh.stage)."""
     virtual_stages: int = 1
     """Chunks of the layer stack per stage for the `interleaved` schedule: the stack is cut in
     stage * virtual_stages chunks and stage s holds chunks s, s + stage, ... (circular)."""

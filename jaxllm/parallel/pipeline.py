@@ -20,7 +20,13 @@ Weight gradients add up in float32 over the microbatches.
 Parameters come as (stack, rest) pairs: stack leaves have the layer axis first ([N, ...], split
 over `stage`), the rest (embedding, head, final norm) enters every stage whole, its
 gradient summed over them at the end. With v virtual stages the stack is viewed as
-[v, p, N / (p v), ...], so device s holds chunks s, s + p, ... (circular).
+[v, p, N / (p v), ...], so device s holds chunks s, s + p, ... (circular); DualPipeV's V flips
+the second row, so that device d holds chunks d and 2p - 1 - d. DualPipe's stack is viewed as
+[2, p, N / p, ...], its second row the first reversed: device d holds stage d for the
+microbatches going down and stage p - 1 - d for those going up, and the two copies' gradients
+are summed. Both send activations also to the previous stage and gradients to the next (the
+second leg of the V, the way up): two more permutes per tick; DualPipeV's stage p - 1 keeps
+what it sends itself between its two chunks.
 """
 
 from __future__ import annotations
@@ -51,10 +57,22 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
     (stack, rest) are not (a frozen base, the batch, keys). `act`: the ShapeDtypeStruct of an
     activation, `sums_like`: the structure of `sums`."""
     p, v = table.stages, table.virtual
-    last = p * v - 1
+    last = table.chunks - 1
+    v_shape, dual = table.schedule == "dualpipev", table.schedule == "dualpipe"
+
+    def flip(a):  # the V: device d's second chunk is 2p - 1 - d (an involution)
+        return jnp.concatenate([a[:1], a[1:, ::-1]]) if v_shape else a
 
     def to_chunks(a):
-        return a.reshape(v, p, a.shape[0] // (p * v), *a.shape[1:])
+        if dual:  # device d: stage d for the way down, stage p - 1 - d for the way up
+            a = a.reshape(p, a.shape[0] // p, *a.shape[1:])
+            return jnp.stack([a, a[::-1]])
+        return flip(a.reshape(v, p, a.shape[0] // (p * v), *a.shape[1:]))
+
+    def from_chunks(d):  # the gradient of to_chunks
+        if dual:
+            return (d[0] + d[1, ::-1]).reshape(-1, *d.shape[3:])
+        return flip(d).reshape(-1, *d.shape[3:])
 
     def chunk_spec(tree):
         return jax.tree.map(lambda _: P(None, "stage"), tree)
@@ -96,9 +114,12 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
         }
 
         def tick(carry, rows):
-            kind, mb, j, xs, gs, rx, rg = (rows[stage, f] for f in range(S.FIELDS))
+            kind, mb, j, xs, gs = (rows[stage, f] for f in range(S.RECV_X))
             j, xs, gs = (jnp.maximum(a, 0) for a in (j, xs, gs))
-            c = j * p + stage
+            if v_shape or dual:
+                c = jnp.where(j == 0, stage, last - stage if dual else 2 * p - 1 - stage)
+            else:
+                c = j * p + stage
             cst = (at(c_stack, j), c_rest)
 
             def f(params, x):
@@ -152,10 +173,22 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
             # split over every automatic axis: XLA's SPMD partitioner fails on a permute of a
             # buffer split over some axes (data) and replicated over others (tensor)
             send_f, send_b = (sharding.constrain(a, SEND_AXES) for a in (send_f, send_b))
-            recv_f = jax.lax.ppermute(send_f, "stage", [(i, (i + 1) % p) for i in range(p)])
-            recv_b = jax.lax.ppermute(send_b, "stage", [(i, (i - 1) % p) for i in range(p)])
+            down = [(i, (i + 1) % p) for i in range(p)]
+            up = [(i, (i - 1) % p) for i in range(p)]
+            arrivals = [
+                ("x", S.RECV_X, jax.lax.ppermute(send_f, "stage", down)),
+                ("g", S.RECV_G, jax.lax.ppermute(send_b, "stage", up)),
+            ]
+            if v_shape or dual:
+                arrivals += [
+                    ("x", S.RECV_X_UP, jax.lax.ppermute(send_f, "stage", up)),
+                    ("g", S.RECV_G_DOWN, jax.lax.ppermute(send_b, "stage", down)),
+                ]
+            if v_shape:
+                arrivals += [("x", S.KEEP_X, send_f), ("g", S.KEEP_G, send_b)]
             carry = dict(carry)
-            for name, slot, got in (("x", rx, recv_f), ("g", rg, recv_b)):
+            for name, field, got in arrivals:
+                slot = rows[stage, field]
                 safe = jnp.maximum(slot, 0)
                 buf = carry[name]
                 buf = buf.at[safe].set(jnp.where(slot >= 0, got, buf[safe]))
@@ -177,5 +210,5 @@ def run(table: S.Table, stage_fn, train, const, *, mesh, act, sums_like, seed):
         check_vma=False,
     )
     (d_stack, d_rest), sums = run_stages(train, const, actions, jnp.asarray(seed, jnp.float32))
-    d_stack = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), d_stack)
+    d_stack = jax.tree.map(from_chunks, d_stack)
     return (d_stack, d_rest), sums

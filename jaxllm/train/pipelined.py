@@ -202,7 +202,7 @@ def grads_and_sums(
     f_stack, f_rest = _split(frozen, name)
     s_stack, s_rest = _split(model_state, name)
     const_rest = {"frozen": f_rest, "state": s_rest, "batch": micro, "key": step_key}
-    stage_fn = stage_function(graphdef, objective, cfg, p * v)
+    stage_fn = stage_function(graphdef, objective, cfg, table.chunks)
     (d_stack, d_rest), sums = pipeline.run(
         table,
         stage_fn,
