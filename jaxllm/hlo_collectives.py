@@ -65,7 +65,8 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     pattern = re.compile(
         r"(%[\w.-]+)\s*=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\("
     )
-    lines = hlo_text.splitlines()
+    # long tuples carry `/*index=5*/` comments, whose `=` would end a shape early
+    lines = [re.sub(r"/\*.*?\*/", "", line) for line in hlo_text.splitlines()]
     users = None
     for line in lines:
         m = pattern.search(line)

@@ -142,13 +142,16 @@ HLO = """
   %ar.4 = f32[4,64,8]{2,1,0} all-reduce(%dot.4), channel_id=4, replica_groups=[2,4]<=[8], to_apply=%add
   %slice.4 = f32[4,16,8]{2,1,0} fusion(%ar.4), kind=kLoop, calls=%fused.5
   %whole.4 = f32[4,64,8]{2,1,0} add(%ar.4, %ar.4)
+  %a2a = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[2]{0}) all-to-all(%x)
 """
 
 
 def test_collectives_count_a_partitioned_reduce_scatter_as_one():
     """XLA:CPU's form of a reduce-scatter (an all-reduce whose every use keeps one 1 / n slice,
     through a dtype convert too) counts as one, with a 1 / n of the bytes; an all-reduce used
-    whole, or combined with one that is, stays an all-reduce."""
+    whole, or combined with one that is, stays an all-reduce; a combined collective of more
+    than five arrays (whose shape text holds `/*index=5*/`) is counted whole."""
     got = collectives(HLO)
     assert got["reduce-scatter"] == {"count": 2, "bytes": 2 * 4 * 16 * 8 * 4}
     assert got["all-reduce"] == {"count": 2, "bytes": 2 * 4 * 64 * 8 * 4 + 4}
+    assert got["all-to-all"] == {"count": 1, "bytes": 6 * 2 * 4}  # a long tuple's comments
