@@ -149,6 +149,7 @@ def test_matches_single_device(mesh, single_device_run):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=str(path))
 
 
+@pytest.mark.slow  # ~45 s; the pp2 cases above run by default
 def test_odd_stage_count_matches_single_device():
     """DualPipeV takes an odd number of stages: pp3 x dp2 (6 chunks of one layer, 6
     microbatches) trains as one device does."""
