@@ -104,6 +104,7 @@ class Block(nnx.Module):
 
         def attn(h_BxLxD):
             nonlocal cache
+            h_BxLxD = _gathered(h_BxLxD)
             out_BxLxD, cache = self.attn(
                 h_BxLxD, positions_BxL, segment_ids_BxL, cache, windowed, prefix_BxL
             )
@@ -111,6 +112,7 @@ class Block(nnx.Module):
 
         def mlp(h_BxLxD):
             nonlocal stats
+            h_BxLxD = _gathered(h_BxLxD)
             if not self.is_moe:
                 return bottleneck.apply(self, "mlp", self.mlp(h_BxLxD))
             y_BxLxD, stats = self.mlp(h_BxLxD)
@@ -126,6 +128,13 @@ class Block(nnx.Module):
                 x_BxLxD, mlp, self.mlp_norm, self.post_mlp_norm if post else None, keys[1]
             )
         return constrain(x_BxLxD, ("batch", "res_length", "act_embed")), cache, stats
+
+
+def _gathered(h_BxLxD):
+    """A branch's normed input whole on the sequence over `tensor` (split over `sequence`
+    only): with mesh.tensor_sequence_parallel the all-gather Megatron-SP puts before the
+    column-parallel matmuls, which XLA would otherwise trade for gathering their weights."""
+    return constrain(h_BxLxD, ("batch", "length", "act_embed"))
 
 
 def stack(n: int, make, rngs: nnx.Rngs):
