@@ -218,6 +218,15 @@ class TrainConfig:
     """Stop when evaluation no longer improves (`EarlyStoppingConfig`)."""
     qat: QATConfig = QATConfig()
     """Quantization-aware training (`QATConfig`)."""
+    grad_compression: Literal["none", "topk", "qsgd"] = "none"
+    """What the data-parallel gradient exchange sends (`jaxllm.parallel.grad_compression`):
+    `topk` (each replica's largest `grad_compression_ratio` share of every tensor, values and
+    indices, with error feedback), `qsgd` (stochastic quantisation to `grad_compression_bits`);
+    none: the usual all-reduce. Needs a mesh with data parallelism only."""
+    grad_compression_ratio: float = 0.01
+    """`topk`: the share of each gradient tensor's entries a replica sends, in (0, 1]."""
+    grad_compression_bits: int = 8
+    """`qsgd`: bits per entry, sign included (2..16): 2^(bits-1) - 1 levels per tensor norm."""
 
 
 # The keys only some objectives read: set away from its default for another objective, a key

@@ -11,6 +11,7 @@ from jaxllm import config, objectives, optim, sharding
 from jaxllm.compress import qat
 from jaxllm.config.pipeline import microbatches
 from jaxllm.model import abstract_model
+from jaxllm.parallel.grad_compression import Compression
 from jaxllm.sharding import to_global
 from jaxllm.train import companions, loss_scale
 from jaxllm.train.state import grad_shardings, layout, sparse_weights, state_shardings
@@ -43,6 +44,7 @@ def compile_steps(cfg: config.Config, mesh):
         loss_scaling=scaling,
         other_graphdefs=other_graphdefs,
         weights=weights,
+        compression=Compression.of(cfg.train),
     )
     jit_train = jax.jit(
         step_fn,

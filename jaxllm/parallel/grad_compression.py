@@ -1,0 +1,141 @@
+"""Compressed gradient exchange over the `data` mesh axis (`train.grad_compression`).
+
+Each data replica holds the whole model and computes its share of the gradient (its rows'
+sum over the global token count, so the shares add up to the mean gradient). Instead of the
+all-reduce of those shares, every replica compresses its share, the compressed pieces are
+all-gathered, and every replica decompresses and adds them all, in the same order, so the
+result is the same on every replica. The functions below run per replica, inside a
+`jax.shard_map` manual over the data axis (`jaxllm.train.step`).
+
+- `topk`: Top-K sparsification with error feedback (Stich et al., "Sparsified SGD with
+  memory", 2018; Lin et al., DGC, 2018): the replica adds its residual (what it has not sent
+  yet) to its share, sends the k = ceil(ratio * size) entries of largest magnitude of each
+  tensor as (value, int32 index) pairs, and keeps the rest as the next residual. The
+  residuals, one per replica, live in the train state (`TrainState.grad_comp`) sharded over
+  the data axis, so checkpoints hold them and a resume continues bit for bit.
+- `qsgd`: QSGD (Alistarh et al., 2017) with one bucket per tensor: each entry v_i becomes
+  sign(v_i) * ||v|| * xi_i / s, where xi_i is |v_i| / ||v|| * s rounded up or down at random
+  with the probability that makes it unbiased, s = 2^(bits-1) - 1 levels. The replica sends
+  the signed levels as int8 (bits <= 8) or int16 codes and one float32 norm per tensor. No
+  state: the randomness is a function of the run's seed, the step and the replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+METHODS = ("topk", "qsgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+    """How each replica's gradient is compressed: `method` (topk | qsgd), topk's `ratio`
+    (share of entries sent), qsgd's `bits` (per entry, sign included)."""
+
+    method: str
+    ratio: float = 0.01
+    bits: int = 8
+
+    @classmethod
+    def of(cls, train_cfg) -> Compression | None:
+        """The `train` section's compression; None for `grad_compression: none`."""
+        if train_cfg.grad_compression == "none":
+            return None
+        return cls(
+            train_cfg.grad_compression,
+            train_cfg.grad_compression_ratio,
+            train_cfg.grad_compression_bits,
+        )
+
+    @property
+    def stateful(self) -> bool:
+        """Whether each replica keeps a residual between steps (error feedback)."""
+        return self.method == "topk"
+
+    @property
+    def levels(self) -> int:
+        """qsgd: the levels s of |v_i| / ||v|| on each side of zero."""
+        return 2 ** (self.bits - 1) - 1
+
+    def k(self, size: int) -> int:
+        """topk: entries of a tensor of `size` entries one replica sends."""
+        return max(1, min(size, math.ceil(self.ratio * size)))
+
+    def init(self, params, replicas: int):
+        """The state of `replicas` replicas over `params`: {'residual': float32 zeros of
+        [replicas, *shape] per parameter} for topk; None when the method keeps none."""
+        if not self.stateful:
+            return None
+        zeros = lambda p: jnp.zeros((replicas, *p.shape), jnp.float32)  # noqa: E731
+        return {"residual": jax.tree.map(zeros, params)}
+
+    def exchange(self, share, state, key, axis: str):
+        """(the sum over replicas of their decompressed shares, this replica's new state):
+        per replica, inside a shard_map manual over `axis`. `share`: this replica's float32
+        gradient share; `state`: its slice of `init`'s state (leading dim 1), or None; `key`:
+        a PRNG key that differs per replica and step (qsgd)."""
+        leaves, treedef = jax.tree.flatten(share)
+        if self.method == "topk":
+            residual = jax.tree.leaves(state["residual"])
+            out = [_topk(self, g, r[0], axis) for g, r in zip(leaves, residual)]
+            total = treedef.unflatten([t for t, _ in out])
+            kept = treedef.unflatten([r[None] for _, r in out])
+            return total, {"residual": kept}
+        keys = jax.random.split(key, len(leaves))
+        total = [_qsgd(self, g, k, axis) for g, k in zip(leaves, keys)]
+        return treedef.unflatten(total), state
+
+    def wire_bytes(self, params) -> int:
+        """Bytes one replica sends per step for `params` (what the all-gather carries)."""
+        sizes = [p.size for p in jax.tree.leaves(params)]
+        if self.method == "topk":
+            return sum(self.k(n) * 8 for n in sizes)  # float32 value + int32 index
+        code = 1 if self.bits <= 8 else 2
+        return sum(n * code + 4 for n in sizes)
+
+
+def top_k_sparsify(acc_N, k: int):
+    """(values, int32 indices, rest): the k entries of largest magnitude of a flat vector and
+    the vector with them zeroed (the residual error feedback keeps)."""
+    _, idx = jax.lax.top_k(jnp.abs(acc_N), k)
+    vals = acc_N[idx]
+    rest = acc_N.at[idx].set(0.0)
+    return vals, idx.astype(jnp.int32), rest
+
+
+def _topk(comp: Compression, g, residual, axis: str):
+    acc = (g.astype(jnp.float32) + residual).reshape(-1)
+    vals, idx, rest = top_k_sparsify(acc, comp.k(acc.size))
+    all_vals = jax.lax.all_gather(vals, axis)  # [replicas, k]
+    all_idx = jax.lax.all_gather(idx, axis)
+    total = jnp.zeros_like(acc).at[all_idx.reshape(-1)].add(all_vals.reshape(-1))
+    return total.reshape(g.shape), rest.reshape(g.shape)
+
+
+def qsgd_encode(v_N, key, levels: int, bits: int):
+    """(signed level codes, float32 norm) of a flat vector: QSGD's stochastic quantisation,
+    `qsgd_decode(codes, norm, levels)` is an unbiased estimate of v."""
+    v = v_N.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(v * v))
+    scaled = jnp.abs(v) / jnp.where(norm > 0, norm, 1.0) * levels
+    low = jnp.floor(scaled)
+    up = jax.random.uniform(key, v.shape) < scaled - low
+    level = jnp.minimum(low + up.astype(jnp.float32), levels)
+    codes = (jnp.sign(v) * level).astype(jnp.int8 if bits <= 8 else jnp.int16)
+    return codes, norm
+
+
+def qsgd_decode(codes, norm, levels: int):
+    return codes.astype(jnp.float32) * (norm / levels)
+
+
+def _qsgd(comp: Compression, g, key, axis: str):
+    codes, norm = qsgd_encode(g.reshape(-1), key, comp.levels, comp.bits)
+    all_codes = jax.lax.all_gather(codes, axis)  # [replicas, size]
+    all_norms = jax.lax.all_gather(norm, axis)  # [replicas]
+    total = jnp.sum(qsgd_decode(all_codes, all_norms[:, None], comp.levels), axis=0)
+    return total.reshape(g.shape)
