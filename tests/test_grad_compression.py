@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_model
 from jax.sharding import PartitionSpec
 
-from jaxllm import config, sharding
+from jaxllm import checkpoint, config, sharding
 from jaxllm.bench import synthetic_batch
 from jaxllm.config import ConfigError
 from jaxllm.parallel.grad_compression import (
@@ -104,6 +104,62 @@ def test_exchange_with_residuals_per_replica():
     assert [int((r != 0).sum()) for r in residual] == [36] * 4
 
 
+def _numpy_dgc(shares, m, clip, densities, stage_steps, steps):
+    """DGC on each replica with numpy, as the paper's algorithm reads (one tensor)."""
+    n = shares.shape[1]
+    u, v, out = np.zeros_like(shares[0]), np.zeros_like(shares[0]), []
+    for t in range(steps):
+        g = shares[t].copy()
+        norms = np.linalg.norm(g.reshape(n, -1), axis=1)
+        g *= np.minimum(1.0, clip / np.sqrt(n) / (norms + 1e-12))[:, None]
+        u = m * u + g
+        v = v + u
+        k = int(np.ceil(densities[min(t // stage_steps, len(densities) - 1)] * g.shape[1]))
+        total = np.zeros(g.shape[1])
+        for r in range(n):
+            idx = np.argsort(-np.abs(v[r]), kind="stable")[:k]
+            total[idx] += v[r, idx]
+            v[r, idx] = 0.0
+            u[r, idx] = 0.0
+        out.append(total)
+    return np.stack(out), u, v
+
+
+def test_dgc_momentum_correction_masking_clipping_and_warm_up():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("data",))
+    comp = Compression("dgc", ratio=0.01, momentum=0.9, clip_norm=1.0, warmup=3)
+    assert comp.densities() == (0.25, 0.0625, 0.015625, 0.01)
+    shares = np.array(jax.random.normal(jax.random.key(0), (6, 4, 64)))
+    shares[0] *= 10.0  # the first step is clipped (limit 1 / sqrt(4) per replica)
+    spec = PartitionSpec("data")
+
+    @jax.jit
+    def run(shares):
+        def per_replica(shares):
+            state = comp.init({"w": jnp.zeros(64)}, 1)
+            totals = []
+            for t in range(shares.shape[0]):
+                total, state = comp.exchange({"w": shares[t, 0]}, state, None, "data", t)
+                totals.append(total["w"])
+            return jnp.stack(totals)[None], state["momentum"]["w"], state["residual"]["w"]
+
+        return jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=PartitionSpec(None, "data"),
+            out_specs=(spec, spec, spec),
+            check_vma=False,
+        )(shares)
+
+    totals, u, v = run(jnp.asarray(shares))
+    want, want_u, want_v = _numpy_dgc(shares, 0.9, 1.0, comp.densities(), 1, 6)
+    np.testing.assert_allclose(totals[0], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(u, want_u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(v, want_v, rtol=1e-5, atol=1e-6)
+    # step 0 sends 16 of 64 entries per replica, steps 3 on one (ceil(0.64))
+    assert int((want[0] != 0).sum()) > int((want[5] != 0).sum())
+
+
 @pytest.mark.parametrize(
     "method,keys",
     [("topk", dict(grad_compression_ratio=1.0)), ("qsgd", dict(grad_compression_bits=16))],
@@ -127,13 +183,38 @@ def test_topk_compresses_and_still_learns():
     assert float(jnp.abs(leaf).sum()) > 0
 
 
-@pytest.mark.parametrize("method", ["topk", "qsgd"])
-def test_resume_is_bit_identical(method):
-    cfg = _cfg(method, **({"grad_compression_bits": 4} if method == "qsgd" else {}))
+def test_dgc_trains_momentum_sgd():
+    got, state = _train(_dgc_cfg(), 6)
+    assert got[-1] < got[0]
+    assert set(state.grad_comp) == {"momentum", "residual"}
+
+
+def _dgc_cfg():
+    cfg = _cfg("dgc", grad_compression_ratio=0.05, grad_compression_warmup=2)
+    sgd = config.OptimConfig(name="sgd", momentum=0.9, lr=0.3, warmup_steps=0)
+    return dataclasses.replace(cfg, optim=sgd)
+
+
+@pytest.mark.parametrize("method", ["topk", "qsgd", "dgc"])
+def test_resume_is_bit_identical(method, tmp_path):
+    """N steps equal N/2, a checkpoint written and read back by the run's Checkpointer, and
+    N/2 more: the residuals (and DGC's momenta) are in it."""
+    cfg = {"topk": _cfg("topk"), "qsgd": _cfg("qsgd", grad_compression_bits=4)}.get(method)
+    cfg = cfg or _dgc_cfg()
     want, end = _train(cfg, 4)
     first, mid = _train(cfg, 2)
-    host = jax.device_get(mid)  # what a checkpoint holds, read back to the host
-    rest, end2 = _train(cfg, 2, state=host, start=2)
+    ckpt = checkpoint.Checkpointer(tmp_path, cfg.checkpoint)
+    ckpt.save(mid, data_state={}, config={}, tokenizer={})
+    ckpt.close()
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), mid
+    )
+    restored, _, at = checkpoint.Checkpointer(tmp_path, cfg.checkpoint).restore_latest(abstract)
+    assert at == 2
+    if method != "qsgd":  # the replicas' state went through the checkpoint
+        assert jax.tree.structure(restored.grad_comp) == jax.tree.structure(mid.grad_comp)
+        assert float(jnp.abs(jax.tree.leaves(restored.grad_comp)[0]).sum()) > 0
+    rest, end2 = _train(cfg, 2, state=restored, start=2)
     assert first + rest == want
     for a, b in zip(jax.tree.leaves(end), jax.tree.leaves(end2), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -146,6 +227,8 @@ def test_resume_is_bit_identical(method):
         (["train.grad_compression=qsgd", "mesh.data=2", "mesh.fsdp=4"], "mesh.fsdp"),
         (["train.grad_compression=topk", "mesh.zero_stage=1"], "zero_stage"),
         (["train.grad_compression_ratio=0.5"], "needs train.grad_compression=topk"),
+        (["train.grad_compression=dgc"], "optim.name=sgd"),
+        (["train.grad_compression=topk", "train.grad_compression_warmup=5"], "needs"),
         (["train.grad_compression=qsgd", "train.grad_compression_bits=1"], "2..16"),
         (["train.grad_compression=topk", "train.grad_compression_ratio=0"], r"\(0, 1\]"),
     ],

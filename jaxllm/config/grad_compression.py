@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxllm.config.errors import fail as _fail
 
 # The mesh axes other than `data` a compressed exchange cannot run with (the model is whole on
@@ -13,8 +15,19 @@ def validate_grad_compression(cfg) -> None:
     """ConfigError naming the key when the compression settings do nothing or cannot run."""
     t, mesh = cfg.train, cfg.mesh
     method = t.grad_compression
-    if method != "topk" and t.grad_compression_ratio != 0.01:
-        _fail("train.grad_compression_ratio needs train.grad_compression=topk.")
+    if method not in ("topk", "dgc") and t.grad_compression_ratio != 0.01:
+        _fail("train.grad_compression_ratio needs train.grad_compression=topk or dgc.")
+    if method != "dgc" and t.grad_compression_warmup:
+        _fail("train.grad_compression_warmup needs train.grad_compression=dgc.")
+    if t.grad_compression_warmup < 0:
+        _fail(f"train.grad_compression_warmup must be >= 0, not {t.grad_compression_warmup}.")
+    o = cfg.optim
+    if method == "dgc" and (o.name != "sgd" or not o.momentum > 0 or o.nesterov):
+        _fail(
+            "train.grad_compression=dgc corrects momentum SGD's momentum on each replica: it "
+            "needs optim.name=sgd with optim.momentum > 0 and optim.nesterov=false, not "
+            f"optim.name={o.name} momentum={o.momentum} nesterov={str(o.nesterov).lower()}."
+        )
     if method != "qsgd" and t.grad_compression_bits != 8:
         _fail("train.grad_compression_bits needs train.grad_compression=qsgd.")
     if not 0 < t.grad_compression_ratio <= 1:
@@ -43,3 +56,11 @@ def validate_grad_compression(cfg) -> None:
             f"train.grad_compression={method} trains full models by the standard step; it "
             "does not run with train.qat, peft or the rollout objectives yet."
         )
+
+
+def step_optim(cfg):
+    """The `optim` section the optimizer is built from: under `dgc` the momentum and the
+    clipping move into the replicas' exchange, so the optimizer is plain SGD without them."""
+    if cfg.train.grad_compression != "dgc":
+        return cfg.optim
+    return dataclasses.replace(cfg.optim, momentum=0.0, clip_norm=None)

@@ -218,13 +218,18 @@ class TrainConfig:
     """Stop when evaluation no longer improves (`EarlyStoppingConfig`)."""
     qat: QATConfig = QATConfig()
     """Quantization-aware training (`QATConfig`)."""
-    grad_compression: Literal["none", "topk", "qsgd"] = "none"
+    grad_compression: Literal["none", "topk", "dgc", "qsgd"] = "none"
     """What the data-parallel gradient exchange sends (`jaxllm.parallel.grad_compression`):
     `topk` (each replica's largest `grad_compression_ratio` share of every tensor, values and
-    indices, with error feedback), `qsgd` (stochastic quantisation to `grad_compression_bits`);
-    none: the usual all-reduce. Needs a mesh with data parallelism only."""
+    indices, with error feedback), `dgc` (Deep Gradient Compression: the same with momentum
+    correction and masking, local clipping and a sparsity warm-up; with `optim.name=sgd` and
+    `optim.momentum`), `qsgd` (stochastic quantisation to `grad_compression_bits`); none: the
+    usual all-reduce. Needs a mesh with data parallelism only."""
     grad_compression_ratio: float = 0.01
-    """`topk`: the share of each gradient tensor's entries a replica sends, in (0, 1]."""
+    """`topk` / `dgc`: the share of each gradient tensor's entries a replica sends, in (0, 1]."""
+    grad_compression_warmup: int = 0
+    """`dgc`: steps of the sparsity warm-up (densities 25%, 6.25%, 1.56%, 0.39% down to the
+    ratio, in equal parts); 0: the ratio from the first step."""
     grad_compression_bits: int = 8
     """`qsgd`: bits per entry, sign included (2..16): 2^(bits-1) - 1 levels per tensor norm."""
 

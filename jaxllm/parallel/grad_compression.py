@@ -13,6 +13,14 @@ result is the same on every replica. The functions below run per replica, inside
   tensor as (value, int32 index) pairs, and keeps the rest as the next residual. The
   residuals, one per replica, live in the train state (`TrainState.grad_comp`) sharded over
   the data axis, so checkpoints hold them and a resume continues bit for bit.
+- `dgc`: Deep Gradient Compression (Lin et al., ICLR 2018), the parts that act on the
+  exchange: local gradient clipping (each replica clips its share to clip_norm / sqrt(replicas)
+  before accumulating), momentum correction (u <- m u + g, v <- v + u; the top-k of v are
+  sent), momentum factor masking (u and v zeroed where sent), and the exponential sparsity
+  warm-up (densities 25%, 6.25%, 1.5625%, 0.390625%, those above `ratio`, in equal parts of
+  `warmup` steps, then `ratio`). The momentum lives in the replicas, so the optimizer steps
+  plain SGD on what is exchanged (`train.grad_compression=dgc` takes `optim.momentum` and
+  `optim.clip_norm` for this and builds the optimizer without them).
 - `qsgd`: QSGD (Alistarh et al., 2017) with one bucket per tensor: each entry v_i becomes
   sign(v_i) * ||v|| * xi_i / s, where xi_i is |v_i| / ||v|| * s rounded up or down at random
   with the probability that makes it unbiased, s = 2^(bits-1) - 1 levels. The replica sends
@@ -28,7 +36,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-METHODS = ("topk", "qsgd")
+METHODS = ("topk", "dgc", "qsgd")
+# DGC's warm-up densities (sparsity 75%, 93.75%, 98.4375%, 99.6%: x4 each stage).
+DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.00390625)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,31 +49,47 @@ class Compression:
     method: str
     ratio: float = 0.01
     bits: int = 8
+    momentum: float = 0.0  # dgc: m of the momentum correction
+    clip_norm: float | None = None  # dgc: the global clip norm (None: no local clipping)
+    warmup: int = 0  # dgc: steps of the sparsity warm-up
 
     @classmethod
-    def of(cls, train_cfg) -> Compression | None:
-        """The `train` section's compression; None for `grad_compression: none`."""
-        if train_cfg.grad_compression == "none":
+    def of(cls, cfg) -> Compression | None:
+        """A config's compression (`train.grad_compression*`, and for dgc `optim.momentum` /
+        `optim.clip_norm`); None for `grad_compression: none`."""
+        t = cfg.train
+        if t.grad_compression == "none":
             return None
+        dgc = t.grad_compression == "dgc"
         return cls(
-            train_cfg.grad_compression,
-            train_cfg.grad_compression_ratio,
-            train_cfg.grad_compression_bits,
+            t.grad_compression,
+            t.grad_compression_ratio,
+            t.grad_compression_bits,
+            momentum=cfg.optim.momentum if dgc else 0.0,
+            clip_norm=cfg.optim.clip_norm if dgc else None,
+            warmup=t.grad_compression_warmup,
         )
 
     @property
     def stateful(self) -> bool:
-        """Whether each replica keeps a residual between steps (error feedback)."""
-        return self.method == "topk"
+        """Whether each replica keeps state between steps (residuals, DGC's momentum)."""
+        return self.method in ("topk", "dgc")
+
+    def densities(self) -> tuple[float, ...]:
+        """The shares sent per warm-up stage then after it (one entry without a warm-up)."""
+        if self.method != "dgc" or not self.warmup:
+            return (self.ratio,)
+        return (*(d for d in DGC_WARMUP if d > self.ratio), self.ratio)
 
     @property
     def levels(self) -> int:
         """qsgd: the levels s of |v_i| / ||v|| on each side of zero."""
         return 2 ** (self.bits - 1) - 1
 
-    def k(self, size: int) -> int:
-        """topk: entries of a tensor of `size` entries one replica sends."""
-        return max(1, min(size, math.ceil(self.ratio * size)))
+    def k(self, size: int, density: float | None = None) -> int:
+        """topk / dgc: entries of a tensor of `size` entries one replica sends."""
+        density = self.ratio if density is None else density
+        return max(1, min(size, math.ceil(density * size)))
 
     def init(self, params, replicas: int):
         """The state of `replicas` replicas over `params`: {'residual': float32 zeros of
@@ -71,14 +97,22 @@ class Compression:
         if not self.stateful:
             return None
         zeros = lambda p: jnp.zeros((replicas, *p.shape), jnp.float32)  # noqa: E731
+        if self.method == "dgc":
+            return {
+                "momentum": jax.tree.map(zeros, params),
+                "residual": jax.tree.map(zeros, params),
+            }
         return {"residual": jax.tree.map(zeros, params)}
 
-    def exchange(self, share, state, key, axis: str):
+    def exchange(self, share, state, key, axis: str, step=0):
         """(the sum over replicas of their decompressed shares, this replica's new state):
         per replica, inside a shard_map manual over `axis`. `share`: this replica's float32
         gradient share; `state`: its slice of `init`'s state (leading dim 1), or None; `key`:
-        a PRNG key that differs per replica and step (qsgd)."""
+        a PRNG key that differs per replica and step (qsgd); `step`: the optimizer step (the
+        dgc warm-up)."""
         leaves, treedef = jax.tree.flatten(share)
+        if self.method == "dgc":
+            return self._dgc(share, state, axis, step)
         if self.method == "topk":
             residual = jax.tree.leaves(state["residual"])
             out = [_topk(self, g, r[0], axis) for g, r in zip(leaves, residual)]
@@ -89,10 +123,38 @@ class Compression:
         total = [_qsgd(self, g, k, axis) for g, k in zip(leaves, keys)]
         return treedef.unflatten(total), state
 
+    def _dgc(self, share, state, axis: str, step):
+        if self.clip_norm is not None:  # local clipping, the threshold scaled by N^-1/2
+            limit = self.clip_norm / math.sqrt(jax.lax.axis_size(axis))
+            norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(share)))
+            share = jax.tree.map(lambda g: g * jnp.minimum(1.0, limit / (norm + 1e-12)), share)
+        u = jax.tree.map(lambda m, g: self.momentum * m[0] + g, state["momentum"], share)
+        v = jax.tree.map(lambda r, u: r[0] + u, state["residual"], u)
+        densities = self.densities()
+        stage_steps = -(-self.warmup // max(len(densities) - 1, 1))
+        stage = jnp.minimum(step // max(stage_steps, 1), len(densities) - 1)
+
+        def send(density):
+            def run(u, v):
+                out = [_dgc_leaf(self, a, b, density, axis) for a, b in zip(u, v)]
+                return tuple(zip(*out))
+
+            return run
+
+        u_leaves, treedef = jax.tree.flatten(u)
+        branches = [send(d) for d in densities]
+        total, u_new, v_new = jax.lax.switch(stage, branches, u_leaves, jax.tree.leaves(v))
+        kept = {
+            "momentum": treedef.unflatten([x[None] for x in u_new]),
+            "residual": treedef.unflatten([x[None] for x in v_new]),
+        }
+        return treedef.unflatten(list(total)), kept
+
     def wire_bytes(self, params) -> int:
-        """Bytes one replica sends per step for `params` (what the all-gather carries)."""
+        """Bytes one replica sends per step for `params` (what the all-gather carries; dgc:
+        after its warm-up)."""
         sizes = [p.size for p in jax.tree.leaves(params)]
-        if self.method == "topk":
+        if self.method in ("topk", "dgc"):
             return sum(self.k(n) * 8 for n in sizes)  # float32 value + int32 index
         code = 1 if self.bits <= 8 else 2
         return sum(n * code + 4 for n in sizes)
@@ -114,6 +176,18 @@ def _topk(comp: Compression, g, residual, axis: str):
     all_idx = jax.lax.all_gather(idx, axis)
     total = jnp.zeros_like(acc).at[all_idx.reshape(-1)].add(all_vals.reshape(-1))
     return total.reshape(g.shape), rest.reshape(g.shape)
+
+
+def _dgc_leaf(comp: Compression, u, v, density: float, axis: str):
+    """(sum of the replicas' sent entries, masked momentum, masked accumulation) of one
+    tensor: the top-k of v are sent and zeroed in u and v (momentum factor masking)."""
+    flat_v, flat_u = v.reshape(-1), u.reshape(-1)
+    vals, idx, rest = top_k_sparsify(flat_v, comp.k(flat_v.size, density))
+    all_vals = jax.lax.all_gather(vals, axis)
+    all_idx = jax.lax.all_gather(idx, axis)
+    total = jnp.zeros_like(flat_v).at[all_idx.reshape(-1)].add(all_vals.reshape(-1))
+    u_kept = flat_u.at[idx].set(0.0)
+    return total.reshape(v.shape), u_kept.reshape(u.shape), rest.reshape(v.shape)
 
 
 def qsgd_encode(v_N, key, levels: int, bits: int):

@@ -213,7 +213,7 @@ def layout(cfg) -> dict:
         "offload": cfg.optim.offload == "host",
         "peft": cfg.peft,
         "quantize": cfg.quantize,
-        "grad_compression": Compression.of(cfg.train),
+        "grad_compression": Compression.of(cfg),
     }
 
 

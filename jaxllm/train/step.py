@@ -116,7 +116,7 @@ def compressed_grads(
     # the qsgd draws: a function of the seed and the step, and different per replica
     comp_key = jax.random.fold_in(step_key, 0x67726164)  # "grad"
 
-    def per_replica(params, batch, comp_state, comp_key, unscale):
+    def per_replica(params, batch, comp_state, comp_key, unscale, step):
         replica = jax.lax.axis_index("data")
         with sharding.active(Parallel()):  # the model is whole here: plain per-device code
             micro = _microbatches(batch, grad_accum_steps)
@@ -126,16 +126,16 @@ def compressed_grads(
         denom = jnp.maximum(sums.tokens, 1.0) * unscale
         share = jax.tree.map(lambda g: g / denom, grads)
         key = jax.random.fold_in(comp_key, replica)
-        grads, comp_state = compression.exchange(share, comp_state, key, "data")
+        grads, comp_state = compression.exchange(share, comp_state, key, "data", step)
         return grads, sums, comp_state
 
     return jax.shard_map(
         per_replica,
         mesh=mesh,
-        in_specs=(PartitionSpec(), batch_spec, comp_spec, PartitionSpec(), PartitionSpec()),
+        in_specs=(PartitionSpec(), batch_spec, comp_spec, *[PartitionSpec()] * 3),
         out_specs=(PartitionSpec(), PartitionSpec(), comp_spec),
         check_vma=False,
-    )(state.params, batch, state.grad_comp, comp_key, unscale)
+    )(state.params, batch, state.grad_comp, comp_key, unscale, state.step)
 
 
 def train_step(
