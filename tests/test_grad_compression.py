@@ -236,3 +236,18 @@ def test_resume_is_bit_identical(method, tmp_path):
 def test_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         config.load(None, overrides).validate(8)
+
+
+def test_plan_reports_the_exchange():
+    """`jaxllm plan`: the compiled step gathers the compressed pieces instead of all-reducing
+    the gradients, and the report gives the bytes each replica sends."""
+    from jaxllm.plan import format_plan, plan
+
+    topk = plan(_cfg("topk", data=2), jax.devices()[:2])
+    g = topk["grad_exchange"]
+    params = sum(int(np.prod(r["shape"])) for r in topk["param_rows"])
+    assert g["dense"] == 4 * params and g["sent"] < g["dense"] / 10  # 1% as (value, index)
+    assert topk["collectives"]["all-gather"]["count"] > 0
+    assert topk["collectives"]["all-reduce"]["bytes"] < 1024  # the token count alone
+    assert "gradient exchange (topk)" in format_plan(topk)
+    assert plan(_cfg(data=2), jax.devices()[:2])["grad_exchange"] is None
