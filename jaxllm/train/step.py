@@ -158,7 +158,8 @@ def train_step(
     """One optimizer step of `objective` on `batch` (the global batch, split into
     `grad_accum_steps` microbatches). Metrics: the objective's (sum / tokens), `nonfinite`,
     `grad_norm`, `param_norm`, `lr`, `tokens`, the model's (MoE loads), and `loss_scale` (the
-    scale this step used) with `loss_scaling`."""
+    scale this step used) with `loss_scaling`. With `compression` the data replicas exchange
+    compressed gradients (`compressed_grads`) and their state moves in `state.grad_comp`."""
     with sharding.active(parallel_settings):
         scale = None if loss_scaling is None else loss_scaling.scale(state.loss_scale)
         # S scales the loss per token position of a microbatch, as it would scale a mean loss:
