@@ -162,10 +162,15 @@ def test_dgc_momentum_correction_masking_clipping_and_warm_up():
 
 @pytest.mark.parametrize(
     "method,keys",
-    [("topk", dict(grad_compression_ratio=1.0)), ("qsgd", dict(grad_compression_bits=16))],
+    [
+        ("topk", dict(grad_compression_ratio=1.0)),
+        ("topk", dict(grad_compression_ratio=1.0, grad_accum_steps=2)),
+        ("qsgd", dict(grad_compression_bits=16)),
+    ],
 )
 def test_lossless_settings_train_as_the_all_reduce(method, keys):
-    want, _ = _train(_cfg(), 4)
+    accum = {k: v for k, v in keys.items() if k == "grad_accum_steps"}
+    want, _ = _train(_cfg(**accum), 4)
     got, state = _train(_cfg(method, **keys), 4)
     np.testing.assert_allclose(got, want, rtol=2e-4)
     if method == "topk":  # everything was sent: no residual
