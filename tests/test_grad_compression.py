@@ -16,9 +16,11 @@ from jaxllm import checkpoint, config, sharding
 from jaxllm.bench import synthetic_batch
 from jaxllm.config import ConfigError
 from jaxllm.parallel.grad_compression import (
+    TAGC_STEPS,
     Compression,
     qsgd_decode,
     qsgd_encode,
+    tagc_threshold,
     top_k_sparsify,
 )
 from jaxllm.train.loop import compile_steps, to_global
@@ -160,6 +162,48 @@ def test_dgc_momentum_correction_masking_clipping_and_warm_up():
     assert int((want[0] != 0).sum()) > int((want[5] != 0).sum())
 
 
+def test_tagc_threshold_ladder_and_packed_sum():
+    """TAGC: the threshold is the largest ladder step zeroing less than 1 - ratio (the paper's
+    bisection); the packed vectors of four replicas sum to the sum of what each kept while the
+    shared index fits; the rest stays in residuals; attention-side leaves are summed whole."""
+    acc = np.asarray(jax.random.normal(jax.random.key(0), (512,))) * 1e-3
+    zeroed = [np.mean(np.abs(acc) < s) for s in TAGC_STEPS]
+    want = max((s for s, z in zip(TAGC_STEPS, zeroed) if z < 0.9), default=0.0)
+    assert float(tagc_threshold(jnp.asarray(acc), 0.1)) == pytest.approx(want)
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("data",))
+    spec = PartitionSpec("data")
+    shares = {
+        "attn": jax.random.normal(jax.random.key(1), (4, 16)),
+        "mlp": {"w": jax.random.normal(jax.random.key(2), (4, 32, 16)) * 1e-3},
+    }
+    comp = Compression("tagc", ratio=0.1)
+    old = {"residual": jax.tree.map(jnp.zeros_like, shares)}
+
+    def per_replica(g, state):
+        g = jax.tree.map(lambda x: x[0], g)
+        total, new = comp.exchange(g, state, None, "data")
+        return jax.tree.map(lambda x: x[None], total), new
+
+    total, new = jax.jit(
+        jax.shard_map(
+            per_replica, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False
+        )
+    )(shares, old)
+    np.testing.assert_allclose(total["attn"][0], shares["attn"].sum(0), rtol=1e-5)
+    np.testing.assert_array_equal(new["residual"]["attn"], 0.0)
+    w, r = shares["mlp"]["w"], new["residual"]["mlp"]["w"]
+    # nothing lost: the summed sent parts plus every residual are the summed shares
+    np.testing.assert_allclose(total["mlp"]["w"][0] + r.sum(0), w.sum(0), rtol=1e-4, atol=1e-9)
+    kept = (w != 0) & (r == 0)  # what each replica sent
+    assert 0 < kept.mean() < 0.5
+    union = kept.any(0)
+    if union.sum() <= comp.slots(512):  # the shared index fit: the packed sum is exact
+        np.testing.assert_allclose(
+            total["mlp"]["w"][0], np.where(kept, w, 0).sum(0), rtol=1e-5, atol=1e-9
+        )
+
+
 @pytest.mark.parametrize(
     "method,keys",
     [
@@ -200,11 +244,15 @@ def _dgc_cfg():
     return dataclasses.replace(cfg, optim=sgd)
 
 
-@pytest.mark.parametrize("method", ["topk", "qsgd", "dgc"])
+@pytest.mark.parametrize("method", ["topk", "qsgd", "dgc", "tagc"])
 def test_resume_is_bit_identical(method, tmp_path):
     """N steps equal N/2, a checkpoint written and read back by the run's Checkpointer, and
     N/2 more: the residuals (and DGC's momenta) are in it."""
-    cfg = {"topk": _cfg("topk"), "qsgd": _cfg("qsgd", grad_compression_bits=4)}.get(method)
+    cfg = {
+        "topk": _cfg("topk"),
+        "qsgd": _cfg("qsgd", grad_compression_bits=4),
+        "tagc": _cfg("tagc", grad_compression_ratio=0.05),
+    }.get(method)
     cfg = cfg or _dgc_cfg()
     want, end = _train(cfg, 4)
     first, mid = _train(cfg, 2)
@@ -218,7 +266,7 @@ def test_resume_is_bit_identical(method, tmp_path):
     assert at == 2
     if method != "qsgd":  # the replicas' state went through the checkpoint
         assert jax.tree.structure(restored.grad_comp) == jax.tree.structure(mid.grad_comp)
-        assert float(jnp.abs(jax.tree.leaves(restored.grad_comp)[0]).sum()) > 0
+        assert sum(float(jnp.abs(x).sum()) for x in jax.tree.leaves(restored.grad_comp)) > 0
     rest, end2 = _train(cfg, 2, state=restored, start=2)
     assert first + rest == want
     for a, b in zip(jax.tree.leaves(end), jax.tree.leaves(end2), strict=True):
@@ -231,7 +279,7 @@ def test_resume_is_bit_identical(method, tmp_path):
         (["train.grad_compression=topk", "mesh.data=4", "mesh.tensor=2"], "mesh.tensor"),
         (["train.grad_compression=qsgd", "mesh.data=2", "mesh.fsdp=4"], "mesh.fsdp"),
         (["train.grad_compression=topk", "mesh.zero_stage=1"], "zero_stage"),
-        (["train.grad_compression_ratio=0.5"], "needs train.grad_compression=topk"),
+        (["train.grad_compression_ratio=0.5"], "needs train.grad_compression=topk, dgc or tagc"),
         (["train.grad_compression=dgc"], "optim.name=sgd"),
         (["train.grad_compression=topk", "train.grad_compression_warmup=5"], "needs"),
         (["train.grad_compression=qsgd", "train.grad_compression_bits=1"], "2..16"),

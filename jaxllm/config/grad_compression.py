@@ -15,8 +15,8 @@ def validate_grad_compression(cfg) -> None:
     """ConfigError naming the key when the compression settings do nothing or cannot run."""
     t, mesh = cfg.train, cfg.mesh
     method = t.grad_compression
-    if method not in ("topk", "dgc") and t.grad_compression_ratio != 0.01:
-        _fail("train.grad_compression_ratio needs train.grad_compression=topk or dgc.")
+    if method not in ("topk", "dgc", "tagc") and t.grad_compression_ratio != 0.01:
+        _fail("train.grad_compression_ratio needs train.grad_compression=topk, dgc or tagc.")
     if method != "dgc" and t.grad_compression_warmup:
         _fail("train.grad_compression_warmup needs train.grad_compression=dgc.")
     if t.grad_compression_warmup < 0:

@@ -21,6 +21,19 @@ result is the same on every replica. The functions below run per replica, inside
   `warmup` steps, then `ratio`). The momentum lives in the replicas, so the optimizer steps
   plain SGD on what is exchanged (`train.grad_compression=dgc` takes `optim.momentum` and
   `optim.clip_norm` for this and builds the optimizer without them).
+- `tagc`: TAGC (Polyakov et al., "TAGC: Optimizing Gradient Communication in Distributed
+  Transformer Training", 2025), read as: layer-selective (only the feed-forward weights, every
+  parameter under an `mlp` key, are compressed; attention, embeddings and norms are summed
+  uncompressed, as the paper keeps attention layers whole), dynamic sparsification with error
+  feedback (the threshold is the largest step of a fixed ladder of magnitudes, `TAGC_STEPS`,
+  that zeroes less than 1 - ratio of the tensor; what it zeroes is the residual), and lossless
+  homomorphic compression: the replicas' nonzero bitmaps (1 bit an entry) are gathered into
+  one shared index, each replica packs its values in that index's order into a vector of
+  r = ceil(2 * ratio * size) slots, and those vectors are summed (a psum: the compression is
+  linear, so the sum of the packed vectors is the packed sum). Where the shared index holds
+  more than r entries, those past the r-th stay in the residuals. The paper's count sketch
+  with peeling decoder is another way to the same packed sum; this reading uses the shared
+  index for the order directly, which is exact whenever the sketch would decode.
 - `qsgd`: QSGD (Alistarh et al., 2017) with one bucket per tensor: each entry v_i becomes
   sign(v_i) * ||v|| * xi_i / s, where xi_i is |v_i| / ||v|| * s rounded up or down at random
   with the probability that makes it unbiased, s = 2^(bits-1) - 1 levels. The replica sends
@@ -36,7 +49,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-METHODS = ("topk", "dgc", "qsgd")
+METHODS = ("topk", "dgc", "qsgd", "tagc")
+# TAGC's ladder of sparsification thresholds (its SPARSIFY_STEPS).
+TAGC_STEPS = (
+    *(1e-20, 1e-15, 1e-10, 1e-8),
+    *(m * 10.0**e for e in range(-7, 0) for m in (1, 2, 5)),
+)
 # DGC's warm-up densities (sparsity 75%, 93.75%, 98.4375%, 99.6%: x4 each stage).
 DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.00390625)
 
@@ -73,7 +91,7 @@ class Compression:
     @property
     def stateful(self) -> bool:
         """Whether each replica keeps state between steps (residuals, DGC's momentum)."""
-        return self.method in ("topk", "dgc")
+        return self.method in ("topk", "dgc", "tagc")
 
     def densities(self) -> tuple[float, ...]:
         """The shares sent per warm-up stage then after it (one entry without a warm-up)."""
@@ -85,6 +103,10 @@ class Compression:
     def levels(self) -> int:
         """qsgd: the levels s of |v_i| / ||v|| on each side of zero."""
         return 2 ** (self.bits - 1) - 1
+
+    def slots(self, size: int) -> int:
+        """tagc: the packed vector's length for a tensor of `size` entries."""
+        return max(1, min(size, math.ceil(2 * self.ratio * size)))
 
     def k(self, size: int, density: float | None = None) -> int:
         """topk / dgc: entries of a tensor of `size` entries one replica sends."""
@@ -113,6 +135,15 @@ class Compression:
         leaves, treedef = jax.tree.flatten(share)
         if self.method == "dgc":
             return self._dgc(share, state, axis, step)
+        if self.method == "tagc":
+            paths = [_is_mlp(path) for path, _ in jax.tree_util.tree_flatten_with_path(share)[0]]
+            residual = jax.tree.leaves(state["residual"])
+            out = [
+                _tagc(self, g, r[0], axis) if mlp else (jax.lax.psum(g, axis), r[0])
+                for g, r, mlp in zip(leaves, residual, paths)
+            ]
+            total = treedef.unflatten([t for t, _ in out])
+            return total, {"residual": treedef.unflatten([r[None] for _, r in out])}
         if self.method == "topk":
             residual = jax.tree.leaves(state["residual"])
             out = [_topk(self, g, r[0], axis) for g, r in zip(leaves, residual)]
@@ -156,6 +187,12 @@ class Compression:
         sizes = [p.size for p in jax.tree.leaves(params)]
         if self.method in ("topk", "dgc"):
             return sum(self.k(n) * 8 for n in sizes)  # float32 value + int32 index
+        if self.method == "tagc":
+            flat = jax.tree_util.tree_flatten_with_path(params)[0]
+            return sum(
+                -(-p.size // 8) + 4 * self.slots(p.size) if _is_mlp(path) else 4 * p.size
+                for path, p in flat
+            )
         code = 1 if self.bits <= 8 else 2
         return sum(n * code + 4 for n in sizes)
 
@@ -188,6 +225,34 @@ def _dgc_leaf(comp: Compression, u, v, density: float, axis: str):
     total = jnp.zeros_like(flat_v).at[all_idx.reshape(-1)].add(all_vals.reshape(-1))
     u_kept = flat_u.at[idx].set(0.0)
     return total.reshape(v.shape), u_kept.reshape(u.shape), rest.reshape(v.shape)
+
+
+def _is_mlp(path) -> bool:
+    return any(getattr(k, "key", None) == "mlp" for k in path)
+
+
+def tagc_threshold(acc_N, ratio: float):
+    """The largest step of `TAGC_STEPS` that zeroes less than 1 - ratio of |acc| (0 when even
+    the smallest zeroes more): TAGC's dynamic sparsification."""
+    steps = jnp.asarray(TAGC_STEPS, jnp.float32)
+    zeroed = jnp.mean(jnp.abs(acc_N)[None, :] < steps[:, None], axis=1)
+    below = zeroed < 1.0 - ratio  # monotone: True then False along the ladder
+    return jnp.where(jnp.any(below), jnp.max(jnp.where(below, steps, 0.0)), 0.0)
+
+
+def _tagc(comp: Compression, g, residual, axis: str):
+    acc = (g.astype(jnp.float32) + residual).reshape(-1)
+    sparse = jnp.where(jnp.abs(acc) < tagc_threshold(acc, comp.ratio), 0.0, acc)
+    bits = jnp.packbits(sparse != 0)  # the replica's index, 1 bit an entry
+    shared = jnp.unpackbits(jax.lax.all_gather(bits, axis), axis=1)[:, : acc.size]
+    union = jnp.any(shared, axis=0)
+    slots = comp.slots(acc.size)
+    (idx,) = jnp.nonzero(union, size=slots, fill_value=acc.size)  # the shared order
+    packed = jnp.where(idx < acc.size, sparse.at[idx].get(mode="fill", fill_value=0.0), 0.0)
+    summed = jax.lax.psum(packed, axis)
+    total = jnp.zeros_like(acc).at[idx].add(summed, mode="drop")
+    sent = jnp.zeros_like(acc).at[idx].set(packed, mode="drop")
+    return total.reshape(g.shape), (acc - sent).reshape(g.shape)
 
 
 def qsgd_encode(v_N, key, levels: int, bits: int):
