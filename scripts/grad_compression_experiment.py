@@ -42,6 +42,7 @@ RUNS = {
     "none": [],
     "topk": ["train.grad_compression=topk"],
     "qsgd": ["train.grad_compression=qsgd"],
+    "tagc": ["train.grad_compression=tagc"],
     "sgd_none": SGD,
     "sgd_dgc": [*SGD, "train.grad_compression=dgc", "train.grad_compression_warmup=12"],
 }
