@@ -304,3 +304,12 @@ def test_plan_reports_the_exchange():
     assert topk["collectives"]["all-reduce"]["bytes"] < 1024  # the token count alone
     assert "gradient exchange (topk)" in format_plan(topk)
     assert plan(_cfg(data=2), jax.devices()[:2])["grad_exchange"] is None
+
+
+def test_bench_counts_the_compressed_step():
+    """`jaxllm bench`'s compiled FLOPs analyse the compressed step with its state."""
+    from jaxllm.bench import compiled_step_flops
+
+    cfg = _cfg("topk", data=2).validate(2)
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2])
+    assert compiled_step_flops(cfg, mesh) > 0
