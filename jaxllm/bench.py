@@ -72,7 +72,9 @@ def compiled_step_flops(cfg: config.Config, mesh) -> float | None:
     )
     jit_train, _, tx, shardings, batch_sh = compile_steps(cost_cfg, mesh)
     scaling = loss_scale.from_config(cost_cfg.optim, cost_cfg.model)
-    abstract_state = jax.eval_shape(lambda: init_state(cost_cfg.model, tx, mesh, 0, scaling))
+    abstract_state = jax.eval_shape(
+        lambda: init_state(cost_cfg.model, tx, mesh, 0, scaling, **layout(cost_cfg))
+    )
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
     )

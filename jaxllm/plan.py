@@ -21,6 +21,7 @@ from jaxllm.infer import kv_cache
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
 from jaxllm.parallel import schedules
+from jaxllm.parallel.grad_compression import Compression
 from jaxllm.train import loss_scale
 from jaxllm.train.compiled import compile_steps
 from jaxllm.train.state import grad_shardings, init_state, layout
@@ -53,6 +54,16 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def grad_exchange(cfg: config.Config, abstract_params) -> dict | None:
+    """The gradient bytes one data replica contributes per step: what the compressed exchange
+    (`train.grad_compression`) sends, beside the float32 gradients an all-reduce carries."""
+    comp = Compression.of(cfg)
+    if comp is None:
+        return None
+    dense = sum(p.size * 4 for p in jax.tree.leaves(abstract_params))
+    return {"method": comp.method, "sent": comp.wire_bytes(abstract_params), "dense": dense}
 
 
 def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
@@ -129,6 +140,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         "bill": bill,
         "flops_per_step": flops_per_token(cfg.model, l)["total"] * b * l,
         "collectives": collectives(compiled.as_text()),
+        "grad_exchange": grad_exchange(cfg, abstract_params),
         "compile_s": compile_s,
         "hbm": hbm_bytes,
         "fits": None if hbm_bytes is None else memory["total"] <= hbm_bytes,
@@ -300,6 +312,11 @@ def format_plan(r: dict) -> str:
         lines.append("  none")
     for kind, c in sorted(r["collectives"].items()):
         lines.append(f"  {kind:<20} {c['count']:>4} ops  {fmt_bytes(c['bytes'])}")
+    if (g := r.get("grad_exchange")) is not None:
+        lines.append(
+            f"  gradient exchange ({g['method']}): {fmt_bytes(g['sent'])} sent per replica per "
+            f"step, {fmt_bytes(g['dense'])} as float32 gradients"
+        )
     kv = r["kv_cache"]
     bf16 = kv["per_token"]["bfloat16"]
     lines += ["", "KV cache per token (all layers, scales included; generate.kv_cache_dtype)"]

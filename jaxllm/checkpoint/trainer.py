@@ -30,10 +30,10 @@ METRICS_ITEM = "metrics_row"
 
 
 def _state_items(state) -> dict:
-    return {
-        "params": state.params,
-        "train": {"step": state.step, "opt": state.opt_state, "rng": state.rng},
-    }
+    train = {"step": state.step, "opt": state.opt_state, "rng": state.rng}
+    if state.grad_comp is not None:  # the replicas' residuals of a compressed exchange
+        train["grad_comp"] = state.grad_comp
+    return {"params": state.params, "train": train}
 
 
 def _fields(struct) -> dict:
@@ -249,6 +249,7 @@ class Checkpointer:
                 params=out["params"],
                 opt_state=train["opt"] if optimizer else None,
                 rng=train["rng"],
+                grad_comp=train.get("grad_comp"),
                 model_state=out["model_state"] if "model_state" in extra else {},
                 loss_scale=abstract_state.loss_scale.replace(**out["loss_scale"])
                 if with_scale

@@ -10,6 +10,7 @@ import warnings
 from jaxllm.config.distill import validate_features, validate_on_policy
 from jaxllm.config.errors import JaxllmWarning
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.grad_compression import validate_grad_compression
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.moe import validate_moe
 from jaxllm.config.peft import PeftConfig
@@ -354,6 +355,7 @@ class Config:
         validate_train(self.train)
         validate_on_policy(self.train, self.data)
         validate_features(self.train, self.model, self.peft)
+        validate_grad_compression(self)
 
     def _validate_pairs(self) -> None:
         """Preference pairs and the objectives that read them go together."""

@@ -218,6 +218,23 @@ class TrainConfig:
     """Stop when evaluation no longer improves (`EarlyStoppingConfig`)."""
     qat: QATConfig = QATConfig()
     """Quantization-aware training (`QATConfig`)."""
+    grad_compression: Literal["none", "topk", "dgc", "qsgd", "tagc"] = "none"
+    """What the data-parallel gradient exchange sends (`jaxllm.parallel.grad_compression`):
+    `topk` (each replica's largest `grad_compression_ratio` share of every tensor, values and
+    indices, with error feedback), `dgc` (Deep Gradient Compression: the same with momentum
+    correction and masking, local clipping and a sparsity warm-up; with `optim.name=sgd` and
+    `optim.momentum`), `qsgd` (stochastic quantisation to `grad_compression_bits`), `tagc`
+    (TAGC: the feed-forward weights sparsified by a threshold ladder with error feedback, a
+    shared index and a summed packed vector); none: the usual all-reduce. Needs a mesh with
+    data parallelism only."""
+    grad_compression_ratio: float = 0.01
+    """`topk` / `dgc`: the share of each gradient tensor's entries a replica sends; `tagc`: the
+    share its sparsification keeps (the packed vector has twice as many slots). In (0, 1]."""
+    grad_compression_warmup: int = 0
+    """`dgc`: steps of the sparsity warm-up (densities 25%, 6.25%, 1.56%, 0.39% down to the
+    ratio, in equal parts); 0: the ratio from the first step."""
+    grad_compression_bits: int = 8
+    """`qsgd`: bits per entry, sign included (2..16): 2^(bits-1) - 1 levels per tensor norm."""
 
 
 # The keys only some objectives read: set away from its default for another objective, a key

@@ -9,8 +9,10 @@ import jax
 
 from jaxllm import config, objectives, optim, sharding
 from jaxllm.compress import qat
+from jaxllm.config.grad_compression import step_optim
 from jaxllm.config.pipeline import microbatches
 from jaxllm.model import abstract_model
+from jaxllm.parallel.grad_compression import Compression
 from jaxllm.sharding import to_global
 from jaxllm.train import companions, loss_scale
 from jaxllm.train.state import grad_shardings, layout, sparse_weights, state_shardings
@@ -21,7 +23,7 @@ def compile_steps(cfg: config.Config, mesh):
     """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
     graphdef, abstract, axes = abstract_model(cfg.model, cfg.peft)
     weights = qat.transform(abstract, axes, cfg.train.qat)  # None unless train.qat
-    tx = optim.build(cfg.optim, cfg.train.steps, axes, sparse_weights(cfg, axes))
+    tx = optim.build(step_optim(cfg), cfg.train.steps, axes, sparse_weights(cfg, axes))
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
@@ -43,6 +45,7 @@ def compile_steps(cfg: config.Config, mesh):
         loss_scaling=scaling,
         other_graphdefs=other_graphdefs,
         weights=weights,
+        compression=Compression.of(cfg),
     )
     jit_train = jax.jit(
         step_fn,

@@ -31,6 +31,7 @@ import jax
 from jaxllm import checkpoint, config, optim, storage
 from jaxllm.checkpoint import mirror
 from jaxllm.config import ConfigError, JaxllmWarning, RunError
+from jaxllm.config.grad_compression import step_optim
 from jaxllm.model import abstract_model, abstract_model_state
 from jaxllm.train.state import sparse_weights
 
@@ -138,7 +139,7 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
 def _opt_shapes(cfg: config.Config) -> dict:
     """{path: (shape, dtype)} of the optimizer state this config's optimizer keeps."""
     _, params, axes = abstract_model(cfg.model, cfg.peft)
-    tx = optim.build(cfg.optim, cfg.train.steps, axes, sparse_weights(cfg, axes))
+    tx = optim.build(step_optim(cfg), cfg.train.steps, axes, sparse_weights(cfg, axes))
     leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
     return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
 

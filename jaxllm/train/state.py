@@ -29,6 +29,7 @@ from jaxllm.model import (
     lora,
     split_peft,
 )
+from jaxllm.parallel.grad_compression import Compression
 
 
 @flax.struct.dataclass
@@ -51,6 +52,10 @@ class TrainState:
     # reference, a distillation teacher), {name: {"params", "model_state"}}; None without.
     # Never checkpointed: loaded again from the sources the run records.
     others: Any = None
+    # Each data replica's state of the compressed gradient exchange (`train.grad_compression`,
+    # `jaxllm.parallel.grad_compression`): topk's residuals, leading dim the replicas, split
+    # over `data`; None without one.
+    grad_comp: Any = None
 
 
 def _init(
@@ -60,6 +65,7 @@ def _init(
     loss_scale=None,
     peft: PeftConfig | None = None,
     quantize: QuantizeConfig | None = None,
+    grad_comp=lambda params: None,
 ) -> TrainState:
     init_key, state_key = init_keys(seed)
     _, params, frozen, model_state = split_peft(build(model_cfg, init_key, peft), peft)
@@ -77,6 +83,7 @@ def _init(
         model_state=model_state,
         loss_scale=loss_scale,
         frozen=frozen,
+        grad_comp=grad_comp(params),
     )
 
 
@@ -206,6 +213,7 @@ def layout(cfg) -> dict:
         "offload": cfg.optim.offload == "host",
         "peft": cfg.peft,
         "quantize": cfg.quantize,
+        "grad_compression": Compression.of(cfg),
     }
 
 
@@ -246,6 +254,7 @@ def state_shardings(
     offload: bool = False,
     peft: PeftConfig | None = None,
     quantize: QuantizeConfig | None = None,
+    grad_compression: Compression | None = None,
 ):
     """NamedShardings of every TrainState leaf: params, their optimizer moments, the frozen
     base of `peft` and the model state by the logical rules, scalars (the loss scale of
@@ -269,7 +278,18 @@ def state_shardings(
         model_state=model_state_sh,
         loss_scale=_initial_loss_scale(loss_scaling, lambda _: replicated),
         frozen=frozen_shardings(model_cfg, mesh, peft, quantize),
+        grad_comp=jax.tree.map(
+            lambda _: NamedSharding(mesh, PartitionSpec("data")),
+            jax.eval_shape(_grad_comp_init(grad_compression, mesh), abstract_params),
+        ),
     )
+
+
+def _grad_comp_init(compression: Compression | None, mesh: Mesh):
+    """params -> the compressed exchange's state for the mesh's data replicas (None without)."""
+    if compression is None:
+        return lambda params: None
+    return lambda params: compression.init(params, mesh.shape["data"])
 
 
 def _initial_loss_scale(loss_scaling, leaf=lambda x: x):
@@ -290,6 +310,7 @@ def init_state(
     offload: bool = False,
     peft: PeftConfig | None = None,
     quantize: QuantizeConfig | None = None,
+    grad_compression: Compression | None = None,
 ) -> TrainState:
     """A freshly initialised TrainState, each leaf created in its shards (`state_shardings`);
     `loss_scaling` (`jaxllm.train.loss_scale.LossScaling`, None: no scaling) gives the loss
@@ -303,9 +324,11 @@ def init_state(
         offload=offload,
         peft=peft,
         quantize=quantize,
+        grad_compression=grad_compression,
     )
+    comp = _grad_comp_init(grad_compression, mesh)
     init = jax.jit(
-        lambda: _init(model_cfg, tx, seed, _initial_loss_scale(loss_scaling), peft, quantize),
+        lambda: _init(model_cfg, tx, seed, _initial_loss_scale(loss_scaling), peft, quantize, comp),
         out_shardings=shardings,
     )
     return init()
@@ -325,6 +348,7 @@ def init_state_from(
     peft: PeftConfig | None = None,
     quantize: QuantizeConfig | None = None,
     adapters=None,
+    grad_compression: Compression | None = None,
 ) -> TrainState:
     """A TrainState at step 0 around given (already sharded) parameters and model state (MoE
     routing biases; None: zeros): fresh optimizer state, rng and loss scale, each leaf in its
@@ -341,6 +365,7 @@ def init_state_from(
         offload=offload,
         peft=peft,
         quantize=quantize,
+        grad_compression=grad_compression,
     )
 
     abstract_ms, _ = abstract_model_state(model_cfg)
@@ -372,6 +397,7 @@ def init_state_from(
             rng=jax.random.key_data(state_key),
             model_state=model_state,
             loss_scale=_initial_loss_scale(loss_scaling),
+            grad_comp=_grad_comp_init(grad_compression, mesh)(params),
         )
 
     return jax.jit(init, out_shardings=shardings)(params, model_state, adapters)

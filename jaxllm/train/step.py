@@ -14,10 +14,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 from jaxllm import parallel, sharding
 from jaxllm.model import merge_model
 from jaxllm.objectives import Objective
+from jaxllm.parallel.grad_compression import Compression
 from jaxllm.sharding import Parallel
 from jaxllm.train import companions, pipelined
 from jaxllm.train.loss_scale import LossScaling
@@ -74,6 +76,68 @@ def _microbatches(batch: dict, n: int) -> dict:
     return jax.tree.map(split, batch)
 
 
+def _accumulated(grad_fn, params, micro: dict, step_key, grad_shardings=None):
+    """(gradient sums, objective sums) over the microbatches `micro` ([n, ...] leaves), scanned
+    inside the step; microbatch i draws its randomness from fold_in(step_key, i)."""
+
+    def accumulate(carry, xs):
+        grads, sums = carry
+        i, mb = xs
+        mb = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), mb)
+        g, out = grad_fn(params, mb, jax.random.fold_in(step_key, i))
+        grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g)
+        sums = jax.tree.map(jnp.add, sums, out)
+        return (grads, sums), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    if grad_shardings is not None:  # like their parameters, or split further (ZeRO-2)
+        zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+    # The accumulator's shapes, from a forward trace of the first microbatch.
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(grad_fn, params, first, step_key)[1]
+    sum_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    n = jax.tree.leaves(micro)[0].shape[0]
+    (grads, sums), _ = jax.lax.scan(accumulate, (zeros, sum_zeros), (jnp.arange(n), micro))
+    return grads, sums
+
+
+def compressed_grads(
+    grad_fn, state, batch, step_key, compression, grad_accum_steps, parallel_settings, unscale
+):
+    """(mean gradient, objective sums, new `grad_comp` state) of `batch` with the gradient
+    exchange of `compression` (`jaxllm.parallel.grad_compression`): under a shard_map manual
+    over the `data` axis each replica runs the model whole on its rows, divides its gradient
+    sum by the global token count (times `unscale`, the loss scale per position, or 1), and
+    the replicas' compressed shares are gathered and added. The other mesh axes have size 1
+    (`train.grad_compression` refuses them), so everything but the batch is replicated."""
+    mesh = parallel_settings.mesh
+    batch_spec = sharding.spec(BATCH_AXES)
+    comp_spec = jax.tree.map(lambda _: PartitionSpec("data"), state.grad_comp)
+    # the qsgd draws: a function of the seed and the step, and different per replica
+    comp_key = jax.random.fold_in(step_key, 0x67726164)  # "grad"
+
+    def per_replica(params, batch, comp_state, comp_key, unscale, step):
+        replica = jax.lax.axis_index("data")
+        with sharding.active(Parallel()):  # the model is whole here: plain per-device code
+            micro = _microbatches(batch, grad_accum_steps)
+            key = jax.random.fold_in(step_key, replica)  # dropout differs per replica
+            grads, sums = _accumulated(grad_fn, params, micro, key)
+        sums = jax.lax.psum(sums, "data")
+        denom = jnp.maximum(sums.tokens, 1.0) * unscale
+        share = jax.tree.map(lambda g: g / denom, grads)
+        key = jax.random.fold_in(comp_key, replica)
+        grads, comp_state = compression.exchange(share, comp_state, key, "data", step)
+        return grads, sums, comp_state
+
+    return jax.shard_map(
+        per_replica,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), batch_spec, comp_spec, *[PartitionSpec()] * 3),
+        out_specs=(PartitionSpec(), PartitionSpec(), comp_spec),
+        check_vma=False,
+    )(state.params, batch, state.grad_comp, comp_key, unscale, state.step)
+
+
 def train_step(
     state: TrainState,
     batch: dict,
@@ -89,11 +153,13 @@ def train_step(
     loss_scaling: LossScaling | None = None,
     other_graphdefs=None,
     weights=None,
+    compression: Compression | None = None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step of `objective` on `batch` (the global batch, split into
     `grad_accum_steps` microbatches). Metrics: the objective's (sum / tokens), `nonfinite`,
     `grad_norm`, `param_norm`, `lr`, `tokens`, the model's (MoE loads), and `loss_scale` (the
-    scale this step used) with `loss_scaling`."""
+    scale this step used) with `loss_scaling`. With `compression` the data replicas exchange
+    compressed gradients (`compressed_grads`) and their state moves in `state.grad_comp`."""
     with sharding.active(parallel_settings):
         scale = None if loss_scaling is None else loss_scaling.scale(state.loss_scale)
         # S scales the loss per token position of a microbatch, as it would scale a mean loss:
@@ -125,15 +191,6 @@ def train_step(
         # a resumed run draws the same ones.
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-        def accumulate(carry, xs):
-            grads, sums = carry
-            i, mb = xs
-            mb = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), mb)
-            g, out = grad_fn(state.params, mb, jax.random.fold_in(step_key, i))
-            grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g)
-            sums = jax.tree.map(jnp.add, sums, out)
-            return (grads, sums), None
-
         if parallel_settings.stages > 1:  # the microbatches stream through the stages
             micro = jax.tree.map(lambda x: sharding.constrain(x, (None, *BATCH_AXES)), micro)
             grads, sums = pipelined.grads_and_sums(
@@ -149,21 +206,25 @@ def train_step(
             )
             if grad_shardings is not None:
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        else:
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            if grad_shardings is not None:  # like their parameters, or split further (ZeRO-2)
-                zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-            # The accumulator's shapes, from a forward trace of the first microbatch.
-            first = jax.tree.map(lambda x: x[0], micro)
-            shapes = jax.eval_shape(grad_fn, state.params, first, step_key)[1]
-            sum_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            (grads, sums), _ = jax.lax.scan(
-                accumulate, (zeros, sum_zeros), (jnp.arange(grad_accum_steps), micro)
+        elif compression is not None:  # each data replica's share, compressed and exchanged
+            grads, sums, grad_comp = compressed_grads(
+                grad_fn,
+                state,
+                batch,
+                step_key,
+                compression,
+                grad_accum_steps,
+                parallel_settings,
+                1.0 if scale is None else scale / positions,
             )
+        else:
+            grads, sums = _accumulated(grad_fn, state.params, micro, step_key, grad_shardings)
 
         count = jnp.maximum(sums.tokens, 1.0)
-        # Unscaled in float32 (the accumulator's dtype), before clipping and the optimizer.
+        # Unscaled in float32 (the accumulator's dtype), before clipping and the optimizer;
+        # the compressed exchange has divided each replica's share already.
         denom = count if scale is None else count * (scale / positions)
+        denom = 1.0 if compression is not None else denom
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
         grad_norm = optax.tree.norm(grads)
         old_opt_state = state.opt_state
@@ -184,6 +245,12 @@ def train_step(
             (params, opt_state),
             (state.params, old_opt_state),
         )
+        if compression is not None:  # nor do the residuals move
+            grad_comp = jax.tree.map(
+                lambda new, old: jnp.where(finite, new, old), grad_comp, state.grad_comp
+            )
+        else:
+            grad_comp = state.grad_comp
         if offload_opt_state:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
         metrics = {k: v / count for k, v in sums.metrics.items()}
@@ -204,6 +271,7 @@ def train_step(
             params=params,
             opt_state=opt_state,
             model_state=model_state,
+            grad_comp=grad_comp,
             loss_scale=state.loss_scale
             if loss_scaling is None
             else loss_scaling.update(state.loss_scale, finite),
