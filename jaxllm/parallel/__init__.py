@@ -15,10 +15,12 @@ mesh, `shard_map` or a module below:
   `ulysses_attention`): all-to-alls between length shards and whole-sequence head groups; and
   USP (`usp_active`, `usp_attention`): Ulysses inside groups of devices, the ring across them.
 - `moe_dispatch.py`: mixture-of-experts dropless and all-to-all dispatch
-  (`per_shard_dropless`, `per_shard_all_to_all`, `expert_all_to_all_active`).
+  (`per_shard_dropless`, `per_shard_all_to_all`, `expert_all_to_all_active`,
+  `dropless_ragged_active`).
 """
 
 from jaxllm.parallel.moe_dispatch import (
+    dropless_ragged_active,
     expert_all_to_all_active,
     per_shard_all_to_all,
     per_shard_dropless,
@@ -28,6 +30,7 @@ from jaxllm.parallel.ring import ring_active, ring_attention, sequence_layout
 from jaxllm.parallel.ulysses import ulysses_active, ulysses_attention, usp_active, usp_attention
 
 __all__ = [
+    "dropless_ragged_active",
     "expert_all_to_all_active",
     "per_shard",
     "per_shard_all_to_all",
