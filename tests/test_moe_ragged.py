@@ -20,6 +20,7 @@ from test_moe_parallel import _train, _train_cfg
 
 from jaxllm import config, sharding
 from jaxllm.config import ConfigError, MeshConfig, MoEConfig
+from jaxllm.hlo_collectives import collectives
 from jaxllm.model.moe_ragged import (
     max_devices_per_token,
     padded_ragged_all_to_all,
@@ -196,3 +197,45 @@ def test_cli_refuses_it_in_one_line(tmp_path):
     assert proc.stderr.startswith("jaxllm: config error: mesh.dropless_dispatch")
     assert len(proc.stderr.strip().splitlines()) == 1
     assert "Traceback" not in proc.stderr
+
+
+def test_collectives_count_a_ragged_exchange_by_the_rows_it_sends():
+    parts = ", ".join(["f32[4,8]{1,0}"] * 5 + ["/*index=5*/f32[4,8]{1,0}"] + ["f32[4,8]{1,0}"] * 2)
+    ints = ", ".join(["s32[1]{0}"] * 5 + ["/*index=5*/s32[1]{0}"] + ["s32[1]{0}"] * 2)
+    scope = 'metadata={op_name="jit(f)/shard_map/ragged_all_to_all_rows8_of32/all_to_all"}'
+    hlo = f"""
+  %a2a.1 = ({parts}) all-to-all(%a), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, {scope}
+  %a2a.2 = ({ints}) all-to-all(%b), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, {scope}
+  %a2a.3 = ({parts}) all-to-all(%c), replica_groups={{{{0,1,2,3,4,5,6,7}}}}
+  %r.4 = f32[32,8]{{1,0}} ragged-all-to-all(f32[8,8]{{1,0}} %x, %o, %i, %s, %p, %q), {scope}
+"""
+    out = collectives(hlo)
+    # the padded stand-in and the ragged op: 8 rows of 8 floats each; its offsets as they are
+    assert out["ragged-all-to-all"] == {"count": 2, "bytes": 2 * 8 * 8 * 4}
+    assert out["all-to-all"] == {"count": 2, "bytes": 8 * 4 + 32 * 8 * 4}
+
+
+def _plan_bytes(*overrides):
+    from jaxllm.plan import plan
+
+    base = ["model=tiny_deepseek", "mesh=expert", "train.global_batch_size=8", "data.seq_len=64"]
+    cfg = config.load(None, base + list(overrides))
+    found = plan(cfg, jax.devices())["collectives"]
+    return {k: v["bytes"] for k, v in found.items()}
+
+
+def test_plan_shows_fewer_bytes_and_fewer_again_with_device_limited_routing():
+    gather = _plan_bytes()
+    ragged = _plan_bytes("mesh.dropless_dispatch=ragged_all_to_all")
+    limited = _plan_bytes(
+        "mesh.dropless_dispatch=ragged_all_to_all",
+        "model.moe.num_groups=8",
+        "model.moe.groups_per_token=1",
+    )
+    assert "ragged-all-to-all" not in gather and "reduce-scatter" in gather
+    moved = gather["all-gather"] + gather["reduce-scatter"]
+    assert ragged["ragged-all-to-all"] + ragged["all-gather"] < moved / 2  # 2 of 8 devices
+    assert "reduce-scatter" not in ragged
+    # 16 experts, 2 per device, each device one group: a token's top-2 on one device instead
+    # of two, so half the rows in every exchange
+    assert limited["ragged-all-to-all"] * 2 == ragged["ragged-all-to-all"]

@@ -52,10 +52,23 @@ def padded_ragged_all_to_all(
     return output.at[dst_NxR.reshape(-1)].set(recv, mode="drop")
 
 
-def _exchange(ragged: bool, rows: int, axis_name):
-    if ragged:
-        return lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axis_name)
-    return lambda *a: padded_ragged_all_to_all(*a, axis_name=axis_name, rows=rows)
+def _exchange(ragged: bool, rows: int, axis_name, sent: int, buffer: int):
+    """The exchange, its ops named `ragged_all_to_all_rows{sent}_of{buffer}` (as is their
+    transpose), which `jaxllm.hlo_collectives` counts as a ragged all-to-all of `sent` rows:
+    the rows a device sends (`sent`: at most T * min(n, k, M); on average over devices, as many
+    come back) rather than the `buffer` rows a padded all-to-all or the receive buffer holds."""
+    scope = jax.named_scope(f"{SCOPE}{sent}_of{buffer}")
+
+    def run(*args):
+        with scope:
+            if ragged:
+                return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
+            return padded_ragged_all_to_all(*args, axis_name=axis_name, rows=rows)
+
+    return run
+
+
+SCOPE = "ragged_all_to_all_rows"
 
 
 def max_devices_per_token(n: int, top_k: int, groups: tuple[int, int] = (1, 1)) -> int:
@@ -97,8 +110,8 @@ def ragged_experts_local(
     n, e_n = jax.lax.axis_size(expert_axis), gate_ExDxF.shape[0]
     me = jax.lax.axis_index(expert_axis)
     ragged = ragged_supported() if ragged is None else ragged
-    exchange = _exchange(ragged, t, expert_axis)
     s = t * max_devices_per_token(n, k, groups)
+    exchange = _exchange(ragged, t, expert_axis, s, n * t)
 
     # 1. (token, device) pairs, sorted by device; only pairs a token's experts reach are live
     device_TxX = expert_TxX // e_n
