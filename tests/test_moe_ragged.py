@@ -21,11 +21,8 @@ from test_moe_parallel import _train, _train_cfg
 from jaxllm import config, sharding
 from jaxllm.config import ConfigError, MeshConfig, MoEConfig
 from jaxllm.hlo_collectives import collectives
-from jaxllm.model.moe_ragged import (
-    max_devices_per_token,
-    padded_ragged_all_to_all,
-    ragged_experts_local,
-)
+from jaxllm.model.moe_ragged import max_devices_per_token, ragged_experts_local
+from jaxllm.parallel.ragged import padded_ragged_all_to_all
 
 ROUTERS = {
     "top2": MoEConfig(num_experts=8, experts_per_token=2),

@@ -16,59 +16,19 @@ Per device under shard_map (`jaxllm.parallel.per_shard_dropless`), with n device
 4. the weighted partial outputs go back the same way and each token sums its rows.
 
 Backends without a ragged all-to-all (XLA:CPU) run the same exchange as a padded all-to-all of
-T rows per device pair (`padded_ragged_all_to_all`), which is exact and moves as many bytes as
-the all-gather dispatcher.
+T rows per device pair (`jaxllm.parallel.ragged_all_to_all`), which is exact and moves as many
+bytes as the all-gather dispatcher.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from jaxllm import parallel
 from jaxllm.model.moe_experts import grouped_experts, swiglu
-
-
-def ragged_supported() -> bool:
-    """Whether the default backend compiles `jax.lax.ragged_all_to_all` (XLA:CPU does not)."""
-    return jax.default_backend() != "cpu"
-
-
-def padded_ragged_all_to_all(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, rows
-):
-    """`jax.lax.ragged_all_to_all` (one slice per device) as a dense all-to-all: slice j of
-    at most `rows` rows is padded to `rows` and sent to device j, which writes the first
-    recv_sizes[i] rows from device i at the offset device i named for it."""
-    r = jnp.arange(rows, dtype=input_offsets.dtype)
-    src_NxR = input_offsets[:, None] + r[None, :]
-    live_NxR = r[None, :] < send_sizes[:, None]
-    send = jnp.take(operand, jnp.where(live_NxR, src_NxR, 0).reshape(-1), axis=0)
-    live = live_NxR.reshape(-1, *(1,) * (operand.ndim - 1))
-    send = jnp.where(live, send, jnp.zeros((), operand.dtype))
-    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [n * rows, ...]
-    offsets_N = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    dst_NxR = offsets_N[:, None] + r[None, :]
-    dst_NxR = jnp.where(r[None, :] < recv_sizes[:, None], dst_NxR, output.shape[0])
-    return output.at[dst_NxR.reshape(-1)].set(recv, mode="drop")
-
-
-def _exchange(ragged: bool, rows: int, axis_name, sent: int, buffer: int):
-    """The exchange, its ops named `ragged_all_to_all_rows{sent}_of{buffer}` (as is their
-    transpose), which `jaxllm.hlo_collectives` counts as a ragged all-to-all of `sent` rows:
-    the rows a device sends (`sent`: at most T * min(n, k, M); on average over devices, as many
-    come back) rather than the `buffer` rows a padded all-to-all or the receive buffer holds."""
-    scope = jax.named_scope(f"{SCOPE}{sent}_of{buffer}")
-
-    def run(*args):
-        with scope:
-            if ragged:
-                return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
-            return padded_ragged_all_to_all(*args, axis_name=axis_name, rows=rows)
-
-    return run
-
-
-SCOPE = "ragged_all_to_all_rows"
 
 
 def max_devices_per_token(n: int, top_k: int, groups: tuple[int, int] = (1, 1)) -> int:
@@ -100,18 +60,20 @@ def ragged_experts_local(
     fp8=False,
     act=swiglu,
 ):
-    """Per device under shard_map over `expert_axis` (see the module docstring). `groups` (num_groups,
-    groups_per_token) bounds the devices one token's experts sit on; `ragged` (default: whether the
-    backend has it) picks `jax.lax.ragged_all_to_all` or its padded form."""
+    """Per device under shard_map over `expert_axis` (see the module docstring). `groups`
+    (num_groups, groups_per_token) bounds the devices one token's experts sit on; `ragged`
+    (default: whether the backend has it) picks `jax.lax.ragged_all_to_all` or its padded
+    form (`jaxllm.parallel.ragged_all_to_all`)."""
     b, l, d = x_BxLxD.shape
     t, k = b * l, expert_BxLxX.shape[-1]
     x_TxD = x_BxLxD.reshape(t, d)
     expert_TxX, weight_TxX = expert_BxLxX.reshape(t, k), weight_BxLxX.reshape(t, k)
     n, e_n = jax.lax.axis_size(expert_axis), gate_ExDxF.shape[0]
     me = jax.lax.axis_index(expert_axis)
-    ragged = ragged_supported() if ragged is None else ragged
     s = t * max_devices_per_token(n, k, groups)
-    exchange = _exchange(ragged, t, expert_axis, s, n * t)
+    exchange = functools.partial(
+        parallel.ragged_all_to_all, axis_name=expert_axis, rows=t, sent=s, ragged=ragged
+    )
 
     # 1. (token, device) pairs, sorted by device; only pairs a token's experts reach are live
     device_TxX = expert_TxX // e_n

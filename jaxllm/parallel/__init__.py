@@ -17,6 +17,8 @@ mesh, `shard_map` or a module below:
 - `moe_dispatch.py`: mixture-of-experts dropless and all-to-all dispatch
   (`per_shard_dropless`, `per_shard_all_to_all`, `expert_all_to_all_active`,
   `dropless_ragged_active`).
+- `ragged.py`: `ragged_all_to_all`, `jax.lax.ragged_all_to_all` or, where the backend lacks it
+  (XLA:CPU), an exact padded all-to-all (`padded_ragged_all_to_all`).
 """
 
 from jaxllm.parallel.moe_dispatch import (
@@ -26,6 +28,7 @@ from jaxllm.parallel.moe_dispatch import (
     per_shard_dropless,
 )
 from jaxllm.parallel.per_shard import per_shard, per_shard_attention
+from jaxllm.parallel.ragged import ragged_all_to_all
 from jaxllm.parallel.ring import ring_active, ring_attention, sequence_layout
 from jaxllm.parallel.ulysses import ulysses_active, ulysses_attention, usp_active, usp_attention
 
@@ -36,6 +39,7 @@ __all__ = [
     "per_shard_all_to_all",
     "per_shard_attention",
     "per_shard_dropless",
+    "ragged_all_to_all",
     "ring_active",
     "ring_attention",
     "sequence_layout",
