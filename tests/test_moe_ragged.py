@@ -4,6 +4,7 @@ expert-parallel meshes (with data / fsdp / tensor), with and without group-limit
 padded exchange XLA:CPU runs equals `jax.lax.ragged_all_to_all`'s definition; the ragged path
 lowers for GPU; training losses and parameters equal one device."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -161,10 +162,22 @@ def test_ragged_path_lowers_for_gpu_with_its_collective():
     assert text.count("ragged_all_to_all") >= 6
 
 
-def test_training_with_ragged_dispatch_matches_single_device():
-    ref_losses, ref_state, _, initial = _train(_train_cfg("dropless"), jax.devices()[:1])
-    cfg = _train_cfg("dropless", expert=4, data=2, dropless_dispatch="ragged_all_to_all")
-    losses, state, _, _ = _train(cfg, jax.devices(), initial)
+def _groups(cfg, num_groups: int, keep: int):
+    moe = dataclasses.replace(cfg.model.moe, num_groups=num_groups, groups_per_token=keep)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
+
+
+@pytest.mark.parametrize(
+    "mesh, groups",
+    [(dict(expert=4, data=2), (1, 1)), (dict(expert=8), (4, 1)), (dict(expert=4, fsdp=2), (8, 2))],
+    ids=["ep4_dp2", "ep8-groups", "ep4_fsdp2-groups"],
+)
+def test_training_with_ragged_dispatch_matches_single_device(mesh, groups):
+    ref_losses, ref_state, _, initial = _train(
+        _groups(_train_cfg("dropless"), *groups), jax.devices()[:1]
+    )
+    cfg = _train_cfg("dropless", **mesh, dropless_dispatch="ragged_all_to_all")
+    losses, state, _, _ = _train(_groups(cfg, *groups), jax.devices(), initial)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     for a, b in zip(
         jax.tree.leaves(jax.device_get(state.params)),
