@@ -1,6 +1,8 @@
 """Collectives in an optimized HLO module, by kind, with the bytes they move: what `jaxllm
 plan` reports and what tests of a layout's communication assert.
 
+A ragged all-to-all is counted by the rows it sends, not by its buffers (`_ragged_rows`).
+
 XLA:CPU has no pass that fuses an all-reduce and the dynamic slice that keeps one shard of it
 into a reduce-scatter (GPU and TPU compilers have one, ReduceScatterCreator), so the SPMD
 partitioner's reduce-scatters reach a CPU module as an all-reduce whose every user reads
@@ -14,7 +16,14 @@ from collections import defaultdict
 
 import numpy as np
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 _DTYPE_BYTES = {
     "pred": 1,
     "s8": 1,
@@ -78,6 +87,8 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
             users = _users(lines) if users is None else users
             if _keeps_one_shard(m.group(1), m.group(2), n, users):
                 kind, nbytes = "reduce-scatter", nbytes // n
+        if (ragged := _ragged_rows(line, m.group(2))) is not None:
+            kind, nbytes = "ragged-all-to-all", ragged
         out[kind]["count"] += 1
         out[kind]["bytes"] += nbytes
     return dict(out)
@@ -94,6 +105,21 @@ def _users(lines: list[str]) -> dict[str, list[tuple[str, str, str]]]:
             for operand in set(re.findall(r"%[\w.-]+", m.group(4).split(", metadata=")[0])):
                 out[operand].append((m.group(1), m.group(2), m.group(3)))
     return out
+
+
+def _ragged_rows(line: str, shape_text: str) -> int | None:
+    """Bytes of the rows a ragged all-to-all sends, for an exchange that
+    `jaxllm.model.moe_ragged` names `ragged_all_to_all_rows{sent}_of{buffer}` (the ragged op or
+    the padded all-to-all standing in for it where the backend lacks one, and their transposes):
+    `sent` rows of the buffer's; None for other ops and the exchange's small index traffic."""
+    m = re.search(r"ragged_all_to_all_rows(\d+)_of(\d+)", line)
+    parts = [d.split(",") for d in re.findall(r"[a-z0-9]+\[([\d,]*)\]", shape_text)]
+    if not m or not parts or min(len(p) for p in parts) < 2:
+        return None  # rows are [rows, D] or [rows, k]; the offsets [n] are not
+    rows = sum(int(p[0]) for p in parts)  # an XLA:CPU all-to-all: a tuple of a part per device
+    if rows not in (int(m.group(1)), int(m.group(2))):
+        return None
+    return _shape_bytes(shape_text) // rows * int(m.group(1))
 
 
 def _dims(shape_text: str) -> list[int] | None:

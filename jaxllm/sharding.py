@@ -208,7 +208,8 @@ class Parallel:
     `sequence_attention` (`all_gather`, `ring`, `ulysses` or `usp`, with its Ulysses degree
     `sequence_ulysses`) is how attention runs over a sharded sequence;
     `expert_dispatch` (`all_to_all` or `annotations`) is how capacity-mode MoE layers reach
-    experts on other devices. No mesh: everything runs as plain single-device code."""
+    experts on other devices, `dropless_dispatch` (`all_gather` or `ragged_all_to_all`) how
+    dropless ones do. No mesh: everything runs as plain single-device code."""
 
     mesh: Mesh | None = None
     sequence_attention: str = "all_gather"
@@ -217,6 +218,7 @@ class Parallel:
     virtual_stages: int = 1
     sequence_ulysses: int = 1
     tensor_sequence_parallel: bool = False
+    dropless_dispatch: str = "all_gather"
 
     @classmethod
     def of(cls, mesh: Mesh | None, cfg: MeshConfig) -> Parallel:
@@ -229,6 +231,7 @@ class Parallel:
             cfg.virtual_stages,
             cfg.sequence_ulysses,
             cfg.tensor_sequence_parallel,
+            cfg.dropless_dispatch,
         )
 
     @property

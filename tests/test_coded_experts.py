@@ -102,8 +102,11 @@ def _np_layer(layer: moe.MoE, x_BxLxD: np.ndarray, act: str, routed_act: str | N
 def _run(layer: moe.MoE, x, mesh_axes: dict | None, expert_dispatch: str = "annotations"):
     if mesh_axes is None:
         return np.asarray(nnx.jit(lambda m, x: m(x).out)(layer, x))
+    mesh_axes = dict(mesh_axes)
+    dropless = mesh_axes.pop("dropless_dispatch", "all_gather")
     mesh = sharding.make_mesh(MeshConfig(data=1, **mesh_axes))
-    with sharding.active(sharding.Parallel(mesh, expert_dispatch=expert_dispatch)):
+    parallel = sharding.Parallel(mesh, expert_dispatch=expert_dispatch, dropless_dispatch=dropless)
+    with sharding.active(parallel):
         return np.asarray(nnx.jit(lambda m, x: m(x).out)(layer, x))
 
 
@@ -113,6 +116,11 @@ PATHS = {  # id -> (dispatch, mesh axes, capacity dispatch)
     # shard_map: experts over `expert`, hidden units over `tensor` (the down projection's
     # per-token scales then take their max over it)
     "dropless-expert4-tensor2": ("dropless", dict(expert=4, tensor=2), "annotations"),
+    "dropless-ragged-expert4-tensor2": (
+        "dropless",
+        dict(expert=4, tensor=2, dropless_dispatch="ragged_all_to_all"),
+        "annotations",
+    ),
     "capacity-all_to_all-expert2-tensor2-fsdp2": (
         "capacity",
         dict(expert=2, tensor=2, fsdp=2),

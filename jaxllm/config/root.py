@@ -106,6 +106,12 @@ class Config:
                 "train.qat rounds the weights that train and their inputs; "
                 f"peft.method={self.peft.method} freezes them. Use one or the other."
             )
+        routed = m.moe.enabled and m.moe.dispatch == "dropless"
+        if self.mesh.dropless_dispatch != "all_gather" and not routed:
+            _fail(
+                "mesh.dropless_dispatch moves the tokens of dropless MoE layers: set "
+                "model.moe.num_experts and model.moe.dispatch=dropless, or leave it at all_gather."
+            )
         if self.train.qat.enabled and self.mesh.stage > 1:
             _fail("train.qat does not run under pipeline stages (mesh.stage > 1) yet.")
         gen = self.generate

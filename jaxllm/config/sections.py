@@ -110,8 +110,14 @@ class MeshConfig:
     """How capacity-mode MoE layers move token buffers to their experts' devices over
     `expert`: sharding constraints on the buffers, from which XLA makes the all-to-all, or an
     explicit all-to-all under shard_map. Both move the same bytes in every plan of
-    docs/benchmarks.md; constraints need less memory with FSDP. Dropless layers always gather
-    the tokens of the expert group under shard_map."""
+    docs/benchmarks.md; constraints need less memory with FSDP. Dropless layers: see
+    dropless_dispatch."""
+    dropless_dispatch: Literal["all_gather", "ragged_all_to_all"] = "all_gather"
+    """How dropless MoE layers reach experts on other devices over `expert`: `all_gather`
+    every token of the expert group and reduce-scatter the outputs, or send each token only to
+    the devices of its chosen experts and back (`jaxllm.model.moe_ragged`) by
+    `jax.lax.ragged_all_to_all`; where the backend lacks it (XLA:CPU) by an exact padded
+    all-to-all that moves as many bytes as the gather."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ Two ways to run the experts:
   by expert and runs the experts as grouped matmuls (`jax.lax.ragged_dot`); nothing is dropped.
   With experts split over devices, tokens are all-gathered over the expert axis, every device
   runs its own experts on the assignments that chose them, and the partial outputs are
-  reduce-scattered back (the static-shape "all-gather dispatcher").
+  reduce-scattered back (the static-shape "all-gather dispatcher"), or (`moe_ragged`) each
+  token goes by a ragged all-to-all only to the devices of its chosen experts and back.
 - `capacity` (GShard / Switch, arXiv:2101.03961): each sequence fills buffers of C slots per
   expert [E, C, D]; first choices of the sequence take slots before second choices, then by
   position, and assignments past C are dropped (counted). Buffers reach the devices holding
@@ -61,6 +62,7 @@ from jaxllm.model.moe_experts import (
     expert_weight,
     record_experts,
 )
+from jaxllm.model.moe_ragged import ragged_experts_local
 from jaxllm.model.outputs import MoEOutput
 from jaxllm.sharding import constrain
 
@@ -254,6 +256,14 @@ class MoE(nnx.Module):
         dropped = jnp.zeros((), jnp.float32)
         if cfg.dispatch == "dropless":
             fn = functools.partial(dropless_experts_local, dtype=dtype, fp8=self.fp8, act=act)
+            if parallel.dropless_ragged_active():  # each token only to its experts' devices
+                fn = functools.partial(
+                    ragged_experts_local,
+                    dtype=dtype,
+                    fp8=self.fp8,
+                    act=act,
+                    groups=(cfg.num_groups, cfg.groups_per_token),
+                )
             out_BxLxD = parallel.per_shard_dropless(
                 fn, x_BxLxD, r.expert_BxLxX, r.weight_BxLxX, gate, up, down
             )

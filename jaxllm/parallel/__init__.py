@@ -15,24 +15,31 @@ mesh, `shard_map` or a module below:
   `ulysses_attention`): all-to-alls between length shards and whole-sequence head groups; and
   USP (`usp_active`, `usp_attention`): Ulysses inside groups of devices, the ring across them.
 - `moe_dispatch.py`: mixture-of-experts dropless and all-to-all dispatch
-  (`per_shard_dropless`, `per_shard_all_to_all`, `expert_all_to_all_active`).
+  (`per_shard_dropless`, `per_shard_all_to_all`, `expert_all_to_all_active`,
+  `dropless_ragged_active`).
+- `ragged.py`: `ragged_all_to_all`, `jax.lax.ragged_all_to_all` or, where the backend lacks it
+  (XLA:CPU), an exact padded all-to-all (`padded_ragged_all_to_all`).
 """
 
 from jaxllm.parallel.moe_dispatch import (
+    dropless_ragged_active,
     expert_all_to_all_active,
     per_shard_all_to_all,
     per_shard_dropless,
 )
 from jaxllm.parallel.per_shard import per_shard, per_shard_attention
+from jaxllm.parallel.ragged import ragged_all_to_all
 from jaxllm.parallel.ring import ring_active, ring_attention, sequence_layout
 from jaxllm.parallel.ulysses import ulysses_active, ulysses_attention, usp_active, usp_attention
 
 __all__ = [
+    "dropless_ragged_active",
     "expert_all_to_all_active",
     "per_shard",
     "per_shard_all_to_all",
     "per_shard_attention",
     "per_shard_dropless",
+    "ragged_all_to_all",
     "ring_active",
     "ring_attention",
     "sequence_layout",

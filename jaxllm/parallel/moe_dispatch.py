@@ -37,6 +37,18 @@ def expert_all_to_all_active() -> bool:
     )
 
 
+def dropless_ragged_active() -> bool:
+    """Whether dropless MoE layers send tokens to their experts' devices by a ragged
+    all-to-all (instead of gathering the tokens of the expert group)."""
+    settings = sharding.current()
+    mesh = settings.mesh
+    return (
+        mesh is not None
+        and mesh.shape[sharding.RULES["expert"][0]] > 1
+        and settings.dropless_dispatch == "ragged_all_to_all"
+    )
+
+
 def per_shard_dropless(fn, x_BxLxD, idx_BxLxX, w_BxLxX, gate_ExDxF, up_ExDxF, down_ExFxD):
     """Runs `fn(x, idx, w, gate, up, down, expert_axis=, tensor_axis=)` on each device's tokens
     and its slice of the experts under `shard_map` (a plain call without a mesh), so the sort
