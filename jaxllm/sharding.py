@@ -208,7 +208,9 @@ class Parallel:
     `sequence_attention` (`all_gather`, `ring`, `ulysses` or `usp`, with its Ulysses degree
     `sequence_ulysses`) is how attention runs over a sharded sequence;
     `expert_dispatch` (`all_to_all` or `annotations`) is how capacity-mode MoE layers reach
-    experts on other devices. No mesh: everything runs as plain single-device code."""
+    experts on other devices; `overlap` holds the switches of `mesh.overlap`
+    (`collective_matmul` is read by `jaxllm.parallel.collective_matmul`). No mesh: everything
+    runs as plain single-device code."""
 
     mesh: Mesh | None = None
     sequence_attention: str = "all_gather"
@@ -217,6 +219,7 @@ class Parallel:
     virtual_stages: int = 1
     sequence_ulysses: int = 1
     tensor_sequence_parallel: bool = False
+    overlap: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, mesh: Mesh | None, cfg: MeshConfig) -> Parallel:
@@ -229,6 +232,7 @@ class Parallel:
             cfg.virtual_stages,
             cfg.sequence_ulysses,
             cfg.tensor_sequence_parallel,
+            tuple(cfg.overlap),
         )
 
     @property

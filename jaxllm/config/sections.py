@@ -112,6 +112,14 @@ class MeshConfig:
     explicit all-to-all under shard_map. Both move the same bytes in every plan of
     docs/benchmarks.md; constraints need less memory with FSDP. Dropless layers always gather
     the tokens of the expert group under shard_map."""
+    overlap: tuple[str, ...] = ()
+    """Switches that hide collectives behind compute (`jaxllm.train.overlap`), any of:
+    `collective_matmul` (the all-gather before each column-parallel MLP matmul of
+    mesh.tensor_sequence_parallel decomposed into mesh.tensor ring steps under shard_map, each
+    overlapped with a partial matmul; any backend), `latency_hiding` (XLA:GPU's latency-hiding
+    scheduler) and `async_fusion` (XLA:GPU's pipelined all-gather, reduce-scatter and
+    all-reduce: a layer loop's collectives started an iteration early). The last two are
+    compiler flags of the GPU backend and refused elsewhere. Empty: XLA's defaults."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm import parallel
 from jaxllm.model import lora
 from jaxllm.model.layers import matmul, param
 from jaxllm.sharding import constrain
@@ -81,7 +82,16 @@ class MLP(nnx.Module):
             self.down_bias = param(rngs, zeros, (d,), ("embed",), pdt)
 
     def _proj(self, spec: str, x, name: str):
-        y = matmul(spec, x, lora.kernel(self, f"{name}_proj"), self.dtype, fp8=self.fp8)
+        kernel = lora.kernel(self, f"{name}_proj")
+        if (  # column-parallel, plain weights: the gather may ring (`mesh.overlap`)
+            spec == "bld,df->blf"
+            and not self.fp8
+            and isinstance(kernel, jax.Array)
+            and parallel.collective_matmul_active(x)
+        ):
+            y = parallel.collective_matmul(x, kernel, self.dtype)
+        else:
+            y = matmul(spec, x, kernel, self.dtype, fp8=self.fp8)
         bias = getattr(self, f"{name}_bias", None)
         return y if bias is None else y + _broadcast(bias[...].astype(self.dtype), y.ndim)
 

@@ -250,7 +250,8 @@ def state_shardings(
     """NamedShardings of every TrainState leaf: params, their optimizer moments, the frozen
     base of `peft` and the model state by the logical rules, scalars (the loss scale of
     `loss_scaling` among them) replicated. From `zero_stage` 1 on the optimizer state is also
-    split over the replicas; with `offload` it lives in host memory (`pinned_host`)."""
+    split over the replicas; with `offload` it lives in host memory (`pinned_host`), and so do
+    the parameters with `model_cfg.param_offload=host`."""
     _, abstract_params, axes = abstract_model(model_cfg, peft)
     sharding.check_divisible(mesh, abstract_params, axes)
     param_sh = sharding.tree_shardings(mesh, axes)
@@ -259,6 +260,8 @@ def state_shardings(
     opt_sh = opt_state_shardings(tx, abstract_params, moment_sh)
     if offload:
         opt_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_sh)
+    if model_cfg.param_offload == "host":  # ZeRO-Offload of the parameters
+        param_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), param_sh)
     _, model_state_axes = abstract_model_state(model_cfg)
     model_state_sh = sharding.tree_shardings(mesh, model_state_axes)
     return TrainState(
