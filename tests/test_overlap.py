@@ -8,18 +8,26 @@ there. The GPU compiler switches are refused on this backend with one line; on a
 HLO is checked by `test_gpu_switches_change_the_compiled_step` (marked gpu).
 """
 
+import json
+import shutil
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import abstract_state, tiny_model
+from conftest import SMALL_RUN, abstract_state, tiny_model
+from lowering import lower
 
-from jaxllm import config, parallel, sharding
+from jaxllm import config, objectives, optim, parallel, sharding
 from jaxllm.bench import synthetic_batch
 from jaxllm.cli import main
+from jaxllm.model import abstract_model
 from jaxllm.plan import memory_bill
+from jaxllm.train import overlap
 from jaxllm.train.compiled import compile_steps, evaluate
 from jaxllm.train.state import init_state, layout
+from jaxllm.train.step import train_step
 
 TP_SP = dict(data=2, tensor=4, tensor_sequence_parallel=True)
 
@@ -49,8 +57,11 @@ def _train(cfg, devices=8):
     return losses, held_out["eval_loss"], state, hlo
 
 
-def test_collective_matmul_equals_the_matmul_and_its_gradients():
-    mesh = sharding.make_mesh(config.MeshConfig(**TP_SP), jax.devices()[:8])
+@pytest.mark.parametrize("degrees", [TP_SP, dict(data=2, sequence=2, tensor=2)])
+def test_collective_matmul_equals_the_matmul_and_its_gradients(degrees):
+    mesh = sharding.make_mesh(
+        config.MeshConfig(**{**degrees, "tensor_sequence_parallel": True}), jax.devices()[:8]
+    )
     settings = sharding.Parallel(
         mesh, tensor_sequence_parallel=True, overlap=("collective_matmul",)
     )
@@ -96,6 +107,64 @@ def test_offloaded_parameters_train_like_parameters_on_the_device():
     assert {p.sharding.memory_kind for p in jax.tree.leaves(state.opt_state)} == {"device"}
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_lowered_step_moves_offloaded_parameters_between_host_and_device():
+    """For a GPU: every parameter leaf goes back to host memory at the end of the step."""
+    cfg = _cfg(dict(data=1, fsdp=1), param_offload="host", devices=1)
+    graphdef, _, axes = abstract_model(cfg.model)
+    tx = optim.build(cfg.optim, cfg.train.steps, axes)
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    state = jax.eval_shape(lambda: init_state(cfg.model, tx, mesh, 0))
+    batch = jax.tree.map(jnp.asarray, synthetic_batch(cfg))
+    hlo = {}
+    for offload in (False, True):
+
+        def step(state, batch, offload=offload):
+            return train_step(
+                state,
+                batch,
+                graphdef=graphdef,
+                tx=tx,
+                lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
+                objective=objectives.from_config(cfg),
+                offload_params=offload,
+            )
+
+        hlo[offload] = lower(step, state, batch, platform="cuda").as_text()
+    host = '_xla_buffer_placement = "pinned_host"'
+    assert hlo[False].count(host) == 0
+    assert hlo[True].count(host) >= len(jax.tree.leaves(state.params))
+
+
+def test_a_run_resumes_with_its_parameters_offloaded(small_run, tmp_path):
+    """The CLI path: a checkpoint written with the parameters on the device resumes into host
+    memory and continues with the same losses."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    shutil.rmtree(run / "checkpoints" / "4")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    args = [*SMALL_RUN, "train.steps=4", "checkpoint.every=2", f"run.dir={run}"]
+    assert main(["train", *args, "model.param_offload=host"]) == 0
+
+    def losses(path):
+        rows = (Path(path) / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, rows)}
+
+    got, want = losses(run), losses(small_run)
+    np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-6)
+
+
+def test_gpu_switches_name_flags_this_xla_knows():
+    """Each GPU switch's options, passed to a compile here: XLA refuses a name it does not
+    know ("No such compile option"), whatever the backend."""
+    lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
+    for switch in overlap.GPU_OPTIONS:
+        options = overlap.compiler_options((switch,), "gpu")
+        assert options == overlap.GPU_OPTIONS[switch]
+        lowered.compile(compiler_options=options)
+    assert overlap.compiler_options(("collective_matmul",), "cpu") == {}
 
 
 def test_plan_bills_offloaded_parameters_to_host_memory():
