@@ -31,33 +31,37 @@ def collective_matmul_active(x: jax.Array) -> bool:
     return t > 1 and x.shape[0] % rows == 0 and x.shape[1] % (t * mesh.shape["sequence"]) == 0
 
 
-def _ring_matmul(x_BxCxD: jax.Array, w_DxF: jax.Array, dtype) -> jax.Array:
-    """Per device: its length chunk of x and its column block of w -> [B, T*C, F/T], the
-    matmul of the whole (sequence shard's) length, the chunks passed one step round the ring
-    while the previous one multiplies."""
+def _ring_matmul(x_BxCxD: jax.Array, ws_DxF: list[jax.Array], dtype) -> list[jax.Array]:
+    """Per device: its length chunk of x and its column block of each w -> [B, T*C, F/T] per
+    w, the matmuls of the whole (sequence shard's) length: the chunks go one step round the
+    ring while the previous one multiplies every w."""
     t = jax.lax.axis_size("tensor")
     i = jax.lax.axis_index("tensor")
-    c = x_BxCxD.shape[1]
+    b, c = x_BxCxD.shape[:2]
     ring = [(j, (j - 1) % t) for j in range(t)]  # device j sends its chunk to j - 1
-    out_BxLxF = jnp.zeros((x_BxCxD.shape[0], t * c, w_DxF.shape[1]), dtype)
+    outs_BxLxF = [jnp.zeros((b, t * c, w.shape[1]), dtype) for w in ws_DxF]
     chunk = x_BxCxD
     for step in range(t):  # at `step`, device i holds chunk (i + step) % t
         nxt = jax.lax.ppermute(chunk, "tensor", ring) if step < t - 1 else None
-        y = jnp.einsum("bcd,df->bcf", chunk, w_DxF, preferred_element_type=dtype).astype(dtype)
-        out_BxLxF = jax.lax.dynamic_update_slice_in_dim(out_BxLxF, y, ((i + step) % t) * c, 1)
+        start = ((i + step) % t) * c
+        for k, w in enumerate(ws_DxF):
+            y = jnp.einsum("bcd,df->bcf", chunk, w, preferred_element_type=dtype).astype(dtype)
+            outs_BxLxF[k] = jax.lax.dynamic_update_slice_in_dim(outs_BxLxF[k], y, start, 1)
         chunk = nxt
-    return out_BxLxF
+    return outs_BxLxF
 
 
-def collective_matmul(x_BxLxD: jax.Array, w_DxF: jax.Array, dtype) -> jax.Array:
-    """x [B, L, D] @ w [D, F] in `dtype`, with L split over `sequence` x `tensor` on the way
-    in and F over `tensor` on the way out (`collective_matmul_active` must hold)."""
+def collective_matmul(x_BxLxD: jax.Array, ws_DxF, dtype) -> list[jax.Array]:
+    """[x [B, L, D] @ w [D, F] for w in `ws_DxF`] in `dtype`, one ring of x's chunks for
+    all of them; L split over `sequence` x `tensor` on the way in, each F over `tensor` on the
+    way out (`collective_matmul_active` must hold)."""
     mesh = sharding.current().mesh
     batch = sharding.spec(("batch",))[0]
     x_spec = PartitionSpec(batch, ("sequence", "tensor"), None)
+    ws_DxF = [w.astype(dtype) for w in ws_DxF]
     return jax.shard_map(
-        lambda x, w: _ring_matmul(x, w, dtype),
+        lambda x, ws: _ring_matmul(x, ws, dtype),
         mesh=sharding.shard_map_mesh(mesh),
-        in_specs=(x_spec, PartitionSpec(None, "tensor")),
-        out_specs=PartitionSpec(batch, "sequence", "tensor"),
-    )(x_BxLxD.astype(dtype), w_DxF.astype(dtype))
+        in_specs=(x_spec, [PartitionSpec(None, "tensor")] * len(ws_DxF)),
+        out_specs=[PartitionSpec(batch, "sequence", "tensor")] * len(ws_DxF),
+    )(x_BxLxD.astype(dtype), ws_DxF)
