@@ -197,6 +197,19 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
 
 
+def on_device(tree):
+    """`tree` with every leaf kept in host memory (`model.param_offload=host`,
+    `optim.offload=host`) copied to device memory, in the same shards; others as they are."""
+
+    def one(x):
+        sh = getattr(x, "sharding", None)
+        if getattr(sh, "memory_kind", None) not in ("pinned_host", "unpinned_host"):
+            return x
+        return jax.device_put(x, sh.with_memory_kind("device"))
+
+    return jax.tree.map(one, tree)
+
+
 def layout(cfg) -> dict:
     """The `state_shardings` / `init_state` keywords a `Config` asks for: ZeRO stage,
     optimizer-state offload, what trains (`peft`) and how its frozen base is packed (the
