@@ -185,8 +185,10 @@ def memory_bill(state, shardings, axes, grad_sh=None) -> dict:
     """The state's share of one device's memory, in bytes: parameters, gradients (one per
     parameter, in its dtype, sharded as `grad_sh`, by default like the parameter) and the
     optimizer state held in device memory; `host`: the state this device keeps in host memory
-    (`optim.offload=host`). Plus optimizer-state bytes per parameter over the whole model, and over matrices alone (leaves whose parameter has two
-    or more dims besides the stacked layer/expert dims), where factored optimizers save."""
+    (`optim.offload=host`, and the parameters with `model.param_offload=host`). Plus
+    optimizer-state bytes per parameter over the whole model, and over matrices alone (leaves
+    whose parameter has two or more dims besides the stacked layer/expert dims), where factored
+    optimizers save."""
     params = jax.tree.leaves(state.params)
     param_sh = jax.tree.leaves(shardings.params)
     n_params = sum(p.size for p in params)
@@ -212,9 +214,13 @@ def memory_bill(state, shardings, axes, grad_sh=None) -> dict:
     opt = [leaf for _, leaf in opt_leaves]
     return {
         "parameters": per_device(params, param_sh),
-        "gradients": per_device(params, param_sh if grad_sh is None else jax.tree.leaves(grad_sh)),
+        # on the device whatever memory their parameters live in between steps
+        "gradients": sum(
+            _bytes(a, s)
+            for a, s in zip(params, param_sh if grad_sh is None else jax.tree.leaves(grad_sh))
+        ),
         "optimizer_state": per_device(opt, opt_sh),
-        "host": per_device(opt, opt_sh, host=True),
+        "host": per_device(opt, opt_sh, host=True) + per_device(params, param_sh, host=True),
         "opt_bytes_per_param": opt_total / n_params,
         "opt_bytes_per_matrix_param": matrix_opt / max(sum(matrix_paths.values()), 1),
     }

@@ -209,7 +209,9 @@ class Parallel:
     `sequence_ulysses`) is how attention runs over a sharded sequence;
     `expert_dispatch` (`all_to_all` or `annotations`) is how capacity-mode MoE layers reach
     experts on other devices, `dropless_dispatch` (`all_gather` or `ragged_all_to_all`) how
-    dropless ones do. No mesh: everything runs as plain single-device code."""
+    dropless ones do; `overlap` holds the switches of `mesh.overlap`
+    (`collective_matmul` is read by `jaxllm.parallel.collective_matmul`). No mesh: everything
+    runs as plain single-device code."""
 
     mesh: Mesh | None = None
     sequence_attention: str = "all_gather"
@@ -219,6 +221,7 @@ class Parallel:
     sequence_ulysses: int = 1
     tensor_sequence_parallel: bool = False
     dropless_dispatch: str = "all_gather"
+    overlap: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, mesh: Mesh | None, cfg: MeshConfig) -> Parallel:
@@ -232,6 +235,7 @@ class Parallel:
             cfg.sequence_ulysses,
             cfg.tensor_sequence_parallel,
             cfg.dropless_dispatch,
+            tuple(cfg.overlap),
         )
 
     @property

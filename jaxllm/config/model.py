@@ -162,6 +162,10 @@ class ModelConfig:
     """Std of the normal init of embeddings and projections (output projections scaled by depth)."""
     param_dtype: str = "float32"
     """Storage dtype of parameters (and of optimizer state)."""
+    param_offload: Literal["none", "host"] = "none"
+    """`host` keeps the trained parameters, in their (fsdp) shards, in host memory
+    (`pinned_host`) between steps, as ZeRO-Offload does: the step copies them to the device,
+    computes and updates there, and sends them back. `jaxllm plan` bills them as host memory."""
     dtype: str = "bfloat16"
     """Compute dtype of activations and matmuls; softmax statistics and the loss stay float32."""
     matmul_dtype: str | None = None

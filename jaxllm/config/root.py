@@ -13,6 +13,7 @@ from jaxllm.config.errors import fail as _fail
 from jaxllm.config.grad_compression import validate_grad_compression
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.moe import validate_moe
+from jaxllm.config.overlap import validate_overlap
 from jaxllm.config.peft import PeftConfig
 from jaxllm.config.pipeline import microbatches, validate_pipeline
 from jaxllm.config.prune import PruneConfig
@@ -235,6 +236,7 @@ class Config:
                 )
             if self.mesh.tensor_sequence_parallel:
                 validate_tensor_sequence(self, degrees)
+        validate_overlap(self, None if num_devices is None else degrees)
         return self
 
     def _validate_kind(self) -> None:

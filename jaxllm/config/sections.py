@@ -118,6 +118,12 @@ class MeshConfig:
     the devices of its chosen experts and back (`jaxllm.model.moe_ragged`) by
     `jax.lax.ragged_all_to_all`; where the backend lacks it (XLA:CPU) by an exact padded
     all-to-all that moves as many bytes as the gather."""
+    overlap: tuple[str, ...] = ()
+    """Switches that hide collectives behind compute (`jaxllm.train.overlap`):
+    `collective_matmul` (Megatron-SP's all-gather before each column-parallel MLP matmul as
+    mesh.tensor ring steps under shard_map, each overlapped with a partial matmul; any
+    backend), `latency_hiding` (XLA:GPU's latency-hiding scheduler), `async_fusion` (XLA:GPU's
+    pipelined collectives, started an iteration early; both GPU-only). Empty: XLA's defaults."""
 
 
 @dataclasses.dataclass(frozen=True)

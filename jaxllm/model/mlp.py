@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm import parallel
 from jaxllm.model import lora
 from jaxllm.model.layers import matmul, param
 from jaxllm.sharding import constrain
@@ -80,17 +81,34 @@ class MLP(nnx.Module):
             self.up_bias = param(rngs, zeros, (f,), ("mlp",), pdt)
             self.down_bias = param(rngs, zeros, (d,), ("embed",), pdt)
 
-    def _proj(self, spec: str, x, name: str):
-        y = matmul(spec, x, lora.kernel(self, f"{name}_proj"), self.dtype, fp8=self.fp8)
+    def _bias(self, y, name: str):
         bias = getattr(self, f"{name}_bias", None)
         return y if bias is None else y + _broadcast(bias[...].astype(self.dtype), y.ndim)
 
+    def _proj(self, spec: str, x, name: str):
+        y = matmul(spec, x, lora.kernel(self, f"{name}_proj"), self.dtype, fp8=self.fp8)
+        return self._bias(y, name)
+
+    def _column(self, x_BxLxD, names: tuple[str, ...]) -> list[jax.Array]:
+        """The column-parallel projections `names` of x: with `mesh.overlap=[collective_matmul]`
+        and plain weights, all of them on one ring of x's length chunks."""
+        kernels = [lora.kernel(self, f"{name}_proj") for name in names]
+        if (
+            not self.fp8
+            and all(isinstance(k, jax.Array) for k in kernels)
+            and parallel.collective_matmul_active(x_BxLxD)
+        ):
+            ys = parallel.collective_matmul(x_BxLxD, kernels, self.dtype)
+            return [self._bias(y, name) for y, name in zip(ys, names)]
+        return [self._proj("bld,df->blf", x_BxLxD, name) for name in names]
+
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         act = activation(self.kind, self.approximate)
-        up_BxLxF = self._proj("bld,df->blf", x_BxLxD, "up")
         if hasattr(self, "gate_proj"):
-            h_BxLxF = act(self._proj("bld,df->blf", x_BxLxD, "gate")) * up_BxLxF
+            gate_BxLxF, up_BxLxF = self._column(x_BxLxD, ("gate", "up"))
+            h_BxLxF = act(gate_BxLxF) * up_BxLxF
         else:
+            (up_BxLxF,) = self._column(x_BxLxD, ("up",))
             h_BxLxF = act(up_BxLxF)
         h_BxLxF = constrain(h_BxLxF, ("batch", "length", "act_mlp"))
         return self._proj("blf,fd->bld", h_BxLxF, "down")

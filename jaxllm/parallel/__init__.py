@@ -14,6 +14,8 @@ mesh, `shard_map` or a module below:
 - `ulysses.py`: Ulysses context parallelism over the `sequence` axis (`ulysses_active`,
   `ulysses_attention`): all-to-alls between length shards and whole-sequence head groups; and
   USP (`usp_active`, `usp_attention`): Ulysses inside groups of devices, the ring across them.
+- `collective_matmul.py`: the all-gather before a column-parallel matmul decomposed into
+  ring steps overlapped with partial matmuls (`collective_matmul_active`, `collective_matmul`).
 - `moe_dispatch.py`: mixture-of-experts dropless and all-to-all dispatch
   (`per_shard_dropless`, `per_shard_all_to_all`, `expert_all_to_all_active`,
   `dropless_ragged_active`).
@@ -21,6 +23,7 @@ mesh, `shard_map` or a module below:
   (XLA:CPU), an exact padded all-to-all (`padded_ragged_all_to_all`).
 """
 
+from jaxllm.parallel.collective_matmul import collective_matmul, collective_matmul_active
 from jaxllm.parallel.moe_dispatch import (
     dropless_ragged_active,
     expert_all_to_all_active,
@@ -34,6 +37,8 @@ from jaxllm.parallel.ulysses import ulysses_active, ulysses_attention, usp_activ
 
 __all__ = [
     "dropless_ragged_active",
+    "collective_matmul",
+    "collective_matmul_active",
     "expert_all_to_all_active",
     "per_shard",
     "per_shard_all_to_all",

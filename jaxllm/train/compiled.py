@@ -14,7 +14,7 @@ from jaxllm.config.pipeline import microbatches
 from jaxllm.model import abstract_model
 from jaxllm.parallel.grad_compression import Compression
 from jaxllm.sharding import to_global
-from jaxllm.train import companions, loss_scale
+from jaxllm.train import companions, loss_scale, overlap
 from jaxllm.train.state import grad_shardings, layout, sparse_weights, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
@@ -42,16 +42,20 @@ def compile_steps(cfg: config.Config, mesh):
         grad_accum_steps=microbatches(cfg),
         grad_shardings=grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft),
         offload_opt_state=cfg.optim.offload == "host",
+        offload_params=cfg.model.param_offload == "host",
         loss_scaling=scaling,
         other_graphdefs=other_graphdefs,
         weights=weights,
         compression=Compression.of(cfg),
     )
+    platform = mesh.devices.flat[0].platform
+    options = overlap.compiler_options(cfg.mesh.overlap, "gpu" if platform == "cuda" else platform)
     jit_train = jax.jit(
         step_fn,
         in_shardings=(shardings, batch_sh),
         out_shardings=(shardings, None),
         donate_argnums=0,
+        compiler_options=options or None,
     )
     jit_eval = jax.jit(
         functools.partial(
@@ -61,7 +65,9 @@ def compile_steps(cfg: config.Config, mesh):
             parallel_settings=parallel_settings,
             other_graphdefs=other_graphdefs,
             weights=weights,
+            offload_params=cfg.model.param_offload == "host",
         ),
+        compiler_options=options or None,
         in_shardings=(
             shardings.params,
             batch_sh,

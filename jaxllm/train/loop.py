@@ -54,6 +54,7 @@ from jaxllm.train.run_dir import (
 )
 from jaxllm.train.signals import Signals
 from jaxllm.train.start import start_state
+from jaxllm.train.state import on_device
 
 
 def train(cfg: config.Config, signals: Signals | None = None) -> dict:
@@ -433,7 +434,7 @@ def _loop(
 
     generates = cfg.model.head == "lm" and cfg.model.kind != "encoder"
     if cfg.train.sample_prompt and cfg.train.sample_tokens and generates:
-        weights = (state.params, state.frozen, state.model_state)
+        weights = (on_device(state.params), state.frozen, state.model_state)
         if jax.process_count() > 1:  # every process takes part in the gather
             from jax.experimental import multihost_utils
 

@@ -10,7 +10,7 @@ import jax
 from jaxllm import adapters, checkpoint, config
 from jaxllm.train import loss_scale
 from jaxllm.train.console import _log
-from jaxllm.train.state import init_state, init_state_from, layout
+from jaxllm.train.state import init_state, init_state_from, layout, on_device
 
 
 def _init_source(cfg: config.Config, ckpt_dir: Path) -> str | None:
@@ -44,7 +44,7 @@ def start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batches
         state, data_state, start = restored
         if cfg.checkpoint.reset_optimizer:
             init_opt = jax.jit(tx.init, out_shardings=shardings.opt_state)
-            state = state.replace(opt_state=init_opt(state.params))
+            state = state.replace(opt_state=init_opt(on_device(state.params)))
             _log(f"checkpoint.reset_optimizer: a fresh {cfg.optim.name} state at step {start}")
         if base is not None:
             adapters.check_base(

@@ -204,6 +204,19 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
 
 
+def on_device(tree):
+    """`tree` with every leaf kept in host memory (`model.param_offload=host`,
+    `optim.offload=host`) copied to device memory, in the same shards; others as they are."""
+
+    def one(x):
+        sh = getattr(x, "sharding", None)
+        if getattr(sh, "memory_kind", None) not in ("pinned_host", "unpinned_host"):
+            return x
+        return jax.device_put(x, sh.with_memory_kind("device"))
+
+    return jax.tree.map(one, tree)
+
+
 def layout(cfg) -> dict:
     """The `state_shardings` / `init_state` keywords a `Config` asks for: ZeRO stage,
     optimizer-state offload, what trains (`peft`) and how its frozen base is packed (the
@@ -259,7 +272,8 @@ def state_shardings(
     """NamedShardings of every TrainState leaf: params, their optimizer moments, the frozen
     base of `peft` and the model state by the logical rules, scalars (the loss scale of
     `loss_scaling` among them) replicated. From `zero_stage` 1 on the optimizer state is also
-    split over the replicas; with `offload` it lives in host memory (`pinned_host`)."""
+    split over the replicas; with `offload` it lives in host memory (`pinned_host`), and so do
+    the parameters with `model_cfg.param_offload=host`."""
     _, abstract_params, axes = abstract_model(model_cfg, peft)
     sharding.check_divisible(mesh, abstract_params, axes)
     param_sh = sharding.tree_shardings(mesh, axes)
@@ -268,6 +282,8 @@ def state_shardings(
     opt_sh = opt_state_shardings(tx, abstract_params, moment_sh)
     if offload:
         opt_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_sh)
+    if model_cfg.param_offload == "host":  # ZeRO-Offload of the parameters
+        param_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), param_sh)
     _, model_state_axes = abstract_model_state(model_cfg)
     model_state_sh = sharding.tree_shardings(mesh, model_state_axes)
     return TrainState(

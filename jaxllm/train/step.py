@@ -150,6 +150,7 @@ def train_step(
     grad_accum_steps: int = 1,
     grad_shardings=None,
     offload_opt_state: bool = False,
+    offload_params: bool = False,
     loss_scaling: LossScaling | None = None,
     other_graphdefs=None,
     weights=None,
@@ -160,6 +161,8 @@ def train_step(
     `grad_norm`, `param_norm`, `lr`, `tokens`, the model's (MoE loads), and `loss_scale` (the
     scale this step used) with `loss_scaling`. With `compression` the data replicas exchange
     compressed gradients (`compressed_grads`) and their state moves in `state.grad_comp`."""
+    if offload_params:  # kept in host memory between steps; used and updated on the device
+        state = state.replace(params=jax.device_put(state.params, jax.memory.Space.Device))
     with sharding.active(parallel_settings):
         scale = None if loss_scaling is None else loss_scaling.scale(state.loss_scale)
         # S scales the loss per token position of a microbatch, as it would scale a mean loss:
@@ -253,11 +256,12 @@ def train_step(
             grad_comp = state.grad_comp
         if offload_opt_state:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
+        param_norm = optax.tree.norm(params)
         metrics = {k: v / count for k, v in sums.metrics.items()}
         metrics.update(
             nonfinite=1.0 - finite.astype(jnp.float32),
             grad_norm=grad_norm,
-            param_norm=optax.tree.norm(params),
+            param_norm=param_norm,
             lr=jnp.asarray(lr_schedule(state.step), jnp.float32),
             tokens=count,
         )
@@ -268,7 +272,7 @@ def train_step(
         metrics.update(model_metrics)
         new_state = state.replace(
             step=state.step + 1,
-            params=params,
+            params=jax.device_put(params, jax.memory.Space.Host) if offload_params else params,
             opt_state=opt_state,
             model_state=model_state,
             grad_comp=grad_comp,
@@ -291,10 +295,14 @@ def eval_step(
     parallel_settings: Parallel = Parallel(),
     other_graphdefs=None,
     weights=None,
+    offload_params: bool = False,
 ) -> dict:
     """Sums for a held-out batch: `tokens` and every metric of the objective (`loss` is its
     `loss` metric, or its loss sum when it has none); the caller adds them over batches and
-    divides each by the summed `tokens` (`jaxllm.train.compiled.evaluate`)."""
+    divides each by the summed `tokens` (`jaxllm.train.compiled.evaluate`). `offload_params`:
+    `params` arrive in host memory and are copied to the device first."""
+    if offload_params:
+        params = jax.device_put(params, jax.memory.Space.Device)
     with sharding.active(parallel_settings):
         batch = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), batch)
         _, out = objective_value(
