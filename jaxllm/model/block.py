@@ -112,7 +112,8 @@ class Block(nnx.Module):
 
         def mlp(h_BxLxD):
             nonlocal stats
-            h_BxLxD = _gathered(h_BxLxD)
+            if self.is_moe:  # a dense MLP gathers its own input (or rings it: collective matmul)
+                h_BxLxD = _gathered(h_BxLxD)
             if not self.is_moe:
                 return bottleneck.apply(self, "mlp", self.mlp(h_BxLxD))
             y_BxLxD, stats = self.mlp(h_BxLxD)

@@ -100,6 +100,9 @@ class MLP(nnx.Module):
         ):
             ys = parallel.collective_matmul(x_BxLxD, kernels, self.dtype)
             return [self._bias(y, name) for y, name in zip(ys, names)]
+        # whole on the sequence over `tensor`: Megatron-SP's all-gather (mesh.tensor_sequence_
+        # parallel), which XLA would otherwise trade for gathering the weights
+        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
         return [self._proj("bld,df->blf", x_BxLxD, name) for name in names]
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
