@@ -299,6 +299,9 @@ class Attention(nnx.Module):
         return jnp.full((self.num_heads,), self.gaussian_sigma, jnp.float32)
 
     def _out(self, out_BxLxHxV):
+        # heads over `tensor` (and so its gradient in the backward pass: under Megatron-SP an
+        # all-gather of the residual's gradient, not an all-to-all of this one)
+        out_BxLxHxV = constrain(out_BxLxHxV, ("batch", "length", "act_heads", None))
         out_BxLxD = matmul(
             "blhv,hvd->bld", out_BxLxHxV, lora.kernel(self, "o_proj"), self.dtype, fp8=self.fp8
         )
