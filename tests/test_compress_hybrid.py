@@ -38,7 +38,7 @@ def _linear_attn(model):
     return model.hybrid_layers.block_0.attn
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", pytest.param("awq", marks=pytest.mark.slow)])
 def test_calibrated_quantizers_rewrite_the_linear_attention_blocks(trained, tmp_path, method):
     out = tmp_path / method
     argv = ["quantize", str(trained), str(out), "--method", method, "--bits", "4"]

@@ -145,6 +145,7 @@ def test_the_step_keeps_one_cache_of_the_full_layers(model):
     assert (n, slots) == (3, 3)
 
 
+@pytest.mark.slow  # ~17 s; the slot bookkeeping is the same without a mesh
 def test_on_a_mesh_the_state_splits_over_the_slots_and_equals_generate_alone(model, alone):
     from jaxllm import sharding
     from jaxllm.config import MeshConfig

@@ -244,7 +244,10 @@ def _dgc_cfg():
     return dataclasses.replace(cfg, optim=sgd)
 
 
-@pytest.mark.parametrize("method", ["topk", "qsgd", "dgc", "tagc"])
+# topk by default; the other three (their state moves alike) with -m slow
+@pytest.mark.parametrize(
+    "method", ["topk", *(pytest.param(m, marks=pytest.mark.slow) for m in ("qsgd", "dgc", "tagc"))]
+)
 def test_resume_is_bit_identical(method, tmp_path):
     """N steps equal N/2, a checkpoint written and read back by the run's Checkpointer, and
     N/2 more: the residuals (and DGC's momenta) are in it."""

@@ -169,7 +169,11 @@ def _groups(cfg, num_groups: int, keep: int):
 
 @pytest.mark.parametrize(
     "mesh, groups",
-    [(dict(expert=4, data=2), (1, 1)), (dict(expert=8), (4, 1)), (dict(expert=4, fsdp=2), (8, 2))],
+    [
+        (dict(expert=4, data=2), (1, 1)),
+        pytest.param(dict(expert=8), (4, 1), marks=pytest.mark.slow),  # groups: the layer
+        pytest.param(dict(expert=4, fsdp=2), (8, 2), marks=pytest.mark.slow),  # tests above
+    ],
     ids=["ep4_dp2", "ep8-groups", "ep4_fsdp2-groups"],
 )
 def test_training_with_ragged_dispatch_matches_single_device(mesh, groups):
@@ -234,6 +238,7 @@ def _plan_bytes(*overrides):
     return {k: v["bytes"] for k, v in found.items()}
 
 
+@pytest.mark.slow  # ~35 s: two plans; the byte counting itself is tested above
 def test_plan_shows_fewer_bytes_and_fewer_again_with_device_limited_routing():
     gather = _plan_bytes()
     ragged = _plan_bytes("mesh.dropless_dispatch=ragged_all_to_all")
