@@ -15,6 +15,11 @@ are refused there with one line naming the key.
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
+
 from jaxllm.config import ConfigError
 
 GPU_OPTIONS: dict[str, dict[str, bool]] = {
@@ -39,5 +44,24 @@ def compiler_options(switches, platform: str) -> dict[str, bool]:
                 f"mesh.overlap={switch} sets flags of XLA's GPU compiler, and this backend is "
                 f"{platform}: drop it from mesh.overlap (collective_matmul runs anywhere)."
             )
+        missing = [name for name in GPU_OPTIONS[switch] if not known_option(name)]
+        if missing:  # newer XLAs dropped the pipelined-collective flags
+            raise ConfigError(
+                f"mesh.overlap={switch}: this XLA (jax {jax.__version__}) has no compile "
+                f"option {missing[0]}; drop it from mesh.overlap."
+            )
         options.update(GPU_OPTIONS[switch])
     return options
+
+
+@functools.cache
+def known_option(name: str) -> bool:
+    """Whether this XLA takes the compile option `name` (a tiny compile with it set: XLA
+    refuses an option it does not know, whatever the backend)."""
+    try:
+        jax.jit(lambda x: x + 1).lower(jnp.ones(1)).compile(compiler_options={name: True})
+    except jax.errors.JaxRuntimeError as e:
+        if "No such compile option" in str(e):
+            return False
+        raise
+    return True
