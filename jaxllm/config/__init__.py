@@ -18,6 +18,7 @@ Modules: `model` (the model section), `train`, `peft`, `quantize`, `sections` (t
 `loading` (YAML, presets, overrides, type checks), `errors`.
 """
 
+from jaxllm.config.checkpoint import CheckpointConfig
 from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import ConfigError, JaxllmWarning, RunError
 from jaxllm.config.linear_attention import LinearAttentionConfig
@@ -34,18 +35,16 @@ from jaxllm.config.loading import (
 )
 from jaxllm.config.model import MLAConfig, ModelConfig, RopeConfig
 from jaxllm.config.moe import MoEConfig
+from jaxllm.config.optim import OPTIM_READS, OptimConfig
 from jaxllm.config.peft import PeftConfig
 from jaxllm.config.prune import PruneConfig
 from jaxllm.config.quantize import QuantizeConfig
 from jaxllm.config.root import Config
 from jaxllm.config.sections import (
     MESH_AXES,
-    OPTIM_READS,
-    CheckpointConfig,
     DataConfig,
     GenerateConfig,
     MeshConfig,
-    OptimConfig,
     RunConfig,
     SourceConfig,
     mesh_degrees,

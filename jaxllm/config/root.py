@@ -7,25 +7,23 @@ import dataclasses
 import math
 import warnings
 
+from jaxllm.config.checkpoint import CheckpointConfig, validate_checkpoint
 from jaxllm.config.distill import validate_features, validate_on_policy
 from jaxllm.config.errors import JaxllmWarning
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.grad_compression import validate_grad_compression
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.moe import validate_moe
+from jaxllm.config.optim import OptimConfig, validate_optim
 from jaxllm.config.overlap import validate_overlap
 from jaxllm.config.peft import PeftConfig
 from jaxllm.config.pipeline import microbatches, validate_pipeline
 from jaxllm.config.prune import PruneConfig
 from jaxllm.config.quantize import QuantizeConfig
 from jaxllm.config.sections import (
-    OPTIM_READS,
-    OPTIM_SPECIFIC,
-    CheckpointConfig,
     DataConfig,
     GenerateConfig,
     MeshConfig,
-    OptimConfig,
     RunConfig,
     mesh_degrees,
 )
@@ -284,60 +282,8 @@ class Config:
         if not self.run.dir.strip():
             _fail("run.dir is empty; name a directory for the run (e.g. run.dir=runs/mine).")
         validate_trackers(self.run.trackers, self.run.wandb, self.run.mlflow)
-        o = self.optim
-        finite = {
-            "optim.lr": o.lr,
-            "optim.eps": o.eps,
-            "optim.weight_decay": o.weight_decay,
-            "optim.min_lr_ratio": o.min_lr_ratio,
-            "train.z_loss": self.train.z_loss,
-        }
-        if o.clip_norm is not None:
-            finite["optim.clip_norm"] = o.clip_norm
-        for key, value in finite.items():
-            if not math.isfinite(value) or value < 0:
-                _fail(f"{key} must be a finite number >= 0, not {value}.")
-        if o.eps <= 0 or (o.clip_norm is not None and o.clip_norm <= 0):
-            _fail("optim.eps and optim.clip_norm must be > 0 (clip_norm: null turns clipping off).")
-        for key, value in (("optim.b1", o.b1), ("optim.b2", o.b2)):
-            if not 0 <= value < 1:
-                _fail(f"{key} must be in [0, 1), not {value}.")
-        if o.min_lr_ratio > 1:
-            _fail(f"optim.min_lr_ratio must be in [0, 1], not {o.min_lr_ratio}.")
-        default = OptimConfig()
-        for key in sorted(OPTIM_SPECIFIC - OPTIM_READS[o.name]):
-            if getattr(o, key) != getattr(default, key):
-                readers = sorted(n for n, keys in OPTIM_READS.items() if key in keys)
-                _fail(
-                    f"optim.{key} does nothing with optim.name={o.name}; leave it at "
-                    f"{getattr(default, key)} or pick one of {', '.join(readers)}."
-                )
-        if not 0 <= o.momentum < 1:
-            _fail(f"optim.momentum must be in [0, 1), not {o.momentum}.")
-        if o.nesterov and o.momentum == 0:
-            _fail("optim.nesterov=true needs optim.momentum > 0 (e.g. optim.momentum=0.9).")
-        if o.master_weights != "none" and self.model.param_dtype == o.master_weights:
-            _fail(
-                f"optim.master_weights={o.master_weights} copies parameters that are already "
-                f"{o.master_weights}; set model.param_dtype=bfloat16 (or float16) with it, or "
-                "drop it."
-            )
-        c = self.checkpoint
-        if c.every is not None and c.every < 1:
-            _fail(
-                f"checkpoint.every must be >= 1, not {c.every}; checkpoint.every=null saves only "
-                "at the end and on a signal."
-            )
-        if c.keep < 1 or (c.keep_every is not None and c.keep_every < 1):
-            _fail("checkpoint.keep and checkpoint.keep_every must be >= 1 (keep_every: null).")
-        if c.dir is not None and not c.dir.strip():
-            _fail("checkpoint.dir is empty; give a directory or null (<run.dir>/checkpoints).")
-        if c.init_adapters == "continue" and (self.peft.method == "none" or not c.init_from):
-            _fail(
-                "checkpoint.init_adapters=continue trains on the adapters of the fine-tuning run "
-                f"that checkpoint.init_from names (here {c.init_from or 'null'}) under this "
-                f"run's peft (here peft.method={self.peft.method}); set both, or drop it."
-            )
+        validate_optim(self.optim, self.model.param_dtype, self.train.z_loss)
+        validate_checkpoint(self.checkpoint, self.peft.method)
         d = self.data
         if d.workers < 0:
             _fail(f"data.workers must be >= 0 (0: in the training process), not {d.workers}.")

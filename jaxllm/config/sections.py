@@ -1,5 +1,5 @@
-"""The sections besides `model`, `train` and `peft`: run, mesh (with the mesh-degree
-arithmetic), optimizer, data, checkpoint and generate."""
+"""The sections besides `model`, `train`, `peft`, `optim` and `checkpoint`: run, mesh (with the
+mesh-degree arithmetic), data and generate."""
 
 from __future__ import annotations
 
@@ -127,110 +127,6 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """An optimizer (`name`) with a schedule, global-norm clipping and decoupled weight decay on
-    kernels/embeddings. Keys an optimizer does not read must stay at their defaults
-    (`OPTIM_READS`; anything else is a config error naming the key)."""
-
-    name: Literal[
-        "sgd",
-        "adagrad",
-        "rmsprop",
-        "adam",
-        "adamw",
-        "adafactor",
-        "lion",
-        "lamb",
-        "sm3",
-        "muon",
-        "adam_mini",
-        "adamw_8bit",
-    ] = "adamw"
-    """The optimizer (README lists what each keeps per parameter); `adam` is `adamw` without
-    weight decay."""
-    lr: float = 3e-3
-    """Peak learning rate."""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
-    warmup_steps: int = 15
-    """Linear warmup from 0 to lr."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of lr (cosine and linear)."""
-    b1: float = 0.9
-    """Adam decay rate of the first moment."""
-    b2: float = 0.95
-    """Adam decay rate of the second moment."""
-    eps: float = 1e-8
-    """Adam epsilon added to the root of the second moment."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay; never applied to norm scales or biases."""
-    clip_norm: float | None = 1.0
-    """Clip gradients to this global L2 norm; null disables clipping."""
-    momentum: float = 0.0
-    """Heavy-ball momentum of sgd and rmsprop (0: none)."""
-    nesterov: bool = False
-    """Nesterov momentum (sgd, rmsprop; needs momentum > 0)."""
-    amsgrad: bool = False
-    """adam/adamw: normalise by the running maximum of the second moment (Reddi et al. 2018)."""
-    block_size: Literal[256, 2048] = 2048
-    """adamw_8bit: elements per quantization block (one float32 absmax scale per block)."""
-    quantization: Literal["dynamic", "linear"] = "dynamic"
-    """adamw_8bit code book: bitsandbytes' dynamic tree (fine near 0) or 256 even steps."""
-    master_weights: Literal["none", "float32"] = "none"
-    """`float32`: the optimizer steps a float32 master copy of the parameters, kept in its state,
-    and the stored parameters are the master rounded to `model.param_dtype` (set that to
-    bfloat16 or float16 for the classic 2 + 2 + 4 + 8 bytes per parameter of mixed-precision
-    Adam). `none`: the optimizer steps the stored parameters."""
-    offload: Literal["none", "host"] = "none"
-    """`host` keeps the optimizer state (with the master weights, if any) in host memory
-    (`pinned_host`) between steps: the step
-    copies it to the device for the update and back, so the device holds it only while the
-    update runs. Device memory saved for host bandwidth; see README "Memory"."""
-    loss_scale: Literal["auto", "dynamic", "static", "none"] = "auto"
-    """Multiply the loss (per token: the objective's sum over the token positions of a
-    microbatch) by a scale S before differentiation and divide the float32 gradients by S
-    before clipping, so small float16 gradients do not flush to zero (see
-    `jaxllm.train.loss_scale`). `dynamic` adapts S: a step whose gradients overflow is skipped
-    and backs S off, `loss_scale_growth_interval` clean steps grow it; `static` keeps S at
-    `loss_scale_init`; `none` does not scale. `auto`: dynamic when model.dtype is float16,
-    none for bfloat16 and float32 (their exponent range is float32's, nothing underflows)."""
-    loss_scale_init: float = 2.0**15
-    """S at the start (dynamic) or always (static); powers of two keep the unscaling exact."""
-    loss_scale_growth_interval: int = 2000
-    """Dynamic: grow S after this many clean steps in a row."""
-    loss_scale_growth: float = 2.0
-    """Dynamic: factor S grows by after `loss_scale_growth_interval` clean steps."""
-    loss_scale_backoff: float = 0.5
-    """Dynamic: factor S shrinks by after a step whose gradients were not finite (never below
-    1)."""
-
-    def resolved_loss_scale(self, dtype: str) -> str:
-        """`loss_scale` with `auto` resolved for the compute dtype `dtype` (model.dtype)."""
-        if self.loss_scale != "auto":
-            return self.loss_scale
-        return "dynamic" if dtype == "float16" else "none"
-
-
-# The OptimConfig keys (besides lr, schedule, warmup, min_lr_ratio, clip_norm) each optimizer
-# reads. A key set away from its default for an optimizer that ignores it is a config error.
-OPTIM_READS: dict[str, frozenset[str]] = {
-    "sgd": frozenset({"momentum", "nesterov", "weight_decay"}),
-    "adagrad": frozenset({"eps", "weight_decay"}),
-    "rmsprop": frozenset({"b2", "eps", "momentum", "nesterov", "weight_decay"}),
-    "adam": frozenset({"b1", "b2", "eps", "amsgrad"}),
-    "adamw": frozenset({"b1", "b2", "eps", "amsgrad", "weight_decay"}),
-    "adafactor": frozenset({"weight_decay"}),
-    "lion": frozenset({"b1", "b2", "weight_decay"}),
-    "lamb": frozenset({"b1", "b2", "eps", "weight_decay"}),
-    "sm3": frozenset({"b1", "eps", "weight_decay"}),
-    "muon": frozenset({"b1", "b2", "eps", "weight_decay"}),
-    "adam_mini": frozenset({"b1", "b2", "eps", "weight_decay"}),
-    "adamw_8bit": frozenset({"b1", "b2", "eps", "weight_decay", "block_size", "quantization"}),
-}
-OPTIM_SPECIFIC = frozenset().union(*OPTIM_READS.values())
-
-
-@dataclasses.dataclass(frozen=True)
 class SourceConfig:
     """One corpus of a (possibly weighted) mixture."""
 
@@ -331,56 +227,6 @@ class DataConfig:
     """T5's span corruption of each row (`train.objective=span_corruption`)."""
     workers: int = 0
     """Grain worker processes preparing batches (0: in the training process)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    """Orbax checkpoints: train state, data iterator, resolved config and tokenizer together."""
-
-    dir: str | None = None
-    """Checkpoint directory; null means `<run.dir>/checkpoints`."""
-    every: int | None = None
-    """Save every this many steps (asynchronously: training goes on while it is written); null
-    never saves periodically, only at the end (`save_final`) and on SIGTERM / SIGINT."""
-    keep: int = 3
-    """Keep the newest this many checkpoints ..."""
-    keep_every: int | None = None
-    """... plus every checkpoint whose step is a multiple of this (null: none)."""
-    keep_best: bool = False
-    """... plus the best checkpoint by evaluation (`train.early_stopping.metric`, by default
-    the objective's main one): a checkpoint is written at every evaluation (`train.eval_every`), each records
-    the best step so far (its JSON item `best`), and retention never deletes that one.
-    `--checkpoint best` of generate / eval / convert export reads it. Needs periodic
-    evaluation."""
-    async_save: bool = True
-    """Write checkpoints in a background thread."""
-    save_final: bool = True
-    """Write a checkpoint of the train state when training ends."""
-    resume: bool = True
-    """Continue from the newest readable checkpoint in the directory, if there is one."""
-    reset_optimizer: bool = False
-    """Resume with a fresh optimizer state: the checkpoint's parameters, step, rng and data
-    position are kept and its optimizer state is dropped, so `optim.*` may change (another
-    `optim.name`, `amsgrad`, ...). Acts once, on this command's resume: the run's config.yaml
-    records it as false with the new `optim.*`, and metrics.jsonl gets an `optimizer_reset`
-    row at the step. Without it, a checkpoint of another optimizer is refused."""
-    start_fresh: bool = False
-    """Start over at step 0 in a run directory that holds checkpoints: the old run (its files,
-    and `checkpoint.dir` when that lies elsewhere) is first moved aside to a sibling
-    `<run.dir>.old` (`.old2`, ...), never deleted. Acts once; config.yaml records it as false."""
-    init_from: str | None = None
-    """A fresh run (nothing to resume) starts from these parameters instead of random ones: a
-    run directory, its checkpoints directory, one step of it, or a Hugging Face model directory
-    (config.json + safetensors). The model section must describe the same parameters. A
-    LoRA / QLoRA run counts as its merged model (base + adapters, NF4 dequantized), unless
-    `init_adapters` continues its adapters; a prompt-tuning run's soft prompt only continues."""
-    init_adapters: Literal["merge", "continue"] = "merge"
-    """When `init_from` is a fine-tuning run (peft) and this run has `peft` too: `merge` starts
-    from that run's merged model and trains new adapters (or a new soft prompt) on it, as TRL
-    does with an SFT adapter given to DPO; `continue` trains on that run's own adapters (or
-    soft prompt) over its base, which needs the same peft.rank, alpha, rslora and targets (or
-    num_virtual_tokens). Either way a reference (DPO, GRPO / PPO's KL) is the starting model.
-    A run without peft always starts from the merged model."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,155 @@
+"""`optim`: the optimizer, its schedule and its knobs, with the checks of their values."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from jaxllm.config.errors import fail as _fail
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """An optimizer (`name`) with a schedule, global-norm clipping and decoupled weight decay on
+    kernels/embeddings. Keys an optimizer does not read must stay at their defaults
+    (`OPTIM_READS`; anything else is a config error naming the key)."""
+
+    name: Literal[
+        "sgd",
+        "adagrad",
+        "rmsprop",
+        "adam",
+        "adamw",
+        "adafactor",
+        "lion",
+        "lamb",
+        "sm3",
+        "muon",
+        "adam_mini",
+        "adamw_8bit",
+    ] = "adamw"
+    """The optimizer (README lists what each keeps per parameter); `adam` is `adamw` without
+    weight decay."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
+    warmup_steps: int = 15
+    """Linear warmup from 0 to lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine and linear)."""
+    b1: float = 0.9
+    """Adam decay rate of the first moment."""
+    b2: float = 0.95
+    """Adam decay rate of the second moment."""
+    eps: float = 1e-8
+    """Adam epsilon added to the root of the second moment."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norm scales or biases."""
+    clip_norm: float | None = 1.0
+    """Clip gradients to this global L2 norm; null disables clipping."""
+    momentum: float = 0.0
+    """Heavy-ball momentum of sgd and rmsprop (0: none)."""
+    nesterov: bool = False
+    """Nesterov momentum (sgd, rmsprop; needs momentum > 0)."""
+    amsgrad: bool = False
+    """adam/adamw: normalise by the running maximum of the second moment (Reddi et al. 2018)."""
+    block_size: Literal[256, 2048] = 2048
+    """adamw_8bit: elements per quantization block (one float32 absmax scale per block)."""
+    quantization: Literal["dynamic", "linear"] = "dynamic"
+    """adamw_8bit code book: bitsandbytes' dynamic tree (fine near 0) or 256 even steps."""
+    master_weights: Literal["none", "float32"] = "none"
+    """`float32`: the optimizer steps a float32 master copy of the parameters, kept in its state,
+    and the stored parameters are the master rounded to `model.param_dtype` (set that to
+    bfloat16 or float16 for the classic 2 + 2 + 4 + 8 bytes per parameter of mixed-precision
+    Adam). `none`: the optimizer steps the stored parameters."""
+    offload: Literal["none", "host"] = "none"
+    """`host` keeps the optimizer state (with the master weights, if any) in host memory
+    (`pinned_host`) between steps: the step
+    copies it to the device for the update and back, so the device holds it only while the
+    update runs. Device memory saved for host bandwidth; see README "Memory"."""
+    loss_scale: Literal["auto", "dynamic", "static", "none"] = "auto"
+    """Multiply the loss (per token: the objective's sum over the token positions of a
+    microbatch) by a scale S before differentiation and divide the float32 gradients by S
+    before clipping, so small float16 gradients do not flush to zero (see
+    `jaxllm.train.loss_scale`). `dynamic` adapts S: a step whose gradients overflow is skipped
+    and backs S off, `loss_scale_growth_interval` clean steps grow it; `static` keeps S at
+    `loss_scale_init`; `none` does not scale. `auto`: dynamic when model.dtype is float16,
+    none for bfloat16 and float32 (their exponent range is float32's, nothing underflows)."""
+    loss_scale_init: float = 2.0**15
+    """S at the start (dynamic) or always (static); powers of two keep the unscaling exact."""
+    loss_scale_growth_interval: int = 2000
+    """Dynamic: grow S after this many clean steps in a row."""
+    loss_scale_growth: float = 2.0
+    """Dynamic: factor S grows by after `loss_scale_growth_interval` clean steps."""
+    loss_scale_backoff: float = 0.5
+    """Dynamic: factor S shrinks by after a step whose gradients were not finite (never below
+    1)."""
+
+    def resolved_loss_scale(self, dtype: str) -> str:
+        """`loss_scale` with `auto` resolved for the compute dtype `dtype` (model.dtype)."""
+        if self.loss_scale != "auto":
+            return self.loss_scale
+        return "dynamic" if dtype == "float16" else "none"
+
+
+# The OptimConfig keys (besides lr, schedule, warmup, min_lr_ratio, clip_norm) each optimizer
+# reads. A key set away from its default for an optimizer that ignores it is a config error.
+OPTIM_READS: dict[str, frozenset[str]] = {
+    "sgd": frozenset({"momentum", "nesterov", "weight_decay"}),
+    "adagrad": frozenset({"eps", "weight_decay"}),
+    "rmsprop": frozenset({"b2", "eps", "momentum", "nesterov", "weight_decay"}),
+    "adam": frozenset({"b1", "b2", "eps", "amsgrad"}),
+    "adamw": frozenset({"b1", "b2", "eps", "amsgrad", "weight_decay"}),
+    "adafactor": frozenset({"weight_decay"}),
+    "lion": frozenset({"b1", "b2", "weight_decay"}),
+    "lamb": frozenset({"b1", "b2", "eps", "weight_decay"}),
+    "sm3": frozenset({"b1", "eps", "weight_decay"}),
+    "muon": frozenset({"b1", "b2", "eps", "weight_decay"}),
+    "adam_mini": frozenset({"b1", "b2", "eps", "weight_decay"}),
+    "adamw_8bit": frozenset({"b1", "b2", "eps", "weight_decay", "block_size", "quantization"}),
+}
+OPTIM_SPECIFIC = frozenset().union(*OPTIM_READS.values())
+
+
+def validate_optim(o: OptimConfig, param_dtype: str, z_loss: float) -> None:
+    """Values no type can refuse: NaN or negative rates, betas outside [0, 1), keys the chosen
+    optimizer does not read, master weights of the parameters' own dtype."""
+    finite = {
+        "optim.lr": o.lr,
+        "optim.eps": o.eps,
+        "optim.weight_decay": o.weight_decay,
+        "optim.min_lr_ratio": o.min_lr_ratio,
+        "train.z_loss": z_loss,
+    }
+    if o.clip_norm is not None:
+        finite["optim.clip_norm"] = o.clip_norm
+    for key, value in finite.items():
+        if not math.isfinite(value) or value < 0:
+            _fail(f"{key} must be a finite number >= 0, not {value}.")
+    if o.eps <= 0 or (o.clip_norm is not None and o.clip_norm <= 0):
+        _fail("optim.eps and optim.clip_norm must be > 0 (clip_norm: null turns clipping off).")
+    for key, value in (("optim.b1", o.b1), ("optim.b2", o.b2)):
+        if not 0 <= value < 1:
+            _fail(f"{key} must be in [0, 1), not {value}.")
+    if o.min_lr_ratio > 1:
+        _fail(f"optim.min_lr_ratio must be in [0, 1], not {o.min_lr_ratio}.")
+    default = OptimConfig()
+    for key in sorted(OPTIM_SPECIFIC - OPTIM_READS[o.name]):
+        if getattr(o, key) != getattr(default, key):
+            readers = sorted(n for n, keys in OPTIM_READS.items() if key in keys)
+            _fail(
+                f"optim.{key} does nothing with optim.name={o.name}; leave it at "
+                f"{getattr(default, key)} or pick one of {', '.join(readers)}."
+            )
+    if not 0 <= o.momentum < 1:
+        _fail(f"optim.momentum must be in [0, 1), not {o.momentum}.")
+    if o.nesterov and o.momentum == 0:
+        _fail("optim.nesterov=true needs optim.momentum > 0 (e.g. optim.momentum=0.9).")
+    if o.master_weights != "none" and param_dtype == o.master_weights:
+        _fail(
+            f"optim.master_weights={o.master_weights} copies parameters that are already "
+            f"{o.master_weights}; set model.param_dtype=bfloat16 (or float16) with it, or "
+            "drop it."
+        )
