@@ -36,7 +36,8 @@ RULES: dict[str, tuple[str, ...] | None] = {
     # the residual stream's length: with mesh.tensor_sequence_parallel over `tensor` too
     # (Megatron-SP; `constrain` adds it where the length divides)
     "res_length": ("sequence",),
-    "act_embed": None,
+    # the residual stream's model dim: split over `tensor2` with 2D tensor parallelism (mesh.tensor2)
+    "act_embed": ("tensor2",),
     "act_heads": ("tensor",),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
@@ -45,8 +46,9 @@ RULES: dict[str, tuple[str, ...] | None] = {
     # the stacked blocks: pipeline stage s holds its slice of the stack (`jaxllm.parallel.pipeline`)
     "layers": ("stage",),
     # with pipeline stages, the unstacked parameters (embedding, head) are split over them too,
-    # like fsdp (a stacked one's `stage` goes to its `layers` axis first)
-    "embed": ("fsdp", "stage"),
+    # like fsdp (a stacked one's `stage` goes to its `layers` axis first); 2D tensor parallelism
+    # splits it over `tensor2` too, so [embed, heads | mlp] weights lie over tensor2 x tensor
+    "embed": ("fsdp", "stage", "tensor2"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -56,7 +58,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "positions": None,  # rows of a learned position table
     "relative_buckets": None,  # rows of a T5 relative position bias table
     "mlp": ("tensor",),
-    "norm": ("fsdp",),
+    "norm": ("fsdp", "tensor2"),
     "expert": ("expert",),
     "router_expert": None,  # router columns: every token scores every expert
     "lora_rank": None,
@@ -91,7 +93,7 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     """
     devices = list(devices if devices is not None else jax.devices())
     sizes = mesh_degrees(cfg, len(devices))
-    dcn = [getattr(cfg, f"dcn_{a}") for a in MESH_AXES]
+    dcn = [getattr(cfg, f"dcn_{a}", 1) for a in MESH_AXES]
     ici = [sizes[a] // d for a, d in zip(MESH_AXES, dcn)]
     n_slices = int(np.prod(dcn))
     if n_slices == 1:
@@ -127,10 +129,16 @@ def _slices(devices: list, n: int) -> list[list]:
 
 def named(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
     """The sharding of `logical_axes` on `mesh`; without pipeline stages the spec names no
-    `stage` (the `layers` axis stays replicated)."""
-    if mesh.shape.get("stage", 1) > 1:
-        return NamedSharding(mesh, spec(logical_axes))
-    return NamedSharding(mesh, _without(spec(logical_axes), {"stage"}))
+    `stage` (the `layers` axis stays replicated), without 2D tensor parallelism no `tensor2`."""
+    return NamedSharding(mesh, _without(spec(logical_axes), _unused(mesh)))
+
+
+# Mesh axes the specs name only where the mesh splits over them (size > 1).
+_OPTIONAL = ("stage", "tensor2")
+
+
+def _unused(mesh) -> set[str]:
+    return {a for a in _OPTIONAL if mesh.shape.get(a, 1) == 1}
 
 
 def _without(partition: PartitionSpec, axes: set[str]) -> PartitionSpec:
@@ -151,7 +159,7 @@ def check_divisible(mesh: Mesh, abstract_params: dict, logical_tree: dict) -> No
     for (path, axes), leaf in zip(flat_axes, flat_params):
         for dim, entry in zip(leaf.shape, spec(axes)):
             mesh_axes = (entry,) if isinstance(entry, str) else entry or ()
-            size = int(np.prod([mesh.shape[a] for a in mesh_axes]))
+            size = int(np.prod([mesh.shape.get(a, 1) for a in mesh_axes]))
             if dim % size:
                 name = "/".join(str(getattr(k, "key", k)) for k in path)
                 raise ConfigError(
@@ -279,11 +287,11 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         partition = _tensor_sequence(partition, list(logical_axes).index("res_length"), x, mesh)
     inner = jax.sharding.get_abstract_mesh()
     if inner.manual_axes:  # inside a shard_map manual over some axes (pipeline stages)
-        inside = _without(partition, set(inner.manual_axes))
+        inside = _without(partition, set(inner.manual_axes) | _unused(inner))
         return jax.lax.with_sharding_constraint(x, NamedSharding(inner, inside))
-    if mesh.shape.get("stage", 1) == 1:
-        partition = _without(partition, {"stage"})
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, partition))
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, _without(partition, _unused(mesh)))
+    )
 
 
 def _tensor_sequence(partition: PartitionSpec, dim: int, x, mesh: Mesh) -> PartitionSpec:

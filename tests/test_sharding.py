@@ -132,6 +132,7 @@ def test_dcn_degrees_put_slices_outermost():
         "data": 2,
         "fsdp": 4,
         "tensor": 1,
+        "tensor2": 1,
         "sequence": 1,
         "expert": 1,
     }

@@ -8,7 +8,7 @@ from jaxllm.config.errors import fail as _fail
 
 # The mesh axes other than `data` a compressed exchange cannot run with (the model is whole on
 # every data replica; each replica's gradient is compressed as one piece).
-_OTHER_AXES = ("stage", "fsdp", "tensor", "sequence", "expert")
+_OTHER_AXES = ("stage", "fsdp", "tensor", "tensor2", "sequence", "expert")
 
 
 def validate_grad_compression(cfg) -> None:
@@ -37,7 +37,7 @@ def validate_grad_compression(cfg) -> None:
     if method == "none":
         return
     layout = [f"mesh.{a}" for a in _OTHER_AXES if getattr(mesh, a) != 1]
-    layout += [f"mesh.dcn_{a}" for a in _OTHER_AXES if getattr(mesh, f"dcn_{a}") != 1]
+    layout += [f"mesh.dcn_{a}" for a in _OTHER_AXES if getattr(mesh, f"dcn_{a}", 1) != 1]
     if layout:
         _fail(
             f"train.grad_compression={method} compresses the data-parallel exchange of whole "

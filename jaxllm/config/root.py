@@ -29,6 +29,7 @@ from jaxllm.config.sections import (
 )
 from jaxllm.config.seq2seq import validate_span_corruption
 from jaxllm.config.sequence import validate_sequence, validate_tensor_sequence
+from jaxllm.config.tensor2 import validate_tensor2
 from jaxllm.config.trackers import validate_trackers
 from jaxllm.config.train import (
     PAIR_OBJECTIVES,
@@ -234,6 +235,7 @@ class Config:
                 )
             if self.mesh.tensor_sequence_parallel:
                 validate_tensor_sequence(self, degrees)
+            validate_tensor2(self, degrees)
         validate_overlap(self, None if num_devices is None else degrees)
         return self
 

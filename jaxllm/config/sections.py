@@ -48,6 +48,10 @@ class MeshConfig:
     """FSDP / ZeRO-3: batch split as in DP, parameters and optimizer state sharded too."""
     tensor: int = 1
     """TP: heads and MLP hidden units split Megatron-style."""
+    tensor2: int = 1
+    """2D TP (Colossal-AI's 2D layout as sharding rules): the model dim of every weight and of
+    the residual stream split over a second axis, so each matmul weight is split over `tensor`
+    and `tensor2` (mesh.tensor x mesh.tensor2 ways). Dense decoder models, stage and sequence 1."""
     sequence: int = 1
     """SP / context parallelism: the sequence axis of activations split."""
     expert: int = 1
@@ -262,14 +266,14 @@ class GenerateConfig:
     CPU), `xla` (dequantize, then attend), `auto` (kernel on TPU and Hopper, xla elsewhere)."""
 
 
-MESH_AXES = ("stage", "data", "fsdp", "tensor", "sequence", "expert")
+MESH_AXES = ("stage", "data", "fsdp", "tensor", "tensor2", "sequence", "expert")
 
 
 def mesh_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
     """Size of each mesh axis (fast degree * dcn degree), with the one -1 resolved; checks that
     the product equals the device count."""
     ici = {a: getattr(mesh, a) for a in MESH_AXES}
-    dcn = {a: getattr(mesh, f"dcn_{a}") for a in MESH_AXES}
+    dcn = {a: getattr(mesh, f"dcn_{a}", 1) for a in MESH_AXES}  # tensor2: one slice
     for name, d in [*ici.items(), *((f"dcn_{a}", d) for a, d in dcn.items())]:
         if d == 0 or d < -1 or (d == -1 and name.startswith("dcn_")):
             allowed = "a positive degree" + ("" if name.startswith("dcn_") else " or -1")
