@@ -36,7 +36,8 @@ RULES: dict[str, tuple[str, ...] | None] = {
     # the residual stream's length: with mesh.tensor_sequence_parallel over `tensor` too
     # (Megatron-SP; `constrain` adds it where the length divides)
     "res_length": ("sequence",),
-    # the residual stream's model dim: split over `tensor2` with 2D tensor parallelism (mesh.tensor2)
+    # the model dim of activations: over `tensor2` with 2D tensor parallelism (mesh.tensor2),
+    # the residual stream's between blocks over `tensor` too (`constrain` adds it)
     "act_embed": ("tensor2",),
     "act_heads": ("tensor",),
     "act_mlp": ("tensor",),
@@ -284,7 +285,11 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     partition = spec(logical_axes)
     if parallel.tensor_sequence_parallel and "res_length" in logical_axes:
-        partition = _tensor_sequence(partition, list(logical_axes).index("res_length"), x, mesh)
+        partition = _with_tensor(partition, list(logical_axes).index("res_length"), x, mesh)
+    if mesh.shape.get("tensor2", 1) > 1 and {"res_length", "act_embed"} <= set(logical_axes):
+        # 2D TP: between blocks the residual's model dim lies over tensor2 x tensor, so a
+        # reduce-scatter ends each row-parallel matmul and an all-gather starts each block
+        partition = _with_tensor(partition, list(logical_axes).index("act_embed"), x, mesh)
     inner = jax.sharding.get_abstract_mesh()
     if inner.manual_axes:  # inside a shard_map manual over some axes (pipeline stages)
         inside = _without(partition, set(inner.manual_axes) | _unused(inner))
@@ -294,10 +299,10 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     )
 
 
-def _tensor_sequence(partition: PartitionSpec, dim: int, x, mesh: Mesh) -> PartitionSpec:
-    """`partition` with `tensor` added to dimension `dim` (the residual stream's length) when
-    no other dimension holds it and the length divides (a decode step's single token stays
-    whole)."""
+def _with_tensor(partition: PartitionSpec, dim: int, x, mesh: Mesh) -> PartitionSpec:
+    """`partition` with `tensor` added to dimension `dim` (the residual stream's length, or
+    with mesh.tensor2 its model dim) when no other dimension holds it and the dim divides (a
+    decode step's single token stays whole)."""
     entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in partition]
     if any("tensor" in e for e in entries) or mesh.shape.get("tensor", 1) == 1:
         return partition

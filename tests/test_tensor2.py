@@ -103,7 +103,8 @@ def _group_sizes(hlo: str) -> set[int]:
 def test_plan_bills_both_layouts_and_the_2d_reductions():
     """`plan` at 8 devices: tensor=4 x tensor2=2 holds as many parameter bytes per device as
     tensor=8 (each matrix split 8 ways); its step reduces partial sums over the `tensor2` pairs
-    and the `tensor` groups of 4, where 1D tensor parallelism reduces over all 8."""
+    and the `tensor` groups of 4, and reshards the residual stream (split over both axes
+    between blocks) by all-gathers and reduce-scatters, which 1D tensor parallelism lacks."""
     model = tiny_model(vocab_size=264, d_model=64, num_heads=8, num_kv_heads=8, mlp_dim=128)
     one_d = plan.plan(_cfg(model, tensor=8), jax.devices())
     cfg = _cfg(model, tensor=4, tensor2=2)
@@ -114,6 +115,9 @@ def test_plan_bills_both_layouts_and_the_2d_reductions():
     bill = "parameters"
     assert two_d["bill"][bill] == pytest.approx(one_d["bill"][bill], rel=0.05)
     assert two_d["collectives"]["all-reduce"]["count"] > 0
+    for kind in ("all-gather", "reduce-scatter"):
+        assert two_d["collectives"][kind]["count"] > 0, two_d["collectives"]
+        assert kind not in one_d["collectives"], one_d["collectives"]
     mesh = sharding.make_mesh(cfg.mesh, jax.devices())
     step, _, tx, _, batch_sh = compile_steps(cfg, mesh)
     state = init_state(cfg.model, tx, mesh, seed=0, **layout(cfg))
