@@ -1,6 +1,7 @@
 """2D tensor parallelism (`mesh.tensor2`): weights split over `tensor` x `tensor2`, the residual
-stream's model dim over `tensor2`; training equals one device on tensor2 x tensor2 meshes with
-data and fsdp; layouts it does not cover are refused in one line."""
+stream's model dim over `tensor2` (between blocks over `tensor` too); training (losses, and the
+parameters after three Adam steps of their gradients) equals one device on tensor x tensor2
+meshes with data and fsdp; layouts it does not cover are refused in one line."""
 
 from __future__ import annotations
 
