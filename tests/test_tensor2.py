@@ -138,6 +138,7 @@ def test_plan_bills_both_layouts_and_the_2d_reductions():
             "model.d_model (36) must be divisible by mesh.tensor2",
         ),
         (["mesh.tensor=2", "model.mlp_dim=67"], "model.mlp_dim (67)"),
+        (["train.grad_compression=topk"], "mesh.tensor2"),
     ],
 )
 def test_layouts_it_cannot_take_are_one_line(tmp_path, capsys, args, words):
