@@ -24,7 +24,7 @@ COLLECTIVES = (
     "ragged-all-to-all",
     "collective-permute",
 )
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "pred": 1,
     "s8": 1,
     "u8": 1,
@@ -46,8 +46,8 @@ _DTYPE_BYTES = {
 def _shape_bytes(shape_text: str) -> int:
     total = 0
     for dtype, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", shape_text):
-        if dtype in _DTYPE_BYTES:
-            total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+        if dtype in DTYPE_BYTES:
+            total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
     return total
 
 

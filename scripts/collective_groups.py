@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from jaxllm import config, plan  # noqa: E402
-from jaxllm.hlo_collectives import _DTYPE_BYTES, collectives  # noqa: E402
+from jaxllm.hlo_collectives import DTYPE_BYTES, collectives  # noqa: E402
 
 _OP = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter)(?:-start)?\(")
 
@@ -42,7 +42,7 @@ def group_table(hlo: str, devices: int) -> dict[tuple[str, int], tuple[int, int]
             n = 1
             for d in filter(None, dims.split(",")):
                 n *= int(d)
-            nbytes += n * _DTYPE_BYTES.get(dtype, 0)
+            nbytes += n * DTYPE_BYTES.get(dtype, 0)
         ops, total = out.get((m.group(2), size), (0, 0))
         out[(m.group(2), size)] = (ops + 1, total + nbytes)
     return out
