@@ -86,6 +86,8 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
         configs/models/llama3_2_1b.yaml data.seq_len=4096 train.global_batch_size=${batch:-4} \
         model.remat=$remat model.attention_impl=${impl:-auto} ${EXTRA:-} --steps 5 --warmup 2 \
         --no-compiled-flops ;;
+    comm)  # `jaxllm bench comm` on the machine's GPUs (a smoke test on one GPU)
+      step comm 120 $PY -m jaxllm bench comm --max-bytes 256M --json "$OUT/comm.json" ;;
     profile)  # the best measured step, profiled: the device ops that take the time
       step profile 240 $PY -m jaxllm bench train configs/runs/llama3_2_1b_h100.yaml --steps 3 \
         --warmup 1 --no-compiled-flops --profile /tmp/jaxllm-trace ;;
