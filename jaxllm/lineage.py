@@ -21,7 +21,7 @@ Our reading of the method, on probes every model sees alike:
 
 B descends from A when the smaller p, doubled (Bonferroni over the two), is below `alpha`.
 On the small runs of docs/experiments.md, the token bias alone fades within tens of steps at
-lr 1e-3 while co-preference holds; at lr 1e-2 both are gone after 40 steps (see there).
+lr 1e-3 while co-preference holds; at lr 1e-2 both are nearly gone after 30 steps.
 
 A's side of the test is A's *initialisation* where it can be rebuilt: a jaxllm run that started
 from its seed (`run.seed`, no `checkpoint.init_from`, no adapters) is rebuilt from that seed,
@@ -78,6 +78,8 @@ def describe(path) -> Side:
     model_cfg = model_section(path, "lineage")
     if model_cfg.kind != "decoder":
         raise ConfigError(f"{path} is a {model_cfg.kind} model; lineage reads decoders only.")
+    if model_cfg.head != "lm":
+        raise ConfigError(f"{path} ends in a {model_cfg.head} head; lineage reads LM heads only.")
     seed = None
     if not is_hf_dir(path):
         run = config.load(resolve(path)[0] / "config.yaml")
