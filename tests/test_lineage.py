@@ -1,4 +1,4 @@
-"""`jaxllm lineage A B` (SeedPrints): a fine-tune of a run is recognised as descending from the
+"""`jaxllm lineage A B` (SeedPrints): a fine-tune of a run (full or LoRA) is recognised as descending from the
 run's initialisation, an independently initialised run of the same shape is not, a Hugging Face
 model and its fine-tune likewise, the two statistics hold their null on unrelated fingerprints,
 and models of different shapes are refused in one `jaxllm:` line, exit 2."""
@@ -50,6 +50,19 @@ def test_a_fine_tune_descends_from_the_runs_init(runs, tmp_path, capsys):
     assert r["reference"] == "init (seed 1)"
     assert r["p_value"] < 1e-6 and r["copreference_r"] > 0.1
     assert _verdict(runs["a"], runs["a"], tmp_path, capsys)["descends"]  # A itself, trained
+
+
+def test_a_lora_fine_tune_descends(runs, tmp_path, capsys):
+    lora = tmp_path / "lora"
+    argv = ["train", *GENTLE, "train.steps=10", "checkpoint.every=10", "peft.method=lora"]
+    assert (
+        main([*argv, "optim.lr=1e-2", f"checkpoint.init_from={runs['a']}", f"run.dir={lora}"]) == 0
+    )
+    capsys.readouterr()
+    assert _verdict(runs["a"], lora, tmp_path, capsys)["descends"]
+    assert not _verdict(runs["c"], lora, tmp_path, capsys)["descends"]
+    r = _verdict(lora, runs["a"], tmp_path, capsys)  # a LoRA run has no seed of its own
+    assert r["reference"] == "weights" and r["descends"]
 
 
 def test_an_independent_run_does_not(runs, tmp_path, capsys):
