@@ -1,7 +1,8 @@
-"""`jaxllm lineage A B` (SeedPrints): a fine-tune of a run (full or LoRA) is recognised as descending from the
-run's initialisation, an independently initialised run of the same shape is not, a Hugging Face
-model and its fine-tune likewise, the two statistics hold their null on unrelated fingerprints,
-and models of different shapes are refused in one `jaxllm:` line, exit 2."""
+"""`jaxllm lineage A B` (SeedPrints): a fine-tune of a run (full or LoRA) is recognised as
+descending from the run's initialisation, an independently initialised run of the same shape is
+not, a Hugging Face model and its fine-tune likewise, the two statistics hold their null on
+unrelated fingerprints, and models of different shapes are refused in one `jaxllm:` line,
+exit 2."""
 
 from __future__ import annotations
 
