@@ -24,6 +24,7 @@
         [--weights W1,W2,...] [--base BASE] [--density D] [--majority-sign total|frequency]
         [--seed S] [--overwrite]
     jaxllm sweep [CONFIG.yaml] [key=value ...] --grid KEY=V1,V2 [--grid ...] [--out DIR]
+    jaxllm lineage RUN_OR_HF_A RUN_OR_HF_B [--reference auto|init|weights] [--alpha A] [--json F]
 
 Exit codes, each failure with one sentence on stderr and no traceback:
   0    done; also when SIGINT / SIGTERM or train.early_stopping stopped training and a
@@ -159,39 +160,6 @@ def cmd_plan(ns) -> int:
     return 1 if report["fits"] is False else 0
 
 
-def cmd_generate(ns) -> int:
-    from jaxllm.infer.cli import cmd_generate as run
-
-    return run(ns)
-
-
-def _add_generate_parser(sub) -> None:
-    from jaxllm.convert_cli import CHECKPOINT_HELP
-
-    g = sub.add_parser("generate", help="generate text from a trained run, with a KV cache")
-    g.add_argument("args", nargs="+", metavar="RUN_DIR|CHECKPOINT|key=value")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    src.add_argument("--prompts-file", type=Path, help="one prompt per line")
-    src.add_argument("--chat", metavar="MESSAGE", help="a user message: print the reply alone")
-    src.add_argument("--chat-file", type=Path, metavar="F.jsonl", help="chat JSONL, a line each")
-    g.add_argument("--system", help="--chat / --chat-file: a system message first")
-    g.add_argument("--out", type=Path, metavar="F.jsonl", help="write the replies as a dataset")
-    g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    g.add_argument("--max-new-tokens", type=int, help="tokens per prompt at most")
-    g.add_argument("--temperature", type=float, help="0 = greedy")
-    g.add_argument("--top-k", type=int, help="0 = off")
-    g.add_argument("--top-p", type=float, help="1 = off")
-    g.add_argument("--seed", type=int)
-    g.add_argument("--kv-cache-dtype", choices=("bfloat16", "float32", "int8", "int4", "int2"))
-    g.add_argument("--kv-page-size", type=int, help="tokens per page; 0 = contiguous cache")
-    g.add_argument("--decode-impl", choices=("auto", "xla", "kernel"))
-    g.add_argument("--checkpoint", default="last", help=CHECKPOINT_HELP)
-    ad = "a fine-tuning run on this base (RUN/adapters/NAME, or NAME=RUN); repeat to switch"
-    g.add_argument("--adapter", action="append", metavar="NAME[=RUN]", help=ad)
-    g.set_defaults(func=cmd_generate)
-
-
 def parser() -> argparse.ArgumentParser:
     from jaxllm import convert_cli
 
@@ -239,6 +207,8 @@ def parser() -> argparse.ArgumentParser:
     from jaxllm.bench_comm_cli import add_bench_comm_parser
     from jaxllm.convert_cli import add_convert_parser
     from jaxllm.data.cli import add_bench_data_parser, add_data_parser
+    from jaxllm.generate_cli import add_generate_parser
+    from jaxllm.lineage_cli import add_lineage_parser
     from jaxllm.merge import add_merge_parser
     from jaxllm.prune import add_prune_parser
     from jaxllm.quantize import add_quantize_parser
@@ -247,10 +217,11 @@ def parser() -> argparse.ArgumentParser:
 
     add_bench_data_parser(bsub)
     add_bench_comm_parser(bsub)
-    for add in (_add_generate_parser, add_quantize_parser, add_prune_parser, add_merge_parser):
+    for add in (add_generate_parser, add_quantize_parser, add_prune_parser, add_merge_parser):
         add(sub)
     for add in (add_data_parser, add_convert_parser, add_sweep_parser, add_serve_parser):
         add(sub)
+    add_lineage_parser(sub)
     return p
 
 

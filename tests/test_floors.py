@@ -46,11 +46,14 @@ FLOORS = [
     (10, "jaxllm.bench"),
     (10, "jaxllm.bench_comm"),
     (10, "jaxllm.sweep"),
+    (10, "jaxllm.lineage"),
     (11, "jaxllm.cli"),
     (11, "jaxllm.data.cli"),
     (11, "jaxllm.infer.cli"),
     (11, "jaxllm.convert_cli"),
     (11, "jaxllm.bench_comm_cli"),
+    (11, "jaxllm.generate_cli"),
+    (11, "jaxllm.lineage_cli"),
     (11, "jaxllm"),  # the package root names the public pieces
     (11, "jaxllm.__main__"),
 ]
@@ -65,6 +68,10 @@ DEFERRED = {
     "built for every command, imports this module",
     "jaxllm.bench_comm_cli": "the collectives' modules (and jax) load only when `bench comm` "
     "runs, after the process group is joined: the parser, built for every command, imports it",
+    "jaxllm.generate_cli": "the generation stack (and jax) loads only when `generate` runs: "
+    "the parser, built for every command, imports this module",
+    "jaxllm.lineage_cli": "the model stack (and jax) loads only when `lineage` runs: the "
+    "parser, built for every command, imports this module",
     "jaxllm.serve.cli": "the model stack, FastAPI and uvicorn (and jax) load only when the "
     "server runs: the parser, built for every command, imports this module",
     "jaxllm.kernels.flash_attention.ops": "a backend (Triton, Mosaic) loads only when used",
