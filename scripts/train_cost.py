@@ -13,7 +13,7 @@ For each run directory (its config.yaml and metrics.jsonl):
 - GPU-hours = FLOPs / (MFU x the device's dense bf16 peak, `jaxllm.metrics.PEAK_FLOPS`) / 3600,
   a projection at the stated MFU, not a measurement.
 
-Prints a markdown table.
+Prints a markdown table, the runs' sums in its last row.
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ def table(results: list[dict]) -> str:
             f"| {r['run']} | {r['params']:,} | {r['steps']} | {r['tokens']:,} | "
             f"{r['flops']:.3g} | {r['seconds']:.1f} | {r['gpu_hours']:.2e} |"
         )
+    total = {k: sum(r[k] for r in results) for k in ("tokens", "flops", "seconds", "gpu_hours")}
+    lines.append(
+        f"| all {len(results)} runs | | | {total['tokens']:,} | {total['flops']:.3g} | "
+        f"{total['seconds']:.1f} | {total['gpu_hours']:.2e} |"
+    )
     return "\n".join(lines)
 
 

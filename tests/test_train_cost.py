@@ -40,7 +40,8 @@ def test_cost_of_a_run_from_its_config_and_metrics(tmp_path, capsys):
     assert per_token > 6 * 64 * 64 * 4  # at least the attention projections of 4 layers
     assert r["flops"] == pytest.approx(3200 * per_token)
     assert r["gpu_hours"] == pytest.approx(3200 * per_token / (0.5 * 989e12) / 3600)
-    assert "| r | " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| r | " in out and "| all 1 runs | | | 3,200 |" in out
 
 
 def test_a_directory_that_is_not_a_run_exits_2_in_one_line(tmp_path, capsys):
