@@ -5,13 +5,14 @@
     held_out = eval_batches(eval_rows, B, n, local)           # the same n batches every time
 
 Each source is packed on its own (a row never mixes sources); several sources become a
-`MixtureRows` (`CurriculumRows` under `data.order=curriculum`; `data.order=length` sorts
-each source's documents before packing and keeps the rows unshuffled). Text is packed by
-`data.packing`; SFT examples (format chat / prompt_completion, `jaxllm.data.sft`) are packed whole, first-fit, with their loss masks; preference pairs
-(`jaxllm.data.preference`) likewise, a pair's two sequences side by side. Without
-`data.eval_sources` each source holds out `data.eval_fraction` of its files, or of its records
-when it has too few files (`jaxllm.data.sources.split_source`); a prepared directory holds out the files `prepare` held out, by the same rule (so its
-rows equal those of tokenizing the same files here), and `data.max_files` caps its shards.
+`MixtureRows` (`CurriculumRows` under `data.order=curriculum`; `data.order=length` sorts each
+source's documents before packing and keeps the rows unshuffled). Text is packed by `data.packing`;
+SFT examples (format chat / prompt_completion, `jaxllm.data.sft`) are packed whole, first-fit, with
+their loss masks; preference pairs (`jaxllm.data.preference`) likewise, a pair's two sequences side
+by side. Without `data.eval_sources` each source holds out `data.eval_fraction` of its files, or of
+its records when it has too few files (`jaxllm.data.sources.split_source`); a prepared directory
+holds out the files `prepare` held out, by the same rule (so its rows equal those of tokenizing the
+same files here), and `data.max_files` caps its shards.
 """
 
 from __future__ import annotations
@@ -306,11 +307,12 @@ def train_batches(
     transform=None,
 ) -> BatchIterator:
     """Endless global batches of `batch_size` rows: shuffled, a new permutation every epoch
-    (fixed by `data.seed`), or in the rows' own order when `data.order` is length or
-    curriculum (`load_splits` put them in that order); each process gets only its `local` rows of every batch. Batches are
-    made in `data.workers` Grain processes when that is above 0 (the same stream as in-process);
-    `get_state()` / `set_state()` save and restore the position. `transform(index, row)`, when
-    given, rewrites row number `index` of the stream (masked LM's corruption, `data.mlm`)."""
+    (fixed by `data.seed`), or in the rows' own order when `data.order` is length or curriculum
+    (`load_splits` put them in that order); each process gets only its `local` rows of every
+    batch. Batches are made in `data.workers` Grain processes when that is above 0 (the same
+    stream as in-process); `get_state()` / `set_state()` save and restore the position.
+    `transform(index, row)`, when given, rewrites row number `index` of the stream (masked LM's
+    corruption, `data.mlm`)."""
     ds = grain.MapDataset.source(rows)
     if cfg.order == "shuffled":
         ds = ds.shuffle(seed=cfg.seed)
