@@ -3,6 +3,9 @@
     jaxllm sweep [CONFIG.yaml] [key=value ...] --grid model.position=rope,alibi,learned \\
         --grid model.norm_placement=pre,post [--out runs/sweep]
 
+Keys joined by `+` vary together, one `+`-joined value each, e.g. equal-parameter MLPs:
+`--grid model.mlp_activation+model.mlp_dim=swiglu+320,gelu+480`.
+
 Each combination trains in `<out>/<key=value,...>/` (a normal run directory: rerunning the sweep
 resumes or skips finished runs). The sweep directory then holds `results.md` and `results.csv`
 (final eval loss, final train loss, median tokens/s, parameters, steps, status per run) and
@@ -26,7 +29,8 @@ COLUMNS = ("run", "eval_loss", "train_loss", "tokens_per_s", "params", "steps", 
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
-    """['model.position=rope,alibi', ...] -> [('model.position', ['rope', 'alibi']), ...]."""
+    """['model.position=rope,alibi', ...] -> [('model.position', ['rope', 'alibi']), ...];
+    'a+b=1+2,3+4' ties keys a and b (their values change together)."""
     grid = []
     for item in items:
         key, sep, values = item.partition("=")
@@ -35,18 +39,26 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
         listed = [v.strip() for v in values.split(",") if v.strip()]
         if not listed:
             raise ConfigError(f"--grid {item!r} gives no values; list them after '=', with commas.")
+        tied = key.count("+")
+        if tied and any(v.count("+") != tied for v in listed):
+            raise ConfigError(
+                f"--grid {item!r} ties {tied + 1} keys with '+': give each value as "
+                f"{tied + 1} parts joined by '+'."
+            )
         grid.append((key.strip(), listed))
-    keys = [k for k, _ in grid]
+    keys = [k for key, _ in grid for k in key.split("+")]
     if len(set(keys)) != len(keys):
         raise ConfigError(f"--grid names a key twice: {', '.join(keys)}.")
     return grid
 
 
 def combinations(grid: list[tuple[str, list[str]]]) -> list[list[str]]:
-    """Every combination, as a list of `key=value` overrides (the last key varies fastest)."""
+    """Every combination, as a list of `key=value` overrides (the last key varies fastest; tied
+    `a+b` keys give one override each)."""
     keys = [k for k, _ in grid]
     return [
-        [f"{k}={v}" for k, v in zip(keys, vs)] for vs in itertools.product(*(v for _, v in grid))
+        [f"{k}={v}" for key, val in zip(keys, vs) for k, v in zip(key.split("+"), val.split("+"))]
+        for vs in itertools.product(*(v for _, v in grid))
     ]
 
 

@@ -67,7 +67,13 @@ def test_grid_parsing_and_naming():
     combos = combinations(grid)
     assert len(combos) == 4 and combos[1] == ["model.position=rope", "model.norm=layernorm"]
     assert run_name(combos[1]) == "position=rope,norm=layernorm"
-    for bad in (["model.position"], ["model.position="], ["a=1", "a=2"]):
+    tied = combinations(parse_grid(["model.mlp_activation+model.mlp_dim=swiglu+320,gelu+480"]))
+    assert tied == [
+        ["model.mlp_activation=swiglu", "model.mlp_dim=320"],
+        ["model.mlp_activation=gelu", "model.mlp_dim=480"],
+    ]
+    assert run_name(tied[1]) == "mlp_activation=gelu,mlp_dim=480"
+    for bad in (["model.position"], ["model.position="], ["a=1", "a=2"], ["a+b=1+2,3"], ["a+b=1"]):
         with pytest.raises(ConfigError):
             parse_grid(bad)
 

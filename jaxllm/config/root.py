@@ -8,6 +8,7 @@ import math
 import warnings
 
 from jaxllm.config.checkpoint import CheckpointConfig, validate_checkpoint
+from jaxllm.config.data_order import validate_order
 from jaxllm.config.distill import validate_features, validate_on_policy
 from jaxllm.config.errors import JaxllmWarning
 from jaxllm.config.errors import fail as _fail
@@ -303,6 +304,7 @@ class Config:
                 )
         if not d.sources:
             _fail("data.sources is empty; name at least one corpus.")
+        validate_order(d, self.train.objective)
         validate_urls(self)
         self._validate_pairs()
         self._validate_loss_scale()

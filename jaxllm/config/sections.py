@@ -231,6 +231,11 @@ class DataConfig:
     """T5's span corruption of each row (`train.objective=span_corruption`)."""
     workers: int = 0
     """Grain worker processes preparing batches (0: in the training process)."""
+    order: Literal["shuffled", "length", "curriculum"] = "shuffled"
+    """Order of the training rows. `shuffled`: a new permutation per epoch (sources interleaved
+    by weight); `length`: each source's documents sorted by length, shortest first, before
+    packing, rows in that order; `curriculum`: all rows of source 1 (shuffled), then of source
+    2, ... as listed (weights must stay 1). Held-out rows are the same for every order."""
 
 
 @dataclasses.dataclass(frozen=True)

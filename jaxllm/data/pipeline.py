@@ -5,12 +5,14 @@
     held_out = eval_batches(eval_rows, B, n, local)           # the same n batches every time
 
 Each source is packed on its own (a row never mixes sources); several sources become a
-`MixtureRows`. Text is packed by `data.packing`; SFT examples (format chat / prompt_completion,
-`jaxllm.data.sft`) are packed whole, first-fit, with their loss masks; preference pairs
-(`jaxllm.data.preference`) likewise, a pair's two sequences side by side. Without
-`data.eval_sources` each source holds out `data.eval_fraction` of its files, or of its records
-when it has too few files (`jaxllm.data.sources.split_source`); a prepared directory holds out the files `prepare` held out, by the same rule (so its
-rows equal those of tokenizing the same files here), and `data.max_files` caps its shards.
+`MixtureRows` (`CurriculumRows` under `data.order=curriculum`; `data.order=length` sorts each
+source's documents before packing and keeps the rows unshuffled). Text is packed by `data.packing`;
+SFT examples (format chat / prompt_completion, `jaxllm.data.sft`) are packed whole, first-fit, with
+their loss masks; preference pairs (`jaxllm.data.preference`) likewise, a pair's two sequences side
+by side. Without `data.eval_sources` each source holds out `data.eval_fraction` of its files, or of
+its records when it has too few files (`jaxllm.data.sources.split_source`); a prepared directory
+holds out the files `prepare` held out, by the same rule (so its rows equal those of tokenizing the
+same files here), and `data.max_files` caps its shards.
 """
 
 from __future__ import annotations
@@ -39,19 +41,19 @@ class MixtureRows:
     `grain.MapDataset.mix` interleaves them exactly by weight. One pass of the mixture is as long
     as it takes to show every row of the most under-weighted source once: max_i(len_i / p_i) rows
     for normalised weights p_i, so no row of any source goes unseen and smaller sources repeat.
+    `shuffle=False` keeps each source's rows in their order (`data.order=length`).
     """
 
-    def __init__(self, parts: Sequence[Rows], weights: Sequence[float], seed: int):
+    def __init__(
+        self, parts: Sequence[Rows], weights: Sequence[float], seed: int, shuffle: bool = True
+    ):
         self.parts = list(parts)
         shares = np.asarray(weights, np.float64) / sum(weights)
         self._len = int(max(np.ceil(len(p) / s) for p, s in zip(self.parts, shares)))
-        self._ds = grain.MapDataset.mix(
-            [
-                grain.MapDataset.source(p).shuffle(seed=seed + i).repeat()
-                for i, p in enumerate(self.parts)
-            ],
-            list(weights),
-        )
+        sources = [grain.MapDataset.source(p) for p in self.parts]
+        if shuffle:
+            sources = [ds.shuffle(seed=seed + i) for i, ds in enumerate(sources)]
+        self._ds = grain.MapDataset.mix([ds.repeat() for ds in sources], list(weights))
         self.num_docs = sum(p.num_docs for p in self.parts)
         self.num_tokens = sum(p.num_tokens for p in self.parts)
 
@@ -62,6 +64,38 @@ class MixtureRows:
         if not 0 <= index < self._len:
             raise IndexError(f"row {index} of {self._len}")
         return self._ds[int(index)]
+
+
+class CurriculumRows:
+    """The rows of several sources one source after another, in the order listed
+    (`data.order=curriculum`): all of source 1, each source's rows shuffled by `seed` as in
+    `MixtureRows`, then all of source 2, ..."""
+
+    def __init__(self, parts: Sequence[Rows], seed: int):
+        self.parts = list(parts)
+        self._ds = [grain.MapDataset.source(p).shuffle(seed=seed + i) for i, p in enumerate(parts)]
+        self._ends = np.cumsum([len(p) for p in self.parts])
+        self.num_docs = sum(p.num_docs for p in self.parts)
+        self.num_tokens = sum(p.num_tokens for p in self.parts)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)}")
+        part = int(np.searchsorted(self._ends, index, "right"))
+        return self._ds[part][int(index - (self._ends[part - 1] if part else 0))]
+
+
+def _by_length(docs, key: str) -> list[np.ndarray]:
+    """`data.order=length`: the documents shortest first (ties in their order)."""
+    if not isinstance(docs, list):
+        raise ConfigError(
+            f"data.order=length sorts text documents, but {key} holds SFT examples or preference "
+            "pairs; use data.order=shuffled or curriculum."
+        )
+    return sorted(docs, key=len)
 
 
 def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokenizer, hold_out: bool):
@@ -142,13 +176,20 @@ def _rows(
         ) from e
 
 
-def _mix(parts: list[Rows], sources: Sequence[SourceConfig], seed: int) -> Rows | MixtureRows:
-    return parts[0] if len(parts) == 1 else MixtureRows(parts, [s.weight for s in sources], seed)
+def _mix(
+    parts: list[Rows], sources: Sequence[SourceConfig], seed: int, order: str = "shuffled"
+) -> Rows | MixtureRows | CurriculumRows:
+    """One source's rows, or the sources' rows in `order` (held-out rows always mix shuffled)."""
+    if len(parts) == 1:
+        return parts[0]
+    if order == "curriculum":
+        return CurriculumRows(parts, seed)
+    return MixtureRows(parts, [s.weight for s in sources], seed, shuffle=order == "shuffled")
 
 
 def load_splits(
     cfg: DataConfig, virtual_tokens: int = 0, whole_inputs: bool = False
-) -> tuple[Rows | MixtureRows, Rows | MixtureRows | None]:
+) -> tuple[Rows | MixtureRows | CurriculumRows, Rows | MixtureRows | CurriculumRows | None]:
     """(train rows, eval rows) of the configured sources, eval rows None when nothing is held out
     (`data.eval_fraction=0` without `data.eval_sources`); ConfigError for anything the user can
     fix (missing path, no files, no text, bad records under on_bad_record=fail, tokenizer).
@@ -167,6 +208,8 @@ def load_splits(
     for i, src in enumerate(cfg.sources):
         key = f"data.sources[{i}]"
         train_docs, eval_docs = _source_documents(src, key, cfg, tok, hold_out)
+        if cfg.order == "length":
+            train_docs = _by_length(train_docs, key)
         what = f"the train split of {key}"
         train_parts.append(_rows(train_docs, what, cfg, tok, virtual_tokens, whole_inputs))
         if hold_out:
@@ -177,9 +220,10 @@ def load_splits(
         docs = _source_documents(src, key, cfg, tok, False)[0]
         eval_parts.append(_rows(docs, key, cfg, tok, virtual_tokens, whole_inputs))
     eval_weights_from = cfg.sources if hold_out else cfg.eval_sources
+    train = _mix(train_parts, cfg.sources, cfg.seed, cfg.order)
     if not eval_parts:
-        return _mix(train_parts, cfg.sources, cfg.seed), None
-    return _mix(train_parts, cfg.sources, cfg.seed), _mix(eval_parts, eval_weights_from, cfg.seed)
+        return train, None
+    return train, _mix(eval_parts, eval_weights_from, cfg.seed)
 
 
 def _local_rows(ds: grain.MapDataset, batch_size: int, rows: slice | None) -> grain.MapDataset:
@@ -256,25 +300,30 @@ class BatchIterator:
 
 
 def train_batches(
-    rows: Rows | MixtureRows,
+    rows: Rows | MixtureRows | CurriculumRows,
     cfg: DataConfig,
     batch_size: int,
     local: slice | None = None,
     transform=None,
 ) -> BatchIterator:
-    """Endless shuffled global batches of `batch_size` rows, a new permutation every epoch
-    (fixed by `data.seed`); each process gets only its `local` rows of every batch. Batches are
-    made in `data.workers` Grain processes when that is above 0 (the same stream as in-process);
-    `get_state()` / `set_state()` save and restore the position. `transform(index, row)`, when
-    given, rewrites row number `index` of the stream (masked LM's corruption, `data.mlm`)."""
-    ds = grain.MapDataset.source(rows).shuffle(seed=cfg.seed).repeat()
+    """Endless global batches of `batch_size` rows: shuffled, a new permutation every epoch
+    (fixed by `data.seed`), or in the rows' own order when `data.order` is length or curriculum
+    (`load_splits` put them in that order); each process gets only its `local` rows of every
+    batch. Batches are made in `data.workers` Grain processes when that is above 0 (the same
+    stream as in-process); `get_state()` / `set_state()` save and restore the position.
+    `transform(index, row)`, when given, rewrites row number `index` of the stream (masked LM's
+    corruption, `data.mlm`)."""
+    ds = grain.MapDataset.source(rows)
+    if cfg.order == "shuffled":
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.repeat()
     if transform is not None:
         ds = ds.map_with_index(transform)
     return BatchIterator(_local_rows(ds, batch_size, local), cfg.workers)
 
 
 def eval_batches(
-    rows: Rows | MixtureRows | None,
+    rows: Rows | MixtureRows | CurriculumRows | None,
     batch_size: int,
     num_batches: int,
     local: slice | None = None,
