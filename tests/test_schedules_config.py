@@ -104,3 +104,28 @@ def test_a_scaled_run_prints_and_logs_its_resolved_rate(tmp_path):
     assert "lr 0.004: optim.lr 0.001 x (8/2) (optim.lr_scaling=linear" in proc.stderr
     lrs = [r["lr"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "lr" in r]
     assert lrs == pytest.approx([4e-3] * 3)
+
+
+def test_a_noisy_run_resumes_bit_for_bit(tmp_path):
+    """The noise key is optimizer state: checkpointed, restored, and drawn on from there."""
+    run = [
+        *SMALL_RUN,
+        "model.num_layers=1",
+        "optim.grad_noise=0.01",
+        "optim.clip_value=0.5",
+        "optim.schedule=cosine_restarts",
+        "optim.restart_steps=2",
+        "optim.warmup_steps=0",
+    ]
+    for steps, where in ((4, "resumed"), (6, "resumed"), (6, "straight")):
+        proc = _jaxllm(*run, f"train.steps={steps}", f"run.dir={tmp_path / where}")
+        assert proc.returncode == 0, proc.stderr
+    rows = {
+        w: [
+            (r["loss"], r["grad_norm"])
+            for r in read_jsonl(tmp_path / w / "metrics.jsonl")
+            if "loss" in r
+        ]
+        for w in ("resumed", "straight")
+    }
+    assert len(rows["straight"]) == 6 and rows["resumed"] == rows["straight"]
