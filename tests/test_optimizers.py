@@ -86,7 +86,7 @@ def test_readme_lists_every_optimizer_and_its_examples_load():
         row = next(r for r in section.splitlines() if r.startswith("|") and f"`{name}`" in r)
         assert all(f"`{k}`" in row for k in keys - {"weight_decay"}), (name, row)
     examples = [line.split()[2:] for line in section.splitlines() if line.startswith("jaxllm ")]
-    assert len(examples) == 4
+    assert len(examples) == 7  # 3 of schedules and batch-size scaling, 4 of optimizers
     for keys in examples:
         config.load(None, [k for k in keys if "=" in k])
 

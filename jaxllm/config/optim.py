@@ -33,12 +33,18 @@ class OptimConfig:
     weight decay."""
     lr: float = 3e-3
     """Peak learning rate."""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
+    schedule: Literal["cosine", "linear", "constant", "step", "exponential", "cosine_restarts"] = (
+        "cosine"
+    )
+    """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, constant, `step` (x
+    decay_rate every decay_every steps), `exponential` (the same, smoothly), each floored at
+    min_lr_ratio * lr, or `cosine_restarts` (SGDR: cosine cycles of restart_steps, each
+    restart_mult times the last)."""
     warmup_steps: int = 15
     """Linear warmup from 0 to lr."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of lr (cosine and linear)."""
+    """Final learning rate as a fraction of lr (cosine, linear, cosine_restarts: each cycle's
+    end), the floor of step and exponential."""
     b1: float = 0.9
     """Adam decay rate of the first moment."""
     b2: float = 0.95
@@ -86,6 +92,27 @@ class OptimConfig:
     loss_scale_backoff: float = 0.5
     """Dynamic: factor S shrinks by after a step whose gradients were not finite (never below
     1)."""
+    # schedules, stability knobs and batch-size scaling of the learning rate
+    decay_every: int | None = None
+    """step / exponential: steps (after warmup) per decay_rate factor."""
+    decay_rate: float = 0.5
+    """step / exponential: the factor, in (0, 1), per decay_every steps."""
+    restart_steps: int | None = None
+    """cosine_restarts: the first cycle's length in steps (after warmup)."""
+    restart_mult: float = 1.0
+    """cosine_restarts: each cycle is this many times longer than the last (>= 1)."""
+    clip_value: float | None = None
+    """Clip each gradient element to [-clip_value, clip_value] (before clip_norm); null: off."""
+    grad_noise: float = 0.0
+    """Add Gaussian noise of variance grad_noise / (1 + step)^grad_noise_gamma to the clipped
+    gradients (Neelakantan et al. 2015, their eta); 0: off. Drawn from run.seed."""
+    grad_noise_gamma: float = 0.55
+    """The noise's annealing exponent (the paper's 0.55)."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale lr (and so the whole schedule) by train.global_batch_size / reference_batch_size
+    (linear, Goyal et al. 2017) or its square root (sqrt, Krizhevsky 2014); printed at start."""
+    reference_batch_size: int | None = None
+    """lr_scaling: the global batch size at which lr is the given one."""
 
     def resolved_loss_scale(self, dtype: str) -> str:
         """`loss_scale` with `auto` resolved for the compute dtype `dtype` (model.dtype)."""
@@ -153,3 +180,82 @@ def validate_optim(o: OptimConfig, param_dtype: str, z_loss: float) -> None:
             f"{o.master_weights}; set model.param_dtype=bfloat16 (or float16) with it, or "
             "drop it."
         )
+
+
+# The keys each schedule reads beside lr, warmup_steps and min_lr_ratio; set for another, refused.
+SCHEDULE_READS: dict[str, frozenset[str]] = {
+    "step": frozenset({"decay_every", "decay_rate"}),
+    "exponential": frozenset({"decay_every", "decay_rate"}),
+    "cosine_restarts": frozenset({"restart_steps", "restart_mult"}),
+}
+SCHEDULE_SPECIFIC = frozenset().union(*SCHEDULE_READS.values())
+
+
+def resolved_lr(o: OptimConfig, global_batch: int) -> float:
+    """The peak learning rate of a run whose steps take `global_batch` rows: `lr` scaled by
+    `lr_scaling` from `reference_batch_size`."""
+    if o.lr_scaling == "none":
+        return o.lr
+    ratio = global_batch / o.reference_batch_size
+    return o.lr * (ratio if o.lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def validate_schedule(o: OptimConfig, train_steps: int) -> None:
+    """The schedule's keys (only the chosen schedule's may leave their defaults, with values it
+    can run), the stability knobs, and lr_scaling with its reference batch."""
+    default = OptimConfig()
+    for key in sorted(SCHEDULE_SPECIFIC - SCHEDULE_READS.get(o.schedule, frozenset())):
+        if getattr(o, key) != getattr(default, key):
+            readers = sorted(n for n, keys in SCHEDULE_READS.items() if key in keys)
+            _fail(
+                f"optim.{key} does nothing with optim.schedule={o.schedule}; leave it at "
+                f"{getattr(default, key)} or pick optim.schedule={' or '.join(readers)}."
+            )
+    after = train_steps - min(o.warmup_steps, max(train_steps - 1, 0))
+    if o.schedule in ("step", "exponential"):
+        if o.decay_every is None or o.decay_every < 1:
+            _fail(
+                f"optim.schedule={o.schedule} needs optim.decay_every >= 1 (steps per decay), "
+                f"not {o.decay_every}."
+            )
+        if not 0 < o.decay_rate < 1:
+            _fail(f"optim.decay_rate must be in (0, 1), not {o.decay_rate}.")
+        if o.schedule == "step" and o.decay_every >= after:
+            _fail(
+                f"optim.decay_every={o.decay_every} never decays in the {after} steps after "
+                "warmup (train.steps - optim.warmup_steps); make it smaller."
+            )
+    if o.schedule == "cosine_restarts":
+        if o.restart_steps is None or o.restart_steps < 1:
+            _fail(
+                "optim.schedule=cosine_restarts needs optim.restart_steps >= 1 (the first "
+                f"cycle's steps), not {o.restart_steps}."
+            )
+        if not (math.isfinite(o.restart_mult) and o.restart_mult >= 1):
+            _fail(f"optim.restart_mult must be a finite number >= 1, not {o.restart_mult}.")
+        if o.restart_steps >= after:
+            _fail(
+                f"optim.restart_steps={o.restart_steps} never restarts in the {after} steps "
+                "after warmup; make it smaller or use optim.schedule=cosine."
+            )
+    if o.clip_value is not None and not (math.isfinite(o.clip_value) and o.clip_value > 0):
+        _fail(f"optim.clip_value must be a finite number > 0 (null: off), not {o.clip_value}.")
+    if not (math.isfinite(o.grad_noise) and o.grad_noise >= 0):
+        _fail(f"optim.grad_noise must be a finite number >= 0 (0: off), not {o.grad_noise}.")
+    if not (math.isfinite(o.grad_noise_gamma) and o.grad_noise_gamma >= 0):
+        _fail(f"optim.grad_noise_gamma must be a finite number >= 0, not {o.grad_noise_gamma}.")
+    if o.grad_noise == 0 and o.grad_noise_gamma != default.grad_noise_gamma:
+        _fail("optim.grad_noise_gamma does nothing with optim.grad_noise=0; set optim.grad_noise.")
+    if o.lr_scaling != "none" and o.reference_batch_size is None:
+        _fail(
+            f"optim.lr_scaling={o.lr_scaling} needs optim.reference_batch_size: the global batch "
+            "size at which optim.lr is right."
+        )
+    if o.reference_batch_size is not None:
+        if o.lr_scaling == "none":
+            _fail(
+                "optim.reference_batch_size does nothing with optim.lr_scaling=none; set "
+                "optim.lr_scaling=linear or sqrt, or drop it."
+            )
+        if o.reference_batch_size < 1:
+            _fail(f"optim.reference_batch_size must be >= 1, not {o.reference_batch_size}.")

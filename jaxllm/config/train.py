@@ -76,6 +76,9 @@ class TrainConfig:
     """Rows per optimizer step across all devices and microbatches."""
     grad_accum_steps: int = 1
     """Split each global batch into this many microbatches, accumulated inside the jitted step."""
+    deterministic: bool = False
+    """Bit-identical runs: XLA:GPU's deterministic ops (scatters included) and float32 matmuls
+    at full precision (no TF32), seeds from the config (`jaxllm.train.determinism`)."""
     objective: str = "next_token"
     """What the step minimises: `next_token` (cross-entropy over `loss_mask` tokens), `sft`
     (the same loss, named for fine-tuning on chat / prompt_completion sources, whose

@@ -1,6 +1,7 @@
 """Optax optimizers and learning-rate schedules.
 
-`optim.name` picks the optimizer; every one runs after global-norm clipping, with decoupled
+`optim.name` picks the optimizer; every one runs after clipping (elementwise, `clip_value`,
+then by global norm, `clip_norm`) and annealed gradient noise (`grad_noise`), with decoupled
 weight decay (Loshchilov & Hutter 2019) only on matrices (kernels and embeddings), never on
 norm scales or biases, and the learning-rate schedule, optionally on float32 master weights
 (`master.py`). The result is a plain `optax.GradientTransformation`. Optax provides every optimizer but two, which live here each in
@@ -10,33 +11,40 @@ its own module: Adam-mini (`adam_mini`) and AdamW with 8-bit blockwise-quantized
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import optax
 import optax.contrib
 from optax.contrib import MuonDimensionNumbers
 
 from jaxllm.config import OptimConfig
-from jaxllm.optim import adam_mini, adamw_8bit
+from jaxllm.config.optim import resolved_lr
+from jaxllm.optim import adam_mini, adamw_8bit, schedules
 from jaxllm.optim.master import with_master_weights
+from jaxllm.optim.noise import annealed_noise
 from jaxllm.optim.sparse import keep_zeros
 
 NO_DECAY_NAMES = ("scale", "bias", "sinks")  # norm scales; biases (and `*_bias`); sink logits
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup to `lr`, then cosine / linear decay to `min_lr_ratio * lr`, or constant."""
+    """Linear warmup to `lr`, then `cfg.schedule` (`schedules.after_warmup`). `cfg.lr` is the
+    peak as given: `build` and `schedule` take the optim section after `resolve` scaled it."""
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    decay_steps = max(total_steps - warmup, 1)
-    end = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "cosine":
-        after = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio)
-    elif cfg.schedule == "linear":
-        after = optax.linear_schedule(cfg.lr, end, decay_steps)
-    else:
-        after = optax.constant_schedule(cfg.lr)
+    after = schedules.after_warmup(cfg, cfg.lr, max(total_steps - warmup, 1))
     if warmup == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
+
+
+def resolve(cfg: OptimConfig, global_batch: int) -> OptimConfig:
+    """The optim section with `lr` scaled to a global batch of `global_batch` rows by
+    `lr_scaling` (`config.optim.resolved_lr`), and the scaling then marked done."""
+    if cfg.lr_scaling == "none":
+        return cfg
+    lr = resolved_lr(cfg, global_batch)
+    return dataclasses.replace(cfg, lr=lr, lr_scaling="none", reference_batch_size=None)
 
 
 def _no_decay(name: str) -> bool:
@@ -115,12 +123,12 @@ def _need_axes(axes, name):
 
 
 def build(
-    cfg: OptimConfig, total_steps: int, axes=None, sparse=None
+    cfg: OptimConfig, total_steps: int, axes=None, sparse=None, seed: int = 0
 ) -> optax.GradientTransformation:
     """The configured optimizer. `axes`: the parameters' logical axes as a tree of tuples
     (`jaxllm.model.abstract_model`), which adam_mini and muon read to find blocks and matrices.
     `sparse`: a tree of bools over the parameters, those whose zeros stay zero (a pruned run's
-    weights, `sparse.keep_zeros`); None: none."""
+    weights, `sparse.keep_zeros`); None: none. `seed`: the gradient noise's (optim.grad_noise)."""
     lr = schedule(cfg, total_steps)
     if cfg.name == "adamw" and not cfg.amsgrad:
         tx = optax.adamw(
@@ -145,8 +153,13 @@ def build(
             parts.append(optax.scale_by_trust_ratio())
         parts.append(optax.scale_by_learning_rate(lr))
         tx = optax.chain(*parts)
+    if cfg.grad_noise > 0:  # on the clipped gradients
+        noise = annealed_noise(cfg.grad_noise, cfg.grad_noise_gamma, seed)
+        tx = optax.chain(noise, tx)
     if cfg.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+    if cfg.clip_value is not None:
+        tx = optax.chain(optax.clip(cfg.clip_value), tx)
     if sparse is not None:
         tx = optax.chain(tx, keep_zeros(sparse))
     if cfg.master_weights != "none":

@@ -14,7 +14,7 @@ from jaxllm.config.pipeline import microbatches
 from jaxllm.model import abstract_model
 from jaxllm.parallel.grad_compression import Compression
 from jaxllm.sharding import to_global
-from jaxllm.train import companions, loss_scale, overlap
+from jaxllm.train import companions, determinism, loss_scale, overlap
 from jaxllm.train.state import grad_shardings, layout, sparse_weights, state_shardings
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
@@ -23,7 +23,8 @@ def compile_steps(cfg: config.Config, mesh):
     """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
     graphdef, abstract, axes = abstract_model(cfg.model, cfg.peft)
     weights = qat.transform(abstract, axes, cfg.train.qat)  # None unless train.qat
-    tx = optim.build(step_optim(cfg), cfg.train.steps, axes, sparse_weights(cfg, axes))
+    o = optim.resolve(step_optim(cfg), cfg.train.global_batch_size)  # lr_scaling applied
+    tx = optim.build(o, cfg.train.steps, axes, sparse_weights(cfg, axes), cfg.run.seed)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
@@ -36,7 +37,7 @@ def compile_steps(cfg: config.Config, mesh):
         train_step,
         graphdef=graphdef,
         tx=tx,
-        lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
+        lr_schedule=optim.schedule(o, cfg.train.steps),
         objective=objective,
         parallel_settings=parallel_settings,
         grad_accum_steps=microbatches(cfg),
@@ -49,23 +50,28 @@ def compile_steps(cfg: config.Config, mesh):
         compression=Compression.of(cfg),
     )
     platform = mesh.devices.flat[0].platform
-    options = overlap.compiler_options(cfg.mesh.overlap, "gpu" if platform == "cuda" else platform)
+    platform = "gpu" if platform == "cuda" else platform
+    options = overlap.compiler_options(cfg.mesh.overlap, platform)
+    options |= determinism.compiler_options(cfg.train.deterministic, platform)
+    exact = functools.partial(determinism.full_precision, deterministic=cfg.train.deterministic)
     jit_train = jax.jit(
-        step_fn,
+        exact(step_fn),
         in_shardings=(shardings, batch_sh),
         out_shardings=(shardings, None),
         donate_argnums=0,
         compiler_options=options or None,
     )
     jit_eval = jax.jit(
-        functools.partial(
-            eval_step,
-            graphdef=graphdef,
-            objective=objective,
-            parallel_settings=parallel_settings,
-            other_graphdefs=other_graphdefs,
-            weights=weights,
-            offload_params=cfg.model.param_offload == "host",
+        exact(
+            functools.partial(
+                eval_step,
+                graphdef=graphdef,
+                objective=objective,
+                parallel_settings=parallel_settings,
+                other_graphdefs=other_graphdefs,
+                weights=weights,
+                offload_params=cfg.model.param_offload == "host",
+            )
         ),
         compiler_options=options or None,
         in_shardings=(

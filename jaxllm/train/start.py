@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 
 from jaxllm import adapters, checkpoint, config
+from jaxllm.config.optim import resolved_lr
 from jaxllm.train import loss_scale
 from jaxllm.train.console import _log
 from jaxllm.train.state import init_state, init_state_from, layout, on_device
@@ -28,6 +29,14 @@ def start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batches
     """(state, step): the state resumed from the newest readable checkpoint, or initialised
     from `checkpoint.init_from` / an imported checkpoint, or fresh. A PEFT run's frozen base
     comes from `base` (`adapters.base_record`), the one its checkpoints record."""
+    o = cfg.optim
+    if o.lr_scaling != "none":
+        ratio = f"{cfg.train.global_batch_size}/{o.reference_batch_size}"
+        _log(
+            f"lr {resolved_lr(o, cfg.train.global_batch_size):.4g}: optim.lr {o.lr:g} x "
+            f"{'' if o.lr_scaling == 'linear' else 'sqrt '}({ratio}) (optim.lr_scaling="
+            f"{o.lr_scaling}, global batch / optim.reference_batch_size)"
+        )
     restored = None
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     if cfg.checkpoint.resume and not cfg.checkpoint.start_fresh:

@@ -88,6 +88,14 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
         --no-compiled-flops ;;
     comm)  # `jaxllm bench comm` on the machine's GPUs (a smoke test on one GPU)
       step comm 120 $PY -m jaxllm bench comm --max-bytes 256M --json "$OUT/comm.json" ;;
+    deterministic)  # train.deterministic: two runs bit-identical (and two without it, compared)
+      step deterministic 300 $PY scripts/gpu/deterministic_check.py 20 ;;
+    deterministic_cost)  # its step time: the Llama-3.2-1B shape, seq 4096, with and without
+      for det in false true; do
+        step "deterministic_cost_$det" 240 $PY -m jaxllm bench train \
+          configs/models/llama3_2_1b.yaml data.seq_len=4096 train.global_batch_size=4 \
+          model.remat=full train.deterministic=$det --steps 5 --warmup 2 --no-compiled-flops
+      done ;;
     profile)  # the best measured step, profiled: the device ops that take the time
       step profile 240 $PY -m jaxllm bench train configs/runs/llama3_2_1b_h100.yaml --steps 3 \
         --warmup 1 --no-compiled-flops --profile /tmp/jaxllm-trace ;;
