@@ -283,7 +283,7 @@ class Config:
             _fail("run.dir is empty; name a directory for the run (e.g. run.dir=runs/mine).")
         validate_trackers(self.run.trackers, self.run.wandb, self.run.mlflow)
         validate_optim(self.optim, self.model.param_dtype, self.train.z_loss)
-        validate_checkpoint(self.checkpoint, self.peft.method)
+        validate_checkpoint(self.checkpoint, self.peft.method, self.run.dir, self.optim)
         d = self.data
         if d.workers < 0:
             _fail(f"data.workers must be >= 0 (0: in the training process), not {d.workers}.")
