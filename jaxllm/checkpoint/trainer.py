@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from jaxllm.checkpoint import quantized, tiers
+from jaxllm.checkpoint import increments, quantized, tiers
 from jaxllm.checkpoint.files import (
     BEST_ITEM,
     _first_line,
@@ -49,15 +49,21 @@ class Checkpointer:
     to the bucket, and retention's deletions are done there too. `checkpoint.local_dir`: a
     second manager there (`jaxllm.checkpoint.tiers`), written by `save(..., local=True)`."""
 
-    def __init__(self, directory: str | Path, cfg: CheckpointConfig, mirror=None):
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig, mirror=None, log=None):
         self.directory = Path(directory)
         self.cfg = cfg
         self._lead = jax.process_index() == 0
+        self._increments = increments.Increments() if cfg.incremental else None
+        self._log = log  # a line per incremental save: its bytes written, what it linked
         self._mgr = manager(self.directory, cfg)
         self.local = Path(cfg.local_dir) if cfg.local_dir else None
         self._local_mgr = manager(self.local, cfg) if self.local else None
         self.promoted: list[int] = []  # local steps a resume copied into `directory`
         self.mirror = mirror if self._lead else None
+        for d in (self.directory, self.local) if self._lead else ():
+            if d is not None:
+                increments.repair(d)  # links a killed incremental run still owed
+        sync("jaxllm_checkpoint_repair")
 
     def save(
         self,
@@ -122,21 +128,28 @@ class Checkpointer:
             extra[METRICS_ITEM] = ocp.args.JsonSave(metrics)
         if best is not None:
             extra[BEST_ITEM] = ocp.args.JsonSave(best)
+        args = dict(
+            params=ocp.args.StandardSave(items["params"]),
+            train=ocp.args.StandardSave(items["train"]),
+            data=ocp.args.JsonSave(data_state),
+            config=ocp.args.JsonSave(config),
+            tokenizer=ocp.args.JsonSave(tokenizer),
+            **extra,
+        )
+        refs = {}
+        if self._increments is not None:  # unchanged items: linked from their last copy
+            json_items = {k for k, a in args.items() if isinstance(a, ocp.args.JsonSave)}
+            values = {k: a.item for k, a in args.items()}
+            refs = self._increments.split(directory, step, values, json_items)
+            args = {k: a for k, a in args.items() if k not in refs}
+            if refs:
+                args[increments.ITEM] = ocp.args.JsonSave(refs)
         try:
-            mgr.save(
-                step,
-                args=ocp.args.Composite(
-                    params=ocp.args.StandardSave(items["params"]),
-                    train=ocp.args.StandardSave(items["train"]),
-                    data=ocp.args.JsonSave(data_state),
-                    config=ocp.args.JsonSave(config),
-                    tokenizer=ocp.args.JsonSave(tokenizer),
-                    **extra,
-                ),
-                force=True,
-            )
+            mgr.save(step, args=ocp.args.Composite(**args), force=True)
         except Exception as e:
             raise RunError(f"writing checkpoint {path} failed ({_first_line(e)}).") from e
+        if self._increments is not None and self._lead:  # the lead process links
+            self._increments.owe(directory, step, refs)
         if self.mirror is not None and not local:  # uploaded once Orbax has finalized it
             self.mirror.saved(step)
         return step
@@ -155,6 +168,8 @@ class Checkpointer:
                 raise RunError(
                     f"writing {what} to {directory} failed ({_first_line(e)}); {kept}."
                 ) from e
+        if self._increments is not None and self._lead:
+            self._increments.settle(self._log)
 
     def prune(self) -> None:
         """Deletes finalized checkpoints beyond the newest `keep` (sparing multiples of

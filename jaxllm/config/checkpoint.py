@@ -64,6 +64,9 @@ class CheckpointConfig:
     the persistent saves of `every`; resume takes the newest intact step of either tier."""
     local_every: int | None = None
     """Save to `local_dir` every this many steps (a step due for both goes to `dir`)."""
+    incremental: bool = False
+    """Write only the items that changed since the last save; unchanged ones (config,
+    tokenizer, base and frozen models' records, ...) are hard-linked from their last copy."""
     quantize_opt_state: Literal["none", "int8"] = "none"
     """`int8`: the optimizer's float moments stored as blockwise absmax-scaled 8-bit codes
     (lossy: a resume continues from the dequantized moments)."""
@@ -104,6 +107,11 @@ def validate_checkpoint(
                 f"checkpoint.local_dir={c.local_dir!r} is not a second place: give a directory "
                 "on fast local storage other than run.dir and checkpoint.dir."
             )
+    if c.incremental and "://" in run_dir:
+        _fail(
+            "checkpoint.incremental links unchanged items between steps on one file system; a "
+            f"run.dir in object storage ({run_dir}) cannot; set it to false."
+        )
     if c.quantize_opt_state != "none" and optim is not None and not has_float_moments(optim):
         _fail(
             f"checkpoint.quantize_opt_state={c.quantize_opt_state}: optim.name={optim.name}"

@@ -177,7 +177,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
                         moved = move_aside(run_dir, ckpt_dir, cfg.checkpoint.local_dir)
                 checkpoint.sync("jaxllm_start_fresh")
             with signals.writing:
-                ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, remote)
+                ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, remote, log=_log)
             base = adapters.base_record(cfg)
             state, start = start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
             best = watch.Best.of(cfg, ckpt.directory, start)
