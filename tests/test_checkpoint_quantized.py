@@ -98,6 +98,9 @@ def test_int8_moments_quarter_the_bytes_and_resume_close(tmp_path):
     for s in range(5, 9):  # after it: close, not equal (the moments were rounded)
         assert abs(ours[s] - theirs[s]) < 0.02 * theirs[s], (s, ours[s], theirs[s])
     assert any(ours[s] != theirs[s] for s in range(5, 9))
+    run("int8", 10)  # 8-bit moments resume under quantize_opt_state=none too (its opt_codec)
+    assert read_json_item(packed / "checkpoints", 10, quantized.CODEC_ITEM) is None
+    assert sorted(_losses(packed)) == list(range(1, 11))
 
 
 @pytest.mark.parametrize(
