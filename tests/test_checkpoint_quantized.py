@@ -114,3 +114,12 @@ def test_an_optimizer_without_float_moments_is_refused(optim, needle, fine):
     with pytest.raises(ConfigError, match=needle):
         config.load(None, [f"optim.name={optim}", "checkpoint.quantize_opt_state=int8"])
     config.load(None, [f"optim.name={optim}", fine, "checkpoint.quantize_opt_state=int8"])
+
+
+def test_an_offloaded_optimizer_state_saves_and_resumes_as_codes(tmp_path):
+    keys = [*TINY, "checkpoint.every=1", "optim.offload=host", f"run.dir={tmp_path}"]
+    keys.append("checkpoint.quantize_opt_state=int8")
+    train(config.load(None, [*keys, "train.steps=2"]))
+    assert _array_bytes(tmp_path / "checkpoints/2/train")["uint8"] > 0
+    train(config.load(None, [*keys, "train.steps=3"]))  # restored to host memory again
+    assert sorted(_losses(tmp_path)) == [1, 2, 3]

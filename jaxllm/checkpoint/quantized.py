@@ -41,16 +41,27 @@ def _is_packed(x) -> bool:
     return isinstance(x, dict) and set(x) == _KEYS
 
 
+def _on_device(sharding):
+    """`sharding` in device memory (an offloaded optimizer state lives in host memory)."""
+    kind = getattr(sharding, "memory_kind", None)
+    return sharding.with_memory_kind("device") if kind not in (None, "device") else sharding
+
+
 @jax.jit
+def _quantize(x, code):
+    q, absmax = quantize(x.astype(jnp.float32), code, BLOCK)
+    return {"codes": q, "absmax": absmax}
+
+
 def pack(opt_state):
-    """The optimizer state with each float moment as {"codes": uint8, "absmax": float32}."""
+    """The optimizer state with each float moment as {"codes": uint8, "absmax": float32}, one
+    moment at a time (brought to device memory when offloaded)."""
     code = jnp.asarray(dynamic_code(signed=True))
 
     def one(path, x):
         if not _quantized(path, x):
             return x
-        q, absmax = quantize(x.astype(jnp.float32), code, BLOCK)
-        return {"codes": q, "absmax": absmax}
+        return _quantize(jax.device_put(x, _on_device(x.sharding)), code)
 
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
@@ -64,6 +75,7 @@ def packed_target(abstract_opt):
             return x
         shape = (*x.shape[:-1], blocks_per_row(x.shape[-1], BLOCK)[0])
         s = getattr(x, "sharding", None)
+        s = _on_device(s) if s is not None else None
         return {
             "codes": jax.ShapeDtypeStruct(x.shape, jnp.uint8, sharding=s),
             "absmax": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=_fitted(s, shape)),
@@ -96,6 +108,8 @@ def unpack(packed, abstract_opt, block: int = BLOCK):
     for w, g in zip(want, got, strict=True):
         if _is_packed(g):
             g = _dequantize(g["codes"], g["absmax"], code, block, w.dtype)
+            if getattr(w, "sharding", None) is not None:  # back where the state lives
+                g = jax.device_put(g, w.sharding)
         out.append(g)
     return jax.tree.unflatten(treedef, out)
 
