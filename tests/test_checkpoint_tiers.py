@@ -2,6 +2,7 @@
 local-only save resumes from it bit-identically; with the local tier gone it resumes from the
 persistent one; bad tiers are refused in one line. Real subprocesses and real signals."""
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -90,6 +91,10 @@ def test_local_saves_go_between_the_persistent_ones(tmp_path):
     train(cfg)
     assert steps(tmp_path / "run" / "checkpoints") == [2, 4]  # `every` only
     assert steps(local) == [5]  # 5 lives only here; 1 and 3 were dropped (older than 4)
+    again = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1))
+    train(dataclasses.replace(again, checkpoint=dataclasses.replace(cfg.checkpoint, start_fresh=True)))  # fmt: skip
+    assert steps(local.with_name("fast.old")) == [5]  # moved aside with the run, not resumed
+    assert steps(tmp_path / "run.old" / "checkpoints") == [2, 4] and steps(local) == []
 
 
 @pytest.mark.parametrize(
