@@ -97,3 +97,16 @@ def test_a_link_a_killed_run_still_owed_is_made_at_the_next_start(tmp_path):
 def test_incremental_refused_on_object_storage():
     with pytest.raises(ConfigError, match="checkpoint.incremental"):
         config.load(None, ["run.dir=s3://bucket/run", "checkpoint.incremental=true"])
+
+
+def test_incremental_local_steps_are_promoted_whole(tmp_path, capsys):
+    local = tmp_path / "fast"
+    keys = [*LORA, "checkpoint.every=4", "checkpoint.local_every=1", f"run.dir={tmp_path / 'r'}"]
+    keys += [f"checkpoint.local_dir={local}", "checkpoint.incremental=true"]
+    train(config.load(None, [*keys, "train.steps=7", "checkpoint.save_final=false"]))
+    assert steps(local) == [5, 6]
+    assert "config" in read_json_item(local, 6, increments.ITEM)  # linked from step 5
+    train(config.load(None, [*keys, "train.steps=8"]))
+    assert "resumed from step 6" in capsys.readouterr().err
+    ckpt = tmp_path / "r" / "checkpoints"
+    assert read_json_item(ckpt, 6, "config")["checkpoint"]["incremental"] is True
