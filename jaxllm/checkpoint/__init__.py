@@ -8,7 +8,10 @@ biases) add a sixth, `model_state`, which inference restores with the parameters
 dynamic loss scaling one more, `loss_scale` (the scale and its clean-step count; a checkpoint
 without it resumes with the configured initial scale), and runs with `train.early_stopping` or
 `checkpoint.keep_best` the JSON item `best` (the watched eval metric's best value, its step, the
-evaluations since; retention under keep_best never deletes that step). Orbax writes
+evaluations since; retention under keep_best never deletes that step), runs with
+`checkpoint.quantize_opt_state=int8` the JSON item `opt_codec` (`quantized.py`), and
+incremental saves the JSON item `increment`, the items hard-linked from earlier steps
+(`increments.py`). A fast tier, `checkpoint.local_dir`, is `tiers.py`. Orbax writes
 into a temporary directory and renames it when complete, so a process killed mid-save leaves the
 previous checkpoint as the newest one.
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from jaxllm.checkpoint import increments, quantized, tiers
 from jaxllm.checkpoint.files import (
     BEST_ITEM,
     _first_line,
@@ -45,14 +46,24 @@ class Checkpointer:
     """One Orbax manager for the life of a run: periodic async saves, final save, retention,
     resume. Create it only once the run directory is ready to be written. `mirror` (a run on
     object storage, `jaxllm.checkpoint.mirror.Remote`): every finalized checkpoint is uploaded
-    to the bucket, and retention's deletions are done there too."""
+    to the bucket, and retention's deletions are done there too. `checkpoint.local_dir`: a
+    second manager there (`jaxllm.checkpoint.tiers`), written by `save(..., local=True)`."""
 
-    def __init__(self, directory: str | Path, cfg: CheckpointConfig, mirror=None):
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig, mirror=None, log=None):
         self.directory = Path(directory)
         self.cfg = cfg
         self._lead = jax.process_index() == 0
+        self._increments = increments.Increments() if cfg.incremental else None
+        self._log = log  # a line per incremental save: its bytes written, what it linked
         self._mgr = manager(self.directory, cfg)
+        self.local = Path(cfg.local_dir) if cfg.local_dir else None
+        self._local_mgr = manager(self.local, cfg) if self.local else None
+        self.promoted: list[int] = []  # local steps a resume copied into `directory`
         self.mirror = mirror if self._lead else None
+        for d in (self.directory, self.local) if self._lead else ():
+            if d is not None:
+                increments.repair(d)  # links a killed incremental run still owed
+        sync("jaxllm_checkpoint_repair")
 
     def save(
         self,
@@ -65,6 +76,7 @@ class Checkpointer:
         others: dict | None = None,
         metrics: dict | None = None,
         best: dict | None = None,
+        local: bool = False,
     ) -> int:
         """Starts writing `state` at its step (returns at once when async); returns the step.
         `base`: a fine-tuning run's base record (`jaxllm.adapters.base_record`), saved as the
@@ -72,33 +84,38 @@ class Checkpointer:
         (`jaxllm.train.companions.records`), the JSON item `others`; `metrics`: the metrics.jsonl
         row of this step, the JSON item `metrics_row`, which a resume writes back when the file
         lost it (`MetricsWriter`'s `resume_row`); `best`: the watched eval metric's state
-        (`jaxllm.train.watch.Best.record`), the JSON item `best`.
+        (`jaxllm.train.watch.Best.record`), the JSON item `best`; `local`: to the fast tier
+        (`checkpoint.local_dir`), neither mirrored nor counted by `checkpoint.keep`.
         RunError when the directory is gone or the write fails (disk full, read-only)."""
         step = int(jax.device_get(state.step))
         self._finish("the previous checkpoint")
-        if self.mirror is not None:
+        directory, mgr = (self.local, self._local_mgr) if local else (self.directory, self._mgr)
+        if self.mirror is not None and not local:
             self.mirror.check()  # an upload failed: stop before writing more
-        if not self.directory.is_dir():
+        if not directory.is_dir():
             raise RunError(
-                f"the checkpoint directory {self.directory} disappeared while training; step "
+                f"the checkpoint directory {directory} disappeared while training; step "
                 f"{step} was not saved."
             )
         self.prune()
-        path = self.directory / str(step)
+        path = directory / str(step)
         if path.exists():
-            if step in steps(self.directory):
+            if step in steps(directory):
                 raise RunError(f"cannot save step {step}: {path} already holds a checkpoint.")
             if self._lead:  # a stray directory with the step's name: keep it, out of the way
-                moved = set_aside(self.directory, step, "stray")
+                moved = set_aside(directory, step, "stray")
                 warnings.warn(
                     f"{path} was not a finished checkpoint; moved it to {moved.name}.",
                     JaxllmWarning,
                     stacklevel=2,
                 )
             sync("jaxllm_checkpoint_stray")
-            self._mgr.reload()
+            mgr.reload()
         items = _state_items(state)
         extra = {}
+        if self.cfg.quantize_opt_state == "int8":
+            items["train"]["opt"] = quantized.pack(state.opt_state)
+            extra[quantized.CODEC_ITEM] = ocp.args.JsonSave(quantized.record())
         if state.model_state:
             extra["model_state"] = ocp.args.StandardSave(state.model_state)
         if state.loss_scale is not None:
@@ -111,34 +128,48 @@ class Checkpointer:
             extra[METRICS_ITEM] = ocp.args.JsonSave(metrics)
         if best is not None:
             extra[BEST_ITEM] = ocp.args.JsonSave(best)
+        args = dict(
+            params=ocp.args.StandardSave(items["params"]),
+            train=ocp.args.StandardSave(items["train"]),
+            data=ocp.args.JsonSave(data_state),
+            config=ocp.args.JsonSave(config),
+            tokenizer=ocp.args.JsonSave(tokenizer),
+            **extra,
+        )
+        refs = {}
+        if self._increments is not None:  # unchanged items: linked from their last copy
+            json_items = {k for k, a in args.items() if isinstance(a, ocp.args.JsonSave)}
+            values = {k: a.item for k, a in args.items()}
+            refs = self._increments.split(directory, step, values, json_items)
+            args = {k: a for k, a in args.items() if k not in refs}
+            if refs:
+                args[increments.ITEM] = ocp.args.JsonSave(refs)
         try:
-            self._mgr.save(
-                step,
-                args=ocp.args.Composite(
-                    params=ocp.args.StandardSave(items["params"]),
-                    train=ocp.args.StandardSave(items["train"]),
-                    data=ocp.args.JsonSave(data_state),
-                    config=ocp.args.JsonSave(config),
-                    tokenizer=ocp.args.JsonSave(tokenizer),
-                    **extra,
-                ),
-                force=True,
-            )
+            mgr.save(step, args=ocp.args.Composite(**args), force=True)
         except Exception as e:
             raise RunError(f"writing checkpoint {path} failed ({_first_line(e)}).") from e
-        if self.mirror is not None:  # uploaded once Orbax has finalized it
+        if self._increments is not None and self._lead:  # the lead process links
+            self._increments.owe(directory, step, refs)
+        if self.mirror is not None and not local:  # uploaded once Orbax has finalized it
             self.mirror.saved(step)
         return step
 
     def _finish(self, what: str) -> None:
-        try:
-            self._mgr.wait_until_finished()
-        except Exception as e:
-            newest = latest_step(self.directory)
-            kept = f"step {newest} is the newest finished one" if newest is not None else "none is"
-            raise RunError(
-                f"writing {what} to {self.directory} failed ({_first_line(e)}); {kept}."
-            ) from e
+        for directory, mgr in ((self.directory, self._mgr), (self.local, self._local_mgr)):
+            if mgr is None:
+                continue
+            try:
+                mgr.wait_until_finished()
+            except Exception as e:
+                newest = latest_step(directory)
+                kept = (
+                    f"step {newest} is the newest finished one" if newest is not None else "none is"
+                )
+                raise RunError(
+                    f"writing {what} to {directory} failed ({_first_line(e)}); {kept}."
+                ) from e
+        if self._increments is not None and self._lead:
+            self._increments.settle(self._log)
 
     def prune(self) -> None:
         """Deletes finalized checkpoints beyond the newest `keep` (sparing multiples of
@@ -160,6 +191,10 @@ class Checkpointer:
                 self._mgr.delete(s)
             if self.mirror is not None:
                 self.mirror.removed(doomed)
+        if self.local is not None and (old := tiers.obsolete(self.local, self.directory)):
+            self._local_mgr.reload()
+            for s in old:
+                self._local_mgr.delete(s)
 
     def wait(self) -> None:
         self._finish("a checkpoint")
@@ -171,6 +206,8 @@ class Checkpointer:
         if prune:
             self.prune()
         self._mgr.close()
+        if self._local_mgr is not None:
+            self._local_mgr.close()
 
     def restore_latest(self, abstract_state, *, optimizer: bool = True):
         """(state, data_state, step) from the newest readable checkpoint, or None if there is
@@ -185,7 +222,15 @@ class Checkpointer:
         is readable the run is refused with a RunError naming them and the first read error;
         in both cases nothing is moved. `optimizer=False` (`checkpoint.reset_optimizer`) reads
         everything but the optimizer state, which may be another optimizer's; the returned
-        state's `opt_state` is then None, for the caller to start afresh."""
+        state's `opt_state` is then None, for the caller to start afresh. With a local tier,
+        its steps newer than the persistent ones are first copied in (`tiers.promote`)."""
+        if self.local is not None:
+            if self._lead:
+                self.promoted = tiers.promote(self.local, self.directory)
+                for s in self.promoted if self.mirror is not None else ():
+                    self.mirror.saved(s)  # the bucket holds what the run directory holds
+            sync("jaxllm_checkpoint_promote")
+            self._mgr.reload()
         candidates = [
             s for s in reversed(steps(self.directory)) if has_train_state(self.directory, s)
         ]
@@ -208,6 +253,11 @@ class Checkpointer:
                 extra["loss_scale"] = ocp.args.StandardRestore(_fields(abstract_state.loss_scale))
             else:
                 extra.pop("loss_scale", None)
+            codec = read_json_item(self.directory, step, quantized.CODEC_ITEM)
+            if optimizer:
+                train_target = dict(train_target, opt=target["train"]["opt"])
+                if codec:
+                    train_target["opt"] = quantized.packed_target(abstract_state.opt_state)
             train_args = (
                 ocp.args.StandardRestore(train_target)
                 if optimizer
@@ -247,7 +297,13 @@ class Checkpointer:
             state = abstract_state.replace(
                 step=train["step"],
                 params=out["params"],
-                opt_state=train["opt"] if optimizer else None,
+                opt_state=(
+                    quantized.unpack(train["opt"], abstract_state.opt_state, codec["block"])
+                    if optimizer and codec
+                    else train["opt"]
+                    if optimizer
+                    else None
+                ),
                 rng=train["rng"],
                 grad_comp=train.get("grad_comp"),
                 model_state=out["model_state"] if "model_state" in extra else {},

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.optim import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +58,25 @@ class CheckpointConfig:
     soft prompt) over its base, which needs the same peft.rank, alpha, rslora and targets (or
     num_virtual_tokens). Either way a reference (DPO, GRPO / PPO's KL) is the starting model.
     A run without peft always starts from the merged model."""
+    # Tiers and compact states (README "Checkpoints"):
+    local_dir: str | None = None
+    """A second, fast tier (local disk): steps saved there every `local_every` steps, beside
+    the persistent saves of `every`; resume takes the newest intact step of either tier."""
+    local_every: int | None = None
+    """Save to `local_dir` every this many steps (a step due for both goes to `dir`)."""
+    incremental: bool = False
+    """Write only the items that changed since the last save; unchanged ones (config,
+    tokenizer, base and frozen models' records, ...) are hard-linked from their last copy."""
+    quantize_opt_state: Literal["none", "int8"] = "none"
+    """`int8`: the optimizer's float moments stored as blockwise absmax-scaled 8-bit codes
+    (lossy: a resume continues from the dequantized moments)."""
 
 
-def validate_checkpoint(c: CheckpointConfig, peft_method: str) -> None:
-    """A period of 0, an empty directory, adapters continued without a run to continue."""
+def validate_checkpoint(
+    c: CheckpointConfig, peft_method: str, run_dir: str = "", optim: OptimConfig | None = None
+) -> None:
+    """A period of 0, an empty directory, adapters continued without a run to continue, a
+    local tier on the persistent one, quantized moments of an optimizer without any."""
     if c.every is not None and c.every < 1:
         _fail(
             f"checkpoint.every must be >= 1, not {c.every}; checkpoint.every=null saves only "
@@ -75,3 +92,37 @@ def validate_checkpoint(c: CheckpointConfig, peft_method: str) -> None:
             f"that checkpoint.init_from names (here {c.init_from or 'null'}) under this "
             f"run's peft (here peft.method={peft_method}); set both, or drop it."
         )
+    if (c.local_dir is None) != (c.local_every is None):
+        _fail(
+            "checkpoint.local_dir and checkpoint.local_every go together (a fast tier and how "
+            "often to save to it); set both, or neither."
+        )
+    if c.local_every is not None and c.local_every < 1:
+        _fail(f"checkpoint.local_every must be >= 1, not {c.local_every}.")
+    if c.local_dir is not None:
+        local = Path(c.local_dir).expanduser().absolute()
+        persistent = Path(c.dir or Path(run_dir) / "checkpoints").expanduser().absolute()
+        if not c.local_dir.strip() or local in (Path(run_dir).absolute(), persistent):
+            _fail(
+                f"checkpoint.local_dir={c.local_dir!r} is not a second place: give a directory "
+                "on fast local storage other than run.dir and checkpoint.dir."
+            )
+    if c.incremental and "://" in run_dir:
+        _fail(
+            "checkpoint.incremental links unchanged items between steps on one file system; a "
+            f"run.dir in object storage ({run_dir}) cannot; set it to false."
+        )
+    if c.quantize_opt_state != "none" and optim is not None and not has_float_moments(optim):
+        _fail(
+            f"checkpoint.quantize_opt_state={c.quantize_opt_state}: optim.name={optim.name}"
+            + (" without momentum" if optim.name == "sgd" else "")
+            + " keeps no float moments to quantize; set it to none."
+        )
+
+
+def has_float_moments(o: OptimConfig) -> bool:
+    """Whether the optimizer's state holds float moments (sgd only with momentum; adamw_8bit's
+    are 8-bit already)."""
+    if o.name == "sgd":
+        return o.momentum > 0
+    return o.name != "adamw_8bit"

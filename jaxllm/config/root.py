@@ -287,7 +287,7 @@ class Config:
         validate_trackers(self.run.trackers, self.run.wandb, self.run.mlflow)
         validate_optim(self.optim, self.model.param_dtype, self.train.z_loss)
         validate_schedule(self.optim, self.train.steps)
-        validate_checkpoint(self.checkpoint, self.peft.method)
+        validate_checkpoint(self.checkpoint, self.peft.method, self.run.dir, self.optim)
         d = self.data
         if d.workers < 0:
             _fail(f"data.workers must be >= 0 (0: in the training process), not {d.workers}.")

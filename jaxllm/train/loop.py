@@ -174,10 +174,10 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             if cfg.checkpoint.start_fresh:
                 if lead:
                     with signals.writing:
-                        moved = move_aside(run_dir, ckpt_dir)
+                        moved = move_aside(run_dir, ckpt_dir, cfg.checkpoint.local_dir)
                 checkpoint.sync("jaxllm_start_fresh")
             with signals.writing:
-                ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, remote)
+                ckpt = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, remote, log=_log)
             base = adapters.base_record(cfg)
             state, start = start_state(cfg, ckpt, mesh, tx, shardings, batches, base)
             best = watch.Best.of(cfg, ckpt.directory, start)
@@ -271,14 +271,15 @@ def _loop(
     if held is not None:
         extras["others"] = held
 
-    def save(at_state, data_state) -> None:
+    def save(at_state, data_state, local: bool = False) -> None:
+        kw = {"local": local, **extras}
         row = final if final.get("step") == int(jax.device_get(at_state.step)) else None
         record = best.record() if best is not None else None
         # a part of the iterator's state made in the background (the next rollout of
         # train.rollout_ahead) comes as a function of the state, asked for only here
         data_state = {k: v(at_state) if callable(v) else v for k, v in data_state.items()}
-        step = ckpt.save(at_state, data_state=data_state, metrics=row, best=record, **extras)
-        _log(f"checkpoint: {ckpt.directory.resolve()}/{step}")
+        step = ckpt.save(at_state, data_state=data_state, metrics=row, best=record, **kw)
+        _log(f"checkpoint: {(ckpt.local if local else ckpt.directory).resolve()}/{step}")
 
     t0 = time.perf_counter()
     batch = to_global(next_rows(batches, state), batch_sh, gbs)
@@ -360,10 +361,11 @@ def _loop(
         _show(bar, step, values)
         return not (cfg.train.nonfinite == "stop" and bad_in_a_row >= cfg.train.nonfinite_patience)
 
-    def saves(step: int) -> bool:
-        every, keep_best = cfg.checkpoint.every, cfg.checkpoint.keep_best
-        periodic = every and step % every == 0 or keep_best and eval_due(step)
-        return bool(periodic and step < steps)
+    def saves(step: int) -> str | None:  # "dir", "local_dir" (the fast tier) or None
+        c = cfg.checkpoint
+        periodic = c.every and step % c.every == 0 or c.keep_best and eval_due(step)
+        local = c.local_every and step % c.local_every == 0
+        return None if step >= steps else "dir" if periodic else "local_dir" if local else None
 
     def eval_due(step: int) -> bool:
         every = cfg.train.eval_every
@@ -408,8 +410,8 @@ def _loop(
             )
             save(state, step_data_state)
             break
-        if saves(step):
-            save(state, step_data_state)
+        if tier := saves(step):
+            save(state, step_data_state, local=tier == "local_dir")
     bar.close()
     if writer:
         writer.close()

@@ -247,10 +247,12 @@ def let_go(remote: mirror.Remote | None, lock: RunLock | None) -> None:
         lock.release()
 
 
-def move_aside(run_dir: Path, ckpt_dir: Path) -> list[tuple[Path, Path]]:
+def move_aside(
+    run_dir: Path, ckpt_dir: Path, local_dir: str | None = None
+) -> list[tuple[Path, Path]]:
     """Moves the run in `run_dir` (every entry but the lock files) into a new sibling
-    `<run_dir>.old` (`.old2`, ...), and `ckpt_dir` when it lies outside `run_dir` and holds
-    something to its own `.old` sibling; returns the (old place, new place) pairs, [] when
+    `<run_dir>.old` (`.old2`, ...), and `ckpt_dir` (and the fast tier `local_dir`) when it lies
+    outside `run_dir` and holds something to its own `.old` sibling; returns the (old place, new place) pairs, [] when
     there was nothing to move. Renames only: nothing is copied or deleted."""
     keep = {LOCK_NAME, HOLDER_NAME}
     moved = []
@@ -261,13 +263,14 @@ def move_aside(run_dir: Path, ckpt_dir: Path) -> list[tuple[Path, Path]]:
         for p in entries:
             p.rename(aside / p.name)
             moved.append((p, aside / p.name))
-    outside = ckpt_dir.resolve() != run_dir.resolve() and not ckpt_dir.resolve().is_relative_to(
-        run_dir.resolve()
-    )
-    if outside and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
-        aside = checkpoint.aside_name(ckpt_dir, "old")
-        ckpt_dir.rename(aside)
-        moved.append((ckpt_dir, aside))
+    for other in (ckpt_dir, *([Path(local_dir)] if local_dir else [])):
+        outside = other.resolve() != run_dir.resolve() and not other.resolve().is_relative_to(
+            run_dir.resolve()
+        )
+        if outside and other.is_dir() and any(other.iterdir()):
+            aside = checkpoint.aside_name(other, "old")
+            other.rename(aside)
+            moved.append((other, aside))
     return moved
 
 

@@ -61,7 +61,8 @@ def start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batches
             )
             state = state.replace(frozen=adapters.load_frozen(cfg, mesh, base))
         batches.set_state(data_state)
-        _log(f"resumed from step {start} ({ckpt.directory.resolve()}/{start})")
+        tier = " (copied from checkpoint.local_dir)" if start in ckpt.promoted else ""
+        _log(f"resumed from step {start} ({ckpt.directory.resolve()}/{start}){tier}")
         if scaling is not None and scaling.dynamic and state.loss_scale is None:
             # A checkpoint of a run without dynamic loss scaling: the scale starts afresh.
             state = state.replace(
