@@ -12,7 +12,8 @@ A batch is a dict of int32 arrays of shape [B, L]:
 Modules: `sources` (files and formats -> texts), `tokenizer` (texts -> ids), `chat` (chat
 templates), `sft` (chat / prompt-completion records -> ids with loss masks -> whole-example
 rows), `prepare` (ids -> ArrayRecord shards, once), `packing` (documents -> rows), `mlm`
-(masked-LM corruption of rows), `pipeline`
+(masked-LM corruption of rows), `images` (image files / base64 -> patches as the Qwen2-VL
+processor cuts them), `pipeline`
 (config -> Grain batches), `bench` (pipeline throughput), `cli` (`jaxllm data ...`,
 `jaxllm bench data`).
 
