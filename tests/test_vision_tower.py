@@ -116,6 +116,15 @@ def test_window_and_full_blocks_both_matter(pair):
         assert np.abs(got - base).max() > 1e-2
 
 
+def test_flash_kernel_takes_the_window_and_image_segments(pair):
+    """The Pallas flash kernel (interpreted on CPU) masks by the same segment ids as xla."""
+    model, tower = pair
+    flash = ours(model, attention_impl="flash")
+    px = jnp.asarray(pixels(MANY))
+    run = nnx.jit(lambda t, p: t(p, MANY))
+    np.testing.assert_allclose(run(flash, px), run(tower, px), atol=1e-5, rtol=1e-5)
+
+
 def test_remat_keeps_values_and_gradients(pair):
     model, tower = pair
     rematted = ours(model, remat="full")
