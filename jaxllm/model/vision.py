@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config.vision import VisionConfig
+from jaxllm.model import lora
 from jaxllm.model.dot_product import dot_product_attention
 from jaxllm.model.layers import RMSNorm, matmul, param
 from jaxllm.model.mlp import MLP
@@ -91,20 +92,18 @@ class VisionAttention(nnx.Module):
         d, h, k = cfg.width, cfg.heads, cfg.head_dim
         normal, zeros = jax.nn.initializers.normal(0.02), jax.nn.initializers.zeros
         self.dtype, self.impl = dtype, impl
-        for name in ("q", "k", "v"):
-            setattr(
-                self,
-                f"{name}_proj",
-                param(rngs, normal, (d, h, k), ("embed", "heads", "head_dim"), param_dtype),
-            )
-            setattr(
-                self, f"{name}_bias", param(rngs, zeros, (h, k), ("heads", "head_dim"), param_dtype)
-            )
+        w_axes, b_axes = ("embed", "heads", "head_dim"), ("heads", "head_dim")
+        self.q_proj = param(rngs, normal, (d, h, k), w_axes, param_dtype)
+        self.k_proj = param(rngs, normal, (d, h, k), w_axes, param_dtype)
+        self.v_proj = param(rngs, normal, (d, h, k), w_axes, param_dtype)
+        self.q_bias = param(rngs, zeros, (h, k), b_axes, param_dtype)
+        self.k_bias = param(rngs, zeros, (h, k), b_axes, param_dtype)
+        self.v_bias = param(rngs, zeros, (h, k), b_axes, param_dtype)
         self.o_proj = param(rngs, normal, (h, k, d), ("heads", "head_dim", "embed"), param_dtype)
         self.o_bias = param(rngs, zeros, (d,), ("embed",), param_dtype)
 
     def _project(self, x_1xPxD, name: str) -> jax.Array:
-        y = matmul("bld,dhk->blhk", x_1xPxD, getattr(self, f"{name}_proj")[...], self.dtype)
+        y = matmul("bld,dhk->blhk", x_1xPxD, lora.kernel(self, f"{name}_proj"), self.dtype)
         return y + getattr(self, f"{name}_bias")[...].astype(self.dtype)[None, None]
 
     def __call__(self, x_1xPxD, cos_1xPx1xK, sin_1xPx1xK, segments_1xP) -> jax.Array:
@@ -119,7 +118,7 @@ class VisionAttention(nnx.Module):
             causal=False,
             impl=self.impl,
         )
-        y = matmul("blhk,hkd->bld", out_1xPxHxK, self.o_proj[...], self.dtype)
+        y = matmul("blhk,hkd->bld", out_1xPxHxK, lora.kernel(self, "o_proj"), self.dtype)
         return y + self.o_bias[...].astype(self.dtype)[None, None]
 
 
@@ -161,9 +160,9 @@ class PatchMerger(nnx.Module):
 
     def __call__(self, x_PxD: jax.Array) -> jax.Array:
         x_MxW = self.norm(x_PxD).reshape(-1, self.fc1.shape[0])
-        h_MxW = matmul("mw,wv->mv", x_MxW, self.fc1[...], self.dtype)
+        h_MxW = matmul("mw,wv->mv", x_MxW, lora.kernel(self, "fc1"), self.dtype)
         h_MxW = jax.nn.gelu(h_MxW + self.fc1_bias[...].astype(self.dtype)[None], approximate=False)
-        y_MxO = matmul("mv,vo->mo", h_MxW, self.fc2[...], self.dtype)
+        y_MxO = matmul("mv,vo->mo", h_MxW, lora.kernel(self, "fc2"), self.dtype)
         return y_MxO + self.fc2_bias[...].astype(self.dtype)[None]
 
 
@@ -236,7 +235,10 @@ class VisionTower(nnx.Module):
             )
         lay = self.layout(grids)
         x_PxD = matmul(
-            "pi,id->pd", pixels_PxI[lay["patch_order"]], self.patch_embed[...], self.dtype
+            "pi,id->pd",
+            pixels_PxI[lay["patch_order"]],
+            lora.kernel(self, "patch_embed"),
+            self.dtype,
         )
         angles_1xPx1xK = jnp.asarray(lay["angles"])[None, :, None, :]
         cos, sin = jnp.cos(angles_1xPx1xK), jnp.sin(angles_1xPx1xK)
