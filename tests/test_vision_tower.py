@@ -149,6 +149,10 @@ def test_round_trip_to_hf_is_exact(pair):
     assert set(got) == set(want)
     for name, w in want.items():
         np.testing.assert_array_equal(got[name], w, err_msg=name)
+    with pytest.raises(ValueError, match=r"missing: \['blocks.1.attn.qkv.bias'\]"):
+        vision_from_hf(tower, {k: v for k, v in got.items() if k != "blocks.1.attn.qkv.bias"}, "")
+    with pytest.raises(ValueError, match="no place in the tower: \\['extra'\\]"):
+        vision_from_hf(tower, {**got, "extra": np.zeros(1)}, "")
 
 
 def test_every_parameter_has_a_sharding_rule(pair):

@@ -93,6 +93,10 @@ def vision_from_hf(tower, tensors: Mapping[str, np.ndarray], prefix: str = "visu
     cfg = tower.cfg
     h, k = cfg.heads, cfg.head_dim
     names = set(tensors)
+    qkv = [f"blocks.{i}.attn.qkv.{w}" for i in range(cfg.depth) for w in ("weight", "bias")]
+    missing = [prefix + n for n in [*_links(cfg), *qkv] if prefix + n not in names]
+    if missing:
+        raise ValueError(f"HF vision tensors missing: {missing[:3]} ({len(missing)} in all)")
     for hf, (path, (to_ours, _)) in _links(cfg).items():
         _set(_get(tower, path), to_ours(np.asarray(tensors[prefix + hf])), prefix + hf)
         names.discard(prefix + hf)
