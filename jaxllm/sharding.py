@@ -66,6 +66,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "adapter": None,  # a bottleneck adapter's narrow dim (its other dim is `embed`)
     "virtual_tokens": None,  # soft-prompt rows  # LoRA factors: their other dims follow the weight they adapt
     "quant_block": None,  # NF4 codes of a weight's trailing dims, packed into blocks
+    "vision_patch": None,  # the pixels of a patch, input of a vision tower's patch embedding
 }
 
 

@@ -1,0 +1,82 @@
+"""The vision tower of a Qwen2.5-VL style vision-language model (`jaxllm.model.vision`): its
+shape, attention windows and the pixel budget of its images, and their checks. Defaults are
+Qwen2.5-VL-7B's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.config.errors import fail as _fail
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """A ViT over patches of `temporal_patch_size` frames x `patch_size`^2 pixels, with 2D RoPE,
+    window attention but in `fullatt_block_indexes`, and a merger of `spatial_merge`^2
+    neighbouring patches into one token of width `out_dim` (the LM's d_model)."""
+
+    patch_size: int = 14
+    """Side of a square patch in pixels."""
+    temporal_patch_size: int = 2
+    """Frames per patch (an image is repeated to fill them)."""
+    in_channels: int = 3
+    """Colour channels of a pixel."""
+    depth: int = 32
+    """Transformer blocks."""
+    width: int = 1280
+    """Hidden width of a patch."""
+    heads: int = 16
+    """Attention heads; the head dim width / heads must be divisible by 4 (2D RoPE)."""
+    mlp_dim: int = 3420
+    """Hidden width of the gated SiLU MLP (with biases)."""
+    spatial_merge: int = 2
+    """The merger joins spatial_merge x spatial_merge patches into one LM token."""
+    window_size: int = 112
+    """Side in pixels of a square attention window (a multiple of patch_size * spatial_merge)."""
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    """Blocks that attend over the whole image; the others attend within windows."""
+    out_dim: int = 3584
+    """Width of a merged token: the LM's model width."""
+    norm_eps: float = 1e-6
+    """Epsilon of the RMSNorms."""
+    rope_theta: float = 10000.0
+    """Base of the 2D rotary frequencies."""
+    min_pixels: int = 56 * 56
+    """Images with fewer pixels are scaled up to at least this many."""
+    max_pixels: int = 28 * 28 * 16384
+    """Images with more pixels are scaled down to at most this many."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    def validate(self) -> None:
+        """Shape checks (raises ConfigError naming the key)."""
+        for name in ("patch_size", "temporal_patch_size", "in_channels", "depth", "width"):
+            if getattr(self, name) < 1:
+                _fail(f"model.vision.{name} must be >= 1, not {getattr(self, name)}.")
+        for name in ("heads", "mlp_dim", "spatial_merge", "out_dim", "min_pixels"):
+            if getattr(self, name) < 1:
+                _fail(f"model.vision.{name} must be >= 1, not {getattr(self, name)}.")
+        if self.width % self.heads or (self.width // self.heads) % 4:
+            _fail(
+                f"model.vision.width={self.width} must split into model.vision.heads="
+                f"{self.heads} heads of a width divisible by 4 (2D RoPE over height and width)."
+            )
+        unit = self.patch_size * self.spatial_merge
+        if self.window_size < unit or self.window_size % unit:
+            _fail(
+                f"model.vision.window_size={self.window_size} must be a positive multiple of "
+                f"model.vision.patch_size * model.vision.spatial_merge = {unit}."
+            )
+        bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.depth]
+        if bad:
+            _fail(
+                f"model.vision.fullatt_block_indexes has {bad[0]}, outside the "
+                f"model.vision.depth={self.depth} blocks (0 .. {self.depth - 1})."
+            )
+        if self.max_pixels < self.min_pixels:
+            _fail(
+                f"model.vision.max_pixels={self.max_pixels} is below "
+                f"model.vision.min_pixels={self.min_pixels}."
+            )

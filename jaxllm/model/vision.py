@@ -1,0 +1,258 @@
+"""The vision tower of Qwen2.5-VL (Bai et al. 2025, arXiv:2502.13923) in Flax NNX: a ViT over
+the patches of images of any size, packed into one sequence, and a merger into LM tokens.
+
+- Patch embedding: a Conv3d whose kernel equals its stride is a linear map of each flattened
+  patch of `in_channels x temporal_patch_size x patch_size^2` pixels (the processor's rows).
+- 2D RoPE: head_dim / 4 frequencies rotate by a patch's row, as many by its column; the
+  angles are laid out [h, w, h, w] over the head dim and rotate halves, as in transformers.
+- Attention is bidirectional within an image (frame, for video), given as segment ids; the
+  blocks not in `fullatt_block_indexes` attend within square windows of
+  `window_size / patch_size` patches only. The tokens are reordered window by window (in units
+  of spatial_merge^2 patches, so each window is contiguous, as transformers' window index) and
+  back after the merger.
+- Blocks: pre-RMSNorm attention (qkv and output projections with biases) and a SwiGLU MLP
+  with biases. The merger: RMSNorm, then spatial_merge^2 neighbouring patches (contiguous in
+  the processor's order) joined and mapped by Linear -> GELU -> Linear to the LM's width.
+
+Shapes: P patches (of all images), M merged tokens (P / spatial_merge^2), I pixels per patch,
+D width, H heads, K head dim, O the LM's width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.config.vision import VisionConfig
+from jaxllm.model import lora
+from jaxllm.model.dot_product import dot_product_attention
+from jaxllm.model.layers import RMSNorm, matmul, param
+from jaxllm.model.mlp import MLP
+from jaxllm.model.transformer import REMAT_POLICIES
+
+Grids = Sequence[tuple[int, int, int]]
+"""(frames, rows, columns) of patches per image, as the processor's `image_grid_thw`."""
+
+
+def patch_positions(grids: Grids, merge: int) -> np.ndarray:
+    """int32 [P, 2]: the (row, column) of every patch, in the processor's order (each image's
+    patches in spatial_merge x spatial_merge blocks, block rows first; frames repeat)."""
+    out = []
+    for t, h, w in grids:
+        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        blocks = (h // merge, merge, w // merge, merge)
+        rows = rows.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
+        cols = cols.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
+        out.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
+    return np.concatenate(out).astype(np.int32)
+
+
+def window_layout(grids: Grids, merge: int, window: int) -> tuple[np.ndarray, ...]:
+    """The window reordering of merged units (`window` units a side) for `grids`, as numpy:
+    the unit order int [M] (unit i of the windowed sequence is unit order[i] of the processor's),
+    the window id of each windowed unit [M] and the image (frame) id of each windowed unit [M]."""
+    order, windows, frames = [], [], []
+    units = n_windows = n_frames = 0
+    for t, h, w in grids:
+        hh, ww = h // merge, w // merge
+        f, i, j = (a.reshape(-1) for a in np.meshgrid(*map(np.arange, (t, hh, ww)), indexing="ij"))
+        wh, wc = -(-hh // window), -(-ww // window)
+        win = (f * wh + i // window) * wc + j // window
+        local = np.lexsort(((i % window) * window + j % window, win))  # window, then row-major
+        order.append(local + units)
+        windows.append(win[local] + n_windows)
+        frames.append(f[local] + n_frames)
+        units, n_windows, n_frames = units + t * hh * ww, n_windows + t * wh * wc, n_frames + t
+    return tuple(np.concatenate(a).astype(np.int32) for a in (order, windows, frames))
+
+
+def rope_angles(positions_Px2: np.ndarray, head_dim: int, theta: float) -> np.ndarray:
+    """float32 [P, K]: the rotary angles of each patch, [row freqs, col freqs] twice."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim // 2, 2, dtype=np.float32) / (head_dim // 2))
+    freqs_Px2xF = positions_Px2[:, :, None].astype(np.float32) * inv_freq
+    half_PxK2 = freqs_Px2xF.reshape(len(positions_Px2), -1)
+    return np.concatenate([half_PxK2, half_PxK2], axis=-1).astype(np.float32)
+
+
+def _rotate(x_1xPxHxK: jax.Array, cos_1xPx1xK: jax.Array, sin_1xPx1xK: jax.Array) -> jax.Array:
+    x = x_1xPxHxK.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = x * cos_1xPx1xK + jnp.concatenate([-x2, x1], axis=-1) * sin_1xPx1xK
+    return out.astype(x_1xPxHxK.dtype)
+
+
+class VisionAttention(nnx.Module):
+    """Bidirectional multi-head attention with biases and 2D RoPE, masked by segment ids."""
+
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, impl: str, rngs: nnx.Rngs):
+        d, h, k = cfg.width, cfg.heads, cfg.head_dim
+        normal, zeros = jax.nn.initializers.normal(0.02), jax.nn.initializers.zeros
+        self.dtype, self.impl = dtype, impl
+        w_axes, b_axes = ("embed", "heads", "head_dim"), ("heads", "head_dim")
+        self.q_proj = param(rngs, normal, (d, h, k), w_axes, param_dtype)
+        self.k_proj = param(rngs, normal, (d, h, k), w_axes, param_dtype)
+        self.v_proj = param(rngs, normal, (d, h, k), w_axes, param_dtype)
+        self.q_bias = param(rngs, zeros, (h, k), b_axes, param_dtype)
+        self.k_bias = param(rngs, zeros, (h, k), b_axes, param_dtype)
+        self.v_bias = param(rngs, zeros, (h, k), b_axes, param_dtype)
+        self.o_proj = param(rngs, normal, (h, k, d), ("heads", "head_dim", "embed"), param_dtype)
+        self.o_bias = param(rngs, zeros, (d,), ("embed",), param_dtype)
+
+    def _project(self, x_1xPxD, name: str) -> jax.Array:
+        y = matmul("bld,dhk->blhk", x_1xPxD, lora.kernel(self, f"{name}_proj"), self.dtype)
+        return y + getattr(self, f"{name}_bias")[...].astype(self.dtype)[None, None]
+
+    def __call__(self, x_1xPxD, cos_1xPx1xK, sin_1xPx1xK, segments_1xP) -> jax.Array:
+        q, k, v = (self._project(x_1xPxD, n) for n in ("q", "k", "v"))
+        q, k = _rotate(q, cos_1xPx1xK, sin_1xPx1xK), _rotate(k, cos_1xPx1xK, sin_1xPx1xK)
+        out_1xPxHxK = dot_product_attention(
+            q,
+            k,
+            v,
+            q_segment_ids_BxL=segments_1xP,
+            kv_segment_ids_BxS=segments_1xP,
+            causal=False,
+            impl=self.impl,
+        )
+        y = matmul("blhk,hkd->bld", out_1xPxHxK, lora.kernel(self, "o_proj"), self.dtype)
+        return y + self.o_bias[...].astype(self.dtype)[None, None]
+
+
+class VisionBlock(nnx.Module):
+    """x + attn(norm1(x)), then x + mlp(norm2(x)) with a SwiGLU MLP with biases."""
+
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, impl: str, rngs: nnx.Rngs):
+        norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.norm1, self.norm2 = RMSNorm(cfg.width, **norm), RMSNorm(cfg.width, **norm)
+        self.attn = VisionAttention(cfg, dtype=dtype, param_dtype=param_dtype, impl=impl, rngs=rngs)
+        self.mlp = MLP(
+            cfg.width,
+            cfg.mlp_dim,
+            "swiglu",
+            bias=True,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+
+    def __call__(self, x_1xPxD, cos_1xPx1xK, sin_1xPx1xK, segments_1xP) -> jax.Array:
+        x_1xPxD = x_1xPxD + self.attn(self.norm1(x_1xPxD), cos_1xPx1xK, sin_1xPx1xK, segments_1xP)
+        return x_1xPxD + self.mlp(self.norm2(x_1xPxD))
+
+
+class PatchMerger(nnx.Module):
+    """RMSNorm, then each spatial_merge^2 consecutive patches concatenated [M, D m^2] and
+    mapped Linear -> GELU (exact) -> Linear to the LM's width O."""
+
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        wide = cfg.width * cfg.spatial_merge**2
+        normal, zeros = jax.nn.initializers.normal(0.02), jax.nn.initializers.zeros
+        self.dtype = dtype
+        self.norm = RMSNorm(cfg.width, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.fc1 = param(rngs, normal, (wide, wide), ("embed", "mlp"), param_dtype)
+        self.fc1_bias = param(rngs, zeros, (wide,), ("mlp",), param_dtype)
+        self.fc2 = param(rngs, normal, (wide, cfg.out_dim), ("mlp", "embed"), param_dtype)
+        self.fc2_bias = param(rngs, zeros, (cfg.out_dim,), ("embed",), param_dtype)
+
+    def __call__(self, x_PxD: jax.Array) -> jax.Array:
+        x_MxW = self.norm(x_PxD).reshape(-1, self.fc1.shape[0])
+        h_MxW = matmul("mw,wv->mv", x_MxW, lora.kernel(self, "fc1"), self.dtype)
+        h_MxW = jax.nn.gelu(h_MxW + self.fc1_bias[...].astype(self.dtype)[None], approximate=False)
+        y_MxO = matmul("mv,vo->mo", h_MxW, lora.kernel(self, "fc2"), self.dtype)
+        return y_MxO + self.fc2_bias[...].astype(self.dtype)[None]
+
+
+class VisionTower(nnx.Module):
+    """pixels [P, I] (the processor's `pixel_values` of all images) and their patch grids ->
+    LM tokens [M, O], image after image, each image's in the processor's order. `grids` are
+    Python ints (static under `jax.jit`). `remat`: a policy of `ModelConfig.remat` per block
+    ("none": keep every activation); `attention_impl`: as `dot_product_attention`'s `impl`."""
+
+    def __init__(
+        self,
+        cfg: VisionConfig,
+        *,
+        dtype="float32",
+        param_dtype="float32",
+        remat: str = "none",
+        attention_impl: str = "xla",
+        rngs: nnx.Rngs,
+    ):
+        cfg.validate()
+        if remat != "none" and remat not in REMAT_POLICIES:
+            raise ValueError(f"remat {remat!r} is not 'none' or one of {sorted(REMAT_POLICIES)}")
+        self.cfg, self.remat = cfg, remat
+        dtype, param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
+        self.dtype = dtype
+        pixels = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        normal = jax.nn.initializers.normal(0.02)
+        self.patch_embed = param(
+            rngs, normal, (pixels, cfg.width), ("vision_patch", "embed"), param_dtype
+        )
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.blocks = nnx.List(
+            VisionBlock(cfg, impl=attention_impl, **kw) for _ in range(cfg.depth)
+        )
+        self.merger = PatchMerger(cfg, **kw)
+
+    def layout(self, grids: Grids) -> dict[str, np.ndarray]:
+        """The static index arrays of `grids` (numpy): `patch_order` [P] (windowed patch i is
+        the processor's patch patch_order[i]), `unit_order` [M], the segment ids of the windowed
+        patches for full (`frame_ids`) and window attention (`window_ids`), and the RoPE `angles`
+        [P, K] of the windowed patches."""
+        cfg, unit = self.cfg, self.cfg.spatial_merge**2
+        for t, h, w in grids:
+            if min(t, h, w) < 1 or h % cfg.spatial_merge or w % cfg.spatial_merge:
+                raise ValueError(
+                    f"image grid {(t, h, w)}: rows and columns must be positive multiples of "
+                    f"spatial_merge={cfg.spatial_merge}"
+                )
+        window = cfg.window_size // cfg.spatial_merge // cfg.patch_size
+        order_M, windows_M, frames_M = window_layout(grids, cfg.spatial_merge, window)
+        patch_order = (order_M[:, None] * unit + np.arange(unit)[None]).reshape(-1)
+        angles = rope_angles(
+            patch_positions(grids, cfg.spatial_merge), cfg.head_dim, cfg.rope_theta
+        )
+        return {
+            "patch_order": patch_order,
+            "unit_order": order_M,
+            "frame_ids": np.repeat(frames_M, unit),
+            "window_ids": np.repeat(windows_M, unit),
+            "angles": angles[patch_order],
+        }
+
+    def __call__(self, pixels_PxI: jax.Array, grids: Grids) -> jax.Array:
+        grids = [tuple(int(v) for v in g) for g in grids]
+        n = sum(t * h * w for t, h, w in grids)
+        if pixels_PxI.shape != (n, self.patch_embed.shape[0]):
+            raise ValueError(
+                f"pixels of shape {pixels_PxI.shape} do not match grids {grids}: "
+                f"expected {(n, self.patch_embed.shape[0])}"
+            )
+        lay = self.layout(grids)
+        x_PxD = matmul(
+            "pi,id->pd",
+            pixels_PxI[lay["patch_order"]],
+            lora.kernel(self, "patch_embed"),
+            self.dtype,
+        )
+        angles_1xPx1xK = jnp.asarray(lay["angles"])[None, :, None, :]
+        cos, sin = jnp.cos(angles_1xPx1xK), jnp.sin(angles_1xPx1xK)
+        frames_1xP = jnp.asarray(lay["frame_ids"])[None]
+        windows_1xP = jnp.asarray(lay["window_ids"])[None]
+
+        def run(block, x, cos, sin, segments):
+            return block(x, cos, sin, segments)
+
+        if self.remat != "none":
+            run = nnx.remat(run, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x_1xPxD = x_PxD[None]
+        for i, block in enumerate(self.blocks):
+            full = i in self.cfg.fullatt_block_indexes
+            x_1xPxD = run(block, x_1xPxD, cos, sin, frames_1xP if full else windows_1xP)
+        merged_MxO = self.merger(x_1xPxD[0])
+        return merged_MxO[np.argsort(lay["unit_order"])]
