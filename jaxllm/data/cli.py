@@ -4,12 +4,13 @@
     jaxllm data prepare SOURCE... --out DIR [--tokenizer T] [--workers N] [--shard-docs N]
     jaxllm bench data [CONFIG.yaml] [key=value ...] [--seconds S | --batches N]
     jaxllm data stdlib-qa OUT_DIR [--max-modules N] [--seed S] [--test-fraction F]
+    jaxllm data shapes --out DIR [--samples N] [--seed S] [--grid G] [--size PX] [--test-fraction F]
 
 A SOURCE is what `data.sources[i].path` accepts: `stdlib`, a directory, a glob or a file;
 `--format` and the field options apply to all of them (`--format chat` / `prompt_completion`:
 SFT examples; `data tokenizer` trains on them as the built-in chat template renders them).
 
-The three writers build their output directory whole or not at all
+The four writers build their output directory whole or not at all
 (`jaxllm.config.outputs.written`): in a hidden temporary sibling, renamed into place when
 complete. A DIR / OUT_DIR that already holds anything is refused unless `--overwrite`. Each
 handler returns the exit code; a ConfigError propagates to `jaxllm.cli.main`, which prints it and
@@ -151,6 +152,20 @@ def cmd_stdlib_qa(ns) -> int:
     return 0
 
 
+def cmd_shapes(ns) -> int:
+    from jaxllm.data.shapes_vqa import write_shapes_vqa
+
+    with written(ns.out, flag="--out", overwrite=ns.overwrite) as tmp:
+        info = write_shapes_vqa(tmp, ns.samples, ns.seed, ns.grid, ns.size, ns.test_fraction)
+    counts = {k: sum(v.values()) for k, v in info["questions"].items()}
+    print(
+        f"wrote {counts['train']:,} train and {counts['test']:,} test questions about drawn "
+        f"{info['size']}x{info['size']} images of a {info['grid']}x{info['grid']} grid to "
+        f"{ns.out} (train.jsonl, test.jsonl: format chat, images under images/)"
+    )
+    return 0
+
+
 def cmd_bench_data(ns) -> int:
     from jaxllm.data.bench import bench_data, format_data_result
 
@@ -160,7 +175,8 @@ def cmd_bench_data(ns) -> int:
 
 
 def add_data_parser(subparsers) -> argparse.ArgumentParser:
-    """Adds `data tokenizer`, `data prepare` and `data stdlib-qa` to the top-level subparsers."""
+    """Adds `data tokenizer`, `data prepare`, `data stdlib-qa` and `data shapes` to the top-level
+    subparsers."""
     d = subparsers.add_parser("data", help="train a tokenizer, tokenize corpora into shards")
     dsub = d.add_subparsers(dest="data_command", required=True)
     t = dsub.add_parser("tokenizer", help="train a byte-level BPE tokenizer -> DIR/tokenizer.json")
@@ -195,6 +211,17 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
         "--test-fraction", type=float, default=0.2, help="subjects held out, by their hash"
     )
     q.set_defaults(func=cmd_stdlib_qa)
+    s = dsub.add_parser(
+        "shapes", help="questions about drawn shapes -> PNG images + train/test chat JSONL"
+    )
+    s.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory")
+    _add_overwrite(s)
+    s.add_argument("--samples", type=int, default=1000, help="images, one question each")
+    s.add_argument("--seed", type=int, default=0, help="draws the scenes and the questions")
+    s.add_argument("--grid", type=int, default=3, help="cells a side")
+    s.add_argument("--size", type=int, default=112, help="pixels a side of each image")
+    s.add_argument("--test-fraction", type=float, default=0.2, help="the last scenes, held out")
+    s.set_defaults(func=cmd_shapes)
     return d
 
 
