@@ -21,7 +21,8 @@ occur. Each row also carries its `kind` and the `scene`: the grid, the image siz
 (row, col from 0, shape, colour, and the drawn `box` [x0, y0, x1, y1] in pixels), from which the
 answer can be recomputed.
 
-Scenes are drawn by `seed` and never repeat; the last `test_fraction` of them are held out in
+Each sample's kind is drawn first, evenly, then a scene that can be asked it. Scenes are drawn by
+`seed` and never repeat; the last `test_fraction` of them are held out in
 test.jsonl, so test images are scenes the fine-tuned model never saw. `info.json` holds the
 arguments and the counts of questions by split and kind.
 
@@ -142,11 +143,15 @@ def _relations(scene: dict) -> list[tuple[dict, str, dict]]:
     return out
 
 
-def ask(scene: dict, rng: random.Random) -> tuple[str, str, str]:
-    """(kind, question, answer) about the scene: a kind drawn among those the scene can be
-    asked unambiguously, then what it asks of."""
+def ask(scene: dict, rng: random.Random, kind: str | None = None) -> tuple[str, str, str]:
+    """(kind, question, answer) about the scene: of `kind`, or of a kind drawn among those the
+    scene can be asked unambiguously (a relation needs a neighbour), then what it asks of."""
     relations = _relations(scene)
-    kind = rng.choice([k for k in KINDS if k != "relation" or relations])
+    kinds = [k for k in KINDS if k != "relation" or relations]
+    if kind is None:
+        kind = rng.choice(kinds)
+    elif kind not in kinds:
+        raise ValueError(f"a scene cannot be asked a {kind!r} question unambiguously")
     phrasing = rng.choice(_PHRASINGS[kind])
     counts = _kinds(scene["objects"])
     if kind in ("colour", "shape"):
@@ -201,27 +206,26 @@ def write_shapes_vqa(
     docstring); returns the info."""
     n_test = _check(samples, grid, size, test_fraction)
     rng = random.Random(seed)
-    scenes, seen = [], set()
-    for _ in range(50 * samples + 1000):
-        if len(scenes) == samples:
-            break
-        scene = random_scene(rng, grid, size)
-        if _key(scene) not in seen:
-            seen.add(_key(scene))
-            scenes.append(scene)
-    else:
-        raise ConfigError(
-            f"a {grid}x{grid} grid gave only {len(scenes)} different scenes of the {samples} "
-            "asked; give fewer --samples or a larger --grid."
-        )
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     width = max(6, len(str(samples)))
-    rows = []
-    for i, scene in enumerate(scenes, start=1):
+    rows, seen, budget = [], set(), 50 * samples + 1000  # scenes drawn at most
+    for i in range(1, samples + 1):
+        kind = rng.choice(KINDS)  # first, so that the kinds are even
+        while budget:
+            budget -= 1
+            scene = random_scene(rng, grid, size)
+            if _key(scene) not in seen and (kind != "relation" or _relations(scene)):
+                break
+        else:
+            raise ConfigError(
+                f"could draw only {len(rows)} of the {samples} different scenes asked in a "
+                f"{grid}x{grid} grid; give fewer --samples or a larger --grid."
+            )
+        seen.add(_key(scene))
         image = f"images/{i:0{width}d}.png"
         draw(scene).save(out / image)
-        kind, question, answer = ask(scene, rng)
+        kind, question, answer = ask(scene, rng, kind)
         user = [{"type": "image", "image": image}, {"type": "text", "text": question}]
         messages = [
             {"role": "user", "content": user},
