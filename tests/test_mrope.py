@@ -6,6 +6,7 @@ refusals, and a Qwen2.5-VL text model's logits given 3-row positions."""
 import functools
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -148,7 +149,7 @@ def test_positions_refuse_placeholders_that_disagree_with_the_grids():
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_text_only_decoder_equals_plain_rope(interleaved):
     """Same weights; [B, L] positions (packed: two segments) and [3, B, L] equal rows give the
-    plain model's logits; unequal rows change them."""
+    plain model's logits and gradients; unequal rows change the logits."""
     plain_cfg = tiny_model(rope=config.RopeConfig(partial_factor=0.75))  # 6 of 8 channels turn
     mrope_cfg = tiny_model(
         rope=config.RopeConfig(
@@ -166,6 +167,14 @@ def test_text_only_decoder_equals_plain_rope(interleaved):
         got = model(tokens, positions_BxL=pos, segment_ids_BxL=segments).logits
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     np.testing.assert_allclose(model(tokens).logits, plain(tokens).logits, atol=1e-5)
+
+    def loss(m):  # training on text: the same gradients
+        logits = m(tokens, positions_BxL=positions, segment_ids_BxL=segments).logits
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    grads = [jax.tree.leaves(nnx.grad(loss)(m)) for m in (plain, model)]
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
     moved = positions.at[:, 2].add(3)  # token 2 moved on the height row only
     three = jnp.stack([positions, moved, positions])
     got = model(tokens, positions_BxL=three, segment_ids_BxL=segments).logits
@@ -206,49 +215,70 @@ def test_config_refuses_mla_and_encoders_and_exits_2_on_the_command_line(capsys)
     assert "model.rope.mrope_section [1, 2, 3] must sum" in err[0]
 
 
-def test_qwen2_5_vl_text_model_logits_with_3d_positions(tmp_path):
-    """A Qwen2 checkpoint imported with mrope_section, against transformers' Qwen2.5-VL text
-    model holding the same weights, fed positions of `get_rope_index` for a prompt with two
-    images (the placeholders stay ordinary tokens here: no vision tower)."""
+# (text model, its config, the LM's family with its config, mrope_section, interleaved)
+VL_TEXT = {
+    "qwen2.5-vl": (
+        qwen2_5_vl.Qwen2_5_VLTextModel,
+        functools.partial(hf.Qwen2_5_VLTextConfig, rms_norm_eps=1e-6),  # Qwen2's eps
+        (hf.Qwen2ForCausalLM, hf.Qwen2Config, "qwen2"),
+        (2, 3, 3),
+        False,
+    ),
+    "qwen3-vl": (
+        qwen3_vl.Qwen3VLTextModel,
+        hf.Qwen3VLTextConfig,
+        (hf.Qwen3ForCausalLM, hf.Qwen3Config, "qwen3"),
+        (4, 2, 2),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VL_TEXT))
+def test_vl_text_model_logits_with_3d_positions(tmp_path, name):
+    """A Qwen2 (Qwen3) checkpoint imported with mrope_section, against transformers' Qwen2.5-VL
+    (Qwen3-VL) text model holding the same weights, fed positions of `get_rope_index` for a
+    prompt with two images (the placeholders stay ordinary tokens here: no vision tower)."""
+    text_model, text_config, (lm_cls, lm_config, family), section, interleaved = VL_TEXT[name]
     torch.manual_seed(0)
-    qwen2 = hf.Qwen2ForCausalLM(hf.Qwen2Config(**SMALL, attn_implementation="eager")).eval()
+    small = {**SMALL, "head_dim": 16, "attn_implementation": "eager"}
+    lm = lm_cls(lm_config(**small)).eval()
     with torch.no_grad():
-        for p in qwen2.parameters():
+        for p in lm.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    section = (2, 3, 3)  # head_dim 16
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(section)}
-    text_cfg = hf.Qwen2_5_VLTextConfig(
-        **SMALL, rope_parameters=rope, rms_norm_eps=1e-6, attn_implementation="eager"
+    rope = {"rope_type": "default", "rope_theta": lm.config.rope_parameters["rope_theta"]}
+    rope.update(mrope_section=list(section), mrope_interleaved=interleaved)
+    vl = text_model(text_config(**small, rope_parameters=rope)).eval()
+    vl.load_state_dict(lm.model.state_dict())
+    src = save_hf(lm, tmp_path / "hf")
+    overrides = (
+        "model.dtype=float32",
+        f"model.rope.mrope_section=[{','.join(map(str, section))}]",
+        f"model.rope.mrope_interleaved={str(interleaved).lower()}",
     )
-    vl = qwen2_5_vl.Qwen2_5_VLTextModel(text_cfg).eval()
-    vl.load_state_dict(qwen2.model.state_dict())
-    src = save_hf(qwen2, tmp_path / "hf")
-    overrides = ("model.dtype=float32", "model.rope.mrope_section=[2,3,3]")
     assert run_cli("convert", "import", src, tmp_path / "run", *overrides) == 0
     model = jaxllm.load_model(tmp_path / "run")
     assert model.cfg.rope.mrope_section == section
     with pytest.raises(config.ConfigError, match="model.rope.mrope_section=.* cannot be expressed"):
-        families.hf_config(model.cfg, families.FAMILIES["qwen2"])  # Qwen2 has no M-RoPE
+        families.hf_config(model.cfg, families.FAMILIES[family])  # the LM has no M-RoPE
 
     grids = [(1, 4, 6), (1, 6, 2)]
     ids = [_prompt([3, grids[0], 4, grids[1], 2])]
-    assert max(ids[0]) < VOCAB
     positions, _ = mrope_positions(ids, grids, IMAGE, START, MERGE)
-    np.testing.assert_array_equal(positions, _get_rope_index(qwen2_5_vl, ids, grids)[0])
     with torch.no_grad():
         hidden = vl(torch.tensor(ids), position_ids=torch.tensor(positions, dtype=torch.long))
-        want = qwen2.lm_head(hidden.last_hidden_state).numpy()
+        want = lm.lm_head(hidden.last_hidden_state).numpy()
     got = model(jnp.asarray(ids), positions_BxL=jnp.asarray(positions)).logits
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
     # the same tokens with 1D positions are another computation
     flat = model(jnp.asarray(ids)).logits
     assert not np.allclose(np.asarray(flat), want, atol=1e-3)
-    # text generation through the KV cache ([B, L] positions): Qwen2's own greedy tokens
+    # text generation through the KV cache ([B, L] positions): the LM's own greedy tokens
     prompt = np.random.default_rng(3).integers(0, VOCAB, 9).tolist()
     gen = GenerateConfig(max_new_tokens=12, kv_cache_dtype="float32")
     ours = generate(model, [prompt], gen)
     with torch.no_grad():
-        theirs = qwen2.generate(
+        theirs = lm.generate(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
         )
     assert ours.tokens[0] == theirs[0, len(prompt) :].tolist()
