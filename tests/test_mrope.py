@@ -1,7 +1,8 @@
 """Multimodal RoPE (`model.rope.mrope_section`, `jaxllm.model.mrope`) against transformers:
 the rotation of Qwen2.5-VL (sections) and Qwen3-VL (interleaved), `mrope_positions` against
 `get_rope_index` for images among text, a text-only decoder equal to plain RoPE, the config
-refusals, and a Qwen2.5-VL text model's logits given 3-row positions."""
+refusals, decode after a 3-row prefill, and the Qwen2.5-VL / Qwen3-VL text models' logits given
+3-row positions, on one device and on eight."""
 
 import dataclasses
 import functools
@@ -16,12 +17,14 @@ import transformers as hf
 from conftest import tiny_model
 from flax import nnx
 from hf_models import SMALL, VOCAB, run_cli, save_hf
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen2_5_vl
 from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3_vl
 
 import jaxllm
-from jaxllm import config
-from jaxllm.config import GenerateConfig
+from jaxllm import config, sharding
+from jaxllm.config import GenerateConfig, MeshConfig
 from jaxllm.convert import families
 from jaxllm.infer import generate, kv_cache
 from jaxllm.model import Transformer, apply_rope, mrope_positions, mrope_rows, rope_frequencies
@@ -268,7 +271,8 @@ VL_TEXT = {
 def test_vl_text_model_logits_with_3d_positions(tmp_path, name):
     """A Qwen2 (Qwen3) checkpoint imported with mrope_section, against transformers' Qwen2.5-VL
     (Qwen3-VL) text model holding the same weights, fed positions of `get_rope_index` for a
-    prompt with two images (the placeholders stay ordinary tokens here: no vision tower)."""
+    prompt with two images (the placeholders stay ordinary tokens here: no vision tower); the
+    same on 8 devices."""
     text_model, text_config, (lm_cls, lm_config, family), section, interleaved = VL_TEXT[name]
     torch.manual_seed(0)
     small = {**SMALL, "head_dim": 16, "attn_implementation": "eager"}
@@ -300,6 +304,16 @@ def test_vl_text_model_logits_with_3d_positions(tmp_path, name):
         want = lm.lm_head(hidden.last_hidden_state).numpy()
     got = model(jnp.asarray(ids), positions_BxL=jnp.asarray(positions)).logits
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    # sharded (data 2, fsdp 2, tensor 2), rows and their position rows split over the batch
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    eight = jaxllm.load_model(tmp_path / "run", mesh=mesh)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    tokens_4xL = jax.device_put(np.repeat(np.asarray(ids), 4, 0), rows)
+    pos_3x4xL = jax.device_put(
+        np.repeat(positions, 4, 1), NamedSharding(mesh, P(None, ("data", "fsdp")))
+    )
+    sharded = np.asarray(eight(tokens_4xL, positions_BxL=pos_3x4xL).logits)
+    np.testing.assert_allclose(sharded, np.repeat(got, 4, 0), atol=1e-5, rtol=1e-5)
     # the same tokens with 1D positions are another computation
     flat = model(jnp.asarray(ids)).logits
     assert not np.allclose(np.asarray(flat), want, atol=1e-3)
