@@ -11,7 +11,7 @@ from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.linear_attention import LinearAttentionConfig, validate_hybrid
 from jaxllm.config.moe import MoEConfig
-from jaxllm.config.rope import RopeConfig
+from jaxllm.config.rope import RopeConfig, validate_mrope
 from jaxllm.config.seq2seq import RelativeConfig, validate_encoder_decoder
 
 
@@ -402,6 +402,7 @@ class ModelConfig:
         if self.position == "rope" and self.rope_dim % 2:
             what = "model.mla.qk_rope_head_dim" if self.mla.enabled else "model.head_dim"
             _fail(f"{what} ({self.rope_dim}) must be even for RoPE.")
+        validate_mrope(r, self.rope_dim, self.mla.enabled, self.kind)
 
     def _validate_mla(self) -> None:
         a = self.mla

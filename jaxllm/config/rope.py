@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from jaxllm.config.errors import fail
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
@@ -50,3 +52,36 @@ class RopeConfig:
     interleave: bool = False
     """Rotate adjacent channel pairs (2i, 2i + 1) (GPT-J, DeepSeek-V2/V3 checkpoints) instead of
     the "rotate half" pairs (i, i + K/2) of Llama checkpoints."""
+    mrope_section: tuple[int, ...] | None = None
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; `jaxllm.model.mrope`): how many of the
+    rotated frequencies (K/2 of them, `partial_factor` applied) turn by the temporal, height
+    and width position rows, e.g. [16, 24, 24] for 128-wide heads; the model then takes
+    positions [3, B, L] as well as [B, L] (copied to the three rows: plain RoPE). Null: off."""
+    mrope_interleaved: bool = False
+    """With mrope_section: frequencies cycle temporal, height, width (Qwen3-VL) instead of
+    contiguous sections (Qwen2-VL, Qwen2.5-VL)."""
+
+
+def validate_mrope(r: RopeConfig, rope_dim: int, mla: bool, kind: str) -> None:
+    """Refuses an M-RoPE setting the decoder cannot honour, in one sentence."""
+    if r.mrope_section is None:
+        if r.mrope_interleaved:
+            fail("model.rope.mrope_interleaved needs model.rope.mrope_section.")
+        return
+    s = r.mrope_section
+    if mla or kind != "decoder" or r.scaling == "dynamic":
+        fail(
+            "model.rope.mrope_section is supported for decoders with GQA attention, not with "
+            "MLA, model.kind=encoder/encoder_decoder or model.rope.scaling=dynamic."
+        )
+    if len(s) != 3 or min(s) < 1:
+        fail(f"model.rope.mrope_section must be three positive ints (t, h, w), not {list(s)}.")
+    if sum(s) != rope_dim // 2:
+        fail(
+            f"model.rope.mrope_section {list(s)} must sum to half the rotated head width "
+            f"({rope_dim} // 2 = {rope_dim // 2})."
+        )
+    k2 = rope_dim // 2  # interleaved: frequency i of row 1 (2) when i % 3 == 1 (2), i < 3 s[1 (2)]
+    fits = all(len(range(o, min(3 * s[o], k2), 3)) == s[o] for o in (1, 2))
+    if r.mrope_interleaved and not fits:
+        fail(f"model.rope.mrope_section {list(s)} does not fit the interleaved layout.")

@@ -20,6 +20,7 @@ from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, logical_axes, make_no
 from jaxllm.model.mla import MLAttention, make_attention
 from jaxllm.model.mlp import MLP
 from jaxllm.model.moe import MoE, RouterBias
+from jaxllm.model.mrope import mrope_positions, mrope_rows
 from jaxllm.model.outputs import AttentionOutput, ModelOutput, MoEOutput
 from jaxllm.model.positions import alibi_slopes, apply_rope, rope_frequencies
 from jaxllm.model.transformer import (
@@ -58,6 +59,8 @@ __all__ = [
     "make_attention",
     "make_norm",
     "matmul",
+    "mrope_positions",
+    "mrope_rows",
     "MoE",
     "MoEOutput",
     "ModelOutput",

@@ -27,6 +27,7 @@ from jaxllm.model import gaussian, lora
 from jaxllm.model.dot_product import dot_product_attention, pad_values, resolve_impl
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.mlp import _broadcast
+from jaxllm.model.mrope import mrope_rows
 from jaxllm.model.outputs import AttentionOutput
 from jaxllm.model.positions import (
     alibi_slopes,
@@ -82,6 +83,9 @@ class Attention(nnx.Module):
             inv_freq, self.rope_scaling = rope_frequencies(cfg.rope, cfg.rope_dim, cfg.max_seq_len)
             self.inv_freq = tuple(float(x) for x in inv_freq)  # hashable: part of the graphdef
             self.rope_interleave = cfg.rope.interleave
+            section = cfg.rope.mrope_section  # M-RoPE: the position row of each frequency
+            rows = None if section is None else mrope_rows(section, cfg.rope.mrope_interleaved)
+            self.mrope_rows = None if rows is None else tuple(int(r) for r in rows)
             local = local_rope_frequencies(cfg.rope, cfg.rope_dim)
             self.local_inv_freq = None if local is None else tuple(float(x) for x in local)
             self.rope_dynamic = None  # dynamic NTK: (rope, dim, original context), per pass
@@ -106,8 +110,14 @@ class Attention(nnx.Module):
             self.o_bias = param(rngs, jax.nn.initializers.zeros, (cfg.d_model,), ("embed",), pdt)
 
     def _rope(self, x_BxLxHxK, positions_BxL, windowed=None, seq_len_B=None):
+        """`positions_BxL`: [B, L], or with M-RoPE [3, B, L] (temporal, height, width), where
+        [B, L] stands for three equal rows (text)."""
+        rows = self.mrope_rows
+        if rows is not None and positions_BxL.ndim == 2:
+            positions_BxL = jnp.broadcast_to(positions_BxL, (3, *positions_BxL.shape))
         inv_freq, scaling = self._rope_frequencies(windowed, positions_BxL, seq_len_B)
-        return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling, self.rope_interleave)
+        interleave = self.rope_interleave
+        return apply_rope(x_BxLxHxK, positions_BxL, inv_freq, scaling, interleave, rows)
 
     def _rope_frequencies(self, windowed, positions_BxL=None, seq_len_B=None):
         """(inv_freq, attention factor) of this layer. With `local_inv_freq`, windowed layers

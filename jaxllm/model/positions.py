@@ -24,6 +24,9 @@ layers see a few thousand tokens, so only the global ones are stretched for long
 
 `RopeConfig.interleave` pairs channels (2i, 2i + 1) instead (GPT-J; DeepSeek-V2/V3 checkpoints).
 
+`RopeConfig.mrope_section` turns each frequency by one of three position rows (temporal,
+height, width: multimodal RoPE of Qwen2-VL and later; `jaxllm.model.mrope`).
+
 ALiBi (Press et al. 2022, arXiv:2108.12409) adds -slope_h * (i - j) to the logit of query i and
 key j; slopes are the geometric sequence of the paper (interleaved for non-powers of two).
 """
@@ -131,19 +134,27 @@ def apply_rope(
     inv_freq_K2: tuple[float, ...] | np.ndarray,
     scaling: float | jax.Array = 1.0,
     interleave: bool = False,
+    mrope_rows_K2: tuple[int, ...] | np.ndarray | None = None,
 ) -> jax.Array:
     """Rotates channel pairs (i, i + K/2) by angle position * inv_freq[i], in float32; with
     `interleave`, the pairs (2i, 2i + 1) instead; with fewer frequencies than K / 2 (partial
     RoPE, `RopeConfig.partial_factor`) only the first 2 * K2 channels. `inv_freq_K2` and
     `scaling` may be traced (a scanned layer picking its frequencies); a [B, K/2] array gives
-    each row its own frequencies (dynamic NTK)."""
+    each row its own frequencies (dynamic NTK). M-RoPE (`jaxllm.model.mrope`): positions
+    [3, B, L] and `mrope_rows_K2`, the row whose position turns each frequency."""
     inv_freq = jnp.asarray(inv_freq_K2, jnp.float32)
     rot = 2 * inv_freq.shape[-1]
     if rot < x_BxLxHxK.shape[-1]:  # partial RoPE: the first `rot` channels turn, the rest pass
-        turned = apply_rope(x_BxLxHxK[..., :rot], positions_BxL, inv_freq, scaling, interleave)
+        x_rot = x_BxLxHxK[..., :rot]
+        turned = apply_rope(x_rot, positions_BxL, inv_freq, scaling, interleave, mrope_rows_K2)
         return jnp.concatenate([turned, x_BxLxHxK[..., rot:]], axis=-1)
     inv_freq_BxK2 = inv_freq if inv_freq.ndim == 2 else inv_freq[None, :]
-    angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_BxK2[:, None, :]
+    if mrope_rows_K2 is None:
+        pos_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None]
+    else:  # each frequency reads its own row of the [3, B, L] positions
+        pos_K2xBxL = positions_BxL[np.asarray(mrope_rows_K2, np.int32)]
+        pos_BxLxK2 = jnp.moveaxis(pos_K2xBxL, 0, -1).astype(jnp.float32)
+    angle_BxLxK2 = pos_BxLxK2 * inv_freq_BxK2[:, None, :]
     sin = jnp.sin(angle_BxLxK2)[:, :, None, :]
     cos = jnp.cos(angle_BxLxK2)[:, :, None, :]
     if isinstance(scaling, jax.Array) or scaling != 1.0:

@@ -133,6 +133,7 @@ class Transformer(nnx.Module):
         `hidden_only`: return the LM head's input as `hidden` and no logits (a loss computed in
         chunks calls `head_logits` per chunk). `hidden_states`: also return every block's
         output, [N, B, L, D] (the scans' outputs; feature distillation reads them).
+        With `cfg.rope.mrope_section`, `positions_BxL` may also be [3, B, L] (M-RoPE rows).
         """
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
