@@ -258,3 +258,29 @@ def test_text_only_runs_refuse_image_parts_in_one_line(tmp_path, capsys, command
     assert len(lines) == 1 and "Traceback" not in out, out
     assert f"data {path} line 2 holds an image part, but " in lines[0] and says in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.torch
+def test_ids_and_pixels_equal_transformers_qwen2_vl_processing(tmp_path):
+    """transformers' Qwen2-VL path: `apply_chat_template` on the list contents, each
+    `<|image_pad|>` replaced by grid.prod() // merge² of them (as `Qwen2VLProcessor.__call__`),
+    tokenized; pixels by `Qwen2VLImageProcessorPil`."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tok = tokenizer(tmp_path, QWEN2_VL)
+    hf = PreTrainedTokenizerFast(tokenizer_file=tok.name, chat_template=QWEN2_VL)
+    processor = Qwen2VLImageProcessorPil()
+    for messages, sources in zip(*chats(tmp_path), strict=True):
+        ex = vision_chat.encode(messages, tok, SPEC, base_dir=tmp_path)
+        text_ = hf.apply_chat_template(messages, tokenize=False)
+        if sources:
+            ref = processor([images.load_image(s) for s in sources], return_tensors="np")
+            np.testing.assert_allclose(ex.pixel_values_NxP, ref["pixel_values"], rtol=0, atol=1e-6)
+            np.testing.assert_array_equal(ex.image_grid_thw, ref["image_grid_thw"])
+            parts = text_.split(VT.pad)
+            counts = ref["image_grid_thw"].prod(-1) // processor.merge_size**2
+            text_ = parts[0] + "".join(VT.pad * int(n) + p for n, p in zip(counts, parts[1:]))
+        assert ex.tokens.tolist() == hf(text_, add_special_tokens=False)["input_ids"]
