@@ -191,6 +191,26 @@ def test_placeholders_and_images_must_pair_up(tmp_path):
         vision_chat.encode(fewer, tok, base_dir=tmp_path, template=drops_system)
 
 
+def test_parquet_rows_of_parts_read_as_jsonl_ones(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = tokenizer(tmp_path)
+    red = png(tmp_path / "red.png", (61, 45), "red")
+    messages = [
+        {"role": "user", "content": [text("see "), image(red)]},  # Parquet adds image / text None
+        {"role": "assistant", "content": [text("red.")]},
+    ]
+    want = vision_chat.encode(messages, tok, base_dir=tmp_path)
+    path = tmp_path / "chat.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": messages}] * 2), path)
+    f, src = DataFile(path, "parquet", path.name), SourceConfig(path=str(path), format="chat")
+    got = list(vision_chat.read_vision_examples(f, src, tok, on_bad_record="fail"))
+    assert len(got) == 2
+    for a, b in zip(got[0], want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_tokenizer_without_the_pad_token_is_refused(tmp_path):
     tok = tokenizer(tmp_path, specials=["<|im_start|>", "<|im_end|>"])
     with pytest.raises(ConfigError, match="does not read the image pad token '<\\|image_pad\\|>'"):

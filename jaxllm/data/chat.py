@@ -54,9 +54,13 @@ class ChatError(ValueError):
 
 def is_image_part(part) -> bool:
     """Whether a content part holds an image: `{"type": "image", "image": ...}` or OpenAI's
-    `{"type": "image_url", "image_url": {"url": ...}}` (an `image` key without a type too, as
-    Qwen-VL's templates read it)."""
-    return isinstance(part, dict) and (part.get("type") in IMAGE_TYPES or "image" in part)
+    `{"type": "image_url", "image_url": {"url": ...}}`; without a type, one whose `image` or
+    `image_url` is set (a Parquet row of parts has every key, None where unset)."""
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") is not None:
+        return part["type"] in IMAGE_TYPES
+    return any(part.get(k) is not None for k in IMAGE_TYPES)
 
 
 def image_message(messages) -> int | None:

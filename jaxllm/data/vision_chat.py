@@ -75,7 +75,8 @@ class VisionExample(NamedTuple):
 
 def image_source(part: dict, where: str) -> str:
     """The path or data of an image part; ChatError when it holds none."""
-    if part.get("type") == "image_url" or "image_url" in part:
+    kind = part.get("type")
+    if kind == "image_url" or (kind is None and part.get("image") is None):
         url = part.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
         if isinstance(url, str) and url:
@@ -102,7 +103,7 @@ def flatten(
                 if chat.is_image_part(part):
                     sources.append(image_source(part, where))
                     text.append(tokens.placeholder)
-                elif isinstance(part, dict) and part.get("type", "text") == "text":
+                elif isinstance(part, dict) and part.get("type") in (None, "text"):
                     if not isinstance(part.get("text"), str):
                         raise chat.ChatError(f"{where} has no string 'text'")
                     text.append(part["text"])
