@@ -38,6 +38,7 @@ from datetime import datetime
 from jaxllm.config import ConfigError
 
 ROLES = ("system", "user", "assistant")
+IMAGE_TYPES = ("image", "image_url")  # content parts that hold an image (Qwen-VL's, OpenAI's)
 BUILTIN_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -49,6 +50,26 @@ BUILTIN_TEMPLATE = (
 class ChatError(ValueError):
     """A conversation its template cannot render (the template raised, or wrote a reply in a
     way its span cannot be found): a bad record, not a bad configuration."""
+
+
+def is_image_part(part) -> bool:
+    """Whether a content part holds an image: `{"type": "image", "image": ...}` or OpenAI's
+    `{"type": "image_url", "image_url": {"url": ...}}`; without a type, one whose `image` or
+    `image_url` is set (a Parquet row of parts has every key, None where unset)."""
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") is not None:
+        return part["type"] in IMAGE_TYPES
+    return any(part.get(k) is not None for k in IMAGE_TYPES)
+
+
+def image_message(messages) -> int | None:
+    """The number (from 1) of the first message whose content parts hold an image, else None."""
+    for n, m in enumerate(messages if isinstance(messages, list) else [], 1):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(map(is_image_part, content)):
+            return n
+    return None
 
 
 def template_of(tok) -> str:

@@ -93,7 +93,10 @@ def cmd_tokenizer(ns) -> int:
         for src, src_files in files:
             for f in src_files:
                 if sft.is_sft(src):  # the tokenizer has no template yet: the built-in one
-                    examples = sft.read_examples(f, src, ByteTokenizer(), ns.on_bad_record, bad)
+                    no_vision = "a tokenizer is trained on text only"
+                    examples = sft.read_examples(
+                        f, src, ByteTokenizer(), ns.on_bad_record, bad, no_vision
+                    )
                     yield from (ex.text for ex in examples)
                 else:
                     yield from read_texts(f, src.text_field, ns.on_bad_record, bad)

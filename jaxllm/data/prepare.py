@@ -172,7 +172,8 @@ def prepare(
     def read(f, src):
         if kind == "text":
             return read_texts(f, src.text_field, on_bad_record, bad)
-        return sft.read_examples(f, src, tok, on_bad_record, bad)
+        no_vision = "prepared shards hold token ids only, for a model without a vision tower"
+        return sft.read_examples(f, src, tok, on_bad_record, bad, no_vision)
 
     # each source's split, by its files or (too few files) its records, as training makes it
     records = {

@@ -41,6 +41,7 @@ from jaxllm.data.packing import FirstFitRows
 from jaxllm.data.sources import BadRecords, DataFile, json_lines
 
 KINDS = ("chat", "prompt_completion")
+NO_VISION = "the model of this run has no vision tower"  # why text-only reading refuses images
 
 
 class Example(NamedTuple):
@@ -154,13 +155,26 @@ def _example(record: dict, src: SourceConfig, tok) -> Example | str:
 
 
 def read_examples(
-    f: DataFile, src: SourceConfig, tok, on_bad_record: str = "skip", bad: BadRecords | None = None
+    f: DataFile,
+    src: SourceConfig,
+    tok,
+    on_bad_record: str = "skip",
+    bad: BadRecords | None = None,
+    no_vision: str = NO_VISION,
 ) -> Iterator[Example]:
     """The examples of one file of an SFT source, in file order (chats rendered by `tok`'s
-    template); a malformed record is skipped into `bad` or, with `fail`, a ConfigError."""
+    template); a malformed record is skipped into `bad` or, with `fail`, a ConfigError. A chat
+    holding an image part is a ConfigError whatever on_bad_record says: text-only reading
+    (`no_vision` says why) cannot use it, so skipping would silently train on nothing
+    (`jaxllm.data.vision_chat` reads such chats)."""
     bad = bad or bad_records(str(f.path), src)
     keys = ("messages_field",) if src.format == "chat" else ("prompt_field", "completion_field")
     for where, record in _records(f, {k: getattr(src, k) for k in keys}, on_bad_record, bad):
+        if src.format == "chat" and chat.image_message(record.get(src.messages_field)):
+            raise ConfigError(
+                f"data {where} holds an image part, but {no_vision}; train a vision-language "
+                "model on it, or remove the image parts from the source."
+            )
         example = _example(record, src, tok)
         if isinstance(example, str):
             _bad(example, where, on_bad_record, bad)
