@@ -20,7 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # (floor, package or module prefix); the most specific prefix wins
 FLOORS = [
     (0, "jaxllm.config"),
-    (0.5, "jaxllm.storage"),  # object storage: between the config and the base floor
+    (0.5, "jaxllm.storage"),
+    (
+        0.75,
+        "jaxllm.blockwise",
+    ),  # blockwise 8-bit codes: the 8-bit optimizer's and checkpoints'  # object storage: between the config and the base floor
     (1, "jaxllm.data"),
     (1, "jaxllm.sharding"),
     (1, "jaxllm.checkpoint"),

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllm.optim.adamw_8bit import blocks_per_row, dequantize, dynamic_code, quantize
+from jaxllm.blockwise import blocks_per_row, dequantize, dynamic_code, quantize
 
 BLOCK = 256
 CODEC_ITEM = "opt_codec"
