@@ -35,6 +35,8 @@ GRID: dict[str, tuple[list[str], list[str]]] = {
     "muon": (["3e-3", "1e-2", "3e-2"], []),
     "adam_mini": (["1e-3", "3e-3", "1e-2"], []),
     "adamw_8bit": (["1e-3", "3e-3", "1e-2"], []),
+    "soap": (["1e-3", "3e-3", "1e-2"], []),
+    "shampoo": (["1e-3", "3e-3", "1e-2"], []),  # Adam-grafted: Adam's step sizes
 }
 
 

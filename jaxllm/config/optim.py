@@ -28,6 +28,8 @@ class OptimConfig:
         "muon",
         "adam_mini",
         "adamw_8bit",
+        "soap",
+        "shampoo",
     ] = "adamw"
     """The optimizer (README lists what each keeps per parameter); `adam` is `adamw` without
     weight decay."""
@@ -65,6 +67,9 @@ class OptimConfig:
     """adamw_8bit: elements per quantization block (one float32 absmax scale per block)."""
     quantization: Literal["dynamic", "linear"] = "dynamic"
     """adamw_8bit code book: bitsandbytes' dynamic tree (fine near 0) or 256 even steps."""
+    precondition_every: int = 10
+    """soap, shampoo: steps between recomputing the preconditioners (SOAP's eigenbasis,
+    Shampoo's inverse roots) from their statistics."""
     master_weights: Literal["none", "float32"] = "none"
     """`float32`: the optimizer steps a float32 master copy of the parameters, kept in its state,
     and the stored parameters are the master rounded to `model.param_dtype` (set that to
@@ -136,6 +141,8 @@ OPTIM_READS: dict[str, frozenset[str]] = {
     "muon": frozenset({"b1", "b2", "eps", "weight_decay"}),
     "adam_mini": frozenset({"b1", "b2", "eps", "weight_decay"}),
     "adamw_8bit": frozenset({"b1", "b2", "eps", "weight_decay", "block_size", "quantization"}),
+    "soap": frozenset({"b1", "b2", "eps", "weight_decay", "precondition_every"}),
+    "shampoo": frozenset({"b1", "b2", "eps", "weight_decay", "precondition_every"}),
 }
 OPTIM_SPECIFIC = frozenset().union(*OPTIM_READS.values())
 
@@ -172,6 +179,8 @@ def validate_optim(o: OptimConfig, param_dtype: str, z_loss: float) -> None:
             )
     if not 0 <= o.momentum < 1:
         _fail(f"optim.momentum must be in [0, 1), not {o.momentum}.")
+    if o.precondition_every < 1:
+        _fail(f"optim.precondition_every must be >= 1, not {o.precondition_every}.")
     if o.nesterov and o.momentum == 0:
         _fail("optim.nesterov=true needs optim.momentum > 0 (e.g. optim.momentum=0.9).")
     if o.master_weights != "none" and param_dtype == o.master_weights:

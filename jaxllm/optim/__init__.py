@@ -4,9 +4,10 @@
 then by global norm, `clip_norm`) and annealed gradient noise (`grad_noise`), with decoupled
 weight decay (Loshchilov & Hutter 2019) only on matrices (kernels and embeddings), never on
 norm scales or biases, and the learning-rate schedule, optionally on float32 master weights
-(`master.py`). The result is a plain `optax.GradientTransformation`. Optax provides every optimizer but two, which live here each in
-its own module: Adam-mini (`adam_mini`) and AdamW with 8-bit blockwise-quantized moments
-(`adamw_8bit`).
+(`master.py`). The result is a plain `optax.GradientTransformation`. Optax provides every optimizer but four, which live here each in
+its own module: Adam-mini (`adam_mini`), AdamW with 8-bit blockwise-quantized moments
+(`adamw_8bit`), and the matrix preconditioners SOAP (`soap`) and Shampoo (`shampoo`), which
+neither optax nor a maintained JAX package ships.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from jaxllm.config import OptimConfig
 from jaxllm.config.optim import resolved_lr
-from jaxllm.optim import adam_mini, adamw_8bit, schedules
+from jaxllm.optim import adam_mini, adamw_8bit, schedules, shampoo, soap
 from jaxllm.optim.master import with_master_weights
 from jaxllm.optim.noise import annealed_noise
 from jaxllm.optim.sparse import keep_zeros
@@ -113,6 +114,12 @@ def _direction(cfg: OptimConfig, axes) -> optax.GradientTransformation:
         return adamw_8bit.scale_by_adam_8bit(
             cfg.b1, cfg.b2, cfg.eps, cfg.block_size, cfg.quantization
         )
+    if name == "soap":
+        args = (_need_axes(axes, name), cfg.b1, cfg.b2, cfg.eps, cfg.precondition_every)
+        return soap.scale_by_soap(*args)
+    if name == "shampoo":
+        args = (_need_axes(axes, name), cfg.b1, cfg.b2, cfg.eps, cfg.precondition_every)
+        return shampoo.scale_by_shampoo(*args)
     raise AssertionError(name)
 
 
@@ -126,7 +133,7 @@ def build(
     cfg: OptimConfig, total_steps: int, axes=None, sparse=None, seed: int = 0
 ) -> optax.GradientTransformation:
     """The configured optimizer. `axes`: the parameters' logical axes as a tree of tuples
-    (`jaxllm.model.abstract_model`), which adam_mini and muon read to find blocks and matrices.
+    (`jaxllm.model.abstract_model`), which adam_mini, muon, soap and shampoo read to find blocks and matrices.
     `sparse`: a tree of bools over the parameters, those whose zeros stay zero (a pruned run's
     weights, `sparse.keep_zeros`); None: none. `seed`: the gradient noise's (optim.grad_noise)."""
     lr = schedule(cfg, total_steps)
