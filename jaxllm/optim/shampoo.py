@@ -136,6 +136,32 @@ def map_dims(fn, dims_tree, *trees):
     return jax.tree.map(fn, dims_tree, *trees, is_leaf=_is_dims)
 
 
+def serial_map(fn, dims_tree, stats: tuple) -> tuple:
+    """`fn` (an eigendecomposition) on every matrix leaf of each tree in `stats`, one call after
+    another: each input passes an optimization barrier together with the previous call's output,
+    so the LAPACK calls XLA:CPU makes for `eigh` never run at once (two at once can deadlock
+    its thread pool on a 2-core machine). Leaves whose dims are None stay as they are."""
+    flat = [
+        jax.tree.flatten(map_dims(lambda d, s: (d, s), dims_tree, t), is_leaf=_is_pair)
+        for t in stats
+    ]
+    last, outs = None, []
+    for leaves, treedef in flat:
+        done = []
+        for d, x in leaves:
+            if d is not None:
+                if last is not None:
+                    last, x = jax.lax.optimization_barrier((last, x))
+                x = last = fn(x)
+            done.append(x)
+        outs.append(jax.tree.unflatten(treedef, done))
+    return tuple(outs)
+
+
+def _is_pair(x):
+    return isinstance(x, tuple) and len(x) == 2 and (x[0] is None or _is_dims(x[0]))
+
+
 def refresh_due(count, every: int):
     """Steps 1, 1 + every, 1 + 2 every, ... recompute the preconditioners (count 1-based)."""
     return (count - 1) % every == 0
@@ -185,16 +211,12 @@ def scale_by_shampoo(
         stat_l = map_dims(lambda d, p: p[0], dims, pairs)
         stat_r = map_dims(lambda d, p: p[1], dims, pairs)
 
-        def roots(stats):
-            return map_dims(
-                lambda d, s: s if d is None else inverse_root(as_square(s), -0.25).reshape(s.shape),
-                dims,
-                stats,
-            )
+        def root(s):
+            return inverse_root(as_square(s), -0.25).reshape(s.shape)
 
         root_l, root_r = jax.lax.cond(
             refresh_due(count, every),
-            lambda: (roots(stat_l), roots(stat_r)),
+            lambda: serial_map(root, dims, (stat_l, stat_r)),
             lambda: (state.root_l, state.root_r),
         )
 

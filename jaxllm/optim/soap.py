@@ -32,6 +32,7 @@ from jaxllm.optim.shampoo import (
     map_dims,
     mm,
     refresh_due,
+    serial_map,
     to_matrix,
 )
 
@@ -103,17 +104,13 @@ def scale_by_soap(
         stat_l = map_dims(lambda d, p: p[0], dims, pairs)
         stat_r = map_dims(lambda d, p: p[1], dims, pairs)
 
-        def bases(stats):
-            return map_dims(
-                lambda d, s: s if d is None else eigenbasis(as_square(s)).reshape(s.shape),
-                dims,
-                stats,
-            )
+        def basis(s):
+            return eigenbasis(as_square(s)).reshape(s.shape)
 
         # after steps 1, 1 + every, ...: the next steps' basis, from statistics up to this one
         basis_l, basis_r = jax.lax.cond(
             refresh_due(count, every),
-            lambda: (bases(stat_l), bases(stat_r)),
+            lambda: serial_map(basis, dims, (stat_l, stat_r)),
             lambda: (state.basis_l, state.basis_r),
         )
         new = SoapState(count, pick(1), pick(2), stat_l, stat_r, basis_l, basis_r)
