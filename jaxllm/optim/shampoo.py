@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxllm.optim.lapack import one_at_a_time
+
 STACKED = ("layers", "expert")  # axes that index separate matrices: batched over
 RIDGE = 1e-6  # added to each statistic, times its largest eigenvalue, before the inverse root
 HIGHEST = jax.lax.Precision.HIGHEST  # statistics in true float32, not a TF32 / bf16 pass
@@ -138,23 +140,17 @@ def map_dims(fn, dims_tree, *trees):
 
 def serial_map(fn, dims_tree, stats: tuple) -> tuple:
     """`fn` (an eigendecomposition) on every matrix leaf of each tree in `stats`, one call after
-    another: each input passes an optimization barrier together with the previous call's output,
-    so the LAPACK calls XLA:CPU makes for `eigh` never run at once (two at once can deadlock
-    its thread pool on a 2-core machine). Leaves whose dims are None stay as they are."""
+    another (`lapack.one_at_a_time`); leaves whose dims are None stay as they are."""
     flat = [
         jax.tree.flatten(map_dims(lambda d, s: (d, s), dims_tree, t), is_leaf=_is_pair)
         for t in stats
     ]
-    last, outs = None, []
+    pairs = [pair for leaves, _ in flat for pair in leaves]
+    done = iter(one_at_a_time(fn, [x for d, x in pairs if d is not None]))
+    outs = []
     for leaves, treedef in flat:
-        done = []
-        for d, x in leaves:
-            if d is not None:
-                if last is not None:
-                    last, x = jax.lax.optimization_barrier((last, x))
-                x = last = fn(x)
-            done.append(x)
-        outs.append(jax.tree.unflatten(treedef, done))
+        new = [x if d is None else next(done) for d, x in leaves]
+        outs.append(jax.tree.unflatten(treedef, new))
     return tuple(outs)
 
 
