@@ -208,3 +208,26 @@ def test_new_keys_are_checked():
             config.load(None, overrides)
     cfg = config.load(None, ["optim.name=ldadam", "optim.galore_rank=16"])
     assert cfg.optim.galore_rank == 16
+
+
+# ------------------------------------------------------------------------- resume
+
+
+# about 40 s each on 2 CPU cores (-m slow): a resume across a projection refresh
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NEW)
+def test_resume_is_bit_identical(tmp_path, name):
+    from test_optimizers import RUN, _losses
+
+    from jaxllm.cli import main
+
+    args = [*RUN, f"optim.name={name}"]
+    if name != "came":
+        args += ["optim.galore_rank=8"] + (
+            ["optim.galore_update_gap=3"] if "galore" in name else []
+        )
+    assert main(["train", *args, "train.steps=4", f"run.dir={tmp_path / 'straight'}"]) == 0
+    assert main(["train", *args, "train.steps=2", f"run.dir={tmp_path / 'cut'}"]) == 0
+    assert main(["train", *args, "train.steps=4", f"run.dir={tmp_path / 'cut'}"]) == 0
+    assert _losses(tmp_path / "cut") == _losses(tmp_path / "straight")
+    assert len(_losses(tmp_path / "cut")) == 4

@@ -39,8 +39,8 @@ def factored_dims(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple
 class CameState(NamedTuple):
     mu: optax.Params  # first moment of the clipped normalised update, the parameter's shape
     v_row: optax.Params  # factored: mean of g^2 over the column dim; vectors: v itself
-    v_col: optax.Params  # factored: mean of g^2 over the row dim; vectors: (0,) placeholder
-    r_row: optax.Params  # the instability's factors (vectors: (0,) placeholders)
+    v_col: optax.Params  # factored: mean of g^2 over the row dim; vectors: None
+    r_row: optax.Params  # the instability's factors (vectors: Nones)
     r_col: optax.Params
 
 
@@ -63,7 +63,7 @@ def scale_by_came(
     def init_one(p, dims):
         z = lambda s: jnp.zeros(s, jnp.float32)  # noqa: E731
         if dims is None:
-            return jnp.zeros_like(p), z(p.shape), z((0,)), z((0,)), z((0,))
+            return jnp.zeros_like(p), z(p.shape), None, None, None
         r, c = dims
         row, col = p.shape[:c] + p.shape[c + 1 :], p.shape[:r] + p.shape[r + 1 :]
         return jnp.zeros_like(p), z(row), z(col), z(row), z(col)

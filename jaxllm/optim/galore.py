@@ -139,13 +139,9 @@ def dequantize_int4(packed, scale):
 
 class GaLoreState(NamedTuple):
     count: jax.Array  # int32 scalar: steps taken; P is refreshed when count % T == 0
-    proj: optax.Params  # P per matrix (GaLore: float32; Q-GaLore: packed int4); others (0,)
-    proj_scale: optax.Params  # Q-GaLore: float32 scale per column of P; otherwise (0,)
+    proj: optax.Params  # P per matrix (GaLore: float32; Q-GaLore: packed int4); others None
+    proj_scale: optax.Params  # Q-GaLore: float32 scale per column of P; otherwise None
     inner: optax.OptState  # Adam's moments: low-rank R's shape for matrices, full otherwise
-
-
-def _empty():
-    return jnp.zeros((0,), jnp.float32)
 
 
 def scale_by_galore(
@@ -166,7 +162,7 @@ def scale_by_galore(
 
     def store(b, d, shape, proj_side):
         if not int4:
-            return put(b, d, proj_side, side_shape(shape, d, proj_side)), _empty()
+            return put(b, d, proj_side, side_shape(shape, d, proj_side)), None
         packed, s = quantize_int4(b)
         ones = (1,) * len(side_shape(shape, d, proj_side))
         return put(packed, d, proj_side, side_shape(shape, d, proj_side)), put(
@@ -183,7 +179,7 @@ def scale_by_galore(
         proj, scales, low = [], [], []
         for p, d in zip(leaves, flat_dims()):
             if d is None:
-                proj.append(_empty()), scales.append(_empty()), low.append(p)
+                proj.append(None), scales.append(None), low.append(p)
                 continue
             proj_side, other, r = sides(p.shape, d, rank)
             q = math.prod(side_shape(p.shape, d, proj_side))
@@ -270,8 +266,8 @@ def rounding_key(count, index):
 
 class Int8WeightsState(NamedTuple):
     count: jax.Array  # int32 scalar: steps taken (the rounding noise's seed)
-    codes: optax.Params  # int8 weights, the parameter's shape; non-matrices (0,)
-    scales: optax.Params  # float32 absmax / 127 per group; non-matrices (0,)
+    codes: optax.Params  # int8 weights, the parameter's shape; non-matrices None
+    scales: optax.Params  # float32 absmax / 127 per group; non-matrices None
     inner: optax.OptState
 
 
@@ -285,7 +281,7 @@ def with_int8_weights(inner: optax.GradientTransformation, axes) -> optax.Gradie
         leaves, tdef = jax.tree.flatten(params)
         codes, scales = [], []
         for p, d in zip(leaves, flat_dims()):
-            q, s = quantize_int8_sr(p, None) if d is not None else (_empty(), _empty())
+            q, s = quantize_int8_sr(p, None) if d is not None else (None, None)
             codes.append(q), scales.append(s)
         unf = lambda xs: jax.tree.unflatten(tdef, xs)  # noqa: E731
         return Int8WeightsState(

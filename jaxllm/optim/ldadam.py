@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxllm.optim.galore import (
-    _empty,
     _from_matrix,
     _red_out,
     _swap,
@@ -48,10 +47,10 @@ from jaxllm.optim.galore import (
 
 class LDAdamState(NamedTuple):
     count: jax.Array  # int32 scalar: steps taken
-    proj: optax.Params  # P per matrix (float32); others (0,)
+    proj: optax.Params  # P per matrix (float32); others None
     mu: optax.Params  # low-rank first moment for matrices, full for the others
     nu: optax.Params  # low-rank second moment for matrices, full for the others
-    err: optax.Params  # the error buffer, the matrix's shape; others (0,)
+    err: optax.Params  # the error buffer, the matrix's shape; others None
 
 
 def scale_by_ldadam(
@@ -66,7 +65,7 @@ def scale_by_ldadam(
         proj, mu, err = [], [], []
         for p, d in zip(leaves, flat_dims()):
             if d is None:
-                proj.append(_empty()), mu.append(jnp.zeros_like(p)), err.append(_empty())
+                proj.append(None), mu.append(jnp.zeros_like(p)), err.append(None)
                 continue
             proj_side, other, r = sides(p.shape, d, rank)
             q = side_shape(p.shape, d, proj_side)
