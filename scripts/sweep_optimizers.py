@@ -37,6 +37,10 @@ GRID: dict[str, tuple[list[str], list[str]]] = {
     "adamw_8bit": (["1e-3", "3e-3", "1e-2"], []),
     "soap": (["1e-3", "3e-3", "1e-2"], []),
     "shampoo": (["1e-3", "3e-3", "1e-2"], []),  # Adam-grafted: Adam's step sizes
+    "came": (["1e-4", "3e-4", "1e-3"], []),
+    "ldadam": (["1e-3", "3e-3", "1e-2"], []),
+    "galore": (["3e-3", "1e-2", "3e-2"], []),
+    "q_galore": (["3e-3", "1e-2", "3e-2"], []),
 }
 
 

@@ -313,10 +313,12 @@ def test_sharded_steps_equal_single_device_steps(name):
 
     want = jax.jit(steps)(params)
     got = jax.jit(steps, in_shardings=(param_sh,), out_shardings=(param_sh, opt_sh))(params)
+    # LDAdam's subspace is an SVD of sums of sharded matmuls, here at full rank (8) where its
+    # error buffer is rounding alone: the summation order shows at 1e-3 (rank 4:
+    # tests/test_optim_ldadam.py)
+    tol = dict(rtol=1e-3, atol=2e-5) if name == "ldadam" else dict(rtol=2e-5, atol=2e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5, atol=2e-6
-        )
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
 
 
 # ------------------------------------------------------------------------- resume

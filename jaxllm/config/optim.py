@@ -30,6 +30,10 @@ class OptimConfig:
         "adamw_8bit",
         "soap",
         "shampoo",
+        "came",
+        "ldadam",
+        "galore",
+        "q_galore",
     ] = "adamw"
     """The optimizer (README lists what each keeps per parameter); `adam` is `adamw` without
     weight decay."""
@@ -70,6 +74,14 @@ class OptimConfig:
     precondition_every: int = 10
     """soap, shampoo: steps between recomputing the preconditioners (SOAP's eigenbasis,
     Shampoo's inverse roots) from their statistics."""
+    came_b3: float = 0.9999
+    """came: decay rate of the instability (confidence) factors."""
+    galore_rank: int = 128
+    """galore, q_galore, ldadam: rank r of each matrix's gradient projection."""
+    galore_update_gap: int = 200
+    """galore, q_galore: steps between refreshes of the projection (T)."""
+    galore_scale: float = 0.25
+    """galore, q_galore: factor on the projected-back update of each matrix (alpha)."""
     master_weights: Literal["none", "float32"] = "none"
     """`float32`: the optimizer steps a float32 master copy of the parameters, kept in its state,
     and the stored parameters are the master rounded to `model.param_dtype` (set that to
@@ -143,6 +155,14 @@ OPTIM_READS: dict[str, frozenset[str]] = {
     "adamw_8bit": frozenset({"b1", "b2", "eps", "weight_decay", "block_size", "quantization"}),
     "soap": frozenset({"b1", "b2", "eps", "weight_decay", "precondition_every"}),
     "shampoo": frozenset({"b1", "b2", "eps", "weight_decay", "precondition_every"}),
+    "came": frozenset({"b1", "b2", "came_b3", "weight_decay"}),
+    "ldadam": frozenset({"b1", "b2", "eps", "galore_rank", "weight_decay"}),
+    "galore": frozenset(
+        {"b1", "b2", "eps", "galore_rank", "galore_update_gap", "galore_scale", "weight_decay"}
+    ),
+    "q_galore": frozenset(
+        {"b1", "b2", "eps", "galore_rank", "galore_update_gap", "galore_scale", "weight_decay"}
+    ),
 }
 OPTIM_SPECIFIC = frozenset().union(*OPTIM_READS.values())
 
@@ -164,9 +184,16 @@ def validate_optim(o: OptimConfig, param_dtype: str, z_loss: float) -> None:
             _fail(f"{key} must be a finite number >= 0, not {value}.")
     if o.eps <= 0 or (o.clip_norm is not None and o.clip_norm <= 0):
         _fail("optim.eps and optim.clip_norm must be > 0 (clip_norm: null turns clipping off).")
-    for key, value in (("optim.b1", o.b1), ("optim.b2", o.b2)):
+    for key, value in (("optim.b1", o.b1), ("optim.b2", o.b2), ("optim.came_b3", o.came_b3)):
         if not 0 <= value < 1:
             _fail(f"{key} must be in [0, 1), not {value}.")
+    if o.galore_rank < 1 or o.galore_update_gap < 1:
+        _fail(
+            "optim.galore_rank and optim.galore_update_gap must be >= 1, not "
+            f"{o.galore_rank} and {o.galore_update_gap}."
+        )
+    if not math.isfinite(o.galore_scale) or o.galore_scale <= 0:
+        _fail(f"optim.galore_scale must be a finite number > 0, not {o.galore_scale}.")
     if o.min_lr_ratio > 1:
         _fail(f"optim.min_lr_ratio must be in [0, 1], not {o.min_lr_ratio}.")
     default = OptimConfig()

@@ -4,10 +4,12 @@
 then by global norm, `clip_norm`) and annealed gradient noise (`grad_noise`), with decoupled
 weight decay (Loshchilov & Hutter 2019) only on matrices (kernels and embeddings), never on
 norm scales or biases, and the learning-rate schedule, optionally on float32 master weights
-(`master.py`). The result is a plain `optax.GradientTransformation`. Optax provides every optimizer but four, which live here each in
-its own module: Adam-mini (`adam_mini`), AdamW with 8-bit blockwise-quantized moments
-(`adamw_8bit`), and the matrix preconditioners SOAP (`soap`) and Shampoo (`shampoo`), which
-neither optax nor a maintained JAX package ships.
+(`master.py`). The result is a plain `optax.GradientTransformation`. Optax provides every
+optimizer but these, which live here each in its own module: Adam-mini (`adam_mini`), AdamW
+with 8-bit blockwise-quantized moments (`adamw_8bit`), CAME (`came`), LDAdam (`ldadam`), GaLore
+with its quantized form Q-GaLore (`galore`: optax.contrib's GaLore flattens stacked layers into
+one matrix and keeps states no parameter sharding fits), and the matrix preconditioners SOAP
+(`soap`) and Shampoo (`shampoo`), which neither optax nor a maintained JAX package ships.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from jaxllm.config import OptimConfig
 from jaxllm.config.optim import resolved_lr
-from jaxllm.optim import adam_mini, adamw_8bit, schedules, shampoo, soap
+from jaxllm.optim import adam_mini, adamw_8bit, came, galore, ldadam, schedules, shampoo, soap
 from jaxllm.optim.master import with_master_weights
 from jaxllm.optim.noise import annealed_noise
 from jaxllm.optim.sparse import keep_zeros
@@ -65,13 +67,12 @@ def _muon_dims(axes):
     head and vectors get None: optax updates them with Adam, as Muon's authors do."""
 
     def dims(ax):
-        inner = [i for i, a in enumerate(ax) if a not in adam_mini.STACKED]
-        if len(inner) < 2 or "vocab" in ax:
+        d = galore.matrix_dims(ax)
+        if d is None:
             return None
-        # kernels are (inputs..., outputs...): `embed` first is the input, `embed` last the output
-        if ax[inner[-1]] == "embed":
-            return MuonDimensionNumbers(reduction_axis=tuple(inner[:-1]), output_axis=inner[-1])
-        return MuonDimensionNumbers(reduction_axis=inner[0], output_axis=tuple(inner[1:]))
+        if ax[d.out[-1]] == "embed":  # (inputs..., embed): several input dims, one output
+            return MuonDimensionNumbers(reduction_axis=d.red, output_axis=d.out[0])
+        return MuonDimensionNumbers(reduction_axis=d.red[0], output_axis=d.out)
 
     return jax.tree.map(dims, axes, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -120,6 +121,23 @@ def _direction(cfg: OptimConfig, axes) -> optax.GradientTransformation:
     if name == "shampoo":
         args = (_need_axes(axes, name), cfg.b1, cfg.b2, cfg.eps, cfg.precondition_every)
         return shampoo.scale_by_shampoo(*args)
+    if name == "came":
+        return came.scale_by_came(_need_axes(axes, name), cfg.b1, cfg.b2, cfg.came_b3)
+    if name == "ldadam":
+        return ldadam.scale_by_ldadam(
+            _need_axes(axes, name), cfg.galore_rank, cfg.b1, cfg.b2, cfg.eps
+        )
+    if name in ("galore", "q_galore"):
+        return galore.scale_by_galore(
+            _need_axes(axes, name),
+            cfg.galore_rank,
+            cfg.galore_update_gap,
+            cfg.galore_scale,
+            cfg.b1,
+            cfg.b2,
+            cfg.eps,
+            int4=name == "q_galore",
+        )
     raise AssertionError(name)
 
 
@@ -163,6 +181,8 @@ def build(
     if cfg.grad_noise > 0:  # on the clipped gradients
         noise = annealed_noise(cfg.grad_noise, cfg.grad_noise_gamma, seed)
         tx = optax.chain(noise, tx)
+    if cfg.name == "q_galore":  # int8 weights: after the learning rate, before clipping
+        tx = galore.with_int8_weights(tx, axes)
     if cfg.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
     if cfg.clip_value is not None:
