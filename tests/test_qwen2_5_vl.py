@@ -4,11 +4,16 @@ features replace the image tokens' embeddings; a tiny odd-shaped
 (positions from `mrope_positions`), exports to the same bytes and a config transformers loads,
 and a `model.vision` the model cannot run is refused in one line."""
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers as hf
-from hf_models import run_cli, save_hf
+from flax import nnx
+from hf_models import run_cli, save_hf, stderr_of_failure
 from safetensors.numpy import load_file
 
 import jaxllm
@@ -211,3 +216,30 @@ def test_bad_model_vision_is_refused_in_one_line(changes, words):
     with pytest.raises(ConfigError) as e:
         model_cfg(**changes).validate()
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gradients_reach_the_tower_through_the_image_tokens_only():
+    model = build(model_cfg())
+    grids = [(1, 4, 4)]
+    tokens = np.array([[5, 88] + [90] * 4 + [7, 8]], np.int32)
+    px = jnp.asarray(np.random.default_rng(0).normal(size=(16, 96)), jnp.float32)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, with_image):
+        m = nnx.merge(graphdef, params, rest)
+        kw = dict(pixel_values=px, image_grid_thw=grids) if with_image else {}
+        return m(jnp.asarray(tokens), **kw).logits[0, -1].sum()
+
+    patch = [jax.grad(loss)(params, w)["visual"]["patch_embed"][...] for w in (True, False)]
+    assert np.abs(np.asarray(patch[0])).max() > 0 and not np.asarray(patch[1]).any()
+
+
+def test_model_vision_survives_dump_and_load(tmp_path):
+    cfg = config_lib.from_dict({"model": dataclasses.asdict(model_cfg())})
+    config_lib.dump(cfg, tmp_path / "config.yaml")
+    assert config_lib.load(tmp_path / "config.yaml").model == cfg.model
+
+
+def test_cli_refuses_a_vision_model_without_mrope_in_one_line(capsys):
+    err = stderr_of_failure(capsys, "train", "model.vision.out_dim=256")
+    assert "model.rope.mrope_section" in err and err.count("\n") == 1
