@@ -18,7 +18,9 @@ from safetensors.numpy import load_file
 
 import jaxllm
 from jaxllm import config as config_lib
+from jaxllm.config import GenerateConfig
 from jaxllm.config.errors import ConfigError
+from jaxllm.infer import generate, greedy_continue
 from jaxllm.model import build, mrope_positions
 from jaxllm.model.vlm import VisionLanguageModel
 
@@ -139,6 +141,15 @@ def test_text_only_call_is_the_decoders(imported):
     with torch.no_grad():
         want = model(input_ids=torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours(tokens).logits), want, atol=1e-4, rtol=1e-4)
+
+
+def test_imported_model_generates_text_with_its_kv_cache(imported):
+    _, _, tmp = imported
+    model = jaxllm.load_model(tmp / "run")
+    prompt_ids = [7, 3, 99, 41, 5, 18, 260]
+    gen = GenerateConfig(max_new_tokens=5, temperature=0.0, kv_cache_dtype="float32")
+    want = greedy_continue(model, prompt_ids, 5).tolist()
+    assert generate(model, [prompt_ids], gen).tokens[0] == want
 
 
 def test_export_round_trip_is_byte_identical(imported, tmp_path):
