@@ -231,6 +231,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             except ConfigError as e:
                 errors.append(e)
         raise errors[0]
+    if dataclasses.is_dataclass(tp):  # an optional subsection (`model.vision`)
+        return _build(tp, value, key)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:

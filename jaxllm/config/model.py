@@ -13,6 +13,7 @@ from jaxllm.config.linear_attention import LinearAttentionConfig, validate_hybri
 from jaxllm.config.moe import MoEConfig
 from jaxllm.config.rope import RopeConfig, validate_mrope
 from jaxllm.config.seq2seq import RelativeConfig, validate_encoder_decoder
+from jaxllm.config.vision import VisionConfig, validate_vision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +223,9 @@ class ModelConfig:
     projection (Qwen3-Next's full-attention layers; `gate_proj` [D, H, K])."""
     decoder_layers: int | None = None
     """kind=encoder_decoder: blocks of the decoder stack; null means num_layers (the encoder's)."""
+    vision: VisionConfig | None = None
+    """A vision tower whose image features replace the image tokens' embeddings (Qwen2.5-VL,
+    `jaxllm.model.vlm`); needs rope.mrope_section. null: a text-only model."""
 
     moved_keys: ClassVar[dict[str, str]] = {
         f"rope_{f.name}": f"rope.{f.name}" for f in dataclasses.fields(RopeConfig)
@@ -282,6 +286,7 @@ class ModelConfig:
                 "(model.kind=encoder) ends in the LM (MLM) head."
             )
         self._validate_rope()
+        validate_vision(self)
         validate_hybrid(self)
         if not 0 < self.rope.partial_factor <= 1 or (
             self.rope.partial_factor != 1 and self.mla.enabled

@@ -45,6 +45,10 @@ class VisionConfig:
     """Images with fewer pixels are scaled up to at least this many."""
     max_pixels: int = 28 * 28 * 16384
     """Images with more pixels are scaled down to at most this many."""
+    image_token_id: int = 151655
+    """The LM token whose embeddings the image features replace, one per merged patch."""
+    vision_start_token_id: int = 151652
+    """The LM token before each image's run of image tokens (M-RoPE positions start there)."""
 
     @property
     def head_dim(self) -> int:
@@ -55,6 +59,9 @@ class VisionConfig:
         for name in ("patch_size", "temporal_patch_size", "in_channels", "depth", "width"):
             if getattr(self, name) < 1:
                 _fail(f"model.vision.{name} must be >= 1, not {getattr(self, name)}.")
+        for name in ("image_token_id", "vision_start_token_id"):
+            if getattr(self, name) < 0:
+                _fail(f"model.vision.{name} must be >= 0, not {getattr(self, name)}.")
         for name in ("heads", "mlp_dim", "spatial_merge", "out_dim", "min_pixels"):
             if getattr(self, name) < 1:
                 _fail(f"model.vision.{name} must be >= 1, not {getattr(self, name)}.")
@@ -79,4 +86,30 @@ class VisionConfig:
             _fail(
                 f"model.vision.max_pixels={self.max_pixels} is below "
                 f"model.vision.min_pixels={self.min_pixels}."
+            )
+
+
+def validate_vision(model) -> None:
+    """Refuses a `model.vision` the model (a `ModelConfig`) cannot run, in one sentence."""
+    v = model.vision
+    if v is None:
+        return
+    v.validate()
+    if (
+        model.kind != "decoder"
+        or model.layer_pattern
+        or model.position != "rope"
+        or (model.rope.mrope_section is None)
+    ):
+        _fail(
+            "model.vision needs a decoder (model.kind=decoder, no model.layer_pattern) with "
+            "multimodal RoPE (model.position=rope, model.rope.mrope_section)."
+        )
+    if v.out_dim != model.d_model:
+        _fail(f"model.vision.out_dim={v.out_dim} must equal model.d_model={model.d_model}.")
+    for name in ("image_token_id", "vision_start_token_id"):
+        if getattr(v, name) >= model.vocab_size:
+            _fail(
+                f"model.vision.{name}={getattr(v, name)} is outside the vocabulary "
+                f"(model.vocab_size={model.vocab_size})."
             )

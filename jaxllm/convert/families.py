@@ -7,7 +7,8 @@ transform is a reshape, a transpose or a split/concatenation, so importing and e
 back the same bytes. The families live by group: `llama.py` (Llama, Mistral, Qwen2 / Qwen3,
 Mixtral), `gemma.py` (Gemma 2, Gemma 3 text), `deepseek.py` (DeepSeek-V2, DeepSeek-V3),
 `gpt_oss.py` (gpt-oss), `qwen3_next.py` (Qwen3-Next: hybrid linear attention),
-`gpt2.py`, `bert.py` (BERT, RoBERTa: encoders) and `t5.py` (T5 v1.0 / v1.1: encoder–decoders);
+`qwen2_5_vl.py` (Qwen2.5-VL: a vision tower and M-RoPE), `gpt2.py`, `bert.py` (BERT,
+RoBERTa: encoders) and `t5.py` (T5 v1.0 / v1.1: encoder–decoders);
 this module holds the registry `FAMILIES`, picks a model's family, and checks that an exported
 config.json says what the model is.
 """
@@ -27,6 +28,7 @@ from jaxllm.convert.gpt2 import GPT2
 from jaxllm.convert.gpt_oss import GPT_OSS
 from jaxllm.convert.links import Family
 from jaxllm.convert.llama import LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3
+from jaxllm.convert.qwen2_5_vl import QWEN2_5_VL
 from jaxllm.convert.qwen3_next import QWEN3_NEXT
 from jaxllm.convert.t5 import T5
 
@@ -58,6 +60,7 @@ FAMILIES: dict[str, Family] = {
         *(BERT, ROBERTA),
         T5,
         QWEN3_NEXT,
+        QWEN2_5_VL,
     )
 }
 
@@ -132,6 +135,8 @@ def guess_family(cfg: ModelConfig) -> Family:
     """The family a model exports as when none is named: the one its knobs point to."""
     if cfg.kind == "encoder_decoder":
         return FAMILIES["t5"]
+    if cfg.vision is not None:
+        return FAMILIES["qwen2_5_vl"]
     if cfg.layer_pattern:
         return FAMILIES["qwen3_next"]
     if cfg.kind == "encoder":  # RoBERTa numbers its positions after padding_idx
@@ -244,6 +249,8 @@ def _same(key: str, a, b, cfg: ModelConfig) -> bool:
     `model.`, e.g. `rope.theta`)."""
     if key == "head_dim":
         return cfg.resolved_head_dim == (b or cfg.d_model // cfg.num_heads)
+    if key == "vision" and a is not None and b is not None:  # pixel budgets: the processor's
+        return dataclasses.replace(a, min_pixels=b.min_pixels, max_pixels=b.max_pixels) == b
     if key == "linear_attention":  # the chunk length is a compute choice
         return dataclasses.replace(a, chunk_size=b.chunk_size) == b
     if key == "moe.shared_mlp_dim":  # null: num_shared_experts x expert width

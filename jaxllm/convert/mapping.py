@@ -17,9 +17,9 @@ def flatten(tree, prefix=()) -> dict[str, object]:
     out = {}
     for k, v in tree.items():
         if isinstance(v, dict):
-            out.update(flatten(v, (*prefix, k)))
+            out.update(flatten(v, (*prefix, str(k))))
         else:
-            out["/".join((*prefix, k))] = v
+            out["/".join(map(str, (*prefix, k)))] = v
     return out
 
 
@@ -28,8 +28,8 @@ def unflatten(flat: dict[str, object]) -> dict:
     for path, v in flat.items():
         node = out
         *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
+        for p in parents:  # digits: an `nnx.List` index (the vision tower's blocks)
+            node = node.setdefault(int(p) if p.isdigit() else p, {})
         node[leaf] = v
     return out
 

@@ -32,6 +32,7 @@ from jaxllm.model.transformer import (
     merge_model,
     split_peft,
 )
+from jaxllm.model.vlm import VisionLanguageModel
 
 __all__ = [
     "Attention",
@@ -44,6 +45,7 @@ __all__ = [
     "MLP",
     "RMSNorm",
     "Transformer",
+    "VisionLanguageModel",
     "abstract_frozen",
     "abstract_model",
     "attach_peft",

@@ -385,12 +385,14 @@ class Transformer(nnx.Module):
 
 
 # model.kind -> its module class when not `Transformer` (`encoder_decoder` registers itself on
-# import; `jaxllm.model` imports it).
+# import; `jaxllm.model` imports it); "vision": a decoder with `model.vision` (`vlm`).
 MODEL_KINDS: dict[str, type] = {}
 
 
 def model_class(cfg: ModelConfig) -> type:
-    """The module class of `cfg.kind`."""
+    """The module class of `cfg.kind` (of a decoder with a vision tower)."""
+    if cfg.vision is not None:
+        return MODEL_KINDS["vision"]
     return MODEL_KINDS.get(cfg.kind, Transformer)
 
 
