@@ -152,7 +152,7 @@ def test_jaxllm_serve_runs_the_engine_on_the_runs_mesh(small_run, monkeypatch):
     assert main(["serve", str(small_run), *mesh_args, "--max-num-seqs", "3"]) == 0
     engine = built["worker"].engine
     assert dict(engine._parallel.mesh.shape) == dict(
-        stage=1, data=2, fsdp=2, tensor=2, sequence=1, expert=1
+        stage=1, data=2, fsdp=2, tensor=2, tensor2=1, sequence=1, expert=1
     )
     assert engine._kv.k.sharding.spec == P(None, None, "tensor", None, None)
     assert len(engine._slots) == 4  # 3 rounded up to split over data x fsdp
