@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 from jax.sharding import PartitionSpec as P
+from test_sharding import STEPS
+from test_sharding import _train as train_steps
 
 from jaxllm import config, plan, sharding
 from jaxllm.bench import synthetic_batch
@@ -19,7 +21,6 @@ from jaxllm.cli import main
 from jaxllm.train.loop import compile_steps, to_global
 from jaxllm.train.state import init_state, layout
 
-STEPS = 3
 MODEL = tiny_model(vocab_size=264, d_model=64, num_heads=8, num_kv_heads=4, mlp_dim=128)
 
 
@@ -35,14 +36,8 @@ def _cfg(model=MODEL, **mesh) -> config.Config:
 
 
 def _train(cfg: config.Config, devices):
-    cfg.validate(len(devices))
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    step, _, tx, _, batch_sh = compile_steps(cfg, mesh)
-    state = init_state(cfg.model, tx, mesh, seed=0, **layout(cfg))
-    losses = []
-    for i in range(STEPS):
-        state, metrics = step(state, to_global(synthetic_batch(cfg, seed=i), batch_sh))
-        losses.append(float(metrics["loss"]))
+    """test_sharding's run of STEPS Adam steps: (losses, parameters)."""
+    losses, state = train_steps(cfg, devices)
     return losses, state.params
 
 
