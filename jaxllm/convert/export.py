@@ -186,6 +186,20 @@ def _check_pad(cfg: config_lib.Config, architecture: str) -> None:
         )
 
 
+def exported_backend(data_cfg, tok: HFTokenizer) -> tuple[Tokenizer, bool]:
+    """The run's tokenizer.json as an export writes it, and whether that differs from the file:
+    with a BOS post-processor added when the run puts BOS before every document
+    (data.add_bos) and the file has none."""
+    backend = Tokenizer.from_file(tok.name)
+    if data_cfg.add_bos and tok.bos_id is not None and backend.post_processor is None:
+        bos = backend.id_to_token(tok.bos_id)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
+        )
+        return backend, True
+    return backend, False
+
+
 def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict:
     """Writes the run's tokenizer files into `hf_dir` and returns the special-token ids for
     config.json, so that `AutoTokenizer` and `generate` in transformers see what jaxllm sees.
@@ -211,12 +225,8 @@ def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict
     if not isinstance(tok, HFTokenizer):
         return ids
     source = Path(tok.name)
-    backend = Tokenizer.from_file(str(source))
-    if cfg.data.add_bos and tok.bos_id is not None and backend.post_processor is None:
-        bos = backend.id_to_token(tok.bos_id)
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
-        )
+    backend, changed = exported_backend(cfg.data, tok)
+    if changed:
         backend.save(str(hf_dir / "tokenizer.json"))
     else:
         shutil.copy(source, hf_dir / "tokenizer.json")
