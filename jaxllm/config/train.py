@@ -85,7 +85,9 @@ class TrainConfig:
     `loss_mask` covers only the assistant turns; on plain text it trains every token), the
     preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `reward`
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
-    -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `distill`
+    -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `prm` (a process reward
+    model, `model.head=score`, scoring each step of `format: stepwise` solutions at its
+    separator, fitted to the step labels by binary cross-entropy as TRL's PRMTrainer), `distill`
     (match `train.teacher`), the rollout objectives `grpo` and `ppo` (on `format: rollout`
     sources; `jaxllm.objectives.rollout`), `mlm` (masked LM, BERT: an encoder,
     `model.kind=encoder`, predicts the tokens `jaxllm.data.mlm` hid), `prefix_lm` (a decoder

@@ -23,7 +23,8 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
   `prefix_lm` (next-token prediction after a bidirectional prefix).
 - `preference`: the DPO family, `dpo`, `ipo`, `simpo` and `orpo`, losses over the (chosen,
   rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
-- `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry).
+- `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry);
+  `prm` a process reward model to the step labels of `format: stepwise` solutions.
 - `rollout`: `grpo` (GRPO's clipped, group-relative policy gradient with a KL to the
   reference) and `ppo` (PPO with GAE from the policy's value head), on batches the policy
   samples itself (`rollout.sampling`), scored by `rollout.rewards`.
@@ -71,6 +72,7 @@ BUILT_IN = {
         for kind in preference.KINDS
     },
     "reward": lambda cfg: reward.objective(),
+    "prm": lambda cfg: reward.prm(),
     "grpo": lambda cfg: grpo.from_train_config(cfg.train),
     "ppo": ppo.from_config,
     "distill": distill.from_config,
@@ -83,14 +85,15 @@ LOSS_CHUNK_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm")
 
 
 def _check_head(name: str, head: str) -> None:
-    """A built-in objective fits the model's head: `reward` the score head of a reward model,
+    """A built-in objective fits the model's head: `reward` / `prm` the score head of a reward model,
     every other one the LM head (an objective of your own may use either)."""
-    if name == "reward" and head != "score":
+    scored = name in ("reward", "prm")
+    if scored and head != "score":
         raise ConfigError(
-            "train.objective=reward trains a scalar score head: set model.head=score (the LM "
+            f"train.objective={name} trains a scalar score head: set model.head=score (the LM "
             "head is dropped and the score head starts fresh)."
         )
-    if name != "reward" and head == "score":
+    if not scored and head == "score":
         raise ConfigError(
             f"train.objective={name} needs the LM head, but model.head=score; set "
             "model.head=lm, or train.objective=reward to train the reward model."
