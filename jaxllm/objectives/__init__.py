@@ -43,11 +43,13 @@ An objective that needs frozen models besides the policy names them in its `othe
 from __future__ import annotations
 
 from jaxllm.config import Config, ConfigError
+from jaxllm.config.rewards import term_name
 from jaxllm.objectives import denoising, distill, preference, reward
 from jaxllm.objectives.base import Objective, ObjectiveOutput, load_function, token_nll
 from jaxllm.objectives.denoising import mlm
 from jaxllm.objectives.lm import next_token, prefix_lm, sft
 from jaxllm.objectives.rollout import grpo, ppo
+from jaxllm.objectives.rollout.rewards import with_term_metrics
 
 __all__ = [
     "BUILT_IN",
@@ -73,11 +75,20 @@ BUILT_IN = {
     },
     "reward": lambda cfg: reward.objective(),
     "prm": lambda cfg: reward.prm(),
-    "grpo": lambda cfg: grpo.from_train_config(cfg.train),
-    "ppo": ppo.from_config,
+    "grpo": lambda cfg: _named_rewards(cfg, grpo.from_train_config(cfg.train)),
+    "ppo": lambda cfg: _named_rewards(cfg, ppo.from_config(cfg)),
     "distill": distill.from_config,
     "span_corruption": lambda cfg: denoising.span_corruption(cfg.train.z_loss),
 }
+
+
+def _named_rewards(cfg: Config, objective: Objective) -> Objective:
+    """A rollout objective that logs each of `train.rewards` by name (none without it)."""
+    if not cfg.train.rewards:
+        return objective
+    return with_term_metrics(objective, [term_name(r) for r in cfg.train.rewards])
+
+
 # The built-ins that read train.z_loss; set for another objective it would do nothing.
 Z_LOSS_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm", "span_corruption")
 # The built-ins that read train.loss_chunks.
