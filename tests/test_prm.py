@@ -20,6 +20,7 @@ from jaxllm import cli, config
 from jaxllm.config import DataConfig, SourceConfig
 from jaxllm.data.pipeline import load_splits
 from jaxllm.data.tokenizer import make_tokenizer, train_bpe
+from jaxllm.evaluate import evaluate_checkpoint
 from jaxllm.objectives.reward import step_loss
 
 PRM = ["model.head=score", "train.objective=prm"]
@@ -170,10 +171,14 @@ def test_a_prm_trains_through_jaxllm_train_and_resumes_bit_identically(tmp_path)
 
     # a longer run learns the labels of held-out steps
     longer = tmp_path / "longer"
-    more = ["train.steps=40", "train.eval_every=40", "optim.lr=1e-2"]
+    more = ["train.steps=40", "train.eval_every=40", "optim.lr=1e-2", "checkpoint.save_final=true"]
     assert cli.main(["train", *prm_args(tmp_path, longer), *more]) == 0
     last = run_metrics(longer)[-1]
     assert last["eval_accuracy"] > 0.9 and last["eval_loss"] < run_metrics(longer)[0]["loss"]
+    # `jaxllm eval` of the run reads the held-out steps as training did
+    again = evaluate_checkpoint(longer, num_batches=1)
+    assert again["eval_accuracy"] == pytest.approx(last["eval_accuracy"])
+    assert again["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-4)
 
 
 def test_one_device_equals_data_fsdp_tensor_parallel(tmp_path):
