@@ -11,7 +11,8 @@ A completion's reward is sum_k w_k r_k (TRL's `reward_weights`). A model term is
   prompt, then every step followed by the separator), and each step scored sigmoid(s) at its
   separator, the probability that it is correct; the completion's reward is the lowest of them
   (`aggregate: min`, the default, as Math-Shepherd and verl's PRM rewards), their mean or the
-  last one's. A completion without a step scores 0. The prompt must be a string.
+  last one's. A completion without a step scores 0; a layout longer than `data.seq_len` is
+  cut there (its later steps go unscored). The prompt must be a string.
 """
 
 from __future__ import annotations
