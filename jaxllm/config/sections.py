@@ -148,6 +148,7 @@ class SourceConfig:
         "prompt_completion",
         "preference",
         "rollout",
+        "stepwise",
     ] = "auto"
     """`auto` picks by extension: .jsonl/.json -> jsonl, .parquet, .arrayrecord/.array_record,
     anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
@@ -156,7 +157,10 @@ class SourceConfig:
     the assistant turns / the completion (see `data.train_on_prompt`). `preference` records
     hold a prompt with a chosen and a rejected answer, for the DPO family and reward models.
     `rollout` records hold a prompt and the answer its completions are checked against, for
-    GRPO (`jaxllm.objectives.rollout.sampling`): the model writes the completions."""
+    GRPO (`jaxllm.objectives.rollout.sampling`): the model writes the completions. `stepwise`
+    records (TRL's stepwise_supervision: `prompt`, `completions` a list of steps, `labels` a
+    boolean per step) train a process reward model, `train.objective=prm`
+    (`jaxllm.data.stepwise`)."""
     text_field: str = "text"
     """Field holding the document in JSONL lines and Parquet rows."""
     messages_field: str = "messages"

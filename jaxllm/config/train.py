@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.rewards import RewardTermConfig, validate_rewards
 
 # The objectives of the DPO family: a loss over (chosen, rejected) pairs of `format: preference`.
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
@@ -85,7 +86,9 @@ class TrainConfig:
     `loss_mask` covers only the assistant turns; on plain text it trains every token), the
     preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `reward`
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
-    -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `distill`
+    -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `prm` (a process reward
+    model, `model.head=score`, scoring each step of `format: stepwise` solutions at its
+    separator, fitted to the step labels by binary cross-entropy as TRL's PRMTrainer), `distill`
     (match `train.teacher`), the rollout objectives `grpo` and `ppo` (on `format: rollout`
     sources; `jaxllm.objectives.rollout`), `mlm` (masked LM, BERT: an encoder,
     `model.kind=encoder`, predicts the tokens `jaxllm.data.mlm` hid), `prefix_lm` (a decoder
@@ -177,7 +180,11 @@ class TrainConfig:
     `path/to/file.py:NAME`, a function (prompts, completions, answers) -> rewards (floats),
     e.g. one that runs a unit test; or a reward model: the directory of a `train.objective=reward`
     run or a Hugging Face `*ForSequenceClassification` export, sharing the policy's tokenizer,
-    held frozen on the mesh and read at each completion's last token."""
+    held frozen on the mesh and read at each completion's last token, or of a `prm` run (the
+    lowest of its steps' scores; `jaxllm.objectives.rollout.scoring`)."""
+    rewards: tuple[RewardTermConfig, ...] = ()
+    """`grpo` / `ppo`: a weighted list of rewards instead of `train.reward`, each logged by name
+    (`jaxllm.config.rewards`): `[{fn: exact_match, weight: 1.0}, {model: DIR, weight: 0.5}]`."""
     grpo_normalization: Literal["sequence", "dr_grpo"] = "sequence"
     """`grpo`: `sequence` scales advantages by the group's std and averages each completion's
     tokens, then the completions (GRPO); `dr_grpo` only centres the advantages and divides
@@ -267,6 +274,7 @@ OBJECTIVE_KEYS = {
             "rollout_ahead",
             "clip_epsilon",
             "reward",
+            "rewards",
         )
     },
     "grpo_normalization": ("grpo",),
@@ -329,6 +337,7 @@ def validate_train(t: TrainConfig) -> None:
     if not 0 <= t.distill_weight <= 1:
         _fail(f"train.distill_weight must be in [0, 1], not {t.distill_weight}.")
     validate_early_stopping(t)
+    validate_rewards(t)
     if t.objective == "distill" and not t.teacher:
         _fail(
             "train.objective=distill needs train.teacher: a run directory or a Hugging Face "
