@@ -35,7 +35,13 @@ from jaxllm.convert.export import library_os_errors
 from jaxllm.convert.families import family_of, model_fields
 from jaxllm.convert.links import Link
 from jaxllm.convert.mapping import Mapped, check, each, element_shapes, flatten, unflatten
-from jaxllm.convert.reader import DTYPES, TOKENIZER_FILES, Reader, read_hf_config
+from jaxllm.convert.reader import (
+    DTYPES,
+    PROCESSOR_FILES,
+    TOKENIZER_FILES,
+    Reader,
+    read_hf_config,
+)
 from jaxllm.data.tokenizer import (
     GENERATION_CONFIG,
     NO_TOKENIZER,
@@ -252,7 +258,8 @@ class NewRun:
             for name, text in (files or {}).items():
                 (tmp / name).write_text(text)
             # The config names the final tokenizer.json; its record is read from the copy.
-            tokenizer = tmp / "tokenizer.json" if self.copies else self.cfg.data.tokenizer
+            copied = any(f.name == "tokenizer.json" for f in self.copies)
+            tokenizer = tmp / "tokenizer.json" if copied else self.cfg.data.tokenizer
             within = _inside(self.ckpt_dir, self.out_dir)
             ckpt = (
                 contextlib.nullcontext(tmp / within)
@@ -296,4 +303,7 @@ def new_run(hf_dir, out_dir, overrides=(), overwrite=False, reads=(), dequantize
             generation_stop_ids(hf_dir / GENERATION_CONFIG)  # a broken file fails now, not later
         run_tokenizer = str((out_dir / "tokenizer.json").resolve())
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_tokenizer))
+    if cfg.model.vision is not None:  # the image processor's files, whatever the tokenizer
+        kept = {f.name for f in copies}
+        copies += [hf_dir / n for n in PROCESSOR_FILES if (hf_dir / n).is_file() and n not in kept]
     return NewRun(out_dir, cfg, ckpt_dir, tuple(copies), overwrite)

@@ -21,6 +21,15 @@ INDEX = "model.safetensors.index.json"
 # Files beside tokenizer.json that import copies into the run directory with it (its specials,
 # chat template) and export writes back; generation_config.json travels with them too.
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# A vision-language model's processor (image sizes, normalisation) and its chat template:
+# they travel with the model (import keeps them in the run, export writes them back).
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
 
 
 def is_hf_dir(path) -> bool:
