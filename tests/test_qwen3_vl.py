@@ -87,7 +87,7 @@ def qwen3_vl(family, seed=0):
 
 
 PROCESSOR = {
-    "preprocessor_config.json": '{"image_processor_type": "Qwen2VLImageProcessorFast"}\n',
+    "preprocessor_config.json": '{"size": {"shortest_edge": 4096, "longest_edge": 65536}}\n',
     "processor_config.json": '{"processor_class": "Qwen3VLProcessor"}\n',
     "chat_template.json": '{"chat_template": "{{ messages }}"}\n',
 }
@@ -111,6 +111,7 @@ def test_logits_match_transformers(imported, grids):
     assert isinstance(ours, VisionLanguageModel) and guess_family(ours.cfg).name == family
     v = ours.cfg.vision
     assert v.deepstack_indexes == (0, 2) and v.position_embeddings == 25 and v.window_size == 0
+    assert (v.min_pixels, v.max_pixels) == (4096, 65536)  # preprocessor_config.json's
     assert ours.cfg.rope.mrope_interleaved and ours.cfg.qk_norm
     assert ours.cfg.moe.enabled == (family == "qwen3_vl_moe")
     tokens, px = prompt(grids), pixels(grids)
@@ -178,14 +179,22 @@ def test_moe_imports_the_released_expert_layout(tmp_path):
     np.testing.assert_allclose(our_logits(ours, tokens, px, TWO), want, atol=1e-4, rtol=1e-4)
 
 
-def test_qwen2_5_vl_processor_files_travel(tmp_path):
+def test_qwen2_5_vl_processor_files_and_pixel_budget_travel(tmp_path):
+    """The pixel budget of preprocessor_config.json is model.vision's; a changed one is
+    written back into the exported file."""
     src = save_hf(qwen2_5_vl(), tmp_path / "hf")
     for name, text in PROCESSOR.items():
         (src / name).write_text(text)
-    assert run_cli("convert", "import", src, tmp_path / "run", "model.dtype=float32") == 0
+    budget = "model.vision.max_pixels=50176"
+    assert run_cli("convert", "import", src, tmp_path / "run", "model.dtype=float32", budget) == 0
+    v = config_lib.load(tmp_path / "run" / "config.yaml").model.vision
+    assert (v.min_pixels, v.max_pixels) == (4096, 50176)
     assert run_cli("convert", "export", tmp_path / "run", tmp_path / "out") == 0
     for name, text in PROCESSOR.items():
-        assert (tmp_path / "out" / name).read_text() == text
+        if name != "preprocessor_config.json":
+            assert (tmp_path / "out" / name).read_text() == text
+    pre = json.loads((tmp_path / "out" / "preprocessor_config.json").read_text())
+    assert pre == {"size": {"shortest_edge": 4096, "longest_edge": 50176}}
     back = hf.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
     assert hf_vl_logits(back, prompt(TWO_2_5), pixels(TWO_2_5), TWO_2_5).shape[0] == 2
 

@@ -30,7 +30,13 @@ from jaxllm.config.outputs import check_output, written
 from jaxllm.convert import compressed, compressed_coded, mxfp4
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.convert.mapping import Mapped, each, flatten
-from jaxllm.convert.reader import INDEX, PROCESSOR_FILES, TOKENIZER_FILES
+from jaxllm.convert.reader import (
+    INDEX,
+    PREPROCESSOR,
+    PROCESSOR_FILES,
+    TOKENIZER_FILES,
+    with_pixel_budget,
+)
 from jaxllm.data.tokenizer import (
     GENERATION_CONFIG,
     NO_TOKENIZER,
@@ -166,6 +172,11 @@ def export_hf(
         for name in PROCESSOR_FILES if m.vision is not None and run_dir is not None else ():
             if (Path(run_dir) / name).is_file():  # the image processor's, kept by the import
                 shutil.copy(Path(run_dir) / name, tmp / name)
+        if m.vision is not None and (tmp / PREPROCESSOR).is_file():  # with the run's budget
+            pre = json.loads((tmp / PREPROCESSOR).read_text())
+            new = with_pixel_budget(pre, m.vision.min_pixels, m.vision.max_pixels)
+            if new != pre:
+                (tmp / PREPROCESSOR).write_text(json.dumps(new, indent=2) + "\n")
         if m.encoder.position_offset:  # RoBERTa: pad_token_id places the positions, it stays
             ids.pop("pad_token_id", None)
         hf = {**hf, **ids}

@@ -30,6 +30,32 @@ PROCESSOR_FILES = (
     "chat_template.json",
     "chat_template.jinja",
 )
+PREPROCESSOR = "preprocessor_config.json"
+
+
+def pixel_budget(preprocessor: dict) -> dict:
+    """`model.vision.min_pixels` / `max_pixels` of an image processor's config (its
+    `min_pixels` / `max_pixels`, or transformers 5's `size.shortest_edge` / `longest_edge`)."""
+    size = preprocessor.get("size") or {}
+    out = {
+        "min_pixels": preprocessor.get("min_pixels", size.get("shortest_edge")),
+        "max_pixels": preprocessor.get("max_pixels", size.get("longest_edge")),
+    }
+    return {k: int(v) for k, v in out.items() if isinstance(v, (int, float))}
+
+
+def with_pixel_budget(preprocessor: dict, min_pixels: int, max_pixels: int) -> dict:
+    """`preprocessor` with the run's pixel budget in the keys it has (`pixel_budget`)."""
+    out = {**preprocessor}
+    for key, edge, value in (
+        ("min_pixels", "shortest_edge", min_pixels),
+        ("max_pixels", "longest_edge", max_pixels),
+    ):
+        if key in out:
+            out[key] = value
+        if edge in (out.get("size") or {}):
+            out["size"] = {**out["size"], edge: value}
+    return out
 
 
 def is_hf_dir(path) -> bool:
