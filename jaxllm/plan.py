@@ -20,6 +20,8 @@ from jaxllm.hlo_collectives import collectives
 from jaxllm.infer import kv_cache
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
+from jaxllm.model.groups import freeze_mask
+from jaxllm.optim.freeze import select
 from jaxllm.parallel import schedules
 from jaxllm.parallel.grad_compression import Compression
 from jaxllm.train import loss_scale
@@ -107,7 +109,8 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
 
     grad_sh = grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft)
     bill = memory_bill(abstract_state, shardings, axes, grad_sh)
-    trainable = sum(p.size for p in jax.tree.leaves(abstract_params))
+    frozen = freeze_mask(abstract_params, cfg.train.freeze, cfg.peft.method)  # train.freeze
+    trainable = sum(p.size for p in jax.tree.leaves(select(abstract_params, frozen)))
     q_bill = cfg.quantize.enabled and compress.weight_bytes(
         abstract_params, axes, cfg.quantize, mesh
     )
