@@ -123,10 +123,10 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
         differ.append(
             f"data.tokenizer ({saved_tok.get('name')!r} there, {cfg.data.tokenizer!r} here)"
         )
-    if differ and any(d.startswith("optim.") for d in differ):
+    if differ and any(d.startswith(("optim.", "train.freeze")) for d in differ):
         raise ConfigError(
             f"{ckpt_dir} holds checkpoints whose optimizer state is another optimizer's: "
-            f"{'; '.join(differ)}; resume with the same optim.* settings, add "
+            f"{'; '.join(differ)}; resume with the same optim.* (and train.freeze), add "
             "checkpoint.reset_optimizer=true to keep the parameters and start a fresh optimizer "
             "state, or start a new run with run.dir=NEW_DIR."
         )
