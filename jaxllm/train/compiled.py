@@ -50,7 +50,7 @@ def compile_steps(cfg: config.Config, mesh):
         other_graphdefs=other_graphdefs,
         weights=weights,
         compression=Compression.of(cfg),
-        frozen=frozen,
+        freeze_mask=frozen,
     )
     platform = mesh.devices.flat[0].platform
     platform = "gpu" if platform == "cuda" else platform
