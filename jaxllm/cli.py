@@ -161,7 +161,7 @@ def cmd_plan(ns) -> int:
 
     hbm = parse_bytes(ns.hbm) if ns.hbm else None
     devices = target_devices(ns.target) if ns.target else jax.devices()
-    report = plan(cfg, devices, hbm)
+    report = plan(cfg, devices, hbm, ns.images)
     print(format_plan(report))
     return 1 if report["fits"] is False else 0
 
@@ -192,6 +192,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--devices", type=int, help="simulate this many CPU devices")
     pl.add_argument("--hbm", help="per-device memory budget, e.g. 80GiB; exit 1 if over it")
     pl.add_argument("--target", help="TPU topology to compile for, e.g. tpu-v5p-8 (needs libtpu)")
+    im = "a vision model's image budget: images at model.vision.max_pixels (default: a row each)"
+    pl.add_argument("--images", type=int, help=im)
     pl.set_defaults(func=cmd_plan)
     b = sub.add_parser("bench", help="measure a component")
     bsub = b.add_subparsers(dest="what", required=True)

@@ -102,6 +102,9 @@ class Config:
         validate_evaluated(t, self.data, self.checkpoint.keep_best)
         self._validate_kind()
         self.peft.validate()
+        for g in ("vision", "projector"):  # the rest by the parameters (`model.groups`)
+            if g in t.freeze and m.vision is None:
+                _fail(f"train.freeze: {g} holds no trainable parameter: model.vision is null.")
         self.quantize.validate()
         self.prune.validate()
         if self.train.qat.enabled and self.peft.method != "none":

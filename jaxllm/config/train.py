@@ -245,7 +245,12 @@ class TrainConfig:
     ratio, in equal parts); 0: the ratio from the first step."""
     grad_compression_bits: int = 8
     """`qsgd`: bits per entry, sign included (2..16): 2^(bits-1) - 1 levels per tensor norm."""
+    freeze: tuple[str, ...] = ()
+    """Parameter groups that do not train (no gradient, update, weight decay or optimizer
+    state): any of FREEZE_GROUPS (`jaxllm.model.groups`); under `peft`, the adapters in them."""
 
+
+FREEZE_GROUPS = ("vision", "projector", "language", "embed", "head")
 
 # The keys only some objectives read: set away from its default for another objective, a key
 # would do nothing, which is an error rather than a silent no-op.
@@ -293,6 +298,9 @@ def validate_train(t: TrainConfig) -> None:
         validate_rollout(t)
     elif not t.beta > 0:
         _fail(f"train.beta must be positive, not {t.beta}.")
+    for g in t.freeze:
+        if g not in FREEZE_GROUPS:
+            _fail(f"train.freeze: {g!r} is not a group; use {', '.join(FREEZE_GROUPS)}.")
     if not 0 <= t.label_smoothing < 0.5:
         _fail(f"train.label_smoothing must be in [0, 0.5), not {t.label_smoothing}.")
     for key, readers in OBJECTIVE_KEYS.items():
