@@ -26,7 +26,8 @@ decoding is greedy and runs at most as many tokens as the longest reference (plu
 
 Replies are generated on the inference engine (`jaxllm.infer.engine.batch`), with the same
 tokens and stops as the static generator, which still runs where the engine cannot (an
-encoder-decoder, a soft prompt, a mesh with a stage or sequence axis).
+encoder-decoder, a soft prompt, a mesh with a stage or sequence axis) and for conversations with
+image parts (`jaxllm.infer.vision`: images in any turn, a vision-language model's run).
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ from pathlib import Path
 
 from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.data import chat as templates
+from jaxllm.data import vision_chat
+from jaxllm.infer import vision
 from jaxllm.infer.engine import batch as engine_batch
+from jaxllm.infer.generate import generate
 
 _PROBE = "Probe reply 7"
 
@@ -182,10 +186,10 @@ class Chat:
         """One reply per conversation (a list of messages or a `Conversation`), generated
         `batch_size` conversations at a time."""
         gen = gen or self.gen
-        prompts = [
-            prompt_ids(c.messages if isinstance(c, Conversation) else c, self.tok)
-            for c in conversations
-        ]
+        conversations = [c.messages if isinstance(c, Conversation) else c for c in conversations]
+        if any(vision.has_images(c) for c in conversations):
+            return self._image_replies(conversations, gen, batch_size)
+        prompts = [prompt_ids(c, self.tok) for c in conversations]
         out = []
         for start in range(0, len(prompts), batch_size):
             try:
@@ -196,6 +200,40 @@ class Chat:
                     stop_tokens=sorted(self.eot.stop_ids),
                     stop_sequences=self.eot.stop_sequences,
                     mesh=self.mesh,
+                )
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            out += [reply_text(ids, self.tok, self.eot) for ids in new.tokens]
+        return out
+
+    def _image_replies(self, conversations, gen: GenerateConfig, batch_size: int) -> list[str]:
+        """`replies` of conversations with image parts (relative paths read from the working
+        directory), on the static generator with the model's vision tower."""
+        v = self.model.cfg.vision
+        if v is None:
+            raise ConfigError(
+                "images need a vision-language model (model.vision); this run is text-only, "
+                "so give a VLM's run or leave the images out."
+            )
+        if vision_chat.VisionTokens().pad_id(self.tok) != v.image_token_id:
+            raise ConfigError(
+                f"the tokenizer's image pad token is not model.vision.image_token_id "
+                f"({v.image_token_id}); use the model's own tokenizer."
+            )
+        spec = vision.image_spec(v)
+        examples = [vision.prompt_example(c, self.tok, spec) for c in conversations]
+        out = []
+        for start in range(0, len(examples), batch_size):
+            part = examples[start : start + batch_size]
+            try:
+                new = generate(
+                    self.model,
+                    [ids for ids, _ in part],
+                    gen,
+                    stop_tokens=sorted(self.eot.stop_ids),
+                    stop_sequences=self.eot.stop_sequences,
+                    mesh=self.mesh,
+                    images=[pixels for _, pixels in part],
                 )
             except ValueError as e:
                 raise ConfigError(str(e)) from None
