@@ -16,7 +16,9 @@ from test_qwen2_5_vl import IMAGE, ONE, TEXT, TWO, VISION, pixels, prompt, qwen2
 from test_vision_chat import QWEN2_VL, VT, tokenizer
 
 import jaxllm
+from jaxllm import sharding
 from jaxllm.config import GenerateConfig
+from jaxllm.config.sections import MeshConfig
 from jaxllm.data.images import Pixels
 from jaxllm.infer import generate, greedy_continue
 from jaxllm.infer.vision import image_spec, prompt_example, vision_inputs
@@ -56,12 +58,12 @@ def imported(tmp_path_factory):
     model = perturbed(qwen2_5_vl())
     src = save_hf(model, tmp / "hf")
     assert run_cli("convert", "import", src, tmp / "run", "model.dtype=float32") == 0
-    return model, jaxllm.load_model(tmp / "run")
+    return model, jaxllm.load_model(tmp / "run"), tmp / "run"
 
 
 @pytest.mark.parametrize("grids", [ONE, TWO], ids=["one_image", "two_images"])
 def test_greedy_tokens_equal_transformers_and_the_full_forward(imported, grids):
-    model, ours = imported
+    model, ours, _ = imported
     ids, px = prompt(grids)[0].tolist(), pixels(grids)
     want = hf_generate(model, ids, px, grids)
     assert len(set(want)) > 4  # varied tokens: positions matter at every step
@@ -83,12 +85,24 @@ def no_delta(*args):
 
 def test_a_batch_mixes_image_and_text_prompts(imported):
     """Rows with two images, none, one image, and a short text row: each continues as alone."""
-    _, ours = imported
+    _, ours, _ = imported
     rows = [prompt(TWO)[0].tolist(), [5, 77, 140, 9], prompt(ONE, seed=4)[0].tolist(), [3, 8]]
     images = [Pixels(pixels(TWO), np.asarray(TWO)), None, Pixels(pixels(ONE, 7), np.asarray(ONE))]
     alone = [generate(ours, [r], GEN, images=[i]).tokens[0] for r, i in zip(rows, images + [None])]
     assert generate(ours, rows, GEN, images=images).tokens == alone
     assert alone[1] == greedy_continue(ours, rows[1], 12).tolist()
+
+
+def test_on_a_mesh_the_mixed_batch_continues_as_on_one_device(imported):
+    """data 4 x fsdp 2 (the odd vocabulary does not split over tensor): rows over the data axes,
+    the batch padded to 4 with a text row."""
+    _, ours, run = imported
+    mesh = sharding.make_mesh(MeshConfig(data=4, fsdp=2))
+    placed = jaxllm.load_model(run, mesh=mesh)
+    rows = [prompt(TWO)[0].tolist(), [5, 77, 140, 9], prompt(ONE, seed=4)[0].tolist()]
+    images = [Pixels(pixels(TWO), np.asarray(TWO)), None, Pixels(pixels(ONE, 7), np.asarray(ONE))]
+    want = generate(ours, rows, GEN, images=images).tokens
+    assert generate(placed, rows, GEN, images=images, mesh=mesh).tokens == want
 
 
 def test_text_only_model_refuses_images(imported, small_run):
