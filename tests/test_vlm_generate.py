@@ -4,6 +4,7 @@ decode at position + rope delta), as the cache-free full forward does, and in a 
 text prompts; `jaxllm generate --chat ... --image PATH` answers from the run's tokenizer and
 template; an image on a text-only run and a file that is no image are refused in one line."""
 
+import json
 import sys
 
 import numpy as np
@@ -164,6 +165,22 @@ def test_cli_chat_with_images_answers_as_transformers(chat_run, capsys, names):
     if tok.eos_id in new:
         new = new[: new.index(tok.eos_id)]
     assert len(new) >= 3 and reply == tok.decode(new).strip()
+
+
+def test_cli_chat_file_reads_image_parts_under_its_directory(chat_run, capsys):
+    """A chat JSONL's image part (a path relative to the file) answers as --chat --image does."""
+    _, _, tmp = chat_run
+    ask = ["--temperature", "0", "--max-new-tokens", "6"]
+    q = "what is in the picture?"
+    assert run_cli("generate", tmp / "run", "--chat", q, "--image", tmp / "red.png", *ask) == 0
+    want = capsys.readouterr().out.strip()
+    parts = [{"type": "image", "image": "red.png"}, {"type": "text", "text": q}]
+    rows = [{"messages": [{"role": "user", "content": parts}]}]
+    (tmp / "sub").mkdir(exist_ok=True)
+    (tmp / "sub" / "red.png").write_bytes((tmp / "red.png").read_bytes())
+    (tmp / "sub" / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run_cli("generate", tmp / "run", "--chat-file", tmp / "sub" / "chats.jsonl", *ask) == 0
+    assert json.loads(capsys.readouterr().out) == {"reply": want}
 
 
 def test_cli_refuses_an_image_on_a_text_only_run(small_run, tmp_path, capsys):

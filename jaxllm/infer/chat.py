@@ -67,6 +67,8 @@ class Conversation:
 
     messages: tuple[dict, ...]
     reference: str | None = None
+    base_dir: str | None = None
+    """Where relative image paths of its parts are read (a chat JSONL's directory)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,7 @@ def end_of_turn(tok, stop_ids: Sequence[int] = ()) -> EndOfTurn:
 def prompt_ids(messages: Sequence[dict], tok) -> list[int]:
     """The conversation rendered with the generation prompt, tokenized as SFT examples are."""
     try:
+        messages = vision_chat.flatten(messages)[0]  # lists of text parts joined
         text = templates.render(messages, tok, add_generation_prompt=True)
     except templates.ChatError as e:
         raise ConfigError(f"the conversation cannot be rendered ({e}); check its roles.") from None
@@ -128,7 +131,7 @@ def split_conversation(messages: Sequence[dict], where: str = "the conversation"
     """The messages up to the last user turn and the one assistant reply after it (None when
     there is none); ConfigError naming `where` when the conversation is not one to ask."""
     if not isinstance(messages, (list, tuple)) or not all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+        isinstance(m, dict) and isinstance(m.get("content"), (str, list)) for m in messages
     ):
         raise ConfigError(f"{where} is not a list of {{role, content}} messages; fix it.")
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
@@ -140,6 +143,8 @@ def split_conversation(messages: Sequence[dict], where: str = "the conversation"
             f"{where} has {len(rest)} message{'s' * (len(rest) != 1)} after its last user "
             "turn; at most one, the assistant's reference reply, may follow it."
         )
+    if rest and not isinstance(rest[0]["content"], str):
+        raise ConfigError(f"{where}: the reference reply (the last assistant turn) is not text.")
     return Conversation(tuple(messages[: users[-1] + 1]), rest[0]["content"] if rest else None)
 
 
@@ -160,7 +165,8 @@ def read_conversations(path: str | Path, field: str = "messages") -> list[Conver
             raise ConfigError(f"{where} is not valid JSON; fix it.") from None
         if not isinstance(record, dict) or field not in record:
             raise ConfigError(f"{where} has no {field!r} field; write {{{field!r}: [...]}}.")
-        out.append(split_conversation(record[field], where))
+        c = split_conversation(record[field], where)
+        out.append(dataclasses.replace(c, base_dir=str(path.parent)))
     if not out:
         raise ConfigError(f"{path} holds no conversation.")
     return out
@@ -186,9 +192,10 @@ class Chat:
         """One reply per conversation (a list of messages or a `Conversation`), generated
         `batch_size` conversations at a time."""
         gen = gen or self.gen
+        bases = [c.base_dir if isinstance(c, Conversation) else None for c in conversations]
         conversations = [c.messages if isinstance(c, Conversation) else c for c in conversations]
         if any(vision.has_images(c) for c in conversations):
-            return self._image_replies(conversations, gen, batch_size)
+            return self._image_replies(conversations, gen, batch_size, bases)
         prompts = [prompt_ids(c, self.tok) for c in conversations]
         out = []
         for start in range(0, len(prompts), batch_size):
@@ -206,9 +213,9 @@ class Chat:
             out += [reply_text(ids, self.tok, self.eot) for ids in new.tokens]
         return out
 
-    def _image_replies(self, conversations, gen: GenerateConfig, batch_size: int) -> list[str]:
-        """`replies` of conversations with image parts (relative paths read from the working
-        directory), on the static generator with the model's vision tower."""
+    def _image_replies(self, conversations, gen, batch_size: int, bases) -> list[str]:
+        """`replies` of conversations with image parts (relative paths read under `bases`, the
+        working directory where None), on the static generator with the vision tower."""
         v = self.model.cfg.vision
         if v is None:
             raise ConfigError(
@@ -221,7 +228,10 @@ class Chat:
                 f"({v.image_token_id}); use the model's own tokenizer."
             )
         spec = vision.image_spec(v)
-        examples = [vision.prompt_example(c, self.tok, spec) for c in conversations]
+        examples = [
+            vision.prompt_example(c, self.tok, spec, base_dir=b)
+            for c, b in zip(conversations, bases)
+        ]
         out = []
         for start in range(0, len(examples), batch_size):
             part = examples[start : start + batch_size]

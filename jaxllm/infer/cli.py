@@ -241,7 +241,9 @@ def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
     for name, chat in _chats(ns, path, overrides):  # one base, each adapter in turn
         tag = {"adapter": name} if name else {}
         t0 = time.perf_counter()
-        replies = chat.replies(asked)
+        replies = chat.replies(
+            [Conversation(a, None, c.base_dir) for a, c in zip(asked, conversations)]
+        )
         if ns.out is not None:  # a chat dataset of the replies
             records += [
                 {"messages": [*a, {"role": "assistant", "content": r}], **tag}
