@@ -118,7 +118,9 @@ def test_packed_rows_give_each_example_what_it_computes_alone(data):
     )
     v = cfg.model.vision
     checked = 0
-    for r in range(len(rows)):
+    for r in range(len(rows)):  # until six examples with images are checked
+        if checked >= 6:
+            break
         at = 0
         for d in rows._docs[rows.rows._row_ptr[r] : rows.rows._row_ptr[r + 1]].tolist():
             ids, _, px, g, _ = rows.examples[d]
@@ -210,6 +212,7 @@ def test_an_image_run_resumes_bit_identically(data, tmp_path):
         d,
         tok,
         run__dir=str(run),
+        train__global_batch_size=8,
         train__steps=4,
         checkpoint__every=2,
         data__eval_fraction=0.2,

@@ -17,6 +17,7 @@ same files here), and `data.max_files` caps its shards.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 
@@ -34,8 +35,14 @@ from jaxllm.data.tokenizer import Tokenizer, encode_documents, make_tokenizer
 Rows = PackedRows | FirstFitRows | preference.PairRows | vision_rows.VisionRows
 
 
-class VisionExamples(list):
+@dataclasses.dataclass
+class VisionExamples:
     """The image-text examples of a chat source read for a model with a vision tower."""
+
+    items: list
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 class MixtureRows:
@@ -176,7 +183,7 @@ def _rows(
                 f"{what} holds images, which peft.method=prompt does not train on; use "
                 "peft.method=lora or full fine-tuning."
             )
-        return vision_rows.VisionRows(docs, cfg, tok, what, images)
+        return vision_rows.VisionRows(docs.items, cfg, tok, what, images)
     if isinstance(docs, preference.Pairs):
         if virtual_tokens:
             raise ConfigError(

@@ -215,8 +215,8 @@ class NoImages:
 
 
 def holds_images(rows) -> bool:
-    """Whether `rows` (one source's, or a mixture's) are image rows."""
-    return any(isinstance(p, (VisionRows, NoImages)) for p in getattr(rows, "parts", [rows]))
+    """Whether `rows` (one source's, or a mixture's) hold an image."""
+    return any(getattr(p, "need", 0) > 0 for p in getattr(rows, "parts", [rows]))
 
 
 def share_budget(parts: list, vision: VisionConfig) -> list:
