@@ -184,9 +184,12 @@ def _steps(cfg, devices, steps=3):
 
 
 def test_data_fsdp_tensor_equals_one_device_on_image_batches(data):
-    """Three SFT steps on batches of rows with images of different sizes: data x fsdp x tensor
-    = 2 x 2 x 2 gives the losses and parameters of one device."""
+    """Three SFT steps on batches of rows with images of different sizes, one compiled step for
+    all: data x fsdp x tensor = 2 x 2 x 2 gives the losses and every parameter of one device."""
     cfg = run_cfg(*data, train__global_batch_size=8)
+    # tied: the embedding's gradient comes from the lookup and the head (notes/vlm_model.md
+    # saw it differ on this layout outside the train step)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tie_embeddings=True))
     want_losses, want = _steps(cfg, jax.devices()[:1])
     mesh = config_lib.MeshConfig(data=2, fsdp=2, tensor=2)
     got_losses, got = _steps(dataclasses.replace(cfg, mesh=mesh), jax.devices())

@@ -23,6 +23,7 @@ from jaxllm.model.mrope import mrope_positions
 from jaxllm.model.outputs import ModelOutput
 from jaxllm.model.transformer import MODEL_KINDS, Transformer
 from jaxllm.model.vision import Grids, VisionTower, tower_layout
+from jaxllm.sharding import constrain
 
 VISION_IMPLS = ("xla", "flash")  # the tower's attention: these, else xla
 
@@ -83,10 +84,12 @@ class VisionLanguageModel(Transformer):
     ) -> jax.Array:
         """The token embeddings [B, L, D], a token whose `units_BxL` is u >= 0 replaced by the
         merged unit u (window order) of its row's patches (`VisionTower.encode_rows`)."""
-        x_BxLxD = self._embed(tokens_BxL)
+        x_BxLxD = constrain(self._embed(tokens_BxL), ("batch", "length", "act_embed"))
         feats_BxMxO = self.visual.encode_rows(
             pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN
         )
+        # laid out as the embeddings, so the per-row gather stays on each device's rows
+        feats_BxMxO = constrain(feats_BxMxO, ("batch", None, "act_embed"))
         index_BxLx1 = jnp.maximum(units_BxL, 0)[..., None]
         image_BxLxD = jnp.take_along_axis(feats_BxMxO.astype(x_BxLxD.dtype), index_BxLx1, axis=1)
         return jnp.where((units_BxL >= 0)[..., None], image_BxLxD, x_BxLxD)
