@@ -298,9 +298,11 @@ class VisionTower(nnx.Module):
         cfg = self.cfg
         x_BxPxD = matmul("bpi,id->bpd", pixels_BxPxI, lora.kernel(self, "patch_embed"), self.dtype)
         if cfg.patch_bias:
-            x_BxPxD = x_BxPxD + self.patch_bias[...].astype(self.dtype)
+            x_BxPxD = x_BxPxD + self.patch_bias[...].astype(self.dtype)[None, None]
         if pos is not None:
-            rows_BxPxTxD = jnp.take(self.pos_embed[...], pos[0], axis=0)
+            taps_BxPxT = pos[0]  # in range by construction: gathered flat, as one table read
+            rows = jnp.take(self.pos_embed[...], taps_BxPxT.reshape(-1), axis=0, mode="clip")
+            rows_BxPxTxD = rows.reshape(*taps_BxPxT.shape, -1)
             x_BxPxD = x_BxPxD + (rows_BxPxTxD * pos[1][..., None]).sum(2).astype(self.dtype)
         cos, sin = jnp.cos(angles_BxPx1xK), jnp.sin(angles_BxPx1xK)
 
