@@ -15,7 +15,8 @@ from jaxllm.config import ConfigError
 from jaxllm.infer.generate import _first_stop, _stop_at
 from jaxllm.infer.reward import score
 from jaxllm.model import build, split_peft
-from jaxllm.objectives.rollout.sampling import Rollouts, rows, sequences
+from jaxllm.objectives.rollout.generation import rows, sequences
+from jaxllm.objectives.rollout.sampling import Rollouts
 from jaxllm.train import companions
 from jaxllm.train.loop import train
 from jaxllm.train.step import BATCH_AXES

@@ -25,8 +25,9 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
   rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
 - `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry).
 - `rollout`: `grpo` (GRPO's clipped, group-relative policy gradient with a KL to the
-  reference) and `ppo` (PPO with GAE from the policy's value head), on batches the policy
-  samples itself (`rollout.sampling`), scored by `rollout.rewards`.
+  reference; its presets `dr_grpo`, `dapo`, `gspo` and the options of `train.grpo`), `rloo`,
+  `reinforce_pp` (`rollout.advantages`) and `ppo` (PPO with GAE from the policy's value head),
+  on batches the policy samples itself (`rollout.sampling`), scored by `rollout.rewards`.
 - `distill`: matches a frozen teacher's next-token distributions, on the data or, with
   `train.distill_lambda`, partly on the student's own samples (GKD, `rollout.onpolicy`).
 - `denoising`: `mlm` (masked LM for encoders, `model.kind=encoder`, on rows `jaxllm.data.mlm`
@@ -35,13 +36,14 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
 An objective that needs frozen models besides the policy names them in its `others` attribute
 (`("reference",)` for DPO / IPO); the engine holds them (`jaxllm.train.companions`).
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
-`mlm`, `prefix_lm`, one of the preference losses, `reward`, `grpo`, `ppo`, `distill`,
+`mlm`, `prefix_lm`, one of the preference losses, `reward`, the rollout objectives, `distill`,
 `span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
 from __future__ import annotations
 
 from jaxllm.config import Config, ConfigError
+from jaxllm.config.grpo import CRITIC_FREE
 from jaxllm.objectives import denoising, distill, preference, reward
 from jaxllm.objectives.base import Objective, ObjectiveOutput, load_function, token_nll
 from jaxllm.objectives.denoising import mlm
@@ -71,7 +73,7 @@ BUILT_IN = {
         for kind in preference.KINDS
     },
     "reward": lambda cfg: reward.objective(),
-    "grpo": lambda cfg: grpo.from_train_config(cfg.train),
+    **{name: (lambda cfg: grpo.from_train_config(cfg.train)) for name in CRITIC_FREE},
     "ppo": ppo.from_config,
     "distill": distill.from_config,
     "span_corruption": lambda cfg: denoising.span_corruption(cfg.train.z_loss),

@@ -63,18 +63,18 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxllm import parallel, sharding
-from jaxllm.config import Config, ConfigError, GenerateConfig
+from jaxllm.config import Config, ConfigError
+from jaxllm.config.grpo import settings
 from jaxllm.data.rollout import Prompt, prompt_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer.chat import end_of_turn
-from jaxllm.infer.engine import batch as engine_batch
 from jaxllm.load import model_section
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.objectives.base import token_logps
 from jaxllm.objectives.reward import sequence_scores
-from jaxllm.objectives.rollout import ppo
+from jaxllm.objectives.rollout import critic_free, ppo
 from jaxllm.objectives.rollout import rewards as rewards_lib
-from jaxllm.objectives.rollout.grpo import group_advantages
+from jaxllm.objectives.rollout.generation import rows, sample
 from jaxllm.sharding import to_global
 
 
@@ -96,72 +96,6 @@ def _model_rewards(params, model_state, batch, *, graphdef, parallel_settings):
         model = merge_model(graphdef, params, None, model_state)
         scores_BxL, _ = sequence_scores(model, parallel.sequence_layout(batch))
         return scores_BxL.sum(-1)  # a sum over L: the same in any layout
-
-
-def sequences(prompts: list[np.ndarray], completions: list[list[int]], ends) -> list[np.ndarray]:
-    """Each prompt + completion + the stop it ended with (EOS, an end-of-turn marker; nothing
-    when it ran out of tokens)."""
-    return [
-        np.concatenate([p, np.asarray(list(c) + list(e), np.int32)]).astype(np.int32)
-        for p, c, e in zip(prompts, completions, ends)
-    ]
-
-
-def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, seed, stops, ends):
-    """(the generation, each prompt + completion + stop) of one completion per prompt from
-    `model` on `mesh`: up to `train.max_completion_tokens` or one of the stops,
-    at `temperature` (0: greedy) with the `generate` section's top_k / top_p and KV cache.
-    `seed`: one for the batch, or a list of one per prompt (each row's draws then depend on its
-    seed alone). `stops`: the stop ids; `ends`: the stop sequences (a multi-token end-of-turn
-    marker)."""
-    seeds = None if isinstance(seed, int) else [int(x) for x in seed]
-    g = cfg.generate
-    gen = GenerateConfig(
-        max_new_tokens=cfg.train.max_completion_tokens,
-        temperature=temperature,
-        top_k=g.top_k if temperature else 0,
-        top_p=g.top_p if temperature else 1.0,
-        seed=0 if seeds is not None else seed,
-        stop_tokens=g.stop_tokens,
-        kv_cache_dtype=g.kv_cache_dtype,
-        kv_group=g.kv_group,
-        kv_page_size=g.kv_page_size,
-        decode_impl=g.decode_impl,
-    )
-    # on the engine (`jaxllm.infer.engine.batch`: a group's G copies of a prompt share its
-    # pages) unless it cannot run this (a mesh with a stage or sequence axis); a
-    # pool and slot count fixed by the run, so every rollout runs the same compiled programs
-    out = engine_batch.generate(
-        model,
-        prompts,
-        gen,
-        stop_tokens=stops,
-        stop_sequences=ends,
-        mesh=mesh,
-        mesh_config=cfg.mesh,
-        slots=cfg.train.global_batch_size,
-        max_len=min(cfg.data.seq_len, cfg.model.max_seq_len),
-        seeds=seeds,
-        group=cfg.train.num_generations,
-    )
-    return out, sequences(prompts, out.tokens, out.ends)
-
-
-def rows(prompts: list[np.ndarray], seqs: list[np.ndarray], seq_len: int):
-    """The train rows of `sequences`: `inputs`, `targets`, `positions`, `segment_ids` (1 on the
-    sequence, 0 on padding) and `loss_mask` (1 where the target is a completion token, its stop
-    included), [N, seq_len] int32 each."""
-    n = len(prompts)
-    out = {k: np.zeros((n, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids")}
-    out["loss_mask"] = np.zeros((n, seq_len), np.int32)
-    out["positions"] = np.tile(np.arange(seq_len, dtype=np.int32), (n, 1))
-    for i, (p, seq) in enumerate(zip(prompts, seqs)):
-        seq = seq[: seq_len + 1]
-        m = len(seq) - 1
-        out["inputs"][i, :m], out["targets"][i, :m] = seq[:-1], seq[1:]
-        out["segment_ids"][i, :m] = 1
-        out["loss_mask"][i, len(p) - 1 : m] = 1
-    return out
 
 
 class _Weights(NamedTuple):
@@ -204,7 +138,7 @@ class Rollouts:
     """The iterator of GRPO's and PPO's batches (see the module docstring): `next_rows(it,
     state)` gives this process's rows of the next global batch, made with `state`'s parameters."""
 
-    def __init__(self, cfg: Config, mesh, batch_sharding, local: slice):
+    def __init__(self, cfg: Config, mesh, batch_sharding, local: slice, reference=None):
         t = cfg.train
         if cfg.peft.method == "prompt":
             raise ConfigError(
@@ -222,6 +156,10 @@ class Rollouts:
             )
         self.cfg, self.mesh, self.local = cfg, mesh, local
         self.batch_sharding = batch_sharding
+        # RLOO / REINFORCE++ with beta > 0: the reference's log-probabilities of a global batch,
+        # (params, frozen, model_state, others, batch) -> [B, L] (`jaxllm.train.precompute`)
+        self.reference = reference
+        self.settings = settings(t)
         # several processes: each samples its own rows from a whole copy of the parameters on
         # its first device (the generator runs on process-local data)
         self.multi = jax.process_count() > 1
@@ -247,6 +185,12 @@ class Rollouts:
                 f"model.max_seq_len ({cfg.model.max_seq_len}); raise them or shorten the prompts"
             )
         self.reward_fn = None if self.reward_model else rewards_lib.from_spec(t.reward)
+        if self.reward_model and self.settings.dynamic_sampling and t.objective != "ppo":
+            raise ConfigError(
+                "train.grpo.dynamic_sampling scores each round of samples on the host: it takes "
+                "a reward function as train.reward, not a reward model; set "
+                "train.grpo.dynamic_sampling=false."
+            )
         # A completion ends at EOS; after a chat prompt also at the template's end of turn.
         chat = any(not isinstance(p.prompt, str) for p in (*self.prompts, *self.eval_prompts))
         eos = getattr(self.tok, "eos_id", None)
@@ -360,27 +304,50 @@ class Rollouts:
         self.made += 1
         return _Next(future, functools.partial(self._finish, weights=weights))
 
-    def _draw(self, k: int) -> tuple[list[Prompt], list[int]]:
+    def _draw(self, k: int, j: int = 0) -> tuple[list[Prompt], list[int]]:
         """Rollout k's prompts of this process's rows, and a sampling seed for each row from
         (run.seed, k, the row's place in the global batch): the same rows, sampled the same,
-        however the batch is split over processes."""
-        draw = np.random.default_rng([self.cfg.data.seed, k])
+        however the batch is split over processes. j > 0: dynamic sampling's round j."""
+        draw = np.random.default_rng([self.cfg.data.seed, k, *([j] if j else [])])
         picked = draw.choice(len(self.prompts), self.per_step, replace=False)
         where = range(self.local.start, self.local.stop)
         prompts = [self.prompts[picked[i // self.group]] for i in where]
         seed = self.cfg.run.seed
         return prompts, [
-            int(np.random.SeedSequence([seed, k, i]).generate_state(1)[0]) for i in where
+            int(np.random.SeedSequence([seed, k, i, *([j] if j else [])]).generate_state(1)[0])
+            for i in where
         ]
+
+    def _sampled_rows(self, k: int, sampler: _Weights, j: int = 0) -> list[tuple]:
+        """(prompt, sequence, reward function's score or None, completion tokens, truncated)
+        of each of this process's rows of rollout k (round j of dynamic sampling)."""
+        prompts, seeds = self._draw(k, j)
+        out, seqs = self._generate(sampler, prompts, self.cfg.train.rollout_temperature, seeds)
+        scores = [None] * len(seqs) if self.reward_model else self._text_rewards(prompts, out)
+        lengths = [len(c) for c in out.tokens]
+        truncated = [not len(e) for e in out.ends]
+        return list(zip(prompts, seqs, scores, lengths, truncated))
 
     def _sample(self, k: int, sampler: _Weights):
         """Rollout k's process-local half: this process's rows sampled from `sampler`, their
         reward function's scores (a reward model's come in `_finish`); no collectives, so it can
         run in a background thread."""
-        prompts, seeds = self._draw(k)
-        out, seqs = self._generate(sampler, prompts, self.cfg.train.rollout_temperature, seeds)
-        scores = None if self.reward_model else self._text_rewards(prompts, out)
-        return seqs, scores, rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
+        got = self._sampled_rows(k, sampler)
+        s, t = self.settings, self.cfg.train
+        if s.dynamic_sampling and t.objective != "ppo":
+            got = critic_free.refill(
+                got,
+                lambda j: self._sampled_rows(k, sampler, j),
+                self.group,
+                s.max_resample,
+                lambda rows_: critic_free.shaped(
+                    [r[2] for r in rows_], [r[3] for r in rows_], t.max_completion_tokens, s
+                ),
+            )
+        prompts, seqs, scores, lengths, truncated = map(list, zip(*got))
+        local = rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
+        local["ended"] = np.asarray([lengths, truncated], np.float32).T  # [N, 2]
+        return seqs, None if self.reward_model else scores, local
 
     def _whole(self, local: dict) -> dict:
         """The global batch of every process's `local` rows (a collective)."""
@@ -402,6 +369,7 @@ class Rollouts:
             scores = self._model_scores(others, seqs)[self.local]
         batch = self._whole({**local, "scores": np.asarray(scores, np.float32)[:, None]})
         scores = batch.pop("scores")[:, 0].astype(np.float64)
+        lengths, truncated = batch.pop("ended").T
         placed = to_global({k: v[self.local] for k, v in batch.items()}, self.batch_sharding, gbs)
         old, values = self._logps(weights.params, weights.frozen, weights.model_state, placed)
         gather = functools.partial(multihost_utils.process_allgather, tiled=True)
@@ -410,10 +378,9 @@ class Rollouts:
             batch["old_values"] = np.asarray(gather(values), np.float32)
             batch.update(ppo.rollout_fields(scores, batch["old_values"], batch["loss_mask"], t))
         else:
-            adv_S = group_advantages(scores, self.group, t.grpo_normalization)
-            shape = batch["inputs"].shape
-            batch["advantages"] = np.broadcast_to(adv_S[:, None], shape)
-            batch["rewards"] = np.broadcast_to(scores[:, None], shape)
+            batch.update(
+                critic_free.finish(self, batch, (scores, lengths, truncated), weights, others)
+            )
         return {k: np.ascontiguousarray(v) for k, v in batch.items()}
 
     def evaluate(self, state) -> dict:
