@@ -401,10 +401,12 @@ def validate_evaluated(t: TrainConfig, data, keep_best: bool) -> None:
 
 def validate_rollout(t: TrainConfig) -> None:
     """The checks of the rollout objectives' keys."""
-    if t.num_generations < (2 if t.objective in GROUP_OBJECTIVES else 1):
+    group = t.objective in GROUP_OBJECTIVES
+    if t.num_generations < (2 if group else 1):
         _fail(
-            f"train.num_generations must be at least 2 for {t.objective} (a group's advantages "
-            f"are relative to the other completions of its prompt), not {t.num_generations}."
+            f"train.num_generations must be at least {2 if group else 1} for {t.objective}"
+            + (" (a completion's advantage is relative to its group's others)" if group else "")
+            + f", not {t.num_generations}."
         )
     if t.global_batch_size % t.num_generations:
         _fail(
