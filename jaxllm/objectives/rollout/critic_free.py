@@ -13,7 +13,8 @@ the batches depend on the process count (with one process they are those of any 
 The fields, on every position of a row (float32 [S, L]) besides `advantages`: `rewards` (the
 score with the overlong punishment), `reward_std` (its group's std), `zero_std` (1 where that
 std is 0), `truncated` (1 where the completion hit max_completion_tokens without a stop),
-`batch_tokens` (the batch's completion tokens / S, for the token-level losses and metrics) and
+`lengths` (the completion's tokens, its stop included), `batch_tokens` (the batch's trained
+completion tokens / S, for the token-level losses and metrics) and
 for RLOO / REINFORCE++ with beta > 0 `kl` (log pi_old - log ref per token, the k1 of the
 reward). With `mask_truncated_completions` a truncated row's `loss_mask` is all 0.
 """
@@ -64,7 +65,7 @@ def fields(objective: str, s, beta: float, group: int, max_tokens: int, batch: d
     rewards_S = shaped(scores_S, lengths_S, max_tokens, s)
     truncated_S = np.asarray(truncated_S, np.float32)
     mask_SxL = batch["loss_mask"]
-    out = {}
+    out = {"lengths": _rows(mask_SxL.sum(-1), shape)}  # before any masking
     if s.mask_truncated:
         mask_SxL = (mask_SxL * (1 - truncated_S[:, None])).astype(mask_SxL.dtype)
         out["loss_mask"] = mask_SxL

@@ -167,7 +167,9 @@ def objective(
             "clip_ratio/low_mean": clip_mean(low_BxL),
             "clip_ratio/high_mean": clip_mean(high_BxL),
             "clip_ratio/region_mean": clip_mean(jnp.maximum(low_BxL, high_BxL)),
-            "completions/mean_length": jnp.sum(length_B),
+            "completions/mean_length": row_mean("lengths")
+            if "lengths" in batch
+            else jnp.sum(length_B),
         }
         metrics |= {name: row_mean(field) for field, name in ROW_METRICS.items() if field in batch}
         if kl_BxL is not None:

@@ -19,8 +19,9 @@ and it
 3. scores every completion: on the host with the reward function of its decoded text
    (`rewards`), or on the mesh with a reward model (`train.reward` a directory, held frozen
    in `TrainState.others`) read at the sequence's last token; then turns the rewards into
-   group-relative advantages (`grpo.group_advantages`), or for PPO into GAE advantages and
-   returns from the value head's V_old (`ppo.rollout_fields`);
+   the critic-free objectives' advantages (`critic_free`: GRPO's group-relative ones, RLOO's,
+   REINFORCE++'s; DAPO's dynamic sampling draws again where a group agrees), or for PPO into
+   GAE advantages and returns from the value head's V_old (`ppo.rollout_fields`);
 4. builds one row per completion, prompt then completion then the stop that ended it (EOS;
    after a chat prompt also the chat template's end-of-turn marker, `jaxllm.infer.chat`),
    `loss_mask` on the completion's tokens, with float32 `advantages`, `rewards` and
