@@ -74,7 +74,8 @@ def plot(out: Path, objective: str = "grpo", name: str | None = None) -> Path:
         return [json.loads(line) for line in lines]
 
     grpo = rows(name)
-    sampled = [(r["step"], r["reward_mean"]) for r in grpo if "reward_mean" in r]
+    key = "reward_mean" if objective == "ppo" else "reward"  # PPO's name, the GRPO family's
+    sampled = [(r["step"], r[key]) for r in grpo if key in r]
     held = [(0, rows(_before(objective))[-1]["eval_reward"])]
     held += [(r["step"], r["eval_reward"]) for r in grpo if "eval_reward" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -94,6 +95,23 @@ def _before(objective: str) -> str:
     return "before" if objective == "grpo" else f"{objective}_before"
 
 
+def sft_overrides(out: Path, steps: int) -> list[str]:
+    """The SFT run OUT/sft on OUT/add_sft.jsonl."""
+    return [
+        *MODEL,
+        "train.objective=sft",
+        f"data.sources=[{{path: {out / 'add_sft.jsonl'}, format: prompt_completion}}]",
+        f"data.eval_sources=[{{path: {out / 'add_sft.jsonl'}, format: prompt_completion}}]",
+        f"train.steps={steps}",
+        "train.global_batch_size=32",
+        "train.eval_every=0",
+        "train.log_every=50",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=20",
+        f"run.dir={out / 'sft'}",
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -107,19 +125,7 @@ def main() -> None:
     ns.out.mkdir(parents=True, exist_ok=True)
     write_data(ns.out)
     test = f"[{{path: {ns.out / 'add_test.jsonl'}, format: rollout}}]"
-    sft = [
-        *MODEL,
-        "train.objective=sft",
-        f"data.sources=[{{path: {ns.out / 'add_sft.jsonl'}, format: prompt_completion}}]",
-        f"data.eval_sources=[{{path: {ns.out / 'add_sft.jsonl'}, format: prompt_completion}}]",
-        f"train.steps={ns.sft_steps}",
-        "train.global_batch_size=32",
-        "train.eval_every=0",
-        "train.log_every=50",
-        "optim.lr=3e-3",
-        "optim.warmup_steps=20",
-        f"run.dir={ns.out / 'sft'}",
-    ]
+    sft = sft_overrides(ns.out, ns.sft_steps)
     if not (ns.out / "sft" / "checkpoints").exists():
         train(config.load(None, sft))
     grpo = [

@@ -24,7 +24,7 @@ from jaxllm.infer.chat import prompt_ids
 from jaxllm.model import build, split_peft
 from jaxllm.objectives import distill
 from jaxllm.objectives.rollout import onpolicy
-from jaxllm.objectives.rollout.sampling import rows, sequences
+from jaxllm.objectives.rollout.generation import rows, sequences
 
 TINY = TINY_RUN
 SUMS = [(a, b) for a in range(3, 40, 7) for b in range(2, 9, 3)]  # 18 prompt/completion records

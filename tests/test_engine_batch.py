@@ -16,7 +16,7 @@ from jaxllm.infer.engine import batch
 from jaxllm.infer.engine.pages import PagePool
 from jaxllm.infer.generate import generate
 from jaxllm.model.transformer import build
-from jaxllm.objectives.rollout.sampling import sample
+from jaxllm.objectives.rollout.generation import sample
 from jaxllm.train.loop import train
 
 RNG = np.random.default_rng(1)

@@ -12,8 +12,8 @@ import pytest
 
 from jaxllm import config
 from jaxllm.config import ConfigError
-from jaxllm.objectives.rollout import grpo, rewards
-from jaxllm.objectives.rollout.sampling import rows, sequences
+from jaxllm.objectives.rollout import advantages, grpo, rewards
+from jaxllm.objectives.rollout.generation import rows, sequences
 from jaxllm.train.loop import train
 
 
@@ -59,12 +59,12 @@ def _reference_loss(logp, old, ref, adv, mask, beta, eps, normalization, max_len
     per_token = -np.minimum(coef_1 * adv, coef_2 * adv)
     kl = np.exp(ref - logp) - (ref - logp) - 1
     per_token = per_token + beta * kl
-    if normalization == "sequence":
+    if normalization == "grpo":
         return ((per_token * mask).sum(-1) / np.maximum(mask.sum(-1), 1)).mean()
     return (per_token * mask).sum() / (per_token.shape[0] * max_len)
 
 
-@pytest.mark.parametrize("normalization", ["sequence", "dr_grpo"])
+@pytest.mark.parametrize("normalization", ["grpo", "dr_grpo"])
 def test_loss_matches_the_formula_and_reference_kl(normalization):
     batch = _batch()
     rng = np.random.default_rng(1)
@@ -89,9 +89,9 @@ def test_loss_matches_the_formula_and_reference_kl(normalization):
     )
     assert float(out.tokens) == 4
     np.testing.assert_allclose(float(out.loss_sum / out.tokens), want, rtol=1e-5)
-    np.testing.assert_allclose(float(out.metrics["reward_mean"] / 4), batch["rewards"][:, 0].mean())
+    np.testing.assert_allclose(float(out.metrics["reward"] / 4), batch["rewards"][:, 0].mean())
     assert float(out.metrics["kl"]) > 0
-    assert 0 < float(out.metrics["clip_ratio"]) / 4 < 1
+    assert 0 < float(out.metrics["clip_ratio/region_mean"]) / 4 < 1
 
 
 def test_on_policy_gradient_is_the_advantage_weighted_policy_gradient():
@@ -100,7 +100,7 @@ def test_on_policy_gradient_is_the_advantage_weighted_policy_gradient():
     batch = _batch(seed=3)
     logits = jnp.asarray(np.random.default_rng(4).normal(0, 1, (4, 6, 16)), jnp.float32)
     batch["old_logps"] = _logps(logits, batch)
-    obj = grpo.objective(0.0, 0.2, "sequence")
+    obj = grpo.objective(0.0, 0.2, "grpo")
     assert obj.others == ()
 
     def loss(x):
@@ -116,11 +116,11 @@ def test_on_policy_gradient_is_the_advantage_weighted_policy_gradient():
 
 def test_group_advantages():
     r = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
-    a = grpo.group_advantages(r, 4, "sequence")
+    a = advantages.group_advantages(r, 4, "group")
     std = np.std([1, 0, 0, 1], ddof=1)
     np.testing.assert_allclose(a[:4], (r[:4] - 0.5) / (std + 1e-4), rtol=1e-6)
     np.testing.assert_array_equal(a[4:], 0.0)  # a group that agrees teaches nothing
-    np.testing.assert_allclose(grpo.group_advantages(r, 4, "dr_grpo"), r - np.repeat([0.5], 8))
+    np.testing.assert_allclose(advantages.group_advantages(r, 4, "none"), r - np.repeat([0.5], 8))
 
 
 def test_rows_train_the_completion_and_its_eos_only():
@@ -224,8 +224,8 @@ def test_grpo_raises_a_reward(tmp_path):
     assert [r["step"] for r in m] == list(range(1, 25))
     assert all(r["tokens"] == 16 for r in m)  # the step counts sequences
     assert "kl" not in m[0]  # beta 0: no reference
-    first = np.mean([r["reward_mean"] for r in m[:6]])
-    last = np.mean([r["reward_mean"] for r in m[-6:]])
+    first = np.mean([r["reward"] for r in m[:6]])
+    last = np.mean([r["reward"] for r in m[-6:]])
     assert last > first + 0.05, (first, last)
 
 
@@ -241,7 +241,7 @@ def test_a_resumed_grpo_run_makes_the_same_batches(tmp_path):
     train(config.load(None, cut))
     resumed = {r["step"]: r for r in _metrics(split)}
     for r in _metrics(straight)[3:]:
-        for key in ("loss", "reward_mean", "grad_norm", "completion_length"):
+        for key in ("loss", "reward", "grad_norm", "completions/mean_length"):
             assert resumed[r["step"]][key] == r[key], (r["step"], key)
 
 

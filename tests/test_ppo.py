@@ -191,10 +191,11 @@ ROLLOUT = "[{path: prompts.jsonl, format: rollout}]"
     "overrides,match",
     [
         (["train.objective=grpo", "train.gae_lambda=0.9"], "belongs to ppo"),
-        (["train.objective=ppo", "train.grpo_normalization=dr_grpo"], "belongs to grpo"),
+        (["train.objective=ppo", "train.grpo.loss_type=dr_grpo"], "belongs to grpo"),
+        (["train.objective=grpo", "train.grpo_normalization=dr_grpo"], "now train.grpo.loss"),
         (["train.objective=ppo", "train.gae_gamma=1.5"], r"gae_gamma must be in \[0, 1\]"),
         (["train.objective=ppo", "train.value_clip=0"], "value_clip must be positive"),
-        (["train.objective=ppo", "train.num_generations=0"], "and 1 for ppo"),
+        (["train.objective=ppo", "train.num_generations=0"], "at least 1 for ppo"),
     ],
 )
 def test_config_refusals(overrides, match):

@@ -1,4 +1,4 @@
-"""GRPO / PPO rewards beyond one function: a process reward model scoring each step of a
+"""Rollout rewards beyond one function: a process reward model scoring each step of a
 completion (min, mean or last of the steps' probabilities), and `train.rewards`, a weighted
 list of functions and models whose every term's mean is logged by name."""
 
@@ -63,7 +63,7 @@ def lowercase_share(prompts, completions, answers):
 
 def test_weighted_rewards_train_grpo_and_log_each_mean(tmp_path, one_device):  # noqa: F811
     """`jaxllm train` with a function, a built-in and a PRM, weighted: each term's mean is
-    logged as rewards/<name>/mean and reward_mean is their weighted sum."""
+    logged as rewards/<name>/mean and `reward` is their weighted sum."""
     judge = _reward_run(tmp_path / "judge", PRM)
     terms = (
         f"train.rewards=[{{fn: {__name__}:lowercase_share, weight: 1.0}}, "
@@ -78,8 +78,23 @@ def test_weighted_rewards_train_grpo_and_log_each_mean(tmp_path, one_device):  #
         parts = [r[f"rewards/{n}/mean"] for n in ("lowercase_share", "exact_match", "judge")]
         assert 0 < parts[2] < 1 and parts[0] > 0
         want = parts[0] - 0.5 * parts[1] + 0.25 * parts[2]
-        assert r["reward_mean"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert r["reward"] == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert rows[0]["rewards/judge/mean"] != rows[1]["rewards/judge/mean"]
+
+
+def test_dynamic_sampling_takes_weighted_functions_not_models(tmp_path, one_device):  # noqa: F811
+    """DAPO re-scores each round of samples on the host: weighted function terms train and are
+    logged by name; a model term is refused."""
+    args = [*BASE, *ONE_DEVICE, f"data.sources={_prompts(tmp_path)}", "train.objective=dapo"]
+    fns = f"train.rewards=[{{fn: {__name__}:lowercase_share}}, {{fn: exact_match, weight: 2}}]"
+    run = tmp_path / "run"
+    assert cli.main(["train", *args, fns, "train.steps=2", f"run.dir={run}"]) == 0
+    for r in _metrics(run):
+        assert 0 < r["rewards/lowercase_share/mean"] <= 1 and "rewards/exact_match/mean" in r
+    judge = _reward_run(tmp_path / "judge", PRM)
+    cfg = config.load(None, [*args, f"train.rewards=[{{fn: exact_match}}, {{model: {judge}}}]"])
+    with pytest.raises(config.ConfigError, match="dynamic_sampling scores each round"):
+        _rollouts(cfg)
 
 
 def test_a_prm_as_the_one_reward_takes_the_lowest_step(tmp_path):

@@ -11,7 +11,7 @@ from jaxllm.config import ConfigError
 from jaxllm.objectives.rollout.sampling import Rollouts
 from jaxllm.train.loop import train
 
-KEYS = ("loss", "reward_mean", "grad_norm", "completion_length", "clip_ratio")
+KEYS = ("loss", "reward", "grad_norm", "completions/mean_length", "clip_ratio/region_mean")
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +58,7 @@ def test_with_a_zero_update_it_is_the_synchronous_run(tmp_path):
     sync = _run(tmp_path, "sync", *steps)
     ahead = _run(tmp_path, "ahead", *steps, "train.rollout_ahead=1")
     assert [[r[k] for k in KEYS] for r in ahead] == [[r[k] for k in KEYS] for r in sync]
-    assert len({r["reward_mean"] for r in sync}) == 3  # three different rollouts
+    assert len({r["reward"] for r in sync}) == 3  # three different rollouts
 
 
 def test_pi_old_is_the_sampling_policy_and_a_resume_is_bit_identical(tmp_path):
@@ -68,7 +68,8 @@ def test_pi_old_is_the_sampling_policy_and_a_resume_is_bit_identical(tmp_path):
     (sampled before step 3 updated the parameters) and repeats step 4 exactly."""
     common = ["train.rollout_ahead=1", "train.clip_epsilon=0.01"]
     m = _run(tmp_path, "straight", *common, "train.steps=4")
-    assert m[0]["clip_ratio"] == 0.0 and min(r["clip_ratio"] for r in m[1:]) > 0.0
+    clipped = [r["clip_ratio/region_mean"] for r in m]
+    assert clipped[0] == 0.0 and min(clipped[1:]) > 0.0
     first = _run(tmp_path, "split", *common, "train.steps=3", "checkpoint.save_final=true")
     assert [[r[k] for k in KEYS] for r in first] == [[r[k] for k in KEYS] for r in m[:3]]
     resumed = {r["step"]: r for r in _run(tmp_path, "split", *common, "train.steps=4")}
@@ -78,6 +79,6 @@ def test_pi_old_is_the_sampling_policy_and_a_resume_is_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_grpo_one_step_off_policy_raises_a_reward(tmp_path):
     m = _run(tmp_path, "run", "train.rollout_ahead=1", "train.steps=16")
-    first = sum(r["reward_mean"] for r in m[:4]) / 4
-    last = sum(r["reward_mean"] for r in m[-4:]) / 4
+    first = sum(r["reward"] for r in m[:4]) / 4
+    last = sum(r["reward"] for r in m[-4:]) / 4
     assert last > first + 0.05, (first, last)

@@ -125,8 +125,10 @@ def test_two_processes_make_the_rollouts_of_one(tmp_path, extra):
     multi, one = metrics("multi"), metrics("single")
     assert len(multi) == len(one) == 3
     # the same samples (the means differ in the order of their sums over devices at most)
-    assert [r["completion_length"] for r in multi] == [r["completion_length"] for r in one]
-    assert len({r["reward_mean"] for r in one}) == 3
-    for key in ("reward_mean", "loss", "grad_norm"):
+    reward = "reward" if "reward" in one[0] else "reward_mean"  # grpo's name, ppo's
+    length = "completions/mean_length" if "reward" in one[0] else "completion_length"
+    assert [r[length] for r in multi] == [r[length] for r in one]
+    assert len({r[reward] for r in one}) == 3
+    for key in (reward, "loss", "grad_norm"):
         got, want = [r[key] for r in multi], [r[key] for r in one]
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7, err_msg=key)

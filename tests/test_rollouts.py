@@ -15,7 +15,8 @@ from jaxllm.config import ConfigError
 from jaxllm.infer.generate import _first_stop, _stop_at
 from jaxllm.infer.reward import score
 from jaxllm.model import build, split_peft
-from jaxllm.objectives.rollout.sampling import Rollouts, rows, sequences
+from jaxllm.objectives.rollout.generation import rows, sequences
+from jaxllm.objectives.rollout.sampling import Rollouts
 from jaxllm.train import companions
 from jaxllm.train.loop import train
 from jaxllm.train.step import BATCH_AXES
@@ -155,8 +156,8 @@ def test_grpo_takes_a_reward_model_and_refuses_a_language_model(tmp_path, one_de
         config.load(None, [*base, "train.steps=2", "checkpoint.save_final=true", f"run.dir={run}"])
     )
     m = _metrics(run)
-    assert len(m) == 2 and all(np.isfinite(r["reward_mean"]) for r in m)
-    assert len({r["reward_mean"] for r in m}) == 2  # a score of the samples, not a constant
+    assert len(m) == 2 and all(np.isfinite(r["reward"]) for r in m)
+    assert len({r["reward"] for r in m}) == 2  # a score of the samples, not a constant
     ckpt_dir = checkpoint.checkpoint_dir(run)
     recorded = checkpoint.read_json_item(ckpt_dir, 2, companions.OTHERS_ITEM)
     assert set(recorded) == {"reward_model"}
@@ -175,10 +176,12 @@ def test_updates_per_rollout_reuse_the_batch_and_resume_between_them(tmp_path, o
     straight = tmp_path / "straight"
     train(config.load(None, [*base, f"run.dir={straight}"]))
     m = _metrics(straight)
-    assert m[0]["reward_mean"] == m[1]["reward_mean"]
-    assert m[2]["reward_mean"] == m[3]["reward_mean"]
-    assert m[1]["reward_mean"] != m[2]["reward_mean"]
-    assert m[0]["clip_ratio"] == 0.0 and m[1]["clip_ratio"] > 0.0  # lr 1e-2 moves pi far
+    assert m[0]["reward"] == m[1]["reward"]
+    assert m[2]["reward"] == m[3]["reward"]
+    assert m[1]["reward"] != m[2]["reward"]
+    assert (
+        m[0]["clip_ratio/region_mean"] == 0.0 and m[1]["clip_ratio/region_mean"] > 0.0
+    )  # lr 1e-2 moves pi far
 
     split = tmp_path / "split"
     cut = [*base, f"run.dir={split}"]
@@ -186,7 +189,7 @@ def test_updates_per_rollout_reuse_the_batch_and_resume_between_them(tmp_path, o
     train(config.load(None, cut))
     resumed = {r["step"]: r for r in _metrics(split)}
     for r in m[3:]:
-        for key in ("loss", "reward_mean", "grad_norm", "clip_ratio"):
+        for key in ("loss", "reward", "grad_norm", "clip_ratio/region_mean"):
             assert resumed[r["step"]][key] == r[key], (r["step"], key)
 
 
@@ -204,7 +207,8 @@ def test_the_same_losses_on_one_device_and_on_a_mesh(tmp_path, request, objectiv
         run = tmp_path / name
         train(config.load(None, [*base, *layout, f"run.dir={run}"]))
         losses[name] = [
-            (r["loss"], r["grad_norm"], r["reward_mean"], r["kl"]) for r in _metrics(run)
+            (r["loss"], r["grad_norm"], r.get("reward", r.get("reward_mean")), r["kl"])
+            for r in _metrics(run)
         ]
     np.testing.assert_allclose(losses["mesh"], losses["one"], rtol=2e-5, atol=1e-7)
     assert min(kl for *_, kl in losses["one"][1:]) > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.train import ROLLOUT_OBJECTIVES
 
 # The mesh axes other than `data` a compressed exchange cannot run with (the model is whole on
 # every data replica; each replica's gradient is compressed as one piece).
@@ -51,7 +52,7 @@ def validate_grad_compression(cfg) -> None:
         )
     if cfg.optim.offload != "none":
         _fail(f"train.grad_compression={method} does not run with optim.offload yet.")
-    if t.qat.enabled or cfg.peft.method != "none" or t.objective in ("grpo", "ppo"):
+    if t.qat.enabled or cfg.peft.method != "none" or t.objective in ROLLOUT_OBJECTIVES:
         _fail(
             f"train.grad_compression={method} trains full models by the standard step; it "
             "does not run with train.qat, peft or the rollout objectives yet."

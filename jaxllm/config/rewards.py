@@ -1,9 +1,10 @@
-"""`train.rewards`: a weighted list of rewards for `grpo` / `ppo`, as TRL's `reward_funcs` with
-`reward_weights`. Each entry is a function (`fn`: `exact_match`, `regex:PATTERN`, `MODULE:NAME`
-or `path/to/file.py:NAME`, as `train.reward` names them) or a model (`model`: the directory of
-a `train.objective=reward` or `prm` run, or a Hugging Face `*ForSequenceClassification`), and a
-weight; a completion's reward is the weighted sum. Each one's mean is logged as
-`rewards/<name>/mean` (the function's name, the model directory's last part)."""
+"""`train.rewards`: a weighted list of rewards for the rollout objectives, as TRL's
+`reward_funcs` with `reward_weights`. Each entry is a function (`fn`: `exact_match`,
+`regex:PATTERN`, `MODULE:NAME` or `path/to/file.py:NAME`, as `train.reward` names them) or a
+model (`model`: the directory of a `train.objective=reward` or `prm` run, or a Hugging Face
+`*ForSequenceClassification`), and a weight; a completion's reward is the weighted sum. Each
+one's mean is logged as `rewards/<name>/mean` (the function's name, the model directory's
+last part)."""
 
 from __future__ import annotations
 

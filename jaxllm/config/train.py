@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.grpo import CRITIC_FREE, GRPOConfig, validate_grpo
 from jaxllm.config.rewards import RewardTermConfig, validate_rewards
 
 # The objectives of the DPO family: a loss over (chosen, rejected) pairs of `format: preference`.
@@ -15,7 +16,9 @@ REFERENCE_OBJECTIVES = ("dpo", "ipo")
 # Every objective that reads the pairs of `format: preference` sources (a reward model too).
 PAIR_OBJECTIVES = (*PREFERENCE_OBJECTIVES, "reward")
 # The reinforcement-learning objectives: they sample their own batches (`format: rollout`).
-ROLLOUT_OBJECTIVES = ("grpo", "ppo")
+ROLLOUT_OBJECTIVES = (*CRITIC_FREE, "ppo")
+# Those whose advantages compare the G completions of one prompt (G >= 2).
+GROUP_OBJECTIVES = tuple(o for o in CRITIC_FREE if o != "reinforce_pp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +92,9 @@ class TrainConfig:
     -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `prm` (a process reward
     model, `model.head=score`, scoring each step of `format: stepwise` solutions at its
     separator, fitted to the step labels by binary cross-entropy as TRL's PRMTrainer), `distill`
-    (match `train.teacher`), the rollout objectives `grpo` and `ppo` (on `format: rollout`
-    sources; `jaxllm.objectives.rollout`), `mlm` (masked LM, BERT: an encoder,
+    (match `train.teacher`), the rollout objectives `grpo` (and its presets `dr_grpo`, `dapo`,
+    `gspo`), `rloo`, `reinforce_pp` and `ppo` (on `format: rollout` sources;
+    `jaxllm.objectives.rollout`, `train.grpo`), `mlm` (masked LM, BERT: an encoder,
     `model.kind=encoder`, predicts the tokens `jaxllm.data.mlm` hid), `prefix_lm` (a decoder
     reads each example's prefix, its prompt or a drawn length of text, bidirectionally and
     learns what follows; `jaxllm.data.objective_rows`), `span_corruption` (T5's denoising of
@@ -183,12 +187,12 @@ class TrainConfig:
     held frozen on the mesh and read at each completion's last token, or of a `prm` run (the
     lowest of its steps' scores; `jaxllm.objectives.rollout.scoring`)."""
     rewards: tuple[RewardTermConfig, ...] = ()
-    """`grpo` / `ppo`: a weighted list of rewards instead of `train.reward`, each logged by name
-    (`jaxllm.config.rewards`): `[{fn: exact_match, weight: 1.0}, {model: DIR, weight: 0.5}]`."""
-    grpo_normalization: Literal["sequence", "dr_grpo"] = "sequence"
-    """`grpo`: `sequence` scales advantages by the group's std and averages each completion's
-    tokens, then the completions (GRPO); `dr_grpo` only centres the advantages and divides
-    token sums by max_completion_tokens (Dr. GRPO: no length or difficulty bias)."""
+    """A weighted list of rewards instead of `train.reward`, each logged by name (`.rewards`)."""
+    grpo: GRPOConfig = GRPOConfig()
+    """The critic-free objectives' loss options, by TRL's names (`jaxllm.config.grpo`)."""
+    moved_keys: ClassVar[dict[str, str]] = {
+        "grpo_normalization": "grpo.loss_type (sequence: grpo; dr_grpo: train.objective=dr_grpo)"
+    }
     gae_gamma: float = 1.0
     """`ppo`: the discount gamma of GAE over a completion's tokens, in [0, 1]."""
     gae_lambda: float = 0.95
@@ -282,7 +286,6 @@ OBJECTIVE_KEYS = {
             "rewards",
         )
     },
-    "grpo_normalization": ("grpo",),
     "loss_chunks": ("next_token", "sft", "mlm", "prefix_lm"),
     "mask_rate": ("mlm",),
     "mask_token_id": ("mlm",),
@@ -314,6 +317,7 @@ def validate_train(t: TrainConfig) -> None:
                 f"train.{key} has no effect with train.objective={t.objective}; it belongs to "
                 f"{', '.join(readers)}."
             )
+    validate_grpo(t)
     if t.loss_chunks < 1:
         _fail(f"train.loss_chunks must be >= 1, not {t.loss_chunks}.")
     q = t.qat
@@ -413,10 +417,12 @@ def validate_evaluated(t: TrainConfig, data, keep_best: bool) -> None:
 
 def validate_rollout(t: TrainConfig) -> None:
     """The checks of the rollout objectives' keys."""
-    if t.num_generations < (2 if t.objective == "grpo" else 1):
+    group = t.objective in GROUP_OBJECTIVES
+    if t.num_generations < (2 if group else 1):
         _fail(
-            f"train.num_generations must be at least 2 for grpo (a group's advantages are "
-            f"relative to its mean) and 1 for ppo, not {t.num_generations}."
+            f"train.num_generations must be at least {2 if group else 1} for {t.objective}"
+            + (" (a completion's advantage is relative to its group's others)" if group else "")
+            + f", not {t.num_generations}."
         )
     if t.global_batch_size % t.num_generations:
         _fail(

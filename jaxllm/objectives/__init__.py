@@ -26,8 +26,9 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
 - `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry);
   `prm` a process reward model to the step labels of `format: stepwise` solutions.
 - `rollout`: `grpo` (GRPO's clipped, group-relative policy gradient with a KL to the
-  reference) and `ppo` (PPO with GAE from the policy's value head), on batches the policy
-  samples itself (`rollout.sampling`), scored by `rollout.rewards`.
+  reference; its presets `dr_grpo`, `dapo`, `gspo` and the options of `train.grpo`), `rloo`,
+  `reinforce_pp` (`rollout.advantages`) and `ppo` (PPO with GAE from the policy's value head),
+  on batches the policy samples itself (`rollout.sampling`), scored by `rollout.rewards`.
 - `distill`: matches a frozen teacher's next-token distributions, on the data or, with
   `train.distill_lambda`, partly on the student's own samples (GKD, `rollout.onpolicy`).
 - `denoising`: `mlm` (masked LM for encoders, `model.kind=encoder`, on rows `jaxllm.data.mlm`
@@ -36,13 +37,14 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
 An objective that needs frozen models besides the policy names them in its `others` attribute
 (`("reference",)` for DPO / IPO); the engine holds them (`jaxllm.train.companions`).
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
-`mlm`, `prefix_lm`, one of the preference losses, `reward`, `grpo`, `ppo`, `distill`,
+`mlm`, `prefix_lm`, one of the preference losses, `reward`, the rollout objectives, `distill`,
 `span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
 from __future__ import annotations
 
 from jaxllm.config import Config, ConfigError
+from jaxllm.config.grpo import CRITIC_FREE
 from jaxllm.config.rewards import term_name
 from jaxllm.objectives import denoising, distill, preference, reward
 from jaxllm.objectives.base import Objective, ObjectiveOutput, load_function, token_nll
@@ -75,18 +77,22 @@ BUILT_IN = {
     },
     "reward": lambda cfg: reward.objective(),
     "prm": lambda cfg: reward.prm(),
-    "grpo": lambda cfg: _named_rewards(cfg, grpo.from_train_config(cfg.train)),
-    "ppo": lambda cfg: _named_rewards(cfg, ppo.from_config(cfg)),
+    **{
+        name: (lambda cfg: _named_rewards(cfg, grpo.from_train_config(cfg.train), True))
+        for name in CRITIC_FREE
+    },
+    "ppo": lambda cfg: _named_rewards(cfg, ppo.from_config(cfg), False),
     "distill": distill.from_config,
     "span_corruption": lambda cfg: denoising.span_corruption(cfg.train.z_loss),
 }
 
 
-def _named_rewards(cfg: Config, objective: Objective) -> Objective:
+def _named_rewards(cfg: Config, objective: Objective, every_row: bool) -> Objective:
     """A rollout objective that logs each of `train.rewards` by name (none without it)."""
     if not cfg.train.rewards:
         return objective
-    return with_term_metrics(objective, [term_name(r) for r in cfg.train.rewards])
+    names = [term_name(r) for r in cfg.train.rewards]
+    return with_term_metrics(objective, names, every_row=every_row)
 
 
 # The built-ins that read train.z_loss; set for another objective it would do nothing.

@@ -109,7 +109,8 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     gbs = cfg.train.global_batch_size
     local = process_rows(batch_sh, gbs)
     if cfg.train.objective in ROLLOUT_OBJECTIVES:  # the policy samples its own batches
-        batches, held_out = Rollouts(cfg, mesh, batch_sh, local), []
+        batches = Rollouts(cfg, mesh, batch_sh, local, precompute.kl_reference(cfg, mesh))
+        held_out = []
         _log(f"data: {len(batches.prompts)} rollout prompts, {len(batches.eval_prompts)} eval")
     else:
         if cfg.train.objective == "span_corruption":  # encoder inputs, decoder targets
@@ -275,8 +276,7 @@ def _loop(
         kw = {"local": local, **extras}
         row = final if final.get("step") == int(jax.device_get(at_state.step)) else None
         record = best.record() if best is not None else None
-        # a part of the iterator's state made in the background (the next rollout of
-        # train.rollout_ahead) comes as a function of the state, asked for only here
+        # train.rollout_ahead's next rollout (made in the background): asked for only here
         data_state = {k: v(at_state) if callable(v) else v for k, v in data_state.items()}
         step = ckpt.save(at_state, data_state=data_state, metrics=row, best=record, **kw)
         _log(f"checkpoint: {(ckpt.local if local else ckpt.directory).resolve()}/{step}")

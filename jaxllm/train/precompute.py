@@ -38,6 +38,7 @@ from jaxllm.config import Config, RunError
 from jaxllm.config.train import REFERENCE_OBJECTIVES
 from jaxllm.data.pipeline import eval_batches, train_batches
 from jaxllm.model import abstract_model
+from jaxllm.objectives import from_config
 from jaxllm.objectives.base import ObjectiveOutput, reference_logps
 from jaxllm.sharding import process_rows, to_global
 from jaxllm.train import companions
@@ -104,6 +105,41 @@ class WithReference:
             self.logps_NxL = np.load(self.path, mmap_mode="r")
 
 
+def reference_forward(cfg: Config, held: dict, mesh):
+    """A jitted (params, frozen, model_state, others, batch) -> [B, L] log-probabilities of the
+    reference in `held` (`companions.resolve_others`), replicated, built as the step builds its
+    objective's frozen models; `batch` carries `slots` (see `_reference_objective`)."""
+    graphdef = abstract_model(cfg.model, cfg.peft)[0]
+    other_graphdefs = companions.graphdefs(held)
+    settings = sharding.Parallel.of(mesh, cfg.mesh)
+
+    def forward(params, frozen, model_state, others, batch):
+        with sharding.active(settings):
+            batch = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), batch)
+            _, out = objective_value(
+                params,
+                batch,
+                None,
+                graphdef=graphdef,
+                objective=_reference_objective,
+                model_state=model_state,
+                frozen=frozen,
+                others=others,
+                other_graphdefs=other_graphdefs,
+            )
+        return out.metrics["ref_logps"]
+
+    return jax.jit(forward, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def kl_reference(cfg: Config, mesh):
+    """`reference_forward` of the reference RLOO and REINFORCE++ read when they make a batch
+    (the KL in their reward, beta > 0); None for every other run."""
+    if not (cfg.train.objective in ("rloo", "reinforce_pp") and cfg.train.beta):
+        return None
+    return reference_forward(cfg, companions.resolve_others(cfg, from_config(cfg)), mesh)
+
+
 class ReferenceLogps:
     """The precomputation of one run: `of(cfg)` resolves the reference (a ConfigError before
     anything is loaded or written), `attach` computes or reuses the log-probabilities and gives
@@ -128,29 +164,7 @@ class ReferenceLogps:
         return companions.records(self.held)["reference"]
 
     def _forward(self, mesh):
-        """A jitted (params, frozen, model_state, others, batch) -> [B, L] log-probabilities,
-        replicated, built as the step builds its objective's frozen models."""
-        graphdef = abstract_model(self.cfg.model, self.cfg.peft)[0]
-        other_graphdefs = companions.graphdefs(self.held)
-        settings = sharding.Parallel.of(mesh, self.cfg.mesh)
-
-        def forward(params, frozen, model_state, others, batch):
-            with sharding.active(settings):
-                batch = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), batch)
-                _, out = objective_value(
-                    params,
-                    batch,
-                    None,
-                    graphdef=graphdef,
-                    objective=_reference_objective,
-                    model_state=model_state,
-                    frozen=frozen,
-                    others=others,
-                    other_graphdefs=other_graphdefs,
-                )
-            return out.metrics["ref_logps"]
-
-        return jax.jit(forward, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        return reference_forward(self.cfg, self.held, mesh)
 
     def _compute(self, forward, weights, rows, n: int, mesh, path: Path) -> np.ndarray:
         """[n, L] log-probabilities of rows 0 .. n-1, a microbatch of rows per call (the last

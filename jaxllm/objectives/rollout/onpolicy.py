@@ -15,11 +15,11 @@ batch k it draws u from a generator seeded by (data.seed, k):
 
 - u < lambda (on-policy): it draws global_batch_size prompts of the training examples from the
   same generator (without replacement while there are enough) and samples one completion of
-  each from the state's own parameters with the rollouts' generator (`sampling.sample`): at
+  each from the state's own parameters with the rollouts' generator (`generation.sample`): at
   `train.rollout_temperature` with the `generate` section's top_k / top_p and KV cache, up to
   `train.max_completion_tokens` or the stop (EOS; after chat prompts also the template's end of
   turn), the sampling key seeded by (run.seed, k). Each prompt + completion + stop is one row
-  with `loss_mask` on the completion and its stop (`sampling.rows`), as TRL's
+  with `loss_mask` on the completion and its stop (`generation.rows`), as TRL's
   `GKDTrainer.generate_on_policy_outputs` labels them.
 - otherwise (off-policy): the pipeline's next batch, the very batch the run would train on at
   lambda = 0 (the pipeline moves only on these).
@@ -56,7 +56,7 @@ from jaxllm.data.sources import is_prepared_dir
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer.chat import end_of_turn
 from jaxllm.model import abstract_model, merge_model
-from jaxllm.objectives.rollout.sampling import rows, sample
+from jaxllm.objectives.rollout.generation import rows, sample
 
 
 def _chat(cfg: Config) -> bool:

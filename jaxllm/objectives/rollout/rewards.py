@@ -73,15 +73,18 @@ def model_sources(t) -> dict[str, str]:
     return {"reward_model": t.reward} if is_model(t.reward) else {}
 
 
-def with_term_metrics(objective, names: Sequence[str]):
-    """`objective` (grpo / ppo, whose `tokens` counts completions) that also logs each named
-    reward's mean over the completions, `rewards/<name>/mean`, from the batch's
-    `rewards/<name>` fields (`jaxllm.objectives.rollout.scoring`)."""
+def with_term_metrics(objective, names: Sequence[str], *, every_row: bool = False):
+    """`objective` (a rollout objective, whose `tokens` counts completions) that also logs each
+    named reward's mean over the completions, `rewards/<name>/mean`, from the batch's
+    `rewards/<name>` fields (`jaxllm.objectives.rollout.scoring`). The completions counted:
+    every row of the batch (`every_row`, as the critic-free objectives count them, a masked
+    truncated completion included), else those with a trained token (PPO)."""
     import jax.numpy as jnp
 
     def with_terms(model, batch: dict, rng, others=None):
         out = objective(model, batch, rng, others)
-        valid_B = (jnp.sum(batch["loss_mask"], axis=-1) > 0).astype(jnp.float32)
+        rows_BxL = batch["segment_ids"] > 0 if every_row else batch["loss_mask"] > 0
+        valid_B = (jnp.sum(rows_BxL, axis=-1) > 0).astype(jnp.float32)
         metrics = dict(out.metrics)
         for name in names:
             metrics[f"rewards/{name}/mean"] = jnp.sum(batch[f"rewards/{name}"][:, 0] * valid_B)

@@ -18,9 +18,10 @@ and it
    on the rows sampled beside it;
 3. scores every completion (`scoring`): on the host with the reward functions of its decoded
    text, on the mesh with reward models (held frozen in `TrainState.others`), the weighted
-   sum of `train.rewards` or the one `train.reward`; then turns the rewards into
-   group-relative advantages (`grpo.group_advantages`), or for PPO into GAE advantages and
-   returns from the value head's V_old (`ppo.rollout_fields`);
+   sum of `train.rewards` or the one `train.reward`; then turns the rewards into the
+   critic-free objectives' advantages (`critic_free`: GRPO's group-relative ones, RLOO's,
+   REINFORCE++'s; DAPO's dynamic sampling draws again where a group agrees), or for PPO into
+   GAE advantages and returns from the value head's V_old (`ppo.rollout_fields`);
 4. builds one row per completion, prompt then completion then the stop that ended it (EOS;
    after a chat prompt also the chat template's end-of-turn marker, `jaxllm.infer.chat`),
    `loss_mask` on the completion's tokens, with float32 `advantages`, `rewards` and
@@ -63,15 +64,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxllm import parallel, sharding
-from jaxllm.config import Config, ConfigError, GenerateConfig
+from jaxllm.config import Config, ConfigError
+from jaxllm.config.grpo import settings
 from jaxllm.data.rollout import Prompt, prompt_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer.chat import end_of_turn
-from jaxllm.infer.engine import batch as engine_batch
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.objectives.base import token_logps
-from jaxllm.objectives.rollout import ppo
-from jaxllm.objectives.rollout.grpo import group_advantages
+from jaxllm.objectives.rollout import critic_free, ppo
+from jaxllm.objectives.rollout.generation import rows, sample
 from jaxllm.objectives.rollout.scoring import Scorer
 from jaxllm.sharding import to_global
 
@@ -86,72 +87,6 @@ def _policy_logps(params, frozen, model_state, batch, *, graphdef, parallel_sett
         logp_BxL, out = token_logps(model, parallel.sequence_layout(batch))
         back_L = jnp.argsort(order_1xL[0])  # back from a ring's zigzag layout
         return logp_BxL[:, back_L], None if out.values is None else out.values[:, back_L]
-
-
-def sequences(prompts: list[np.ndarray], completions: list[list[int]], ends) -> list[np.ndarray]:
-    """Each prompt + completion + the stop it ended with (EOS, an end-of-turn marker; nothing
-    when it ran out of tokens)."""
-    return [
-        np.concatenate([p, np.asarray(list(c) + list(e), np.int32)]).astype(np.int32)
-        for p, c, e in zip(prompts, completions, ends)
-    ]
-
-
-def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, seed, stops, ends):
-    """(the generation, each prompt + completion + stop) of one completion per prompt from
-    `model` on `mesh`: up to `train.max_completion_tokens` or one of the stops,
-    at `temperature` (0: greedy) with the `generate` section's top_k / top_p and KV cache.
-    `seed`: one for the batch, or a list of one per prompt (each row's draws then depend on its
-    seed alone). `stops`: the stop ids; `ends`: the stop sequences (a multi-token end-of-turn
-    marker)."""
-    seeds = None if isinstance(seed, int) else [int(x) for x in seed]
-    g = cfg.generate
-    gen = GenerateConfig(
-        max_new_tokens=cfg.train.max_completion_tokens,
-        temperature=temperature,
-        top_k=g.top_k if temperature else 0,
-        top_p=g.top_p if temperature else 1.0,
-        seed=0 if seeds is not None else seed,
-        stop_tokens=g.stop_tokens,
-        kv_cache_dtype=g.kv_cache_dtype,
-        kv_group=g.kv_group,
-        kv_page_size=g.kv_page_size,
-        decode_impl=g.decode_impl,
-    )
-    # on the engine (`jaxllm.infer.engine.batch`: a group's G copies of a prompt share its
-    # pages) unless it cannot run this (a mesh with a stage or sequence axis); a
-    # pool and slot count fixed by the run, so every rollout runs the same compiled programs
-    out = engine_batch.generate(
-        model,
-        prompts,
-        gen,
-        stop_tokens=stops,
-        stop_sequences=ends,
-        mesh=mesh,
-        mesh_config=cfg.mesh,
-        slots=cfg.train.global_batch_size,
-        max_len=min(cfg.data.seq_len, cfg.model.max_seq_len),
-        seeds=seeds,
-        group=cfg.train.num_generations,
-    )
-    return out, sequences(prompts, out.tokens, out.ends)
-
-
-def rows(prompts: list[np.ndarray], seqs: list[np.ndarray], seq_len: int):
-    """The train rows of `sequences`: `inputs`, `targets`, `positions`, `segment_ids` (1 on the
-    sequence, 0 on padding) and `loss_mask` (1 where the target is a completion token, its stop
-    included), [N, seq_len] int32 each."""
-    n = len(prompts)
-    out = {k: np.zeros((n, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids")}
-    out["loss_mask"] = np.zeros((n, seq_len), np.int32)
-    out["positions"] = np.tile(np.arange(seq_len, dtype=np.int32), (n, 1))
-    for i, (p, seq) in enumerate(zip(prompts, seqs)):
-        seq = seq[: seq_len + 1]
-        m = len(seq) - 1
-        out["inputs"][i, :m], out["targets"][i, :m] = seq[:-1], seq[1:]
-        out["segment_ids"][i, :m] = 1
-        out["loss_mask"][i, len(p) - 1 : m] = 1
-    return out
 
 
 class _Weights(NamedTuple):
@@ -194,7 +129,7 @@ class Rollouts:
     """The iterator of GRPO's and PPO's batches (see the module docstring): `next_rows(it,
     state)` gives this process's rows of the next global batch, made with `state`'s parameters."""
 
-    def __init__(self, cfg: Config, mesh, batch_sharding, local: slice):
+    def __init__(self, cfg: Config, mesh, batch_sharding, local: slice, reference=None):
         t = cfg.train
         if cfg.peft.method == "prompt":
             raise ConfigError(
@@ -212,6 +147,10 @@ class Rollouts:
             )
         self.cfg, self.mesh, self.local = cfg, mesh, local
         self.batch_sharding = batch_sharding
+        # RLOO / REINFORCE++ with beta > 0: the reference's log-probabilities of a global batch,
+        # (params, frozen, model_state, others, batch) -> [B, L] (`jaxllm.train.precompute`)
+        self.reference = reference
+        self.settings = settings(t)
         # several processes: each samples its own rows from a whole copy of the parameters on
         # its first device (the generator runs on process-local data)
         self.multi = jax.process_count() > 1
@@ -238,6 +177,12 @@ class Rollouts:
                 f"({t.max_completion_tokens}) exceeds data.seq_len ({cfg.data.seq_len}"
                 f"{', less 1 for the stop a reward model reads' if self.reward_model else ''}) or "
                 f"model.max_seq_len ({cfg.model.max_seq_len}); raise them or shorten the prompts"
+            )
+        if self.scorer.models and self.settings.dynamic_sampling and t.objective != "ppo":
+            raise ConfigError(
+                "train.grpo.dynamic_sampling scores each round of samples on the host: it takes "
+                "reward functions (train.reward, the fn terms of train.rewards), not a reward "
+                "model; set train.grpo.dynamic_sampling=false."
             )
         # A completion ends at EOS; after a chat prompt also at the template's end of turn.
         chat = any(not isinstance(p.prompt, str) for p in (*self.prompts, *self.eval_prompts))
@@ -290,11 +235,6 @@ class Rollouts:
         stops = (self.stops, self.stop_sequences)
         return sample(self.cfg, model, self.sample_mesh, ids, temperature, seed, *stops)
 
-    def _text_scores(self, prompts: list[Prompt], out) -> tuple:
-        """The reward functions' scores of each decoded completion and a process reward
-        model's rows of them (host only; `Scorer.text_scores`)."""
-        return self.scorer.text_scores(prompts, [self.tok.decode(c) for c in out.tokens])
-
     def _rewards(self, state, prompts: list[Prompt], out, seqs) -> list[float]:
         """One reward per completion of the whole list (the same in every process): a model
         term reads whole batches, so the list is padded to one and each process scores its
@@ -337,27 +277,61 @@ class Rollouts:
         self.made += 1
         return _Next(future, functools.partial(self._finish, weights=weights))
 
-    def _draw(self, k: int) -> tuple[list[Prompt], list[int]]:
+    def _draw(self, k: int, j: int = 0) -> tuple[list[Prompt], list[int]]:
         """Rollout k's prompts of this process's rows, and a sampling seed for each row from
         (run.seed, k, the row's place in the global batch): the same rows, sampled the same,
-        however the batch is split over processes."""
-        draw = np.random.default_rng([self.cfg.data.seed, k])
+        however the batch is split over processes. j > 0: dynamic sampling's round j."""
+        draw = np.random.default_rng([self.cfg.data.seed, k, *([j] if j else [])])
         picked = draw.choice(len(self.prompts), self.per_step, replace=False)
         where = range(self.local.start, self.local.stop)
         prompts = [self.prompts[picked[i // self.group]] for i in where]
         seed = self.cfg.run.seed
         return prompts, [
-            int(np.random.SeedSequence([seed, k, i]).generate_state(1)[0]) for i in where
+            int(np.random.SeedSequence([seed, k, i, *([j] if j else [])]).generate_state(1)[0])
+            for i in where
         ]
+
+    def _sampled_rows(self, k: int, sampler: _Weights, j: int = 0) -> list[tuple]:
+        """(prompt, sequence, function terms' scores [K] (NaN for a model), a process reward
+        model's row or None, completion tokens, truncated) of each of this process's rows of
+        rollout k (round j of dynamic sampling)."""
+        prompts, seeds = self._draw(k, j)
+        out, seqs = self._generate(sampler, prompts, self.cfg.train.rollout_temperature, seeds)
+        texts = [self.tok.decode(c) if self.scorer.needs_text else None for c in out.tokens]
+        fn, prm = self.scorer.text_scores(prompts, texts)
+        prm_rows = [None] * len(seqs) if prm is None else [
+            {key: v[i] for key, v in prm.items()} for i in range(len(seqs))
+        ]  # fmt: skip
+        lengths = [len(c) for c in out.tokens]
+        truncated = [not len(e) for e in out.ends]
+        return list(zip(prompts, seqs, fn, prm_rows, lengths, truncated))
 
     def _sample(self, k: int, sampler: _Weights):
         """Rollout k's process-local half: this process's rows sampled from `sampler`, their
         reward function's scores (a reward model's come in `_finish`); no collectives, so it can
         run in a background thread."""
-        prompts, seeds = self._draw(k)
-        out, seqs = self._generate(sampler, prompts, self.cfg.train.rollout_temperature, seeds)
-        text = self._text_scores(prompts, out)
-        return seqs, text, rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
+        got = self._sampled_rows(k, sampler)
+        s, t = self.settings, self.cfg.train
+        if s.dynamic_sampling and t.objective != "ppo":  # function terms only (`__init__`)
+            got = critic_free.refill(
+                got,
+                lambda j: self._sampled_rows(k, sampler, j),
+                self.group,
+                s.max_resample,
+                lambda rows_: critic_free.shaped(
+                    self.scorer.total(np.stack([r[2] for r in rows_])),
+                    [r[4] for r in rows_],
+                    t.max_completion_tokens,
+                    s,
+                ),
+            )
+        prompts, seqs, fn, prm_rows, lengths, truncated = map(list, zip(*got))
+        prm = None if prm_rows[0] is None else {
+            key: np.stack([r[key] for r in prm_rows]) for key in prm_rows[0]
+        }  # fmt: skip
+        local = rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
+        local["ended"] = np.asarray([lengths, truncated], np.float32).T  # [N, 2]
+        return seqs, (np.stack(fn), prm), local
 
     def _whole(self, local: dict) -> dict:
         """The global batch of every process's `local` rows (a collective)."""
@@ -379,6 +353,7 @@ class Rollouts:
         batch = self._whole({**local, "terms": np.asarray(terms, np.float32)})
         terms = batch.pop("terms")
         scores = self.scorer.total(terms)
+        lengths, truncated = batch.pop("ended").T
         placed = to_global({k: v[self.local] for k, v in batch.items()}, self.batch_sharding, gbs)
         old, values = self._logps(weights.params, weights.frozen, weights.model_state, placed)
         gather = functools.partial(multihost_utils.process_allgather, tiled=True)
@@ -387,10 +362,9 @@ class Rollouts:
             batch["old_values"] = np.asarray(gather(values), np.float32)
             batch.update(ppo.rollout_fields(scores, batch["old_values"], batch["loss_mask"], t))
         else:
-            adv_S = group_advantages(scores, self.group, t.grpo_normalization)
-            shape = batch["inputs"].shape
-            batch["advantages"] = np.broadcast_to(adv_S[:, None], shape)
-            batch["rewards"] = np.broadcast_to(scores[:, None], shape)
+            batch.update(
+                critic_free.finish(self, batch, (scores, lengths, truncated), weights, others)
+            )
         batch.update(self.scorer.term_fields(terms, batch["inputs"].shape))
         return {k: np.ascontiguousarray(v) for k, v in batch.items()}
 
