@@ -35,11 +35,15 @@ from jaxllm.config.trackers import validate_trackers
 from jaxllm.config.train import (
     PAIR_OBJECTIVES,
     ROLLOUT_OBJECTIVES,
+    UNPAIRED_OBJECTIVES,
     TrainConfig,
     validate_evaluated,
     validate_train,
 )
 from jaxllm.config.urls import validate_urls
+
+# The formats of examples with a prompt, read from JSONL / Parquet records (never stdlib).
+SUPERVISED_FORMATS = ("chat", "prompt_completion", "preference", "unpaired_preference")
 
 # The keys of `optim.loss_scale`, the ones static scaling ignores after the first.
 _LOSS_SCALE_KEYS = (
@@ -298,7 +302,7 @@ class Config:
         for i, src in enumerate((*d.sources, *d.eval_sources)):
             if not math.isfinite(src.weight) or src.weight <= 0:
                 _fail(f"data source {src.path!r} has weight {src.weight}; weights must be > 0.")
-            if src.format in ("chat", "prompt_completion", "preference") and src.path == "stdlib":
+            if src.format in SUPERVISED_FORMATS and src.path == "stdlib":
                 _fail(
                     f"data source stdlib cannot have format {src.format}: give the path of "
                     "JSONL or Parquet examples."
@@ -333,6 +337,15 @@ class Config:
                     f"train.objective={objective} does not read; set train.objective to one of "
                     f"{', '.join(PAIR_OBJECTIVES)}."
                 )
+            if (objective in UNPAIRED_OBJECTIVES) != (src.format == "unpaired_preference"):
+                _fail(
+                    f"train.objective={objective} trains on unpaired preferences, but data "
+                    f"source {src.path!r} has format {src.format}; give format: "
+                    "unpaired_preference sources."
+                    if objective in UNPAIRED_OBJECTIVES
+                    else f"data source {src.path!r} holds unpaired preferences, which "
+                    f"train.objective={objective} does not read; set train.objective=kto."
+                )
             rollout = objective in ROLLOUT_OBJECTIVES
             if rollout != (src.format == "rollout"):
                 _fail(
@@ -344,7 +357,7 @@ class Config:
                     f"train.objective={objective} does not read; set train.objective to one of "
                     f"{', '.join(ROLLOUT_OBJECTIVES)}."
                 )
-        if objective in PAIR_OBJECTIVES and d.train_on_prompt:
+        if (objective in PAIR_OBJECTIVES or objective in UNPAIRED_OBJECTIVES) and d.train_on_prompt:
             _fail(
                 "data.train_on_prompt does not apply to preference pairs, whose losses compare "
                 "the answers only; set it to false."

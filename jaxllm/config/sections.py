@@ -147,6 +147,7 @@ class SourceConfig:
         "chat",
         "prompt_completion",
         "preference",
+        "unpaired_preference",
         "rollout",
     ] = "auto"
     """`auto` picks by extension: .jsonl/.json -> jsonl, .parquet, .arrayrecord/.array_record,
@@ -154,7 +155,8 @@ class SourceConfig:
     (rows of a .parquet file, lines of any other file, read as JSONL): a conversation rendered
     by the tokenizer's chat template, or a prompt followed by its completion; the loss covers
     the assistant turns / the completion (see `data.train_on_prompt`). `preference` records
-    hold a prompt with a chosen and a rejected answer, for the DPO family and reward models.
+    hold a prompt with a chosen and a rejected answer, for the DPO family and reward models;
+    `unpaired_preference` records a prompt, one completion and a boolean label, for KTO.
     `rollout` records hold a prompt and the answer its completions are checked against, for
     GRPO (`jaxllm.objectives.rollout.sampling`): the model writes the completions."""
     text_field: str = "text"
@@ -166,7 +168,10 @@ class SourceConfig:
     """`format: prompt_completion`, `preference` and `rollout`: field holding the prompt (a
     string, or for `preference` and `rollout` also a list of chat messages)."""
     completion_field: str = "completion"
-    """`format: prompt_completion`: field holding the completion (a string)."""
+    """`format: prompt_completion` / `unpaired_preference`: field holding the completion (a
+    string; for `unpaired_preference` also a list of assistant messages)."""
+    label_field: str = "label"
+    """`format: unpaired_preference`: field holding the label, true (desirable) or false."""
     chosen_field: str = "chosen"
     """`format: preference`: field holding the preferred answer (a string, or a list of chat
     messages: the assistant turn(s) that follow the prompt)."""

@@ -9,8 +9,10 @@ from jaxllm.config.errors import fail as _fail
 
 # The objectives of the DPO family: a loss over (chosen, rejected) pairs of `format: preference`.
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+# KTO: a loss over examples of `format: unpaired_preference`, each desirable or not.
+UNPAIRED_OBJECTIVES = ("kto",)
 # Those that compare the policy with a reference model (SimPO and ORPO need none).
-REFERENCE_OBJECTIVES = ("dpo", "ipo")
+REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 # Every objective that reads the pairs of `format: preference` sources (a reward model too).
 PAIR_OBJECTIVES = (*PREFERENCE_OBJECTIVES, "reward")
 # The reinforcement-learning objectives: they sample their own batches (`format: rollout`).
@@ -83,7 +85,8 @@ class TrainConfig:
     """What the step minimises: `next_token` (cross-entropy over `loss_mask` tokens), `sft`
     (the same loss, named for fine-tuning on chat / prompt_completion sources, whose
     `loss_mask` covers only the assistant turns; on plain text it trains every token), the
-    preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `reward`
+    preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `kto`
+    (on `format: unpaired_preference` sources; `jaxllm.objectives.kto`), `reward`
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
     -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `distill`
     (match `train.teacher`), the rollout objectives `grpo` and `ppo` (on `format: rollout`
@@ -101,8 +104,8 @@ class TrainConfig:
     <mask>), or for a tokenizer without one (the byte tokenizer) the first id past its
     vocabulary (258 for bytes), which model.vocab_size must hold; an id here overrides both."""
     beta: float = 0.1
-    """The preference losses' coefficient: DPO's beta (the inverse temperature of the implicit
-    reward), IPO's tau (the target margin is 1 / (2 tau)), SimPO's beta, ORPO's lambda (the
+    """The preference losses' coefficient: DPO's and KTO's beta (the inverse temperature of the
+    implicit reward), IPO's tau (the target margin is 1 / (2 tau)), SimPO's beta, ORPO's lambda (the
     weight of the odds-ratio term); `grpo` / `ppo`: the weight of the KL to `train.reference` (0 holds
     no reference)."""
     label_smoothing: float = 0.0
@@ -111,8 +114,12 @@ class TrainConfig:
     simpo_gamma: float = 0.5
     """`simpo`: the target reward margin gamma (the loss is -log sigmoid(beta * margin -
     gamma), as TRL's CPOTrainer writes it with gamma / beta inside the bracket)."""
+    desirable_weight: float = 1.0
+    """`kto`: the weight lambda_D of the desirable examples' losses (> 0; TRL's name)."""
+    undesirable_weight: float = 1.0
+    """`kto`: the weight lambda_U of the undesirable examples' losses (> 0; TRL's name)."""
     reference: str | None = None
-    """The reference model of `dpo` / `ipo` / `grpo`: a run directory, a checkpoint step, or a Hugging
+    """The reference model of `dpo` / `ipo` / `kto` / `grpo`: a run directory, a checkpoint step, or a Hugging
     Face directory, held frozen and sharded on the same mesh. Null: the run's starting point,
     `checkpoint.init_from`; under `peft` the base itself with the adapters switched off, so no
     second copy is held."""
@@ -243,7 +250,9 @@ class TrainConfig:
 # The keys only some objectives read: set away from its default for another objective, a key
 # would do nothing, which is an error rather than a silent no-op.
 OBJECTIVE_KEYS = {
-    "beta": (*PREFERENCE_OBJECTIVES, *ROLLOUT_OBJECTIVES),
+    "beta": (*PREFERENCE_OBJECTIVES, *UNPAIRED_OBJECTIVES, *ROLLOUT_OBJECTIVES),
+    "desirable_weight": UNPAIRED_OBJECTIVES,
+    "undesirable_weight": UNPAIRED_OBJECTIVES,
     "label_smoothing": ("dpo",),
     "simpo_gamma": ("simpo",),
     "reference": (*REFERENCE_OBJECTIVES, *ROLLOUT_OBJECTIVES),
@@ -285,6 +294,9 @@ def validate_train(t: TrainConfig) -> None:
         validate_rollout(t)
     elif not t.beta > 0:
         _fail(f"train.beta must be positive, not {t.beta}.")
+    for key in ("desirable_weight", "undesirable_weight"):
+        if not getattr(t, key) > 0:
+            _fail(f"train.{key} must be positive, not {getattr(t, key)}.")
     if not 0 <= t.label_smoothing < 0.5:
         _fail(f"train.label_smoothing must be in [0, 0.5), not {t.label_smoothing}.")
     for key, readers in OBJECTIVE_KEYS.items():

@@ -24,7 +24,7 @@ import grain
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
-from jaxllm.data import preference, sft
+from jaxllm.data import preference, sft, unpaired
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
 from jaxllm.data.sources import BadRecords, fetched, is_prepared_dir, list_files, read_texts
@@ -118,6 +118,9 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
     if sft.is_sft(src):
         bad = sft.bad_records(key, src)
         texts = [list(sft.read_examples(f, src, tok, cfg.on_bad_record, bad)) for f in files]
+    elif unpaired.is_unpaired(src):
+        bad = unpaired.bad_records(key, src)
+        texts = [list(unpaired.read_examples(f, src, tok, cfg.on_bad_record, bad)) for f in files]
     elif preference.is_preference(src):
         bad = preference.bad_records(key, src)
         texts = [list(preference.read_pairs(f, src, tok, cfg.on_bad_record, bad)) for f in files]

@@ -23,6 +23,7 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
   `prefix_lm` (next-token prediction after a bidirectional prefix).
 - `preference`: the DPO family, `dpo`, `ipo`, `simpo` and `orpo`, losses over the (chosen,
   rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
+- `kto`: KTO on the desirable / undesirable examples of `format: unpaired_preference` rows.
 - `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry).
 - `rollout`: `grpo` (GRPO's clipped, group-relative policy gradient with a KL to the
   reference) and `ppo` (PPO with GAE from the policy's value head), on batches the policy
@@ -35,14 +36,14 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
 An objective that needs frozen models besides the policy names them in its `others` attribute
 (`("reference",)` for DPO / IPO); the engine holds them (`jaxllm.train.companions`).
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
-`mlm`, `prefix_lm`, one of the preference losses, `reward`, `grpo`, `ppo`, `distill`,
+`mlm`, `prefix_lm`, one of the preference losses, `kto`, `reward`, `grpo`, `ppo`, `distill`,
 `span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
 from __future__ import annotations
 
 from jaxllm.config import Config, ConfigError
-from jaxllm.objectives import denoising, distill, preference, reward
+from jaxllm.objectives import denoising, distill, kto, preference, reward
 from jaxllm.objectives.base import Objective, ObjectiveOutput, load_function, token_nll
 from jaxllm.objectives.denoising import mlm
 from jaxllm.objectives.lm import next_token, prefix_lm, sft
@@ -70,6 +71,7 @@ BUILT_IN = {
         kind: (lambda cfg, kind=kind: preference.from_train_config(kind, cfg.train))
         for kind in preference.KINDS
     },
+    "kto": lambda cfg: kto.from_train_config(cfg.train),
     "reward": lambda cfg: reward.objective(),
     "grpo": lambda cfg: grpo.from_train_config(cfg.train),
     "ppo": ppo.from_config,
