@@ -326,6 +326,15 @@ class Config:
         if ":" in objective:  # an objective of your own reads what it likes
             return
         for src in (*d.sources, *d.eval_sources):
+            if (objective in UNPAIRED_OBJECTIVES) != (src.format == "unpaired_preference"):
+                _fail(
+                    f"train.objective={objective} trains on unpaired preferences, but data "
+                    f"source {src.path!r} has format {src.format}; give format: "
+                    "unpaired_preference sources."
+                    if objective in UNPAIRED_OBJECTIVES
+                    else f"data source {src.path!r} holds unpaired preferences, which "
+                    f"train.objective={objective} does not read; set train.objective=kto."
+                )
             if objective in PAIR_OBJECTIVES and src.format != "preference":
                 _fail(
                     f"train.objective={objective} trains on preference pairs, but data source "
@@ -336,15 +345,6 @@ class Config:
                     f"data source {src.path!r} holds preference pairs, which "
                     f"train.objective={objective} does not read; set train.objective to one of "
                     f"{', '.join(PAIR_OBJECTIVES)}."
-                )
-            if (objective in UNPAIRED_OBJECTIVES) != (src.format == "unpaired_preference"):
-                _fail(
-                    f"train.objective={objective} trains on unpaired preferences, but data "
-                    f"source {src.path!r} has format {src.format}; give format: "
-                    "unpaired_preference sources."
-                    if objective in UNPAIRED_OBJECTIVES
-                    else f"data source {src.path!r} holds unpaired preferences, which "
-                    f"train.objective={objective} does not read; set train.objective=kto."
                 )
             rollout = objective in ROLLOUT_OBJECTIVES
             if rollout != (src.format == "rollout"):
