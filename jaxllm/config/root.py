@@ -40,6 +40,7 @@ from jaxllm.config.train import (
     validate_evaluated,
     validate_train,
 )
+from jaxllm.config.unpaired_online import validate_kto_online
 from jaxllm.config.urls import validate_urls
 
 # The formats of examples with a prompt, read from JSONL / Parquet records (never stdlib).
@@ -316,6 +317,7 @@ class Config:
         if self.train.nonfinite_patience < 1:
             _fail(f"train.nonfinite_patience must be >= 1, not {self.train.nonfinite_patience}.")
         validate_train(self.train)
+        validate_kto_online(self)
         validate_on_policy(self.train, self.data)
         validate_features(self.train, self.model, self.peft)
         validate_grad_compression(self)

@@ -16,7 +16,7 @@ REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 # Every objective that reads the pairs of `format: preference` sources (a reward model too).
 PAIR_OBJECTIVES = (*PREFERENCE_OBJECTIVES, "reward")
 # The reinforcement-learning objectives: they sample their own batches (`format: rollout`).
-ROLLOUT_OBJECTIVES = ("grpo", "ppo")
+ROLLOUT_OBJECTIVES = ("grpo", "ppo", "online_dpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +89,8 @@ class TrainConfig:
     (on `format: unpaired_preference` sources; `jaxllm.objectives.kto`), `reward`
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
     -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `distill`
-    (match `train.teacher`), the rollout objectives `grpo` and `ppo` (on `format: rollout`
-    sources; `jaxllm.objectives.rollout`), `mlm` (masked LM, BERT: an encoder,
+    (match `train.teacher`), the rollout objectives `grpo`, `ppo` and `online_dpo` (on
+    `format: rollout` sources; `jaxllm.objectives.rollout`), `mlm` (masked LM, BERT: an encoder,
     `model.kind=encoder`, predicts the tokens `jaxllm.data.mlm` hid), `prefix_lm` (a decoder
     reads each example's prefix, its prompt or a drawn length of text, bidirectionally and
     learns what follows; `jaxllm.data.objective_rows`), `span_corruption` (T5's denoising of
@@ -274,11 +274,11 @@ OBJECTIVE_KEYS = {
             "num_generations",
             "updates_per_rollout",
             "rollout_ahead",
-            "clip_epsilon",
             "reward",
         )
     },
     "grpo_normalization": ("grpo",),
+    "clip_epsilon": ("grpo", "ppo"),
     "loss_chunks": ("next_token", "sft", "mlm", "prefix_lm"),
     "mask_rate": ("mlm",),
     "mask_token_id": ("mlm",),
@@ -294,9 +294,6 @@ def validate_train(t: TrainConfig) -> None:
         validate_rollout(t)
     elif not t.beta > 0:
         _fail(f"train.beta must be positive, not {t.beta}.")
-    for key in ("desirable_weight", "undesirable_weight"):
-        if not getattr(t, key) > 0:
-            _fail(f"train.{key} must be positive, not {getattr(t, key)}.")
     if not 0 <= t.label_smoothing < 0.5:
         _fail(f"train.label_smoothing must be in [0, 0.5), not {t.label_smoothing}.")
     for key, readers in OBJECTIVE_KEYS.items():

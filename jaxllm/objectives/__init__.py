@@ -27,7 +27,8 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
 - `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry).
 - `rollout`: `grpo` (GRPO's clipped, group-relative policy gradient with a KL to the
   reference) and `ppo` (PPO with GAE from the policy's value head), on batches the policy
-  samples itself (`rollout.sampling`), scored by `rollout.rewards`.
+  samples itself (`rollout.sampling`), scored by `rollout.rewards`; `online_dpo` (DPO's loss
+  on the two sampled completions of each prompt, ranked by the reward).
 - `distill`: matches a frozen teacher's next-token distributions, on the data or, with
   `train.distill_lambda`, partly on the student's own samples (GKD, `rollout.onpolicy`).
 - `denoising`: `mlm` (masked LM for encoders, `model.kind=encoder`, on rows `jaxllm.data.mlm`
@@ -36,7 +37,8 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
 An objective that needs frozen models besides the policy names them in its `others` attribute
 (`("reference",)` for DPO / IPO); the engine holds them (`jaxllm.train.companions`).
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
-`mlm`, `prefix_lm`, one of the preference losses, `kto`, `reward`, `grpo`, `ppo`, `distill`,
+`mlm`, `prefix_lm`, one of the preference losses, `kto`, `reward`, `grpo`, `ppo`,
+`online_dpo`, `distill`,
 `span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
@@ -47,7 +49,7 @@ from jaxllm.objectives import denoising, distill, kto, preference, reward
 from jaxllm.objectives.base import Objective, ObjectiveOutput, load_function, token_nll
 from jaxllm.objectives.denoising import mlm
 from jaxllm.objectives.lm import next_token, prefix_lm, sft
-from jaxllm.objectives.rollout import grpo, ppo
+from jaxllm.objectives.rollout import grpo, online_dpo, ppo
 
 __all__ = [
     "BUILT_IN",
@@ -75,6 +77,7 @@ BUILT_IN = {
     "reward": lambda cfg: reward.objective(),
     "grpo": lambda cfg: grpo.from_train_config(cfg.train),
     "ppo": ppo.from_config,
+    "online_dpo": lambda cfg: online_dpo.from_train_config(cfg.train),
     "distill": distill.from_config,
     "span_corruption": lambda cfg: denoising.span_corruption(cfg.train.z_loss),
 }

@@ -1,4 +1,5 @@
-"""Objectives on batches the policy samples itself: GRPO (`grpo`) and PPO (`ppo`).
+"""Objectives on batches the policy samples itself: GRPO (`grpo`), PPO (`ppo`) and online DPO
+(`online_dpo`).
 
 `sampling.Rollouts` stands where the data pipeline's iterator stands in the train loop: it draws
 prompts, samples completions with the jitted generator from the state's own parameters, scores

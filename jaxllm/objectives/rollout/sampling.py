@@ -19,8 +19,9 @@ and it
 3. scores every completion: on the host with the reward function of its decoded text
    (`rewards`), or on the mesh with a reward model (`train.reward` a directory, held frozen
    in `TrainState.others`) read at the sequence's last token; then turns the rewards into
-   group-relative advantages (`grpo.group_advantages`), or for PPO into GAE advantages and
-   returns from the value head's V_old (`ppo.rollout_fields`);
+   group-relative advantages (`grpo.group_advantages`), for PPO into GAE advantages and
+   returns from the value head's V_old (`ppo.rollout_fields`), for online DPO into each
+   pair's chosen one (`online_dpo.rollout_fields`);
 4. builds one row per completion, prompt then completion then the stop that ended it (EOS;
    after a chat prompt also the chat template's end-of-turn marker, `jaxllm.infer.chat`),
    `loss_mask` on the completion's tokens, with float32 `advantages`, `rewards` and
@@ -72,7 +73,7 @@ from jaxllm.load import model_section
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.objectives.base import token_logps
 from jaxllm.objectives.reward import sequence_scores
-from jaxllm.objectives.rollout import ppo
+from jaxllm.objectives.rollout import online_dpo, ppo
 from jaxllm.objectives.rollout import rewards as rewards_lib
 from jaxllm.objectives.rollout.grpo import group_advantages
 from jaxllm.sharding import to_global
@@ -406,7 +407,9 @@ class Rollouts:
         old, values = self._logps(weights.params, weights.frozen, weights.model_state, placed)
         gather = functools.partial(multihost_utils.process_allgather, tiled=True)
         batch["old_logps"] = np.asarray(gather(old), np.float32)
-        if t.objective == "ppo":
+        if t.objective == "online_dpo":
+            batch.update(online_dpo.rollout_fields(scores, batch["inputs"].shape))
+        elif t.objective == "ppo":
             batch["old_values"] = np.asarray(gather(values), np.float32)
             batch.update(ppo.rollout_fields(scores, batch["old_values"], batch["loss_mask"], t))
         else:
