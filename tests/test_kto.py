@@ -19,6 +19,7 @@ from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.data import chat
 from jaxllm.data import tokenizer as tokenizer_lib
 from jaxllm.data.pipeline import load_splits
+from jaxllm.plan import plan
 from jaxllm.train.loop import train
 
 BYTES = tokenizer_lib.ByteTokenizer()
@@ -115,6 +116,13 @@ def test_config_checks(overrides, why):
     rest = [o for o in overrides if not o.startswith("format=")]
     with pytest.raises(ConfigError, match=why):
         config.load(None, [f"data.sources={source}", *rest])
+
+
+def test_plan_compiles_a_kto_step(tmp_path):
+    """`jaxllm plan` lowers kto's step with the rows' `label` array."""
+    source = f"[{{path: {unpaired_file(tmp_path)}, format: unpaired_preference}}]"
+    cfg = config.load(None, [*RUN, f"data.sources={source}", "train.objective=kto", *LORA])
+    assert plan(cfg, jax.devices()[:1])["compile_s"] > 0
 
 
 def kto(run, source, *overrides) -> list[dict]:
