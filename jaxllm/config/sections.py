@@ -165,8 +165,8 @@ class SourceConfig:
     """`format: chat`: field holding the conversation, a list of {role, content} messages with
     roles system, user and assistant and at least one assistant turn."""
     prompt_field: str = "prompt"
-    """`format: prompt_completion`, `preference` and `rollout`: field holding the prompt (a
-    string, or for `preference` and `rollout` also a list of chat messages)."""
+    """`format: prompt_completion`, `preference`, `unpaired_preference` and `rollout`: field
+    holding the prompt (a string, or except for `prompt_completion` also chat messages)."""
     completion_field: str = "completion"
     """`format: prompt_completion` / `unpaired_preference`: field holding the completion (a
     string; for `unpaired_preference` also a list of assistant messages)."""
