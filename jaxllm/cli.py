@@ -4,6 +4,8 @@
         [--coordinator H:P --num-processes N --process-id I]
     jaxllm eval RUN_DIR|CHECKPOINT [key=value ...] [--batches N] [--checkpoint best|last|STEP]
     jaxllm eval RUN_DIR|CHECKPOINT --chat-exact-match F.jsonl [--replies OUT.jsonl]
+    jaxllm eval RUN_DIR|CHECKPOINT --harness TASKS [--include-path DIR] [--limit N]
+        [--num-fewshot K] [key=value ...]   (EleutherAI's lm-evaluation-harness: jaxllm.harness)
     jaxllm generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
         [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4|int2] [key=value ...]
     jaxllm generate RUN_DIR|CHECKPOINT --chat MESSAGE [--system TEXT] | --chat-file F.jsonl
@@ -128,6 +130,10 @@ def cmd_eval(ns) -> int:
     path, overrides = config.split_args(ns.args)
     if path is None:
         raise ConfigError("jaxllm eval needs a run directory or checkpoint path.")
+    from jaxllm.harness_cli import harness_eval
+
+    if (code := harness_eval(ns)) is not None:
+        return code
     if ns.chat_exact_match is not None:
         from jaxllm.infer.cli import cmd_exact_match
 
@@ -155,13 +161,14 @@ def cmd_plan(ns) -> int:
 
     hbm = parse_bytes(ns.hbm) if ns.hbm else None
     devices = target_devices(ns.target) if ns.target else jax.devices()
-    report = plan(cfg, devices, hbm)
+    report = plan(cfg, devices, hbm, ns.images)
     print(format_plan(report))
     return 1 if report["fits"] is False else 0
 
 
 def parser() -> argparse.ArgumentParser:
     from jaxllm import convert_cli
+    from jaxllm.harness_cli import add_harness_arguments
 
     p = argparse.ArgumentParser(prog="jaxllm", description="Train LLMs with JAX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -178,12 +185,15 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--chat-exact-match", type=Path, metavar="F.jsonl", help=em)
     ev.add_argument("--replies", type=Path, help="with --chat-exact-match: write them here")
     ev.add_argument("--checkpoint", default="last", help=convert_cli.CHECKPOINT_HELP)
+    add_harness_arguments(ev)
     ev.set_defaults(func=cmd_eval)
     pl = sub.add_parser("plan", help="compile the train step ahead of time: memory, FLOPs")
     pl.add_argument("args", nargs="*", metavar="CONFIG|key=value")
     pl.add_argument("--devices", type=int, help="simulate this many CPU devices")
     pl.add_argument("--hbm", help="per-device memory budget, e.g. 80GiB; exit 1 if over it")
     pl.add_argument("--target", help="TPU topology to compile for, e.g. tpu-v5p-8 (needs libtpu)")
+    im = "a vision model's image budget: images at model.vision.max_pixels (default: a row each)"
+    pl.add_argument("--images", type=int, help=im)
     pl.set_defaults(func=cmd_plan)
     b = sub.add_parser("bench", help="measure a component")
     bsub = b.add_subparsers(dest="what", required=True)
@@ -234,6 +244,8 @@ _COUNTS = (
     ("top_k", 0, "off"),
     ("kv_page_size", 0, "a contiguous cache"),
     ("batches", 1, ""),
+    ("limit", 1, ""),
+    ("num_fewshot", 0, "zero-shot"),
     ("workers", 0, "in this process"),
     ("shard_docs", 1, ""),
     ("max_files", 1, ""),

@@ -24,6 +24,8 @@ def add_generate_parser(sub) -> None:
     src.add_argument("--chat", metavar="MESSAGE", help="a user message: print the reply alone")
     src.add_argument("--chat-file", type=Path, metavar="F.jsonl", help="chat JSONL, a line each")
     g.add_argument("--system", help="--chat / --chat-file: a system message first")
+    im = "--chat: an image (a path), put before the message in the user turn; repeatable"
+    g.add_argument("--image", action="append", metavar="PATH", help=im)
     g.add_argument("--out", type=Path, metavar="F.jsonl", help="write the replies as a dataset")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     g.add_argument("--max-new-tokens", type=int, help="tokens per prompt at most")

@@ -98,8 +98,18 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         + (transform + cfg.vocab_size) * enc.mlm_head
         + (d * d + d) * enc.pooler
     )
+    tower = vision_params(cfg.vision)  # per image, not per token: in total alone
     return {
-        "total": total_matmul + embed + head + norms + biases + moe_bias_total + positions + extra,
+        "total": total_matmul
+        + embed
+        + head
+        + norms
+        + biases
+        + moe_bias_total
+        + positions
+        + extra
+        + tower,
+        "vision": tower,
         "active": active_matmul
         + embed
         + head
@@ -111,6 +121,19 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         # the LM head is a matmul (the tied embedding too); the input embedding is a gather
         "matmul": active_matmul + head_out * d + d * d * enc.mlm_head,
     }
+
+
+def vision_params(v) -> int:
+    """Parameters of the vision tower (`model.vision`; 0 without one): the patch embedding,
+    each block's two RMSNorms, attention (q, k, v, o with biases) and SwiGLU MLP with biases,
+    and the merger (RMSNorm, fc1 and fc2 with biases)."""
+    if v is None:
+        return 0
+    d, f, wide = v.width, v.mlp_dim, v.width * v.spatial_merge**2
+    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2 * d
+    block = 2 * d + 4 * (d * d + d) + 3 * d * f + 2 * f + d
+    merger = d + wide * wide + wide + wide * v.out_dim + v.out_dim
+    return patch + v.depth * block + merger
 
 
 def _linear_layer_params(cfg: ModelConfig) -> tuple[int, int, int]:

@@ -20,8 +20,11 @@ from jaxllm.hlo_collectives import collectives
 from jaxllm.infer import kv_cache
 from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
+from jaxllm.model.groups import freeze_mask
+from jaxllm.optim.freeze import select
 from jaxllm.parallel import schedules
 from jaxllm.parallel.grad_compression import Compression
+from jaxllm.plan_vision import vision_bill, vision_lines
 from jaxllm.train import loss_scale
 from jaxllm.train.compiled import compile_steps
 from jaxllm.train.state import grad_shardings, init_state, layout
@@ -66,8 +69,9 @@ def grad_exchange(cfg: config.Config, abstract_params) -> dict | None:
     return {"method": comp.method, "sent": comp.wire_bytes(abstract_params), "dense": dense}
 
 
-def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
-    """Compiles the configured train step for `devices` and returns the report's numbers."""
+def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None) -> dict:
+    """Compiles the configured train step for `devices` and returns the report's numbers;
+    a VLM's tower is billed for `images` images (default: a device's rows of a microbatch)."""
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     jit_train, _, tx, shardings, batch_sh = compile_steps(cfg, mesh)
@@ -109,7 +113,8 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
 
     grad_sh = grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft)
     bill = memory_bill(abstract_state, shardings, axes, grad_sh)
-    trainable = sum(p.size for p in jax.tree.leaves(abstract_params))
+    frozen = freeze_mask(abstract_params, cfg.train.freeze, cfg.peft.method)  # train.freeze
+    trainable = sum(p.size for p in jax.tree.leaves(select(abstract_params, frozen)))
     q_bill = cfg.quantize.enabled and compress.weight_bytes(
         abstract_params, axes, cfg.quantize, mesh
     )
@@ -128,7 +133,12 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None) -> dict:
         + memory["temporaries"]
         + memory["code"]
     )
+    if images is None:  # one image per row of a device's share of a microbatch
+        ways = mesh.shape["data"] * mesh.shape["fsdp"] * microbatches(cfg)
+        images = max(1, b // ways)
+    tower_trains = "visual" in select(abstract_params, frozen)  # else only its forward
     return {
+        "vision": vision_bill(cfg, abstract_state, shardings, images, tower_trains),
         "pipeline": pipeline_report(cfg, mesh),
         "kv_cache": kv_cache.cache_report(cfg, mesh),
         "mesh": dict(mesh.shape),
@@ -309,6 +319,7 @@ def format_plan(r: dict) -> str:
         ),
         f"  optimizer state per parameter: {r['bill']['opt_bytes_per_param']:.3f} bytes "
         f"({r['bill']['opt_bytes_per_matrix_param']:.3f} over matrices)",
+        *vision_lines(r.get("vision"), fmt_bytes),
         *_base_lines(r["base"]),
         *(_quantized_line(**r["quantized"]) if r["quantized"] else []),
         *_pipeline_lines(r.get("pipeline")),

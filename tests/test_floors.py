@@ -44,6 +44,7 @@ FLOORS = [
     (8, "jaxllm.objectives"),
     (9, "jaxllm.train"),
     (10, "jaxllm.evaluate"),
+    (10, "jaxllm.harness"),
     (10, "jaxllm.plan"),
     (10, "jaxllm.quantize"),
     (10.5, "jaxllm.prune"),  # the pruning command, which reads runs as quantize does
@@ -58,6 +59,7 @@ FLOORS = [
     (11, "jaxllm.bench_comm_cli"),
     (11, "jaxllm.generate_cli"),
     (11, "jaxllm.lineage_cli"),
+    (11, "jaxllm.harness_cli"),
     (11, "jaxllm"),  # the package root names the public pieces
     (11, "jaxllm.__main__"),
 ]
@@ -76,6 +78,8 @@ DEFERRED = {
     "the parser, built for every command, imports this module",
     "jaxllm.lineage_cli": "the model stack (and jax) loads only when `lineage` runs: the "
     "parser, built for every command, imports this module",
+    "jaxllm.harness_cli": "lm-evaluation-harness and the model stack (and jax) load only when "
+    "`eval --harness` runs: the parser, built for every command, imports this module",
     "jaxllm.serve.cli": "the model stack, FastAPI and uvicorn (and jax) load only when the "
     "server runs: the parser, built for every command, imports this module",
     "jaxllm.kernels.flash_attention.ops": "a backend (Triton, Mosaic) loads only when used",

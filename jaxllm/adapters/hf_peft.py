@@ -249,7 +249,8 @@ def _peft_overrides(hf: dict, modules: set[str], family: Family, cfg: ModelConfi
     for link in _adaptable(family, cfg):
         pattern = re.escape(_module(link)).replace(re.escape("{i}"), r"\d+")
         if any(re.fullmatch(pattern, m) for m in modules):
-            targets.add(link.ours[0].rsplit("/", 1)[-1])
+            tower = "visual." if link.ours[0].startswith("visual/") else ""  # peft.targets
+            targets.add(tower + link.ours[0].rsplit("/", 1)[-1])
     if not targets:
         raise ConfigError(
             f"the adapter holds no LoRA factors of a {family.name} weight jaxllm can adapt "

@@ -28,6 +28,12 @@ LORA_TARGETS = (
     "lm_head",
 )
 ALL_LINEAR = "all-linear"
+# The vision tower's weights (`model.vision`), named with the prefix `visual.`: its blocks'
+# projections, the merger's two layers (fc1, fc2) and the patch embedding. A name without the
+# prefix adapts the language model only; `visual.all-linear` is every one but patch_embed.
+VISION = "visual."
+VISION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+VISION_TARGETS += ("fc1", "fc2", "patch_embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +59,10 @@ class PeftConfig:
     """Which weights get adapters, by name: q_proj k_proj v_proj o_proj gate_proj up_proj
     down_proj (a name matches the dense and the expert weight of that name), experts (all
     routed expert projections), q_a_proj q_b_proj kv_a_proj kv_b_proj (MLA), lm_head, or
-    all-linear (every one of them but lm_head)."""
+    all-linear (every one of them but lm_head): the language model's. The vision tower's
+    (`model.vision`) take the prefix `visual.`: visual.q_proj .. visual.down_proj (its blocks),
+    visual.fc1 visual.fc2 (the merger), visual.patch_embed, or visual.all-linear (all but
+    patch_embed)."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r."""
     keep_zeros: bool = False
@@ -95,10 +104,12 @@ class PeftConfig:
         if not self.targets:
             fail("peft.targets is empty; name the weights to adapt, e.g. [q_proj, v_proj].")
         for name in self.targets:
-            if name not in (*LORA_TARGETS, ALL_LINEAR):
+            tower = name.startswith(VISION) and name[len(VISION) :] in (*VISION_TARGETS, ALL_LINEAR)
+            if name not in (*LORA_TARGETS, ALL_LINEAR) and not tower:
                 fail(
                     f"peft.targets: {name!r} is not a weight LoRA can adapt; use "
-                    f"{', '.join(LORA_TARGETS)} or {ALL_LINEAR}."
+                    f"{', '.join(LORA_TARGETS)} or {ALL_LINEAR}, or for the vision tower "
+                    f"{VISION}NAME with NAME one of {', '.join(VISION_TARGETS)}, {ALL_LINEAR}."
                 )
 
     @property
@@ -121,10 +132,16 @@ class PeftConfig:
         """The factor on the adapters' output."""
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
-    def targeted(self, name: str, expert: bool) -> bool:
-        """Whether the weight `name` (a routed expert's when `expert`) gets an adapter."""
+    def targeted(self, name: str, expert: bool, tower: bool = False) -> bool:
+        """Whether the weight `name` (a routed expert's when `expert`; the vision tower's when
+        `tower`) gets an adapter."""
         if not self.lora:
             return False
+        if tower:
+            wanted = {t[len(VISION) :] for t in self.targets if t.startswith(VISION)}
+            if ALL_LINEAR in wanted:
+                return name in VISION_TARGETS and name != "patch_embed"
+            return name in wanted and name in VISION_TARGETS
         wanted = set(self.targets)
         if name not in LORA_TARGETS:
             return False

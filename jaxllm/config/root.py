@@ -43,10 +43,9 @@ from jaxllm.config.train import (
 from jaxllm.config.unpaired_online import validate_kto_online
 from jaxllm.config.urls import validate_urls
 
-# The formats of examples with a prompt, read from JSONL / Parquet records (never stdlib).
-SUPERVISED_FORMATS = ("chat", "prompt_completion", "preference", "unpaired_preference")
-
 # The keys of `optim.loss_scale`, the ones static scaling ignores after the first.
+# Formats of JSONL / Parquet examples, which the stdlib corpus cannot hold.
+EXAMPLE_FORMATS = ("chat", "prompt_completion", "preference", "unpaired_preference", "stepwise")
 _LOSS_SCALE_KEYS = (
     "loss_scale_init",
     "loss_scale_growth_interval",
@@ -105,6 +104,9 @@ class Config:
         validate_evaluated(t, self.data, self.checkpoint.keep_best)
         self._validate_kind()
         self.peft.validate()
+        for g in ("vision", "projector"):  # the rest by the parameters (`model.groups`)
+            if g in t.freeze and m.vision is None:
+                _fail(f"train.freeze: {g} holds no trainable parameter: model.vision is null.")
         self.quantize.validate()
         self.prune.validate()
         if self.train.qat.enabled and self.peft.method != "none":
@@ -303,7 +305,7 @@ class Config:
         for i, src in enumerate((*d.sources, *d.eval_sources)):
             if not math.isfinite(src.weight) or src.weight <= 0:
                 _fail(f"data source {src.path!r} has weight {src.weight}; weights must be > 0.")
-            if src.format in SUPERVISED_FORMATS and src.path == "stdlib":
+            if src.format in EXAMPLE_FORMATS and src.path == "stdlib":
                 _fail(
                     f"data source stdlib cannot have format {src.format}: give the path of "
                     "JSONL or Parquet examples."
@@ -347,6 +349,15 @@ class Config:
                     f"data source {src.path!r} holds preference pairs, which "
                     f"train.objective={objective} does not read; set train.objective to one of "
                     f"{', '.join(PAIR_OBJECTIVES)}."
+                )
+            if (objective == "prm") != (src.format == "stepwise"):
+                _fail(
+                    f"train.objective=prm trains on step-labelled solutions, but data source "
+                    f"{src.path!r} has format {src.format}; give format: stepwise sources."
+                    if objective == "prm"
+                    else f"data source {src.path!r} holds step-labelled solutions (format: "
+                    f"stepwise), which train.objective={objective} does not read; set "
+                    "train.objective=prm."
                 )
             rollout = objective in ROLLOUT_OBJECTIVES
             if rollout != (src.format == "rollout"):

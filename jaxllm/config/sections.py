@@ -149,6 +149,7 @@ class SourceConfig:
         "preference",
         "unpaired_preference",
         "rollout",
+        "stepwise",
     ] = "auto"
     """`auto` picks by extension: .jsonl/.json -> jsonl, .parquet, .arrayrecord/.array_record,
     anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
@@ -158,7 +159,10 @@ class SourceConfig:
     hold a prompt with a chosen and a rejected answer, for the DPO family and reward models;
     `unpaired_preference` records a prompt, one completion and a boolean label, for KTO.
     `rollout` records hold a prompt and the answer its completions are checked against, for
-    GRPO (`jaxllm.objectives.rollout.sampling`): the model writes the completions."""
+    GRPO (`jaxllm.objectives.rollout.sampling`): the model writes the completions. `stepwise`
+    records (TRL's stepwise_supervision: `prompt`, `completions` a list of steps, `labels` a
+    boolean per step) train a process reward model, `train.objective=prm`
+    (`jaxllm.data.stepwise`)."""
     text_field: str = "text"
     """Field holding the document in JSONL lines and Parquet rows."""
     messages_field: str = "messages"

@@ -6,6 +6,8 @@ import dataclasses
 from typing import Literal
 
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.rewards import RewardTermConfig, validate_rewards
+from jaxllm.config.rollout import validate_rollout
 
 # The objectives of the DPO family: a loss over (chosen, rejected) pairs of `format: preference`.
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
@@ -88,7 +90,9 @@ class TrainConfig:
     preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `kto`
     (on `format: unpaired_preference` sources; `jaxllm.objectives.kto`), `reward`
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
-    -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `distill`
+    -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `prm` (a process reward
+    model, `model.head=score`, scoring each step of `format: stepwise` solutions at its
+    separator, fitted to the step labels by binary cross-entropy as TRL's PRMTrainer), `distill`
     (match `train.teacher`), the rollout objectives `grpo`, `ppo` and `online_dpo` (on
     `format: rollout` sources; `jaxllm.objectives.rollout`), `mlm` (masked LM, BERT: an encoder,
     `model.kind=encoder`, predicts the tokens `jaxllm.data.mlm` hid), `prefix_lm` (a decoder
@@ -184,7 +188,11 @@ class TrainConfig:
     `path/to/file.py:NAME`, a function (prompts, completions, answers) -> rewards (floats),
     e.g. one that runs a unit test; or a reward model: the directory of a `train.objective=reward`
     run or a Hugging Face `*ForSequenceClassification` export, sharing the policy's tokenizer,
-    held frozen on the mesh and read at each completion's last token."""
+    held frozen on the mesh and read at each completion's last token, or of a `prm` run (the
+    lowest of its steps' scores; `jaxllm.objectives.rollout.scoring`)."""
+    rewards: tuple[RewardTermConfig, ...] = ()
+    """`grpo` / `ppo`: a weighted list of rewards instead of `train.reward`, each logged by name
+    (`jaxllm.config.rewards`): `[{fn: exact_match, weight: 1.0}, {model: DIR, weight: 0.5}]`."""
     grpo_normalization: Literal["sequence", "dr_grpo"] = "sequence"
     """`grpo`: `sequence` scales advantages by the group's std and averages each completion's
     tokens, then the completions (GRPO); `dr_grpo` only centres the advantages and divides
@@ -245,7 +253,12 @@ class TrainConfig:
     ratio, in equal parts); 0: the ratio from the first step."""
     grad_compression_bits: int = 8
     """`qsgd`: bits per entry, sign included (2..16): 2^(bits-1) - 1 levels per tensor norm."""
+    freeze: tuple[str, ...] = ()
+    """Parameter groups that do not train (no gradient, update, weight decay or optimizer
+    state): any of FREEZE_GROUPS (`jaxllm.model.groups`); under `peft`, the adapters in them."""
 
+
+FREEZE_GROUPS = ("vision", "projector", "language", "embed", "head")
 
 # The keys only some objectives read: set away from its default for another objective, a key
 # would do nothing, which is an error rather than a silent no-op.
@@ -275,6 +288,7 @@ OBJECTIVE_KEYS = {
             "updates_per_rollout",
             "rollout_ahead",
             "reward",
+            "rewards",
         )
     },
     "grpo_normalization": ("grpo",),
@@ -294,6 +308,9 @@ def validate_train(t: TrainConfig) -> None:
         validate_rollout(t)
     elif not t.beta > 0:
         _fail(f"train.beta must be positive, not {t.beta}.")
+    for g in t.freeze:
+        if g not in FREEZE_GROUPS:
+            _fail(f"train.freeze: {g!r} is not a group; use {', '.join(FREEZE_GROUPS)}.")
     if not 0 <= t.label_smoothing < 0.5:
         _fail(f"train.label_smoothing must be in [0, 0.5), not {t.label_smoothing}.")
     for key, readers in OBJECTIVE_KEYS.items():
@@ -338,6 +355,7 @@ def validate_train(t: TrainConfig) -> None:
     if not 0 <= t.distill_weight <= 1:
         _fail(f"train.distill_weight must be in [0, 1], not {t.distill_weight}.")
     validate_early_stopping(t)
+    validate_rewards(t)
     if t.objective == "distill" and not t.teacher:
         _fail(
             "train.objective=distill needs train.teacher: a run directory or a Hugging Face "
@@ -401,44 +419,3 @@ def validate_evaluated(t: TrainConfig, data, keep_best: bool) -> None:
                 else "data.eval_sources is empty and data.eval_fraction=0."
             )
         )
-
-
-def validate_rollout(t: TrainConfig) -> None:
-    """The checks of the rollout objectives' keys."""
-    if t.num_generations < (2 if t.objective == "grpo" else 1):
-        _fail(
-            f"train.num_generations must be at least 2 for grpo (a group's advantages are "
-            f"relative to its mean) and 1 for ppo, not {t.num_generations}."
-        )
-    if t.global_batch_size % t.num_generations:
-        _fail(
-            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-            f"train.num_generations={t.num_generations}: each step samples whole groups."
-        )
-    if t.max_completion_tokens < 1:
-        _fail(f"train.max_completion_tokens must be positive, not {t.max_completion_tokens}.")
-    if not t.rollout_temperature > 0:
-        _fail(
-            f"train.rollout_temperature must be positive ({t.objective} samples), not "
-            f"{t.rollout_temperature}."
-        )
-    if t.beta == 0 and t.reference:
-        _fail(
-            f"train.reference has no effect with train.beta=0: {t.objective} then keeps no KL "
-            "to a reference; set train.beta > 0 or drop train.reference."
-        )
-    if t.updates_per_rollout < 1:
-        _fail(f"train.updates_per_rollout must be at least 1, not {t.updates_per_rollout}.")
-    if t.rollout_ahead not in (0, 1):
-        _fail(
-            f"train.rollout_ahead must be 0 (on-policy) or 1 (one step off-policy), not "
-            f"{t.rollout_ahead}."
-        )
-    if not 0 < t.clip_epsilon < 1:
-        _fail(f"train.clip_epsilon must be in (0, 1), not {t.clip_epsilon}.")
-    for key in ("gae_gamma", "gae_lambda"):
-        if not 0 <= getattr(t, key) <= 1:
-            _fail(f"train.{key} must be in [0, 1], not {getattr(t, key)}.")
-    for key in ("value_coef", "value_clip"):
-        if not getattr(t, key) > 0:
-            _fail(f"train.{key} must be positive, not {getattr(t, key)}.")

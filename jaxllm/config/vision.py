@@ -5,6 +5,7 @@ Qwen2.5-VL-7B's."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxllm.config.errors import fail as _fail
 
@@ -49,6 +50,22 @@ class VisionConfig:
     """The LM token whose embeddings the image features replace, one per merged patch."""
     vision_start_token_id: int = 151652
     """The LM token before each image's run of image tokens (M-RoPE positions start there)."""
+    # Qwen3-VL's tower (window_size=0, norm=layer, mlp_activation=gelu_tanh, patch_bias,
+    # position_embeddings, deepstack_indexes); the defaults keep Qwen2.5-VL's.
+    norm: str = "rms"
+    """The blocks' and mergers' norm: `rms` (RMSNorm) or `layer` (LayerNorm with a bias)."""
+    mlp_activation: str = "swiglu"
+    """The blocks' MLP (with biases): `swiglu` (gated) or `gelu_tanh` (fc1 -> tanh GELU -> fc2)."""
+    patch_bias: bool = False
+    """Whether the patch embedding has a bias."""
+    position_embeddings: int = 0
+    """Rows of a learned square table of absolute patch positions (a square number),
+    bilinearly resampled (corners aligned) to each image's grid and added to the patches;
+    0: none."""
+    deepstack_indexes: tuple[int, ...] = ()
+    """DeepStack (Meng et al. 2024, arXiv:2406.04334): the blocks whose output, merged by an
+    own merger (norm after the merge), is added to the image tokens' hidden states after
+    decoder layer k for the k-th of them."""
 
     @property
     def head_dim(self) -> int:
@@ -71,16 +88,37 @@ class VisionConfig:
                 f"{self.heads} heads of a width divisible by 4 (2D RoPE over height and width)."
             )
         unit = self.patch_size * self.spatial_merge
-        if self.window_size < unit or self.window_size % unit:
+        if self.window_size and (self.window_size < unit or self.window_size % unit):
             _fail(
-                f"model.vision.window_size={self.window_size} must be a positive multiple of "
-                f"model.vision.patch_size * model.vision.spatial_merge = {unit}."
+                f"model.vision.window_size={self.window_size} must be 0 (no windows) or a "
+                f"positive multiple of model.vision.patch_size * model.vision.spatial_merge = "
+                f"{unit}."
             )
-        bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.depth]
-        if bad:
+        if not self.window_size and self.fullatt_block_indexes:
             _fail(
-                f"model.vision.fullatt_block_indexes has {bad[0]}, outside the "
-                f"model.vision.depth={self.depth} blocks (0 .. {self.depth - 1})."
+                "model.vision.fullatt_block_indexes needs windows (model.vision.window_size > 0); "
+                "with window_size=0 every block attends over the whole image: set it to []."
+            )
+        for key in ("fullatt_block_indexes", "deepstack_indexes"):
+            bad = [i for i in getattr(self, key) if not 0 <= i < self.depth]
+            if bad:
+                _fail(
+                    f"model.vision.{key} has {bad[0]}, outside the "
+                    f"model.vision.depth={self.depth} blocks (0 .. {self.depth - 1})."
+                )
+        if len(set(self.deepstack_indexes)) != len(self.deepstack_indexes):
+            _fail(f"model.vision.deepstack_indexes={list(self.deepstack_indexes)} repeats a block.")
+        for key, allowed in (
+            ("norm", ("rms", "layer")),
+            ("mlp_activation", ("swiglu", "gelu_tanh")),
+        ):
+            if getattr(self, key) not in allowed:
+                _fail(f"model.vision.{key}={getattr(self, key)!r} is not one of {allowed}.")
+        side = math.isqrt(self.position_embeddings) if self.position_embeddings > 0 else 0
+        if self.position_embeddings < 0 or side * side != self.position_embeddings or side == 1:
+            _fail(
+                f"model.vision.position_embeddings={self.position_embeddings} must be 0 (none) or "
+                "a square number >= 4 (the side of the learned position grid, squared)."
             )
         if self.max_pixels < self.min_pixels:
             _fail(
@@ -104,6 +142,11 @@ def validate_vision(model) -> None:
         _fail(
             "model.vision needs a decoder (model.kind=decoder, no model.layer_pattern) with "
             "multimodal RoPE (model.position=rope, model.rope.mrope_section)."
+        )
+    if len(v.deepstack_indexes) > model.num_layers:
+        _fail(
+            f"model.vision.deepstack_indexes has {len(v.deepstack_indexes)} blocks for "
+            f"model.num_layers={model.num_layers} decoder layers (one layer each)."
         )
     if v.out_dim != model.d_model:
         _fail(f"model.vision.out_dim={v.out_dim} must equal model.d_model={model.d_model}.")

@@ -30,7 +30,13 @@ from jaxllm.config.outputs import check_output, written
 from jaxllm.convert import compressed, compressed_coded, mxfp4
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.convert.mapping import Mapped, each, flatten
-from jaxllm.convert.reader import INDEX, TOKENIZER_FILES
+from jaxllm.convert.reader import (
+    INDEX,
+    PREPROCESSOR,
+    PROCESSOR_FILES,
+    TOKENIZER_FILES,
+    with_pixel_budget,
+)
 from jaxllm.data.tokenizer import (
     GENERATION_CONFIG,
     NO_TOKENIZER,
@@ -76,7 +82,8 @@ def export_hf(
     `model_state` (nested dicts of arrays, possibly sharded: each tensor is fetched to the host
     one layer, or one layer's expert, at a time), in the family's first layout (Mixtral,
     DeepSeek-V3: per-expert tensors); and the run's tokenizer with its special-token ids
-    (`_write_tokenizer`; `run_dir`: where else to look for a generation_config.json). A
+    (`_write_tokenizer`; `run_dir`: where else to look for a generation_config.json, and a
+    vision-language model's processor files). A
     `hf_dir` that holds files is refused, or with `overwrite` replaced once the new one is
     complete."""
     check_output(hf_dir, flag=OUT_FLAG, overwrite=overwrite)
@@ -162,6 +169,14 @@ def export_hf(
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2))
         ids = _write_tokenizer(cfg, tmp, run_dir)
+        for name in PROCESSOR_FILES if m.vision is not None and run_dir is not None else ():
+            if (Path(run_dir) / name).is_file():  # the image processor's, kept by the import
+                shutil.copy(Path(run_dir) / name, tmp / name)
+        if m.vision is not None and (tmp / PREPROCESSOR).is_file():  # with the run's budget
+            pre = json.loads((tmp / PREPROCESSOR).read_text())
+            new = with_pixel_budget(pre, m.vision.min_pixels, m.vision.max_pixels)
+            if new != pre:
+                (tmp / PREPROCESSOR).write_text(json.dumps(new, indent=2) + "\n")
         if m.encoder.position_offset:  # RoBERTa: pad_token_id places the positions, it stays
             ids.pop("pad_token_id", None)
         hf = {**hf, **ids}
@@ -184,6 +199,20 @@ def _check_pad(cfg: config_lib.Config, architecture: str) -> None:
             "find each sequence's last token; give the tokenizer one (pad_token in its "
             "tokenizer_config.json) and export again."
         )
+
+
+def exported_backend(data_cfg, tok: HFTokenizer) -> tuple[Tokenizer, bool]:
+    """The run's tokenizer.json as an export writes it, and whether that differs from the file:
+    with a BOS post-processor added when the run puts BOS before every document
+    (data.add_bos) and the file has none."""
+    backend = Tokenizer.from_file(tok.name)
+    if data_cfg.add_bos and tok.bos_id is not None and backend.post_processor is None:
+        bos = backend.id_to_token(tok.bos_id)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
+        )
+        return backend, True
+    return backend, False
 
 
 def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict:
@@ -211,12 +240,8 @@ def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict
     if not isinstance(tok, HFTokenizer):
         return ids
     source = Path(tok.name)
-    backend = Tokenizer.from_file(str(source))
-    if cfg.data.add_bos and tok.bos_id is not None and backend.post_processor is None:
-        bos = backend.id_to_token(tok.bos_id)
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
-        )
+    backend, changed = exported_backend(cfg.data, tok)
+    if changed:
         backend.save(str(hf_dir / "tokenizer.json"))
     else:
         shutil.copy(source, hf_dir / "tokenizer.json")

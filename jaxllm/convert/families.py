@@ -7,7 +7,8 @@ transform is a reshape, a transpose or a split/concatenation, so importing and e
 back the same bytes. The families live by group: `llama.py` (Llama, Mistral, Qwen2 / Qwen3,
 Mixtral), `gemma.py` (Gemma 2, Gemma 3 text), `deepseek.py` (DeepSeek-V2, DeepSeek-V3),
 `gpt_oss.py` (gpt-oss), `qwen3_next.py` (Qwen3-Next: hybrid linear attention),
-`qwen2_5_vl.py` (Qwen2.5-VL: a vision tower and M-RoPE), `gpt2.py`, `bert.py` (BERT,
+`qwen2_5_vl.py` (Qwen2.5-VL: a vision tower and M-RoPE), `qwen3_vl.py` (Qwen3-VL, dense
+and MoE: DeepStack, interleaved M-RoPE), `gpt2.py`, `bert.py` (BERT,
 RoBERTa: encoders) and `t5.py` (T5 v1.0 / v1.1: encoder–decoders);
 this module holds the registry `FAMILIES`, picks a model's family, and checks that an exported
 config.json says what the model is.
@@ -30,6 +31,7 @@ from jaxllm.convert.links import Family
 from jaxllm.convert.llama import LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3
 from jaxllm.convert.qwen2_5_vl import QWEN2_5_VL
 from jaxllm.convert.qwen3_next import QWEN3_NEXT
+from jaxllm.convert.qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 from jaxllm.convert.t5 import T5
 
 # ModelConfig fields that are training or compute choices, not part of a checkpoint.
@@ -60,7 +62,7 @@ FAMILIES: dict[str, Family] = {
         *(BERT, ROBERTA),
         T5,
         QWEN3_NEXT,
-        QWEN2_5_VL,
+        *(QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE),
     )
 }
 
@@ -135,6 +137,8 @@ def guess_family(cfg: ModelConfig) -> Family:
     """The family a model exports as when none is named: the one its knobs point to."""
     if cfg.kind == "encoder_decoder":
         return FAMILIES["t5"]
+    if cfg.vision is not None and cfg.rope.mrope_interleaved:
+        return FAMILIES["qwen3_vl_moe" if cfg.moe.enabled else "qwen3_vl"]
     if cfg.vision is not None:
         return FAMILIES["qwen2_5_vl"]
     if cfg.layer_pattern:

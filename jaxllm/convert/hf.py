@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import shutil
 import warnings
 from collections.abc import Callable
@@ -32,10 +33,18 @@ from jaxllm.config import ConfigError, JaxllmWarning, ModelConfig
 from jaxllm.config.outputs import check_output, written
 from jaxllm.convert import compressed, packed
 from jaxllm.convert.export import library_os_errors
-from jaxllm.convert.families import family_of, model_fields
+from jaxllm.convert.families import family_of, first_line, model_fields
 from jaxllm.convert.links import Link
 from jaxllm.convert.mapping import Mapped, check, each, element_shapes, flatten, unflatten
-from jaxllm.convert.reader import DTYPES, TOKENIZER_FILES, Reader, read_hf_config
+from jaxllm.convert.reader import (
+    DTYPES,
+    PREPROCESSOR,
+    PROCESSOR_FILES,
+    TOKENIZER_FILES,
+    Reader,
+    pixel_budget,
+    read_hf_config,
+)
 from jaxllm.data.tokenizer import (
     GENERATION_CONFIG,
     NO_TOKENIZER,
@@ -122,6 +131,16 @@ def _callback(reader: Reader, link: Link, k: int, shapes: dict, dtype) -> Callab
     return callback
 
 
+def _json(path: Path) -> dict:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable JSON ({first_line(e)}).") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"{path} holds {type(out).__name__}, not a JSON object.")
+    return out
+
+
 def model_config(hf_dir, overrides=(), dequantize: bool = False) -> config_lib.Config:
     """The run config of a Hugging Face directory: its architecture, its storage dtype as
     param_dtype, config.json's dtype (else the storage dtype) as the compute dtype, its
@@ -138,6 +157,8 @@ def model_config(hf_dir, overrides=(), dequantize: bool = False) -> config_lib.C
     if dequantize:  # a float run: the Reader dequantizes every packed module
         quantize = {}
     fields = model_fields(hf, hf_dir / "config.json")
+    if "vision" in fields and (hf_dir / PREPROCESSOR).is_file():  # the images' pixel budget
+        fields["vision"] = {**fields["vision"], **pixel_budget(_json(hf_dir / PREPROCESSOR))}
     family = family_of(hf)
     if family.file_fields is not None:  # what the tensors say (BERT's pooler)
         for key, value in family.file_fields(frozenset(Reader(hf_dir).shapes)).items():
@@ -252,7 +273,8 @@ class NewRun:
             for name, text in (files or {}).items():
                 (tmp / name).write_text(text)
             # The config names the final tokenizer.json; its record is read from the copy.
-            tokenizer = tmp / "tokenizer.json" if self.copies else self.cfg.data.tokenizer
+            copied = any(f.name == "tokenizer.json" for f in self.copies)
+            tokenizer = tmp / "tokenizer.json" if copied else self.cfg.data.tokenizer
             within = _inside(self.ckpt_dir, self.out_dir)
             ckpt = (
                 contextlib.nullcontext(tmp / within)
@@ -296,4 +318,7 @@ def new_run(hf_dir, out_dir, overrides=(), overwrite=False, reads=(), dequantize
             generation_stop_ids(hf_dir / GENERATION_CONFIG)  # a broken file fails now, not later
         run_tokenizer = str((out_dir / "tokenizer.json").resolve())
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_tokenizer))
+    if cfg.model.vision is not None:  # the image processor's files, whatever the tokenizer
+        kept = {f.name for f in copies}
+        copies += [hf_dir / n for n in PROCESSOR_FILES if (hf_dir / n).is_file() and n not in kept]
     return NewRun(out_dir, cfg, ckpt_dir, tuple(copies), overwrite)

@@ -21,6 +21,41 @@ INDEX = "model.safetensors.index.json"
 # Files beside tokenizer.json that import copies into the run directory with it (its specials,
 # chat template) and export writes back; generation_config.json travels with them too.
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# A vision-language model's processor (image sizes, normalisation) and its chat template:
+# they travel with the model (import keeps them in the run, export writes them back).
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+PREPROCESSOR = "preprocessor_config.json"
+
+
+def pixel_budget(preprocessor: dict) -> dict:
+    """`model.vision.min_pixels` / `max_pixels` of an image processor's config (its
+    `min_pixels` / `max_pixels`, or transformers 5's `size.shortest_edge` / `longest_edge`)."""
+    size = preprocessor.get("size") or {}
+    out = {
+        "min_pixels": preprocessor.get("min_pixels", size.get("shortest_edge")),
+        "max_pixels": preprocessor.get("max_pixels", size.get("longest_edge")),
+    }
+    return {k: int(v) for k, v in out.items() if isinstance(v, (int, float))}
+
+
+def with_pixel_budget(preprocessor: dict, min_pixels: int, max_pixels: int) -> dict:
+    """`preprocessor` with the run's pixel budget in the keys it has (`pixel_budget`)."""
+    out = {**preprocessor}
+    for key, edge, value in (
+        ("min_pixels", "shortest_edge", min_pixels),
+        ("max_pixels", "longest_edge", max_pixels),
+    ):
+        if key in out:
+            out[key] = value
+        if edge in (out.get("size") or {}):
+            out["size"] = {**out["size"], edge: value}
+    return out
 
 
 def is_hf_dir(path) -> bool:

@@ -24,14 +24,14 @@ import grain
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
-from jaxllm.data import preference, sft, unpaired
+from jaxllm.data import preference, sft, stepwise, unpaired
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
 from jaxllm.data.sources import BadRecords, fetched, is_prepared_dir, list_files, read_texts
 from jaxllm.data.split import split_source
 from jaxllm.data.tokenizer import Tokenizer, encode_documents, make_tokenizer
 
-Rows = PackedRows | FirstFitRows | preference.PairRows
+Rows = PackedRows | FirstFitRows | preference.PairRows | stepwise.StepRows
 
 
 class MixtureRows:
@@ -101,7 +101,7 @@ def _by_length(docs, key: str) -> list[np.ndarray]:
 def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokenizer, hold_out: bool):
     """(train documents, eval documents) of one source, all in train unless `hold_out`: token
     arrays, `sft.Examples` for a chat / prompt_completion source, `preference.Pairs` for a
-    preference source."""
+    preference source, `stepwise.Solutions` for a stepwise one."""
     src = fetched(src, key)  # a bucket's source is read from its local copy
     if is_prepared_dir(src.path):
         prepared = PreparedDir(src.path, key, cfg.tokenizer)
@@ -124,6 +124,10 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
     elif preference.is_preference(src):
         bad = preference.bad_records(key, src)
         texts = [list(preference.read_pairs(f, src, tok, cfg.on_bad_record, bad)) for f in files]
+    elif stepwise.is_stepwise(src):
+        bad = stepwise.bad_records(key, src)
+        read = stepwise.read_solutions
+        texts = [list(read(f, src, tok, cfg.on_bad_record, bad)) for f in files]
     else:
         bad = BadRecords(key, src.text_field)
         texts = [list(read_texts(f, src.text_field, cfg.on_bad_record, bad)) for f in files]
@@ -143,11 +147,14 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
         )
     if preference.is_preference(src):
         return preference.encode_pairs(tok, train), preference.encode_pairs(tok, evals)
+    if stepwise.is_stepwise(src):
+        encode = stepwise.encode_solutions
+        return encode(tok, train, cfg.add_bos), encode(tok, evals, cfg.add_bos)
     return encode_documents(tok, train), encode_documents(tok, evals)
 
 
 def _rows(
-    docs: list[np.ndarray] | sft.Examples | preference.Pairs,
+    docs: list[np.ndarray] | sft.Examples | preference.Pairs | stepwise.Solutions,
     what: str,
     cfg: DataConfig,
     tok,
@@ -163,6 +170,13 @@ def _rows(
                 "peft.method=lora or qlora."
             )
         return preference.pack_pairs(docs, cfg, tok, what, whole_inputs)
+    if isinstance(docs, stepwise.Solutions):
+        if virtual_tokens:
+            raise ConfigError(
+                f"{what} holds step-labelled solutions, which peft.method=prompt does not "
+                "train on; use peft.method=lora or qlora."
+            )
+        return stepwise.pack_solutions(docs, cfg, tok, what)
     if isinstance(docs, sft.Examples):
         return sft.pack_examples(docs, cfg, tok, what, virtual_tokens)
     if virtual_tokens:

@@ -26,7 +26,8 @@ decoding is greedy and runs at most as many tokens as the longest reference (plu
 
 Replies are generated on the inference engine (`jaxllm.infer.engine.batch`), with the same
 tokens and stops as the static generator, which still runs where the engine cannot (an
-encoder-decoder, a soft prompt, a mesh with a stage or sequence axis).
+encoder-decoder, a soft prompt, a mesh with a stage or sequence axis) and for conversations with
+image parts (`jaxllm.infer.vision`: images in any turn, a vision-language model's run).
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ from pathlib import Path
 
 from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.data import chat as templates
+from jaxllm.data import vision_chat
+from jaxllm.infer import vision
 from jaxllm.infer.engine import batch as engine_batch
+from jaxllm.infer.generate import generate
 
 _PROBE = "Probe reply 7"
 
@@ -63,6 +67,8 @@ class Conversation:
 
     messages: tuple[dict, ...]
     reference: str | None = None
+    base_dir: str | None = None
+    """Where relative image paths of its parts are read (a chat JSONL's directory)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +107,7 @@ def end_of_turn(tok, stop_ids: Sequence[int] = ()) -> EndOfTurn:
 def prompt_ids(messages: Sequence[dict], tok) -> list[int]:
     """The conversation rendered with the generation prompt, tokenized as SFT examples are."""
     try:
+        messages = vision_chat.flatten(messages)[0]  # lists of text parts joined
         text = templates.render(messages, tok, add_generation_prompt=True)
     except templates.ChatError as e:
         raise ConfigError(f"the conversation cannot be rendered ({e}); check its roles.") from None
@@ -124,7 +131,7 @@ def split_conversation(messages: Sequence[dict], where: str = "the conversation"
     """The messages up to the last user turn and the one assistant reply after it (None when
     there is none); ConfigError naming `where` when the conversation is not one to ask."""
     if not isinstance(messages, (list, tuple)) or not all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+        isinstance(m, dict) and isinstance(m.get("content"), (str, list)) for m in messages
     ):
         raise ConfigError(f"{where} is not a list of {{role, content}} messages; fix it.")
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
@@ -136,6 +143,8 @@ def split_conversation(messages: Sequence[dict], where: str = "the conversation"
             f"{where} has {len(rest)} message{'s' * (len(rest) != 1)} after its last user "
             "turn; at most one, the assistant's reference reply, may follow it."
         )
+    if rest and not isinstance(rest[0]["content"], str):
+        raise ConfigError(f"{where}: the reference reply (the last assistant turn) is not text.")
     return Conversation(tuple(messages[: users[-1] + 1]), rest[0]["content"] if rest else None)
 
 
@@ -156,7 +165,8 @@ def read_conversations(path: str | Path, field: str = "messages") -> list[Conver
             raise ConfigError(f"{where} is not valid JSON; fix it.") from None
         if not isinstance(record, dict) or field not in record:
             raise ConfigError(f"{where} has no {field!r} field; write {{{field!r}: [...]}}.")
-        out.append(split_conversation(record[field], where))
+        c = split_conversation(record[field], where)
+        out.append(dataclasses.replace(c, base_dir=str(path.parent)))
     if not out:
         raise ConfigError(f"{path} holds no conversation.")
     return out
@@ -182,10 +192,11 @@ class Chat:
         """One reply per conversation (a list of messages or a `Conversation`), generated
         `batch_size` conversations at a time."""
         gen = gen or self.gen
-        prompts = [
-            prompt_ids(c.messages if isinstance(c, Conversation) else c, self.tok)
-            for c in conversations
-        ]
+        bases = [c.base_dir if isinstance(c, Conversation) else None for c in conversations]
+        conversations = [c.messages if isinstance(c, Conversation) else c for c in conversations]
+        if any(vision.has_images(c) for c in conversations):
+            return self._image_replies(conversations, gen, batch_size, bases)
+        prompts = [prompt_ids(c, self.tok) for c in conversations]
         out = []
         for start in range(0, len(prompts), batch_size):
             try:
@@ -196,6 +207,43 @@ class Chat:
                     stop_tokens=sorted(self.eot.stop_ids),
                     stop_sequences=self.eot.stop_sequences,
                     mesh=self.mesh,
+                )
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            out += [reply_text(ids, self.tok, self.eot) for ids in new.tokens]
+        return out
+
+    def _image_replies(self, conversations, gen, batch_size: int, bases) -> list[str]:
+        """`replies` of conversations with image parts (relative paths read under `bases`, the
+        working directory where None), on the static generator with the vision tower."""
+        v = self.model.cfg.vision
+        if v is None:
+            raise ConfigError(
+                "images need a vision-language model (model.vision); this run is text-only, "
+                "so give a VLM's run or leave the images out."
+            )
+        if vision_chat.VisionTokens().pad_id(self.tok) != v.image_token_id:
+            raise ConfigError(
+                f"the tokenizer's image pad token is not model.vision.image_token_id "
+                f"({v.image_token_id}); use the model's own tokenizer."
+            )
+        spec = vision.image_spec(v)
+        examples = [
+            vision.prompt_example(c, self.tok, spec, base_dir=b)
+            for c, b in zip(conversations, bases)
+        ]
+        out = []
+        for start in range(0, len(examples), batch_size):
+            part = examples[start : start + batch_size]
+            try:
+                new = generate(
+                    self.model,
+                    [ids for ids, _ in part],
+                    gen,
+                    stop_tokens=sorted(self.eot.stop_ids),
+                    stop_sequences=self.eot.stop_sequences,
+                    mesh=self.mesh,
+                    images=[pixels for _, pixels in part],
                 )
             except ValueError as e:
                 raise ConfigError(str(e)) from None

@@ -40,6 +40,7 @@ from pathlib import Path
 from jaxllm import checkpoint
 from jaxllm.config import ConfigError, split_args
 from jaxllm.config.urls import check_url
+from jaxllm.data import images
 from jaxllm.data.tokenizer import (
     check_coverage,
     generation_config,
@@ -229,7 +230,10 @@ def write_jsonl(out: Path, records) -> None:
 def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
     """--chat / --chat-file: replies only (see the module docstring)."""
     if ns.chat is not None:
-        conversations = [Conversation(({"role": "user", "content": ns.chat},))]
+        content = ns.chat
+        if ns.image:  # images first, then the text, as Qwen-VL's processor orders them
+            content = [*({"type": "image", "image": p} for p in ns.image), _text(ns.chat)]
+        conversations = [Conversation(({"role": "user", "content": content},))]
     else:
         conversations = read_conversations(ns.chat_file)
     asked = [_with_system(c.messages, ns.system) for c in conversations]
@@ -237,7 +241,9 @@ def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
     for name, chat in _chats(ns, path, overrides):  # one base, each adapter in turn
         tag = {"adapter": name} if name else {}
         t0 = time.perf_counter()
-        replies = chat.replies(asked)
+        replies = chat.replies(
+            [Conversation(a, None, c.base_dir) for a, c in zip(asked, conversations)]
+        )
         if ns.out is not None:  # a chat dataset of the replies
             records += [
                 {"messages": [*a, {"role": "assistant", "content": r}], **tag}
@@ -259,6 +265,21 @@ def cmd_chat(ns: argparse.Namespace, path: str, overrides: list[str]) -> int:
         write_jsonl(ns.out, records)
         print(f"wrote {len(records)} conversations to {ns.out}", file=sys.stderr)
     return 0
+
+
+def _text(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def _check_images(paths: list[str]) -> None:
+    """ConfigError, before the model loads, for an --image that is missing or not an image."""
+    for path in paths:
+        try:
+            images.load_image(path)
+        except images.ImageError as e:
+            raise ConfigError(
+                f"--image {path}: {e.reason}; give a PNG, JPEG or other image."
+            ) from None
 
 
 def cmd_exact_match(ns: argparse.Namespace) -> int:
@@ -290,6 +311,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.system is not None and ns.chat is None and ns.chat_file is None:
         raise ConfigError("--system goes with --chat or --chat-file; add one of them.")
     check_out_file(ns.out, ns.overwrite)
+    if ns.image and ns.chat is None:
+        raise ConfigError("--image goes with --chat MESSAGE (the images go in its user turn).")
+    _check_images(ns.image or [])
     if ns.chat is not None or ns.chat_file is not None:
         return cmd_chat(ns, path, overrides)
     if ns.prompt:

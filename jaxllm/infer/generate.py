@@ -10,8 +10,12 @@ be streamed to the host as they are made (`on_token`, through an ordered `jax.de
 An encoder–decoder (`model.kind=encoder_decoder`) encodes the prompt once and decodes from
 its decoder start token (`jaxllm.infer.seq2seq`), with the same sampling, stops and caches.
 
-`greedy_continue` is the cache-free reference: every step re-runs the full forward pass over a
-fixed buffer, exactly what training computes; cached decoding is tested against it.
+A vision-language model (`model.vision`) takes each prompt's images (`images=`): the prefill
+runs the tower and M-RoPE positions, and decoding continues at position + rope delta
+(`jaxllm.infer.vision`).
+
+`greedy_continue` (`jaxllm.infer.reference`) is the cache-free reference: every step re-runs
+the full forward pass over a fixed buffer; cached decoding is tested against it.
 """
 
 from __future__ import annotations
@@ -29,39 +33,10 @@ from jaxllm import sharding
 from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.infer import kv_cache, linear_state, seq2seq
 from jaxllm.infer.linear_state import num_full_layers
+from jaxllm.infer.reference import greedy_continue  # noqa: F401  (its home before)
 from jaxllm.infer.sampling import sample, split_key
+from jaxllm.infer.vision import vision_inputs
 from jaxllm.kernels.decode_attention.ops import on_hopper
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_new"))
-def _greedy(graphdef, state, buf_BxT, start_B, num_new: int):
-    model = nnx.merge(graphdef, state)
-
-    def body(i, buf_BxT):
-        logits_BxTxV = model(buf_BxT).logits
-        cur_B = start_B + i
-        last_BxV = jnp.take_along_axis(logits_BxTxV, (cur_B - 1)[:, None, None], 1)[:, 0]
-        next_B = jnp.argmax(last_BxV, -1).astype(buf_BxT.dtype)
-        return jax.vmap(lambda row, pos, tok: row.at[pos].set(tok))(buf_BxT, cur_B, next_B)
-
-    return jax.lax.fori_loop(0, num_new, body, buf_BxT)
-
-
-def greedy_continue(model, prompt_ids, num_new: int, max_len: int | None = None) -> np.ndarray:
-    """Appends `num_new` argmax tokens to one prompt; returns only the new token ids.
-
-    `model` maps tokens [B, T] -> logits [B, T, V]. The buffer is len(prompt) + num_new long
-    (at most `max_len`; the prompt is left-truncated to fit).
-    """
-    prompt = np.asarray(prompt_ids, np.int32)
-    if max_len is not None:
-        prompt = prompt[-(max_len - num_new) :]
-    t = len(prompt) + num_new
-    buf = np.zeros((1, t), np.int32)
-    buf[0, : len(prompt)] = prompt
-    graphdef, state = nnx.split(model)
-    out = _greedy(graphdef, state, jnp.asarray(buf), jnp.asarray([len(prompt)], jnp.int32), num_new)
-    return np.asarray(out[0, len(prompt) :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +106,20 @@ def _constrain_cache(kv):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "on_token"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "on_token", "grids"))
 def _generate(
-    graphdef, state, prompt_BxL, lengths_B, block_table, stop_S, stop_SxM, rng, plan, on_token
+    graphdef,
+    state,
+    prompt_BxL,
+    lengths_B,
+    block_table,
+    stop_S,
+    stop_SxM,
+    rng,
+    plan,
+    on_token,
+    vision=None,
+    grids=None,
 ):
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
@@ -162,7 +148,12 @@ def _generate(
         interpret=plan.interpret,
         linear=_linear_state(cfg, b),
     )
-    logits_Bx1xV, view, *_ = model(prompt_BxL, cache=view, logits_at_BxQ=(lengths_B - 1)[:, None])
+    images, delta_B = {}, jnp.zeros_like(lengths_B)  # vision: pixels, [3,B,L] positions, deltas
+    if vision is not None:
+        images = dict(pixel_values=vision[0], image_grid_thw=grids, positions_BxL=vision[1])
+        delta_B = vision[2]
+    at_BxQ = (lengths_B - 1)[:, None]
+    logits_Bx1xV, view, *_ = model(prompt_BxL, cache=view, logits_at_BxQ=at_BxQ, **images)
     pick = functools.partial(
         sample, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p
     )
@@ -197,7 +188,7 @@ def _generate(
             linear=linear,
         )
         logits_Bx1xV, view, *_ = model(
-            tok_B[:, None], positions_BxL=(lengths_B - 1)[:, None], cache=view
+            tok_B[:, None], positions_BxL=(lengths_B - 1 + delta_B)[:, None], cache=view
         )
         rng, sub = split_key(rng)
         tok_B = pick(logits_Bx1xV[:, 0], sub)
@@ -219,6 +210,7 @@ def generate(
     mesh=None,
     on_token: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
     seeds: Sequence[int] | None = None,
+    images: Sequence | None = None,
 ) -> Generation:
     """Continues each prompt (a list of token ids) by up to `gen.max_new_tokens` tokens.
 
@@ -229,7 +221,9 @@ def generate(
     `jaxllm.load_model(path, mesh=mesh)`). `on_token(step, tokens_B, done_B)` is called on the
     host after each step, in order (for streaming). `seeds` (one per prompt, in place of
     `gen.seed`) give each row its own key: its draws are then the same in any batch, at any
-    place in it.
+    place in it. `images` (one `jaxllm.data.images.Pixels` or None per prompt, for a model with
+    `model.vision`): the images of each prompt, whose pad tokens it holds expanded
+    (`jaxllm.infer.vision.prompt_example`); they run in the prefill with M-RoPE positions.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
@@ -240,6 +234,8 @@ def generate(
             "masked tokens instead."
         )
     soft_prompt = getattr(model, "soft_prompt", None)
+    if soft_prompt is not None and images is not None:
+        raise ValueError("a soft prompt (peft.method=prompt) cannot take images")
     if soft_prompt is not None:  # its virtual tokens go first (peft.method=prompt)
         prompts = [list(range(-1, -soft_prompt.shape[0] - 1, -1)) + list(p) for p in prompts]
     n_real = len(prompts)
@@ -299,6 +295,7 @@ def generate(
         seeds_B = np.zeros(b, np.uint32)
         seeds_B[:n_real] = seeds
         rng = jax.vmap(jax.random.key)(jnp.asarray(seeds_B))
+    vision, grids = vision_inputs(cfg, prompt_BxL, lengths, images or ())
     graphdef, state = nnx.split(model)
     if seq2seq_model:
         nl = cfg.resolved_decoder_layers
@@ -328,6 +325,8 @@ def generate(
                 rng,
                 plan,
                 on_token,
+                None if vision is None else tuple(map(jnp.asarray, vision)),
+                grids,
             )
     out_BxN, done_B = np.asarray(out_BxN), np.asarray(done_B)
     stops = set(np.asarray(stop_S).tolist())

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ConfigError, PeftConfig
-from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS
+from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS, VISION, VISION_TARGETS
 from jaxllm.model import coded, fake_quant, nf4, quantized
 
 
@@ -67,13 +67,17 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
         return
     found = set()
     for path, module in list(nnx.iter_modules(model)):
+        tower = _in_tower(path)
         for name, var in list(vars(module).items()):
             if not isinstance(var, nnx.Param) or isinstance(var, LoRAParam):
                 continue
             axes = tuple(var.get_metadata().get("axes", ()))
-            if not peft.targeted(name, "expert" in axes) or var.ndim < 2:
+            if not peft.targeted(name, "expert" in axes, tower) or var.ndim < 2:
                 continue
-            found |= {name, "experts"} if "expert" in axes else {name}
+            if tower:
+                found |= {VISION + name, VISION + ALL_LINEAR}
+            else:
+                found |= {name, "experts"} if "expert" in axes else {name}
             lead, n_in = _lead(axes), in_dims(name)
             shape = var.shape
             ins, outs = shape[lead : lead + n_in], shape[lead + n_in :]
@@ -92,6 +96,10 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
             setattr(module, f"{name}_lora_dropout", float(peft.dropout))
             setattr(module, f"{name}_lora_masked", bool(peft.keep_zeros))
     missing = [t for t in peft.targets if t not in found and t != ALL_LINEAR]
+    if ALL_LINEAR in peft.targets and not found - {
+        VISION + n for n in (*VISION_TARGETS, ALL_LINEAR)
+    }:
+        missing.append(ALL_LINEAR)
     if missing or not found:
         raise ConfigError(
             f"peft.targets: {', '.join(missing) or ALL_LINEAR} matches no weight of this model; "
@@ -124,11 +132,20 @@ def next_key() -> jax.Array | None:
     return jax.random.fold_in(state[0], state[1])
 
 
+def _in_tower(path) -> bool:
+    """Whether the module at `path` is in the vision tower (`model.vision`)."""
+    return bool(path) and path[0] == "visual"
+
+
 def targetable(model: nnx.Module) -> set[str]:
     """The names `peft.targets` can give for this model's weights."""
     names = set()
-    for _, module in nnx.iter_modules(model):
+    for path, module in nnx.iter_modules(model):
         for name, var in vars(module).items():
+            if _in_tower(path):
+                if isinstance(var, nnx.Param) and name in VISION_TARGETS:
+                    names.add(VISION + name)
+                continue
             if isinstance(var, nnx.Param) and name in LORA_TARGETS:
                 axes = var.get_metadata().get("axes", ())
                 names.add("experts" if "expert" in axes else name)

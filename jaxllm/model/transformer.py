@@ -29,6 +29,7 @@ from flax import nnx
 from jaxllm.config import ModelConfig, PeftConfig
 from jaxllm.config.linear_attention import layer_kinds
 from jaxllm.model import bottleneck, heads, hybrid, lora
+from jaxllm.model import deepstack as deepstack_lib
 from jaxllm.model import moe as moe_lib
 from jaxllm.model.block import Block, HybridGroup, MoEGroup, apply_dropout, stack
 from jaxllm.model.hybrid import dense_layers
@@ -119,6 +120,7 @@ class Transformer(nnx.Module):
         prefix_BxL=None,
         hidden_only=False,
         hidden_states=False,
+        deepstack=None,
     ) -> ModelOutput:
         """Either tokens or input embeddings (for soft prompts, and gradient tests) go in.
 
@@ -134,6 +136,7 @@ class Transformer(nnx.Module):
         chunks calls `head_logits` per chunk). `hidden_states`: also return every block's
         output, [N, B, L, D] (the scans' outputs; feature distillation reads them).
         With `cfg.rope.mrope_section`, `positions_BxL` may also be [3, B, L] (M-RoPE rows).
+        `deepstack`: a vision tower's DeepStack inputs (`jaxllm.model.deepstack`).
         """
         if (tokens_BxL is None) == (embeddings_BxLxD is None):
             raise ValueError("pass exactly one of tokens_BxL and embeddings_BxLxD")
@@ -148,7 +151,7 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         per_layer = self.per_layer(keys, cache is not None)
         remat = cache is None and cfg.remat != "none"
-        carry = (x_BxLxD, cache)
+        carry = (x_BxLxD, cache, *deepstack_lib.carry(deepstack))
         n_dense = dense_layers(cfg)
         where = (positions_BxL, segment_ids_BxL, remat, prefix_BxL, hidden_states)
         kept = []  # with hidden_states: the blocks' outputs, [N, B, L, D] per scan
@@ -166,7 +169,7 @@ class Transformer(nnx.Module):
             carry, ys = self.moe_scan(self.moe_layers, carry, rest, *where)
             stats, kept = (ys[0], [*kept, ys[1]]) if hidden_states else (ys, kept)
             aux = moe_lib.combine_layer_stats(stats)
-        x_BxLxD, cache = carry
+        x_BxLxD, cache = carry[:2]
         pooled_BxD = None
         if cfg.encoder.pooler:  # of each row's first token, whatever logits are asked for
             first_Bx1xD = x_BxLxD[:, :1]
@@ -351,7 +354,7 @@ class Transformer(nnx.Module):
         at the block's own layer."""
 
         def body(carry, xs):
-            x_BxLxD, cache = carry
+            x_BxLxD, cache, *deep = carry
             state, inputs = xs
             inputs = dict(inputs)
             layer = inputs.pop("layer", None)
@@ -360,7 +363,8 @@ class Transformer(nnx.Module):
             x_BxLxD, view, stats = block(
                 x_BxLxD, positions_BxL, segment_ids_BxL, view, prefix_BxL=prefix_BxL, **inputs
             )
-            return (x_BxLxD, view), ((stats, x_BxLxD) if keep else stats)
+            x_BxLxD, deep = deepstack_lib.add(x_BxLxD, deep)
+            return (x_BxLxD, view, *deep), ((stats, x_BxLxD) if keep else stats)
 
         if remat:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)

@@ -14,12 +14,18 @@ the patches of images of any size, packed into one sequence, and a merger into L
   with biases. The merger: RMSNorm, then spatial_merge^2 neighbouring patches (contiguous in
   the processor's order) joined and mapped by Linear -> GELU -> Linear to the LM's width.
 
+Qwen3-VL's tower (Bai et al. 2025, arXiv:2511.21631) is the same with other options: no
+windows (`window_size=0`), LayerNorms, a tanh-GELU MLP, a patch bias, a learned table of
+absolute positions resampled bilinearly to each grid (`position_embeddings`), and DeepStack
+mergers (`deepstack_indexes`, norm after the merge) whose features `features` returns too.
+
 Shapes: P patches (of all images), M merged tokens (P / spatial_merge^2), I pixels per patch,
 D width, H heads, K head dim, O the LM's width.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -30,7 +36,7 @@ from flax import nnx
 from jaxllm.config.vision import VisionConfig
 from jaxllm.model import lora
 from jaxllm.model.dot_product import dot_product_attention
-from jaxllm.model.layers import RMSNorm, matmul, param
+from jaxllm.model.layers import LayerNorm, RMSNorm, matmul, param
 from jaxllm.model.mlp import MLP
 from jaxllm.model.transformer import REMAT_POLICIES
 
@@ -78,6 +84,27 @@ def rope_angles(positions_Px2: np.ndarray, head_dim: int, theta: float) -> np.nd
     return np.concatenate([half_PxK2, half_PxK2], axis=-1).astype(np.float32)
 
 
+def position_taps(positions_Px2: np.ndarray, grids: Grids, side: int) -> tuple[np.ndarray, ...]:
+    """(rows int32 [P, 4], weights float32 [P, 4]): each patch's bilinear taps into a learned
+    side x side position table resampled to its image's grid with corners aligned (as torch's
+    `interpolate(mode="bilinear", align_corners=True)`)."""
+    sizes_Px2 = np.concatenate([np.tile([[h, w]], (t * h * w, 1)) for t, h, w in grids])
+    src = positions_Px2 * (side - 1) / np.maximum(sizes_Px2 - 1, 1)
+    lo = np.floor(src)
+    taps, weights = [], []
+    for dr, dc in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        rc = np.clip(lo + (dr, dc), 0, side - 1)
+        wt = np.clip(1 - np.abs(src - lo - (dr, dc)), 0, None)
+        taps.append(rc[:, 0] * side + rc[:, 1])
+        weights.append(wt[:, 0] * wt[:, 1])
+    return np.stack(taps, 1).astype(np.int32), np.stack(weights, 1).astype(np.float32)
+
+
+def _norm(cfg: VisionConfig, dim: int, dtype, param_dtype) -> RMSNorm:
+    cls = LayerNorm if cfg.norm == "layer" else RMSNorm
+    return cls(dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
+
+
 def _rotate(x_1xPxHxK: jax.Array, cos_1xPx1xK: jax.Array, sin_1xPx1xK: jax.Array) -> jax.Array:
     x = x_1xPxHxK.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
@@ -123,16 +150,18 @@ class VisionAttention(nnx.Module):
 
 
 class VisionBlock(nnx.Module):
-    """x + attn(norm1(x)), then x + mlp(norm2(x)) with a SwiGLU MLP with biases."""
+    """x + attn(norm1(x)), then x + mlp(norm2(x)) with an MLP with biases (SwiGLU, or
+    Linear -> tanh GELU -> Linear)."""
 
     def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, impl: str, rngs: nnx.Rngs):
-        norm = dict(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
-        self.norm1, self.norm2 = RMSNorm(cfg.width, **norm), RMSNorm(cfg.width, **norm)
+        self.norm1 = _norm(cfg, cfg.width, dtype, param_dtype)
+        self.norm2 = _norm(cfg, cfg.width, dtype, param_dtype)
         self.attn = VisionAttention(cfg, dtype=dtype, param_dtype=param_dtype, impl=impl, rngs=rngs)
         self.mlp = MLP(
             cfg.width,
             cfg.mlp_dim,
-            "swiglu",
+            "swiglu" if cfg.mlp_activation == "swiglu" else "gelu",
+            gelu_approximate=True,
             bias=True,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -145,21 +174,26 @@ class VisionBlock(nnx.Module):
 
 
 class PatchMerger(nnx.Module):
-    """RMSNorm, then each spatial_merge^2 consecutive patches concatenated [M, D m^2] and
-    mapped Linear -> GELU (exact) -> Linear to the LM's width O."""
+    """The norm, then each spatial_merge^2 consecutive patches concatenated [M, D m^2] and
+    mapped Linear -> GELU (exact) -> Linear to the LM's width O; `after_merge`: the norm
+    over the concatenation instead (DeepStack's mergers)."""
 
-    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs, after_merge=False):
         wide = cfg.width * cfg.spatial_merge**2
         normal, zeros = jax.nn.initializers.normal(0.02), jax.nn.initializers.zeros
-        self.dtype = dtype
-        self.norm = RMSNorm(cfg.width, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.dtype, self.after_merge = dtype, after_merge
+        self.norm = _norm(cfg, wide if after_merge else cfg.width, dtype, param_dtype)
         self.fc1 = param(rngs, normal, (wide, wide), ("embed", "mlp"), param_dtype)
         self.fc1_bias = param(rngs, zeros, (wide,), ("mlp",), param_dtype)
         self.fc2 = param(rngs, normal, (wide, cfg.out_dim), ("mlp", "embed"), param_dtype)
         self.fc2_bias = param(rngs, zeros, (cfg.out_dim,), ("embed",), param_dtype)
 
     def __call__(self, x_PxD: jax.Array) -> jax.Array:
-        x_MxW = self.norm(x_PxD).reshape(-1, self.fc1.shape[0])
+        wide = self.fc1.shape[0]
+        if self.after_merge:
+            x_MxW = self.norm(x_PxD.reshape(-1, wide))
+        else:
+            x_MxW = self.norm(x_PxD).reshape(-1, wide)
         h_MxW = matmul("mw,wv->mv", x_MxW, lora.kernel(self, "fc1"), self.dtype)
         h_MxW = jax.nn.gelu(h_MxW + self.fc1_bias[...].astype(self.dtype)[None], approximate=False)
         y_MxO = matmul("mv,vo->mo", h_MxW, lora.kernel(self, "fc2"), self.dtype)
@@ -198,6 +232,16 @@ class VisionTower(nnx.Module):
             VisionBlock(cfg, impl=attention_impl, **kw) for _ in range(cfg.depth)
         )
         self.merger = PatchMerger(cfg, **kw)
+        if cfg.patch_bias:
+            self.patch_bias = param(
+                rngs, jax.nn.initializers.zeros, (cfg.width,), ("embed",), param_dtype
+            )
+        if cfg.position_embeddings:
+            shape, axes = (cfg.position_embeddings, cfg.width), ("vision_patch", "embed")
+            self.pos_embed = param(rngs, normal, shape, axes, param_dtype)
+        self.deepstack = nnx.List(
+            PatchMerger(cfg, after_merge=True, **kw) for _ in cfg.deepstack_indexes
+        )
 
     def layout(self, grids: Grids) -> dict[str, np.ndarray]:
         """The static index arrays of `grids` (numpy): `patch_order` [P] (windowed patch i is
@@ -212,20 +256,32 @@ class VisionTower(nnx.Module):
                     f"spatial_merge={cfg.spatial_merge}"
                 )
         window = cfg.window_size // cfg.spatial_merge // cfg.patch_size
+        if not window:  # no windows: one per frame, in the processor's order
+            window = max(max(h, w) for _, h, w in grids) // cfg.spatial_merge
         order_M, windows_M, frames_M = window_layout(grids, cfg.spatial_merge, window)
         patch_order = (order_M[:, None] * unit + np.arange(unit)[None]).reshape(-1)
-        angles = rope_angles(
-            patch_positions(grids, cfg.spatial_merge), cfg.head_dim, cfg.rope_theta
-        )
-        return {
+        positions = patch_positions(grids, cfg.spatial_merge)
+        angles = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+        out = {
             "patch_order": patch_order,
             "unit_order": order_M,
             "frame_ids": np.repeat(frames_M, unit),
             "window_ids": np.repeat(windows_M, unit),
             "angles": angles[patch_order],
         }
+        if cfg.position_embeddings:
+            side = math.isqrt(cfg.position_embeddings)
+            taps, weights = position_taps(positions, grids, side)
+            out["pos_taps"], out["pos_weights"] = taps[patch_order], weights[patch_order]
+        return out
 
     def __call__(self, pixels_PxI: jax.Array, grids: Grids) -> jax.Array:
+        """The merged tokens [M, O] of the images (see the class)."""
+        return self.features(pixels_PxI, grids)[0]
+
+    def features(self, pixels_PxI: jax.Array, grids: Grids):
+        """(merged tokens [M, O], DeepStack features [S, M, O] or None without
+        `deepstack_indexes`), both in the processor's order."""
         grids = [tuple(int(v) for v in g) for g in grids]
         n = sum(t * h * w for t, h, w in grids)
         if pixels_PxI.shape != (n, self.patch_embed.shape[0]):
@@ -240,6 +296,12 @@ class VisionTower(nnx.Module):
             lora.kernel(self, "patch_embed"),
             self.dtype,
         )
+        if self.cfg.patch_bias:
+            x_PxD = x_PxD + self.patch_bias[...].astype(self.dtype)[None]
+        if self.cfg.position_embeddings:
+            rows_PxT = jnp.take(self.pos_embed[...], jnp.asarray(lay["pos_taps"]), axis=0)
+            weights_PxT = jnp.asarray(lay["pos_weights"])[..., None]
+            x_PxD = x_PxD + (rows_PxT * weights_PxT).sum(1).astype(self.dtype)
         angles_1xPx1xK = jnp.asarray(lay["angles"])[None, :, None, :]
         cos, sin = jnp.cos(angles_1xPx1xK), jnp.sin(angles_1xPx1xK)
         frames_1xP = jnp.asarray(lay["frame_ids"])[None]
@@ -251,8 +313,12 @@ class VisionTower(nnx.Module):
         if self.remat != "none":
             run = nnx.remat(run, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         x_1xPxD = x_PxD[None]
+        back, deep = np.argsort(lay["unit_order"]), []
         for i, block in enumerate(self.blocks):
-            full = i in self.cfg.fullatt_block_indexes
+            full = i in self.cfg.fullatt_block_indexes or not self.cfg.window_size
             x_1xPxD = run(block, x_1xPxD, cos, sin, frames_1xP if full else windows_1xP)
+            if i in self.cfg.deepstack_indexes:
+                merger = self.deepstack[self.cfg.deepstack_indexes.index(i)]
+                deep.append(merger(x_1xPxD[0])[back])
         merged_MxO = self.merger(x_1xPxD[0])
-        return merged_MxO[np.argsort(lay["unit_order"])]
+        return merged_MxO[back], (jnp.stack(deep) if deep else None)

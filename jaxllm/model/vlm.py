@@ -3,7 +3,9 @@
 features replace the embeddings of the image tokens, in order, as transformers'
 `Qwen2_5_VLModel` does (`masked_scatter`): the m-th `image_token_id` of the batch (row-major)
 gets the m-th merged patch of the images, image after image. Text-only calls are the decoder's.
-Positions are [3, B, L] with images (`jaxllm.model.mrope.mrope_positions`).
+Positions are [3, B, L] with images (`jaxllm.model.mrope.mrope_positions`). With DeepStack
+(`vision.deepstack_indexes`, Qwen3-VL), the tower's features of those blocks are added to the
+image tokens' hidden states after the first decoder layers, one each.
 """
 
 from __future__ import annotations
@@ -47,14 +49,20 @@ class VisionLanguageModel(Transformer):
             return super().__call__(tokens_BxL, **kwargs)
         if tokens_BxL is None or image_grid_thw is None:
             raise ValueError("pixel_values need tokens_BxL and image_grid_thw")
-        x_BxLxD = self.embed_images(tokens_BxL, pixel_values, image_grid_thw)
-        return super().__call__(embeddings_BxLxD=x_BxLxD, **kwargs)
+        x_BxLxD, deepstack = self.image_inputs(tokens_BxL, pixel_values, image_grid_thw)
+        return super().__call__(embeddings_BxLxD=x_BxLxD, deepstack=deepstack, **kwargs)
 
     def embed_images(self, tokens_BxL, pixels_PxI, grids: Grids) -> jax.Array:
         """The token embeddings [B, L, D] with the image tokens' replaced by the tower's
-        features of `pixels_PxI`, in order."""
+        features of `pixels_PxI`, in order (without DeepStack's: see `image_inputs`)."""
+        return self.image_inputs(tokens_BxL, pixels_PxI, grids)[0]
+
+    def image_inputs(self, tokens_BxL, pixels_PxI, grids: Grids):
+        """(the token embeddings [B, L, D] with the image tokens' replaced by the tower's
+        features of `pixels_PxI`, in order; `Transformer`'s `deepstack` input, or None)."""
         x_BxLxD = self._embed(tokens_BxL)
-        feats_MxD = self.visual(pixels_PxI, grids).astype(x_BxLxD.dtype)
+        feats_MxD, deep_SxMxD = self.visual.features(pixels_PxI, grids)
+        feats_MxD = feats_MxD.astype(x_BxLxD.dtype)
         is_image_BxL = tokens_BxL == self.cfg.vision.image_token_id
         if not isinstance(tokens_BxL, jax.core.Tracer):
             count = int(is_image_BxL.sum())
@@ -66,7 +74,8 @@ class VisionLanguageModel(Transformer):
         index_BxL = jnp.cumsum(is_image_BxL.reshape(-1)).reshape(is_image_BxL.shape) - 1
         index_BxL = jnp.clip(index_BxL, 0, feats_MxD.shape[0] - 1)
         image_BxLxD = jnp.take(feats_MxD, index_BxL, axis=0)
-        return jnp.where(is_image_BxL[..., None], image_BxLxD, x_BxLxD)
+        x_BxLxD = jnp.where(is_image_BxL[..., None], image_BxLxD, x_BxLxD)
+        return x_BxLxD, (None if deep_SxMxD is None else (deep_SxMxD, index_BxL, is_image_BxL))
 
 
 MODEL_KINDS["vision"] = VisionLanguageModel

@@ -24,7 +24,8 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
 - `preference`: the DPO family, `dpo`, `ipo`, `simpo` and `orpo`, losses over the (chosen,
   rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
 - `kto`: KTO on the desirable / undesirable examples of `format: unpaired_preference` rows.
-- `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry).
+- `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry);
+  `prm` a process reward model to the step labels of `format: stepwise` solutions.
 - `rollout`: `grpo` (GRPO's clipped, group-relative policy gradient with a KL to the
   reference) and `ppo` (PPO with GAE from the policy's value head), on batches the policy
   samples itself (`rollout.sampling`), scored by `rollout.rewards`; `online_dpo` (DPO's loss
@@ -45,11 +46,13 @@ An objective that needs frozen models besides the policy names them in its `othe
 from __future__ import annotations
 
 from jaxllm.config import Config, ConfigError
+from jaxllm.config.rewards import term_name
 from jaxllm.objectives import denoising, distill, kto, preference, reward
 from jaxllm.objectives.base import Objective, ObjectiveOutput, load_function, token_nll
 from jaxllm.objectives.denoising import mlm
 from jaxllm.objectives.lm import next_token, prefix_lm, sft
 from jaxllm.objectives.rollout import grpo, online_dpo, ppo
+from jaxllm.objectives.rollout.rewards import with_term_metrics
 
 __all__ = [
     "BUILT_IN",
@@ -75,12 +78,22 @@ BUILT_IN = {
     },
     "kto": lambda cfg: kto.from_train_config(cfg.train),
     "reward": lambda cfg: reward.objective(),
-    "grpo": lambda cfg: grpo.from_train_config(cfg.train),
-    "ppo": ppo.from_config,
+    "prm": lambda cfg: reward.prm(),
+    "grpo": lambda cfg: _named_rewards(cfg, grpo.from_train_config(cfg.train)),
+    "ppo": lambda cfg: _named_rewards(cfg, ppo.from_config(cfg)),
     "online_dpo": lambda cfg: online_dpo.from_train_config(cfg.train),
     "distill": distill.from_config,
     "span_corruption": lambda cfg: denoising.span_corruption(cfg.train.z_loss),
 }
+
+
+def _named_rewards(cfg: Config, objective: Objective) -> Objective:
+    """A rollout objective that logs each of `train.rewards` by name (none without it)."""
+    if not cfg.train.rewards:
+        return objective
+    return with_term_metrics(objective, [term_name(r) for r in cfg.train.rewards])
+
+
 # The built-ins that read train.z_loss; set for another objective it would do nothing.
 Z_LOSS_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm", "span_corruption")
 # The built-ins that read train.loss_chunks.
@@ -88,14 +101,15 @@ LOSS_CHUNK_OBJECTIVES = ("next_token", "sft", "mlm", "prefix_lm")
 
 
 def _check_head(name: str, head: str) -> None:
-    """A built-in objective fits the model's head: `reward` the score head of a reward model,
+    """A built-in objective fits the model's head: `reward` / `prm` the score head of a reward model,
     every other one the LM head (an objective of your own may use either)."""
-    if name == "reward" and head != "score":
+    scored = name in ("reward", "prm")
+    if scored and head != "score":
         raise ConfigError(
-            "train.objective=reward trains a scalar score head: set model.head=score (the LM "
+            f"train.objective={name} trains a scalar score head: set model.head=score (the LM "
             "head is dropped and the score head starts fresh)."
         )
-    if name != "reward" and head == "score":
+    if not scored and head == "score":
         raise ConfigError(
             f"train.objective={name} needs the LM head, but model.head=score; set "
             "model.head=lm, or train.objective=reward to train the reward model."

@@ -9,6 +9,12 @@ where r(x, y) is the score head read at the last token of prompt + answer. The p
 the preference layout (`jaxllm.objectives.base`); the packer gives each sequence one extra input
 position holding its last token (`whole_inputs`), so the last input position of a segment has
 seen the whole sequence.
+
+A process reward model (`prm`; Lightman et al. 2023, arXiv:2305.20050; TRL's `PRMTrainer`)
+uses the same head as a token classifier: it scores each step of a solution at the step's
+last token, the separator (`jaxllm.data.stepwise`), fitted to the step's label by the binary
+cross-entropy -[y log sigmoid(s) + (1 - y) log sigmoid(-s)]. TRL's token classifier has two
+logits (l0, l1) and a cross-entropy over them, which is this loss at s = l1 - l0.
 """
 
 from __future__ import annotations
@@ -76,3 +82,41 @@ def objective() -> Objective:
         return output(model, out, loss_sum, count, metrics)
 
     return reward_objective
+
+
+def step_loss(scores_BxL: jax.Array, labels_BxL: jax.Array, mask_BxL: jax.Array):
+    """(loss sum, scored steps, metric sums) of step scores at the positions where `mask` is 1
+    against 0 / 1 labels: `loss` (binary cross-entropy), `accuracy` (score > 0 == label),
+    `rewards/step`: the mean step score."""
+    mask_BxL = mask_BxL.astype(jnp.float32)
+    y_BxL = labels_BxL.astype(jnp.float32)
+    scores_BxL = scores_BxL.astype(jnp.float32)
+    # -[y log sigmoid(s) + (1 - y) log sigmoid(-s)] = softplus(s) - y s, stable either sign
+    bce_BxL = jax.nn.softplus(scores_BxL) - y_BxL * scores_BxL
+    loss_sum = jnp.sum(bce_BxL * mask_BxL)
+    metrics = {
+        "loss": loss_sum,
+        "accuracy": jnp.sum(((scores_BxL > 0) == (y_BxL > 0.5)) * mask_BxL),
+        "rewards/step": jnp.sum(scores_BxL * mask_BxL),
+    }
+    return loss_sum, jnp.sum(mask_BxL), metrics
+
+
+def prm() -> Objective:
+    """The `prm` objective: the binary cross-entropy of the score head at every scored step
+    (`loss_mask`) against its label (`targets`); `tokens` counts the scored steps, so every
+    metric is per step: `loss`, `accuracy`, `rewards/step`."""
+
+    def prm_objective(model, batch: dict, rng) -> ObjectiveOutput:
+        out = model(
+            batch["inputs"],
+            positions_BxL=batch["positions"],
+            segment_ids_BxL=batch["segment_ids"],
+            dropout_key=rng,
+        )
+        loss_sum, count, metrics = step_loss(
+            out.logits[..., 0], batch["targets"], batch["loss_mask"]
+        )
+        return output(model, out, loss_sum, count, metrics)
+
+    return prm_objective

@@ -24,6 +24,7 @@ from optax.contrib import MuonDimensionNumbers
 from jaxllm.config import OptimConfig
 from jaxllm.config.optim import resolved_lr
 from jaxllm.optim import adam_mini, adamw_8bit, came, galore, ldadam, schedules, shampoo, soap
+from jaxllm.optim.freeze import select, trainable_only
 from jaxllm.optim.master import with_master_weights
 from jaxllm.optim.noise import annealed_noise
 from jaxllm.optim.sparse import keep_zeros
@@ -148,12 +149,17 @@ def _need_axes(axes, name):
 
 
 def build(
-    cfg: OptimConfig, total_steps: int, axes=None, sparse=None, seed: int = 0
+    cfg: OptimConfig, total_steps: int, axes=None, sparse=None, seed: int = 0, frozen=None
 ) -> optax.GradientTransformation:
     """The configured optimizer. `axes`: the parameters' logical axes as a tree of tuples
     (`jaxllm.model.abstract_model`), which adam_mini, muon, soap and shampoo read to find blocks and matrices.
     `sparse`: a tree of bools over the parameters, those whose zeros stay zero (a pruned run's
-    weights, `sparse.keep_zeros`); None: none. `seed`: the gradient noise's (optim.grad_noise)."""
+    weights, `sparse.keep_zeros`); None: none. `seed`: the gradient noise's (optim.grad_noise).
+    `frozen`: a tree of bools over the parameters, True for those that do not train
+    (`train.freeze`, `freeze.trainable_only`); None: all train."""
+    if frozen is not None:
+        axes = None if axes is None else select(axes, frozen)
+        sparse = None if sparse is None else select(sparse, frozen)
     lr = schedule(cfg, total_steps)
     if cfg.name == "adamw" and not cfg.amsgrad:
         tx = optax.adamw(
@@ -191,4 +197,4 @@ def build(
         tx = optax.chain(tx, keep_zeros(sparse))
     if cfg.master_weights != "none":
         tx = with_master_weights(tx, cfg.master_weights)
-    return tx
+    return tx if frozen is None else trainable_only(tx, frozen)

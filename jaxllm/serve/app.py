@@ -1,7 +1,9 @@
 """The OpenAI-compatible routes over an `EngineWorker`: `/v1/models`, `/v1/completions`,
 `/v1/chat/completions` (streamed as server-sent events with `stream: true`), `/health` and
 `/metrics` (Prometheus text). Requests are validated by pydantic models (as vLLM's
-`entrypoints/openai` does); every refusal is HTTP 400 with OpenAI's error body.
+`entrypoints/openai` does); every refusal is HTTP 400 with OpenAI's error body. A chat message's
+content is a string or a list of text parts; image parts are refused (400): the engine serves
+text only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxllm.data.chat import is_image_part
 from jaxllm.infer.chat import EndOfTurn, prompt_ids
 from jaxllm.infer.engine import SamplingParams
 from jaxllm.serve.texts import SampleText, chat_logprobs, completion_logprobs
@@ -54,7 +57,7 @@ class CompletionRequest(_Common):
 
 
 class ChatRequest(_Common):
-    messages: list[dict[str, str]]
+    messages: list[dict[str, str | list]]
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -212,6 +215,31 @@ def _usage(prompt_tokens: int, outs) -> dict:
     }
 
 
+def _text_messages(messages: list[dict]) -> list[dict]:
+    """The messages with each list of text parts (OpenAI's content parts) joined into a string;
+    BadRequest for an image part: the engine serves text only (`jaxllm generate --chat ...
+    --image PATH` answers with images)."""
+    out = []
+    for n, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            if any(map(is_image_part, content)):
+                raise BadRequest(
+                    f"messages.{n}.content holds an image part: this server's engine takes text "
+                    "only (image inputs are not served yet; `jaxllm generate RUN --chat TEXT "
+                    "--image PATH` answers with images)",
+                    f"messages.{n}.content",
+                )
+            if not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+                raise BadRequest(
+                    f"messages.{n}.content: parts are {{type: text, text: ...}}",
+                    f"messages.{n}.content",
+                )
+            content = "".join(p["text"] for p in content)
+        out.append({**m, "content": content})
+    return out
+
+
 def make_app(s: Served, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="jaxllm")
 
@@ -276,8 +304,9 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        messages = _text_messages(req.messages)
         try:
-            prompt = prompt_ids(req.messages, s.tok)
+            prompt = prompt_ids(messages, s.tok)
         except Exception as e:
             raise BadRequest(str(e), "messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens

@@ -11,8 +11,8 @@ teacher wider or deeper than the student shards like any model; the step differe
 checkpointed: a run records where each came from with a content hash (the checkpoint's
 `others` item) and loads them again at resume, refusing different weights in one line.
 
-The reward model is not the objective's: a rollout objective whose `train.reward` is a
-directory holds it (`held_names`), and the rollouts (`jaxllm.objectives.rollout.sampling`) read
+The reward models are not the objective's: a rollout objective whose `train.reward` (or an
+entry of `train.rewards`) is a directory holds it (`held_names`), and the rollouts (`jaxllm.objectives.rollout.sampling`) read
 it from the state.
 
 Where each comes from (`source_of`): `train.teacher`; `train.reward`; `train.reference`, else the run's
@@ -53,7 +53,7 @@ from jaxllm.load import (
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.objectives import from_config
 from jaxllm.objectives.distill import check_teacher, feature_layers
-from jaxllm.objectives.rollout.rewards import is_model
+from jaxllm.objectives.rollout.rewards import model_sources
 
 OTHERS_ITEM = "others"  # the checkpoint's JSON item: {name: {"source", "sha256"}}
 
@@ -76,9 +76,9 @@ def names(objective) -> tuple[str, ...]:
 
 
 def held_names(cfg: Config, objective) -> tuple[str, ...]:
-    """The frozen models of this run: the objective's, and a rollout's reward model."""
-    rewarded = cfg.train.objective in ROLLOUT_OBJECTIVES and is_model(cfg.train.reward)
-    return names(objective) + (("reward_model",) if rewarded else ())
+    """The frozen models of this run: the objective's, and a rollout's reward models."""
+    rollout = cfg.train.objective in ROLLOUT_OBJECTIVES
+    return names(objective) + (tuple(model_sources(cfg.train)) if rollout else ())
 
 
 def source_of(cfg: Config, name: str) -> str | None:
@@ -88,8 +88,8 @@ def source_of(cfg: Config, name: str) -> str | None:
         if not cfg.train.teacher:
             raise ConfigError(f"train.objective={cfg.train.objective} needs train.teacher.")
         return cfg.train.teacher
-    if name == "reward_model":
-        return cfg.train.reward
+    if name.startswith("reward_model"):
+        return model_sources(cfg.train)[name]
     if name == "reference":
         if cfg.train.reference:
             return cfg.train.reference
@@ -118,6 +118,8 @@ def _key(cfg: Config, name: str) -> str:
         return "checkpoint.init_from"
     if name == "reward_model":
         return "train.reward"
+    if name.startswith("reward_model_"):
+        return f"train.rewards[{name.rpartition('_')[2]}].model"
     return f"train.{name}"
 
 
@@ -139,8 +141,8 @@ def resolve_others(cfg: Config, objective) -> dict[str, Other]:
             check_teacher(cfg.model, model, source, cfg.data.seq_len)
             if cfg.train.distill_hidden_weight > 0:  # and its blocks that are matched
                 feature_layers(cfg.model, model, cfg.train.distill_layers, source)
-        if name == "reward_model":
-            _check_reward_model(model, source, cfg.data.seq_len)
+        if name.startswith("reward_model"):
+            _check_reward_model(model, source, cfg.data.seq_len, _key(cfg, name))
         if model.vocab_size != cfg.model.vocab_size:
             raise ConfigError(
                 f"{_key(cfg, name)}={source} has a vocabulary of {model.vocab_size} ids and this "
@@ -183,15 +185,15 @@ def _packing(source: str) -> QuantizeConfig | None:
     return theirs.quantize if theirs.quantize.enabled and theirs.peft.method == "none" else None
 
 
-def _check_reward_model(model: ModelConfig, source: str, seq_len: int) -> None:
+def _check_reward_model(model: ModelConfig, source: str, seq_len: int, key: str) -> None:
     if model.head != "score":
         raise ConfigError(
-            f"train.reward={source} is a language model, not a reward model: train one with "
+            f"{key}={source} is a language model, not a reward model: train one with "
             "train.objective=reward (model.head=score) or import a *ForSequenceClassification."
         )
     if model.max_seq_len < seq_len:
         raise ConfigError(
-            f"train.reward={source} reads at most {model.max_seq_len} positions "
+            f"{key}={source} reads at most {model.max_seq_len} positions "
             f"(model.max_seq_len), fewer than the rows' data.seq_len={seq_len}; lower data.seq_len."
         )
 

@@ -12,6 +12,7 @@ from jaxllm.compress import qat
 from jaxllm.config.grad_compression import step_optim
 from jaxllm.config.pipeline import microbatches
 from jaxllm.model import abstract_model
+from jaxllm.model.groups import freeze_mask
 from jaxllm.parallel.grad_compression import Compression
 from jaxllm.sharding import to_global
 from jaxllm.train import companions, determinism, loss_scale, overlap
@@ -24,7 +25,8 @@ def compile_steps(cfg: config.Config, mesh):
     graphdef, abstract, axes = abstract_model(cfg.model, cfg.peft)
     weights = qat.transform(abstract, axes, cfg.train.qat)  # None unless train.qat
     o = optim.resolve(step_optim(cfg), cfg.train.global_batch_size)  # lr_scaling applied
-    tx = optim.build(o, cfg.train.steps, axes, sparse_weights(cfg, axes), cfg.run.seed)
+    frozen = freeze_mask(abstract, cfg.train.freeze, cfg.peft.method)  # None: all train
+    tx = optim.build(o, cfg.train.steps, axes, sparse_weights(cfg, axes), cfg.run.seed, frozen)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     batch_sh = sharding.named(mesh, BATCH_AXES)
     objective = objectives.from_config(cfg)
@@ -48,6 +50,7 @@ def compile_steps(cfg: config.Config, mesh):
         other_graphdefs=other_graphdefs,
         weights=weights,
         compression=Compression.of(cfg),
+        freeze_mask=frozen,
     )
     platform = mesh.devices.flat[0].platform
     platform = "gpu" if platform == "cuda" else platform

@@ -33,6 +33,7 @@ from jaxllm.checkpoint import mirror
 from jaxllm.config import ConfigError, JaxllmWarning, RunError
 from jaxllm.config.grad_compression import step_optim
 from jaxllm.model import abstract_model, abstract_model_state
+from jaxllm.model.groups import freeze_mask
 from jaxllm.train.state import sparse_weights
 
 LOCK_NAME = ".jaxllm.lock"
@@ -122,10 +123,10 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
         differ.append(
             f"data.tokenizer ({saved_tok.get('name')!r} there, {cfg.data.tokenizer!r} here)"
         )
-    if differ and any(d.startswith("optim.") for d in differ):
+    if differ and any(d.startswith(("optim.", "train.freeze")) for d in differ):
         raise ConfigError(
             f"{ckpt_dir} holds checkpoints whose optimizer state is another optimizer's: "
-            f"{'; '.join(differ)}; resume with the same optim.* settings, add "
+            f"{'; '.join(differ)}; resume with the same optim.* (and train.freeze), add "
             "checkpoint.reset_optimizer=true to keep the parameters and start a fresh optimizer "
             "state, or start a new run with run.dir=NEW_DIR."
         )
@@ -139,7 +140,8 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
 def _opt_shapes(cfg: config.Config) -> dict:
     """{path: (shape, dtype)} of the optimizer state this config's optimizer keeps."""
     _, params, axes = abstract_model(cfg.model, cfg.peft)
-    tx = optim.build(step_optim(cfg), cfg.train.steps, axes, sparse_weights(cfg, axes))
+    frozen = freeze_mask(params, cfg.train.freeze, cfg.peft.method)
+    tx = optim.build(step_optim(cfg), cfg.train.steps, axes, sparse_weights(cfg, axes), 0, frozen)
     leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
     return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
 
@@ -156,6 +158,10 @@ def _optimizer_differs(theirs: config.Config, ours: config.Config) -> list[str]:
         for k in sorted(set(old) | set(new))
         if old.get(k) != new.get(k)
     ]
+    if theirs.train.freeze != ours.train.freeze:
+        differ.append(
+            f"train.freeze ({list(theirs.train.freeze)} there, {list(ours.train.freeze)} here)"
+        )
     return differ or ["optim.* (the optimizer state's structure)"]
 
 

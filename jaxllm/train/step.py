@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 from jaxllm import parallel, sharding
 from jaxllm.model import merge_model
 from jaxllm.objectives import Objective
+from jaxllm.optim.freeze import stop_frozen
 from jaxllm.parallel.grad_compression import Compression
 from jaxllm.sharding import Parallel
 from jaxllm.train import companions, pipelined
@@ -155,12 +156,14 @@ def train_step(
     other_graphdefs=None,
     weights=None,
     compression: Compression | None = None,
+    freeze_mask=None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step of `objective` on `batch` (the global batch, split into
     `grad_accum_steps` microbatches). Metrics: the objective's (sum / tokens), `nonfinite`,
     `grad_norm`, `param_norm`, `lr`, `tokens`, the model's (MoE loads), and `loss_scale` (the
     scale this step used) with `loss_scaling`. With `compression` the data replicas exchange
-    compressed gradients (`compressed_grads`) and their state moves in `state.grad_comp`."""
+    compressed gradients (`compressed_grads`) and their state moves in `state.grad_comp`.
+    `freeze_mask` (`train.freeze`: bools over the params) stops the gradients of those marked."""
     if offload_params:  # kept in host memory between steps; used and updated on the device
         state = state.replace(params=jax.device_put(state.params, jax.memory.Space.Device))
     with sharding.active(parallel_settings):
@@ -172,7 +175,7 @@ def train_step(
 
         def loss_fn(p, mb, rng):
             loss, out = objective_value(
-                p,
+                stop_frozen(p, freeze_mask),
                 mb,
                 rng,
                 graphdef=graphdef,
@@ -229,6 +232,8 @@ def train_step(
         denom = count if scale is None else count * (scale / positions)
         denom = 1.0 if compression is not None else denom
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
+        if freeze_mask is not None:  # zeros already, but for the pipeline's own backward pass
+            grads = jax.tree.map(lambda g, m: jnp.zeros_like(g) if m else g, grads, freeze_mask)
         grad_norm = optax.tree.norm(grads)
         old_opt_state = state.opt_state
         if offload_opt_state:  # kept in host memory between steps; updated on the device

@@ -13,7 +13,9 @@ of TRL's `reward_funcs`. `train.reward` names it:
                     unit test against the completion's code
 
 A reward model stands in their place when `train.reward` is a directory (`is_model`): a
-`train.objective=reward` run or a Hugging Face `*ForSequenceClassification` export. It is a
+`train.objective=reward` run or a Hugging Face `*ForSequenceClassification` export, or a
+process reward model (a `train.objective=prm` run) scoring each step. `train.rewards` weighs
+several (`jaxllm.objectives.rollout.scoring`). It is a
 frozen model held on the mesh beside the policy (`jaxllm.train.companions`, name `reward_model`)
 and scores the token rows of the rollouts on the device (`jaxllm.objectives.rollout.sampling`).
 """
@@ -61,6 +63,32 @@ def _load(spec: str) -> RewardFn:
 def is_model(spec: str) -> bool:
     """Whether `train.reward` names a reward model (a directory) rather than a function."""
     return Path(spec).is_dir()
+
+
+def model_sources(t) -> dict[str, str]:
+    """The reward models of the train section `t` by the name their frozen copy is held under:
+    `reward_model` for `train.reward`, `reward_model_<i>` for entry i of `train.rewards`."""
+    if t.rewards:
+        return {f"reward_model_{i}": r.model for i, r in enumerate(t.rewards) if r.model}
+    return {"reward_model": t.reward} if is_model(t.reward) else {}
+
+
+def with_term_metrics(objective, names: Sequence[str]):
+    """`objective` (grpo / ppo, whose `tokens` counts completions) that also logs each named
+    reward's mean over the completions, `rewards/<name>/mean`, from the batch's
+    `rewards/<name>` fields (`jaxllm.objectives.rollout.scoring`)."""
+    import jax.numpy as jnp
+
+    def with_terms(model, batch: dict, rng, others=None):
+        out = objective(model, batch, rng, others)
+        valid_B = (jnp.sum(batch["loss_mask"], axis=-1) > 0).astype(jnp.float32)
+        metrics = dict(out.metrics)
+        for name in names:
+            metrics[f"rewards/{name}/mean"] = jnp.sum(batch[f"rewards/{name}"][:, 0] * valid_B)
+        return out._replace(metrics=metrics)
+
+    with_terms.others = getattr(objective, "others", ())
+    return with_terms
 
 
 def from_spec(spec: str) -> RewardFn:

@@ -16,9 +16,9 @@ and it
    `train.max_completion_tokens` or EOS; each row's sampling key is seeded by (run.seed,
    rollout number, the row's place in the global batch), so a row's completion does not depend
    on the rows sampled beside it;
-3. scores every completion: on the host with the reward function of its decoded text
-   (`rewards`), or on the mesh with a reward model (`train.reward` a directory, held frozen
-   in `TrainState.others`) read at the sequence's last token; then turns the rewards into
+3. scores every completion (`scoring`): on the host with the reward functions of its decoded
+   text, on the mesh with reward models (held frozen in `TrainState.others`), the weighted
+   sum of `train.rewards` or the one `train.reward`; then turns the rewards into
    group-relative advantages (`grpo.group_advantages`), for PPO into GAE advantages and
    returns from the value head's V_old (`ppo.rollout_fields`), for online DPO into each
    pair's chosen one (`online_dpo.rollout_fields`);
@@ -69,13 +69,11 @@ from jaxllm.data.rollout import Prompt, prompt_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer.chat import end_of_turn
 from jaxllm.infer.engine import batch as engine_batch
-from jaxllm.load import model_section
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.objectives.base import token_logps
-from jaxllm.objectives.reward import sequence_scores
 from jaxllm.objectives.rollout import online_dpo, ppo
-from jaxllm.objectives.rollout import rewards as rewards_lib
 from jaxllm.objectives.rollout.grpo import group_advantages
+from jaxllm.objectives.rollout.scoring import Scorer
 from jaxllm.sharding import to_global
 
 
@@ -89,14 +87,6 @@ def _policy_logps(params, frozen, model_state, batch, *, graphdef, parallel_sett
         logp_BxL, out = token_logps(model, parallel.sequence_layout(batch))
         back_L = jnp.argsort(order_1xL[0])  # back from a ring's zigzag layout
         return logp_BxL[:, back_L], None if out.values is None else out.values[:, back_L]
-
-
-def _model_rewards(params, model_state, batch, *, graphdef, parallel_settings):
-    """The reward model's score [B] of each row's one sequence (read at its last token)."""
-    with sharding.active(parallel_settings):
-        model = merge_model(graphdef, params, None, model_state)
-        scores_BxL, _ = sequence_scores(model, parallel.sequence_layout(batch))
-        return scores_BxL.sum(-1)  # a sum over L: the same in any layout
 
 
 def sequences(prompts: list[np.ndarray], completions: list[list[int]], ends) -> list[np.ndarray]:
@@ -236,7 +226,10 @@ class Rollouts:
                 f"data.sources hold {len(self.prompts)} rollout prompts, fewer than the "
                 f"{self.per_step} a step samples (train.global_batch_size / train.num_generations)"
             )
-        self.reward_model = rewards_lib.is_model(t.reward)
+        parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
+        prompts = (*self.prompts, *self.eval_prompts)
+        self.scorer = Scorer(cfg, self.tok, batch_sharding, parallel_settings, prompts)
+        self.reward_model = self.scorer.outcome_model
         longest = max(len(p.ids) for p in (*self.prompts, *self.eval_prompts))
         # a reward model reads the whole sequence, its closing stop included, in one row
         room = min(cfg.data.seq_len - self.reward_model, cfg.model.max_seq_len)
@@ -247,7 +240,6 @@ class Rollouts:
                 f"{', less 1 for the stop a reward model reads' if self.reward_model else ''}) or "
                 f"model.max_seq_len ({cfg.model.max_seq_len}); raise them or shorten the prompts"
             )
-        self.reward_fn = None if self.reward_model else rewards_lib.from_spec(t.reward)
         # A completion ends at EOS; after a chat prompt also at the template's end of turn.
         chat = any(not isinstance(p.prompt, str) for p in (*self.prompts, *self.eval_prompts))
         eos = getattr(self.tok, "eos_id", None)
@@ -260,19 +252,11 @@ class Rollouts:
         self.policy = None  # the TrainState the next rollout samples from
         self._thread = concurrent.futures.ThreadPoolExecutor(1) if t.rollout_ahead else None
         self.graphdef = abstract_model(cfg.model, cfg.peft)[0]
-        parallel_settings = sharding.Parallel.of(mesh, cfg.mesh)
         self._logps = jax.jit(
             functools.partial(
                 _policy_logps, graphdef=self.graphdef, parallel_settings=parallel_settings
             )
         )
-        if self.reward_model:
-            scorer = abstract_model(model_section(t.reward, "train.reward"))[0]
-            self._model_rewards = jax.jit(
-                functools.partial(
-                    _model_rewards, graphdef=scorer, parallel_settings=parallel_settings
-                )
-            )
 
     def get_state(self) -> dict:
         """The rollouts begun, the batch still to be served and (rollout_ahead) the next one,
@@ -307,33 +291,26 @@ class Rollouts:
         stops = (self.stops, self.stop_sequences)
         return sample(self.cfg, model, self.sample_mesh, ids, temperature, seed, *stops)
 
-    def _text_rewards(self, prompts: list[Prompt], out) -> list[float]:
-        """The reward function's score of each decoded completion (host only)."""
-        texts = [self.tok.decode(c) for c in out.tokens]
-        answers = [p.answer for p in prompts]
-        return rewards_lib.score(self.reward_fn, [p.prompt for p in prompts], texts, answers)
-
-    def _model_scores(self, others, seqs: list[np.ndarray]) -> np.ndarray:
-        """The reward model's scores [global_batch_size] of the global batch whose rows of this
-        process are `seqs` (a collective: every process calls it)."""
-        n, length = len(seqs), self.cfg.data.seq_len
-        rows_ = {k: np.zeros((n, length), np.int32) for k in ("inputs", "segment_ids")}
-        rows_["positions"] = np.tile(np.arange(length, dtype=np.int32), (n, 1))
-        for i, seq in enumerate(seqs):
-            rows_["inputs"][i, : len(seq)], rows_["segment_ids"][i, : len(seq)] = seq, 1
-        held = others["reward_model"]
-        whole = to_global(rows_, self.batch_sharding, self.cfg.train.global_batch_size)
-        scores = self._model_rewards(held["params"], held["model_state"], whole)
-        return np.asarray(multihost_utils.process_allgather(scores, tiled=True), np.float32)
+    def _text_scores(self, prompts: list[Prompt], out) -> tuple:
+        """The reward functions' scores of each decoded completion and a process reward
+        model's rows of them (host only; `Scorer.text_scores`)."""
+        return self.scorer.text_scores(prompts, [self.tok.decode(c) for c in out.tokens])
 
     def _rewards(self, state, prompts: list[Prompt], out, seqs) -> list[float]:
-        """One reward per completion of the whole list (the same in every process): the reward
-        function's of the decoded texts, or the reward model's of the token sequences."""
-        if not self.reward_model:
-            return self._text_rewards(prompts, out)
+        """One reward per completion of the whole list (the same in every process): a model
+        term reads whole batches, so the list is padded to one and each process scores its
+        rows of it."""
         gbs, n = self.cfg.train.global_batch_size, len(seqs)
-        padded = (list(seqs) * gbs)[:gbs] if n < gbs else seqs  # the model reads whole batches
-        return [float(r) for r in self._model_scores(state.others, padded[self.local])[:n]]
+        texts = [None] * n
+        if self.scorer.needs_text:
+            texts = [self.tok.decode(c) for c in out.tokens]
+        if not self.scorer.models:
+            return [float(r) for r in self.scorer.total(self.scorer.text_scores(prompts, texts)[0])]
+        pad = lambda x: (list(x) * gbs)[:gbs] if n < gbs else list(x)  # noqa: E731
+        mine = [pad(x or texts)[self.local] for x in (prompts, texts, seqs)]
+        text = self.scorer.text_scores(mine[0], mine[1])
+        terms = self._whole({"t": self.scorer.terms(state.others, mine[2], text, self.local)})
+        return [float(r) for r in self.scorer.total(terms["t"])[:n]]
 
     def __next__(self) -> dict:
         if self.policy is None:
@@ -380,8 +357,8 @@ class Rollouts:
         run in a background thread."""
         prompts, seeds = self._draw(k)
         out, seqs = self._generate(sampler, prompts, self.cfg.train.rollout_temperature, seeds)
-        scores = None if self.reward_model else self._text_rewards(prompts, out)
-        return seqs, scores, rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
+        text = self._text_scores(prompts, out)
+        return seqs, text, rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
 
     def _whole(self, local: dict) -> dict:
         """The global batch of every process's `local` rows (a collective)."""
@@ -398,11 +375,11 @@ class Rollouts:
         """The whole batch of a rollout from its sampled half: a reward model's scores, pi_old
         (and PPO's V_old) of `weights`, the sampling policy, and the advantages."""
         t, gbs = self.cfg.train, self.cfg.train.global_batch_size
-        seqs, scores, local = sampled
-        if scores is None:
-            scores = self._model_scores(others, seqs)[self.local]
-        batch = self._whole({**local, "scores": np.asarray(scores, np.float32)[:, None]})
-        scores = batch.pop("scores")[:, 0].astype(np.float64)
+        seqs, text, local = sampled
+        terms = self.scorer.terms(others, seqs, text, self.local)
+        batch = self._whole({**local, "terms": np.asarray(terms, np.float32)})
+        terms = batch.pop("terms")
+        scores = self.scorer.total(terms)
         placed = to_global({k: v[self.local] for k, v in batch.items()}, self.batch_sharding, gbs)
         old, values = self._logps(weights.params, weights.frozen, weights.model_state, placed)
         gather = functools.partial(multihost_utils.process_allgather, tiled=True)
@@ -417,6 +394,7 @@ class Rollouts:
             shape = batch["inputs"].shape
             batch["advantages"] = np.broadcast_to(adv_S[:, None], shape)
             batch["rewards"] = np.broadcast_to(scores[:, None], shape)
+        batch.update(self.scorer.term_fields(terms, batch["inputs"].shape))
         return {k: np.ascontiguousarray(v) for k, v in batch.items()}
 
     def evaluate(self, state) -> dict:

@@ -1,0 +1,218 @@
+"""The `jaxllm` model type of EleutherAI's lm-evaluation-harness: on task YAMLs over local JSONL
+files, a tiny trained run scores as the harness's Hugging Face backend scores its export
+(`jaxllm convert export`), request by request: multiple-choice log-likelihoods, rolling
+log-likelihoods over several windows, and greedy generation with `until` and max_gen_toks.
+Nothing downloads."""
+
+import json
+import re
+import subprocess
+import sys
+
+import lm_eval
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_RUN, cpu_env
+from hf_models import run_cli, stderr_of_failure
+
+SENTENCES = [
+    "the cat sat on the mat.",
+    "the dog ran to the park.",
+    "a bird sang in the tree.",
+    "the sun is hot and bright.",
+    "one plus one is two.",
+]
+
+MC_TASK = """\
+task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+GEN_TASK = """\
+task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["."]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+ROLLING_TASK = """\
+task: tiny_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: bits_per_byte
+"""
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(run, exported HF directory, task directory), with the harness kept offline."""
+    from jaxllm.data import train_bpe
+
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("harness")
+    for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        mp.setenv(key, "1")
+    mp.setenv("HF_DATASETS_CACHE", str(root / "datasets-cache"))
+    corpus = [{"text": " ".join(SENTENCES[i:] + SENTENCES[:i])} for i in range(5)] * 8
+    data = _jsonl(root / "corpus.jsonl", corpus)
+    bpe = train_bpe([r["text"] for r in corpus], 300, root / "bpe")
+    run, hf = root / "run", root / "hf"
+    train = [*TINY_RUN, "model.max_seq_len=64", f"data.tokenizer={bpe}", "train.steps=40"]
+    train += [f"data.sources=[{{path: {data}}}]", "data.eval_fraction=0", f"run.dir={run}"]
+    assert run_cli("train", *train) == 0
+    assert run_cli("convert", "export", run, hf) == 0
+    tasks = root / "tasks"
+    tasks.mkdir()
+    mc = [
+        {"question": s.rsplit(" ", 1)[0], "choices": [" mat.", " park.", " tree."], "answer": i % 3}
+        for i, s in enumerate(SENTENCES)
+    ]
+    gen = [
+        {"prompt": s.split(" ", 2)[0] + " " + s.split(" ", 2)[1], "answer": ""} for s in SENTENCES
+    ]
+    gen += [{"prompt": "the cat sat", "answer": " on the mat"}]
+    long_doc = " ".join(SENTENCES * 6)  # longer than max_seq_len: several windows
+    rolling = [{"text": long_doc}, {"text": SENTENCES[0]}, {"text": "zebra quantum fox"}]
+    for name, template, rows in (
+        ("mc", MC_TASK, mc),
+        ("gen", GEN_TASK, gen),
+        ("rolling", ROLLING_TASK, rolling),
+    ):
+        path = _jsonl(tasks / f"{name}.jsonl", rows)
+        (tasks / f"{name}.yaml").write_text(template.format(data=path))
+    torch.set_num_threads(1)
+    yield run, hf, tasks
+    mp.undo()
+
+
+def _evaluate(model, model_args, tasks, names):
+    from lm_eval.tasks import TaskManager
+
+    import jaxllm.harness  # noqa: F401  (registers `jaxllm`)
+
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=names,
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+        batch_size=4,
+    )
+
+
+def _responses(result, task):
+    samples = sorted(result["samples"][task], key=lambda s: s["doc_id"])
+    return [s["filtered_resps"] for s in samples]
+
+
+@pytest.fixture(scope="module")
+def both(setup):
+    run, hf, tasks = setup
+    names = ["tiny_mc", "tiny_gen", "tiny_rolling"]
+    ours = _evaluate("jaxllm", f"run={run}", tasks, names)
+    theirs = _evaluate("hf", f"pretrained={hf},dtype=float32,device=cpu", tasks, names)
+    return ours, theirs
+
+
+def test_loglikelihood_scores_equal_the_hf_backend(both):
+    ours, theirs = both
+    got, want = (_responses(r, "tiny_mc") for r in both)
+    assert len(got) == len(SENTENCES)
+    for g, w in zip(got, want):  # each choice: (log-likelihood, is greedy)
+        np.testing.assert_allclose([x[0] for x in g], [x[0] for x in w], atol=1e-4, rtol=0)
+        assert [x[1] for x in g] == [x[1] for x in w]
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["tiny_mc"][metric] == theirs["results"]["tiny_mc"][metric]
+
+
+def test_rolling_loglikelihood_equals_the_hf_backend(both):
+    got, want = (_responses(r, "tiny_rolling") for r in both)
+    np.testing.assert_allclose(np.ravel(got), np.ravel(want), atol=1e-4, rtol=0)
+    assert np.ravel(got)[0] < np.ravel(got)[1] < 0  # the long document has the most tokens
+    ours, theirs = (r["results"]["tiny_rolling"] for r in both)
+    for metric in ("word_perplexity,none", "bits_per_byte,none"):
+        np.testing.assert_allclose(ours[metric], theirs[metric], rtol=1e-4)
+
+
+def test_greedy_generation_equals_the_hf_backend(both):
+    ours, theirs = both
+    got, want = (_responses(r, "tiny_gen") for r in both)
+    assert got == want
+    assert any(g[0].strip() for g in got) and not any("." in g[0] for g in got)  # cut at until
+    assert (
+        ours["results"]["tiny_gen"]["exact_match,none"]
+        == (theirs["results"]["tiny_gen"]["exact_match,none"])
+    )
+
+
+def test_jaxllm_eval_harness_prints_the_table(setup, both, capsys):
+    run, _, tasks = setup
+    assert run_cli("eval", run, "--harness", "tiny_mc", "--include-path", tasks) == 0
+    out = capsys.readouterr().out
+    row = re.search(r"\|acc\s*\|[^|]*\|\s*([0-9.]+)\|", out)
+    assert "tiny_mc" in out and row, out
+    assert float(row.group(1)) == pytest.approx(both[0]["results"]["tiny_mc"]["acc,none"])
+
+
+def test_bad_runs_tasks_and_options_are_one_line(setup, capsys, tmp_path):
+    run, _, tasks = setup
+    err = stderr_of_failure(capsys, "eval", tmp_path, "--harness", "tiny_mc")
+    assert err.startswith("jaxllm: ") and err.count("\n") == 1
+    err = stderr_of_failure(
+        capsys, "eval", run, "--harness", "no_such_task", "--include-path", tasks
+    )
+    assert "no_such_task" in err and err.count("\n") == 1
+    err = stderr_of_failure(capsys, "eval", run, "--limit", "3")
+    assert "--harness" in err and err.count("\n") == 1
+
+
+def test_lm_eval_command_line_refuses_a_directory_that_is_not_a_run(setup, tmp_path):
+    _, _, tasks = setup
+    argv = ["--model", "jaxllm", "--model_args", f"run={tmp_path}", "--tasks", "tiny_mc"]
+    argv += ["--include_path", str(tasks)]
+    p = subprocess.run(
+        [sys.executable, "-m", "jaxllm.harness", *argv],
+        capture_output=True,
+        text=True,
+        env=cpu_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"),
+        timeout=300,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("jaxllm: ")
+    assert "Traceback" not in p.stderr
