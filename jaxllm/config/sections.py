@@ -234,6 +234,10 @@ class DataConfig:
     predictions): `truncate` keeps its first seq_len + 1 tokens, `drop` leaves it out. The
     count is reported in one warning per source; an example left with no trained token is
     dropped either way."""
+    image_resize: bool = True
+    """Images in chat rows (a model with `model.vision`) are resized into the tower's patch grid
+    within its min/max_pixels, as the Qwen2-VL processor does; false: used as they are, an
+    image off the grid or over max_pixels a bad record (`on_bad_record`)."""
     seed: int = 0
     """Seed of the row shuffle and of the mixture (and of span corruption's noise masks)."""
     span_corruption: SpanCorruptionConfig = SpanCorruptionConfig()

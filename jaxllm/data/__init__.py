@@ -8,6 +8,8 @@ A batch is a dict of int32 arrays of shape [B, L]:
   positions    position of the token within its document (RoPE uses it)
   loss_mask    1 where `targets` continues the same document, else 0 (for SFT examples only
                where the target is in an assistant turn / the completion)
+Image-text rows (a model with a vision tower) add M-RoPE positions and their images' patches
+(`vision_rows`).
 
 Modules: `sources` (files and formats -> texts), `tokenizer` (texts -> ids), `chat` (chat
 templates), `sft` (chat / prompt-completion records -> ids with loss masks -> whole-example

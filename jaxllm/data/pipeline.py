@@ -17,6 +17,7 @@ same files here), and `data.max_files` caps its shards.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 
@@ -24,14 +25,24 @@ import grain
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
-from jaxllm.data import preference, sft, stepwise, unpaired
+from jaxllm.data import preference, sft, stepwise, unpaired, vision_chat, vision_rows
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
 from jaxllm.data.sources import BadRecords, fetched, is_prepared_dir, list_files, read_texts
 from jaxllm.data.split import split_source
 from jaxllm.data.tokenizer import Tokenizer, encode_documents, make_tokenizer
 
-Rows = PackedRows | FirstFitRows | preference.PairRows | stepwise.StepRows
+Rows = PackedRows | FirstFitRows | preference.PairRows | stepwise.StepRows | vision_rows.VisionRows
+
+
+@dataclasses.dataclass
+class VisionExamples:
+    """The image-text examples of a chat source read for a model with a vision tower."""
+
+    items: list
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 class MixtureRows:
@@ -98,10 +109,13 @@ def _by_length(docs, key: str) -> list[np.ndarray]:
     return sorted(docs, key=len)
 
 
-def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokenizer, hold_out: bool):
+def _source_documents(
+    src: SourceConfig, key: str, cfg: DataConfig, tok: Tokenizer, hold_out: bool, images=None
+):
     """(train documents, eval documents) of one source, all in train unless `hold_out`: token
     arrays, `sft.Examples` for a chat / prompt_completion source, `preference.Pairs` for a
-    preference source, `stepwise.Solutions` for a stepwise one."""
+    preference source, `stepwise.Solutions` for a stepwise one, `VisionExamples` for a chat
+    source when `images` (a model with a vision tower, `vision_rows.ImageInputs`) is given."""
     src = fetched(src, key)  # a bucket's source is read from its local copy
     if is_prepared_dir(src.path):
         prepared = PreparedDir(src.path, key, cfg.tokenizer)
@@ -115,7 +129,14 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
             )
         return prepared.documents("train", cfg.max_files), prepared.documents("eval", cfg.max_files)
     files = list_files(src, key, cfg.max_files)
-    if sft.is_sft(src):
+    seeing = images is not None and src.format == "chat"
+    if seeing:
+        bad = sft.bad_records(key, src)
+        spec, read = images.spec, vision_chat.read_vision_examples
+        texts = [
+            list(read(f, src, tok, spec, images.tokens, cfg.on_bad_record, bad)) for f in files
+        ]
+    elif sft.is_sft(src):
         bad = sft.bad_records(key, src)
         texts = [list(sft.read_examples(f, src, tok, cfg.on_bad_record, bad)) for f in files]
     elif unpaired.is_unpaired(src):
@@ -141,6 +162,8 @@ def _source_documents(src: SourceConfig, key: str, cfg: DataConfig, tok: Tokeniz
         train, evals = split_source(files, texts, cfg.eval_fraction, key)
     else:
         train, evals = [t for ts in texts for t in ts], []
+    if seeing:
+        return VisionExamples(train), VisionExamples(evals)
     if sft.is_sft(src):
         return sft.encode_examples(tok, train, src.format), sft.encode_examples(
             tok, evals, src.format
@@ -160,9 +183,17 @@ def _rows(
     tok,
     virtual_tokens=0,
     whole_inputs=False,
+    images=None,
 ) -> Rows:
     if not docs:
         raise ConfigError(f"{what} has no documents; add data or change data.eval_fraction.")
+    if isinstance(docs, VisionExamples):
+        if virtual_tokens:
+            raise ConfigError(
+                f"{what} holds images, which peft.method=prompt does not train on; use "
+                "peft.method=lora or full fine-tuning."
+            )
+        return vision_rows.VisionRows(docs.items, cfg, tok, what, images)
     if isinstance(docs, preference.Pairs):
         if virtual_tokens:
             raise ConfigError(
@@ -205,15 +236,19 @@ def _mix(
 
 
 def load_splits(
-    cfg: DataConfig, virtual_tokens: int = 0, whole_inputs: bool = False
+    cfg: DataConfig, virtual_tokens: int = 0, whole_inputs: bool = False, images=None
 ) -> tuple[Rows | MixtureRows | CurriculumRows, Rows | MixtureRows | CurriculumRows | None]:
     """(train rows, eval rows) of the configured sources, eval rows None when nothing is held out
     (`data.eval_fraction=0` without `data.eval_sources`); ConfigError for anything the user can
     fix (missing path, no files, no text, bad records under on_bad_record=fail, tokenizer).
     `virtual_tokens`: a soft prompt's length (peft.method=prompt), whose placeholder ids start
     every SFT example. `whole_inputs`: preference sequences get their closing slot (reward
-    models, see `jaxllm.data.preference`)."""
+    models, see `jaxllm.data.preference`). `images` (`vision_rows.ImageInputs`, a model with a
+    vision tower): chat sources are read with their images and every row carries the image
+    keys of `jaxllm.data.vision_rows`, with one patch budget for the run."""
     tok = make_tokenizer(cfg)
+    if images is not None:
+        images.check(tok)
     for name, sources in (("sources", cfg.sources), ("eval_sources", cfg.eval_sources)):
         for i, src in enumerate(sources):
             if not src.weight > 0:
@@ -224,18 +259,23 @@ def load_splits(
     train_parts, eval_parts = [], []
     for i, src in enumerate(cfg.sources):
         key = f"data.sources[{i}]"
-        train_docs, eval_docs = _source_documents(src, key, cfg, tok, hold_out)
+        train_docs, eval_docs = _source_documents(src, key, cfg, tok, hold_out, images)
         if cfg.order == "length":
             train_docs = _by_length(train_docs, key)
         what = f"the train split of {key}"
-        train_parts.append(_rows(train_docs, what, cfg, tok, virtual_tokens, whole_inputs))
+        train_parts.append(_rows(train_docs, what, cfg, tok, virtual_tokens, whole_inputs, images))
         if hold_out:
             what = f"the eval split of {key}"
-            eval_parts.append(_rows(eval_docs, what, cfg, tok, virtual_tokens, whole_inputs))
+            eval_parts.append(
+                _rows(eval_docs, what, cfg, tok, virtual_tokens, whole_inputs, images)
+            )
     for i, src in enumerate(cfg.eval_sources):
         key = f"data.eval_sources[{i}]"
-        docs = _source_documents(src, key, cfg, tok, False)[0]
-        eval_parts.append(_rows(docs, key, cfg, tok, virtual_tokens, whole_inputs))
+        docs = _source_documents(src, key, cfg, tok, False, images)[0]
+        eval_parts.append(_rows(docs, key, cfg, tok, virtual_tokens, whole_inputs, images))
+    if images is not None:  # one patch budget: the train and eval steps compile once
+        shared = vision_rows.share_budget(train_parts + eval_parts, images.vision)
+        train_parts, eval_parts = shared[: len(train_parts)], shared[len(train_parts) :]
     eval_weights_from = cfg.sources if hold_out else cfg.eval_sources
     train = _mix(train_parts, cfg.sources, cfg.seed, cfg.order)
     if not eval_parts:

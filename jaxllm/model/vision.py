@@ -244,36 +244,8 @@ class VisionTower(nnx.Module):
         )
 
     def layout(self, grids: Grids) -> dict[str, np.ndarray]:
-        """The static index arrays of `grids` (numpy): `patch_order` [P] (windowed patch i is
-        the processor's patch patch_order[i]), `unit_order` [M], the segment ids of the windowed
-        patches for full (`frame_ids`) and window attention (`window_ids`), and the RoPE `angles`
-        [P, K] of the windowed patches."""
-        cfg, unit = self.cfg, self.cfg.spatial_merge**2
-        for t, h, w in grids:
-            if min(t, h, w) < 1 or h % cfg.spatial_merge or w % cfg.spatial_merge:
-                raise ValueError(
-                    f"image grid {(t, h, w)}: rows and columns must be positive multiples of "
-                    f"spatial_merge={cfg.spatial_merge}"
-                )
-        window = cfg.window_size // cfg.spatial_merge // cfg.patch_size
-        if not window:  # no windows: one per frame, in the processor's order
-            window = max(max(h, w) for _, h, w in grids) // cfg.spatial_merge
-        order_M, windows_M, frames_M = window_layout(grids, cfg.spatial_merge, window)
-        patch_order = (order_M[:, None] * unit + np.arange(unit)[None]).reshape(-1)
-        positions = patch_positions(grids, cfg.spatial_merge)
-        angles = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
-        out = {
-            "patch_order": patch_order,
-            "unit_order": order_M,
-            "frame_ids": np.repeat(frames_M, unit),
-            "window_ids": np.repeat(windows_M, unit),
-            "angles": angles[patch_order],
-        }
-        if cfg.position_embeddings:
-            side = math.isqrt(cfg.position_embeddings)
-            taps, weights = position_taps(positions, grids, side)
-            out["pos_taps"], out["pos_weights"] = taps[patch_order], weights[patch_order]
-        return out
+        """`tower_layout` of this tower's config."""
+        return tower_layout(self.cfg, grids)
 
     def __call__(self, pixels_PxI: jax.Array, grids: Grids) -> jax.Array:
         """The merged tokens [M, O] of the images (see the class)."""
@@ -290,35 +262,94 @@ class VisionTower(nnx.Module):
                 f"expected {(n, self.patch_embed.shape[0])}"
             )
         lay = self.layout(grids)
-        x_PxD = matmul(
-            "pi,id->pd",
-            pixels_PxI[lay["patch_order"]],
-            lora.kernel(self, "patch_embed"),
-            self.dtype,
-        )
-        if self.cfg.patch_bias:
-            x_PxD = x_PxD + self.patch_bias[...].astype(self.dtype)[None]
+        pos = None
         if self.cfg.position_embeddings:
-            rows_PxT = jnp.take(self.pos_embed[...], jnp.asarray(lay["pos_taps"]), axis=0)
-            weights_PxT = jnp.asarray(lay["pos_weights"])[..., None]
-            x_PxD = x_PxD + (rows_PxT * weights_PxT).sum(1).astype(self.dtype)
-        angles_1xPx1xK = jnp.asarray(lay["angles"])[None, :, None, :]
-        cos, sin = jnp.cos(angles_1xPx1xK), jnp.sin(angles_1xPx1xK)
-        frames_1xP = jnp.asarray(lay["frame_ids"])[None]
-        windows_1xP = jnp.asarray(lay["window_ids"])[None]
+            pos = (jnp.asarray(lay["pos_taps"])[None], jnp.asarray(lay["pos_weights"])[None])
+        merged_1xMxO, deep_Sx1xMxO = self._encode(
+            pixels_PxI[lay["patch_order"]][None],
+            jnp.asarray(lay["angles"])[None, :, None, :],
+            jnp.asarray(lay["frame_ids"])[None],
+            jnp.asarray(lay["window_ids"])[None],
+            pos,
+        )
+        back = np.argsort(lay["unit_order"])
+        deep = None if deep_Sx1xMxO is None else deep_Sx1xMxO[:, 0][:, back]
+        return merged_1xMxO[0][back], deep
+
+    def encode_rows(self, pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN) -> jax.Array:
+        """Merged tokens [B, N / spatial_merge^2, O], in window order, of per-row patches
+        already in window order (`tower_layout`'s `patch_order`) with their (row, column)
+        positions and segment ids; shapes are fixed, so one compile serves any images. Padding
+        patches carry a segment id of their own (they attend only to each other) and their
+        merged tokens are never read. Towers with learned position embeddings or DeepStack
+        (Qwen3-VL) are not laid out per row (`jaxllm.train.vision` refuses them)."""
+        cfg = self.cfg
+        k2 = cfg.head_dim // 2
+        inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, k2, 2, dtype=np.float32) / k2)
+        freqs_BxNx2xF = positions_BxNx2[..., None].astype(jnp.float32) * inv_freq[None, None, None]
+        half_BxNxK2 = freqs_BxNx2xF.reshape(*positions_BxNx2.shape[:2], -1)
+        angles_BxNxK = jnp.concatenate([half_BxNxK2, half_BxNxK2], axis=-1)
+        return self._encode(pixels_BxNxI, angles_BxNxK[:, :, None], frames_BxN, windows_BxN)[0]
+
+    def _encode(self, pixels_BxPxI, angles_BxPx1xK, frames_BxP, windows_BxP, pos=None):
+        """Patches in window order -> (merged tokens [B, P / spatial_merge^2, O], DeepStack
+        features [S, B, P / spatial_merge^2, O] or None), window order. `pos`: the learned
+        position embeddings' (taps [B, P, T], weights [B, P, T]) of each patch."""
+        cfg = self.cfg
+        x_BxPxD = matmul("bpi,id->bpd", pixels_BxPxI, lora.kernel(self, "patch_embed"), self.dtype)
+        if cfg.patch_bias:
+            x_BxPxD = x_BxPxD + self.patch_bias[...].astype(self.dtype)
+        if pos is not None:
+            rows_BxPxTxD = jnp.take(self.pos_embed[...], pos[0], axis=0)
+            x_BxPxD = x_BxPxD + (rows_BxPxTxD * pos[1][..., None]).sum(2).astype(self.dtype)
+        cos, sin = jnp.cos(angles_BxPx1xK), jnp.sin(angles_BxPx1xK)
 
         def run(block, x, cos, sin, segments):
             return block(x, cos, sin, segments)
 
         if self.remat != "none":
             run = nnx.remat(run, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x_1xPxD = x_PxD[None]
-        back, deep = np.argsort(lay["unit_order"]), []
+        b, p, d = x_BxPxD.shape
+        unit, deep = cfg.spatial_merge**2, []
         for i, block in enumerate(self.blocks):
-            full = i in self.cfg.fullatt_block_indexes or not self.cfg.window_size
-            x_1xPxD = run(block, x_1xPxD, cos, sin, frames_1xP if full else windows_1xP)
-            if i in self.cfg.deepstack_indexes:
-                merger = self.deepstack[self.cfg.deepstack_indexes.index(i)]
-                deep.append(merger(x_1xPxD[0])[back])
-        merged_MxO = self.merger(x_1xPxD[0])
-        return merged_MxO[back], (jnp.stack(deep) if deep else None)
+            full = i in cfg.fullatt_block_indexes or not cfg.window_size
+            x_BxPxD = run(block, x_BxPxD, cos, sin, frames_BxP if full else windows_BxP)
+            if i in cfg.deepstack_indexes:
+                merger = self.deepstack[cfg.deepstack_indexes.index(i)]
+                deep.append(merger(x_BxPxD.reshape(b * p, d)).reshape(b, p // unit, -1))
+        merged = self.merger(x_BxPxD.reshape(b * p, d)).reshape(b, p // unit, -1)
+        return merged, (jnp.stack(deep) if deep else None)
+
+
+def tower_layout(cfg: VisionConfig, grids: Grids) -> dict[str, np.ndarray]:
+    """The static index arrays of `grids` (numpy): `patch_order` [P] (windowed patch i is
+    the processor's patch patch_order[i]), `unit_order` [M], the segment ids of the windowed
+    patches for full (`frame_ids`) and window attention (`window_ids`), their (row, column)
+    `positions` [P, 2] and RoPE `angles` [P, K]; with `position_embeddings` the taps and
+    weights of each patch's bilinear sample of the table (`pos_taps`, `pos_weights`)."""
+    unit = cfg.spatial_merge**2
+    for t, h, w in grids:
+        if min(t, h, w) < 1 or h % cfg.spatial_merge or w % cfg.spatial_merge:
+            raise ValueError(
+                f"image grid {(t, h, w)}: rows and columns must be positive multiples of "
+                f"spatial_merge={cfg.spatial_merge}"
+            )
+    window = cfg.window_size // cfg.spatial_merge // cfg.patch_size
+    if not window:  # no windows: one per frame, in the processor's order
+        window = max(max(h, w) for _, h, w in grids) // cfg.spatial_merge
+    order_M, windows_M, frames_M = window_layout(grids, cfg.spatial_merge, window)
+    patch_order = (order_M[:, None] * unit + np.arange(unit)[None]).reshape(-1)
+    positions = patch_positions(grids, cfg.spatial_merge)
+    out = {
+        "patch_order": patch_order,
+        "unit_order": order_M,
+        "frame_ids": np.repeat(frames_M, unit),
+        "window_ids": np.repeat(windows_M, unit),
+        "positions": positions[patch_order],
+        "angles": rope_angles(positions, cfg.head_dim, cfg.rope_theta)[patch_order],
+    }
+    if cfg.position_embeddings:
+        side = math.isqrt(cfg.position_embeddings)
+        taps, weights = position_taps(positions, grids, side)
+        out["pos_taps"], out["pos_weights"] = taps[patch_order], weights[patch_order]
+    return out

@@ -6,18 +6,26 @@ gets the m-th merged patch of the images, image after image. Text-only calls are
 Positions are [3, B, L] with images (`jaxllm.model.mrope.mrope_positions`). With DeepStack
 (`vision.deepstack_indexes`, Qwen3-VL), the tower's features of those blocks are added to the
 image tokens' hidden states after the first decoder layers, one each.
+
+Training batches give the images per row instead (`image_rows`, laid out on the host by
+`HostLayout` for `jaxllm.data.vision_rows`): each row's patches, already in window order and
+padded to a fixed budget, and per token the merged unit it takes, so one compiled step serves
+images of any size (towers without learned position embeddings or DeepStack).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxllm.config import ModelConfig
+from jaxllm.model.mrope import mrope_positions
 from jaxllm.model.outputs import ModelOutput
 from jaxllm.model.transformer import MODEL_KINDS, Transformer
-from jaxllm.model.vision import Grids, VisionTower
+from jaxllm.model.vision import Grids, VisionTower, tower_layout
+from jaxllm.sharding import constrain
 
 VISION_IMPLS = ("xla", "flash")  # the tower's attention: these, else xla
 
@@ -39,12 +47,15 @@ class VisionLanguageModel(Transformer):
         )
 
     def __call__(
-        self, tokens_BxL=None, *, pixel_values=None, image_grid_thw=None, **kwargs
+        self, tokens_BxL=None, *, pixel_values=None, image_grid_thw=None, image_rows=None, **kwargs
     ) -> ModelOutput:
         """As `Transformer.__call__`, with `pixel_values` [P, I] (the processor's rows of all
         images) and `image_grid_thw` (their (t, h, w) patch grids, Python ints): the images'
         features go where `tokens_BxL` holds `cfg.vision.image_token_id`. The number of those
         tokens must be the images' merged patches (sum t h w / spatial_merge^2)."""
+        if image_rows is not None:
+            x_BxLxD = self.embed_image_rows(tokens_BxL, **image_rows)
+            return super().__call__(embeddings_BxLxD=x_BxLxD, **kwargs)
         if pixel_values is None:
             return super().__call__(tokens_BxL, **kwargs)
         if tokens_BxL is None or image_grid_thw is None:
@@ -76,6 +87,48 @@ class VisionLanguageModel(Transformer):
         image_BxLxD = jnp.take(feats_MxD, index_BxL, axis=0)
         x_BxLxD = jnp.where(is_image_BxL[..., None], image_BxLxD, x_BxLxD)
         return x_BxLxD, (None if deep_SxMxD is None else (deep_SxMxD, index_BxL, is_image_BxL))
+
+    def embed_image_rows(
+        self, tokens_BxL, pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN, units_BxL
+    ) -> jax.Array:
+        """The token embeddings [B, L, D], a token whose `units_BxL` is u >= 0 replaced by the
+        merged unit u (window order) of its row's patches (`VisionTower.encode_rows`)."""
+        x_BxLxD = constrain(self._embed(tokens_BxL), ("batch", "length", "act_embed"))
+        feats_BxMxO = self.visual.encode_rows(
+            pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN
+        )
+        # laid out as the embeddings, so the per-row gather stays on each device's rows
+        feats_BxMxO = constrain(feats_BxMxO, ("batch", None, "act_embed"))
+        index_BxLx1 = jnp.maximum(units_BxL, 0)[..., None]
+        image_BxLxD = jnp.take_along_axis(feats_BxMxO.astype(x_BxLxD.dtype), index_BxLx1, axis=1)
+        return jnp.where((units_BxL >= 0)[..., None], image_BxLxD, x_BxLxD)
+
+
+class HostLayout:
+    """What the data pipeline needs of the model to lay out image rows on the host (numpy):
+    the M-RoPE positions of one example and its images' patch layout. The data floor receives
+    it as an argument (`jaxllm.data.vision_rows`), so it never imports the model."""
+
+    def __init__(self, cfg):  # a VisionConfig
+        self.cfg = cfg
+        self.unit = cfg.spatial_merge**2
+
+    def positions(self, ids_L: np.ndarray, grids_Kx3: np.ndarray) -> np.ndarray:
+        """int32 [3, L]: the M-RoPE ids of one example from 0; ValueError when its image
+        tokens and grids disagree."""
+        cfg = self.cfg
+        pos_3x1xL, _ = mrope_positions(
+            ids_L[None],
+            grids_Kx3,
+            cfg.image_token_id,
+            cfg.vision_start_token_id,
+            cfg.spatial_merge,
+        )
+        return pos_3x1xL[:, 0]
+
+    def patches(self, grids_Kx3: np.ndarray) -> dict[str, np.ndarray]:
+        """`tower_layout` of the images of one row (their grids in order)."""
+        return tower_layout(self.cfg, [tuple(int(v) for v in g) for g in grids_Kx3])
 
 
 MODEL_KINDS["vision"] = VisionLanguageModel

@@ -29,7 +29,7 @@ from jaxllm.config import JaxllmWarning
 from jaxllm.config.train import ROLLOUT_OBJECTIVES
 from jaxllm.data import check_vocab
 from jaxllm.data.objective_rows import row_transform
-from jaxllm.data.pipeline import eval_batches, load_splits, train_batches
+from jaxllm.data.pipeline import eval_batches, train_batches
 from jaxllm.data.span_corruption import corrupted_splits
 from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.load import fetched_inputs
@@ -55,6 +55,7 @@ from jaxllm.train.run_dir import (
 from jaxllm.train.signals import Signals
 from jaxllm.train.start import start_state
 from jaxllm.train.state import on_device
+from jaxllm.train.vision import run_splits
 
 
 def train(cfg: config.Config, signals: Signals | None = None) -> dict:
@@ -111,11 +112,10 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
         batches, held_out = Rollouts(cfg, mesh, batch_sh, local), []
         _log(f"data: {len(batches.prompts)} rollout prompts, {len(batches.eval_prompts)} eval")
     else:
-        whole_inputs = cfg.train.objective == "reward"  # its score is read at a closing slot
         if cfg.train.objective == "span_corruption":  # encoder inputs, decoder targets
             train_rows, eval_rows = corrupted_splits(cfg.data, cfg.model.vocab_size)
         else:
-            train_rows, eval_rows = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs)
+            train_rows, eval_rows = run_splits(cfg)  # reward's closing slots, images
         sources = ", ".join(src.path for src in cfg.data.sources)
         _log(
             f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} "
