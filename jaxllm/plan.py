@@ -86,6 +86,8 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None)
     lengths = dict.fromkeys(("inputs", "targets", "segment_ids", "positions", "loss_mask"), l)
     if cfg.train.objective == "span_corruption":  # encoder and decoder arrays
         lengths = span_corruption.batch_lengths(cfg.data)
+    if cfg.train.objective == "kto":  # which examples are desirable
+        lengths["label"] = l
     batch = {
         k: jax.ShapeDtypeStruct((b, n), np.int32, sharding=batch_sh) for k, n in lengths.items()
     }

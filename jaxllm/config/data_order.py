@@ -20,7 +20,7 @@ def validate_order(data, objective: str) -> None:
         )
     if order == "length":
         for src in data.sources:
-            if src.format in ("chat", "prompt_completion", "preference"):
+            if src.format in ("chat", "prompt_completion", "preference", "unpaired_preference"):
                 fail(
                     f"data.order=length sorts text documents, but data source {src.path!r} has "
                     f"format {src.format}; use data.order=shuffled or curriculum."

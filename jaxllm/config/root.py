@@ -35,15 +35,17 @@ from jaxllm.config.trackers import validate_trackers
 from jaxllm.config.train import (
     PAIR_OBJECTIVES,
     ROLLOUT_OBJECTIVES,
+    UNPAIRED_OBJECTIVES,
     TrainConfig,
     validate_evaluated,
     validate_train,
 )
+from jaxllm.config.unpaired_online import validate_kto_online
 from jaxllm.config.urls import validate_urls
 
 # The keys of `optim.loss_scale`, the ones static scaling ignores after the first.
 # Formats of JSONL / Parquet examples, which the stdlib corpus cannot hold.
-EXAMPLE_FORMATS = ("chat", "prompt_completion", "preference", "stepwise")
+EXAMPLE_FORMATS = ("chat", "prompt_completion", "preference", "unpaired_preference", "stepwise")
 _LOSS_SCALE_KEYS = (
     "loss_scale_init",
     "loss_scale_growth_interval",
@@ -317,6 +319,7 @@ class Config:
         if self.train.nonfinite_patience < 1:
             _fail(f"train.nonfinite_patience must be >= 1, not {self.train.nonfinite_patience}.")
         validate_train(self.train)
+        validate_kto_online(self)
         validate_on_policy(self.train, self.data)
         validate_features(self.train, self.model, self.peft)
         validate_grad_compression(self)
@@ -327,6 +330,15 @@ class Config:
         if ":" in objective:  # an objective of your own reads what it likes
             return
         for src in (*d.sources, *d.eval_sources):
+            if (objective in UNPAIRED_OBJECTIVES) != (src.format == "unpaired_preference"):
+                _fail(
+                    f"train.objective={objective} trains on unpaired preferences, but data "
+                    f"source {src.path!r} has format {src.format}; give format: "
+                    "unpaired_preference sources."
+                    if objective in UNPAIRED_OBJECTIVES
+                    else f"data source {src.path!r} holds unpaired preferences, which "
+                    f"train.objective={objective} does not read; set train.objective=kto."
+                )
             if objective in PAIR_OBJECTIVES and src.format != "preference":
                 _fail(
                     f"train.objective={objective} trains on preference pairs, but data source "
@@ -358,7 +370,7 @@ class Config:
                     f"train.objective={objective} does not read; set train.objective to one of "
                     f"{', '.join(ROLLOUT_OBJECTIVES)}."
                 )
-        if objective in PAIR_OBJECTIVES and d.train_on_prompt:
+        if (objective in PAIR_OBJECTIVES or objective in UNPAIRED_OBJECTIVES) and d.train_on_prompt:
             _fail(
                 "data.train_on_prompt does not apply to preference pairs, whose losses compare "
                 "the answers only; set it to false."

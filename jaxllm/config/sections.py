@@ -147,6 +147,7 @@ class SourceConfig:
         "chat",
         "prompt_completion",
         "preference",
+        "unpaired_preference",
         "rollout",
         "stepwise",
     ] = "auto"
@@ -155,7 +156,8 @@ class SourceConfig:
     (rows of a .parquet file, lines of any other file, read as JSONL): a conversation rendered
     by the tokenizer's chat template, or a prompt followed by its completion; the loss covers
     the assistant turns / the completion (see `data.train_on_prompt`). `preference` records
-    hold a prompt with a chosen and a rejected answer, for the DPO family and reward models.
+    hold a prompt with a chosen and a rejected answer, for the DPO family and reward models;
+    `unpaired_preference` records a prompt, one completion and a boolean label, for KTO.
     `rollout` records hold a prompt and the answer its completions are checked against, for
     GRPO (`jaxllm.objectives.rollout.sampling`): the model writes the completions. `stepwise`
     records (TRL's stepwise_supervision: `prompt`, `completions` a list of steps, `labels` a
@@ -167,10 +169,13 @@ class SourceConfig:
     """`format: chat`: field holding the conversation, a list of {role, content} messages with
     roles system, user and assistant and at least one assistant turn."""
     prompt_field: str = "prompt"
-    """`format: prompt_completion`, `preference` and `rollout`: field holding the prompt (a
-    string, or for `preference` and `rollout` also a list of chat messages)."""
+    """`format: prompt_completion`, `preference`, `unpaired_preference` and `rollout`: field
+    holding the prompt (a string, or except for `prompt_completion` also chat messages)."""
     completion_field: str = "completion"
-    """`format: prompt_completion`: field holding the completion (a string)."""
+    """`format: prompt_completion` / `unpaired_preference`: field holding the completion (a
+    string; for `unpaired_preference` also a list of assistant messages)."""
+    label_field: str = "label"
+    """`format: unpaired_preference`: field holding the label, true (desirable) or false."""
     chosen_field: str = "chosen"
     """`format: preference`: field holding the preferred answer (a string, or a list of chat
     messages: the assistant turn(s) that follow the prompt)."""

@@ -8,17 +8,18 @@ from typing import ClassVar, Literal
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.grpo import CRITIC_FREE, GRPOConfig, validate_grpo
 from jaxllm.config.rewards import RewardTermConfig, validate_rewards
+from jaxllm.config.rollout import validate_rollout
 
 # The objectives of the DPO family: a loss over (chosen, rejected) pairs of `format: preference`.
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+# KTO: a loss over examples of `format: unpaired_preference`, each desirable or not.
+UNPAIRED_OBJECTIVES = ("kto",)
 # Those that compare the policy with a reference model (SimPO and ORPO need none).
-REFERENCE_OBJECTIVES = ("dpo", "ipo")
+REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 # Every objective that reads the pairs of `format: preference` sources (a reward model too).
 PAIR_OBJECTIVES = (*PREFERENCE_OBJECTIVES, "reward")
 # The reinforcement-learning objectives: they sample their own batches (`format: rollout`).
-ROLLOUT_OBJECTIVES = (*CRITIC_FREE, "ppo")
-# Those whose advantages compare the G completions of one prompt (G >= 2).
-GROUP_OBJECTIVES = tuple(o for o in CRITIC_FREE if o != "reinforce_pp")
+ROLLOUT_OBJECTIVES = (*CRITIC_FREE, "ppo", "online_dpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +88,14 @@ class TrainConfig:
     """What the step minimises: `next_token` (cross-entropy over `loss_mask` tokens), `sft`
     (the same loss, named for fine-tuning on chat / prompt_completion sources, whose
     `loss_mask` covers only the assistant turns; on plain text it trains every token), the
-    preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `reward`
+    preference losses `dpo`, `ipo`, `simpo`, `orpo` (on `format: preference` sources), `kto`
+    (on `format: unpaired_preference` sources; `jaxllm.objectives.kto`), `reward`
     (a reward model, `model.head=score`, fitted to the same pairs by the Bradley-Terry loss
     -log sigmoid(r_chosen - r_rejected); `jaxllm.objectives.reward`), `prm` (a process reward
     model, `model.head=score`, scoring each step of `format: stepwise` solutions at its
     separator, fitted to the step labels by binary cross-entropy as TRL's PRMTrainer), `distill`
     (match `train.teacher`), the rollout objectives `grpo` (and its presets `dr_grpo`, `dapo`,
-    `gspo`), `rloo`, `reinforce_pp` and `ppo` (on `format: rollout` sources;
+    `gspo`), `rloo`, `reinforce_pp`, `ppo` and `online_dpo` (on `format: rollout` sources;
     `jaxllm.objectives.rollout`, `train.grpo`), `mlm` (masked LM, BERT: an encoder,
     `model.kind=encoder`, predicts the tokens `jaxllm.data.mlm` hid), `prefix_lm` (a decoder
     reads each example's prefix, its prompt or a drawn length of text, bidirectionally and
@@ -108,8 +110,8 @@ class TrainConfig:
     <mask>), or for a tokenizer without one (the byte tokenizer) the first id past its
     vocabulary (258 for bytes), which model.vocab_size must hold; an id here overrides both."""
     beta: float = 0.1
-    """The preference losses' coefficient: DPO's beta (the inverse temperature of the implicit
-    reward), IPO's tau (the target margin is 1 / (2 tau)), SimPO's beta, ORPO's lambda (the
+    """The preference losses' coefficient: DPO's and KTO's beta (the inverse temperature of the
+    implicit reward), IPO's tau (the target margin is 1 / (2 tau)), SimPO's beta, ORPO's lambda (the
     weight of the odds-ratio term); `grpo` / `ppo`: the weight of the KL to `train.reference` (0 holds
     no reference)."""
     label_smoothing: float = 0.0
@@ -118,8 +120,12 @@ class TrainConfig:
     simpo_gamma: float = 0.5
     """`simpo`: the target reward margin gamma (the loss is -log sigmoid(beta * margin -
     gamma), as TRL's CPOTrainer writes it with gamma / beta inside the bracket)."""
+    desirable_weight: float = 1.0
+    """`kto`: the weight lambda_D of the desirable examples' losses (> 0; TRL's name)."""
+    undesirable_weight: float = 1.0
+    """`kto`: the weight lambda_U of the undesirable examples' losses (> 0; TRL's name)."""
     reference: str | None = None
-    """The reference model of `dpo` / `ipo` / `grpo`: a run directory, a checkpoint step, or a Hugging
+    """The reference model of `dpo` / `ipo` / `kto` / `grpo`: a run directory, a checkpoint step, or a Hugging
     Face directory, held frozen and sharded on the same mesh. Null: the run's starting point,
     `checkpoint.init_from`; under `peft` the base itself with the adapters switched off, so no
     second copy is held."""
@@ -259,7 +265,9 @@ FREEZE_GROUPS = ("vision", "projector", "language", "embed", "head")
 # The keys only some objectives read: set away from its default for another objective, a key
 # would do nothing, which is an error rather than a silent no-op.
 OBJECTIVE_KEYS = {
-    "beta": (*PREFERENCE_OBJECTIVES, *ROLLOUT_OBJECTIVES),
+    "beta": (*PREFERENCE_OBJECTIVES, *UNPAIRED_OBJECTIVES, *ROLLOUT_OBJECTIVES),
+    "desirable_weight": UNPAIRED_OBJECTIVES,
+    "undesirable_weight": UNPAIRED_OBJECTIVES,
     "label_smoothing": ("dpo",),
     "simpo_gamma": ("simpo",),
     "reference": (*REFERENCE_OBJECTIVES, *ROLLOUT_OBJECTIVES),
@@ -281,11 +289,11 @@ OBJECTIVE_KEYS = {
             "num_generations",
             "updates_per_rollout",
             "rollout_ahead",
-            "clip_epsilon",
             "reward",
             "rewards",
         )
     },
+    "clip_epsilon": (*CRITIC_FREE, "ppo"),
     "loss_chunks": ("next_token", "sft", "mlm", "prefix_lm"),
     "mask_rate": ("mlm",),
     "mask_token_id": ("mlm",),
@@ -413,46 +421,3 @@ def validate_evaluated(t: TrainConfig, data, keep_best: bool) -> None:
                 else "data.eval_sources is empty and data.eval_fraction=0."
             )
         )
-
-
-def validate_rollout(t: TrainConfig) -> None:
-    """The checks of the rollout objectives' keys."""
-    group = t.objective in GROUP_OBJECTIVES
-    if t.num_generations < (2 if group else 1):
-        _fail(
-            f"train.num_generations must be at least {2 if group else 1} for {t.objective}"
-            + (" (a completion's advantage is relative to its group's others)" if group else "")
-            + f", not {t.num_generations}."
-        )
-    if t.global_batch_size % t.num_generations:
-        _fail(
-            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-            f"train.num_generations={t.num_generations}: each step samples whole groups."
-        )
-    if t.max_completion_tokens < 1:
-        _fail(f"train.max_completion_tokens must be positive, not {t.max_completion_tokens}.")
-    if not t.rollout_temperature > 0:
-        _fail(
-            f"train.rollout_temperature must be positive ({t.objective} samples), not "
-            f"{t.rollout_temperature}."
-        )
-    if t.beta == 0 and t.reference:
-        _fail(
-            f"train.reference has no effect with train.beta=0: {t.objective} then keeps no KL "
-            "to a reference; set train.beta > 0 or drop train.reference."
-        )
-    if t.updates_per_rollout < 1:
-        _fail(f"train.updates_per_rollout must be at least 1, not {t.updates_per_rollout}.")
-    if t.rollout_ahead not in (0, 1):
-        _fail(
-            f"train.rollout_ahead must be 0 (on-policy) or 1 (one step off-policy), not "
-            f"{t.rollout_ahead}."
-        )
-    if not 0 < t.clip_epsilon < 1:
-        _fail(f"train.clip_epsilon must be in (0, 1), not {t.clip_epsilon}.")
-    for key in ("gae_gamma", "gae_lambda"):
-        if not 0 <= getattr(t, key) <= 1:
-            _fail(f"train.{key} must be in [0, 1], not {getattr(t, key)}.")
-    for key in ("value_coef", "value_clip"):
-        if not getattr(t, key) > 0:
-            _fail(f"train.{key} must be positive, not {getattr(t, key)}.")

@@ -25,7 +25,7 @@ import grain
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
-from jaxllm.data import preference, sft, stepwise, vision_chat, vision_rows
+from jaxllm.data import preference, sft, stepwise, unpaired, vision_chat, vision_rows
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
 from jaxllm.data.sources import BadRecords, fetched, is_prepared_dir, list_files, read_texts
@@ -139,6 +139,9 @@ def _source_documents(
     elif sft.is_sft(src):
         bad = sft.bad_records(key, src)
         texts = [list(sft.read_examples(f, src, tok, cfg.on_bad_record, bad)) for f in files]
+    elif unpaired.is_unpaired(src):
+        bad = unpaired.bad_records(key, src)
+        texts = [list(unpaired.read_examples(f, src, tok, cfg.on_bad_record, bad)) for f in files]
     elif preference.is_preference(src):
         bad = preference.bad_records(key, src)
         texts = [list(preference.read_pairs(f, src, tok, cfg.on_bad_record, bad)) for f in files]

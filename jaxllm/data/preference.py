@@ -54,6 +54,7 @@ class Pair(NamedTuple):
     chosen: sft.Example
     rejected: sft.Example
     is_chat: bool
+    label: bool | None = None  # unpaired rows (`jaxllm.data.unpaired`): desirable or not
 
 
 @dataclasses.dataclass
@@ -64,13 +65,16 @@ class Pairs:
     chosen: list[tuple[np.ndarray, np.ndarray]]
     rejected: list[tuple[np.ndarray, np.ndarray]]
     is_chat: list[bool]
+    labels: list[bool | None] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.chosen)
 
 
 def is_preference(src: SourceConfig) -> bool:
-    return src.format == "preference"
+    """Pairs of sequences: `preference` records, or `unpaired_preference` ones, each paired with
+    its mismatched sequence (`jaxllm.data.unpaired`)."""
+    return src.format in ("preference", "unpaired_preference")
 
 
 def bad_records(key: str, src: SourceConfig) -> BadRecords:
@@ -82,7 +86,7 @@ def bad_records(key: str, src: SourceConfig) -> BadRecords:
     return BadRecords(key, src.text_field, expected)
 
 
-def _messages_problem(messages, what: str) -> str | None:
+def messages_problem(messages, what: str) -> str | None:
     """Why `messages` is not a list of chat messages, or None."""
     if not isinstance(messages, list) or not messages:
         return f"has a {what} that is neither a string nor a list of messages"
@@ -94,7 +98,7 @@ def _messages_problem(messages, what: str) -> str | None:
     return None
 
 
-def _answer(value, key: str, src: SourceConfig, chat_prompt: bool):
+def answer(value, key: str, src: SourceConfig, chat_prompt: bool):
     """(the answer of field `key`: a string for string prompts, assistant messages for chat
     prompts; None) or (None, why the record holds none)."""
     field = getattr(src, key)
@@ -107,7 +111,7 @@ def _answer(value, key: str, src: SourceConfig, chat_prompt: bool):
         return ([{"role": "assistant", "content": value}] if chat_prompt else value), None
     if not chat_prompt:
         return None, f"has a {what} answer in field {field!r} that is not a string"
-    why = _messages_problem(value, what)
+    why = messages_problem(value, what)
     if why is not None:
         return None, why
     if any(m["role"] != "assistant" for m in value):
@@ -117,38 +121,49 @@ def _answer(value, key: str, src: SourceConfig, chat_prompt: bool):
     return value, None
 
 
+def prompt_problem(prompt, src: SourceConfig) -> str | None:
+    """Why `prompt` is neither a string nor chat messages with a user turn, or None."""
+    if prompt is None:
+        return f"has no field {src.prompt_field!r} (set the source's prompt_field)"
+    if isinstance(prompt, str):
+        return None
+    why = messages_problem(prompt, "prompt")
+    if why is None and not any(m["role"] == "user" for m in prompt):
+        return "has a chat prompt without a user turn"
+    return why
+
+
 def _pair(record: dict, src: SourceConfig, tok) -> Pair | str:
     """The pair a record holds, or why it holds none."""
     prompt = record.get(src.prompt_field)
-    if prompt is None:
-        return f"has no field {src.prompt_field!r} (set the source's prompt_field)"
+    why = prompt_problem(prompt, src)
+    if why is not None:
+        return why
     chat_prompt = not isinstance(prompt, str)
-    if chat_prompt:
-        why = _messages_problem(prompt, "prompt")
-        if why is not None:
-            return why
-        if not any(m["role"] == "user" for m in prompt):
-            return "has a chat prompt without a user turn"
     answers = []
     for key in ("chosen_field", "rejected_field"):
-        answer, why = _answer(record.get(getattr(src, key)), key, src, chat_prompt)
+        value, why = answer(record.get(getattr(src, key)), key, src, chat_prompt)
         if why is not None:
             return why
-        answers.append(answer)
-    if not chat_prompt:
-        chosen, rejected = (
-            sft.Example(prompt + a, ((len(prompt), len(prompt + a)),)) for a in answers
-        )
-        return Pair(chosen, rejected, False)
+        answers.append(value)
+    examples = sequences(prompt, answers, tok)
+    return examples if isinstance(examples, str) else Pair(*examples, chat_prompt)
+
+
+def sequences(prompt, answers, tok) -> list[sft.Example] | str:
+    """The examples prompt + answer, one per answer (checked by `answer`), the loss on the
+    answer only; or why one cannot be rendered."""
+    if isinstance(prompt, str):
+        return [sft.Example(prompt + a, ((len(prompt), len(prompt + a)),)) for a in answers]
     examples = []
-    for answer in answers:
+    for turns in answers:
         try:
-            text, spans = chat.assistant_spans([*prompt, *answer], tok)
+            text, spans = chat.assistant_spans([*prompt, *turns], tok)
         except chat.ChatError as e:
             return f"cannot be rendered ({e})"
         # the prompt's own assistant turns (earlier in a conversation) are context, not trained
-        examples.append(sft.Example(text, tuple(spans[len(spans) - len(answer) :])))
-    return Pair(*examples, True)
+        examples.append(sft.Example(text, tuple(spans[len(spans) - len(turns) :])))
+    return examples
 
 
 def read_pairs(
@@ -174,6 +189,7 @@ def encode_pairs(tok, pairs: Sequence[Pair]) -> Pairs:
             ids, offsets = tok.encode_offsets(ex.text, specials=pair.is_chat)
             into.append((ids, sft.token_mask(offsets, ex.spans, len(ex.text))))
         out.is_chat.append(pair.is_chat)
+        out.labels.append(pair.label)
     return out
 
 
@@ -196,8 +212,11 @@ def pack_pairs(ex: Pairs, cfg: DataConfig, tok, what: str, whole_inputs: bool = 
     head, tail = [tok.bos_id] * cfg.add_bos, [tok.eos_id] * cfg.add_eos
     extra = int(whole_inputs)
     slots = cfg.seq_len - 2 * extra  # the closing slots come on top of the predictions
-    seqs, long, empty = [], 0, 0
-    for (ids_c, mask_c), (ids_r, mask_r), is_chat in zip(ex.chosen, ex.rejected, ex.is_chat):
+    seqs, labels, long, empty = [], [], 0, 0
+    unpaired = bool(ex.labels) and ex.labels[0] is not None
+    for (ids_c, mask_c), (ids_r, mask_r), is_chat, label in zip(
+        ex.chosen, ex.rejected, ex.is_chat, ex.labels or [None] * len(ex)
+    ):
         pair = []
         for ids, mask in ((ids_c, mask_c), (ids_r, mask_r)):
             if not is_chat:
@@ -217,6 +236,7 @@ def pack_pairs(ex: Pairs, cfg: DataConfig, tok, what: str, whole_inputs: bool = 
             empty += 1
             continue
         seqs.append(pair)
+        labels.append(label)
     if long or empty:
         done = "cut to fit" if cfg.truncation == "truncate" else "left out"
         parts = [
@@ -240,17 +260,23 @@ def pack_pairs(ex: Pairs, cfg: DataConfig, tok, what: str, whole_inputs: bool = 
             ]
             for pair in seqs
         ]
-    return PairRows(seqs, cfg.seq_len, tok.pad_id)
+    return PairRows(seqs, cfg.seq_len, tok.pad_id, labels if unpaired else None)
 
 
 class PairRows:
     """First-fit rows of whole preference pairs, a Grain random-access source (see the module
-    docstring); `num_docs` counts pairs."""
+    docstring); `num_docs` counts pairs. With `labels` (unpaired rows), each row also holds
+    `label` [L]: 1 on both segments of a desirable example's pair, 0 elsewhere."""
 
     def __init__(
-        self, pairs: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], seq_len: int, pad_id: int
+        self,
+        pairs: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]],
+        seq_len: int,
+        pad_id: int,
+        labels: Sequence[bool] | None = None,
     ):
         self.seq_len, self.pad_id = seq_len, pad_id
+        self.labels = None if labels is None else np.asarray(labels, bool)
         seqs = [s for pair in pairs for s in pair]  # chosen, rejected, chosen, ...
         lengths = np.array([len(ids) for ids, _ in seqs], np.int64)
         self._starts = np.concatenate([[0], np.cumsum(lengths)])
@@ -278,6 +304,7 @@ class PairRows:
         }
         row["inputs"] = np.full(self.seq_len, self.pad_id, np.int32)
         row["targets"] = np.full(self.seq_len, self.pad_id, np.int32)
+        label = np.zeros(self.seq_len, np.int32)
         at = 0
         for k, pair in enumerate(self._pairs[self._row_ptr[index] : self._row_ptr[index + 1]]):
             for s in (2 * pair, 2 * pair + 1):  # chosen: segment 2k + 1, rejected: 2k + 2
@@ -288,5 +315,8 @@ class PairRows:
                 row["loss_mask"][at : at + n] = self.masks[start + 1 : stop]
                 row["segment_ids"][at : at + n] = 2 * k + 1 + s - 2 * pair
                 row["positions"][at : at + n] = np.arange(n)
+                if self.labels is not None:
+                    label[at : at + n] = self.labels[pair]
                 at += n
-        return {k: row[k] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
+        keys = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+        return {k: row[k] for k in keys} | ({} if self.labels is None else {"label": label})

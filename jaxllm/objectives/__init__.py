@@ -23,12 +23,14 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
   `prefix_lm` (next-token prediction after a bidirectional prefix).
 - `preference`: the DPO family, `dpo`, `ipo`, `simpo` and `orpo`, losses over the (chosen,
   rejected) pairs of `format: preference` rows; their `tokens` is the number of pairs.
+- `kto`: KTO on the desirable / undesirable examples of `format: unpaired_preference` rows.
 - `reward`: fits a reward model (`model.head=score`) to the same pairs (Bradley-Terry);
   `prm` a process reward model to the step labels of `format: stepwise` solutions.
 - `rollout`: `grpo` (GRPO's clipped, group-relative policy gradient with a KL to the
   reference; its presets `dr_grpo`, `dapo`, `gspo` and the options of `train.grpo`), `rloo`,
   `reinforce_pp` (`rollout.advantages`) and `ppo` (PPO with GAE from the policy's value head),
-  on batches the policy samples itself (`rollout.sampling`), scored by `rollout.rewards`.
+  on batches the policy samples itself (`rollout.sampling`), scored by `rollout.rewards`;
+  `online_dpo` (DPO's loss on the two sampled completions of each prompt, ranked by the reward).
 - `distill`: matches a frozen teacher's next-token distributions, on the data or, with
   `train.distill_lambda`, partly on the student's own samples (GKD, `rollout.onpolicy`).
 - `denoising`: `mlm` (masked LM for encoders, `model.kind=encoder`, on rows `jaxllm.data.mlm`
@@ -37,7 +39,7 @@ sums); this package holds the registry of built-ins (`BUILT_IN`) and the resolut
 An objective that needs frozen models besides the policy names them in its `others` attribute
 (`("reference",)` for DPO / IPO); the engine holds them (`jaxllm.train.companions`).
 `train.objective` in the config names the objective of `jaxllm train`: `next_token`, `sft`,
-`mlm`, `prefix_lm`, one of the preference losses, `reward`, the rollout objectives, `distill`,
+`mlm`, `prefix_lm`, one of the preference losses, `kto`, `reward`, the rollout objectives, `distill`,
 `span_corruption`, or `MODULE:NAME` / `path/to/file.py:NAME` for an objective of your own.
 """
 
@@ -46,11 +48,11 @@ from __future__ import annotations
 from jaxllm.config import Config, ConfigError
 from jaxllm.config.grpo import CRITIC_FREE
 from jaxllm.config.rewards import term_name
-from jaxllm.objectives import denoising, distill, preference, reward
+from jaxllm.objectives import denoising, distill, kto, preference, reward
 from jaxllm.objectives.base import Objective, ObjectiveOutput, load_function, token_nll
 from jaxllm.objectives.denoising import mlm
 from jaxllm.objectives.lm import next_token, prefix_lm, sft
-from jaxllm.objectives.rollout import grpo, ppo
+from jaxllm.objectives.rollout import grpo, online_dpo, ppo
 from jaxllm.objectives.rollout.rewards import with_term_metrics
 
 __all__ = [
@@ -75,6 +77,7 @@ BUILT_IN = {
         kind: (lambda cfg, kind=kind: preference.from_train_config(kind, cfg.train))
         for kind in preference.KINDS
     },
+    "kto": lambda cfg: kto.from_train_config(cfg.train),
     "reward": lambda cfg: reward.objective(),
     "prm": lambda cfg: reward.prm(),
     **{
@@ -82,6 +85,7 @@ BUILT_IN = {
         for name in CRITIC_FREE
     },
     "ppo": lambda cfg: _named_rewards(cfg, ppo.from_config(cfg), False),
+    "online_dpo": lambda cfg: online_dpo.from_train_config(cfg.train),
     "distill": distill.from_config,
     "span_corruption": lambda cfg: denoising.span_corruption(cfg.train.z_loss),
 }

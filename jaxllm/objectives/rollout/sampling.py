@@ -21,7 +21,8 @@ and it
    sum of `train.rewards` or the one `train.reward`; then turns the rewards into the
    critic-free objectives' advantages (`critic_free`: GRPO's group-relative ones, RLOO's,
    REINFORCE++'s; DAPO's dynamic sampling draws again where a group agrees), or for PPO into
-   GAE advantages and returns from the value head's V_old (`ppo.rollout_fields`);
+   GAE advantages and returns from the value head's V_old (`ppo.rollout_fields`), for online DPO
+   into each pair's chosen one (`online_dpo.rollout_fields`);
 4. builds one row per completion, prompt then completion then the stop that ended it (EOS;
    after a chat prompt also the chat template's end-of-turn marker, `jaxllm.infer.chat`),
    `loss_mask` on the completion's tokens, with float32 `advantages`, `rewards` and
@@ -71,7 +72,7 @@ from jaxllm.data.tokenizer import make_tokenizer
 from jaxllm.infer.chat import end_of_turn
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.objectives.base import token_logps
-from jaxllm.objectives.rollout import critic_free, ppo
+from jaxllm.objectives.rollout import critic_free, online_dpo, ppo
 from jaxllm.objectives.rollout.generation import rows, sample
 from jaxllm.objectives.rollout.scoring import Scorer
 from jaxllm.sharding import to_global
@@ -358,7 +359,9 @@ class Rollouts:
         old, values = self._logps(weights.params, weights.frozen, weights.model_state, placed)
         gather = functools.partial(multihost_utils.process_allgather, tiled=True)
         batch["old_logps"] = np.asarray(gather(old), np.float32)
-        if t.objective == "ppo":
+        if t.objective == "online_dpo":
+            batch.update(online_dpo.rollout_fields(scores, batch["inputs"].shape))
+        elif t.objective == "ppo":
             batch["old_values"] = np.asarray(gather(values), np.float32)
             batch.update(ppo.rollout_fields(scores, batch["old_values"], batch["loss_mask"], t))
         else:
