@@ -46,6 +46,7 @@ FLOORS = [
     (10, "jaxllm.evaluate"),
     (10, "jaxllm.harness"),
     (10, "jaxllm.plan"),
+    (9.5, "jaxllm.plan_vision"),  # the vision tower's bill, which plan reads
     (10, "jaxllm.quantize"),
     (10.5, "jaxllm.prune"),  # the pruning command, which reads runs as quantize does
     (10, "jaxllm.bench"),

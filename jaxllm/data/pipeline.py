@@ -131,6 +131,7 @@ def _source_documents(
     files = list_files(src, key, cfg.max_files)
     seeing = images is not None and src.format == "chat"
     if seeing:
+        images.check(tok)  # the chats' image tokens must be the model's (text runs skip this)
         bad = sft.bad_records(key, src)
         spec, read = images.spec, vision_chat.read_vision_examples
         texts = [
@@ -247,8 +248,6 @@ def load_splits(
     vision tower): chat sources are read with their images and every row carries the image
     keys of `jaxllm.data.vision_rows`, with one patch budget for the run."""
     tok = make_tokenizer(cfg)
-    if images is not None:
-        images.check(tok)
     for name, sources in (("sources", cfg.sources), ("eval_sources", cfg.eval_sources)):
         for i, src in enumerate(sources):
             if not src.weight > 0:
