@@ -100,9 +100,25 @@ def pytest_addoption(parser):
     )
 
 
+_TEST_IMPORT = re.compile(r"^from (?:tests\.)?(test_\w+|hf_\w+) import", re.M)
+_TORCH_LIBS = re.compile(r"^(?:from|import) (?:torch|transformers|trl|peft)\b", re.M)
+
+
+def _needs_torch(path, seen=()) -> bool:
+    """Whether a test module imports torch, itself or through the test modules it imports."""
+    text = path.read_text()
+    if _TORCH_IMPORT.search(text) or _TORCH_LIBS.search(text):
+        return True
+    for name in _TEST_IMPORT.findall(text):
+        dep = path.with_name(name + ".py")
+        if dep.exists() and dep not in seen and _needs_torch(dep, (*seen, path)):
+            return True
+    return False
+
+
 def pytest_ignore_collect(collection_path, config):
     if config.getoption("--without-torch") and collection_path.suffix == ".py":
-        return bool(_TORCH_IMPORT.search(collection_path.read_text())) or None
+        return _needs_torch(collection_path) or None
     return None
 
 
