@@ -5,6 +5,7 @@ and the activations of an image budget."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from test_freeze import _cfg, vlm_model
 
@@ -35,6 +36,7 @@ def test_the_tower_follows_the_remat_policy():
     assert none > dots > full > 0, (none, dots, full)
 
 
+@pytest.mark.slow
 def test_plan_bills_the_vision_tower():
     vlm, text = _cfg(vlm_model()), _cfg(vlm_model(vision=None))
     _, params, _ = abstract_model(vlm.model)

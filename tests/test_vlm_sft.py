@@ -206,6 +206,7 @@ def _params(run_dir):
     return jax.device_get(nnx.to_pure_dict(nnx.state(jaxllm.load_model(run_dir), nnx.Param)))
 
 
+@pytest.mark.slow
 def test_an_image_run_resumes_bit_identically(data, tmp_path):
     """Four steps straight, then the last checkpoint removed and the run resumed from step 2:
     the same step 3 and 4 losses and the same parameters, bit for bit."""
