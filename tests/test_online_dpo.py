@@ -205,3 +205,59 @@ def test_the_same_losses_on_one_device_and_on_a_mesh(tmp_path, request):
     # objective/kl differences sums of ~30 in float32: an absolute tolerance for it
     np.testing.assert_allclose(losses["mesh"], losses["one"], rtol=2e-5, atol=2e-6)
     assert losses["one"][-1][3] != 0
+
+
+def test_each_reward_terms_mean_is_logged_over_the_completions():
+    """`rewards/<name>/mean`: the mean over the completions of each term's reward, padding pairs
+    (no completion token) left out, as objective/scores counts them."""
+    n, length = 3, 5
+    rng = np.random.default_rng(0)
+    mask = np.zeros((2 * n, length), np.int32)
+    mask[:4, 2:4] = 1  # the third pair is padding
+    targets = rng.integers(0, 8, (2 * n, length))
+    terms = {"a": rng.normal(size=2 * n), "b": rng.uniform(size=2 * n)}
+    batch = {
+        "inputs": targets,
+        "targets": targets,
+        "positions": np.tile(np.arange(length), (2 * n, 1)),
+        "segment_ids": np.ones((2 * n, length), np.int32),
+        "loss_mask": mask,
+        **online_dpo.rollout_fields(terms["a"] + terms["b"], (2 * n, length)),
+        **{
+            f"rewards/{k}": np.repeat(v[:, None], length, 1).astype(np.float32)
+            for k, v in terms.items()
+        },
+    }
+    logits = jnp.asarray(rng.normal(size=(2 * n, length, 8)), jnp.float32)
+    out = online_dpo.objective(0.1, ("a", "b"))(
+        _Model(logits), batch, None, {"reference": _Model(logits)}
+    )
+    assert float(out.tokens) == 2
+    for k, v in terms.items():
+        assert float(out.metrics[f"rewards/{k}/mean"]) / 2 == pytest.approx(v[:4].mean(), rel=1e-6)
+    assert (
+        "rewards/a/mean"
+        not in online_dpo.objective(0.1)(
+            _Model(logits), batch, None, {"reference": _Model(logits)}
+        ).metrics
+    )
+
+
+def test_weighted_rewards_are_logged_by_name_in_a_run(tmp_path):
+    """`train.rewards` on online DPO: each term's mean is logged as rewards/<name>/mean, and
+    the completions' mean score is their weighted sum."""
+    terms = "train.rewards=[{fn: test_rollouts:lowercase_share}, {fn: exact_match, weight: -0.5}]"
+    args = [a for a in RUN if not a.startswith("train.reward=")]
+    args += [
+        f"data.sources={_prompts(tmp_path)}",
+        terms,
+        "train.steps=2",
+        f"run.dir={tmp_path / 'r'}",
+    ]
+    train(config.load(None, args))
+    rows = _metrics(tmp_path / "r")
+    assert len(rows) == 2
+    for r in rows:
+        share, exact = r["rewards/lowercase_share/mean"], r["rewards/exact_match/mean"]
+        assert 0 < share <= 1
+        assert r["objective/scores"] == pytest.approx(share - 0.5 * exact, rel=1e-5, abs=1e-6)

@@ -17,7 +17,9 @@ over the pairs: `loss`, `rewards/chosen` (beta (pi_c - ref_c)), `rewards/rejecte
 `rewards/margins`, `rewards/accuracies`, `logps/chosen`, `logps/rejected`,
 `objective/scores` (the mean reward of the completions), `objective/scores_margin` (chosen
 minus rejected reward), `objective/kl` (the mean over completions of sum (pi - ref)),
-`reward_mean` (as `objective/scores`, the name GRPO logs) and `completion_length`.
+`reward_mean` (as `objective/scores`, the name GRPO logs) and `completion_length`; with
+`train.rewards`, each term's mean reward of the completions as `rewards/<name>/mean` (as GRPO
+logs it), from the rollout's `rewards/<name>` fields.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.config.rewards import term_name
 from jaxllm.objectives.base import ObjectiveOutput, output, reference_logps, token_logps
 from jaxllm.objectives.preference import dpo_loss
 
@@ -42,9 +45,9 @@ def rollout_fields(scores_S: np.ndarray, shape: tuple[int, int]) -> dict[str, np
     }
 
 
-def objective(beta: float):
-    """The online DPO objective on rollout rows (see the module docstring); it declares
-    `others = ("reference",)`."""
+def objective(beta: float, names: tuple[str, ...] = ()):
+    """The online DPO objective on rollout rows (see the module docstring), logging the means of
+    the named reward terms `names`; it declares `others = ("reference",)`."""
 
     def online_dpo_objective(model, batch: dict, rng, others=None) -> ObjectiveOutput:
         mask_BxL = batch["loss_mask"].astype(jnp.float32)
@@ -86,6 +89,9 @@ def objective(beta: float):
             "reward_mean": total((score_c + score_r) / 2),
             "completion_length": total((n_c + n_r) / 2),
         }
+        for name in names:
+            term_c, term_r = pairs(batch[f"rewards/{name}"][:, 0])
+            metrics[f"rewards/{name}/mean"] = total((term_c + term_r) / 2)
         return output(model, out, loss_sum, count, metrics)
 
     online_dpo_objective.others = ("reference",)
@@ -93,5 +99,5 @@ def objective(beta: float):
 
 
 def from_train_config(t) -> object:
-    """The online DPO objective with the `train` section `t`'s beta."""
-    return objective(t.beta)
+    """The online DPO objective with the `train` section `t`'s beta and reward terms."""
+    return objective(t.beta, tuple(term_name(r) for r in t.rewards))
