@@ -132,10 +132,13 @@ def cmd_prepare(ns) -> int:
             overwrite=ns.overwrite,
         )
     split = manifest["splits"]
+    kind = manifest.get("kind")  # pairs and solutions: the source names its format
+    named = f", format: {kind}" if kind in ("preference", "unpaired_preference", "stepwise") else ""
     print(
         f"wrote {len(manifest['shards'])} shard(s) to {ns.out}: {manifest['docs']:,} documents, "
         f"{manifest['tokens']:,} tokens ({split['train']['docs']:,} train / "
-        f"{split['eval']['docs']:,} eval documents); train with data.sources=[{{path: {ns.out}}}]"
+        f"{split['eval']['docs']:,} eval documents); train with "
+        f"data.sources=[{{path: {ns.out}{named}}}]"
     )
     return 0
 

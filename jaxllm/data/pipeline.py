@@ -119,15 +119,24 @@ def _source_documents(
     src = fetched(src, key)  # a bucket's source is read from its local copy
     if is_prepared_dir(src.path):
         prepared = PreparedDir(src.path, key, cfg.tokenizer)
+        records = ("preference", "unpaired_preference", "stepwise")
+        if (prepared.kind in records or src.format in records) and prepared.kind != src.format:
+            raise ConfigError(
+                f"{key}.path: {src.path} was prepared from {prepared.kind} records, but the "
+                f"source has format {src.format}; set format: {prepared.kind}."
+            )
+        bos_id = tok.bos_id if cfg.add_bos else None  # stepwise solutions are stored without
         if not hold_out:
-            return prepared.documents(None, cfg.max_files), []
+            return prepared.documents(None, cfg.max_files, bos_id), []
         if prepared.eval_fraction != cfg.eval_fraction:
             raise ConfigError(
                 f"{key}.path: {src.path} was prepared with --eval-fraction "
                 f"{prepared.eval_fraction}, so data.eval_fraction must be "
                 f"{prepared.eval_fraction}, not {cfg.eval_fraction} (or set data.eval_sources)."
             )
-        return prepared.documents("train", cfg.max_files), prepared.documents("eval", cfg.max_files)
+        return tuple(
+            prepared.documents(split, cfg.max_files, bos_id) for split in ("train", "eval")
+        )
     files = list_files(src, key, cfg.max_files)
     seeing = images is not None and src.format == "chat"
     if seeing:

@@ -320,3 +320,30 @@ class PairRows:
                 at += n
         keys = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
         return {k: row[k] for k in keys} | ({} if self.labels is None else {"label": label})
+
+
+def to_record(pairs: Pairs, i: int) -> bytes:
+    """Pair i as a prepared shard's record (`jaxllm data prepare`): an int32 header (the chosen
+    and rejected lengths, is_chat, the label: -1 none, 0 or 1), both sequences' int32 ids, then
+    one loss-mask byte per id, all little-endian."""
+    (ids_c, mask_c), (ids_r, mask_r) = pairs.chosen[i], pairs.rejected[i]
+    label = pairs.labels[i]
+    head = [len(ids_c), len(ids_r), int(pairs.is_chat[i]), -1 if label is None else int(label)]
+    ids = np.concatenate([ids_c, ids_r]).astype("<i4")
+    masks = np.concatenate([mask_c, mask_r]).astype(np.uint8)
+    return np.asarray(head, "<i4").tobytes() + ids.tobytes() + masks.tobytes()
+
+
+def from_records(records) -> Pairs:
+    """The pairs of prepared records (`to_record`)."""
+    out = Pairs([], [], [])
+    for record in records:
+        n_c, n_r, is_chat, label = (int(x) for x in np.frombuffer(record, "<i4", 4))
+        n = n_c + n_r
+        ids = np.frombuffer(record, "<i4", n, 16)
+        masks = np.frombuffer(record, np.uint8, n, 16 + 4 * n)
+        out.chosen.append((ids[:n_c], masks[:n_c]))
+        out.rejected.append((ids[n_c:], masks[n_c:]))
+        out.is_chat.append(bool(is_chat))
+        out.labels.append(None if label < 0 else bool(label))
+    return out

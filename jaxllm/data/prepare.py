@@ -26,6 +26,12 @@ prompt_completion examples, `data.train_on_prompt` and `data.truncation` apply w
 reads them, as for examples read from their files. The manifest keeps the SHA-256 of the chat
 template (and its special tokens) that rendered the conversations, so training with another is
 caught.
+
+Preference sources (format preference / unpaired_preference) and step-labelled solutions
+(stepwise) are prepared the same way, a format to a directory: one record is one pair (both
+sequences' ids and loss masks; an unpaired example with its mismatched sequence,
+`jaxllm.data.unpaired`) or one solution (ids, one label per id), kind named in the manifest. A
+training source names the same format: `{path: DIR, format: unpaired_preference}`.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.config.outputs import check_output, written
-from jaxllm.data import chat, sft
+from jaxllm.data import chat, preference, sft, stepwise, unpaired
 from jaxllm.data.sources import (
     MANIFEST,
     BadRecords,
@@ -57,6 +63,8 @@ FORMAT = "jaxllm-prepared/1"
 FORMAT_SFT = "jaxllm-prepared-sft/1"  # records carry a loss mask
 _CHUNK_DOCS, _CHUNK_CHARS = 512, 4_000_000  # a chunk is one task of the pool
 _worker_tokenizer = None  # set in each worker (and in-process) by _init_worker
+PAIR_KINDS = ("preference", "unpaired_preference")
+KINDS = (*sft.KINDS, *PAIR_KINDS, "stepwise")  # the record formats besides text
 
 
 def _init_worker(tokenizer: str) -> None:
@@ -65,11 +73,20 @@ def _init_worker(tokenizer: str) -> None:
 
 
 def _encode_chunk(chunk: tuple[str, list, int, str]) -> tuple[str, list[bytes], int]:
-    """Records of a chunk of texts (kind `text`) or of SFT examples."""
+    """Records of a chunk of texts (kind `text`), SFT examples, pairs or solutions."""
     split, items, files_done, kind = chunk
     if kind == "text":
         docs = encode_documents(_worker_tokenizer, items)
         return split, [(d.astype("<i4").tobytes(), len(d)) for d in docs], files_done
+    if kind in PAIR_KINDS:
+        pairs = preference.encode_pairs(_worker_tokenizer, items)
+        sizes = [len(c) + len(r) for (c, _), (r, _) in zip(pairs.chosen, pairs.rejected)]
+        records = [(preference.to_record(pairs, i), n) for i, n in enumerate(sizes)]
+        return split, records, files_done
+    if kind == "stepwise":  # BOS is added when training reads them, as data.add_bos says
+        sol = stepwise.encode_solutions(_worker_tokenizer, items, add_bos=False)
+        records = [(stepwise.to_record(t, lab), len(t)) for t, lab in zip(sol.tokens, sol.labels)]
+        return split, records, files_done
     ex = sft.encode_examples(_worker_tokenizer, items, kind)
     records = [(sft.to_record(t, m), len(t)) for t, m in zip(ex.tokens, ex.masks)]
     return split, records, files_done
@@ -152,26 +169,32 @@ def prepare(
     if shard_docs < 1 or workers < 0 or not 0 <= eval_fraction < 1:
         raise ConfigError("--shard-docs must be >= 1, --workers >= 0, --eval-fraction in [0, 1).")
     out = check_output(out_dir, flag="--out", overwrite=overwrite)
-    kinds = {src.format if sft.is_sft(src) else "text" for src in sources}
+    kinds = {src.format if src.format in KINDS else "text" for src in sources}
     if len(kinds) > 1:
         raise ConfigError(
-            f"the sources mix {' and '.join(sorted(kinds))} records; prepare each SFT format "
-            "(--format chat / prompt_completion) and text into directories of their own."
+            f"the sources mix {' and '.join(sorted(kinds))} records; prepare each format "
+            f"({' / '.join(KINDS)}) and text into directories of their own."
         )
     kind = kinds.pop()
     tok = load_tokenizer(tokenizer, "--tokenizer")  # a bad path fails before anything is written
     files = [(f, src) for src in sources for f in list_files(src, f"SOURCE {src.path}", max_files)]
     refuse_output_over(out, [f.path for f, _ in files], "--out")
     names = ", ".join(src.path for src in sources)
-    bad = (
-        BadRecords(names, sources[0].text_field)
-        if kind == "text"
-        else sft.bad_records(names, sources[0])
-    )
+    readers = {  # kind: its module and the module's reader of one file
+        "preference": (preference, preference.read_pairs),
+        "unpaired_preference": (unpaired, unpaired.read_examples),
+        "stepwise": (stepwise, stepwise.read_solutions),
+    }
+    if kind == "text":
+        bad = BadRecords(names, sources[0].text_field)
+    else:
+        bad = readers.get(kind, (sft,))[0].bad_records(names, sources[0])
 
     def read(f, src):
         if kind == "text":
             return read_texts(f, src.text_field, on_bad_record, bad)
+        if kind in readers:
+            return readers[kind][1](f, src, tok, on_bad_record, bad)
         no_vision = "prepared shards hold token ids only, for a model without a vision tower"
         return sft.read_examples(f, src, tok, on_bad_record, bad, no_vision)
 
@@ -191,7 +214,7 @@ def prepare(
                     items, chars, files_done = [], 0, 0
                 split = item_split
                 items.append(item)
-                chars += len(item if kind == "text" else item.text)
+                chars += _chars(item, kind)
             files_done += 1
         yield split, items, files_done, kind
 
@@ -206,6 +229,17 @@ def prepare(
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last
     bad.warn()
     return manifest
+
+
+def _chars(item, kind: str) -> int:
+    """The characters of one item read from a source (the size of a chunk of the pool)."""
+    if kind == "text":
+        return len(item)
+    if kind in PAIR_KINDS:
+        return len(item.chosen.text) + len(item.rejected.text)
+    if kind == "stepwise":
+        return len(item.prompt) + sum(len(step) for step in item.steps)
+    return len(item.text)
 
 
 def _write_shards(
@@ -237,7 +271,7 @@ def _manifest(kind, tok, tokenizer, sources, files, eval_fraction, shards) -> di
     return {
         "format": FORMAT if kind == "text" else FORMAT_SFT,
         **({} if kind == "text" else {"kind": kind}),
-        **({"chat_template": chat.fingerprint(tok)} if kind == "chat" else {}),
+        **({"chat_template": chat.fingerprint(tok)} if kind in ("chat", *PAIR_KINDS) else {}),
         "tokenizer": {
             "spec": tokenizer,
             "fingerprint": tokenizer_fingerprint(tokenizer),
@@ -258,6 +292,9 @@ def _source_record(src: SourceConfig) -> dict:
     fields = {
         "chat": ("messages_field",),
         "prompt_completion": ("prompt_field", "completion_field"),
+        "preference": ("prompt_field", "chosen_field", "rejected_field"),
+        "unpaired_preference": unpaired.FIELDS,
+        "stepwise": ("prompt_field",),
     }.get(src.format, ("text_field",))
     return {"path": src.path, "format": src.format, **{k: getattr(src, k) for k in fields}}
 
@@ -319,9 +356,10 @@ class PreparedDir:
                 "prepare` with this tokenizer."
             )
 
-    def documents(self, split: str | None, max_files: int | None = None):
+    def documents(self, split: str | None, max_files: int | None = None, bos_id=None):
         """Token documents of the `train` or `eval` shards (None: all), in shard order; for SFT
-        shards an `sft.Examples`."""
+        shards an `sft.Examples`, for pairs `preference.Pairs`, for solutions
+        `stepwise.Solutions` (with `bos_id` first when given)."""
         shards = [s for s in self.manifest["shards"] if split in (None, s["split"])]
         docs: list = []
         for shard in shards[:max_files] if max_files else shards:
@@ -336,8 +374,14 @@ class PreparedDir:
                 )
             if self.kind == "text":
                 docs.extend(np.frombuffer(r, dtype="<i4") for r in records)
-            else:
+            elif self.kind in sft.KINDS:
                 docs.extend(sft.from_record(r) for r in records)
+            else:
+                docs.extend(records)
         if self.kind == "text":
             return docs
+        if self.kind in PAIR_KINDS:
+            return preference.from_records(docs)
+        if self.kind == "stepwise":
+            return stepwise.from_records(docs, bos_id)
         return sft.Examples(self.kind, [t for t, _ in docs], [m for _, m in docs])

@@ -202,3 +202,22 @@ class StepRows:
             row["positions"][at : at + n] = np.arange(n)
             at += n
         return {k: row[k] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
+
+
+def to_record(ids: np.ndarray, labels: np.ndarray) -> bytes:
+    """A prepared shard's record of one solution encoded without BOS (`jaxllm data prepare`):
+    the int32 ids (little-endian), then one int8 label per id (-1: unscored)."""
+    return ids.astype("<i4").tobytes() + labels.astype(np.int8).tobytes()
+
+
+def from_records(records, bos_id: int | None) -> Solutions:
+    """The solutions of prepared records (`to_record`), BOS first (unscored) when `bos_id`."""
+    out = Solutions([], [])
+    head = [] if bos_id is None else [bos_id]
+    for record in records:
+        n = len(record) // 5
+        ids = np.frombuffer(record, "<i4", n)
+        labels = np.frombuffer(record, np.int8, n, 4 * n)
+        out.tokens.append(np.asarray([*head, *ids], np.int32))
+        out.labels.append(np.asarray([-1] * len(head) + list(labels), np.int32))
+    return out
