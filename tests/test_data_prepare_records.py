@@ -98,3 +98,17 @@ def test_a_label_that_is_not_a_boolean_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("jaxllm: ") and err.count("\n") == 1 and "boolean" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_field_options_name_the_record_fields(tmp_path):
+    rows = [{"q": f"p{i}", "good": f" c{i}", "bad": " r", "thumb": i % 2 == 0} for i in range(6)]
+    data = _write(tmp_path / "pairs.jsonl", rows)
+    for fmt, fields in (
+        ("preference", ["--chosen-field", "good", "--rejected-field", "bad"]),
+        ("unpaired_preference", ["--completion-field", "good", "--label-field", "thumb"]),
+    ):
+        out = tmp_path / fmt
+        argv = ["data", "prepare", str(data), "--format", fmt, "--prompt-field", "q", *fields]
+        assert cli.main([*argv, "--out", str(out), "--eval-fraction", "0"]) == 0
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["docs"] == 6 and manifest["sources"][0]["prompt_field"] == "q"

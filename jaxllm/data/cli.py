@@ -42,6 +42,12 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--completion-field", default="completion", help="--format prompt_completion: completion"
     )
+    for name in ("chosen", "rejected", "label"):
+        p.add_argument(
+            f"--{name}-field",
+            default=name,
+            help=f"--format {'unpaired_' if name == 'label' else ''}preference: {name}",
+        )
     p.add_argument("--max-files", type=int, help="read at most this many files of each SOURCE")
     p.add_argument(
         "--on-bad-record",
@@ -62,6 +68,7 @@ def _add_overwrite(p: argparse.ArgumentParser) -> None:
 
 def _sources(ns) -> list[SourceConfig]:
     fields = ("text_field", "messages_field", "prompt_field", "completion_field")
+    fields += ("chosen_field", "rejected_field", "label_field")
     return [
         SourceConfig(
             path=check_url(p, "SOURCE"), format=ns.format, **{k: getattr(ns, k) for k in fields}
