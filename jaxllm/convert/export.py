@@ -100,7 +100,10 @@ def export_hf(
     flat = {**flatten(params), **flatten(model_state or {})}
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
     links = fam.layouts(m)[0]
-    if m.head == "score":
+    prm = m.head == "score" and cfg.train.objective == "prm"
+    if prm:
+        hf = _token_classifier(hf, fam.name)
+    elif m.head == "score":
         _check_pad(cfg, hf["architectures"][0])
     owned = {p for link in links for p in link.ours}
     if owned != set(flat):
@@ -137,6 +140,8 @@ def export_hf(
                 targets.append(link.name(index).removesuffix(".weight"))
             else:
                 tensors = {link.name(index): link.to_hf([np.asarray(x) for x in xs])}
+                if prm and link.hf == "score.weight":  # two labels: (0, score)
+                    tensors = {k: np.concatenate([np.zeros_like(w), w]) for k, w in tensors.items()}
                 if link.kind == "linear" and link.name(index).endswith(".weight"):
                     ignore.append(link.name(index).removesuffix(".weight"))
             nbytes = sum(t.nbytes for t in tensors.values())
@@ -187,6 +192,32 @@ def export_hf(
 def _at(x, index: tuple[int, ...]):
     """Element `index` of a stacked parameter (an array or a `QuantizedTensor`)."""
     return jax.tree.map(lambda a: a[index], x) if index else x
+
+
+# The families whose transformers `*ForTokenClassification` is the generic one: the body, then
+# `score`, a [num_labels, D] linear (without bias under token_classification_bias=false).
+TOKEN_CLASSIFIER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _token_classifier(hf: dict, family: str) -> dict:
+    """config.json of a process reward model (`train.objective=prm`): the family's
+    `*ForTokenClassification` with TRL's two labels, whose logits (0, s) at each token give
+    softmax(...)[1] = sigmoid(s), the PRM's step probability."""
+    if family not in TOKEN_CLASSIFIER_FAMILIES:
+        raise ConfigError(
+            f"a process reward model exports as a *ForTokenClassification, which jaxllm writes "
+            f"for {', '.join(TOKEN_CLASSIFIER_FAMILIES)}, not {family}; export with --family "
+            "set to one of those."
+        )
+    name = hf["architectures"][0].removesuffix("ForSequenceClassification")
+    return {
+        **hf,
+        "architectures": [name + "ForTokenClassification"],
+        "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+        "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+        "token_classification_bias": False,
+        "classifier_dropout": 0.0,
+    }
 
 
 def _check_pad(cfg: config_lib.Config, architecture: str) -> None:
