@@ -6,7 +6,9 @@
 
 lm_eval 0.4.13 finds a model type only in its own table or in `register_model` calls made by an
 import, so importing this module registers `jaxllm`; `python -m jaxllm.harness` is lm_eval's own
-command line (every flag) with it registered. `model_args`: `run` (a run directory or checkpoint
+command line (every flag) with it registered. An installed jaxllm also registers it lazily in
+every `lm_eval` (the `jaxllm_lm_eval.pth` hook, _jaxllm_lm_eval.py), so `lm_eval --model jaxllm
+--model_args run=RUN_DIR` works as is. `model_args`: `run` (a run directory or checkpoint
 path), `checkpoint` (best|last|STEP), `batch_size` (rows per forward pass and engine slots),
 `max_length` (default model.max_seq_len), `max_gen_toks` (default 256) and any run key with a
 dot, as an override (`generate.kv_cache_dtype=int8`). `device` is lm_eval's and is not read:
@@ -104,7 +106,6 @@ class _Text:
         return self.tok.decode(ids)
 
 
-@register_model("jaxllm")
 class JaxllmLM(TemplateLM):
     """A jaxllm run as an lm_eval model (see the module docstring for `model_args`)."""
 
@@ -329,6 +330,13 @@ def cmd_harness(ns) -> int:
     return 0
 
 
+# Registered by the importable module only: `python -m jaxllm.harness` runs a second copy as
+# __main__, and lm_eval's registry holds one class per name (the installed .pth hook's
+# placeholder, "jaxllm.harness:JaxllmLM", upgrades to this class).
+if __name__ == "jaxllm.harness":
+    register_model("jaxllm")(JaxllmLM)
+
+
 def main(argv: list[str] | None = None) -> int:
     """lm_eval's command line with the `jaxllm` model type registered; a jaxllm ConfigError is
     one line on stderr and exit 2."""
@@ -344,4 +352,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxllm.harness import main as _main  # the registered module's copy
+
+    sys.exit(_main())

@@ -5,6 +5,7 @@ log-likelihoods over several windows, and greedy generation with `until` and max
 Nothing downloads."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -216,3 +217,56 @@ def test_lm_eval_command_line_refuses_a_directory_that_is_not_a_run(setup, tmp_p
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.strip().splitlines()[-1].startswith("jaxllm: ")
     assert "Traceback" not in p.stderr
+
+
+HOOK_CHECK = """
+import sys
+import _jaxllm_lm_eval
+_jaxllm_lm_eval.install()
+assert not {"jax", "jaxllm", "lm_eval"} & set(sys.modules), sorted(sys.modules)
+from lm_eval.api.registry import get_model, model_registry
+get_model("hf")  # an empty registry still imports lm_eval's own table
+assert model_registry._objs["jaxllm"] == "jaxllm.harness:JaxllmLM"
+assert "jax" not in sys.modules  # registered lazily: nothing heavy loads until it is used
+print(get_model("jaxllm").__module__)
+"""
+
+
+def test_the_start_up_hook_registers_jaxllm_lazily_when_lm_eval_loads_its_models():
+    p = subprocess.run(
+        [sys.executable, "-c", HOOK_CHECK], capture_output=True, text=True, env=cpu_env()
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["jaxllm.harness"]
+
+
+@pytest.mark.slow  # a process that loads jax and the harness and compiles: about a minute
+def test_the_lm_eval_command_scores_as_jaxllm_eval_harness(setup, both, tmp_path):
+    """`lm_eval --model jaxllm`, the harness's own console script of this environment, with
+    nothing imported first: the installed `jaxllm_lm_eval.pth` registers the model type."""
+    run, _, tasks = setup
+    probe = "import sys; print(any(type(f).__module__ == '_jaxllm_lm_eval' for f in sys.meta_path))"
+    hooked = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert hooked.stdout.strip() == "True", (
+        "jaxllm_lm_eval.pth is not installed in this environment: pip install -e '.[test]' again"
+    )
+    script = os.path.join(os.path.dirname(sys.executable), "lm_eval")
+    argv = ["--model", "jaxllm", "--model_args", f"run={run}", "--tasks", "tiny_mc"]
+    argv += ["--include_path", str(tasks), "--batch_size", "4", "--log_samples"]
+    argv += ["--output_path", str(tmp_path)]
+    env = cpu_env(as_this_process=True, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets-cache")
+    p = subprocess.run([script, *argv], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (results,) = tmp_path.rglob("results_*.json")
+    (samples,) = tmp_path.rglob("samples_tiny_mc_*.jsonl")
+    got = json.loads(results.read_text())["results"]["tiny_mc"]
+    want = both[0]["results"]["tiny_mc"]
+    for metric in ("acc,none", "acc_norm,none"):
+        assert got[metric] == want[metric]
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    got = [
+        [float(x[0]) for x in r["filtered_resps"]] for r in sorted(rows, key=lambda r: r["doc_id"])
+    ]
+    want = [[x[0] for x in r] for r in _responses(both[0], "tiny_mc")]
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
