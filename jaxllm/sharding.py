@@ -184,7 +184,10 @@ def tree_shardings(mesh: Mesh, logical_tree):
 
 def process_rows(batch_sharding: NamedSharding, global_batch_size: int) -> slice:
     """The rows of each global batch that this process's devices hold (a contiguous range)."""
-    index_map = batch_sharding.addressable_devices_indices_map((global_batch_size, 1))
+    # later dims as long as the device count, so a split of the length (mesh.sequence) divides
+    rank = max(len(batch_sharding.spec), 2)
+    shape = (global_batch_size,) + (len(batch_sharding.device_set),) * (rank - 1)
+    index_map = batch_sharding.addressable_devices_indices_map(shape)
     starts = [idx[0].start or 0 for idx in index_map.values()]
     stops = [
         global_batch_size if idx[0].stop is None else idx[0].stop for idx in index_map.values()

@@ -272,10 +272,6 @@ def test_bad_image_input_is_refused_in_one_line(data, tmp_path, capsys):
     split = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(sequence=2))
     with pytest.raises(ConfigError, match="mesh.sequence=2: image-text batches"):
         run_splits(split)
-    v = dataclasses.replace(cfg.model.vision, deepstack_indexes=(0,))
-    deep = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vision=v))
-    with pytest.raises(ConfigError, match="deepstack_indexes .Qwen3-VL. are not laid out"):
-        run_splits(deep)
 
 
 def test_vision_inputs_follow_the_model():

@@ -16,6 +16,8 @@ per patch, L the row length):
   pixel_positions  int32 [N, 2]  each patch's (row, column) in its image (the tower's 2D RoPE)
   pixel_frames     int32 [N]     segment ids of full attention (image / frame), -1 padding
   pixel_windows    int32 [N]     segment ids of window attention, -1 padding
+  pixel_taps       int32 [N, 4]  each patch's bilinear taps into a learned position table
+  pixel_tap_weights f32  [N, 4]  and their weights (zeros without `position_embeddings`)
 
 All shapes are fixed for a run, so the train step compiles once whatever the images' sizes:
 the budget N is the most patches any row of the run holds (train and eval), rounded up to a
@@ -45,6 +47,8 @@ KEYS = (
     "pixel_positions",
     "pixel_frames",
     "pixel_windows",
+    "pixel_taps",
+    "pixel_tap_weights",
 )
 
 
@@ -180,6 +184,9 @@ class VisionRows:
             out["pixel_positions"][:p] = lay["positions"]
             out["pixel_frames"][:p] = lay["frame_ids"]
             out["pixel_windows"][:p] = lay["window_ids"]
+            if "pos_taps" in lay:
+                out["pixel_taps"][:p] = lay["pos_taps"]
+                out["pixel_tap_weights"][:p] = lay["pos_weights"]
             tokens = np.flatnonzero((row["inputs"] == self.vision.image_token_id)[:at])
             out["image_units"][tokens] = np.argsort(lay["unit_order"])
         return {**row, **out}
@@ -193,6 +200,8 @@ def _empty(l: int, n: int, width: int) -> dict[str, np.ndarray]:
         "pixel_positions": np.zeros((n, 2), np.int32),
         "pixel_frames": np.full(n, -1, np.int32),
         "pixel_windows": np.full(n, -1, np.int32),
+        "pixel_taps": np.zeros((n, 4), np.int32),
+        "pixel_tap_weights": np.zeros((n, 4), np.float32),
     }
 
 

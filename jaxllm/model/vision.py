@@ -276,20 +276,38 @@ class VisionTower(nnx.Module):
         deep = None if deep_Sx1xMxO is None else deep_Sx1xMxO[:, 0][:, back]
         return merged_1xMxO[0][back], deep
 
-    def encode_rows(self, pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN) -> jax.Array:
-        """Merged tokens [B, N / spatial_merge^2, O], in window order, of per-row patches
-        already in window order (`tower_layout`'s `patch_order`) with their (row, column)
-        positions and segment ids; shapes are fixed, so one compile serves any images. Padding
-        patches carry a segment id of their own (they attend only to each other) and their
-        merged tokens are never read. Towers with learned position embeddings or DeepStack
-        (Qwen3-VL) are not laid out per row (`jaxllm.train.vision` refuses them)."""
+    def encode_rows(self, pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN, **pos):
+        """Merged tokens [B, N / spatial_merge^2, O] of `row_features` (without DeepStack's)."""
+        return self.row_features(pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN, **pos)[0]
+
+    def row_features(
+        self,
+        pixels_BxNxI,
+        positions_BxNx2,
+        frames_BxN,
+        windows_BxN,
+        taps_BxNxT=None,
+        tap_weights_BxNxT=None,
+    ):
+        """(merged tokens [B, N / spatial_merge^2, O], DeepStack features [S, B, N /
+        spatial_merge^2, O] or None), in window order, of per-row patches already in window
+        order (`tower_layout`'s `patch_order`) with their (row, column) positions, segment ids
+        and, with `position_embeddings`, their taps into the table and weights (`pos_taps`,
+        `pos_weights`); shapes are fixed, so one compile serves any images. Padding patches
+        carry a segment id of their own (they attend only to each other) and their merged
+        tokens are never read."""
         cfg = self.cfg
+        pos = None
+        if cfg.position_embeddings:
+            if taps_BxNxT is None or tap_weights_BxNxT is None:
+                raise ValueError("a tower with position_embeddings needs the patches' taps")
+            pos = (taps_BxNxT, tap_weights_BxNxT)
         k2 = cfg.head_dim // 2
         inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, k2, 2, dtype=np.float32) / k2)
         freqs_BxNx2xF = positions_BxNx2[..., None].astype(jnp.float32) * inv_freq[None, None, None]
         half_BxNxK2 = freqs_BxNx2xF.reshape(*positions_BxNx2.shape[:2], -1)
         angles_BxNxK = jnp.concatenate([half_BxNxK2, half_BxNxK2], axis=-1)
-        return self._encode(pixels_BxNxI, angles_BxNxK[:, :, None], frames_BxN, windows_BxN)[0]
+        return self._encode(pixels_BxNxI, angles_BxNxK[:, :, None], frames_BxN, windows_BxN, pos)
 
     def _encode(self, pixels_BxPxI, angles_BxPx1xK, frames_BxP, windows_BxP, pos=None):
         """Patches in window order -> (merged tokens [B, P / spatial_merge^2, O], DeepStack

@@ -10,7 +10,8 @@ image tokens' hidden states after the first decoder layers, one each.
 Training batches give the images per row instead (`image_rows`, laid out on the host by
 `HostLayout` for `jaxllm.data.vision_rows`): each row's patches, already in window order and
 padded to a fixed budget, and per token the merged unit it takes, so one compiled step serves
-images of any size (towers without learned position embeddings or DeepStack).
+images of any size; learned position embeddings come as each patch's taps into the table, and
+DeepStack's features are gathered per row at the image tokens.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ class VisionLanguageModel(Transformer):
         features go where `tokens_BxL` holds `cfg.vision.image_token_id`. The number of those
         tokens must be the images' merged patches (sum t h w / spatial_merge^2)."""
         if image_rows is not None:
-            x_BxLxD = self.embed_image_rows(tokens_BxL, **image_rows)
-            return super().__call__(embeddings_BxLxD=x_BxLxD, **kwargs)
+            x_BxLxD, deepstack = self.image_row_inputs(tokens_BxL, **image_rows)
+            return super().__call__(embeddings_BxLxD=x_BxLxD, deepstack=deepstack, **kwargs)
         if pixel_values is None:
             return super().__call__(tokens_BxL, **kwargs)
         if tokens_BxL is None or image_grid_thw is None:
@@ -88,20 +89,37 @@ class VisionLanguageModel(Transformer):
         x_BxLxD = jnp.where(is_image_BxL[..., None], image_BxLxD, x_BxLxD)
         return x_BxLxD, (None if deep_SxMxD is None else (deep_SxMxD, index_BxL, is_image_BxL))
 
-    def embed_image_rows(
-        self, tokens_BxL, pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN, units_BxL
-    ) -> jax.Array:
-        """The token embeddings [B, L, D], a token whose `units_BxL` is u >= 0 replaced by the
-        merged unit u (window order) of its row's patches (`VisionTower.encode_rows`)."""
+    def embed_image_rows(self, tokens_BxL, *args, **kwargs) -> jax.Array:
+        """The token embeddings [B, L, D] of `image_row_inputs` (without DeepStack's)."""
+        return self.image_row_inputs(tokens_BxL, *args, **kwargs)[0]
+
+    def image_row_inputs(
+        self,
+        tokens_BxL,
+        pixels_BxNxI,
+        positions_BxNx2,
+        frames_BxN,
+        windows_BxN,
+        units_BxL,
+        **pos,
+    ):
+        """(the token embeddings [B, L, D], a token whose `units_BxL` is u >= 0 replaced by the
+        merged unit u (window order) of its row's patches (`VisionTower.row_features`, `pos`
+        its taps); `Transformer`'s `deepstack` input, per row, or None)."""
         x_BxLxD = constrain(self._embed(tokens_BxL), ("batch", "length", "act_embed"))
-        feats_BxMxO = self.visual.encode_rows(
-            pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN
+        feats_BxMxO, deep_SxBxMxO = self.visual.row_features(
+            pixels_BxNxI, positions_BxNx2, frames_BxN, windows_BxN, **pos
         )
         # laid out as the embeddings, so the per-row gather stays on each device's rows
         feats_BxMxO = constrain(feats_BxMxO, ("batch", None, "act_embed"))
         index_BxLx1 = jnp.maximum(units_BxL, 0)[..., None]
         image_BxLxD = jnp.take_along_axis(feats_BxMxO.astype(x_BxLxD.dtype), index_BxLx1, axis=1)
-        return jnp.where((units_BxL >= 0)[..., None], image_BxLxD, x_BxLxD)
+        is_image_BxL = units_BxL >= 0
+        x_BxLxD = jnp.where(is_image_BxL[..., None], image_BxLxD, x_BxLxD)
+        if deep_SxBxMxO is None:
+            return x_BxLxD, None
+        deep_SxBxMxO = constrain(deep_SxBxMxO, (None, "batch", None, "act_embed"))
+        return x_BxLxD, (deep_SxBxMxO, index_BxLx1[..., 0], is_image_BxL)
 
 
 class HostLayout:

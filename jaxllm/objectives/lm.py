@@ -52,6 +52,8 @@ def model_inputs(batch: dict) -> dict:
         "frames_BxN": batch["pixel_frames"],
         "windows_BxN": batch["pixel_windows"],
         "units_BxL": batch["image_units"],
+        "taps_BxNxT": batch["pixel_taps"],
+        "tap_weights_BxNxT": batch["pixel_tap_weights"],
     }
     return {
         "positions_BxL": jnp.moveaxis(batch["mrope_positions"], -1, 0),

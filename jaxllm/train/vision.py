@@ -32,13 +32,6 @@ def run_splits(cfg: config.Config):
             f"train.objective={cfg.train.objective} does not read images, but the data holds "
             f"image-text chats; use train.objective=sft (or next_token)."
         )
-    v = cfg.model.vision
-    if v.position_embeddings or v.deepstack_indexes:
-        raise ConfigError(
-            "image-text training lays each row's patches out for towers with 2D RoPE alone; "
-            "model.vision.position_embeddings and deepstack_indexes (Qwen3-VL) are not laid "
-            "out per row yet: such a model converts and generates, and trains on text."
-        )
     for axis in ("sequence", "stage"):
         if getattr(cfg.mesh, axis) > 1:
             raise ConfigError(
