@@ -39,6 +39,7 @@ from jaxllm.model import (
     abstract_model,
     abstract_model_state,
     build,
+    fresh_where_missing,
     init_keys,
     lora,
     merge_model,
@@ -232,19 +233,15 @@ def load_weights(source, model_cfg: ModelConfig, mesh: Mesh, *, quantize=None):
     """(parameters, model state) for `model_cfg` from a Hugging Face directory or a jaxllm run
     directory / checkpoint (`checkpoint.init_from`), in their shards on `mesh`. The source
     must describe the same parameter shapes; ConfigError names the first that differs. The
-    model state (MoE routing biases) is None when the source has none of this model's shapes
-    (the train state then starts it at zero).
+    model state (MoE routing biases) is None when the source has none of this model's shapes.
+    Exceptions (`_as_source`; `init_state_from` starts what is absent fresh from the seed): a
+    reward model (`model.head=score`) started from an LM reads its body only; PPO's value head
+    starts fresh when the source has none, and a source's one this model lacks stays behind; a
+    vision-language model started from a text run reads the language model only.
 
-    One exception, the heads: a reward model (`model.head=score`) started from a language
-    model reads the LM's body only. The LM head (if any) stays behind and `score` is absent
-    from the parameters returned; `init_state_from` starts it fresh from the run's seed. So
-    does PPO's `value` head (`model.value_head`) when the source has none; a source's value
-    head that this model has not (SFT on from a PPO run) stays behind.
-
-    A fine-tuning run (peft) as the source gives its merged model: base + adapters, the NF4 of
-    QLoRA dequantized, as `convert export --merge` writes it (a prompt-tuning run: ConfigError).
-    A quantized run is read only as LoRA's frozen base, in its codes: `quantize` must be its
-    `quantize` section (else ConfigError: quantized weights do not train)."""
+    A fine-tuning run (peft) as the source gives its merged model (`convert export --merge`; a
+    prompt-tuning run: ConfigError). A quantized run is read only as LoRA's frozen base, in its
+    codes: `quantize` must be its `quantize` section (else ConfigError)."""
     source = fetched(source, "checkpoint.init_from")
     hf = _is_hf_source(source)
     if hf:
@@ -324,8 +321,10 @@ def _mergeable(source, theirs: Config) -> None:
 def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
     """The model to read from a source of model `theirs`: `model_cfg` with the source's value
     head and distillation projections or none (one this model lacks is left behind, one it has
-    starts fresh), and for a reward model started from an LM, the body with the LM's head."""
-    heads = dict(value_head=theirs.value_head, distill_proj=theirs.distill_proj)
+    starts fresh), for a reward model from an LM the body with the LM's head, and for a
+    vision-language model from a text run the language model alone (the tower starts fresh)."""
+    vision = model_cfg.vision if theirs.vision else None
+    heads = dict(value_head=theirs.value_head, distill_proj=theirs.distill_proj, vision=vision)
     model_cfg = dataclasses.replace(model_cfg, **heads)
     if model_cfg.head == "score" and theirs.head == "lm":
         return dataclasses.replace(model_cfg, head="lm", tie_embeddings=theirs.tie_embeddings)
@@ -438,7 +437,8 @@ def load_frozen(cfg: Config, mesh, record: dict, *, verify: bool = False):
         check_base(record, {"source": str(source), "sha256": content_hash(files, source)})
     params, _ = load_weights(record["source"], cfg.model, mesh, quantize=cfg.quantize)
     axes = abstract_frozen(cfg.model, cfg.peft)[1]
-    return jax.jit(lambda p: lora.freeze(p, axes, cfg.peft), out_shardings=shardings)(params)
+    fill = lambda p: fresh_where_missing(p, cfg.model, cfg.run.seed)  # noqa: E731 (a new tower)
+    return jax.jit(lambda p: lora.freeze(fill(p), axes, cfg.peft), out_shardings=shardings)(params)
 
 
 def frozen_shardings(model_cfg: ModelConfig, mesh: Mesh, peft: PeftConfig | None, quantize=None):

@@ -146,7 +146,7 @@ def test_deterministic_in_the_seed(tmp_path):
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
         shapes_vqa.write_shapes_vqa(tmp_path / name, samples=12, seed=seed, grid=4, size=96)
     a, b, c = (files(tmp_path / n) for n in "abc")
-    assert a == b and len(a) == 12 + 3
+    assert a == b and len(a) == 12 + 3 + 2  # images, JSONLs, info; tokenizer.json and config
     assert a != c
     assert a.keys() == c.keys()
     scene = json.loads((tmp_path / "a/train.jsonl").read_text().splitlines()[0])["scene"]
@@ -190,3 +190,27 @@ def test_jaxllm_data_shapes(tmp_path, capsys):
     args = ["data", "shapes", "--out", str(out), "--samples", "12", "--overwrite"]
     assert main(args) == 0
     assert len(list((out / "images").iterdir())) == 12
+
+
+def test_the_tokenizer_reads_the_rows_with_the_vision_tokens(tmp_path):
+    """tokenizer/ holds a BPE whose specials are ChatML's and Qwen-VL's image tokens, at the ids
+    info.json names; the vision rows of the data read with it (image tokens where the images are)
+    and its EOS is the end of turn."""
+    from jaxllm.data import images, vision_chat
+    from jaxllm.data.tokenizer import load_tokenizer
+
+    info = shapes_vqa.write_shapes_vqa(tmp_path, samples=20, seed=1, grid=2, size=56)
+    t = info["tokenizer"]
+    assert (t["vision_start_token_id"], t["image_token_id"]) == (5, 6)
+    assert t["vocab_size"] <= shapes_vqa.TOKENIZER_VOCAB
+    tok = load_tokenizer(str(tmp_path / t["path"]))
+    assert tok.vocab_size == t["vocab_size"] and tok.eos_id == 4
+    ids = [tok.encode_offsets(s, specials=True)[0].tolist() for s in shapes_vqa.TOKENIZER_SPECIALS]
+    assert ids == [[3], [4], [5], [6], [7]]
+    row = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
+    ex = vision_chat.encode(row["messages"], tok, images.ImageSpec(), base_dir=tmp_path)
+    ids = ex.tokens
+    assert (ids == 6).sum() == 4 and (ids == 5).sum() == 1  # 56 px: 4 x 4 patches, 2 x 2 merged
+    answer = row["messages"][1]["content"]
+    target = ids[ex.mask > 0]  # the reply and its end of turn
+    assert tok.decode(target[:-1].tolist()) == answer and target[-1] == tok.eos_id

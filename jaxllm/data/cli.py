@@ -174,7 +174,7 @@ def cmd_shapes(ns) -> int:
     print(
         f"wrote {counts['train']:,} train and {counts['test']:,} test questions about drawn "
         f"{info['size']}x{info['size']} images of a {info['grid']}x{info['grid']} grid to "
-        f"{ns.out} (train.jsonl, test.jsonl: format chat, images under images/)"
+        f"{ns.out} (train.jsonl, test.jsonl: format chat, images under images/; tokenizer/)"
     )
     return 0
 

@@ -26,6 +26,12 @@ Each sample's kind is drawn first, evenly, then a scene that can be asked it. Sc
 test.jsonl, so test images are scenes the fine-tuned model never saw. `info.json` holds the
 arguments and the counts of questions by split and kind.
 
+`tokenizer/` holds a small byte-level BPE (`TOKENIZER_VOCAB` ids, trained on the train split's
+text) whose specials are the built-in ChatML template's `<|im_start|>` `<|im_end|>` (its end of
+turn, the EOS) and Qwen-VL's `<|vision_start|>` `<|image_pad|>` `<|vision_end|>`, as ids 3 to 7
+after `<pad>` `<bos>` `<eos>`; `info.json` names the ids that `model.vision` takes. A text run
+and a vision-language run on this data can share it (configs/runs/vlm_shapes.yaml).
+
 This module does not import jax.
 """
 
@@ -39,6 +45,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from jaxllm.config import ConfigError
+from jaxllm.data.tokenizer import train_bpe
 
 COLOURS = {
     "red": (220, 30, 30),
@@ -49,6 +56,14 @@ COLOURS = {
 SHAPES = ("circle", "square", "triangle")
 BACKGROUND = (255, 255, 255)
 GRID_LINE = (200, 200, 200)
+TOKENIZER_SPECIALS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|image_pad|>",
+    "<|vision_end|>",
+)
+TOKENIZER_VOCAB = 384
 MIN_CELL = 12  # pixels a cell needs at least for a shape to be recognisable
 REPEAT = 0.3  # chance that a shape takes an earlier one's colour and kind (counts above one)
 DIRECTIONS = {  # name in the question: (row step, column step)
@@ -202,8 +217,8 @@ def write_shapes_vqa(
     size: int = 112,
     test_fraction: float = 0.2,
 ) -> dict:
-    """Writes OUT_DIR/images/NNNNNN.png, train.jsonl, test.jsonl and info.json (see the module
-    docstring); returns the info."""
+    """Writes OUT_DIR/images/NNNNNN.png, train.jsonl, test.jsonl, tokenizer/ and info.json (see
+    the module docstring); returns the info."""
     n_test = _check(samples, grid, size, test_fraction)
     rng = random.Random(seed)
     out = Path(out_dir)
@@ -247,5 +262,24 @@ def write_shapes_vqa(
             for name, part in split.items()
         },
     }
+    info["tokenizer"] = _write_tokenizer(out / "tokenizer", split["train"])
     (out / "info.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def _write_tokenizer(out: Path, rows: list[dict]) -> dict:
+    """The BPE of the module docstring in `out`, trained on the rows' questions and answers;
+    its path (relative to the data), vocabulary size and image token ids."""
+    from tokenizers import Tokenizer
+
+    texts = [f"user\n{r['messages'][0]['content'][1]['text']}" for r in rows]
+    texts += [f"assistant\n{r['messages'][1]['content']}" for r in rows]
+    path = train_bpe(texts, TOKENIZER_VOCAB, out, TOKENIZER_SPECIALS)
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}) + "\n")
+    tok = Tokenizer.from_file(str(path))
+    return {
+        "path": "tokenizer/tokenizer.json",
+        "vocab_size": tok.get_vocab_size(),
+        "image_token_id": tok.token_to_id("<|image_pad|>"),
+        "vision_start_token_id": tok.token_to_id("<|vision_start|>"),
+    }

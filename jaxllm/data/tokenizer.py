@@ -420,10 +420,12 @@ def check_bpe_vocab_size(vocab_size: int) -> None:
         )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, out_dir: str | Path, specials: Sequence[str] = ()
+) -> Path:
     """Trains a byte-level BPE of `vocab_size` ids (specials and the 256 bytes included) on
-    `texts`; writes and returns `out_dir/tokenizer.json` (`jaxllm data tokenizer` gives a
-    temporary directory that becomes its --out when complete)."""
+    `texts`, with `specials` as ids 3, 4, ...; writes and returns `out_dir/tokenizer.json`
+    (`jaxllm data tokenizer` gives a temporary directory that becomes its --out when complete)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     check_bpe_vocab_size(vocab_size)
@@ -432,7 +434,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Pat
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(BPE_SPECIALS),
+        special_tokens=[*BPE_SPECIALS, *specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

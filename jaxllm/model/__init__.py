@@ -13,7 +13,12 @@ Every parameter is an `nnx.Param` whose `axes` metadata names its logical axes
 under a mesh (kernels, ring attention, MoE dispatch) goes through `jaxllm.parallel`.
 """
 
-from jaxllm.model.abstract import abstract_frozen, abstract_model, abstract_model_state
+from jaxllm.model.abstract import (
+    abstract_frozen,
+    abstract_model,
+    abstract_model_state,
+    fresh_where_missing,
+)
 from jaxllm.model.attention import Attention, dot_product_attention
 from jaxllm.model.encoder_decoder import EncoderDecoder
 from jaxllm.model.layers import Embed, LayerNorm, RMSNorm, logical_axes, make_norm, matmul
@@ -50,6 +55,7 @@ __all__ = [
     "abstract_model",
     "attach_peft",
     "abstract_model_state",
+    "fresh_where_missing",
     "alibi_slopes",
     "apply_rope",
     "build",

@@ -8,7 +8,7 @@ from flax import nnx
 from jaxllm.config import ModelConfig, PeftConfig
 from jaxllm.model import lora
 from jaxllm.model.layers import logical_axes
-from jaxllm.model.transformer import build, model_class
+from jaxllm.model.transformer import build, init_keys, model_class, split_peft
 
 
 def _abstract_split(cfg: ModelConfig, peft: PeftConfig | None):
@@ -42,3 +42,14 @@ def abstract_model_state(cfg: ModelConfig):
     model = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
     _, _, state = nnx.split(model, nnx.Param, ...)
     return nnx.to_pure_dict(state), logical_axes(state)
+
+
+def fresh_where_missing(params: dict, cfg: ModelConfig, seed: int) -> dict:
+    """Every parameter of `cfg`: those of `params`, and the top-level ones it lacks (a head or a
+    vision tower new to a run started from another model) as a fresh run of `seed` starts them.
+    Traceable: call it inside the jitted init."""
+    fresh_keys = set(abstract_model(cfg)[1])
+    if fresh_keys <= set(params):
+        return {k: params[k] for k in sorted(fresh_keys)}
+    fresh = split_peft(build(cfg, init_keys(seed)[0]), None)[1]
+    return {k: params[k] if k in params else fresh[k] for k in fresh}

@@ -9,6 +9,7 @@ import jax
 
 from jaxllm import adapters, checkpoint, config
 from jaxllm.config.optim import resolved_lr
+from jaxllm.model import abstract_model
 from jaxllm.train import loss_scale
 from jaxllm.train.console import _log
 from jaxllm.train.state import init_state, init_state_from, layout, on_device
@@ -76,8 +77,9 @@ def start_state(cfg, ckpt: checkpoint.Checkpointer, mesh, tx, shardings, batches
         state = init_state_from(
             w.params, cfg.model, tx, mesh, cfg.run.seed, w.model_state, scaling, **kw
         )
-        start = 0
-        _log(f"initialized parameters from {source}{w.how}")
+        start, fresh = 0, sorted(set(abstract_model(cfg.model)[1]) - set(w.params))
+        new = f"; {', '.join(fresh)} fresh from run.seed={cfg.run.seed}" if fresh else ""
+        _log(f"initialized parameters from {source}{w.how}{new}")
     else:
         state, start = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg)), 0
     return state, start

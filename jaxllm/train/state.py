@@ -25,6 +25,7 @@ from jaxllm.model import (
     abstract_model,
     abstract_model_state,
     build,
+    fresh_where_missing,
     init_keys,
     lora,
     split_peft,
@@ -371,7 +372,8 @@ def init_state_from(
     shards (fine-tuning, `checkpoint.init_from`). Under `peft` the parameters are the frozen
     base, and the adapters / soft prompt are `adapters` (imported ones) or start fresh from
     the seed. Without it, the top-level parameters `params` lacks start fresh from the seed
-    too: the score head of a reward model started from a language model (`load_weights`)."""
+    too: the score head of a reward model started from a language model, the vision tower of a
+    vision-language model started from a text run (`load_weights`), under `peft` in its base."""
     shardings = state_shardings(
         model_cfg,
         tx,
@@ -390,6 +392,7 @@ def init_state_from(
         init_key, state_key = init_keys(seed)  # as `_init`: the same streams
         if model_state is None:
             model_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_ms)
+        params = fresh_where_missing(params, model_cfg, seed)  # a new head or vision tower
         frozen = None
         if peft is not None and peft.method != "none":  # the adapters of a fresh init
             frozen_axes = abstract_frozen(model_cfg, peft)[1]  # a source's value head: not base
@@ -402,9 +405,6 @@ def init_state_from(
                 ids = lora.prompt_token_ids(lora.peft_key(init_key), n, vocab)
                 embedding = frozen["embed"]["embedding"]
                 params = {**params, "soft_prompt": embedding[ids].astype(embedding.dtype)}
-        elif set(params) != set(shardings.params):
-            fresh = _init(model_cfg, tx, seed, None, peft).params
-            params = {k: params[k] if k in params else fresh[k] for k in fresh}
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
