@@ -171,6 +171,19 @@ def test_a_grpo_run_on_shapes_vqa_logs_its_reward(data, tmp_path, one_device):
     assert all(r["completions/mean_length"] > 0 for r in m)
 
 
+@pytest.mark.parametrize("objective", ["rloo", "grpo"])
+def test_under_lora_the_reference_reads_the_images_too(data, tmp_path, one_device, objective):
+    """At step 1 under LoRA (B = 0) the policy is the reference: the KL (RLOO's in the reward,
+    from the reference's log-probabilities of the rollout; GRPO's k3 in the loss) is 0 only
+    if the reference, as the policy, reads each row's images."""
+    run = tmp_path / "run"
+    changes = dict(train__objective=objective, train__beta=0.1, train__steps=1)
+    lora = dict(peft__method="lora", peft__targets=["q_proj", "v_proj"])
+    train(run_cfg(*data, run__dir=str(run), **changes, **lora))
+    (m,) = _metrics(run)
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6) and np.isfinite(m["loss"])
+
+
 def test_what_image_prompts_do_not_train_under_is_refused_in_one_line(
     data, tmp_path, capsys, one_device
 ):
