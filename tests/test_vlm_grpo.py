@@ -25,7 +25,7 @@ from jaxllm.objectives.rollout import images as image_prompts
 from jaxllm.objectives.rollout.sampling import Rollouts
 from jaxllm.train.loop import train
 from jaxllm.train.step import BATCH_AXES
-from tests.hf_models import stderr_of_failure
+from tests.hf_models import run_cli, stderr_of_failure
 from tests.test_vision_chat import tokenizer
 from tests.test_vlm_sft import VISION
 
@@ -159,16 +159,24 @@ def _metrics(run):
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_grpo_run_on_shapes_vqa_logs_its_reward(data, tmp_path, one_device):
-    """`jaxllm train` with train.objective=grpo on shapes-vqa chats: 2 steps with the images,
-    the exact-match reward logged; with a text-only model the prompts are refused."""
+def test_a_grpo_run_on_shapes_vqa_logs_its_reward(data, tmp_path, one_device, capsys):
+    """`jaxllm train` with train.objective=grpo on shapes-vqa chats (a generated train and test
+    split): 2 steps with the images, the exact-match reward logged, and the greedy eval
+    reward of the test prompts (their images too)."""
     d, tok = data
     run = tmp_path / "run"
-    train(run_cfg(d, tok, run__dir=str(run)))
+    test = {"path": str(d / "shapes" / "test.jsonl"), "format": "rollout"}
+    evals = [{**test, "prompt_field": "messages"}]
+    cfg = run_cfg(d, tok, run__dir=str(run), data__eval_sources=evals, train__eval_every=2)
+    config_lib.dump(cfg, tmp_path / "run.yaml")
+    assert run_cli("train", tmp_path / "run.yaml") == 0
+    logged = capsys.readouterr()
+    assert "data: 8 rollout prompts, 2 eval" in logged.out + logged.err
     m = _metrics(run)
     assert [r["step"] for r in m] == [1, 2]
     assert all(0.0 <= r["reward"] <= 1.0 and np.isfinite(r["loss"]) for r in m)
     assert all(r["completions/mean_length"] > 0 for r in m)
+    assert 0.0 <= m[-1]["eval_reward"] <= 1.0
 
 
 @pytest.mark.parametrize("objective", ["rloo", "grpo"])
