@@ -179,6 +179,22 @@ def test_a_grpo_run_on_shapes_vqa_logs_its_reward(data, tmp_path, one_device, ca
     assert 0.0 <= m[-1]["eval_reward"] <= 1.0
 
 
+def test_the_same_losses_on_one_device_and_on_a_mesh(data, tmp_path, request):
+    """Image rollouts sampled and trained on data 2 x fsdp 2 x tensor 2 (8 simulated devices)
+    give the losses of one device; step 2 reuses the rollout off-policy (a loss far from 0)."""
+    changes = dict(train__global_batch_size=8, train__updates_per_rollout=2)
+    layouts = {"mesh": dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2), "one": {}}
+    losses = {}
+    for name, layout in layouts.items():
+        if name == "one":
+            request.getfixturevalue("one_device")
+        run = tmp_path / name
+        train(run_cfg(*data, run__dir=str(run), **changes, **layout))
+        losses[name] = [(r["loss"], r["grad_norm"], r["reward"]) for r in _metrics(run)]
+    assert len(losses["one"]) == 2
+    np.testing.assert_allclose(losses["mesh"], losses["one"], rtol=2e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("objective", ["rloo", "grpo"])
 def test_under_lora_the_reference_reads_the_images_too(data, tmp_path, one_device, objective):
     """At step 1 under LoRA (B = 0) the policy is the reference: the KL (RLOO's in the reward,
