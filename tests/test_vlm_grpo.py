@@ -195,6 +195,23 @@ def test_the_same_losses_on_one_device_and_on_a_mesh(data, tmp_path, request):
     np.testing.assert_allclose(losses["mesh"], losses["one"], rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.slow
+def test_a_resumed_image_run_makes_the_same_batches(data, tmp_path, one_device):
+    """Stopped after step 1, between the two updates of a rollout (its batch, images included,
+    in the checkpoint), and resumed to step 3 (a fresh rollout): the same steps as one run."""
+    base = dict(train__updates_per_rollout=2, optim__schedule="constant")
+    straight = tmp_path / "straight"
+    train(run_cfg(*data, run__dir=str(straight), train__steps=3, **base))
+    split = tmp_path / "split"
+    cut = dict(run__dir=str(split), **base)
+    train(run_cfg(*data, train__steps=1, checkpoint__save_final=True, **cut))
+    train(run_cfg(*data, train__steps=3, **cut))
+    resumed = {r["step"]: r for r in _metrics(split)}
+    for r in _metrics(straight)[1:]:
+        for key in ("loss", "reward", "grad_norm", "completions/mean_length"):
+            assert resumed[r["step"]][key] == r[key], (r["step"], key)
+
+
 @pytest.mark.parametrize("objective", ["rloo", "grpo"])
 def test_under_lora_the_reference_reads_the_images_too(data, tmp_path, one_device, objective):
     """At step 1 under LoRA (B = 0) the policy is the reference: the KL (RLOO's in the reward,
