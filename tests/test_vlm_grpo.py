@@ -14,8 +14,9 @@ from flax import nnx
 
 from jaxllm import config as config_lib
 from jaxllm import sharding
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, JaxllmWarning
 from jaxllm.data import shapes_vqa
+from jaxllm.data.rollout import prompt_splits
 from jaxllm.data.vision_rows import KEYS
 from jaxllm.infer.reference import greedy_continue
 from jaxllm.model import build, mrope_positions
@@ -153,6 +154,40 @@ def test_greedy_samples_are_the_vlms_generation_and_pi_old_its_logps(data):
         np.testing.assert_allclose(batch["old_logps"][i, :m], want * mask[i, :m], atol=1e-5)
     direct = token_logps(model, jax.tree.map(jnp.asarray, batch))[0]
     np.testing.assert_allclose(np.asarray(direct), batch["old_logps"], atol=1e-5)
+
+
+def test_prompt_forms_read_alike_and_text_prompts_stay_text(data, tmp_path):
+    """A prompt field holding the user turn's parts reads as the messages form; a string prompt
+    in the same VLM run keeps no pixels and its row plain positions, no patches; an image
+    record without an answer is a bad record."""
+    d, tok = data
+    first = json.loads((d / "shapes" / "train.jsonl").read_text().splitlines()[0])
+    user, answer = first["messages"][0]["content"], first["messages"][1]["content"]
+    for part in user:
+        if part.get("type") == "image":
+            part["image"] = str(d / "shapes" / part["image"])
+    records = [
+        {"prompt": user, "answer": answer},
+        {"prompt": [{"role": "user", "content": user}], "answer": answer},
+        {"prompt": "plain text", "answer": "x"},
+        {"prompt": [{"role": "user", "content": user}]},
+    ]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    source = [{"path": str(tmp_path / "p.jsonl"), "format": "rollout"}]
+    cfg = run_cfg(d, tok, data__sources=source)
+    inp = image_prompts.inputs(cfg)
+    with pytest.warns(JaxllmWarning, match="skipped 1 record.*line 4 has no field .answer"):
+        parts, messages, plain = prompt_splits(cfg.data, tok, inp)[0]
+    np.testing.assert_array_equal(parts.ids, messages.ids)
+    np.testing.assert_array_equal(parts.pixels.pixel_values_NxP, messages.pixels.pixel_values_NxP)
+    assert parts.answer == answer and plain.pixels is None
+    units = image_prompts.budget([parts, plain], cfg.model.vision)
+    seqs = [np.concatenate([p.ids, [5, 6]]).astype(np.int32) for p in (parts, plain)]
+    got = image_prompts.image_fields([parts, plain], seqs, 160, inp, units)
+    np.testing.assert_array_equal(got["mrope_positions"][1], np.arange(160)[:, None].repeat(3, 1))
+    assert (got["image_units"][1] == -1).all() and (got["pixel_frames"][1] == -1).all()
+    n = int((parts.ids == cfg.model.vision.image_token_id).sum())
+    assert sorted(got["image_units"][0][got["image_units"][0] >= 0]) == list(range(n))
 
 
 def _metrics(run):
