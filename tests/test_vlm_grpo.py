@@ -93,6 +93,14 @@ def one_device(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a: first)
 
 
+def lowercase_share(prompts, completions, answers):
+    """A dense reward for a random model (exact match gives it 0 everywhere, no gradient)."""
+    return [sum(ch.islower() for ch in c) / max(len(c), 1) for c in completions]
+
+
+DENSE = f"{__name__}:lowercase_share"
+
+
 def _rollouts(cfg):
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     model = build(cfg.model, seed=1)
@@ -217,7 +225,7 @@ def test_a_grpo_run_on_shapes_vqa_logs_its_reward(data, tmp_path, one_device, ca
 def test_the_same_losses_on_one_device_and_on_a_mesh(data, tmp_path, request):
     """Image rollouts sampled and trained on data 2 x fsdp 2 x tensor 2 (8 simulated devices)
     give the losses of one device; step 2 reuses the rollout off-policy (a loss far from 0)."""
-    changes = dict(train__global_batch_size=8, train__updates_per_rollout=2)
+    changes = dict(train__global_batch_size=8, train__updates_per_rollout=2, train__reward=DENSE)
     layouts = {"mesh": dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2), "one": {}}
     losses = {}
     for name, layout in layouts.items():
@@ -226,7 +234,7 @@ def test_the_same_losses_on_one_device_and_on_a_mesh(data, tmp_path, request):
         run = tmp_path / name
         train(run_cfg(*data, run__dir=str(run), **changes, **layout))
         losses[name] = [(r["loss"], r["grad_norm"], r["reward"]) for r in _metrics(run)]
-    assert len(losses["one"]) == 2
+    assert len(losses["one"]) == 2 and min(g for _, g, _ in losses["one"]) > 0
     np.testing.assert_allclose(losses["mesh"], losses["one"], rtol=2e-5, atol=1e-7)
 
 
@@ -234,7 +242,7 @@ def test_the_same_losses_on_one_device_and_on_a_mesh(data, tmp_path, request):
 def test_a_resumed_image_run_makes_the_same_batches(data, tmp_path, one_device):
     """Stopped after step 1, between the two updates of a rollout (its batch, images included,
     in the checkpoint), and resumed to step 3 (a fresh rollout): the same steps as one run."""
-    base = dict(train__updates_per_rollout=2, optim__schedule="constant")
+    base = dict(train__updates_per_rollout=2, optim__schedule="constant", train__reward=DENSE)
     straight = tmp_path / "straight"
     train(run_cfg(*data, run__dir=str(straight), train__steps=3, **base))
     split = tmp_path / "split"
