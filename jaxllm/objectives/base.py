@@ -101,11 +101,33 @@ def masked_nll_sums(model, batch: dict, out, chunks: int = 1):
     return nll_sum, z_sum
 
 
+def model_inputs(batch: dict) -> dict:
+    """The positions a model reads from `batch`, and the images of image rows
+    (`jaxllm.data.vision_rows`): M-RoPE ids [3, B, L] and `image_rows` for the VLM."""
+    if "pixel_values" not in batch:
+        return {"positions_BxL": batch["positions"]}
+    image_rows = {
+        "pixels_BxNxI": batch["pixel_values"],
+        "positions_BxNx2": batch["pixel_positions"],
+        "frames_BxN": batch["pixel_frames"],
+        "windows_BxN": batch["pixel_windows"],
+        "units_BxL": batch["image_units"],
+    }
+    if "pixel_taps" in batch:  # a learned position table's taps (Qwen3-VL towers)
+        image_rows["taps_BxNxT"] = batch["pixel_taps"]
+        image_rows["tap_weights_BxNxT"] = batch["pixel_tap_weights"]
+    return {
+        "positions_BxL": jnp.moveaxis(batch["mrope_positions"], -1, 0),
+        "image_rows": image_rows,
+    }
+
+
 def token_logps(model, batch: dict, rng=None):
-    """(log p(target) [B, L] float32, 0 where `loss_mask` is 0; the model's output)."""
+    """(log p(target) [B, L] float32, 0 where `loss_mask` is 0; the model's output); image rows
+    (`model_inputs`) run with their images."""
     out = model(
         batch["inputs"],
-        positions_BxL=batch["positions"],
+        **model_inputs(batch),
         segment_ids_BxL=batch["segment_ids"],
         dropout_key=rng,
     )

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxllm.objectives.base import Objective, ObjectiveOutput, masked_nll_sums, output
+from jaxllm.objectives.base import (
+    Objective,
+    ObjectiveOutput,
+    masked_nll_sums,
+    model_inputs,
+    output,
+)
 
 
 def next_token(z_loss: float = 0.0, prefix: bool = False, loss_chunks: int = 1) -> Objective:
@@ -39,26 +45,6 @@ def next_token(z_loss: float = 0.0, prefix: bool = False, loss_chunks: int = 1) 
         return output(model, out, loss_sum, count, metrics)
 
     return objective
-
-
-def model_inputs(batch: dict) -> dict:
-    """The positions a model reads from `batch`, and the images of image rows
-    (`jaxllm.data.vision_rows`): M-RoPE ids [3, B, L] and `image_rows` for the VLM."""
-    if "pixel_values" not in batch:
-        return {"positions_BxL": batch["positions"]}
-    image_rows = {
-        "pixels_BxNxI": batch["pixel_values"],
-        "positions_BxNx2": batch["pixel_positions"],
-        "frames_BxN": batch["pixel_frames"],
-        "windows_BxN": batch["pixel_windows"],
-        "units_BxL": batch["image_units"],
-        "taps_BxNxT": batch["pixel_taps"],
-        "tap_weights_BxNxT": batch["pixel_tap_weights"],
-    }
-    return {
-        "positions_BxL": jnp.moveaxis(batch["mrope_positions"], -1, 0),
-        "image_rows": image_rows,
-    }
 
 
 def sft(z_loss: float = 0.0, loss_chunks: int = 1) -> Objective:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxllm.data.vision_rows import KEYS as IMAGE_KEYS
 from jaxllm.objectives.rollout import advantages as adv_lib
 from jaxllm.sharding import to_global
 
@@ -103,8 +104,8 @@ def finish(rollouts, batch: dict, scored, weights, others) -> dict:
     def ref_logps():
         gbs, length = t.global_batch_size, rollouts.cfg.data.seq_len
         slots = np.broadcast_to(np.arange(length, dtype=np.int32), (gbs, length))
-        keys = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-        rows = {k: batch[k][local] for k in keys} | {"slots": slots[local]}
+        keys = ("inputs", "targets", "positions", "segment_ids", "loss_mask", *IMAGE_KEYS)
+        rows = {k: batch[k][local] for k in keys if k in batch} | {"slots": slots[local]}
         got = rollouts.reference(*weights, others, to_global(rows, rollouts.batch_sharding, gbs))
         return np.asarray(got.addressable_data(0))  # replicated
 

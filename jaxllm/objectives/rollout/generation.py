@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxllm.config import Config, GenerateConfig
 from jaxllm.infer.engine import batch as engine_batch
+from jaxllm.infer.generate import generate as static_generate
 
 
 def sequences(prompts: list[np.ndarray], completions: list[list[int]], ends) -> list[np.ndarray]:
@@ -19,13 +20,15 @@ def sequences(prompts: list[np.ndarray], completions: list[list[int]], ends) -> 
     ]
 
 
-def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, seed, stops, ends):
+def sample(
+    cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, seed, stops, ends, images=None
+):
     """(the generation, each prompt + completion + stop) of one completion per prompt from
     `model` on `mesh`: up to `train.max_completion_tokens` or one of the stops,
     at `temperature` (0: greedy) with the `generate` section's top_k / top_p and KV cache.
     `seed`: one for the batch, or a list of one per prompt (each row's draws then depend on its
     seed alone). `stops`: the stop ids; `ends`: the stop sequences (a multi-token end-of-turn
-    marker)."""
+    marker). `images`: one `Pixels` or None per prompt (a vision-language model's)."""
     seeds = None if isinstance(seed, int) else [int(x) for x in seed]
     g = cfg.generate
     gen = GenerateConfig(
@@ -40,6 +43,19 @@ def sample(cfg: Config, model, mesh, prompts: list[np.ndarray], temperature, see
         kv_page_size=g.kv_page_size,
         decode_impl=g.decode_impl,
     )
+    if images is not None and any(p is not None for p in images):
+        # the engine takes text only: the static generator runs the images in the prefill
+        out = static_generate(
+            model,
+            prompts,
+            gen,
+            stop_tokens=stops,
+            stop_sequences=ends,
+            mesh=mesh,
+            seeds=seeds,
+            images=images,
+        )
+        return out, sequences(prompts, out.tokens, out.ends)
     # on the engine (`jaxllm.infer.engine.batch`: a group's G copies of a prompt share its
     # pages) unless it cannot run this (a mesh with a stage or sequence axis); a
     # pool and slot count fixed by the run, so every rollout runs the same compiled programs

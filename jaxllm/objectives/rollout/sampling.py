@@ -73,6 +73,7 @@ from jaxllm.infer.chat import end_of_turn
 from jaxllm.model import abstract_model, merge_model
 from jaxllm.objectives.base import token_logps
 from jaxllm.objectives.rollout import critic_free, online_dpo, ppo
+from jaxllm.objectives.rollout import images as image_prompts
 from jaxllm.objectives.rollout.generation import rows, sample
 from jaxllm.objectives.rollout.scoring import Scorer
 from jaxllm.sharding import to_global
@@ -157,7 +158,10 @@ class Rollouts:
         self.multi = jax.process_count() > 1
         self.sample_mesh = None if self.multi else mesh
         self.tok = make_tokenizer(cfg.data)
-        self.prompts, self.eval_prompts = prompt_splits(cfg.data, self.tok)
+        self.images = image_prompts.inputs(cfg)  # a vision-language model's image reading
+        self.prompts, self.eval_prompts = prompt_splits(cfg.data, self.tok, self.images)
+        if not any(p.pixels is not None for p in (*self.prompts, *self.eval_prompts)):
+            self.images = None  # text prompts: text rows
         self.group = t.num_generations
         self.per_step = t.global_batch_size // self.group
         if len(self.prompts) < self.per_step:
@@ -169,6 +173,9 @@ class Rollouts:
         prompts = (*self.prompts, *self.eval_prompts)
         self.scorer = Scorer(cfg, self.tok, batch_sharding, parallel_settings, prompts)
         self.reward_model = self.scorer.outcome_model
+        if self.images is not None:
+            image_prompts.check(cfg, bool(self.scorer.models))
+            self.units = image_prompts.budget((*self.prompts, *self.eval_prompts), cfg.model.vision)
         longest = max(len(p.ids) for p in (*self.prompts, *self.eval_prompts))
         # a reward model reads the whole sequence, its closing stop included, in one row
         room = min(cfg.data.seq_len - self.reward_model, cfg.model.max_seq_len)
@@ -234,7 +241,8 @@ class Rollouts:
         ids = [p.ids for p in prompts]
         model = merge_model(self.graphdef, state.params, state.frozen, state.model_state)
         stops = (self.stops, self.stop_sequences)
-        return sample(self.cfg, model, self.sample_mesh, ids, temperature, seed, *stops)
+        pixels = None if self.images is None else [p.pixels for p in prompts]
+        return sample(self.cfg, model, self.sample_mesh, ids, temperature, seed, *stops, pixels)
 
     def _rewards(self, state, prompts: list[Prompt], out, seqs) -> list[float]:
         """One reward per completion of the whole list (the same in every process): a model
@@ -331,6 +339,9 @@ class Rollouts:
             key: np.stack([r[key] for r in prm_rows]) for key in prm_rows[0]
         }  # fmt: skip
         local = rows([p.ids for p in prompts], seqs, self.cfg.data.seq_len)
+        if self.images is not None:
+            fields = image_prompts.image_fields
+            local |= fields(prompts, seqs, self.cfg.data.seq_len, self.images, self.units)
         local["ended"] = np.asarray([lengths, truncated], np.float32).T  # [N, 2]
         return seqs, (np.stack(fn), prm), local
 
