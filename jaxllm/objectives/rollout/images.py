@@ -83,6 +83,8 @@ def image_fields(prompts, seqs, seq_len: int, inp: ImageInputs, units: int) -> d
         "pixel_positions": np.zeros((n, patches, 2), np.int32),
         "pixel_frames": np.full((n, patches), -1, np.int32),
         "pixel_windows": np.full((n, patches), -1, np.int32),
+        "pixel_taps": np.zeros((n, patches, 4), np.int32),
+        "pixel_tap_weights": np.zeros((n, patches, 4), np.float32),
     }
     for i, (p, seq) in enumerate(zip(prompts, seqs)):
         if p.pixels is None:
@@ -102,6 +104,9 @@ def image_fields(prompts, seqs, seq_len: int, inp: ImageInputs, units: int) -> d
         out["pixel_positions"][i, :k] = lay["positions"]
         out["pixel_frames"][i, :k] = lay["frame_ids"]
         out["pixel_windows"][i, :k] = lay["window_ids"]
+        if "pos_taps" in lay:
+            out["pixel_taps"][i, :k] = lay["pos_taps"]
+            out["pixel_tap_weights"][i, :k] = lay["pos_weights"]
         tokens = np.flatnonzero(np.asarray(p.ids)[:m] == v.image_token_id)
         out["image_units"][i, tokens] = np.argsort(lay["unit_order"])
     return out
