@@ -9,6 +9,7 @@ completion length.
     python scripts/compare_rl.py OUT [--seeds 0 1] [--steps N] [--objectives grpo rloo ...]
 
 writes the data and the SFT run as `grpo_addition.py` does (reusing them when present), then
+OUT/before (the SFT model's held-out exact match: one step at learning rate 0),
 OUT/<objective>_s<seed> per run, OUT/compare_rl.json (per run: the final `eval_reward`, the
 sampled `reward` and `completions/mean_length` of every logged step) and OUT/compare_rl.png
 (the sampled reward, averaged over seeds, per objective).
@@ -32,9 +33,11 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_one(out: Path, objective: str, seed: int, steps: int, lr: float) -> dict:
-    """One run from OUT/sft; its summary."""
-    run = out / f"{objective}_s{seed}"
+def run_one(
+    out: Path, objective: str, seed: int, steps: int, lr: float, name: str | None = None
+) -> dict:
+    """One run from OUT/sft (OUT/NAME, else OUT/<objective>_s<seed>); its summary."""
+    run = out / (name or f"{objective}_s{seed}")
     overrides = [
         *base.MODEL,
         f"train.objective={objective}",
@@ -104,12 +107,15 @@ def main() -> None:
     base.write_data(ns.out)
     if not (ns.out / "sft" / "checkpoints").exists():
         train(config.load(None, base.sft_overrides(ns.out, ns.sft_steps)))
+    before = run_one(ns.out, "grpo", ns.seeds[0], 1, 0.0, name="before")["eval_reward"]
+    print(f"held-out exact match of the SFT model: {before:.3f}")
     results = [
         run_one(ns.out, objective, seed, ns.steps, ns.lr)
         for objective in ns.objectives
         for seed in ns.seeds
     ]
-    (ns.out / "compare_rl.json").write_text(json.dumps(results, indent=1) + "\n")
+    summary = {"sft_eval_reward": before, "sft_steps": ns.sft_steps, "runs": results}
+    (ns.out / "compare_rl.json").write_text(json.dumps(summary, indent=1) + "\n")
     for r in results:
         last = r["mean_length"][-1][1]
         print(f"{r['objective']:>13} seed {r['seed']}: held-out exact match "
