@@ -63,6 +63,19 @@ def test_two_requests_with_different_images_each_get_their_own(imported):  # noq
     assert run(e, [(ids, a), (ids, b), (text, None)]) == alone + [want_text]
 
 
+@pytest.mark.parametrize("swap", ["recompute", "host"])
+def test_preempted_image_requests_answer_as_alone(imported, swap):  # noqa: F811
+    """41 tokens a sequence (21 pages of 2), a pool of 30: one is preempted and comes back
+    (its features recomputed into the pages again, or its pages from host memory)."""
+    _, ours, _ = imported
+    ids = prompt(TWO)[0].tolist()
+    requests = [(ids, image(TWO, 1)), (ids, image(TWO, 9))]
+    want = [run(engine(ours), [r])[0] for r in requests]
+    e = engine(ours, num_pages=30, swap=swap)
+    assert run(e, requests) == want
+    assert e.num_preemptions > 0
+
+
 def test_prefix_pages_are_shared_before_the_first_image_only(imported):  # noqa: F811
     _, ours, _ = imported
     ids = prompt(ONE)[0].tolist()  # 3 text tokens, the image's start at 3, its tokens from 4
@@ -90,3 +103,17 @@ def test_refusals(imported, small_run):  # noqa: F811
     text_model = restore(small_run).model()
     with pytest.raises(ValueError, match="need a vision-language model"):
         engine(text_model, page_size=8).add_request([1, 2, 3], GREEDY, images=image(ONE))
+
+
+def test_on_a_mesh_image_requests_answer_as_on_one_device(imported):  # noqa: F811
+    """data 4 x fsdp 2: slots over the data axes, the tower under the engine's mesh."""
+    import jaxllm
+    from jaxllm import sharding
+    from jaxllm.config.sections import MeshConfig
+
+    _, ours, path = imported
+    mesh = sharding.make_mesh(MeshConfig(data=4, fsdp=2))
+    placed = jaxllm.load_model(path, mesh=mesh)
+    requests = [(prompt(TWO)[0].tolist(), image(TWO)), (prompt(ONE)[0].tolist(), image(ONE, 9))]
+    want = run(engine(ours), requests)
+    assert run(engine(placed, mesh=mesh, max_num_seqs=4), requests) == want
