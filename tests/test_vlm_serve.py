@@ -6,6 +6,7 @@ outside the allowed path with one 400 message each."""
 
 import base64
 import concurrent.futures
+import json
 import threading
 
 import httpx
@@ -47,13 +48,14 @@ def data_url(path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def ask(url, image_url, text=Q):
+def ask(url, image_url, text=Q, stream=False):
     parts = [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": text}]
     body = {
         "model": "vl",
         "messages": [{"role": "user", "content": parts}],
         "temperature": 0,
         "max_tokens": 6,
+        "stream": stream,
     }
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
 
@@ -84,6 +86,9 @@ def test_image_parts_answer_as_the_reference_and_generate_do(server, capsys):
     assert got == want
     local = ask(url, f"file://{tmp / 'media' / 'red.png'}")
     assert local.json()["choices"][0]["message"]["content"].strip() == want[0]
+    streamed = ask(url, data_url(tmp / "red.png"), stream=True).text.splitlines()
+    chunks = [json.loads(ln[6:]) for ln in streamed if ln.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks).strip() == want[0]
 
 
 @pytest.mark.parametrize(
