@@ -209,13 +209,15 @@ def test_cli_refuses_bad_images_in_one_line(chat_run, capsys, argv, message):
     assert message in err and "Traceback" not in err, err
 
 
-def test_the_server_refuses_image_parts_with_400_and_joins_text_parts():
-    """The engine serves text only: an image part is a clear 400 before anything runs; a list
+def test_a_text_only_server_refuses_image_parts_with_400_and_joins_text_parts():
+    """A text-only model's server: an image part is a clear 400 before anything runs; a list
     of text parts (OpenAI's content parts) is the text they join into."""
     from fastapi.testclient import TestClient
 
+    from jaxllm.data.vision_chat import flatten
     from jaxllm.infer.chat import EndOfTurn
-    from jaxllm.serve.app import Served, _text_messages, make_app
+    from jaxllm.serve.app import Served, make_app
+    from jaxllm.serve.images import _checked
 
     url = {"url": "data:image/png;base64," + "A" * 8}
     parts = [{"type": "image_url", "image_url": url}, {"type": "text", "text": "hi"}]
@@ -223,8 +225,7 @@ def test_the_server_refuses_image_parts_with_400_and_joins_text_parts():
     body = {"model": "tiny", "messages": [{"role": "user", "content": parts}]}
     r = TestClient(make_app(served)).post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
-    assert "image inputs are not served yet" in r.json()["error"]["message"]
+    assert "this model is text-only" in r.json()["error"]["message"]
     texts = [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]
-    assert _text_messages([{"role": "user", "content": texts}]) == [
-        {"role": "user", "content": "a b"}
-    ]
+    checked, count = _checked([{"role": "user", "content": texts}], None, None)
+    assert count == 0 and flatten(checked)[0] == [{"role": "user", "content": "a b"}]

@@ -2,8 +2,9 @@
 `/v1/chat/completions` (streamed as server-sent events with `stream: true`), `/health` and
 `/metrics` (Prometheus text). Requests are validated by pydantic models (as vLLM's
 `entrypoints/openai` does); every refusal is HTTP 400 with OpenAI's error body. A chat message's
-content is a string or a list of text parts; image parts are refused (400): the engine serves
-text only.
+content is a string or a list of parts: text, and for a vision-language model images
+(`images.py`: data URLs, local files under `--allowed-local-media-path`), which the engine takes
+with the request.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxllm.data.chat import is_image_part
-from jaxllm.infer.chat import EndOfTurn, prompt_ids
+from jaxllm.infer.chat import EndOfTurn
 from jaxllm.infer.engine import SamplingParams
+from jaxllm.serve.images import PartError, chat_prompt
 from jaxllm.serve.texts import SampleText, chat_logprobs, completion_logprobs
 from jaxllm.serve.worker import EngineWorker
 
@@ -77,9 +78,20 @@ def _error(status: int, message: str, param=None, kind="invalid_request_error") 
 class Served:
     """What the routes need: the worker, tokenizer, stops and names."""
 
-    def __init__(self, worker: EngineWorker, tok, name: str, stops, eot: EndOfTurn, bos):
+    def __init__(
+        self,
+        worker: EngineWorker,
+        tok,
+        name: str,
+        stops,
+        eot: EndOfTurn,
+        bos,
+        vision=None,
+        media=None,
+    ):
         self.worker, self.tok, self.name, self.bos = worker, tok, name, bos
         self.stops, self.eot = frozenset(stops), eot
+        self.vision, self.media = vision, media  # model.vision; the local files' root or None
         self.created = int(time.time())
 
 
@@ -111,9 +123,9 @@ def _params(s: Served, req: _Common, max_tokens, stops, logprobs: bool, top: int
         raise BadRequest(str(e)) from None
 
 
-async def _submit(s: Served, prompt, params):
+async def _submit(s: Served, prompt, params, images=None):
     try:
-        return await s.worker.submit(prompt, params)
+        return await s.worker.submit(prompt, params, images)
     except ValueError as e:
         raise BadRequest(str(e), "prompt") from None
 
@@ -147,9 +159,9 @@ async def _follow(s: Served, rid: int, events, texts: list[SampleText]):
             return
 
 
-async def _run(s: Served, prompt: list[int], params: SamplingParams, stops) -> list:
+async def _run(s: Served, prompt: list[int], params: SamplingParams, stops, images=None) -> list:
     """Runs one request to its end: each sample's (SampleText, finish reason)."""
-    rid, events = await _submit(s, prompt, params)
+    rid, events = await _submit(s, prompt, params, images)
     texts = [SampleText(s.tok, stops) for _ in range(params.n)]
     reasons = ["stop"] * params.n  # a cancelled sample (server stopping) ends as it is
     try:
@@ -164,10 +176,10 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(s: Served, prompt, params, chat: bool, head: dict, stops):
+async def _stream(s: Served, prompt, params, chat: bool, head: dict, stops, images=None):
     """Server-sent events of one request; aborting it when the client goes (the generator is
     closed) frees its pages."""
-    rid, events = await _submit(s, prompt, params)
+    rid, events = await _submit(s, prompt, params, images)
     want = params.logprobs
     offsets = [0] * params.n
 
@@ -213,31 +225,6 @@ def _usage(prompt_tokens: int, outs) -> dict:
         "completion_tokens": done,
         "total_tokens": done + prompt_tokens,
     }
-
-
-def _text_messages(messages: list[dict]) -> list[dict]:
-    """The messages with each list of text parts (OpenAI's content parts) joined into a string;
-    BadRequest for an image part: the engine serves text only (`jaxllm generate --chat ...
-    --image PATH` answers with images)."""
-    out = []
-    for n, m in enumerate(messages):
-        content = m.get("content")
-        if isinstance(content, list):
-            if any(map(is_image_part, content)):
-                raise BadRequest(
-                    f"messages.{n}.content holds an image part: this server's engine takes text "
-                    "only (image inputs are not served yet; `jaxllm generate RUN --chat TEXT "
-                    "--image PATH` answers with images)",
-                    f"messages.{n}.content",
-                )
-            if not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
-                raise BadRequest(
-                    f"messages.{n}.content: parts are {{type: text, text: ...}}",
-                    f"messages.{n}.content",
-                )
-            content = "".join(p["text"] for p in content)
-        out.append({**m, "content": content})
-    return out
 
 
 def make_app(s: Served, api_key: str | None = None) -> FastAPI:
@@ -304,9 +291,10 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        messages = _text_messages(req.messages)
         try:
-            prompt = prompt_ids(messages, s.tok)
+            prompt, images = chat_prompt(req.messages, s.tok, s.vision, s.media)
+        except PartError as e:
+            raise BadRequest(e.message, e.param) from None
         except Exception as e:
             raise BadRequest(str(e), "messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -319,8 +307,8 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         head["created"] = int(time.time())
         if req.stream:
             head["object"] = "chat.completion.chunk"
-            return await _stream(s, prompt, params, True, head, stops)
-        outs = await _run(s, prompt, params, stops)
+            return await _stream(s, prompt, params, True, head, stops, images)
+        outs = await _run(s, prompt, params, stops, images)
         choices = []
         for j, (t, reason) in enumerate(outs):
             entries = list(zip(t.ids, t.logprobs, t.tops))

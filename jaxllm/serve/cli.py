@@ -56,6 +56,12 @@ def add_serve_parser(sub) -> None:
         help="compile the engine's step for every (tokens per slot, table width) bucket before "
         "listening, so no request waits on a compile",
     )
+    s.add_argument(
+        "--allowed-local-media-path",
+        metavar="DIR",
+        help="chat image parts may name local files under DIR (a path or file:// URL); "
+        "without it images come as data: URLs only",
+    )
     s.set_defaults(func=cmd_serve)
 
 
@@ -104,9 +110,12 @@ def load(path, overrides=()):
     return r.model, r.tok, r.stops, r.bos
 
 
-def build(model, tok, stops, bos, name: str, *, api_key=None, precompile=False, **engine_kw):
+def build(
+    model, tok, stops, bos, name: str, *, api_key=None, precompile=False, media=None, **engine_kw
+):
     """(FastAPI app, worker) serving `model`; the worker is started by the app's lifespan.
-    `precompile`: compile every step bucket first (`engine.precompile`)."""
+    `precompile`: compile every step bucket first (`engine.precompile`); `media`: the directory
+    chat image parts may read local files under (None: data URLs only)."""
     import contextlib
 
     from jaxllm.infer.chat import end_of_turn
@@ -126,7 +135,10 @@ def build(model, tok, stops, bos, name: str, *, api_key=None, precompile=False, 
 
         compile_buckets(engine)
     worker = EngineWorker(engine)
-    app = make_app(Served(worker, tok, name, stops, end_of_turn(tok, sorted(stops)), bos), api_key)
+    eot = end_of_turn(tok, sorted(stops))
+    media = None if media is None else Path(media).resolve()
+    served = Served(worker, tok, name, stops, eot, bos, model.cfg.vision, media)
+    app = make_app(served, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -181,6 +193,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     for flag in ("max_num_seqs", "page_size", "kv_group", "chunk_size", "num_pages"):
         if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1.")
+    media = ns.allowed_local_media_path
+    if media is not None and not Path(media).is_dir():
+        raise ConfigError(f"--allowed-local-media-path {media}: not a directory; give one.")
     kivi = ns.kv_cache_dtype in ("int4", "int2")
     if ns.page_size is None:
         ns.page_size = ns.kv_group if kivi else 16
@@ -193,6 +208,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         ns.served_model_name or Path(path).resolve().name,
         api_key=ns.api_key,
         precompile=ns.precompile,
+        media=ns.allowed_local_media_path,
         mesh=r.mesh,
         mesh_config=r.mesh_config,
         max_num_seqs=ns.max_num_seqs,

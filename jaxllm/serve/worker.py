@@ -41,13 +41,15 @@ class EngineWorker:
         self._commands.put(("wake",))
         self._thread.join(timeout=30)
 
-    async def submit(self, prompt: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
-        """Queues a request; returns (request id, its event queue). ValueError when the engine
-        refuses it."""
+    async def submit(
+        self, prompt: list[int], params: SamplingParams, images=None
+    ) -> tuple[int, asyncio.Queue]:
+        """Queues a request (with its images' `Pixels`, if any); returns (request id, its event
+        queue). ValueError when the engine refuses it."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         fut = loop.create_future()
-        self._commands.put(("add", prompt, params, loop, events, fut))
+        self._commands.put(("add", prompt, params, loop, events, fut, images))
         rid = await fut
         if isinstance(rid, Exception):
             raise rid
@@ -69,9 +71,9 @@ class EngineWorker:
 
     def _command(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, prompt, params, loop, events, fut = cmd
+            _, prompt, params, loop, events, fut, images = cmd
             try:
-                rid = self.engine.add_request(prompt, params)
+                rid = self.engine.add_request(prompt, params, images=images)
             except ValueError as e:
                 loop.call_soon_threadsafe(_resolve, fut, e)
                 return

@@ -43,6 +43,10 @@ What exists:
 - a mesh: `Engine(model, mesh=mesh, mesh_config=cfg.mesh)` lays parameters out by their
   logical axes (tensor, fsdp, expert), the pages' kv heads over `tensor` and the slots over the
   data axes, as `generate` runs on a mesh.
+- images (a vision-language model): `add_request(ids, params, images=pixels)`; the tower runs
+  once per request, its features replace the image tokens' embeddings in (chunked) prefill,
+  positions are M-RoPE ids then index + rope delta, and prefix pages are keyed with each
+  image's digest (`vision`);
 - whole batches the static generator's way (`batch.generate`: its arguments, its
   `Generation`): GRPO / PPO rollouts, on-policy distillation's samples, `jaxllm generate
   --chat / --chat-file` and `jaxllm eval --chat-exact-match` run on the engine, a GRPO group as

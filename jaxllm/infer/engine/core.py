@@ -11,7 +11,6 @@ newly filled pages, and retires finished sequences, whose pages go back to the p
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -22,66 +21,11 @@ from jax.sharding import Mesh
 from jaxllm import sharding
 from jaxllm.config import MeshConfig
 from jaxllm.infer import kv_cache
-from jaxllm.infer.engine import kivi, linear, runner, swap
+from jaxllm.infer.engine import kivi, linear, runner, swap, vision
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes, prefill_blocks
+from jaxllm.infer.engine.requests import Output, Seq, StepResult
 from jaxllm.infer.engine.sampling import RowBuilder, SamplingParams, accept
 from jaxllm.infer.generate import resolve_decode_impl
-
-
-@dataclasses.dataclass
-class Output:
-    """One finished sample of a request."""
-
-    request_id: int
-    index: int
-    """Which of the request's n samples."""
-    tokens: list[int]
-    finish_reason: str
-    """"stop" (a stop token or stop sequence came) or "length" (max_tokens)."""
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    """Per token, the `top_logprobs` most likely (token, log-prob) pairs, most likely first."""
-
-
-@dataclasses.dataclass
-class StepResult:
-    """What one `Engine.step` produced: (request id, sample index, token) per new token shown
-    (tokens that may begin a stop sequence come once they are known not to), and the samples
-    that finished."""
-
-    new_tokens: list[tuple[int, int, int]]
-    finished: list[Output]
-    new_logprobs: list[tuple[float, list[tuple[int, float]] | None]] = dataclasses.field(
-        default_factory=list
-    )
-    """Per new token (in `new_tokens`' order): its log-probability and its top pairs (None
-    unless the request asked for top_logprobs)."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Seq:
-    request_id: int
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    arrival: int
-    out: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    top: list = dataclasses.field(default_factory=list)  # per token: top (id, log-prob) pairs
-    emitted: int = 0  # output tokens shown in StepResult.new_tokens
-    pages: list[int] = dataclasses.field(default_factory=list)
-    computed: int = 0  # tokens whose keys/values are in the cache
-    hashed: int = 0  # leading full pages registered in the prefix cache
-    last_hash: int | None = None
-    slot: int | None = None
-    done: bool = False
-    resumed: bool = False  # preempted once: its lookups no longer count in the hit rate
-    swapped: swap.Swapped | None = None  # host copy of its computed pages (`swap.save`)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.out
 
 
 class Engine:
@@ -169,10 +113,10 @@ class Engine:
             parallel=self._parallel,
         )
         self._linear = linear.empty_state(cfg, max_num_seqs, self._parallel)  # hybrid models
-        self._slots: list[_Seq | None] = [None] * max_num_seqs
+        self._slots: list[Seq | None] = [None] * max_num_seqs
         self._rows = RowBuilder(max_num_seqs, cfg.max_seq_len)
-        self._waiting: list[_Seq] = []  # by arrival
-        self._requests: dict[int, list[_Seq]] = {}
+        self._waiting: list[Seq] = []  # by arrival
+        self._requests: dict[int, list[Seq]] = {}
         self._next_id = 0
         self._arrivals = 0
         self.num_preemptions = 0
@@ -181,8 +125,12 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams()):
-        """Queues a prompt; returns its request id. It joins the batch at a later `step`."""
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), images=None
+    ):
+        """Queues a prompt; returns its request id. It joins the batch at a later `step`.
+        `images` (a vision-language model): the prompt's images, a `jaxllm.data.images.Pixels`
+        whose image pad tokens the prompt holds expanded (`vision.py`)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("an empty prompt has nothing to continue")
@@ -193,12 +141,25 @@ class Engine:
             )
         if -(-(len(prompt) + params.max_tokens) // self.page_size) > self.pool.num_pages - 1:
             raise ValueError("one sequence of this request needs more pages than the pool has")
+        if images is not None and len(images.image_grid_thw):
+            images = vision.prepare(
+                self._graphdef,
+                self._state,
+                self.cfg,
+                prompt,
+                images,
+                self.page_size,
+                self._parallel,
+            )
+        else:
+            images = None
         rid = self._next_id
         self._next_id += 1
         base = rid if params.seed is None else params.seed
         seqs = []
         for j in range(params.n):
-            seq = _Seq(rid, j, prompt, params, (base * 1_000_003 + j) % 2**31, self._arrivals)
+            seq = Seq(rid, j, prompt, params, (base * 1_000_003 + j) % 2**31, self._arrivals)
+            seq.images = images
             self._arrivals += 1
             seqs.append(seq)
             self._waiting.append(seq)
@@ -256,7 +217,7 @@ class Engine:
 
     # -- scheduling -------------------------------------------------------------------------
 
-    def _running(self) -> list[_Seq]:
+    def _running(self) -> list[Seq]:
         return sorted((s for s in self._slots if s is not None), key=lambda s: s.arrival)
 
     @property
@@ -265,7 +226,7 @@ class Engine:
         only; 0 before any)."""
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: Seq) -> None:
         """Frees a running sequence's pages and queues it to be recomputed from its tokens, or
         (swap="host") to have its computed pages copied back from host memory."""
         if self.swap == "host" and seq.computed:
@@ -280,7 +241,7 @@ class Engine:
         bisect.insort(self._waiting, seq, key=lambda s: s.arrival)
         self.num_preemptions += 1
 
-    def _grow(self, seq: _Seq, num_tokens: int) -> bool:
+    def _grow(self, seq: Seq, num_tokens: int) -> bool:
         """Gives `seq` pages for `num_tokens`, preempting the newest running sequences while
         the pool is empty; False if `seq` itself had to go."""
         while len(seq.pages) < -(-num_tokens // self.page_size):
@@ -294,14 +255,14 @@ class Engine:
             seq.pages.append(page)
         return True
 
-    def _take(self, seq: _Seq) -> int:
+    def _take(self, seq: Seq) -> int:
         """Tokens `seq` feeds next: a chunk, or (int4 / int2) what `kivi.chunk_limit` allows."""
         take = min(len(seq.tokens) - seq.computed, self.chunk_size)
         if self._group is not None:
             take = min(take, kivi.chunk_limit(seq.computed, self._group))
         return take
 
-    def _ready(self, seq: _Seq) -> bool:
+    def _ready(self, seq: Seq) -> bool:
         """A later sample of a request waits until the first has its prompt in pages, so it
         finds them in the prefix cache instead of computing them again."""
         if seq.index == 0 or not self.prefix_sharing:
@@ -309,13 +270,13 @@ class Engine:
         first = self._requests[seq.request_id][0]
         return first.done or first.computed >= len(first.prompt)
 
-    def _admit(self) -> list[_Seq]:
+    def _admit(self) -> list[Seq]:
         admitted = []
         free_slots = [i for i, s in enumerate(self._slots) if s is None]
         ps, pending = self.page_size, set()  # blocks that running prefills are computing
         for s in self._slots:
             if self.prefix_sharing and s is not None and s.computed < len(s.prompt):
-                pending.update(prefill_blocks(s.prompt, s.hashed, ps))
+                pending.update(prefill_blocks(s.prompt, s.hashed, ps, s.salts))
         for seq in list(self._waiting):
             if not free_slots:
                 break
@@ -323,7 +284,7 @@ class Engine:
                 continue
             tokens, swapped = seq.tokens, seq.computed  # computed: 0 unless swapped to host
             if self.prefix_sharing:  # full pages only, and at least one token left to feed
-                hashes = block_hashes(tokens, ps, (len(tokens) - 1) // ps)
+                hashes = block_hashes(tokens, ps, (len(tokens) - 1) // ps, seq.salts)
                 n = self.pool.count(hashes)
                 if n < len(hashes) and hashes[n] in pending and not swapped:
                     continue  # its next block is being prefilled: it will find it cached
@@ -349,13 +310,13 @@ class Engine:
                 self.prefix_queries += len(seq.prompt)
                 self.prefix_hits += min(hit, len(seq.prompt))
             if self.prefix_sharing and seq.computed < len(seq.prompt):
-                pending.update(prefill_blocks(seq.prompt, seq.hashed, ps))
+                pending.update(prefill_blocks(seq.prompt, seq.hashed, ps, seq.salts))
             self._slots[seq.slot] = seq
             self._waiting.remove(seq)
             admitted.append(seq)
         return admitted
 
-    def _schedule(self) -> list[tuple[_Seq, int]]:
+    def _schedule(self) -> list[tuple[Seq, int]]:
         """(sequence, tokens it feeds this step) for every sequence that runs."""
         batch = []
         preempted = self.num_preemptions
@@ -376,7 +337,7 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def table_width(self, batch: list[tuple[_Seq, int]], q: int) -> int:
+    def table_width(self, batch: list[tuple[Seq, int]], q: int) -> int:
         """Block-table pages the step attends over: enough for every slot's start + Q tokens
         (its real ones and its padding), rounded up to a power of two, at most
         `pages_per_slot`. Attention then costs what the live lengths need, not what
@@ -403,6 +364,14 @@ class Engine:
         rows = runner.put_rows(self._parallel, tokens_SxQ, start_S, real_S, table_SxJ)
         put = functools.partial(runner.put_rows, self._parallel)
         sampling = self._rows.build([seq for seq, _ in batch], put)
+        images = None  # a vision-language model: [S, 3, Q] positions, the chunks' image features
+        if self.cfg.vision is not None:
+            pos, feats = vision.chunk_inputs(
+                [(seq.slot, seq.computed, t, len(seq.prompt), seq.images) for seq, t in batch], s, q
+            )
+            if feats is not None:
+                feats = tuple(None if f is None else put(f)[0] for f in feats)
+            images = (put(pos)[0], feats)
         picked, self._kv, self._linear = runner.step(
             self._graphdef,
             self._state,
@@ -410,6 +379,7 @@ class Engine:
             self._linear,
             *rows,
             sampling,
+            images,
             impl=self._impl,
             interpret=self._interpret,
             parallel=self._parallel,
@@ -420,7 +390,7 @@ class Engine:
             seq.computed += take
             while self.prefix_sharing and (seq.hashed + 1) * ps <= seq.computed:
                 block = seq.tokens[seq.hashed * ps : (seq.hashed + 1) * ps]
-                seq.last_hash = block_hash(seq.last_hash, block)
+                seq.last_hash = block_hash(seq.last_hash, block, (seq.salts or {}).get(seq.hashed))
                 self.pool.register(seq.last_hash, seq.pages[seq.hashed])
                 seq.hashed += 1
             if seq.computed < len(seq.tokens):  # mid-prefill: its sample is not used
@@ -437,7 +407,7 @@ class Engine:
                 finished.append(self._finish(seq, reason))
         return StepResult(new, finished, new_logprobs)
 
-    def _finish(self, seq: _Seq, reason: str) -> Output:
+    def _finish(self, seq: Seq, reason: str) -> Output:
         self.pool.release(seq.pages)
         self._slots[seq.slot], seq.slot, seq.pages, seq.done = None, None, [], True
         p = seq.params

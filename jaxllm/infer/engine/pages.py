@@ -21,24 +21,31 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """The key of one full page: its tokens and the key of the page before it."""
-    return hash((parent, tuple(tokens)))
+def block_hash(parent: int | None, tokens: Sequence[int], salt: int | None = None) -> int:
+    """The key of one full page: its tokens and the key of the page before it; `salt`: what
+    else its keys and values depend on (the digest of an image whose tokens begin in it)."""
+    return hash((parent, tuple(tokens))) if salt is None else hash((parent, tuple(tokens), salt))
 
 
-def block_hashes(tokens: Sequence[int], page_size: int, num_blocks: int) -> list[int]:
-    """Keys of the first `num_blocks` full pages of `tokens`, chained."""
-    out, parent = [], None
+def block_hashes(
+    tokens: Sequence[int], page_size: int, num_blocks: int, salts: dict | None = None
+) -> list[int]:
+    """Keys of the first `num_blocks` full pages of `tokens`, chained; `salts`: page index ->
+    salt."""
+    out, parent, salts = [], None, salts or {}
     for i in range(num_blocks):
-        parent = block_hash(parent, tokens[i * page_size : (i + 1) * page_size])
+        block = tokens[i * page_size : (i + 1) * page_size]
+        parent = block_hash(parent, block, salts.get(i))
         out.append(parent)
     return out
 
 
-def prefill_blocks(prompt: Sequence[int], hashed: int, page_size: int) -> list[int]:
+def prefill_blocks(
+    prompt: Sequence[int], hashed: int, page_size: int, salts: dict | None = None
+) -> list[int]:
     """Keys of a prompt's full pages from the `hashed`-th on: those a sequence prefilling it has
     yet to register."""
-    return block_hashes(prompt, page_size, len(prompt) // page_size)[hashed:]
+    return block_hashes(prompt, page_size, len(prompt) // page_size, salts)[hashed:]
 
 
 class PagePool:

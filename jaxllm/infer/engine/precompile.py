@@ -40,9 +40,18 @@ def compile_buckets(engine) -> int:
                 engine._linear,
                 *rows,
                 engine._rows.build([], put),
+                images(engine, s, q, put),
                 impl=engine._impl,
                 interpret=engine._interpret,
                 parallel=parallel,
             )
     np.asarray(picked[0])  # wait for the last program
     return runner.TRACES[0] - before
+
+
+def images(engine, s: int, q: int, put):
+    """A vision-language model's text-step input (M-RoPE positions), else None; steps whose
+    chunks hold image tokens compile when they come."""
+    if engine.cfg.vision is None:
+        return None
+    return (put(np.zeros((s, 3, q), np.int32))[0], None)

@@ -159,6 +159,7 @@ def step(
     real_S,
     table_SxJ,
     sampling,
+    images,
     impl,
     interpret,
     parallel: sharding.Parallel = sharding.Parallel(),
@@ -167,7 +168,8 @@ def step(
     last real one (`real_S` of its Q are real, 0 in an idle slot); `linear`: the slots' state
     of linear-attention layers (`linear.py`; None without any); `table_SxJ`: the slots' pages, J wide (enough for every
     slot's start + Q tokens, or the pool's full width), in place of `kv`'s. `sampling`: the slots'
-    `sampling.Rows`. Returns (what `sample_rows` returns: tokens [S], their log-probabilities
+    `sampling.Rows`. `images` (a vision-language model, else None): the slots' M-RoPE
+    positions [S, 3, Q] and the chunks' image features (`vision.chunk_inputs`). Returns (what `sample_rows` returns: tokens [S], their log-probabilities
     [S], the top 20 token ids [S, 20] and their log-probabilities [S, 20]; the cache; the
     linear state).
     `parallel`: the mesh and its settings the step runs under (none: one device)."""
@@ -183,17 +185,34 @@ def step(
             real_S,
             table_SxJ,
             sampling,
+            images,
             impl,
             interpret,
         )
 
 
 def _step(
-    graphdef, state, kv, linear, tokens_SxQ, start_S, real_S, table_SxJ, sampling, impl, interpret
+    graphdef,
+    state,
+    kv,
+    linear,
+    tokens_SxQ,
+    start_S,
+    real_S,
+    table_SxJ,
+    sampling,
+    images,
+    impl,
+    interpret,
 ):
     model = nnx.merge(graphdef, state)
     s, q = tokens_SxQ.shape
     positions_SxQ = start_S[:, None] + jnp.arange(q, dtype=jnp.int32)[None]
+    inputs = {"tokens_BxL": tokens_SxQ}
+    if images is not None:  # M-RoPE ids; image tokens take the tower's features
+        positions_SxQ, feats = jnp.transpose(images[0], (1, 0, 2)), images[1]
+        if feats is not None:
+            inputs = _image_inputs(model, tokens_SxQ, *feats)
     # the pool's own table is a fixed placeholder, returned as it came: the donated cache keeps
     # one shape while J (the live table's width, a page bucket) changes between calls
     placeholder = kv.block_table
@@ -210,8 +229,22 @@ def _step(
     )
     last_S = jnp.maximum(real_S - 1, 0)
     logits_Sx1xV, view, *_ = model(
-        tokens_SxQ, positions_BxL=positions_SxQ, cache=view, logits_at_BxQ=last_S[:, None]
+        **inputs, positions_BxL=positions_SxQ, cache=view, logits_at_BxQ=last_S[:, None]
     )
     picked = sample_rows(logits_Sx1xV[:, 0], sampling)
     kv = _constrain_cache(dataclasses.replace(view.kv, block_table=placeholder))
     return picked, kv, linear_slots.constrain(view.linear)
+
+
+def _image_inputs(model, tokens_SxQ, feats_SxQxD, deep_SxKxQxD, mask_SxQ) -> dict:
+    """The model's inputs with the image tokens' embeddings replaced by their features (and
+    DeepStack's features added after the first blocks), as `VisionLanguageModel` places them."""
+    x_SxQxD = model._embed(tokens_SxQ)
+    x_SxQxD = jnp.where(mask_SxQ[..., None], feats_SxQxD.astype(x_SxQxD.dtype), x_SxQxD)
+    inputs = {"embeddings_BxLxD": x_SxQxD}
+    if deep_SxKxQxD is not None:
+        s, k, q, d = deep_SxKxQxD.shape
+        deep_KxMxD = jnp.transpose(deep_SxKxQxD, (1, 0, 2, 3)).reshape(k, s * q, d)
+        index_SxQ = jnp.arange(s * q, dtype=jnp.int32).reshape(s, q)
+        inputs["deepstack"] = (deep_KxMxD, index_SxQ, mask_SxQ)
+    return inputs

@@ -1,0 +1,71 @@
+"""What the engine keeps per request: its sequences (`Seq`, one per sample) and what a step
+hands back (`StepResult`, `Output`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.infer.engine import swap
+from jaxllm.infer.engine.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Output:
+    """One finished sample of a request."""
+
+    request_id: int
+    index: int
+    """Which of the request's n samples."""
+    tokens: list[int]
+    finish_reason: str
+    """"stop" (a stop token or stop sequence came) or "length" (max_tokens)."""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, the `top_logprobs` most likely (token, log-prob) pairs, most likely first."""
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one `Engine.step` produced: (request id, sample index, token) per new token shown
+    (tokens that may begin a stop sequence come once they are known not to), and the samples
+    that finished."""
+
+    new_tokens: list[tuple[int, int, int]]
+    finished: list[Output]
+    new_logprobs: list[tuple[float, list[tuple[int, float]] | None]] = dataclasses.field(
+        default_factory=list
+    )
+    """Per new token (in `new_tokens`' order): its log-probability and its top pairs (None
+    unless the request asked for top_logprobs)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    request_id: int
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)  # per token: top (id, log-prob) pairs
+    emitted: int = 0  # output tokens shown in StepResult.new_tokens
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens whose keys/values are in the cache
+    hashed: int = 0  # leading full pages registered in the prefix cache
+    last_hash: int | None = None
+    slot: int | None = None
+    done: bool = False
+    resumed: bool = False  # preempted once: its lookups no longer count in the hit rate
+    swapped: swap.Swapped | None = None  # host copy of its computed pages (`swap.save`)
+    images: object = None  # the request's `vision.RequestImages`, None without images
+
+    @property
+    def salts(self) -> dict | None:
+        """Page index -> image digest, for its prefix keys (None without images)."""
+        return None if self.images is None else self.images.salts
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
