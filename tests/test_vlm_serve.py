@@ -1,7 +1,7 @@
 """`jaxllm serve` with images: a server on a tiny Qwen2.5-VL (run in a thread on 127.0.0.1)
 answers chat messages holding an image part (data URLs, two at once; a local file under
---allowed-local-media-path) as the cache-free full forward does (and, for the red image, as
-`jaxllm generate --chat ... --image` does), and refuses a bad image, a remote URL and a file
+--allowed-local-media-path) as the cache-free full forward and `jaxllm generate --chat ...
+--image` (with a float32 cache, as the server's) do, and refuses a bad image, a remote URL and a file
 outside the allowed path with one 400 message each."""
 
 import base64
@@ -78,8 +78,9 @@ def test_image_parts_answer_as_the_reference_and_generate_do(server, capsys):
     want = [reference(tmp, n, tok, model, stops) for n in ("red.png", "blue.png")]
     assert want[0] and want[0] != want[1]
     argv = ["generate", tmp / "run", "--chat", Q, "--temperature", "0", "--max-new-tokens", "6"]
-    assert run_cli(*argv, "--image", tmp / "red.png") == 0
-    assert capsys.readouterr().out.strip() == want[0]  # as `jaxllm generate --image` answers
+    for name, reply in zip(("red.png", "blue.png"), want):  # as `jaxllm generate --image` does
+        assert run_cli(*argv, "--kv-cache-dtype", "float32", "--image", tmp / name) == 0
+        assert capsys.readouterr().out.strip() == reply
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both at once
         rs = list(pool.map(lambda n: ask(url, data_url(tmp / n)), ("red.png", "blue.png")))
     got = [r.json()["choices"][0]["message"]["content"].strip() for r in rs]
