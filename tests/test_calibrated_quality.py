@@ -102,6 +102,7 @@ def _params(model) -> dict:
     return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
+@pytest.mark.slow
 def test_calibrated_quantization_is_the_same_sharded(trained, tmp_path):
     """GPTQ calibrated with the weights sharded over fsdp=4 x tensor=2 gives the codes of the
     default (data-parallel) mesh, and a W8A8 run (SmoothQuant, calibrated sharded) computes

@@ -166,6 +166,7 @@ def test_generate_out_writes_a_chat_dataset_a_student_trains_on(answers, tmp_pat
     assert all(isinstance(r["completion"], str) for r in rows)
 
 
+@pytest.mark.slow
 def test_eval_chat_exact_match_of_a_plain_and_a_lora_run(answers, tmp_path, capsys):
     test = _chats(tmp_path / "test.jsonl", 4, lambda i: "heapq" if i % 2 else " json ")
     replies = tmp_path / "replies.jsonl"

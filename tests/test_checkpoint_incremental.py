@@ -67,6 +67,7 @@ def test_retention_deletes_the_first_copy_and_later_steps_still_read(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
     args = [*LORA, "train.steps=8"]
     rc, out = _run([*args, f"run.dir={tmp_path / 'straight'}"])

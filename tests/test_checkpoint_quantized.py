@@ -68,6 +68,7 @@ def _array_bytes(path):
     return out
 
 
+@pytest.mark.slow
 def test_int8_moments_quarter_the_bytes_and_resume_close(tmp_path):
     def run(name, steps, *extra):
         cfg = config.load(
@@ -117,6 +118,7 @@ def test_an_optimizer_without_float_moments_is_refused(optim, needle, fine):
     config.load(None, [f"optim.name={optim}", fine, "checkpoint.quantize_opt_state=int8"])
 
 
+@pytest.mark.slow
 def test_an_offloaded_optimizer_state_saves_and_resumes_as_codes(tmp_path):
     keys = [*TINY, "checkpoint.every=1", "optim.offload=host", f"run.dir={tmp_path}"]
     keys.append("checkpoint.quantize_opt_state=int8")

@@ -55,6 +55,7 @@ def _check(rows: list[dict]) -> None:
     assert quantized["weights_bytes"] < pruned["weights_bytes"]
 
 
+@pytest.mark.slow
 def test_pipeline_from_a_trained_teacher(small_run, tmp_path, monkeypatch, capsys):
     # RTN (no calibration) keeps it fast; the slow test quantizes by the default GPTQ
     results, _ = _run(tmp_path, monkeypatch, [f"--teacher={small_run}", "--quantize=rtn"])

@@ -87,6 +87,7 @@ def test_import_matches_transformers_and_exports_the_same_bytes(imported, tmp_pa
     np.testing.assert_allclose(hf_logits(back.eval(), tokens()), hf_logits(model, tokens()))
 
 
+@pytest.mark.slow
 def test_generates_like_transformers(imported):
     """Greedy decoding through the KV cache (sinks in the decode attention, windowed layers),
     and through the engine's pages, equals transformers' `generate`."""

@@ -64,6 +64,7 @@ def _engine(model, **kw):
     return Engine(model, **kw)
 
 
+@pytest.mark.slow
 def test_concurrent_requests_with_slot_reuse_equal_generate_alone(model, alone):
     """Six prompts of 1..17 tokens through two slots, added over the first steps: prompts
     longer than a chunk are prefilled over several steps beside another slot's decoding, and
@@ -159,6 +160,7 @@ def test_on_a_mesh_the_state_splits_over_the_slots_and_equals_generate_alone(mod
         assert o[0].tokens == alone(p, 6)
 
 
+@pytest.mark.slow
 def test_openai_server_serves_a_hybrid_model_as_generate(model):
     """`jaxllm serve`'s app over a hybrid model (byte tokenizer), its step buckets compiled
     first on idle slots (which must leave every state zero): a greedy completion equals

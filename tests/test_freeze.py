@@ -201,6 +201,7 @@ def test_a_run_resumes_only_with_the_same_freeze():
     assert differ == ["train.freeze ([] there, ['vision'] here)"]
 
 
+@pytest.mark.slow
 def test_jaxllm_train_with_a_frozen_tower_checkpoints_and_resumes(tmp_path):
     """`jaxllm train` of a VLM on text with train.freeze=[vision,projector]: the tower of the
     last checkpoint is the seed's, bit for bit, after a resume as well; the decoder trained."""

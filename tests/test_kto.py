@@ -156,6 +156,7 @@ def test_kto_with_lora_starts_at_the_reference_and_learns(source, tmp_path):
     assert last["kl"] >= 0 and abs(last["eval_loss"] - last["loss"]) < 0.1
 
 
+@pytest.mark.slow
 def test_precomputed_reference_equals_the_live_one(source, tmp_path):
     """`train.precompute_reference`: the reference's log-probabilities of the examples and of
     their mismatched sequences read from the run directory give the live reference's metrics."""
@@ -167,6 +168,7 @@ def test_precomputed_reference_equals_the_live_one(source, tmp_path):
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-5), (got["step"], k)
 
 
+@pytest.mark.slow
 def test_a_resumed_kto_run_equals_one_that_never_stopped(source, tmp_path):
     args = ["train.steps=4", "checkpoint.every=2", "checkpoint.save_final=true"]
     straight, split = tmp_path / "straight", tmp_path / "split"

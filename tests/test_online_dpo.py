@@ -172,6 +172,7 @@ def _run(run, source, *overrides):
     return _metrics(run)
 
 
+@pytest.mark.slow
 def test_online_dpo_starts_at_the_reference_and_resumes_bit_identically(tmp_path):
     """Under LoRA the reference is the base: at step 1 the policy is the reference, so the loss
     is log 2 and every DPO reward and the KL are 0; the chosen completion is never the

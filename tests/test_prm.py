@@ -147,6 +147,7 @@ def prm_args(tmp_path, run, *overrides):
     return [*RUN, *PRM, f"data.sources={src}", f"data.eval_sources={evals}", f"run.dir={run}"]
 
 
+@pytest.mark.slow
 def test_a_prm_trains_through_jaxllm_train_and_resumes_bit_identically(tmp_path):
     """`jaxllm train` with train.objective=prm: the step counts scored steps, held-out step
     accuracy rises; 4 steps straight equal 2 + 2 resumed, parameters and metrics."""

@@ -21,7 +21,7 @@ from jaxllm.data.stepwise import encode_solution
 from jaxllm.data.tokenizer import make_tokenizer
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_a_prm_exports_as_a_token_classifier_with_equal_scores(tmp_path, family):
     run, hf = tmp_path / "run", tmp_path / "hf"
     more = ["train.steps=3", "checkpoint.save_final=true", "optim.lr=1e-2"]

@@ -165,6 +165,7 @@ def test_sparsegpt_beats_magnitude_on_a_trained_model(trained, tmp_path, how):
     assert (saved.method, saved.samples) == ("sparsegpt", 32)
 
 
+@pytest.mark.slow
 def test_pruned_run_generates_exports_and_keeps_its_zeros_in_training(trained, tmp_path):
     pruned, tuned = tmp_path / "pruned", tmp_path / "tuned"
     assert main(["prune", str(trained), str(pruned), "--method", "wanda", "--pattern", "2:4"]) == 0

@@ -109,6 +109,7 @@ def _loss(run, batches=16) -> float:
     return evaluate_checkpoint(run, num_batches=batches)["eval_loss"]
 
 
+@pytest.mark.slow
 def test_qat_evaluates_as_its_quantized_run_and_beats_rtn(trained, tmp_path):
     """30 more steps of the trained run, with int4 QAT (per channel) and without: the QAT
     run's evaluation equals that of `jaxllm quantize --method rtn --bits 4` of it, and is

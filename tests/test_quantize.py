@@ -288,6 +288,7 @@ def test_sources_hf_peft_and_moe(trained, quantized_runs, tmp_path):
     np.testing.assert_allclose(model(tokens).logits, want(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_float_and_weight_activation_methods(trained, tmp_path, capsys):
     """fp8 (weight-only and W8A8-FP8), mxfp4, llm_int8 and smoothquant: each run holds its
     kind's codes, evaluates within its error of the float run, and `plan` bills its bits;

@@ -91,6 +91,7 @@ def _same_run(a: Path, b: Path) -> None:
     assert _losses(a) == _losses(b)  # every step once, with the same loss
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_on_another_machine_is_bit_identical(s3, tmp_path, monkeypatch):
     """Train into the bucket, stop on SIGTERM, delete the local staging
     directory, resume from the bucket: the parameters and every step's loss equal a straight

@@ -106,6 +106,7 @@ def test_a_scaled_run_prints_and_logs_its_resolved_rate(tmp_path):
     assert lrs == pytest.approx([4e-3] * 3)
 
 
+@pytest.mark.slow
 def test_a_noisy_run_resumes_bit_for_bit(tmp_path):
     """The noise key is optimizer state: checkpointed, restored, and drawn on from there."""
     run = [

@@ -222,6 +222,7 @@ def test_a_grpo_run_on_shapes_vqa_logs_its_reward(data, tmp_path, one_device, ca
     assert 0.0 <= m[-1]["eval_reward"] <= 1.0
 
 
+@pytest.mark.slow
 def test_the_same_losses_on_one_device_and_on_a_mesh(data, tmp_path, request):
     """Image rollouts sampled and trained on data 2 x fsdp 2 x tensor 2 (8 simulated devices)
     give the losses of one device; step 2 reuses the rollout off-policy (a loss far from 0)."""

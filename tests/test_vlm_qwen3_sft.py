@@ -62,6 +62,7 @@ def rows_batch(rows):
     return {k: np.stack([rows[i][k] for i in range(len(rows))]) for k in rows[0]}
 
 
+@pytest.mark.slow
 def test_packed_qwen3_rows_give_each_example_what_it_computes_alone(data):
     """Every row as one batch: each packed example's logits equal the model's non-packed call
     on that example alone (the Qwen3-VL forward that matches transformers); with the DeepStack
@@ -109,6 +110,7 @@ def test_packed_qwen3_rows_give_each_example_what_it_computes_alone(data):
     assert gap[after].max() > 1e-3 and gap[~after].max() == 0
 
 
+@pytest.mark.slow
 def test_qwen3_tower_trains_and_data_fsdp_tensor_equals_one_device(data):
     """Three SFT steps on image rows with a Qwen3-VL tower, one compiled step: the loss falls,
     and data x fsdp x tensor = 2 x 2 x 2 gives the losses and every parameter (the position

@@ -73,6 +73,7 @@ def reference(tmp, name, tok, model, stops) -> str:
     return tok.decode(new[:cut]).strip()
 
 
+@pytest.mark.slow
 def test_image_parts_answer_as_the_reference_and_generate_do(server, capsys):
     url, tmp, (model, tok, stops) = server
     want = [reference(tmp, n, tok, model, stops) for n in ("red.png", "blue.png")]

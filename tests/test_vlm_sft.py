@@ -183,6 +183,7 @@ def _steps(cfg, devices, steps=3):
     return losses, jax.device_get(state.params)
 
 
+@pytest.mark.slow
 def test_data_fsdp_tensor_equals_one_device_on_image_batches(data):
     """Three SFT steps on batches of rows with images of different sizes, one compiled step for
     all: data x fsdp x tensor = 2 x 2 x 2 gives the losses and every parameter of one device."""
