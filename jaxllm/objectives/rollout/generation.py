@@ -44,7 +44,8 @@ def sample(
         decode_impl=g.decode_impl,
     )
     if images is not None and any(p is not None for p in images):
-        # the engine takes text only: the static generator runs the images in the prefill
+        # `engine_batch.generate` takes text only: the static generator runs the images in
+        # the prefill (the engine itself takes images per request: `Engine.add_request`)
         out = static_generate(
             model,
             prompts,
