@@ -179,17 +179,24 @@ class VisionRows:
         grids = np.concatenate(grids)
         if len(grids):
             lay = self.layout.patches(grids)
-            p = len(lay["patch_order"])
-            out["pixel_values"][:p] = np.concatenate(pixels)[lay["patch_order"]]
-            out["pixel_positions"][:p] = lay["positions"]
-            out["pixel_frames"][:p] = lay["frame_ids"]
-            out["pixel_windows"][:p] = lay["window_ids"]
-            if "pos_taps" in lay:
-                out["pixel_taps"][:p] = lay["pos_taps"]
-                out["pixel_tap_weights"][:p] = lay["pos_weights"]
+            lay_out_patches(out, np.concatenate(pixels), lay)
             tokens = np.flatnonzero((row["inputs"] == self.vision.image_token_id)[:at])
             out["image_units"][tokens] = np.argsort(lay["unit_order"])
         return {**row, **out}
+
+
+def lay_out_patches(out: dict, pixels_NxP: np.ndarray, lay: dict) -> None:
+    """Writes one row's patches into its image fields `out` (`KEYS`, padded to the budget):
+    the pixels in the tower's order (`HostLayout.patches` gives `lay`), their positions, frames
+    and windows, and a learned position table's taps where the tower has one."""
+    p = len(lay["patch_order"])
+    out["pixel_values"][:p] = pixels_NxP[lay["patch_order"]]
+    out["pixel_positions"][:p] = lay["positions"]
+    out["pixel_frames"][:p] = lay["frame_ids"]
+    out["pixel_windows"][:p] = lay["window_ids"]
+    if "pos_taps" in lay:
+        out["pixel_taps"][:p] = lay["pos_taps"]
+        out["pixel_tap_weights"][:p] = lay["pos_weights"]
 
 
 def _empty(l: int, n: int, width: int) -> dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxllm.config import Config, ConfigError
 from jaxllm.config.grpo import CRITIC_FREE
-from jaxllm.data.vision_rows import ImageInputs
+from jaxllm.data.vision_rows import ImageInputs, lay_out_patches
 from jaxllm.model.vlm import HostLayout
 
 
@@ -99,14 +99,7 @@ def image_fields(prompts, seqs, seq_len: int, inp: ImageInputs, units: int) -> d
         out["mrope_positions"][i, :m] = whole_3xM.T
         out["mrope_positions"][i, m:] = 0  # padding, as the SFT rows'
         lay = inp.layout.patches(grids)
-        k = len(lay["patch_order"])
-        out["pixel_values"][i, :k] = p.pixels.pixel_values_NxP[lay["patch_order"]]
-        out["pixel_positions"][i, :k] = lay["positions"]
-        out["pixel_frames"][i, :k] = lay["frame_ids"]
-        out["pixel_windows"][i, :k] = lay["window_ids"]
-        if "pos_taps" in lay:
-            out["pixel_taps"][i, :k] = lay["pos_taps"]
-            out["pixel_tap_weights"][i, :k] = lay["pos_weights"]
+        lay_out_patches({k: v[i] for k, v in out.items()}, p.pixels.pixel_values_NxP, lay)
         tokens = np.flatnonzero(np.asarray(p.ids)[:m] == v.image_token_id)
         out["image_units"][i, tokens] = np.argsort(lay["unit_order"])
     return out
