@@ -28,6 +28,7 @@ an `until` string, and cuts the text at the first `until` string. Sampling reque
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -106,8 +107,32 @@ class _Text:
         return self.tok.decode(ids)
 
 
+@contextlib.contextmanager
+def _one_line_on_lm_eval_command_line():
+    """lm_eval's command line prints an exception from a model's constructor with its
+    traceback; there a bad run or model_arg is one `jaxllm:` line and exit 2 instead (a
+    SystemExit, which lm_eval lets through). Called from Python, the ConfigError propagates."""
+    try:
+        yield
+    except ConfigError as e:
+        if "lm_eval._cli" not in sys.modules:  # loaded by `lm_eval` and `python -m jaxllm.harness`
+            raise
+        print(f"jaxllm: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 class JaxllmLM(TemplateLM):
     """A jaxllm run as an lm_eval model (see the module docstring for `model_args`)."""
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        with _one_line_on_lm_eval_command_line():
+            return super().create_from_arg_string(arg_string, additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        with _one_line_on_lm_eval_command_line():
+            return super().create_from_arg_obj(arg_dict, additional_config)
 
     def __init__(
         self,

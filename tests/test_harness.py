@@ -270,3 +270,34 @@ def test_the_lm_eval_command_scores_as_jaxllm_eval_harness(setup, both, tmp_path
     ]
     want = [[x[0] for x in r] for r in _responses(both[0], "tiny_mc")]
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bad", ["not_a_run", "unknown_model_arg"])
+def test_the_lm_eval_command_refuses_a_bad_run_in_one_line(tmp_path, bad):
+    """The bare `lm_eval` console script: lm_eval builds the model from `--model_args` and
+    would print the constructor's traceback; a jaxllm ConfigError is one line and exit 2."""
+    args = f"run={tmp_path}" if bad == "not_a_run" else f"run={tmp_path},dtype=float32"
+    script = os.path.join(os.path.dirname(sys.executable), "lm_eval")
+    argv = [script, "--model", "jaxllm", "--model_args", args, "--tasks", "arc_easy"]
+    env = cpu_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("jaxllm: config error: "), p.stderr[-3000:]
+    assert ("is not a run directory" if bad == "not_a_run" else "dtype is not") in last
+    assert "Traceback" not in p.stderr
+
+
+def test_lm_eval_from_python_raises_the_config_error(tmp_path):
+    """Outside lm_eval's command line the model type raises, as any jaxllm API does."""
+    from lm_eval.api.registry import get_model
+
+    from jaxllm.config import ConfigError
+    from jaxllm.harness import JaxllmLM
+
+    assert "lm_eval._cli" not in sys.modules
+    assert get_model("jaxllm") is JaxllmLM
+    with pytest.raises(ConfigError, match="is not a run directory"):
+        JaxllmLM.create_from_arg_string(f"run={tmp_path}")
+    with pytest.raises(ConfigError, match="is not a jaxllm model argument"):
+        JaxllmLM.create_from_arg_obj({"run": str(tmp_path), "dtype": "float32"})
