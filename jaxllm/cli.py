@@ -7,7 +7,7 @@
     jaxllm eval RUN_DIR|CHECKPOINT --harness TASKS [--include-path DIR] [--limit N]
         [--num-fewshot K] [key=value ...]   (EleutherAI's lm-evaluation-harness: jaxllm.harness)
     jaxllm generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
-        [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype bfloat16|int8|int4|int2] [key=value ...]
+        [--top-k K] [--top-p P] [--seed S] [--kv-cache-dtype float32|bfloat16|int8|int4|int2] [key=value ...]
     jaxllm generate RUN_DIR|CHECKPOINT --chat MESSAGE [--system TEXT] | --chat-file F.jsonl
         [--out F.jsonl: the replies as a dataset] [--adapter NAME[=RUN] ...: one base, each]
         (generate, eval and convert export: [--checkpoint best|last|STEP], default last, the

@@ -12,9 +12,10 @@ from jaxllm import config, sharding
 from jaxllm.config import GenerateConfig
 from jaxllm.data import tokenizer as tokenizer_lib
 from jaxllm.infer import chat
-from jaxllm.infer.engine import batch
+from jaxllm.infer.engine import Engine, SamplingParams, batch
 from jaxllm.infer.engine.pages import PagePool
 from jaxllm.infer.generate import generate
+from jaxllm.infer.reference import greedy_continue
 from jaxllm.model.transformer import build
 from jaxllm.objectives.rollout.generation import sample
 from jaxllm.train.loop import train
@@ -166,3 +167,21 @@ def test_lora_on_a_tensor_mesh_samples_on_the_engine_and_qlora_on_the_static_gen
             config.load(None, [*run, f"peft.targets=[{targets}]", f"run.dir={tmp_path / method}"])
         )
         assert bool(static) == (method == "qlora"), method
+
+
+def test_at_default_settings_the_static_generator_and_the_engine_pick_the_same_tokens():
+    """One default KV cache (`config.sections.KV_CACHE_DTYPE`, float32) for `generate`, the
+    engine and `jaxllm serve`. On this model (init_std=1: near-ties) a bfloat16 cache, once the
+    static generator's default, picks other tokens than the engine's float32 cache did."""
+    model = build(tiny_model(vocab_size=512, init_std=1.0), seed=0)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 64, size=n).tolist() for n in (3, 9, 12, 5, 7, 2, 15, 4)]
+    n = 40
+    static = generate(model, prompts, GenerateConfig(max_new_tokens=n)).tokens
+    engine = Engine(model, max_num_seqs=4, page_size=8, num_pages=64, chunk_size=16)
+    served = [o[0].tokens for o in engine.generate(prompts, SamplingParams(max_tokens=n))]
+    assert [list(t) for t in static] == [list(t) for t in served]
+    for prompt, tokens in zip(prompts[:2], static):
+        assert list(greedy_continue(model, prompt, n)) == list(tokens)
+    rounded = generate(model, prompts, GenerateConfig(max_new_tokens=n, kv_cache_dtype="bfloat16"))
+    assert sum(list(a) != list(b) for a, b in zip(rounded.tokens, served)) >= 3

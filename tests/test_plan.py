@@ -102,7 +102,7 @@ def test_plan_reports_the_latent_cache_of_an_mla_model():
         "int8": m.num_layers * (48 + 2),
     }
     tokens = config.TrainConfig().global_batch_size * m.max_seq_len
-    assert kv["bytes_per_device"] == kv["per_token"]["bfloat16"] * tokens / 4
+    assert kv["bytes_per_device"] == kv["per_token"]["float32"] * tokens / 4  # the default cache
 
 
 @pytest.mark.slow  # ~30 s; ring attention's numerics: test_sharding's ring layout

@@ -251,6 +251,13 @@ class DataConfig:
     2, ... as listed (weights must stay 1). Held-out rows are the same for every order."""
 
 
+KV_CACHE_DTYPE = "float32"
+"""The default KV-cache storage of every decoder: `generate.kv_cache_dtype`, the engine's
+`Engine(kv_cache_dtype=)`, `jaxllm serve --kv-cache-dtype`. float32 holds the keys and values of
+any compute dtype exactly, so the static generator, the engine and the cache-free reference pick
+the same greedy tokens; bfloat16 halves the cache and may round a near-tie the other way."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:
     """Sampling and KV cache of `jaxllm generate` (and of `jaxllm.infer.generate`)."""
@@ -267,8 +274,8 @@ class GenerateConfig:
     """Seed of the sampling rng (ignored when greedy)."""
     stop_tokens: tuple[int, ...] = ()
     """Token ids that end a sequence, besides the tokenizer's end-of-sequence token."""
-    kv_cache_dtype: Literal["bfloat16", "float32", "int8", "int4", "int2"] = "bfloat16"
-    """Storage of cached keys/values: full precision, int8 (symmetric, one scale per token and kv
+    kv_cache_dtype: Literal["bfloat16", "float32", "int8", "int4", "int2"] = KV_CACHE_DTYPE
+    """Storage of cached keys/values (default float32, `KV_CACHE_DTYPE`): full precision, int8 (symmetric, one scale per token and kv
     head), int4 (KIVI: keys per channel, values per token, asymmetric, two codes per byte) or
     int2 (KIVI-2: the same at 2 bits, four codes per byte)."""
     kv_group: int = 32

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import parallel, sharding
+from jaxllm.config.sections import KV_CACHE_DTYPE
 from jaxllm.infer.linear_state import LinearState, num_full_layers, state_bytes
 from jaxllm.kernels.decode_attention import quant
 from jaxllm.kernels.decode_attention.ops import decode_attention
@@ -79,7 +80,7 @@ def init_cache(
     num_kv_heads: int,
     head_dim: int,
     max_len: int,
-    kind: str = "bfloat16",
+    kind: str = KV_CACHE_DTYPE,
     group: int = 32,
     compute_dtype=jnp.bfloat16,
     block_table: jax.Array | None = None,

@@ -18,6 +18,7 @@ import signal
 from pathlib import Path
 
 from jaxllm.config import ConfigError, split_args
+from jaxllm.config.sections import KV_CACHE_DTYPE
 
 
 def add_serve_parser(sub) -> None:
@@ -27,7 +28,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
         "--kv-cache-dtype",
-        default="float32",
+        default=KV_CACHE_DTYPE,
         choices=("bfloat16", "float32", "int8", "int4", "int2"),
     )
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences batched at a time")

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxllm import sharding
 from jaxllm.config import MeshConfig
+from jaxllm.config.sections import KV_CACHE_DTYPE
 from jaxllm.infer import kv_cache
 from jaxllm.infer.engine import kivi, linear, runner, swap, vision
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes, prefill_blocks
@@ -54,7 +55,7 @@ class Engine:
         page_size: int = 16,
         num_pages: int = 64,
         chunk_size: int = 32,
-        kv_cache_dtype: str = "float32",
+        kv_cache_dtype: str = KV_CACHE_DTYPE,
         decode_impl: str = "auto",
         prefix_sharing: bool = True,
         swap: str = "recompute",
