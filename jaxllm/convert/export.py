@@ -28,7 +28,14 @@ from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 from jaxllm.config.outputs import check_output, written
 from jaxllm.convert import compressed, compressed_coded, mxfp4
-from jaxllm.convert.families import export_family, hf_config
+from jaxllm.convert.families import (
+    SCORE_ARCHITECTURE,
+    TOKEN_ARCHITECTURE,
+    TOKEN_CLASSIFIER_FAMILIES,
+    export_family,
+    hf_config,
+)
+from jaxllm.convert.links import token_classifier
 from jaxllm.convert.mapping import Mapped, each, flatten
 from jaxllm.convert.reader import (
     INDEX,
@@ -99,12 +106,12 @@ def export_hf(
     hf = hf_config(m, fam)
     flat = {**flatten(params), **flatten(model_state or {})}
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
-    links = fam.layouts(m)[0]
-    prm = m.head == "score" and cfg.train.objective == "prm"
-    if prm:
+    if m.head == "score" and cfg.train.objective == "prm":
         hf = _token_classifier(hf, fam.name)
+        fam = token_classifier(fam)  # the score head's two labels (0, s)
     elif m.head == "score":
         _check_pad(cfg, hf["architectures"][0])
+    links = fam.layouts(m)[0]
     owned = {p for link in links for p in link.ours}
     if owned != set(flat):
         raise ConfigError(
@@ -140,8 +147,6 @@ def export_hf(
                 targets.append(link.name(index).removesuffix(".weight"))
             else:
                 tensors = {link.name(index): link.to_hf([np.asarray(x) for x in xs])}
-                if prm and link.hf == "score.weight":  # two labels: (0, score)
-                    tensors = {k: np.concatenate([np.zeros_like(w), w]) for k, w in tensors.items()}
                 if link.kind == "linear" and link.name(index).endswith(".weight"):
                     ignore.append(link.name(index).removesuffix(".weight"))
             nbytes = sum(t.nbytes for t in tensors.values())
@@ -194,25 +199,20 @@ def _at(x, index: tuple[int, ...]):
     return jax.tree.map(lambda a: a[index], x) if index else x
 
 
-# The families whose transformers `*ForTokenClassification` is the generic one: the body, then
-# `score`, a [num_labels, D] linear (without bias under token_classification_bias=false).
-TOKEN_CLASSIFIER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
 def _token_classifier(hf: dict, family: str) -> dict:
     """config.json of a process reward model (`train.objective=prm`): the family's
     `*ForTokenClassification` with TRL's two labels, whose logits (0, s) at each token give
-    softmax(...)[1] = sigmoid(s), the PRM's step probability."""
+    softmax(...)[1] = sigmoid(s), the PRM's step probability (`links.PRM_HEAD`)."""
     if family not in TOKEN_CLASSIFIER_FAMILIES:
         raise ConfigError(
             f"a process reward model exports as a *ForTokenClassification, which jaxllm writes "
             f"for {', '.join(TOKEN_CLASSIFIER_FAMILIES)}, not {family}; export with --family "
             "set to one of those."
         )
-    name = hf["architectures"][0].removesuffix("ForSequenceClassification")
+    name = hf["architectures"][0].removesuffix(SCORE_ARCHITECTURE)
     return {
         **hf,
-        "architectures": [name + "ForTokenClassification"],
+        "architectures": [name + TOKEN_ARCHITECTURE],
         "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
         "label2id": {"LABEL_0": 0, "LABEL_1": 1},
         "token_classification_bias": False,

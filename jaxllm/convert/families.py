@@ -110,15 +110,55 @@ def architecture(cfg: ModelConfig, family: Family) -> str:
     )
 
 
+# A process reward model's architecture (`train.objective=prm`), with TRL's two labels; the
+# families whose transformers class of that name is the generic one: the body, then `score`, a
+# [num_labels, D] linear (without bias under token_classification_bias=false).
+TOKEN_ARCHITECTURE = "ForTokenClassification"
+TOKEN_CLASSIFIER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def is_token_classifier(hf: dict) -> bool:
+    """Whether config.json's `architectures` name a `*ForTokenClassification` (a PRM)."""
+    return any(str(n).endswith(TOKEN_ARCHITECTURE) for n in hf.get("architectures") or ())
+
+
+def _labels(hf: dict) -> int:
+    """transformers' rule: id2label's size, else num_labels, else its default of 2."""
+    return len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels", 2)
+
+
+def _token_head(hf: dict, family: Family) -> None:
+    """Refuses a `*ForTokenClassification` that jaxllm's score head cannot hold."""
+    name = hf["architectures"][0]
+    if family.name not in TOKEN_CLASSIFIER_FAMILIES:
+        _fail(
+            f"{name}: jaxllm reads a process reward model's *ForTokenClassification for "
+            f"{', '.join(TOKEN_CLASSIFIER_FAMILIES)}, not {family.name}."
+        )
+    if _labels(hf) != 2:
+        _fail(
+            f"{name} with {_labels(hf)} labels: a process reward model has two (TRL's: step "
+            "wrong, step right), whose logit difference is jaxllm's step score."
+        )
+    if hf.get("token_classification_bias", True):  # transformers' default is a bias
+        _fail(
+            f"{name} has a bias on its score head (token_classification_bias is not false): "
+            "jaxllm's score head has none, so the scores would change."
+        )
+
+
 def head_fields(hf: dict, family: Family) -> dict:
     """`model.head` (and what a score head implies) from config.json's `architectures`: a
-    `*ForSequenceClassification` with one label is a reward model, without tied embeddings or
-    a final logit cap (it has no LM head); more labels are refused."""
+    `*ForSequenceClassification` with one label is a reward model, a `*ForTokenClassification`
+    with two (`_token_head`) a process reward model, each without tied embeddings or a final
+    logit cap (it has no LM head); other label counts are refused."""
     names = hf.get("architectures") or [family.architecture]
+    if is_token_classifier(hf):
+        _token_head(hf, family)
+        return {"head": "score", "tie_embeddings": False, "final_soft_cap": None}
     if not any(str(n).endswith(SCORE_ARCHITECTURE) for n in names):
         return {}
-    # transformers' rule: id2label's size, else num_labels, else its default of 2
-    labels = len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels", 2)
+    labels = _labels(hf)
     if labels != 1:
         _fail(
             f"{names[0]} with {labels} labels: jaxllm's score head gives one score "

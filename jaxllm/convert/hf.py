@@ -33,8 +33,8 @@ from jaxllm.config import ConfigError, JaxllmWarning, ModelConfig
 from jaxllm.config.outputs import check_output, written
 from jaxllm.convert import compressed, packed
 from jaxllm.convert.export import library_os_errors
-from jaxllm.convert.families import family_of, first_line, model_fields
-from jaxllm.convert.links import Link
+from jaxllm.convert.families import family_of, first_line, is_token_classifier, model_fields
+from jaxllm.convert.links import Link, token_classifier
 from jaxllm.convert.mapping import Mapped, check, each, element_shapes, flatten, unflatten
 from jaxllm.convert.reader import (
     DTYPES,
@@ -56,6 +56,9 @@ from jaxllm.data.tokenizer import (
 from jaxllm.model import abstract_model, abstract_model_state
 
 OUT_FLAG = "OUT_DIR"  # how refusals name the run directory being written
+PRM_SOURCE = {"path": "steps.jsonl", "format": "stepwise"}
+"""An imported process reward model's data source, a name to replace (`data.sources=...`)
+before training it on: train.objective=prm reads stepwise solutions only."""
 
 
 def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, dict, list[Mapped]]:
@@ -63,7 +66,10 @@ def load_params(hf_dir, cfg: ModelConfig, mesh) -> tuple[dict, dict, list[Mapped
     created in its shards on `mesh`. The model state (MoE routing biases) comes from the
     checkpoint where the family has it (DeepSeek-V3's `e_score_correction_bias`) and starts at
     zero otherwise, as in a fresh train state (a Mixtral fine-tuned with bias balancing)."""
-    family = family_of(read_hf_config(hf_dir))
+    hf = read_hf_config(hf_dir)
+    family = family_of(hf)
+    if is_token_classifier(hf):  # a process reward model: two labels for our one score
+        family = token_classifier(family)
     reader = Reader(hf_dir)
     _, abstract, axes = abstract_model(cfg)
     abstract_ms, ms_axes = abstract_model_state(cfg)
@@ -184,6 +190,9 @@ def model_config(hf_dir, overrides=(), dequantize: bool = False) -> config_lib.C
     objective = {"encoder": "mlm", "encoder_decoder": "span_corruption"}.get(fields.get("kind"))
     if objective:  # what an encoder / encoder–decoder trains with
         tree["train"] = {"objective": objective}
+    if is_token_classifier(hf):  # a PRM: its objective reads stepwise solutions (PRM_SOURCE)
+        tree["train"] = {"objective": "prm"}
+        tree["data"]["sources"] = [PRM_SOURCE]
     tree = config_lib.apply_overrides(tree, overrides)
     vocab, data = tree["model"].get("vocab_size"), tree["data"]
     tokenizer = hf_dir / "tokenizer.json"

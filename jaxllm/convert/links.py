@@ -119,6 +119,32 @@ class Link:
         return np.ascontiguousarray(out)
 
 
+SCORE_HEAD = Link("score.weight", ("score",), "linear")
+"""A reward model's head, as every `*ForSequenceClassification` of transformers names it:
+torch's [num_labels = 1, D] for our [D, 1]."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLabelHead(Link):
+    """A process reward model's head as transformers' `*ForTokenClassification` with TRL's two
+    labels holds it: torch [2, D] whose row 1 minus row 0 is our [D, 1] score s (the logit
+    difference, so softmax(logits)[1] = sigmoid(s)); written back as the rows (0, s)."""
+
+    def hf_shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        return (2, *super().hf_shape(shapes)[1:])
+
+    def to_ours(self, w: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+        w = np.asarray(w, np.float32)
+        return super().to_ours(w[1:] - w[:1], shapes)
+
+    def to_hf(self, xs: list[np.ndarray]) -> np.ndarray:
+        w = super().to_hf(xs)
+        return np.concatenate([np.zeros_like(w), w])
+
+
+PRM_HEAD = TwoLabelHead("score.weight", ("score",), "linear")
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
@@ -136,11 +162,13 @@ class Family:
     file_fields: Callable[[frozenset[str]], dict] | None = None
     """ModelConfig fields that the files' tensor names decide rather than config.json (BERT's
     pooler: whether the file holds one); export leaves them to the parameters."""
+    score_head: Link = SCORE_HEAD
+    """The score head's tensor (`token_classifier`: a process reward model's two labels)."""
 
     def layouts(self, cfg: ModelConfig) -> list[list[Link]]:
         """The tensor layouts of `cfg`, the one export writes first (with `cfg`'s head)."""
         return [
-            with_head(links, cfg)
+            with_head(links, cfg, self.score_head)
             for links in (self.links(cfg), *(f(cfg) for f in self.other_links))
         ]
 
@@ -150,14 +178,14 @@ class Family:
         return skipped or any(name.endswith(s) for s in self.ignore)
 
 
-SCORE_HEAD = Link("score.weight", ("score",), "linear")
-"""A reward model's head, as every `*ForSequenceClassification` of transformers names it:
-torch's [num_labels = 1, D] for our [D, 1]."""
-
-
-def with_head(links: list[Link], cfg: ModelConfig) -> list[Link]:
+def with_head(links: list[Link], cfg: ModelConfig, score_head: Link = SCORE_HEAD) -> list[Link]:
     """A family's links for `cfg`'s head: as they are for an LM, else the LM head's link
     replaced by the score head's."""
     if cfg.head == "lm":
         return links
-    return [link for link in links if link.ours != ("lm_head",)] + [SCORE_HEAD]
+    return [link for link in links if link.ours != ("lm_head",)] + [score_head]
+
+
+def token_classifier(family: Family) -> Family:
+    """`family` as a process reward model's `*ForTokenClassification` (`PRM_HEAD`)."""
+    return dataclasses.replace(family, score_head=PRM_HEAD)
