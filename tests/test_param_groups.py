@@ -207,6 +207,7 @@ def test_groups_match_lora_adapter_paths():
         ("{match: nothing_here, lr_scale: 0.1}", "match 'nothing_here' matches no trainable"),
         ("{match: embed, lr_scale: -1}", "lr_scale must be a finite number >= 0"),
         ("{match: '.', lr_scale: 0}", "freeze every trainable parameter"),
+        ("{match: embed, lr_scale: 0, weight_decay: 0}", "weight_decay does nothing with lr_sc"),
     ],
 )
 def test_bad_groups_are_one_line_exit_2(capsys, group, words):
@@ -221,3 +222,29 @@ def test_a_decay_no_optimizer_reads_is_refused():
             config.load(
                 None, [f"optim.name={name}", "optim.param_groups=[{match: embed, weight_decay: 0}]"]
             ).validate(1)
+
+
+@pytest.mark.parametrize("name", list(config.OPTIM_READS))
+def test_every_optimizer_scales_a_group(name):
+    """One step on the zoo's tiny problem: the group's update is 0.1x the ungrouped one (after
+    clipping, weight decay and the trust ratio alike), the rest unchanged. q_galore rounds its
+    int8 weights stochastically after the scaling: its group moves, less."""
+    from test_optimizers import AXES, _problem
+
+    params, targets = _problem()
+    grads = jax.tree.map(lambda p, t: 2 * (p - t), params, targets)
+    decay = "weight_decay" in config.OPTIM_READS[name] and name != "muon"
+    base = config.OptimConfig(name=name, lr=0.03, warmup_steps=0, schedule="constant")
+    group = ParamGroup("^embed/", 0.1, weight_decay=0.1 if decay else None)
+    want, got = (
+        optim.build(o, 10, AXES).update(grads, optim.build(o, 10, AXES).init(params), params)[0]
+        for o in (base, dataclasses.replace(base, param_groups=(group,)))
+    )
+    w, g = np.asarray(want.pop("embed")["embedding"]), np.asarray(got.pop("embed")["embedding"])
+    assert np.abs(w).max() > 0
+    if name == "q_galore":
+        assert 0 < np.abs(g).sum() < np.abs(w).sum()
+    else:
+        np.testing.assert_allclose(g, 0.1 * w, rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(a, b)

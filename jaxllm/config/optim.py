@@ -250,6 +250,8 @@ def validate_param_groups(o: OptimConfig) -> None:
             _fail(f"{key}.lr_scale must be a finite number >= 0 (0: frozen), not {g.lr_scale}.")
         if g.weight_decay is None:
             continue
+        if g.lr_scale == 0:
+            _fail(f"{key}.weight_decay does nothing with lr_scale 0 (frozen); drop it.")
         if not (math.isfinite(g.weight_decay) and g.weight_decay >= 0):
             _fail(f"{key}.weight_decay must be a finite number >= 0, not {g.weight_decay}.")
         if "weight_decay" not in OPTIM_READS[o.name] or o.name == "muon":
