@@ -168,20 +168,26 @@ def test_groups_hold_under_fsdp_and_tensor_parallelism():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def _save_and_restore(path, state, cfg, like):
+    """`state` written by the run's Checkpointer and read back as `like` is laid out."""
+    ckpt = checkpoint.Checkpointer(path, cfg.checkpoint)
+    ckpt.save(state, data_state={}, config={}, tokenizer={})
+    ckpt.close()
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
+    )
+    restored, _, at = checkpoint.Checkpointer(path, cfg.checkpoint).restore_latest(abstract)
+    assert at == int(state.step)
+    return restored
+
+
 def test_resume_is_bit_identical(tmp_path):
     """4 steps equal 2, a checkpoint written and read back, and 2 more."""
     groups = [ParamGroup("^layers/mlp/", 0.1, weight_decay=0.3), ParamGroup("lm_head", 0.0)]
     cfg = _cfg(tiny_model(vocab_size=264), groups, steps=4)
     end, want = _train(cfg)
     mid, first = _train(cfg, steps=2)
-    ckpt = checkpoint.Checkpointer(tmp_path, cfg.checkpoint)
-    ckpt.save(mid, data_state={}, config={}, tokenizer={})
-    ckpt.close()
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), mid
-    )
-    restored, _, at = checkpoint.Checkpointer(tmp_path, cfg.checkpoint).restore_latest(abstract)
-    assert at == 2
+    restored = _save_and_restore(tmp_path, mid, cfg, mid)
     end2, rest = _train(cfg, steps=2, state=restored, start=2)
     assert [float(r["loss"]) for r in first + rest] == [float(r["loss"]) for r in want]
     assert _same(jax.device_get(end), jax.device_get(end2))
@@ -248,3 +254,30 @@ def test_every_optimizer_scales_a_group(name):
         np.testing.assert_allclose(g, 0.1 * w, rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_which_changes_of_groups_a_checkpoint_resumes_across(tmp_path):
+    """Factors and decays keep the optimizer state's structure (a resume across them is as a
+    new lr); a group at lr_scale 0 drops its state and is refused by name."""
+    from jaxllm.train.run_dir import _optimizer_differs
+
+    model = tiny_model(vocab_size=264)
+    plain = _cfg(model, [])
+    scaled = _cfg(model, [ParamGroup("^layers/", 0.3, weight_decay=0.0)])
+    assert _optimizer_differs(plain, scaled) == []
+    mid = _train(plain, steps=1)[0]
+    restored = _save_and_restore(tmp_path, mid, plain, _train(scaled, steps=0)[0])
+    assert _train(scaled, steps=1, state=restored, start=1)[0].step == 2
+    differ = _optimizer_differs(plain, _cfg(model, [ParamGroup("^layers/attn/", 0.0)]))
+    assert len(differ) == 1 and differ[0].startswith("optim.param_groups ([] there")
+
+
+def test_a_group_of_parameters_train_freeze_holds_is_refused():
+    _, params, _ = abstract_model(vlm_model())
+    from jaxllm.model.groups import freeze_mask
+
+    mask = freeze_mask(params, ("vision",))
+    with pytest.raises(ConfigError, match=r"param_groups\[0\].match '\^visual/blocks/' matches"):
+        frozen_mask(params, (ParamGroup("^visual/blocks/", 0.1),), mask)
+    merged = frozen_mask(params, (ParamGroup("^visual/merger/", 0.0),), mask)
+    assert all(jax.tree.leaves(merged["visual"])) and not any(jax.tree.leaves(merged["layers"]))

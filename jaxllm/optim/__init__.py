@@ -199,7 +199,7 @@ def build(
         parts.append(optax.scale_by_learning_rate(lr))
         tx = optax.chain(*parts)
     if cfg.param_groups:  # after the learning rate; before int8 weights, clipping, master copy
-        tx = optax.chain(tx, groups.scale_by_groups(cfg.param_groups))
+        tx = groups.scale_by_groups(tx, cfg.param_groups)
     if cfg.grad_noise > 0:  # on the clipped gradients
         noise = annealed_noise(cfg.grad_noise, cfg.grad_noise_gamma, seed)
         tx = optax.chain(noise, tx)

@@ -36,19 +36,19 @@ def group_of(name: str, groups) -> int | None:
 
 def frozen_mask(params, groups, mask=None):
     """`mask` (`train.freeze`'s, None: nothing frozen) with the parameters of the `lr_scale: 0`
-    groups added; None when nothing is frozen. ConfigError for a group that no parameter of
-    `params` falls into, or when nothing would train."""
+    groups added; None when nothing is frozen. ConfigError for a group that no trainable
+    parameter of `params` falls into, or when nothing would train."""
     if not groups:
         return mask
     hit = [0] * len(groups)
 
-    def one(path, _):
+    def one(path, _, frozen=False):
         i = group_of(path_of(path), groups)
-        if i is not None:
+        if i is not None and not frozen:
             hit[i] += 1
         return i is not None and groups[i].lr_scale == 0
 
-    by_group = jax.tree_util.tree_map_with_path(one, params)
+    by_group = jax.tree_util.tree_map_with_path(one, params, *(() if mask is None else (mask,)))
     for i, n in enumerate(hit):
         if n == 0:
             names = [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -68,22 +68,23 @@ def frozen_mask(params, groups, mask=None):
     return out
 
 
-def scale_by_groups(groups) -> optax.GradientTransformation:
-    """Each leaf's update times its group's `lr_scale` (1 outside every group)."""
+def scale_by_groups(tx: optax.GradientTransformation, groups) -> optax.GradientTransformation:
+    """`tx` with each leaf's update times its group's `lr_scale` (1 outside every group). The
+    state is `tx`'s own, so a run resumes across a change of the factors or of the groups."""
 
     def factor(path):
         i = group_of(path_of(path), groups)
         return 1.0 if i is None else groups[i].lr_scale
 
     def update(updates, state, params=None):
-        del params
+        updates, state = tx.update(updates, state, params)
         scaled = jax.tree_util.tree_map_with_path(
             lambda p, u: u if factor(p) == 1.0 else u * jax.numpy.asarray(factor(p), u.dtype),
             updates,
         )
         return scaled, state
 
-    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+    return optax.GradientTransformation(tx.init, update)
 
 
 def add_group_decay(weight_decay: float, groups, no_decay) -> optax.GradientTransformation:
@@ -109,7 +110,8 @@ def add_group_decay(weight_decay: float, groups, no_decay) -> optax.GradientTran
 
         return jax.tree_util.tree_map_with_path(one, updates, params), state
 
-    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+    # the state of optax's masked add_decayed_weights: a checkpoint moves between the two
+    return optax.GradientTransformation(lambda _: optax.MaskedState(optax.EmptyState()), update)
 
 
 def group_lrs(groups, lr):
