@@ -168,6 +168,22 @@ def test_groups_hold_under_fsdp_and_tensor_parallelism():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_groups_hold_under_zero_1_with_the_state_offloaded():
+    """ZeRO-1 over 8 replicas with the optimizer state in host memory: the single device's."""
+    groups = [ParamGroup("^layers/attn/", 0.2, weight_decay=0.0), ParamGroup("^embed/", 0.0)]
+    cfg = _cfg(tiny_model(vocab_size=264), groups, steps=2)
+    one = jax.device_get(_train(cfg)[0].params)
+    cfg = dataclasses.replace(
+        cfg,
+        mesh=config.MeshConfig(data=8, zero_stage=1),
+        optim=dataclasses.replace(cfg.optim, offload="host"),
+    )
+    state = _train(cfg, devices=8)[0]
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(jax.device_get(state.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)  # Adam: ~1e-2 per step
+    np.testing.assert_array_equal(one["embed"]["embedding"], state.params["embed"]["embedding"])
+
+
 def _save_and_restore(path, state, cfg, like):
     """`state` written by the run's Checkpointer and read back as `like` is laid out."""
     ckpt = checkpoint.Checkpointer(path, cfg.checkpoint)
