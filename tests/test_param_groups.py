@@ -222,6 +222,27 @@ def test_groups_match_lora_adapter_paths():
         frozen_mask(params, (ParamGroup("embed", 0.5),))
 
 
+def test_a_lora_run_steps_its_adapter_groups():
+    """Under peft the groups match the adapters' paths: q_proj's frozen bit for bit, the rest
+    of the adapters train."""
+    cfg = dataclasses.replace(
+        _cfg(tiny_model(vocab_size=264), [ParamGroup("q_proj", 0.0)], steps=2),
+        peft=config.PeftConfig(method="lora"),
+    )
+    init = jax.device_get(_train(cfg, steps=0)[0].params)
+    after = jax.device_get(_train(cfg)[0].params)
+    q = {n: x for n, x in _flat(init).items() if "q_proj" in n}
+    assert q and all(np.array_equal(x, _flat(after)[n]) for n, x in q.items())
+    rest = [n for n in _flat(init) if "q_proj" not in n]
+    assert rest and any(not np.array_equal(_flat(init)[n], _flat(after)[n]) for n in rest)
+
+
+def _flat(tree) -> dict:
+    return {
+        "/".join(str(k.key) for k in p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
 @pytest.mark.parametrize(
     "group, words",
     [
