@@ -13,7 +13,7 @@ from jaxllm.config.errors import fail as _fail
 @dataclasses.dataclass(frozen=True)
 class ParamGroup:
     """One entry of `optim.param_groups`: the parameters whose path (`/`-joined, as `jaxllm
-    plan` lists them, e.g. `visual/merger/fc1/kernel`) `re.search`es `match` step at
+    plan` lists them, e.g. `visual/merger/fc1`) `re.search`es `match` step at
     `lr_scale` times the learning rate (0: frozen, no optimizer state) and, if set, with
     `weight_decay` instead of optim.weight_decay."""
 
