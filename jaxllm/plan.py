@@ -22,6 +22,7 @@ from jaxllm.metrics import flops_per_token, param_counts
 from jaxllm.model import abstract_model, nf4
 from jaxllm.model.groups import freeze_mask
 from jaxllm.optim.freeze import select
+from jaxllm.optim.groups import frozen_mask
 from jaxllm.parallel import schedules
 from jaxllm.parallel.grad_compression import Compression
 from jaxllm.plan_vision import vision_bill, vision_lines
@@ -114,6 +115,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None)
     grad_sh = grad_shardings(cfg.model, mesh, cfg.mesh.zero_stage, cfg.peft)
     bill = memory_bill(abstract_state, shardings, axes, grad_sh)
     frozen = freeze_mask(abstract_params, cfg.train.freeze, cfg.peft.method)  # train.freeze
+    frozen = frozen_mask(abstract_params, cfg.optim.param_groups, frozen)
     trainable = sum(p.size for p in jax.tree.leaves(select(abstract_params, frozen)))
     q_bill = cfg.quantize.enabled and compress.weight_bytes(
         abstract_params, axes, cfg.quantize, mesh

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Literal
 
 from jaxllm.config.errors import fail as _fail
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    """One entry of `optim.param_groups`: the parameters whose path (`/`-joined, as `jaxllm
+    plan` lists them, e.g. `visual/merger/fc1`) `re.search`es `match` step at
+    `lr_scale` times the learning rate (0: frozen, no optimizer state) and, if set, with
+    `weight_decay` instead of optim.weight_decay."""
+
+    match: str = ""
+    lr_scale: float = 1.0
+    weight_decay: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +143,10 @@ class OptimConfig:
     (linear, Goyal et al. 2017) or its square root (sqrt, Krizhevsky 2014); printed at start."""
     reference_batch_size: int | None = None
     """lr_scaling: the global batch size at which lr is the given one."""
+    # per-parameter-group learning rates and weight decay
+    param_groups: tuple[ParamGroup, ...] = ()
+    """Groups of parameters with their own lr factor / weight decay (`ParamGroup`); each
+    parameter takes the first group whose `match` it fits, the others the optimizer's own."""
 
     def resolved_loss_scale(self, dtype: str) -> str:
         """`loss_scale` with `auto` resolved for the compute dtype `dtype` (model.dtype)."""
@@ -216,6 +233,32 @@ def validate_optim(o: OptimConfig, param_dtype: str, z_loss: float) -> None:
             f"{o.master_weights}; set model.param_dtype=bfloat16 (or float16) with it, or "
             "drop it."
         )
+
+
+def validate_param_groups(o: OptimConfig) -> None:
+    """Each group's regex compiles, its factor and decay are finite and >= 0, and its decay is
+    one the optimizer reads (see `jaxllm.optim.groups` for the optimizers that refuse)."""
+    for i, g in enumerate(o.param_groups):
+        key = f"optim.param_groups[{i}]"
+        if not g.match:
+            _fail(f"{key}.match is empty; give a regex of parameter paths, e.g. match: visual.")
+        try:
+            re.compile(g.match)
+        except re.error as e:
+            _fail(f"{key}.match {g.match!r} is not a regular expression ({e}).")
+        if not (math.isfinite(g.lr_scale) and g.lr_scale >= 0):
+            _fail(f"{key}.lr_scale must be a finite number >= 0 (0: frozen), not {g.lr_scale}.")
+        if g.weight_decay is None:
+            continue
+        if g.lr_scale == 0:
+            _fail(f"{key}.weight_decay does nothing with lr_scale 0 (frozen); drop it.")
+        if not (math.isfinite(g.weight_decay) and g.weight_decay >= 0):
+            _fail(f"{key}.weight_decay must be a finite number >= 0, not {g.weight_decay}.")
+        if "weight_decay" not in OPTIM_READS[o.name] or o.name == "muon":
+            _fail(
+                f"{key}.weight_decay does nothing with optim.name={o.name} (no per-group decay "
+                "there); drop it or use adamw."
+            )
 
 
 # The keys each schedule reads beside lr, warmup_steps and min_lr_ratio; set for another, refused.

@@ -15,7 +15,12 @@ from jaxllm.config.errors import fail as _fail
 from jaxllm.config.grad_compression import validate_grad_compression
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.moe import validate_moe
-from jaxllm.config.optim import OptimConfig, validate_optim, validate_schedule
+from jaxllm.config.optim import (
+    OptimConfig,
+    validate_optim,
+    validate_param_groups,
+    validate_schedule,
+)
 from jaxllm.config.overlap import validate_overlap
 from jaxllm.config.peft import PeftConfig
 from jaxllm.config.pipeline import microbatches, validate_pipeline
@@ -294,6 +299,7 @@ class Config:
         validate_trackers(self.run.trackers, self.run.wandb, self.run.mlflow)
         validate_optim(self.optim, self.model.param_dtype, self.train.z_loss)
         validate_schedule(self.optim, self.train.steps)
+        validate_param_groups(self.optim)
         validate_checkpoint(self.checkpoint, self.peft.method, self.run.dir, self.optim)
         d = self.data
         if d.workers < 0:

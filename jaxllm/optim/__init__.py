@@ -23,7 +23,17 @@ from optax.contrib import MuonDimensionNumbers
 
 from jaxllm.config import OptimConfig
 from jaxllm.config.optim import resolved_lr
-from jaxllm.optim import adam_mini, adamw_8bit, came, galore, ldadam, schedules, shampoo, soap
+from jaxllm.optim import (
+    adam_mini,
+    adamw_8bit,
+    came,
+    galore,
+    groups,
+    ldadam,
+    schedules,
+    shampoo,
+    soap,
+)
 from jaxllm.optim.freeze import select, trainable_only
 from jaxllm.optim.master import with_master_weights
 from jaxllm.optim.noise import annealed_noise
@@ -156,12 +166,14 @@ def build(
     `sparse`: a tree of bools over the parameters, those whose zeros stay zero (a pruned run's
     weights, `sparse.keep_zeros`); None: none. `seed`: the gradient noise's (optim.grad_noise).
     `frozen`: a tree of bools over the parameters, True for those that do not train
-    (`train.freeze`, `freeze.trainable_only`); None: all train."""
+    (`train.freeze` and the `lr_scale: 0` groups, `groups.frozen_mask`); None: all train.
+    `cfg.param_groups` scale each group's updates after the learning rate (`groups`)."""
     if frozen is not None:
         axes = None if axes is None else select(axes, frozen)
         sparse = None if sparse is None else select(sparse, frozen)
     lr = schedule(cfg, total_steps)
-    if cfg.name == "adamw" and not cfg.amsgrad:
+    group_decay = any(g.weight_decay is not None for g in cfg.param_groups)
+    if cfg.name == "adamw" and not cfg.amsgrad and not group_decay:
         tx = optax.adamw(
             lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
         )
@@ -178,12 +190,16 @@ def build(
         )
     else:
         parts = [_direction(cfg, axes)]
-        if cfg.name != "adam" and cfg.weight_decay > 0:
+        if group_decay:  # per-group rates (config refuses them for adam and muon)
+            parts.append(groups.add_group_decay(cfg.weight_decay, cfg.param_groups, _no_decay))
+        elif cfg.name != "adam" and cfg.weight_decay > 0:
             parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
         if cfg.name == "lamb":  # layer-wise trust ratio ||w|| / ||update|| (You et al. 2020)
             parts.append(optax.scale_by_trust_ratio())
         parts.append(optax.scale_by_learning_rate(lr))
         tx = optax.chain(*parts)
+    if cfg.param_groups:  # after the learning rate; before int8 weights, clipping, master copy
+        tx = groups.scale_by_groups(tx, cfg.param_groups)
     if cfg.grad_noise > 0:  # on the clipped gradients
         noise = annealed_noise(cfg.grad_noise, cfg.grad_noise_gamma, seed)
         tx = optax.chain(noise, tx)

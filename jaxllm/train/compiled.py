@@ -20,12 +20,18 @@ from jaxllm.train.state import grad_shardings, layout, sparse_weights, state_sha
 from jaxllm.train.step import BATCH_AXES, eval_step, train_step
 
 
+def check_param_groups(cfg: config.Config) -> None:
+    """ConfigError when an `optim.param_groups` entry holds no parameter of the model."""
+    optim.groups.frozen_mask(abstract_model(cfg.model, cfg.peft)[1], cfg.optim.param_groups)
+
+
 def compile_steps(cfg: config.Config, mesh):
     """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
     graphdef, abstract, axes = abstract_model(cfg.model, cfg.peft)
     weights = qat.transform(abstract, axes, cfg.train.qat)  # None unless train.qat
     o = optim.resolve(step_optim(cfg), cfg.train.global_batch_size)  # lr_scaling applied
     frozen = freeze_mask(abstract, cfg.train.freeze, cfg.peft.method)  # None: all train
+    frozen = optim.groups.frozen_mask(abstract, o.param_groups, frozen)  # and lr_scale 0
     tx = optim.build(o, cfg.train.steps, axes, sparse_weights(cfg, axes), cfg.run.seed, frozen)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     batch_sh = sharding.named(mesh, BATCH_AXES)
@@ -52,6 +58,8 @@ def compile_steps(cfg: config.Config, mesh):
         compression=Compression.of(cfg),
         freeze_mask=frozen,
     )
+    if o.param_groups:
+        step_fn = _with_group_lrs(step_fn, o.param_groups)
     platform = mesh.devices.flat[0].platform
     platform = "gpu" if platform == "cuda" else platform
     options = overlap.compiler_options(cfg.mesh.overlap, platform)
@@ -86,6 +94,16 @@ def compile_steps(cfg: config.Config, mesh):
         ),
     )
     return jit_train, jit_eval, tx, shardings, batch_sh
+
+
+def _with_group_lrs(step_fn, groups):
+    """`step_fn` whose metrics add each training group's learning rate (`lr/group_I`)."""
+
+    def step(state, batch):
+        state, metrics = step_fn(state, batch)
+        return state, metrics | optim.groups.group_lrs(groups, metrics["lr"])
+
+    return step
 
 
 def evaluate(

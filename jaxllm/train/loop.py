@@ -38,7 +38,7 @@ from jaxllm.objectives.rollout import onpolicy
 from jaxllm.objectives.rollout.sampling import Rollouts, next_rows
 from jaxllm.sharding import process_rows, to_global
 from jaxllm.train import companions, loss_scale, precompute, watch
-from jaxllm.train.compiled import compile_steps, evaluate
+from jaxllm.train.compiled import check_param_groups, compile_steps, evaluate
 from jaxllm.train.console import _log, _Plain, _progress, _show, sample
 from jaxllm.train.run_dir import (
     RunLock,
@@ -93,11 +93,9 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
     run_dir = Path(cfg.run.dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir, cfg.checkpoint.dir)
     lead = jax.process_index() == 0  # writes the run's files; every process computes
-    _log(
-        f"run dir: {url} (staged in {run_dir.resolve()})"
-        if url
-        else f"run dir: {run_dir.resolve()}"
-    )
+    check_param_groups(cfg)  # a group's regex matching no parameter: refused before any file
+    where = f"{url} (staged in {run_dir.resolve()})" if url else run_dir.resolve()
+    _log(f"run dir: {where}")
     _log(
         f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s)"
         + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")

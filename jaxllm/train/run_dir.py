@@ -141,6 +141,7 @@ def _opt_shapes(cfg: config.Config) -> dict:
     """{path: (shape, dtype)} of the optimizer state this config's optimizer keeps."""
     _, params, axes = abstract_model(cfg.model, cfg.peft)
     frozen = freeze_mask(params, cfg.train.freeze, cfg.peft.method)
+    frozen = optim.groups.frozen_mask(params, cfg.optim.param_groups, frozen)
     tx = optim.build(step_optim(cfg), cfg.train.steps, axes, sparse_weights(cfg, axes), 0, frozen)
     leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
     return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
