@@ -17,7 +17,7 @@ from flax import nnx
 from jaxllm import config as config_lib
 from jaxllm import sharding
 from jaxllm.config import GenerateConfig
-from jaxllm.infer.engine import Engine
+from jaxllm.infer.engine import Engine, SamplingParams
 from jaxllm.infer.generate import generate as static_generate
 from jaxllm.infer.reference import greedy_continue
 from jaxllm.model import build, mrope_positions
@@ -42,14 +42,14 @@ def qwen3(cfg):
 
 
 def sharpened(model):
-    """`model` with its decoder's layers x2 and the tower's mergers x10, so that its greedy
-    answers depend on the prompt and on the image (at init they are all one answer)."""
+    """`model` with its decoder's layers x2 and the tower's mergers (DeepStack's too) x10, so
+    that its greedy answers depend on the prompt and on the image (at init they are all one)."""
     state = nnx.state(model, nnx.Param)
 
     def scale(path, a):
         names = [str(getattr(k, "key", k)) for k in path]
         if "visual" in names:
-            return a * 10.0 if any("merger" in n for n in names) else a
+            return a * 10.0 if any(w in n for n in names for w in ("merger", "deep")) else a
         if "layers" in names and not any("norm" in n for n in names):
             return a * 2.0
         return a
@@ -138,8 +138,9 @@ def _reference_logps(model, p, tokens_1xM, deepstack=True):
 def test_qwen3_vl_rollouts_sample_and_score_with_their_images(data, requests):
     """A Qwen3-VL tower (its parameters moved off their init, so the position table and the
     DeepStack mergers matter): greedy rollouts on the engine equal `greedy_continue` with the
-    pixels; each row's pi_old and the loss's `token_logps` equal the full forward with the
-    pixels within 1e-5; without DeepStack that forward differs (the check can fail)."""
+    pixels, and the engine's log-probabilities of its tokens, each row's pi_old and the loss's
+    `token_logps` equal the full forward with the pixels within 1e-5; without DeepStack that
+    forward differs by more (the checks can fail)."""
     cfg = qwen3(run_cfg(*data))
     model = sharpened(perturbed(cfg))
     roll, state = rollouts(cfg, model)
@@ -151,13 +152,28 @@ def test_qwen3_vl_rollouts_sample_and_score_with_their_images(data, requests):
         want = greedy_continue(model, p.ids, 6, pixels=p.pixels).tolist()
         assert got + list(end) == want[: len(got) + len(end)], (got, end, want)
 
+    # the engine's log-probabilities of its greedy tokens (prefill chunks cut through the
+    # image) are the full forward's, DeepStack included
+    p, engine = prompts[0], Engine(model, max_num_seqs=1, num_pages=16, chunk_size=16)
+    engine.add_request(p.ids, SamplingParams(max_tokens=6, logprobs=True), images=p.pixels)
+    done = []
+    while engine.has_unfinished():
+        done += engine.step().finished
+    (got,) = done
+    tokens_1xM, at = np.asarray([[*p.ids, *got.tokens]], np.int32), len(p.ids) - 1
+    step = np.arange(at, at + len(got.tokens)), got.tokens
+    np.testing.assert_allclose(
+        got.logprobs, _reference_logps(model, p, tokens_1xM)[step], atol=1e-5
+    )
+    flat = _reference_logps(model, p, tokens_1xM, deepstack=False)[step]
+    apart = [float(np.abs(flat - np.asarray(got.logprobs)).max())]
+
     roll.policy = state
     batch = next(roll)
     assert batch["pixel_tap_weights"].any()  # the rows carry the position table's taps
     drawn = roll._draw(0)[0]
     mask = batch["loss_mask"].astype(bool)
     assert mask.any(axis=1).all()
-    apart = 0.0
     for i, p in enumerate(drawn):
         m = int(batch["segment_ids"][i].sum())
         tokens_1xM = batch["inputs"][i : i + 1, :m]
@@ -166,8 +182,9 @@ def test_qwen3_vl_rollouts_sample_and_score_with_their_images(data, requests):
         np.testing.assert_allclose(batch["old_logps"][i, :m], want * mask[i, :m], atol=1e-5)
         flat = _reference_logps(model, p, tokens_1xM, deepstack=False)
         flat = np.take_along_axis(flat, targets, 1)[:, 0]
-        apart = max(apart, float(np.abs((flat - want) * mask[i, :m]).max()))
-    assert apart > 5e-5, apart  # five times the tolerance
+        apart.append(float(np.abs((flat - want) * mask[i, :m]).max()))
+    # without DeepStack the engine's and the rows' log-probs miss by 5x the tolerance
+    assert apart[0] > 5e-5 and max(apart[1:]) > 5e-5, apart
     direct = token_logps(model, jax.tree.map(jnp.asarray, batch))[0]
     np.testing.assert_allclose(np.asarray(direct), batch["old_logps"], atol=1e-5)
 
