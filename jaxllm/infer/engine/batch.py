@@ -2,9 +2,10 @@
 chat call `generate` here with `jaxllm.infer.generate.generate`'s arguments and get its
 `Generation` back (`tokens`, `ends`, `stopped`).
 
-Consecutive equal prompts (a GRPO group: each prompt G times in a row) are one request with
-n = G, so the group shares the prompt's full pages (`jaxllm.infer.engine.pages`) and its
-prefill runs once. Request k samples with the seed `request_seed(gen.seed, k)`, or with its
+Consecutive equal prompts (a GRPO group: each prompt G times in a row), with the same images
+for a vision-language model (`images=`, one `Pixels` or None per prompt), are one request with
+n = G, so the group shares the prompt's full pages (`jaxllm.infer.engine.pages`), its prefill
+and its tower run once. Request k samples with the seed `request_seed(gen.seed, k)`, or with its
 first row's seed when `seeds` gives one per row, and its sample j with the engine's (seed, j):
 the same seeds give the same completions, whatever else the engine runs. The pool is sized so nothing is preempted: every slot can hold a sequence of
 `max_len` tokens at once.
@@ -53,18 +54,33 @@ def request_seed(seed: int, k: int) -> int:
 
 
 def group_runs(
-    prompts: Sequence[Sequence[int]], group: int | None = None
+    prompts: Sequence[Sequence[int]], group: int | None = None, images: Sequence | None = None
 ) -> list[tuple[int, list[int], int]]:
     """(first row, prompt, how many rows) of each run of equal consecutive prompts; with
-    `group`, a run also ends at every multiple of `group` rows."""
+    `group`, a run also ends at every multiple of `group` rows; with `images` (one per prompt),
+    a run's rows hold the same images too."""
     runs: list[tuple[int, list[int], int]] = []
     for i, p in enumerate(prompts):
         p = [int(t) for t in p]
-        if runs and runs[-1][1] == p and not (group and i % group == 0):
+        if (
+            runs
+            and runs[-1][1] == p
+            and (images is None or _same_images(images[runs[-1][0]], images[i]))
+            and not (group and i % group == 0)
+        ):
             runs[-1] = (runs[-1][0], p, runs[-1][2] + 1)
         else:
             runs.append((i, p, 1))
     return runs
+
+
+def _same_images(a, b) -> bool:
+    """Whether two prompts' images (`Pixels` or None) are the same pixels and grids."""
+    if a is b or a is None or b is None:
+        return a is b
+    return np.array_equal(a.image_grid_thw, b.image_grid_thw) and np.array_equal(
+        a.pixel_values_NxP, b.pixel_values_NxP
+    )
 
 
 def make_engine(
@@ -106,6 +122,7 @@ def generate(
     max_len: int | None = None,
     seeds: Sequence[int] | None = None,
     group: int | None = None,
+    images: Sequence | None = None,
 ) -> Generation:
     """`jaxllm.infer.generate.generate`'s continuation of `prompts`, on the engine where
     `static_reason` allows (else on the static generator itself); `mesh_config`: the run's
@@ -114,15 +131,20 @@ def generate(
     same values on every call of a loop and its device programs compile once. `seeds`: one
     per prompt, in place of `gen.seed` (a run of equal prompts samples with its first one's);
     `group`: runs never cross a multiple of it (a GRPO group samples the same whatever rows
-    surround it, even beside a group of the same prompt)."""
+    surround it, even beside a group of the same prompt); `images`: one `Pixels` or None per
+    prompt (a vision-language model's; `Engine.add_request`)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
+    if images is not None and len(images) != len(prompts):
+        raise ValueError(f"generate got {len(images)} image sets for {len(prompts)} prompts")
     stops = sorted({*(int(t) for t in stop_tokens), *gen.stop_tokens})
     kw = {"stop_tokens": stops, "stop_sequences": stop_sequences}
     if seeds is not None:
         if len(seeds) != len(prompts):
             raise ValueError(f"generate got {len(seeds)} seeds for {len(prompts)} prompts")
         kw["seeds"] = seeds
+    if images is not None and any(p is not None for p in images):
+        kw["images"] = images
     if static_reason(model, gen, mesh) is not None:
         return static_generate(model, prompts, gen, mesh=mesh, **kw)
     longest = max(len(p) for p in prompts)
@@ -150,7 +172,7 @@ def generate(
         return static_generate(model, prompts, gen, mesh=mesh, **kw)
     seqs = sorted({tuple(int(t) for t in q) for q in stop_sequences if len(q)})
     ids = []
-    for k, (first, prompt, n) in enumerate(group_runs(prompts, group)):
+    for k, (first, prompt, n) in enumerate(group_runs(prompts, group, images)):
         seed = request_seed(gen.seed, k) if seeds is None else int(seeds[first]) % 2**31
         params = SamplingParams(
             max_tokens=gen.max_new_tokens,
@@ -163,7 +185,9 @@ def generate(
             seed=seed,
             n=n,
         )
-        ids.append(engine.add_request(prompt, params))
+        ids.append(
+            engine.add_request(prompt, params, images=None if images is None else images[first])
+        )
     done: dict[int, list] = {rid: [] for rid in ids}
     while engine.has_unfinished():
         for o in engine.step().finished:

@@ -8,7 +8,6 @@ import numpy as np
 
 from jaxllm.config import Config, GenerateConfig
 from jaxllm.infer.engine import batch as engine_batch
-from jaxllm.infer.generate import generate as static_generate
 
 
 def sequences(prompts: list[np.ndarray], completions: list[list[int]], ends) -> list[np.ndarray]:
@@ -43,23 +42,10 @@ def sample(
         kv_page_size=g.kv_page_size,
         decode_impl=g.decode_impl,
     )
-    if images is not None and any(p is not None for p in images):
-        # `engine_batch.generate` takes text only: the static generator runs the images in
-        # the prefill (the engine itself takes images per request: `Engine.add_request`)
-        out = static_generate(
-            model,
-            prompts,
-            gen,
-            stop_tokens=stops,
-            stop_sequences=ends,
-            mesh=mesh,
-            seeds=seeds,
-            images=images,
-        )
-        return out, sequences(prompts, out.tokens, out.ends)
     # on the engine (`jaxllm.infer.engine.batch`: a group's G copies of a prompt share its
-    # pages) unless it cannot run this (a mesh with a stage or sequence axis); a
-    # pool and slot count fixed by the run, so every rollout runs the same compiled programs
+    # pages, its prefill and its images' tower) unless it cannot run this (a mesh with a stage
+    # or sequence axis); a pool and slot count fixed by the run, so every rollout runs the same
+    # compiled programs (a VLM's tower compiles once per set of image grids)
     out = engine_batch.generate(
         model,
         prompts,
@@ -72,6 +58,7 @@ def sample(
         max_len=min(cfg.data.seq_len, cfg.model.max_seq_len),
         seeds=seeds,
         group=cfg.train.num_generations,
+        images=images if images is not None and any(p is not None for p in images) else None,
     )
     return out, sequences(prompts, out.tokens, out.ends)
 

@@ -1,18 +1,21 @@
 """Rollouts on image prompts: what a vision-language model's GRPO needs beyond text.
 
 A `format: rollout` prompt may hold images (`jaxllm.data.rollout`, with `model.vision`). The
-policy samples its completions with them (`jaxllm.infer.generate` with `images=`: the tower's
-features in the prefill, each decode step at position n + the prompt's rope delta, as
-transformers' Qwen2.5-VL `generate` does), and each row of prompt + completion carries the
+policy samples its completions with them on the inference engine (`jaxllm.infer.engine.batch`
+with `images=`: the tower runs once per group, its features (and DeepStack's, Qwen3-VL) replace
+the image tokens' embeddings in the prefill, each decode step runs at position n + the prompt's
+rope delta, as transformers' Qwen2.5-VL `generate` does), and each row of prompt + completion carries the
 image fields of `jaxllm.data.vision_rows` (M-RoPE ids of the whole sequence, the unit each
-image token takes, the prompt's patches in window order, padded to one patch budget), so pi_old,
+image token takes, the prompt's patches in window order, padded to one patch budget, and a
+learned position table's taps), so pi_old,
 the reference and the loss's log-probabilities are the VLM's with the images
 (`jaxllm.objectives.base.token_logps`). The M-RoPE ids of the completion continue after the
 prompt's (`mrope_positions` of the whole sequence), the positions its tokens were sampled at.
 
 The budget is one per run: the most merged units of any prompt (train and eval), rounded up to a
-power of two, so the step and pi_old's pass compile once. Sampling runs the prefill on the images
-of the batch, whose patch grids are static: it compiles once per set of image sizes.
+power of two, so the step and pi_old's pass compile once. The engine's tower compiles once per
+set of image grids of a prompt; its steps compile as a text run's, twice per bucket at most
+(chunks with and without image tokens).
 """
 
 from __future__ import annotations
@@ -33,17 +36,11 @@ def inputs(cfg: Config) -> ImageInputs | None:
 
 def check(cfg: Config, reward_model: bool) -> None:
     """ConfigError for what image prompts do not train under."""
-    t, v = cfg.train, cfg.model.vision
+    t = cfg.train
     if t.objective not in CRITIC_FREE:
         raise ConfigError(
             f"train.objective={t.objective} does not sample with images yet, but the rollout "
             f"prompts hold images; use one of {', '.join(CRITIC_FREE)}."
-        )
-    if v.position_embeddings or v.deepstack_indexes:
-        raise ConfigError(
-            "image rollouts lay each row's patches out for towers with 2D RoPE alone; "
-            "model.vision.position_embeddings and deepstack_indexes (Qwen3-VL) are not laid "
-            "out per row yet."
         )
     for axis in ("sequence", "stage"):
         if getattr(cfg.mesh, axis) > 1:
