@@ -187,7 +187,7 @@ def test_refusals_are_one_line(lora_run, peft_adapter, tmp_path, capsys):
 
     src, adapter, _ = peft_adapter
     for key, value, message in [
-        ("use_dora", True, "sets use_dora=True"),
+        ("lora_bias", True, "sets lora_bias=True"),
         ("layers_to_transform", [0], "sets layers_to_transform=[0]"),
         ("peft_type", "PROMPT_TUNING", "not a LoRA adapter"),
     ]:

@@ -46,13 +46,12 @@ from jaxllm.model import abstract_model, abstract_model_state
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
-A, B = "_lora_a", "_lora_b"
+A, B, M = "_lora_a", "_lora_b", "_lora_magnitude"
 
 # adapter_config.json keys for PEFT features jaxllm's LoRA does not have, with the value that
 # means "not used" (null, false, {} or [] count as unused too).
 UNUSED = {
     "bias": "none",
-    "use_dora": False,
     "lora_bias": False,
     "rank_pattern": {},
     "alpha_pattern": {},
@@ -85,15 +84,19 @@ def _leaf(link: Link) -> str:
     return _module(link).rsplit(".", 1)[-1]
 
 
-def _factor_links(link: Link) -> tuple[Link, Link]:
-    """The links of A and B for the weight of `link`: PEFT's lora_A / lora_B are torch Linear
-    layers ([out, in]) whatever the module's own kind."""
+def _factor_links(link: Link, dora: bool) -> tuple[Link, ...]:
+    """The links of A and B (and DoRA's magnitude) for the weight of `link`: PEFT's lora_A /
+    lora_B are torch Linear layers ([out, in]) whatever the module's own kind, and
+    lora_magnitude_vector [out] is the flattened output dims of the weight."""
     module, path = PREFIX + _module(link), link.ours[0]
     a = dataclasses.replace(link, hf=module + ".lora_A.weight", ours=(path + A,), kind="linear")
     b = dataclasses.replace(
         link, hf=module + ".lora_B.weight", ours=(path + B,), kind="linear", n_in=1
     )
-    return a, b
+    m = dataclasses.replace(
+        link, hf=module + ".lora_magnitude_vector", ours=(path + M,), kind="flat"
+    )
+    return (a, b, m) if dora else (a, b)
 
 
 def _adaptable(family: Family, cfg: ModelConfig) -> list[Link]:
@@ -112,12 +115,12 @@ def _adaptable(family: Family, cfg: ModelConfig) -> list[Link]:
 
 
 def factor_links(
-    cfg: ModelConfig, family: Family, adapted: set[str]
+    cfg: ModelConfig, family: Family, adapted: set[str], dora: bool = False
 ) -> tuple[list[Link], list[Link], list[str]]:
-    """(the adapted weights' links, their A and B links, the adapted weights without a PEFT
-    layout) for our weight paths `adapted`."""
+    """(the adapted weights' links, their A and B (and magnitude) links, the adapted weights
+    without a PEFT layout) for our weight paths `adapted`."""
     weights = [link for link in _adaptable(family, cfg) if link.ours[0] in adapted]
-    links = [f for w in weights for f in _factor_links(w)]
+    links = [f for w in weights for f in _factor_links(w, dora)]
     return weights, links, sorted(adapted - {w.ours[0] for w in weights})
 
 
@@ -150,6 +153,7 @@ def adapter_config(peft: PeftConfig, modules: list[str], base: str | None, conv:
         "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
         "lora_dropout": peft.dropout,
         "use_rslora": peft.rslora,
+        "use_dora": peft.dora,
         "target_modules": modules,
         "fan_in_fan_out": conv,
         "inference_mode": True,
@@ -187,7 +191,7 @@ def export_peft(
     adapted = {p.removesuffix(A) for p in flat if p.endswith(A)}
     if not adapted:
         raise ConfigError("this run's checkpoint holds no LoRA adapters; nothing to export.")
-    weights, links, unmapped = factor_links(m, fam, adapted)
+    weights, links, unmapped = factor_links(m, fam, adapted, cfg.peft.dora)
     if unmapped:
         raise ConfigError(
             f"the adapters of {', '.join(unmapped)} have no Hugging Face PEFT layout in a "
@@ -263,6 +267,7 @@ def _peft_overrides(hf: dict, modules: set[str], family: Family, cfg: ModelConfi
         f"peft.alpha={float(alpha)}",
         f"peft.dropout={float(hf.get('lora_dropout') or 0.0)}",
         f"peft.rslora={str(bool(hf.get('use_rslora'))).lower()}",
+        f"peft.dora={str(bool(hf.get('use_dora'))).lower()}",
         f"peft.targets=[{','.join(sorted(targets))}]",
     ]
 
@@ -301,7 +306,7 @@ def import_peft(
     flat_abstract = flatten(abstract)
     shapes = {p: tuple(a.shape) for p, a in flat_abstract.items()}
     adapted = {p.removesuffix(A) for p in shapes if p.endswith(A)}
-    _, links, unmapped = factor_links(cfg.model, family, adapted)
+    _, links, unmapped = factor_links(cfg.model, family, adapted, cfg.peft.dora)
     if unmapped:
         raise ConfigError(
             f"with peft.targets={list(cfg.peft.targets)} jaxllm also adapts "

@@ -70,6 +70,10 @@ class PeftConfig:
     x (W + s (A B) * [W != 0]) (the masked update as a dense weight), so the merged model has
     the pruned run's sparsity. Set by itself when `checkpoint.init_from` is a run pruned to
     zeros (`jaxllm prune`, unstructured or N:M)."""
+    dora: bool = False
+    """DoRA (Liu et al. 2024; PEFT's use_dora): each adapted weight becomes
+    m * (W + s A B) / ||W + s A B||, the norm per output over the inputs (taken as a constant,
+    as PEFT), with the trained magnitude m starting at the base's norms. Not with keep_zeros."""
     num_virtual_tokens: int = 20
     """Prompt tuning: trainable embeddings placed before every example."""
     adapter_size: int = 64
@@ -84,6 +88,13 @@ class PeftConfig:
             fail(
                 f"peft.keep_zeros masks a LoRA update; peft.method={self.method} has none "
                 "(a full run from a pruned run keeps its zeros by itself)."
+            )
+        if self.dora and not self.lora:
+            fail(f"peft.dora decomposes a LoRA update; peft.method={self.method} has none.")
+        if self.dora and self.keep_zeros:
+            fail(
+                "peft.dora rescales whole columns of the weight, which peft.keep_zeros's masked "
+                "update cannot hold; set one of them."
             )
         if self.method == "none":
             return

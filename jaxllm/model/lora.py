@@ -11,6 +11,10 @@ stacked (scanned) weight's factors are stacked too.
 `kernel(module, name)` is what model code reads a weight through: the array itself, or a
 `LoRAKernel` that `layers.matmul` turns into the two paths. Routed experts (whose weights travel
 through the expert dispatch) and MLA's absorbed decode read `dense(...)`: the merged W + s A B.
+
+DoRA (Liu et al. 2024, arXiv:2402.09353; `peft.dora`) adds a magnitude m [*out]
+(`q_proj_lora_magnitude`, axes the weight's output ones) and uses m * (W + s A B) / ||W + s A B||,
+the norm over the input dims and treated as a constant, as Hugging Face PEFT's DoRA layer.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS, VISION, VISION_TARGETS
 from jaxllm.model import coded, fake_quant, nf4, quantized
 
+# The trained parts of an adapted weight `name`: `name` + each (the magnitude under DoRA only).
+SUFFIXES = ("_lora_a", "_lora_b", "_lora_magnitude")
+
 
 class LoRAParam(nnx.Param):
     """A LoRA factor: what trains under peft.method=lora|qlora."""
@@ -44,6 +51,7 @@ class LoRAKernel(NamedTuple):
     dropout: float = 0.0
     key: jax.Array | None = None
     masked: bool = False  # peft.keep_zeros: the update is s (A B) * [base != 0]
+    magnitude: jax.Array | None = None  # peft.dora: m [*lead, *out]
 
 
 def in_dims(name: str) -> int:
@@ -95,6 +103,10 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
             setattr(module, f"{name}_lora_scale", float(peft.scale))
             setattr(module, f"{name}_lora_dropout", float(peft.dropout))
             setattr(module, f"{name}_lora_masked", bool(peft.keep_zeros))
+            if peft.dora:  # m starts at the base's norms (`fit_magnitudes` for a loaded base)
+                m = weight_norm(var[...], lead, n_in).astype(var.dtype)
+                m_axes = (*axes[:lead], *axes[lead + n_in :])
+                setattr(module, f"{name}_lora_magnitude", LoRAParam(m, axes=m_axes))
     missing = [t for t in peft.targets if t not in found and t != ALL_LINEAR]
     if ALL_LINEAR in peft.targets and not found - {
         VISION + n for n in (*VISION_TARGETS, ALL_LINEAR)
@@ -169,7 +181,45 @@ def kernel(module: nnx.Module, name: str):
         rate,
         next_key() if rate else None,
         getattr(module, f"{name}_lora_masked", False),
+        m[...] if (m := getattr(module, f"{name}_lora_magnitude", None)) is not None else None,
     )
+
+
+def weight_norm(w: jax.Array, lead: int, n_in: int) -> jax.Array:
+    """DoRA's ||W||: the float32 norm of each output of w [*lead, *in, *out] over its `n_in`
+    input dims (PEFT's norm of each row of a torch [out, in] weight)."""
+    w = w.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(w * w, axis=tuple(range(lead, lead + n_in))))
+
+
+def dora_weight(w: jax.Array, m: jax.Array, lead: int, n_in: int) -> jax.Array:
+    """DoRA's m * w / ||w|| for the adapted weight w = W + s A B [*lead, *in, *out] and the
+    magnitude m [*lead, *out], in float32; the norm taken as a constant (PEFT detaches it:
+    gradients flow through m and w only)."""
+    g = m.astype(jnp.float32) / jax.lax.stop_gradient(weight_norm(w, lead, n_in))
+    g = g.reshape(*g.shape[:lead], *(1,) * n_in, *g.shape[lead:])
+    return w.astype(jnp.float32) * g
+
+
+def fit_magnitudes(params: dict, frozen: dict) -> dict:
+    """`params` with every DoRA magnitude set to the norms of its frozen base weight (the
+    adapters' B being zero): what a fresh DoRA starts from on a loaded base."""
+
+    def walk(p: dict, f: dict) -> dict:
+        out = {}
+        for k, v in p.items():
+            if isinstance(v, dict):
+                out[k] = walk(v, f.get(k, {}))
+            elif k.endswith("_lora_magnitude"):
+                name = k.removesuffix("_lora_magnitude")
+                n_in = in_dims(name)
+                lead = p[f"{name}_lora_a"].ndim - 1 - n_in
+                out[k] = weight_norm(as_array(f[name], jnp.float32), lead, n_in).astype(v.dtype)
+            else:
+                out[k] = v
+        return out
+
+    return walk(params, frozen)
 
 
 def delta(a: jax.Array, b: jax.Array, scale: float, n_in: int, dtype) -> jax.Array:
@@ -191,7 +241,10 @@ def dense(module: nnx.Module, name: str, dtype) -> jax.Array:
     if not isinstance(k, LoRAKernel):
         return k if isinstance(k, jax.Array) else as_array(k, dtype)
     base = as_array(k.base, dtype)
-    d = delta(k.a, k.b, k.scale, in_dims(name), dtype)
+    n_in = in_dims(name)
+    d = delta(k.a, k.b, k.scale, n_in, dtype)
+    if k.magnitude is not None:  # DoRA
+        return dora_weight(base + d, k.magnitude, k.a.ndim - 1 - n_in, n_in).astype(dtype)
     return base + (jnp.where(base != 0, d, 0).astype(dtype) if k.masked else d)
 
 
@@ -233,7 +286,7 @@ def merged_params(graphdef, params, frozen, model_state=None) -> dict:
             )
             if hasattr(module, f"{name}_lora_a") or packed:
                 var.set_value(dense(module, name, jnp.float32).astype(dtype))
-            for suffix in ("_lora_a", "_lora_b", "_lora_scale", "_lora_dropout", "_lora_masked"):
+            for suffix in (*SUFFIXES, "_lora_scale", "_lora_dropout", "_lora_masked"):
                 if hasattr(module, name + suffix):
                     delattr(module, name + suffix)
     if hasattr(model, "lora_dropout"):
