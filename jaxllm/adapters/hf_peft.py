@@ -42,6 +42,7 @@ from jaxllm.convert.mapping import Mapped, each, element_shapes, flatten, unflat
 from jaxllm.convert.reader import Reader, read_hf_config, read_json
 from jaxllm.load import BASE_ITEM, base_record, check_base
 from jaxllm.model import abstract_model, abstract_model_state
+from jaxllm.model.lora import SAVED
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -57,7 +58,6 @@ UNUSED = {
     "alpha_pattern": {},
     "layers_to_transform": None,
     "layer_replication": None,
-    "modules_to_save": None,
     "target_parameters": None,
     "trainable_token_indices": None,
     "use_qalora": False,
@@ -122,6 +122,22 @@ def factor_links(
     weights = [link for link in _adaptable(family, cfg) if link.ours[0] in adapted]
     links = [f for w in weights for f in _factor_links(w, dora)]
     return weights, links, sorted(adapted - {w.ours[0] for w in weights})
+
+
+def saved_links(cfg: ModelConfig, family: Family, names) -> list[Link]:
+    """The links of the whole weights `peft.modules_to_save` names, which PEFT saves under the
+    base weight's own name behind its prefix (`base_model.model.lm_head.weight`)."""
+    links = {link.ours[0]: link for link in family.links(cfg) if len(link.ours) == 1}
+    out = []
+    for name in names:
+        link = links.get("/".join(SAVED[name]))
+        if link is None or link.indices:
+            raise ConfigError(
+                f"peft.modules_to_save: {name} has no Hugging Face layout in a {family.name} "
+                "checkpoint of this model."
+            )
+        out.append(dataclasses.replace(link, hf=PREFIX + link.hf))
+    return out
 
 
 def target_modules(cfg: ModelConfig, family: Family, weights: list[Link], shapes) -> list[str]:
@@ -212,6 +228,13 @@ def export_peft(
     conv = any(w.kind == "conv" for w in weights)
     hf_base = source if source and is_hf_dir(source) else None
     settings = adapter_config(cfg.peft, modules, hf_base, conv)
+    saved = saved_links(m, fam, cfg.peft.modules_to_save)
+    for link in saved:
+        tensors[link.hf] = link.to_hf([np.asarray(jax.device_get(flat[link.ours[0]]))])
+        report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
+    if saved:  # PEFT's names of the modules: their own (`embed_tokens`, `lm_head`)
+        settings["modules_to_save"] = [_leaf(link) for link in saved]
+        settings["ensure_weight_tying"] = m.tie_embeddings
     with written(out_dir, flag=OUT_FLAG, overwrite=overwrite) as tmp, library_os_errors(tmp):
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
@@ -272,6 +295,32 @@ def _peft_overrides(hf: dict, modules: set[str], family: Family, cfg: ModelConfi
     ]
 
 
+def _saved_names(hf: dict, family: Family, cfg: ModelConfig) -> list[str]:
+    """jaxllm's names (`peft.modules_to_save`) of the adapter's modules_to_save: PEFT's match a
+    module whose name is, or ends with, one of them."""
+    modules = {}
+    for ours, path in SAVED.items():
+        link = next((x for x in family.links(cfg) if x.ours == ("/".join(path),)), None)
+        if link is not None:
+            modules[ours] = _module(link)
+    out = []
+    for name in hf.get("modules_to_save") or []:
+        found = [o for o, m in modules.items() if m == name or m.endswith("." + name)]
+        if not found:
+            raise ConfigError(
+                f"the adapter's modules_to_save names {name!r}, which is none of this "
+                f"{family.name} model's {', '.join(sorted(modules.values()))}."
+            )
+        out += found
+    if "embed_tokens" in out and cfg.tie_embeddings and not hf.get("ensure_weight_tying"):
+        raise ConfigError(
+            "the adapter trains a copy of the tied embeddings (modules_to_save without "
+            "ensure_weight_tying), which PEFT uses for the input only; jaxllm's tied model "
+            "has one matrix for both, so this adapter cannot be imported as it is."
+        )
+    return sorted(set(out))
+
+
 def import_peft(
     hf_dir, adapter_dir, out_dir, overrides=(), mesh=None, overwrite=False
 ) -> list[Mapped]:
@@ -295,6 +344,7 @@ def import_peft(
     }
     plain = config_lib.from_dict({"model": model_fields(read_hf_config(hf_dir))}).model
     peft = _peft_overrides(hf, modules, family, plain)
+    peft.append(f"peft.modules_to_save=[{','.join(_saved_names(hf, family, plain))}]")
     overrides = [f"checkpoint.init_from={hf_dir}", *peft, *overrides]
     new = new_run(hf_dir, out_dir, overrides, overwrite=overwrite, reads=reads)
     cfg = new.cfg
@@ -313,6 +363,7 @@ def import_peft(
             f"{', '.join(unmapped)}, which PEFT cannot (no Linear module per weight in "
             "transformers); this adapter cannot be imported as it is."
         )
+    links += saved_links(cfg.model, family, cfg.peft.modules_to_save)
     _check_names(reader, links, shapes, adapter_dir)
     mesh = mesh or sharding.make_mesh(cfg.mesh)
     flat_sh = flatten(sharding.tree_shardings(mesh, axes))

@@ -34,6 +34,9 @@ ALL_LINEAR = "all-linear"
 VISION = "visual."
 VISION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VISION_TARGETS += ("fc1", "fc2", "patch_embed")
+# Whole modules that can train beside LoRA adapters (PEFT's modules_to_save), by PEFT's names:
+# the token embeddings, the untied LM head, a reward model's score head.
+SAVABLE = ("embed_tokens", "lm_head", "score")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,10 @@ class PeftConfig:
     """DoRA (Liu et al. 2024; PEFT's use_dora): each adapted weight becomes
     m * (W + s A B) / ||W + s A B||, the norm per output over the inputs (taken as a constant,
     as PEFT), with the trained magnitude m starting at the base's norms. Not with keep_zeros."""
+    modules_to_save: tuple[str, ...] = ()
+    """Whole weights that train in full beside the LoRA adapters and are stored with them
+    (PEFT's modules_to_save): embed_tokens (with tied embeddings, also the LM head), lm_head
+    (untied only), score (a reward model's head)."""
     num_virtual_tokens: int = 20
     """Prompt tuning: trainable embeddings placed before every example."""
     adapter_size: int = 64
@@ -96,6 +103,19 @@ class PeftConfig:
                 "peft.dora rescales whole columns of the weight, which peft.keep_zeros's masked "
                 "update cannot hold; set one of them."
             )
+        if self.modules_to_save and not self.lora:
+            fail(
+                f"peft.modules_to_save trains whole modules beside LoRA adapters; "
+                f"peft.method={self.method} has none (full fine-tuning trains every module)."
+            )
+        for name in self.modules_to_save:
+            if name not in SAVABLE:
+                fail(
+                    f"peft.modules_to_save: {name!r} is not a module jaxllm can train beside "
+                    f"LoRA; use {', '.join(SAVABLE)}."
+                )
+            if name in self.targets:
+                fail(f"peft.modules_to_save: {name!r} is also in peft.targets; name it once.")
         if self.method == "none":
             return
         if self.method == "prompt":

@@ -118,6 +118,35 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
             f"it has {', '.join(sorted(targetable(model)))}."
         )
     model.lora_dropout = float(peft.dropout)  # the model then draws per-layer dropout keys
+    for name in peft.modules_to_save:
+        module, leaf = model, SAVED[name][-1]
+        for step in SAVED[name][:-1]:
+            module = getattr(module, step, None)
+        var = getattr(module, leaf, None) if module is not None else None
+        if not isinstance(var, nnx.Param):
+            tied = " (its embeddings are tied: name embed_tokens, which trains both)"
+            raise ConfigError(
+                f"peft.modules_to_save: this model has no {name}"
+                f"{tied if name == 'lm_head' else ''}."
+            )
+        setattr(module, leaf, SavedParam(var.get_value(), **var.get_metadata()))
+
+
+# Our parameter of each name `peft.modules_to_save` takes (PEFT's module names).
+SAVED = {"embed_tokens": ("embed", "embedding"), "lm_head": ("lm_head",), "score": ("score",)}
+
+
+def saved_from(params: dict, base: dict, peft: PeftConfig) -> dict:
+    """`params` (what trains) with the modules `peft.modules_to_save` names taken from the
+    loaded `base`: where they start."""
+    out = dict(params)
+    for name in peft.modules_to_save:
+        path = SAVED[name]
+        if len(path) == 1:
+            out[path[0]] = base[path[0]]
+        else:
+            out[path[0]] = {**out[path[0]], path[1]: base[path[0]][path[1]]}
+    return out
 
 
 # The dropout key of the block being traced (`dropout_keys`), and how many adapters drew from it.
@@ -320,7 +349,10 @@ def _stacked(fn, n: int):
 def freeze(params: dict, axes: dict, peft: PeftConfig | None) -> dict:
     """The base parameters as the train state keeps them frozen under `peft`: as they are, or
     under QLoRA with every linear weight in NF4 (`nf4.NF4Tensor`, one per stacked layer)."""
-    if peft is None or peft.method != "qlora":
+    if peft is None or peft.method == "none":
+        return params
+    params = _only(params, axes)  # without what trains in full (peft.modules_to_save)
+    if peft.method != "qlora":
         return params
     return _map_named(
         lambda name, x, ax: (
@@ -348,6 +380,13 @@ def frozen_axes(abstract: dict, axes: dict, peft: PeftConfig | None) -> dict:
     return _map_named(one, abstract, axes)
 
 
+def _only(params: dict, axes: dict) -> dict:
+    """The entries of `params` that `axes` has."""
+    return {
+        k: _only(v, axes[k]) if isinstance(v, dict) else v for k, v in params.items() if k in axes
+    }
+
+
 def _map_named(fn, params: dict, axes: dict) -> dict:
     """{name: fn(name, leaf, its axes)} over a nested dict of parameters."""
     return {
@@ -358,7 +397,8 @@ def _map_named(fn, params: dict, axes: dict) -> dict:
 
 def trainable(peft: PeftConfig | None):
     """The nnx filter of what trains under `peft`: every parameter (none), the LoRA factors,
-    the bottleneck adapters or the soft prompt; PPO's value head (`ValueParam`) trains beside
+    the bottleneck adapters or the soft prompt (with LoRA, the `peft.modules_to_save` weights
+    too); PPO's value head (`ValueParam`) trains beside
     any of them."""
     if peft is None or peft.method == "none":
         return nnx.Param
@@ -366,7 +406,11 @@ def trainable(peft: PeftConfig | None):
         return nnx.Any(PromptParam, ValueParam)
     if peft.method == "adapter":
         return nnx.Any(AdapterParam, ValueParam)
-    return nnx.Any(LoRAParam, ValueParam)
+    return nnx.Any(LoRAParam, ValueParam, SavedParam)
+
+
+class SavedParam(nnx.Param):
+    """A whole weight that trains beside the LoRA adapters (`peft.modules_to_save`)."""
 
 
 class ValueParam(nnx.Param):

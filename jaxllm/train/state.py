@@ -399,7 +399,8 @@ def init_state_from(
         if peft is not None and peft.method != "none":  # the adapters of a fresh init
             frozen_axes = abstract_frozen(model_cfg, peft)[1]  # a source's value head: not base
             frozen = lora.freeze({k: params[k] for k in frozen_axes}, frozen_axes, peft)
-            params = _init(model_cfg, tx, seed, None, peft).params
+            fresh = _init(model_cfg, tx, seed, None, peft).params
+            params = lora.saved_from(fresh, params, peft)  # modules_to_save: the base's
             if peft.dora:  # DoRA's magnitudes start at the loaded base's norms
                 params = lora.fit_magnitudes(params, frozen)
             if adapters is not None:  # a value head beside imported adapters starts fresh
