@@ -138,3 +138,54 @@ def test_refusals_are_one_line(capsys):
         capsys, "train", "peft.method=adapter", "peft.modules_to_save=[lm_head]"
     )
     assert err.startswith("jaxllm: ") and err.count("\n") == 1
+
+
+@pytest.mark.torch
+def test_tied_embeddings_round_trip_with_ensure_weight_tying(tmp_path):
+    """A tied model (Qwen2): PEFT with ensure_weight_tying feeds the LM head the saved copy of
+    the embeddings, as jaxllm's one matrix; import gives its logits, export loads back."""
+    model = hf_model("qwen2", seed=1)
+    src = save_hf(model, tmp_path / "hf")
+    cfg = peft.LoraConfig(
+        r=4,
+        target_modules=["q_proj"],
+        modules_to_save=["embed_tokens"],
+        ensure_weight_tying=True,
+        task_type="CAUSAL_LM",
+    )
+    theirs = peft.get_peft_model(model, cfg).eval()
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name or "embed_tokens.modules_to_save" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    theirs.save_pretrained(tmp_path / "adapter")
+    run = tmp_path / "run"
+    assert run_cli("convert", "import", src, run, "--peft", tmp_path / "adapter") == 0
+    tokens = sample_tokens()
+    ours = np.asarray(jaxllm.load_model(run, overrides=["model.dtype=float32"])(tokens).logits)
+    np.testing.assert_allclose(ours, hf_logits(theirs, tokens), atol=1e-4, rtol=1e-4)
+    assert run_cli("convert", "export", run, tmp_path / "back", "--peft") == 0
+    written = json.loads((tmp_path / "back/adapter_config.json").read_text())
+    assert written["modules_to_save"] == ["embed_tokens"] and written["ensure_weight_tying"]
+    hf_base = type(theirs.base_model.model).from_pretrained(src, attn_implementation="eager")
+    again = peft.PeftModel.from_pretrained(hf_base, tmp_path / "back").eval()
+    np.testing.assert_allclose(hf_logits(again, tokens), ours, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.torch
+def test_a_saved_copy_of_tied_embeddings_without_weight_tying_is_refused(tmp_path, capsys):
+    """Without ensure_weight_tying PEFT feeds the LM head the original embeddings while the
+    input takes the saved copy: two matrices, which a tied jaxllm model cannot hold."""
+    model = hf_model("qwen2", seed=1)
+    src = save_hf(model, tmp_path / "hf")
+    cfg = peft.LoraConfig(
+        r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens"], task_type="CAUSAL_LM"
+    )
+    peft.get_peft_model(model, cfg).save_pretrained(tmp_path / "adapter")
+    capsys.readouterr()
+    err = stderr_of_failure(
+        capsys, "convert", "import", src, tmp_path / "r", "--peft", tmp_path / "adapter"
+    )
+    assert "without ensure_weight_tying" in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()

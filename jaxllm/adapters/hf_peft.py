@@ -48,6 +48,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 A, B, M = "_lora_a", "_lora_b", "_lora_magnitude"
+TIED_HEAD = PREFIX + "lm_head.weight"  # PEFT's copy of saved tied embeddings (ensure_weight_tying)
 
 # adapter_config.json keys for PEFT features jaxllm's LoRA does not have, with the value that
 # means "not used" (null, false, {} or [] count as unused too).
@@ -232,6 +233,9 @@ def export_peft(
     for link in saved:
         tensors[link.hf] = link.to_hf([np.asarray(jax.device_get(flat[link.ours[0]]))])
         report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
+    embed = [link.hf for link in saved if link.ours == ("/".join(SAVED["embed_tokens"]),)]
+    if m.tie_embeddings and embed:  # PEFT's tied head: the saved embeddings again
+        tensors[TIED_HEAD] = tensors[embed[0]]
     if saved:  # PEFT's names of the modules: their own (`embed_tokens`, `lm_head`)
         settings["modules_to_save"] = [_leaf(link) for link in saved]
         settings["ensure_weight_tying"] = m.tie_embeddings
@@ -304,7 +308,10 @@ def _saved_names(hf: dict, family: Family, cfg: ModelConfig) -> list[str]:
         if link is not None:
             modules[ours] = _module(link)
     out = []
+    tied = cfg.tie_embeddings and hf.get("ensure_weight_tying")
     for name in hf.get("modules_to_save") or []:
+        if tied and name == "lm_head":  # PEFT's tied copy of the saved embeddings
+            name = modules["embed_tokens"]
         found = [o for o, m in modules.items() if m == name or m.endswith("." + name)]
         if not found:
             raise ConfigError(
@@ -364,7 +371,8 @@ def import_peft(
             "transformers); this adapter cannot be imported as it is."
         )
     links += saved_links(cfg.model, family, cfg.peft.modules_to_save)
-    _check_names(reader, links, shapes, adapter_dir)
+    tied_head = cfg.model.tie_embeddings and "embed_tokens" in cfg.peft.modules_to_save
+    _check_names(reader, links, shapes, adapter_dir, {TIED_HEAD} if tied_head else set())
     mesh = mesh or sharding.make_mesh(cfg.mesh)
     flat_sh = flatten(sharding.tree_shardings(mesh, axes))
     out = {}
@@ -382,9 +390,12 @@ def import_peft(
     return report
 
 
-def _check_names(reader: Reader, links: list[Link], shapes: dict, adapter_dir: Path) -> None:
+def _check_names(
+    reader: Reader, links: list[Link], shapes: dict, adapter_dir: Path, ignored=frozenset()
+) -> None:
     """ConfigError naming the first mismatches between the adapter file and the factors the
-    run expects: missing tensors (a layer PEFT left out), shapes, tensors that map to none."""
+    run expects: missing tensors (a layer PEFT left out), shapes, tensors that map to none
+    (but those `ignored`: the LM head PEFT saves beside tied embeddings, the same matrix)."""
     errors, expected = [], set()
     for link in links:
         want = link.hf_shape(element_shapes(link, shapes))
@@ -395,7 +406,8 @@ def _check_names(reader: Reader, links: list[Link], shapes: dict, adapter_dir: P
                 errors.append(f"missing tensor {name}")
             elif reader.shapes[name] != want:
                 errors.append(f"{name} has shape {list(reader.shapes[name])}, not {list(want)}")
-    errors += [f"tensor {n} maps to no adapter" for n in sorted(set(reader.shapes) - expected)]
+    extra = sorted(set(reader.shapes) - expected - set(ignored))
+    errors += [f"tensor {n} maps to no adapter" for n in extra]
     if errors:
         more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
         raise ConfigError(
