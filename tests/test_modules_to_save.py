@@ -6,18 +6,21 @@ import shutil
 
 import jax
 import numpy as np
+import optax
 import peft
 import pytest
 import torch
+from conftest import tiny_model
 from flax import nnx
 from hf_models import hf_logits, hf_model, run_cli, sample_tokens, save_hf, stderr_of_failure
 from safetensors.numpy import load_file
 
 import jaxllm
-from jaxllm import config
+from jaxllm import config, sharding
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.load import restore
-from jaxllm.model import build, lora
+from jaxllm.model import build, lora, split_peft
+from jaxllm.train.state import init_state_from
 
 TRAIN = [
     "train.global_batch_size=8",
@@ -189,3 +192,19 @@ def test_a_saved_copy_of_tied_embeddings_without_weight_tying_is_refused(tmp_pat
     )
     assert "without ensure_weight_tying" in err and err.count("\n") == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_a_reward_models_score_head_trains_from_the_base_beside_the_adapters():
+    cfg = tiny_model(head="score")
+    saved = PeftConfig(method="lora", modules_to_save=("score",))
+    _, params, frozen, _ = split_peft(build(cfg, 0, saved), saved)
+    assert "score" in params and "score" not in frozen
+    base = split_peft(build(cfg, 1), None)[1]
+    mesh = sharding.make_mesh(config.MeshConfig())
+    for peft_cfg in (saved, PeftConfig(method="lora")):
+        state = init_state_from(base, cfg, optax.adam(1e-3), mesh, seed=0, peft=peft_cfg)
+        if peft_cfg.modules_to_save:  # trains, starting from the base's head, with Adam's moments
+            np.testing.assert_array_equal(state.params["score"], base["score"])
+            assert state.opt_state[0].mu["score"].shape == base["score"].shape
+        else:  # frozen in the base
+            assert "score" not in state.params and "score" in state.frozen
