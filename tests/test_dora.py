@@ -18,7 +18,7 @@ from hf_models import hf_logits, hf_model, run_cli, sample_tokens, save_hf, stde
 from safetensors.numpy import load_file
 
 import jaxllm
-from jaxllm import config, sharding
+from jaxllm import adapters, config, sharding
 from jaxllm.bench import synthetic_batch
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.model import build, lora
@@ -243,3 +243,14 @@ def test_qlora_dora_trains_the_magnitudes_from_the_nf4_base():
         losses.append(float(metrics["loss"]))
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert np.abs(state.params["layers"]["mlp"]["down_proj_lora_magnitude"] - m0).max() > 1e-4
+
+
+def test_dora_on_a_base_pruned_to_zeros_is_refused(tmp_path):
+    """LoRA on an unstructured-pruned run keeps its zeros (peft.keep_zeros, set by itself);
+    DoRA's rescaled outputs cannot, so it is refused in one line."""
+    (tmp_path / "pruned").mkdir()
+    (tmp_path / "pruned/config.yaml").write_text("prune:\n  method: magnitude\n")
+    args = ["peft.method=lora", f"checkpoint.init_from={tmp_path / 'pruned'}"]
+    assert adapters.pruned_base(config.load(None, args)).peft.keep_zeros
+    with pytest.raises(ConfigError, match="peft.dora rescales whole outputs.*magnitude"):
+        adapters.pruned_base(config.load(None, [*args, "peft.dora=true"]))
