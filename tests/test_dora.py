@@ -254,3 +254,34 @@ def test_dora_on_a_base_pruned_to_zeros_is_refused(tmp_path):
     assert adapters.pruned_base(config.load(None, args)).peft.keep_zeros
     with pytest.raises(ConfigError, match="peft.dora rescales whole outputs.*magnitude"):
         adapters.pruned_base(config.load(None, [*args, "peft.dora=true"]))
+
+
+def _train_dora(mesh: dict, devices) -> tuple[list[float], dict]:
+    cfg = config.Config(
+        model=tiny_model(vocab_size=264, d_model=64, num_heads=8, num_kv_heads=4, mlp_dim=128),
+        mesh=config.MeshConfig(**{"data": 1, **mesh}),
+        data=config.DataConfig(seq_len=32),
+        train=config.TrainConfig(global_batch_size=8, steps=3),
+        optim=config.OptimConfig(lr=3e-2, warmup_steps=0, eps=1e-6),
+        peft=PeftConfig(method="lora", rank=4, targets=("all-linear",), dora=True),
+    )
+    cfg.validate(len(devices))
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    step, _, tx, _, batch_sh = compile_steps(cfg, mesh)
+    state = init_state(cfg.model, tx, mesh, seed=0, **layout(cfg))
+    losses = []
+    for i in range(cfg.train.steps):
+        state, metrics = step(state, to_global(synthetic_batch(cfg, seed=i), batch_sh))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.params)
+
+
+def test_dora_trains_the_same_on_one_device_and_sharded():
+    """The norms over a weight's inputs are whole when fsdp and tensor split the weight: the
+    same losses, and the same adapters and magnitudes (as tests/test_lora.py's tolerance)."""
+    ref_losses, ref = _train_dora({}, jax.devices()[:1])
+    losses, params = _train_dora(dict(data=2, fsdp=2, tensor=2), jax.devices())
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params, ref)
+    m = params["layers"]["attn"]["o_proj_lora_magnitude"]
+    assert m.shape == (2, 64)
