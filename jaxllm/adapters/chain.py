@@ -15,13 +15,14 @@ A fine-tuning run's checkpoints hold its adapters (or soft prompt) and a record 
   it is loaded), and a reference (DPO, GRPO / PPO's KL) is that base with the new adapters off:
   the merged model itself, no copy.
 - `continue`: the new run trains the source's own adapters (or soft prompt) on the source's
-  own base, which needs the same peft.rank, alpha, rslora, dora, modules_to_save and targets
-  (or num_virtual_tokens, or a bottleneck run's adapter_size and adapter_activation); peft.method may go from lora to
-  qlora or back (the base is then stored the new way). Its base
-  record is the source's, so `convert export --peft` names the same Hugging Face base. The
-  reference is the starting model, the base with the starting adapters: only those adapters
-  are held beside the policy (`jaxllm.train.companions`), as TRL's second adapter loaded for the
-  reference, so a QLoRA run never holds a full-precision copy.
+  own base, which needs the same peft.rank, alpha, rslora, dora, modules_to_save,
+  layers_to_transform and targets (or num_virtual_tokens, or a bottleneck run's adapter_size
+  and adapter_activation); peft.method may go from lora to qlora or back (the base is then
+  stored the new way). Its base record is the source's, so `convert export --peft` names the
+  same Hugging Face base. The reference is the starting model, the base with the starting
+  adapters: only those adapters are held beside the policy (`jaxllm.train.companions`), as
+  TRL's second adapter loaded for the reference, so a QLoRA run never holds a full-precision
+  copy.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def _peft_keys(cfg: Config, theirs: Config) -> list[str]:
     if mine.method == "adapter":
         keys = ("adapter_size", "adapter_activation")
         return [k for k in keys if getattr(mine, k) != getattr(old, k)]
-    keys = ("rank", "alpha", "rslora", "dora", "modules_to_save")
+    keys = ("rank", "alpha", "rslora", "dora", "modules_to_save", "layers_to_transform")
     keys = [k for k in keys if getattr(mine, k) != getattr(old, k)]
     if _adapted(cfg.model, mine) != _adapted(theirs.model, old):
         keys.append("targets")

@@ -30,6 +30,16 @@ from safetensors.numpy import save_file
 
 from jaxllm import checkpoint, sharding
 from jaxllm import config as config_lib
+from jaxllm.adapters.peft_parts import (
+    CONFIG_FILE,
+    PREFIX,
+    TIED_HEAD,
+    layer_list,
+    left_out,
+    module_of,
+    saved_links,
+    saved_names,
+)
 from jaxllm.config import ConfigError, ModelConfig, PeftConfig
 from jaxllm.config.outputs import check_output, written
 from jaxllm.convert import is_hf_dir, load_params
@@ -42,13 +52,10 @@ from jaxllm.convert.mapping import Mapped, each, element_shapes, flatten, unflat
 from jaxllm.convert.reader import Reader, read_hf_config, read_json
 from jaxllm.load import BASE_ITEM, base_record, check_base
 from jaxllm.model import abstract_model, abstract_model_state
-from jaxllm.model.lora import SAVED
+from jaxllm.model.peft_parts import SAVED
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 A, B, M = "_lora_a", "_lora_b", "_lora_magnitude"
-TIED_HEAD = PREFIX + "lm_head.weight"  # PEFT's copy of saved tied embeddings (ensure_weight_tying)
 
 # adapter_config.json keys for PEFT features jaxllm's LoRA does not have, with the value that
 # means "not used" (null, false, {} or [] count as unused too).
@@ -57,7 +64,6 @@ UNUSED = {
     "lora_bias": False,
     "rank_pattern": {},
     "alpha_pattern": {},
-    "layers_to_transform": None,
     "layer_replication": None,
     "target_parameters": None,
     "trainable_token_indices": None,
@@ -75,21 +81,16 @@ EXPERT_NAMES = {
 }
 
 
-def _module(link: Link) -> str:
-    """The torch module of a weight's link (`model.layers.{i}.self_attn.q_proj`)."""
-    return link.hf.removesuffix(".weight")
-
-
 def _leaf(link: Link) -> str:
     """The module's own name, as target_modules names it (`q_proj`)."""
-    return _module(link).rsplit(".", 1)[-1]
+    return module_of(link).rsplit(".", 1)[-1]
 
 
 def _factor_links(link: Link, dora: bool) -> tuple[Link, ...]:
     """The links of A and B (and DoRA's magnitude) for the weight of `link`: PEFT's lora_A /
     lora_B are torch Linear layers ([out, in]) whatever the module's own kind, and
     lora_magnitude_vector [out] is the flattened output dims of the weight."""
-    module, path = PREFIX + _module(link), link.ours[0]
+    module, path = PREFIX + module_of(link), link.ours[0]
     a = dataclasses.replace(link, hf=module + ".lora_A.weight", ours=(path + A,), kind="linear")
     b = dataclasses.replace(
         link, hf=module + ".lora_B.weight", ours=(path + B,), kind="linear", n_in=1
@@ -125,32 +126,16 @@ def factor_links(
     return weights, links, sorted(adapted - {w.ours[0] for w in weights})
 
 
-def saved_links(cfg: ModelConfig, family: Family, names) -> list[Link]:
-    """The links of the whole weights `peft.modules_to_save` names, which PEFT saves under the
-    base weight's own name behind its prefix (`base_model.model.lm_head.weight`)."""
-    links = {link.ours[0]: link for link in family.links(cfg) if len(link.ours) == 1}
-    out = []
-    for name in names:
-        link = links.get("/".join(SAVED[name]))
-        if link is None or link.indices:
-            raise ConfigError(
-                f"peft.modules_to_save: {name} has no Hugging Face layout in a {family.name} "
-                "checkpoint of this model."
-            )
-        out.append(dataclasses.replace(link, hf=PREFIX + link.hf))
-    return out
-
-
 def target_modules(cfg: ModelConfig, family: Family, weights: list[Link], shapes) -> list[str]:
     """target_modules for the adapted `weights`: PEFT adapts every module whose name is, or
     ends with, an entry, so a module's own name (`q_proj`) where every module of that name is
     adapted here, else the full names of the adapted ones (GPT-2's `c_proj` is both the
     attention output and the MLP down projection)."""
-    adapted = {_module(w) for w in weights}
+    adapted = {module_of(w) for w in weights}
     out = set()
     for w in weights:
         alike = [link for link in _adaptable(family, cfg) if _leaf(link) == _leaf(w)]
-        if all(_module(link) in adapted for link in alike):
+        if all(module_of(link) in adapted for link in alike):
             out.add(_leaf(w))
         else:
             out |= {w.name(i).removesuffix(".weight") for i in each(w, shapes)}
@@ -171,6 +156,7 @@ def adapter_config(peft: PeftConfig, modules: list[str], base: str | None, conv:
         "lora_dropout": peft.dropout,
         "use_rslora": peft.rslora,
         "use_dora": peft.dora,
+        "layers_to_transform": list(peft.layers_to_transform) or None,
         "target_modules": modules,
         "fan_in_fan_out": conv,
         "inference_mode": True,
@@ -222,6 +208,8 @@ def export_peft(
     tensors, report = {}, []
     for link in links:
         for index in each(link, shapes):  # one layer at a time to the host
+            if left_out(link, index, cfg.peft.layers_to_transform):
+                continue
             x = np.asarray(jax.device_get(flat[link.ours[0]][index]))
             tensors[link.name(index)] = link.to_hf([x])
         report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
@@ -278,7 +266,7 @@ def _peft_overrides(hf: dict, modules: set[str], family: Family, cfg: ModelConfi
     (full names): the jaxllm target of every family weight PEFT adapted in some layer."""
     targets = set()
     for link in _adaptable(family, cfg):
-        pattern = re.escape(_module(link)).replace(re.escape("{i}"), r"\d+")
+        pattern = re.escape(module_of(link)).replace(re.escape("{i}"), r"\d+")
         if any(re.fullmatch(pattern, m) for m in modules):
             tower = "visual." if link.ours[0].startswith("visual/") else ""  # peft.targets
             targets.add(tower + link.ours[0].rsplit("/", 1)[-1])
@@ -295,37 +283,9 @@ def _peft_overrides(hf: dict, modules: set[str], family: Family, cfg: ModelConfi
         f"peft.dropout={float(hf.get('lora_dropout') or 0.0)}",
         f"peft.rslora={str(bool(hf.get('use_rslora'))).lower()}",
         f"peft.dora={str(bool(hf.get('use_dora'))).lower()}",
+        f"peft.layers_to_transform=[{','.join(map(str, layer_list(hf)))}]",
         f"peft.targets=[{','.join(sorted(targets))}]",
     ]
-
-
-def _saved_names(hf: dict, family: Family, cfg: ModelConfig) -> list[str]:
-    """jaxllm's names (`peft.modules_to_save`) of the adapter's modules_to_save: PEFT's match a
-    module whose name is, or ends with, one of them."""
-    modules = {}
-    for ours, path in SAVED.items():
-        link = next((x for x in family.links(cfg) if x.ours == ("/".join(path),)), None)
-        if link is not None:
-            modules[ours] = _module(link)
-    out = []
-    tied = cfg.tie_embeddings and hf.get("ensure_weight_tying")
-    for name in hf.get("modules_to_save") or []:
-        if tied and name == "lm_head":  # PEFT's tied copy of the saved embeddings
-            name = modules["embed_tokens"]
-        found = [o for o, m in modules.items() if m == name or m.endswith("." + name)]
-        if not found:
-            raise ConfigError(
-                f"the adapter's modules_to_save names {name!r}, which is none of this "
-                f"{family.name} model's {', '.join(sorted(modules.values()))}."
-            )
-        out += found
-    if "embed_tokens" in out and cfg.tie_embeddings and not hf.get("ensure_weight_tying"):
-        raise ConfigError(
-            "the adapter trains a copy of the tied embeddings (modules_to_save without "
-            "ensure_weight_tying), which PEFT uses for the input only; jaxllm's tied model "
-            "has one matrix for both, so this adapter cannot be imported as it is."
-        )
-    return sorted(set(out))
 
 
 def import_peft(
@@ -351,7 +311,7 @@ def import_peft(
     }
     plain = config_lib.from_dict({"model": model_fields(read_hf_config(hf_dir))}).model
     peft = _peft_overrides(hf, modules, family, plain)
-    peft.append(f"peft.modules_to_save=[{','.join(_saved_names(hf, family, plain))}]")
+    peft.append(f"peft.modules_to_save=[{','.join(saved_names(hf, family, plain))}]")
     overrides = [f"checkpoint.init_from={hf_dir}", *peft, *overrides]
     new = new_run(hf_dir, out_dir, overrides, overwrite=overwrite, reads=reads)
     cfg = new.cfg
@@ -372,14 +332,22 @@ def import_peft(
         )
     links += saved_links(cfg.model, family, cfg.peft.modules_to_save)
     tied_head = cfg.model.tie_embeddings and "embed_tokens" in cfg.peft.modules_to_save
-    _check_names(reader, links, shapes, adapter_dir, {TIED_HEAD} if tied_head else set())
+    layers = cfg.peft.layers_to_transform
+    ignored = {TIED_HEAD} if tied_head else set()
+    _check_names(reader, links, shapes, adapter_dir, ignored, layers)
     mesh = mesh or sharding.make_mesh(cfg.mesh)
     flat_sh = flatten(sharding.tree_shardings(mesh, axes))
     out = {}
     for link in links:
         p = link.ours[0]
         element = element_shapes(link, shapes)
-        parts = [link.to_ours(reader.read(link.name(i)), element)[0] for i in each(link, shapes)]
+        zeros = np.zeros(element[0], flat_abstract[p].dtype)  # a layer PEFT does not adapt
+        parts = [
+            zeros
+            if left_out(link, i, layers)
+            else link.to_ours(reader.read(link.name(i)), element)[0]
+            for i in each(link, shapes)
+        ]
         x = np.stack(parts).reshape(shapes[p]).astype(flat_abstract[p].dtype)
         out[p] = jax.device_put(x, flat_sh[p])
     model_state = None
@@ -391,7 +359,12 @@ def import_peft(
 
 
 def _check_names(
-    reader: Reader, links: list[Link], shapes: dict, adapter_dir: Path, ignored=frozenset()
+    reader: Reader,
+    links: list[Link],
+    shapes: dict,
+    adapter_dir: Path,
+    ignored=frozenset(),
+    layers: tuple[int, ...] = (),
 ) -> None:
     """ConfigError naming the first mismatches between the adapter file and the factors the
     run expects: missing tensors (a layer PEFT left out), shapes, tensors that map to none
@@ -400,6 +373,8 @@ def _check_names(
     for link in links:
         want = link.hf_shape(element_shapes(link, shapes))
         for index in each(link, shapes):
+            if left_out(link, index, layers):
+                continue
             name = link.name(index)
             expected.add(name)
             if name not in reader.shapes:
@@ -412,7 +387,8 @@ def _check_names(
         more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
         raise ConfigError(
             f"cannot import the adapter in {adapter_dir}: {'; '.join(errors[:3])}{more}; jaxllm "
-            "adapts every layer's weight of a target name, with one rank and alpha."
+            "adapts a target name's weight in every layer (or those of layers_to_transform), "
+            "with one rank and alpha."
         )
 
 

@@ -81,6 +81,10 @@ class PeftConfig:
     """Whole weights that train in full beside the LoRA adapters and are stored with them
     (PEFT's modules_to_save): embed_tokens (with tied embeddings, also the LM head), lm_head
     (untied only), score (a reward model's head)."""
+    layers_to_transform: tuple[int, ...] = ()
+    """Adapt only these layers (PEFT's layers_to_transform; empty: all). The other layers'
+    A and B start at zero, where LoRA's gradients are zero too, so they stay off. Not with
+    dora, and only on a model with one stack of layers (no MoE or hybrid pattern)."""
     num_virtual_tokens: int = 20
     """Prompt tuning: trainable embeddings placed before every example."""
     adapter_size: int = 64
@@ -107,6 +111,19 @@ class PeftConfig:
             fail(
                 f"peft.modules_to_save trains whole modules beside LoRA adapters; "
                 f"peft.method={self.method} has none (full fine-tuning trains every module)."
+            )
+        if self.layers_to_transform and not self.lora:
+            fail(
+                f"peft.layers_to_transform picks LoRA's layers; peft.method={self.method} has none."
+            )
+        if self.layers_to_transform and self.dora:
+            fail(
+                "peft.layers_to_transform keeps the other layers' adapters at zero, where DoRA's "
+                "magnitude would still train; set one of them."
+            )
+        if any(i < 0 for i in self.layers_to_transform):
+            fail(
+                f"peft.layers_to_transform: layer numbers are >= 0, not {list(self.layers_to_transform)}."
             )
         for name in self.modules_to_save:
             if name not in SAVABLE:

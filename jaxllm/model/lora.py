@@ -31,6 +31,7 @@ from flax import nnx
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS, VISION, VISION_TARGETS
 from jaxllm.model import coded, fake_quant, nf4, quantized
+from jaxllm.model.peft_parts import SAVED, picked_layers
 
 # The trained parts of an adapted weight `name`: `name` + each (the magnitude under DoRA only).
 SUFFIXES = ("_lora_a", "_lora_b", "_lora_magnitude")
@@ -96,6 +97,8 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
                 sub, (*shape[: lead + n_in], peft.rank), var.dtype, -bound, bound
             )
             b = jnp.zeros((*shape[:lead], peft.rank, *outs), var.dtype)
+            if peft.layers_to_transform:  # A = B = 0 elsewhere: a fixed point of training
+                a = a * picked_layers(path, axes, shape, peft.layers_to_transform, a.ndim, a.dtype)
             a_axes = (*axes[: lead + n_in], "lora_rank")
             b_axes = (*axes[:lead], "lora_rank", *axes[lead + n_in :])
             setattr(module, f"{name}_lora_a", LoRAParam(a, axes=a_axes))
@@ -130,23 +133,6 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
                 f"{tied if name == 'lm_head' else ''}."
             )
         setattr(module, leaf, SavedParam(var.get_value(), **var.get_metadata()))
-
-
-# Our parameter of each name `peft.modules_to_save` takes (PEFT's module names).
-SAVED = {"embed_tokens": ("embed", "embedding"), "lm_head": ("lm_head",), "score": ("score",)}
-
-
-def saved_from(params: dict, base: dict, peft: PeftConfig) -> dict:
-    """`params` (what trains) with the modules `peft.modules_to_save` names taken from the
-    loaded `base`: where they start."""
-    out = dict(params)
-    for name in peft.modules_to_save:
-        path = SAVED[name]
-        if len(path) == 1:
-            out[path[0]] = base[path[0]]
-        else:
-            out[path[0]] = {**out[path[0]], path[1]: base[path[0]][path[1]]}
-    return out
 
 
 # The dropout key of the block being traced (`dropout_keys`), and how many adapters drew from it.

@@ -28,6 +28,7 @@ from jaxllm.model import (
     fresh_where_missing,
     init_keys,
     lora,
+    peft_parts,
     split_peft,
 )
 from jaxllm.parallel.grad_compression import Compression
@@ -400,7 +401,7 @@ def init_state_from(
             frozen_axes = abstract_frozen(model_cfg, peft)[1]  # a source's value head: not base
             frozen = lora.freeze({k: params[k] for k in frozen_axes}, frozen_axes, peft)
             fresh = _init(model_cfg, tx, seed, None, peft).params
-            params = lora.saved_from(fresh, params, peft)  # modules_to_save: the base's
+            params = peft_parts.saved_from(fresh, params, peft)  # modules_to_save: the base's
             if peft.dora:  # DoRA's magnitudes start at the loaded base's norms
                 params = lora.fit_magnitudes(params, frozen)
             if adapters is not None:  # a value head beside imported adapters starts fresh
