@@ -187,8 +187,8 @@ def test_refusals_are_one_line(lora_run, peft_adapter, tmp_path, capsys):
 
     src, adapter, _ = peft_adapter
     for key, value, message in [
-        ("use_dora", True, "sets use_dora=True"),
-        ("layers_to_transform", [0], "sets layers_to_transform=[0]"),
+        ("lora_bias", True, "sets lora_bias=True"),
+        ("rank_pattern", {"q_proj": 2}, "sets rank_pattern="),
         ("peft_type", "PROMPT_TUNING", "not a LoRA adapter"),
     ]:
         changed = tmp_path / key

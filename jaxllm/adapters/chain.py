@@ -15,13 +15,14 @@ A fine-tuning run's checkpoints hold its adapters (or soft prompt) and a record 
   it is loaded), and a reference (DPO, GRPO / PPO's KL) is that base with the new adapters off:
   the merged model itself, no copy.
 - `continue`: the new run trains the source's own adapters (or soft prompt) on the source's
-  own base, which needs the same peft.rank, alpha, rslora and targets (or num_virtual_tokens,
-  or a bottleneck run's adapter_size and adapter_activation); peft.method may go from lora to
-  qlora or back (the base is then stored the new way). Its base
-  record is the source's, so `convert export --peft` names the same Hugging Face base. The
-  reference is the starting model, the base with the starting adapters: only those adapters
-  are held beside the policy (`jaxllm.train.companions`), as TRL's second adapter loaded for the
-  reference, so a QLoRA run never holds a full-precision copy.
+  own base, which needs the same peft.rank, alpha, rslora, dora, modules_to_save,
+  layers_to_transform and targets (or num_virtual_tokens, or a bottleneck run's adapter_size
+  and adapter_activation); peft.method may go from lora to qlora or back (the base is then
+  stored the new way). Its base record is the source's, so `convert export --peft` names the
+  same Hugging Face base. The reference is the starting model, the base with the starting
+  adapters: only those adapters are held beside the policy (`jaxllm.train.companions`), as
+  TRL's second adapter loaded for the reference, so a QLoRA run never holds a full-precision
+  copy.
 """
 
 from __future__ import annotations
@@ -137,6 +138,12 @@ def pruned_base(cfg: Config) -> Config:
         return cfg
     cfg = dataclasses.replace(cfg, prune=theirs.prune)
     if cfg.peft.lora and theirs.prune.method not in STRUCTURED:
+        if cfg.peft.dora:
+            raise ConfigError(
+                f"peft.dora rescales whole outputs, which cannot keep the zeros of "
+                f"checkpoint.init_from (pruned with prune.method={theirs.prune.method}); train "
+                "it with plain LoRA (peft.dora=false)."
+            )
         cfg = dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, keep_zeros=True))
     return cfg
 
@@ -152,7 +159,8 @@ def _peft_keys(cfg: Config, theirs: Config) -> list[str]:
     if mine.method == "adapter":
         keys = ("adapter_size", "adapter_activation")
         return [k for k in keys if getattr(mine, k) != getattr(old, k)]
-    keys = [k for k in ("rank", "alpha", "rslora") if getattr(mine, k) != getattr(old, k)]
+    keys = ("rank", "alpha", "rslora", "dora", "modules_to_save", "layers_to_transform")
+    keys = [k for k in keys if getattr(mine, k) != getattr(old, k)]
     if _adapted(cfg.model, mine) != _adapted(theirs.model, old):
         keys.append("targets")
     return keys

@@ -30,6 +30,16 @@ from safetensors.numpy import save_file
 
 from jaxllm import checkpoint, sharding
 from jaxllm import config as config_lib
+from jaxllm.adapters.peft_parts import (
+    CONFIG_FILE,
+    PREFIX,
+    TIED_HEAD,
+    layer_list,
+    left_out,
+    module_of,
+    saved_links,
+    saved_names,
+)
 from jaxllm.config import ConfigError, ModelConfig, PeftConfig
 from jaxllm.config.outputs import check_output, written
 from jaxllm.convert import is_hf_dir, load_params
@@ -42,23 +52,19 @@ from jaxllm.convert.mapping import Mapped, each, element_shapes, flatten, unflat
 from jaxllm.convert.reader import Reader, read_hf_config, read_json
 from jaxllm.load import BASE_ITEM, base_record, check_base
 from jaxllm.model import abstract_model, abstract_model_state
+from jaxllm.model.peft_parts import SAVED
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
-A, B = "_lora_a", "_lora_b"
+A, B, M = "_lora_a", "_lora_b", "_lora_magnitude"
 
 # adapter_config.json keys for PEFT features jaxllm's LoRA does not have, with the value that
 # means "not used" (null, false, {} or [] count as unused too).
 UNUSED = {
     "bias": "none",
-    "use_dora": False,
     "lora_bias": False,
     "rank_pattern": {},
     "alpha_pattern": {},
-    "layers_to_transform": None,
     "layer_replication": None,
-    "modules_to_save": None,
     "target_parameters": None,
     "trainable_token_indices": None,
     "use_qalora": False,
@@ -75,25 +81,24 @@ EXPERT_NAMES = {
 }
 
 
-def _module(link: Link) -> str:
-    """The torch module of a weight's link (`model.layers.{i}.self_attn.q_proj`)."""
-    return link.hf.removesuffix(".weight")
-
-
 def _leaf(link: Link) -> str:
     """The module's own name, as target_modules names it (`q_proj`)."""
-    return _module(link).rsplit(".", 1)[-1]
+    return module_of(link).rsplit(".", 1)[-1]
 
 
-def _factor_links(link: Link) -> tuple[Link, Link]:
-    """The links of A and B for the weight of `link`: PEFT's lora_A / lora_B are torch Linear
-    layers ([out, in]) whatever the module's own kind."""
-    module, path = PREFIX + _module(link), link.ours[0]
+def _factor_links(link: Link, dora: bool) -> tuple[Link, ...]:
+    """The links of A and B (and DoRA's magnitude) for the weight of `link`: PEFT's lora_A /
+    lora_B are torch Linear layers ([out, in]) whatever the module's own kind, and
+    lora_magnitude_vector [out] is the flattened output dims of the weight."""
+    module, path = PREFIX + module_of(link), link.ours[0]
     a = dataclasses.replace(link, hf=module + ".lora_A.weight", ours=(path + A,), kind="linear")
     b = dataclasses.replace(
         link, hf=module + ".lora_B.weight", ours=(path + B,), kind="linear", n_in=1
     )
-    return a, b
+    m = dataclasses.replace(
+        link, hf=module + ".lora_magnitude_vector", ours=(path + M,), kind="flat"
+    )
+    return (a, b, m) if dora else (a, b)
 
 
 def _adaptable(family: Family, cfg: ModelConfig) -> list[Link]:
@@ -112,12 +117,12 @@ def _adaptable(family: Family, cfg: ModelConfig) -> list[Link]:
 
 
 def factor_links(
-    cfg: ModelConfig, family: Family, adapted: set[str]
+    cfg: ModelConfig, family: Family, adapted: set[str], dora: bool = False
 ) -> tuple[list[Link], list[Link], list[str]]:
-    """(the adapted weights' links, their A and B links, the adapted weights without a PEFT
-    layout) for our weight paths `adapted`."""
+    """(the adapted weights' links, their A and B (and magnitude) links, the adapted weights
+    without a PEFT layout) for our weight paths `adapted`."""
     weights = [link for link in _adaptable(family, cfg) if link.ours[0] in adapted]
-    links = [f for w in weights for f in _factor_links(w)]
+    links = [f for w in weights for f in _factor_links(w, dora)]
     return weights, links, sorted(adapted - {w.ours[0] for w in weights})
 
 
@@ -126,11 +131,11 @@ def target_modules(cfg: ModelConfig, family: Family, weights: list[Link], shapes
     ends with, an entry, so a module's own name (`q_proj`) where every module of that name is
     adapted here, else the full names of the adapted ones (GPT-2's `c_proj` is both the
     attention output and the MLP down projection)."""
-    adapted = {_module(w) for w in weights}
+    adapted = {module_of(w) for w in weights}
     out = set()
     for w in weights:
         alike = [link for link in _adaptable(family, cfg) if _leaf(link) == _leaf(w)]
-        if all(_module(link) in adapted for link in alike):
+        if all(module_of(link) in adapted for link in alike):
             out.add(_leaf(w))
         else:
             out |= {w.name(i).removesuffix(".weight") for i in each(w, shapes)}
@@ -150,6 +155,8 @@ def adapter_config(peft: PeftConfig, modules: list[str], base: str | None, conv:
         "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
         "lora_dropout": peft.dropout,
         "use_rslora": peft.rslora,
+        "use_dora": peft.dora,
+        "layers_to_transform": list(peft.layers_to_transform) or None,
         "target_modules": modules,
         "fan_in_fan_out": conv,
         "inference_mode": True,
@@ -187,7 +194,7 @@ def export_peft(
     adapted = {p.removesuffix(A) for p in flat if p.endswith(A)}
     if not adapted:
         raise ConfigError("this run's checkpoint holds no LoRA adapters; nothing to export.")
-    weights, links, unmapped = factor_links(m, fam, adapted)
+    weights, links, unmapped = factor_links(m, fam, adapted, cfg.peft.dora)
     if unmapped:
         raise ConfigError(
             f"the adapters of {', '.join(unmapped)} have no Hugging Face PEFT layout in a "
@@ -201,6 +208,8 @@ def export_peft(
     tensors, report = {}, []
     for link in links:
         for index in each(link, shapes):  # one layer at a time to the host
+            if left_out(link, index, cfg.peft.layers_to_transform):
+                continue
             x = np.asarray(jax.device_get(flat[link.ours[0]][index]))
             tensors[link.name(index)] = link.to_hf([x])
         report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
@@ -208,6 +217,16 @@ def export_peft(
     conv = any(w.kind == "conv" for w in weights)
     hf_base = source if source and is_hf_dir(source) else None
     settings = adapter_config(cfg.peft, modules, hf_base, conv)
+    saved = saved_links(m, fam, cfg.peft.modules_to_save)
+    for link in saved:
+        tensors[link.hf] = link.to_hf([np.asarray(jax.device_get(flat[link.ours[0]]))])
+        report.append(Mapped.of(link, shapes, str(flat[link.ours[0]].dtype)))
+    embed = [link.hf for link in saved if link.ours == ("/".join(SAVED["embed_tokens"]),)]
+    if m.tie_embeddings and embed:  # PEFT's tied head: the saved embeddings again
+        tensors[TIED_HEAD] = tensors[embed[0]]
+    if saved:  # PEFT's names of the modules: their own (`embed_tokens`, `lm_head`)
+        settings["modules_to_save"] = [_leaf(link) for link in saved]
+        settings["ensure_weight_tying"] = m.tie_embeddings
     with written(out_dir, flag=OUT_FLAG, overwrite=overwrite) as tmp, library_os_errors(tmp):
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
@@ -247,7 +266,7 @@ def _peft_overrides(hf: dict, modules: set[str], family: Family, cfg: ModelConfi
     (full names): the jaxllm target of every family weight PEFT adapted in some layer."""
     targets = set()
     for link in _adaptable(family, cfg):
-        pattern = re.escape(_module(link)).replace(re.escape("{i}"), r"\d+")
+        pattern = re.escape(module_of(link)).replace(re.escape("{i}"), r"\d+")
         if any(re.fullmatch(pattern, m) for m in modules):
             tower = "visual." if link.ours[0].startswith("visual/") else ""  # peft.targets
             targets.add(tower + link.ours[0].rsplit("/", 1)[-1])
@@ -263,6 +282,8 @@ def _peft_overrides(hf: dict, modules: set[str], family: Family, cfg: ModelConfi
         f"peft.alpha={float(alpha)}",
         f"peft.dropout={float(hf.get('lora_dropout') or 0.0)}",
         f"peft.rslora={str(bool(hf.get('use_rslora'))).lower()}",
+        f"peft.dora={str(bool(hf.get('use_dora'))).lower()}",
+        f"peft.layers_to_transform=[{','.join(map(str, layer_list(hf)))}]",
         f"peft.targets=[{','.join(sorted(targets))}]",
     ]
 
@@ -290,6 +311,7 @@ def import_peft(
     }
     plain = config_lib.from_dict({"model": model_fields(read_hf_config(hf_dir))}).model
     peft = _peft_overrides(hf, modules, family, plain)
+    peft.append(f"peft.modules_to_save=[{','.join(saved_names(hf, family, plain))}]")
     overrides = [f"checkpoint.init_from={hf_dir}", *peft, *overrides]
     new = new_run(hf_dir, out_dir, overrides, overwrite=overwrite, reads=reads)
     cfg = new.cfg
@@ -301,21 +323,31 @@ def import_peft(
     flat_abstract = flatten(abstract)
     shapes = {p: tuple(a.shape) for p, a in flat_abstract.items()}
     adapted = {p.removesuffix(A) for p in shapes if p.endswith(A)}
-    _, links, unmapped = factor_links(cfg.model, family, adapted)
+    _, links, unmapped = factor_links(cfg.model, family, adapted, cfg.peft.dora)
     if unmapped:
         raise ConfigError(
             f"with peft.targets={list(cfg.peft.targets)} jaxllm also adapts "
             f"{', '.join(unmapped)}, which PEFT cannot (no Linear module per weight in "
             "transformers); this adapter cannot be imported as it is."
         )
-    _check_names(reader, links, shapes, adapter_dir)
+    links += saved_links(cfg.model, family, cfg.peft.modules_to_save)
+    tied_head = cfg.model.tie_embeddings and "embed_tokens" in cfg.peft.modules_to_save
+    layers = cfg.peft.layers_to_transform
+    ignored = {TIED_HEAD} if tied_head else set()
+    _check_names(reader, links, shapes, adapter_dir, ignored, layers)
     mesh = mesh or sharding.make_mesh(cfg.mesh)
     flat_sh = flatten(sharding.tree_shardings(mesh, axes))
     out = {}
     for link in links:
         p = link.ours[0]
         element = element_shapes(link, shapes)
-        parts = [link.to_ours(reader.read(link.name(i)), element)[0] for i in each(link, shapes)]
+        zeros = np.zeros(element[0], flat_abstract[p].dtype)  # a layer PEFT does not adapt
+        parts = [
+            zeros
+            if left_out(link, i, layers)
+            else link.to_ours(reader.read(link.name(i)), element)[0]
+            for i in each(link, shapes)
+        ]
         x = np.stack(parts).reshape(shapes[p]).astype(flat_abstract[p].dtype)
         out[p] = jax.device_put(x, flat_sh[p])
     model_state = None
@@ -326,25 +358,37 @@ def import_peft(
     return report
 
 
-def _check_names(reader: Reader, links: list[Link], shapes: dict, adapter_dir: Path) -> None:
+def _check_names(
+    reader: Reader,
+    links: list[Link],
+    shapes: dict,
+    adapter_dir: Path,
+    ignored=frozenset(),
+    layers: tuple[int, ...] = (),
+) -> None:
     """ConfigError naming the first mismatches between the adapter file and the factors the
-    run expects: missing tensors (a layer PEFT left out), shapes, tensors that map to none."""
+    run expects: missing tensors (a layer PEFT left out), shapes, tensors that map to none
+    (but those `ignored`: the LM head PEFT saves beside tied embeddings, the same matrix)."""
     errors, expected = [], set()
     for link in links:
         want = link.hf_shape(element_shapes(link, shapes))
         for index in each(link, shapes):
+            if left_out(link, index, layers):
+                continue
             name = link.name(index)
             expected.add(name)
             if name not in reader.shapes:
                 errors.append(f"missing tensor {name}")
             elif reader.shapes[name] != want:
                 errors.append(f"{name} has shape {list(reader.shapes[name])}, not {list(want)}")
-    errors += [f"tensor {n} maps to no adapter" for n in sorted(set(reader.shapes) - expected)]
+    extra = sorted(set(reader.shapes) - expected - set(ignored))
+    errors += [f"tensor {n} maps to no adapter" for n in extra]
     if errors:
         more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
         raise ConfigError(
             f"cannot import the adapter in {adapter_dir}: {'; '.join(errors[:3])}{more}; jaxllm "
-            "adapts every layer's weight of a target name, with one rank and alpha."
+            "adapts a target name's weight in every layer (or those of layers_to_transform), "
+            "with one rank and alpha."
         )
 
 

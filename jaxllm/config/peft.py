@@ -34,6 +34,9 @@ ALL_LINEAR = "all-linear"
 VISION = "visual."
 VISION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VISION_TARGETS += ("fc1", "fc2", "patch_embed")
+# Whole modules that can train beside LoRA adapters (PEFT's modules_to_save), by PEFT's names:
+# the token embeddings, the untied LM head, a reward model's score head.
+SAVABLE = ("embed_tokens", "lm_head", "score")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,18 @@ class PeftConfig:
     x (W + s (A B) * [W != 0]) (the masked update as a dense weight), so the merged model has
     the pruned run's sparsity. Set by itself when `checkpoint.init_from` is a run pruned to
     zeros (`jaxllm prune`, unstructured or N:M)."""
+    dora: bool = False
+    """DoRA (Liu et al. 2024; PEFT's use_dora): each adapted weight becomes
+    m * (W + s A B) / ||W + s A B||, the norm per output over the inputs (taken as a constant,
+    as PEFT), with the trained magnitude m starting at the base's norms. Not with keep_zeros."""
+    modules_to_save: tuple[str, ...] = ()
+    """Whole weights that train in full beside the LoRA adapters and are stored with them
+    (PEFT's modules_to_save): embed_tokens (with tied embeddings, also the LM head), lm_head
+    (untied only), score (a reward model's head)."""
+    layers_to_transform: tuple[int, ...] = ()
+    """Adapt only these layers (PEFT's layers_to_transform; empty: all). The other layers'
+    A and B start at zero, where LoRA's gradients are zero too, so they stay off. Not with
+    dora, and only on a model with one stack of layers (no MoE or hybrid pattern)."""
     num_virtual_tokens: int = 20
     """Prompt tuning: trainable embeddings placed before every example."""
     adapter_size: int = 64
@@ -85,6 +100,39 @@ class PeftConfig:
                 f"peft.keep_zeros masks a LoRA update; peft.method={self.method} has none "
                 "(a full run from a pruned run keeps its zeros by itself)."
             )
+        if self.dora and not self.lora:
+            fail(f"peft.dora decomposes a LoRA update; peft.method={self.method} has none.")
+        if self.dora and self.keep_zeros:
+            fail(
+                "peft.dora rescales whole columns of the weight, which peft.keep_zeros's masked "
+                "update cannot hold; set one of them."
+            )
+        if self.modules_to_save and not self.lora:
+            fail(
+                f"peft.modules_to_save trains whole modules beside LoRA adapters; "
+                f"peft.method={self.method} has none (full fine-tuning trains every module)."
+            )
+        if self.layers_to_transform and not self.lora:
+            fail(
+                f"peft.layers_to_transform picks LoRA's layers; peft.method={self.method} has none."
+            )
+        if self.layers_to_transform and self.dora:
+            fail(
+                "peft.layers_to_transform keeps the other layers' adapters at zero, where DoRA's "
+                "magnitude would still train; set one of them."
+            )
+        if any(i < 0 for i in self.layers_to_transform):
+            fail(
+                f"peft.layers_to_transform: layer numbers are >= 0, not {list(self.layers_to_transform)}."
+            )
+        for name in self.modules_to_save:
+            if name not in SAVABLE:
+                fail(
+                    f"peft.modules_to_save: {name!r} is not a module jaxllm can train beside "
+                    f"LoRA; use {', '.join(SAVABLE)}."
+                )
+            if name in self.targets:
+                fail(f"peft.modules_to_save: {name!r} is also in peft.targets; name it once.")
         if self.method == "none":
             return
         if self.method == "prompt":

@@ -44,6 +44,8 @@ def matmul(
         recorder.see(spec, x, kernel)
     if isinstance(kernel, lora.LoRAKernel):
         y = matmul(spec, x, kernel.base, dtype, out_dtype, fp8=fp8, axis_name=axis_name)
+        if kernel.magnitude is not None:
+            return _dora(spec, x, kernel, y, dtype, out_dtype, fp8, axis_name)
         return y + _lora_path(spec, x, kernel, dtype).astype(out_dtype)
     if isinstance(kernel, coded.CodedTensor) and kernel.act != "none":  # W8A8 kinds
         return coded.matmul(spec, x, kernel, dtype, out_dtype, axis_name)
@@ -55,10 +57,9 @@ def matmul(
     return jnp.einsum(spec, x, kernel, preferred_element_type=out_dtype).astype(out_dtype)
 
 
-def _lora_path(spec: str, x: jax.Array, k: lora.LoRAKernel, dtype) -> jax.Array:
-    """s (dropout(x) A) B for `matmul`'s spec: A takes the kernel's leading and contracted
-    dims plus the rank, B the leading dims, the rank and the kernel's output dims; with
-    `k.masked`, s dropout(x) ((A B) * [W != 0])."""
+def _specs(spec: str) -> tuple[str, str, str, str, str, str, str]:
+    """(x's, the kernel's, the output's, A's, x A's, B's, the kept (non-contracted) kernel
+    dims') einsum letters for `matmul`'s spec."""
     ins, rest = spec.split("->")
     xs, ks = ins.split(",")
     r = next(c for c in "rzyxwvu" if c not in spec)
@@ -68,10 +69,43 @@ def _lora_path(spec: str, x: jax.Array, k: lora.LoRAKernel, dtype) -> jax.Array:
     a_spec = ks[: len(ks) - len(outs)] + r
     h_spec = "".join(c for c in xs if c not in contracted) + r
     b_spec = "".join(lead) + r + "".join(outs)
+    return xs, ks, rest, a_spec, h_spec, b_spec, "".join(c for c in ks if c not in contracted)
+
+
+def _dropped(x: jax.Array, k: lora.LoRAKernel, dtype) -> jax.Array:
+    """The adapters' input: x with the kernel's dropout (training only)."""
     x = x.astype(dtype)
     if k.dropout and k.key is not None:
         keep = jax.random.bernoulli(k.key, 1.0 - k.dropout, x.shape)
         x = jnp.where(keep, x / (1.0 - k.dropout), 0).astype(dtype)
+    return x
+
+
+def _dora(spec, x, k: lora.LoRAKernel, y, dtype, out_dtype, fp8, axis_name) -> jax.Array:
+    """DoRA as PEFT computes it: y + (g - 1) (x' W) + g s (x' A) B with x' = dropout(x) and
+    g = m / ||W + s A B|| per output (the norm a constant), i.e. x (g (W + s A B)) without
+    dropout. The norm sums over the contracted dims, across `axis_name` when they are split."""
+    _, ks, rest, a_spec, _, b_spec, g_spec = _specs(spec)
+    a, b = k.a.astype(jnp.float32), k.b.astype(jnp.float32)
+    w = lora.as_array(k.base, jnp.float32) + jnp.einsum(f"{a_spec},{b_spec}->{ks}", a, b) * k.scale
+    squares = jnp.einsum(f"{ks},{ks}->{g_spec}", w, w)
+    if axis_name is not None:
+        squares = jax.lax.psum(squares, axis_name)
+    g = k.magnitude.astype(jnp.float32) / jax.lax.stop_gradient(jnp.sqrt(squares))
+    xd, yd = _dropped(x, k, dtype), y
+    if k.dropout and k.key is not None:  # PEFT's base_result is then x' W
+        yd = matmul(spec, xd, k.base, dtype, out_dtype, fp8=fp8, axis_name=axis_name)
+    up = _lora_path(spec, xd, k._replace(dropout=0.0, key=None), dtype).astype(jnp.float32)
+    scaled = jnp.einsum(f"{rest},{g_spec}->{rest}", yd.astype(jnp.float32) + up, g)
+    return (y.astype(jnp.float32) - yd.astype(jnp.float32) + scaled).astype(out_dtype)
+
+
+def _lora_path(spec: str, x: jax.Array, k: lora.LoRAKernel, dtype) -> jax.Array:
+    """s (dropout(x) A) B for `matmul`'s spec: A takes the kernel's leading and contracted
+    dims plus the rank, B the leading dims, the rank and the kernel's output dims; with
+    `k.masked`, s dropout(x) ((A B) * [W != 0])."""
+    xs, ks, rest, a_spec, h_spec, b_spec, _ = _specs(spec)
+    x = _dropped(x, k, dtype)
     if k.masked:  # peft.keep_zeros: the update (A B) * [W != 0] as a dense weight
         d = jnp.einsum(f"{a_spec},{b_spec}->{ks}", k.a.astype(dtype), k.b.astype(dtype))
         d = jnp.where(lora.as_array(k.base, dtype) != 0, d, 0)

@@ -11,6 +11,10 @@ stacked (scanned) weight's factors are stacked too.
 `kernel(module, name)` is what model code reads a weight through: the array itself, or a
 `LoRAKernel` that `layers.matmul` turns into the two paths. Routed experts (whose weights travel
 through the expert dispatch) and MLA's absorbed decode read `dense(...)`: the merged W + s A B.
+
+DoRA (Liu et al. 2024, arXiv:2402.09353; `peft.dora`) adds a magnitude m [*out]
+(`q_proj_lora_magnitude`, axes the weight's output ones) and uses m * (W + s A B) / ||W + s A B||,
+the norm over the input dims and treated as a constant, as Hugging Face PEFT's DoRA layer.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from flax import nnx
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS, VISION, VISION_TARGETS
 from jaxllm.model import coded, fake_quant, nf4, quantized
+from jaxllm.model.peft_parts import SAVED, picked_layers
+
+# The trained parts of an adapted weight `name`: `name` + each (the magnitude under DoRA only).
+SUFFIXES = ("_lora_a", "_lora_b", "_lora_magnitude")
 
 
 class LoRAParam(nnx.Param):
@@ -44,6 +52,7 @@ class LoRAKernel(NamedTuple):
     dropout: float = 0.0
     key: jax.Array | None = None
     masked: bool = False  # peft.keep_zeros: the update is s (A B) * [base != 0]
+    magnitude: jax.Array | None = None  # peft.dora: m [*lead, *out]
 
 
 def in_dims(name: str) -> int:
@@ -88,6 +97,8 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
                 sub, (*shape[: lead + n_in], peft.rank), var.dtype, -bound, bound
             )
             b = jnp.zeros((*shape[:lead], peft.rank, *outs), var.dtype)
+            if peft.layers_to_transform:  # A = B = 0 elsewhere: a fixed point of training
+                a = a * picked_layers(path, axes, shape, peft.layers_to_transform, a.ndim, a.dtype)
             a_axes = (*axes[: lead + n_in], "lora_rank")
             b_axes = (*axes[:lead], "lora_rank", *axes[lead + n_in :])
             setattr(module, f"{name}_lora_a", LoRAParam(a, axes=a_axes))
@@ -95,6 +106,10 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
             setattr(module, f"{name}_lora_scale", float(peft.scale))
             setattr(module, f"{name}_lora_dropout", float(peft.dropout))
             setattr(module, f"{name}_lora_masked", bool(peft.keep_zeros))
+            if peft.dora:  # m starts at the base's norms (`fit_magnitudes` for a loaded base)
+                m = weight_norm(var[...], lead, n_in).astype(var.dtype)
+                m_axes = (*axes[:lead], *axes[lead + n_in :])
+                setattr(module, f"{name}_lora_magnitude", LoRAParam(m, axes=m_axes))
     missing = [t for t in peft.targets if t not in found and t != ALL_LINEAR]
     if ALL_LINEAR in peft.targets and not found - {
         VISION + n for n in (*VISION_TARGETS, ALL_LINEAR)
@@ -106,6 +121,18 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
             f"it has {', '.join(sorted(targetable(model)))}."
         )
     model.lora_dropout = float(peft.dropout)  # the model then draws per-layer dropout keys
+    for name in peft.modules_to_save:
+        module, leaf = model, SAVED[name][-1]
+        for step in SAVED[name][:-1]:
+            module = getattr(module, step, None)
+        var = getattr(module, leaf, None) if module is not None else None
+        if not isinstance(var, nnx.Param):
+            tied = " (its embeddings are tied: name embed_tokens, which trains both)"
+            raise ConfigError(
+                f"peft.modules_to_save: this model has no {name}"
+                f"{tied if name == 'lm_head' else ''}."
+            )
+        setattr(module, leaf, SavedParam(var.get_value(), **var.get_metadata()))
 
 
 # The dropout key of the block being traced (`dropout_keys`), and how many adapters drew from it.
@@ -169,7 +196,45 @@ def kernel(module: nnx.Module, name: str):
         rate,
         next_key() if rate else None,
         getattr(module, f"{name}_lora_masked", False),
+        m[...] if (m := getattr(module, f"{name}_lora_magnitude", None)) is not None else None,
     )
+
+
+def weight_norm(w: jax.Array, lead: int, n_in: int) -> jax.Array:
+    """DoRA's ||W||: the float32 norm of each output of w [*lead, *in, *out] over its `n_in`
+    input dims (PEFT's norm of each row of a torch [out, in] weight)."""
+    w = w.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(w * w, axis=tuple(range(lead, lead + n_in))))
+
+
+def dora_weight(w: jax.Array, m: jax.Array, lead: int, n_in: int) -> jax.Array:
+    """DoRA's m * w / ||w|| for the adapted weight w = W + s A B [*lead, *in, *out] and the
+    magnitude m [*lead, *out], in float32; the norm taken as a constant (PEFT detaches it:
+    gradients flow through m and w only)."""
+    g = m.astype(jnp.float32) / jax.lax.stop_gradient(weight_norm(w, lead, n_in))
+    g = g.reshape(*g.shape[:lead], *(1,) * n_in, *g.shape[lead:])
+    return w.astype(jnp.float32) * g
+
+
+def fit_magnitudes(params: dict, frozen: dict) -> dict:
+    """`params` with every DoRA magnitude set to the norms of its frozen base weight (the
+    adapters' B being zero): what a fresh DoRA starts from on a loaded base."""
+
+    def walk(p: dict, f: dict) -> dict:
+        out = {}
+        for k, v in p.items():
+            if isinstance(v, dict):
+                out[k] = walk(v, f.get(k, {}))
+            elif k.endswith("_lora_magnitude"):
+                name = k.removesuffix("_lora_magnitude")
+                n_in = in_dims(name)
+                lead = p[f"{name}_lora_a"].ndim - 1 - n_in
+                out[k] = weight_norm(as_array(f[name], jnp.float32), lead, n_in).astype(v.dtype)
+            else:
+                out[k] = v
+        return out
+
+    return walk(params, frozen)
 
 
 def delta(a: jax.Array, b: jax.Array, scale: float, n_in: int, dtype) -> jax.Array:
@@ -191,7 +256,10 @@ def dense(module: nnx.Module, name: str, dtype) -> jax.Array:
     if not isinstance(k, LoRAKernel):
         return k if isinstance(k, jax.Array) else as_array(k, dtype)
     base = as_array(k.base, dtype)
-    d = delta(k.a, k.b, k.scale, in_dims(name), dtype)
+    n_in = in_dims(name)
+    d = delta(k.a, k.b, k.scale, n_in, dtype)
+    if k.magnitude is not None:  # DoRA
+        return dora_weight(base + d, k.magnitude, k.a.ndim - 1 - n_in, n_in).astype(dtype)
     return base + (jnp.where(base != 0, d, 0).astype(dtype) if k.masked else d)
 
 
@@ -233,7 +301,7 @@ def merged_params(graphdef, params, frozen, model_state=None) -> dict:
             )
             if hasattr(module, f"{name}_lora_a") or packed:
                 var.set_value(dense(module, name, jnp.float32).astype(dtype))
-            for suffix in ("_lora_a", "_lora_b", "_lora_scale", "_lora_dropout", "_lora_masked"):
+            for suffix in (*SUFFIXES, "_lora_scale", "_lora_dropout", "_lora_masked"):
                 if hasattr(module, name + suffix):
                     delattr(module, name + suffix)
     if hasattr(model, "lora_dropout"):
@@ -267,7 +335,10 @@ def _stacked(fn, n: int):
 def freeze(params: dict, axes: dict, peft: PeftConfig | None) -> dict:
     """The base parameters as the train state keeps them frozen under `peft`: as they are, or
     under QLoRA with every linear weight in NF4 (`nf4.NF4Tensor`, one per stacked layer)."""
-    if peft is None or peft.method != "qlora":
+    if peft is None or peft.method == "none":
+        return params
+    params = _only(params, axes)  # without what trains in full (peft.modules_to_save)
+    if peft.method != "qlora":
         return params
     return _map_named(
         lambda name, x, ax: (
@@ -295,6 +366,13 @@ def frozen_axes(abstract: dict, axes: dict, peft: PeftConfig | None) -> dict:
     return _map_named(one, abstract, axes)
 
 
+def _only(params: dict, axes: dict) -> dict:
+    """The entries of `params` that `axes` has."""
+    return {
+        k: _only(v, axes[k]) if isinstance(v, dict) else v for k, v in params.items() if k in axes
+    }
+
+
 def _map_named(fn, params: dict, axes: dict) -> dict:
     """{name: fn(name, leaf, its axes)} over a nested dict of parameters."""
     return {
@@ -305,7 +383,8 @@ def _map_named(fn, params: dict, axes: dict) -> dict:
 
 def trainable(peft: PeftConfig | None):
     """The nnx filter of what trains under `peft`: every parameter (none), the LoRA factors,
-    the bottleneck adapters or the soft prompt; PPO's value head (`ValueParam`) trains beside
+    the bottleneck adapters or the soft prompt (with LoRA, the `peft.modules_to_save` weights
+    too); PPO's value head (`ValueParam`) trains beside
     any of them."""
     if peft is None or peft.method == "none":
         return nnx.Param
@@ -313,7 +392,11 @@ def trainable(peft: PeftConfig | None):
         return nnx.Any(PromptParam, ValueParam)
     if peft.method == "adapter":
         return nnx.Any(AdapterParam, ValueParam)
-    return nnx.Any(LoRAParam, ValueParam)
+    return nnx.Any(LoRAParam, ValueParam, SavedParam)
+
+
+class SavedParam(nnx.Param):
+    """A whole weight that trains beside the LoRA adapters (`peft.modules_to_save`)."""
 
 
 class ValueParam(nnx.Param):

@@ -28,6 +28,7 @@ from jaxllm.model import (
     fresh_where_missing,
     init_keys,
     lora,
+    peft_parts,
     split_peft,
 )
 from jaxllm.parallel.grad_compression import Compression
@@ -70,6 +71,8 @@ def _init(
 ) -> TrainState:
     init_key, state_key = init_keys(seed)
     _, params, frozen, model_state = split_peft(build(model_cfg, init_key, peft), peft)
+    if peft is not None and peft.dora:  # from the base as stored (NF4 under QLoRA)
+        params = lora.fit_magnitudes(params, frozen)
     if frozen is not None and quantize is not None and quantize.enabled:
         # LoRA on a quantized run: the base always comes from checkpoint.init_from, so here
         # only its packed shapes matter (the abstract state of a resume); zeros stand in.
@@ -397,7 +400,10 @@ def init_state_from(
         if peft is not None and peft.method != "none":  # the adapters of a fresh init
             frozen_axes = abstract_frozen(model_cfg, peft)[1]  # a source's value head: not base
             frozen = lora.freeze({k: params[k] for k in frozen_axes}, frozen_axes, peft)
-            params = _init(model_cfg, tx, seed, None, peft).params
+            fresh = _init(model_cfg, tx, seed, None, peft).params
+            params = peft_parts.saved_from(fresh, params, peft)  # modules_to_save: the base's
+            if peft.dora:  # DoRA's magnitudes start at the loaded base's norms
+                params = lora.fit_magnitudes(params, frozen)
             if adapters is not None:  # a value head beside imported adapters starts fresh
                 params = {**params, **adapters}
             elif peft.method == "prompt":  # from the loaded base's embeddings
