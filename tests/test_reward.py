@@ -138,7 +138,8 @@ def test_a_head_that_does_not_fit_the_objective_is_refused():
     refused = {
         "model.tie_embeddings=true": "model.tie_embeddings acts on the LM head",
         "model.final_soft_cap=30": "model.final_soft_cap acts on the LM head",
-        "peft.method=lora": "would leave the fresh score head frozen",
+        "peft.method=lora": "frozen; add peft.modules_to_save=.score.",
+        "peft.method=adapter": "would leave the score head frozen; train",
     }
     for override, message in refused.items():
         with pytest.raises(ConfigError, match=message):
@@ -322,9 +323,15 @@ def preference_file(path, n, seed):
     return path
 
 
-def test_a_reward_model_trains_through_train_and_ranks_held_out_pairs(tmp_path):
+@pytest.mark.parametrize(
+    "peft",
+    [[], ["peft.method=lora", "peft.modules_to_save=[score]", "peft.targets=[all-linear]"]],
+    ids=["full", "lora"],
+)
+def test_a_reward_model_trains_through_train_and_ranks_held_out_pairs(tmp_path, peft):
     """`jaxllm.train.train` with `train.objective=reward` on format: preference sources: the
-    step counts pairs, and the held-out accuracy at the end is above 0.9."""
+    step counts pairs, and the held-out accuracy at the end is above 0.9; in full, or LoRA
+    with the score head trained whole beside the adapters (PEFT's modules_to_save)."""
     source = lambda f: f"[{{path: {f}, format: preference}}]"  # noqa: E731
     overrides = [
         *TINY,
@@ -339,6 +346,8 @@ def test_a_reward_model_trains_through_train_and_ranks_held_out_pairs(tmp_path):
         "optim.lr=3e-3",
         "optim.warmup_steps=0",
         f"run.dir={tmp_path / 'run'}",
+        *peft,
+        *(["optim.lr=1e-2"] if peft else []),  # LoRA on a random base: a larger step
     ]
     final = train(config.load(None, overrides))
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]

@@ -282,13 +282,17 @@ class Config:
             )
 
     def _validate_head(self) -> None:
-        """A reward model's fresh score head trains whole (no peft). Whether the head fits the
-        objective is checked where the objective is chosen (`jaxllm.objectives.from_config`):
-        an imported reward model's run is valid before any objective is given to it."""
-        if self.model.head == "score" and self.peft.method != "none":
+        """A reward model's score head trains whole: with peft.method=none, or beside LoRA
+        adapters under `peft.modules_to_save=[score]` (as PEFT's sequence classification).
+        Whether the head fits the objective is checked where the objective is chosen
+        (`jaxllm.objectives.from_config`): an imported reward model's run is valid before any
+        objective is given to it."""
+        p = self.peft
+        if self.model.head == "score" and p.method != "none" and "score" not in p.modules_to_save:
+            fix = " add peft.modules_to_save=[score] or" if p.lora else ""
             _fail(
-                f"peft.method={self.peft.method} would leave the fresh score head frozen; "
-                "train a reward model with peft.method=none."
+                f"peft.method={p.method} would leave the score head frozen;{fix} train the "
+                "reward model with peft.method=none."
             )
 
     def _validate_values(self) -> None:
