@@ -122,7 +122,33 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# Tests marked `slow` by their measured time rather than by a decorator: node ids, one a line,
+# chosen from a whole run's durations so the default run keeps its time budget and the cheapest
+# case of each parametrized test (`make test-all` runs them all).
+SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
+
+
+def _listed_slow() -> set[str]:
+    with open(SLOW_LIST) as f:
+        return {ln.strip() for ln in f if ln.strip() and not ln.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
 def pytest_collection_modifyitems(config, items):
+    listed = _listed_slow()
+    files = {item.nodeid.split("::")[0] for item in items}
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+    stale = sorted(n for n in listed - {i.nodeid for i in items} if n.split("::")[0] in files)
+    whole_files = not any("::" in a for a in config.args)
+    if (
+        stale
+        and whole_files
+        and not config.getoption("keyword")
+        and not config.getoption("lf", False)
+    ):
+        raise pytest.UsageError(f"tests/slow_tests.txt names tests that do not exist: {stale[:5]}")
     if not config.getoption("--without-torch"):
         return
     left_out = [item for item in items if item.get_closest_marker("torch") is not None]

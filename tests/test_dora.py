@@ -16,6 +16,7 @@ from conftest import tiny_model
 from flax import nnx
 from hf_models import hf_logits, hf_model, run_cli, sample_tokens, save_hf, stderr_of_failure
 from safetensors.numpy import load_file
+from test_peft_hf import TRAIN
 
 import jaxllm
 from jaxllm import adapters, config, sharding
@@ -26,15 +27,6 @@ from jaxllm.train.loop import compile_steps, to_global
 from jaxllm.train.state import init_state, layout
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
-TRAIN = [
-    "train.global_batch_size=8",
-    "data.seq_len=32",
-    "data.max_files=20",
-    "train.eval_batches=1",
-    "train.eval_every=0",
-    "train.sample_tokens=0",
-    "optim.warmup_steps=0",
-]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from conftest import tiny_model
 from flax import nnx
 from hf_models import hf_logits, hf_model, run_cli, sample_tokens, save_hf, stderr_of_failure
 from safetensors.numpy import load_file
+from test_peft_hf import TRAIN
 
 import jaxllm
 from jaxllm import config, sharding
@@ -21,16 +22,6 @@ from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.load import restore
 from jaxllm.model import build, lora, split_peft
 from jaxllm.train.state import init_state_from
-
-TRAIN = [
-    "train.global_batch_size=8",
-    "data.seq_len=32",
-    "data.max_files=20",
-    "train.eval_batches=1",
-    "train.eval_every=0",
-    "train.sample_tokens=0",
-    "optim.warmup_steps=0",
-]
 
 
 @pytest.fixture(scope="module")

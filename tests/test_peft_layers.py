@@ -10,22 +10,13 @@ import pytest
 import torch
 from hf_models import hf_logits, hf_model, run_cli, sample_tokens, save_hf
 from safetensors.numpy import load_file
+from test_peft_hf import TRAIN
 
 import jaxllm
 from jaxllm import config
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.load import restore
 from jaxllm.model import build
-
-TRAIN = [
-    "train.global_batch_size=8",
-    "data.seq_len=32",
-    "data.max_files=20",
-    "train.eval_batches=1",
-    "train.eval_every=0",
-    "train.sample_tokens=0",
-    "optim.warmup_steps=0",
-]
 
 
 @pytest.mark.torch
