@@ -4,6 +4,7 @@ parameter matches the formula, states shard like their parameters on an 8-device
 resume is bit-identical."""
 
 import json
+import shlex
 from pathlib import Path
 
 import jax
@@ -85,8 +86,9 @@ def test_readme_lists_every_optimizer_and_its_examples_load():
     for name, keys in config.OPTIM_READS.items():
         row = next(r for r in section.splitlines() if r.startswith("|") and f"`{name}`" in r)
         assert all(f"`{k}`" in row for k in keys - {"weight_decay"}), (name, row)
-    examples = [line.split()[2:] for line in section.splitlines() if line.startswith("jaxllm ")]
-    assert len(examples) == 7  # 3 of schedules and batch-size scaling, 4 of optimizers
+    lines = [line for line in section.splitlines() if line.startswith("jaxllm ")]
+    examples = [shlex.split(line)[2:] for line in lines]
+    assert len(examples) == 8  # 3 of schedules and batch-size scaling, 4 of optimizers, 1 of groups
     for keys in examples:
         config.load(None, [k for k in keys if "=" in k])
 
