@@ -76,13 +76,13 @@ def scale_by_groups(tx: optax.GradientTransformation, groups) -> optax.GradientT
         i = group_of(path_of(path), groups)
         return 1.0 if i is None else groups[i].lr_scale
 
+    def scaled(path, u):
+        f = factor(path)
+        return u if f == 1.0 else u * jax.numpy.asarray(f, u.dtype)
+
     def update(updates, state, params=None):
         updates, state = tx.update(updates, state, params)
-        scaled = jax.tree_util.tree_map_with_path(
-            lambda p, u: u if factor(p) == 1.0 else u * jax.numpy.asarray(factor(p), u.dtype),
-            updates,
-        )
-        return scaled, state
+        return jax.tree_util.tree_map_with_path(scaled, updates), state
 
     return optax.GradientTransformation(tx.init, update)
 
