@@ -325,6 +325,7 @@ def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
     vision-language model from a text run the language model alone (the tower starts fresh)."""
     vision = model_cfg.vision if theirs.vision else None
     heads = dict(value_head=theirs.value_head, distill_proj=theirs.distill_proj, vision=vision)
+    heads["score_bias"] = theirs.score_bias and model_cfg.head == "score"
     model_cfg = dataclasses.replace(model_cfg, **heads)
     if model_cfg.head == "score" and theirs.head == "lm":
         return dataclasses.replace(model_cfg, head="lm", tie_embeddings=theirs.tie_embeddings)
@@ -333,9 +334,11 @@ def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
 
 def _heads_of(params: dict, model_cfg: ModelConfig) -> dict:
     """`params` without a head `model_cfg` does not have (an LM's under a reward model, a
-    value head under any model without one); a source's distillation projections never."""
+    value head or score bias under any model without one); a source's distillation
+    projections never."""
     drop = {"lm_head"} if model_cfg.head != "lm" else set()
     drop |= {"distill_proj"} | (set() if model_cfg.value_head else {"value"})
+    drop |= set() if model_cfg.score_bias else {"score_bias"}
     return {k: v for k, v in params.items() if k not in drop}
 
 

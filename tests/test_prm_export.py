@@ -56,7 +56,7 @@ def test_a_family_without_a_generic_token_classifier_is_refused():
     """(A ConfigError from the export is one `jaxllm:` line and exit 2 on the command line.)"""
     hf = {"architectures": ["GPT2ForSequenceClassification"], "model_type": "gpt2"}
     with pytest.raises(ConfigError, match="ForTokenClassification, which jaxllm writes for llama"):
-        _token_classifier(hf, "gpt2")
-    assert _token_classifier({**hf, "architectures": ["LlamaForSequenceClassification"]}, "llama")[
-        "architectures"
-    ] == ["LlamaForTokenClassification"]
+        _token_classifier(hf, "gpt2", False)
+    assert _token_classifier(
+        {**hf, "architectures": ["LlamaForSequenceClassification"]}, "llama", False
+    )["architectures"] == ["LlamaForTokenClassification"]

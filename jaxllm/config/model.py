@@ -143,6 +143,10 @@ class ModelConfig:
     `jaxllm.infer.reward.score`). A score model has no LM head, so tie_embeddings and
     final_soft_cap stay off; `checkpoint.init_from` an LM drops its head and starts the score
     head fresh."""
+    score_bias: bool = False
+    """A bias `score_bias` [1] on the score head (model.head=score): transformers'
+    `*ForTokenClassification` has one by default, so a process reward model trained with it
+    imports with its bias (the two labels' difference); a `*ForSequenceClassification` has none."""
     value_head: bool = False
     """Add PPO's value head beside the LM head: one projection `value` [D, 1] (no bias) of the
     same final hidden state, giving V(s_t) [B, L] in `ModelOutput.values`
@@ -307,6 +311,8 @@ class ModelConfig:
                 f"model.{key} acts on the LM head, which a score model (model.head=score) has "
                 f"not; set model.{key}={'false' if self.tie_embeddings else 'null'}."
             )
+        if self.score_bias and self.head != "score":
+            _fail("model.score_bias is the score head's bias; it needs model.head=score.")
         if self.value_head and self.head == "score":
             _fail(
                 "model.value_head sits beside the LM head; a score model (model.head=score) "

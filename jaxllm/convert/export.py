@@ -107,8 +107,13 @@ def export_hf(
     flat = {**flatten(params), **flatten(model_state or {})}
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
     if m.head == "score" and cfg.train.objective == "prm":
-        hf = _token_classifier(hf, fam.name)
+        hf = _token_classifier(hf, fam.name, m.score_bias)
         fam = token_classifier(fam)  # the score head's two labels (0, s)
+    elif m.head == "score" and m.score_bias:
+        raise ConfigError(
+            f"{hf['architectures'][0]} has no bias on its score head, and this reward model "
+            "has one (model.score_bias=true): transformers would drop it and change the scores."
+        )
     elif m.head == "score":
         _check_pad(cfg, hf["architectures"][0])
     links = fam.layouts(m)[0]
@@ -199,7 +204,7 @@ def _at(x, index: tuple[int, ...]):
     return jax.tree.map(lambda a: a[index], x) if index else x
 
 
-def _token_classifier(hf: dict, family: str) -> dict:
+def _token_classifier(hf: dict, family: str, bias: bool) -> dict:
     """config.json of a process reward model (`train.objective=prm`): the family's
     `*ForTokenClassification` with TRL's two labels, whose logits (0, s) at each token give
     softmax(...)[1] = sigmoid(s), the PRM's step probability (`links.PRM_HEAD`)."""
@@ -215,7 +220,7 @@ def _token_classifier(hf: dict, family: str) -> dict:
         "architectures": [name + TOKEN_ARCHITECTURE],
         "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
         "label2id": {"LABEL_0": 0, "LABEL_1": 1},
-        "token_classification_bias": False,
+        "token_classification_bias": bias,
         "classifier_dropout": 0.0,
     }
 

@@ -112,7 +112,7 @@ def architecture(cfg: ModelConfig, family: Family) -> str:
 
 # A process reward model's architecture (`train.objective=prm`), with TRL's two labels; the
 # families whose transformers class of that name is the generic one: the body, then `score`, a
-# [num_labels, D] linear (without bias under token_classification_bias=false).
+# [num_labels, D] linear with a bias (none under token_classification_bias=false).
 TOKEN_ARCHITECTURE = "ForTokenClassification"
 TOKEN_CLASSIFIER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -140,11 +140,6 @@ def _token_head(hf: dict, family: Family) -> None:
             f"{name} with {_labels(hf)} labels: a process reward model has two (TRL's: step "
             "wrong, step right), whose logit difference is jaxllm's step score."
         )
-    if hf.get("token_classification_bias", True):  # transformers' default is a bias
-        _fail(
-            f"{name} has a bias on its score head (token_classification_bias is not false): "
-            "jaxllm's score head has none, so the scores would change."
-        )
 
 
 def head_fields(hf: dict, family: Family) -> dict:
@@ -155,7 +150,13 @@ def head_fields(hf: dict, family: Family) -> dict:
     names = hf.get("architectures") or [family.architecture]
     if is_token_classifier(hf):
         _token_head(hf, family)
-        return {"head": "score", "tie_embeddings": False, "final_soft_cap": None}
+        bias = bool(hf.get("token_classification_bias", True))  # transformers' default: a bias
+        return {
+            "head": "score",
+            "tie_embeddings": False,
+            "final_soft_cap": None,
+            "score_bias": bias,
+        }
     if not any(str(n).endswith(SCORE_ARCHITECTURE) for n in names):
         return {}
     labels = _labels(hf)
@@ -231,7 +232,8 @@ def hf_config(cfg: ModelConfig, family: Family) -> dict:
         back = config_lib.from_dict({"model": fields}).model
     except ConfigError as e:
         _fail(f"this model cannot be expressed in a {family.name} checkpoint: {e}")
-    diff = _differences(cfg, back)
+    # the score bias is the export's to write (a PRM's token_classification_bias) or refuse
+    diff = _differences(cfg, dataclasses.replace(back, score_bias=cfg.score_bias))
     if diff:
         _fail(
             f"{', '.join(diff)} cannot be expressed in a {family.name} checkpoint; export as "

@@ -180,10 +180,13 @@ class Family:
 
 def with_head(links: list[Link], cfg: ModelConfig, score_head: Link = SCORE_HEAD) -> list[Link]:
     """A family's links for `cfg`'s head: as they are for an LM, else the LM head's link
-    replaced by the score head's."""
+    replaced by the score head's (and its bias's, `model.score_bias`)."""
     if cfg.head == "lm":
         return links
-    return [link for link in links if link.ours != ("lm_head",)] + [score_head]
+    # `flat`, not `same`: import reads a `same` tensor's slice as it is, past TwoLabelHead
+    bias = dataclasses.replace(score_head, hf="score.bias", ours=("score_bias",), kind="flat")
+    head = [score_head, bias] if cfg.score_bias else [score_head]
+    return [link for link in links if link.ours != ("lm_head",)] + head
 
 
 def token_classifier(family: Family) -> Family:

@@ -18,7 +18,7 @@ from jaxllm.config import ConfigError
 
 _EMBED = ("embed", "pos_embed", "type_embed", "embed_norm")
 _HEAD = ("lm_head", "lm_bias", "mlm_transform")
-_NEW = ("value", "score", "distill_proj", "soft_prompt")
+_NEW = ("value", "score", "score_bias", "distill_proj", "soft_prompt")
 
 
 def groups_of(keys: tuple) -> set[str]:

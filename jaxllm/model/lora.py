@@ -31,7 +31,7 @@ from flax import nnx
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS, VISION, VISION_TARGETS
 from jaxllm.model import coded, fake_quant, nf4, quantized
-from jaxllm.model.peft_parts import SAVED, picked_layers
+from jaxllm.model.peft_parts import BESIDE, SAVED, picked_layers
 
 # The trained parts of an adapted weight `name`: `name` + each (the magnitude under DoRA only).
 SUFFIXES = ("_lora_a", "_lora_b", "_lora_magnitude")
@@ -133,6 +133,9 @@ def attach(model: nnx.Module, peft: PeftConfig, key: jax.Array) -> None:
                 f"{tied if name == 'lm_head' else ''}."
             )
         setattr(module, leaf, SavedParam(var.get_value(), **var.get_metadata()))
+        beside = getattr(model, BESIDE.get(name, ""), None)
+        if isinstance(beside, nnx.Param):  # the score head's bias trains with it
+            setattr(model, BESIDE[name], SavedParam(beside.get_value(), **beside.get_metadata()))
 
 
 # The dropout key of the block being traced (`dropout_keys`), and how many adapters drew from it.

@@ -11,6 +11,8 @@ from jaxllm.config import ConfigError, PeftConfig
 
 # Our parameter of each name `peft.modules_to_save` takes (PEFT's module names).
 SAVED = {"embed_tokens": ("embed", "embedding"), "lm_head": ("lm_head",), "score": ("score",)}
+BESIDE = {"score": "score_bias"}
+"""A saved module's other top-level parameter, where the model has it (the score head's bias)."""
 
 
 def saved_from(params: dict, base: dict, peft: PeftConfig) -> dict:
@@ -19,6 +21,8 @@ def saved_from(params: dict, base: dict, peft: PeftConfig) -> dict:
     out = dict(params)
     for name in peft.modules_to_save:
         path = SAVED[name]
+        if name in BESIDE and BESIDE[name] in base:
+            out[BESIDE[name]] = base[BESIDE[name]]
         if len(path) == 1:
             out[path[0]] = base[path[0]]
         else:

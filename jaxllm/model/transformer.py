@@ -95,6 +95,8 @@ class Transformer(nnx.Module):
             self.pooler = heads.Pooler(cfg, rngs=rngs)
         if cfg.head == "score":  # a reward model's scalar head instead of the LM head
             self.score = param(rngs, init, (cfg.d_model, 1), ("embed", None), pdt)
+            if cfg.score_bias:
+                self.score_bias = param(rngs, jax.nn.initializers.zeros, (1,), (None,), pdt)
         elif not cfg.tie_embeddings:
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
         if cfg.value_head:  # PPO's critic on the policy's own final hidden state
@@ -248,6 +250,8 @@ class Transformer(nnx.Module):
             x_BxLxD = self.mlm_transform(x_BxLxD)
         if cfg.head == "score":  # [B, L, 1] scores, in float32 as logits
             scores_BxLx1 = matmul("bld,do->blo", x_BxLxD, self.score[...], dtype, jnp.float32)
+            if cfg.score_bias:
+                scores_BxLx1 = scores_BxLx1 + self.score_bias[...].astype(jnp.float32)[None, None]
             return ModelOutput(constrain(scores_BxLx1, ("batch", "length", None)), cache, aux)
         values_BxL = None
         if cfg.value_head:
