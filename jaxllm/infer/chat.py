@@ -26,8 +26,9 @@ decoding is greedy and runs at most as many tokens as the longest reference (plu
 
 Replies are generated on the inference engine (`jaxllm.infer.engine.batch`), with the same
 tokens and stops as the static generator, which still runs where the engine cannot (an
-encoder-decoder, a soft prompt, a mesh with a stage or sequence axis) and for conversations with
-image parts (`jaxllm.infer.vision`: images in any turn, a vision-language model's run).
+encoder-decoder, a soft prompt, a mesh with a stage or sequence axis). Conversations with image
+parts (`jaxllm.infer.vision`: images in any turn, a vision-language model's run) run there too,
+each request's images through the tower at its prefill.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from jaxllm.data import chat as templates
 from jaxllm.data import vision_chat
 from jaxllm.infer import vision
 from jaxllm.infer.engine import batch as engine_batch
-from jaxllm.infer.generate import generate
 
 _PROBE = "Probe reply 7"
 
@@ -215,7 +215,8 @@ class Chat:
 
     def _image_replies(self, conversations, gen, batch_size: int, bases) -> list[str]:
         """`replies` of conversations with image parts (relative paths read under `bases`, the
-        working directory where None), on the static generator with the vision tower."""
+        working directory where None), on the engine with the vision tower (the prefill of a
+        request runs the tower on its images)."""
         v = self.model.cfg.vision
         if v is None:
             raise ConfigError(
@@ -236,7 +237,7 @@ class Chat:
         for start in range(0, len(examples), batch_size):
             part = examples[start : start + batch_size]
             try:
-                new = generate(
+                new = engine_batch.generate(
                     self.model,
                     [ids for ids, _ in part],
                     gen,
