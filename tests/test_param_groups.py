@@ -184,6 +184,21 @@ def test_groups_hold_under_zero_1_with_the_state_offloaded():
     np.testing.assert_array_equal(one["embed"]["embedding"], state.params["embed"]["embedding"])
 
 
+def test_groups_hold_across_pipeline_stages():
+    """Two pipeline stages (1F1B, 2 microbatches): the single device's steps, and a group at
+    lr_scale 0 stays bit-identical in every stage."""
+    groups = [ParamGroup("^layers/mlp/", 0.1, weight_decay=0.0), ParamGroup("^layers/attn/o", 0.0)]
+    cfg = _cfg(tiny_model(vocab_size=264, num_layers=4), groups, steps=2)
+    init, one = (jax.device_get(_train(cfg, steps=n)[0].params) for n in (0, None))
+    mesh = config.MeshConfig(data=1, stage=2, pipeline_microbatches=2)
+    staged = jax.device_get(_train(dataclasses.replace(cfg, mesh=mesh), devices=2)[0].params)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(staged), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    o = init["layers"]["attn"]["o_proj"]
+    np.testing.assert_array_equal(o, staged["layers"]["attn"]["o_proj"])
+    assert not np.array_equal(init["layers"]["mlp"]["up_proj"], staged["layers"]["mlp"]["up_proj"])
+
+
 def _save_and_restore(path, state, cfg, like):
     """`state` written by the run's Checkpointer and read back as `like` is laid out."""
     ckpt = checkpoint.Checkpointer(path, cfg.checkpoint)
