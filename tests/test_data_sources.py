@@ -1,11 +1,13 @@
 """Tests of corpus sources: every format read back exactly, directories / globs / max_files, the
 eval split, weighted mixtures, the promised errors and warnings on bad input, and encodings
-(undecodable bytes repaired and counted in every JSON-lines format, UTF-16/32 and binary refused).
+(undecodable bytes repaired and counted in every JSON-lines format, UTF-16/32 and binary refused),
+gzip'd files and .json files holding one array of records.
 
 Documents are tiny files written in tmp_path with the byte tokenizer, so a row's tokens can be
 read back as text and compared with what was written.
 """
 
+import gzip
 import json
 
 import numpy as np
@@ -318,3 +320,44 @@ def test_wide_encodings_and_binary_records_are_refused(tmp_path):
         ConfigError, match=r"record 2 of ArrayRecord file .*ids.arrayrecord holds NUL"
     ):
         texts_of(tmp_path / "ids.arrayrecord")
+
+
+def test_gzip_files_are_decompressed_and_named_by_the_extension_before_gz(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS])
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress((tmp_path / "a.jsonl").read_bytes()))
+    (tmp_path / "b.txt.gz").write_bytes(gzip.compress(DOCS[1].encode()))
+    assert texts_of(tmp_path / "a.jsonl.gz") == DOCS
+    assert texts_of(tmp_path / "b.txt.gz") == [DOCS[1]]
+    chats = [{"prompt": "q", "completion": d} for d in DOCS]
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(json.dumps(chats[0]).encode()))
+    assert _read_all(tmp_path / "c.jsonl.gz", "prompt_completion")[0].text == "q" + DOCS[0]
+    (tmp_path / "cut.jsonl.gz").write_bytes((tmp_path / "a.jsonl.gz").read_bytes()[:-12])
+    with pytest.raises(ConfigError, match=r"cut.jsonl.gz is a damaged gzip file"):
+        texts_of(tmp_path / "cut.jsonl.gz")
+
+
+def test_binary_files_are_refused_not_read_as_text(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("text")
+    (tmp_path / "d" / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(ConfigError, match=r"photo.png holds NUL bytes, so it is binary"):
+        texts_of(tmp_path / "d")
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_file_holding_one_array_gives_its_records(tmp_path, indent):
+    records = [{"text": d} for d in DOCS] + [{"other": 1}]
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=indent))
+    bad = BadRecords("k")
+    assert texts_of_bad(tmp_path / "a.json", bad) == DOCS
+    assert bad.first_record == f"{tmp_path}/a.json record 5 has no string field 'text' " + (
+        "(set the source's text_field)"
+    )
+    pairs = [{"prompt": "q", "completion": d} for d in DOCS]
+    (tmp_path / "p.json").write_text(json.dumps(pairs, indent=indent))
+    assert [e.text for e in _read_all(tmp_path / "p.json", "prompt_completion")] == [
+        "q" + d for d in DOCS
+    ]
+    (tmp_path / "cut.json").write_text(json.dumps(pairs, indent=indent)[:-5])
+    with pytest.raises(ConfigError, match=r"cut.json starts a JSON array but is not valid JSON"):
+        texts_of(tmp_path / "cut.json")

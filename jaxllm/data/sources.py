@@ -3,7 +3,7 @@
 A source path is `stdlib` (the running Python's standard-library sources: every machine has them,
 so the default run downloads nothing), a directory (read recursively, hidden entries skipped), a
 glob, or one file. Each file's format comes from `SourceConfig.format` or, for `auto`, from its
-extension. One document is:
+extension (`.gz` files by the one before it: `corpus.jsonl.gz` is jsonl). One document is:
 
     text, stdlib   the whole file (stdlib files decode with their PEP 263 coding line)
     jsonl          the `text_field` string of each line
@@ -16,10 +16,11 @@ preference and rollout formats by their modules; JSON lines of every format thro
 Text is UTF-8. Undecodable bytes become U+FFFD and are counted, in text files and JSON lines alike
 (a JSON line's structure is ASCII, so only its strings change), as are JSON escapes of lone
 surrogates, which no tokenizer can encode. A file that starts with a UTF-16/32 byte-order
-mark is refused (read as UTF-8 it would pass as text with a NUL between letters), and so is an
-ArrayRecord record holding NUL bytes: binary, not text (a serialized proto, or token ids). A
-JSON-lines file whose first line opens an array (a `.json` file holding one array of records, as
-Alpaca ships) is refused with the command that converts it, not skipped line by line.
+mark is refused (read as UTF-8 it would pass as text with a NUL between letters), and so are a
+text file and an ArrayRecord record holding NUL bytes: binary, not text (an archive, a
+serialized proto, token ids). Gzip'd text and JSON lines are decompressed (`jaxllm.data.raw`).
+A JSON-lines file whose first line opens an array (a `.json` file holding one array of records,
+as Alpaca ships) is read as that array, one record per element.
 
 The shards of `jaxllm data prepare` (`train-NNNNN.arrayrecord`, `eval-NNNNN.arrayrecord`) are
 token ids, never text: beside their manifest they are read via their directory
@@ -46,16 +47,10 @@ from pathlib import Path
 
 from jaxllm import storage
 from jaxllm.config import ConfigError, JaxllmWarning, SourceConfig
+from jaxllm.data import raw
 
 MANIFEST = "manifest.json"  # marks a directory written by `jaxllm data prepare`
 SHARD_NAME = re.compile(r"(train|eval)-\d{5}\.arrayrecord")  # the shards `prepare` writes
-_WIDE_BOMS = {  # byte-order marks of encodings that UTF-8 would misread without an error
-    b"\xff\xfe\x00\x00": "UTF-32",
-    b"\x00\x00\xfe\xff": "UTF-32",
-    b"\xff\xfe": "UTF-16",
-    b"\xfe\xff": "UTF-16",
-}
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _FORMAT_BY_SUFFIX = {
     ".jsonl": "jsonl",
     ".json": "jsonl",
@@ -71,6 +66,12 @@ class DataFile:
     format: str
     key: str
     """Path relative to the source root: what the eval split hashes."""
+
+
+def format_of(path: Path) -> str:
+    """The format `auto` reads `path` as, by its extension (a `.gz` file by the one before)."""
+    suffixes = path.suffixes[-2:] if path.suffix == ".gz" else path.suffixes[-1:]
+    return _FORMAT_BY_SUFFIX.get(suffixes[0] if suffixes else "", "text")
 
 
 def stdlib_root() -> Path:
@@ -147,7 +148,7 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
         )
     files = []
     for p in paths[:max_files] if max_files else paths:
-        fmt = src.format if src.format != "auto" else _FORMAT_BY_SUFFIX.get(p.suffix, "text")
+        fmt = src.format if src.format != "auto" else format_of(p)
         if (fmt == "arrayrecord" or SHARD_NAME.fullmatch(p.name)) and is_prepared_dir(p.parent):
             raise ConfigError(
                 f"{key}.path: {p} is a shard of the prepared directory {p.parent}; set the path "
@@ -241,57 +242,45 @@ def _decode(data: bytes, path: Path, bad: BadRecords, where: str = "") -> str:
         return text
 
 
-def _refuse_wide(head: bytes, path: Path) -> None:
-    """ConfigError when `head` (a file's first bytes) is a UTF-16/32 byte-order mark."""
-    for bom, encoding in _WIDE_BOMS.items():
-        if head.startswith(bom):
-            raise ConfigError(
-                f"{path} is {encoding} (it starts with a {encoding} byte-order mark); sources "
-                f"are read as UTF-8: convert it (iconv -f {encoding} -t UTF-8)."
-            )
-
-
-def _no_surrogates(value, count: list[int]):
-    """`value` (parsed JSON) with lone surrogates replaced by U+FFFD, counted in `count[0]`."""
-    if isinstance(value, str):
-        fixed, n = _SURROGATE.subn("\ufffd", value)
-        count[0] += n
-        return fixed
-    if isinstance(value, list):
-        return [_no_surrogates(v, count) for v in value]
-    if isinstance(value, dict):
-        return {_no_surrogates(k, count): _no_surrogates(v, count) for k, v in value.items()}
-    return value
-
-
 def json_lines(f: DataFile, on_bad_record: str, bad: BadRecords) -> Iterator[tuple[str, object]]:
-    """(where, value) of each non-blank line of a JSON-lines file, `where` its file and line.
-    Bytes that are not UTF-8 and escapes of lone surrogates become U+FFFD, counted in `bad` (as
-    for text files); a line that is not JSON is a bad record."""
-    with open(f.path, "rb") as lines:
-        for number, line in enumerate(lines, 1):
-            if number == 1:
-                _refuse_wide(line, f.path)
-                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
-                if line.lstrip().startswith(b"["):  # every format's records are objects
-                    raise ConfigError(
-                        f"{f.path} is one JSON array, not JSON lines (one object per line); "
-                        f"convert it: jq -c '.[]' {f.path} > {f.path.with_suffix('.jsonl')}"
-                    )
-            if not line.strip():
-                continue
-            where = f"{f.path} line {number}"
-            try:
-                value = json.loads(_decode(line, f.path, bad, where))
-            except ValueError:
-                _bad_record("is not valid JSON", where, on_bad_record, bad)
-                continue
-            if b"\\u" in line and re.search(rb"\\u[dD][89a-fA-F]", line):
-                count = [0]
-                value = _no_surrogates(value, count)
-                if count[0]:
-                    bad.lone_surrogates(count[0], where)
-            yield where, value
+    """(where, value) of each non-blank line of a JSON-lines file (gzip'd or not), `where` its
+    file and line; a file holding one JSON array of records (a `.json` file as Alpaca and
+    LLaMA-Factory ship it) gives each element, `where` its file and record number. Bytes that
+    are not UTF-8 and escapes of lone surrogates become U+FFFD, counted in `bad` (as for text
+    files); a line that is not JSON is a bad record."""
+    for number, line in enumerate(raw.lines(f.path), 1):
+        if number == 1:
+            raw.refuse_wide(line, f.path)
+            line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+            if line.lstrip().startswith(b"["):  # every format's records are objects
+                yield from _json_array(f, bad)
+                return
+        if not line.strip():
+            continue
+        where = f"{f.path} line {number}"
+        try:
+            value = json.loads(_decode(line, f.path, bad, where))
+        except ValueError:
+            _bad_record("is not valid JSON", where, on_bad_record, bad)
+            continue
+        yield where, raw.repaired(value, raw.has_surrogate_escape(line), where, bad)
+
+
+def _json_array(f: DataFile, bad: BadRecords) -> Iterator[tuple[str, object]]:
+    """The elements of a file that is one JSON array; ConfigError when it is not valid JSON
+    (one broken record spoils the whole array, so there is nothing to skip)."""
+    data = raw.read_bytes(f.path).removeprefix(b"\xef\xbb\xbf")
+    try:
+        values = json.loads(_decode(data, f.path, bad, str(f.path)))
+    except ValueError as e:
+        raise ConfigError(
+            f"{f.path} starts a JSON array but is not valid JSON ({e}); fix it, or write one "
+            "JSON object per line (JSON lines)."
+        ) from e
+    surrogates = raw.has_surrogate_escape(data)
+    for number, value in enumerate(values, 1):
+        where = f"{f.path} record {number}"
+        yield where, raw.repaired(value, surrogates, where, bad)
 
 
 def _python_source(data: bytes) -> str | None:
@@ -391,8 +380,9 @@ def read_texts(
     elif f.format == "stdlib":
         texts = iter([_python_source(f.path.read_bytes()) or ""])
     else:
-        data = f.path.read_bytes()
-        _refuse_wide(data[:4], f.path)
+        data = raw.read_bytes(f.path)
+        raw.refuse_wide(data[:4], f.path)
+        raw.refuse_binary(data, f.path)
         texts = iter([_decode(data, f.path, bad)])
     return (t for t in texts if t)
 
