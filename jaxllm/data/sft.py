@@ -3,8 +3,10 @@ whole examples packed first-fit.
 
 A `chat` record holds a conversation, `{"messages": [{"role": ..., "content": ...}, ...]}`, and
 a `prompt_completion` record a prompt and its completion, `{"prompt": ..., "completion": ...}`
-(the fields are the source's `messages_field`, `prompt_field` and `completion_field`). A
-.parquet file gives one record per row, any other file one per JSONL line.
+(the fields are the source's `messages_field`, `prompt_field` and `completion_field`); a chat
+record may also be in the shape of ShareGPT, Alpaca or TRL's conversational prompt-completion
+(`jaxllm.data.conversations`). A .parquet file gives one record per row, any other file one per
+JSONL line.
 
 A conversation is rendered by the tokenizer's chat template (`jaxllm.data.chat`) and tokenized
 with the special tokens the template writes read as such, as `apply_chat_template` does; the
@@ -36,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, JaxllmWarning, SourceConfig
-from jaxllm.data import chat
+from jaxllm.data import chat, conversations
 from jaxllm.data.packing import FirstFitRows
 from jaxllm.data.sources import BadRecords, DataFile, json_lines
 
@@ -102,6 +104,8 @@ def _parquet_records(f: DataFile, columns: dict[str, str]):
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError on corrupt files
         raise ConfigError(f"cannot read Parquet file {f.path}: {str(e).splitlines()[0]}") from e
     names = table.schema_arrow.names
+    if columns == {"messages_field": "messages"} and "messages" not in names:
+        columns = {name: name for name in names}  # another shape (`jaxllm.data.conversations`)
     for key, column in columns.items():
         if column not in names:
             raise ConfigError(
@@ -136,15 +140,17 @@ def _message_problem(messages, field: str) -> str | None:
 def _example(record: dict, src: SourceConfig, tok) -> Example | str:
     """The example a record holds, or why it holds none."""
     if src.format == "chat":
-        messages = record.get(src.messages_field)
-        why = _message_problem(messages, src.messages_field)
+        messages, trained, why = conversations.messages_of(record, src.messages_field)
+        why = why or _message_problem(messages, src.messages_field)
         if why is not None:
             return why
         try:
             text, spans = chat.assistant_spans(messages, tok)
         except chat.ChatError as e:
             return f"cannot be rendered ({e})"
-        return Example(text, tuple(spans))
+        return Example(text, tuple(spans[len(spans) - trained :] if trained else spans))
+    if isinstance(record.get(src.prompt_field), list):
+        return "holds a conversational prompt (messages): read it with format: chat"
     for key in ("prompt_field", "completion_field"):
         field = getattr(src, key)
         if not isinstance(record.get(field), str):
