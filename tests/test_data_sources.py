@@ -9,6 +9,7 @@ read back as text and compared with what was written.
 
 import gzip
 import json
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -196,7 +197,7 @@ def test_missing_path_and_empty_matches_name_the_key(tmp_path):
         load(tmp_path / "empty")
     for i in range(3):
         (tmp_path / "empty" / f"{i}.txt").write_text("")
-    with pytest.raises(ConfigError, match=r"data.sources\[0\].path: the 3 file\(s\) of .*empty"):
+    with pytest.raises(ConfigError, match=r"the 3 file\(s\) of .*empty hold no documents \(they"):
         load(tmp_path / "empty")
 
 
@@ -361,3 +362,29 @@ def test_a_json_file_holding_one_array_gives_its_records(tmp_path, indent):
     (tmp_path / "cut.json").write_text(json.dumps(pairs, indent=indent)[:-5])
     with pytest.raises(ConfigError, match=r"cut.json starts a JSON array but is not valid JSON"):
         texts_of(tmp_path / "cut.json")
+
+
+@pytest.mark.parametrize(
+    "record, fmt",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "chat"),
+        ({"conversations": [], "id": 1}, "chat"),
+        ({"instruction": "a", "input": "", "output": "b"}, "chat"),
+        ({"prompt": "a", "completion": "b"}, "prompt_completion"),
+        ({"prompt": "a", "chosen": "b", "rejected": "c"}, "preference"),
+        ({"prompt": "a", "completion": "b", "label": True}, "unpaired_preference"),
+    ],
+)
+def test_records_of_another_format_fail_in_one_line_naming_it(tmp_path, record, fmt):
+    write_jsonl(tmp_path / "a.jsonl", [record] * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the reason is in the error, not in a warning before it
+        with pytest.raises(ConfigError) as e:
+            load_splits(DataConfig(sources=(SourceConfig(path=str(tmp_path / "a.jsonl")),)))
+    assert "hold no documents: skipped 3 record(s)" in str(e.value)
+    assert f"line 1 has no string field 'text' (set the source's text_field, or format: {fmt}," in (
+        str(e.value)
+    )
+    pq.write_table(pa.Table.from_pylist([record]), tmp_path / "a.parquet")
+    with pytest.raises(ConfigError, match=f"has no column 'text' .*, or format: {fmt},"):
+        texts_of(tmp_path / "a.parquet")

@@ -303,12 +303,31 @@ def _bad_record(msg: str, where: str, on_bad_record: str, bad: BadRecords) -> No
     bad.record(f"{where} {msg}")
 
 
+def format_hint(fields) -> str:
+    """`, or format: F, ...`: the format whose records have these `fields`, or ""."""
+    fields = set(fields)
+    formats = (
+        ("preference", {"chosen", "rejected"}),
+        ("unpaired_preference", {"prompt", "completion", "label"}),
+        ("stepwise", {"prompt", "completions", "labels"}),
+        ("chat", {"messages"}),
+        ("chat", {"conversations"}),
+        ("chat", {"instruction", "output"}),
+        ("prompt_completion", {"prompt", "completion"}),
+    )
+    fmt = next((fmt for fmt, names in formats if names <= fields), None)
+    if fmt is None:
+        return ""
+    return f", or format: {fmt}, whose records have these fields"
+
+
 def _jsonl_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
     for where, record in json_lines(f, on_bad_record, bad):
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
+            hint = format_hint(record) if isinstance(record, dict) else ""
             _bad_record(
-                f"has no string field {text_field!r} (set the source's text_field)",
+                f"has no string field {text_field!r} (set the source's text_field{hint})",
                 where,
                 on_bad_record,
                 bad,
@@ -327,7 +346,8 @@ def _parquet_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRec
     if text_field not in table.schema_arrow.names:
         raise ConfigError(
             f"Parquet file {f.path} has no column {text_field!r} (columns: "
-            f"{', '.join(table.schema_arrow.names)}); set the source's text_field."
+            f"{', '.join(table.schema_arrow.names)}); set the source's text_field"
+            f"{format_hint(table.schema_arrow.names)}."
         )
     row = 0
     for batch in table.iter_batches(columns=[text_field], batch_size=4096):
