@@ -14,6 +14,12 @@ instruction, then its input on the next line when there is one (LLaMA-Factory's 
 optional `system` string opens the conversation. The loss covers every assistant turn, except
 for a conversational prompt-completion, which trains the completion only: the prompt's own
 assistant turns are context, as in TRL's completion-only loss.
+
+A `format: preference` record without a prompt field holds its prompt implicitly, as TRL's
+implicit-prompt preference data does (Anthropic's HH-RLHF): `chosen` and `rejected` are whole
+conversations (or texts), and the prompt is their longest common beginning, as TRL's
+`extract_prompt` finds it: whole messages, or characters (a space just before the first
+difference goes with the answers).
 """
 
 from __future__ import annotations
@@ -73,3 +79,16 @@ def messages_of(record: dict, field: str) -> tuple[object, int, str | None]:
     if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
         return _alpaca(record), 0, None
     return None, 0, None
+
+
+def implicit_prompt(chosen, rejected) -> tuple[object, object, object]:
+    """(prompt, chosen, rejected) of an implicit-prompt preference record: the longest common
+    beginning of the two conversations (lists of messages) or texts, and what follows it."""
+    if not isinstance(chosen, list | str) or type(chosen) is not type(rejected):
+        return None, chosen, rejected
+    i = 0
+    while i < min(len(chosen), len(rejected)) and chosen[i] == rejected[i]:
+        i += 1
+    if isinstance(chosen, str) and 0 < i < min(len(chosen), len(rejected)) and chosen[i - 1] == " ":
+        i -= 1
+    return chosen[:i], chosen[i:], rejected[i:]

@@ -84,10 +84,13 @@ def _bad(why: str, where: str, on_bad_record: str, bad: BadRecords) -> None:
     bad.record(f"{where} {why}")
 
 
-def _records(f: DataFile, columns: dict[str, str], on_bad_record: str, bad: BadRecords):
-    """(where, record) of each Parquet row or JSONL line; `columns` maps config keys to fields."""
+def _records(
+    f: DataFile, columns: dict[str, str], on_bad_record: str, bad: BadRecords, optional=()
+):
+    """(where, record) of each Parquet row or JSONL line; `columns` maps config keys to fields,
+    those of `optional` keys may be absent."""
     if f.path.suffix == ".parquet":
-        yield from _parquet_records(f, columns)
+        yield from _parquet_records(f, columns, optional)
         return
     for where, record in json_lines(f, on_bad_record, bad):
         if not isinstance(record, dict):
@@ -96,7 +99,7 @@ def _records(f: DataFile, columns: dict[str, str], on_bad_record: str, bad: BadR
         yield where, record
 
 
-def _parquet_records(f: DataFile, columns: dict[str, str]):
+def _parquet_records(f: DataFile, columns: dict[str, str], optional=()):
     import pyarrow.parquet as pq
 
     try:
@@ -106,6 +109,7 @@ def _parquet_records(f: DataFile, columns: dict[str, str]):
     names = table.schema_arrow.names
     if columns == {"messages_field": "messages"} and "messages" not in names:
         columns = {name: name for name in names}  # another shape (`jaxllm.data.conversations`)
+    columns = {k: c for k, c in columns.items() if c in names or k not in optional}
     for key, column in columns.items():
         if column not in names:
             raise ConfigError(
