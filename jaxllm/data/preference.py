@@ -254,7 +254,9 @@ def pack_pairs(ex: Pairs, cfg: DataConfig, tok, what: str, whole_inputs: bool = 
     if not seqs:
         raise ConfigError(
             f"{what}: none of its {len(ex)} pairs fits a row of data.seq_len={cfg.seq_len} with a "
-            "trained token in both answers; raise data.seq_len or set data.truncation=truncate."
+            "trained token in both answers; raise data.seq_len"
+            + " or set data.truncation=truncate" * (cfg.truncation == "drop")
+            + "."
         )
     if whole_inputs:  # the closing slot: input = the last token, target = padding, untrained
         seqs = [

@@ -265,7 +265,9 @@ def pack_examples(
     if not tokens:
         raise ConfigError(
             f"{what}: none of its {len(ex)} examples has a trained token within a row of "
-            f"data.seq_len={cfg.seq_len}; raise data.seq_len or set data.truncation=truncate."
+            f"data.seq_len={cfg.seq_len}; raise data.seq_len"
+            + " or set data.truncation=truncate" * (cfg.truncation == "drop")
+            + "."
         )
     return FirstFitRows(
         tokens, cfg.seq_len, bos_id=None, eos_id=None, pad_id=tok.pad_id, masks=masks
