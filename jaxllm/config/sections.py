@@ -143,6 +143,8 @@ class SourceConfig:
         "text",
         "jsonl",
         "parquet",
+        "csv",
+        "arrow",
         "arrayrecord",
         "chat",
         "prompt_completion",
@@ -152,7 +154,8 @@ class SourceConfig:
         "stepwise",
     ] = "auto"
     """`auto` picks by extension (of a .gz file, the one before): .jsonl/.json -> jsonl,
-    .parquet, .arrayrecord/.array_record, anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
+    .parquet, .csv/.tsv -> csv, .arrow (Hugging Face `datasets`' save_to_disk) -> arrow,
+    .arrayrecord/.array_record, anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
     (rows of a .parquet file, lines of any other file, read as JSONL): a conversation rendered
     by the tokenizer's chat template, or a prompt followed by its completion; the loss covers
     the assistant turns / the completion (see `data.train_on_prompt`). `preference` records

@@ -7,7 +7,8 @@ extension (`.gz` files by the one before it: `corpus.jsonl.gz` is jsonl). One do
 
     text, stdlib   the whole file (stdlib files decode with their PEP 263 coding line)
     jsonl          the `text_field` string of each line
-    parquet        the `text_field` string of each row
+    parquet, csv   the `text_field` string of each row (.parquet; .csv / .tsv; also arrow:
+                   `jaxllm.data.tables`)
     arrayrecord    each record, as UTF-8 text (tokenized shards are read via their directory)
 
 The SFT formats `chat` and `prompt_completion` are read into examples by `jaxllm.data.sft`, the
@@ -47,14 +48,14 @@ from pathlib import Path
 
 from jaxllm import storage
 from jaxllm.config import ConfigError, JaxllmWarning, SourceConfig
-from jaxllm.data import raw
+from jaxllm.data import raw, tables
 
 MANIFEST = "manifest.json"  # marks a directory written by `jaxllm data prepare`
 SHARD_NAME = re.compile(r"(train|eval)-\d{5}\.arrayrecord")  # the shards `prepare` writes
 _FORMAT_BY_SUFFIX = {
     ".jsonl": "jsonl",
     ".json": "jsonl",
-    ".parquet": "parquet",
+    **tables.FORMATS,
     ".arrayrecord": "arrayrecord",
     ".array_record": "arrayrecord",
 }
@@ -136,7 +137,9 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
         paths = sorted(
             p
             for p in path.rglob("*")
-            if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+            if p.is_file()
+            and not any(s.startswith(".") for s in p.relative_to(path).parts)
+            and not tables.is_datasets_metadata(p)
         )
         if not paths:
             raise ConfigError(f"{key}.path: directory {src.path} holds no files.")
@@ -336,32 +339,20 @@ def _jsonl_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecor
         yield text
 
 
-def _parquet_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.ParquetFile(f.path)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError on corrupt files
-        raise ConfigError(f"cannot read Parquet file {f.path}: {str(e).splitlines()[0]}") from e
-    if text_field not in table.schema_arrow.names:
+def _table_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
+    table = tables.Table(f.path)
+    if text_field not in table.names:
         raise ConfigError(
-            f"Parquet file {f.path} has no column {text_field!r} (columns: "
-            f"{', '.join(table.schema_arrow.names)}); set the source's text_field"
-            f"{format_hint(table.schema_arrow.names)}."
+            f"{table.what} file {f.path} has no column {text_field!r} (columns: "
+            f"{', '.join(table.names)}); set the source's text_field{format_hint(table.names)}."
         )
-    row = 0
-    for batch in table.iter_batches(columns=[text_field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                _bad_record(
-                    f"has no string in column {text_field!r}",
-                    f"{f.path} row {row}",
-                    on_bad_record,
-                    bad,
-                )
-                continue
-            yield text
+    for row, record in enumerate(table.rows([text_field], batch_size=4096), 1):
+        text = record[text_field]
+        if not isinstance(text, str):
+            where = f"{f.path} row {row}"
+            _bad_record(f"has no string in column {text_field!r}", where, on_bad_record, bad)
+            continue
+        yield text
 
 
 def read_arrayrecord(path: Path) -> list[bytes]:
@@ -393,8 +384,8 @@ def read_texts(
     bad = bad or BadRecords(str(f.path), text_field)
     if f.format == "jsonl":
         texts = _jsonl_texts(f, text_field, on_bad_record, bad)
-    elif f.format == "parquet":
-        texts = _parquet_texts(f, text_field, on_bad_record, bad)
+    elif f.format in ("parquet", "csv", "arrow"):
+        texts = _table_texts(f, text_field, on_bad_record, bad)
     elif f.format == "arrayrecord":
         texts = (_record_text(r, i, f.path, bad) for i, r in enumerate(read_arrayrecord(f.path)))
     elif f.format == "stdlib":
