@@ -163,6 +163,7 @@ def _tokenizer(*args: str, out: str = "out", more: tuple = ()) -> Callable[[Path
 
 
 CASES = [
+    Case("prepare-missing-source", _prepare("nope.jsonl"), 2, "SOURCE: ", None),
     # a file too small for its held-out split (records, not files, are held out from one file)
     Case(
         "one-file-too-few-records",

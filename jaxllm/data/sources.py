@@ -108,14 +108,17 @@ def fetched(src: SourceConfig, key: str) -> SourceConfig:
     to the source root are the same as the bucket's, so the held-out split does not move."""
     if not storage.is_url(src.path):
         return src
-    return dataclasses.replace(src, path=str(storage.fetch(src.path, f"{key}.path")))
+    at = key if key == "SOURCE" else f"{key}.path"  # a command's argument, or a config key
+    return dataclasses.replace(src, path=str(storage.fetch(src.path, at)))
 
 
 def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> list[DataFile]:
     """The files of a source, sorted by path, at most `max_files`; ConfigError (naming `key`,
-    e.g. `data.sources[0]`) when the path is missing or matches no file. A URL is read from
+    e.g. `data.sources[0]`, or `SOURCE`: a command's argument) when the path is missing or
+    matches no file. A URL is read from
     its local copy (`fetched`)."""
     src = fetched(src, key)
+    at = key if key == "SOURCE" else f"{key}.path"  # a command's argument, or a config key
     if src.path == "stdlib":
         fmt = "stdlib" if src.format == "auto" else src.format
         root = stdlib_root()
@@ -123,7 +126,7 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
     path = Path(src.path).expanduser()
     if is_prepared_dir(path):  # training reads it whole (PreparedDir); it holds no text files
         raise ConfigError(
-            f"{key}.path: {src.path} is a directory of `jaxllm data prepare` (token ids, not "
+            f"{at}: {src.path} is a directory of `jaxllm data prepare` (token ids, not "
             f"text); train on it with data.sources=[{{path: {src.path}}}], or give here the "
             "files it was prepared from."
         )
@@ -131,7 +134,7 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
         root = _glob_root(str(path))
         paths = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not paths:
-            raise ConfigError(f"{key}.path: {src.path} matches no files; check the pattern.")
+            raise ConfigError(f"{at}: {src.path} matches no files; check the pattern.")
     elif path.is_dir():
         root = path
         paths = sorted(
@@ -142,24 +145,24 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
             and not tables.is_datasets_metadata(p)
         )
         if not paths:
-            raise ConfigError(f"{key}.path: directory {src.path} holds no files.")
+            raise ConfigError(f"{at}: directory {src.path} holds no files.")
     elif path.is_file():
         root, paths = path.parent, [path]
     else:
         raise ConfigError(
-            f"{key}.path: {src.path} does not exist; give a directory, a glob, a file, or stdlib."
+            f"{at}: {src.path} does not exist; give a directory, a glob, a file, or stdlib."
         )
     files = []
     for p in paths[:max_files] if max_files else paths:
         fmt = src.format if src.format != "auto" else format_of(p)
         if (fmt == "arrayrecord" or SHARD_NAME.fullmatch(p.name)) and is_prepared_dir(p.parent):
             raise ConfigError(
-                f"{key}.path: {p} is a shard of the prepared directory {p.parent}; set the path "
+                f"{at}: {p} is a shard of the prepared directory {p.parent}; set the path "
                 "to that directory so its manifest (tokenizer, split) is used."
             )
         if SHARD_NAME.fullmatch(p.name):
             raise ConfigError(
-                f"{key}.path: {p} is a shard of `jaxllm data prepare` (token ids, not text) but "
+                f"{at}: {p} is a shard of `jaxllm data prepare` (token ids, not text) but "
                 f"{p.parent} has no manifest.json: that preparation did not finish or its "
                 "manifest was removed; re-run `jaxllm data prepare`."
             )
