@@ -1,13 +1,12 @@
 """Tests of corpus sources: every format read back exactly, directories / globs / max_files, the
 eval split, weighted mixtures, the promised errors and warnings on bad input, and encodings
 (undecodable bytes repaired and counted in every JSON-lines format, UTF-16/32 and binary refused),
-gzip'd files and .json files holding one array of records.
+and .json files holding one array of records (compressed files: test_data_compressed.py).
 
 Documents are tiny files written in tmp_path with the byte tokenizer, so a row's tokens can be
 read back as text and compared with what was written.
 """
 
-import gzip
 import json
 import warnings
 
@@ -321,20 +320,6 @@ def test_wide_encodings_and_binary_records_are_refused(tmp_path):
         ConfigError, match=r"record 2 of ArrayRecord file .*ids.arrayrecord holds NUL"
     ):
         texts_of(tmp_path / "ids.arrayrecord")
-
-
-def test_gzip_files_are_decompressed_and_named_by_the_extension_before_gz(tmp_path):
-    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS])
-    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress((tmp_path / "a.jsonl").read_bytes()))
-    (tmp_path / "b.txt.gz").write_bytes(gzip.compress(DOCS[1].encode()))
-    assert texts_of(tmp_path / "a.jsonl.gz") == DOCS
-    assert texts_of(tmp_path / "b.txt.gz") == [DOCS[1]]
-    chats = [{"prompt": "q", "completion": d} for d in DOCS]
-    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(json.dumps(chats[0]).encode()))
-    assert _read_all(tmp_path / "c.jsonl.gz", "prompt_completion")[0].text == "q" + DOCS[0]
-    (tmp_path / "cut.jsonl.gz").write_bytes((tmp_path / "a.jsonl.gz").read_bytes()[:-12])
-    with pytest.raises(ConfigError, match=r"cut.jsonl.gz is a damaged gzip file"):
-        texts_of(tmp_path / "cut.jsonl.gz")
 
 
 def test_binary_files_are_refused_not_read_as_text(tmp_path):

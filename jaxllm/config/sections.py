@@ -153,7 +153,7 @@ class SourceConfig:
         "rollout",
         "stepwise",
     ] = "auto"
-    """`auto` picks by extension (of a .gz file, the one before): .jsonl/.json -> jsonl,
+    """`auto` picks by extension (of a .gz / .zst file, the one before): .jsonl/.json -> jsonl,
     .parquet, .csv/.tsv -> csv, .arrow (Hugging Face `datasets`' save_to_disk) -> arrow,
     .arrayrecord/.array_record, anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
     (rows of a .parquet file, lines of any other file, read as JSONL): a conversation rendered

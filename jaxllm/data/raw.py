@@ -1,8 +1,8 @@
 """Bytes of text and JSON-lines files before they are records: gzip read transparently, byte
 order marks of UTF-16/32 and binary files refused, lone surrogates of JSON escapes replaced.
 
-A file whose first bytes are gzip's magic is decompressed whatever its name (`corpus.jsonl.gz`,
-`book.txt.gz`). A file with a UTF-16/32 byte-order mark is refused (read as UTF-8 it would pass
+A file whose first bytes are gzip's or zstd's magic is decompressed whatever its name
+(`corpus.jsonl.gz`, `book.txt.gz`, `pile.jsonl.zst`). A file with a UTF-16/32 byte-order mark is refused (read as UTF-8 it would pass
 as text with a NUL between letters), and so is a text file holding NUL bytes: binary (an
 archive, an image, token ids), which read as text would train on noise.
 """
@@ -10,6 +10,7 @@ archive, an image, token ids), which read as text would train on noise.
 from __future__ import annotations
 
 import gzip
+import io
 import re
 import zlib
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 from jaxllm.config import ConfigError
 
 GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _WIDE_BOMS = {  # byte-order marks of encodings that UTF-8 would misread without an error
     b"\xff\xfe\x00\x00": "UTF-32",
     b"\x00\x00\xfe\xff": "UTF-32",
@@ -27,31 +29,53 @@ _WIDE_BOMS = {  # byte-order marks of encodings that UTF-8 would misread without
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
-def _gzip_error(path: Path, e: Exception) -> ConfigError:
-    return ConfigError(f"{path} is a damaged gzip file ({e}); re-compress or replace it.")
+def _codec(head: bytes) -> str | None:
+    """The compression a file's first bytes announce: gzip, zstd, or None."""
+    return (
+        "gzip" if head.startswith(GZIP_MAGIC) else "zstd" if head.startswith(ZSTD_MAGIC) else None
+    )
+
+
+def _damaged(path: Path, codec: str, e: Exception) -> ConfigError:
+    return ConfigError(f"{path} is a damaged {codec} file ({e}); re-compress or replace it.")
+
+
+_ERRORS = (OSError, EOFError, ValueError, zlib.error)  # pyarrow's ArrowInvalid is a ValueError
 
 
 def read_bytes(path: Path) -> bytes:
-    """The bytes of a text or JSON-lines file, decompressed when it is gzip (by its magic bytes,
-    whatever its name); ConfigError naming the file when the gzip stream is damaged."""
+    """The bytes of a text or JSON-lines file, decompressed when it is gzip or zstd (by its magic
+    bytes, whatever its name); ConfigError naming the file when the stream is damaged."""
     data = path.read_bytes()
-    if not data.startswith(GZIP_MAGIC):
+    codec = _codec(data[:4])
+    if codec is None:
         return data
     try:
-        return gzip.decompress(data)
-    except (OSError, EOFError, zlib.error) as e:
-        raise _gzip_error(path, e) from e
+        if codec == "gzip":
+            return gzip.decompress(data)
+        import pyarrow as pa
+
+        return pa.CompressedInputStream(pa.BufferReader(data), codec).read()
+    except _ERRORS as e:
+        raise _damaged(path, codec, e) from e
 
 
 def lines(path: Path) -> Iterator[bytes]:
-    """The lines of a file, streamed and decompressed when it is gzip (as `read_bytes`)."""
+    """The lines of a file, streamed and decompressed as `read_bytes` does."""
     with open(path, "rb") as raw:
-        packed = raw.read(2) == GZIP_MAGIC
+        codec = _codec(raw.read(4))
         raw.seek(0)
         try:
-            yield from gzip.GzipFile(fileobj=raw) if packed else raw
-        except (OSError, EOFError, zlib.error) as e:
-            raise _gzip_error(path, e) from e
+            if codec == "gzip":
+                yield from gzip.GzipFile(fileobj=raw)
+            elif codec == "zstd":
+                import pyarrow as pa
+
+                yield from io.BufferedReader(pa.CompressedInputStream(pa.PythonFile(raw), codec))
+            else:
+                yield from raw
+        except _ERRORS as e:
+            raise _damaged(path, codec, e) from e
 
 
 def refuse_wide(head: bytes, path: Path) -> None:

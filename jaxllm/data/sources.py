@@ -3,7 +3,8 @@
 A source path is `stdlib` (the running Python's standard-library sources: every machine has them,
 so the default run downloads nothing), a directory (read recursively, hidden entries skipped), a
 glob, or one file. Each file's format comes from `SourceConfig.format` or, for `auto`, from its
-extension (`.gz` files by the one before it: `corpus.jsonl.gz` is jsonl). One document is:
+extension (`.gz` / `.zst` files by the one before it: `corpus.jsonl.gz` is jsonl). One
+document is:
 
     text, stdlib   the whole file (stdlib files decode with their PEP 263 coding line)
     jsonl          the `text_field` string of each line
@@ -70,8 +71,9 @@ class DataFile:
 
 
 def format_of(path: Path) -> str:
-    """The format `auto` reads `path` as, by its extension (a `.gz` file by the one before)."""
-    suffixes = path.suffixes[-2:] if path.suffix == ".gz" else path.suffixes[-1:]
+    """The format `auto` reads `path` as, by its extension (a `.gz` / `.zst` file by the one
+    before)."""
+    suffixes = path.suffixes[-2:] if path.suffix in (".gz", ".zst") else path.suffixes[-1:]
     return _FORMAT_BY_SUFFIX.get(suffixes[0] if suffixes else "", "text")
 
 
