@@ -93,6 +93,28 @@ def test_chat_pairs_mask_the_answer_turns_only(tmp_path):
             np.testing.assert_array_equal(a[k], b[k])
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_an_implicit_prompt_is_the_common_beginning_of_both_answers(tmp_path, suffix):
+    """TRL's implicit-prompt pairs (HH-RLHF): the rows of the same pairs with the prompt given."""
+    prompt = [{"role": "user", "content": "1 + 1?"}]
+    chats = [
+        {
+            "chosen": [*prompt, {"role": "assistant", "content": "2."}],
+            "rejected": [*prompt, {"role": "assistant", "content": "3."}],
+        }
+    ]
+    explicit = [{"prompt": prompt, "chosen": "2.", "rejected": "3."}]
+    # texts part at the first difference; a space just before it goes with the answers (TRL)
+    texts = [{"chosen": p + "x" + c, "rejected": p + " " + r} for p, c, r in PAIRS]
+    given = [{"prompt": p[:-1], "chosen": " x" + c, "rejected": "  " + r} for p, c, r in PAIRS]
+    for i, (implicit, want) in enumerate(((chats, explicit), (texts, given))):
+        got = rows_of(write(tmp_path / f"i{i}{suffix}", implicit), seq_len=512)
+        for a, b in zip(got, rows_of(write(tmp_path / f"e{i}{suffix}", want), seq_len=512)):
+            for k in a:
+                np.testing.assert_array_equal(a[k], b[k])
+        assert got
+
+
 def test_pairs_pack_first_fit_and_whole(tmp_path):
     rng = np.random.default_rng(0)
     pairs = [

@@ -4,6 +4,7 @@ prepared shards that give the same rows."""
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -214,3 +215,27 @@ def test_prepare_refuses_to_mix_text_and_sft(tmp_path):
             ],
             tmp_path / "out",
         )
+
+
+@pytest.mark.parametrize("truncation", ["truncate", "drop"])
+def test_no_trained_token_in_a_row_names_only_the_fixes_that_would_help(tmp_path, truncation):
+    long = [("a long question " * 4, "4")] * 3
+    src = SourceConfig(
+        path=pair_file(tmp_path / "p.jsonl", long),
+        format="prompt_completion",
+        prompt_field="q",
+        completion_field="a",
+    )
+    with warnings.catch_warnings(), pytest.raises(ConfigError) as e:
+        warnings.simplefilter("ignore", JaxllmWarning)  # the counts before the error
+        rows_of(src, seq_len=16, truncation=truncation)
+    assert str(e.value).endswith(
+        "raise data.seq_len." if truncation == "truncate" else "or set data.truncation=truncate."
+    )
+    pref = tmp_path / "pref.jsonl"
+    write(pref, [{"prompt": "a long question " * 4, "chosen": "4", "rejected": "5"}] * 3)
+    src = SourceConfig(path=str(pref), format="preference")
+    with warnings.catch_warnings(), pytest.raises(ConfigError) as e:
+        warnings.simplefilter("ignore", JaxllmWarning)
+        rows_of(src, seq_len=16, truncation=truncation)
+    assert ("set data.truncation" in str(e.value)) == (truncation == "drop")

@@ -1,12 +1,14 @@
 """Tests of corpus sources: every format read back exactly, directories / globs / max_files, the
 eval split, weighted mixtures, the promised errors and warnings on bad input, and encodings
-(undecodable bytes repaired and counted in every JSON-lines format, UTF-16/32 and binary refused).
+(undecodable bytes repaired and counted in every JSON-lines format, UTF-16/32 and binary refused),
+and .json files holding one array of records (compressed files: test_data_compressed.py).
 
 Documents are tiny files written in tmp_path with the byte tokenizer, so a row's tokens can be
 read back as text and compared with what was written.
 """
 
 import json
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -194,7 +196,7 @@ def test_missing_path_and_empty_matches_name_the_key(tmp_path):
         load(tmp_path / "empty")
     for i in range(3):
         (tmp_path / "empty" / f"{i}.txt").write_text("")
-    with pytest.raises(ConfigError, match=r"data.sources\[0\].path: the 3 file\(s\) of .*empty"):
+    with pytest.raises(ConfigError, match=r"the 3 file\(s\) of .*empty hold no documents \(they"):
         load(tmp_path / "empty")
 
 
@@ -318,3 +320,56 @@ def test_wide_encodings_and_binary_records_are_refused(tmp_path):
         ConfigError, match=r"record 2 of ArrayRecord file .*ids.arrayrecord holds NUL"
     ):
         texts_of(tmp_path / "ids.arrayrecord")
+
+
+def test_binary_files_are_refused_not_read_as_text(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("text")
+    (tmp_path / "d" / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(ConfigError, match=r"photo.png holds NUL bytes, so it is binary"):
+        texts_of(tmp_path / "d")
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_file_holding_one_array_gives_its_records(tmp_path, indent):
+    records = [{"text": d} for d in DOCS] + [{"other": 1}]
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=indent))
+    bad = BadRecords("k")
+    assert texts_of_bad(tmp_path / "a.json", bad) == DOCS
+    assert bad.first_record == f"{tmp_path}/a.json record 5 has no string field 'text' " + (
+        "(set the source's text_field)"
+    )
+    pairs = [{"prompt": "q", "completion": d} for d in DOCS]
+    (tmp_path / "p.json").write_text(json.dumps(pairs, indent=indent))
+    assert [e.text for e in _read_all(tmp_path / "p.json", "prompt_completion")] == [
+        "q" + d for d in DOCS
+    ]
+    (tmp_path / "cut.json").write_text(json.dumps(pairs, indent=indent)[:-5])
+    with pytest.raises(ConfigError, match=r"cut.json starts a JSON array but is not valid JSON"):
+        texts_of(tmp_path / "cut.json")
+
+
+@pytest.mark.parametrize(
+    "record, fmt",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "chat"),
+        ({"conversations": [], "id": 1}, "chat"),
+        ({"instruction": "a", "input": "", "output": "b"}, "chat"),
+        ({"prompt": "a", "completion": "b"}, "prompt_completion"),
+        ({"prompt": "a", "chosen": "b", "rejected": "c"}, "preference"),
+        ({"prompt": "a", "completion": "b", "label": True}, "unpaired_preference"),
+    ],
+)
+def test_records_of_another_format_fail_in_one_line_naming_it(tmp_path, record, fmt):
+    write_jsonl(tmp_path / "a.jsonl", [record] * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the reason is in the error, not in a warning before it
+        with pytest.raises(ConfigError) as e:
+            load_splits(DataConfig(sources=(SourceConfig(path=str(tmp_path / "a.jsonl")),)))
+    assert "hold no documents: skipped 3 record(s)" in str(e.value)
+    assert f"line 1 has no string field 'text' (set the source's text_field, or format: {fmt}," in (
+        str(e.value)
+    )
+    pq.write_table(pa.Table.from_pylist([record]), tmp_path / "a.parquet")
+    with pytest.raises(ConfigError, match=f"has no column 'text' .*, or format: {fmt},"):
+        texts_of(tmp_path / "a.parquet")

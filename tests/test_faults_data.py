@@ -122,10 +122,10 @@ def _utf16(t: Path) -> None:
 
 
 def _json_array(t: Path) -> None:
-    """A .json file as Alpaca ships it: one array of records, pretty-printed."""
+    """A .json file as Alpaca ships it (one array of records, pretty-printed), cut short."""
     (t / "src").mkdir()
     records = [{"prompt": f"Add {i} and {i}.", "completion": str(2 * i)} for i in range(5)]
-    (t / "src" / "alpaca.json").write_text(json.dumps(records, indent=2))
+    (t / "src" / "alpaca.json").write_text(json.dumps(records, indent=2)[:-30])
 
 
 def _two_records(t: Path) -> None:
@@ -163,6 +163,7 @@ def _tokenizer(*args: str, out: str = "out", more: tuple = ()) -> Callable[[Path
 
 
 CASES = [
+    Case("prepare-missing-source", _prepare("nope.jsonl"), 2, "SOURCE: ", None),
     # a file too small for its held-out split (records, not files, are held out from one file)
     Case(
         "one-file-too-few-records",
@@ -288,10 +289,10 @@ CASES = [
     Case("utf16-text", _prepare("src"), 2, "w.txt is UTF-16", _utf16),
     # other formats taken for JSON lines, and a source left with nothing, say why (exit 2)
     Case(
-        "json-array-file",
+        "json-array-file-cut-short",
         lambda t: [*_prepare("src/alpaca.json")(t), "--format", "prompt_completion"],
         2,
-        "alpaca.json is one JSON array, not JSON lines",
+        "alpaca.json starts a JSON array but is not valid JSON",
         _json_array,
     ),
     Case(

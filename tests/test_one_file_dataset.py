@@ -137,6 +137,14 @@ def test_too_few_records_is_one_config_error(tmp_path):
     _write(path, "jsonl", _records("jsonl", 0, 2))
     with pytest.raises(ConfigError, match="leaves .* records of the 1 file"):
         _split(path, "jsonl", 0.05)
+    book = tmp_path / "book.txt"  # 3 records: blocks of 100 lines, none held out at 0.001
+    book.write_text("".join(f"line {i}\n" for i in range(250)))
+    with pytest.raises(ConfigError) as e:
+        _split(book, "text", 0.001)
+    assert "leaves 3 train and 0 eval records (a text file's are blocks of 100 lines)" in str(
+        e.value
+    )
+    assert str(e.value).endswith("or train without evaluation: data.eval_fraction=0.")
 
 
 def test_a_prepared_file_splits_as_training_splits_it(tmp_path):

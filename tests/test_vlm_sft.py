@@ -256,7 +256,7 @@ def test_bad_image_input_is_refused_in_one_line(data, tmp_path, capsys):
         d, tok, data__sources=[{"path": str(tmp_path / "big.jsonl"), "format": "chat"}]
     )
     off = dataclasses.replace(big_cfg, data=dataclasses.replace(big_cfg.data, image_resize=False))
-    with pytest.warns(JaxllmWarning), pytest.raises(ConfigError, match="hold no documents"):
+    with pytest.raises(ConfigError, match="hold no documents: skipped 1 record"):
         run_splits(off)
     assert run_splits(big_cfg)[0].num_docs == 1  # resized: used
     config_lib.dump(dataclasses.replace(cfg, data=off.data), tmp_path / "big.yaml")

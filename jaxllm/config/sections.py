@@ -143,6 +143,8 @@ class SourceConfig:
         "text",
         "jsonl",
         "parquet",
+        "csv",
+        "arrow",
         "arrayrecord",
         "chat",
         "prompt_completion",
@@ -151,8 +153,9 @@ class SourceConfig:
         "rollout",
         "stepwise",
     ] = "auto"
-    """`auto` picks by extension: .jsonl/.json -> jsonl, .parquet, .arrayrecord/.array_record,
-    anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
+    """`auto` picks by extension (of a .gz / .zst file, the one before): .jsonl/.json -> jsonl,
+    .parquet, .csv/.tsv -> csv, .arrow (Hugging Face `datasets`' save_to_disk) -> arrow,
+    .arrayrecord/.array_record, anything else -> text. `chat` and `prompt_completion` are supervised fine-tuning examples
     (rows of a .parquet file, lines of any other file, read as JSONL): a conversation rendered
     by the tokenizer's chat template, or a prompt followed by its completion; the loss covers
     the assistant turns / the completion (see `data.train_on_prompt`). `preference` records

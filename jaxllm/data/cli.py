@@ -90,7 +90,7 @@ def cmd_tokenizer(ns) -> int:
     check_bpe_vocab_size(ns.vocab_size)
     out = check_output(ns.out, flag="--out", overwrite=ns.overwrite)
     sources = _sources(ns)
-    files = [(src, list_files(src, f"SOURCE {src.path}", ns.max_files)) for src in sources]
+    files = [(src, list_files(src, "SOURCE", ns.max_files)) for src in sources]
     refuse_output_over(out, [f.path for _, fs in files for f in fs], "--out")
     bad = BadRecords(", ".join(ns.sources), ns.text_field)
     if sft.is_sft(sources[0]):

@@ -162,12 +162,12 @@ def _source_documents(
     else:
         bad = BadRecords(key, src.text_field)
         texts = [list(read_texts(f, src.text_field, cfg.on_bad_record, bad)) for f in files]
-    bad.warn()
-    if not any(texts):
+    if not any(texts):  # one line: why the records were skipped, if they were
+        why = f": {bad.summary()}" if bad.summary() else " (they are empty)"
         raise ConfigError(
-            f"{key}.path: the {len(files)} file(s) of {src.path} hold no documents (empty, or "
-            "every record was skipped as bad)."
+            f"{key}.path: the {len(files)} file(s) of {src.path} hold no documents{why}."
         )
+    bad.warn()
     if hold_out:
         train, evals = split_source(files, texts, cfg.eval_fraction, key)
     else:

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, JaxllmWarning, SourceConfig
-from jaxllm.data import chat, sft
+from jaxllm.data import chat, conversations, sft
 from jaxllm.data.packing import first_fit
 from jaxllm.data.sources import BadRecords, DataFile
 
@@ -136,13 +136,16 @@ def prompt_problem(prompt, src: SourceConfig) -> str | None:
 def _pair(record: dict, src: SourceConfig, tok) -> Pair | str:
     """The pair a record holds, or why it holds none."""
     prompt = record.get(src.prompt_field)
+    given = [record.get(src.chosen_field), record.get(src.rejected_field)]
+    if prompt is None and src.format == "preference":  # TRL's implicit prompt
+        prompt, *given = conversations.implicit_prompt(*given)
     why = prompt_problem(prompt, src)
     if why is not None:
         return why
     chat_prompt = not isinstance(prompt, str)
     answers = []
-    for key in ("chosen_field", "rejected_field"):
-        value, why = answer(record.get(getattr(src, key)), key, src, chat_prompt)
+    for key, value in zip(("chosen_field", "rejected_field"), given):
+        value, why = answer(value, key, src, chat_prompt)
         if why is not None:
             return why
         answers.append(value)
@@ -173,7 +176,8 @@ def read_pairs(
     skipped into `bad` or, with `fail`, a ConfigError naming its file and line."""
     bad = bad or bad_records(str(f.path), src)
     columns = {k: getattr(src, k) for k in FIELDS}
-    for where, record in sft._records(f, columns, on_bad_record, bad):
+    implicit = ("prompt_field",) if src.format == "preference" else ()  # TRL's implicit prompt
+    for where, record in sft._records(f, columns, on_bad_record, bad, implicit):
         pair = _pair(record, src, tok)
         if isinstance(pair, str):
             sft._bad(pair, where, on_bad_record, bad)
@@ -250,7 +254,9 @@ def pack_pairs(ex: Pairs, cfg: DataConfig, tok, what: str, whole_inputs: bool = 
     if not seqs:
         raise ConfigError(
             f"{what}: none of its {len(ex)} pairs fits a row of data.seq_len={cfg.seq_len} with a "
-            "trained token in both answers; raise data.seq_len or set data.truncation=truncate."
+            "trained token in both answers; raise data.seq_len"
+            + " or set data.truncation=truncate" * (cfg.truncation == "drop")
+            + "."
         )
     if whole_inputs:  # the closing slot: input = the last token, target = padding, untrained
         seqs = [

@@ -177,7 +177,7 @@ def prepare(
         )
     kind = kinds.pop()
     tok = load_tokenizer(tokenizer, "--tokenizer")  # a bad path fails before anything is written
-    files = [(f, src) for src in sources for f in list_files(src, f"SOURCE {src.path}", max_files)]
+    files = [(f, src) for src in sources for f in list_files(src, "SOURCE", max_files)]
     refuse_output_over(out, [f.path for f, _ in files], "--out")
     names = ", ".join(src.path for src in sources)
     readers = {  # kind: its module and the module's reader of one file

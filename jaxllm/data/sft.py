@@ -3,8 +3,10 @@ whole examples packed first-fit.
 
 A `chat` record holds a conversation, `{"messages": [{"role": ..., "content": ...}, ...]}`, and
 a `prompt_completion` record a prompt and its completion, `{"prompt": ..., "completion": ...}`
-(the fields are the source's `messages_field`, `prompt_field` and `completion_field`). A
-.parquet file gives one record per row, any other file one per JSONL line.
+(the fields are the source's `messages_field`, `prompt_field` and `completion_field`); a chat
+record may also be in the shape of ShareGPT, Alpaca or TRL's conversational prompt-completion
+(`jaxllm.data.conversations`). A .parquet, .csv/.tsv or .arrow file (`jaxllm.data.tables`)
+gives one record per row, any other file one per JSONL line.
 
 A conversation is rendered by the tokenizer's chat template (`jaxllm.data.chat`) and tokenized
 with the special tokens the template writes read as such, as `apply_chat_template` does; the
@@ -36,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, JaxllmWarning, SourceConfig
-from jaxllm.data import chat
+from jaxllm.data import chat, conversations, tables
 from jaxllm.data.packing import FirstFitRows
 from jaxllm.data.sources import BadRecords, DataFile, json_lines
 
@@ -82,10 +84,13 @@ def _bad(why: str, where: str, on_bad_record: str, bad: BadRecords) -> None:
     bad.record(f"{where} {why}")
 
 
-def _records(f: DataFile, columns: dict[str, str], on_bad_record: str, bad: BadRecords):
-    """(where, record) of each Parquet row or JSONL line; `columns` maps config keys to fields."""
-    if f.path.suffix == ".parquet":
-        yield from _parquet_records(f, columns)
+def _records(
+    f: DataFile, columns: dict[str, str], on_bad_record: str, bad: BadRecords, optional=()
+):
+    """(where, record) of each Parquet row or JSONL line; `columns` maps config keys to fields,
+    those of `optional` keys may be absent."""
+    if tables.is_table(f.path):
+        yield from _table_records(f, columns, optional)
         return
     for where, record in json_lines(f, on_bad_record, bad):
         if not isinstance(record, dict):
@@ -94,25 +99,20 @@ def _records(f: DataFile, columns: dict[str, str], on_bad_record: str, bad: BadR
         yield where, record
 
 
-def _parquet_records(f: DataFile, columns: dict[str, str]):
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.ParquetFile(f.path)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError on corrupt files
-        raise ConfigError(f"cannot read Parquet file {f.path}: {str(e).splitlines()[0]}") from e
-    names = table.schema_arrow.names
+def _table_records(f: DataFile, columns: dict[str, str], optional=()):
+    table = tables.Table(f.path)
+    names = table.names
+    if columns == {"messages_field": "messages"} and "messages" not in names:
+        columns = {name: name for name in names}  # another shape (`jaxllm.data.conversations`)
+    columns = {k: c for k, c in columns.items() if c in names or k not in optional}
     for key, column in columns.items():
         if column not in names:
             raise ConfigError(
-                f"Parquet file {f.path} has no column {column!r} (columns: {', '.join(names)}); "
-                f"set the source's {key}."
+                f"{table.what} file {f.path} has no column {column!r} (columns: "
+                f"{', '.join(names)}); set the source's {key}."
             )
-    row = 0
-    for batch in table.iter_batches(columns=list(columns.values()), batch_size=1024):
-        for record in batch.to_pylist():
-            row += 1
-            yield f"{f.path} row {row}", record
+    for row, record in enumerate(table.rows(list(columns.values())), 1):
+        yield f"{f.path} row {row}", record
 
 
 def _message_problem(messages, field: str) -> str | None:
@@ -136,15 +136,17 @@ def _message_problem(messages, field: str) -> str | None:
 def _example(record: dict, src: SourceConfig, tok) -> Example | str:
     """The example a record holds, or why it holds none."""
     if src.format == "chat":
-        messages = record.get(src.messages_field)
-        why = _message_problem(messages, src.messages_field)
+        messages, trained, why = conversations.messages_of(record, src.messages_field)
+        why = why or _message_problem(messages, src.messages_field)
         if why is not None:
             return why
         try:
             text, spans = chat.assistant_spans(messages, tok)
         except chat.ChatError as e:
             return f"cannot be rendered ({e})"
-        return Example(text, tuple(spans))
+        return Example(text, tuple(spans[len(spans) - trained :] if trained else spans))
+    if isinstance(record.get(src.prompt_field), list):
+        return "holds a conversational prompt (messages): read it with format: chat"
     for key in ("prompt_field", "completion_field"):
         field = getattr(src, key)
         if not isinstance(record.get(field), str):
@@ -255,7 +257,9 @@ def pack_examples(
     if not tokens:
         raise ConfigError(
             f"{what}: none of its {len(ex)} examples has a trained token within a row of "
-            f"data.seq_len={cfg.seq_len}; raise data.seq_len or set data.truncation=truncate."
+            f"data.seq_len={cfg.seq_len}; raise data.seq_len"
+            + " or set data.truncation=truncate" * (cfg.truncation == "drop")
+            + "."
         )
     return FirstFitRows(
         tokens, cfg.seq_len, bos_id=None, eos_id=None, pad_id=tok.pad_id, masks=masks

@@ -3,11 +3,13 @@
 A source path is `stdlib` (the running Python's standard-library sources: every machine has them,
 so the default run downloads nothing), a directory (read recursively, hidden entries skipped), a
 glob, or one file. Each file's format comes from `SourceConfig.format` or, for `auto`, from its
-extension. One document is:
+extension (`.gz` / `.zst` files by the one before it: `corpus.jsonl.gz` is jsonl). One
+document is:
 
     text, stdlib   the whole file (stdlib files decode with their PEP 263 coding line)
     jsonl          the `text_field` string of each line
-    parquet        the `text_field` string of each row
+    parquet, csv   the `text_field` string of each row (.parquet; .csv / .tsv; also arrow:
+                   `jaxllm.data.tables`)
     arrayrecord    each record, as UTF-8 text (tokenized shards are read via their directory)
 
 The SFT formats `chat` and `prompt_completion` are read into examples by `jaxllm.data.sft`, the
@@ -16,10 +18,11 @@ preference and rollout formats by their modules; JSON lines of every format thro
 Text is UTF-8. Undecodable bytes become U+FFFD and are counted, in text files and JSON lines alike
 (a JSON line's structure is ASCII, so only its strings change), as are JSON escapes of lone
 surrogates, which no tokenizer can encode. A file that starts with a UTF-16/32 byte-order
-mark is refused (read as UTF-8 it would pass as text with a NUL between letters), and so is an
-ArrayRecord record holding NUL bytes: binary, not text (a serialized proto, or token ids). A
-JSON-lines file whose first line opens an array (a `.json` file holding one array of records, as
-Alpaca ships) is refused with the command that converts it, not skipped line by line.
+mark is refused (read as UTF-8 it would pass as text with a NUL between letters), and so are a
+text file and an ArrayRecord record holding NUL bytes: binary, not text (an archive, a
+serialized proto, token ids). Gzip'd text and JSON lines are decompressed (`jaxllm.data.raw`).
+A JSON-lines file whose first line opens an array (a `.json` file holding one array of records,
+as Alpaca ships) is read as that array, one record per element.
 
 The shards of `jaxllm data prepare` (`train-NNNNN.arrayrecord`, `eval-NNNNN.arrayrecord`) are
 token ids, never text: beside their manifest they are read via their directory
@@ -46,20 +49,14 @@ from pathlib import Path
 
 from jaxllm import storage
 from jaxllm.config import ConfigError, JaxllmWarning, SourceConfig
+from jaxllm.data import raw, tables
 
 MANIFEST = "manifest.json"  # marks a directory written by `jaxllm data prepare`
 SHARD_NAME = re.compile(r"(train|eval)-\d{5}\.arrayrecord")  # the shards `prepare` writes
-_WIDE_BOMS = {  # byte-order marks of encodings that UTF-8 would misread without an error
-    b"\xff\xfe\x00\x00": "UTF-32",
-    b"\x00\x00\xfe\xff": "UTF-32",
-    b"\xff\xfe": "UTF-16",
-    b"\xfe\xff": "UTF-16",
-}
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _FORMAT_BY_SUFFIX = {
     ".jsonl": "jsonl",
     ".json": "jsonl",
-    ".parquet": "parquet",
+    **tables.FORMATS,
     ".arrayrecord": "arrayrecord",
     ".array_record": "arrayrecord",
 }
@@ -71,6 +68,13 @@ class DataFile:
     format: str
     key: str
     """Path relative to the source root: what the eval split hashes."""
+
+
+def format_of(path: Path) -> str:
+    """The format `auto` reads `path` as, by its extension (a `.gz` / `.zst` file by the one
+    before)."""
+    suffixes = path.suffixes[-2:] if path.suffix in (".gz", ".zst") else path.suffixes[-1:]
+    return _FORMAT_BY_SUFFIX.get(suffixes[0] if suffixes else "", "text")
 
 
 def stdlib_root() -> Path:
@@ -106,14 +110,17 @@ def fetched(src: SourceConfig, key: str) -> SourceConfig:
     to the source root are the same as the bucket's, so the held-out split does not move."""
     if not storage.is_url(src.path):
         return src
-    return dataclasses.replace(src, path=str(storage.fetch(src.path, f"{key}.path")))
+    at = key if key == "SOURCE" else f"{key}.path"  # a command's argument, or a config key
+    return dataclasses.replace(src, path=str(storage.fetch(src.path, at)))
 
 
 def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> list[DataFile]:
     """The files of a source, sorted by path, at most `max_files`; ConfigError (naming `key`,
-    e.g. `data.sources[0]`) when the path is missing or matches no file. A URL is read from
+    e.g. `data.sources[0]`, or `SOURCE`: a command's argument) when the path is missing or
+    matches no file. A URL is read from
     its local copy (`fetched`)."""
     src = fetched(src, key)
+    at = key if key == "SOURCE" else f"{key}.path"  # a command's argument, or a config key
     if src.path == "stdlib":
         fmt = "stdlib" if src.format == "auto" else src.format
         root = stdlib_root()
@@ -121,7 +128,7 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
     path = Path(src.path).expanduser()
     if is_prepared_dir(path):  # training reads it whole (PreparedDir); it holds no text files
         raise ConfigError(
-            f"{key}.path: {src.path} is a directory of `jaxllm data prepare` (token ids, not "
+            f"{at}: {src.path} is a directory of `jaxllm data prepare` (token ids, not "
             f"text); train on it with data.sources=[{{path: {src.path}}}], or give here the "
             "files it was prepared from."
         )
@@ -129,33 +136,35 @@ def list_files(src: SourceConfig, key: str, max_files: int | None = None) -> lis
         root = _glob_root(str(path))
         paths = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not paths:
-            raise ConfigError(f"{key}.path: {src.path} matches no files; check the pattern.")
+            raise ConfigError(f"{at}: {src.path} matches no files; check the pattern.")
     elif path.is_dir():
         root = path
         paths = sorted(
             p
             for p in path.rglob("*")
-            if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+            if p.is_file()
+            and not any(s.startswith(".") for s in p.relative_to(path).parts)
+            and not tables.is_datasets_metadata(p)
         )
         if not paths:
-            raise ConfigError(f"{key}.path: directory {src.path} holds no files.")
+            raise ConfigError(f"{at}: directory {src.path} holds no files.")
     elif path.is_file():
         root, paths = path.parent, [path]
     else:
         raise ConfigError(
-            f"{key}.path: {src.path} does not exist; give a directory, a glob, a file, or stdlib."
+            f"{at}: {src.path} does not exist; give a directory, a glob, a file, or stdlib."
         )
     files = []
     for p in paths[:max_files] if max_files else paths:
-        fmt = src.format if src.format != "auto" else _FORMAT_BY_SUFFIX.get(p.suffix, "text")
+        fmt = src.format if src.format != "auto" else format_of(p)
         if (fmt == "arrayrecord" or SHARD_NAME.fullmatch(p.name)) and is_prepared_dir(p.parent):
             raise ConfigError(
-                f"{key}.path: {p} is a shard of the prepared directory {p.parent}; set the path "
+                f"{at}: {p} is a shard of the prepared directory {p.parent}; set the path "
                 "to that directory so its manifest (tokenizer, split) is used."
             )
         if SHARD_NAME.fullmatch(p.name):
             raise ConfigError(
-                f"{key}.path: {p} is a shard of `jaxllm data prepare` (token ids, not text) but "
+                f"{at}: {p} is a shard of `jaxllm data prepare` (token ids, not text) but "
                 f"{p.parent} has no manifest.json: that preparation did not finish or its "
                 "manifest was removed; re-run `jaxllm data prepare`."
             )
@@ -241,57 +250,45 @@ def _decode(data: bytes, path: Path, bad: BadRecords, where: str = "") -> str:
         return text
 
 
-def _refuse_wide(head: bytes, path: Path) -> None:
-    """ConfigError when `head` (a file's first bytes) is a UTF-16/32 byte-order mark."""
-    for bom, encoding in _WIDE_BOMS.items():
-        if head.startswith(bom):
-            raise ConfigError(
-                f"{path} is {encoding} (it starts with a {encoding} byte-order mark); sources "
-                f"are read as UTF-8: convert it (iconv -f {encoding} -t UTF-8)."
-            )
-
-
-def _no_surrogates(value, count: list[int]):
-    """`value` (parsed JSON) with lone surrogates replaced by U+FFFD, counted in `count[0]`."""
-    if isinstance(value, str):
-        fixed, n = _SURROGATE.subn("\ufffd", value)
-        count[0] += n
-        return fixed
-    if isinstance(value, list):
-        return [_no_surrogates(v, count) for v in value]
-    if isinstance(value, dict):
-        return {_no_surrogates(k, count): _no_surrogates(v, count) for k, v in value.items()}
-    return value
-
-
 def json_lines(f: DataFile, on_bad_record: str, bad: BadRecords) -> Iterator[tuple[str, object]]:
-    """(where, value) of each non-blank line of a JSON-lines file, `where` its file and line.
-    Bytes that are not UTF-8 and escapes of lone surrogates become U+FFFD, counted in `bad` (as
-    for text files); a line that is not JSON is a bad record."""
-    with open(f.path, "rb") as lines:
-        for number, line in enumerate(lines, 1):
-            if number == 1:
-                _refuse_wide(line, f.path)
-                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
-                if line.lstrip().startswith(b"["):  # every format's records are objects
-                    raise ConfigError(
-                        f"{f.path} is one JSON array, not JSON lines (one object per line); "
-                        f"convert it: jq -c '.[]' {f.path} > {f.path.with_suffix('.jsonl')}"
-                    )
-            if not line.strip():
-                continue
-            where = f"{f.path} line {number}"
-            try:
-                value = json.loads(_decode(line, f.path, bad, where))
-            except ValueError:
-                _bad_record("is not valid JSON", where, on_bad_record, bad)
-                continue
-            if b"\\u" in line and re.search(rb"\\u[dD][89a-fA-F]", line):
-                count = [0]
-                value = _no_surrogates(value, count)
-                if count[0]:
-                    bad.lone_surrogates(count[0], where)
-            yield where, value
+    """(where, value) of each non-blank line of a JSON-lines file (gzip'd or not), `where` its
+    file and line; a file holding one JSON array of records (a `.json` file as Alpaca and
+    LLaMA-Factory ship it) gives each element, `where` its file and record number. Bytes that
+    are not UTF-8 and escapes of lone surrogates become U+FFFD, counted in `bad` (as for text
+    files); a line that is not JSON is a bad record."""
+    for number, line in enumerate(raw.lines(f.path), 1):
+        if number == 1:
+            raw.refuse_wide(line, f.path)
+            line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+            if line.lstrip().startswith(b"["):  # every format's records are objects
+                yield from _json_array(f, bad)
+                return
+        if not line.strip():
+            continue
+        where = f"{f.path} line {number}"
+        try:
+            value = json.loads(_decode(line, f.path, bad, where))
+        except ValueError:
+            _bad_record("is not valid JSON", where, on_bad_record, bad)
+            continue
+        yield where, raw.repaired(value, raw.has_surrogate_escape(line), where, bad)
+
+
+def _json_array(f: DataFile, bad: BadRecords) -> Iterator[tuple[str, object]]:
+    """The elements of a file that is one JSON array; ConfigError when it is not valid JSON
+    (one broken record spoils the whole array, so there is nothing to skip)."""
+    data = raw.read_bytes(f.path).removeprefix(b"\xef\xbb\xbf")
+    try:
+        values = json.loads(_decode(data, f.path, bad, str(f.path)))
+    except ValueError as e:
+        raise ConfigError(
+            f"{f.path} starts a JSON array but is not valid JSON ({e}); fix it, or write one "
+            "JSON object per line (JSON lines)."
+        ) from e
+    surrogates = raw.has_surrogate_escape(data)
+    for number, value in enumerate(values, 1):
+        where = f"{f.path} record {number}"
+        yield where, raw.repaired(value, surrogates, where, bad)
 
 
 def _python_source(data: bytes) -> str | None:
@@ -314,12 +311,31 @@ def _bad_record(msg: str, where: str, on_bad_record: str, bad: BadRecords) -> No
     bad.record(f"{where} {msg}")
 
 
+def format_hint(fields) -> str:
+    """`, or format: F, ...`: the format whose records have these `fields`, or ""."""
+    fields = set(fields)
+    formats = (
+        ("preference", {"chosen", "rejected"}),
+        ("unpaired_preference", {"prompt", "completion", "label"}),
+        ("stepwise", {"prompt", "completions", "labels"}),
+        ("chat", {"messages"}),
+        ("chat", {"conversations"}),
+        ("chat", {"instruction", "output"}),
+        ("prompt_completion", {"prompt", "completion"}),
+    )
+    fmt = next((fmt for fmt, names in formats if names <= fields), None)
+    if fmt is None:
+        return ""
+    return f", or format: {fmt}, whose records have these fields"
+
+
 def _jsonl_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
     for where, record in json_lines(f, on_bad_record, bad):
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
+            hint = format_hint(record) if isinstance(record, dict) else ""
             _bad_record(
-                f"has no string field {text_field!r} (set the source's text_field)",
+                f"has no string field {text_field!r} (set the source's text_field{hint})",
                 where,
                 on_bad_record,
                 bad,
@@ -328,31 +344,20 @@ def _jsonl_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecor
         yield text
 
 
-def _parquet_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.ParquetFile(f.path)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError on corrupt files
-        raise ConfigError(f"cannot read Parquet file {f.path}: {str(e).splitlines()[0]}") from e
-    if text_field not in table.schema_arrow.names:
+def _table_texts(f: DataFile, text_field: str, on_bad_record: str, bad: BadRecords):
+    table = tables.Table(f.path)
+    if text_field not in table.names:
         raise ConfigError(
-            f"Parquet file {f.path} has no column {text_field!r} (columns: "
-            f"{', '.join(table.schema_arrow.names)}); set the source's text_field."
+            f"{table.what} file {f.path} has no column {text_field!r} (columns: "
+            f"{', '.join(table.names)}); set the source's text_field{format_hint(table.names)}."
         )
-    row = 0
-    for batch in table.iter_batches(columns=[text_field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                _bad_record(
-                    f"has no string in column {text_field!r}",
-                    f"{f.path} row {row}",
-                    on_bad_record,
-                    bad,
-                )
-                continue
-            yield text
+    for row, record in enumerate(table.rows([text_field], batch_size=4096), 1):
+        text = record[text_field]
+        if not isinstance(text, str):
+            where = f"{f.path} row {row}"
+            _bad_record(f"has no string in column {text_field!r}", where, on_bad_record, bad)
+            continue
+        yield text
 
 
 def read_arrayrecord(path: Path) -> list[bytes]:
@@ -384,15 +389,16 @@ def read_texts(
     bad = bad or BadRecords(str(f.path), text_field)
     if f.format == "jsonl":
         texts = _jsonl_texts(f, text_field, on_bad_record, bad)
-    elif f.format == "parquet":
-        texts = _parquet_texts(f, text_field, on_bad_record, bad)
+    elif f.format in ("parquet", "csv", "arrow"):
+        texts = _table_texts(f, text_field, on_bad_record, bad)
     elif f.format == "arrayrecord":
         texts = (_record_text(r, i, f.path, bad) for i, r in enumerate(read_arrayrecord(f.path)))
     elif f.format == "stdlib":
         texts = iter([_python_source(f.path.read_bytes()) or ""])
     else:
-        data = f.path.read_bytes()
-        _refuse_wide(data[:4], f.path)
+        data = raw.read_bytes(f.path)
+        raw.refuse_wide(data[:4], f.path)
+        raw.refuse_binary(data, f.path)
         texts = iter([_decode(data, f.path, bad)])
     return (t for t in texts if t)
 

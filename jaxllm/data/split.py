@@ -50,25 +50,30 @@ def _text_blocks(text: str) -> list[str]:
 
 
 def split_records(
-    f: DataFile, items: Iterable, eval_fraction: float, records: bool
+    f: DataFile, items: Iterable, eval_fraction: float, records: bool, counts=None
 ) -> Iterator[tuple[str, object]]:
     """(split, item) of each item of file `f`, split 'train' or 'eval'. With `records` (see
     `by_records`) item i is held out by `record_held_out`, a text file's documents being cut
     into blocks of lines first (consecutive blocks of one split are joined back into one
-    document); otherwise the whole file is, by `held_out`."""
+    document); otherwise the whole file is, by `held_out`. `counts` (a dict), when given, adds
+    up the records (items, or blocks of lines) of each split."""
     if not records:
         side = "eval" if held_out(f.key, eval_fraction) else "train"
         yield from ((side, item) for item in items)
         return
+    counts = {} if counts is None else counts
     if f.format not in ("text", "stdlib"):
         for i, item in enumerate(items):
-            yield ("eval" if record_held_out(f.key, i, eval_fraction) else "train"), item
+            side = "eval" if record_held_out(f.key, i, eval_fraction) else "train"
+            counts[side] = counts.get(side, 0) + 1
+            yield side, item
         return
     index = 0
     for doc in items:
         run, run_side = [], None
         for block in _text_blocks(doc):
             side = "eval" if record_held_out(f.key, index, eval_fraction) else "train"
+            counts[side] = counts.get(side, 0) + 1
             index += 1
             if run and side != run_side:
                 yield run_side, "".join(run)
@@ -105,15 +110,24 @@ def split_source(
     (`by_records`); ConfigError if a side is still empty."""
     records = by_records(files, eval_fraction)
     sides: dict[str, list] = {"train": [], "eval": []}
+    counts: dict[str, int] = {}
     for f, its in zip(files, items):
-        for side, item in split_records(f, its, eval_fraction, records):
+        for side, item in split_records(f, its, eval_fraction, records, counts):
             sides[side].append(item)
     train, held = sides["train"], sides["eval"]
     if not held or not train:
-        unit = "records" if records else "documents"
-        counted = f"{len(train)} train and {len(held)} eval {unit} of the {len(files)} file(s)"
+        unit = "documents"
+        if records:
+            unit = "records"
+            if any(f.format in ("text", "stdlib") for f in files):
+                unit += f" (a text file's are blocks of {TEXT_RECORD_LINES} lines)"
+        n_train, n_eval = (
+            (counts.get("train", 0), counts.get("eval", 0)) if records else (len(train), len(held))
+        )
+        counted = f"{n_train} train and {n_eval} eval {unit} of the {len(files)} file(s)"
         raise ConfigError(
             f"data.eval_fraction={eval_fraction} leaves {counted} in {key}; choose a fraction that "
-            "leaves both non-empty, or set data.eval_sources."
+            "leaves both non-empty, set data.eval_sources, or train without evaluation: "
+            "data.eval_fraction=0."
         )
     return train, held

@@ -158,7 +158,9 @@ def pack_solutions(ex: Solutions, cfg: DataConfig, tok, what: str) -> StepRows:
     if not tokens:
         raise ConfigError(
             f"{what}: none of its {len(ex)} solutions keeps a labelled step within a row of "
-            f"data.seq_len={cfg.seq_len}; raise data.seq_len or set data.truncation=truncate."
+            f"data.seq_len={cfg.seq_len}; raise data.seq_len"
+            + " or set data.truncation=truncate" * (cfg.truncation == "drop")
+            + "."
         )
     return StepRows(tokens, labels, cfg.seq_len, tok.pad_id)
 
