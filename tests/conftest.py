@@ -318,11 +318,8 @@ def train_for_quantization():
     return trained_run("quantize", [*argv, "train.log_every=100", "train.eval_batches=4"])
 
 
-SMALL_RUN_4 = [*SMALL_RUN, "train.steps=4", "checkpoint.every=2"]
-
-
 @pytest.fixture(scope="session")
 def small_run():
     """A run of SMALL_RUN trained 4 steps with checkpoints at 2 and 4. Shared by the session
     (both workers): copy it before changing anything in it."""
-    return trained_run("small", SMALL_RUN_4)
+    return trained_run("small", [*SMALL_RUN, "train.steps=4", "checkpoint.every=2"])
