@@ -51,6 +51,8 @@ from objectstore import s3, s3_env  # noqa: E402, F401  (the moto server fixture
 # `--dist loadscope` that survives a crashed worker (pytest-xdist 3.8's own can hang the run).
 pytest_plugins = ["xdist_crash_safe"]
 
+from trained_runs import SHARED_RUNS, changed, trained_run  # noqa: E402
+
 from jaxllm.config import Config, ModelConfig  # noqa: E402
 
 # Files that import torch / transformers at the top (their reference models) and tests marked
@@ -90,6 +92,31 @@ def _bounded_executables():
     if MAP_LIMIT and memory_maps() > MAP_LIMIT:
         jax.clear_caches()
         gc.collect()
+
+
+def _controller(config) -> bool:
+    """Whether this is the session's controller (or its only process, -n 0), not an xdist worker."""
+    return not hasattr(config, "workerinput")
+
+
+# The runs trained_runs.py shares between the workers: one directory for the session, made by
+# the controller before it starts the workers (they inherit the environment) and removed after.
+def pytest_configure(config):
+    if _controller(config):
+        os.environ[SHARED_RUNS] = tempfile.mkdtemp(prefix="jaxllm-test-runs-")
+
+
+def pytest_sessionfinish(session):
+    if _controller(session.config) and (bad := changed()):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_sep("=", f"shared runs changed by a test (copy first): {bad}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config):
+    if _controller(config) and SHARED_RUNS in os.environ:
+        shutil.rmtree(os.environ.pop(SHARED_RUNS), ignore_errors=True)
 
 
 def pytest_addoption(parser):
@@ -283,34 +310,16 @@ SMALL_RUN = [
 ]
 
 
-def train_for_quantization(tmp_path_factory):
+def train_for_quantization():
     """SMALL_RUN trained 300 steps at a high learning rate: enough that quantizing its layers
-    shows in the loss (the quantization tests' float run). Trained once per test session: the
-    xdist workers share it under a file lock. Read it, never change it."""
-    from filelock import FileLock
-
-    from jaxllm.cli import main
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the session's directory, above each worker's own
-    run, done = root / "quantize-run", root / "quantize-run.done"
-    with FileLock(str(root / "quantize-run.lock")):
-        if not done.exists():
-            shutil.rmtree(run, ignore_errors=True)  # a worker that failed half way
-            argv = ["train", *SMALL_RUN, "train.steps=300", "checkpoint.every=300"]
-            argv += ["optim.lr=1e-2", "train.log_every=100", "train.eval_batches=4"]
-            assert main([*argv, f"run.dir={run}"]) == 0
-            done.touch()
-    return run
+    shows in the loss (the quantization tests' float run). Shared by the session: read it, never
+    change it."""
+    argv = [*SMALL_RUN, "train.steps=300", "checkpoint.every=300", "optim.lr=1e-2"]
+    return trained_run("quantize", [*argv, "train.log_every=100", "train.eval_batches=4"])
 
 
 @pytest.fixture(scope="session")
-def small_run(tmp_path_factory):
-    """A run of SMALL_RUN trained 4 steps with checkpoints at 2 and 4. Shared: copy it before
-    changing anything in it."""
-    from jaxllm.cli import main
-
-    run = tmp_path_factory.mktemp("small_run") / "run"
-    assert main(["train", *SMALL_RUN, "train.steps=4", "checkpoint.every=2", f"run.dir={run}"]) == 0
-    return run
+def small_run():
+    """A run of SMALL_RUN trained 4 steps with checkpoints at 2 and 4. Shared by the session
+    (both workers): copy it before changing anything in it."""
+    return trained_run("small", [*SMALL_RUN, "train.steps=4", "checkpoint.every=2"])

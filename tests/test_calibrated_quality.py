@@ -19,8 +19,8 @@ from jaxllm.evaluate import evaluate_checkpoint
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return train_for_quantization(tmp_path_factory)
+def trained():
+    return train_for_quantization()
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
-from conftest import SMALL_RUN
 from flax import nnx
 from hf_models import stderr_of_failure
 from safetensors.torch import load_file
+from trained_runs import shared_quantized
 from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
@@ -47,18 +47,14 @@ TOKENS = np.random.default_rng(0).integers(0, 320, (2, 16))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{kind: (quantized run, its export)} of one SMALL_RUN trained 2 steps, and the run."""
-    root = tmp_path_factory.mktemp("coded")
-    run = root / "run"
-    assert main(["train", *SMALL_RUN, "train.steps=2", "checkpoint.every=2", f"run.dir={run}"]) == 0
-    out = {"float": run}
-    for kind, (opts, _, _) in KINDS.items():
-        q, hf = root / kind, root / f"{kind}-hf"
-        assert main(["quantize", str(run), str(q), *opts]) == 0
-        assert main(["convert", "export", str(q), str(hf)]) == 0
-        out[kind] = (q, hf)
-    return out
+def runs(small_run):
+    """{kind: (quantized run, its export)} of the session's small run, and the run: shared by
+    the session (test_convert_coded_import's too), read-only."""
+    kinds = {
+        kind: shared_quantized(f"small-{kind}", small_run, *opts)
+        for kind, (opts, _, _) in KINDS.items()
+    }
+    return {"float": small_run, **kinds}
 
 
 def _is_coded(x) -> bool:

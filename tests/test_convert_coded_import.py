@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from trained_runs import shared_quantized
 
 import jaxllm
 from jaxllm import config
@@ -36,15 +37,14 @@ TOKENS = np.random.default_rng(0).integers(0, 320, (2, 16))
 
 @pytest.fixture(scope="module")
 def runs(small_run, tmp_path_factory):
-    """{kind: (quantized run, its export, the export imported back)} of the small run."""
+    """{kind: (quantized run, its export, the export imported back)} of the small run (the
+    quantized runs and exports shared by the session, test_convert_coded's too: read-only)."""
     root = tmp_path_factory.mktemp("coded-import")
     out = {}
     for kind, opts in KINDS.items():
-        q, hf, back = (root / f"{kind}{end}" for end in ("", "-hf", "-back"))
-        assert main(["quantize", str(small_run), str(q), *opts]) == 0
-        assert main(["convert", "export", str(q), str(hf)]) == 0
-        assert main(["convert", "import", str(hf), str(back)]) == 0
-        out[kind] = (q, hf, back)
+        q, hf = shared_quantized(f"small-{kind}", small_run, *opts)
+        assert main(["convert", "import", str(hf), str(root / kind)]) == 0
+        out[kind] = (q, hf, root / kind)
     return out
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationConfig
-from conftest import SMALL_RUN
 from flax import nnx
 from hf_models import hf_logits, hf_model, sample_tokens, save_hf, stderr_of_failure
 from safetensors.numpy import load_file, save_file
+from trained_runs import shared_quantized
 from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
@@ -37,18 +37,13 @@ KINDS = {  # name -> jaxllm quantize options
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{kind: (quantized run, its export)} of one SMALL_RUN trained 2 steps."""
-    root = tmp_path_factory.mktemp("ct")
-    run = root / "run"
-    assert main(["train", *SMALL_RUN, "train.steps=2", "checkpoint.every=2", f"run.dir={run}"]) == 0
-    out = {}
-    for kind, opts in KINDS.items():
-        q, hf = root / kind, root / f"{kind}-hf"
-        assert main(["quantize", str(run), str(q), "--method", "rtn", *opts]) == 0
-        assert main(["convert", "export", str(q), str(hf)]) == 0
-        out[kind] = (q, hf)
-    return out
+def runs(small_run):
+    """{kind: (quantized run, its export)} of the session's small run: shared by the session
+    (the int4-g32 run is test_quantized_uses' too), read-only."""
+    opts = ["--method", "rtn"]
+    return {
+        kind: shared_quantized(f"small-{kind}", small_run, *opts, *k) for kind, k in KINDS.items()
+    }
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])

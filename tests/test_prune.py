@@ -134,8 +134,8 @@ def test_expert_stacks_are_pruned_each_on_its_own():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return train_for_quantization(tmp_path_factory)
+def trained():
+    return train_for_quantization()
 
 
 def _loss(run) -> float:

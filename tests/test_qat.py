@@ -95,8 +95,8 @@ def test_fake_quantized_activations_per_token(act):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return train_for_quantization(tmp_path_factory)
+def trained():
+    return train_for_quantization()
 
 
 def _continue(trained, run, *extra, steps=30):

@@ -82,22 +82,22 @@ def test_matmul_dequantizes_inside_jit_and_under_lora():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained():
     """SMALL_RUN trained 300 steps at a high learning rate: enough that quantizing its layers
     shows in the loss."""
-    return train_for_quantization(tmp_path_factory)
+    return train_for_quantization()
 
 
 @pytest.fixture(scope="module")
-def quantized_runs(trained):
+def quantized_runs(trained, tmp_path_factory):
     """{name: run} of `trained` quantized by rtn: int8 per channel, int4 groups of 32
     (asymmetric)."""
-    out = {}
+    root, out = tmp_path_factory.mktemp("quantized"), {}
     for name, opts in {
         "int8": ["--bits", "8"],
         "int4-g32": ["--bits", "4", "--group-size", "32", "--asymmetric"],
     }.items():
-        out[name] = trained.parent / name
+        out[name] = root / name
         assert main(["quantize", str(trained), str(out[name]), "--method", "rtn", *opts]) == 0
     return out
 

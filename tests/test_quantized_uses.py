@@ -16,6 +16,7 @@ import pytest
 import yaml
 from conftest import SMALL_RUN
 from flax import nnx
+from trained_runs import OUT, made_by
 
 import jaxllm
 from jaxllm import config, sharding
@@ -33,11 +34,10 @@ def _is_q(x) -> bool:
 
 
 @pytest.fixture(scope="module")
-def q_run(small_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("qlora_base") / "int4"
-    assert main(["quantize", str(small_run), str(out), "--method", "rtn", "--bits", "4",
-                 "--group-size", "32"]) == 0  # fmt: skip
-    return out
+def q_run(small_run):
+    """The small run in int4 groups of 32 (shared with test_convert_quantized: read-only)."""
+    opts = ["--method", "rtn", "--bits", "4", "--group-size", "32"]
+    return made_by("small-int4-g32", "quantize", small_run, OUT, *opts)
 
 
 @pytest.fixture(scope="module")

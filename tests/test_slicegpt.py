@@ -60,8 +60,8 @@ def test_rotation_with_folded_norms_keeps_the_function(tied, offset):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return train_for_quantization(tmp_path_factory)
+def trained():
+    return train_for_quantization()
 
 
 def test_slicegpt_beats_slicing_raw_channels(trained, tmp_path):
