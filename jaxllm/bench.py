@@ -22,7 +22,7 @@ from jaxllm.config.pipeline import microbatches
 from jaxllm.data import span_corruption
 from jaxllm.metrics import flops_per_token, param_counts, peak_flops
 from jaxllm.sharding import to_global
-from jaxllm.train import loss_scale
+from jaxllm.train import loss_scale, remat_auto
 from jaxllm.train.compiled import compile_steps
 from jaxllm.train.state import init_state, layout
 
@@ -133,6 +133,7 @@ def bench_train(
     devices = jax.devices()
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
+    cfg = remat_auto.resolve(cfg, mesh)  # model.remat=auto: the policy the budget allows
     jit_train, _, tx, _, batch_sh = compile_steps(cfg, mesh)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     state = init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg))

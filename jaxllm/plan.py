@@ -7,15 +7,14 @@ devices (`--devices 8`), or for a TPU topology where `libtpu` is installed (`--t
 
 from __future__ import annotations
 
-import re
 import time
 
 import jax
 import numpy as np
 
 from jaxllm import compress, config, sharding
+from jaxllm.config.memory_budget import parse_size
 from jaxllm.config.pipeline import microbatches
-from jaxllm.data import span_corruption
 from jaxllm.hlo_collectives import collectives
 from jaxllm.infer import kv_cache
 from jaxllm.metrics import flops_per_token, param_counts
@@ -26,30 +25,14 @@ from jaxllm.optim.groups import frozen_mask
 from jaxllm.parallel import schedules
 from jaxllm.parallel.grad_compression import Compression
 from jaxllm.plan_vision import vision_bill, vision_lines
-from jaxllm.train import loss_scale
+from jaxllm.train import remat_auto
 from jaxllm.train.compiled import compile_steps
-from jaxllm.train.state import grad_shardings, init_state, layout
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
+from jaxllm.train.state import grad_shardings
 
 
 def parse_bytes(text: str) -> int:
     """'80GiB' -> 85899345920; plain numbers are bytes."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise config.ConfigError(f"--hbm {text!r} is not a size like 80GiB, 16GB or 1e9.")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return parse_size(text, "--hbm")
 
 
 def fmt_bytes(n: float) -> str:
@@ -75,23 +58,11 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None)
     a VLM's tower is billed for `images` images (default: a device's rows of a microbatch)."""
     cfg.validate(len(devices))
     mesh = sharding.make_mesh(cfg.mesh, devices)
+    chose = []  # model.remat=auto: the policy --hbm (or the device) allows, and its line
+    cfg = remat_auto.resolve(cfg, mesh, hbm_bytes, log=chose.append)
     jit_train, _, tx, shardings, batch_sh = compile_steps(cfg, mesh)
-    scaling = loss_scale.from_config(cfg.optim, cfg.model)
-    abstract_state = jax.eval_shape(
-        lambda: init_state(cfg.model, tx, mesh, cfg.run.seed, scaling, **layout(cfg))
-    )
-    abstract_state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
-    )
+    abstract_state, batch = remat_auto.abstract_inputs(cfg, mesh, tx, shardings, batch_sh)
     b, l = cfg.train.global_batch_size, cfg.data.seq_len
-    lengths = dict.fromkeys(("inputs", "targets", "segment_ids", "positions", "loss_mask"), l)
-    if cfg.train.objective == "span_corruption":  # encoder and decoder arrays
-        lengths = span_corruption.batch_lengths(cfg.data)
-    if cfg.train.objective == "kto":  # which examples are desirable
-        lengths["label"] = l
-    batch = {
-        k: jax.ShapeDtypeStruct((b, n), np.int32, sharding=batch_sh) for k, n in lengths.items()
-    }
     t0 = time.perf_counter()
     compiled = jit_train.lower(abstract_state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -120,21 +91,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None)
     q_bill = cfg.quantize.enabled and compress.weight_bytes(
         abstract_params, axes, cfg.quantize, mesh
     )
-    mem = compiled.memory_analysis()
-    memory = {
-        "arguments": mem.argument_size_in_bytes,
-        "outputs": mem.output_size_in_bytes,
-        "aliased": mem.alias_size_in_bytes,
-        "temporaries": mem.temp_size_in_bytes,
-        "code": mem.generated_code_size_in_bytes,
-    }
-    memory["total"] = (
-        memory["arguments"]
-        + memory["outputs"]
-        - memory["aliased"]
-        + memory["temporaries"]
-        + memory["code"]
-    )
+    memory = remat_auto.memory(compiled)
     if images is None:  # one image per row of a device's share of a microbatch
         ways = mesh.shape["data"] * mesh.shape["fsdp"] * microbatches(cfg)
         images = max(1, b // ways)
@@ -157,6 +114,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None)
         "grad_exchange": grad_exchange(cfg, abstract_params),
         "compile_s": compile_s,
         "hbm": hbm_bytes,
+        "remat_auto": chose[0] if chose else None,
         "fits": None if hbm_bytes is None else memory["total"] <= hbm_bytes,
     }
 
@@ -353,6 +311,8 @@ def format_plan(r: dict) -> str:
             f"  + linear-attention state of the global batch (any length): "
             f"{fmt_bytes(kv['linear_state_per_device'])} per device"
         )
+    if r.get("remat_auto"):
+        lines += ["", r["remat_auto"]]
     if r["hbm"] is not None:
         verdict = "FITS" if r["fits"] else "DOES NOT FIT"
         lines += [

@@ -91,6 +91,8 @@ def _grads(cfg, tokens):
     [
         {"remat": "full"},
         {"remat": "dots"},
+        {"remat": "dots_attention"},
+        {"remat": "dots_attention", "attention_impl": "flash"},
         {"remat": "dots_with_no_batch_dims"},
         {"scan_unroll": 2},
     ],

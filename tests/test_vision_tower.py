@@ -125,9 +125,10 @@ def test_flash_kernel_takes_the_window_and_image_segments(pair):
     np.testing.assert_allclose(run(flash, px), run(tower, px), atol=1e-5, rtol=1e-5)
 
 
-def test_remat_keeps_values_and_gradients(pair):
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_attention", "dots_with_no_batch_dims"])
+def test_remat_keeps_values_and_gradients(pair, remat):
     model, tower = pair
-    rematted = ours(model, remat="full")
+    rematted = ours(model, remat=remat)
     px = jnp.asarray(pixels(MANY))
 
     def loss(t, p):

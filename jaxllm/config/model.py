@@ -180,11 +180,16 @@ class ModelConfig:
     (`jaxllm/model/fp8.py`). The LM head and the MoE router stay in the compute dtype / float32."""
     scan_unroll: int = 1
     """Blocks per iteration of the layer scan; num_layers unrolls it fully (longer compiles)."""
-    remat: Literal["none", "full", "dots", "dots_with_no_batch_dims", "offload"] = "none"
+    remat: Literal[
+        "none", "full", "dots", "dots_attention", "dots_with_no_batch_dims", "offload", "auto"
+    ] = "none"
     """Activation checkpointing of each block: none, full (save only block inputs), or save matmul
-    outputs (`dots`: every matmul; `dots_with_no_batch_dims`: weight matmuls, not attention;
-    `offload`: the weight matmuls' outputs too, but in host memory, copied back for the backward
-    pass)."""
+    outputs (`dots`: every matmul; `dots_attention`: every matmul and the attention kernels'
+    output and logsumexp, so flash / cuDNN attention is not run again in the backward pass;
+    `dots_with_no_batch_dims`: weight matmuls, not attention; `offload`: the weight matmuls'
+    outputs too, but in host memory, copied back for the backward pass). `auto`: the first of
+    none, dots_attention, dots, dots_with_no_batch_dims, full whose compiled train step fits
+    `train.memory_budget` (`jaxllm.train.remat_auto`)."""
     attention_impl: Literal["auto", "xla", "flash", "cudnn"] = "auto"
     """`xla` (einsum, float32 softmax), `flash` (the Pallas kernel of `jaxllm.kernels`;
     interpreted on CPU), `cudnn` (cuDNN's fused attention on NVIDIA GPUs, packed documents as

@@ -13,6 +13,7 @@ from jaxllm.config.distill import validate_features, validate_on_policy
 from jaxllm.config.errors import JaxllmWarning
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.grad_compression import validate_grad_compression
+from jaxllm.config.memory_budget import validate_memory_budget
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.moe import validate_moe
 from jaxllm.config.optim import (
@@ -329,6 +330,7 @@ class Config:
         if self.train.nonfinite_patience < 1:
             _fail(f"train.nonfinite_patience must be >= 1, not {self.train.nonfinite_patience}.")
         validate_train(self.train)
+        validate_memory_budget(self)
         validate_kto_online(self)
         validate_on_policy(self.train, self.data)
         validate_features(self.train, self.model, self.peft)

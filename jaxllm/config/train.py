@@ -217,6 +217,12 @@ class TrainConfig:
     backward, so the [batch, seq, vocab] float32 logits never exist at once (with a large
     vocabulary, the largest activation of the step). Same loss and gradients; must divide
     data.seq_len."""
+    memory_budget: float = 0.9
+    """`model.remat=auto`: the fraction in (0, 1] of one device's memory (`device_memory`) the
+    compiled train step may use; the first policy whose step fits is taken."""
+    device_memory: str | None = None
+    """`model.remat=auto`: one device's memory as a size (80GiB); null: what the device
+    reports (its allocator's limit), which a CPU does not, so CPU runs give it here."""
     log_every: int = 10
     """Write a metrics line every this many steps."""
     eval_every: int = 50

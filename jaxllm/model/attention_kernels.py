@@ -1,6 +1,7 @@
 """The attention kernels run per shard (`jaxllm.model.attention.dot_product_attention` picks
 them): the Pallas flash kernel and cuDNN's fused attention. A custom call cannot be split by the
-SPMD partitioner, so under a mesh each runs through `shard_map` over batch and heads."""
+SPMD partitioner, so under a mesh each runs through `shard_map` over batch and heads. Both name
+their output and logsumexp for `model.remat=dots_attention` (`jaxllm.model.remat`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax
 from jaxllm import parallel
 from jaxllm.kernels import flash_attention
 from jaxllm.model.cudnn import cudnn_attention
+from jaxllm.model.remat import save_attention
 
 
 def flash(
@@ -88,6 +90,6 @@ def cudnn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS, causal, scale,
 
     if q_seg_BxL is not None and kv_seg_BxS is None:
         kv_seg_BxS = q_seg_BxL
-    return parallel.per_shard_attention(
-        kernel, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS
+    return parallel.per_shard_attention(  # cuDNN's residuals named for remat=dots_attention
+        save_attention(kernel), q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxL, kv_seg_BxS
     )

@@ -37,7 +37,8 @@ from jaxllm.model.layers import Embed, make_norm, matmul, param
 from jaxllm.model.mlp import MLP
 from jaxllm.model.outputs import ModelOutput
 from jaxllm.model.relative_position import RelativeBias
-from jaxllm.model.transformer import MODEL_KINDS, REMAT_POLICIES
+from jaxllm.model.remat import policy
+from jaxllm.model.transformer import MODEL_KINDS
 from jaxllm.sharding import constrain
 
 
@@ -236,9 +237,9 @@ class EncoderDecoder(nnx.Module):
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
     def _remat(self, body, cache):
-        if cache or self.cfg.remat == "none":
+        if cache or self.cfg.remat in ("none", "auto"):  # auto: resolved before training
             return body
-        return jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        return jax.checkpoint(body, policy=policy(self.cfg.remat), prevent_cse=False)
 
     def _keys(self, key, n):
         return None if key is None or self.cfg.dropout == 0 else jax.random.split(key, n)

@@ -35,15 +35,8 @@ from jaxllm.model.block import Block, HybridGroup, MoEGroup, apply_dropout, stac
 from jaxllm.model.hybrid import dense_layers
 from jaxllm.model.layers import Embed, logical_axes, make_norm, matmul, param
 from jaxllm.model.outputs import ModelOutput
+from jaxllm.model.remat import policy
 from jaxllm.sharding import constrain
-
-REMAT_POLICIES = {
-    "full": None,  # save nothing but the block input; recompute the block in the backward pass
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # what dots_with_no_batch_dims saves, kept in host memory until the backward pass
-    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
-}
 
 
 class Transformer(nnx.Module):
@@ -152,7 +145,10 @@ class Transformer(nnx.Module):
         )
         cfg = self.cfg
         per_layer = self.per_layer(keys, cache is not None)
-        remat = cache is None and cfg.remat != "none"
+        remat = cache is None and cfg.remat not in (
+            "none",
+            "auto",
+        )  # auto: resolved before training
         carry = (x_BxLxD, cache, *deepstack_lib.carry(deepstack))
         n_dense = dense_layers(cfg)
         where = (positions_BxL, segment_ids_BxL, remat, prefix_BxL, hidden_states)
@@ -371,7 +367,7 @@ class Transformer(nnx.Module):
             return (x_BxLxD, view, *deep), ((stats, x_BxLxD) if keep else stats)
 
         if remat:
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+            body = jax.checkpoint(body, policy=policy(self.cfg.remat), prevent_cse=False)
         return body
 
     def scan(

@@ -38,7 +38,7 @@ from jaxllm.model import lora
 from jaxllm.model.dot_product import dot_product_attention
 from jaxllm.model.layers import LayerNorm, RMSNorm, matmul, param
 from jaxllm.model.mlp import MLP
-from jaxllm.model.transformer import REMAT_POLICIES
+from jaxllm.model.remat import REMAT_POLICIES
 
 Grids = Sequence[tuple[int, int, int]]
 """(frames, rows, columns) of patches per image, as the processor's `image_grid_thw`."""
@@ -217,6 +217,7 @@ class VisionTower(nnx.Module):
         rngs: nnx.Rngs,
     ):
         cfg.validate()
+        remat = "none" if remat == "auto" else remat  # resolved before training
         if remat != "none" and remat not in REMAT_POLICIES:
             raise ValueError(f"remat {remat!r} is not 'none' or one of {sorted(REMAT_POLICIES)}")
         self.cfg, self.remat = cfg, remat

@@ -27,6 +27,8 @@ def check_param_groups(cfg: config.Config) -> None:
 
 def compile_steps(cfg: config.Config, mesh):
     """(train_step, eval_step, tx, shardings): jitted once with explicit shardings and donation."""
+    if cfg.model.remat == "auto":  # a training step needs a policy (`jaxllm.train.remat_auto`)
+        raise ValueError("model.remat=auto is resolved by remat_auto.resolve before compiling")
     graphdef, abstract, axes = abstract_model(cfg.model, cfg.peft)
     weights = qat.transform(abstract, axes, cfg.train.qat)  # None unless train.qat
     o = optim.resolve(step_optim(cfg), cfg.train.global_batch_size)  # lr_scaling applied

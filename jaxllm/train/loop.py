@@ -37,7 +37,7 @@ from jaxllm.metrics import MetricsWriter, plot_losses
 from jaxllm.objectives.rollout import onpolicy
 from jaxllm.objectives.rollout.sampling import Rollouts, next_rows
 from jaxllm.sharding import process_rows, to_global
-from jaxllm.train import companions, loss_scale, precompute, watch
+from jaxllm.train import companions, loss_scale, precompute, remat_auto, watch
 from jaxllm.train.compiled import check_param_groups, compile_steps, evaluate
 from jaxllm.train.console import _log, _Plain, _progress, _show, sample
 from jaxllm.train.run_dir import (
@@ -101,6 +101,7 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
         + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
     )
 
+    cfg = remat_auto.resolve(cfg, mesh, log=_log)  # model.remat=auto: config.yaml says which
     jit_train, jit_eval, tx, shardings, batch_sh = compile_steps(cfg, mesh)  # checks shapes
     reference = precompute.ReferenceLogps.of(cfg)  # None unless train.precompute_reference
     t0 = time.perf_counter()

@@ -44,6 +44,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxllm.kernels.flash_attention.common import (
     BACKENDS,
     BlockSizes,
@@ -403,6 +404,9 @@ def _flash(q, k, v, q_ids, kv_ids, cfg):
 
 def _flash_fwd(q, k, v, q_ids, kv_ids, cfg):
     out, lse = _forward(cfg)(q, k, v, q_ids, kv_ids, cfg)
+    # named, so that a remat policy saving these names keeps them and the backward pass does
+    # not run the forward kernel again (jaxllm's model.remat=dots_attention)
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)  # no [L, S] residual: recomputed
 
 

@@ -86,6 +86,8 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
         configs/models/llama3_2_1b.yaml data.seq_len=4096 train.global_batch_size=${batch:-4} \
         model.remat=$remat model.attention_impl=${impl:-auto} ${EXTRA:-} --steps 5 --warmup 2 \
         --no-compiled-flops ;;
+    remat_count)  # model.remat=dots_attention: cuDNN attention forwards in the compiled step
+      step remat_count 300 $PY scripts/gpu/remat_attention_count.py ;;
     comm)  # `jaxllm bench comm` on the machine's GPUs (a smoke test on one GPU)
       step comm 120 $PY -m jaxllm bench comm --max-bytes 256M --json "$OUT/comm.json" ;;
     deterministic)  # train.deterministic: two runs bit-identical (and two without it, compared)
