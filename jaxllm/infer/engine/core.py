@@ -135,6 +135,9 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("an empty prompt has nothing to continue")
+        if not all(0 <= t < self.cfg.vocab_size for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < self.cfg.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(prompt) + params.max_tokens > self.cfg.max_seq_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
