@@ -175,7 +175,9 @@ def test_health_metrics_and_a_dropped_stream_frees_its_pages(server):
     worker.engine.abort = lambda rid: (aborted.append(rid), abort(rid))[1]
     body = {"model": "tiny", "prompt": "a long one", "max_tokens": 40, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+    with httpx.stream(  # the first token may wait on a compile
+        "POST", url + "/v1/completions", json=body, headers=headers, timeout=60
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # the first token arrived: leave mid-stream

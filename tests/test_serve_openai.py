@@ -34,7 +34,7 @@ def server(small_run):
     thread.start()
     url = f"http://127.0.0.1:{port}"
     _wait(url)
-    yield url, tok, bos
+    yield url, tok, bos, worker
     srv.should_exit = True
     thread.join(timeout=30)
 
@@ -108,7 +108,7 @@ def test_fields_not_honoured_are_400_never_ignored(server, field):
 
 
 def test_prompts_of_token_ids_and_ids_outside_the_vocabulary(server, client):
-    url, tok, bos = server
+    url, tok, bos, _ = server
     ids = [bos + tok.encode(p).tolist() for p in ("one", "two two")]
     both = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0)
     alone = [
@@ -124,7 +124,7 @@ def test_prompts_of_token_ids_and_ids_outside_the_vocabulary(server, client):
 
 
 def test_a_missing_max_tokens_fills_the_context(server, client):
-    url, tok, bos = server
+    url, tok, bos, _ = server
     near = [5] * (CONTEXT - 3)  # OpenAI's default of 16 would not fit: the rest does
     r = client.completions.create(model="tiny", prompt=near, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
@@ -164,6 +164,30 @@ def test_invalid_json_and_unknown_routes_answer_in_openai_shape(server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(url + "/v1/completions", headers=HEADERS)
     assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_keeps_serving(server, client):
+    url, worker = server[0], server[3]
+    step = worker.engine.step
+
+    def broken():
+        worker.engine.step = step  # one step fails, as a bug in the engine would
+        raise RuntimeError("boom")
+
+    worker.engine.step = broken
+    with pytest.raises(openai.InternalServerError, match="boom"):  # not a hang
+        client.with_options(timeout=60).completions.create(model="tiny", prompt="ab", max_tokens=3)
+    worker.engine.step = broken
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=HEADERS, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert "boom" in lines[-2] and lines[-1] == "data: [DONE]"
+    assert worker.engine.pool.num_used == 0
+    # a top_k past int32 (every token) is served, not a failed step
+    r = client.completions.create(
+        model="tiny", prompt="ab", max_tokens=3, extra_body={"top_k": 10**30}
+    )
+    assert r.usage.completion_tokens == 3
 
 
 def _one_line(capsys) -> str:

@@ -220,6 +220,8 @@ async def _follow(s: Served, rid: int, events, texts: list[SampleText]):
             yield (out.index, *text.take(), "stop" if stopped else out.finish_reason)
         elif event[0] == "cancelled":
             return
+        elif event[0] == "error":
+            raise BadRequest(event[1], status=500)
 
 
 async def _run(s: Served, prompts: list, params: SamplingParams, stops, images=None) -> list:
@@ -279,8 +281,13 @@ async def _stream(
                 for i in range(params.n):
                     role = {"index": i, "delta": {"role": "assistant", "content": ""}}
                     yield _sse({**head, "choices": [{**role, "finish_reason": None}]})
-            async for i, delta, entries, reason in _follow(s, rid, events, texts):
-                yield chunk(i, delta, entries, reason)
+            try:
+                async for i, delta, entries, reason in _follow(s, rid, events, texts):
+                    yield chunk(i, delta, entries, reason)
+            except BadRequest as e:  # the engine failed mid-stream: say so, as vLLM does
+                yield _sse({"error": {"message": e.message, "type": "server_error", "code": 500}})
+                yield "data: [DONE]\n\n"
+                return
             if usage:
                 counts = _usage(len(prompt), [(t, None) for t in texts])
                 yield _sse({**head, "choices": [], "usage": counts})
@@ -337,7 +344,8 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(BadRequest)
     async def bad(request, exc: BadRequest):
-        return _error(exc.status, exc.message, exc.param)
+        kind = "server_error" if exc.status >= 500 else "invalid_request_error"
+        return _error(exc.status, exc.message, exc.param, kind)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
