@@ -66,6 +66,8 @@ class Engine:
         cfg = model.cfg
         if cfg.kind != "decoder" or getattr(model, "soft_prompt", None) is not None:
             raise ValueError("the engine serves decoder-only models without soft prompts")
+        if min(page_size, max_num_seqs, kv_group) < 1:
+            raise ValueError("page_size, max_num_seqs and kv_group must be at least 1")
         self._group = kv_group if kv_cache_dtype in kv_cache.KIVI_KINDS else None
         if self._group is not None and page_size % kv_group:
             raise ValueError(
