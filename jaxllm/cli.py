@@ -166,11 +166,19 @@ def cmd_plan(ns) -> int:
     return 1 if report["fits"] is False else 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake on the command line (an unknown option, a value not among its choices) is one
+    `jaxllm:` line and exit 2, as every other mistake a user can make; `--help` shows usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"jaxllm: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     from jaxllm import convert_cli
     from jaxllm.harness_cli import add_harness_arguments
 
-    p = argparse.ArgumentParser(prog="jaxllm", description="Train LLMs with JAX.")
+    p = _Parser(prog="jaxllm", description="Train LLMs with JAX.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model (no arguments: the default run)")
     t.add_argument("args", nargs="*", metavar="CONFIG|key=value")

@@ -138,6 +138,9 @@ def test_preempted_sequences_swap_to_host_and_back_without_recompute(model, alon
 def test_swap_mode_is_checked_and_serve_takes_it_as_a_flag_or_an_engine_override(model):
     with pytest.raises(ValueError, match="swap="):
         _engine(model, swap="disk")
+    for bad in ({"page_size": 0}, {"max_num_seqs": 0}):  # not a ZeroDivisionError, nor a hang
+        with pytest.raises(ValueError, match="at least 1"):
+            _engine(model, **bad)
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
     ns = parser.parse_args(["serve", "run", "--swap", "host"])

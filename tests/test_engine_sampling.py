@@ -145,6 +145,10 @@ def test_stop_sequences_cut_the_output_and_are_held_back_until_known(model):
         SamplingParams(top_logprobs=MAX_TOP_LOGPROBS + 1)
     with pytest.raises(ValueError):
         SamplingParams(repetition_penalty=0)
+    for bad in ({"temperature": float("inf")}, {"presence_penalty": float("nan")}):
+        with pytest.raises(ValueError, match="finite"):
+            SamplingParams(**bad)
+    assert SamplingParams(top_k=10**30).top_k == 2**31 - 1  # every token, in int32 rows
 
 
 def test_compiles_stay_within_the_buckets_over_200_mixed_requests(model):

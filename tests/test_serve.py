@@ -72,7 +72,7 @@ def client(server):
 
 
 def _metrics(url) -> dict:
-    text = httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics", timeout=60).text  # a loaded machine answers slowly
     return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln[:1] != "#"}
 
 
@@ -170,12 +170,14 @@ def test_api_key_is_required(server):
 
 def test_health_metrics_and_a_dropped_stream_frees_its_pages(server):
     url, worker = server[0], server[5]
-    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/health", timeout=60).json() == {"status": "ok"}
     aborted, abort = [], worker.engine.abort  # the disconnect must reach the engine
     worker.engine.abort = lambda rid: (aborted.append(rid), abort(rid))[1]
     body = {"model": "tiny", "prompt": "a long one", "max_tokens": 40, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+    with httpx.stream(  # the first token may wait on a compile
+        "POST", url + "/v1/completions", json=body, headers=headers, timeout=60
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # the first token arrived: leave mid-stream

@@ -9,6 +9,7 @@ with the request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from jaxllm.infer.chat import EndOfTurn
 from jaxllm.infer.engine import SamplingParams
@@ -44,6 +46,8 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
+    stream_options: dict | None = None
+    """OpenAI's `{"include_usage": true}`: a last chunk (no choices) carries the usage."""
     user: str | None = None
     ignore_eos: bool = False
     """vLLM's extra: the model's end-of-sequence / end-of-turn tokens do not end the output
@@ -51,10 +55,9 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = Field(default=False, le=False)
+    echo: bool = False
 
 
 class ChatRequest(_Common):
@@ -75,6 +78,49 @@ def _error(status: int, message: str, param=None, kind="invalid_request_error") 
     return JSONResponse(body, status_code=status)
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Fields of OpenAI's API this server does not honour: (field, what it may be, what it does not
+# do). A request that sets one otherwise is refused with 400, never silently ignored.
+_UNSUPPORTED = (
+    ("echo", lambda v, r: not v, "echo (the prompt is not returned)"),
+    ("suffix", lambda v, r: not v, "suffix (no text after the completion)"),
+    ("best_of", lambda v, r: v is None or v == r.n, "best_of other than n"),
+    ("logit_bias", lambda v, r: not v, "logit_bias"),
+    ("response_format", lambda v, r: not v or v == {"type": "text"}, "response_format (JSON)"),
+    ("tools", lambda v, r: not v, "tools (tool calls)"),
+    ("tool_choice", lambda v, r: v in (None, "none"), "tool_choice"),
+    ("functions", lambda v, r: not v, "functions (function calls)"),
+    ("function_call", lambda v, r: v in (None, "none"), "function_call"),
+)
+
+
+def _check_supported(req: _Common) -> None:
+    """400 for a field this server would otherwise ignore, and for stream_options misused."""
+    fields = {**(req.model_extra or {}), **req.model_dump(exclude_unset=True)}
+    for name, honoured, what in _UNSUPPORTED:
+        if name in fields and not honoured(fields[name], req):
+            raise BadRequest(f"{name}: this server does not support {what}", name)
+    if req.stream_options is not None:
+        if not req.stream:
+            raise BadRequest("stream_options goes with stream: true", "stream_options")
+        if set(req.stream_options) - {"include_usage"} or not isinstance(
+            req.stream_options.get("include_usage", False), bool
+        ):
+            raise BadRequest("stream_options takes {include_usage: bool}", "stream_options")
+
+
+def _check_messages(messages: list[dict]) -> None:
+    if not messages:
+        raise BadRequest("messages: give at least one message", "messages")
+    for n, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            where = f"messages.{n}.role"
+            raise BadRequest(f"{where}: {m.get('role')!r} is not one of {list(ROLES)}", where)
+        if "content" not in m:
+            raise BadRequest(f"messages.{n}: a message needs content", f"messages.{n}.content")
+
+
 class Served:
     """What the routes need: the worker, tokenizer, stops and names."""
 
@@ -93,6 +139,23 @@ class Served:
         self.stops, self.eot = frozenset(stops), eot
         self.vision, self.media = vision, media  # model.vision; the local files' root or None
         self.created = int(time.time())
+        e = worker.engine
+        # the most tokens one sequence may hold: the context, or fewer when the pool is small
+        self.max_len = min(e.cfg.max_seq_len, (e.pool.num_pages - 1) * e.page_size)
+
+    def max_tokens(self, asked: int | None, prompts: list[list[int]], default=None) -> int:
+        """`asked`, or when it is None the rest of the context after the longest prompt
+        (at most `default`); 400 when a prompt leaves no room."""
+        if asked is not None:
+            return asked
+        longest = max(map(len, prompts))
+        if longest >= self.max_len:
+            raise BadRequest(
+                f"the prompt ({longest} tokens) leaves no room to generate in this server's "
+                f"{self.max_len}-token context; shorten it",
+                "prompt",
+            )
+        return min(self.max_len - longest, default or self.max_len)
 
 
 def _stop_strings(req: _Common) -> list[str]:
@@ -103,7 +166,7 @@ def _params(s: Served, req: _Common, max_tokens, stops, logprobs: bool, top: int
     """The engine's SamplingParams of a request; stop strings are matched on the text here."""
     try:
         return SamplingParams(
-            max_tokens=max_tokens or 16,
+            max_tokens=max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=max(req.top_k, 0),
@@ -157,11 +220,26 @@ async def _follow(s: Served, rid: int, events, texts: list[SampleText]):
             yield (out.index, *text.take(), "stop" if stopped else out.finish_reason)
         elif event[0] == "cancelled":
             return
+        elif event[0] == "error":
+            raise BadRequest(event[1], status=500)
 
 
-async def _run(s: Served, prompt: list[int], params: SamplingParams, stops, images=None) -> list:
-    """Runs one request to its end: each sample's (SampleText, finish reason)."""
-    rid, events = await _submit(s, prompt, params, images)
+async def _run(s: Served, prompts: list, params: SamplingParams, stops, images=None) -> list:
+    """Runs requests, one per prompt, at once to their end: each prompt's list of its samples'
+    (SampleText, finish reason). A prompt the engine refuses refuses them all."""
+    submitted = []
+    try:
+        for p in prompts:
+            submitted.append(await _submit(s, p, params, images))
+    except BadRequest:
+        for rid, _ in submitted:
+            s.worker.abort(rid)
+        raise
+    return await asyncio.gather(*(_collect(s, *r, params, stops) for r in submitted))
+
+
+async def _collect(s: Served, rid: int, events, params: SamplingParams, stops) -> list:
+    """One request's samples as (SampleText, finish reason), once all have ended."""
     texts = [SampleText(s.tok, stops) for _ in range(params.n)]
     reasons = ["stop"] * params.n  # a cancelled sample (server stopping) ends as it is
     try:
@@ -176,9 +254,11 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(s: Served, prompt, params, chat: bool, head: dict, stops, images=None):
-    """Server-sent events of one request; aborting it when the client goes (the generator is
-    closed) frees its pages."""
+async def _stream(
+    s: Served, prompt, params, chat: bool, head: dict, stops, images=None, usage=False
+):
+    """Server-sent events of one request (with `usage`, a last chunk of the token counts);
+    aborting it when the client goes (the generator is closed) frees its pages."""
     rid, events = await _submit(s, prompt, params, images)
     want = params.logprobs
     offsets = [0] * params.n
@@ -201,8 +281,16 @@ async def _stream(s: Served, prompt, params, chat: bool, head: dict, stops, imag
                 for i in range(params.n):
                     role = {"index": i, "delta": {"role": "assistant", "content": ""}}
                     yield _sse({**head, "choices": [{**role, "finish_reason": None}]})
-            async for i, delta, entries, reason in _follow(s, rid, events, texts):
-                yield chunk(i, delta, entries, reason)
+            try:
+                async for i, delta, entries, reason in _follow(s, rid, events, texts):
+                    yield chunk(i, delta, entries, reason)
+            except BadRequest as e:  # the engine failed mid-stream: say so, as vLLM does
+                yield _sse({"error": {"message": e.message, "type": "server_error", "code": 500}})
+                yield "data: [DONE]\n\n"
+                return
+            if usage:
+                counts = _usage(len(prompt), [(t, None) for t in texts])
+                yield _sse({**head, "choices": [], "usage": counts})
             yield "data: [DONE]\n\n"
         finally:
             s.worker.abort(rid)
@@ -211,11 +299,18 @@ async def _stream(s: Served, prompt, params, chat: bool, head: dict, stops, imag
 
 
 def _prompts(s: Served, prompt) -> list[list[int]]:
+    """A string, strings, token ids, or lists of token ids -> one list of ids per prompt."""
     if isinstance(prompt, str):
         prompt = [prompt]
-    if prompt and all(isinstance(p, int) for p in prompt):
+    if not prompt:
+        raise BadRequest("prompt: give a string, strings or token ids", "prompt")
+    if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
-    return [s.bos + s.tok.encode(p).tolist() for p in prompt]
+    return [list(p) if isinstance(p, list) else s.bos + s.tok.encode(p).tolist() for p in prompt]
+
+
+def _wants_usage(req: _Common) -> bool:
+    return bool((req.stream_options or {}).get("include_usage"))
 
 
 def _usage(prompt_tokens: int, outs) -> dict:
@@ -233,13 +328,24 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            return _error(400, f"the body is not valid JSON ({detail})".replace(" ()", ""))
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         where = ".".join(loc) or None
         return _error(400, f"{where or 'body'}: {err.get('msg', 'invalid request')}", where)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):  # 404, 405 in OpenAI's shape too
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(
+            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, kind
+        )
+
     @app.exception_handler(BadRequest)
     async def bad(request, exc: BadRequest):
-        return _error(exc.status, exc.message, exc.param)
+        kind = "server_error" if exc.status >= 500 else "invalid_request_error"
+        return _error(exc.status, exc.message, exc.param, kind)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -264,19 +370,20 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         check_model(req.model)
+        _check_supported(req)
         prompts = _prompts(s, req.prompt)
         wants = req.logprobs is not None
-        params = _params(s, req, req.max_tokens, s.stops, wants, req.logprobs or 0)
+        max_tokens = s.max_tokens(req.max_tokens, prompts, default=16)
+        params = _params(s, req, max_tokens, s.stops, wants, req.logprobs or 0)
         stops = _stop_strings(req)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": s.name}
         head["created"] = int(time.time())
         if req.stream:
             if len(prompts) > 1:
                 raise BadRequest("stream one prompt at a time", "prompt")
-            return await _stream(s, prompts[0], params, False, head, stops)
+            return await _stream(s, prompts[0], params, False, head, stops, usage=_wants_usage(req))
         choices, all_outs = [], []
-        for i, p in enumerate(prompts):
-            outs = await _run(s, p, params, stops)
+        for i, outs in enumerate(await _run(s, prompts, params, stops)):
             all_outs += outs
             for j, (t, reason) in enumerate(outs):
                 entries = list(zip(t.ids, t.logprobs, t.tops))
@@ -289,6 +396,8 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         check_model(req.model)
+        _check_supported(req)
+        _check_messages(req.messages)
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         try:
@@ -297,7 +406,7 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
             raise BadRequest(e.message, e.param) from None
         except Exception as e:
             raise BadRequest(str(e), "messages") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = s.max_tokens(req.max_completion_tokens or req.max_tokens, [prompt])
         stop_ids = s.eot.stop_ids | s.stops
         params = _params(s, req, max_tokens, stop_ids, req.logprobs, req.top_logprobs or 0)
         stops = _stop_strings(req)
@@ -307,8 +416,9 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         head["created"] = int(time.time())
         if req.stream:
             head["object"] = "chat.completion.chunk"
-            return await _stream(s, prompt, params, True, head, stops, images)
-        outs = await _run(s, prompt, params, stops, images)
+            usage = _wants_usage(req)
+            return await _stream(s, prompt, params, True, head, stops, images, usage)
+        (outs,) = await _run(s, [prompt], params, stops, images)
         choices = []
         for j, (t, reason) in enumerate(outs):
             entries = list(zip(t.ids, t.logprobs, t.tops))

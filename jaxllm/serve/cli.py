@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import signal
+import socket
 from pathlib import Path
 
 from jaxllm.config import ConfigError, split_args
@@ -182,6 +184,28 @@ def engine_overrides(ns: argparse.Namespace, overrides: list[str]) -> list[str]:
     return rest
 
 
+def _check_address(host: str, port: int) -> None:
+    """A port out of range, a host that is not this machine's, or an address already in use is
+    one ConfigError, before the model is loaded."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port {port}: give a port from 1 to 65535.")
+    try:
+        family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"--host {host}: {e.strerror}; give an address of this machine."
+        ) from None
+    with socket.socket(family, kind) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            fix = "give a free --port" if e.errno == errno.EADDRINUSE else "check --host"
+            raise ConfigError(
+                f"--host {host} --port {port}: cannot listen there ({e.strerror}); {fix}."
+            ) from None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -194,6 +218,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     for flag in ("max_num_seqs", "page_size", "kv_group", "chunk_size", "num_pages"):
         if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1.")
+    _check_address(ns.host, ns.port)
     media = ns.allowed_local_media_path
     if media is not None and not Path(media).is_dir():
         raise ConfigError(f"--allowed-local-media-path {media}: not a directory; give one.")

@@ -4,7 +4,7 @@ receive each request's tokens on an asyncio queue of their own.
 
 Events sent to a request's queue: ("token", sample index, token id, log-probability, top
 (token, log-prob) pairs or None) per new token, ("done", `Output`) per finished sample,
-("cancelled",) when the server stops.
+("cancelled",) when the server stops, ("error", message) when a step failed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import collections
 import queue
 import threading
 import time
+import traceback
 
 from jaxllm.infer.engine import Engine, SamplingParams
 
@@ -85,6 +86,15 @@ class EngineWorker:
             if len(cmd) == 2:
                 self._streams.pop(cmd[1], None)
 
+    def _fail_all(self, message: str) -> None:
+        """Ends every request in flight with ("error", message) and frees its pages."""
+        for rid in list(self._streams):
+            try:
+                self.engine.abort(rid)
+            finally:
+                self._emit(rid, ("error", message))
+        self._streams.clear()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             block = not self.engine.has_unfinished()
@@ -96,7 +106,12 @@ class EngineWorker:
                 pass
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
-            result = self.engine.step()
+            try:
+                result = self.engine.step()
+            except Exception as e:  # fail what is in flight, keep serving the next requests
+                traceback.print_exc()
+                self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
+                continue
             now = time.monotonic()
             self._recent.append((now, len(result.new_tokens)))
             while self._recent and now - self._recent[0][0] > 60:

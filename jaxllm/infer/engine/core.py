@@ -66,6 +66,8 @@ class Engine:
         cfg = model.cfg
         if cfg.kind != "decoder" or getattr(model, "soft_prompt", None) is not None:
             raise ValueError("the engine serves decoder-only models without soft prompts")
+        if min(page_size, max_num_seqs, kv_group) < 1:
+            raise ValueError("page_size, max_num_seqs and kv_group must be at least 1")
         self._group = kv_group if kv_cache_dtype in kv_cache.KIVI_KINDS else None
         if self._group is not None and page_size % kv_group:
             raise ValueError(
@@ -135,6 +137,9 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("an empty prompt has nothing to continue")
+        if not all(0 <= t < self.cfg.vocab_size for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < self.cfg.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(prompt) + params.max_tokens > self.cfg.max_seq_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "

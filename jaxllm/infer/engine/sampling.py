@@ -16,6 +16,7 @@ vLLM returns by default); the top `MAX_TOP_LOGPROBS` come from one `lax.top_k` e
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -76,6 +77,11 @@ class SamplingParams:
             raise ValueError("temperature >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1")
         if self.top_k < 0 or self.repetition_penalty <= 0:
             raise ValueError("top_k >= 0 and repetition_penalty > 0")
+        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        if not all(map(math.isfinite, (self.temperature, *penalties))):
+            raise ValueError("temperature and the penalties must be finite numbers")
+        # a top_k beyond the vocabulary keeps every token: held in the step's int32 rows
+        object.__setattr__(self, "top_k", min(int(self.top_k), 2**31 - 1))
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if any(not s for s in seqs):

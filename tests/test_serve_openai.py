@@ -1,0 +1,211 @@
+"""`jaxllm serve` as an OpenAI user meets it: `stream_options.include_usage`, prompts as lists of
+token ids, a missing max_tokens filling the context, fields the server does not honour refused
+with 400 (never ignored), bad messages, token ids and JSON answered in OpenAI's error shape; and
+the command's own mistakes (a port in use, an unknown flag value) one `jaxllm:` line, exit 2.
+The server runs in a thread on 127.0.0.1 over a pool of 8 pages of 8 tokens: a 64-token
+context."""
+
+import json
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from test_serve import KEY, _free_port, _wait
+
+from jaxllm.cli import main
+from jaxllm.serve.cli import build, load
+
+CONTEXT = 64
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(small_run):
+    model, tok, stops, bos = load(small_run)
+    app, worker = build(
+        model, tok, stops, bos, "tiny", api_key=KEY, max_num_seqs=4, page_size=8, num_pages=9
+    )
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    _wait(url)
+    yield url, tok, bos, worker
+    srv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def _events(url, route, body) -> list:
+    with httpx.stream("POST", url + route, json=body, headers=HEADERS, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [ln.removeprefix("data: ") for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stream_options_include_usage_ends_with_the_usage(server, client, chat):
+    url = server[0]
+    common = {"model": "tiny", "max_tokens": 5, "temperature": 0}
+    if chat:
+        route, body = (
+            "/v1/chat/completions",
+            {**common, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        whole = client.chat.completions.create(**body)
+    else:
+        route, body = "/v1/completions", {**common, "prompt": "ab", "n": 2}
+        whole = client.completions.create(**body)
+    events = _events(
+        url, route, {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"] == whole.usage.model_dump(exclude_none=True)
+    assert all(c["choices"] and "usage" not in c for c in chunks)
+    assert all("usage" not in c for c in _events(url, route, {**body, "stream": True}))
+    stream = client.completions.create(  # the official client reads it as a user's program does
+        model="tiny", prompt="ab", max_tokens=3, stream=True, stream_options={"include_usage": True}
+    )
+    assert [c.usage.completion_tokens for c in stream if c.usage] == [3]
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"echo": True},
+        {"suffix": "}"},
+        {"best_of": 2},
+        {"logit_bias": {"5": 10}},
+        {"response_format": {"type": "json_object"}},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        {"tool_choice": "auto"},
+        {"stream_options": {"include_usage": True}},  # without stream
+    ],
+    ids=lambda f: next(iter(f)),
+)
+def test_fields_not_honoured_are_400_never_ignored(server, field):
+    url = server[0]
+    chat = not {"echo", "suffix", "best_of"} & set(field)
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": "tiny", "max_tokens": 2}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "ab"}
+    r = httpx.post(url + route, json={**body, **field}, headers=HEADERS, timeout=60)
+    name = next(iter(field))
+    assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    # the values that ask for nothing more are served
+    fine = {"best_of": 1, "response_format": {"type": "text"}, "tool_choice": "none", "user": "u"}
+    extra = {k: v for k, v in fine.items() if (k in ("user", "best_of")) != chat}
+    assert httpx.post(url + route, json={**body, **extra}, headers=HEADERS).status_code == 200
+
+
+def test_prompts_of_token_ids_and_ids_outside_the_vocabulary(server, client):
+    url, tok, bos, _ = server
+    ids = [bos + tok.encode(p).tolist() for p in ("one", "two two")]
+    both = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0)
+    alone = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0)
+        for p in ("one", "two two")
+    ]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+    assert both.usage.prompt_tokens == sum(map(len, ids))
+    for bad in ([], [[]], [-1], [320], [[5, 6], [320]]):
+        body = {"model": "tiny", "prompt": bad, "max_tokens": 2}
+        r = httpx.post(url + "/v1/completions", json=body, headers=HEADERS)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
+
+
+def test_a_missing_max_tokens_fills_the_context(server, client):
+    url, tok, bos, _ = server
+    near = [5] * (CONTEXT - 3)  # OpenAI's default of 16 would not fit: the rest does
+    r = client.completions.create(model="tiny", prompt=near, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    short = client.completions.create(model="tiny", prompt="ab", extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 16
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=msgs, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.usage.total_tokens == CONTEXT  # a chat reply may take the whole rest
+    body = {"model": "tiny", "prompt": [5] * CONTEXT}
+    r = httpx.post(url + "/v1/completions", json=body, headers=HEADERS)
+    assert r.status_code == 400 and "no room" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[], [{"role": "wizard", "content": "x"}], [{"content": "x"}], [{"role": "user"}]],
+    ids=["empty", "bad-role", "no-role", "no-content"],
+)
+def test_bad_messages_are_400(server, client, messages):
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, headers=HEADERS)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages"), r.text
+    assert client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    ).choices
+
+
+def test_invalid_json_and_unknown_routes_answer_in_openai_shape(server):
+    url = server[0]
+    headers = {**HEADERS, "Content-Type": "application/json"}
+    r = httpx.post(url + "/v1/completions", content="{not json", headers=headers)
+    err = r.json()["error"]
+    assert r.status_code == 400 and "not valid JSON" in err["message"] and err["param"] is None
+    r = httpx.get(url + "/v1/nothing", headers=HEADERS)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(url + "/v1/completions", headers=HEADERS)
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_keeps_serving(server, client):
+    url, worker = server[0], server[3]
+    step = worker.engine.step
+
+    def broken():
+        worker.engine.step = step  # one step fails, as a bug in the engine would
+        raise RuntimeError("boom")
+
+    worker.engine.step = broken
+    with pytest.raises(openai.InternalServerError, match="boom"):  # not a hang
+        client.with_options(timeout=60).completions.create(model="tiny", prompt="ab", max_tokens=3)
+    worker.engine.step = broken
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=HEADERS, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert "boom" in lines[-2] and lines[-1] == "data: [DONE]"
+    assert worker.engine.pool.num_used == 0
+    # a top_k past int32 (every token) is served, not a failed step
+    r = client.completions.create(
+        model="tiny", prompt="ab", max_tokens=3, extra_body={"top_k": 10**30}
+    )
+    assert r.usage.completion_tokens == 3
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxllm: "), err
+    return err[0]
+
+
+def test_serve_command_mistakes_are_one_line_exit_2(small_run, capsys):
+    with socket.socket() as held:  # a port another server holds
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["serve", str(small_run), "--port", str(port)]) == 2
+        assert "give a free --port" in _one_line(capsys)
+    assert main(["serve", str(small_run), "--port", "70000"]) == 2
+    assert "1 to 65535" in _one_line(capsys)
+    for bad in (["--kv-cache-dtype", "fp8"], ["--page-size", "x"]):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(small_run), *bad])
+        assert e.value.code == 2 and bad[1] in _one_line(capsys)
