@@ -70,11 +70,9 @@ def grad_exchange(cfg: config.Config, abstract_params) -> dict | None:
     return {"method": comp.method, "sent": comp.wire_bytes(abstract_params), "dense": dense}
 
 
-def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None) -> dict:
-    """Compiles the configured train step for `devices` and returns the report's numbers;
-    a VLM's tower is billed for `images` images (default: a device's rows of a microbatch)."""
-    cfg.validate(len(devices))
-    mesh = sharding.make_mesh(cfg.mesh, devices)
+def lower_step(cfg: config.Config, mesh):
+    """(the configured train step lowered on an abstract state and batch, that state, its
+    shardings): `jaxllm plan`'s compile, and what tests that read the step's HLO compile."""
     jit_train, _, tx, shardings, batch_sh = compile_steps(cfg, mesh)
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     abstract_state = jax.eval_shape(
@@ -92,8 +90,17 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None)
     batch = {
         k: jax.ShapeDtypeStruct((b, n), np.int32, sharding=batch_sh) for k, n in lengths.items()
     }
+    return jit_train.lower(abstract_state, batch), abstract_state, shardings
+
+
+def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None) -> dict:
+    """Compiles the configured train step for `devices` and returns the report's numbers;
+    a VLM's tower is billed for `images` images (default: a device's rows of a microbatch)."""
+    cfg.validate(len(devices))
+    mesh = sharding.make_mesh(cfg.mesh, devices)
     t0 = time.perf_counter()
-    compiled = jit_train.lower(abstract_state, batch).compile()
+    lowered, abstract_state, shardings = lower_step(cfg, mesh)
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
 
     _, abstract_params, axes = abstract_model(cfg.model, cfg.peft)
