@@ -102,6 +102,7 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None)
     lowered, abstract_state, shardings = lower_step(cfg, mesh)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
+    b, l = cfg.train.global_batch_size, cfg.data.seq_len
 
     _, abstract_params, axes = abstract_model(cfg.model, cfg.peft)
     rows = []
