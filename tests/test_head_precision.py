@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxllm import config, sharding
 from jaxllm.config import PeftConfig
-from jaxllm.model import build, layers
+from jaxllm.model import build, dot_product, layers
 from jaxllm.objectives import next_token
 from jaxllm.plan import lower_step
 
@@ -51,11 +51,20 @@ def test_dot_operands_parser():
 )
 def test_1b_step_runs_no_float32_vocab_dots(overrides):
     """Every dot of the 1B preset's compiled step with a vocabulary-sized operand (the head's
-    forward and its two gradient matmuls) takes bfloat16 operands (before the fix both gradient
-    matmuls took float32 ones)."""
-    cfg = config.load(PRESET, list(overrides))
+    forward and its two gradient matmuls) takes bfloat16 operands (before `widening_einsum`
+    both gradient matmuls took float32 ones), and so does every dot of the program, attention
+    on `xla` (what `auto` picks on a CPU; cuDNN's on a GPU is its own) included."""
+    cfg = config.load(PRESET, ["model.attention_impl=xla", *overrides])
     mesh = sharding.make_mesh(cfg.validate(1).mesh, jax.devices()[:1])
-    hlo = lower_step(cfg, mesh)[0].compile().as_text()
+    lowered = lower_step(cfg, mesh)[0]
+    # the program: no dot_general takes a float32 operand (the head's, attention's q . k and
+    # their gradients included); XLA:CPU then runs bf16 -> bf16 dots in float32, so the
+    # compiled module is read for the [*, V] dots, bf16 -> float32, alone
+    operands = re.findall(
+        r"stablehlo.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", lowered.as_text()
+    )
+    assert operands and not [ops for ops in operands if any("xf32>" in o for o in ops)]
+    hlo = lowered.compile().as_text()
     vocab = [ops for ops in dot_operands(hlo) if any(cfg.model.vocab_size in s for _, s in ops)]
     assert len(vocab) >= 3, vocab  # the forward, d(hidden) and d(head)
     assert all(t == "bf16" for ops in vocab for t, _ in ops), vocab
@@ -63,7 +72,8 @@ def test_1b_step_runs_no_float32_vocab_dots(overrides):
 
 def _grads(model_cfg, batch, peft=None, plain=False, chunks=1):
     """Gradients of the next-token loss for the trainable leaves; `plain`: through jax's own
-    transpose of the float32-output einsum (the float32 gradient matmuls)."""
+    transpose of the float32-output einsums (the float32 gradient matmuls of the head and of
+    attention's q . k)."""
     gd, params, rest = nnx.split(build(model_cfg, 0, peft), nnx.Param, ...)
 
     def loss(p):
@@ -71,8 +81,13 @@ def _grads(model_cfg, batch, peft=None, plain=False, chunks=1):
 
     with pytest.MonkeyPatch.context() as mp:
         if plain:
-            mp.setattr(layers, "_transposable", lambda spec: False)
+            for module in (layers, dot_product):
+                mp.setattr(module, "widening_einsum", _plain_einsum)
         return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
+
+
+def _plain_einsum(spec, x, kernel):
+    return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)
 
 
 def _batch(b=4, l=32, vocab=512):
