@@ -181,3 +181,16 @@ def test_bfloat16_head_sharded_and_pipelined_matches_one_device():
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=4))
         got, _ = _steps(cfg, jax.devices())
         np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("remat,computed", [("dots", 1), ("full", 2)])
+def test_remat_dots_saves_the_widened_attention_scores(remat, computed):
+    """xla attention's bfloat16 q . k is a custom_vjp, not a dot: remat `dots` saves its float32
+    scores by name as it saved the dot's, so the backward does not compute them again (`full`
+    does: the count sees a recompute)."""
+    overrides = ["model.num_layers=2", "model.attention_impl=xla", "data.seq_len=512"]
+    cfg = config.load(PRESET, [*overrides, f"model.remat={remat}"])
+    mesh = sharding.make_mesh(cfg.validate(1).mesh, jax.devices()[:1])
+    text = lower_step(cfg, mesh)[0].as_text()
+    scores = r"stablehlo.dot_general .*-> tensor<\w*x512x512x\w*xf32>"
+    assert len(re.findall(scores, text)) == computed

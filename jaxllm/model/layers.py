@@ -9,9 +9,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model import coded, fake_quant, lora, tap
 from jaxllm.model import fp8 as fp8_ops
+
+WIDENING_DOT = "widening_dot"  # the name of `widening_einsum`'s output, for remat policies
 
 
 def param(rngs: nnx.Rngs, init, shape: Sequence[int], axes: tuple[str, ...], dtype) -> nnx.Param:
@@ -62,14 +65,20 @@ def matmul(
     return jnp.einsum(spec, x, kernel, preferred_element_type=out_dtype).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def widening_einsum(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
     """`einsum(spec, x, kernel)` of bfloat16 operands into float32, whose backward casts the
     float32 output cotangent to bfloat16 before its two matmuls (float32 accumulation). Plain
     autodiff would meet the float32 cotangent with the bfloat16 operands and run both gradient
     matmuls in float32: at the LM head, with its [*, V] operands, over a fifth of a 1B model's
     step on an H100/H200. bfloat16 has float32's exponent range, so the cast rounds the
-    cotangent (as the output gradient of any bfloat16 matmul is rounded) and never flushes it."""
+    cotangent (as the output gradient of any bfloat16 matmul is rounded) and never flushes it.
+    The output is named `WIDENING_DOT` (`jax.ad_checkpoint.checkpoint_name`): a remat policy
+    that saves dots sees a custom_vjp, not a dot, and saves it by that name (remat `dots`)."""
+    return checkpoint_name(_widening(spec, x, kernel), WIDENING_DOT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _widening(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
     return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)
 
 
@@ -82,7 +91,7 @@ def _transposable(spec: str) -> bool:
 
 
 def _widening_fwd(spec, x, kernel):
-    return widening_einsum(spec, x, kernel), (x, kernel)
+    return _widening(spec, x, kernel), (x, kernel)
 
 
 def _widening_bwd(spec, res, g):
@@ -95,7 +104,13 @@ def _widening_bwd(spec, res, g):
     return dx.astype(x.dtype), dk.astype(kernel.dtype)
 
 
-widening_einsum.defvjp(_widening_fwd, _widening_bwd)
+_widening.defvjp(_widening_fwd, _widening_bwd)
+
+# remat `dots`: every dot's output, and `widening_einsum`'s by its name
+dots_saveable = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(WIDENING_DOT),
+)
 
 
 def _specs(spec: str) -> tuple[str, str, str, str, str, str, str]:

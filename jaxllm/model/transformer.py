@@ -33,13 +33,13 @@ from jaxllm.model import deepstack as deepstack_lib
 from jaxllm.model import moe as moe_lib
 from jaxllm.model.block import Block, HybridGroup, MoEGroup, apply_dropout, stack
 from jaxllm.model.hybrid import dense_layers
-from jaxllm.model.layers import Embed, logical_axes, make_norm, matmul, param
+from jaxllm.model.layers import Embed, dots_saveable, logical_axes, make_norm, matmul, param
 from jaxllm.model.outputs import ModelOutput
 from jaxllm.sharding import constrain
 
 REMAT_POLICIES = {
     "full": None,  # save nothing but the block input; recompute the block in the backward pass
-    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots": dots_saveable,  # every matmul's output, `layers.widening_einsum`'s included
     "dots_with_no_batch_dims": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # what dots_with_no_batch_dims saves, kept in host memory until the backward pass
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
