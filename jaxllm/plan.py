@@ -53,6 +53,14 @@ def grad_exchange(cfg: config.Config, abstract_params) -> dict | None:
     return {"method": comp.method, "sent": comp.wire_bytes(abstract_params), "dense": dense}
 
 
+def lower_step(cfg: config.Config, mesh):
+    """(the configured train step lowered on an abstract state and batch, that state, its
+    shardings): `jaxllm plan`'s compile, and what tests that read the step's HLO compile."""
+    jit_train, _, tx, shardings, batch_sh = compile_steps(cfg, mesh)
+    abstract_state, batch = remat_auto.abstract_inputs(cfg, mesh, tx, shardings, batch_sh)
+    return jit_train.lower(abstract_state, batch), abstract_state, shardings
+
+
 def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None) -> dict:
     """Compiles the configured train step for `devices` and returns the report's numbers;
     a VLM's tower is billed for `images` images (default: a device's rows of a microbatch)."""
@@ -60,12 +68,11 @@ def plan(cfg: config.Config, devices, hbm_bytes: int | None = None, images=None)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     chose = []  # model.remat=auto: the policy --hbm (or the device) allows, and its line
     cfg = remat_auto.resolve(cfg, mesh, hbm_bytes, log=chose.append)
-    jit_train, _, tx, shardings, batch_sh = compile_steps(cfg, mesh)
-    abstract_state, batch = remat_auto.abstract_inputs(cfg, mesh, tx, shardings, batch_sh)
-    b, l = cfg.train.global_batch_size, cfg.data.seq_len
     t0 = time.perf_counter()
-    compiled = jit_train.lower(abstract_state, batch).compile()
+    lowered, abstract_state, shardings = lower_step(cfg, mesh)
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
+    b, l = cfg.train.global_batch_size, cfg.data.seq_len
 
     _, abstract_params, axes = abstract_model(cfg.model, cfg.peft)
     rows = []

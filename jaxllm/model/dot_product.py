@@ -12,8 +12,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.kernels.reference import attention_mask, masked_scores, softmax_with_sinks
+from jaxllm.kernels.reference import (
+    attention_mask,
+    masked_logits,
+    masked_scores,
+    softmax_with_sinks,
+)
 from jaxllm.model.attention_kernels import cudnn, flash
+from jaxllm.model.layers import widening_einsum
 
 
 def _xla_attention(
@@ -21,15 +27,24 @@ def _xla_attention(
 ):
     """Softmax over the masked float32 scores of `jaxllm.kernels.reference` (and the sink
     logits, whose column is then dropped); the probabilities are cast to v's dtype for the
-    second matmul."""
+    second matmul. bfloat16 q . k goes through `widening_einsum`, so the float32 scores'
+    cotangent is cast to bfloat16 before the dq and dk matmuls, as flash attention's is."""
     b, l, h, _ = q_BxLxHxK.shape
     g = k_BxSxGxK.shape[2]
     bias_1xGxRxLxS = None
     if bias_HxLxS is not None:
         bias_1xGxRxLxS = bias_HxLxS.reshape(1, g, h // g, *bias_HxLxS.shape[1:])
-    scores_BxGxRxLxS, _ = masked_scores(
-        q_BxLxHxK, k_BxSxGxK, mask_XxLxS, scale=scale, soft_cap=soft_cap, bias=bias_1xGxRxLxS
-    )
+    if q_BxLxHxK.dtype == k_BxSxGxK.dtype == jnp.bfloat16:
+        q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, q_BxLxHxK.shape[-1])
+        products_BxGxRxLxS = widening_einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK)
+        mask_Xx1x1xLxS = mask_XxLxS[:, None, None]
+        scores_BxGxRxLxS, _ = masked_logits(
+            products_BxGxRxLxS, mask_Xx1x1xLxS, scale=scale, soft_cap=soft_cap, bias=bias_1xGxRxLxS
+        )
+    else:
+        scores_BxGxRxLxS, _ = masked_scores(
+            q_BxLxHxK, k_BxSxGxK, mask_XxLxS, scale=scale, soft_cap=soft_cap, bias=bias_1xGxRxLxS
+        )
     if sinks_H is None:
         probs_BxGxRxLxS = jax.nn.softmax(scores_BxGxRxLxS, axis=-1)
     else:

@@ -21,16 +21,19 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxllm.model.layers import dots_saveable
+
 ATTENTION_OUT = "attention_out"
 ATTENTION_LSE = "attention_lse"
 
 _policies = jax.checkpoint_policies
 REMAT_POLICIES = {
     "full": None,  # save nothing but the block input; recompute the block in the backward pass
-    "dots": _policies.dots_saveable,
+    # every matmul's output, `layers.widening_einsum`'s (the xla attention scores) included
+    "dots": dots_saveable,
     # dots, and each attention kernel's output and logsumexp: attention runs once per step
     "dots_attention": _policies.save_from_both_policies(
-        _policies.dots_saveable, _policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE)
+        dots_saveable, _policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE)
     ),
     "dots_with_no_batch_dims": _policies.dots_with_no_batch_dims_saveable,
     # what dots_with_no_batch_dims saves, kept in host memory until the backward pass
