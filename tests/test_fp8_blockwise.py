@@ -5,6 +5,7 @@ operands in 128x1 tiles along tokens), on dims that need padding and on einsums 
 contracted dims and an expert dim; an outlier spoils only its own tile; the model trains."""
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +16,13 @@ from conftest import tiny_model
 from flax import nnx
 from lowering import lower
 
+from jaxllm import config
+from jaxllm.config import ConfigError
 from jaxllm.model import build
 from jaxllm.model import fp8 as fp8_ops
 from jaxllm.model import fp8_blockwise as bw
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _qdq(a: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -139,3 +144,29 @@ def test_blockwise_model_close_to_bf16_and_lowers_to_e4m3_dots_only():
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.15
     hlo = lower(step, params, platform="cuda").as_text()
     assert "f8E4M3FN" in hlo and "f8E5M2" not in hlo
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.fp8_scaling=blockwise"], "needs model.matmul_dtype=float8"),
+        (["model.matmul_dtype=float8", "model.fp8_scaling=per_row"], "must be one of"),
+        (
+            ["model.matmul_dtype=float8", "model.fp8_scaling=blockwise", "model.moe.num_experts=4"],
+            "not the dropless ones",
+        ),
+    ],
+)
+def test_fp8_scaling_errors_are_one_line(overrides, message, monkeypatch):
+    monkeypatch.chdir(REPO)  # the default run's presets are found under ./configs
+    with pytest.raises(ConfigError) as e:
+        config.load(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fp8_scaling_reaches_the_model(monkeypatch):
+    monkeypatch.chdir(REPO)
+    on = ["model.matmul_dtype=float8", "model.fp8_scaling=blockwise"]
+    assert config.load(None, on).model.fp8 == "blockwise"
+    assert config.load(None, on[:1]).model.fp8 == "current"
+    assert config.load(None, []).model.fp8 is None
