@@ -170,3 +170,24 @@ def test_fp8_scaling_reaches_the_model(monkeypatch):
     assert config.load(None, on).model.fp8 == "blockwise"
     assert config.load(None, on[:1]).model.fp8 == "current"
     assert config.load(None, []).model.fp8 is None
+
+
+def test_fp8_layer_bench_runs_every_kind():
+    """scripts/bench_fp8.py (the GPU step `fp8` of scripts/gpu/run.sh) at a small shape."""
+    import importlib.util
+
+    path = REPO / "scripts" / "bench_fp8.py"
+    spec = importlib.util.spec_from_file_location("bench_fp8", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--shapes", "128x256", "--tokens", "64", "--iters", "1"])
+    assert [r["kind"] for r in rows] == ["bf16", "fp8-current", "fp8-blockwise"]
+    assert all(r["ms"] > 0 and r["speedup"] > 0 for r in rows)
+
+
+def test_fp8_scaling_is_not_part_of_an_exported_architecture():
+    """A model trained with blockwise fp8 exports as the same architecture in bfloat16."""
+    from jaxllm.convert.families import _differences
+
+    trained = tiny_model(matmul_dtype="float8", fp8_scaling="blockwise")
+    assert _differences(trained, tiny_model()) == []
