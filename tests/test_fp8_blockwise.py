@@ -15,6 +15,7 @@ import pytest
 from conftest import tiny_model
 from flax import nnx
 from lowering import lower
+from test_fp8 import VARIANTS
 
 from jaxllm import config
 from jaxllm.config import ConfigError
@@ -131,7 +132,8 @@ def _loss(model, tokens):
 
 def test_blockwise_model_close_to_bf16_and_lowers_to_e4m3_dots_only():
     """The tiny model (dims padded to 128) with blockwise fp8 matmuls: loss and gradients near
-    bfloat16's; for CUDA every fp8 dot of the step, forward and backward, is e4m3 x e4m3."""
+    bfloat16's (measured: loss 0.04% off, gradients 8.8% relative L2, per-tensor scaling 12%);
+    for CUDA every fp8 dot of the step, forward and backward, is e4m3 x e4m3."""
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
     out = []
     for model in _models():
@@ -139,11 +141,29 @@ def test_blockwise_model_close_to_bf16_and_lowers_to_e4m3_dots_only():
         step = jax.value_and_grad(lambda p: _loss(nnx.merge(graphdef, p, rest), tokens))
         out.append(jax.jit(step)(params))
     (l16, g16), (l8, g8) = out
-    assert abs(float(l8) - float(l16)) < 0.02 * float(l16)
+    assert abs(float(l8) - float(l16)) < 0.005 * float(l16)
     a, b = (np.concatenate([np.ravel(v) for v in jax.tree.leaves(g)]) for g in (g8, g16))
-    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.15
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.12
     hlo = lower(step, params, platform="cuda").as_text()
     assert "f8E4M3FN" in hlo and "f8E5M2" not in hlo
+
+
+@pytest.mark.parametrize(
+    "variant",  # MLA's absorbed decode einsums have a batch (head) dim; ~15 s, -m slow
+    [pytest.param("mla", marks=pytest.mark.slow), "moe_capacity"],
+)
+def test_blockwise_mla_and_capacity_experts_close_to_bf16(variant):
+    """Measured: MLA's logits 6.0% from bfloat16's (per-tensor 5.8%), capacity MoE's 10.5%
+    (10.6%; a rounded router input can flip an expert choice)."""
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+    cfg = tiny_model(dtype="bfloat16", init_std=0.1, **VARIANTS[variant])
+    blockwise = dataclasses.replace(cfg, matmul_dtype="float8", fp8_scaling="blockwise")
+    ref, out = (
+        jax.jit(lambda s, g=g: nnx.merge(g, s)(tokens).logits.astype(jnp.float32))(s)
+        for g, s in (nnx.split(build(c, seed=0)) for c in (cfg, blockwise))
+    )
+    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    assert 0 < err < (0.2 if variant.startswith("moe") else 0.1), err  # 0: fp8 not taken
 
 
 @pytest.mark.parametrize(
