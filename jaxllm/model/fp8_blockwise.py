@@ -24,8 +24,9 @@ Choices:
   nothing to a sum), and the output is sliced back: exact, at the price of the padding's compute.
 - The matmul is written as a dot over the scaled tiles (the contracted dim reshaped to
   [K/128, 128], one dot per tile with float32 output, times the two scales, summed over tiles),
-  which any XLA backend compiles; a fused kernel would keep the per-tile partial sums in
-  registers, while XLA may materialize them ([M, K/128, N] float32).
+  which any XLA backend compiles. Unless XLA fuses the tile sum into the dot it writes the
+  per-tile partial sums ([M, K/128, N] float32, 64 flops per byte): memory-bound where a fused
+  kernel (DeepGEMM) keeps them in registers.
 
 The einsum is brought to [batch, M, K] x [batch, K, N] (batch: indices of all three terms, as an
 expert dim; M, K, N: the flattened free, contracted and output indices), so several contracted
