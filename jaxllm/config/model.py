@@ -171,9 +171,8 @@ class ModelConfig:
     """Compute dtype of activations and matmuls; softmax statistics and the loss stay float32."""
     matmul_dtype: str | None = None
     """Dtype of the projection matmuls (attention and MLA, MLP, MoE experts): null (or the
-    name of `dtype`) runs them in the compute dtype; `float8` quantizes inputs and weights to
-    e4m3 and output gradients to e5m2 with per-tensor current scaling and float32 accumulation
-    (`jaxllm/model/fp8.py`). The LM head and the MoE router stay in the compute dtype / float32."""
+    name of `dtype`) runs them in the compute dtype; `float8` quantizes them to fp8 as
+    `fp8_scaling` says, with float32 accumulation (`jaxllm/model/fp8.py`). The LM head and the MoE router stay in the compute dtype / float32."""
     fp8_scaling: Literal["current", "blockwise"] = "current"
     """With `matmul_dtype=float8`: `current` (one scale per tensor from its own amax, e5m2
     output gradients; `fp8.py`) or `blockwise` (DeepSeek-V3: 1x128 activation tiles and 128x128
