@@ -123,7 +123,7 @@ def test_fp8_input_gradient_is_the_e5m2_output_gradient():
     g_LxD = jax.random.normal(jax.random.key(1), (8, 16))
 
     def f(x):
-        y = layers.matmul("ld,df->lf", x, jnp.eye(16), jnp.float32, fp8=True)
+        y = layers.matmul("ld,df->lf", x, jnp.eye(16), jnp.float32, fp8="current")
         return jnp.sum(y * g_LxD)
 
     q, scale = quantize(g_LxD, E5M2)
@@ -142,7 +142,7 @@ def test_fp8_grouped_kernel_gradient_is_a_ragged_f8_dot():
     sizes_E = jnp.array([5, 0, 7], jnp.int32)
 
     def f(x, w):
-        y = layers.ragged_matmul(x, w, sizes_E, jnp.float32, fp8=True)
+        y = layers.ragged_matmul(x, w, sizes_E, jnp.float32, fp8="current")
         return jnp.sum(y * g_AxF)
 
     qx, sx = quantize(x_AxD, jnp.float8_e4m3fn)

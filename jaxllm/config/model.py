@@ -175,9 +175,12 @@ class ModelConfig:
     """Compute dtype of activations and matmuls; softmax statistics and the loss stay float32."""
     matmul_dtype: str | None = None
     """Dtype of the projection matmuls (attention and MLA, MLP, MoE experts): null (or the
-    name of `dtype`) runs them in the compute dtype; `float8` quantizes inputs and weights to
-    e4m3 and output gradients to e5m2 with per-tensor current scaling and float32 accumulation
-    (`jaxllm/model/fp8.py`). The LM head and the MoE router stay in the compute dtype / float32."""
+    name of `dtype`) runs them in the compute dtype; `float8` quantizes them to fp8 as
+    `fp8_scaling` says, with float32 accumulation (`jaxllm/model/fp8.py`). The LM head and the MoE router stay in the compute dtype / float32."""
+    fp8_scaling: Literal["current", "blockwise"] = "current"
+    """With `matmul_dtype=float8`: `current` (one scale per tensor from its own amax, e5m2
+    output gradients; `fp8.py`) or `blockwise` (DeepSeek-V3: 1x128 activation tiles and 128x128
+    weight blocks, e4m3 forward and backward, dims padded to 128; `fp8_blockwise.py`)."""
     scan_unroll: int = 1
     """Blocks per iteration of the layer scan; num_layers unrolls it fully (longer compiles)."""
     remat: Literal[
@@ -271,9 +274,10 @@ class ModelConfig:
         return self.mlp_activation in ("swiglu", "geglu")
 
     @property
-    def fp8(self) -> bool:
-        """Projection matmuls in FP8 (`matmul_dtype=float8`)."""
-        return self.matmul_dtype == "float8"
+    def fp8(self) -> str | None:
+        """The scaling of the FP8 projection matmuls (`fp8_scaling`), None without
+        `matmul_dtype=float8`."""
+        return self.fp8_scaling if self.matmul_dtype == "float8" else None
 
     def layer_windows(self) -> tuple[int, ...] | None:
         """Per layer: the sliding window, or 0 for a global layer; None without windows."""
@@ -356,6 +360,13 @@ class ModelConfig:
             _fail(
                 f"model.matmul_dtype must be null (the compute dtype, model.dtype={self.dtype}) "
                 f"or float8, not {self.matmul_dtype!r}."
+            )
+        if self.fp8_scaling != "current" and self.matmul_dtype != "float8":
+            _fail(f"model.fp8_scaling={self.fp8_scaling} needs model.matmul_dtype=float8.")
+        if self.fp8 == "blockwise" and self.moe.enabled and self.moe.dispatch == "dropless":
+            _fail(
+                "model.fp8_scaling=blockwise covers the capacity MoE experts, not the dropless "
+                "ones (model.moe.dispatch=dropless): use model.fp8_scaling=current or moe.dispatch=capacity."
             )
 
     def _validate_kernel(self) -> None:

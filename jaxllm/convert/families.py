@@ -40,6 +40,7 @@ NOT_ARCHITECTURE = frozenset(
         "dtype",
         "param_dtype",
         "matmul_dtype",
+        "fp8_scaling",
         "scan_unroll",
         "remat",
         "attention_impl",

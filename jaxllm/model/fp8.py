@@ -31,14 +31,18 @@ E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 
 
+def pow2_scale(amax: jax.Array, top: float) -> jax.Array:
+    """The smallest power of two s with amax / s <= top (elementwise, float32); at least the
+    smallest normal float32, so an all-zero tensor gets 0 / tiny = 0, not 0 / 0."""
+    return jnp.maximum(jnp.exp2(jnp.ceil(jnp.log2(amax / top))), jnp.finfo(jnp.float32).tiny)
+
+
 def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
     """(q, scale) with q = x / scale in `fp8_dtype` and scale a float32 power of two: the
     smallest one that keeps amax(|x|) / scale within the format's largest finite value."""
     top = float(jnp.finfo(fp8_dtype).max)
     x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32))
-    # At least the smallest normal float32: an all-zero tensor gets 0 / tiny = 0, not 0 / 0.
-    scale = jnp.maximum(jnp.exp2(jnp.ceil(jnp.log2(amax / top))), jnp.finfo(jnp.float32).tiny)
+    scale = pow2_scale(jnp.max(jnp.abs(x32)), top)
     # The clip only guards the cast: e4m3fn turns overflow into NaN, not a saturated value.
     return jnp.clip(x32 / scale, -top, top).astype(fp8_dtype), scale
 

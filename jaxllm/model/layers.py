@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.model import coded, fake_quant, lora, tap
+from jaxllm.model import coded, fake_quant, fp8_blockwise, lora, tap
 from jaxllm.model import fp8 as fp8_ops
 
 WIDENING_DOT = "widening_dot"  # the name of `widening_einsum`'s output, for remat policies
@@ -30,12 +30,12 @@ def matmul(
     dtype,
     out_dtype=None,
     *,
-    fp8: bool = False,
+    fp8: str | None = None,
     axis_name: str | None = None,
 ) -> jax.Array:
     """Every weight matmul of the model goes through here: `einsum(spec, x, kernel)` with both
-    operands in the compute `dtype`, or with `fp8` in e4m3 with float32 accumulation (and e5m2
-    output gradients; `fp8.py`). The output is in `out_dtype` (default `dtype`). The kernel may
+    operands in the compute `dtype`, or with `fp8` (the scaling: `current`, `fp8.py`, or
+    `blockwise`, `fp8_blockwise.py`) in e4m3 with float32 accumulation. The output is in `out_dtype` (default `dtype`). The kernel may
     be an array, an `NF4Tensor`, a `quantized.QuantizedTensor` or a weight-only
     `coded.CodedTensor` (dequantized here, inside the jitted computation, where XLA fuses it
     into the dot), a `coded.CodedTensor` with quantized activations (an int8 or fp8 dot,
@@ -57,6 +57,8 @@ def matmul(
     if isinstance(kernel, fake_quant.FakeQuantKernel):  # QAT of the activations
         x, kernel = fake_quant.activations(spec, x, kernel), kernel.w
     x, kernel = x.astype(dtype), lora.as_array(kernel, dtype)
+    if fp8 == "blockwise":
+        return fp8_blockwise.einsum(spec, x, kernel, dtype, out_dtype)
     if fp8:
         return fp8_ops.einsum(spec, x, kernel, dtype, out_dtype)
     if jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.float32:
@@ -177,7 +179,7 @@ def ragged_matmul(
     sizes_E: jax.Array,
     dtype,
     *,
-    fp8: bool = False,
+    fp8: str | None = None,
     axis_name: str | None = None,
 ) -> jax.Array:
     """The grouped matmul of dropless MoE experts (`jax.lax.ragged_dot`: the first sizes_E[0]
@@ -187,6 +189,8 @@ def ragged_matmul(
     if coded.w8a8(kernel_ExDxF):
         return coded.ragged_matmul(x_AxD, kernel_ExDxF, sizes_E, dtype, axis_name)
     x_AxD, kernel_ExDxF = x_AxD.astype(dtype), kernel_ExDxF.astype(dtype)
+    if fp8 == "blockwise":  # refused by the config too
+        raise ValueError("blockwise fp8 scaling has no grouped (dropless) matmul")
     if fp8:
         return fp8_ops.ragged_dot(x_AxD, kernel_ExDxF, sizes_E, dtype)
     return jax.lax.ragged_dot(x_AxD, kernel_ExDxF, sizes_E, preferred_element_type=dtype)

@@ -58,7 +58,7 @@ class MLP(nnx.Module):
         out_std: float | None = None,
         dtype="float32",
         param_dtype="float32",
-        fp8: bool = False,
+        fp8: str | None = None,
         rngs: nnx.Rngs,
     ):
         if activation not in ACTIVATIONS:

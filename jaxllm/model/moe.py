@@ -192,7 +192,7 @@ class MoE(nnx.Module):
         out_std,
         dtype,
         param_dtype,
-        fp8: bool = False,
+        fp8: str | None = None,
         rngs: nnx.Rngs,
     ):
         self.cfg, self.dtype, self.fp8 = cfg, dtype, fp8

@@ -39,7 +39,7 @@ def expert_activation(cfg):
 
 
 def expert_mlp(
-    x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=False, axis_name=None, act=swiglu
+    x_BxExCxD, gate_ExDxF, up_ExDxF, down_ExFxD, dtype, fp8=None, axis_name=None, act=swiglu
 ):
     """Each expert's gated MLP (`act`) on its own buffer rows (hidden units split over
     `axis_name`)."""
@@ -58,7 +58,7 @@ def capacity_experts_local(
     expert_axis,
     tensor_axis,
     dtype,
-    fp8=False,
+    fp8=None,
     act=swiglu,
 ):
     """Per device under shard_map: sends each expert's buffer rows to the device holding the
@@ -80,7 +80,7 @@ def grouped_experts(
     up_ExDxF,
     down_ExFxD,
     dtype,
-    fp8=False,
+    fp8=None,
     axis=None,
     act=swiglu,
 ):
@@ -123,7 +123,7 @@ def dropless_experts_local(
     expert_axis,
     tensor_axis,
     dtype,
-    fp8=False,
+    fp8=None,
     act=swiglu,
 ):
     """Per device (under shard_map, or alone when both axes are None): with experts split over

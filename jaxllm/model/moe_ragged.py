@@ -57,7 +57,7 @@ def ragged_experts_local(
     dtype,
     groups: tuple[int, int] = (1, 1),
     ragged: bool | None = None,
-    fp8=False,
+    fp8=None,
     act=swiglu,
 ):
     """Per device under shard_map over `expert_axis` (see the module docstring). `groups`

@@ -56,6 +56,8 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
       step decode 150 $PY scripts/bench_decode.py --contexts 4096,32768,131072 --batch 1,16 ;;
     int4_matmul)  # the int4 weight-only matmul kernel vs a bf16 weight, Llama-3.2-1B shapes
       step int4_matmul 150 $PY scripts/bench_int4_matmul.py --batch 1,16 ;;
+    fp8)  # one SwiGLU MLP layer's forward + backward at d 2048 and 4096: bf16, fp8 current, blockwise
+      step fp8 300 $PY scripts/bench_fp8.py --shapes 2048x8192,4096x14336 --tokens 8192 ;;
     decode_triton)
       step decode_triton 120 $PY scripts/bench_decode.py --contexts 32768 --batch 1,16 \
         --backend triton ;;
