@@ -16,6 +16,7 @@ place when complete (`jaxllm.config.outputs.written`).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import sys
 from pathlib import Path
@@ -25,12 +26,13 @@ import jax
 from jaxllm import compress, sharding, storage
 from jaxllm import config as config_lib
 from jaxllm.compress.calibrate import quantize_calibrated
+from jaxllm.compress.weights import chosen
 from jaxllm.config import Config, ConfigError, PeftConfig
 from jaxllm.config.quantize import CALIBRATED, DEFAULT_BITS, METHOD_BITS
 from jaxllm.config.train import QATConfig
 from jaxllm.convert import load_params
 from jaxllm.convert.hf import NewRun, check_out_dir, new_run
-from jaxllm.convert.reader import TOKENIZER_FILES
+from jaxllm.convert.reader import TOKENIZER_FILES, read_hf_config
 from jaxllm.data.tokenizer import GENERATION_CONFIG
 from jaxllm.load import (
     _is_hf_source,
@@ -94,6 +96,7 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         )
     src = Path(fetched(src, "SRC"))
     if _is_hf_source(src):
+        _check_hf_float(src)
         new = new_run(src, out, overrides, overwrite=overwrite)
         cfg = new.cfg.validate()
         _check_method(cfg)
@@ -127,6 +130,17 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
     return Path(out)
 
 
+def _check_hf_float(src: Path) -> None:
+    """ConfigError when the Hugging Face directory `src` holds quantized weights."""
+    qc = read_hf_config(src).get("quantization_config")
+    if qc:
+        how = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise ConfigError(
+            f"{src} is already quantized (its config.json's quantization_config, quant_method "
+            f"{how}); quantize the float model it was made from."
+        )
+
+
 def _check_method(cfg: Config) -> None:
     if not cfg.quantize.enabled:
         raise ConfigError("quantize.method=none quantizes nothing; name a method (--method rtn).")
@@ -136,6 +150,13 @@ def _check_weights(cfg: Config) -> None:
     """ConfigError, before any weight is read, when the groups or packing do not fit."""
     _, abstract, axes = abstract_model(cfg.model)
     compress.quantized_abstract(abstract, axes, cfg.quantize)
+    taken = chosen(abstract, axes, dataclasses.replace(cfg.quantize, skip=()))
+    for pattern in cfg.quantize.skip:
+        if not any(fnmatch.fnmatchcase(path, pattern) for path in taken):
+            raise ConfigError(
+                f"quantize.skip: {pattern!r} matches none of the weights --method "
+                f"{cfg.quantize.method} takes ({', '.join(list(taken)[:3])}, ...)."
+            )
 
 
 def _out_config(saved: Config, out: Path, overrides) -> Config:

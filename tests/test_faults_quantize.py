@@ -78,6 +78,30 @@ CASES = [
         "quantize.gptq.act_order with --group-size needs quantize.gptq.static_groups=true",
     ),
     Case(
+        "another-method's-settings",
+        _quantize("--method", "rtn", "quantize.gptq.block_size=64"),
+        2,
+        "quantize.gptq.* are method gptq's settings; method rtn does not read them",
+    ),
+    Case(
+        "samples-for-rtn-as-a-key",
+        _quantize("--method", "rtn", "quantize.samples=64"),
+        2,
+        "quantize.samples: method rtn reads no calibration data",
+    ),
+    Case(
+        "static-groups-per-channel",
+        _quantize("--method", "gptq", "quantize.gptq.static_groups=true"),
+        2,
+        "quantize.gptq.static_groups needs --group-size: per channel has no groups",
+    ),
+    Case(
+        "skip-matching-no-weight",
+        _quantize("--method", "rtn", "quantize.skip=[layers/mlp/down]"),
+        2,
+        "quantize.skip: 'layers/mlp/down' matches none of the weights --method rtn takes",
+    ),
+    Case(
         "group-size-with-a-fixed-grid",
         _quantize("--method", "fp8", "--group-size", "32"),
         2,
@@ -97,6 +121,16 @@ CASES = [
         2,
         "is already quantized (quantize.method=rtn, 8 bits); quantize the run it was made from",
         setup=_quantized,
+    ),
+    Case(
+        "already-quantized-hugging-face-directory",
+        lambda r, t: ["quantize", str(t / "q-hf"), str(t / "out"), "--method", "rtn"],
+        2,
+        "q-hf is already quantized (its config.json's quantization_config, quant_method "
+        "compressed-tensors); quantize the float model it was made from",
+        setup=lambda r, t: (
+            _quantized(r, t) or main(["convert", "export", str(t / "q"), str(t / "q-hf")])
+        ),
     ),
     Case(
         "out-in-a-bucket",

@@ -195,6 +195,20 @@ class QuantizeConfig:
             )
         if self.awq.grid < 1:
             fail(f"quantize.awq.grid must be at least 1, not {self.awq.grid}.")
+        if self.method == "gptq" and g.static_groups and not self.group_size:
+            fail("quantize.gptq.static_groups needs --group-size: per channel has no groups.")
+        if self.samples != QuantizeConfig.samples and not self.calibrated:
+            fail(
+                f"quantize.samples: method {self.method} reads no calibration data; the "
+                f"calibrated methods are {', '.join(CALIBRATED)}."
+            )
+        for section in ("gptq", "awq", "smoothquant", "llm_int8"):
+            value = getattr(self, section)
+            if section != self.method and value != type(value)():
+                fail(
+                    f"quantize.{section}.* are method {section}'s settings; method "
+                    f"{self.method} does not read them (leave them at their defaults)."
+                )
         for pattern in self.skip:
             if not pattern or not isinstance(pattern, str):
                 fail(f"quantize.skip: {pattern!r} is not a parameter-path pattern.")
