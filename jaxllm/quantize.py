@@ -46,6 +46,15 @@ from jaxllm.load import (
 from jaxllm.model import abstract_model
 
 OUT_FLAG = "OUT"
+# the quantize.* keys the command's options set, in the order of `options`' arguments
+OPTION_KEYS = {
+    "quantize.method": "--method",
+    "quantize.bits": "--bits",
+    "quantize.group_size": "--group-size",
+    "quantize.symmetric": "--symmetric / --asymmetric",
+    "quantize.calibration": "--calibration",
+    "quantize.samples": "--samples",
+}
 
 
 def options(
@@ -211,7 +220,14 @@ def cmd_quantize(ns) -> int:
     stray = [a for a in rest if "=" not in a]
     if src is None or out is None or stray:
         raise ConfigError("jaxllm quantize takes SRC OUT, then only key=value.")
-    how = options(ns.method, ns.bits, ns.group_size, ns.symmetric, ns.calibration, ns.samples)
+    values = (ns.method, ns.bits, ns.group_size, ns.symmetric, ns.calibration, ns.samples)
+    keys = {arg.split("=", 1)[0].strip() for arg in rest}
+    for (key, flag), value in zip(OPTION_KEYS.items(), values):
+        if key in keys and value is not None:
+            raise ConfigError(f"{key}= and {flag} both set {key}; pass one of them.")
+    how = options(*values)
+    if "quantize.bits" in keys:  # the key's bits, not the method's default
+        how = [h for h in how if not h.startswith("quantize.bits=")]
     quantize_run(src, out, [*rest, *how], overwrite=ns.overwrite)
     print(f"quantized {src} into {out}", file=sys.stderr)
     return 0

@@ -90,6 +90,18 @@ CASES = [
         "quantize.samples: method rtn reads no calibration data",
     ),
     Case(
+        "a-key-and-its-option",
+        _quantize("--method", "rtn", "quantize.method=gptq"),
+        2,
+        "quantize.method= and --method both set quantize.method; pass one of them",
+    ),
+    Case(
+        "bits-as-a-key-and-an-option",
+        _quantize("--method", "rtn", "--bits", "8", "quantize.bits=4"),
+        2,
+        "quantize.bits= and --bits both set quantize.bits; pass one of them",
+    ),
+    Case(
         "static-groups-per-channel",
         _quantize("--method", "gptq", "quantize.gptq.static_groups=true"),
         2,
@@ -189,3 +201,12 @@ def check_fault(case, small_run, tmp_path, capsys) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_fault(case: Case, small_run, tmp_path, capsys):
     check_fault(case, small_run, tmp_path, capsys)
+
+
+def test_a_quantize_key_the_options_leave_unset_is_kept(small_run, tmp_path):
+    """`quantize.bits=4` without --bits is the run's bits, not the method's default 8."""
+    from jaxllm import config
+
+    out = tmp_path / "q"
+    assert main(["quantize", str(small_run), str(out), "--method", "rtn", "quantize.bits=4"]) == 0
+    assert config.load(out / "config.yaml").quantize.bits == 4
