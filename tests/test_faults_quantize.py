@@ -66,6 +66,12 @@ CASES = [
         "--method rtn reads no calibration data (--calibration, --samples)",
     ),
     Case(
+        "calibration-that-is-broken-yaml",
+        _quantize("--method", "gptq", "--calibration", "{path: calib.txt"),
+        2,
+        "--calibration {path: calib.txt: not a path or a YAML mapping (while parsing a flow",
+    ),
+    Case(
         "too-few-calibration-tokens",
         _quantize("--method", "gptq", "--samples", "100000"),
         2,

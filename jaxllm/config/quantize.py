@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import yaml
+
 from jaxllm.config.errors import fail
 
 # method -> the bit widths it takes. (A method and its widths are added together, with the
@@ -56,6 +58,17 @@ QUANTIZABLE = (
     "kv_a_proj",
     "kv_b_proj",
 )
+
+
+def check_calibration(value: str | None) -> None:
+    """Fails when a `--calibration` source is neither a path nor a YAML mapping."""
+    try:
+        yaml.safe_load(value or "")
+    except yaml.YAMLError as e:
+        fail(
+            f"--calibration {value}: not a path or a YAML mapping ({str(e).splitlines()[0]}); "
+            "write it like {path: x.jsonl, format: chat}."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +198,7 @@ class QuantizeConfig:
             )
         if self.samples < 1:
             fail(f"quantize.samples must be at least 1, not {self.samples}.")
+        check_calibration(self.calibration)
         g = self.gptq
         if g.block_size < 1 or not g.dampening >= 0:
             fail("quantize.gptq.block_size must be >= 1 and quantize.gptq.dampening >= 0.")
