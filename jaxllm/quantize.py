@@ -160,6 +160,11 @@ def _check_weights(cfg: Config) -> None:
     _, abstract, axes = abstract_model(cfg.model)
     compress.quantized_abstract(abstract, axes, cfg.quantize)
     taken = chosen(abstract, axes, dataclasses.replace(cfg.quantize, skip=()))
+    if cfg.quantize.head and not any(p.endswith("lm_head") for p in taken):
+        raise ConfigError(
+            "quantize.head=true: this model has no LM head of its own to quantize (a head tied "
+            "to the embedding, model.tie_embeddings, stays in its dtype with it)."
+        )
     for pattern in cfg.quantize.skip:
         if not any(fnmatch.fnmatchcase(path, pattern) for path in taken):
             raise ConfigError(

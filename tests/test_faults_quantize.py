@@ -216,3 +216,17 @@ def test_a_quantize_key_the_options_leave_unset_is_kept(small_run, tmp_path):
     out = tmp_path / "q"
     assert main(["quantize", str(small_run), str(out), "--method", "rtn", "quantize.bits=4"]) == 0
     assert config.load(out / "config.yaml").quantize.bits == 4
+
+
+def test_quantize_head_of_a_model_without_its_own_head_is_refused():
+    """A tied head is the embedding, which stays in its dtype: quantize.head would do nothing."""
+    from conftest import SMALL_RUN
+
+    from jaxllm import config
+    from jaxllm.config import ConfigError
+    from jaxllm.quantize import _check_weights
+
+    over = [*SMALL_RUN, "quantize.method=rtn", "quantize.head=true"]
+    _check_weights(config.load(None, over))  # an untied head is taken
+    with pytest.raises(ConfigError, match="quantize.head=true: this model has no LM head"):
+        _check_weights(config.load(None, [*over, "model.tie_embeddings=true"]))
