@@ -27,7 +27,7 @@ from jaxllm import compress, sharding, storage
 from jaxllm import config as config_lib
 from jaxllm.compress.calibrate import quantize_calibrated
 from jaxllm.compress.weights import chosen
-from jaxllm.config import Config, ConfigError, PeftConfig
+from jaxllm.config import Config, ConfigError, PeftConfig, QuantizeConfig
 from jaxllm.config.quantize import CALIBRATED, DEFAULT_BITS, METHOD_BITS
 from jaxllm.config.train import QATConfig
 from jaxllm.convert import load_params
@@ -116,7 +116,7 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         out = check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))
         run_dir, _, _ = resolve(src)
         saved = config_lib.load(run_dir / "config.yaml")
-        if saved.quantize.enabled:
+        if saved.quantize.enabled and saved.peft.method == "none":  # not a LoRA run on it
             raise ConfigError(
                 f"{src} is already quantized (quantize.method={saved.quantize.method}, "
                 f"{saved.quantize.bits} bits); quantize the run it was made from."
@@ -181,6 +181,7 @@ def _out_config(saved: Config, out: Path, overrides) -> Config:
         dataclasses.replace(
             saved,
             peft=PeftConfig(),
+            quantize=QuantizeConfig(),  # a LoRA run's quantized base is merged into floats
             run=dataclasses.replace(saved.run, dir=str(out)),
             checkpoint=dataclasses.replace(saved.checkpoint, dir=None, init_from=None),
             train=dataclasses.replace(saved.train, qat=QATConfig()),  # a QAT run's training
