@@ -106,6 +106,7 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
     src = Path(fetched(src, "SRC"))
     if _is_hf_source(src):
         _check_hf_float(src)
+        check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))  # named as OUT
         new = new_run(src, out, overrides, overwrite=overwrite)
         cfg = new.cfg.validate()
         _check_method(cfg)

@@ -151,6 +151,15 @@ CASES = [
         ),
     ),
     Case(
+        "existing-out-of-a-hugging-face-source",
+        lambda r, t: ["quantize", str(t / "hf"), str(t / "out"), "--method", "rtn"],
+        2,
+        "jaxllm: config error: OUT ",
+        setup=lambda r, t: (
+            _existing_out(r, t) or main(["convert", "export", str(r), str(t / "hf")])
+        ),
+    ),
+    Case(
         "out-in-a-bucket",
         lambda r, t: ["quantize", str(r), "s3://bucket/q", "--method", "rtn"],
         2,
