@@ -16,6 +16,7 @@ place when complete (`jaxllm.config.outputs.written`).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import sys
 from pathlib import Path
@@ -25,12 +26,13 @@ import jax
 from jaxllm import compress, sharding, storage
 from jaxllm import config as config_lib
 from jaxllm.compress.calibrate import quantize_calibrated
-from jaxllm.config import Config, ConfigError, PeftConfig
+from jaxllm.compress.weights import chosen
+from jaxllm.config import Config, ConfigError, PeftConfig, QuantizeConfig
 from jaxllm.config.quantize import CALIBRATED, DEFAULT_BITS, METHOD_BITS
 from jaxllm.config.train import QATConfig
 from jaxllm.convert import load_params
 from jaxllm.convert.hf import NewRun, check_out_dir, new_run
-from jaxllm.convert.reader import TOKENIZER_FILES
+from jaxllm.convert.reader import TOKENIZER_FILES, read_hf_config
 from jaxllm.data.tokenizer import GENERATION_CONFIG
 from jaxllm.load import (
     _is_hf_source,
@@ -44,6 +46,15 @@ from jaxllm.load import (
 from jaxllm.model import abstract_model
 
 OUT_FLAG = "OUT"
+# the quantize.* keys the command's options set, in the order of `options`' arguments
+OPTION_KEYS = {
+    "quantize.method": "--method",
+    "quantize.bits": "--bits",
+    "quantize.group_size": "--group-size",
+    "quantize.symmetric": "--symmetric / --asymmetric",
+    "quantize.calibration": "--calibration",
+    "quantize.samples": "--samples",
+}
 
 
 def options(
@@ -94,6 +105,8 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         )
     src = Path(fetched(src, "SRC"))
     if _is_hf_source(src):
+        _check_hf_float(src)
+        check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))  # named as OUT
         new = new_run(src, out, overrides, overwrite=overwrite)
         cfg = new.cfg.validate()
         _check_method(cfg)
@@ -104,7 +117,7 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         out = check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))
         run_dir, _, _ = resolve(src)
         saved = config_lib.load(run_dir / "config.yaml")
-        if saved.quantize.enabled:
+        if saved.quantize.enabled and saved.peft.method == "none":  # not a LoRA run on it
             raise ConfigError(
                 f"{src} is already quantized (quantize.method={saved.quantize.method}, "
                 f"{saved.quantize.bits} bits); quantize the run it was made from."
@@ -127,6 +140,17 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
     return Path(out)
 
 
+def _check_hf_float(src: Path) -> None:
+    """ConfigError when the Hugging Face directory `src` holds quantized weights."""
+    qc = read_hf_config(src).get("quantization_config")
+    if qc:
+        how = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise ConfigError(
+            f"{src} is already quantized (its config.json's quantization_config, quant_method "
+            f"{how}); quantize the float model it was made from."
+        )
+
+
 def _check_method(cfg: Config) -> None:
     if not cfg.quantize.enabled:
         raise ConfigError("quantize.method=none quantizes nothing; name a method (--method rtn).")
@@ -136,6 +160,18 @@ def _check_weights(cfg: Config) -> None:
     """ConfigError, before any weight is read, when the groups or packing do not fit."""
     _, abstract, axes = abstract_model(cfg.model)
     compress.quantized_abstract(abstract, axes, cfg.quantize)
+    taken = chosen(abstract, axes, dataclasses.replace(cfg.quantize, skip=()))
+    if cfg.quantize.head and not any(p.endswith("lm_head") for p in taken):
+        raise ConfigError(
+            "quantize.head=true: this model has no LM head of its own to quantize (a head tied "
+            "to the embedding, model.tie_embeddings, stays in its dtype with it)."
+        )
+    for pattern in cfg.quantize.skip:
+        if not any(fnmatch.fnmatchcase(path, pattern) for path in taken):
+            raise ConfigError(
+                f"quantize.skip: {pattern!r} matches none of the weights --method "
+                f"{cfg.quantize.method} takes ({', '.join(list(taken)[:3])}, ...)."
+            )
 
 
 def _out_config(saved: Config, out: Path, overrides) -> Config:
@@ -146,6 +182,7 @@ def _out_config(saved: Config, out: Path, overrides) -> Config:
         dataclasses.replace(
             saved,
             peft=PeftConfig(),
+            quantize=QuantizeConfig(),  # a LoRA run's quantized base is merged into floats
             run=dataclasses.replace(saved.run, dir=str(out)),
             checkpoint=dataclasses.replace(saved.checkpoint, dir=None, init_from=None),
             train=dataclasses.replace(saved.train, qat=QATConfig()),  # a QAT run's training
@@ -190,7 +227,14 @@ def cmd_quantize(ns) -> int:
     stray = [a for a in rest if "=" not in a]
     if src is None or out is None or stray:
         raise ConfigError("jaxllm quantize takes SRC OUT, then only key=value.")
-    how = options(ns.method, ns.bits, ns.group_size, ns.symmetric, ns.calibration, ns.samples)
+    values = (ns.method, ns.bits, ns.group_size, ns.symmetric, ns.calibration, ns.samples)
+    keys = {arg.split("=", 1)[0].strip() for arg in rest}
+    for (key, flag), value in zip(OPTION_KEYS.items(), values):
+        if key in keys and value is not None:
+            raise ConfigError(f"{key}= and {flag} both set {key}; pass one of them.")
+    how = options(*values)
+    if "quantize.bits" in keys:  # the key's bits, not the method's default
+        how = [h for h in how if not h.startswith("quantize.bits=")]
     quantize_run(src, out, [*rest, *how], overwrite=ns.overwrite)
     print(f"quantized {src} into {out}", file=sys.stderr)
     return 0

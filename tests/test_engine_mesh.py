@@ -179,3 +179,29 @@ def test_parameters_already_on_the_mesh_stay_as_they_are(dense):
     placed = runner.place_params(state, sharding.Parallel(mesh))
     assert placed["layers"]["attn"]["k_proj"][...] is arrays["layers"]["attn"]["k_proj"]
     assert placed["layers"]["attn"]["q_proj"][...].sharding.spec == P(None, "fsdp", "tensor", None)
+
+
+@pytest.mark.parametrize("how", [dict(method="rtn", bits=4, group_size=16), dict(method="fp8")])
+def test_a_quantized_model_runs_on_a_mesh_as_generate_runs_it(dense, how):
+    """A quantized run's weights (codes, scales and zero points, each with its own axes; as
+    `jaxllm serve QUANTIZED_RUN` hands them over, already on the run's one-device mesh) lie
+    on the engine's mesh and give `generate`'s tokens."""
+    from flax import nnx
+
+    from jaxllm import compress
+    from jaxllm.compress.weights import is_quantized
+    from jaxllm.config import QuantizeConfig
+    from jaxllm.model.layers import logical_axes
+
+    graphdef, params, rest = nnx.split(dense, nnx.Param, ...)
+    one = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    pure = jax.device_put(nnx.to_pure_dict(params), sharding.named(one, ()))
+    q = compress.quantize_params(pure, logical_axes(params), QuantizeConfig(**how), one)
+    nnx.replace_by_pure_dict(params, q)
+    model = nnx.merge(graphdef, params, rest)
+    assert is_quantized(model.layers.attn.o_proj.get_value())
+    want = _generate_alone(model)
+    engine = Engine(model, mesh=_mesh(data=2, tensor=4), **ENGINE)
+    o_proj = engine._state["layers"]["attn"]["o_proj"].get_value()
+    assert o_proj.codes.sharding.spec == P(None, "tensor", None, "fsdp")
+    assert _run(engine)[0] == want

@@ -66,6 +66,12 @@ CASES = [
         "--method rtn reads no calibration data (--calibration, --samples)",
     ),
     Case(
+        "calibration-that-is-broken-yaml",
+        _quantize("--method", "gptq", "--calibration", "{path: calib.txt"),
+        2,
+        "--calibration {path: calib.txt: not a path or a YAML mapping (while parsing a flow",
+    ),
+    Case(
         "too-few-calibration-tokens",
         _quantize("--method", "gptq", "--samples", "100000"),
         2,
@@ -76,6 +82,42 @@ CASES = [
         _quantize("--method", "gptq", "--group-size", "32", "quantize.gptq.act_order=true"),
         2,
         "quantize.gptq.act_order with --group-size needs quantize.gptq.static_groups=true",
+    ),
+    Case(
+        "another-method's-settings",
+        _quantize("--method", "rtn", "quantize.gptq.block_size=64"),
+        2,
+        "quantize.gptq.* are method gptq's settings; method rtn does not read them",
+    ),
+    Case(
+        "samples-for-rtn-as-a-key",
+        _quantize("--method", "rtn", "quantize.samples=64"),
+        2,
+        "quantize.samples: method rtn reads no calibration data",
+    ),
+    Case(
+        "a-key-and-its-option",
+        _quantize("--method", "rtn", "quantize.method=gptq"),
+        2,
+        "quantize.method= and --method both set quantize.method; pass one of them",
+    ),
+    Case(
+        "bits-as-a-key-and-an-option",
+        _quantize("--method", "rtn", "--bits", "8", "quantize.bits=4"),
+        2,
+        "quantize.bits= and --bits both set quantize.bits; pass one of them",
+    ),
+    Case(
+        "static-groups-per-channel",
+        _quantize("--method", "gptq", "quantize.gptq.static_groups=true"),
+        2,
+        "quantize.gptq.static_groups needs --group-size: per channel has no groups",
+    ),
+    Case(
+        "skip-matching-no-weight",
+        _quantize("--method", "rtn", "quantize.skip=[layers/mlp/down]"),
+        2,
+        "quantize.skip: 'layers/mlp/down' matches none of the weights --method rtn takes",
     ),
     Case(
         "group-size-with-a-fixed-grid",
@@ -97,6 +139,25 @@ CASES = [
         2,
         "is already quantized (quantize.method=rtn, 8 bits); quantize the run it was made from",
         setup=_quantized,
+    ),
+    Case(
+        "already-quantized-hugging-face-directory",
+        lambda r, t: ["quantize", str(t / "q-hf"), str(t / "out"), "--method", "rtn"],
+        2,
+        "q-hf is already quantized (its config.json's quantization_config, quant_method "
+        "compressed-tensors); quantize the float model it was made from",
+        setup=lambda r, t: (
+            _quantized(r, t) or main(["convert", "export", str(t / "q"), str(t / "q-hf")])
+        ),
+    ),
+    Case(
+        "existing-out-of-a-hugging-face-source",
+        lambda r, t: ["quantize", str(t / "hf"), str(t / "out"), "--method", "rtn"],
+        2,
+        "jaxllm: config error: OUT ",
+        setup=lambda r, t: (
+            _existing_out(r, t) or main(["convert", "export", str(r), str(t / "hf")])
+        ),
     ),
     Case(
         "out-in-a-bucket",
@@ -155,3 +216,26 @@ def check_fault(case, small_run, tmp_path, capsys) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_fault(case: Case, small_run, tmp_path, capsys):
     check_fault(case, small_run, tmp_path, capsys)
+
+
+def test_a_quantize_key_the_options_leave_unset_is_kept(small_run, tmp_path):
+    """`quantize.bits=4` without --bits is the run's bits, not the method's default 8."""
+    from jaxllm import config
+
+    out = tmp_path / "q"
+    assert main(["quantize", str(small_run), str(out), "--method", "rtn", "quantize.bits=4"]) == 0
+    assert config.load(out / "config.yaml").quantize.bits == 4
+
+
+def test_quantize_head_of_a_model_without_its_own_head_is_refused():
+    """A tied head is the embedding, which stays in its dtype: quantize.head would do nothing."""
+    from conftest import SMALL_RUN
+
+    from jaxllm import config
+    from jaxllm.config import ConfigError
+    from jaxllm.quantize import _check_weights
+
+    over = [*SMALL_RUN, "quantize.method=rtn", "quantize.head=true"]
+    _check_weights(config.load(None, over))  # an untied head is taken
+    with pytest.raises(ConfigError, match="quantize.head=true: this model has no LM head"):
+        _check_weights(config.load(None, [*over, "model.tie_embeddings=true"]))

@@ -96,6 +96,19 @@ def test_resumes_on_the_quantized_base(q_run, lora_run, tmp_path):
     assert len(_losses(run)) == 6
 
 
+def test_a_lora_run_on_a_quantized_base_quantizes_afresh(lora_run, tmp_path):
+    """Its merged model (the dequantized base plus s A B) is quantized by the command's own
+    options, none of the base's (int4 in groups of 32) carried over."""
+    out = tmp_path / "again"
+    assert main(["quantize", str(lora_run), str(out), "--method", "rtn", "--asymmetric"]) == 0
+    q = config.load(out / "config.yaml").quantize
+    assert (q.method, q.bits, q.group_size, q.symmetric) == ("rtn", 8, 0, False)
+    tokens = np.random.default_rng(0).integers(0, 320, (2, 24)).astype(np.int32)
+    want = np.asarray(jaxllm.load_model(lora_run)(tokens).logits)
+    got = np.asarray(jaxllm.load_model(out)(tokens).logits)
+    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())
+
+
 def test_quantized_teacher_is_held_in_its_codes(q_run, small_run, tmp_path):
     keys = [
         "train.objective=distill",

@@ -13,6 +13,7 @@ import re
 from typing import Literal
 
 from jaxllm.config.errors import fail
+from jaxllm.config.quantize import check_calibration
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "layers", "heads", "channels", "slicegpt")
 # The methods that read calibration data.
@@ -93,6 +94,7 @@ class PruneConfig:
             fail(f"--pattern {self.pattern}: N must be below M (N of every M are zero).")
         if not 0 <= self.sparsity < 1:
             fail(f"--sparsity {self.sparsity} is outside [0, 1).")
+        check_calibration(self.calibration)
         if self.calibration and not self.calibrated:
             fail(
                 f"prune.calibration: method {self.method} reads no calibration data; the "

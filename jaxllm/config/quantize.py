@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import yaml
+
 from jaxllm.config.errors import fail
 
 # method -> the bit widths it takes. (A method and its widths are added together, with the
@@ -56,6 +58,17 @@ QUANTIZABLE = (
     "kv_a_proj",
     "kv_b_proj",
 )
+
+
+def check_calibration(value: str | None) -> None:
+    """Fails when a `--calibration` source is neither a path nor a YAML mapping."""
+    try:
+        yaml.safe_load(value or "")
+    except yaml.YAMLError as e:
+        fail(
+            f"--calibration {value}: not a path or a YAML mapping ({str(e).splitlines()[0]}); "
+            "write it like {path: x.jsonl, format: chat}."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +198,7 @@ class QuantizeConfig:
             )
         if self.samples < 1:
             fail(f"quantize.samples must be at least 1, not {self.samples}.")
+        check_calibration(self.calibration)
         g = self.gptq
         if g.block_size < 1 or not g.dampening >= 0:
             fail("quantize.gptq.block_size must be >= 1 and quantize.gptq.dampening >= 0.")
@@ -195,6 +209,20 @@ class QuantizeConfig:
             )
         if self.awq.grid < 1:
             fail(f"quantize.awq.grid must be at least 1, not {self.awq.grid}.")
+        if self.method == "gptq" and g.static_groups and not self.group_size:
+            fail("quantize.gptq.static_groups needs --group-size: per channel has no groups.")
+        if self.samples != QuantizeConfig.samples and not self.calibrated:
+            fail(
+                f"quantize.samples: method {self.method} reads no calibration data; the "
+                f"calibrated methods are {', '.join(CALIBRATED)}."
+            )
+        for section in ("gptq", "awq", "smoothquant", "llm_int8"):
+            value = getattr(self, section)
+            if section != self.method and value != type(value)():
+                fail(
+                    f"quantize.{section}.* are method {section}'s settings; method "
+                    f"{self.method} does not read them (leave them at their defaults)."
+                )
         for pattern in self.skip:
             if not pattern or not isinstance(pattern, str):
                 fail(f"quantize.skip: {pattern!r} is not a parameter-path pattern.")

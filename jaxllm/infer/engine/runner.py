@@ -31,6 +31,7 @@ from jaxllm.infer import kv_cache
 from jaxllm.infer.engine import linear as linear_slots
 from jaxllm.infer.engine.sampling import sample_rows
 from jaxllm.infer.linear_state import num_full_layers
+from jaxllm.model import coded, quantized
 from jaxllm.model.layers import logical_axes
 
 
@@ -48,7 +49,9 @@ def place_params(state, parallel: sharding.Parallel):
     ZeRO stage gave them, are not copied). Unchanged without a mesh."""
     if parallel.mesh is None:
         return state
-    axes, arrays = logical_axes(state), nnx.to_pure_dict(state)
+    arrays = nnx.to_pure_dict(state)
+    # a quantized weight's codes, scales and zero points each take their own axes
+    axes = jax.tree.map(_leaf_axes, logical_axes(state), arrays, is_leaf=_is_axes)
 
     def on_mesh(x):
         placed = isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
@@ -65,6 +68,17 @@ def place_params(state, parallel: sharding.Parallel):
     placed = jax.tree.map(put, sharding.tree_shardings(parallel.mesh, axes), arrays)
     nnx.replace_by_pure_dict(state, placed)
     return state
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple)
+
+
+def _leaf_axes(ax: tuple, x):
+    """The logical axes of the arrays of parameter `x`, whose weight had `ax`."""
+    if isinstance(x, quantized.QuantizedTensor):
+        return quantized.quantized_axes(x, ax)
+    return coded.axes(x, ax) if isinstance(x, coded.CodedTensor) else ax
 
 
 def _cache_shardings(kv, mesh):
