@@ -12,11 +12,9 @@ Hugging Face model directory, always straight into their shards on a mesh.
 A `gs://` / `s3://` URL of a run or Hugging Face directory is read from its local copy
 (`jaxllm.storage.fetch`), so everything below sees local paths.
 
-Every reader takes the newest readable checkpoint unless a step is named (a step's directory, or
-`--checkpoint STEP`, or `--checkpoint best`: the best step by evaluation that the run's newest
-checkpoint records, `checkpoint.keep_best`): a damaged newer one is reported with a
-JaxllmWarning and skipped (`checkpoint.restore_weights`).
-"""
+Every reader takes the newest readable checkpoint unless a step is named (its directory,
+`--checkpoint STEP`, or `--checkpoint best`: the newest checkpoint's best by evaluation,
+`checkpoint.keep_best`); a damaged newer one is skipped with a JaxllmWarning."""
 
 from __future__ import annotations
 
@@ -320,9 +318,9 @@ def _mergeable(source, theirs: Config) -> None:
 
 def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
     """The model to read from a source of model `theirs`: `model_cfg` with the source's value
-    head and distillation projections or none (one this model lacks is left behind, one it has
-    starts fresh), for a reward model from an LM the body with the LM's head, and for a
-    vision-language model from a text run the language model alone (the tower starts fresh)."""
+    head, score bias and distillation projections or none (one this model lacks is left behind,
+    one it has starts fresh), for a reward model from an LM the body with the LM's head, and
+    for a vision-language model from a text run the language model alone (its tower fresh)."""
     vision = model_cfg.vision if theirs.vision else None
     heads = dict(value_head=theirs.value_head, distill_proj=theirs.distill_proj, vision=vision)
     heads["score_bias"] = theirs.score_bias and model_cfg.head == "score"
@@ -333,13 +331,11 @@ def _as_source(model_cfg: ModelConfig, theirs: ModelConfig) -> ModelConfig:
 
 
 def _heads_of(params: dict, model_cfg: ModelConfig) -> dict:
-    """`params` without a head `model_cfg` does not have (an LM's under a reward model, a
-    value head or score bias under any model without one); a source's distillation
-    projections never."""
-    drop = {"lm_head"} if model_cfg.head != "lm" else set()
-    drop |= {"distill_proj"} | (set() if model_cfg.value_head else {"value"})
-    drop |= set() if model_cfg.score_bias else {"score_bias"}
-    return {k: v for k, v in params.items() if k not in drop}
+    """`params` without the heads `model_cfg` lacks (an LM's under a reward model, a value
+    head, a score bias); a source's distillation projections never."""
+    has = dict(lm_head=model_cfg.head == "lm", value=model_cfg.value_head, distill_proj=False)
+    has["score_bias"] = model_cfg.score_bias
+    return {k: v for k, v in params.items() if has.get(k, True)}
 
 
 def _is_hf_source(source) -> bool:

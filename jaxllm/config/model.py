@@ -18,8 +18,7 @@ from jaxllm.config.vision import VisionConfig, validate_vision
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
-    """Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434; DeepSeek-V3); off unless
-    kv_lora_rank > 0.
+    """Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434; V3); off at kv_lora_rank 0.
 
     Each token's keys and values come from one shared latent c (kv_lora_rank wide, normalised):
     per head, k = [c W_uk ; k_rope] and v = c W_uv, where k_rope (qk_rope_head_dim wide) is one
@@ -136,17 +135,12 @@ class ModelConfig:
     """Multiply the final hidden state by d_model ** -0.5 before the LM head: T5 v1.0, whose
     head is the tied embedding (transformers' `scale_decoder_outputs`); kind=encoder_decoder."""
     head: Literal["lm", "score"] = "lm"
-    """What the decoder ends in: `lm`, the LM head (logits [B, L, V] over the vocabulary), or
-    `score`, a reward model's scalar head: one projection `score` [D, 1] (no bias, as Hugging
-    Face's `*ForSequenceClassification` with num_labels=1) giving a score at every position,
-    [B, L, 1]; a sequence's reward is the score at its last token (`train.objective=reward`,
-    `jaxllm.infer.reward.score`). A score model has no LM head, so tie_embeddings and
-    final_soft_cap stay off; `checkpoint.init_from` an LM drops its head and starts the score
-    head fresh."""
+    """`lm`: the LM head (logits [B, L, V]); `score`: a reward model's head, one projection
+    `score` [D, 1] (`*ForSequenceClassification`, num_labels=1), a score [B, L, 1] at every
+    position, a sequence's reward the one at its last token (`jaxllm.infer.reward.score`). No
+    LM head, so no tie_embeddings or final_soft_cap; `init_from` an LM starts the head fresh."""
     score_bias: bool = False
-    """A bias `score_bias` [1] on the score head (model.head=score): transformers'
-    `*ForTokenClassification` has one by default, so a process reward model trained with it
-    imports with its bias (the two labels' difference); a `*ForSequenceClassification` has none."""
+    """A bias [1] on the score head (model.head=score), as a PRM's `*ForTokenClassification` has."""
     value_head: bool = False
     """Add PPO's value head beside the LM head: one projection `value` [D, 1] (no bias) of the
     same final hidden state, giving V(s_t) [B, L] in `ModelOutput.values`
@@ -174,25 +168,22 @@ class ModelConfig:
     dtype: str = "bfloat16"
     """Compute dtype of activations and matmuls; softmax statistics and the loss stay float32."""
     matmul_dtype: str | None = None
-    """Dtype of the projection matmuls (attention and MLA, MLP, MoE experts): null (or the
-    name of `dtype`) runs them in the compute dtype; `float8` quantizes them to fp8 as
-    `fp8_scaling` says, with float32 accumulation (`jaxllm/model/fp8.py`). The LM head and the MoE router stay in the compute dtype / float32."""
+    """Dtype of the projection matmuls (attention and MLA, MLP, MoE experts): null (or the name
+    of `dtype`): the compute dtype; `float8`: fp8 as `fp8_scaling` says, float32 accumulation.
+    The LM head and the MoE router stay in the compute dtype / float32."""
     fp8_scaling: Literal["current", "blockwise"] = "current"
-    """With `matmul_dtype=float8`: `current` (one scale per tensor from its own amax, e5m2
-    output gradients; `fp8.py`) or `blockwise` (DeepSeek-V3: 1x128 activation tiles and 128x128
-    weight blocks, e4m3 forward and backward, dims padded to 128; `fp8_blockwise.py`)."""
+    """`current` (a scale per tensor from its amax, e5m2 output gradients; `fp8.py`) or
+    `blockwise` (DeepSeek-V3's 1x128 / 128x128 tiles, e4m3 both ways; `fp8_blockwise.py`)."""
     scan_unroll: int = 1
     """Blocks per iteration of the layer scan; num_layers unrolls it fully (longer compiles)."""
     remat: Literal[
         "none", "full", "dots", "dots_attention", "dots_with_no_batch_dims", "offload", "auto"
     ] = "none"
-    """Activation checkpointing of each block: none, full (save only block inputs), or save matmul
-    outputs (`dots`: every matmul; `dots_attention`: every matmul and the attention kernels'
-    output and logsumexp, so flash / cuDNN attention is not run again in the backward pass;
-    `dots_with_no_batch_dims`: weight matmuls, not attention; `offload`: the weight matmuls'
-    outputs too, but in host memory, copied back for the backward pass). `auto`: the first of
-    none, dots_attention, dots, dots_with_no_batch_dims, full whose compiled train step fits
-    `train.memory_budget` (`jaxllm.train.remat_auto`)."""
+    """Activation checkpointing of each block (`jaxllm/model/remat.py`): none, full (block inputs
+    only), `dots` (every matmul's output), `dots_attention` (and the attention kernels' output
+    and logsumexp: no second attention forward), `dots_with_no_batch_dims` (weight matmuls),
+    `offload` (those in host memory); `auto`: the first of none, dots_attention, dots,
+    dots_with_no_batch_dims, full whose step fits `train.memory_budget`."""
     attention_impl: Literal["auto", "xla", "flash", "cudnn"] = "auto"
     """`xla` (einsum, float32 softmax), `flash` (the Pallas kernel of `jaxllm.kernels`;
     interpreted on CPU), `cudnn` (cuDNN's fused attention on NVIDIA GPUs, packed documents as
@@ -275,8 +266,7 @@ class ModelConfig:
 
     @property
     def fp8(self) -> str | None:
-        """The scaling of the FP8 projection matmuls (`fp8_scaling`), None without
-        `matmul_dtype=float8`."""
+        """`fp8_scaling` with `matmul_dtype=float8`, else None."""
         return self.fp8_scaling if self.matmul_dtype == "float8" else None
 
     def layer_windows(self) -> tuple[int, ...] | None:
@@ -365,8 +355,8 @@ class ModelConfig:
             _fail(f"model.fp8_scaling={self.fp8_scaling} needs model.matmul_dtype=float8.")
         if self.fp8 == "blockwise" and self.moe.enabled and self.moe.dispatch == "dropless":
             _fail(
-                "model.fp8_scaling=blockwise covers the capacity MoE experts, not the dropless "
-                "ones (model.moe.dispatch=dropless): use model.fp8_scaling=current or moe.dispatch=capacity."
+                "model.fp8_scaling=blockwise covers the capacity MoE experts, not dropless ones: "
+                "use model.fp8_scaling=current or model.moe.dispatch=capacity."
             )
 
     def _validate_kernel(self) -> None:
