@@ -188,7 +188,7 @@ def test_blockwise_mla_and_capacity_experts_close_to_bf16(variant):
         (["model.matmul_dtype=float8", "model.fp8_scaling=per_row"], "must be one of"),
         (
             ["model.matmul_dtype=float8", "model.fp8_scaling=blockwise", "model.moe.num_experts=4"],
-            "not the dropless ones",
+            "not dropless ones",
         ),
     ],
 )

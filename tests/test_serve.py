@@ -3,6 +3,7 @@ greedy completions equal `generate`, chat, streaming, n > 1, concurrent clients,
 the server serving, 401 with an API key, /metrics and /health, a dropped stream frees its
 pages; and the command itself (a subprocess) exits 0 on SIGTERM."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -50,15 +51,24 @@ def serving(small_run):
     app, worker = build(
         model, tok, stops, bos, "tiny", api_key=KEY, max_num_seqs=4, page_size=8, chunk_size=16
     )
+    with in_thread(app) as url:
+        yield url, model, tok, stops, bos, worker
+
+
+@contextlib.contextmanager
+def in_thread(app):
+    """The URL of `app` served by uvicorn on a free 127.0.0.1 port in a thread, until exit."""
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     _wait(url)
-    yield url, model, tok, stops, bos, worker
-    srv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield url
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,11 @@ context."""
 
 import json
 import socket
-import threading
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from test_serve import KEY, _free_port, _wait
+from test_serve import KEY, in_thread
 
 from jaxllm.cli import main
 from jaxllm.serve.cli import build, load
@@ -28,15 +26,8 @@ def server(small_run):
     app, worker = build(
         model, tok, stops, bos, "tiny", api_key=KEY, max_num_seqs=4, page_size=8, num_pages=9
     )
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    _wait(url)
-    yield url, tok, bos, worker
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with in_thread(app) as url:
+        yield url, tok, bos, worker
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ template; an image on a text-only run and a file that is no image are refused in
 
 import json
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -227,7 +228,10 @@ def test_a_text_only_server_refuses_image_parts_with_400_and_joins_text_parts():
 
     url = {"url": "data:image/png;base64," + "A" * 8}
     parts = [{"type": "image_url", "image_url": url}, {"type": "text", "text": "hi"}]
-    served = Served(None, None, "tiny", [], EndOfTurn("", frozenset(), ()), None)
+    # no engine runs: the refusal comes first (Served reads only the engine's context size)
+    engine = SimpleNamespace(cfg=SimpleNamespace(max_seq_len=64), pool=SimpleNamespace(num_pages=9))
+    worker = SimpleNamespace(engine=SimpleNamespace(**vars(engine), page_size=8))
+    served = Served(worker, None, "tiny", [], EndOfTurn("", frozenset(), ()), None)
     body = {"model": "tiny", "messages": [{"role": "user", "content": parts}]}
     r = TestClient(make_app(served)).post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"

@@ -7,13 +7,11 @@ outside the allowed path with one 400 message each."""
 import base64
 import concurrent.futures
 import json
-import threading
 
 import httpx
 import pytest
-import uvicorn
 from hf_models import run_cli, stderr_of_failure
-from test_serve import _free_port, _wait
+from test_serve import in_thread
 from test_vlm_generate import chat_run  # noqa: F401 (a fixture)
 
 from jaxllm.infer import greedy_continue
@@ -33,15 +31,8 @@ def server(chat_run):  # noqa: F811
     app, _ = build(
         model, tok, stops, bos, "vl", media=tmp / "media", max_num_seqs=2, page_size=4, chunk_size=8
     )
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    _wait(url)
-    yield url, tmp, (model, tok, stops)
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with in_thread(app) as url:
+        yield url, tmp, (model, tok, stops)
 
 
 def data_url(path) -> str:
