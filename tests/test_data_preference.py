@@ -2,6 +2,7 @@
 answer-only loss mask, whole pairs packed as segments 2k + 1 / 2k + 2 first-fit, truncation and
 drop, the reward model's closing slot, bad records, and the config checks around pairs."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -144,22 +145,49 @@ def test_long_pairs_are_truncated_or_dropped_and_counted(tmp_path):
     shapes = [(4, 1), (4, 12), (16, 8), (25, 1)]
     records = [{"prompt": "p" * n, "chosen": "yes", "rejected": "no!" * m} for n, m in shapes]
     path = write(tmp_path / "p.jsonl", records)
-    with pytest.warns(
-        JaxllmWarning, match="3 of 4 pairs do not fit .* cut to fit .*; 1 kept no trained token"
-    ):
-        got = pairs_of(rows_of(path, seq_len=40))
-    assert len(got) == 3  # (25, 1): both cut to half a row, 21 tokens: BOS and the prompt
+    with pytest.warns(JaxllmWarning, match="3 of 4 pairs do not fit .* cut to fit") as said:
+        rows = rows_of(path, seq_len=40)
+    assert "kept no trained token" not in str(said[0].message)
+    got = pairs_of(rows)
     lengths = [(len(c[0]), len(r[0])) for c, r in got]
-    # the longer sequence is cut first, the chosen keeps its whole answer; both to 21 at last
-    assert lengths == [(9, 9), (9, 33), (21, 21)]
+    # (4, 12): the prompt fits, the longer answer is cut; (16, 8): the prompt keeps a quarter of
+    # the row (10 tokens, BOS included), then the rejected answer is cut; (25, 1): its prompt
+    # fills more than half a row, so only it is cut, to its last 16 characters
+    assert lengths == [(9, 9), (9, 33), (14, 28), (21, 21)]
     assert got[1][0][1] == [*b"yes", BYTES.eos_id]
+    assert got[3][0] == ([BYTES.bos_id, *b"p" * 16, *b"yes", BYTES.eos_id], [*b"yes", BYTES.eos_id])
     src = SourceConfig(path=path, format="preference")
     cfg = DataConfig(sources=(src,), eval_sources=(src,), seq_len=40, truncation="drop")
     with pytest.warns(JaxllmWarning, match="3 of 4 pairs .* left out .*truncation=drop"):
         rows = load_splits(cfg)[0]
     assert len(pairs_of([rows[i] for i in range(len(rows))])) == 1
+    cfg = dataclasses.replace(cfg, seq_len=8)
     with pytest.warns(JaxllmWarning), pytest.raises(ConfigError, match="none of its 4 pairs"):
-        rows_of(path, seq_len=8)
+        load_splits(cfg)
+
+
+def test_a_long_prompt_loses_its_start_as_trl_cuts_it(tmp_path):
+    # TRL keeps a prompt's end (truncation_mode keep_end), then cuts the answers' ends; a pair
+    # whose prompt alone fills more than half a row is kept, not left out
+    prompt = "".join(chr(ord("a") + i % 26) for i in range(30))
+    records = [{"prompt": prompt, "chosen": "ok", "rejected": "no" * 20}]
+    with pytest.warns(JaxllmWarning, match="1 of 1 pairs do not fit .* the prompt's start first"):
+        rows = load_splits(
+            DataConfig(
+                sources=(
+                    SourceConfig(path=write(tmp_path / "p.jsonl", records), format="preference"),
+                ),
+                eval_fraction=0,
+                seq_len=40,
+            )
+        )[0]
+    assert rows.truncated == 1
+    ((chosen, rejected),) = pairs_of([rows[i] for i in range(len(rows))])
+    # the prompt keeps BOS and its last 9 characters (a quarter of the 42 tokens); the rejected
+    # answer (41 tokens) is cut to what is left after the chosen's 3: 42 - 20 - 3 = 19
+    kept = [BYTES.bos_id, *prompt[-9:].encode()]
+    assert chosen == ([*kept, *b"ok", BYTES.eos_id], [*b"ok", BYTES.eos_id])
+    assert rejected == ([*kept, *(b"no" * 20)[:19]], list((b"no" * 20)[:19]))
 
 
 @pytest.mark.parametrize(

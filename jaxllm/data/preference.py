@@ -20,10 +20,14 @@ answer only (its assistant turns, end-of-turn marker included), never the prompt
 Packing keeps a pair together and apart: pair k of a row is segments 2k + 1 (chosen) and
 2k + 2 (rejected), so neither sequence attends to the other, and whole pairs are placed first-fit
 (`packing.first_fit`), in record order. A pair takes (n_c - 1) + (n_r - 1) slots for sequences of
-n_c and n_r tokens; one longer than a row is cut (`data.truncation=truncate`: the longer sequence
-first, so the shared prompt is kept as long as possible; both to half a row when both are long)
-or left out (`drop`), counted in one warning per source, as `sft.pack_examples` does. A pair
-whose chosen or rejected sequence keeps no trained token is left out either way.
+n_c and n_r tokens; one longer than a row is cut (`data.truncation=truncate`) or left out (`drop`),
+counted in one warning per source (and in `PairRows.truncated`), as `sft.pack_examples` does.
+Cut as TRL's DPOTrainer cuts (`max_prompt_length` with the prompt's `keep_end`, then
+`max_completion_length`): the prompt (the tokens both sequences share before an answer) loses its
+start, BOS kept, keeping at least a quarter of a row of it when the answers need the room; then the
+answers lose their ends, the longer one first, both to half of what is left when both are long.
+A pair that fits is never changed. A pair whose chosen or rejected sequence keeps no trained
+token is left out either way.
 
 `whole_inputs=True` (reward models) gives each sequence one more slot whose input is the
 sequence's last token (its target is padding, loss_mask 0): the last input position of each
@@ -197,11 +201,32 @@ def encode_pairs(tok, pairs: Sequence[Pair]) -> Pairs:
     return out
 
 
-def _cap(n_c: int, n_r: int, slots: int) -> int:
-    """The most tokens either sequence may keep so that the pair's (n_c - 1) + (n_r - 1)
-    predictions fit `slots`: the longer one is cut first, both to half when both are long."""
-    short = min(n_c, n_r)
-    return slots + 2 - short if 2 * short <= slots + 2 else (slots + 2) // 2
+def _prompt_len(pair) -> int:
+    """Tokens the two sequences share before either's first trained token: the prompt."""
+    (ids_c, mask_c), (ids_r, mask_r) = pair
+    n = min(len(ids_c), len(ids_r))
+    differ = np.flatnonzero(ids_c[:n] != ids_r[:n])
+    shared = int(differ[0]) if len(differ) else n
+    firsts = [int(np.argmax(m)) if m.any() else len(m) for m in (mask_c, mask_r)]
+    return min(shared, *firsts)
+
+
+def _cut(pair, slots: int, lead: int):
+    """The pair cut to fit `slots` predictions as TRL's DPOTrainer cuts it: the prompt from its
+    start (its first `lead` tokens, BOS, are kept), to no fewer than a quarter of a row when the
+    answers need the room, then the answers from their ends, the longer one first, both to half
+    what is left when both are long."""
+    p = _prompt_len(pair)
+    lead = min(lead, p)
+    c, r = (len(ids) - p for ids, _ in pair)
+    keep = min(p, max(lead, (slots + 2) // 4, (slots + 2 - c - r) // 2))
+    room = slots + 2 - 2 * keep  # tokens left for the two answers
+    short = min(c, r)
+    cap = room - short if 2 * short <= room else room // 2
+    return [
+        tuple(np.concatenate([x[:lead], x[p - keep + lead : p], x[p : p + cap]]) for x in seq)
+        for seq in pair
+    ]
 
 
 def pack_pairs(ex: Pairs, cfg: DataConfig, tok, what: str, whole_inputs: bool = False) -> PairRows:
@@ -216,7 +241,7 @@ def pack_pairs(ex: Pairs, cfg: DataConfig, tok, what: str, whole_inputs: bool = 
     head, tail = [tok.bos_id] * cfg.add_bos, [tok.eos_id] * cfg.add_eos
     extra = int(whole_inputs)
     slots = cfg.seq_len - 2 * extra  # the closing slots come on top of the predictions
-    seqs, labels, long, empty = [], [], 0, 0
+    seqs, labels, long, empty, cut = [], [], 0, 0, 0
     unpaired = bool(ex.labels) and ex.labels[0] is not None
     for (ids_c, mask_c), (ids_r, mask_r), is_chat, label in zip(
         ex.chosen, ex.rejected, ex.is_chat, ex.labels or [None] * len(ex)
@@ -234,15 +259,17 @@ def pack_pairs(ex: Pairs, cfg: DataConfig, tok, what: str, whole_inputs: bool = 
             long += 1
             if cfg.truncation == "drop":
                 continue
-            cap = _cap(len(ids_c), len(ids_r), slots)
-            pair = [(ids[:cap], mask[:cap]) for ids, mask in pair]
+            pair = _cut(pair, slots, 0 if is_chat else len(head))
         if not all(mask[1:].any() for _, mask in pair):  # the first token is never a target
             empty += 1
             continue
+        cut += len(ids_c) + len(ids_r) - 2 > slots
         seqs.append(pair)
         labels.append(label)
     if long or empty:
-        done = "cut to fit" if cfg.truncation == "truncate" else "left out"
+        done = (
+            "cut to fit, the prompt's start first" if cfg.truncation == "truncate" else "left out"
+        )
         parts = [
             f"{long} of {len(ex)} pairs do not fit a row of data.seq_len={cfg.seq_len} and were "
             f"{done} (data.truncation={cfg.truncation})"
@@ -266,7 +293,9 @@ def pack_pairs(ex: Pairs, cfg: DataConfig, tok, what: str, whole_inputs: bool = 
             ]
             for pair in seqs
         ]
-    return PairRows(seqs, cfg.seq_len, tok.pad_id, labels if unpaired else None)
+    rows = PairRows(seqs, cfg.seq_len, tok.pad_id, labels if unpaired else None)
+    rows.truncated = cut
+    return rows
 
 
 class PairRows:
@@ -289,6 +318,7 @@ class PairRows:
         self.tokens = np.concatenate([ids for ids, _ in seqs])
         self.masks = np.concatenate([mask for _, mask in seqs]).astype(bool)
         self.num_docs = len(pairs)
+        self.truncated = 0  # pairs cut to fit a row (`pack_pairs`)
         pair_slots = (lengths[0::2] - 1) + (lengths[1::2] - 1)
         rows = first_fit(pair_slots, seq_len)  # bins are numbered in order of first use
         self._len = int(rows.max()) + 1
