@@ -351,7 +351,9 @@ class Config:
                     else f"data source {src.path!r} holds unpaired preferences, which "
                     f"train.objective={objective} does not read; set train.objective=kto."
                 )
-            if objective in PAIR_OBJECTIVES and src.format != "preference":
+            # format: auto is read as preference when its records are pairs (`jaxllm.data.detect`)
+            auto = src.format == "auto" and src.path != "stdlib"
+            if objective in PAIR_OBJECTIVES and src.format != "preference" and not auto:
                 _fail(
                     f"train.objective={objective} trains on preference pairs, but data source "
                     f"{src.path!r} has format {src.format}; give format: preference sources."

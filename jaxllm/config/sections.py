@@ -165,7 +165,8 @@ class SourceConfig:
     GRPO (`jaxllm.objectives.rollout.sampling`): the model writes the completions. `stepwise`
     records (TRL's stepwise_supervision: `prompt`, `completions` a list of steps, `labels` a
     boolean per step) train a process reward model, `train.objective=prm`
-    (`jaxllm.data.stepwise`)."""
+    (`jaxllm.data.stepwise`). `auto` reads JSON-lines / columnar records that are plainly chats
+    or preference pairs as `chat` / `preference`, saying so (`jaxllm.data.detect`)."""
     text_field: str = "text"
     """Field holding the document in JSONL lines and Parquet rows."""
     messages_field: str = "messages"

@@ -25,7 +25,7 @@ import grain
 import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
-from jaxllm.data import preference, sft, stepwise, unpaired, vision_chat, vision_rows
+from jaxllm.data import detect, preference, sft, stepwise, unpaired, vision_chat, vision_rows
 from jaxllm.data.packing import FirstFitRows, PackedRows, pack
 from jaxllm.data.prepare import PreparedDir
 from jaxllm.data.sources import BadRecords, fetched, is_prepared_dir, list_files, read_texts
@@ -138,6 +138,8 @@ def _source_documents(
             prepared.documents(split, cfg.max_files, bos_id) for split in ("train", "eval")
         )
     files = list_files(src, key, cfg.max_files)
+    if (seen := detect.detected(src, files, key)) is not src:  # format: auto, plain records
+        src, files = seen, [dataclasses.replace(f, format=seen.format) for f in files]
     seeing = images is not None and src.format == "chat"
     if seeing:
         images.check(tok)  # the chats' image tokens must be the model's (text runs skip this)

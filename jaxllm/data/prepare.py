@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
 from jaxllm.config.outputs import check_output, written
-from jaxllm.data import chat, preference, sft, stepwise, unpaired
+from jaxllm.data import chat, detect, preference, sft, stepwise, unpaired
 from jaxllm.data.sources import (
     MANIFEST,
     BadRecords,
@@ -169,6 +169,7 @@ def prepare(
     if shard_docs < 1 or workers < 0 or not 0 <= eval_fraction < 1:
         raise ConfigError("--shard-docs must be >= 1, --workers >= 0, --eval-fraction in [0, 1).")
     out = check_output(out_dir, flag="--out", overwrite=overwrite)
+    sources = [detect.of_source(src, "SOURCE", max_files) for src in sources]  # format: auto
     kinds = {src.format if src.format in KINDS else "text" for src in sources}
     if len(kinds) > 1:
         raise ConfigError(

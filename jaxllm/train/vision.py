@@ -3,11 +3,16 @@ tower (`jaxllm.data.vision_rows`), and the settings such rows train under."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxllm import config
 from jaxllm.config import ConfigError
+from jaxllm.config.train import PAIR_OBJECTIVES
+from jaxllm.data import detect
 from jaxllm.data.pipeline import load_splits
 from jaxllm.data.vision_rows import ImageInputs, holds_images
 from jaxllm.model.vlm import HostLayout
+from jaxllm.train.console import _log
 
 IMAGE_OBJECTIVES = ("sft", "next_token")  # the objectives that feed a row's images to the model
 
@@ -22,7 +27,19 @@ def vision_inputs(cfg: config.Config) -> ImageInputs | None:
 def run_splits(cfg: config.Config):
     """`load_splits` of the run: a reward model's sequences get their closing slot, images are
     read when the model has a vision tower; ConfigError when image rows meet an objective or
-    a layout that would not feed them to the tower."""
+    a layout that would not feed them to the tower. Sources of `format: auto` whose records are
+    plainly chats or pairs take that format first (`jaxllm.data.detect`, said in one line), and
+    the config is checked again with it."""
+    data = detect.resolve(cfg.data, _log)
+    if data is not cfg.data:
+        cfg = dataclasses.replace(cfg, data=data).validate()
+    auto = [s.path for s in (*data.sources, *data.eval_sources) if s.format == "auto"]
+    if auto and cfg.train.objective in PAIR_OBJECTIVES:
+        raise ConfigError(
+            f"train.objective={cfg.train.objective} trains on preference pairs, but the records of "
+            f"data source {auto[0]!r} are not plainly pairs (prompt, chosen and rejected fields); "
+            "give format: preference sources."
+        )
     whole_inputs = cfg.train.objective == "reward"  # its score is read at a closing slot
     train, evals = load_splits(cfg.data, cfg.peft.virtual_tokens, whole_inputs, vision_inputs(cfg))
     if not holds_images(train):
