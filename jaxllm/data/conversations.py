@@ -15,6 +15,12 @@ optional `system` string opens the conversation. The loss covers every assistant
 for a conversational prompt-completion, which trains the completion only: the prompt's own
 assistant turns are context, as in TRL's completion-only loss.
 
+Images may sit beside the conversation, as LLaVA and LLaMA-Factory write them: a record-level
+`image` (a path, LLaVA's) or `images` (a list of paths) whose turns say where each goes with
+`<image>` in their text, in order (LLaVA's `"<image>\nWhat is this?"`); without any `<image>`,
+they all go before the first user turn's text. Each becomes an image part
+(`{"type": "image", "image": PATH}`, `jaxllm.data.vision_chat`) in any of the shapes above.
+
 A `format: preference` record without a prompt field holds its prompt implicitly, as TRL's
 implicit-prompt preference data does (Anthropic's HH-RLHF): `chosen` and `rejected` are whole
 conversations (or texts), and the prompt is their longest common beginning, as TRL's
@@ -79,6 +85,48 @@ def messages_of(record: dict, field: str) -> tuple[object, int, str | None]:
     if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
         return _alpaca(record), 0, None
     return None, 0, None
+
+
+IMAGE_KEYS = ("images", "image")  # record-level images: LLaMA-Factory's list, LLaVA's path
+IMAGE_MARK = "<image>"  # where a record-level image goes in a turn's text
+
+
+def images_of(record: dict) -> object:
+    """The record-level images of a chat record (see the module docstring), or None."""
+    return next((record[k] for k in IMAGE_KEYS if record.get(k) not in (None, [])), None)
+
+
+def with_images(messages, record: dict) -> tuple[object, str | None]:
+    """(`messages` with the record's `images_of` as image parts where `<image>` marks them,
+    or before the first user turn's text; why they do not pair up, or None)."""
+    found = images_of(record)
+    if found is None or not isinstance(messages, list):
+        return messages, None
+    paths = [found] if isinstance(found, str) else found
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+        return None, "has an image field that is neither a path nor a list of paths"
+    texts = [m.get("content") if isinstance(m, dict) else None for m in messages]
+    marks = sum(t.count(IMAGE_MARK) for t in texts if isinstance(t, str))
+    if marks == 0:
+        user = next(
+            (n for n, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+            None,
+        )
+        if user is None or not isinstance(texts[user], str):
+            return None, "has images but no user turn of text to put them in"
+        texts[user] = IMAGE_MARK * len(paths) + texts[user]
+    elif marks != len(paths):
+        return None, f"has {marks} {IMAGE_MARK} mark(s) for {len(paths)} image(s)"
+    queue, out = iter(paths), []
+    for m, text in zip(messages, texts):
+        if isinstance(text, str) and IMAGE_MARK in text:
+            pieces = text.split(IMAGE_MARK)
+            parts = [{"type": "text", "text": pieces[0]}]
+            for piece in pieces[1:]:
+                parts += [{"type": "image", "image": next(queue)}, {"type": "text", "text": piece}]
+            m = {**m, "content": [p for p in parts if p.get("text") != ""]}
+        out.append(m)
+    return out, None
 
 
 def implicit_prompt(chosen, rejected) -> tuple[object, object, object]:

@@ -104,6 +104,8 @@ def _table_records(f: DataFile, columns: dict[str, str], optional=()):
     names = table.names
     if columns == {"messages_field": "messages"} and "messages" not in names:
         columns = {name: name for name in names}  # another shape (`jaxllm.data.conversations`)
+    if "messages_field" in columns:  # images beside the turns (`conversations.images_of`)
+        columns |= {k: k for k in conversations.IMAGE_KEYS if k in names}
     columns = {k: c for k, c in columns.items() if c in names or k not in optional}
     for key, column in columns.items():
         if column not in names:
@@ -172,7 +174,10 @@ def read_examples(
     bad = bad or bad_records(str(f.path), src)
     keys = ("messages_field",) if src.format == "chat" else ("prompt_field", "completion_field")
     for where, record in _records(f, {k: getattr(src, k) for k in keys}, on_bad_record, bad):
-        if src.format == "chat" and chat.image_message(record.get(src.messages_field)):
+        if src.format == "chat" and (
+            chat.image_message(record.get(src.messages_field))
+            or conversations.images_of(record) is not None  # LLaVA's image beside the turns
+        ):
             raise ConfigError(
                 f"data {where} holds an image part, but {no_vision}; train a vision-language "
                 "model on it, or remove the image parts from the source."

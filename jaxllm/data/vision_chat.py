@@ -6,7 +6,10 @@ A message's content is a string or a list of parts, in any turn:
     {"type": "image", "image": "cat.png"}                              a path or base64 data
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}     (OpenAI's)
 
-Relative image paths are read under the data file's directory (`jaxllm.data.images.load_image`).
+The conversation is read in any shape a text chat is (`jaxllm.data.conversations`: TRL's
+messages, ShareGPT, Alpaca, ...), and images beside it (LLaVA's `image`, LLaMA-Factory's
+`images`, placed where the turns say `<image>`) become image parts. Relative image paths are
+read under the data file's directory (`jaxllm.data.images.load_image`).
 Each message's parts are joined into one string, an image written as the model's vision markers
 around one image pad token (Qwen-VL: `<|vision_start|><|image_pad|><|vision_end|>`, what its chat
 template writes for an image part), so any chat template renders it, the built-in ChatML too.
@@ -35,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxllm.config import ConfigError, SourceConfig
-from jaxllm.data import chat, images, sft
+from jaxllm.data import chat, conversations, images, sft
 from jaxllm.data.sources import BadRecords, DataFile
 
 
@@ -140,13 +143,16 @@ def encode(
     tokens: VisionTokens = VisionTokens(),
     base_dir: str | Path | None = None,
     template: str | None = None,
+    trained: int = 0,
 ) -> VisionExample:
     """One conversation as ids, loss mask and pixels (see the module docstring). ChatError when
     it cannot be rendered or its placeholders and images do not pair up, ImageError for an
-    image that cannot be used; ConfigError when `tok` lacks the pad token."""
+    image that cannot be used; ConfigError when `tok` lacks the pad token. `trained` > 0
+    trains only the last that many assistant turns (a conversational prompt-completion)."""
     pad_id = tokens.pad_id(tok)
     flat, sources = flatten(messages, tokens)
     text, spans = chat.assistant_spans(flat, tok, template)
+    spans = spans[len(spans) - trained :] if trained else spans
     ids, offsets = tok.encode_offsets(text, specials=True)
     mask = sft.token_mask(offsets, spans, len(text))
     at = np.flatnonzero(ids == pad_id)
@@ -189,11 +195,14 @@ def read_vision_examples(
     tokens.pad_id(tok)  # a tokenizer without the pad fails before any record is read
     fields = {"messages_field": src.messages_field}
     for where, record in sft._records(f, fields, on_bad_record, bad):
-        messages = record.get(src.messages_field)
-        why = _problem(messages, src.messages_field)
+        # the shapes text chats are read in (ShareGPT, Alpaca, ...), LLaVA's images beside them
+        messages, trained, why = conversations.messages_of(record, src.messages_field)
+        if why is None:
+            messages, why = conversations.with_images(messages, record)
+        why = why or _problem(messages, src.messages_field)
         if why is None:
             try:
-                yield encode(messages, tok, spec, tokens, f.path.parent)
+                yield encode(messages, tok, spec, tokens, f.path.parent, trained=trained)
                 continue
             except chat.ChatError as e:
                 why = f"cannot be rendered ({e})"
