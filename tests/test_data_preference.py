@@ -190,6 +190,21 @@ def test_a_long_prompt_loses_its_start_as_trl_cuts_it(tmp_path):
     assert rejected == ([*kept, *(b"no" * 20)[:19]], list((b"no" * 20)[:19]))
 
 
+def test_a_long_chat_prompt_loses_its_start_and_keeps_its_answers(tmp_path):
+    system = "".join(chr(ord("a") + i % 26) for i in range(200))
+    prompt = [{"role": "system", "content": system}, {"role": "user", "content": "2 + 2?"}]
+    records = [{"prompt": prompt, "chosen": "4.", "rejected": "5."}]
+    with pytest.warns(JaxllmWarning, match="1 of 1 pairs do not fit"):
+        ((c, r),) = pairs_of(rows_of(write(tmp_path / "c.jsonl", records), seq_len=128))
+    for answer, (tokens, trained) in (("4.", c), ("5.", r)):
+        full = list(
+            BYTES.encode(chat.render([*prompt, {"role": "assistant", "content": answer}], BYTES))
+        )
+        # the rendered prompt's end, the whole answer turn: 2 * 65 - 2 = 128 predictions
+        assert len(tokens) == 65 and tokens == full[-65:]
+        assert bytes(trained).decode() == f"{answer}<|im_end|>"
+
+
 @pytest.mark.parametrize(
     "bad,why",
     [
