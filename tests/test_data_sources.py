@@ -365,7 +365,9 @@ def test_records_of_another_format_fail_in_one_line_naming_it(tmp_path, record, 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the reason is in the error, not in a warning before it
         with pytest.raises(ConfigError) as e:
-            load_splits(DataConfig(sources=(SourceConfig(path=str(tmp_path / "a.jsonl")),)))
+            # format: jsonl: auto reads plain chats and pairs as such (tests/test_data_detect.py)
+            src = SourceConfig(path=str(tmp_path / "a.jsonl"), format="jsonl")
+            load_splits(DataConfig(sources=(src,)))
     assert "hold no documents: skipped 3 record(s)" in str(e.value)
     assert f"line 1 has no string field 'text' (set the source's text_field, or format: {fmt}," in (
         str(e.value)
