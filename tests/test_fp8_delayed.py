@@ -11,12 +11,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import SMALL_RUN, tiny_model
 from test_fp8 import REPO
 
 from jaxllm import config, optim, sharding
 from jaxllm.bench import synthetic_batch
-from jaxllm.config import ConfigError
+from jaxllm.cli import main
+from jaxllm.config import ConfigError, MLAConfig
+from jaxllm.load import restore
+from jaxllm.metrics import read_jsonl
 from jaxllm.model import abstract_model, abstract_model_state, fp8_delayed, layers
 from jaxllm.model import fp8 as fp8_ops
 from jaxllm.model.lora import LoRAKernel
@@ -143,6 +146,32 @@ def test_train_step_records_the_amaxes():
         assert np.all(later[..., 0] > 0) and not later[..., 2:].any()
 
 
+MLA = dict(
+    mla=MLAConfig(
+        kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+    )
+)
+HYBRID = dict(layer_pattern=["linear", "softmax"], num_layers=2)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["mla", pytest.param("hybrid", marks=pytest.mark.slow)],  # ~8 s each
+)
+def test_every_history_records(variant):
+    """No history sits unused: MLA's (kv_b in its training form too) and the linear-attention
+    projections' (its float32 gates have none) all record their three amaxes."""
+    (one,), _ = _steps(_cfg(accum=1, **(MLA if variant == "mla" else HYBRID)), 1)
+    hist = _flat(fp8_delayed.histories(one.model_state))
+    assert hist
+    if variant == "mla":
+        assert any("kv_b_proj" in k for k in hist)
+    else:
+        assert not any("a_proj" in k or "b_proj" in k for k in hist)
+    for key, h in hist.items():
+        assert np.all(h[..., 0] > 0), key
+
+
 def test_microbatches_record_their_largest_amax():
     """Two microbatches record what one batch of both records: the max, not the sum."""
     (whole,), _ = _steps(_cfg(accum=1), 1)
@@ -204,3 +233,35 @@ def test_delayed_config_errors_are_one_line(overrides, message, monkeypatch):
     with pytest.raises(ConfigError) as e:
         config.load(None, overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# SMALL_RUN (fsdp over every device) in bfloat16 with delayed fp8, two microbatches, a schedule independent of the
+# number of steps (so 4 + 2 steps are 6 steps).
+DELAYED_RUN = [
+    *SMALL_RUN,
+    "model.dtype=bfloat16",
+    "model.matmul_dtype=float8",
+    "model.fp8_scaling=delayed",
+    "model.fp8_amax_history=16",
+    "train.global_batch_size=16",  # two microbatches of 8 rows over the 8 fsdp devices
+    "train.grad_accum_steps=2",
+    "checkpoint.every=2",
+    "optim.schedule=constant",
+    "optim.warmup_steps=0",
+]
+
+
+@pytest.mark.slow  # ~70 s
+def test_the_histories_are_checkpointed_and_a_resume_is_bit_identical(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(["train", *DELAYED_RUN, "train.steps=6", f"run.dir={straight}"]) == 0
+    assert main(["train", *DELAYED_RUN, "train.steps=4", f"run.dir={resumed}"]) == 0
+    assert main(["train", *DELAYED_RUN, "train.steps=6", f"run.dir={resumed}"]) == 0
+    losses = [[(r["step"], r["loss"]) for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+              for run in (straight, resumed)]  # fmt: skip
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    a, b = (_flat(fp8_delayed.histories(restore(run).model_state)) for run in (straight, resumed))
+    assert a.keys() == b.keys() and a
+    for key, h in a.items():
+        np.testing.assert_array_equal(h, b[key])
+        assert np.all(h[..., :6] > 0) and not h[..., 6:].any(), key  # six steps recorded

@@ -23,9 +23,10 @@ them, they are checkpointed and restored with the run, and evaluation and genera
 
 A weight used twice in one differentiated pass adds its two amaxes (autodiff sums cotangents),
 a bound above their max: DoRA's second product (with dropout) therefore reads the history
-without recording. Matmuls whose weight is computed in the step (MLA's absorbed `kv_b_proj`) or
-runs per device inside the MoE expert `shard_map` (the experts) keep current scaling, and the
-pipelined step (`mesh.stage` > 1) has no delayed scaling (the config refuses it).
+without recording. MLA's `kv_b_proj` (merged with its adapter in the step) is delayed in its
+training form and current in the absorbed decode form; the MoE experts (per device inside the
+expert `shard_map`, or grouped) keep current scaling; the pipelined step (`mesh.stage` > 1) has
+no delayed scaling (the config refuses it).
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ class DelayedKernel(NamedTuple):
 
 def attach(model: nnx.Module, history: int) -> None:
     """Adds a zero `Fp8History` next to every projection weight (`*_proj`, two dims or more, no
-    expert dim) of each module whose matmuls run delayed fp8 (`module.fp8 == "delayed"`),
-    stacked on the weight's leading `layers` dims."""
+    expert dim, not in the module's `fp8_exempt`) of each module whose matmuls run delayed fp8
+    (`module.fp8 == "delayed"`), stacked on the weight's leading `layers` dims."""
     for _, module in list(nnx.iter_modules(model)):
         if getattr(module, "fp8", None) != "delayed":
             continue
         for name, var in list(vars(module).items()):
             if not isinstance(var, nnx.Param) or not name.endswith("_proj") or var.ndim < 2:
+                continue
+            if name in getattr(module, "fp8_exempt", ()):
                 continue
             axes = tuple(var.get_metadata().get("axes", ()))
             if "expert" in axes:
