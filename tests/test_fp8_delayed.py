@@ -265,3 +265,28 @@ def test_the_histories_are_checkpointed_and_a_resume_is_bit_identical(tmp_path):
     for key, h in a.items():
         np.testing.assert_array_equal(h, b[key])
         assert np.all(h[..., :6] > 0) and not h[..., 6:].any(), key  # six steps recorded
+
+
+def test_export_leaves_the_histories_behind_and_import_starts_them_at_zero(tmp_path):
+    """Hugging Face has no amax histories: export writes the weights alone, and importing into
+    a delayed config starts every history empty (current scaling at its first step)."""
+    from safetensors import safe_open
+
+    from jaxllm.convert.export import export_hf
+    from jaxllm.convert.hf import load_params
+    from jaxllm.model import build, split_peft
+
+    cfg = _cfg(accum=1)
+    _, params, _, model_state = split_peft(build(cfg.model, 0), None)
+    model_state = jax.tree.map(lambda h: h + 1.0, model_state)  # a trained run's, say
+    export_hf(params, cfg, tmp_path / "hf", model_state=model_state)
+    with safe_open(tmp_path / "hf" / "model.safetensors", "np") as f:
+        names = list(f.keys())
+    assert names and not any("fp8" in n for n in names)
+    mesh = sharding.make_mesh(config.MeshConfig(data=1), jax.devices()[:1])
+    back, state, _ = load_params(tmp_path / "hf", cfg.model, mesh)
+    hist = _flat(fp8_delayed.histories(state))
+    assert hist.keys() == _flat(fp8_delayed.histories(model_state)).keys()
+    assert all(not h.any() for h in hist.values())
+    for key, w in _flat(params).items():
+        np.testing.assert_array_equal(_flat(back)[key], w)
