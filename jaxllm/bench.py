@@ -27,6 +27,18 @@ from jaxllm.train.compiled import compile_steps
 from jaxllm.train.state import init_state, layout
 
 
+def median_seconds(fn, *args, iters: int) -> float:
+    """The median wall time of `fn(*args)` over `iters` calls, after one warm-up (compile)
+    call, each waited for (`jax.block_until_ready`): the kernel and layer benchmarks' clock."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def synthetic_batch(cfg: config.Config, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     b, l = cfg.train.global_batch_size, cfg.data.seq_len

@@ -1,13 +1,14 @@
 """Time one SwiGLU MLP layer's forward + backward in bf16 and under each fp8 scaling.
 
     python scripts/bench_fp8.py [--shapes 2048x8192,4096x14336] [--tokens 8192]
-        [--scalings current,blockwise] [--iters 20]
+        [--scalings current,blockwise,delayed] [--iters 20]
 
 Each shape DxF is a model width and MLP width (defaults: Llama-3.2-1B and Llama-3.1-8B). For
 each it times the gradient of sum(down(silu(x gate) * (x up))) with respect to x and the three
 weights, through `layers.matmul` (the model's one matmul seam): `bf16` (bf16 operands, the
 compute dtype), then `fp8-<scaling>` for each `model.fp8_scaling` (`current`: per-tensor;
-`blockwise`: DeepSeek-V3's 1x128 / 128x128 tiles). Each is jitted, warmed up and timed over
+`blockwise`: DeepSeek-V3's 1x128 / 128x128 tiles; `delayed`: per-tensor scales from a full
+amax history, Transformer Engine's recipe). Each is jitted, warmed up and timed over
 --iters calls (the median); it prints ms, TFLOP/s (3 matmuls, forward and backward: 18 M D F
 flops) and the speed-up over bf16. A shape that fails (out of memory) prints its error and the
 rest go on. On CPU, fp8 is emulated: small shapes there are a smoke test, not a measurement.
@@ -16,28 +17,28 @@ rest go on. On CPU, fp8 is emulated: small shapes there are a smoke test, not a 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
-from jaxllm.model import layers
+from jaxllm.bench import median_seconds
+from jaxllm.model import fp8_delayed, layers
 
 
-def _time(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _history(x, w, top_grad: float = 1.0) -> jax.Array:
+    """A full amax history ([3, 1024]: the input's, the weight's and an output gradient's amax
+    in every column), as delayed scaling holds it after 1024 steps."""
+    amax = jnp.stack([jnp.max(jnp.abs(x)), jnp.max(jnp.abs(w)), jnp.float32(top_grad)])
+    return jnp.broadcast_to(amax.astype(jnp.float32)[:, None], (3, 1024))
 
 
 def _layer_grad(fp8: str | None):
     def loss(x, gate, up, down):
-        mm = lambda spec, a, w: layers.matmul(spec, a, w, jnp.bfloat16, fp8=fp8)  # noqa: E731
+        def mm(spec, a, w):
+            if fp8 == "delayed":  # the weight with its history, as `lora.kernel` hands it
+                w = fp8_delayed.DelayedKernel(w, jax.lax.stop_gradient(_history(a, w)))
+            return layers.matmul(spec, a, w, jnp.bfloat16, fp8=fp8)
+
         h = jax.nn.silu(mm("md,df->mf", x, gate)) * mm("md,df->mf", x, up)
         return jnp.sum(mm("mf,fd->md", h, down).astype(jnp.float32))
 
@@ -48,7 +49,7 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="2048x8192,4096x14336")
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--scalings", default="current,blockwise")
+    p.add_argument("--scalings", default="current,blockwise,delayed")
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args(argv)
     rows = []
@@ -65,7 +66,7 @@ def main(argv=None) -> list[dict]:
         for kind in ["bf16", *(f"fp8-{s}" for s in a.scalings.split(","))]:
             fp8 = None if kind == "bf16" else kind.removeprefix("fp8-")
             try:
-                secs = _time(_layer_grad(fp8), x, gate, up, down, iters=a.iters)
+                secs = median_seconds(_layer_grad(fp8), x, gate, up, down, iters=a.iters)
             except Exception as e:  # out of memory at a large shape: report it, go on
                 print(f"| {d} x {f} | {a.tokens} | {kind} | failed: {str(e).splitlines()[0]} |")
                 continue

@@ -16,24 +16,13 @@ small shapes is a smoke test of the script, not a measurement.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+
+from jaxllm.bench import median_seconds
 from jaxllm.kernels.int4_matmul import int4_matmul
-
 from jaxllm.model import quantized
-
-
-def _time(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None) -> list[dict]:
@@ -56,7 +45,7 @@ def main(argv=None) -> list[dict]:
         w16 = w.astype(jnp.bfloat16)
         for m in map(int, a.batch.split(",")):
             x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-            bf16 = _time(jax.jit(jnp.dot), x, w16, iters=a.iters)
+            bf16 = median_seconds(jax.jit(jnp.dot), x, w16, iters=a.iters)
             cases = [("bf16", bf16, w16.nbytes)]
             for backend in a.backends.split(","):
                 fn = jax.jit(
@@ -64,7 +53,7 @@ def main(argv=None) -> list[dict]:
                         x, c, s, backend=b, interpret=a.interpret
                     )
                 )
-                ms = _time(fn, x, t.codes, t.scales, iters=a.iters)
+                ms = median_seconds(fn, x, t.codes, t.scales, iters=a.iters)
                 cases.append((f"int4-{backend}", ms, t.codes.nbytes + t.scales.nbytes))
             for kind, secs, nbytes in cases:
                 row = {"k": k, "n": n, "m": m, "kind": kind, "ms": secs * 1e3,

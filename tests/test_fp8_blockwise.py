@@ -216,7 +216,7 @@ def test_fp8_layer_bench_runs_every_kind():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.main(["--shapes", "128x256", "--tokens", "64", "--iters", "1"])
-    assert [r["kind"] for r in rows] == ["bf16", "fp8-current", "fp8-blockwise"]
+    assert [r["kind"] for r in rows] == ["bf16", "fp8-current", "fp8-blockwise", "fp8-delayed"]
     assert all(r["ms"] > 0 and r["speedup"] > 0 for r in rows)
 
 
@@ -226,3 +226,5 @@ def test_fp8_scaling_is_not_part_of_an_exported_architecture():
 
     trained = tiny_model(matmul_dtype="float8", fp8_scaling="blockwise")
     assert _differences(trained, tiny_model()) == []
+    delayed = tiny_model(matmul_dtype="float8", fp8_scaling="delayed", fp8_amax_history=16)
+    assert _differences(delayed, tiny_model()) == []

@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 
 from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import fail as _fail
+from jaxllm.config.fp8 import validate_fp8
 from jaxllm.config.linear_attention import LinearAttentionConfig, validate_hybrid
 from jaxllm.config.moe import MoEConfig
 from jaxllm.config.rope import RopeConfig, validate_mrope
@@ -171,9 +172,12 @@ class ModelConfig:
     """Dtype of the projection matmuls (attention and MLA, MLP, MoE experts): null (or the name
     of `dtype`): the compute dtype; `float8`: fp8 as `fp8_scaling` says, float32 accumulation.
     The LM head and the MoE router stay in the compute dtype / float32."""
-    fp8_scaling: Literal["current", "blockwise"] = "current"
-    """`current` (a scale per tensor from its amax, e5m2 output gradients; `fp8.py`) or
-    `blockwise` (DeepSeek-V3's 1x128 / 128x128 tiles, e4m3 both ways; `fp8_blockwise.py`)."""
+    fp8_scaling: Literal["current", "blockwise", "delayed"] = "current"
+    """`current` (a scale per tensor from its amax, e5m2 output gradients; `fp8.py`),
+    `blockwise` (DeepSeek-V3's 1x128 / 128x128 tiles, e4m3 both ways; `fp8_blockwise.py`) or
+    `delayed` (per tensor from an amax history in the model state; `fp8_delayed.py`)."""
+    fp8_amax_history: int = 1024
+    """Steps of amax history per tensor with `fp8_scaling=delayed` (its scale fits their max)."""
     scan_unroll: int = 1
     """Blocks per iteration of the layer scan; num_layers unrolls it fully (longer compiles)."""
     remat: Literal[
@@ -346,18 +350,7 @@ class ModelConfig:
                 "model.attention_sinks is part of grouped-query attention (decoders, encoders), "
                 "not of MLA (model.mla) or an encoder-decoder."
             )
-        if self.matmul_dtype not in (None, "float8", self.dtype):
-            _fail(
-                f"model.matmul_dtype must be null (the compute dtype, model.dtype={self.dtype}) "
-                f"or float8, not {self.matmul_dtype!r}."
-            )
-        if self.fp8_scaling != "current" and self.matmul_dtype != "float8":
-            _fail(f"model.fp8_scaling={self.fp8_scaling} needs model.matmul_dtype=float8.")
-        if self.fp8 == "blockwise" and self.moe.enabled and self.moe.dispatch == "dropless":
-            _fail(
-                "model.fp8_scaling=blockwise covers the capacity MoE experts, not dropless ones: "
-                "use model.fp8_scaling=current or model.moe.dispatch=capacity."
-            )
+        validate_fp8(self)
 
     def _validate_kernel(self) -> None:
         if self.attention_kernel == "softmax":

@@ -42,6 +42,11 @@ def validate_pipeline(cfg, stages: int | None) -> None:
             f"mesh.virtual_stages={mesh.virtual_stages} needs mesh.pipeline_schedule=interleaved, "
             f"not {mesh.pipeline_schedule}."
         )
+    if m.fp8 == "delayed" and (stages or mesh.stage) > 1:
+        _fail(
+            "model.fp8_scaling=delayed records its amaxes through the unpipelined step; with "
+            "mesh.stage > 1 use model.fp8_scaling=current or blockwise."
+        )
     if stages is None or stages == 1:
         if stages == 1 and (mesh.pipeline_schedule != "1f1b" or mesh.virtual_stages != 1):
             _fail(

@@ -51,7 +51,7 @@ from jaxllm.data.tokenizer import (
     generation_config,
     load_tokenizer,
 )
-from jaxllm.model import coded, quantized
+from jaxllm.model import coded, fp8_delayed, quantized
 
 SHARD_BYTES = 4 * 2**30  # a new safetensors file past this many bytes
 OUT_FLAG = "HF_DIR"  # how refusals name the output directory
@@ -73,6 +73,10 @@ def library_os_errors(path) -> Iterator[None]:
             raise
         code = int(found[1] or found[2])
         raise OSError(code, os.strerror(code), str(path)) from e
+
+
+def _history(path: str) -> bool:
+    return path.rsplit("/", 1)[-1].endswith(fp8_delayed.SUFFIX)
 
 
 def export_hf(
@@ -104,7 +108,9 @@ def export_hf(
     compressed_coded.check_exportable(cfg.quantize)
     fam = export_family(m, family)
     hf = hf_config(m, fam)
-    flat = {**flatten(params), **flatten(model_state or {})}
+    # delayed fp8's amax histories are training state, not weights: they stay behind
+    state = flatten(model_state or {})
+    flat = {**flatten(params), **{p: a for p, a in state.items() if not _history(p)}}
     shapes = {p: tuple(a.shape) for p, a in flat.items()}
     if m.head == "score" and cfg.train.objective == "prm":
         hf = _token_classifier(hf, fam.name, m.score_bias)

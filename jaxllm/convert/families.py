@@ -41,6 +41,7 @@ NOT_ARCHITECTURE = frozenset(
         "param_dtype",
         "matmul_dtype",
         "fp8_scaling",
+        "fp8_amax_history",
         "scan_unroll",
         "remat",
         "attention_impl",

@@ -8,7 +8,7 @@ from flax import nnx
 from jaxllm.config import ModelConfig, PeftConfig
 from jaxllm.model import lora
 from jaxllm.model.layers import logical_axes
-from jaxllm.model.transformer import build, init_keys, model_class, split_peft
+from jaxllm.model.transformer import build, init_keys, split_peft
 
 
 def _abstract_split(cfg: ModelConfig, peft: PeftConfig | None):
@@ -39,7 +39,7 @@ def abstract_frozen(cfg: ModelConfig, peft: PeftConfig | None = None):
 
 def abstract_model_state(cfg: ModelConfig):
     """(abstract non-Param model variables as a dict of ShapeDtypeStruct, logical axes dict)."""
-    model = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build(cfg, 0))
     _, _, state = nnx.split(model, nnx.Param, ...)
     return nnx.to_pure_dict(state), logical_axes(state)
 

@@ -86,7 +86,8 @@ class SeqAttention(nnx.Module):
         return self._proj("bsd,dgk->bsgk", x_BxSxD, "k"), self._proj("bsd,dgk->bsgk", x_BxSxD, "v")
 
     def out(self, o_BxLxHxK):
-        return matmul("blhk,hkd->bld", o_BxLxHxK, lora.kernel(self, "o_proj"), self.dtype)
+        o_proj = lora.kernel(self, "o_proj")
+        return matmul("blhk,hkd->bld", o_BxLxHxK, o_proj, self.dtype, fp8=self.fp8)
 
     def __call__(self, x_BxLxD, kv_BxSxD, *, q_seg, kv_seg, causal, bias_HxLxS=None):
         q_BxLxHxK = self._proj("bld,dhk->blhk", x_BxLxD, "q")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.model import coded, fake_quant, fp8_blockwise, lora, tap
+from jaxllm.model import coded, fake_quant, fp8_blockwise, fp8_delayed, lora, tap
 from jaxllm.model import fp8 as fp8_ops
 
 WIDENING_DOT = "widening_dot"  # the name of `widening_einsum`'s output, for remat policies
@@ -35,7 +35,8 @@ def matmul(
 ) -> jax.Array:
     """Every weight matmul of the model goes through here: `einsum(spec, x, kernel)` with both
     operands in the compute `dtype`, or with `fp8` (the scaling: `current`, `fp8.py`, or
-    `blockwise`, `fp8_blockwise.py`) in e4m3 with float32 accumulation. The output is in `out_dtype` (default `dtype`). The kernel may
+    `blockwise`, `fp8_blockwise.py`; `delayed` with a `fp8_delayed.DelayedKernel`) in e4m3 with
+    float32 accumulation. The output is in `out_dtype` (default `dtype`). The kernel may
     be an array, an `NF4Tensor`, a `quantized.QuantizedTensor` or a weight-only
     `coded.CodedTensor` (dequantized here, inside the jitted computation, where XLA fuses it
     into the dot), a `coded.CodedTensor` with quantized activations (an int8 or fp8 dot,
@@ -52,6 +53,9 @@ def matmul(
         if kernel.magnitude is not None:
             return _dora(spec, x, kernel, y, dtype, out_dtype, fp8, axis_name)
         return y + _lora_path(spec, x, kernel, dtype).astype(out_dtype)
+    history = None
+    if isinstance(kernel, fp8_delayed.DelayedKernel):  # model.fp8_scaling=delayed
+        kernel, history = kernel.w, kernel.history
     if isinstance(kernel, coded.CodedTensor) and kernel.act != "none":  # W8A8 kinds
         return coded.matmul(spec, x, kernel, dtype, out_dtype, axis_name)
     if isinstance(kernel, fake_quant.FakeQuantKernel):  # QAT of the activations
@@ -59,7 +63,9 @@ def matmul(
     x, kernel = x.astype(dtype), lora.as_array(kernel, dtype)
     if fp8 == "blockwise":
         return fp8_blockwise.einsum(spec, x, kernel, dtype, out_dtype)
-    if fp8:
+    if fp8 and history is not None:
+        return fp8_delayed.einsum(spec, x, kernel, history, dtype, out_dtype)
+    if fp8:  # current scaling (a delayed model's weights without a history too)
         return fp8_ops.einsum(spec, x, kernel, dtype, out_dtype)
     if jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.float32:
         if _transposable(spec):
@@ -152,7 +158,8 @@ def _dora(spec, x, k: lora.LoRAKernel, y, dtype, out_dtype, fp8, axis_name) -> j
     g = k.magnitude.astype(jnp.float32) / jax.lax.stop_gradient(jnp.sqrt(squares))
     xd, yd = _dropped(x, k, dtype), y
     if k.dropout and k.key is not None:  # PEFT's base_result is then x' W
-        yd = matmul(spec, xd, k.base, dtype, out_dtype, fp8=fp8, axis_name=axis_name)
+        base = fp8_delayed.no_record(k.base)  # the amaxes are the first product's
+        yd = matmul(spec, xd, base, dtype, out_dtype, fp8=fp8, axis_name=axis_name)
     up = _lora_path(spec, xd, k._replace(dropout=0.0, key=None), dtype).astype(jnp.float32)
     scaled = jnp.einsum(f"{rest},{g_spec}->{rest}", yd.astype(jnp.float32) + up, g)
     return (y.astype(jnp.float32) - yd.astype(jnp.float32) + scaled).astype(out_dtype)

@@ -64,6 +64,8 @@ class GatedDeltaNet(nnx.Module):
     a prefill, or in a decode step of several tokens (the engine's prefill chunks, from the
     carried state); recurrent form in one-token decode steps."""
 
+    fp8_exempt = ("a_proj", "b_proj")  # float32 gate logits, never fp8 (no amax history)
+
     def __init__(self, cfg, *, out_std: float, rngs: nnx.Rngs):
         la, d = cfg.linear_attention, cfg.d_model
         g, h, kd, vd, w = (

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxllm.config import ConfigError, PeftConfig
 from jaxllm.config.peft import ALL_LINEAR, LORA_TARGETS, VISION, VISION_TARGETS
-from jaxllm.model import coded, fake_quant, nf4, quantized
+from jaxllm.model import coded, fake_quant, fp8_delayed, nf4, quantized
 from jaxllm.model.peft_parts import BESIDE, SAVED, picked_layers
 
 # The trained parts of an adapted weight `name`: `name` + each (the magnitude under DoRA only).
@@ -185,8 +185,9 @@ def targetable(model: nnx.Module) -> set[str]:
 
 def kernel(module: nnx.Module, name: str):
     """The weight `name` of `module` as `layers.matmul` takes it: its value (an array or an
-    `NF4Tensor`), or a `LoRAKernel` when it has an adapter."""
-    base = getattr(module, name).get_value()
+    `NF4Tensor`), or a `LoRAKernel` when it has an adapter; with an fp8 amax history beside
+    it (`model.fp8_scaling=delayed`), a `fp8_delayed.DelayedKernel` (as the adapter's base)."""
+    base = fp8_delayed.wrap(module, name, getattr(module, name).get_value())
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
         return base
@@ -274,6 +275,8 @@ def as_array(w, dtype) -> jax.Array:
         return quantized.dequantize(w, dtype)
     if isinstance(w, coded.CodedTensor):
         return coded.decode(w, dtype)
+    if isinstance(w, fp8_delayed.DelayedKernel):  # the weight; its history is the seam's
+        return as_array(w.w, dtype)
     if isinstance(w, fake_quant.FakeQuantKernel):  # QAT: the weight (its input is the seam's)
         w = w.w
     if not isinstance(w, nf4.NF4Tensor):

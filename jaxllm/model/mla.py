@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.model import lora
+from jaxllm.model import fp8_delayed, lora
 from jaxllm.model.attention import Attention
 from jaxllm.model.layers import make_norm, matmul, param
 from jaxllm.model.linear_attention import GatedDeltaNet
@@ -121,7 +121,8 @@ class MLAttention(Attention):
             latent_BxLx1xA[:, :, 0, : self.rank],
             latent_BxLx1xA[..., self.rank :],
         )
-        kv_BxLxHxNV = matmul("blr,rhk->blhk", c_BxLxR, w_BxRxHxNV, self.dtype, fp8=self.fp8)
+        w_kv = fp8_delayed.wrap(self, "kv_b_proj", w_BxRxHxNV)  # its history, if delayed
+        kv_BxLxHxNV = matmul("blr,rhk->blhk", c_BxLxR, w_kv, self.dtype, fp8=self.fp8)
         h = kv_BxLxHxNV.shape[2]
         k_BxLxHxK = jnp.concatenate(
             [

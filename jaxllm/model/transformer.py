@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxllm.config import ModelConfig, PeftConfig
 from jaxllm.config.linear_attention import layer_kinds
-from jaxllm.model import bottleneck, heads, hybrid, lora
+from jaxllm.model import bottleneck, fp8_delayed, heads, hybrid, lora
 from jaxllm.model import deepstack as deepstack_lib
 from jaxllm.model import moe as moe_lib
 from jaxllm.model.block import Block, HybridGroup, MoEGroup, apply_dropout, stack
@@ -401,18 +401,18 @@ def model_class(cfg: ModelConfig) -> type:
 
 
 def build(cfg: ModelConfig, seed: int | jax.Array = 0, peft: PeftConfig | None = None):
-    """A model with freshly initialised parameters (on the default device), with the adapters
-    or soft prompt of `peft` attached."""
+    """A freshly initialised model (on the default device), with `peft`'s parts attached."""
     key = jax.random.key(seed) if isinstance(seed, int) else seed
     model = model_class(cfg)(cfg, rngs=nnx.Rngs(params=key))
+    if cfg.fp8 == "delayed":  # amax histories beside the projections, in the model state
+        fp8_delayed.attach(model, cfg.fp8_amax_history)
     attach_peft(model, peft, key)
     return model
 
 
 def init_keys(seed: int) -> tuple[jax.Array, jax.Array]:
     """(the parameters' init key, the train state's rng key) of a run's seed."""
-    init_key, state_key = jax.random.split(jax.random.key(seed))
-    return init_key, state_key
+    return tuple(jax.random.split(jax.random.key(seed)))
 
 
 def split_peft(model: Transformer, peft: PeftConfig | None):

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from jaxllm import parallel, sharding
-from jaxllm.model import merge_model
+from jaxllm.model import fp8_delayed, merge_model
 from jaxllm.objectives import Objective
 from jaxllm.optim.freeze import stop_frozen
 from jaxllm.parallel.grad_compression import Compression
@@ -78,34 +78,38 @@ def _microbatches(batch: dict, n: int) -> dict:
 
 
 def _accumulated(grad_fn, params, micro: dict, step_key, grad_shardings=None):
-    """(gradient sums, objective sums) over the microbatches `micro` ([n, ...] leaves), scanned
-    inside the step; microbatch i draws its randomness from fold_in(step_key, i)."""
+    """(gradient sums, objective sums, largest fp8 amaxes) over the microbatches `micro` ([n,
+    ...] leaves), scanned inside the step; microbatch i draws its randomness from
+    fold_in(step_key, i). `grad_fn` gives (gradients, objective output, amaxes)
+    (`fp8_delayed`: {} without delayed fp8 scaling)."""
 
     def accumulate(carry, xs):
-        grads, sums = carry
+        grads, sums, amax = carry
         i, mb = xs
         mb = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES), mb)
-        g, out = grad_fn(params, mb, jax.random.fold_in(step_key, i))
+        g, out, a = grad_fn(params, mb, jax.random.fold_in(step_key, i))
         grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g)
         sums = jax.tree.map(jnp.add, sums, out)
-        return (grads, sums), None
+        return (grads, sums, jax.tree.map(jnp.maximum, amax, a)), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     if grad_shardings is not None:  # like their parameters, or split further (ZeRO-2)
         zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
     # The accumulator's shapes, from a forward trace of the first microbatch.
     first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(grad_fn, params, first, step_key)[1]
+    _, shapes, amax_shapes = jax.eval_shape(grad_fn, params, first, step_key)
     sum_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    amax_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), amax_shapes)
     n = jax.tree.leaves(micro)[0].shape[0]
-    (grads, sums), _ = jax.lax.scan(accumulate, (zeros, sum_zeros), (jnp.arange(n), micro))
-    return grads, sums
+    carry = (zeros, sum_zeros, amax_zeros)
+    (grads, sums, amax), _ = jax.lax.scan(accumulate, carry, (jnp.arange(n), micro))
+    return grads, sums, amax
 
 
 def compressed_grads(
     grad_fn, state, batch, step_key, compression, grad_accum_steps, parallel_settings, unscale
 ):
-    """(mean gradient, objective sums, new `grad_comp` state) of `batch` with the gradient
+    """(mean gradient, objective sums, new `grad_comp` state, fp8 amaxes) of `batch` with the gradient
     exchange of `compression` (`jaxllm.parallel.grad_compression`): under a shard_map manual
     over the `data` axis each replica runs the model whole on its rows, divides its gradient
     sum by the global token count (times `unscale`, the loss scale per position, or 1), and
@@ -122,19 +126,19 @@ def compressed_grads(
         with sharding.active(Parallel()):  # the model is whole here: plain per-device code
             micro = _microbatches(batch, grad_accum_steps)
             key = jax.random.fold_in(step_key, replica)  # dropout differs per replica
-            grads, sums = _accumulated(grad_fn, params, micro, key)
-        sums = jax.lax.psum(sums, "data")
+            grads, sums, amax = _accumulated(grad_fn, params, micro, key)
+        sums, amax = jax.lax.psum(sums, "data"), jax.lax.pmax(amax, "data")
         denom = jnp.maximum(sums.tokens, 1.0) * unscale
         share = jax.tree.map(lambda g: g / denom, grads)
         key = jax.random.fold_in(comp_key, replica)
         grads, comp_state = compression.exchange(share, comp_state, key, "data", step)
-        return grads, sums, comp_state
+        return grads, sums, comp_state, amax
 
     return jax.shard_map(
         per_replica,
         mesh=mesh,
         in_specs=(PartitionSpec(), batch_spec, comp_spec, *[PartitionSpec()] * 3),
-        out_specs=(PartitionSpec(), PartitionSpec(), comp_spec),
+        out_specs=(PartitionSpec(), PartitionSpec(), comp_spec, PartitionSpec()),
         check_vma=False,
     )(state.params, batch, state.grad_comp, comp_key, unscale, state.step)
 
@@ -173,14 +177,18 @@ def train_step(
         # many times larger, so the scale that fits float16 would shrink with the batch.
         positions = jax.tree.leaves(batch)[0].size // grad_accum_steps  # leaves are [B, L]
 
-        def loss_fn(p, mb, rng):
+        # model.fp8_scaling=delayed: the amax histories are differentiated too; what comes
+        # back for them is each use's amaxes (`fp8_delayed`), recorded after the update.
+        histories = fp8_delayed.histories(state.model_state)
+
+        def loss_fn(p, h, mb, rng):
             loss, out = objective_value(
                 stop_frozen(p, freeze_mask),
                 mb,
                 rng,
                 graphdef=graphdef,
                 objective=objective,
-                model_state=state.model_state,
+                model_state=fp8_delayed.with_histories(state.model_state, h),
                 frozen=state.frozen,
                 others=state.others,
                 other_graphdefs=other_graphdefs,
@@ -190,7 +198,11 @@ def train_step(
             # float16's underflow; the sums in `out` stay unscaled.
             return (loss if scale is None else loss * (scale / positions)), out
 
-        grad_fn = jax.grad(loss_fn, has_aux=True)
+        def grad_fn(p, mb, rng):
+            (grads, amax), out = jax.grad(loss_fn, (0, 1), has_aux=True)(p, histories, mb, rng)
+            return grads, out, amax
+
+        amax = {}
         micro = _microbatches(batch, grad_accum_steps)
 
         # Dropout masks differ per step and microbatch, and are a function of (seed, step), so
@@ -213,7 +225,7 @@ def train_step(
             if grad_shardings is not None:
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         elif compression is not None:  # each data replica's share, compressed and exchanged
-            grads, sums, grad_comp = compressed_grads(
+            grads, sums, grad_comp, amax = compressed_grads(
                 grad_fn,
                 state,
                 batch,
@@ -224,7 +236,7 @@ def train_step(
                 1.0 if scale is None else scale / positions,
             )
         else:
-            grads, sums = _accumulated(grad_fn, state.params, micro, step_key, grad_shardings)
+            grads, sums, amax = _accumulated(grad_fn, state.params, micro, step_key, grad_shardings)
 
         count = jnp.maximum(sums.tokens, 1.0)
         # Unscaled in float32 (the accumulator's dtype), before clipping and the optimizer;
@@ -274,6 +286,9 @@ def train_step(
             metrics["loss_scale"] = scale
         model = merge_model(graphdef, state.params, state.frozen, state.model_state)
         model_state, model_metrics = model.after_step(state.model_state, sums.model_stats, finite)
+        if histories:
+            recorded = fp8_delayed.recorded(histories, amax, finite)
+            model_state = fp8_delayed.with_histories(model_state, recorded)
         metrics.update(model_metrics)
         new_state = state.replace(
             step=state.step + 1,
