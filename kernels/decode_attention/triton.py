@@ -2,6 +2,19 @@
 HBM, each program looping over the live kv blocks of its split (Triton has no scalar prefetch and
 no state across programs) and loading pages through the block table inside the loop. The block
 math and the contract are in `common.py`.
+
+KIVI int4 / int2 blocks stay memory-bound: no [block, K] tile is dequantized, reshaped or
+interleaved. A block is read as its token groups (`group` rows, one key scale row each):
+- keys: each channel part's key scales and zeros are strided loads ([1, K / n]); the scales
+  are folded into q once per group (q_j * scale_j, then the dot on the raw codes of part j, the
+  low / high nibbles of the packed bytes for int4), and the zeros add one q . zero per row;
+- values: when a value group's gv / n channels of a part fill a dot (>= 16: int4 with
+  group >= 32), each value group's byte columns are loaded on their own, its per-token scale
+  multiplies p ([M, group]) and its zero adds sum_t p * zero; the accumulators are per (part,
+  value group) column chunk (`Config.value_chunks`). Otherwise (int2 at group 32) the value
+  codes are dequantized with lane-repeated scales.
+The groups of a block share one online-softmax step (`common.softmax_step`), so the logits of
+the groups are never concatenated.
 """
 
 from __future__ import annotations
@@ -14,34 +27,116 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxllm.kernels.decode_attention.common import (
     Config,
+    _dot_nn,
+    _dot_nt,
+    _unpack,
+    dequantized_values,
     finalize,
     init_state,
     kernel_limit,
     out_shapes,
     page_of,
+    softmax_step,
     unpack_refs,
     update,
 )
 
 
-def _block(cache_refs, b, g, j, layer, bt_ref, cfg: Config):
-    """Loads kv block j of sequence b, kv head g from the whole cache arrays."""
-    bk, grp = cfg.block_kv, cfg.group
+def _locate(b, g, j, layer, bt_ref, cfg: Config):
+    """(leading indices, first row) of kv block j of sequence b, kv head g."""
     if cfg.page_size is None:
-        seq, row = b, j * bk
+        seq, row = b, j * cfg.block_kv
     else:
         seq, row_block = page_of(b, j, bt_ref, cfg)
-        row = row_block * bk
-    lead = (layer, seq, g) if cfg.has_layer else (seq, g)
+        row = row_block * cfg.block_kv
+    return ((layer, seq, g) if cfg.has_layer else (seq, g)), row
+
+
+def _block(cache_refs, lead, row, cfg: Config):
+    """Float / int8 kv block: every array's rows of the block."""
+    bk = cfg.block_kv
     blk = {}
     for name, ref in cache_refs.items():
-        if cfg.kind == "int8" and name in ("k_scale", "v_scale"):  # [.., T]
+        if name in ("k_scale", "v_scale"):  # int8: [.., T]
             blk[name] = ref[(*lead, pl.ds(row, bk))].astype(jnp.float32).reshape(1, bk)
-        elif name in ("k", "v", "v_scale", "v_zero"):  # one row per token
+        else:
             blk[name] = ref[(*lead, pl.ds(row, bk), slice(None))]
-        else:  # KIVI key scale / zero: one row per `group` tokens
-            blk[name] = ref[(*lead, pl.ds(lax.div(row, grp), bk // grp), slice(None))]
     return blk
+
+
+def _kivi_groups(cache_refs, lead, row, cfg: Config):
+    """KIVI kv block as its token groups: per group a dict of packed key codes [group, K / n],
+    key scales / zeros per part [1, K / n] (strided), and either the value bytes per value
+    group [group, gv / n] with scales / zeros [1, group] per value group (`value_chunks` > 1),
+    or the value bytes [group, K / n] with scales / zeros [group, K / gv]."""
+    grp, n, chunks = cfg.group, cfg.num_parts, cfg.value_chunks
+    width = cfg.head_dim // n
+    cw = width // chunks  # packed value bytes of one value group
+    groups = []
+    for i in range(cfg.block_kv // grp):
+        rows = (*lead, pl.ds(row + i * grp, grp))
+        key_row = (*lead, pl.ds(lax.div(row, grp) + i, 1))
+        sub = {"k": cache_refs["k"][(*rows, slice(None))]}
+        for name in ("k_scale", "k_zero"):
+            ref = cache_refs[name]
+            sub[name] = [ref[(*key_row, pl.ds(j, width, stride=n))] for j in range(n)]
+        if chunks == 1:
+            for name in ("v", "v_scale", "v_zero"):
+                sub[name] = cache_refs[name][(*rows, slice(None))]
+        else:
+            sub["v"] = [cache_refs["v"][(*rows, pl.ds(c * cw, cw))] for c in range(chunks)]
+            for name in ("v_scale", "v_zero"):
+                ref = cache_refs[name]
+                sub[name] = [ref[(*rows, c)].reshape(1, grp) for c in range(chunks)]
+        groups.append(sub)
+    return groups
+
+
+def _kivi_scores(q_parts, sub, cfg: Config):
+    """Raw logits [M, group] of one token group: sum_j (q_j * scale_j) . codes_j + q . zero."""
+    cd = q_parts[0].dtype
+    codes = _unpack(sub["k"], cfg.bits)
+    s = zero = None
+    for q_j, c_j, scale_j, zero_j in zip(q_parts, codes, sub["k_scale"], sub["k_zero"]):
+        q_f32 = q_j.astype(jnp.float32)
+        s_j = _dot_nt((q_f32 * scale_j.astype(jnp.float32)).astype(cd), c_j.astype(cd))
+        z_j = jnp.sum(q_f32 * zero_j.astype(jnp.float32), axis=1, keepdims=True)
+        s, zero = (s_j, z_j) if s is None else (s + s_j, zero + z_j)
+    return s + zero
+
+
+def _kivi_values(p, sub, start, limit, cfg: Config, cd):
+    """p @ v of one token group, one float32 array per (part, value chunk). Rows at or past
+    `limit` get scale and zero 0 (p is 0 there, but 0 * NaN garbage would not be)."""
+    grp = cfg.group
+    if cfg.value_chunks == 1:
+        live_Nx1 = start + lax.broadcasted_iota(jnp.int32, (grp, 1), 0) < limit
+        return dequantized_values(p, sub["v"], sub["v_scale"], sub["v_zero"], live_Nx1, cfg, cd)
+    live_1xN = start + lax.broadcasted_iota(jnp.int32, (1, grp), 1) < limit
+    chunks = cfg.value_chunks
+    out = [None] * (cfg.num_parts * chunks)
+    for c in range(chunks):
+        scale = jnp.where(live_1xN, sub["v_scale"][c].astype(jnp.float32), 0.0)
+        zero = jnp.where(live_1xN, sub["v_zero"][c].astype(jnp.float32), 0.0)
+        p_c = (p * scale).astype(cd)  # v = code * scale + zero per token and value group
+        zero_c = jnp.sum(p * zero, axis=1, keepdims=True)
+        for j, codes in enumerate(_unpack(sub["v"][c], cfg.bits)):
+            out[j * chunks + c] = _dot_nn(p_c, codes.astype(cd)) + zero_c
+    return out
+
+
+def _update_kivi(carry, q_parts, groups, start, length, cfg: Config):
+    """One online-softmax step over a KIVI kv block, group by group."""
+    m_prev, l_prev, accs = carry
+    starts = [start + i * cfg.group for i in range(len(groups))]
+    scores = [_kivi_scores(q_parts, sub, cfg) for sub in groups]
+    m, l, alpha, ps = softmax_step(m_prev, l_prev, scores, starts, length, cfg)
+    limit = kernel_limit(length, cfg)
+    accs = [alpha * acc for acc in accs]
+    for p, sub, first in zip(ps, groups, starts):
+        pvs = _kivi_values(p, sub, first, limit, cfg, q_parts[0].dtype)
+        accs = [acc + pv for acc, pv in zip(accs, pvs)]
+    return m, l, accs
 
 
 def _kernel(lengths_ref, bt_ref, layer_ref, *refs, cfg: Config):
@@ -56,11 +151,15 @@ def _kernel(lengths_ref, bt_ref, layer_ref, *refs, cfg: Config):
     q_parts = [q_ref[...] for q_ref in q_refs]
 
     def body(j, carry):
-        blk = _block(cache_refs, b, g, j, layer, bt_ref, cfg)
-        return update(carry, q_parts, blk, j * cfg.block_kv, length, cfg)
+        lead, row = _locate(b, g, j, layer, bt_ref, cfg)
+        start = j * cfg.block_kv
+        if cfg.kivi:
+            groups = _kivi_groups(cache_refs, lead, row, cfg)
+            return _update_kivi(carry, q_parts, groups, start, length, cfg)
+        return update(carry, q_parts, _block(cache_refs, lead, row, cfg), start, length, cfg)
 
     m, l, accs = lax.fori_loop(first, stop, body, init_state(cfg))
-    finalize(m, l, accs, out_refs, lse_ref)
+    finalize(m, l, accs, out_refs, lse_ref, cfg.value_chunks)
 
 
 def forward(q_parts, arrays, lengths, block_table, layer, cfg: Config):
@@ -73,8 +172,8 @@ def forward(q_parts, arrays, lengths, block_table, layer, cfg: Config):
     return pl.pallas_call(
         functools.partial(_kernel, cfg=cfg),
         grid=(b, g, cfg.num_splits),
-        in_specs=[whole, whole, whole, row_spec] + [whole] * len(arrays),
-        out_specs=[out_spec, lse_spec],
+        in_specs=[whole, whole, whole] + [row_spec] * len(q_parts) + [whole] * len(arrays),
+        out_specs=[out_spec] * len(q_parts) + [lse_spec],
         out_shape=out_shapes(b, g, m, cfg),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=cfg.interpret,
