@@ -231,13 +231,13 @@ def _values(p, blk, start, limit, cfg: Config, cd):
         live_1xB = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1) < limit
         p_scaled = p * jnp.where(live_1xB, blk["v_scale"], 0.0)  # v = code * scale per token
         return [_dot_nn(p_scaled.astype(cd), blk["v"].astype(jnp.float32).astype(cd))]
-    return dequantized_values(p, blk["v"], blk["v_scale"], blk["v_zero"], live_Bx1, cfg, cd)
+    codes = _unpack(blk["v"], cfg.bits)
+    return dequantized_values(p, codes, blk["v_scale"], blk["v_zero"], live_Bx1, cfg, cd)
 
 
-def dequantized_values(p, v, v_scale, v_zero, live_Nx1, cfg: Config, cd):
-    """KIVI p @ v per channel part, the codes dequantized with lane-repeated value scales:
-    channels n * i + j (j < n) share value group i // (gv / n)."""
-    codes = _unpack(v, cfg.bits)
+def dequantized_values(p, codes, v_scale, v_zero, live_Nx1, cfg: Config, cd):
+    """KIVI p @ v per channel part (codes: the n float32 parts [N, K / n]), dequantized with
+    lane-repeated value scales: channels n * i + j (j < n) share value group i // (gv / n)."""
     scale, zero = v_scale.astype(jnp.float32), v_zero.astype(jnp.float32)
     rep = cfg.value_group // cfg.num_parts
     scale, zero = _repeat_lanes(scale, rep, cfg), _repeat_lanes(zero, rep, cfg)

@@ -29,7 +29,6 @@ from jaxllm.kernels.decode_attention.common import (
     Config,
     _dot_nn,
     _dot_nt,
-    _unpack,
     dequantized_values,
     finalize,
     init_state,
@@ -92,15 +91,50 @@ def _kivi_groups(cache_refs, lead, row, cfg: Config):
     return groups
 
 
+# 128 + code as float bits: the code goes into the low mantissa bits of 128.0 (exact for codes
+# below 128), so unpacking takes integer and / shift / or and a bitcast, no int-to-float
+# conversion. In 16-bit dtypes the offset leaves each dot as one row-sum correction (float32
+# accumulation keeps it well below the operands' rounding); float32 codes subtract it (exact),
+# as the correction would cost float32 dots a few bits. (integer type, bits of 128.0, shift of
+# the code into the mantissa) per compute dtype.
+OFFSET = 128.0
+_OFFSET_BITS = {
+    jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 0),
+    jnp.dtype(jnp.float16): (jnp.uint16, 0x5800, 3),
+    jnp.dtype(jnp.float32): (jnp.uint32, 0x43000000, 16),
+}
+
+
+def _offset_codes(packed, bits: int, cd):
+    """uint8 [r, C] -> (the 8 / bits parts [r, C] of offset + code in `cd`, offset): part j
+    holds code j of each byte (channels j, n + j, ... of the bytes' channels); offset is
+    OFFSET in 16-bit dtypes, 0 in float32."""
+    utype, magic, shift = _OFFSET_BITS[jnp.dtype(cd)]
+    x, mask = packed.astype(utype), (1 << bits) - 1
+    parts = [((x >> (bits * j)) & mask) << shift | magic for j in range(8 // bits)]
+    parts = [lax.bitcast_convert_type(part, cd) for part in parts]
+    if jnp.dtype(cd) == jnp.float32:
+        return [part - OFFSET for part in parts], 0.0
+    return parts, OFFSET
+
+
+def _row_sum(x, cd):
+    """sum over axis 1 of x as the dot sees it (rounded to `cd`), float32 [rows, 1]."""
+    return jnp.sum(x.astype(cd).astype(jnp.float32), axis=1, keepdims=True)
+
+
 def _kivi_scores(q_parts, sub, cfg: Config):
-    """Raw logits [M, group] of one token group: sum_j (q_j * scale_j) . codes_j + q . zero."""
+    """Raw logits [M, group] of one token group: sum_j (q_j * scale_j) . codes_j + q . zero,
+    the dot taken on offset + codes and offset * sum(q_j * scale_j) taken back out."""
     cd = q_parts[0].dtype
-    codes = _unpack(sub["k"], cfg.bits)
+    codes, offset = _offset_codes(sub["k"], cfg.bits, cd)
     s = zero = None
     for q_j, c_j, scale_j, zero_j in zip(q_parts, codes, sub["k_scale"], sub["k_zero"]):
         q_f32 = q_j.astype(jnp.float32)
-        s_j = _dot_nt((q_f32 * scale_j.astype(jnp.float32)).astype(cd), c_j.astype(cd))
+        qs_j = (q_f32 * scale_j.astype(jnp.float32)).astype(cd)
         z_j = jnp.sum(q_f32 * zero_j.astype(jnp.float32), axis=1, keepdims=True)
+        z_j = z_j - offset * _row_sum(qs_j, cd) if offset else z_j
+        s_j = _dot_nt(qs_j, c_j)
         s, zero = (s_j, z_j) if s is None else (s + s_j, zero + z_j)
     return s + zero
 
@@ -111,7 +145,9 @@ def _kivi_values(p, sub, start, limit, cfg: Config, cd):
     grp = cfg.group
     if cfg.value_chunks == 1:
         live_Nx1 = start + lax.broadcasted_iota(jnp.int32, (grp, 1), 0) < limit
-        return dequantized_values(p, sub["v"], sub["v_scale"], sub["v_zero"], live_Nx1, cfg, cd)
+        codes, offset = _offset_codes(sub["v"], cfg.bits, cd)
+        codes = [c.astype(jnp.float32) - offset for c in codes]
+        return dequantized_values(p, codes, sub["v_scale"], sub["v_zero"], live_Nx1, cfg, cd)
     live_1xN = start + lax.broadcasted_iota(jnp.int32, (1, grp), 1) < limit
     chunks = cfg.value_chunks
     out = [None] * (cfg.num_parts * chunks)
@@ -120,8 +156,10 @@ def _kivi_values(p, sub, start, limit, cfg: Config, cd):
         zero = jnp.where(live_1xN, sub["v_zero"][c].astype(jnp.float32), 0.0)
         p_c = (p * scale).astype(cd)  # v = code * scale + zero per token and value group
         zero_c = jnp.sum(p * zero, axis=1, keepdims=True)
-        for j, codes in enumerate(_unpack(sub["v"][c], cfg.bits)):
-            out[j * chunks + c] = _dot_nn(p_c, codes.astype(cd)) + zero_c
+        parts, offset = _offset_codes(sub["v"][c], cfg.bits, cd)
+        zero_c = zero_c - offset * _row_sum(p_c, cd) if offset else zero_c
+        for j, part in enumerate(parts):
+            out[j * chunks + c] = _dot_nn(p_c, part) + zero_c
     return out
 
 
