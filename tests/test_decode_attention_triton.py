@@ -55,8 +55,9 @@ def _kernel_eqns(jaxpr):
 
 def test_int4_kernel_scales_no_token_channel_tile():
     """The int4 kernel keeps every value 2-D (no lane interleave, no [rows, C, r] scale
-    expansion), and every float multiply is on query rows ([M, *], M = 16 padded rows) or a
-    scalar / row vector: no [tokens, channels] tile is dequantized."""
+    expansion), every float multiply is on query rows ([M, *], M = 16 padded rows) or a
+    scalar / row vector (no [tokens, channels] tile is dequantized), and no integer becomes a
+    float by conversion (codes are bitcast as 128 + code)."""
     cache = _cache("int4", 2, D, 1, jnp.bfloat16)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
     q = jnp.zeros((len(LENGTHS), 1, 4, D), jnp.bfloat16)
@@ -72,6 +73,8 @@ def test_int4_kernel_scales_no_token_channel_tile():
             floats = jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.floating)
             if e.primitive.name == "mul" and floats and len(shape) == 2:
                 assert shape[0] in (1, 16), e
+            if e.primitive.name == "convert_element_type" and floats:  # codes: bitcast only
+                assert not jnp.issubdtype(e.invars[0].aval.dtype, jnp.integer), e
 
 
 def test_triton_refuses_kivi_shapes_its_dots_cannot_take():
