@@ -45,6 +45,20 @@ def test_folded_kivi_matches_reference(kind, dtype, paged):
     np.testing.assert_allclose(f32(out), f32(ref), atol=TOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("q_scale", [1.0, 1e5])  # 1e5: beyond float16's range before scaling
+def test_int8_float16_codes_match_reference(q_scale):
+    """bfloat16 queries: the int8 kernel's dots take float16 operands (codes by bits, q and
+    p * value scale row-normalized by powers of 2), so queries past float16's range work."""
+    cache = _cache("int8", 2, D, 5, jnp.bfloat16)
+    lengths = jnp.asarray(LENGTHS, jnp.int32)
+    q = jax.random.normal(jax.random.key(4), (len(LENGTHS), 2, 4, D), jnp.float32) * q_scale
+    q = q.astype(jnp.bfloat16)
+    out = _run(q, cache, lengths, soft_cap=None)
+    ref = _reference(q.astype(jnp.float32), cache, lengths)
+    assert np.all(np.isfinite(f32(out)))
+    np.testing.assert_allclose(f32(out), f32(ref), atol=TOL[jnp.bfloat16], rtol=0)
+
+
 def _kernel_eqns(jaxpr):
     """Every equation of a pallas_call kernel jaxpr, nested loops included."""
     for eqn in jaxpr.eqns:
@@ -53,12 +67,13 @@ def _kernel_eqns(jaxpr):
             yield from _kernel_eqns(sub)
 
 
-def test_int4_kernel_scales_no_token_channel_tile():
-    """The int4 kernel keeps every value 2-D (no lane interleave, no [rows, C, r] scale
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_kernel_scales_no_token_channel_tile(kind):
+    """The int4 / int8 kernel keeps every value 2-D (no lane interleave, no [rows, C, r] scale
     expansion), every float multiply is on query rows ([M, *], M = 16 padded rows) or a
     scalar / row vector (no [tokens, channels] tile is dequantized), and no integer becomes a
-    float by conversion (codes are bitcast as 128 + code)."""
-    cache = _cache("int4", 2, D, 1, jnp.bfloat16)
+    float by conversion (codes are bitcast)."""
+    cache = _cache(kind, 2, D, 1, jnp.bfloat16)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
     q = jnp.zeros((len(LENGTHS), 1, 4, D), jnp.bfloat16)
     outer = jax.make_jaxpr(lambda q, c, n: _run(q, c, n))(q, cache, lengths)

@@ -25,8 +25,9 @@ placeholder when contiguous) and layer int32 [1], and returns cfg.num_parts floa
 
 Quantized blocks are read as codes and scaled outside the [block, K] tiles where the layout
 allows it:
-- int8: codes go to the MXU / tensor cores in the compute dtype (exact: |code| <= 127); the
-  per-token key scale scales the logits, the per-token value scale scales p before p @ v.
+- int8: codes go to the MXU in the compute dtype (exact: |code| <= 127); the per-token key
+  scale scales the logits, the per-token value scale scales p before p @ v. Triton takes the
+  same math with float16 operands built from the codes' bits (`triton.py`).
 - int4 / int2 (KIVI): the n = 2 / 4 codes of a byte are unpacked with shifts and masks; code j
   of byte i is channel n * i + j. The channels stay split in n parts: part j (channels j,
   n + j, 2n + j, ...) is a separate [*, K / n] operand, q arrives split the same way, and the

@@ -14,7 +14,10 @@ interleaved. A block is read as its token groups (`group` rows, one key scale ro
   value group) column chunk (`Config.value_chunks`). Otherwise (int2 at group 32) the value
   codes are dequantized with lane-repeated scales.
 The groups of a block share one online-softmax step (`common.softmax_step`), so the logits of
-the groups are never concatenated.
+the groups are never concatenated. No code becomes a float by an int-to-float conversion: KIVI
+codes are bitcast as 128 + code (`_offset_codes`), int8 codes as 1024 + 128 + code in float16
+(2^23 + 128 + code in float32) less the constant (`_int8_codes`); int8's per-token scales stay
+on the logits and on p, as in `common.py`.
 """
 
 from __future__ import annotations
@@ -177,6 +180,50 @@ def _update_kivi(carry, q_parts, groups, start, length, cfg: Config):
     return m, l, accs
 
 
+# int8 codes as floats by bits: u = code + 128 (code ^ 0x80) goes into the low mantissa of
+# 1024 (float16) or 2^23 (float32), and subtracting 1024 + 128 / 2^23 + 128 leaves the code
+# exactly. bfloat16's 8-bit significand cannot hold 1024 + u, so 16-bit compute dtypes take
+# float16 operands, each row scaled by a power of 2 into [1, 2) first (exact; no overflow
+# whatever q's or p's range). (integer type, bits of the base, base + 128, operand dtype)
+_INT8_BITS = {
+    16: (jnp.uint16, 0x6400, 1152.0, jnp.float16),
+    32: (jnp.uint32, 0x4B000000, 8388736.0, jnp.float32),
+}
+
+
+def _int8_codes(codes, cd):
+    """int8 codes [r, K] -> the same values in the dot's operand dtype, without conversion."""
+    utype, magic, base, dt = _INT8_BITS[jnp.dtype(cd).itemsize * 8]
+    u = lax.bitcast_convert_type(codes, jnp.uint8).astype(utype) ^ 0x80 | magic
+    return lax.bitcast_convert_type(u, dt) - jnp.asarray(base, dt)
+
+
+def _row_normalized(x, cd):
+    """(x / 2^e, 2^e) per row, 2^e <= max |x| of the row < 2^(e + 1) (1 for an all-zero row), the
+    first in the dot's operand dtype; float32 x passes through unscaled."""
+    if jnp.dtype(cd) == jnp.float32:
+        return x, None
+    top = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    bits = lax.bitcast_convert_type(top, jnp.uint32) & 0x7F800000
+    pow2 = jnp.where(top > 0, lax.bitcast_convert_type(bits, jnp.float32), 1.0)
+    return (x * (1.0 / pow2)).astype(jnp.float16), pow2
+
+
+def _update_int8(carry, q, blk, start, length, cfg: Config, cd):
+    """One online-softmax step over an int8 block: q (row-normalized, `_row_normalized`) . codes
+    times the per-token key scale, then (p * value scale, row-normalized) @ codes."""
+    m_prev, l_prev, (acc,) = carry
+    q_n, q_pow = q
+    s = _dot_nt(q_n, _int8_codes(blk["k"], cd)) * blk["k_scale"]  # [1, bk] f32
+    s = s if q_pow is None else s * q_pow
+    m, l, alpha, (p,) = softmax_step(m_prev, l_prev, [s], [start], length, cfg)
+    live_1xB = start + lax.broadcasted_iota(jnp.int32, (1, cfg.block_kv), 1)
+    live_1xB = live_1xB < kernel_limit(length, cfg)
+    p_n, p_pow = _row_normalized(p * jnp.where(live_1xB, blk["v_scale"], 0.0), cd)
+    pv = _dot_nn(p_n, _int8_codes(blk["v"], cd))
+    return m, l, [alpha * acc + (pv if p_pow is None else pv * p_pow)]
+
+
 def _kernel(lengths_ref, bt_ref, layer_ref, *refs, cfg: Config):
     q_refs, cache_refs, out_refs, lse_ref, _ = unpack_refs(refs, cfg)
     b, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -187,6 +234,9 @@ def _kernel(lengths_ref, bt_ref, layer_ref, *refs, cfg: Config):
         first + cfg.blocks_per_split, pl.cdiv(kernel_limit(length, cfg), cfg.block_kv)
     )
     q_parts = [q_ref[...] for q_ref in q_refs]
+    cd = q_parts[0].dtype
+    if cfg.kind == "int8":  # once per program
+        q_int8 = _row_normalized(q_parts[0].astype(jnp.float32), cd)
 
     def body(j, carry):
         lead, row = _locate(b, g, j, layer, bt_ref, cfg)
@@ -194,7 +244,10 @@ def _kernel(lengths_ref, bt_ref, layer_ref, *refs, cfg: Config):
         if cfg.kivi:
             groups = _kivi_groups(cache_refs, lead, row, cfg)
             return _update_kivi(carry, q_parts, groups, start, length, cfg)
-        return update(carry, q_parts, _block(cache_refs, lead, row, cfg), start, length, cfg)
+        blk = _block(cache_refs, lead, row, cfg)
+        if cfg.kind == "int8":
+            return _update_int8(carry, q_int8, blk, start, length, cfg, cd)
+        return update(carry, q_parts, blk, start, length, cfg)
 
     m, l, accs = lax.fori_loop(first, stop, body, init_state(cfg))
     finalize(m, l, accs, out_refs, lse_ref, cfg.value_chunks)
