@@ -3,8 +3,10 @@ HBM, each program looping over the live kv blocks of its split (Triton has no sc
 no state across programs) and loading pages through the block table inside the loop. The block
 math and the contract are in `common.py`.
 
-KIVI int4 / int2 blocks stay memory-bound: no [block, K] tile is dequantized, reshaped or
-interleaved. A block is read as its token groups (`group` rows, one key scale row each):
+Quantized blocks are read so that the arithmetic per cached byte stays small (the kernel should
+stay memory-bound; docs/benchmarks.md says what was measured): for KIVI int4 / int2 no
+[block, K] tile is dequantized, reshaped or interleaved. A KIVI block is read as its token
+groups (`group` rows, one key scale row each):
 - keys: each channel part's key scales and zeros are strided loads ([1, K / n]); the scales
   are folded into q once per group (q_j * scale_j, then the dot on the raw codes of part j, the
   low / high nibbles of the packed bytes for int4), and the zeros add one q . zero per row;
