@@ -84,7 +84,9 @@ def random_cache(key, kind, *, batch, kv_heads, context, head_dim, group, page_s
 
 
 def bytes_per_step(kind, *, batch, kv_heads, context, head_dim, group) -> int:
-    """Cache bytes one step reads: every live token's codes and scales (+ KIVI residual)."""
+    """Cache bytes one step reads: every live token's codes and scales at their stored dtypes
+    (int8 / int4 codes at 1 / 0.5 byte a channel, bf16 scales and zeros) + the KIVI residual;
+    with every sequence at `context` tokens, the bytes of the cache arrays themselves."""
     total = batch * context * cache_bytes_per_token(kind, kv_heads, head_dim, group)
     if kind in ("int4", "int2"):
         total += batch * kv_heads * group * head_dim * 2 * 2  # bf16 k_res and v_res
@@ -110,7 +112,7 @@ def time_step(fn, args, *, warmup: int, iters: int, reps: int = 5) -> float:
 def default_backend(interpret: bool) -> str:
     platform = jax.default_backend()
     if platform == "gpu":
-        return None  # the op's own choice: Mosaic GPU on Hopper, Triton on other CUDA GPUs
+        return None  # the op's own choice: the Triton kernel on CUDA GPUs
     if platform == "tpu" or interpret:
         return "mosaic_tpu"
     return "xla"

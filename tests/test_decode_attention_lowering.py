@@ -112,14 +112,32 @@ def test_lowers(platform, backend, target, kind, page):
     assert text.count(target) == 1
 
 
-def test_bench_decode_script_runs_interpreted():
+def _bench():
     path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
     spec = importlib.util.spec_from_file_location("bench_decode", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_decode_script_runs_interpreted():
+    bench = _bench()
     rows = bench.main(
         "--kinds bfloat16,int4 --contexts 64 --batch 2 --heads 4 --kv-heads 2 --head-dim 64 "
         "--page-size 32 --block-kv 32 --interpret --warmup 1 --iters 1".split()
     )
     assert [r["kind"] for r in rows] == ["bfloat16", "int4"]
     assert rows[1]["bytes"] < rows[0]["bytes"] and rows[1]["speedup"] > 0
+    assert all(r["gb_per_s"] == pytest.approx(r["bytes"] / r["ms"] / 1e6) for r in rows)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4", "int2"])
+def test_bench_decode_counts_the_bytes_the_cache_holds(kind):
+    """GB/s per kind divides the bytes of the arrays a full cache holds (codes, scales and
+    zeros at their stored dtypes, the KIVI residual), not a nominal size."""
+    bench, sizes = _bench(), dict(batch=2, kv_heads=2, context=128, head_dim=64, group=32)
+    cache = jax.eval_shape(
+        lambda: bench.random_cache(jax.random.key(0), kind, page_size=0, **sizes)
+    )
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert bench.bytes_per_step(kind, **sizes) == held

@@ -103,6 +103,7 @@ DECODE_CASES = [
     ("mgpu-int4-mqa", "int4", "mosaic_gpu", 1, 4, 1, None, False, jnp.bfloat16, 128),
     ("triton-bf16", "bfloat16", "triton", 2, 4, 1, None, False, jnp.bfloat16, 64),
     ("triton-int8-paged", "int8", "triton", 2, 2, 1, None, True, jnp.float32, 64),
+    ("triton-int8-bf16-layer", "int8", "triton", 2, 4, 2, 2, False, jnp.bfloat16, 128),
     ("triton-int4-layer", "int4", "triton", 2, 2, 1, 2, False, jnp.bfloat16, 128),
     ("triton-int2-paged-layer", "int2", "triton", 2, 2, 2, 2, True, jnp.bfloat16, 128),
 ]

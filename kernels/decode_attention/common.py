@@ -23,16 +23,22 @@ ARRAY_NAMES[kind], lengths int32 [B], block_table int32 [B * pages_per_seq] (fla
 placeholder when contiguous) and layer int32 [1], and returns cfg.num_parts float32 outputs
 [B, G, S, M, K / num_parts] (normalized per split) followed by lse [B, G, S, M, 1].
 
-Quantized blocks are dequantized in VMEM/registers:
-- int8: codes go to the MXU in the compute dtype (exact: |code| <= 127); the key scale scales the
-  logits, the value scale scales p before p @ v.
+Quantized blocks are read as codes and scaled outside the [block, K] tiles where the layout
+allows it:
+- int8: codes go to the MXU in the compute dtype (exact: |code| <= 127); the per-token key
+  scale scales the logits, the per-token value scale scales p before p @ v. Triton takes the
+  same math with float16 operands built from the codes' bits (`triton.py`).
 - int4 / int2 (KIVI): the n = 2 / 4 codes of a byte are unpacked with shifts and masks; code j
-  of byte i is channel n * i + j. Mosaic cannot interleave lanes, so the TPU path keeps channels
-  split in n parts: part j (channels j, n + j, 2n + j, ...) is a separate [*, K / n] operand,
-  q arrives split the same way, and the output leaves split (ops.py re-interleaves them). The
-  per-channel key scales are split with 0/1 selection matmuls and the per-group value scales
-  widened with a 0/1 expansion matmul (both exact: each output is one bf16 input). Triton joins
-  the parts back into channel order, two at a time.
+  of byte i is channel n * i + j. The channels stay split in n parts: part j (channels j,
+  n + j, 2n + j, ...) is a separate [*, K / n] operand, q arrives split the same way, and the
+  output leaves split (ops.py re-interleaves them), so no kernel moves lanes across a tile.
+  Mosaic TPU splits the per-channel key scales with 0/1 selection matmuls and widens the
+  per-group value scales with a 0/1 expansion matmul (both exact: each output is one bf16
+  input) and dequantizes the tiles. Triton (`triton.py`) dequantizes no key tile: it loads
+  each part's key scales with strided loads, folds them into q once per token group
+  (q_j * scale_j, then the dot on the raw codes) and adds the zero points as one q . zero
+  term per row; the per-token value scale multiplies p per value group, and the value zero
+  adds sum_t p * zero.
 
 Rows past a sequence's end (stale cache contents, the padded edge block) are masked in the
 logits and zeroed in the values, so even NaN garbage never reaches the output.
@@ -45,6 +51,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jaxllm.kernels.decode_attention.quant import KIVI_BITS, codes_per_byte
 from jaxllm.kernels.reference import MASK_VALUE
 
@@ -94,8 +101,9 @@ class Config:
 
     @property
     def split_channels(self) -> bool:
-        """KIVI on Mosaic TPU: channels as `codes_per_byte` strided parts, not interleaved."""
-        return self.kivi and self.backend == "mosaic_tpu"
+        """KIVI on Mosaic TPU and Triton: channels as `codes_per_byte` strided parts, never
+        interleaved back into channel order inside the kernel."""
+        return self.kivi and self.backend in ("mosaic_tpu", "triton")
 
     @property
     def num_parts(self) -> int:
@@ -104,6 +112,16 @@ class Config:
     @property
     def value_group(self) -> int:
         return min(self.group, self.head_dim)
+
+    @property
+    def value_chunks(self) -> int:
+        """Column chunks of each output part on Triton KIVI: one per value group when a group's
+        gv / n channels of a part are wide enough for a dot (>= 16), so the value scale goes on
+        p per chunk; else 1 (the codes are dequantized with lane-repeated scales)."""
+        if self.backend != "triton" or not self.kivi:
+            return 1
+        gv = self.value_group
+        return self.head_dim // gv if gv // self.num_parts >= 16 else 1
 
 
 def _dot_nt(a, b):  # a @ b.T
@@ -137,16 +155,6 @@ def _unpack(packed, bits: int):
 def _nibbles(packed):
     """uint8 [n, K / 2] -> (even channels, odd channels) as float32 codes 0..15."""
     return tuple(_unpack(packed, 4))
-
-
-def _interleave(parts):
-    """The n parts [r, K / n] of `_unpack` -> [r, K] in channel order, by 2-way joins (Triton
-    joins two tensors at a time): parts 0, 2, .. are the even channels, 1, 3, .. the odd."""
-    if len(parts) == 1:
-        return parts[0]
-    even, odd = _interleave(parts[0::2]), _interleave(parts[1::2])
-    r, h = even.shape
-    return jnp.stack([even, odd], axis=-1).reshape(r, 2 * h)
 
 
 def _deinterleave(x, n: int):
@@ -200,21 +208,15 @@ def _scores(q_parts, blk, cfg: Config):
     if cfg.kind == "int8":
         codes = blk["k"].astype(jnp.float32).astype(cd)
         return _dot_nt(q_parts[0], codes) * blk["k_scale"]  # [1, bk] f32
-    codes = _unpack(blk["k"], cfg.bits)
-    g = cfg.group
-    if cfg.split_channels:
-        n = cfg.num_parts
-        scales, zeros = _deinterleave(blk["k_scale"], n), _deinterleave(blk["k_zero"], n)
-        s = None
-        for q_j, c_j, s_j, z_j in zip(q_parts, codes, scales, zeros):
-            k_j = c_j * _repeat_rows(s_j, g) + _repeat_rows(z_j, g)
-            s_j = _dot_nt(q_j, k_j.astype(cd))
-            s = s_j if s is None else s + s_j
-        return s
-    scale = _repeat_rows(blk["k_scale"].astype(jnp.float32), g)
-    zero = _repeat_rows(blk["k_zero"].astype(jnp.float32), g)
-    k = _interleave(codes) * scale + zero
-    return _dot_nt(q_parts[0], k.astype(cd))
+    codes = _unpack(blk["k"], cfg.bits)  # KIVI on Mosaic TPU (Triton: `triton.py`)
+    g, n = cfg.group, cfg.num_parts
+    scales, zeros = _deinterleave(blk["k_scale"], n), _deinterleave(blk["k_zero"], n)
+    s = None
+    for q_j, c_j, s_j, z_j in zip(q_parts, codes, scales, zeros):
+        k_j = c_j * _repeat_rows(s_j, g) + _repeat_rows(z_j, g)
+        s_j = _dot_nt(q_j, k_j.astype(cd))
+        s = s_j if s is None else s + s_j
+    return s
 
 
 def _values(p, blk, start, limit, cfg: Config, cd):
@@ -231,16 +233,17 @@ def _values(p, blk, start, limit, cfg: Config, cd):
         p_scaled = p * jnp.where(live_1xB, blk["v_scale"], 0.0)  # v = code * scale per token
         return [_dot_nn(p_scaled.astype(cd), blk["v"].astype(jnp.float32).astype(cd))]
     codes = _unpack(blk["v"], cfg.bits)
-    scale, zero = blk["v_scale"].astype(jnp.float32), blk["v_zero"].astype(jnp.float32)
-    gv = cfg.value_group
-    if cfg.split_channels:  # channels n * i + j (j < n) share value group i // (gv / n)
-        n = cfg.num_parts
-        scale, zero = _repeat_lanes(scale, gv // n, cfg), _repeat_lanes(zero, gv // n, cfg)
-        parts = [c_j * scale + zero for c_j in codes]
-        return [_dot_nn(p.astype(cd), jnp.where(live_Bx1, h, 0.0).astype(cd)) for h in parts]
-    scale, zero = _repeat_lanes(scale, gv, cfg), _repeat_lanes(zero, gv, cfg)
-    v = _interleave(codes) * scale + zero
-    return [_dot_nn(p.astype(cd), jnp.where(live_Bx1, v, 0.0).astype(cd))]
+    return dequantized_values(p, codes, blk["v_scale"], blk["v_zero"], live_Bx1, cfg, cd)
+
+
+def dequantized_values(p, codes, v_scale, v_zero, live_Nx1, cfg: Config, cd):
+    """KIVI p @ v per channel part (codes: the n float32 parts [N, K / n]), dequantized with
+    lane-repeated value scales: channels n * i + j (j < n) share value group i // (gv / n)."""
+    scale, zero = v_scale.astype(jnp.float32), v_zero.astype(jnp.float32)
+    rep = cfg.value_group // cfg.num_parts
+    scale, zero = _repeat_lanes(scale, rep, cfg), _repeat_lanes(zero, rep, cfg)
+    parts = [c_j * scale + zero for c_j in codes]
+    return [_dot_nn(p.astype(cd), jnp.where(live_Nx1, h, 0.0).astype(cd)) for h in parts]
 
 
 def _query_index(shape, num_queries: int):
@@ -253,38 +256,60 @@ def _query_index(shape, num_queries: int):
     return m - r * num_queries
 
 
+def softmax_step(m_prev, l_prev, scores, starts, length, cfg: Config):
+    """The online-softmax statistics of one kv block given as sub-blocks: raw logits
+    scores[i] [M, n_i] of the tokens [starts[i], starts[i] + n_i). Returns (m_new, l_new, alpha,
+    p per sub-block); the sub-blocks share one running max, so nothing is concatenated."""
+    limit = kernel_limit(length, cfg)
+    masked = []
+    for s, start in zip(scores, starts):
+        s = s * jnp.float32(cfg.sm_scale)
+        if cfg.soft_cap is not None:
+            s = jnp.float32(cfg.soft_cap) * jnp.tanh(s / jnp.float32(cfg.soft_cap))
+        q_pos = length - cfg.num_queries + _query_index(s.shape, cfg.num_queries)
+        t = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        mask = (t <= q_pos) & (t < limit)  # causal among the Q new tokens; KIVI: codes part only
+        masked.append((jnp.where(mask, s, MASK_VALUE), mask))
+    m_new = m_prev
+    for s, _ in masked:
+        m_new = jnp.maximum(m_new, jnp.max(s, axis=1, keepdims=True))
+    # rows with nothing visible keep m == MASK
+    ps = [jnp.where(mask, jnp.exp(s - m_new), 0.0) for s, mask in masked]
+    alpha = jnp.exp(m_prev - m_new)
+    l_new = alpha * l_prev
+    for p in ps:
+        l_new = l_new + jnp.sum(p, axis=1, keepdims=True)
+    return m_new, l_new, alpha, ps
+
+
 def update(carry, q_parts, blk, start, length, cfg: Config):
     """One online-softmax step over the kv block of tokens [start, start + bk)."""
     m_prev, l_prev, accs = carry
-    limit = kernel_limit(length, cfg)
-    s = _scores(q_parts, blk, cfg) * jnp.float32(cfg.sm_scale)
-    if cfg.soft_cap is not None:
-        s = jnp.float32(cfg.soft_cap) * jnp.tanh(s / jnp.float32(cfg.soft_cap))
-    shape = (cfg.num_rows, cfg.block_kv)
-    q_pos = length - cfg.num_queries + _query_index(shape, cfg.num_queries)
-    t = start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    mask = (t <= q_pos) & (t < limit)  # causal among the Q new tokens; KIVI: codes part only
-    s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # rows with nothing visible keep m == MASK
-    alpha = jnp.exp(m_prev - m_new)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    pvs = _values(p, blk, start, limit, cfg, q_parts[0].dtype)
+    s = _scores(q_parts, blk, cfg)
+    m_new, l_new, alpha, (p,) = softmax_step(m_prev, l_prev, [s], [start], length, cfg)
+    pvs = _values(p, blk, start, kernel_limit(length, cfg), cfg, q_parts[0].dtype)
     return m_new, l_new, [alpha * acc + pv for acc, pv in zip(accs, pvs)]
 
 
-def finalize(m, l, accs, out_refs, lse_ref):
+def finalize(m, l, accs, out_refs, lse_ref, chunks: int = 1):
+    """Writes out = acc / l and lse; with `chunks` > 1 (Triton KIVI, `Config.value_chunks`),
+    accs[j * chunks + c] is column chunk c of output part j."""
     l_safe = jnp.where(l == 0.0, 1.0, l)  # no visible token: out 0, lse MASK_VALUE
-    for out_ref, acc in zip(out_refs, accs):
-        out_ref[...] = acc / l_safe
+    for i, acc in enumerate(accs):
+        if chunks == 1:
+            out_refs[i][...] = acc / l_safe
+        else:
+            width = acc.shape[1]
+            out_refs[i // chunks][:, pl.ds((i % chunks) * width, width)] = acc / l_safe
     lse_ref[...] = m + jnp.log(l_safe)
 
 
 def init_state(cfg: Config):
     m = jnp.full((cfg.num_rows, 1), MASK_VALUE, jnp.float32)
     l = jnp.zeros((cfg.num_rows, 1), jnp.float32)
-    width = cfg.head_dim // cfg.num_parts
-    return m, l, [jnp.zeros((cfg.num_rows, width), jnp.float32) for _ in range(cfg.num_parts)]
+    count = cfg.num_parts * cfg.value_chunks
+    width = cfg.head_dim // count
+    return m, l, [jnp.zeros((cfg.num_rows, width), jnp.float32) for _ in range(count)]
 
 
 def unpack_refs(refs, cfg: Config):

@@ -21,7 +21,8 @@ Backends (`backend=`):
 - `"triton"`: the Pallas Triton kernel for CUDA GPUs (`triton.py`); the default on CUDA GPUs,
   the fastest measured on an H100 (JAX deprecates Pallas-on-Triton, so the Mosaic GPU kernel
   stays beside it). Needs a power-of-2 head dim >= 32 and a power-of-2 block (>= 16) dividing
-  the cache length or page size (`triton_supported`).
+  the cache length or page size, and for int4 / int2 a group >= 16 and K / (codes a byte) >= 16
+  (its dots run on the token groups and the channel parts; `triton_supported`).
 - `"xla"`: `decode_attention_reference` (dequantizes the whole cache); the default for calls the
   Triton kernel does not take on a GPU, and on CPU without `interpret`. On a GPU, falling back to it without being asked warns once per
   process (`JaxllmWarning`).
@@ -50,7 +51,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jaxllm.kernels.decode_attention.common import ARRAY_NAMES, BACKENDS, Config
-from jaxllm.kernels.decode_attention.quant import KIVI_BITS, KVCache, cache_geometry
+from jaxllm.kernels.decode_attention.quant import (
+    KIVI_BITS,
+    KVCache,
+    cache_geometry,
+    codes_per_byte,
+)
 from jaxllm.kernels.decode_attention.reference import (
     attend_partial,
     decode_attention_reference,
@@ -123,6 +129,14 @@ def mosaic_gpu_supported(
     return None
 
 
+def _triton_kivi_dims(kind: str, head_dim: int, group: int) -> str | None:
+    """Why the Triton KIVI block math cannot run (its dots need >= 16 on every side), or None."""
+    n = codes_per_byte(kind)
+    if kind in KIVI_BITS and (group < 16 or head_dim // n < 16):
+        return f"{kind} with group {group} and head dim {head_dim} (needs group >= 16 and K >= {16 * n})"
+    return None
+
+
 def triton_supported(kind: str, head_dim: int, rows: int, group: int, latent: bool = False):
     """Why the Triton kernel cannot run a call (rows = the cache length or page size), or None
     when it can."""
@@ -130,6 +144,8 @@ def triton_supported(kind: str, head_dim: int, rows: int, group: int, latent: bo
         return "a latent (MLA) cache"
     if head_dim < 32 or head_dim & (head_dim - 1):
         return f"head dim {head_dim} (needs a power of 2 >= 32)"
+    if reason := _triton_kivi_dims(kind, head_dim, group):
+        return reason
     bk = default_block_kv(kind, "triton", group, rows, paged=False)
     if bk < 16 or (kind in KIVI_BITS and bk % group):
         return f"a cache length or page size of {rows} (no power-of-2 block >= 16 divides it)"
@@ -387,6 +403,8 @@ def _decode_attention(
     mp = max(16, pl.next_power_of_2(m)) if backend == "triton" else m  # Triton dots: >= 16
     if backend == "triton" and (d & (d - 1) or d < 32):
         raise ValueError(f"Triton needs a power-of-2 head dim >= 32, got {d}")
+    if backend == "triton" and (reason := _triton_kivi_dims(cache.kind, d, cache.group)):
+        raise ValueError(f"triton decode attention does not support {reason}")
     cfg = Config(
         kind=cache.kind,
         group=cache.group,
@@ -409,7 +427,7 @@ def _decode_attention(
 
     q_BxGxMxK = rows_from_queries(q_BxQxHxK, g)
     q_rows = jnp.pad(q_BxGxMxK, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
-    n = cfg.num_parts  # KIVI on TPU: channel j of every n in part j
+    n = cfg.num_parts  # KIVI: channel j of every n in part j
     q_parts = tuple(q_rows[..., j::n] for j in range(n))
     arrays = [getattr(cache, name) for name in ARRAY_NAMES[cache.kind]]
     block_table = cache.block_table.reshape(-1) if paged else jnp.zeros((1,), jnp.int32)
