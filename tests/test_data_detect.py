@@ -4,9 +4,8 @@ refused in one line naming the format, and the objective checked against what wa
 
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from test_data_sft import write
 
 from jaxllm import cli, config
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
@@ -29,14 +28,6 @@ SHAPES = {
         {"chosen": [USER, BOT], "rejected": [USER, {**BOT, "content": "5"}]},
     ),
 }
-
-
-def write(path, records):
-    if path.suffix == ".parquet":
-        pq.write_table(pa.Table.from_pylist(records), path)
-    else:
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
 
 
 def data_cfg(path, **src) -> DataConfig:

@@ -3,12 +3,10 @@ answer-only loss mask, whole pairs packed as segments 2k + 1 / 2k + 2 first-fit,
 drop, the reward model's closing slot, bad records, and the config checks around pairs."""
 
 import dataclasses
-import json
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from test_data_sft import write
 
 from jaxllm import JaxllmWarning, config
 from jaxllm.config import ConfigError, DataConfig, SourceConfig
@@ -18,14 +16,6 @@ from jaxllm.data.pipeline import load_splits
 
 BYTES = tokenizer_lib.ByteTokenizer()
 PAIRS = [(f"Q: {i} + {i} = ", f"{2 * i}", f"{2 * i + 1}!") for i in range(12)]
-
-
-def write(path, records):
-    if path.suffix == ".parquet":
-        pq.write_table(pa.Table.from_pylist(records), path)
-    else:
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
 
 
 def rows_of(path, seq_len=64, whole_inputs=False, **fields) -> list[dict]:
