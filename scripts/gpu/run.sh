@@ -56,7 +56,7 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
       step decode 150 $PY scripts/bench_decode.py --contexts 4096,32768,131072 --batch 1,16 ;;
     int4_matmul)  # the int4 weight-only matmul kernel vs a bf16 weight, Llama-3.2-1B shapes
       step int4_matmul 150 $PY scripts/bench_int4_matmul.py --batch 1,16 ;;
-    fp8)  # one SwiGLU MLP layer's forward + backward at d 2048 and 4096: bf16, fp8 current, blockwise
+    fp8)  # one SwiGLU MLP layer's forward + backward at d 2048 and 4096: bf16 and each fp8 scaling
       step fp8 300 $PY scripts/bench_fp8.py --shapes 2048x8192,4096x14336 --tokens 8192 ;;
     decode_triton)
       step decode_triton 120 $PY scripts/bench_decode.py --contexts 32768 --batch 1,16 \
@@ -88,6 +88,12 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
         configs/models/llama3_2_1b.yaml data.seq_len=4096 train.global_batch_size=${batch:-4} \
         model.remat=$remat model.attention_impl=${impl:-auto} ${EXTRA:-} --steps 5 --warmup 2 \
         --no-compiled-flops ;;
+    torch_peer)  # the PyTorch peer's train step on the same shape (Llama-3.2-1B, seq 4096,
+      # batch 4 and 8, torch.compile): $TORCH_PEER is its script (a shared/ checkout's by default)
+      for batch in 4 8; do
+        step "torch_peer_b$batch" 300 $PY "${TORCH_PEER:-shared/tools/torch_llama_step.py}" \
+          $batch 4096 --compile
+      done ;;
     remat_count)  # model.remat=dots_attention: cuDNN attention forwards in the compiled step
       step remat_count 300 $PY scripts/gpu/remat_attention_count.py ;;
     comm)  # `jaxllm bench comm` on the machine's GPUs (a smoke test on one GPU)
