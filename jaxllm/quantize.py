@@ -25,6 +25,7 @@ import jax
 
 from jaxllm import compress, sharding, storage
 from jaxllm import config as config_lib
+from jaxllm.checkpoint import checkpoint_dir
 from jaxllm.compress.calibrate import quantize_calibrated
 from jaxllm.compress.weights import chosen
 from jaxllm.config import Config, ConfigError, PeftConfig, QuantizeConfig
@@ -104,9 +105,12 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
             "to the bucket."
         )
     src = Path(fetched(src, "SRC"))
+    if not src.exists():
+        raise ConfigError(f"SRC {src} does not exist; give a run or a Hugging Face directory.")
     if _is_hf_source(src):
         _check_hf_float(src)
         check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))  # named as OUT
+        _check_out(out, overwrite, (src,))
         new = new_run(src, out, overrides, overwrite=overwrite)
         cfg = new.cfg.validate()
         _check_method(cfg)
@@ -117,6 +121,7 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         out = check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))
         run_dir, _, _ = resolve(src)
         saved = config_lib.load(run_dir / "config.yaml")
+        _check_out(out, overwrite, (run_dir, checkpoint_dir(run_dir, saved.checkpoint.dir)))
         if saved.quantize.enabled and saved.peft.method == "none":  # not a LoRA run on it
             raise ConfigError(
                 f"{src} is already quantized (quantize.method={saved.quantize.method}, "
@@ -138,6 +143,23 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         q = compress.quantize_params(params, axes, cfg.quantize, mesh)
     new.write(q, model_state)
     return Path(out)
+
+
+def _check_out(out, overwrite: bool, reads) -> None:
+    """ConfigError when OUT lies inside a directory the command reads (the source run, its
+    checkpoints), or when --overwrite would replace a directory that is not a run."""
+    out = Path(out)
+    for source in reads:
+        if out.resolve().is_relative_to(Path(source).resolve()):
+            raise ConfigError(
+                f"OUT {out} lies inside {source}, which this command reads; write the "
+                "quantized run outside it."
+            )
+    if overwrite and out.is_dir() and any(out.iterdir()) and not (out / "config.yaml").is_file():
+        raise ConfigError(
+            f"OUT {out} holds files but is not a run (no config.yaml); --overwrite replaces "
+            "only a run: choose a new directory."
+        )
 
 
 def _check_hf_float(src: Path) -> None:

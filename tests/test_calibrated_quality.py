@@ -36,7 +36,9 @@ def calibration_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def held_out(trained):
     """The run's first 64 held-out rows, and the float model's log-probabilities on them."""
-    cfg = jaxllm.config.load(trained / "config.yaml", ["quantize.samples=64"])
+    cfg = jaxllm.config.load(
+        trained / "config.yaml", ["quantize.method=gptq", "quantize.samples=64"]
+    )
     rows = calibration_rows(cfg)
     return rows, _log_probs(trained, rows)
 

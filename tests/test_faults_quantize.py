@@ -3,7 +3,10 @@ take, a group size that does not divide a weight's input channels, calibration o
 method without calibration, too few calibration tokens, GPTQ's act order with dynamic groups,
 a group size for a fixed-grid kind, exporting a kind the compressed-tensors export does not
 write,
-a source that is already quantized, an existing OUT, and training a quantized run.
+a source that is already quantized, an existing OUT, an OUT that is, holds or lies inside the
+source run, --overwrite onto a directory that is not a run (or, for a GGUF export, onto a file
+that is not GGUF), a source that does not exist or is not a run, training a quantized run, and
+`quantize.*` keys on a training run, where they would do nothing.
 
 Like test_faults.py, every row runs one command on a copy of the shared small run and asserts
 the exit code, exactly one `jaxllm:` line naming the problem, no traceback, an unchanged run
@@ -171,6 +174,116 @@ CASES = [
         2,
         "OUT",
         setup=_existing_out,
+    ),
+    Case(
+        "out-inside-the-source-run",
+        lambda r, t: ["quantize", str(r), str(r / "q4"), "--method", "rtn"],
+        2,
+        "q4 lies inside ",
+    ),
+    Case(
+        "out-inside-the-run-of-a-source-step",
+        lambda r, t: ["quantize", str(r / "checkpoints" / "4"), str(r / "q"), "--method", "rtn"],
+        2,
+        "which this command reads; write the quantized run outside it",
+    ),
+    Case(
+        "out-is-the-source",
+        lambda r, t: ["quantize", str(r), str(r), "--method", "rtn", "--overwrite"],
+        2,
+        "which this command reads; choose another directory to write into",
+    ),
+    Case(
+        "source-inside-out",
+        lambda r, t: ["quantize", str(r / "checkpoints"), str(r), "--method", "rtn", "--overwrite"],
+        2,
+        "which this command reads; choose another directory to write into",
+    ),
+    Case(
+        "overwrite-a-directory-that-is-not-a-run",
+        _quantize("--method", "rtn", "--overwrite"),
+        2,
+        "holds files but is not a run (no config.yaml); --overwrite replaces only a run",
+        setup=_existing_out,
+    ),
+    Case(
+        "source-that-does-not-exist",
+        lambda r, t: ["quantize", str(t / "nowhere"), str(t / "out"), "--method", "rtn"],
+        2,
+        "nowhere does not exist; give a run or a Hugging Face directory",
+    ),
+    Case(
+        "source-that-is-not-a-run",
+        lambda r, t: ["quantize", str(r / "checkpoints" / "4"), str(t / "out"), "--method", "rtn"],
+        2,
+        "is not a run directory, its checkpoints directory, or a checkpoint step in one",
+        setup=lambda r, t: (r / "config.yaml").unlink(),
+    ),
+    Case(
+        "zero-samples",
+        _quantize("--method", "gptq", "--samples", "0"),
+        2,
+        "quantize.samples must be at least 1, not 0",
+    ),
+    Case(
+        "zero-bits",
+        _quantize("--method", "rtn", "--bits", "0"),
+        2,
+        "quantize.bits=0: method rtn takes 8, 4, 3, 2 bits",
+    ),
+    Case(
+        "calibration-file-that-does-not-exist",
+        _quantize("--method", "gptq", "--calibration", "/nowhere/calib.txt"),
+        2,
+        "--calibration /nowhere/calib.txt: path: /nowhere/calib.txt does not exist",
+    ),
+    Case(
+        "gguf-overwrite-of-a-file-that-is-not-gguf",
+        lambda r, t: [
+            "convert",
+            "export",
+            str(r),
+            str(r / "config.yaml"),
+            "--format",
+            "gguf",
+            "--overwrite",
+        ],
+        2,
+        "config.yaml is not a GGUF file; --overwrite replaces only one",
+    ),
+    Case(
+        "gguf-out-a-directory-with-overwrite",
+        lambda r, t: [
+            "convert",
+            "export",
+            str(r),
+            str(t / "out"),
+            "--format",
+            "gguf",
+            "--overwrite",
+        ],
+        2,
+        "out is a directory; --format gguf writes one file",
+        setup=_existing_out,
+    ),
+    Case(
+        "a-quantize-key-on-a-training-run",
+        lambda r, t: ["train", *SMALL_RUN, f"run.dir={t / 'fresh'}", "quantize.bits=4"],
+        2,
+        "quantize.bits=4 does nothing: quantize.method=none, so this run holds no quantized",
+    ),
+    Case(
+        "a-quantize-method-setting-on-a-training-run",
+        lambda r, t: ["train", *SMALL_RUN, f"run.dir={t / 'fresh'}", "quantize.gptq.block_size=64"],
+        2,
+        "quantize.gptq.block_size=64 does nothing: quantize.method=none",
+    ),
+    Case(
+        "a-quantize-method-on-a-new-training-run",
+        lambda r, t: ["train", *SMALL_RUN, f"run.dir={t / 'fresh'}", "quantize.method=rtn"],
+        2,
+        "quantize.method=rtn: a run trains float weights, and quantize.* records what jaxllm "
+        "quantize made of them",
     ),
     Case(
         "train-a-quantized-run",
