@@ -267,6 +267,12 @@ CASES = [
         setup=_existing_out,
     ),
     Case(
+        "gguf-out-in-a-bucket",
+        lambda r, t: ["convert", "export", str(r), "s3://bucket/m.gguf", "--format", "gguf"],
+        2,
+        "OUT s3://bucket/m.gguf: --format gguf writes a local file",
+    ),
+    Case(
         "a-quantize-key-on-a-training-run",
         lambda r, t: ["train", *SMALL_RUN, f"run.dir={t / 'fresh'}", "quantize.bits=4"],
         2,

@@ -50,6 +50,7 @@ import numpy as np
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 from jaxllm.config.quantize import INTEGER_CODES
+from jaxllm.config.urls import looks_like_url
 from jaxllm.convert.export import export_hf
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.model import quantized
@@ -179,6 +180,11 @@ def _group_scales(t: quantized.QuantizedTensor) -> np.ndarray:
 def check_gguf_out(out, overwrite: bool) -> Path:
     """`out` as a Path when it may be written: absent, or with `overwrite` a GGUF file (never
     a directory, nor another file such as a run's config.yaml)."""
+    if looks_like_url(str(out)):
+        raise ConfigError(
+            f"OUT {out}: --format gguf writes a local file; write it there and copy it to the "
+            "bucket."
+        )
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"OUT {out} is a directory; --format gguf writes one file.")
