@@ -2,11 +2,11 @@
 take, a group size that does not divide a weight's input channels, calibration options for a
 method without calibration, too few calibration tokens, GPTQ's act order with dynamic groups,
 a group size for a fixed-grid kind, exporting a kind the compressed-tensors export does not
-write,
-a source that is already quantized, an existing OUT, an OUT that is, holds or lies inside the
-source run, --overwrite onto a directory that is not a run (or, for a GGUF export, onto a file
-that is not GGUF), a source that does not exist or is not a run, training a quantized run, and
-`quantize.*` keys on a training run, where they would do nothing.
+write, a source that is already quantized, does not exist or is not a run, an existing OUT, an
+OUT that is, holds or lies inside the source run (or a checkpoint.dir inside it), run.dir or
+model shapes set as keys, --overwrite onto a directory that is not a run (for a GGUF export,
+onto a file that is not GGUF), training a quantized run, and `quantize.*` keys on a training
+run, where they would do nothing.
 
 Like test_faults.py, every row runs one command on a copy of the shared small run and asserts
 the exit code, exactly one `jaxllm:` line naming the problem, no traceback, an unchanged run
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 from conftest import SMALL_RUN
 from test_faults import Case, assert_one_line, fault_output, tree_hash
@@ -238,6 +239,32 @@ CASES = [
         "--calibration /nowhere/calib.txt: path: /nowhere/calib.txt does not exist",
     ),
     Case(
+        "run-dir-as-a-key",
+        _quantize("--method", "rtn", "run.dir=elsewhere"),
+        2,
+        "run.dir: OUT names the quantized run's directory; leave run.dir unset",
+    ),
+    Case(
+        "a-model-override-that-changes-the-shapes",
+        _quantize("--method", "rtn", "model.num_layers=3"),
+        2,
+        "the model.* overrides change the model's parameters (first: layers/attn/k_proj: "
+        "(2, 64, 2, 16) in SRC, (3, 64, 2, 16) with them)",
+    ),
+    Case(
+        "checkpoint-dir-inside-the-source-run",
+        lambda r, t: [
+            "quantize",
+            str(r),
+            str(t / "out"),
+            "--method",
+            "rtn",
+            f"checkpoint.dir={r / 'q'}",
+        ],
+        2,
+        "checkpoint.dir ",
+    ),
+    Case(
         "gguf-overwrite-of-a-file-that-is-not-gguf",
         lambda r, t: [
             "convert",
@@ -358,3 +385,15 @@ def test_quantize_head_of_a_model_without_its_own_head_is_refused():
     _check_weights(config.load(None, over))  # an untied head is taken
     with pytest.raises(ConfigError, match="quantize.head=true: this model has no LM head"):
         _check_weights(config.load(None, [*over, "model.tie_embeddings=true"]))
+
+
+def test_checkpoint_dir_as_a_key_is_where_the_checkpoint_goes(small_run, tmp_path):
+    """`checkpoint.dir=` puts the quantized run's checkpoint there, as its config.yaml says
+    (it went to OUT/checkpoints, where nothing reads it)."""
+    import jaxllm
+
+    out, ckpts = tmp_path / "q", tmp_path / "ckpts"
+    argv = ["quantize", str(small_run), str(out), "--method", "rtn", f"checkpoint.dir={ckpts}"]
+    assert main(argv) == 0
+    assert (ckpts / "0").is_dir() and not (out / "checkpoints").exists()
+    assert jaxllm.load_model(out)(np.zeros((1, 4), np.int32)).logits.shape == (1, 4, 320)
