@@ -4,9 +4,8 @@ method without calibration, too few calibration tokens, GPTQ's act order with dy
 a group size for a fixed-grid kind, exporting a kind the compressed-tensors export does not
 write, a source that is already quantized, does not exist or is not a run, an existing OUT, an
 OUT that is, holds or lies inside the source run (or a checkpoint.dir inside it), run.dir or
-model shapes set as keys, --overwrite onto a directory that is not a run (for a GGUF export,
-onto a file that is not GGUF), training a quantized run, and `quantize.*` keys on a training
-run, where they would do nothing.
+model shapes set as keys, --overwrite onto a directory that is not a run, training a
+quantized run, and `quantize.*` keys on a training run, where they would do nothing.
 
 Like test_faults.py, every row runs one command on a copy of the shared small run and asserts
 the exit code, exactly one `jaxllm:` line naming the problem, no traceback, an unchanged run
@@ -263,41 +262,6 @@ CASES = [
         ],
         2,
         "checkpoint.dir ",
-    ),
-    Case(
-        "gguf-overwrite-of-a-file-that-is-not-gguf",
-        lambda r, t: [
-            "convert",
-            "export",
-            str(r),
-            str(r / "config.yaml"),
-            "--format",
-            "gguf",
-            "--overwrite",
-        ],
-        2,
-        "config.yaml is not a GGUF file; --overwrite replaces only one",
-    ),
-    Case(
-        "gguf-out-a-directory-with-overwrite",
-        lambda r, t: [
-            "convert",
-            "export",
-            str(r),
-            str(t / "out"),
-            "--format",
-            "gguf",
-            "--overwrite",
-        ],
-        2,
-        "out is a directory; --format gguf writes one file",
-        setup=_existing_out,
-    ),
-    Case(
-        "gguf-out-in-a-bucket",
-        lambda r, t: ["convert", "export", str(r), "s3://bucket/m.gguf", "--format", "gguf"],
-        2,
-        "OUT s3://bucket/m.gguf: --format gguf writes a local file",
     ),
     Case(
         "a-quantize-key-on-a-training-run",

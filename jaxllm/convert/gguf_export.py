@@ -190,6 +190,11 @@ def check_gguf_out(out, overwrite: bool) -> Path:
         raise ConfigError(f"OUT {out} is a directory; --format gguf writes one file.")
     if out.exists() and not overwrite:
         raise ConfigError(f"OUT {out} already exists; pass --overwrite to replace it.")
+    existing = out.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"OUT {out} cannot be made: {existing} is a file.")
     if out.exists():
         with open(out, "rb") as f:
             magic = f.read(4)
