@@ -115,6 +115,7 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))  # named as OUT
         _check_out(out, overwrite, (src,))
         new = new_run(src, out, overrides, overwrite=overwrite)
+        _check_out(new.ckpt_dir, overwrite, (src,), flag="checkpoint.dir")
         cfg = new.cfg.validate()
         _check_method(cfg)
         mesh = sharding.make_mesh(cfg.mesh)

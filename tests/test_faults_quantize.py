@@ -163,6 +163,20 @@ CASES = [
         ),
     ),
     Case(
+        "checkpoint-dir-inside-a-hugging-face-source",
+        lambda r, t: [
+            "quantize",
+            str(t / "hf"),
+            str(t / "out"),
+            "--method",
+            "rtn",
+            f"checkpoint.dir={t / 'hf' / 'ck'}",
+        ],
+        2,
+        "ck lies inside ",
+        setup=lambda r, t: main(["convert", "export", str(r), str(t / "hf")]),
+    ),
+    Case(
         "out-in-a-bucket",
         lambda r, t: ["quantize", str(r), "s3://bucket/q", "--method", "rtn"],
         2,
