@@ -281,7 +281,7 @@ CASES = [
         "a-quantize-key-on-a-training-run",
         lambda r, t: ["train", *SMALL_RUN, f"run.dir={t / 'fresh'}", "quantize.bits=4"],
         2,
-        "quantize.bits=4 does nothing: quantize.method=none, so this run holds no quantized",
+        "quantize.bits=4 does nothing: quantize.method=none, and quantize.* only describes",
     ),
     Case(
         "a-quantize-method-setting-on-a-training-run",
@@ -375,3 +375,17 @@ def test_checkpoint_dir_as_a_key_is_where_the_checkpoint_goes(small_run, tmp_pat
     assert main(argv) == 0
     assert (ckpts / "0").is_dir() and not (out / "checkpoints").exists()
     assert jaxllm.load_model(out)(np.zeros((1, 4), np.int32)).logits.shape == (1, 4, 320)
+
+
+def test_a_quantize_key_on_lora_over_a_quantized_run_is_refused(small_run, tmp_path, capsys):
+    """LoRA on a quantized run takes its base's quantize section: `quantize.bits=4` beside it,
+    with no method, would be dropped silently."""
+    q = tmp_path / "q"
+    assert main(["quantize", str(small_run), str(q), "--method", "rtn"]) == 0
+    capsys.readouterr()
+    argv = ["train", *SMALL_RUN, "peft.method=lora", f"checkpoint.init_from={q}",
+            "quantize.bits=4", "train.steps=2", f"run.dir={tmp_path / 'r'}"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quantize.bits=4 does nothing: quantize.method=none" in err[0], err
+    assert not (tmp_path / "r").exists()

@@ -235,9 +235,10 @@ class QuantizeConfig:
             if key != "quantize.method" and value != default:
                 shown = list(value) if isinstance(value, tuple) else value
                 fail(
-                    f"{key}={shown} does nothing: quantize.method=none, so this run holds no "
-                    "quantized weights (jaxllm quantize writes quantize.*; train.qat.* "
-                    "fake-quantizes while training)."
+                    f"{key}={shown} does nothing: quantize.method=none, and quantize.* only "
+                    "describes the weights jaxllm quantize wrote (a LoRA run on a quantized "
+                    "run takes them from its base); leave it unset (train.qat.* fake-quantizes "
+                    "while training)."
                 )
 
 
