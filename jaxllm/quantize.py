@@ -166,8 +166,9 @@ def _check_out(out, overwrite: bool, reads, flag: str = OUT_FLAG) -> None:
                 f"{flag} {out} lies inside {source}, which this command reads; write the "
                 "quantized run outside it."
             )
-    run = (out / "config.yaml").is_file() or flag != OUT_FLAG
-    if overwrite and out.is_dir() and any(out.iterdir()) and not run:
+    if flag != OUT_FLAG or not overwrite or (out / "config.yaml").is_file():
+        return
+    if out.is_dir() and any(out.iterdir()):
         raise ConfigError(
             f"OUT {out} holds files but is not a run (no config.yaml); --overwrite replaces "
             "only a run: choose a new directory."
