@@ -22,7 +22,6 @@ anything is loaded; `--overwrite` replaces an occupied one, once the new one is 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from jaxllm import checkpoint, config, sharding, storage
@@ -31,7 +30,7 @@ from jaxllm.config import ConfigError, MeshConfig
 from jaxllm.config.urls import check_url
 from jaxllm.convert import FAMILIES, export_hf, import_hf, is_hf_dir
 from jaxllm.convert.export import OUT_FLAG
-from jaxllm.convert.gguf_export import TYPES, check_gguf, export_gguf
+from jaxllm.convert.gguf_export import TYPES, check_gguf, check_gguf_out, export_gguf
 from jaxllm.convert.hf import check_out_dir
 from jaxllm.load import fetched, resolve, restore
 from jaxllm.model import lora
@@ -173,8 +172,7 @@ def _export_gguf(ns: argparse.Namespace, source: str) -> int:
             "to export it as one model."
         )
     check_gguf(saved, ns.family, ns.gguf_type)  # before the (long) restore
-    if os.path.exists(ns.hf_dir) and not ns.overwrite:
-        raise ConfigError(f"OUT {ns.hf_dir} already exists; pass --overwrite to replace it.")
+    check_gguf_out(ns.hf_dir, ns.overwrite)
     mesh = sharding.make_mesh(MeshConfig())
     restored = restore(source, mesh=mesh, which=ns.checkpoint)
     params = restored.params

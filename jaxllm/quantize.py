@@ -25,6 +25,7 @@ import jax
 
 from jaxllm import compress, sharding, storage
 from jaxllm import config as config_lib
+from jaxllm.checkpoint import checkpoint_dir
 from jaxllm.compress.calibrate import quantize_calibrated
 from jaxllm.compress.weights import chosen
 from jaxllm.config import Config, ConfigError, PeftConfig, QuantizeConfig
@@ -37,6 +38,7 @@ from jaxllm.data.tokenizer import GENERATION_CONFIG
 from jaxllm.load import (
     _is_hf_source,
     _mergeable,
+    _shapes,
     fetched,
     merged_weights,
     resolve,
@@ -103,11 +105,17 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
             f"OUT {out}: jaxllm quantize writes a local directory; write it there and copy it "
             "to the bucket."
         )
+    if any(arg.split("=", 1)[0].strip() == "run.dir" for arg in overrides):
+        raise ConfigError("run.dir: OUT names the quantized run's directory; leave run.dir unset.")
     src = Path(fetched(src, "SRC"))
+    if not src.exists():
+        raise ConfigError(f"SRC {src} does not exist; give a run or a Hugging Face directory.")
     if _is_hf_source(src):
         _check_hf_float(src)
         check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))  # named as OUT
+        _check_out(out, overwrite, (src,))
         new = new_run(src, out, overrides, overwrite=overwrite)
+        _check_out(new.ckpt_dir, overwrite, (src,), flag="checkpoint.dir")
         cfg = new.cfg.validate()
         _check_method(cfg)
         mesh = sharding.make_mesh(cfg.mesh)
@@ -117,19 +125,26 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         out = check_out_dir(out, flag=OUT_FLAG, overwrite=overwrite, reads=(src,))
         run_dir, _, _ = resolve(src)
         saved = config_lib.load(run_dir / "config.yaml")
+        reads = (run_dir, checkpoint_dir(run_dir, saved.checkpoint.dir))
+        _check_out(out, overwrite, reads)
         if saved.quantize.enabled and saved.peft.method == "none":  # not a LoRA run on it
             raise ConfigError(
                 f"{src} is already quantized (quantize.method={saved.quantize.method}, "
                 f"{saved.quantize.bits} bits); quantize the run it was made from."
             )
         cfg = _out_config(saved, out, overrides)
+        _check_model(saved, cfg)
+        ckpt_dir = checkpoint_dir(out, cfg.checkpoint.dir)  # OUT/checkpoints, or checkpoint.dir
+        if not ckpt_dir.resolve().is_relative_to(out.resolve()):
+            check_out_dir(ckpt_dir, flag="checkpoint.dir", overwrite=overwrite, reads=reads)
+            _check_out(ckpt_dir, overwrite, reads, flag="checkpoint.dir")
         _check_method(cfg)
         devices = jax.devices()
         cfg.validate(len(devices))
         _check_weights(cfg)
         mesh = sharding.make_mesh(cfg.mesh, devices)
         params, model_state = _source_weights(src, saved, cfg, mesh)
-        new = NewRun(out, cfg, out / "checkpoints", _tokenizer_files(saved), overwrite)
+        new = NewRun(out, cfg, ckpt_dir, _tokenizer_files(saved), overwrite)
         new = _with_tokenizer(new)
     _, _, axes = abstract_model(cfg.model)
     if cfg.quantize.calibrated:
@@ -138,6 +153,39 @@ def quantize_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         q = compress.quantize_params(params, axes, cfg.quantize, mesh)
     new.write(q, model_state)
     return Path(out)
+
+
+def _check_out(out, overwrite: bool, reads, flag: str = OUT_FLAG) -> None:
+    """ConfigError when OUT (or the `flag` directory) lies inside a directory the command reads
+    (the source run, its checkpoints), or when --overwrite would replace an OUT that is not a
+    run."""
+    out = Path(out)
+    for source in reads:
+        if out.resolve().is_relative_to(Path(source).resolve()):
+            raise ConfigError(
+                f"{flag} {out} lies inside {source}, which this command reads; write the "
+                "quantized run outside it."
+            )
+    if flag != OUT_FLAG or not overwrite or (out / "config.yaml").is_file():
+        return
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(
+            f"OUT {out} holds files but is not a run (no config.yaml); --overwrite replaces "
+            "only a run: choose a new directory."
+        )
+
+
+def _check_model(saved: Config, cfg: Config) -> None:
+    """ConfigError when `model.*` overrides give the quantized run other parameter shapes
+    than the source's weights."""
+    have, want = (_shapes(abstract_model(c.model)[1]) for c in (saved, cfg))
+    if want != have:
+        path = sorted(set(want.items()) ^ set(have.items()))[0][0]
+        raise ConfigError(
+            f"the model.* overrides change the model's parameters (first: {path}: "
+            f"{have.get(path)} in SRC, {want.get(path)} with them); a quantized run keeps the "
+            "source's model: leave its shapes unchanged."
+        )
 
 
 def _check_hf_float(src: Path) -> None:

@@ -4,6 +4,8 @@ sharded mesh."""
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -36,7 +38,9 @@ def calibration_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def held_out(trained):
     """The run's first 64 held-out rows, and the float model's log-probabilities on them."""
-    cfg = jaxllm.config.load(trained / "config.yaml", ["quantize.samples=64"])
+    cfg = jaxllm.config.load(
+        trained / "config.yaml", ["quantize.method=gptq", "quantize.samples=64"]
+    )
     rows = calibration_rows(cfg)
     return rows, _log_probs(trained, rows)
 
@@ -125,3 +129,52 @@ def test_calibrated_quantization_is_the_same_sharded(trained, tmp_path):
     np.testing.assert_allclose(
         np.asarray(eight(tokens).logits), np.asarray(one(tokens).logits), rtol=1e-4, atol=1e-4
     )
+
+
+def test_blocks_are_sliced_in_one_program(small_run, tmp_path, monkeypatch):
+    """GPTQ on an 8-device mesh takes each block out of the sharded stacks inside one jitted
+    program (`calibrate._take`), never by an eager index of a multi-device array between
+    blocks: on a loaded host such a slice, dispatched while the previous block still ran,
+    aborted the process on a collective's rendezvous timeout. (The check fails at the first
+    eager index, before anything else is dispatched.)"""
+    from jax._src.array import ArrayImpl
+
+    from jaxllm.compress import calibrate
+
+    getitem = ArrayImpl.__getitem__
+
+    def checked(self, index):
+        frame = sys._getframe(1)
+        while frame and frame.f_code is not calibrate.sequential.__code__:
+            frame = frame.f_back
+        if frame and self.sharding.num_devices > 1:
+            raise AssertionError(f"calibrate.sequential indexed a sharded array eagerly: {index}")
+        return getitem(self, index)
+
+    monkeypatch.setattr(ArrayImpl, "__getitem__", checked)
+    argv = ["--method", "gptq", "--samples", "8", "mesh.fsdp=4", "mesh.tensor=2"]
+    assert main(["quantize", str(small_run), str(tmp_path / "q"), *argv]) == 0
+
+
+@pytest.mark.parametrize("index", [(1,), (1, 0)], ids=["one-stacked-dim", "two"])
+def test_take_slices_as_an_eager_index_does(index):
+    """`calibrate._take` (jitted, its index traced) gives the eager index's values bit for bit,
+    in the stacks' shards."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxllm.compress.calibrate import _take
+
+    mesh = sharding.make_mesh(MeshConfig(fsdp=4, tensor=2))
+    rng = np.random.default_rng(0)
+    spec = P(*[None] * len(index), "fsdp", "tensor")
+    tree = {
+        "w": jax.device_put(
+            rng.normal(size=(2, 3, 8, 4)[-len(index) - 2 :]), NamedSharding(mesh, spec)
+        ),
+        "b": {"s": jax.device_put(rng.normal(size=(2, 3, 5)[: len(index)] + (5,)))},
+    }
+    got = _take(tree, index)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[index])
+    assert got["w"].sharding.spec == P("fsdp", "tensor")

@@ -2,8 +2,10 @@
 take, a group size that does not divide a weight's input channels, calibration options for a
 method without calibration, too few calibration tokens, GPTQ's act order with dynamic groups,
 a group size for a fixed-grid kind, exporting a kind the compressed-tensors export does not
-write,
-a source that is already quantized, an existing OUT, and training a quantized run.
+write, a source that is already quantized, does not exist or is not a run, an existing OUT, an
+OUT that is, holds or lies inside the source run (or a checkpoint.dir inside it), run.dir or
+model shapes set as keys, --overwrite onto a directory that is not a run, training a
+quantized run, and `quantize.*` keys on a training run, where they would do nothing.
 
 Like test_faults.py, every row runs one command on a copy of the shared small run and asserts
 the exit code, exactly one `jaxllm:` line naming the problem, no traceback, an unchanged run
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 from conftest import SMALL_RUN
 from test_faults import Case, assert_one_line, fault_output, tree_hash
@@ -160,6 +163,20 @@ CASES = [
         ),
     ),
     Case(
+        "checkpoint-dir-inside-a-hugging-face-source",
+        lambda r, t: [
+            "quantize",
+            str(t / "hf"),
+            str(t / "out"),
+            "--method",
+            "rtn",
+            f"checkpoint.dir={t / 'hf' / 'ck'}",
+        ],
+        2,
+        "ck lies inside ",
+        setup=lambda r, t: main(["convert", "export", str(r), str(t / "hf")]),
+    ),
+    Case(
         "out-in-a-bucket",
         lambda r, t: ["quantize", str(r), "s3://bucket/q", "--method", "rtn"],
         2,
@@ -171,6 +188,113 @@ CASES = [
         2,
         "OUT",
         setup=_existing_out,
+    ),
+    Case(
+        "out-inside-the-source-run",
+        lambda r, t: ["quantize", str(r), str(r / "q4"), "--method", "rtn"],
+        2,
+        "q4 lies inside ",
+    ),
+    Case(
+        "out-inside-the-run-of-a-source-step",
+        lambda r, t: ["quantize", str(r / "checkpoints" / "4"), str(r / "q"), "--method", "rtn"],
+        2,
+        "which this command reads; write the quantized run outside it",
+    ),
+    Case(
+        "out-is-the-source",
+        lambda r, t: ["quantize", str(r), str(r), "--method", "rtn", "--overwrite"],
+        2,
+        "which this command reads; choose another directory to write into",
+    ),
+    Case(
+        "source-inside-out",
+        lambda r, t: ["quantize", str(r / "checkpoints"), str(r), "--method", "rtn", "--overwrite"],
+        2,
+        "which this command reads; choose another directory to write into",
+    ),
+    Case(
+        "overwrite-a-directory-that-is-not-a-run",
+        _quantize("--method", "rtn", "--overwrite"),
+        2,
+        "holds files but is not a run (no config.yaml); --overwrite replaces only a run",
+        setup=_existing_out,
+    ),
+    Case(
+        "source-that-does-not-exist",
+        lambda r, t: ["quantize", str(t / "nowhere"), str(t / "out"), "--method", "rtn"],
+        2,
+        "nowhere does not exist; give a run or a Hugging Face directory",
+    ),
+    Case(
+        "source-that-is-not-a-run",
+        lambda r, t: ["quantize", str(r / "checkpoints" / "4"), str(t / "out"), "--method", "rtn"],
+        2,
+        "is not a run directory, its checkpoints directory, or a checkpoint step in one",
+        setup=lambda r, t: (r / "config.yaml").unlink(),
+    ),
+    Case(
+        "zero-samples",
+        _quantize("--method", "gptq", "--samples", "0"),
+        2,
+        "quantize.samples must be at least 1, not 0",
+    ),
+    Case(
+        "zero-bits",
+        _quantize("--method", "rtn", "--bits", "0"),
+        2,
+        "quantize.bits=0: method rtn takes 8, 4, 3, 2 bits",
+    ),
+    Case(
+        "calibration-file-that-does-not-exist",
+        _quantize("--method", "gptq", "--calibration", "/nowhere/calib.txt"),
+        2,
+        "--calibration /nowhere/calib.txt: path: /nowhere/calib.txt does not exist",
+    ),
+    Case(
+        "run-dir-as-a-key",
+        _quantize("--method", "rtn", "run.dir=elsewhere"),
+        2,
+        "run.dir: OUT names the quantized run's directory; leave run.dir unset",
+    ),
+    Case(
+        "a-model-override-that-changes-the-shapes",
+        _quantize("--method", "rtn", "model.num_layers=3"),
+        2,
+        "the model.* overrides change the model's parameters (first: layers/attn/k_proj: "
+        "(2, 64, 2, 16) in SRC, (3, 64, 2, 16) with them)",
+    ),
+    Case(
+        "checkpoint-dir-inside-the-source-run",
+        lambda r, t: [
+            "quantize",
+            str(r),
+            str(t / "out"),
+            "--method",
+            "rtn",
+            f"checkpoint.dir={r / 'q'}",
+        ],
+        2,
+        "checkpoint.dir ",
+    ),
+    Case(
+        "a-quantize-key-on-a-training-run",
+        lambda r, t: ["train", *SMALL_RUN, f"run.dir={t / 'fresh'}", "quantize.bits=4"],
+        2,
+        "quantize.bits=4 does nothing: quantize.method=none, and quantize.* only describes",
+    ),
+    Case(
+        "a-quantize-method-setting-on-a-training-run",
+        lambda r, t: ["train", *SMALL_RUN, f"run.dir={t / 'fresh'}", "quantize.gptq.block_size=64"],
+        2,
+        "quantize.gptq.block_size=64 does nothing: quantize.method=none",
+    ),
+    Case(
+        "a-quantize-method-on-a-new-training-run",
+        lambda r, t: ["train", *SMALL_RUN, f"run.dir={t / 'fresh'}", "quantize.method=rtn"],
+        2,
+        "quantize.method=rtn: a run trains float weights, and quantize.* records what jaxllm "
+        "quantize made of them",
     ),
     Case(
         "train-a-quantized-run",
@@ -239,3 +363,29 @@ def test_quantize_head_of_a_model_without_its_own_head_is_refused():
     _check_weights(config.load(None, over))  # an untied head is taken
     with pytest.raises(ConfigError, match="quantize.head=true: this model has no LM head"):
         _check_weights(config.load(None, [*over, "model.tie_embeddings=true"]))
+
+
+def test_checkpoint_dir_as_a_key_is_where_the_checkpoint_goes(small_run, tmp_path):
+    """`checkpoint.dir=` puts the quantized run's checkpoint there, as its config.yaml says
+    (it went to OUT/checkpoints, where nothing reads it)."""
+    import jaxllm
+
+    out, ckpts = tmp_path / "q", tmp_path / "ckpts"
+    argv = ["quantize", str(small_run), str(out), "--method", "rtn", f"checkpoint.dir={ckpts}"]
+    assert main(argv) == 0
+    assert (ckpts / "0").is_dir() and not (out / "checkpoints").exists()
+    assert jaxllm.load_model(out)(np.zeros((1, 4), np.int32)).logits.shape == (1, 4, 320)
+
+
+def test_a_quantize_key_on_lora_over_a_quantized_run_is_refused(small_run, tmp_path, capsys):
+    """LoRA on a quantized run takes its base's quantize section: `quantize.bits=4` beside it,
+    with no method, would be dropped silently."""
+    q = tmp_path / "q"
+    assert main(["quantize", str(small_run), str(q), "--method", "rtn"]) == 0
+    capsys.readouterr()
+    argv = ["train", *SMALL_RUN, "peft.method=lora", f"checkpoint.init_from={q}",
+            "quantize.bits=4", "train.steps=2", f"run.dir={tmp_path / 'r'}"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quantize.bits=4 does nothing: quantize.method=none" in err[0], err
+    assert not (tmp_path / "r").exists()

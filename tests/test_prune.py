@@ -202,7 +202,9 @@ def test_pruned_run_generates_exports_and_keeps_its_zeros_in_training(trained, t
 def _taylor(trained, samples=16):
     """(the trained model, |theta * dL/dtheta| of its parameters as a pure dict), the loss
     summed over the calibration rows, by plain jax.grad."""
-    cfg = jaxllm.config.load(trained / "config.yaml", [f"quantize.samples={samples}"])
+    cfg = jaxllm.config.load(
+        trained / "config.yaml", ["quantize.method=gptq", f"quantize.samples={samples}"]
+    )
     rows = calibration_rows(cfg)
     model = jaxllm.load_model(trained)
     graphdef, params = nnx.split(model, nnx.Param)

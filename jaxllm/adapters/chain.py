@@ -107,6 +107,12 @@ def quantized_base(cfg: Config) -> Config:
     if not base.enabled and not cfg.quantize.enabled:
         return cfg
     if not base.enabled and cfg.peft.method == "none":  # a quantized run's own config
+        if not (Path(cfg.run.dir) / "config.yaml").is_file():  # or a new run that sets it
+            raise ConfigError(
+                f"quantize.method={cfg.quantize.method}: a run trains float weights, and "
+                "quantize.* records what jaxllm quantize made of them; leave it unset and "
+                "quantize the trained run (or fake-quantize while training with train.qat.*)."
+            )
         not_trained(cfg.quantize, f"run.dir={cfg.run.dir}")
     if cfg.quantize.enabled and cfg.quantize != base:
         where = f"checkpoint.init_from={cfg.checkpoint.init_from}" if base.enabled else "nothing"

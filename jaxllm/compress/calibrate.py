@@ -144,7 +144,12 @@ def _sub(tree, keys):
     return tree
 
 
+@jax.jit
 def _take(tree, index):
+    """`tree`'s arrays at `index` of their leading (stacked) dims: one jitted program, so no
+    eager slice of a sharded array is dispatched while the previous block still runs (on a
+    loaded host such a slice's collectives could wait on that block past their rendezvous
+    timeout). `index` is traced: one compilation serves every block."""
     return jax.tree.map(lambda a: a[index], tree)
 
 

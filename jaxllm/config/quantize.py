@@ -172,6 +172,7 @@ class QuantizeConfig:
 
     def validate(self) -> None:
         if not self.enabled:
+            self._check_unused()
             return
         takes = METHOD_BITS[self.method]
         if self.bits not in takes:
@@ -226,3 +227,26 @@ class QuantizeConfig:
         for pattern in self.skip:
             if not pattern or not isinstance(pattern, str):
                 fail(f"quantize.skip: {pattern!r} is not a parameter-path pattern.")
+
+    def _check_unused(self) -> None:
+        """Fails on a key set away from its default while no method is set: it describes
+        quantized weights the run does not hold, so it would do nothing."""
+        for key, value, default in _fields(self, "quantize"):
+            if key != "quantize.method" and value != default:
+                shown = list(value) if isinstance(value, tuple) else value
+                fail(
+                    f"{key}={shown} does nothing: quantize.method=none, and quantize.* only "
+                    "describes the weights jaxllm quantize wrote (a LoRA run on a quantized "
+                    "run takes them from its base); leave it unset (train.qat.* fake-quantizes "
+                    "while training)."
+                )
+
+
+def _fields(obj, prefix: str):
+    """(dotted key, value, default) of each leaf field of the dataclass `obj`."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _fields(value, key)
+        else:
+            yield key, value, f.default

@@ -50,6 +50,7 @@ import numpy as np
 from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 from jaxllm.config.quantize import INTEGER_CODES
+from jaxllm.config.urls import looks_like_url
 from jaxllm.convert.export import export_hf
 from jaxllm.convert.families import export_family, hf_config
 from jaxllm.model import quantized
@@ -176,6 +177,34 @@ def _group_scales(t: quantized.QuantizedTensor) -> np.ndarray:
     return np.repeat(s, t.group, axis=lead).reshape(t.shape)
 
 
+def check_gguf_out(out, overwrite: bool) -> Path:
+    """`out` as a Path when it may be written: absent, or with `overwrite` a GGUF file (never
+    a directory, nor another file such as a run's config.yaml)."""
+    if looks_like_url(str(out)):
+        raise ConfigError(
+            f"OUT {out}: --format gguf writes a local file; write it there and copy it to the "
+            "bucket."
+        )
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"OUT {out} is a directory; --format gguf writes one file.")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"OUT {out} already exists; pass --overwrite to replace it.")
+    existing = out.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"OUT {out} cannot be made: {existing} is a file.")
+    if out.exists():
+        with open(out, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ConfigError(
+                f"OUT {out} is not a GGUF file; --overwrite replaces only one: choose a new path."
+            )
+    return out
+
+
 def export_gguf(
     params: dict,
     cfg: config_lib.Config,
@@ -190,11 +219,7 @@ def export_gguf(
     renamed into place); an existing `out` is refused unless `overwrite`. Returns one report
     line per tensor: GGUF name, shape, type."""
     gguf = _gguf()
-    out = Path(out)
-    if out.is_dir():
-        raise ConfigError(f"OUT {out} is a directory; --format gguf writes one file.")
-    if out.exists() and not overwrite:
-        raise ConfigError(f"OUT {out} already exists; pass --overwrite to replace it.")
+    out = check_gguf_out(out, overwrite)
     kind = check_gguf(cfg, family, gguf_type)
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "hf"
