@@ -188,7 +188,7 @@ def plan(method, runs, *, weights=None, base=None, density=None, majority_sign=N
 def merge_runs(out, p: Plan, *, overwrite: bool = False) -> Path:
     """Writes the merged run OUT of the checked plan `p`. Returns OUT."""
     runs = [Path(fetched(r, "RUN")) for r in p.runs]
-    out = check_out_dir(out, flag="OUT", overwrite=overwrite, reads=(*runs, p.base))
+    out = check_out_dir(out, flag="OUT", overwrite=overwrite, reads=(*runs, p.base), nested=False)
     saved = [_run_config(r) for r in runs]
     _check_shapes(runs, saved)
     lora_base = _common_base(runs, saved, p)

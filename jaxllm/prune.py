@@ -85,6 +85,7 @@ def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
             "the bucket."
         )
     src = Path(fetched(src, "SRC"))
+    out = check_out_dir(out, flag="OUT", overwrite=overwrite, reads=(src,), nested=False)
     if _is_hf_source(src):
         new = new_run(src, out, overrides, overwrite=overwrite)
         cfg = new.cfg.validate()
@@ -92,7 +93,6 @@ def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         mesh = sharding.make_mesh(cfg.mesh)
         params, model_state, _ = load_params(src, cfg.model, mesh)
     else:
-        out = check_out_dir(out, flag="OUT", overwrite=overwrite, reads=(src,))
         run_dir, _, _ = resolve(src)
         saved = config_lib.load(run_dir / "config.yaml")
         cfg = _out_config(saved, out, overrides)

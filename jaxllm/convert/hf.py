@@ -240,16 +240,24 @@ def import_hf(
     return report
 
 
-def check_out_dir(out, *, flag: str, overwrite: bool = False, reads=()) -> Path:
+def check_out_dir(
+    out, *, flag: str, overwrite: bool = False, reads=(), nested: bool = True
+) -> Path:
     """`out` as a Path when a convert command may write it (`check_output`), and neither it nor
     anything in it is one of the paths `reads` that the command reads (with `overwrite` it
-    would be replaced)."""
+    would be replaced); without `nested`, nor inside one of them (a new run written into the
+    run it comes from)."""
     out = Path(out)
     for source in filter(None, reads):
         if Path(source).resolve().is_relative_to(out.resolve()):
             raise ConfigError(
                 f"{flag} {out} is or holds {source}, which this command reads; choose another "
                 "directory to write into."
+            )
+        if not nested and out.resolve().is_relative_to(Path(source).resolve()):
+            raise ConfigError(
+                f"{flag} {out} lies inside {source}, which this command reads; write the new "
+                "run outside it."
             )
     return check_output(out, flag=flag, overwrite=overwrite)
 
