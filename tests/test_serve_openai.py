@@ -200,3 +200,83 @@ def test_serve_command_mistakes_are_one_line_exit_2(small_run, capsys):
         with pytest.raises(SystemExit) as e:
             main(["serve", str(small_run), *bad])
         assert e.value.code == 2 and bad[1] in _one_line(capsys)
+
+
+def test_retrieve_the_served_model_and_404_for_another(server, client):
+    url = server[0]
+    card = client.models.retrieve("tiny")
+    assert (card.id, card.object, card.owned_by) == ("tiny", "model", "jaxllm")
+    assert (
+        card.model_extra["max_model_len"] == CONTEXT == client.models.list().data[0].max_model_len
+    )
+    for other in ("other", "org/tiny"):  # an id with a slash is one id, not another route
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.models.retrieve(other)
+        r = httpx.get(f"{url}/v1/models/{other}", headers=HEADERS)
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["code"] == "model_not_found", r.text
+        assert err["type"] == "not_found_error" and err["param"] == "model"
+    assert httpx.get(url + "/v1/models/tiny").status_code == 401  # the key is needed there too
+
+
+STRICT = [
+    ("completions", {"stream": "yes"}),
+    ("completions", {"stream": 1}),
+    ("completions", {"n": "2"}),
+    ("completions", {"n": 2.5}),
+    ("completions", {"n": True}),
+    ("completions", {"logprobs": "x"}),
+    ("completions", {"logprobs": True}),
+    ("completions", {"temperature": "hot"}),
+    ("completions", {"temperature": "0.5"}),
+    ("completions", {"top_p": True}),
+    ("completions", {"echo": 1}),
+    ("completions", {"max_tokens": "3"}),
+    ("completions", {"seed": 1.5}),
+    ("completions", {"stop": 5}),
+    ("completions", {"stop_token_ids": [True]}),
+    ("completions", {"ignore_eos": "false"}),
+    ("completions", {"prompt": [True, 5]}),
+    ("completions", {"user": 5}),
+    ("chat", {"logprobs": "true"}),
+    ("chat", {"logprobs": 1}),
+    ("chat", {"top_logprobs": "2", "logprobs": True}),
+    ("chat", {"max_completion_tokens": False}),
+    ("chat", {"presence_penalty": "1"}),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}),
+    ("completions", {"min_tokens": 4}),  # fields the server does not know
+    ("completions", {"max_token": 4}),
+    ("chat", {"guided_json": {"type": "object"}}),
+    ("chat", {"store": True}),
+]
+
+
+@pytest.mark.parametrize("route, field", STRICT, ids=[f"{r}-{f}" for r, f in STRICT])
+def test_wrong_typed_and_unknown_fields_are_400_naming_the_field(server, route, field):
+    """As OpenAI's API: strings are not read as booleans or numbers, nor booleans as numbers."""
+    if route == "chat":
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+    else:
+        path, body = "/v1/completions", {"prompt": "ab"}
+    body = {"model": "tiny", "max_tokens": 2, **body, **field}
+    r = httpx.post(server[0] + path, json=body, headers=HEADERS, timeout=60)
+    name = next(iter(field))
+    err = r.json()["error"]
+    assert r.status_code == 400, r.text
+    assert err["param"].split(".")[0] == name and err["message"].startswith(name), err
+
+
+def test_whole_numbers_written_as_floats_and_no_op_values_are_served(server, client):
+    r = client.completions.create(
+        model="tiny",
+        prompt="ab",
+        temperature=0,
+        extra_body={"n": 2.0, "max_tokens": 3.0, "top_k": -1.0, "ignore_eos": True},
+    )
+    assert len(r.choices) == 2 and r.usage.completion_tokens == 6
+    msgs = [{"role": "user", "content": "hi"}]
+    extra = {"store": False, "skip_special_tokens": True, "service_tier": "auto"}
+    chat = client.chat.completions.create(
+        model="tiny", messages=msgs, max_completion_tokens=2, temperature=1, extra_body=extra
+    )
+    assert chat.usage.completion_tokens <= 2
