@@ -280,3 +280,26 @@ def test_whole_numbers_written_as_floats_and_no_op_values_are_served(server, cli
         model="tiny", messages=msgs, max_completion_tokens=2, temperature=1, extra_body=extra
     )
     assert chat.usage.completion_tokens <= 2
+
+
+def test_several_prompts_stream_as_choices_prompt_times_n_plus_sample(server, client):
+    url = server[0]
+    body = {"model": "tiny", "prompt": ["one", "two two"], "max_tokens": 4, "n": 2}
+    body |= {"temperature": 1.0, "seed": 3, "logprobs": 0}
+    whole = client.completions.create(**body)
+    events = _events(
+        url, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    *chunks, last = events
+    texts, logprobs, reasons = {}, {}, {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        i = choice["index"]
+        texts[i] = texts.get(i, "") + choice["text"]
+        logprobs[i] = logprobs.get(i, []) + choice["logprobs"]["token_logprobs"]
+        reasons[i] = choice["finish_reason"] or reasons.get(i)
+    assert texts == {c.index: c.text for c in whole.choices} and len(texts) == 4
+    for c in whole.choices:
+        assert logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-6)
+        assert reasons[c.index] == c.finish_reason
+    assert last["usage"] == whole.usage.model_dump(exclude_none=True)

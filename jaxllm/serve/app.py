@@ -151,10 +151,8 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": s.name}
         head["created"] = int(time.time())
         if req.stream:
-            if len(prompts) > 1:
-                raise BadRequest("stream one prompt at a time", "prompt")
             return await stream(
-                s, prompts[0], params, False, head, stops, with_usage=_wants_usage(req)
+                s, prompts, params, False, head, stops, with_usage=_wants_usage(req)
             )
         choices, all_outs = [], []
         for i, outs in enumerate(await run(s, prompts, params, stops)):
@@ -191,7 +189,7 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         if req.stream:
             head["object"] = "chat.completion.chunk"
             with_usage = _wants_usage(req)
-            return await stream(s, prompt, params, True, head, stops, images, with_usage)
+            return await stream(s, [prompt], params, True, head, stops, images, with_usage)
         (outs,) = await run(s, [prompt], params, stops, images)
         choices = []
         for j, (t, reason) in enumerate(outs):

@@ -7,6 +7,7 @@ is closed) aborts its request, whose pages go back to the pool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -94,9 +95,9 @@ async def follow(s: Served, rid: int, events, texts: list[SampleText]):
             raise BadRequest(event[1], status=500)
 
 
-async def run(s: Served, prompts: list, params: SamplingParams, stops, images=None) -> list:
-    """Runs requests, one per prompt, at once to their end: each prompt's list of its samples'
-    (SampleText, finish reason). A prompt the engine refuses refuses them all."""
+async def submit_all(s: Served, prompts: list, params, images=None) -> list:
+    """(request id, events) of one request per prompt; a prompt the engine refuses refuses
+    them all."""
     submitted = []
     try:
         for p in prompts:
@@ -105,7 +106,42 @@ async def run(s: Served, prompts: list, params: SamplingParams, stops, images=No
         for rid, _ in submitted:
             s.worker.abort(rid)
         raise
+    return submitted
+
+
+async def run(s: Served, prompts: list, params: SamplingParams, stops, images=None) -> list:
+    """Runs requests, one per prompt, at once to their end: each prompt's list of its samples'
+    (SampleText, finish reason)."""
+    submitted = await submit_all(s, prompts, params, images)
     return await asyncio.gather(*(collect(s, *r, params, stops) for r in submitted))
+
+
+async def merged(s: Served, submitted: list, texts: list[list[SampleText]]):
+    """`follow`'s items of several requests as they come, each led by its request's place."""
+    out: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k, rid, events):
+        try:
+            async for item in follow(s, rid, events, texts[k]):
+                await out.put((k, *item))
+        except BadRequest as e:
+            await out.put(e)
+        finally:
+            await out.put(None)
+
+    tasks = [asyncio.create_task(pump(k, *r)) for k, r in enumerate(submitted)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await out.get()
+            if isinstance(item, BadRequest):
+                raise item
+            left -= item is None
+            if item is not None:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def collect(s: Served, rid: int, events, params: SamplingParams, stops) -> list:
@@ -125,13 +161,14 @@ def sse(obj) -> str:
 
 
 async def stream(
-    s: Served, prompt, params, chat: bool, head: dict, stops, images=None, with_usage=False
+    s: Served, prompts, params, chat: bool, head: dict, stops, images=None, with_usage=False
 ):
-    """Server-sent events of one request (`with_usage`: a last chunk of the token counts);
-    aborting it when the client goes (the generator is closed) frees its pages."""
-    rid, events = await submit(s, prompt, params, images)
-    want = params.logprobs
-    offsets = [0] * params.n
+    """Server-sent events of one request per prompt (their choices numbered prompt * n +
+    sample, as OpenAI's; `with_usage`: a last chunk of the token counts); aborting them when the
+    client goes (the generator is closed) frees their pages."""
+    submitted = await submit_all(s, prompts, params, images)
+    want, n = params.logprobs, params.n
+    offsets = [0] * (n * len(prompts))
 
     def chunk(index, text, entries, finish=None):
         lp = None
@@ -145,25 +182,28 @@ async def stream(
         return sse({**head, "choices": [{**choice, "finish_reason": finish}]})
 
     async def gen():
-        texts = [SampleText(s.tok, stops) for _ in range(params.n)]
+        texts = [[SampleText(s.tok, stops) for _ in range(n)] for _ in prompts]
         try:
             if chat:
-                for i in range(params.n):
+                for i in range(n):
                     role = {"index": i, "delta": {"role": "assistant", "content": ""}}
                     yield sse({**head, "choices": [{**role, "finish_reason": None}]})
             try:
-                async for i, delta, entries, reason in follow(s, rid, events, texts):
-                    yield chunk(i, delta, entries, reason)
+                async with contextlib.aclosing(merged(s, submitted, texts)) as items:
+                    async for k, i, delta, entries, reason in items:
+                        yield chunk(k * n + i, delta, entries, reason)
             except BadRequest as e:  # the engine failed mid-stream: say so, as vLLM does
                 yield sse({"error": {"message": e.message, "type": "server_error", "code": 500}})
                 yield "data: [DONE]\n\n"
                 return
             if with_usage:
-                counts = usage(len(prompt), [(t, None) for t in texts])
+                outs = [(t, None) for ts in texts for t in ts]
+                counts = usage(sum(map(len, prompts)), outs)
                 yield sse({**head, "choices": [], "usage": counts})
             yield "data: [DONE]\n\n"
         finally:
-            s.worker.abort(rid)
+            for rid, _ in submitted:
+                s.worker.abort(rid)
 
     return StreamingResponse(gen(), media_type="text/event-stream")
 
