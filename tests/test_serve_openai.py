@@ -174,6 +174,16 @@ def test_a_failed_step_fails_its_requests_and_the_server_keeps_serving(server, c
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert "boom" in lines[-2] and lines[-1] == "data: [DONE]"
     assert worker.engine.pool.num_used == 0
+    add = worker.engine.add_request
+
+    def failing(*args, **kw):  # taking a request fails for a reason of the engine's own
+        worker.engine.add_request = add
+        raise TypeError("bust")
+
+    worker.engine.add_request = failing
+    with pytest.raises(openai.InternalServerError, match="bust"):
+        client.with_options(timeout=60).completions.create(model="tiny", prompt="ab", max_tokens=3)
+    assert worker._thread.is_alive()
     # a top_k past int32 (every token) is served, not a failed step
     r = client.completions.create(
         model="tiny", prompt="ab", max_tokens=3, extra_body={"top_k": 10**30}

@@ -17,7 +17,7 @@ from jaxllm.infer.chat import EndOfTurn
 from jaxllm.infer.engine import SamplingParams
 from jaxllm.serve.protocol import BadRequest
 from jaxllm.serve.texts import SampleText, chat_logprobs, completion_logprobs
-from jaxllm.serve.worker import EngineWorker
+from jaxllm.serve.worker import EngineFailed, EngineWorker
 
 
 class Served:
@@ -60,6 +60,8 @@ class Served:
 async def submit(s: Served, prompt, params, images=None):
     try:
         return await s.worker.submit(prompt, params, images)
+    except EngineFailed as e:
+        raise BadRequest(str(e), status=500) from None
     except ValueError as e:
         raise BadRequest(str(e), "prompt") from None
 
