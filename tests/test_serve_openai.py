@@ -151,6 +151,19 @@ def test_invalid_json_and_unknown_routes_answer_in_openai_shape(server):
     r = httpx.post(url + "/v1/completions", content="{not json", headers=headers)
     err = r.json()["error"]
     assert r.status_code == 400 and "not valid JSON" in err["message"] and err["param"] is None
+    for content, kind in (
+        (b"model=tiny&prompt=x", "application/x-www-form-urlencoded"),
+        (b'["tiny"]', "application/json"),
+    ):
+        r = httpx.post(
+            url + "/v1/completions", content=content, headers={**HEADERS, "Content-Type": kind}
+        )
+        assert r.status_code == 400 and "a JSON object" in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": 5}, headers=HEADERS)
+    assert (
+        r.json()["error"]["message"]
+        == "prompt: Input should be a valid string or a valid list (got 5)"
+    )
     r = httpx.get(url + "/v1/nothing", headers=HEADERS)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(url + "/v1/completions", headers=HEADERS)

@@ -101,8 +101,11 @@ def invalid(exc: RequestValidationError) -> JSONResponse:
         detail = (err.get("ctx") or {}).get("error", "")
         return error(400, f"the body is not valid JSON ({detail})".replace(" ()", ""))
     where = _where(exc.body, err.get("loc", ()))
+    if where is None and err.get("type") in ("model_attributes_type", "dict_type"):
+        return error(400, "the body is a JSON object (sent with Content-Type: application/json)")
     msgs = [e["msg"] for e in errors if _where(exc.body, e.get("loc", ())) == where]
-    msg = " or ".join(dict.fromkeys(msgs)) or "invalid request"
+    first, *rest = dict.fromkeys(msgs) or ["invalid request"]
+    msg = " or ".join([first, *(m.removeprefix("Input should be ") for m in rest)])
     got = ""
     if where is not None and err.get("type", "").endswith("_type"):
         got = f" (got {repr(err.get('input'))[:40]})"
