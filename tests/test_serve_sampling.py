@@ -44,6 +44,23 @@ def test_a_stop_string_across_tokens_cuts_the_text_streamed_or_not(server, clien
     assert same.text == whole.text and same.finish_reason == whole.finish_reason
 
 
+def test_include_stop_str_in_output_keeps_the_stop_streamed_or_not(client):
+    kw = dict(model="tiny", prompt="The", max_tokens=12, temperature=1.0, seed=7)
+    kw["extra_body"] = {"ignore_eos": True}
+    text = client.completions.create(**kw).choices[0].text
+    printable = [i for i in range(2, len(text) - 1) if text[i : i + 2].isascii()]
+    stop = next(text[i : i + 2] for i in printable if text[i : i + 2].isprintable())
+    want = text[: text.index(stop)] + stop  # vLLM's extra: the stop stays in the text
+    kw["extra_body"] |= {"include_stop_str_in_output": True}
+    r = client.completions.create(**kw, stop=[stop, "\x00never"]).choices[0]
+    assert r.text == want and r.finish_reason == "stop"
+    chunks = list(client.completions.create(**kw, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    kw["extra_body"] = {"ignore_eos": True}
+    assert client.completions.create(**kw, stop=stop).choices[0].text == want.removesuffix(stop)
+
+
 def test_a_stop_string_ends_one_of_n_samples_and_the_others_run_on(client):
     kw = dict(model="tiny", prompt="The", max_tokens=12, temperature=1.0, n=3, seed=11)
     free = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)

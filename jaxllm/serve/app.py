@@ -10,6 +10,7 @@ with the request.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
@@ -30,13 +31,20 @@ from jaxllm.serve.protocol import (
     invalid,
 )
 from jaxllm.serve.streaming import Served, run, stream, usage
-from jaxllm.serve.texts import chat_logprobs, completion_logprobs
+from jaxllm.serve.texts import SampleText, chat_logprobs, completion_logprobs
 
 __all__ = ["Served", "make_app"]
 
 
 def _stop_strings(req: CompletionRequest | ChatRequest) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+
+def _texts(s: Served, req: CompletionRequest | ChatRequest, stops: list[str]):
+    """A sample's empty `SampleText`, cut at `stops`; the request's own stop strings kept in the
+    text with vLLM's `include_stop_str_in_output`."""
+    keep = _stop_strings(req) if req.include_stop_str_in_output else ()
+    return functools.partial(SampleText, s.tok, stops, keep)
 
 
 def _params(
@@ -147,15 +155,15 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         wants = req.logprobs is not None
         max_tokens = s.max_tokens(req.max_tokens, prompts, default=16)
         params = _params(s, req, max_tokens, s.stops, wants, req.logprobs or 0)
-        stops = _stop_strings(req)
+        new_text = _texts(s, req, _stop_strings(req))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": s.name}
         head["created"] = int(time.time())
         if req.stream:
             return await stream(
-                s, prompts, params, False, head, stops, with_usage=_wants_usage(req)
+                s, prompts, params, False, head, new_text, with_usage=_wants_usage(req)
             )
         choices, all_outs = [], []
-        for i, outs in enumerate(await run(s, prompts, params, stops)):
+        for i, outs in enumerate(await run(s, prompts, params, new_text)):
             all_outs += outs
             for j, (t, reason) in enumerate(outs):
                 entries = list(zip(t.ids, t.logprobs, t.tops))
@@ -184,13 +192,14 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         stops = _stop_strings(req)
         if s.eot.marker and not req.ignore_eos:  # a marker of several tokens ends the reply
             stops.append(s.eot.marker)
+        new_text = _texts(s, req, stops)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "model": s.name}
         head["created"] = int(time.time())
         if req.stream:
             head["object"] = "chat.completion.chunk"
             with_usage = _wants_usage(req)
-            return await stream(s, [prompt], params, True, head, stops, images, with_usage)
-        (outs,) = await run(s, [prompt], params, stops, images)
+            return await stream(s, [prompt], params, True, head, new_text, images, with_usage)
+        (outs,) = await run(s, [prompt], params, new_text, images)
         choices = []
         for j, (t, reason) in enumerate(outs):
             entries = list(zip(t.ids, t.logprobs, t.tops))

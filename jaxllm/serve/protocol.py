@@ -51,6 +51,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     """vLLM's extra: the model's end-of-sequence / end-of-turn tokens do not end the output
     (benchmarks ask for exact output lengths); `stop` and `stop_token_ids` still do."""
+    include_stop_str_in_output: bool = False
+    """vLLM's extra: the `stop` string that ended a sample stays at the end of its text."""
 
 
 class CompletionRequest(_Common):

@@ -111,11 +111,11 @@ async def submit_all(s: Served, prompts: list, params, images=None) -> list:
     return submitted
 
 
-async def run(s: Served, prompts: list, params: SamplingParams, stops, images=None) -> list:
+async def run(s: Served, prompts: list, params: SamplingParams, new_text, images=None) -> list:
     """Runs requests, one per prompt, at once to their end: each prompt's list of its samples'
-    (SampleText, finish reason)."""
+    (SampleText, finish reason). `new_text()`: a sample's empty `SampleText` (its stops)."""
     submitted = await submit_all(s, prompts, params, images)
-    return await asyncio.gather(*(collect(s, *r, params, stops) for r in submitted))
+    return await asyncio.gather(*(collect(s, *r, params, new_text) for r in submitted))
 
 
 async def merged(s: Served, submitted: list, texts: list[list[SampleText]]):
@@ -146,9 +146,9 @@ async def merged(s: Served, submitted: list, texts: list[list[SampleText]]):
             t.cancel()
 
 
-async def collect(s: Served, rid: int, events, params: SamplingParams, stops) -> list:
+async def collect(s: Served, rid: int, events, params: SamplingParams, new_text) -> list:
     """One request's samples as (SampleText, finish reason), once all have ended."""
-    texts = [SampleText(s.tok, stops) for _ in range(params.n)]
+    texts = [new_text() for _ in range(params.n)]
     reasons = ["stop"] * params.n  # a cancelled sample (server stopping) ends as it is
     try:
         async for i, _, _, reason in follow(s, rid, events, texts):
@@ -163,7 +163,7 @@ def sse(obj) -> str:
 
 
 async def stream(
-    s: Served, prompts, params, chat: bool, head: dict, stops, images=None, with_usage=False
+    s: Served, prompts, params, chat: bool, head: dict, new_text, images=None, with_usage=False
 ):
     """Server-sent events of one request per prompt (their choices numbered prompt * n +
     sample, as OpenAI's; `with_usage`: a last chunk of the token counts); aborting them when the
@@ -184,7 +184,7 @@ async def stream(
         return sse({**head, "choices": [{**choice, "finish_reason": finish}]})
 
     async def gen():
-        texts = [[SampleText(s.tok, stops) for _ in range(n)] for _ in prompts]
+        texts = [[new_text() for _ in range(n)] for _ in prompts]
         try:
             if chat:
                 for i in range(n):
