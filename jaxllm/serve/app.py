@@ -25,6 +25,8 @@ from jaxllm.serve.protocol import (
     BadRequest,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     check_messages,
     check_supported,
     error,
@@ -82,6 +84,17 @@ def _prompts(s: Served, prompt) -> list[list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return [list(p) if isinstance(p, list) else s.bos + s.tok.encode(p).tolist() for p in prompt]
+
+
+def _chat_prompt(s: Served, messages: list[dict]):
+    """(prompt ids, images' `Pixels` or None) of chat messages; 400 when they cannot be used."""
+    check_messages(messages)
+    try:
+        return chat_prompt(messages, s.tok, s.vision, s.media)
+    except PartError as e:
+        raise BadRequest(e.message, e.param) from None
+    except Exception as e:
+        raise BadRequest(str(e), "messages") from None
 
 
 def _wants_usage(req: CompletionRequest | ChatRequest) -> bool:
@@ -177,15 +190,9 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
     async def chat(req: ChatRequest):
         check_model(req.model)
         check_supported(req)
-        check_messages(req.messages)
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        try:
-            prompt, images = chat_prompt(req.messages, s.tok, s.vision, s.media)
-        except PartError as e:
-            raise BadRequest(e.message, e.param) from None
-        except Exception as e:
-            raise BadRequest(str(e), "messages") from None
+        prompt, images = _chat_prompt(s, req.messages)
         max_tokens = s.max_tokens(req.max_completion_tokens or req.max_tokens, [prompt])
         stop_ids = s.eot.stop_ids | s.stops
         params = _params(s, req, max_tokens, stop_ids, req.logprobs, req.top_logprobs or 0)
@@ -207,6 +214,26 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
             msg = {"role": "assistant", "content": t.text}
             choices.append({"index": j, "message": msg, "logprobs": lp, "finish_reason": reason})
         return {**head, "choices": choices, "usage": usage(len(prompt), outs)}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model or s.name)
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequest("give a prompt or messages (one of them)", "prompt")
+        if req.prompt is not None:
+            (ids,) = _prompts(s, req.prompt)
+        else:
+            ids = _chat_prompt(s, req.messages)[0]
+        return {"count": len(ids), "max_model_len": s.max_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model or s.name)
+        vocab = s.worker.engine.cfg.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": s.tok.decode(req.tokens)}
 
     @app.get("/metrics")
     async def metrics():

@@ -68,6 +68,23 @@ class ChatRequest(_Common):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a prompt (tokenized as completions do) or messages (as chat does)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, str | list]] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `/detokenize`: token ids to text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[Int]
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code=None):
         super().__init__(message)
