@@ -289,7 +289,7 @@ def test_wrong_typed_and_unknown_fields_are_400_naming_the_field(server, route, 
     assert err["param"].split(".")[0] == name and err["message"].startswith(name), err
 
 
-def test_whole_numbers_written_as_floats_and_no_op_values_are_served(server, client):
+def test_whole_numbers_written_as_floats_nulls_and_no_op_values_are_served(server, client):
     r = client.completions.create(
         model="tiny",
         prompt="ab",
@@ -303,6 +303,11 @@ def test_whole_numbers_written_as_floats_and_no_op_values_are_served(server, cli
         model="tiny", messages=msgs, max_completion_tokens=2, temperature=1, extra_body=extra
     )
     assert chat.usage.completion_tokens <= 2
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "stop", "seed", "logprobs"])
+    nulls |= dict.fromkeys(["presence_penalty", "echo", "user", "logit_bias", "stream_options"])
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 2, **nulls}
+    r = httpx.post(server[0] + "/v1/completions", json=body, headers=HEADERS, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text  # nulls: defaults
 
 
 def test_several_prompts_stream_as_choices_prompt_times_n_plus_sample(server, client):

@@ -6,7 +6,7 @@ Types are strict, as OpenAI's API is: a boolean field takes only JSON true / fal
 a fraction (a whole number written 2.0 is 2), a number field refuses strings and booleans. A
 field this server does not know, or knows but does not honour, is refused unless it is set to a
 value that asks for nothing (`_NO_OPS`): a request is never served with a field silently
-ignored.
+ignored. A field sent as null takes its default (OpenAI's optional fields are nullable).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 def _whole(v):
@@ -53,6 +53,12 @@ class _Common(BaseModel):
     (benchmarks ask for exact output lengths); `stop` and `stop_token_ids` still do."""
     include_stop_str_in_output: bool = False
     """vLLM's extra: the `stop` string that ended a sample stays at the end of its text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, body):
+        """A field sent as null is its default, as OpenAI's nullable fields are."""
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
 
 
 class CompletionRequest(_Common):
