@@ -129,6 +129,17 @@ def test_a_missing_max_tokens_fills_the_context(server, client):
     body = {"model": "tiny", "prompt": [5] * CONTEXT}
     r = httpx.post(url + "/v1/completions", json=body, headers=HEADERS)
     assert r.status_code == 400 and "no room" in r.json()["error"]["message"]
+    for route, body in [  # a prompt and max_tokens past the context: the field named
+        ("completions", {"prompt": [5] * 10, "max_tokens": CONTEXT - 9}),
+        ("chat/completions", {"messages": msgs, "max_completion_tokens": CONTEXT}),
+    ]:
+        r = httpx.post(f"{url}/v1/{route}", json={"model": "tiny", **body}, headers=HEADERS)
+        err = r.json()["error"]
+        assert r.status_code == 400 and f"context is {CONTEXT} tokens" in err["message"], r.text
+        assert err["param"] == next(k for k in body if k.startswith("max_"))
+    fits = {"model": "tiny", "prompt": [5] * 10, "max_tokens": CONTEXT - 10, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=fits, headers=HEADERS, timeout=120)
+    assert r.json()["usage"]["total_tokens"] == CONTEXT
 
 
 @pytest.mark.parametrize(

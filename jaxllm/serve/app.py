@@ -193,7 +193,9 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         prompt, images = _chat_prompt(s, req.messages)
-        max_tokens = s.max_tokens(req.max_completion_tokens or req.max_tokens, [prompt])
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        asked = req.max_completion_tokens or req.max_tokens
+        max_tokens = s.max_tokens(asked, [prompt], field=field)
         stop_ids = s.eot.stop_ids | s.stops
         params = _params(s, req, max_tokens, stop_ids, req.logprobs, req.top_logprobs or 0)
         stops = _stop_strings(req)

@@ -42,12 +42,21 @@ class Served:
         # the most tokens one sequence may hold: the context, or fewer when the pool is small
         self.max_len = min(e.cfg.max_seq_len, (e.pool.num_pages - 1) * e.page_size)
 
-    def max_tokens(self, asked: int | None, prompts: list[list[int]], default=None) -> int:
+    def max_tokens(
+        self, asked: int | None, prompts: list[list[int]], default=None, field="max_tokens"
+    ) -> int:
         """`asked`, or when it is None the rest of the context after the longest prompt
-        (at most `default`); 400 when a prompt leaves no room."""
-        if asked is not None:
-            return asked
+        (at most `default`); 400 when a prompt leaves no room, or no room for `asked`."""
         longest = max(map(len, prompts))
+        if asked is not None:
+            if longest + asked > self.max_len:
+                raise BadRequest(
+                    f"this server's context is {self.max_len} tokens; the prompt ({longest} "
+                    f"tokens) and {field} ({asked}) ask for {longest + asked}: lower {field} or "
+                    "shorten the prompt",
+                    field,
+                )
+            return asked
         if longest >= self.max_len:
             raise BadRequest(
                 f"the prompt ({longest} tokens) leaves no room to generate in this server's "
