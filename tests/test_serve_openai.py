@@ -13,6 +13,7 @@ import openai
 import pytest
 from test_serve import KEY, in_thread
 
+import jaxllm
 from jaxllm.cli import main
 from jaxllm.serve.cli import build, load
 
@@ -251,6 +252,7 @@ def test_retrieve_the_served_model_and_404_for_another(server, client):
         assert r.status_code == 404 and err["code"] == "model_not_found", r.text
         assert err["type"] == "not_found_error" and err["param"] == "model"
     assert httpx.get(url + "/v1/models/tiny").status_code == 401  # the key is needed there too
+    assert httpx.get(url + "/version").json() == {"version": jaxllm.__version__}
 
 
 STRICT = [

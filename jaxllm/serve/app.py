@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException
 
+from jaxllm import __version__
 from jaxllm.infer.engine import SamplingParams
 from jaxllm.serve.images import PartError, chat_prompt
 from jaxllm.serve.protocol import (
@@ -135,6 +136,10 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():  # vLLM's route: the server's version
+        return {"version": __version__}
 
     def card() -> dict:
         return {
