@@ -64,6 +64,19 @@ def test_stream_options_include_usage_ends_with_the_usage(server, client, chat):
     assert last["choices"] == [] and last["usage"] == whole.usage.model_dump(exclude_none=True)
     assert all(c["choices"] and "usage" not in c for c in chunks)
     assert all("usage" not in c for c in _events(url, route, {**body, "stream": True}))
+    every = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's: counts so far
+    *chunks, last = _events(url, route, {**body, "stream": True, "stream_options": every})
+    assert last["usage"] == whole.usage.model_dump(exclude_none=True)
+    done = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        assert c["usage"]["prompt_tokens"] == whole.usage.prompt_tokens
+        assert c["usage"]["completion_tokens"] >= done.get(choice["index"], 0)
+        done[choice["index"]] = c["usage"]["completion_tokens"]
+    assert sum(done.values()) == whole.usage.completion_tokens
+    alone = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    r = httpx.post(url + route, json={**body, **alone}, headers=HEADERS)
+    assert r.status_code == 400 and "include_usage" in r.json()["error"]["message"]
     stream = client.completions.create(  # the official client reads it as a user's program does
         model="tiny", prompt="ab", max_tokens=3, stream=True, stream_options={"include_usage": True}
     )

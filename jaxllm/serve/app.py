@@ -98,8 +98,13 @@ def _chat_prompt(s: Served, messages: list[dict]):
         raise BadRequest(str(e), "messages") from None
 
 
-def _wants_usage(req: CompletionRequest | ChatRequest) -> bool:
-    return bool((req.stream_options or {}).get("include_usage"))
+def _usage_options(req: CompletionRequest | ChatRequest) -> dict:
+    """`stream`'s with_usage and continuous of a request's stream_options."""
+    opts = req.stream_options or {}
+    return {
+        "with_usage": opts.get("include_usage", False),
+        "continuous": opts.get("continuous_usage_stats", False),
+    }
 
 
 def make_app(s: Served, api_key: str | None = None) -> FastAPI:
@@ -177,9 +182,7 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": s.name}
         head["created"] = int(time.time())
         if req.stream:
-            return await stream(
-                s, prompts, params, False, head, new_text, with_usage=_wants_usage(req)
-            )
+            return await stream(s, prompts, params, False, head, new_text, **_usage_options(req))
         choices, all_outs = [], []
         for i, outs in enumerate(await run(s, prompts, params, new_text)):
             all_outs += outs
@@ -211,8 +214,8 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         head["created"] = int(time.time())
         if req.stream:
             head["object"] = "chat.completion.chunk"
-            with_usage = _wants_usage(req)
-            return await stream(s, [prompt], params, True, head, new_text, images, with_usage)
+            opts = _usage_options(req)
+            return await stream(s, [prompt], params, True, head, new_text, images, **opts)
         (outs,) = await run(s, [prompt], params, new_text, images)
         choices = []
         for j, (t, reason) in enumerate(outs):

@@ -46,7 +46,8 @@ class _Common(BaseModel):
     stop_token_ids: list[Int] | None = None
     stream: bool = False
     stream_options: dict | None = None
-    """OpenAI's `{"include_usage": true}`: a last chunk (no choices) carries the usage."""
+    """OpenAI's `{"include_usage": true}`: a last chunk (no choices) carries the usage; vLLM's
+    `"continuous_usage_stats": true` with it: every chunk carries its sample's counts so far."""
     user: str | None = None
     ignore_eos: bool = False
     """vLLM's extra: the model's end-of-sequence / end-of-turn tokens do not end the output
@@ -173,10 +174,18 @@ def check_supported(req: _Common) -> None:
     if req.stream_options is not None:
         if not req.stream:
             raise BadRequest("stream_options goes with stream: true", "stream_options")
-        if set(req.stream_options) - {"include_usage"} or not isinstance(
-            req.stream_options.get("include_usage", False), bool
-        ):
-            raise BadRequest("stream_options takes {include_usage: bool}", "stream_options")
+        keys = {"include_usage", "continuous_usage_stats"}
+        opts = req.stream_options
+        if set(opts) - keys or not all(isinstance(opts.get(k, False), bool) for k in keys):
+            raise BadRequest(
+                "stream_options takes {include_usage: bool, continuous_usage_stats: bool}",
+                "stream_options",
+            )
+        if opts.get("continuous_usage_stats") and not opts.get("include_usage"):
+            raise BadRequest(
+                "stream_options: continuous_usage_stats goes with include_usage: true",
+                "stream_options",
+            )
 
 
 def check_messages(messages: list[dict]) -> None:

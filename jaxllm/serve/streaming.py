@@ -172,14 +172,31 @@ def sse(obj) -> str:
 
 
 async def stream(
-    s: Served, prompts, params, chat: bool, head: dict, new_text, images=None, with_usage=False
+    s: Served,
+    prompts,
+    params,
+    chat: bool,
+    head: dict,
+    new_text,
+    images=None,
+    with_usage=False,
+    continuous=False,
 ):
     """Server-sent events of one request per prompt (their choices numbered prompt * n +
-    sample, as OpenAI's; `with_usage`: a last chunk of the token counts); aborting them when the
-    client goes (the generator is closed) frees their pages."""
+    sample, as OpenAI's; `with_usage`: a last chunk of the token counts; `continuous`: vLLM's
+    `continuous_usage_stats`, every chunk with its sample's counts so far); aborting them when
+    the client goes (the generator is closed) frees their pages."""
     submitted = await submit_all(s, prompts, params, images)
     want, n = params.logprobs, params.n
     offsets = [0] * (n * len(prompts))
+    texts = [[new_text() for _ in range(n)] for _ in prompts]
+
+    def event(choice, k=0, i=None) -> str:
+        counts = {}
+        if continuous:
+            outs = [] if i is None else [(texts[k][i], None)]
+            counts["usage"] = usage(len(prompts[k]), outs)
+        return sse({**head, "choices": [choice], **counts})
 
     def chunk(index, text, entries, finish=None):
         lp = None
@@ -190,15 +207,14 @@ async def stream(
             lp = completion_logprobs(s.tok, entries, offsets[index]) if want else None
             offsets[index] += sum(len(t) for t in lp["tokens"]) if lp else 0
             choice = {"index": index, "text": text, "logprobs": lp}
-        return sse({**head, "choices": [{**choice, "finish_reason": finish}]})
+        return event({**choice, "finish_reason": finish}, *divmod(index, n))
 
     async def gen():
-        texts = [[new_text() for _ in range(n)] for _ in prompts]
         try:
             if chat:
                 for i in range(n):
                     role = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                    yield sse({**head, "choices": [{**role, "finish_reason": None}]})
+                    yield event({**role, "finish_reason": None})
             try:
                 async with contextlib.aclosing(merged(s, submitted, texts)) as items:
                     async for k, i, delta, entries, reason in items:
