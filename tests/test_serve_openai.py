@@ -13,6 +13,7 @@ import openai
 import pytest
 from test_serve import KEY, in_thread
 
+import jaxllm
 from jaxllm.cli import main
 from jaxllm.serve.cli import build, load
 
@@ -63,6 +64,19 @@ def test_stream_options_include_usage_ends_with_the_usage(server, client, chat):
     assert last["choices"] == [] and last["usage"] == whole.usage.model_dump(exclude_none=True)
     assert all(c["choices"] and "usage" not in c for c in chunks)
     assert all("usage" not in c for c in _events(url, route, {**body, "stream": True}))
+    every = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's: counts so far
+    *chunks, last = _events(url, route, {**body, "stream": True, "stream_options": every})
+    assert last["usage"] == whole.usage.model_dump(exclude_none=True)
+    done = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        assert c["usage"]["prompt_tokens"] == whole.usage.prompt_tokens
+        assert c["usage"]["completion_tokens"] >= done.get(choice["index"], 0)
+        done[choice["index"]] = c["usage"]["completion_tokens"]
+    assert sum(done.values()) == whole.usage.completion_tokens
+    alone = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    r = httpx.post(url + route, json={**body, **alone}, headers=HEADERS)
+    assert r.status_code == 400 and "include_usage" in r.json()["error"]["message"]
     stream = client.completions.create(  # the official client reads it as a user's program does
         model="tiny", prompt="ab", max_tokens=3, stream=True, stream_options={"include_usage": True}
     )
@@ -129,6 +143,17 @@ def test_a_missing_max_tokens_fills_the_context(server, client):
     body = {"model": "tiny", "prompt": [5] * CONTEXT}
     r = httpx.post(url + "/v1/completions", json=body, headers=HEADERS)
     assert r.status_code == 400 and "no room" in r.json()["error"]["message"]
+    for route, body in [  # a prompt and max_tokens past the context: the field named
+        ("completions", {"prompt": [5] * 10, "max_tokens": CONTEXT - 9}),
+        ("chat/completions", {"messages": msgs, "max_completion_tokens": CONTEXT}),
+    ]:
+        r = httpx.post(f"{url}/v1/{route}", json={"model": "tiny", **body}, headers=HEADERS)
+        err = r.json()["error"]
+        assert r.status_code == 400 and f"context is {CONTEXT} tokens" in err["message"], r.text
+        assert err["param"] == next(k for k in body if k.startswith("max_"))
+    fits = {"model": "tiny", "prompt": [5] * 10, "max_tokens": CONTEXT - 10, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=fits, headers=HEADERS, timeout=120)
+    assert r.json()["usage"]["total_tokens"] == CONTEXT
 
 
 @pytest.mark.parametrize(
@@ -151,6 +176,19 @@ def test_invalid_json_and_unknown_routes_answer_in_openai_shape(server):
     r = httpx.post(url + "/v1/completions", content="{not json", headers=headers)
     err = r.json()["error"]
     assert r.status_code == 400 and "not valid JSON" in err["message"] and err["param"] is None
+    for content, kind in (
+        (b"model=tiny&prompt=x", "application/x-www-form-urlencoded"),
+        (b'["tiny"]', "application/json"),
+    ):
+        r = httpx.post(
+            url + "/v1/completions", content=content, headers={**HEADERS, "Content-Type": kind}
+        )
+        assert r.status_code == 400 and "a JSON object" in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": 5}, headers=HEADERS)
+    assert (
+        r.json()["error"]["message"]
+        == "prompt: Input should be a valid string or a valid list (got 5)"
+    )
     r = httpx.get(url + "/v1/nothing", headers=HEADERS)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(url + "/v1/completions", headers=HEADERS)
@@ -174,6 +212,16 @@ def test_a_failed_step_fails_its_requests_and_the_server_keeps_serving(server, c
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert "boom" in lines[-2] and lines[-1] == "data: [DONE]"
     assert worker.engine.pool.num_used == 0
+    add = worker.engine.add_request
+
+    def failing(*args, **kw):  # taking a request fails for a reason of the engine's own
+        worker.engine.add_request = add
+        raise TypeError("bust")
+
+    worker.engine.add_request = failing
+    with pytest.raises(openai.InternalServerError, match="bust"):
+        client.with_options(timeout=60).completions.create(model="tiny", prompt="ab", max_tokens=3)
+    assert worker._thread.is_alive()
     # a top_k past int32 (every token) is served, not a failed step
     r = client.completions.create(
         model="tiny", prompt="ab", max_tokens=3, extra_body={"top_k": 10**30}
@@ -200,3 +248,112 @@ def test_serve_command_mistakes_are_one_line_exit_2(small_run, capsys):
         with pytest.raises(SystemExit) as e:
             main(["serve", str(small_run), *bad])
         assert e.value.code == 2 and bad[1] in _one_line(capsys)
+
+
+def test_retrieve_the_served_model_and_404_for_another(server, client):
+    url = server[0]
+    card = client.models.retrieve("tiny")
+    assert (card.id, card.object, card.owned_by) == ("tiny", "model", "jaxllm")
+    assert (
+        card.model_extra["max_model_len"] == CONTEXT == client.models.list().data[0].max_model_len
+    )
+    for other in ("other", "org/tiny"):  # an id with a slash is one id, not another route
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.models.retrieve(other)
+        r = httpx.get(f"{url}/v1/models/{other}", headers=HEADERS)
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["code"] == "model_not_found", r.text
+        assert err["type"] == "not_found_error" and err["param"] == "model"
+    assert httpx.get(url + "/v1/models/tiny").status_code == 401  # the key is needed there too
+    assert httpx.get(url + "/version").json() == {"version": jaxllm.__version__}
+
+
+STRICT = [
+    ("completions", {"stream": "yes"}),
+    ("completions", {"stream": 1}),
+    ("completions", {"n": "2"}),
+    ("completions", {"n": 2.5}),
+    ("completions", {"n": True}),
+    ("completions", {"logprobs": "x"}),
+    ("completions", {"logprobs": True}),
+    ("completions", {"temperature": "hot"}),
+    ("completions", {"temperature": "0.5"}),
+    ("completions", {"top_p": True}),
+    ("completions", {"echo": 1}),
+    ("completions", {"max_tokens": "3"}),
+    ("completions", {"seed": 1.5}),
+    ("completions", {"stop": 5}),
+    ("completions", {"stop_token_ids": [True]}),
+    ("completions", {"ignore_eos": "false"}),
+    ("completions", {"prompt": [True, 5]}),
+    ("completions", {"user": 5}),
+    ("chat", {"logprobs": "true"}),
+    ("chat", {"logprobs": 1}),
+    ("chat", {"top_logprobs": "2", "logprobs": True}),
+    ("chat", {"max_completion_tokens": False}),
+    ("chat", {"presence_penalty": "1"}),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}),
+    ("completions", {"min_tokens": 4}),  # fields the server does not know
+    ("completions", {"max_token": 4}),
+    ("chat", {"guided_json": {"type": "object"}}),
+    ("chat", {"store": True}),
+]
+
+
+@pytest.mark.parametrize("route, field", STRICT, ids=[f"{r}-{f}" for r, f in STRICT])
+def test_wrong_typed_and_unknown_fields_are_400_naming_the_field(server, route, field):
+    """As OpenAI's API: strings are not read as booleans or numbers, nor booleans as numbers."""
+    if route == "chat":
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+    else:
+        path, body = "/v1/completions", {"prompt": "ab"}
+    body = {"model": "tiny", "max_tokens": 2, **body, **field}
+    r = httpx.post(server[0] + path, json=body, headers=HEADERS, timeout=60)
+    name = next(iter(field))
+    err = r.json()["error"]
+    assert r.status_code == 400, r.text
+    assert err["param"].split(".")[0] == name and err["message"].startswith(name), err
+
+
+def test_whole_numbers_written_as_floats_nulls_and_no_op_values_are_served(server, client):
+    r = client.completions.create(
+        model="tiny",
+        prompt="ab",
+        temperature=0,
+        extra_body={"n": 2.0, "max_tokens": 3.0, "top_k": -1.0, "ignore_eos": True},
+    )
+    assert len(r.choices) == 2 and r.usage.completion_tokens == 6
+    msgs = [{"role": "user", "content": "hi"}]
+    extra = {"store": False, "skip_special_tokens": True, "service_tier": "auto"}
+    chat = client.chat.completions.create(
+        model="tiny", messages=msgs, max_completion_tokens=2, temperature=1, extra_body=extra
+    )
+    assert chat.usage.completion_tokens <= 2
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "stop", "seed", "logprobs"])
+    nulls |= dict.fromkeys(["presence_penalty", "echo", "user", "logit_bias", "stream_options"])
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 2, **nulls}
+    r = httpx.post(server[0] + "/v1/completions", json=body, headers=HEADERS, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text  # nulls: defaults
+
+
+def test_several_prompts_stream_as_choices_prompt_times_n_plus_sample(server, client):
+    url = server[0]
+    body = {"model": "tiny", "prompt": ["one", "two two"], "max_tokens": 4, "n": 2}
+    body |= {"temperature": 1.0, "seed": 3, "logprobs": 0}
+    whole = client.completions.create(**body)
+    events = _events(
+        url, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    *chunks, last = events
+    texts, logprobs, reasons = {}, {}, {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        i = choice["index"]
+        texts[i] = texts.get(i, "") + choice["text"]
+        logprobs[i] = logprobs.get(i, []) + choice["logprobs"]["token_logprobs"]
+        reasons[i] = choice["finish_reason"] or reasons.get(i)
+    assert texts == {c.index: c.text for c in whole.choices} and len(texts) == 4
+    for c in whole.choices:
+        assert logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-6)
+        assert reasons[c.index] == c.finish_reason
+    assert last["usage"] == whole.usage.model_dump(exclude_none=True)

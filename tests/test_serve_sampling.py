@@ -44,6 +44,23 @@ def test_a_stop_string_across_tokens_cuts_the_text_streamed_or_not(server, clien
     assert same.text == whole.text and same.finish_reason == whole.finish_reason
 
 
+def test_include_stop_str_in_output_keeps_the_stop_streamed_or_not(client):
+    kw = dict(model="tiny", prompt="The", max_tokens=12, temperature=1.0, seed=7)
+    kw["extra_body"] = {"ignore_eos": True}
+    text = client.completions.create(**kw).choices[0].text
+    printable = [i for i in range(2, len(text) - 1) if text[i : i + 2].isascii()]
+    stop = next(text[i : i + 2] for i in printable if text[i : i + 2].isprintable())
+    want = text[: text.index(stop)] + stop  # vLLM's extra: the stop stays in the text
+    kw["extra_body"] |= {"include_stop_str_in_output": True}
+    r = client.completions.create(**kw, stop=[stop, "\x00never"]).choices[0]
+    assert r.text == want and r.finish_reason == "stop"
+    chunks = list(client.completions.create(**kw, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    kw["extra_body"] = {"ignore_eos": True}
+    assert client.completions.create(**kw, stop=stop).choices[0].text == want.removesuffix(stop)
+
+
 def test_a_stop_string_ends_one_of_n_samples_and_the_others_run_on(client):
     kw = dict(model="tiny", prompt="The", max_tokens=12, temperature=1.0, n=3, seed=11)
     free = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
@@ -124,3 +141,29 @@ def test_out_of_range_sampling_fields_answer_400(server, route, body):
     r = httpx.post(f"{server[0]}/v1/{route}", json={"model": "tiny", **body}, headers=headers)
     assert r.status_code == 400, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tokenize_and_detokenize_as_the_routes_count(server, client):
+    url, tok, bos = server[0], server[2], server[4]
+    r = httpx.post(url + "/tokenize", json={"model": "tiny", "prompt": "Hello"}).json()
+    used = _greedy(client, max_tokens=1).usage.prompt_tokens
+    assert r["tokens"] == bos + tok.encode("Hello").tolist() and r["count"] == len(r["tokens"])
+    assert httpx.post(url + "/tokenize", json={"prompt": "The"}).json()["count"] == used
+    assert r["max_model_len"] == client.models.retrieve("tiny").model_extra["max_model_len"]
+    msgs = [{"role": "user", "content": "Hi there"}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    counted = httpx.post(url + "/tokenize", json={"messages": msgs}).json()["count"]
+    assert counted == chat.usage.prompt_tokens
+    text = httpx.post(url + "/detokenize", json={"tokens": r["tokens"][len(bos) :]}).json()
+    assert text == {"prompt": "Hello"}
+    for route, body in [
+        ("tokenize", {"prompt": "a", "messages": msgs}),  # one of them
+        ("tokenize", {}),
+        ("tokenize", {"prompt": 5}),
+        ("tokenize", {"prompt": "a", "add_special_tokens": True}),  # a field it does not read
+        ("tokenize", {"prompt": "a", "model": "other"}),
+        ("detokenize", {"tokens": [1, 10**6]}),
+        ("detokenize", {"tokens": ["1"]}),
+    ]:
+        r = httpx.post(f"{url}/{route}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"], (body, r.text)

@@ -3,8 +3,9 @@ in OpenAI's two shapes.
 
 Stop strings are matched on the detokenized text, as vLLM does: a stop may span tokens, the
 text ends right before it, and while streaming the last (longest stop - 1) characters are held
-back until they cannot begin one. Text is shown in whole characters only (a token that ends
-mid-character waits for the next).
+back until they cannot begin one. A stop in `keep` (vLLM's `include_stop_str_in_output`) stays
+at the end of the text. Text is shown in whole characters only (a token that ends mid-character
+waits for the next).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from collections.abc import Sequence
 class SampleText:
     """Tokens in, text out: `add` each token, `take` what can be shown, `finish` at the end."""
 
-    def __init__(self, tok, stops: Sequence[str] = ()):
-        self.tok, self.stops = tok, [s for s in stops if s]
+    def __init__(self, tok, stops: Sequence[str] = (), keep: Sequence[str] = ()):
+        """`keep`: the stops that stay in the text when they end it (the others are cut)."""
+        self.tok, self.stops, self.keep = tok, [s for s in stops if s], set(keep)
         self.hold = max(map(len, self.stops), default=1) - 1
         self.ids: list[int] = []
         self.logprobs: list[float | None] = []
@@ -55,17 +57,16 @@ class SampleText:
         if text.endswith("\ufffd") and not final:
             return False
         start = max(0, min(len(self.text), len(text)) - self.hold)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        self.text = text[: min(hits)] if hits else text
+        hits = [(i, s) for s, i in ((s, text.find(s, start)) for s in self.stops) if i >= 0]
         if not hits:
+            self.text = text
             return False
+        at, stop = min(hits, key=lambda h: h[0])
+        end = at + len(stop) if stop in self.keep else at
+        self.text = text[:end]
         # keep the tokens the cut text needs (their log-probabilities go with the text)
         k = next(
-            (
-                k
-                for k in range(len(self.ids) + 1)
-                if len(self.tok.decode(self.ids[:k])) >= min(hits)
-            ),
+            (k for k in range(len(self.ids) + 1) if len(self.tok.decode(self.ids[:k])) >= end),
             len(self.ids),
         )
         del self.ids[k:], self.logprobs[k:], self.tops[k:]

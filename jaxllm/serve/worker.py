@@ -46,7 +46,7 @@ class EngineWorker:
         self, prompt: list[int], params: SamplingParams, images=None
     ) -> tuple[int, asyncio.Queue]:
         """Queues a request (with its images' `Pixels`, if any); returns (request id, its event
-        queue). ValueError when the engine refuses it."""
+        queue). ValueError when the engine refuses it, EngineFailed when it fails on it."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         fut = loop.create_future()
@@ -75,8 +75,13 @@ class EngineWorker:
             _, prompt, params, loop, events, fut, images = cmd
             try:
                 rid = self.engine.add_request(prompt, params, images=images)
-            except ValueError as e:
+            except ValueError as e:  # the request's fault: a 400
                 loop.call_soon_threadsafe(_resolve, fut, e)
+                return
+            except Exception as e:  # the engine's: a 500, and the thread goes on serving
+                traceback.print_exc()
+                failed = EngineFailed(f"the engine failed: {type(e).__name__}: {e}")
+                loop.call_soon_threadsafe(_resolve, fut, failed)
                 return
             self._streams[rid] = (loop, events)
             self.requests_total += 1
@@ -125,6 +130,10 @@ class EngineWorker:
             self.engine.abort(rid)
             self._emit(rid, ("cancelled",))
         self._streams.clear()
+
+
+class EngineFailed(RuntimeError):
+    """The engine could not take a request for a reason of its own (not the request's)."""
 
 
 def _resolve(fut: asyncio.Future, value) -> None:
