@@ -19,9 +19,9 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+from jaxllm.kernels.int4_matmul import int4_matmul
 
 from jaxllm.bench import median_seconds
-from jaxllm.kernels.int4_matmul import int4_matmul
 from jaxllm.model import quantized
 
 
