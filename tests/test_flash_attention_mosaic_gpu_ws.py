@@ -84,6 +84,10 @@ CASES = [
         64,
         dict(causal=True, segment_ids="packed", sliding_window=70, soft_cap=3.0),
     ),
+    ("full_mha_no_mask", jnp.bfloat16, 1, 256, 2, 2, 64, {}),  # every block unmasked
+    # windows: blocks at the window's edges masked, those inside not
+    ("causal_window", jnp.bfloat16, 1, 256, 2, 1, 64, dict(causal=True, sliding_window=100)),
+    ("window_two_sided_odd", jnp.bfloat16, 1, 250, 2, 1, 64, dict(sliding_window=90)),
     (  # padded rows / keys beyond the backward's 64-row blocks: 192 -> 256
         "f16_full_k128_kv128",
         jnp.float16,

@@ -21,6 +21,9 @@ Each program owns a tile of `block_q` query rows of one head and runs three warp
   while the other's wgmmas hold the tensor cores (wg 1 starts one phase behind, wg 0 catches up
   at the end, so both pass the barrier equally often).
 - p stays in registers: the p v wgmma takes its left operand from registers.
+- Each consumer splits its kv loop: the blocks all of its rows see whole (`_unmasked_blocks`)
+  skip the per-element mask; only the blocks at the causal diagonal, the window's edges and the
+  padded kv tail (every block with segment ids) compute it.
 
 As in `mosaic_gpu.py`, k is transposed once by XLA ([.., K, S] in GMEM) so that every SMEM operand
 is a plain row-major tile. The Mosaic GPU interpreter of jax 0.10 (the CPU tests) takes wgmma
@@ -130,6 +133,26 @@ def _pv(p, acc, alpha, slot, c, cfg: Config, s):
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def _unmasked_blocks(q_start, rows: int, lo, hi, cfg: Config):
+    """[a, b) within [lo, hi): the kv blocks that rows [q_start, q_start + rows) see whole under
+    the static masks and the kv padding (empty with segment ids, which mask any block)."""
+    bk, w = cfg.block_kv, cfg.sliding_window
+    if cfg.has_segments:
+        return hi, hi
+    first, last = q_start, q_start + rows - 1
+    a, b = lo, hi
+    if cfg.kv_len % bk:  # the block holding the padded keys
+        b = jnp.minimum(b, cfg.kv_len // bk)
+    if cfg.causal:  # (t + 1) bk - 1 <= first
+        b = jnp.minimum(b, lax.div(first + 1, bk))
+    if w is not None:  # last - w < t bk (and (t + 1) bk <= first + w without causality)
+        a = jnp.maximum(a, lax.div(jnp.maximum(last - w + 1, 0) + bk - 1, bk))
+        if not cfg.causal:
+            b = jnp.minimum(b, lax.div(first + w, bk))
+    a = jnp.minimum(a, hi)
+    return a, jnp.maximum(a, b)
+
+
 def _consume(c, q_ref, qid_ref, o_ref, lse_ref, b, h, qi, lo, hi, cfg: Config, s):
     hq, bk, d = cfg.block_q // CONSUMERS, cfg.block_kv, q_ref.shape[-1]
     q_start = qi * cfg.block_q + c * hq
@@ -147,7 +170,7 @@ def _consume(c, q_ref, qid_ref, o_ref, lse_ref, b, h, qi, lo, hi, cfg: Config, s
         q_ids = mg.row_broadcast(mg.load_vector(s["qid"].at[c], mg.ROW, cfg), shape)
     pl.when(c == 1)(functools.partial(_schedule, s))  # wg 1 starts one phase behind
 
-    def step(t, carry):
+    def step(t, carry, masked: bool = True):
         m, l, acc = carry
         slot = lax.rem(t - lo, NUM_SLOTS)
         plgpu.barrier_wait(s["kt_bar"].at[slot])
@@ -165,7 +188,9 @@ def _consume(c, q_ref, qid_ref, o_ref, lse_ref, b, h, qi, lo, hi, cfg: Config, s
             plgpu.barrier_wait(s["kvid_bar"].at[slot])
             kv_ids = mg.col_broadcast(mg.load_vector(s["kvid"].at[slot], mg.COL, cfg), shape)
         k_pos = t * bk + mg.iota(shape, 1, cfg)
-        mask = mask_from_positions(q_pos, k_pos, q_ids, kv_ids, cfg, pad_q=False)
+        mask = (
+            mask_from_positions(q_pos, k_pos, q_ids, kv_ids, cfg, pad_q=False) if masked else None
+        )
         if mask is not None:
             sc = jnp.where(mask, sc, MASK_VALUE)
         m_new = jnp.maximum(m, sc.max(axis=1))
@@ -184,7 +209,12 @@ def _consume(c, q_ref, qid_ref, o_ref, lse_ref, b, h, qi, lo, hi, cfg: Config, s
     m0 = mg.layout_hint(jnp.full((hq,), MASK_VALUE, jnp.float32), mg.ROW, cfg)
     l0 = mg.layout_hint(jnp.zeros((hq,), jnp.float32), mg.ROW, cfg)
     acc0 = mg.layout_hint(jnp.zeros((hq, d), jnp.float32), mg.TILE, cfg)
-    m, l, acc = lax.fori_loop(lo, hi, step, (m0, l0, acc0))
+    # Blocks every row of this consumer sees whole skip the per-element mask (FlashAttention-3's
+    # split of the kv loop): masked steps before, unmasked in [a, b), masked after.
+    full_lo, full_hi = _unmasked_blocks(q_start, hq, lo, hi, cfg)
+    carry = lax.fori_loop(lo, full_lo, step, (m0, l0, acc0))
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    m, l, acc = lax.fori_loop(full_hi, hi, step, carry)
     pl.when(c == 0)(functools.partial(_schedule, s))  # wg 0 catches up
 
     l_safe = jnp.where(l == 0.0, 1.0, l)  # rows with no visible key: out 0, no NaN
