@@ -21,7 +21,14 @@ from jax._src.pallas.mosaic_gpu.interpret.params import (
     InterpretGPUParams,
     force_gpu_interpret_mode,
 )
-from jaxllm.kernels import BlockSizes, flash_attention, flash_attention_reference
+from jaxllm.kernels import (
+    MASK_VALUE,
+    BlockSizes,
+    flash_attention,
+    flash_attention_reference,
+    flash_attention_reference_with_lse,
+    flash_attention_with_lse,
+)
 from lowering import lower
 
 TOL = {jnp.bfloat16: dict(out=2e-2, grad=5e-2), jnp.float16: dict(out=5e-3, grad=1e-2)}
@@ -129,6 +136,25 @@ def test_cross_attention_empty_rows_and_window_without_causality():
         sliding_window=100,
     )
     np.testing.assert_array_equal(np.asarray(out[:, 200:], np.float32), 0.0)
+
+
+def test_lse_matches_reference_and_carries_sinks():
+    """The kernel's logsumexp (rows with no visible key: MASK_VALUE) against the reference's,
+    and gpt-oss sinks, which re-normalize (out, lse) outside the kernel."""
+    b, l, h = 1, 200, 2
+    q, k, v, _ = _inputs(b, l, l, h, 1, 64, jnp.bfloat16)
+    ids = jnp.concatenate([jnp.full((b, 150), 1, jnp.int32), jnp.full((b, 50), 2, jnp.int32)], 1)
+    masks = dict(causal=True, sliding_window=120, segment_ids=(ids, jnp.ones_like(ids)))
+    opts = dict(backend="mosaic_gpu", interpret=True, block_sizes=_ws())
+    _, lse = jax.jit(lambda *a: flash_attention_with_lse(*a, **opts, **masks))(q, k, v)
+    _, lse_ref = flash_attention_reference_with_lse(q, k, v, **masks)
+    np.testing.assert_allclose(lse, lse_ref, atol=1e-4, rtol=1e-4)
+    assert np.all(np.asarray(lse[:, :, 150:]) == MASK_VALUE)
+    sinks = jnp.array([0.5, -1.0], jnp.float32)
+    masks = dict(causal=True, sinks=sinks)
+    got = jax.jit(lambda *a: flash_attention(*a, **opts, **masks))(q, k, v)
+    want = flash_attention_reference(q, k, v, **masks)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
 
 
 def test_warpgroups_have_no_races():
