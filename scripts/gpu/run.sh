@@ -48,9 +48,9 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
       step attention 240 $PY scripts/bench_attention.py --impls flash,cudnn,xla --seqs "$ATT_SEQS" ;;
     attention_ws)  # the warp-specialised flash forward: numerics, then vs cuDNN and the current
       # kernel at 8k and 16k, head dim 128
-      step attention_ws_tests 120 $PY -m pytest -p no:cacheprovider -m gpu -n 0 -q --timeout 100 \
+      step attention_ws_tests 90 $PY -m pytest -p no:cacheprovider -m gpu -n 0 -q --timeout 80 \
         -o addopts="" tests/test_gpu.py -k "mgpu-ws"
-      step attention_ws 150 $PY scripts/bench_attention.py --impls flash_ws,flash,cudnn \
+      step attention_ws 90 $PY scripts/bench_attention.py --impls flash_ws,flash,cudnn \
         --seqs 8192,16384 --iters 5 ;;
     attention_triton)
       step attention_triton 120 $PY scripts/bench_attention.py --impls flash --flash-backend triton \
