@@ -1,6 +1,6 @@
 """Benchmark attention implementations: forward and forward+backward TFLOP/s.
 
-    python scripts/bench_attention.py [--impls flash,cudnn,xla] [--seqs 2048,4096,8192,16384]
+    python scripts/bench_attention.py [--impls flash,flash_ws,cudnn,xla] [--seqs 2048,4096,8192,16384]
         [--head-dim 128] [--tokens 16384] [--hidden 2048] [--kv-heads N] [--no-causal]
         [--flash-backend mosaic_gpu|triton|mosaic_tpu] [--block-q 64 --block-kv 64]
         [--dtype bfloat16] [--interpret] [--iters 10]
@@ -10,8 +10,10 @@ The FlashAttention papers' setting: batch x seq = --tokens (16k), heads = --hidd
 it when causal) and 2.5x that for the backward, so forward+backward is 3.5x the forward.
 
 Implementations: `flash` (`jaxllm.kernels.flash_attention`; its backend is the platform default
-unless --flash-backend says otherwise), `cudnn` and `xla` (`jax.nn.dot_product_attention` with
-that `implementation`). Each is jitted, warmed up and timed over --iters calls (median). An
+unless --flash-backend says otherwise), `flash_ws` (the warp-specialised Mosaic GPU forward,
+`BlockSizes(..., warp_specialized=True)`, with --block-q / --block-kv or 128 / 128, and the
+Mosaic GPU backward), `cudnn` and `xla` (`jax.nn.dot_product_attention` with that
+`implementation`). Each is jitted, warmed up and timed over --iters calls (median). An
 implementation that fails (e.g. cudnn without a GPU) is reported as such, not skipped silently.
 Public anchors on H100 SXM, head_dim 128, 16k, causal forward: FlashAttention-3 ~616 TFLOP/s,
 cuDNN ~539, FlashAttention-2 ~335. On CPU, `--interpret` with tiny sizes is a smoke test only.
@@ -29,6 +31,16 @@ from jaxllm.kernels import BlockSizes, flash_attention
 
 
 def attention_fn(impl: str, *, causal: bool, flash_backend, block_sizes, interpret: bool):
+    if impl == "flash_ws":
+        return lambda q, k, v: flash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            block_sizes=block_sizes,
+            interpret=interpret,
+            backend="mosaic_gpu",
+        )
     if impl == "flash":
         return lambda q, k, v: flash_attention(
             q,
@@ -85,6 +97,7 @@ def main(argv=None) -> list[dict]:
     g = ns.kv_heads or h
     dtype = jnp.dtype(ns.dtype)
     blocks = BlockSizes(ns.block_q, ns.block_kv) if ns.block_q and ns.block_kv else None
+    ws_blocks = BlockSizes(ns.block_q or 128, ns.block_kv or 128, warp_specialized=True)
     print(
         f"device: {jax.devices()[0].device_kind}; heads {h} (kv {g}), head_dim {d}, "
         f"{'causal' if causal else 'full'}, {dtype.name}"
@@ -107,7 +120,7 @@ def main(argv=None) -> list[dict]:
                 impl,
                 causal=causal,
                 flash_backend=ns.flash_backend,
-                block_sizes=blocks,
+                block_sizes=ws_blocks if impl == "flash_ws" else blocks,
                 interpret=ns.interpret,
             )
             fwd = jax.jit(fn)

@@ -54,6 +54,20 @@ FLASH_CASES = [
         {"sliding_window": 200, "soft_cap": 30.0},
     ),
     ("mgpu-bf16-full", "mosaic_gpu", jnp.bfloat16, (2, 384, 4, 2, 128), {"causal": False}),
+    (  # the warp-specialised forward (mosaic_gpu_ws.py), 128-row tiles
+        "mgpu-ws-bf16-causal-gqa-k128",
+        "mosaic_gpu",
+        jnp.bfloat16,
+        (2, 1024, 8, 2, 128),
+        {"blocks": BlockSizes(128, 128, warp_specialized=True)},
+    ),
+    (
+        "mgpu-ws-f16-packed-window-cap-odd",
+        "mosaic_gpu",
+        jnp.float16,
+        (1, 700, 4, 1, 128),
+        {"seg": 1, "sliding_window": 200, "soft_cap": 30.0, "blocks": BlockSizes(256, 64, True)},
+    ),
     ("triton-bf16-causal-gqa", "triton", jnp.bfloat16, (2, 1024, 8, 2, 128), {}),
     (
         "triton-bf16-packed-window",
@@ -75,7 +89,7 @@ def test_flash_forward_backward_match_reference(backend, dtype, shape, kw):
     if kw.pop("seg", None):
         kw["segment_ids"] = _packed_ids(b, l, [l // 5, l // 2, l - 70])
     q, k_, v, do = _inputs(b, l, l, h, g, k, dtype, seed=l + k)
-    blocks = BlockSizes(64, 64) if backend == "triton" else None
+    blocks = kw.pop("blocks", BlockSizes(64, 64) if backend == "triton" else None)
 
     @jax.jit
     def both(q, k_, v, do):

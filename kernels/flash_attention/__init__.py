@@ -3,7 +3,8 @@ sizes and padding, block ranges, masks, scores, the backward preamble), one modu
 `mosaic_tpu.py` (forward / dq / dk-dv kernels for TPUs, the other sequence streamed on the
 innermost grid axis with VMEM scratch accumulators), `triton.py` (the same kernels for Triton,
 each program looping over the other sequence), `mosaic_gpu.py` and `mosaic_gpu_backward.py` (for
-Hopper GPUs in the Mosaic GPU style: TMA, barriers, wgmma), then `ops.py` (custom_vjp, backend
+Hopper GPUs in the Mosaic GPU style: TMA, barriers, wgmma; `mosaic_gpu_ws.py` the
+warp-specialised forward), then `ops.py` (custom_vjp, backend
 dispatch; imports a backend's module only when a call uses it) and `reference.py` (pure JAX
 ground truth, on `jaxllm.kernels.reference`)."""
 

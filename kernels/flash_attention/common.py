@@ -44,6 +44,7 @@ class Config:
     has_segments: bool
     backend: str  # one of BACKENDS
     interpret: bool
+    warp_specialized: bool = False  # Mosaic GPU: the forward of `mosaic_gpu_ws.py`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +59,16 @@ class BlockSizes:
     below 64 rows for Mosaic GPU); Triton needs powers of 2, Mosaic GPU multiples of 64, Mosaic
     TPU multiples of 8 and, with segment ids, a block_kv that is a multiple of 128 (lane-dim
     slices of the kv ids) unless one block holds the whole padded sequence.
+
+    `warp_specialized` (Mosaic GPU only) runs the FlashAttention-3 style forward of
+    `mosaic_gpu_ws.py`: `block_q` rows per program split over two compute warpgroups (a multiple
+    of 128, not below 128 for short sequences; e.g. `BlockSizes(128, 128, True)`); the backward
+    then runs with the default 64 / 64.
     """
 
     block_q: int
     block_kv: int
+    warp_specialized: bool = False
 
     @classmethod
     def default(cls, backend: str) -> BlockSizes:

@@ -16,7 +16,8 @@ Backends (`backend=`):
   length); the default when `jax.default_backend()` is TPU.
 - `"mosaic_gpu"`: Mosaic GPU kernels (`mosaic_gpu.py`, `mosaic_gpu_backward.py`: TMA, wgmma) for
   Hopper; the default on a Hopper GPU (compute capability 9.x) for bfloat16 / float16 inputs
-  with head dim 64 or 128. Asked for explicitly, other inputs raise.
+  with head dim 64 or 128. Asked for explicitly, other inputs raise. `BlockSizes(...,
+  warp_specialized=True)` runs the FlashAttention-3 style forward (`mosaic_gpu_ws.py`) instead.
 - `"triton"`: Pallas Triton kernels for CUDA GPUs (`triton.py`), only when asked for explicitly:
   JAX deprecates Pallas-on-Triton from 0.11.
 - `"xla"`: `flash_attention_reference` (materialises [B, H, L, S] scores in float32); the default
@@ -39,6 +40,7 @@ any row that sees a key (two empty rows merge to an empty row: out 0, lse MASK_V
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -47,6 +49,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxllm.kernels.flash_attention.common import (
     BACKENDS,
+    MOSAIC_GPU_BLOCK_MULTIPLE,
     BlockSizes,
     Config,
     block_size,
@@ -121,6 +124,10 @@ def _kernels(cfg: Config):
         from jaxllm.kernels.flash_attention import mosaic_tpu
 
         return mosaic_tpu.forward, mosaic_tpu.backward
+    if cfg.backend == "mosaic_gpu" and cfg.warp_specialized:
+        from jaxllm.kernels.flash_attention import mosaic_gpu_backward, mosaic_gpu_ws
+
+        return mosaic_gpu_ws.forward, _default_blocks(mosaic_gpu_backward.backward)
     if cfg.backend == "mosaic_gpu":
         from jaxllm.kernels.flash_attention import mosaic_gpu, mosaic_gpu_backward
 
@@ -128,6 +135,23 @@ def _kernels(cfg: Config):
     from jaxllm.kernels.flash_attention import triton
 
     return triton.forward, triton.backward
+
+
+def _default_blocks(backward):
+    """The backward of a warp-specialised forward, run with the default Mosaic GPU blocks (which
+    fit its pipelines in shared memory at K = 128 and divide the forward's padded lengths). Rows
+    and keys padded beyond the smaller blocks need no mask: their q, k, v and cotangents are
+    zero, so they add exactly nothing to the kept gradients."""
+    sizes = BlockSizes.default("mosaic_gpu")
+
+    def run(*args, **kwargs):
+        *args, cfg = args
+        cfg = dataclasses.replace(
+            cfg, block_q=sizes.block_q, block_kv=sizes.block_kv, warp_specialized=False
+        )
+        return backward(*args, cfg, **kwargs)
+
+    return run
 
 
 def _forward(cfg: Config):
@@ -167,6 +191,10 @@ def _kernel_inputs(
     s = k_BxSxGxK.shape[1]
     sizes = block_sizes or BlockSizes.default(backend)
     bq, bk = block_size(sizes.block_q, l, backend), block_size(sizes.block_kv, s, backend)
+    if sizes.warp_specialized:
+        if backend != "mosaic_gpu":
+            raise ValueError(f"warp_specialized needs backend 'mosaic_gpu', not {backend!r}")
+        bq = max(bq, 2 * MOSAIC_GPU_BLOCK_MULTIPLE)  # a wgmma row tile per compute warpgroup
     q_ids_BxL, kv_ids_BxS = split_segment_ids(segment_ids, l, s)
     has_segments = q_ids_BxL is not None
     if not has_segments:  # placeholders keep one kernel signature; never read
@@ -185,6 +213,7 @@ def _kernel_inputs(
         has_segments=has_segments,
         backend=backend,
         interpret=interpret,
+        warp_specialized=sizes.warp_specialized,
     )
     return cfg, q_ids_BxLpx1, kv_ids_Bx1xSp
 

@@ -46,6 +46,12 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
       step probe 120 $PY scripts/gpu/cudnn_packed_probe.py 64 ;;
     attention)
       step attention 240 $PY scripts/bench_attention.py --impls flash,cudnn,xla --seqs "$ATT_SEQS" ;;
+    attention_ws)  # the warp-specialised flash forward: numerics, then vs cuDNN and the current
+      # kernel at 8k and 16k, head dim 128
+      step attention_ws_tests 90 $PY -m pytest -p no:cacheprovider -m gpu -n 0 -q --timeout 80 \
+        -o addopts="" tests/test_gpu.py -k "mgpu-ws"
+      step attention_ws 90 $PY scripts/bench_attention.py --impls flash_ws,flash,cudnn \
+        --seqs 8192,16384 --iters 5 ;;
     attention_triton)
       step attention_triton 120 $PY scripts/bench_attention.py --impls flash --flash-backend triton \
         --seqs "$ATT_SEQS" ;;
