@@ -3,6 +3,11 @@
 Analytic FLOPs come from `jaxllm.metrics.flops_per_token`; compiled FLOPs from XLA's cost
 analysis of the very program that runs. Their ratio checks the analytic model (and shows
 rematerialisation, which adds recomputed forward FLOPs to the compiled count).
+
+Speed does not depend on what the weights are, so the inference benchmarks can run a model of
+random weights (`random_weights`), in memory or as a run directory (`write_random_run`, with a
+word-level tokenizer of the model's vocabulary): a model's shape, such as Llama-3.2-1B's, is
+measured with no download and no training.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxllm import config, sharding
+from jaxllm import checkpoint, config, sharding
+from jaxllm.config import ConfigError
 from jaxllm.config.pipeline import microbatches
 from jaxllm.data import span_corruption
 from jaxllm.metrics import flops_per_token, param_counts, peak_flops
+from jaxllm.model.abstract import abstract_model, abstract_model_state
+from jaxllm.model.transformer import build, init_keys, split_peft
 from jaxllm.sharding import to_global
 from jaxllm.train import loss_scale, remat_auto
 from jaxllm.train.compiled import compile_steps
@@ -37,6 +45,67 @@ def median_seconds(fn, *args, iters: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+# The specials of `word_tokenizer`, the last two ids (Llama 3's names, which jaxllm finds)
+WORD_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>")
+
+
+def random_weights(cfg: config.Config, mesh, seed: int = 0) -> tuple[dict, dict]:
+    """(params, model state) of `cfg.model` as a fresh run of `seed` starts them (untrained),
+    each leaf created in its shards on `mesh` (`jit` with `out_shardings`)."""
+    _, _, axes = abstract_model(cfg.model)
+    _, ms_axes = abstract_model_state(cfg.model)
+    shardings = tuple(sharding.tree_shardings(mesh, a) for a in (axes, ms_axes))
+
+    def init():
+        _, params, _, model_state = split_peft(build(cfg.model, init_keys(seed)[0]), None)
+        return params, model_state
+
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def word_tokenizer(path: Path, vocab_size: int) -> Path:
+    """Writes a tokenizer.json of exactly `vocab_size` ids: words `w0` .. `w{n-3}` split at
+    whitespace, then BOS and EOS (`WORD_SPECIALS`). Every other id decodes to text, so a random
+    model's tokens stream as text through `jaxllm serve`."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    if vocab_size < 3:
+        raise ConfigError(f"a word tokenizer needs a vocabulary of 3 or more, not {vocab_size}.")
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
+    vocab |= {name: vocab_size - 2 + i for i, name in enumerate(WORD_SPECIALS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(name, special=True) for name in WORD_SPECIALS])
+    tok.save(str(path))
+    return path
+
+
+def write_random_run(out: Path, model_yaml=None, overrides=(), seed: int = 0) -> Path:
+    """A run directory OUT of random weights (`random_weights`): config.yaml (`model_yaml`, or
+    the defaults, with `overrides`), a word tokenizer of the model's vocabulary and a
+    weights-only checkpoint at step 0, which `generate`, `quantize`, `serve` and `load_model`
+    read like any run. ConfigError when OUT holds files."""
+    out = Path(out).resolve()
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} holds files; name a new directory for the random run.")
+    tok = out / "tokenizer.json"
+    cfg = config.load(model_yaml, [*overrides, f"run.dir={out}", f"data.tokenizer={tok}"])
+    out.mkdir(parents=True, exist_ok=True)
+    word_tokenizer(tok, cfg.model.vocab_size)
+    mesh = sharding.make_mesh(cfg.mesh)
+    params, model_state = random_weights(cfg, mesh, seed)
+    checkpoint.save_params(
+        checkpoint.checkpoint_dir(out, cfg.checkpoint.dir),
+        params,
+        step=0,
+        model_state=model_state,
+        config=config.to_dict(cfg),
+        tokenizer=checkpoint.tokenizer_record(str(tok)),
+    )
+    config.dump(cfg, out / "config.yaml")
+    return out
 
 
 def synthetic_batch(cfg: config.Config, seed: int = 0) -> dict:

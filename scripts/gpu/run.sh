@@ -6,6 +6,26 @@
 #
 # `setup` installs jaxllm (editable, no dependencies) into the machine's Python and, when a
 # `.whl/` folder is present, the wheels in it (packages the machine's image lacks) to /tmp/site.
+# STEP@SECONDS runs a step under that limit instead of its own (each part of a step that has
+# several, e.g. torch_peer's batches).
+#
+# The next GPU run: what the open issues still ask of a GPU, in order of worth, with limits
+# that sum to 715 s (setup, a pip install of the checkout, is not limited: ~15 s):
+#
+#   TORCH_BATCHES=4 scripts/gpu/run.sh setup env@15 \
+#     train:dots_attention:cudnn:4@70 train:dots:cudnn:4@70 torch_peer@100 \
+#     fp8@60 decode_triton@40 attention_ws@35 quant_decode@100 \
+#     random_1b@30 serve_1b@120 decode_hbm@40
+#
+#   env 15 | issue 44, MFU >= 55% and >= 1.2x the PyTorch peer: the two train steps 70 + 70
+#   (`remat dots_attention` saves attention's output and logsumexp; `dots` was the best on
+#   2026-11-26), torch_peer 100 (batch 4, torch.compile) | issue 44, fp8 60 (bf16 vs current,
+#   blockwise, delayed at d 2048 and 4096) | issue 44, quantized decode kernel: decode_triton
+#   40 | issue 44, flash vs cuDNN: attention_ws 35 + 35 (numerics, then 8k and 16k) | issue 36:
+#   quant_decode 100 (bf16, int8, int4, W8A8-fp8 decode at batch 1 and 16 and a 2048-token
+#   prefill, Llama-3.2-1B shape, random weights) | issue 38: random_1b 30 (the run serve_1b
+#   reads), serve_1b 120 (bench_serve, 16 clients, 64 requests, against the static
+#   generator), decode_hbm 40 (the bf16 decode step at batch 64 as a share of HBM bandwidth).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -13,8 +33,9 @@ PY=${PY:-python3}
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 
-step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, report status
-  local name=$1 limit=$2
+step() {  # step NAME SECONDS COMMAND...: run with a limit ($CAP, from STEP@SECONDS, if set),
+  # log to $OUT/NAME.log, report status
+  local name=$1 limit=${CAP:-$2}
   shift 2
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
@@ -25,7 +46,14 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 }
 
 ATT_SEQS=${ATT_SEQS:-2048,4096,8192,16384}
+RUN_1B=${RUN_1B:-/tmp/random-1b}  # the Llama-3.2-1B-shaped run of random weights serve_1b reads
 for s in "$@"; do
+  CAP=
+  if [[ $s == *@* ]]; then
+    CAP=${s##*@}
+    s=${s%@*}
+    [[ $CAP =~ ^[0-9]+$ ]] || { echo "step $s@$CAP: the limit must be whole seconds"; exit 2; }
+  fi
   case $s in
     setup)
       if ls .whl/*.whl >/dev/null 2>&1; then
@@ -96,10 +124,28 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
         --no-compiled-flops ;;
     torch_peer)  # the PyTorch peer's train step on the same shape (Llama-3.2-1B, seq 4096,
       # batch 4 and 8, torch.compile): $TORCH_PEER is its script (a shared/ checkout's by default)
-      for batch in 4 8; do
+      for batch in ${TORCH_BATCHES:-4 8}; do
         step "torch_peer_b$batch" 300 $PY "${TORCH_PEER:-shared/tools/torch_llama_step.py}" \
           $batch 4096 --compile
       done ;;
+    quant_decode)  # issue 36: bf16, int8, int4 (group 128) and W8A8-fp8 decode at batch 1 and
+      # 16 and a 2048-token prefill, Llama-3.2-1B shape, random weights, through generate
+      step quant_decode 240 $PY scripts/bench_quant_decode.py --model 1b --batch 1,16 \
+        --new-tokens 256 --prefill-len 2048 --out "$OUT/quant_decode.json" ;;
+    random_1b)  # a run directory of random weights in the Llama-3.2-1B shape at $RUN_1B
+      rm -rf "$RUN_1B"
+      step random_1b 120 $PY scripts/bench_quant_decode.py --model 1b --write-run "$RUN_1B" ;;
+    serve_1b)  # issue 38: bench_serve on $RUN_1B (written first if missing), bf16 KV, against
+      # the static generator (transformers' generate left out: its 1B decode takes minutes)
+      [ -f "$RUN_1B/config.yaml" ] || step random_1b 120 $PY scripts/bench_quant_decode.py \
+        --model 1b --write-run "$RUN_1B"
+      step serve_1b 240 $PY scripts/bench_serve.py "$RUN_1B" --no-hf --clients 16 \
+        --num-requests 64 --output-len 16:256 --page-size 64 --max-model-len 640 \
+        --kv-cache-dtype bfloat16 --out "$OUT/serve_1b.json" ;;
+    decode_hbm)  # issue 38: the bf16 decode step at batch 64 (512-token prompts), its weights +
+      # KV bytes per step as a share of the device's peak HBM bandwidth
+      step decode_hbm 120 $PY scripts/bench_quant_decode.py --model 1b --kinds bf16 --batch 64 \
+        --prompt-len 512 --new-tokens 128 --prefill-len 0 --out "$OUT/decode_hbm.json" ;;
     remat_count)  # model.remat=dots_attention: cuDNN attention forwards in the compiled step
       step remat_count 300 $PY scripts/gpu/remat_attention_count.py ;;
     comm)  # `jaxllm bench comm` on the machine's GPUs (a smoke test on one GPU)

@@ -1,0 +1,231 @@
+"""Decode and prefill speed of a model in bf16 and quantized, on random weights (no download).
+
+    python scripts/bench_quant_decode.py [--model 1b|tiny] [--kinds bf16,int8,int4,w8a8-fp8]
+        [--batch 1,16] [--prompt-len 16] [--new-tokens 256] [--prefill-len 2048] [--iters 3]
+        [--kv-cache-dtype bfloat16] [--out FILE.json]
+    python scripts/bench_quant_decode.py --model 1b --write-run DIR
+
+`--model 1b` is configs/models/llama3_2_1b.yaml with bf16 parameters; `tiny` a 2-layer model
+of 128 wide for a CPU smoke test. Speed does not depend on the weights' values, so the weights
+are random (`jaxllm.bench.random_weights`), and each kind quantizes them in memory as `jaxllm
+quantize` does (`jaxllm.compress.quantize_params`): `int8` RTN per output channel, `int4` RTN
+in groups of `--group-size` (128), `fp8` E4M3 weights (weight-only), `w8a8-fp8` E4M3 weights
+and per-token E4M3 activations (an fp8 x fp8 dot: W8A8 with no calibration data). Embeddings
+stay in bf16 (Llama-3.2-1B's LM head is its tied embedding: 0.53 GB of every kind's bytes).
+
+Each measurement is `jaxllm.infer.generate` (one jitted prefill + decode loop, greedy, no stop
+tokens), timed by `jaxllm.bench.median_seconds` over `--iters` calls after a compiling one:
+
+- decode, per batch B: a `--prompt-len`-token prompt continued by `--new-tokens` N tokens;
+  tokens/s = B N / t, a step = t / N (the short prefill is in t, as one step more). Weight
+  GB/s = the weights' bytes (codes and scales as stored) / step; HBM GB/s adds the KV cache
+  one step reads (B x the mean context, prompt + N / 2, x the cache's bytes per token), and
+  its share of the device's peak bandwidth where known (H100 3.35, H200 4.8 TB/s);
+- prefill: one `--prefill-len`-token prompt at batch 1 with one new token, less one batch-1
+  decode step (0: no prefill row): prefill tokens/s.
+
+Prints two markdown tables with the speed-up of each kind over bf16; `--out` writes the rows.
+`--write-run DIR` instead writes the model's random weights as a run directory
+(`jaxllm.bench.write_random_run`, with a word tokenizer) for `jaxllm serve` and
+scripts/bench_serve.py, and measures nothing. Bad options: one `jaxllm: ...` line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxllm import compress, config, sharding
+from jaxllm.bench import median_seconds, random_weights, write_random_run
+from jaxllm.config import ConfigError, GenerateConfig, QuantizeConfig
+from jaxllm.infer import kv_cache
+from jaxllm.infer.generate import generate
+from jaxllm.model.abstract import abstract_model
+from jaxllm.model.transformer import merge_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {
+    "1b": (ROOT / "configs" / "models" / "llama3_2_1b.yaml", ["model.param_dtype=bfloat16"]),
+    "tiny": (
+        None,
+        [
+            "model.param_dtype=bfloat16",
+            "model.vocab_size=512",
+            "model.d_model=128",
+            "model.num_layers=2",
+            "model.num_heads=4",
+            "model.num_kv_heads=2",
+            "model.mlp_dim=256",
+            "model.max_seq_len=512",
+        ],
+    ),
+}
+# Peak HBM bandwidth (bytes/s) by device kind substring (as scripts/bench_decode.py).
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def kinds(group: int) -> dict[str, QuantizeConfig | None]:
+    return {
+        "bf16": None,
+        "int8": QuantizeConfig(method="rtn", bits=8),
+        "int4": QuantizeConfig(method="rtn", bits=4, group_size=group),
+        "fp8": QuantizeConfig(method="fp8", bits=8),
+        "w8a8-fp8": QuantizeConfig(method="fp8", bits=8, fp8_activations=True),
+    }
+
+
+def peak_bandwidth(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    return next((p for name, p in PEAK_BANDWIDTH.items() if name in kind), None)
+
+
+def nbytes(tree) -> int:
+    """Bytes of every array of `tree` as stored (a quantized weight's codes and scales)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one `jaxllm: ...` line, exit 2, as every jaxllm command
+        raise ConfigError(message)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="1b")
+    p.add_argument("--kinds", default="bf16,int8,int4,w8a8-fp8")
+    p.add_argument("--group-size", type=int, default=128, help="int4's group")
+    p.add_argument("--batch", default="1,16", help="decode batch sizes, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prefill-len", type=int, default=2048, help="0: no prefill measurement")
+    p.add_argument("--kv-cache-dtype", default="bfloat16")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--write-run", type=Path, help="write the random model as a run, then stop")
+    ns = p.parse_args(argv)
+    table = kinds(ns.group_size)
+    ns.kinds = ns.kinds.split(",")
+    bad = [k for k in ns.kinds if k not in table]
+    if bad:
+        p.error(f"unknown kinds {bad}; this script has {', '.join(table)}")
+    try:
+        ns.batch = [int(b) for b in ns.batch.split(",")]
+    except ValueError:
+        p.error(f"--batch {ns.batch}: give whole numbers, comma-separated")
+    if min(ns.batch) < 1 or min(ns.prompt_len, ns.new_tokens, ns.iters) < 1:
+        p.error("--batch, --prompt-len, --new-tokens and --iters must be at least 1")
+    return ns
+
+
+def decode_row(model, ns, b: int, weights: int, kv_per_token: int, peak) -> dict:
+    rng = np.random.default_rng(ns.seed + b)
+    vocab = model.cfg.vocab_size
+    prompts = rng.integers(0, vocab - 2, (b, ns.prompt_len)).tolist()
+    gen = GenerateConfig(
+        max_new_tokens=ns.new_tokens, temperature=0.0, kv_cache_dtype=ns.kv_cache_dtype
+    )
+    secs = median_seconds(lambda: generate(model, prompts, gen), iters=ns.iters)
+    step = secs / ns.new_tokens
+    kv = b * (ns.prompt_len + ns.new_tokens / 2) * kv_per_token
+    row = {"batch": b, "seconds": secs, "tokens_per_s": b * ns.new_tokens / secs}
+    row |= {"step_ms": step * 1e3, "weight_gb_per_s": weights / step / 1e9}
+    row |= {"kv_bytes": kv, "hbm_gb_per_s": (weights + kv) / step / 1e9}
+    return row | {"peak_pct": None if peak is None else 100 * (weights + kv) / step / peak}
+
+
+def prefill_row(model, ns, step_s: float) -> dict:
+    rng = np.random.default_rng(ns.seed)
+    prompt = rng.integers(0, model.cfg.vocab_size - 2, (1, ns.prefill_len)).tolist()
+    gen = GenerateConfig(max_new_tokens=1, temperature=0.0, kv_cache_dtype=ns.kv_cache_dtype)
+    secs = median_seconds(lambda: generate(model, prompt, gen), iters=ns.iters)
+    prefill = max(secs - step_s, 1e-9)
+    return {"tokens": ns.prefill_len, "seconds": secs, "prefill_s": prefill} | {
+        "tokens_per_s": ns.prefill_len / prefill
+    }
+
+
+def measure(ns) -> dict:
+    path, overrides = MODELS[ns.model]
+    cfg = config.load(path, overrides)
+    mesh = sharding.make_mesh(cfg.mesh)
+    graphdef, _, axes = abstract_model(cfg.model)
+    params, model_state = random_weights(cfg, mesh, ns.seed)
+    device = jax.devices()[0]
+    peak = peak_bandwidth(device)
+    kv_per_token = kv_cache.model_bytes_per_token(cfg.model, ns.kv_cache_dtype, 32)
+    res = {"model": ns.model, "device": device.device_kind, "jax": jax.__version__}
+    res |= {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "peak_bandwidth": peak}
+    res |= {"settings": {k: str(v) for k, v in vars(ns).items()}, "rows": []}
+    for kind in ns.kinds:
+        q = kinds(ns.group_size)[kind]
+        weights = params if q is None else compress.quantize_params(params, axes, q, mesh)
+        model = merge_model(graphdef, weights, None, model_state)
+        row = {"kind": kind, "weight_bytes": nbytes(weights), "decode": []}
+        for b in ns.batch:
+            row["decode"].append(decode_row(model, ns, b, row["weight_bytes"], kv_per_token, peak))
+        if ns.prefill_len:
+            b1 = [d for d in row["decode"] if d["batch"] == 1]
+            row["prefill"] = prefill_row(model, ns, b1[0]["step_ms"] / 1e3 if b1 else 0.0)
+        res["rows"].append(row)
+        del model, weights
+    return res
+
+
+def tables(res: dict) -> str:
+    base = {d["batch"]: d for d in res["rows"][0]["decode"]} if res["rows"] else {}
+    lines = [
+        "| kind | weights MB | batch | decode tok/s | ms/step | weight GB/s | HBM GB/s "
+        "| % peak | vs bf16 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in res["rows"]:
+        for d in row["decode"]:
+            pct = "-" if d["peak_pct"] is None else f"{d['peak_pct']:.0f}"
+            vs = base[d["batch"]]["step_ms"] / d["step_ms"]
+            lines.append(
+                f"| {row['kind']} | {row['weight_bytes'] / 1e6:.0f} | {d['batch']} | "
+                f"{d['tokens_per_s']:.1f} | {d['step_ms']:.3f} | {d['weight_gb_per_s']:.1f} | "
+                f"{d['hbm_gb_per_s']:.1f} | {pct} | {vs:.2f}x |"
+            )
+    pre = [r for r in res["rows"] if "prefill" in r]
+    if pre:
+        lines += ["", "| kind | prefill tokens | ms | prefill tok/s | vs bf16 |"]
+        lines.append("|---|---:|---:|---:|---:|")
+        first = pre[0]["prefill"]["prefill_s"]
+        for r in pre:
+            p = r["prefill"]
+            lines.append(
+                f"| {r['kind']} | {p['tokens']} | {p['prefill_s'] * 1e3:.2f} | "
+                f"{p['tokens_per_s']:.0f} | {first / p['prefill_s']:.2f}x |"
+            )
+    lines.append(f"\ndevice: {res['device']} ({res['date']}, jax {res['jax']})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ns = parse_args(argv)
+    if ns.write_run:
+        path, overrides = MODELS[ns.model]
+        out = write_random_run(ns.write_run, path, overrides, ns.seed)
+        print(f"wrote a run of random weights ({ns.model}) to {out}")
+        return {"run": str(out)}
+    res = measure(ns)
+    print(tables(res))
+    if ns.out:
+        ns.out.write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        print(f"jaxllm: {e}", file=sys.stderr)
+        sys.exit(2)
