@@ -21,6 +21,9 @@ tokens), timed by `jaxllm.bench.median_seconds` over `--iters` calls after a com
   GB/s = the weights' bytes (codes and scales as stored) / step; HBM GB/s adds the KV cache
   one step reads (B x the mean context, prompt + N / 2, x the cache's bytes per token), and
   its share of the device's peak bandwidth where known (H100 3.35, H200 4.8 TB/s);
+- with `--engine`, also the serving engine's decode step (`jaxllm.infer.engine.Engine`, its
+  host scheduling included): B requests of `--prompt-len` random tokens prefilled, then
+  `Engine.step` timed over `--engine-steps` steps in which every slot decodes one token;
 - prefill: one `--prefill-len`-token prompt at batch 1 with one new token, less one batch-1
   decode step (0: no prefill row): prefill tokens/s.
 
@@ -45,6 +48,7 @@ from jaxllm import compress, config, sharding
 from jaxllm.bench import median_seconds, random_weights, write_random_run
 from jaxllm.config import ConfigError, GenerateConfig, QuantizeConfig
 from jaxllm.infer import kv_cache
+from jaxllm.infer.engine import Engine, SamplingParams
 from jaxllm.infer.generate import generate
 from jaxllm.model.abstract import abstract_model
 from jaxllm.model.transformer import merge_model
@@ -107,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", action="store_true", help="also time the engine's decode step")
+    p.add_argument("--engine-steps", type=int, default=16)
     p.add_argument("--out", type=Path)
     p.add_argument("--write-run", type=Path, help="write the random model as a run, then stop")
     ns = p.parse_args(argv)
@@ -140,6 +146,31 @@ def decode_row(model, ns, b: int, weights: int, kv_per_token: int, peak) -> dict
     return row | {"peak_pct": None if peak is None else 100 * (weights + kv) / step / peak}
 
 
+def engine_row(model, ns, b: int, weights: int, kv_per_token: int, peak) -> dict:
+    """The engine's decode step with `b` slots busy. A step whose block table grows past a
+    power of two of pages compiles: a `--prompt-len` just past one (512 + 16: pages 33 .. 35
+    of bucket 64) keeps the timed steps in one bucket."""
+    rng = np.random.default_rng(ns.seed + b)
+    steps, ps = ns.engine_steps, 16
+    pages = -(-(ns.prompt_len + steps + 2) // ps)
+    chunk = 1 << min(ns.prompt_len - 1, 255).bit_length()  # a power of two, at most 256
+    engine = Engine(model, max_num_seqs=b, page_size=ps, num_pages=b * pages + 1,
+                    chunk_size=chunk, kv_cache_dtype=ns.kv_cache_dtype)  # fmt: skip
+    for prompt in rng.integers(0, model.cfg.vocab_size - 2, (b, ns.prompt_len)).tolist():
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 8))
+    for _ in range(ns.prompt_len + 2):  # prefill until every slot has decoded a token
+        if len(engine.step().new_tokens) == b:
+            break
+    else:
+        raise RuntimeError(f"the engine's {b} slots never decoded together")
+    secs = median_seconds(engine.step, iters=steps)  # its first call: the decode compile
+    kv = b * (ns.prompt_len + steps / 2 + 2) * kv_per_token
+    row = {"batch": b, "engine": True, "seconds": secs * steps, "tokens_per_s": b / secs}
+    row |= {"step_ms": secs * 1e3, "weight_gb_per_s": weights / secs / 1e9}
+    row |= {"kv_bytes": kv, "hbm_gb_per_s": (weights + kv) / secs / 1e9}
+    return row | {"peak_pct": None if peak is None else 100 * (weights + kv) / secs / peak}
+
+
 def prefill_row(model, ns, step_s: float) -> dict:
     rng = np.random.default_rng(ns.seed)
     prompt = rng.integers(0, model.cfg.vocab_size - 2, (1, ns.prefill_len)).tolist()
@@ -170,6 +201,10 @@ def measure(ns) -> dict:
         row = {"kind": kind, "weight_bytes": nbytes(weights), "decode": []}
         for b in ns.batch:
             row["decode"].append(decode_row(model, ns, b, row["weight_bytes"], kv_per_token, peak))
+            if ns.engine:
+                row["decode"].append(
+                    engine_row(model, ns, b, row["weight_bytes"], kv_per_token, peak)
+                )
         if ns.prefill_len:
             b1 = [d for d in row["decode"] if d["batch"] == 1]
             row["prefill"] = prefill_row(model, ns, b1[0]["step_ms"] / 1e3 if b1 else 0.0)
@@ -179,7 +214,8 @@ def measure(ns) -> dict:
 
 
 def tables(res: dict) -> str:
-    base = {d["batch"]: d for d in res["rows"][0]["decode"]} if res["rows"] else {}
+    first = res["rows"][0]["decode"] if res["rows"] else []
+    base = {(d["batch"], d.get("engine", False)): d for d in first}
     lines = [
         "| kind | weights MB | batch | decode tok/s | ms/step | weight GB/s | HBM GB/s "
         "| % peak | vs bf16 |",
@@ -188,9 +224,10 @@ def tables(res: dict) -> str:
     for row in res["rows"]:
         for d in row["decode"]:
             pct = "-" if d["peak_pct"] is None else f"{d['peak_pct']:.0f}"
-            vs = base[d["batch"]]["step_ms"] / d["step_ms"]
+            vs = base[d["batch"], d.get("engine", False)]["step_ms"] / d["step_ms"]
+            name = row["kind"] + (" (engine)" if d.get("engine") else "")
             lines.append(
-                f"| {row['kind']} | {row['weight_bytes'] / 1e6:.0f} | {d['batch']} | "
+                f"| {name} | {row['weight_bytes'] / 1e6:.0f} | {d['batch']} | "
                 f"{d['tokens_per_s']:.1f} | {d['step_ms']:.3f} | {d['weight_gb_per_s']:.1f} | "
                 f"{d['hbm_gb_per_s']:.1f} | {pct} | {vs:.2f}x |"
             )

@@ -76,3 +76,13 @@ def test_random_run_is_served_with_every_token_streamed_as_text(tmp_path):
     assert serve["streamed_chunks"] == serve["output_tokens"]
     with pytest.raises(config.ConfigError, match="holds files"):
         _script("bench_quant_decode").main(["--model", "tiny", "--write-run", str(run)])
+
+
+def test_engine_decode_step_beside_generate(capsys):
+    args = "--model tiny --kinds bf16 --batch 2 --prompt-len 20 --new-tokens 4 --prefill-len 0 "
+    res = _script("bench_quant_decode").main([*args.split(), "--iters", "1", "--engine"])
+    gen, eng = res["rows"][0]["decode"]
+    assert "engine" not in gen and eng["engine"] and "prefill" not in res["rows"][0]
+    assert eng["tokens_per_s"] == pytest.approx(2 / (eng["step_ms"] / 1e3))
+    assert eng["hbm_gb_per_s"] > eng["weight_gb_per_s"] > 0
+    assert "| bf16 (engine) | " in capsys.readouterr().out

@@ -142,10 +142,11 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
       step serve_1b 240 $PY scripts/bench_serve.py "$RUN_1B" --no-hf --clients 16 \
         --num-requests 64 --output-len 16:256 --page-size 64 --max-model-len 640 \
         --kv-cache-dtype bfloat16 --out "$OUT/serve_1b.json" ;;
-    decode_hbm)  # issue 38: the bf16 decode step at batch 64 (512-token prompts), its weights +
-      # KV bytes per step as a share of the device's peak HBM bandwidth
+    decode_hbm)  # issue 38: the bf16 decode step at batch 64 (520-token prompts), generate's
+      # and the engine's, its weights + KV bytes per step as a share of peak HBM bandwidth
       step decode_hbm 120 $PY scripts/bench_quant_decode.py --model 1b --kinds bf16 --batch 64 \
-        --prompt-len 512 --new-tokens 128 --prefill-len 0 --out "$OUT/decode_hbm.json" ;;
+        --prompt-len 520 --new-tokens 128 --prefill-len 0 --engine --engine-steps 32 \
+        --out "$OUT/decode_hbm.json" ;;
     remat_count)  # model.remat=dots_attention: cuDNN attention forwards in the compiled step
       step remat_count 300 $PY scripts/gpu/remat_attention_count.py ;;
     comm)  # `jaxllm bench comm` on the machine's GPUs (a smoke test on one GPU)
