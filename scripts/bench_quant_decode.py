@@ -153,7 +153,7 @@ def engine_row(model, ns, b: int, weights: int, kv_per_token: int, peak) -> dict
     rng = np.random.default_rng(ns.seed + b)
     steps, ps = ns.engine_steps, 16
     pages = -(-(ns.prompt_len + steps + 2) // ps)
-    chunk = 1 << min(ns.prompt_len - 1, 255).bit_length()  # a power of two, at most 256
+    chunk = 1 << min(ns.prompt_len - 1, 1023).bit_length()  # one prefill step up to 1024
     engine = Engine(model, max_num_seqs=b, page_size=ps, num_pages=b * pages + 1,
                     chunk_size=chunk, kv_cache_dtype=ns.kv_cache_dtype)  # fmt: skip
     for prompt in rng.integers(0, model.cfg.vocab_size - 2, (b, ns.prompt_len)).tolist():
