@@ -79,7 +79,7 @@ def test_random_run_is_served_with_every_token_streamed_as_text(tmp_path):
 
 
 def test_engine_decode_step_beside_generate(capsys):
-    args = "--model tiny --kinds bf16 --batch 2 --prompt-len 20 --new-tokens 4 --prefill-len 0 "
+    args = "--model tiny --kinds bf16 --batch 2 --prompt-len 36 --new-tokens 4 --prefill-len 0 "
     res = _script("bench_quant_decode").main([*args.split(), "--iters", "1", "--engine"])
     gen, eng = res["rows"][0]["decode"]
     assert "engine" not in gen and eng["engine"] and "prefill" not in res["rows"][0]
