@@ -1,6 +1,7 @@
 """Decode and prefill speed of a model in bf16 and quantized, on random weights (no download).
 
-    python scripts/bench_quant_decode.py [--model 1b|tiny] [--kinds bf16,int8,int4,w8a8-fp8]
+    python scripts/bench_quant_decode.py [--model 1b|tiny]
+        [--kinds bf16,int8,int4,w8a8-fp8,w8a8-int8] [--calibration-samples 4]
         [--batch 1,16] [--prompt-len 16] [--new-tokens 256] [--prefill-len 2048] [--iters 3]
         [--kv-cache-dtype bfloat16] [--out FILE.json]
     python scripts/bench_quant_decode.py --model 1b --write-run DIR
@@ -10,7 +11,8 @@ of 128 wide for a CPU smoke test. Speed does not depend on the weights' values, 
 are random (`jaxllm.bench.random_weights`), and each kind quantizes them in memory as `jaxllm
 quantize` does (`jaxllm.compress.quantize_params`): `int8` RTN per output channel, `int4` RTN
 in groups of `--group-size` (128), `fp8` E4M3 weights (weight-only), `w8a8-fp8` E4M3 weights
-and per-token E4M3 activations (an fp8 x fp8 dot: W8A8 with no calibration data). Embeddings
+and per-token E4M3 activations (an fp8 x fp8 dot: W8A8 with no calibration data), `w8a8-int8`
+SmoothQuant (an int8 x int8 dot), calibrated on `--calibration-samples` rows of random words. Embeddings
 stay in bf16 (Llama-3.2-1B's LM head is its tied embedding: 0.53 GB of every kind's bytes).
 
 Each measurement is `jaxllm.infer.generate` (one jitted prefill + decode loop, greedy, no stop
@@ -27,7 +29,8 @@ tokens), timed by `jaxllm.bench.median_seconds` over `--iters` calls after a com
 - prefill: one `--prefill-len`-token prompt at batch 1 with one new token, less one batch-1
   decode step (0: no prefill row): prefill tokens/s.
 
-Prints two markdown tables with the speed-up of each kind over bf16; `--out` writes the rows.
+Prints two markdown tables with the speed-up of each kind over bf16 (and each kind's row as a
+JSON line on stderr as it is measured); `--out` writes the rows.
 `--write-run DIR` instead writes the model's random weights as a run directory
 (`jaxllm.bench.write_random_run`, with a word tokenizer) for `jaxllm serve` and
 scripts/bench_serve.py, and measures nothing. Bad options: one `jaxllm: ...` line, exit 2.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,8 +49,9 @@ import jax
 import numpy as np
 
 from jaxllm import compress, config, sharding
-from jaxllm.bench import median_seconds, random_weights, write_random_run
-from jaxllm.config import ConfigError, GenerateConfig, QuantizeConfig
+from jaxllm.bench import median_seconds, random_weights, word_tokenizer, write_random_run
+from jaxllm.compress.calibrate import quantize_calibrated
+from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.infer import kv_cache
 from jaxllm.infer.engine import Engine, SamplingParams
 from jaxllm.infer.generate import generate
@@ -74,14 +79,36 @@ MODELS = {
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
 
-def kinds(group: int) -> dict[str, QuantizeConfig | None]:
+def kinds(group: int) -> dict[str, list[str]]:
+    """Each kind's `quantize.*` overrides (none: bf16)."""
     return {
-        "bf16": None,
-        "int8": QuantizeConfig(method="rtn", bits=8),
-        "int4": QuantizeConfig(method="rtn", bits=4, group_size=group),
-        "fp8": QuantizeConfig(method="fp8", bits=8),
-        "w8a8-fp8": QuantizeConfig(method="fp8", bits=8, fp8_activations=True),
+        "bf16": [],
+        "int8": ["quantize.method=rtn", "quantize.bits=8"],
+        "int4": ["quantize.method=rtn", "quantize.bits=4", f"quantize.group_size={group}"],
+        "fp8": ["quantize.method=fp8", "quantize.bits=8"],
+        "w8a8-fp8": ["quantize.method=fp8", "quantize.bits=8", "quantize.fp8_activations=true"],
+        "w8a8-int8": ["quantize.method=smoothquant", "quantize.bits=8"],
     }
+
+
+def quantized(params, model_state, axes, ns, kind: str, mesh, tmp: Path):
+    """`params` as `kind` stores them; SmoothQuant calibrated on `--calibration-samples` rows
+    of 512 random words of a word tokenizer (speed does not depend on its scales)."""
+    path, overrides = MODELS[ns.model]
+    extra = kinds(ns.group_size)[kind]
+    if not extra:
+        return params
+    if "quantize.method=smoothquant" in extra:
+        n, vocab = ns.calibration_samples, config.load(path, overrides).model.vocab_size
+        word_tokenizer(tmp / "tokenizer.json", vocab)
+        words = np.random.default_rng(ns.seed).integers(0, vocab - 2, n * 512 + 64)
+        (tmp / "calibration.txt").write_text(" ".join(f"w{i}" for i in words))
+        extra = [*extra, f"data.tokenizer={tmp / 'tokenizer.json'}", "data.seq_len=512"]
+        extra += [f"quantize.calibration={tmp / 'calibration.txt'}", f"quantize.samples={n}"]
+    cfg = config.load(path, [*overrides, *extra])
+    if cfg.quantize.calibrated:
+        return quantize_calibrated(params, model_state, axes, cfg, mesh)
+    return compress.quantize_params(params, axes, cfg.quantize, mesh)
 
 
 def peak_bandwidth(device) -> float | None:
@@ -102,7 +129,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="1b")
-    p.add_argument("--kinds", default="bf16,int8,int4,w8a8-fp8")
+    p.add_argument("--kinds", default="bf16,int8,int4,w8a8-fp8,w8a8-int8")
     p.add_argument("--group-size", type=int, default=128, help="int4's group")
     p.add_argument("--batch", default="1,16", help="decode batch sizes, comma-separated")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -111,6 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibration-samples", type=int, default=4, help="w8a8-int8's rows")
     p.add_argument("--engine", action="store_true", help="also time the engine's decode step")
     p.add_argument("--engine-steps", type=int, default=16)
     p.add_argument("--out", type=Path)
@@ -195,8 +223,8 @@ def measure(ns) -> dict:
     res |= {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "peak_bandwidth": peak}
     res |= {"settings": {k: str(v) for k, v in vars(ns).items()}, "rows": []}
     for kind in ns.kinds:
-        q = kinds(ns.group_size)[kind]
-        weights = params if q is None else compress.quantize_params(params, axes, q, mesh)
+        with tempfile.TemporaryDirectory() as tmp:
+            weights = quantized(params, model_state, axes, ns, kind, mesh, Path(tmp))
         model = merge_model(graphdef, weights, None, model_state)
         row = {"kind": kind, "weight_bytes": nbytes(weights), "decode": []}
         for b in ns.batch:
@@ -209,6 +237,7 @@ def measure(ns) -> dict:
             b1 = [d for d in row["decode"] if d["batch"] == 1]
             row["prefill"] = prefill_row(model, ns, b1[0]["step_ms"] / 1e3 if b1 else 0.0)
         res["rows"].append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # kept when a time limit cuts
         del model, weights
     return res
 

@@ -78,11 +78,21 @@ def test_random_run_is_served_with_every_token_streamed_as_text(tmp_path):
         _script("bench_quant_decode").main(["--model", "tiny", "--write-run", str(run)])
 
 
-def test_engine_decode_step_beside_generate(capsys):
-    args = "--model tiny --kinds bf16 --batch 2 --prompt-len 36 --new-tokens 4 --prefill-len 0 "
-    res = _script("bench_quant_decode").main([*args.split(), "--iters", "1", "--engine"])
-    gen, eng = res["rows"][0]["decode"]
-    assert "engine" not in gen and eng["engine"] and "prefill" not in res["rows"][0]
-    assert eng["tokens_per_s"] == pytest.approx(2 / (eng["step_ms"] / 1e3))
-    assert eng["hbm_gb_per_s"] > eng["weight_gb_per_s"] > 0
-    assert "| bf16 (engine) | " in capsys.readouterr().out
+def test_engine_decode_step_beside_generate_and_smoothquant_on_random_words(capsys):
+    args = "--model tiny --kinds bf16,w8a8-int8 --batch 2 --prompt-len 36 --new-tokens 4 "
+    args += "--prefill-len 0 --iters 1 --engine --calibration-samples 2"
+    res = _script("bench_quant_decode").main(args.split())
+    bf16, w8a8 = res["rows"]
+    # SmoothQuant's int8 codes (one byte against two; the embedding stays bf16)
+    assert w8a8["weight_bytes"] < 0.7 * bf16["weight_bytes"]
+    for row in res["rows"]:
+        gen, eng = row["decode"]
+        assert "engine" not in gen and eng["engine"] and "prefill" not in row
+        assert eng["tokens_per_s"] == pytest.approx(2 / (eng["step_ms"] / 1e3))
+        assert eng["hbm_gb_per_s"] > eng["weight_gb_per_s"] > 0
+    out = capsys.readouterr()
+    assert "| bf16 (engine) | " in out.out and "| w8a8-int8 (engine) | " in out.out
+    assert [json.loads(line)["kind"] for line in out.err.splitlines() if line.startswith("{")] == [
+        "bf16",
+        "w8a8-int8",
+    ]
