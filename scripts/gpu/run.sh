@@ -17,17 +17,21 @@
 #     fp8@50 decode_triton@30 attention_ws@30 quant_decode@130 \
 #     random_1b@25 serve_1b@135 decode_hbm@50
 #
-#   env 15 | issue 44, MFU >= 55% and >= 1.2x the PyTorch peer: the two train steps 60 + 60
-#   (`remat dots_attention` saves attention's output and logsumexp; `dots` was the best on
-#   2026-11-26; a 1B step at seq 4096 took 30 s with its compile on 2026-11-24), torch_peer
-#   100 (batch 4, torch.compile) | issue 44, fp8 50 (bf16 vs current, blockwise, delayed at
-#   d 2048 and 4096) | issue 44, quantized decode kernel: decode_triton 30 | issue 44, flash
-#   vs cuDNN: attention_ws 30 + 30 (numerics, then 8k and 16k) | issue 36: quant_decode 130
-#   (bf16, int8, int4, W8A8-fp8, W8A8-int8 decode at batch 1 and 16 and a 2048-token
-#   prefill, the Llama-3.2-1B shape, random weights: 15 compiles; a row per kind as it ends) | issue 38: random_1b 25 (the run
-#   serve_1b reads), serve_1b 135 (bench_serve, 16 clients, 64 requests, against the static
-#   generator; the server first compiles its 30 step buckets), decode_hbm 50 (the bf16 decode
-#   step at batch 64, generate's and the engine's, as a share of HBM bandwidth).
+#   env 15: the device and the versions
+#   issue 44, MFU >= 55% and >= 1.2x the PyTorch peer: train:dots_attention and train:dots
+#     60 + 60 (dots_attention saves attention's output and logsumexp; dots was the best on
+#     2026-11-26; a 1B step at seq 4096 took 30 s with its compile on 2026-11-24), torch_peer
+#     100 (batch 4, torch.compile)
+#   issue 44, fp8 50: bf16 against current, blockwise and delayed scaling at d 2048 and 4096
+#   issue 44, the quantized decode kernel: decode_triton 30 (32k, batch 1 and 16)
+#   issue 44, flash against cuDNN: attention_ws 30 + 30 (numerics, then 8k and 16k)
+#   issue 36, quant_decode 130: bf16, int8, int4, W8A8-fp8 and W8A8-int8 decode at batch 1
+#     and 16 and a 2048-token prefill, the Llama-3.2-1B shape, random weights (15 compiles;
+#     each kind's row is logged as it ends)
+#   issue 38, random_1b 25 (the run serve_1b reads), serve_1b 135 (bench_serve, 16 clients,
+#     64 requests, against the static generator; the server first compiles its 30 step
+#     buckets), decode_hbm 50 (the bf16 decode step at batch 64, generate's and the engine's,
+#     as a share of peak HBM bandwidth)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
