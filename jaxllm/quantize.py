@@ -32,7 +32,7 @@ from jaxllm.config import Config, ConfigError, PeftConfig, QuantizeConfig
 from jaxllm.config.quantize import CALIBRATED, DEFAULT_BITS, METHOD_BITS
 from jaxllm.config.train import QATConfig
 from jaxllm.convert import load_params
-from jaxllm.convert.hf import NewRun, check_out_dir, new_run
+from jaxllm.convert.hf import NewRun, check_out_dir, new_run, refuse_inside
 from jaxllm.convert.reader import TOKENIZER_FILES, read_hf_config
 from jaxllm.data.tokenizer import GENERATION_CONFIG
 from jaxllm.load import (
@@ -160,12 +160,7 @@ def _check_out(out, overwrite: bool, reads, flag: str = OUT_FLAG) -> None:
     (the source run, its checkpoints), or when --overwrite would replace an OUT that is not a
     run."""
     out = Path(out)
-    for source in reads:
-        if out.resolve().is_relative_to(Path(source).resolve()):
-            raise ConfigError(
-                f"{flag} {out} lies inside {source}, which this command reads; write the "
-                "quantized run outside it."
-            )
+    refuse_inside(out, reads, flag, "quantized run")
     if flag != OUT_FLAG or not overwrite or (out / "config.yaml").is_file():
         return
     if out.is_dir() and any(out.iterdir()):

@@ -254,12 +254,20 @@ def check_out_dir(
                 f"{flag} {out} is or holds {source}, which this command reads; choose another "
                 "directory to write into."
             )
-        if not nested and out.resolve().is_relative_to(Path(source).resolve()):
-            raise ConfigError(
-                f"{flag} {out} lies inside {source}, which this command reads; write the new "
-                "run outside it."
-            )
+    if not nested:
+        refuse_inside(out, reads, flag)
     return check_output(out, flag=flag, overwrite=overwrite)
+
+
+def refuse_inside(out, reads, flag: str, what: str = "new run") -> None:
+    """ConfigError when `out` lies inside one of the directories `reads` that the command
+    reads (a new run written into the run it comes from)."""
+    for source in filter(None, reads):
+        if Path(out).resolve().is_relative_to(Path(source).resolve()):
+            raise ConfigError(
+                f"{flag} {out} lies inside {source}, which this command reads; write the "
+                f"{what} outside it."
+            )
 
 
 def _inside(path: Path, parent: Path) -> Path | None:
