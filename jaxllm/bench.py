@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import os
+import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +48,25 @@ def median_seconds(fn, *args, iters: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def device_description() -> str:
+    """The first device in words, for a benchmark's record: the CPU's name and cores, or the
+    accelerator's kind and count."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return f"{device.device_kind} x {jax.device_count()}"
+
+
+def script_main(main) -> None:
+    """Runs a benchmark script's `main()`; a bad argument or input (ConfigError) is one
+    `jaxllm:` line and exit 2."""
+    try:
+        main()
+    except ConfigError as e:
+        print(f"jaxllm: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 # The specials of `word_tokenizer`, the last two ids (Llama 3's names, which jaxllm finds)

@@ -49,7 +49,13 @@ import jax
 import numpy as np
 
 from jaxllm import compress, config, sharding
-from jaxllm.bench import median_seconds, random_weights, word_tokenizer, write_random_run
+from jaxllm.bench import (
+    median_seconds,
+    random_weights,
+    script_main,
+    word_tokenizer,
+    write_random_run,
+)
 from jaxllm.compress.calibrate import quantize_calibrated
 from jaxllm.config import ConfigError, GenerateConfig
 from jaxllm.infer import kv_cache
@@ -290,8 +296,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as e:
-        print(f"jaxllm: {e}", file=sys.stderr)
-        sys.exit(2)
+    script_main(main)

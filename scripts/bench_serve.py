@@ -34,8 +34,6 @@ import asyncio
 import contextlib
 import datetime
 import json
-import os
-import platform
 import signal
 import socket
 import subprocess
@@ -47,6 +45,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from jaxllm.bench import device_description, script_main
 from jaxllm.config import ConfigError
 
 
@@ -417,7 +416,6 @@ def main(argv=None) -> dict:
     res = {
         "command": "python scripts/bench_serve.py " + " ".join(argv or sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "settings": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items() if k != "out"
         },
@@ -432,6 +430,8 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         res[name] = fn(ns, reqs, *extra)
         print(f"bench_serve: {name} took {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    # asked after the server's process has ended: this process then holds the device alone
+    res["device"] = device_description()
     serve_tps = res["serve"]["output_tokens_per_s"]
     for key in [k for k in ("static", "hf") if k in res]:
         res[f"speedup_vs_{key}"] = serve_tps / res[key]["output_tokens_per_s"]
@@ -443,8 +443,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as e:
-        print(f"jaxllm: {e}", file=sys.stderr)
-        sys.exit(2)
+    script_main(main)
