@@ -45,6 +45,7 @@ class Config:
     backend: str  # one of BACKENDS
     interpret: bool
     warp_specialized: bool = False  # Mosaic GPU: the forward of `mosaic_gpu_ws.py`
+    fused_backward: bool = False  # Mosaic GPU: the backward of `mosaic_gpu_fused_backward.py`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +65,19 @@ class BlockSizes:
     `mosaic_gpu_ws.py`: `block_q` rows per program split over two compute warpgroups (a multiple
     of 128, not below 128 for short sequences; e.g. `BlockSizes(128, 128, True)`); the backward
     then runs with the default 64 / 64.
+
+    `fused_backward` (Mosaic GPU only) runs the FlashAttention-3 style backward of
+    `mosaic_gpu_fused_backward.py` instead of the two FlashAttention-2 kernels: one kernel per
+    block of keys that accumulates dk / dv in registers and adds each q block's dq into a float32
+    buffer with TMA reduce-add stores. It runs at these blocks, or at the default 64 / 64 under
+    `warp_specialized` (e.g. `BlockSizes(128, 128, True, fused_backward=True)`); at K = 128 it
+    needs 64 / 64 blocks to fit shared memory. Off by default until it is measured on a GPU.
     """
 
     block_q: int
     block_kv: int
     warp_specialized: bool = False
+    fused_backward: bool = False
 
     @classmethod
     def default(cls, backend: str) -> BlockSizes:
