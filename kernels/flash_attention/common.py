@@ -3,7 +3,8 @@ padding, which backend can run where, the block ranges and masks of the static a
 masks, scaled / soft-capped logits, the matmul forms and the backward preamble (delta).
 
 The backend modules (`triton.py`, `mosaic_tpu.py`, `mosaic_gpu.py` with
-`mosaic_gpu_backward.py`) implement one contract: q/out/dout [B, H, Lp, K], k/v [B, G, Sp, K],
+`mosaic_gpu_backward.py` and the opt-in `mosaic_gpu_ws.py`, `mosaic_gpu_fused_backward.py`)
+implement one contract: q/out/dout [B, H, Lp, K], k/v [B, G, Sp, K],
 lse [B, H, Lp, 1] float32 (a trailing unit lane dim so every block is 2-D), q segment ids
 [B, Lp, 1] and kv segment ids [B, 1, Sp]. Lp / Sp are the lengths padded to the block sizes by
 `ops.py`; the real kv length masks the padded keys. A row with no visible key gives out 0,

@@ -26,6 +26,10 @@ window, segment ids, soft cap, GQA / MQA, padded rows and keys, the lse cotangen
 At K = 128 and 64 / 64 blocks the kernel takes 216 KiB of SMEM (the FlashAttention-2 dk/dv
 kernel's 168 KiB, plus k^T and the float32 dq^T staging tile): 128-row blocks do not fit.
 
+The buffer being a `Ref` argument, the kernel is launched by `pl.kernel` (`plgpu.kernel`'s
+batching wrapper refuses a `Ref`), so `jax.vmap` of this backward takes a batch of 1 only;
+no jaxllm caller vmaps attention.
+
 The Mosaic GPU interpreter of jax 0.10 (the CPU tests) has no TMA reductions. When interpreting,
 the add is a read-modify-write of the dq^T block (TMA load, add in registers, TMA store); it is
 exact there because the interpreter runs the programs of a grid one after another. Everything
@@ -220,8 +224,7 @@ def backward(q, k, v, out, lse, do, q_ids, kv_ids, cfg: Config, dlse=None):
 
         pl.run_scoped(scoped, **_scratch(q, k, cfg))
 
-    # `pl.kernel`, not `plgpu.kernel`: only it takes a Ref argument (plgpu.kernel's batching
-    # wrapper refuses the effect)
+    # `pl.kernel`, not `plgpu.kernel`: only it takes a Ref argument
     dk, dv = pl.kernel(
         body,
         out_type=(
