@@ -1,6 +1,7 @@
 """Benchmark attention implementations: forward and forward+backward TFLOP/s.
 
-    python scripts/bench_attention.py [--impls flash,flash_ws,cudnn,xla] [--seqs 2048,4096,8192,16384]
+    python scripts/bench_attention.py [--impls flash,flash_ws,flash_ws_fused,cudnn,xla]
+        [--seqs 2048,4096,8192,16384]
         [--head-dim 128] [--tokens 16384] [--hidden 2048] [--kv-heads N] [--no-causal]
         [--flash-backend mosaic_gpu|triton|mosaic_tpu] [--block-q 64 --block-kv 64]
         [--dtype bfloat16] [--interpret] [--iters 10]
@@ -12,8 +13,9 @@ it when causal) and 2.5x that for the backward, so forward+backward is 3.5x the 
 Implementations: `flash` (`jaxllm.kernels.flash_attention`; its backend is the platform default
 unless --flash-backend says otherwise), `flash_ws` (the warp-specialised Mosaic GPU forward,
 `BlockSizes(..., warp_specialized=True)`, with --block-q / --block-kv or 128 / 128, and the
-Mosaic GPU backward), `cudnn` and `xla` (`jax.nn.dot_product_attention` with that
-`implementation`). Each is jitted, warmed up and timed over --iters calls (median). An
+two-kernel FlashAttention-2 Mosaic GPU backward), `flash_ws_fused` (the same forward with the
+fused one-kernel backward, `fused_backward=True`), `cudnn` and `xla`
+(`jax.nn.dot_product_attention` with that `implementation`). Each is jitted, warmed up and timed over --iters calls (median). An
 implementation that fails (e.g. cudnn without a GPU) is reported as such, not skipped silently.
 Public anchors on H100 SXM, head_dim 128, 16k, causal forward: FlashAttention-3 ~616 TFLOP/s,
 cuDNN ~539, FlashAttention-2 ~335. On CPU, `--interpret` with tiny sizes is a smoke test only.
@@ -22,6 +24,7 @@ cuDNN ~539, FlashAttention-2 ~335. On CPU, `--interpret` with tiny sizes is a sm
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -31,7 +34,7 @@ from jaxllm.kernels import BlockSizes, flash_attention
 
 
 def attention_fn(impl: str, *, causal: bool, flash_backend, block_sizes, interpret: bool):
-    if impl == "flash_ws":
+    if impl in ("flash_ws", "flash_ws_fused"):
         return lambda q, k, v: flash_attention(
             q,
             k,
@@ -98,12 +101,15 @@ def main(argv=None) -> list[dict]:
     dtype = jnp.dtype(ns.dtype)
     blocks = BlockSizes(ns.block_q, ns.block_kv) if ns.block_q and ns.block_kv else None
     ws_blocks = BlockSizes(ns.block_q or 128, ns.block_kv or 128, warp_specialized=True)
+    impl_blocks = dict(
+        flash_ws=ws_blocks, flash_ws_fused=dataclasses.replace(ws_blocks, fused_backward=True)
+    )
     print(
         f"device: {jax.devices()[0].device_kind}; heads {h} (kv {g}), head_dim {d}, "
         f"{'causal' if causal else 'full'}, {dtype.name}"
     )
     print(
-        f"{'impl':<7} {'seq':>6} {'batch':>5} {'fwd ms':>9} {'fwd TF/s':>9} "
+        f"{'impl':<14} {'seq':>6} {'batch':>5} {'fwd ms':>9} {'fwd TF/s':>9} "
         f"{'fwd+bwd ms':>11} {'fwd+bwd TF/s':>12}"
     )
     rows = []
@@ -120,7 +126,7 @@ def main(argv=None) -> list[dict]:
                 impl,
                 causal=causal,
                 flash_backend=ns.flash_backend,
-                block_sizes=ws_blocks if impl == "flash_ws" else blocks,
+                block_sizes=impl_blocks.get(impl, blocks),
                 interpret=ns.interpret,
             )
             fwd = jax.jit(fn)
@@ -135,7 +141,7 @@ def main(argv=None) -> list[dict]:
                 row["fwd_s"] = time_call(fwd, (q, k, v), ns.warmup, ns.iters)
                 row["fwd_bwd_s"] = time_call(fwd_bwd, (q, k, v, do), ns.warmup, ns.iters)
             except Exception as e:  # noqa: BLE001 - report, e.g. cudnn on a machine without it
-                print(f"{impl:<7} {s:>6} {b:>5}  failed: {type(e).__name__}: {str(e)[:90]}")
+                print(f"{impl:<14} {s:>6} {b:>5}  failed: {type(e).__name__}: {str(e)[:90]}")
                 row["error"] = f"{type(e).__name__}: {e}"
                 rows.append(row)
                 continue
@@ -143,7 +149,7 @@ def main(argv=None) -> list[dict]:
             row["fwd_bwd_tflops"] = 3.5 * fwd_flops / row["fwd_bwd_s"] / 1e12
             rows.append(row)
             print(
-                f"{impl:<7} {s:>6} {b:>5} {row['fwd_s'] * 1e3:>9.3f} "
+                f"{impl:<14} {s:>6} {b:>5} {row['fwd_s'] * 1e3:>9.3f} "
                 f"{row['fwd_tflops']:>9.1f} {row['fwd_bwd_s'] * 1e3:>11.3f} "
                 f"{row['fwd_bwd_tflops']:>12.1f}"
             )

@@ -68,6 +68,25 @@ FLASH_CASES = [
         (1, 700, 4, 1, 128),
         {"seg": 1, "sliding_window": 200, "soft_cap": 30.0, "blocks": BlockSizes(256, 64, True)},
     ),
+    (  # the fused backward (mosaic_gpu_fused_backward.py): TMA reduce-add of dq
+        "mgpu-fused-bwd-bf16-causal-gqa-k128",
+        "mosaic_gpu",
+        jnp.bfloat16,
+        (2, 1024, 8, 2, 128),
+        {"blocks": BlockSizes(64, 64, fused_backward=True)},
+    ),
+    (
+        "mgpu-ws-fused-bwd-f16-packed-window-cap-odd",
+        "mosaic_gpu",
+        jnp.float16,
+        (1, 700, 4, 1, 64),
+        {
+            "seg": 1,
+            "sliding_window": 200,
+            "soft_cap": 30.0,
+            "blocks": BlockSizes(128, 128, True, fused_backward=True),
+        },
+    ),
     ("triton-bf16-causal-gqa", "triton", jnp.bfloat16, (2, 1024, 8, 2, 128), {}),
     (
         "triton-bf16-packed-window",

@@ -3,7 +3,8 @@ padding, which backend can run where, the block ranges and masks of the static a
 masks, scaled / soft-capped logits, the matmul forms and the backward preamble (delta).
 
 The backend modules (`triton.py`, `mosaic_tpu.py`, `mosaic_gpu.py` with
-`mosaic_gpu_backward.py`) implement one contract: q/out/dout [B, H, Lp, K], k/v [B, G, Sp, K],
+`mosaic_gpu_backward.py` and the opt-in `mosaic_gpu_ws.py`, `mosaic_gpu_fused_backward.py`)
+implement one contract: q/out/dout [B, H, Lp, K], k/v [B, G, Sp, K],
 lse [B, H, Lp, 1] float32 (a trailing unit lane dim so every block is 2-D), q segment ids
 [B, Lp, 1] and kv segment ids [B, 1, Sp]. Lp / Sp are the lengths padded to the block sizes by
 `ops.py`; the real kv length masks the padded keys. A row with no visible key gives out 0,
@@ -45,6 +46,7 @@ class Config:
     backend: str  # one of BACKENDS
     interpret: bool
     warp_specialized: bool = False  # Mosaic GPU: the forward of `mosaic_gpu_ws.py`
+    fused_backward: bool = False  # Mosaic GPU: the backward of `mosaic_gpu_fused_backward.py`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +66,19 @@ class BlockSizes:
     `mosaic_gpu_ws.py`: `block_q` rows per program split over two compute warpgroups (a multiple
     of 128, not below 128 for short sequences; e.g. `BlockSizes(128, 128, True)`); the backward
     then runs with the default 64 / 64.
+
+    `fused_backward` (Mosaic GPU only) runs the FlashAttention-3 style backward of
+    `mosaic_gpu_fused_backward.py` instead of the two FlashAttention-2 kernels: one kernel per
+    block of keys that accumulates dk / dv in registers and adds each q block's dq into a float32
+    buffer with TMA reduce-add stores. It runs at these blocks, or at the default 64 / 64 under
+    `warp_specialized` (e.g. `BlockSizes(128, 128, True, fused_backward=True)`); at K = 128 it
+    needs 64 / 64 blocks to fit shared memory. Off by default until it is measured on a GPU.
     """
 
     block_q: int
     block_kv: int
     warp_specialized: bool = False
+    fused_backward: bool = False
 
     @classmethod
     def default(cls, backend: str) -> BlockSizes:

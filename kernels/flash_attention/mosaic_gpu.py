@@ -5,7 +5,8 @@ The contract (layouts, masks, rows with no visible key, float32 statistics, p an
 the input dtype for the second matmul of each pair) is that of every backend, in `common.py`.
 
 (`mosaic_gpu_ws.py` is the warp-specialised alternative of this forward: three warpgroups per
-program, FlashAttention-3's producer / consumer split and ping-pong.)
+program, FlashAttention-3's producer / consumer split and ping-pong; `mosaic_gpu_fused_backward.py`
+the one-kernel alternative of the backward.)
 
 Written in the Mosaic GPU style (`plgpu.kernel`): each program is one warpgroup that owns one
 block of rows, keeps that block in shared memory (SMEM) and streams the blocks of the other

@@ -3,7 +3,8 @@ FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) and JAX's Pallas example
 `jax.experimental.pallas.ops.gpu.attention_mgpu`.
 
 Chosen by `BlockSizes(warp_specialized=True)` (`Config.warp_specialized`); the backward is the
-one of `mosaic_gpu_backward.py` with its default 64 / 64 blocks (`ops.py`). The contract (layouts,
+one of `mosaic_gpu_backward.py` (or, with `fused_backward=True`, of `mosaic_gpu_fused_backward.py`)
+with its default 64 / 64 blocks (`ops.py`). The contract (layouts,
 masks, empty rows, float32 statistics, p rounded to the input dtype) is that of `common.py`, and
 every mask of `mosaic_gpu.py` is supported: causal, sliding window, segment ids (packed
 documents, cross attention), soft cap, GQA / MQA; sinks are applied outside the kernels by

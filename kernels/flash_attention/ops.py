@@ -17,7 +17,8 @@ Backends (`backend=`):
 - `"mosaic_gpu"`: Mosaic GPU kernels (`mosaic_gpu.py`, `mosaic_gpu_backward.py`: TMA, wgmma) for
   Hopper; the default on a Hopper GPU (compute capability 9.x) for bfloat16 / float16 inputs
   with head dim 64 or 128. Asked for explicitly, other inputs raise. `BlockSizes(...,
-  warp_specialized=True)` runs the FlashAttention-3 style forward (`mosaic_gpu_ws.py`) instead.
+  warp_specialized=True)` runs the FlashAttention-3 style forward (`mosaic_gpu_ws.py`) instead,
+  `fused_backward=True` the fused one-kernel backward (`mosaic_gpu_fused_backward.py`).
 - `"triton"`: Pallas Triton kernels for CUDA GPUs (`triton.py`), only when asked for explicitly:
   JAX deprecates Pallas-on-Triton from 0.11.
 - `"xla"`: `flash_attention_reference` (materialises [B, H, L, S] scores in float32); the default
@@ -124,14 +125,14 @@ def _kernels(cfg: Config):
         from jaxllm.kernels.flash_attention import mosaic_tpu
 
         return mosaic_tpu.forward, mosaic_tpu.backward
-    if cfg.backend == "mosaic_gpu" and cfg.warp_specialized:
-        from jaxllm.kernels.flash_attention import mosaic_gpu_backward, mosaic_gpu_ws
-
-        return mosaic_gpu_ws.forward, _default_blocks(mosaic_gpu_backward.backward)
     if cfg.backend == "mosaic_gpu":
-        from jaxllm.kernels.flash_attention import mosaic_gpu, mosaic_gpu_backward
+        from jaxllm.kernels.flash_attention import mosaic_gpu, mosaic_gpu_backward, mosaic_gpu_ws
+        from jaxllm.kernels.flash_attention import mosaic_gpu_fused_backward as fused
 
-        return mosaic_gpu.forward, mosaic_gpu_backward.backward
+        backward = fused.backward if cfg.fused_backward else mosaic_gpu_backward.backward
+        if cfg.warp_specialized:
+            return mosaic_gpu_ws.forward, _default_blocks(backward)
+        return mosaic_gpu.forward, backward
     from jaxllm.kernels.flash_attention import triton
 
     return triton.forward, triton.backward
@@ -146,10 +147,8 @@ def _default_blocks(backward):
 
     def run(*args, **kwargs):
         *args, cfg = args
-        cfg = dataclasses.replace(
-            cfg, block_q=sizes.block_q, block_kv=sizes.block_kv, warp_specialized=False
-        )
-        return backward(*args, cfg, **kwargs)
+        blocks = dict(block_q=sizes.block_q, block_kv=sizes.block_kv)
+        return backward(*args, dataclasses.replace(cfg, **blocks, warp_specialized=False), **kwargs)
 
     return run
 
@@ -191,9 +190,10 @@ def _kernel_inputs(
     s = k_BxSxGxK.shape[1]
     sizes = block_sizes or BlockSizes.default(backend)
     bq, bk = block_size(sizes.block_q, l, backend), block_size(sizes.block_kv, s, backend)
+    for flag in ("warp_specialized", "fused_backward"):
+        if getattr(sizes, flag) and backend != "mosaic_gpu":
+            raise ValueError(f"{flag} needs backend 'mosaic_gpu', not {backend!r}")
     if sizes.warp_specialized:
-        if backend != "mosaic_gpu":
-            raise ValueError(f"warp_specialized needs backend 'mosaic_gpu', not {backend!r}")
         bq = max(bq, 2 * MOSAIC_GPU_BLOCK_MULTIPLE)  # a wgmma row tile per compute warpgroup
     q_ids_BxL, kv_ids_BxS = split_segment_ids(segment_ids, l, s)
     has_segments = q_ids_BxL is not None
@@ -214,6 +214,7 @@ def _kernel_inputs(
         backend=backend,
         interpret=interpret,
         warp_specialized=sizes.warp_specialized,
+        fused_backward=sizes.fused_backward,
     )
     return cfg, q_ids_BxLpx1, kv_ids_Bx1xSp
 

@@ -10,11 +10,11 @@
 # several, e.g. torch_peer's batches).
 #
 # The next GPU run: what the open issues still ask of a GPU, in order of worth, with limits
-# that sum to 715 s (setup, a pip install of the checkout, is not limited: ~15 s):
+# that sum to 735 s (setup, a pip install of the checkout, is not limited: ~15 s):
 #
 #   TORCH_BATCHES=4 scripts/gpu/run.sh setup env@15 \
 #     train:dots_attention:cudnn:4@60 train:dots:cudnn:4@60 torch_peer@100 \
-#     fp8@50 decode_triton@30 attention_ws@30 quant_decode@130 \
+#     fp8@50 decode_triton@30 attention_ws@40 quant_decode@130 \
 #     random_1b@25 serve_1b@135 decode_hbm@50
 #
 #   env 15: the device and the versions
@@ -24,7 +24,8 @@
 #     100 (batch 4, torch.compile)
 #   issue 44, fp8 50: bf16 against current, blockwise and delayed scaling at d 2048 and 4096
 #   issue 44, the quantized decode kernel: decode_triton 30 (32k, batch 1 and 16)
-#   issue 44, flash against cuDNN: attention_ws 30 + 30 (numerics, then 8k and 16k)
+#   issue 44, flash against cuDNN: attention_ws 40 + 40 (numerics, then 8k and 16k; the
+#     warp-specialised forward with the two-kernel and with the fused backward)
 #   issue 36, quant_decode 130: bf16, int8, int4, W8A8-fp8 and W8A8-int8 decode at batch 1
 #     and 16 and a 2048-token prefill, the Llama-3.2-1B shape, random weights (15 compiles;
 #     each kind's row is logged as it ends)
@@ -80,12 +81,12 @@ print(jax.devices(), jax.devices()[0].device_kind)'" ;;
       step probe 120 $PY scripts/gpu/cudnn_packed_probe.py 64 ;;
     attention)
       step attention 240 $PY scripts/bench_attention.py --impls flash,cudnn,xla --seqs "$ATT_SEQS" ;;
-    attention_ws)  # the warp-specialised flash forward: numerics, then vs cuDNN and the current
-      # kernel at 8k and 16k, head dim 128
-      step attention_ws_tests 90 $PY -m pytest -p no:cacheprovider -m gpu -n 0 -q --timeout 80 \
-        -o addopts="" tests/test_gpu.py -k "mgpu-ws"
-      step attention_ws 90 $PY scripts/bench_attention.py --impls flash_ws,flash,cudnn \
-        --seqs 8192,16384 --iters 5 ;;
+    attention_ws)  # the warp-specialised flash forward and the fused backward: numerics, then
+      # vs cuDNN and the current kernels at 8k and 16k, head dim 128
+      step attention_ws_tests 120 $PY -m pytest -p no:cacheprovider -m gpu -n 0 -q --timeout 80 \
+        -o addopts="" tests/test_gpu.py -k "mgpu-ws or mgpu-fused"
+      step attention_ws 120 $PY scripts/bench_attention.py \
+        --impls flash_ws,flash_ws_fused,flash,cudnn --seqs 8192,16384 --iters 5 ;;
     attention_triton)
       step attention_triton 120 $PY scripts/bench_attention.py --impls flash --flash-backend triton \
         --seqs "$ATT_SEQS" ;;
