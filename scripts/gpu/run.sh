@@ -17,6 +17,11 @@
 #     fp8@50 decode_triton@30 attention_ws@40 quant_decode@130 \
 #     random_1b@25 serve_1b@135 decode_hbm@50
 #
+# One command may run 600 s at most, so this is two: the first up to attention_ws (395 s of
+# limits), the second `setup quant_decode@130 random_1b@25 serve_1b@135 decode_hbm@50` (340 s).
+# With a machine's start (1-2 min) the two fill a 15-minute lease; when less is left, drop steps
+# from the end of the list.
+#
 #   env 15: the device and the versions
 #   issue 44, MFU >= 55% and >= 1.2x the PyTorch peer: train:dots_attention and train:dots
 #     60 + 60 (dots_attention saves attention's output and logsumexp; dots was the best on
