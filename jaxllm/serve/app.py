@@ -34,7 +34,13 @@ from jaxllm.serve.protocol import (
     invalid,
 )
 from jaxllm.serve.streaming import Served, run, stream, usage
-from jaxllm.serve.texts import SampleText, chat_logprobs, completion_logprobs
+from jaxllm.serve.texts import (
+    SampleText,
+    chat_logprobs,
+    completion_logprobs,
+    echo_entries,
+    vllm_prompt_logprobs,
+)
 
 __all__ = ["Served", "make_app"]
 
@@ -47,11 +53,17 @@ def _texts(s: Served, req: CompletionRequest | ChatRequest, stops: list[str]):
     """A sample's empty `SampleText`, cut at `stops`; the request's own stop strings kept in the
     text with vLLM's `include_stop_str_in_output`."""
     keep = _stop_strings(req) if req.include_stop_str_in_output else ()
-    return functools.partial(SampleText, s.tok, stops, keep)
+    return functools.partial(SampleText, s.tok, stops, keep, req.min_tokens)
 
 
 def _params(
-    s: Served, req: CompletionRequest | ChatRequest, max_tokens, stops, logprobs: bool, top: int
+    s: Served,
+    req: CompletionRequest | ChatRequest,
+    max_tokens,
+    stops,
+    logprobs: bool,
+    top: int,
+    prompt_logprobs: int | None = None,
 ):
     """The engine's SamplingParams of a request; stop strings are matched on the text here."""
     try:
@@ -71,9 +83,30 @@ def _params(
             ),
             logprobs=logprobs,
             top_logprobs=top,
+            logit_bias=_logit_bias(s, req),
+            min_tokens=req.min_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
-        raise BadRequest(str(e)) from None
+        field = next((f for f in ("logit_bias", "min_tokens") if str(e).startswith(f)), None)
+        raise BadRequest(str(e), field) from None
+
+
+def _logit_bias(s: Served, req: CompletionRequest | ChatRequest) -> dict[int, float]:
+    """`logit_bias` with its keys read as token ids; 400 for a key that is not one of the
+    vocabulary's or a bias outside [-100, 100] (OpenAI's range)."""
+    vocab, out = s.worker.engine.cfg.vocab_size, {}
+    for key, bias in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise BadRequest(f"logit_bias: the key {key!r} is not a token id", "logit_bias")
+        if int(key) >= vocab:
+            msg = f"logit_bias: token id {int(key)} is outside the vocabulary [0, {vocab})"
+            raise BadRequest(msg, "logit_bias")
+        if not -100 <= bias <= 100:
+            msg = f"logit_bias: the bias {bias} of token {int(key)} is outside [-100, 100]"
+            raise BadRequest(msg, "logit_bias")
+        out[int(key)] = bias
+    return out
 
 
 def _prompts(s: Served, prompt) -> list[list[int]]:
@@ -87,9 +120,17 @@ def _prompts(s: Served, prompt) -> list[list[int]]:
     return [list(p) if isinstance(p, list) else s.bos + s.tok.encode(p).tolist() for p in prompt]
 
 
+def _echoed(s: Served, prompt, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text as `echo` returns it: as sent, or decoded when sent as token ids."""
+    sent = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    return [p if isinstance(p, str) else s.tok.decode(ids) for p, ids in zip(sent, prompts)]
+
+
 def _chat_prompt(s: Served, messages: list[dict]):
-    """(prompt ids, images' `Pixels` or None) of chat messages; 400 when they cannot be used."""
+    """(prompt ids, images' `Pixels` or None) of chat messages; 400 when they cannot be used.
+    An assistant message's null content (OpenAI's, beside tool calls) is empty text."""
     check_messages(messages)
+    messages = [m if m["content"] is not None else {**m, "content": ""} for m in messages]
     try:
         return chat_prompt(messages, s.tok, s.vision, s.media)
     except PartError as e:
@@ -174,22 +215,40 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
     async def completions(req: CompletionRequest):
         check_model(req.model)
         check_supported(req)
+        if req.prompt_logprobs is not None and req.stream:
+            raise BadRequest(
+                "prompt_logprobs is not streamed: ask without stream", "prompt_logprobs"
+            )
         prompts = _prompts(s, req.prompt)
         wants = req.logprobs is not None
+        asked = [
+            k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None
+        ]
         max_tokens = s.max_tokens(req.max_tokens, prompts, default=16)
-        params = _params(s, req, max_tokens, s.stops, wants, req.logprobs or 0)
+        params = _params(
+            s, req, max_tokens, s.stops, wants, req.logprobs or 0, max(asked, default=None)
+        )
         new_text = _texts(s, req, _stop_strings(req))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": s.name}
         head["created"] = int(time.time())
+        echo = list(zip(_echoed(s, req.prompt, prompts), prompts)) if req.echo else None
         if req.stream:
-            return await stream(s, prompts, params, False, head, new_text, **_usage_options(req))
+            opts = _usage_options(req)
+            return await stream(s, prompts, params, False, head, new_text, echo=echo, **opts)
         choices, all_outs = [], []
         for i, outs in enumerate(await run(s, prompts, params, new_text)):
             all_outs += outs
             for j, (t, reason) in enumerate(outs):
-                entries = list(zip(t.ids, t.logprobs, t.tops))
+                text, entries = t.text, list(zip(t.ids, t.logprobs, t.tops))
+                if echo:
+                    text = echo[i][0] + text
+                    entries = echo_entries(prompts[i], t.prompt_logprobs, req.logprobs) + entries
                 lp = completion_logprobs(s.tok, entries) if wants else None
-                choice = {"index": i * params.n + j, "text": t.text, "logprobs": lp}
+                choice = {"index": i * params.n + j, "text": text, "logprobs": lp}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                        s.tok, prompts[i], t.prompt_logprobs, req.prompt_logprobs
+                    )
                 choices.append({**choice, "finish_reason": reason})
         counts = usage(sum(map(len, prompts)), all_outs)
         return {**head, "choices": choices, "usage": counts}

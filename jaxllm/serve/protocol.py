@@ -54,6 +54,11 @@ class _Common(BaseModel):
     (benchmarks ask for exact output lengths); `stop` and `stop_token_ids` still do."""
     include_stop_str_in_output: bool = False
     """vLLM's extra: the `stop` string that ended a sample stays at the end of its text."""
+    logit_bias: dict[str, float] | None = None
+    """Token id (a string, as JSON keys are) -> bias in [-100, 100] added to its logit."""
+    min_tokens: Int = Field(default=0, ge=0)
+    """vLLM's extra: no end-of-sequence token, stop token or stop string ends a sample before
+    it has this many tokens (at most max_tokens)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -66,10 +71,15 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     logprobs: Int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
+    """The prompt comes before the completion in the text (and its tokens' log-probabilities,
+    the first null, before the completion's with `logprobs`)."""
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    """vLLM's extra: each prompt token's log-probability, rank and the top ones at its
+    position (not streamed)."""
 
 
 class ChatRequest(_Common):
-    messages: list[dict[str, str | list]]
+    messages: list[dict[str, str | list | None]]
     logprobs: bool = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
@@ -81,7 +91,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, str | list]] | None = None
+    messages: list[dict[str, str | list | None]] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -143,10 +153,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields of OpenAI's API (and vLLM's extras) this server does not honour: (field, the values that
 # ask for nothing, what it does not do). One set otherwise is refused, never silently ignored.
 _NO_OPS = (
-    ("echo", lambda v, r: not v, "echo (the prompt is not returned)"),
     ("suffix", lambda v, r: not v, "suffix (no text after the completion)"),
     ("best_of", lambda v, r: v is None or v == r.n, "best_of other than n"),
-    ("logit_bias", lambda v, r: not v, "logit_bias"),
     ("response_format", lambda v, r: not v or v == {"type": "text"}, "response_format (JSON)"),
     ("tools", lambda v, r: not v, "tools (tool calls)"),
     ("tool_choice", lambda v, r: v in (None, "none"), "tool_choice"),
@@ -197,3 +205,9 @@ def check_messages(messages: list[dict]) -> None:
             raise BadRequest(f"{where}: {m.get('role')!r} is not one of {list(ROLES)}", where)
         if "content" not in m:
             raise BadRequest(f"messages.{n}: a message needs content", f"messages.{n}.content")
+        if m["content"] is None and m["role"] != "assistant":
+            where = f"messages.{n}.content"
+            raise BadRequest(f"{where}: only an assistant message may have null content", where)
+        if m.get("tool_calls"):
+            where = f"messages.{n}.tool_calls"
+            raise BadRequest(f"{where}: this server does not support tool calls", where)

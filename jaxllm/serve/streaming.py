@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from jaxllm.infer.chat import EndOfTurn
 from jaxllm.infer.engine import SamplingParams
 from jaxllm.serve.protocol import BadRequest
-from jaxllm.serve.texts import SampleText, chat_logprobs, completion_logprobs
+from jaxllm.serve.texts import SampleText, chat_logprobs, completion_logprobs, echo_entries
 from jaxllm.serve.worker import EngineFailed, EngineWorker
 
 
@@ -82,7 +82,9 @@ async def follow(s: Served, rid: int, events, texts: list[SampleText]):
     left = len(texts)
     while left:
         event = await events.get()
-        if event[0] == "token":
+        if event[0] == "prompt":
+            texts[event[1]].prompt_logprobs = event[2]
+        elif event[0] == "token":
             _, i, token, logprob, top = event
             if texts[i].add(token, logprob, top):
                 s.worker.abort(rid, i)
@@ -181,11 +183,13 @@ async def stream(
     images=None,
     with_usage=False,
     continuous=False,
+    echo=None,
 ):
     """Server-sent events of one request per prompt (their choices numbered prompt * n +
     sample, as OpenAI's; `with_usage`: a last chunk of the token counts; `continuous`: vLLM's
-    `continuous_usage_stats`, every chunk with its sample's counts so far); aborting them when
-    the client goes (the generator is closed) frees their pages."""
+    `continuous_usage_stats`, every chunk with its sample's counts so far; `echo`: (text, ids)
+    per prompt, a sample's first chunk holding its prompt and log-probabilities); aborting
+    them when the client goes (the generator is closed) frees their pages."""
     submitted = await submit_all(s, prompts, params, images)
     want, n = params.logprobs, params.n
     offsets = [0] * (n * len(prompts))
@@ -209,6 +213,8 @@ async def stream(
             choice = {"index": index, "text": text, "logprobs": lp}
         return event({**choice, "finish_reason": finish}, *divmod(index, n))
 
+    echoed = set()
+
     async def gen():
         try:
             if chat:
@@ -218,6 +224,12 @@ async def stream(
             try:
                 async with contextlib.aclosing(merged(s, submitted, texts)) as items:
                     async for k, i, delta, entries, reason in items:
+                        if echo and (k, i) not in echoed:  # the engine has its prompt's now
+                            echoed.add((k, i))
+                            text, ids = echo[k]
+                            top = params.top_logprobs
+                            head_entries = echo_entries(ids, texts[k][i].prompt_logprobs, top)
+                            yield chunk(k * n + i, text, head_entries)
                         yield chunk(k * n + i, delta, entries, reason)
             except BadRequest as e:  # the engine failed mid-stream: say so, as vLLM does
                 yield sse({"error": {"message": e.message, "type": "server_error", "code": 500}})

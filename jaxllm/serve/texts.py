@@ -16,9 +16,13 @@ from collections.abc import Sequence
 class SampleText:
     """Tokens in, text out: `add` each token, `take` what can be shown, `finish` at the end."""
 
-    def __init__(self, tok, stops: Sequence[str] = (), keep: Sequence[str] = ()):
-        """`keep`: the stops that stay in the text when they end it (the others are cut)."""
+    def __init__(
+        self, tok, stops: Sequence[str] = (), keep: Sequence[str] = (), min_tokens: int = 0
+    ):
+        """`keep`: the stops that stay in the text when they end it (the others are cut);
+        `min_tokens`: no stop ends the text before it has this many tokens (vLLM's)."""
         self.tok, self.stops, self.keep = tok, [s for s in stops if s], set(keep)
+        self.min_tokens = min_tokens
         self.hold = max(map(len, self.stops), default=1) - 1
         self.ids: list[int] = []
         self.logprobs: list[float | None] = []
@@ -28,6 +32,7 @@ class SampleText:
         self.shown = 0  # characters taken
         self.taken = 0  # tokens whose log-probabilities were taken
         self.done = False
+        self.prompt_logprobs = None  # the engine's `Output.prompt_logprobs`, when asked
 
     def add(self, token: int, logprob: float | None = None, top=None) -> bool:
         """Adds a token; True when it completes a stop string (the sample is then done)."""
@@ -55,6 +60,9 @@ class SampleText:
     def _decode(self, final: bool = False) -> bool:
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd") and not final:
+            return False
+        if self.generated < self.min_tokens:
+            self.text = text
             return False
         start = max(0, min(len(self.text), len(text)) - self.hold)
         hits = [(i, s) for s, i in ((s, text.find(s, start)) for s in self.stops) if i >= 0]
@@ -114,3 +122,33 @@ def chat_logprobs(tok, entries) -> dict:
             for t, lp, top in entries
         ]
     }
+
+
+def echo_entries(ids, prompt_logprobs, top: int | None) -> list:
+    """`echo`'s (token, log-prob, top pairs) entries of a prompt: the first token's log-prob
+    is None (nothing comes before it); all None without the engine's `prompt_logprobs`."""
+    lps = prompt_logprobs or [None] * len(ids)
+    return [
+        (t, None, None) if e is None else (t, e[0], e[2][:top] if top else None)
+        for t, e in zip(ids, lps)
+    ]
+
+
+def vllm_prompt_logprobs(tok, ids, prompt_logprobs, top: int) -> list:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} of the token itself and the `top` most likely at its position."""
+
+    def item(logprob, rank, t):
+        return {"logprob": logprob, "rank": rank, "decoded_token": tok.decode([t])}
+
+    out = []
+    for t, e in zip(ids, prompt_logprobs or [None] * len(ids)):
+        if e is None:
+            out.append(None)
+            continue
+        logprob, rank, pairs = e
+        d = {t: item(logprob, rank, t)}
+        for r, (i, v) in enumerate(pairs[:top], 1):
+            d.setdefault(i, item(v, r, i))
+        out.append(d)
+    return out

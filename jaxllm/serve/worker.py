@@ -2,7 +2,8 @@
 are pending; HTTP handlers (on the event loop) hand it requests and aborts through a queue and
 receive each request's tokens on an asyncio queue of their own.
 
-Events sent to a request's queue: ("token", sample index, token id, log-probability, top
+Events sent to a request's queue: ("prompt", sample index, `Output.prompt_logprobs`) when a
+sample that asked for them has its prompt's log-probabilities (before its tokens), ("token", sample index, token id, log-probability, top
 (token, log-prob) pairs or None) per new token, ("done", `Output`) per finished sample,
 ("cancelled",) when the server stops, ("error", message) when a step failed.
 """
@@ -122,6 +123,8 @@ class EngineWorker:
             while self._recent and now - self._recent[0][0] > 60:
                 self._recent.popleft()
             self.tokens_total += len(result.new_tokens)
+            for rid, index, logprobs in result.prompts:
+                self._emit(rid, ("prompt", index, logprobs))
             for (rid, index, token), (lp, top) in zip(result.new_tokens, result.new_logprobs):
                 self._emit(rid, ("token", index, token, lp, top))
             for out in result.finished:

@@ -33,8 +33,9 @@ What exists:
   window per slot (`kivi` says how chunks keep a request's tokens as they are alone);
 - per-request sampling (`sampling`): temperature, top-k, top-p, min-p, repetition (HF / vLLM)
   and presence / frequency (OpenAI) penalties, stop tokens and stop sequences of several tokens,
-  max_tokens, seed, n, logprobs of the chosen tokens and the top (<= 20) logprobs, all in the
-  same fixed-shape programs;
+  max_tokens, seed, n, logprobs of the chosen tokens and the top (<= 20) logprobs, OpenAI's
+  logit_bias and vLLM's min_tokens, all in the same fixed-shape programs; the prompt's
+  log-probabilities on request (`prompts`, a second program of the step);
 - hybrid models (`model.layer_pattern`, Gated DeltaNet layers): each slot keeps the linear
   layers' fixed-size state beside the pages of the full-attention layers (`linear`), zeroed
   when a sequence starts in the slot and carried across prefill chunks; prefix pages are not

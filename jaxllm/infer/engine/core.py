@@ -22,7 +22,7 @@ from jaxllm import sharding
 from jaxllm.config import MeshConfig
 from jaxllm.config.sections import KV_CACHE_DTYPE
 from jaxllm.infer import kv_cache
-from jaxllm.infer.engine import kivi, linear, runner, swap, vision
+from jaxllm.infer.engine import kivi, linear, prompts, runner, swap, vision
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes, prefill_blocks
 from jaxllm.infer.engine.requests import Output, Seq, StepResult
 from jaxllm.infer.engine.sampling import RowBuilder, SamplingParams, accept
@@ -140,6 +140,11 @@ class Engine:
         if not all(0 <= t < self.cfg.vocab_size for t in prompt):
             bad = next(t for t in prompt if not 0 <= t < self.cfg.vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise ValueError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
+            )
         if len(prompt) + params.max_tokens > self.cfg.max_seq_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -289,7 +294,9 @@ class Engine:
             if not self._ready(seq):
                 continue
             tokens, swapped = seq.tokens, seq.computed  # computed: 0 unless swapped to host
-            if self.prefix_sharing:  # full pages only, and at least one token left to feed
+            # full pages only, and at least one token left to feed; none while it needs its
+            # prompt's log-probabilities
+            if self.prefix_sharing and not prompts.asks(seq):
                 hashes = block_hashes(tokens, ps, (len(tokens) - 1) // ps, seq.salts)
                 n = self.pool.count(hashes)
                 if n < len(hashes) and hashes[n] in pending and not swapped:
@@ -378,7 +385,10 @@ class Engine:
             if feats is not None:
                 feats = tuple(None if f is None else put(f)[0] for f in feats)
             images = (put(pos)[0], feats)
-        picked, self._kv, self._linear = runner.step(
+        targets_SxQ = prompts.targets(batch, s, q)
+        if targets_SxQ is not None:
+            (targets_SxQ,) = put(targets_SxQ)
+        picked, self._kv, self._linear, prompt = runner.step(
             self._graphdef,
             self._state,
             self._kv,
@@ -389,11 +399,16 @@ class Engine:
             impl=self._impl,
             interpret=self._interpret,
             parallel=self._parallel,
+            targets_SxQ=targets_SxQ,
         )
+        if prompt is not None:
+            prompts.record(batch, prompt)
         tok_S, logp_S, ids_SxK, top_SxK = map(np.asarray, picked)
         new, finished, new_logprobs = [], [], []
         for seq, take in batch:
             seq.computed += take
+        done = [(x.request_id, x.index, x.prompt_lp) for x in prompts.finished(batch)]
+        for seq, take in batch:
             while self.prefix_sharing and (seq.hashed + 1) * ps <= seq.computed:
                 block = seq.tokens[seq.hashed * ps : (seq.hashed + 1) * ps]
                 seq.last_hash = block_hash(seq.last_hash, block, (seq.salts or {}).get(seq.hashed))
@@ -411,7 +426,7 @@ class Engine:
             new_logprobs += [(lp, top) for _, lp, top in shown]
             if reason is not None:
                 finished.append(self._finish(seq, reason))
-        return StepResult(new, finished, new_logprobs)
+        return StepResult(new, finished, new_logprobs, done)
 
     def _finish(self, seq: Seq, reason: str) -> Output:
         self.pool.release(seq.pages)
@@ -421,4 +436,6 @@ class Engine:
         top = list(seq.top) if p.top_logprobs else None
         if all(s.done for s in self._requests[seq.request_id]):
             del self._requests[seq.request_id]
-        return Output(seq.request_id, seq.index, list(seq.out), reason, logprobs, top)
+        return Output(
+            seq.request_id, seq.index, list(seq.out), reason, logprobs, top, seq.prompt_lp
+        )

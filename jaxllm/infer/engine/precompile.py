@@ -33,7 +33,7 @@ def compile_buckets(engine) -> int:
                 continue
             zeros_S = np.zeros(s, np.int32)
             rows = put(np.zeros((s, q), np.int32), zeros_S, zeros_S, np.zeros((s, j), np.int32))
-            picked, engine._kv, engine._linear = runner.step(
+            picked, engine._kv, engine._linear, _ = runner.step(
                 engine._graphdef,
                 engine._state,
                 engine._kv,

@@ -22,6 +22,10 @@ class Output:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per token, the `top_logprobs` most likely (token, log-prob) pairs, most likely first."""
+    prompt_logprobs: list | None = None
+    """With `SamplingParams.prompt_logprobs`: per prompt token None (the first) or (its
+    log-probability, its rank (1: the most likely), the top `prompt_logprobs` (token,
+    log-prob) pairs at its position)."""
 
 
 @dataclasses.dataclass
@@ -37,6 +41,9 @@ class StepResult:
     )
     """Per new token (in `new_tokens`' order): its log-probability and its top pairs (None
     unless the request asked for top_logprobs)."""
+    prompts: list[tuple[int, int, list]] = dataclasses.field(default_factory=list)
+    """(request id, sample index, `Output.prompt_logprobs`) of the samples whose prompt
+    log-probabilities were completed in this step (before their first token)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,6 +67,8 @@ class Seq:
     resumed: bool = False  # preempted once: its lookups no longer count in the hit rate
     swapped: swap.Swapped | None = None  # host copy of its computed pages (`swap.save`)
     images: object = None  # the request's `vision.RequestImages`, None without images
+    prompt_lp: list | None = None  # its prompt's log-probabilities once complete (`prompts`)
+    prompt_partial: list | None = None  # the same while its prefill computes them
 
     @property
     def salts(self) -> dict | None:

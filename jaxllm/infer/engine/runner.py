@@ -29,7 +29,7 @@ from flax import nnx
 from jaxllm import sharding
 from jaxllm.infer import kv_cache
 from jaxllm.infer.engine import linear as linear_slots
-from jaxllm.infer.engine.sampling import sample_rows
+from jaxllm.infer.engine.sampling import MAX_TOP_LOGPROBS, sample_rows
 from jaxllm.infer.linear_state import num_full_layers
 from jaxllm.model import coded, quantized
 from jaxllm.model.layers import logical_axes
@@ -177,6 +177,7 @@ def step(
     impl,
     interpret,
     parallel: sharding.Parallel = sharding.Parallel(),
+    targets_SxQ=None,
 ):
     """Writes each slot's Q tokens at start .. start + Q - 1, and samples the token after its
     last real one (`real_S` of its Q are real, 0 in an idle slot); `linear`: the slots' state
@@ -185,8 +186,11 @@ def step(
     `sampling.Rows`. `images` (a vision-language model, else None): the slots' M-RoPE
     positions [S, 3, Q] and the chunks' image features (`vision.chunk_inputs`). Returns (what `sample_rows` returns: tokens [S], their log-probabilities
     [S], the top 20 token ids [S, 20] and their log-probabilities [S, 20]; the cache; the
-    linear state).
-    `parallel`: the mesh and its settings the step runs under (none: one device)."""
+    linear state; the prompt log-probabilities, None without `targets_SxQ`).
+    `parallel`: the mesh and its settings the step runs under (none: one device).
+    `targets_SxQ` (None: off, a program of its own otherwise): the token after each of the
+    slots' Q tokens; the step then also returns, per position, the log-probability of that
+    token and the top 20 (ids, log-probabilities) (`prompt_logprobs`)."""
     TRACES[0] += 1
     with sharding.active(parallel):
         return _step(
@@ -202,6 +206,7 @@ def step(
             images,
             impl,
             interpret,
+            targets_SxQ,
         )
 
 
@@ -218,6 +223,7 @@ def _step(
     images,
     impl,
     interpret,
+    targets_SxQ,
 ):
     model = nnx.merge(graphdef, state)
     s, q = tokens_SxQ.shape
@@ -242,12 +248,31 @@ def _step(
         real_B=real_S,
     )
     last_S = jnp.maximum(real_S - 1, 0)
-    logits_Sx1xV, view, *_ = model(
-        **inputs, positions_BxL=positions_SxQ, cache=view, logits_at_BxQ=last_S[:, None]
+    at_SxQ = last_S[:, None]  # the logits of every position only when the prompt's are asked
+    if targets_SxQ is not None:
+        at_SxQ = jnp.broadcast_to(jnp.arange(q, dtype=jnp.int32)[None], (s, q))
+    logits_SxQxV, view, *_ = model(
+        **inputs, positions_BxL=positions_SxQ, cache=view, logits_at_BxQ=at_SxQ
     )
-    picked = sample_rows(logits_Sx1xV[:, 0], sampling)
+    prompt = None
+    if targets_SxQ is not None:
+        prompt = prompt_logprobs(logits_SxQxV, targets_SxQ)
+        logits_SxQxV = jnp.take_along_axis(logits_SxQxV, last_S[:, None, None], axis=1)
+    picked = sample_rows(logits_SxQxV[:, 0], sampling)
     kv = _constrain_cache(dataclasses.replace(view.kv, block_table=placeholder))
-    return picked, kv, linear_slots.constrain(view.linear)
+    return picked, kv, linear_slots.constrain(view.linear), prompt
+
+
+def prompt_logprobs(logits_SxQxV, targets_SxQ):
+    """(log-probability of each target [S, Q], its rank (1: the most likely) [S, Q], the top
+    K = min(MAX_TOP_LOGPROBS, V) ids [S, Q, K] and log-probabilities [S, Q, K]) under the
+    model's own log-softmax."""
+    logp_SxQxV = jax.nn.log_softmax(logits_SxQxV.astype(jnp.float32), axis=-1)
+    k = min(MAX_TOP_LOGPROBS, logp_SxQxV.shape[-1])
+    top_SxQxK, ids_SxQxK = jax.lax.top_k(logp_SxQxV, k)
+    target_SxQ = jnp.take_along_axis(logp_SxQxV, targets_SxQ[..., None], axis=2)[..., 0]
+    rank_SxQ = 1 + jnp.sum(logp_SxQxV > target_SxQ[..., None], axis=-1, dtype=jnp.int32)
+    return target_SxQ, rank_SxQ, ids_SxQxK.astype(jnp.int32), top_SxQxK
 
 
 def _image_inputs(model, tokens_SxQ, feats_SxQxD, deep_SxKxQxD, mask_SxQ) -> dict:

@@ -27,6 +27,13 @@ MAX_TOP_LOGPROBS = 20
 """The most top log-probabilities a request may ask for (OpenAI's limit): the device always
 computes this many, one compile."""
 
+MAX_LOGIT_BIAS = 300
+"""The most `logit_bias` entries a request may give (OpenAI's limit)."""
+
+BIAS_WIDTH = 512
+"""Entries of each slot's sparse bias list: its `logit_bias` and, before `min_tokens`, its stop
+tokens masked (one shape, one compile)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -66,8 +73,34 @@ class SamplingParams:
     top_logprobs: int = 0
     """Also return, per new token, the `top_logprobs` (<= 20) most likely (token, log-prob)
     pairs under the model."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in [-100, 100]) pairs added to the logits before sampling and greedy
+    choice (OpenAI's `logit_bias`; a dict is taken too). Log-probabilities stay the model's."""
+    min_tokens: int = 0
+    """Stop tokens and stop sequences cannot end a sample before it has this many tokens: the
+    stop tokens' logits are -inf until then (vLLM's `min_tokens`)."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token after the first under the model, and
+    the top `prompt_logprobs` (<= 20) pairs at each position (None: off). The prompt is then
+    computed, not read from the prefix cache."""
 
     def __post_init__(self):
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted({int(t): float(b) for t, b in bias}.items()))
+        object.__setattr__(self, "logit_bias", bias)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+        if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
+        if self.min_tokens and len(bias) + len(set(self.stop_tokens)) > BIAS_WIDTH:
+            raise ValueError(
+                f"min_tokens masks the stop tokens: at most {BIAS_WIDTH} of them and logit_bias "
+                "entries together"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         seqs = tuple(tuple(int(t) for t in s) for s in self.stop_sequences)
         object.__setattr__(self, "stop_sequences", seqs)
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
@@ -114,6 +147,19 @@ class Rows(NamedTuple):
     prompt_len_S: jax.Array
     length_S: jax.Array
     """0 for a slot without penalties: nothing of its history is read."""
+    bias_ids_SxW: jax.Array
+    bias_SxW: jax.Array
+    """Added to the logits of bias_ids_SxW (0 in unused entries): logit_bias, -inf on the stop
+    tokens before min_tokens."""
+
+
+def _bias(logits_SxV, r: Rows):
+    s, w = r.bias_ids_SxW.shape
+    rows_SxW = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[:, None], (s, w))
+    ids_SxW = jnp.clip(r.bias_ids_SxW, 0, logits_SxV.shape[-1] - 1)
+    biased_SxV = logits_SxV.at[rows_SxW, ids_SxW].add(r.bias_SxW)
+    # rows without entries keep their logits bit for bit
+    return jnp.where(jnp.any(r.bias_SxW != 0, axis=1)[:, None], biased_SxV, logits_SxV)
 
 
 def _penalize(logits_SxV, r: Rows):
@@ -138,7 +184,7 @@ def _penalize(logits_SxV, r: Rows):
 
 def sample_rows(logits_SxV, r: Rows):
     """(token [S], its log-probability under the model [S], the top K = min(MAX_TOP_LOGPROBS,
-    V) tokens [S, K] and their log-probabilities [S, K]): per-row penalties, temperature (0 greedy),
+    V) tokens [S, K] and their log-probabilities [S, K]): per-row logit bias, penalties, temperature (0 greedy),
     top-k (0 off), top-p, min-p (keep tokens with probability >= min_p x the largest), drawn
     with the key fold_in(key(seed), count), so a token's draw depends on its request's seed and
     index only (a recomputed or rescheduled sequence draws the same)."""
@@ -146,6 +192,7 @@ def sample_rows(logits_SxV, r: Rows):
     logp_SxV = jax.nn.log_softmax(logits_SxV, axis=-1)
     k = min(MAX_TOP_LOGPROBS, logp_SxV.shape[-1])  # a vocabulary may be smaller
     top_logp_SxK, top_ids_SxK = jax.lax.top_k(logp_SxV, k)
+    logits_SxV = jax.lax.cond(jnp.any(r.bias_SxW != 0), _bias, lambda x, _: x, logits_SxV, r)
     any_penalty = jnp.any((r.rep_S != 1) | (r.presence_S != 0) | (r.frequency_S != 0))
     logits_SxV = jax.lax.cond(any_penalty, _penalize, lambda x, _: x, logits_SxV, r)
     greedy_S = jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32)
@@ -179,6 +226,7 @@ class RowBuilder:
         self._owner: list[object] = [None] * slots
         self._written = [0] * slots
         self._device = None
+        self._bias = None  # (host ids, host values, their device copies) last sent
 
     def build(self, seqs, put=None) -> Rows:
         """The rows of the sequences that run (each with its `slot`, `params`, `seed`, `out`,
@@ -189,10 +237,16 @@ class RowBuilder:
         top_k, seed, count, prompt_len, length = (np.zeros(s, np.int32) for _ in range(5))
         top_p[:], rep[:] = 1.0, 1.0
         send = False
+        bias_ids, bias = np.zeros((s, BIAS_WIDTH), np.int32), np.zeros((s, BIAS_WIDTH), np.float32)
         for seq in seqs:
             r, p = seq.slot, seq.params
             temp[r], top_k[r], top_p[r], min_p[r] = p.temperature, p.top_k, p.top_p, p.min_p
             seed[r], count[r] = seq.seed, len(seq.out)
+            entries = list(p.logit_bias)
+            if len(seq.out) < p.min_tokens:
+                entries += [(t, -np.inf) for t in sorted(set(p.stop_tokens))]
+            if entries:
+                bias_ids[r, : len(entries)], bias[r, : len(entries)] = zip(*entries)
             if p.penalized:
                 rep[r], pres[r], freq[r] = (
                     p.repetition_penalty,
@@ -208,7 +262,12 @@ class RowBuilder:
         if send or self._device is None:
             (self._device,) = put(self.history_SxM)
         small = put(temp, top_k, top_p, min_p, seed, count, rep, pres, freq, prompt_len, length)
-        return Rows(*small[:9], self._device, *small[9:])
+        last = self._bias
+        if last is None or not (
+            np.array_equal(last[0], bias_ids) and np.array_equal(last[1], bias)
+        ):
+            self._bias = last = (bias_ids, bias, *put(bias_ids, bias))  # sent when it changes
+        return Rows(*small[:9], self._device, *small[9:], *last[2:])
 
     def write(self, slot: int, key: object, tokens: list[int]) -> None:
         """Copies a sequence's tokens into its slot's history (only the new ones when the slot
@@ -252,7 +311,7 @@ def accept(seq, token: int, logprob: float, top) -> tuple[list[int], str | None]
         seq.logprobs.append(logprob)
         seq.top.append(top)
     if reason is None:
-        k = stop_match(seq.out, p)
+        k = stop_match(seq.out, p) if len(seq.out) >= p.min_tokens else 0
         if k:
             reason = "stop"
             if not p.include_stop:
