@@ -118,3 +118,24 @@ def test_prompt_logprobs_equal_the_models_at_every_position(model, next_logits):
             assert [t for t, _ in top] == np.argsort(-logp_V, kind="stable")[:3].tolist()
     assert _run(engine, [(prompt, PLAIN)])[0].prompt_logprobs is None
     assert engine.pool.num_used == 0
+
+
+def test_max_tokens_0_scores_the_prompt_and_samples_nothing(model):
+    engine = _engine(model, chunk_size=4)  # the prompt spans chunks
+    prompt = PROMPTS[1]
+    (scored,) = _run(engine, [(prompt, SamplingParams(max_tokens=3, prompt_logprobs=2))])
+    only, beside, bare = _run(
+        engine,
+        [
+            (prompt, SamplingParams(max_tokens=0, prompt_logprobs=2, n=2)),
+            (PROMPTS[0], PLAIN),
+            (PROMPTS[2], SamplingParams(max_tokens=0)),
+        ],
+    )
+    assert (only.tokens, only.finish_reason, only.logprobs) == ([], "length", None)
+    assert only.prompt_logprobs == scored.prompt_logprobs
+    assert beside.tokens == _run(_engine(model), [(PROMPTS[0], PLAIN)])[0].tokens
+    assert (bare.tokens, bare.finish_reason, bare.prompt_logprobs) == ([], "length", None)
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)

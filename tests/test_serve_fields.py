@@ -155,3 +155,31 @@ def test_null_assistant_content_and_text_parts_are_read(server):
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}
     r = _post(url, "/v1/chat/completions", {"messages": [turns[0], call]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls", r.text
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_streamed_or_not(server, client):
+    url, _, tok, _, bos, _ = server
+    text = "The quick brown fox"
+    n = len(bos + tok.encode(text).tolist())
+    kw = dict(prompt=[text, "A cat"], temperature=0, model="tiny", logprobs=1, echo=True)
+    one = client.completions.create(**kw, max_tokens=1)
+    only = client.completions.create(**kw, max_tokens=0)
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == one.usage.prompt_tokens
+    assert only.choices[0].text == text and only.choices[1].text == "A cat"
+    for a, b in zip(only.choices, one.choices):  # the prompt's entries; no token after them
+        assert a.finish_reason == "length"
+        assert a.logprobs.tokens == b.logprobs.tokens[:-1]
+        assert a.logprobs.token_logprobs == b.logprobs.token_logprobs[:-1]
+        assert a.logprobs.top_logprobs == b.logprobs.top_logprobs[:-1]
+    assert len(only.choices[0].logprobs.tokens) == n
+    chunks = list(client.completions.create(**kw, max_tokens=0, stream=True))
+    for c in only.choices:
+        mine = [x.choices[0] for x in chunks if x.choices[0].index == c.index]
+        assert "".join(x.text for x in mine) == c.text and mine[-1].finish_reason == "length"
+        lps = [v for x in mine if x.logprobs for v in x.logprobs.token_logprobs]
+        assert lps == c.logprobs.token_logprobs
+    r = _post(url, "/v1/completions", {"prompt": text, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "echo" in r.json()["error"]["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
+    assert _post(url, "/v1/chat/completions", chat).status_code == 400

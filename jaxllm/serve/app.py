@@ -219,6 +219,12 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
             raise BadRequest(
                 "prompt_logprobs is not streamed: ask without stream", "prompt_logprobs"
             )
+        if req.max_tokens == 0 and not req.echo:
+            raise BadRequest(
+                "max_tokens: 0 generates nothing; it goes with echo: true (to score the prompt "
+                "with logprobs)",
+                "max_tokens",
+            )
         prompts = _prompts(s, req.prompt)
         wants = req.logprobs is not None
         asked = [

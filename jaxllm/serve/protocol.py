@@ -69,6 +69,8 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=None, ge=0)
+    """0 (with `echo`, as vLLM): the prompt only, scored with `logprobs`; nothing generated."""
     logprobs: Int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     """The prompt comes before the completion in the text (and its tokens' log-probabilities,

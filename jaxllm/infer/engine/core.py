@@ -416,6 +416,9 @@ class Engine:
                 seq.hashed += 1
             if seq.computed < len(seq.tokens):  # mid-prefill: its sample is not used
                 continue
+            if not seq.params.max_tokens:  # the prompt only (scoring it): nothing sampled
+                finished.append(self._finish(seq, "length"))
+                continue
             r, p = seq.slot, seq.params
             top = None
             if p.top_logprobs:

@@ -40,7 +40,9 @@ class SamplingParams:
     """How one request is continued (defaults: greedy, 16 tokens)."""
 
     max_tokens: int = 16
-    """New tokens per sample at most (a stop token ends it earlier and is not returned)."""
+    """New tokens per sample at most (a stop token ends it earlier and is not returned); 0
+    computes the prompt only (with `prompt_logprobs`, to score it) and samples nothing: the
+    sample ends with reason "length" once its prompt is in the cache."""
     temperature: float = 0.0
     """0 is greedy (argmax); the filters below apply only when sampling."""
     top_k: int = 0
@@ -104,8 +106,8 @@ class SamplingParams:
         seqs = tuple(tuple(int(t) for t in s) for s in self.stop_sequences)
         object.__setattr__(self, "stop_sequences", seqs)
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
-        if self.max_tokens < 1 or self.n < 1:
-            raise ValueError("max_tokens and n must be at least 1")
+        if self.max_tokens < 0 or self.n < 1:
+            raise ValueError("max_tokens must be at least 0 and n at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
             raise ValueError("temperature >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1")
         if self.top_k < 0 or self.repetition_penalty <= 0:
