@@ -96,6 +96,13 @@ def test_precompiled_buckets_serve_without_compiling_and_equal_generate_alone(mo
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=5))
     assert runner.TRACES[0] == before and engine.pool.num_used == 0
     assert [o[0].tokens for o in outs] == [alone(p, 5) for p in PROMPTS]
+    # the prompt log-probabilities programs (echo with logprobs): 8 more, then none met
+    assert compile_buckets(engine, sampling=False, prompt_logprobs=True) == 8
+    before = runner.TRACES[0]
+    scored = engine.generate(PROMPTS, SamplingParams(max_tokens=5, prompt_logprobs=1))
+    assert runner.TRACES[0] == before and engine.pool.num_used == 0
+    assert [o[0].tokens for o in scored] == [alone(p, 5) for p in PROMPTS]
+    assert all(len(o[0].prompt_logprobs) == len(p) for o, p in zip(scored, PROMPTS))
 
 
 def test_int8_pages_decode_each_request_as_alone(model):

@@ -1,5 +1,6 @@
 """`jaxllm serve RUN_DIR|HF_DIR [--host H] [--port P] [--kv-cache-dtype D] [--max-num-seqs N]
 [--page-size N] [--kv-group N] [--swap host|recompute] [--api-key KEY] [--precompile]
+[--precompile-scoring]
 [key=value ...]`: load a model, start the engine's thread and uvicorn. `engine.KEY=VALUE` overrides set the engine's flags
 (`engine.swap=host` is `--swap host`); the other overrides are the model's.
 
@@ -60,6 +61,13 @@ def add_serve_parser(sub) -> None:
         "listening, so no request waits on a compile",
     )
     s.add_argument(
+        "--precompile-scoring",
+        action="store_true",
+        help="compile, for every bucket too, the step that returns the prompt's "
+        "log-probabilities (echo with logprobs, prompt_logprobs: lm-evaluation-harness's "
+        "loglikelihood requests) before listening",
+    )
+    s.add_argument(
         "--allowed-local-media-path",
         metavar="DIR",
         help="chat image parts may name local files under DIR (a path or file:// URL); "
@@ -114,10 +122,21 @@ def load(path, overrides=()):
 
 
 def build(
-    model, tok, stops, bos, name: str, *, api_key=None, precompile=False, media=None, **engine_kw
+    model,
+    tok,
+    stops,
+    bos,
+    name: str,
+    *,
+    api_key=None,
+    precompile=False,
+    precompile_scoring=False,
+    media=None,
+    **engine_kw,
 ):
     """(FastAPI app, worker) serving `model`; the worker is started by the app's lifespan.
-    `precompile`: compile every step bucket first (`engine.precompile`); `media`: the directory
+    `precompile`: compile every step bucket first (`engine.precompile`); `precompile_scoring`:
+    every bucket's prompt log-probabilities program too; `media`: the directory
     chat image parts may read local files under (None: data URLs only)."""
     import contextlib
 
@@ -133,10 +152,10 @@ def build(
         engine = Engine(model, **engine_kw)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if precompile:
+    if precompile or precompile_scoring:
         from jaxllm.infer.engine.precompile import compile_buckets
 
-        compile_buckets(engine)
+        compile_buckets(engine, sampling=precompile, prompt_logprobs=precompile_scoring)
     worker = EngineWorker(engine)
     eot = end_of_turn(tok, sorted(stops))
     media = None if media is None else Path(media).resolve()
@@ -234,6 +253,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         ns.served_model_name or Path(path).resolve().name,
         api_key=ns.api_key,
         precompile=ns.precompile,
+        precompile_scoring=ns.precompile_scoring,
         media=ns.allowed_local_media_path,
         mesh=r.mesh,
         mesh_config=r.mesh_config,
