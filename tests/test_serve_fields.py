@@ -4,6 +4,7 @@ vLLM's `prompt_logprobs`, and chat messages with null assistant content or lists
 parts; their bad values answer 400 naming the field."""
 
 import concurrent.futures
+import json
 
 import httpx
 import jax
@@ -183,3 +184,23 @@ def test_max_tokens_0_with_echo_scores_the_prompt_streamed_or_not(server, client
     assert "echo" in r.json()["error"]["message"]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
     assert _post(url, "/v1/chat/completions", chat).status_code == 400
+
+
+def test_chat_echo_puts_the_last_assistant_text_before_the_reply(server):
+    url = server[0]
+    start = [{"role": "user", "content": "hi"}]
+    turns = start + [{"role": "assistant", "content": [{"type": "text", "text": "Sure: "}]}]
+
+    def reply(messages, **kw):
+        body = {"messages": messages, "max_tokens": 3, "temperature": 0, **kw}
+        r = _post(url, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        if not kw.get("stream"):
+            return r.json()["choices"][0]["message"]["content"]
+        events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: {")]
+        return "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in events)
+
+    plain = reply(turns)
+    assert reply(turns, echo=True) == "Sure: " + plain
+    assert reply(turns, echo=True, stream=True) == "Sure: " + plain
+    assert reply(start, echo=True) == reply(start)  # the last message is not the assistant's

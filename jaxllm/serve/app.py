@@ -139,6 +139,18 @@ def _chat_prompt(s: Served, messages: list[dict]):
         raise BadRequest(str(e), "messages") from None
 
 
+def _chat_echo(req: ChatRequest) -> str:
+    """The text chat's `echo` puts before the reply: the last message's when it is the
+    assistant's (its text parts joined, as the prompt reads them), else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.get("role") != "assistant":
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in content if isinstance(p.get("text"), str))
+
+
 def _usage_options(req: CompletionRequest | ChatRequest) -> dict:
     """`stream`'s with_usage and continuous of a request's stream_options."""
     opts = req.stream_options or {}
@@ -277,16 +289,19 @@ def make_app(s: Served, api_key: str | None = None) -> FastAPI:
         new_text = _texts(s, req, stops)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "model": s.name}
         head["created"] = int(time.time())
+        echoed = _chat_echo(req)
         if req.stream:
             head["object"] = "chat.completion.chunk"
             opts = _usage_options(req)
-            return await stream(s, [prompt], params, True, head, new_text, images, **opts)
+            return await stream(
+                s, [prompt], params, True, head, new_text, images, **opts, chat_echo=echoed
+            )
         (outs,) = await run(s, [prompt], params, new_text, images)
         choices = []
         for j, (t, reason) in enumerate(outs):
             entries = list(zip(t.ids, t.logprobs, t.tops))
             lp = chat_logprobs(s.tok, entries) if req.logprobs else None
-            msg = {"role": "assistant", "content": t.text}
+            msg = {"role": "assistant", "content": echoed + t.text}
             choices.append({"index": j, "message": msg, "logprobs": lp, "finish_reason": reason})
         return {**head, "choices": choices, "usage": usage(len(prompt), outs)}
 

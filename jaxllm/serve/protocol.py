@@ -85,6 +85,9 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
+    echo: bool = False
+    """vLLM's extra: when the last message is the assistant's, its text comes before each
+    reply's content (streamed: in a chunk of its own after the role's)."""
 
 
 class TokenizeRequest(BaseModel):

@@ -184,12 +184,14 @@ async def stream(
     with_usage=False,
     continuous=False,
     echo=None,
+    chat_echo: str = "",
 ):
     """Server-sent events of one request per prompt (their choices numbered prompt * n +
     sample, as OpenAI's; `with_usage`: a last chunk of the token counts; `continuous`: vLLM's
     `continuous_usage_stats`, every chunk with its sample's counts so far; `echo`: (text, ids)
-    per prompt, a sample's first chunk holding its prompt and log-probabilities); aborting
-    them when the client goes (the generator is closed) frees their pages."""
+    per prompt, a sample's first chunk holding its prompt and log-probabilities; `chat_echo`:
+    chat's echoed text, a chunk of each sample's after its role's); aborting them when the
+    client goes (the generator is closed) frees their pages."""
     submitted = await submit_all(s, prompts, params, images)
     want, n = params.logprobs, params.n
     offsets = [0] * (n * len(prompts))
@@ -221,6 +223,9 @@ async def stream(
                 for i in range(n):
                     role = {"index": i, "delta": {"role": "assistant", "content": ""}}
                     yield event({**role, "finish_reason": None})
+                for i in range(n if chat_echo else 0):
+                    said = {"index": i, "delta": {"content": chat_echo}, "logprobs": None}
+                    yield event({**said, "finish_reason": None})
             try:
                 async with contextlib.aclosing(merged(s, submitted, texts)) as items:
                     async for k, i, delta, entries, reason in items:
