@@ -18,7 +18,8 @@ class Output:
     """Which of the request's n samples."""
     tokens: list[int]
     finish_reason: str
-    """"stop" (a stop token or stop sequence came) or "length" (max_tokens)."""
+    """"stop" (a stop token or stop sequence came) or "length" (max_tokens; with max_tokens 0,
+    once the prompt is computed)."""
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per token, the `top_logprobs` most likely (token, log-prob) pairs, most likely first."""
