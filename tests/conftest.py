@@ -323,3 +323,21 @@ def small_run():
     """A run of SMALL_RUN trained 4 steps with checkpoints at 2 and 4. Shared by the session
     (both workers): copy it before changing anything in it."""
     return trained_run("small", [*SMALL_RUN, "train.steps=4", "checkpoint.every=2"])
+
+
+@pytest.fixture(scope="session")
+def small_lora(small_run):
+    """A LoRA fine-tune of `small_run` on another data order: 3 steps at a high learning rate
+    (3e-2, no warmup) so that its B is far from zero, checkpointed at 3 (test_merge's and
+    test_named_adapters'). Shared by the session: copy it first."""
+    lora = ["peft.method=lora", f"checkpoint.init_from={small_run}", "data.seed=1"]
+    tune = ["train.steps=3", "checkpoint.every=3", "optim.lr=3e-2", "optim.warmup_steps=0"]
+    return trained_run("small-lora", [*SMALL_RUN, *tune, *lora])
+
+
+@pytest.fixture(scope="session")
+def small_moe():
+    """SMALL_RUN with four routed experts and a shared one, trained 1 step (test_quantized_uses'
+    and test_quantize's MoE run). Shared by the session: copy it first."""
+    moe = ["model.moe.num_experts=4", "model.moe.num_shared_experts=1"]
+    return trained_run("small-moe", [*SMALL_RUN, *moe, "train.steps=1"])

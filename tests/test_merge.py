@@ -82,16 +82,15 @@ def test_dare_masks_keep_density_and_linear_averages():
 
 
 @pytest.fixture(scope="module")
-def tuned(small_run, tmp_path_factory):
+def tuned(small_run, small_lora, tmp_path_factory):
     """{name: run}: the base (the shared small run), two full and two LoRA fine-tunes of it
-    (3 steps each on other data orders)."""
+    (3 steps each on other data orders; `la`, the session's small_lora, at a higher lr)."""
     root = tmp_path_factory.mktemp("merge")
-    runs = {"base": small_run}
+    runs = {"base": small_run, "la": small_lora}
     common = [*SMALL_RUN, "train.steps=3", "checkpoint.every=3", "optim.lr=3e-3"]
     for name, extra in {
         "a": ["data.seed=1"],
         "b": ["data.seed=2"],
-        "la": ["data.seed=1", "peft.method=lora"],
         "lb": ["data.seed=2", "peft.method=lora"],
     }.items():
         runs[name] = root / name

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import SMALL_RUN
 from flax import nnx
+from trained_runs import OnFirstUse
 
 from jaxllm.cli import main
 from jaxllm.infer.cli import adapter_models
@@ -21,26 +22,24 @@ GEN = ["--prompt", "def ", "--prompt", "import ", "--max-new-tokens", "6"]
 
 
 @pytest.fixture(scope="module")
-def runs(small_run, tmp_path_factory):
-    """Two LoRA runs and a bottleneck-adapter run of the small run, and a LoRA run of another
-    base."""
+def runs(small_run, small_lora, tmp_path_factory):
+    """Fine-tuning runs, each trained when a test first asks for it: two LoRA runs of the small
+    run (`a`, the session's; `b`, rank 4 on o_proj alone), a bottleneck-adapter run of it (`p`),
+    and a LoRA run of another base (`x`: seed 7's random initialisation)."""
     root = tmp_path_factory.mktemp("adapters")
     base = ["train", *SMALL_RUN, "train.steps=2", "optim.lr=3e-2", "optim.warmup_steps=0"]
-    out = {}
-    for name, extra in {
-        "a": ["peft.method=lora", "run.seed=1"],
-        "b": ["peft.method=lora", "peft.rank=4", "peft.targets=[o_proj]", "run.seed=2"],
-        "p": ["peft.method=adapter", "peft.adapter_size=8"],
-    }.items():
-        out[name] = root / name
-        argv = [*base, f"checkpoint.init_from={small_run}", f"run.dir={out[name]}", *extra]
-        assert main([*argv]) == 0
-    other = root / "other-base"
-    assert main([*base, "run.seed=7", f"run.dir={other}"]) == 0
-    out["x"] = root / "x"
-    argv = [*base, f"checkpoint.init_from={other}", f"run.dir={out['x']}", "peft.method=lora"]
-    assert main(argv) == 0
-    return out
+    of_small = f"checkpoint.init_from={small_run}"
+    recipes = {
+        "b": [of_small, "peft.method=lora", "peft.rank=4", "peft.targets=[o_proj]", "run.seed=2"],
+        "p": [of_small, "peft.method=adapter", "peft.adapter_size=8"],
+        "x": ["peft.method=lora", "run.seed=7"],
+    }
+
+    def train(name):
+        assert main([*base, *recipes[name], f"run.dir={root / name}"]) == 0
+        return root / name
+
+    return OnFirstUse(train, a=small_lora)
 
 
 def _jsonl(path):

@@ -48,13 +48,6 @@ def _train(run, data, *overrides):
     return main(["train", *args, *overrides])
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory, data):
-    run = tmp_path_factory.mktemp("others") / "base"
-    assert _train(run, data, "train.steps=2") == 0
-    return run
-
-
 def _rows(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -64,11 +57,11 @@ def _rows(run):
     "peft", [pytest.param([], marks=pytest.mark.slow), LORA], ids=["full", "lora"]
 )
 def test_the_reference_is_the_start_and_stays_fixed_while_the_policy_learns(
-    base, data, tmp_path, peft
+    small_run, data, tmp_path, peft
 ):
     run = tmp_path / "run"
     objective = f"train.objective={__file__}:reference_gap"
-    overrides = [objective, f"checkpoint.init_from={base}", "train.steps=4", "optim.lr=1e-2"]
+    overrides = [objective, f"checkpoint.init_from={small_run}", "train.steps=4", "optim.lr=1e-2"]
     assert _train(run, data, *overrides, *peft) == 0
     rows = _rows(run)
     # step 1 evaluates the starting point: the policy is the reference (LoRA's B is zero)
@@ -89,12 +82,12 @@ def test_records_must_match_at_a_resume():
 
 
 @pytest.mark.slow  # the same check, through a resumed jaxllm train (records: test above)
-def test_a_resumed_run_refuses_another_reference(base, data, tmp_path, capsys):
+def test_a_resumed_run_refuses_another_reference(small_run, data, tmp_path, capsys):
     reference = tmp_path / "reference"
     assert _train(reference, data, "train.steps=1") == 0
     run = tmp_path / "run"
     objective = f"train.objective={__file__}:reference_gap"
-    overrides = [objective, f"checkpoint.init_from={base}", f"train.reference={reference}"]
+    overrides = [objective, f"checkpoint.init_from={small_run}", f"train.reference={reference}"]
     assert _train(run, data, *overrides, "train.steps=2") == 0
     assert _train(reference, data, "train.steps=2") == 0  # new weights at the reference's path
     capsys.readouterr()
@@ -103,8 +96,8 @@ def test_a_resumed_run_refuses_another_reference(base, data, tmp_path, capsys):
     assert "this run trained with the reference" in err and "start a new run.dir" in err
 
 
-def test_a_reference_with_another_vocabulary_is_refused(base, data, tmp_path, capsys):
+def test_a_reference_with_another_vocabulary_is_refused(small_run, data, tmp_path, capsys):
     objective = f"train.objective={__file__}:reference_gap"
-    overrides = [objective, f"train.reference={base}", "model.vocab_size=384", "train.steps=1"]
+    overrides = [objective, f"train.reference={small_run}", "model.vocab_size=384", "train.steps=1"]
     assert _train(tmp_path / "run", data, *overrides) == 2
     assert "must share the trained model's vocabulary" in capsys.readouterr().err

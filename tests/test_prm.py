@@ -7,6 +7,7 @@ without step labels is one line and exit 2."""
 import json
 import shutil
 from itertools import chain
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_train_preference import _steps
+from trained_runs import shared
 
 import jaxllm
 from jaxllm import cli, config
@@ -145,6 +147,19 @@ def prm_args(tmp_path, run, *overrides):
     src = f"[{{path: {solutions_file(tmp_path / 'train.jsonl', 128)}, format: stepwise}}]"
     evals = f"[{{path: {solutions_file(tmp_path / 'eval.jsonl', 32, 1)}, format: stepwise}}]"
     return [*RUN, *PRM, f"data.sources={src}", f"data.eval_sources={evals}", f"run.dir={run}"]
+
+
+def trained_prm() -> Path:
+    """prm_args's PRM trained 3 steps at lr 1e-2 with a final checkpoint, in `run/` beside its
+    data: made once per session (test_prm_import's run, test_prm_export's llama case). Read it,
+    never change it."""
+    more = ["train.steps=3", "checkpoint.save_final=true", "optim.lr=1e-2"]
+
+    def make(out: Path) -> None:
+        out.mkdir(parents=True)
+        assert cli.main(["train", *prm_args(out, out / "run"), *more]) == 0
+
+    return shared("prm", ["train", "prm_args", *more], make) / "run"
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_prm import prm_args
+from test_prm import prm_args, trained_prm
 
 import jaxllm
 from jaxllm import cli, config
@@ -23,11 +23,13 @@ from jaxllm.data.tokenizer import make_tokenizer
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_a_prm_exports_as_a_token_classifier_with_equal_scores(tmp_path, family):
-    run, hf = tmp_path / "run", tmp_path / "hf"
-    more = ["train.steps=3", "checkpoint.save_final=true", "optim.lr=1e-2"]
-    if family == "qwen2":
-        more += ["model.qkv_bias=true"]
-    assert cli.main(["train", *prm_args(tmp_path, run), *more]) == 0
+    hf = tmp_path / "hf"
+    if family == "llama":
+        run = trained_prm()  # the session's
+    else:
+        run = tmp_path / "run"
+        more = ["train.steps=3", "checkpoint.save_final=true", "optim.lr=1e-2"]
+        assert cli.main(["train", *prm_args(tmp_path, run), *more, "model.qkv_bias=true"]) == 0
     assert cli.main(["convert", "export", str(run), str(hf), "--family", family]) == 0
     written = json.loads((hf / "config.json").read_text())
     assert written["architectures"] == [f"{family.capitalize()}ForTokenClassification"]

@@ -15,7 +15,7 @@ import torch
 import transformers
 from hf_models import run_cli, stderr_of_failure
 from safetensors.numpy import load_file, save_file
-from test_prm import prm_args
+from test_prm import prm_args, trained_prm
 
 import jaxllm
 from jaxllm import config
@@ -28,11 +28,8 @@ SOLUTIONS = (("q1:", ["s3 ok", "s7 no"]), ("q4:", ["s1 no", "s2 ok", "s9 ok"]))
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """(a trained PRM run, its export)"""
-    root = tmp_path_factory.mktemp("prm_import")
-    run, hf = root / "run", root / "hf"
-    more = ["train.steps=3", "checkpoint.save_final=true", "optim.lr=1e-2"]
-    assert run_cli("train", *prm_args(root, run), *more) == 0
+    """(the session's trained PRM run, its export)"""
+    run, hf = trained_prm(), tmp_path_factory.mktemp("prm_import") / "hf"
     assert run_cli("convert", "export", run, hf) == 0
     return run, hf
 

@@ -246,7 +246,7 @@ def _same_codes(a, b) -> None:
 
 
 @pytest.mark.slow
-def test_sources_hf_peft_and_moe(trained, quantized_runs, tmp_path):
+def test_sources_hf_peft_and_moe(trained, quantized_runs, small_moe, tmp_path):
     """A Hugging Face export of the run quantizes to the same codes as the run; a LoRA run
     quantizes as its merged model; a MoE run's routed and shared experts are quantized (the
     router is not) and its logits are those of its dequantized weights."""
@@ -271,10 +271,7 @@ def test_sources_hf_peft_and_moe(trained, quantized_runs, tmp_path):
         jaxllm.load_model(tmp_path / "qmerged", overrides=["model.dtype=float32"]),
     )
 
-    moe = tmp_path / "moe"
-    extra = ["model.moe.num_experts=4", "model.moe.num_shared_experts=1"]
-    assert main(["train", *SMALL_RUN, *extra, "train.steps=2", f"run.dir={moe}"]) == 0
-    assert main(["quantize", str(moe), str(tmp_path / "qmoe"), *opts]) == 0
+    assert main(["quantize", str(small_moe), str(tmp_path / "qmoe"), *opts]) == 0
     model = jaxllm.load_model(tmp_path / "qmoe")
     mlp = model.moe_layers.moe.mlp
     assert isinstance(mlp.gate_proj.get_value(), quantized.QuantizedTensor)  # [N, E, D, F]

@@ -142,14 +142,6 @@ def test_refusals(q_run, tmp_path, capsys, extra, message):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.fixture(scope="module")
-def moe_run(tmp_path_factory):
-    moe = tmp_path_factory.mktemp("moe") / "run"
-    extra = ["model.moe.num_experts=4", "model.moe.num_shared_experts=1"]
-    assert main(["train", *SMALL_RUN, *extra, "train.steps=1", f"run.dir={moe}"]) == 0
-    return moe
-
-
 @pytest.mark.parametrize(
     "method, dispatch",
     [
@@ -160,7 +152,7 @@ def moe_run(tmp_path_factory):
         pytest.param("smoothquant", "capacity", marks=pytest.mark.slow),
     ],
 )
-def test_quantized_experts_are_the_same_expert_parallel(moe_run, tmp_path, method, dispatch):
+def test_quantized_experts_are_the_same_expert_parallel(small_moe, tmp_path, method, dispatch):
     """A MoE run quantized to int4 (rtn), or to W8A8 (fp8 with fp8 activations, smoothquant's
     int8), whose routed experts quantize each token's row in the dispatch: its routed and
     shared experts' codes shard over the expert axis (4 experts on expert=4 x fsdp=2), and the
@@ -170,7 +162,7 @@ def test_quantized_experts_are_the_same_expert_parallel(moe_run, tmp_path, metho
         "smoothquant": ["--samples", "8"],
         "fp8": ["quantize.fp8_activations=true"],
     }
-    assert main(["quantize", str(moe_run), str(tmp_path / "q"), "--method", method,
+    assert main(["quantize", str(small_moe), str(tmp_path / "q"), "--method", method,
                  *opts[method]]) == 0  # fmt: skip
     tokens = np.random.default_rng(3).integers(0, 320, (8, 16))
     load = dict(overrides=[f"model.moe.dispatch={dispatch}"])

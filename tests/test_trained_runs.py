@@ -1,5 +1,5 @@
 """The session's shared runs (trained_runs.py): made once across processes, one recipe a name,
-and a changed one is noticed."""
+and a changed one is noticed; a module's runs made on first use."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import trained_runs
-from trained_runs import SHARED_RUNS, changed, shared
+from trained_runs import SHARED_RUNS, OnFirstUse, changed, shared
 
 # A process that asks for the shared directory `once` whose making takes a while and counts
 # itself in made.txt: both processes start before either has made it.
@@ -73,3 +73,18 @@ def test_a_changed_shared_run_is_named(base):
     (run / "ckpt" / "w").write_text("1")
     (run / "new").write_text("")
     assert changed() == ["run"]
+
+
+def test_on_first_use_makes_a_value_once_and_only_when_asked():
+    made = []
+
+    def make(name):
+        made.append(name)
+        return name.upper()
+
+    runs = OnFirstUse(make, given="kept")
+    assert made == [] and runs["given"] == "kept"
+    assert [runs["b"], runs["b"], runs["a"]] == ["B", "B", "A"]
+    assert made == ["b", "a"]
+    with pytest.raises(KeyError):
+        OnFirstUse({}.__getitem__)["nothing"]

@@ -75,6 +75,20 @@ def shared_quantized(name: str, run: Path, *opts: str) -> tuple[Path, Path]:
     return q, made_by(f"{name}-hf", "convert", "export", q, OUT)
 
 
+class OnFirstUse(dict):
+    """{name: value} whose missing values are made by `make(name)` when first asked for: a
+    module's runs that only some of its tests use (the others may run with -m slow) are made
+    only where a test uses them."""
+
+    def __init__(self, make: Callable[[str], object], **made):
+        super().__init__(**made)
+        self._make = make
+
+    def __missing__(self, name: str):
+        self[name] = value = self._make(name)
+        return value
+
+
 def changed() -> list[str]:
     """The shared runs whose files are not those they were made with."""
     root = Path(os.environ.get(SHARED_RUNS, "/nonexistent"))
