@@ -17,6 +17,8 @@ projections (o, down) are W8A8 without smoothing, as in the paper.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -41,27 +43,41 @@ def smoothquant_unit(params: dict, chosen: dict, stats: dict, cfg: Config, prefi
     """A block's (or the model's head's) parameters smoothed and W8A8-coded (module
     docstring)."""
     q = cfg.quantize
-    out = jax.tree.map(lambda x: x, params)
-    for producer, readers, kind in awq.sets(params, cfg):
-        measured = [r for r in readers if r in chosen]
-        if kind != "norm" or not measured:
-            continue
-        act = jnp.max(
-            jnp.stack(
-                [
-                    stats[r]["abs_max"].reshape(-1, stats[r]["abs_max"].shape[-1]).max(0)
-                    for r in measured
-                ]
-            ),
-            0,
-        )
-        s = scales(
-            act, [awq._flat(awq._get(out, r), *chosen[r]) for r in measured], q.smoothquant.alpha
-        )
-        for r in readers:
-            awq._set(out, r, awq._scale_rows(awq._get(out, r), s, *awq._in_dims(params, r)))
-        awq._fold(out, producer, kind, s, cfg)
+    # one program per unit: on a mesh, eager ops would each run the partitioned reshapes'
+    # collectives on their own (and the CPU runtime can deadlock on many of them in flight)
+    out = _smoothing(tuple(sorted(chosen.items())), cfg)(params, stats)
     fn = jax.jit(encoder(q), static_argnames=("cfg", "n_in", "n_out"))
     for path, (n_in, n_out) in chosen.items():
         awq._set(out, path, fn(awq._get(out, path), q, n_in=n_in, n_out=n_out))
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _smoothing(chosen: tuple, cfg: Config):
+    """The jitted smoothing of a unit's parameters given its calibration statistics: each norm's
+    readers scaled by s and the norm divided by it (the units of a model share one program)."""
+    chosen = dict(chosen)
+
+    def smooth(params: dict, stats: dict) -> dict:
+        out = jax.tree.map(lambda x: x, params)
+        for producer, readers, kind in awq.sets(params, cfg):
+            measured = [r for r in readers if r in chosen]
+            if kind != "norm" or not measured:
+                continue
+            act = jnp.max(
+                jnp.stack(
+                    [
+                        stats[r]["abs_max"].reshape(-1, stats[r]["abs_max"].shape[-1]).max(0)
+                        for r in measured
+                    ]
+                ),
+                0,
+            )
+            weights = [awq._flat(awq._get(out, r), *chosen[r]) for r in measured]
+            s = scales(act, weights, cfg.quantize.smoothquant.alpha)
+            for r in readers:
+                awq._set(out, r, awq._scale_rows(awq._get(out, r), s, *awq._in_dims(params, r)))
+            awq._fold(out, producer, kind, s, cfg)
+        return out
+
+    return jax.jit(smooth)
