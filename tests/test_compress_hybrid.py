@@ -10,6 +10,7 @@ import pytest
 from conftest import SMALL_RUN
 
 import jaxllm
+from jaxllm.bench import write_random_run
 from jaxllm.cli import main
 from jaxllm.evaluate import evaluate_checkpoint
 from jaxllm.model import quantized
@@ -32,6 +33,13 @@ def trained(tmp_path_factory):
     argv = ["train", *SMALL_RUN, *HYBRID, "train.steps=60", "optim.lr=1e-2", "train.log_every=30"]
     assert main([*argv, "train.eval_batches=2", f"run.dir={run}"]) == 0
     return run
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    """The hybrid of random weights: the refusals read its config only."""
+    run = tmp_path_factory.mktemp("hybrid") / "random"
+    return write_random_run(run, overrides=[*SMALL_RUN, *HYBRID])
 
 
 def _linear_attn(model):
@@ -66,9 +74,9 @@ def test_wanda_zeroes_half_of_every_linear_attention_projection(trained, tmp_pat
 
 
 @pytest.mark.parametrize("method", ["layers", "heads", "channels", "slicegpt"])
-def test_structured_pruning_refuses_a_hybrid_in_one_line(trained, tmp_path, capsys, method):
+def test_structured_pruning_refuses_a_hybrid_in_one_line(untrained, tmp_path, capsys, method):
     out = tmp_path / method
-    argv = ["prune", str(trained), str(out), "--method", method, "--sparsity", "0.5"]
+    argv = ["prune", str(untrained), str(out), "--method", method, "--sparsity", "0.5"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxllm:") and "layer_pattern" in err[0], err
