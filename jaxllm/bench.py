@@ -142,13 +142,16 @@ def synthetic_batch(cfg: config.Config, seed: int = 0) -> dict:
             for k, n in lengths.items()
         }
     tokens = rng.integers(0, 256, size=(b, l + 1), dtype=np.int32)
-    return {
+    batch = {
         "inputs": tokens[:, :-1],
         "targets": tokens[:, 1:],
         "segment_ids": np.ones((b, l), np.int32),
         "positions": np.broadcast_to(np.arange(l, dtype=np.int32), (b, l)).copy(),
         "loss_mask": np.ones((b, l), np.int32),
     }
+    if cfg.train.objective == "prefix_lm":  # the first half of each row read bidirectionally
+        batch["prefix"] = (batch["positions"] < l // 2).astype(np.int32)
+    return batch
 
 
 def _compiled_flops(compiled) -> float | None:

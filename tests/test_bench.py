@@ -102,3 +102,11 @@ def test_bench_profile_on_cpu_says_it_saw_no_device_ops(tmp_path):
     assert r["profile"].startswith("profile: no device ops")
     assert any(tmp_path.glob("**/perfetto_trace.json.gz"))
     assert "profile: no device ops" in format_result(r)
+
+
+def test_a_prefix_lm_step_is_benched_on_rows_with_a_prefix():
+    """The synthetic batch carries what the objective reads (prefix LM: `prefix`)."""
+    mesh = sharding.make_mesh(config.MeshConfig(data=1), jax.devices()[:1])
+    cfg = _cfg()
+    prefix = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, objective="prefix_lm"))
+    assert abs(compiled_step_flops(prefix, mesh) / compiled_step_flops(cfg, mesh) - 1) < 0.05

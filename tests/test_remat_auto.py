@@ -94,3 +94,9 @@ def test_plan_takes_auto_with_hbm_and_reports_the_choice():
     assert report["remat_auto"].startswith("model.remat=auto: chose none (")
     assert report["remat_auto"].endswith(f"of {_size(int(0.9 * 64 * 2**30))})")
     assert report["remat_auto"] in format_plan(report) and report["fits"]
+
+
+def test_auto_compiles_the_step_of_an_objective_with_its_own_arrays():
+    """Prefix LM's rows carry a `prefix`: the abstract batch of the step has it too."""
+    cfg, mesh = _cfg("train.objective=prefix_lm", "train.memory_budget=0.5")
+    assert remat_auto.resolve(cfg, mesh, log=lambda line: None).model.remat == "none"

@@ -240,6 +240,9 @@ def test_serve_command_mistakes_are_one_line_exit_2(small_run, capsys):
         port = held.getsockname()[1]
         assert main(["serve", str(small_run), "--port", str(port)]) == 2
         assert "give a free --port" in _one_line(capsys)
+        for flag in ("--api-key", "--served-model-name"):  # an empty key would serve with none
+            assert main(["serve", str(small_run), "--port", str(port), f"{flag}= "]) == 2
+            assert f"{flag} is empty" in _one_line(capsys)
     assert main(["serve", str(small_run), "--port", "70000"]) == 2
     assert "1 to 65535" in _one_line(capsys)
     for bad in (["--kv-cache-dtype", "fp8"], ["--page-size", "x"]):

@@ -112,8 +112,25 @@ def _ragged_bwd(dtype, res, g_AxF):
     dk_ExDxF = jax.lax.ragged_dot_general(
         qx, qg, sizes_E, _PER_GROUP_XTG, preferred_element_type=jnp.float32
     )
+    dx, dk_ExDxF = _summed_like(dx * (sg * sk), qx), _summed_like(dk_ExDxF * (sx * sg), qk)
     dsizes = np.zeros(sizes_E.shape, jax.dtypes.float0)
-    return (dx * (sg * sk)).astype(dtype), (dk_ExDxF * (sx * sg)).astype(dtype), dsizes
+    return dx.astype(dtype), dk_ExDxF.astype(dtype), dsizes
+
+
+def _summed_like(grad: jax.Array, primal: jax.Array) -> jax.Array:
+    """`grad` summed over the mesh axes it varies over and `primal` does not. Under shard_map
+    (dropless experts) a kernel is the same on every device of the batch axes while the rows
+    are not, and the rows are the same on every device of `tensor` while the kernel's hidden
+    units are not: each operand's gradient is the sum of every device's, the psum automatic
+    differentiation puts where an invariant operand meets a varying one, which a custom VJP
+    must do itself."""
+    extra = _varying(grad) - _varying(primal)
+    return jax.lax.psum(grad, tuple(sorted(extra))) if extra else grad
+
+
+def _varying(x: jax.Array) -> frozenset:
+    """Mesh axes `x` varies over inside shard_map (empty outside it)."""
+    return frozenset(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ()))
 
 
 ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)

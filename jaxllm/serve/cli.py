@@ -237,6 +237,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     for flag in ("max_num_seqs", "page_size", "kv_group", "chunk_size", "num_pages"):
         if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1.")
+    for flag in ("api_key", "served_model_name"):  # an empty key would serve with no key
+        if getattr(ns, flag) is not None and not getattr(ns, flag).strip():
+            raise ConfigError(f"--{flag.replace('_', '-')} is empty; give one or leave it out.")
     _check_address(ns.host, ns.port)
     media = ns.allowed_local_media_path
     if media is not None and not Path(media).is_dir():

@@ -45,6 +45,8 @@ def abstract_inputs(cfg: config.Config, mesh, tx, shardings, batch_sh):
         lengths = span_corruption.batch_lengths(cfg.data)
     if cfg.train.objective == "kto":  # which examples are desirable
         lengths["label"] = l
+    if cfg.train.objective == "prefix_lm":  # the tokens read bidirectionally
+        lengths["prefix"] = l
     batch = {
         k: jax.ShapeDtypeStruct((b, n), np.int32, sharding=batch_sh) for k, n in lengths.items()
     }
