@@ -38,7 +38,9 @@ Exit codes, each failure with one sentence on stderr and no traceback:
   2    a mistake the user can fix (config keys, types, impossible shapes, bad data or
        checkpoints, a config file that is not a YAML mapping or gives a key twice, option values
        out of range), reported before anything is compiled or written
-  130  SIGINT (143: SIGTERM) during start-up, before training ran; nothing to save
+  130  SIGINT (143: SIGTERM) during start-up, before training ran; nothing to save; in the
+       other commands (but `serve`, which finishes or cancels its requests and exits 0), SIGINT
+       or SIGTERM at any point: an output being written is removed, the old one kept
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ import argparse
 import contextlib
 import logging
 import math
+import os
 import re
+import signal
 import sys
 import traceback
 import warnings
@@ -423,9 +427,30 @@ def main(argv: list[str] | None = None) -> int:
             where = f": {e.filename}" if e.filename else ""
             print(f"jaxllm: error: {e.strerror or e}{where}.", file=sys.stderr)
             return EXIT_ENVIRONMENT
+        except Terminated:
+            print("jaxllm: terminated", file=sys.stderr)
+            return 128 + signal.SIGTERM
         except KeyboardInterrupt:
             print("jaxllm: interrupted", file=sys.stderr)
             return 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM in the `jaxllm` program: raised where the signal finds the main thread, so that,
+    as for Ctrl-C, an output directory being written is removed (`config.outputs.written`)
+    rather than left half-made by the default, immediate exit. `train` and `serve` install
+    their own handlers while they run."""
+
+
+def _terminate(signum, frame) -> None:
+    if os.getpid() != _MAIN_PID:  # a forked worker (data loading) ends as it did before
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise Terminated
+
+
+_MAIN_PID = os.getpid()
 
 
 def entry() -> None:
@@ -434,6 +459,7 @@ def entry() -> None:
     global _process_quiet  # held for the life of the process (a dropped one would exit)
     _process_quiet = _quiet_libraries()
     _process_quiet.__enter__()
+    signal.signal(signal.SIGTERM, _terminate)
     sys.exit(main())
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,8 +72,18 @@ def written(out: str | Path, *, flag: str, overwrite: bool = False) -> Iterator[
             "written" + (" and the old one was kept." if out.exists() else ".")
         ) from e
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         raise
+
+
+def _remove(tmp: Path) -> None:
+    """Removes `tmp`, and again while it reappears: a write interrupted inside a checkpoint save
+    (SIGTERM, Ctrl-C) leaves the save's background threads creating files in it for a moment."""
+    for _ in range(20):
+        shutil.rmtree(tmp, ignore_errors=True)
+        time.sleep(0.05)
+        if not tmp.exists():
+            return
 
 
 def _replace(tmp: Path, out: Path) -> None:
