@@ -105,6 +105,13 @@ def test_precompiled_buckets_serve_without_compiling_and_equal_generate_alone(mo
     assert all(len(o[0].prompt_logprobs) == len(p) for o, p in zip(scored, PROMPTS))
 
 
+def test_default_pages_hold_whole_quantization_groups(model):
+    """Without `page_size`, an int4 / int2 engine's pages are the least multiple of 16 tokens and
+    its group (a 16-token page would be refused); other caches keep 16."""
+    for dtype, group, want in [("int4", 32, 32), ("int2", 24, 48), ("int8", 32, 16)]:
+        assert Engine(model, kv_cache_dtype=dtype, kv_group=group).page_size == want
+
+
 def test_int8_pages_decode_each_request_as_alone(model):
     # narrow block tables alone, wider ones beside the 33-token prompt: the same tokens
     params = SamplingParams(max_tokens=8)

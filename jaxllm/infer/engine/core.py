@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,7 +39,8 @@ class Engine:
     and block-table width (1, 2, 4 .. pages, up to max_seq_len's pages: `table_width`).
     `swap`: how a preempted sequence comes back, "recompute" (its tokens prefilled again) or
     "host" (its pages copied to host memory and back, `swap.py`). `kv_group`: the int4 / int2
-    quantization group, a divisor of `page_size` (`kivi.py`). A hybrid model's linear layers
+    quantization group, a divisor of `page_size` (`kivi.py`); `page_size` defaults to 16 tokens,
+    for int4 / int2 the least multiple of 16 and that group (32 at the default group). A hybrid model's linear layers
     keep a state per slot beside the pages (`linear.py`); it shares no prefix pages.
 
     With `mesh` the engine runs sharded on it, as `generate(..., mesh=mesh)` does: the model's
@@ -52,7 +54,7 @@ class Engine:
         model: nnx.Module,
         *,
         max_num_seqs: int = 8,
-        page_size: int = 16,
+        page_size: int | None = None,
         num_pages: int = 64,
         chunk_size: int = 32,
         kv_cache_dtype: str = KV_CACHE_DTYPE,
@@ -66,6 +68,9 @@ class Engine:
         cfg = model.cfg
         if cfg.kind != "decoder" or getattr(model, "soft_prompt", None) is not None:
             raise ValueError("the engine serves decoder-only models without soft prompts")
+        if page_size is None:
+            kivi = kv_cache_dtype in kv_cache.KIVI_KINDS and kv_group > 0
+            page_size = math.lcm(16, kv_group) if kivi else 16
         if min(page_size, max_num_seqs, kv_group) < 1:
             raise ValueError("page_size, max_num_seqs and kv_group must be at least 1")
         self._group = kv_group if kv_cache_dtype in kv_cache.KIVI_KINDS else None
