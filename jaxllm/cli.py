@@ -49,7 +49,6 @@ import argparse
 import contextlib
 import logging
 import math
-import os
 import re
 import signal
 import sys
@@ -58,7 +57,7 @@ import warnings
 from pathlib import Path
 
 from jaxllm import config
-from jaxllm.config import ConfigError, RunError
+from jaxllm.config import ConfigError, RunError, outputs
 
 EXIT_ENVIRONMENT = 1
 EXIT_USER_ERROR = 2
@@ -427,30 +426,12 @@ def main(argv: list[str] | None = None) -> int:
             where = f": {e.filename}" if e.filename else ""
             print(f"jaxllm: error: {e.strerror or e}{where}.", file=sys.stderr)
             return EXIT_ENVIRONMENT
-        except Terminated:
+        except outputs.Terminated:
             print("jaxllm: terminated", file=sys.stderr)
             return 128 + signal.SIGTERM
         except KeyboardInterrupt:
             print("jaxllm: interrupted", file=sys.stderr)
             return 130
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM in the `jaxllm` program: raised where the signal finds the main thread, so that,
-    as for Ctrl-C, an output directory being written is removed (`config.outputs.written`)
-    rather than left half-made by the default, immediate exit. `train` and `serve` install
-    their own handlers while they run."""
-
-
-def _terminate(signum, frame) -> None:
-    if os.getpid() != _MAIN_PID:  # a forked worker (data loading) ends as it did before
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    raise Terminated
-
-
-_MAIN_PID = os.getpid()
 
 
 def entry() -> None:
@@ -459,7 +440,7 @@ def entry() -> None:
     global _process_quiet  # held for the life of the process (a dropped one would exit)
     _process_quiet = _quiet_libraries()
     _process_quiet.__enter__()
-    signal.signal(signal.SIGTERM, _terminate)
+    outputs.interrupt_on_sigterm()
     sys.exit(main())
 
 

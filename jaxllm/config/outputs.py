@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,3 +103,26 @@ def _replace(tmp: Path, out: Path) -> None:
         old.rename(out)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM in the `jaxllm` program (`interrupt_on_sigterm`): raised where the signal finds
+    the main thread so that, as for Ctrl-C, an output being written is removed (`written`)
+    rather than left half-made by the default, immediate exit. `train` and `serve` install
+    their own handlers while they run."""
+
+
+def interrupt_on_sigterm() -> None:
+    """From now on SIGTERM raises `Terminated` in this process (call it from the main thread)."""
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum, frame) -> None:
+    if os.getpid() != _MAIN_PID:  # a forked worker (data loading) ends as it did before
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise Terminated
+
+
+_MAIN_PID = os.getpid()
