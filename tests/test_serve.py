@@ -161,9 +161,9 @@ def test_bad_requests_answer_400_and_the_server_keeps_serving(server, client, bo
     headers = {"Authorization": f"Bearer {KEY}"}
     if isinstance(body, str):
         headers["Content-Type"] = "application/json"
-        r = httpx.post(url + "/v1/completions", content=body, headers=headers)
+        r = httpx.post(url + "/v1/completions", content=body, headers=headers, timeout=60)
     else:
-        r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 400, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError):
@@ -175,7 +175,7 @@ def test_api_key_is_required(server):
     bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    assert httpx.get(server[0] + "/v1/models").status_code == 401
+    assert httpx.get(server[0] + "/v1/models", timeout=60).status_code == 401
 
 
 def test_health_metrics_and_a_dropped_stream_frees_its_pages(server):

@@ -75,7 +75,7 @@ def test_stream_options_include_usage_ends_with_the_usage(server, client, chat):
         done[choice["index"]] = c["usage"]["completion_tokens"]
     assert sum(done.values()) == whole.usage.completion_tokens
     alone = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
-    r = httpx.post(url + route, json={**body, **alone}, headers=HEADERS)
+    r = httpx.post(url + route, json={**body, **alone}, headers=HEADERS, timeout=60)
     assert r.status_code == 400 and "include_usage" in r.json()["error"]["message"]
     stream = client.completions.create(  # the official client reads it as a user's program does
         model="tiny", prompt="ab", max_tokens=3, stream=True, stream_options={"include_usage": True}
@@ -107,7 +107,10 @@ def test_fields_not_honoured_are_400_never_ignored(server, field):
     # the values that ask for nothing more are served
     fine = {"best_of": 1, "response_format": {"type": "text"}, "tool_choice": "none", "user": "u"}
     extra = {k: v for k, v in fine.items() if (k in ("user", "best_of")) != chat}
-    assert httpx.post(url + route, json={**body, **extra}, headers=HEADERS).status_code == 200
+    assert (
+        httpx.post(url + route, json={**body, **extra}, headers=HEADERS, timeout=60).status_code
+        == 200
+    )
 
 
 def test_prompts_of_token_ids_and_ids_outside_the_vocabulary(server, client):
@@ -122,7 +125,7 @@ def test_prompts_of_token_ids_and_ids_outside_the_vocabulary(server, client):
     assert both.usage.prompt_tokens == sum(map(len, ids))
     for bad in ([], [[]], [-1], [320], [[5, 6], [320]]):
         body = {"model": "tiny", "prompt": bad, "max_tokens": 2}
-        r = httpx.post(url + "/v1/completions", json=body, headers=HEADERS)
+        r = httpx.post(url + "/v1/completions", json=body, headers=HEADERS, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
 
 
@@ -139,13 +142,15 @@ def test_a_missing_max_tokens_fills_the_context(server, client):
     )
     assert chat.usage.total_tokens == CONTEXT  # a chat reply may take the whole rest
     body = {"model": "tiny", "prompt": [5] * CONTEXT}
-    r = httpx.post(url + "/v1/completions", json=body, headers=HEADERS)
+    r = httpx.post(url + "/v1/completions", json=body, headers=HEADERS, timeout=60)
     assert r.status_code == 400 and "no room" in r.json()["error"]["message"]
     for route, body in [  # a prompt and max_tokens past the context: the field named
         ("completions", {"prompt": [5] * 10, "max_tokens": CONTEXT - 9}),
         ("chat/completions", {"messages": msgs, "max_completion_tokens": CONTEXT}),
     ]:
-        r = httpx.post(f"{url}/v1/{route}", json={"model": "tiny", **body}, headers=HEADERS)
+        r = httpx.post(
+            f"{url}/v1/{route}", json={"model": "tiny", **body}, headers=HEADERS, timeout=60
+        )
         err = r.json()["error"]
         assert r.status_code == 400 and f"context is {CONTEXT} tokens" in err["message"], r.text
         assert err["param"] == next(k for k in body if k.startswith("max_"))
@@ -161,7 +166,7 @@ def test_a_missing_max_tokens_fills_the_context(server, client):
 )
 def test_bad_messages_are_400(server, client, messages):
     body = {"model": "tiny", "messages": messages, "max_tokens": 2}
-    r = httpx.post(server[0] + "/v1/chat/completions", json=body, headers=HEADERS)
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, headers=HEADERS, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages"), r.text
     assert client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
@@ -171,7 +176,7 @@ def test_bad_messages_are_400(server, client, messages):
 def test_invalid_json_and_unknown_routes_answer_in_openai_shape(server):
     url = server[0]
     headers = {**HEADERS, "Content-Type": "application/json"}
-    r = httpx.post(url + "/v1/completions", content="{not json", headers=headers)
+    r = httpx.post(url + "/v1/completions", content="{not json", headers=headers, timeout=60)
     err = r.json()["error"]
     assert r.status_code == 400 and "not valid JSON" in err["message"] and err["param"] is None
     for content, kind in (
@@ -179,17 +184,22 @@ def test_invalid_json_and_unknown_routes_answer_in_openai_shape(server):
         (b'["tiny"]', "application/json"),
     ):
         r = httpx.post(
-            url + "/v1/completions", content=content, headers={**HEADERS, "Content-Type": kind}
+            url + "/v1/completions",
+            content=content,
+            headers={**HEADERS, "Content-Type": kind},
+            timeout=60,
         )
         assert r.status_code == 400 and "a JSON object" in r.json()["error"]["message"], r.text
-    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": 5}, headers=HEADERS)
+    r = httpx.post(
+        url + "/v1/completions", json={"model": "tiny", "prompt": 5}, headers=HEADERS, timeout=60
+    )
     assert (
         r.json()["error"]["message"]
         == "prompt: Input should be a valid string or a valid list (got 5)"
     )
-    r = httpx.get(url + "/v1/nothing", headers=HEADERS)
+    r = httpx.get(url + "/v1/nothing", headers=HEADERS, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    r = httpx.get(url + "/v1/completions", headers=HEADERS)
+    r = httpx.get(url + "/v1/completions", headers=HEADERS, timeout=60)
     assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -261,12 +271,14 @@ def test_retrieve_the_served_model_and_404_for_another(server, client):
     for other in ("other", "org/tiny"):  # an id with a slash is one id, not another route
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             client.models.retrieve(other)
-        r = httpx.get(f"{url}/v1/models/{other}", headers=HEADERS)
+        r = httpx.get(f"{url}/v1/models/{other}", headers=HEADERS, timeout=60)
         err = r.json()["error"]
         assert r.status_code == 404 and err["code"] == "model_not_found", r.text
         assert err["type"] == "not_found_error" and err["param"] == "model"
-    assert httpx.get(url + "/v1/models/tiny").status_code == 401  # the key is needed there too
-    assert httpx.get(url + "/version").json() == {"version": jaxllm.__version__}
+    assert (
+        httpx.get(url + "/v1/models/tiny", timeout=60).status_code == 401
+    )  # the key is needed there too
+    assert httpx.get(url + "/version", timeout=60).json() == {"version": jaxllm.__version__}
 
 
 STRICT = [

@@ -138,23 +138,27 @@ def test_penalties_top_k_and_min_p_reach_the_engine(server, client):
 )
 def test_out_of_range_sampling_fields_answer_400(server, route, body):
     headers = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(f"{server[0]}/v1/{route}", json={"model": "tiny", **body}, headers=headers)
+    r = httpx.post(
+        f"{server[0]}/v1/{route}", json={"model": "tiny", **body}, headers=headers, timeout=60
+    )
     assert r.status_code == 400, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_tokenize_and_detokenize_as_the_routes_count(server, client):
     url, tok, bos = server[0], server[2], server[4]
-    r = httpx.post(url + "/tokenize", json={"model": "tiny", "prompt": "Hello"}).json()
+    r = httpx.post(url + "/tokenize", json={"model": "tiny", "prompt": "Hello"}, timeout=60).json()
     used = _greedy(client, max_tokens=1).usage.prompt_tokens
     assert r["tokens"] == bos + tok.encode("Hello").tolist() and r["count"] == len(r["tokens"])
-    assert httpx.post(url + "/tokenize", json={"prompt": "The"}).json()["count"] == used
+    assert httpx.post(url + "/tokenize", json={"prompt": "The"}, timeout=60).json()["count"] == used
     assert r["max_model_len"] == client.models.retrieve("tiny").model_extra["max_model_len"]
     msgs = [{"role": "user", "content": "Hi there"}]
     chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
-    counted = httpx.post(url + "/tokenize", json={"messages": msgs}).json()["count"]
+    counted = httpx.post(url + "/tokenize", json={"messages": msgs}, timeout=60).json()["count"]
     assert counted == chat.usage.prompt_tokens
-    text = httpx.post(url + "/detokenize", json={"tokens": r["tokens"][len(bos) :]}).json()
+    text = httpx.post(
+        url + "/detokenize", json={"tokens": r["tokens"][len(bos) :]}, timeout=60
+    ).json()
     assert text == {"prompt": "Hello"}
     for route, body in [
         ("tokenize", {"prompt": "a", "messages": msgs}),  # one of them
@@ -165,5 +169,5 @@ def test_tokenize_and_detokenize_as_the_routes_count(server, client):
         ("detokenize", {"tokens": [1, 10**6]}),
         ("detokenize", {"tokens": ["1"]}),
     ]:
-        r = httpx.post(f"{url}/{route}", json=body)
+        r = httpx.post(f"{url}/{route}", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"], (body, r.text)
