@@ -283,6 +283,8 @@ def shard_map_mesh(mesh: Mesh):
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """`x` constrained to the layout its logical axes map to (`RULES`) on the active mesh
+    (`active`); unchanged without a mesh or on one device."""
     parallel = _ACTIVE.get()
     mesh = parallel.mesh
     if mesh is None or mesh.size == 1:
