@@ -93,6 +93,10 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     process, contiguous groups stand in for slices) and each axis is laid out slice-major, so the
     fast-network degree varies fastest, as `mesh_utils.create_hybrid_device_mesh` does.
     """
+    if not isinstance(cfg, MeshConfig):
+        raise TypeError(
+            f"make_mesh takes a MeshConfig (a Config's .mesh), not {type(cfg).__name__}"
+        )
     devices = list(devices if devices is not None else jax.devices())
     sizes = mesh_degrees(cfg, len(devices))
     dcn = [getattr(cfg, f"dcn_{a}", 1) for a in MESH_AXES]

@@ -122,3 +122,13 @@ def test_public_functions_and_classes_say_what_they_are(name):
         and not (v.__doc__ or "").strip()
     ]
     assert undocumented == []
+
+
+def test_a_whole_config_where_a_section_belongs_is_a_type_error():
+    whole = config.Config()
+    with pytest.raises(
+        TypeError, match=r"built from a ModelConfig \(a Config's .model\), not Config"
+    ):
+        jaxllm.init_state(whole, optax.sgd(1e-2), jaxllm.make_mesh(whole.mesh), seed=0)
+    with pytest.raises(TypeError, match=r"make_mesh takes a MeshConfig \(a Config's .mesh\)"):
+        jaxllm.make_mesh(whole)
