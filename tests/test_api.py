@@ -9,6 +9,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -132,3 +133,18 @@ def test_a_whole_config_where_a_section_belongs_is_a_type_error():
         jaxllm.init_state(whole, optax.sgd(1e-2), jaxllm.make_mesh(whole.mesh), seed=0)
     with pytest.raises(TypeError, match=r"make_mesh takes a MeshConfig \(a Config's .mesh\)"):
         jaxllm.make_mesh(whole)
+
+
+def test_an_engine_request_is_token_ids_and_sampling_params():
+    from jaxllm.infer.engine import Engine, SamplingParams
+
+    engine = Engine(jaxllm.Transformer(TINY, rngs=nnx.Rngs(0)), num_pages=8, page_size=16)
+    for prompt in ["hello", [1.0, 2.0]]:
+        with pytest.raises(TypeError, match="a prompt is a sequence of integer token ids"):
+            engine.add_request(prompt, SamplingParams(max_tokens=1))
+    with pytest.raises(TypeError, match="params must be a SamplingParams, not dict"):
+        engine.add_request([1, 2], {"max_tokens": 1})
+    assert engine.num_waiting == 0  # nothing queued by the refusals
+    for prompt in [np.array([1, 2]), jnp.array([1, 2]), [np.int64(1), 2]]:
+        engine.add_request(prompt, SamplingParams(max_tokens=1))
+    assert engine.num_waiting == 3
