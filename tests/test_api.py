@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -148,3 +150,14 @@ def test_an_engine_request_is_token_ids_and_sampling_params():
     for prompt in [np.array([1, 2]), jnp.array([1, 2]), [np.int64(1), 2]]:
         engine.add_request(prompt, SamplingParams(max_tokens=1))
     assert engine.num_waiting == 3
+
+
+def test_subpackages_are_attributes_of_a_bare_import_that_stays_light():
+    # the docs name calls as jaxllm.infer.generate, jaxllm.plan.memory_bill, ...
+    code = (
+        "import sys, jaxllm; assert 'jax' not in sys.modules; "
+        "jaxllm.infer.generate, jaxllm.plan.memory_bill, jaxllm.optim.keep_zeros, "
+        "jaxllm.metrics.param_counts, jaxllm.compress.rtn, jaxllm.parallel; "
+        "assert not hasattr(jaxllm, 'no_such_part')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
