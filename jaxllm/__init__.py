@@ -11,6 +11,7 @@ The pieces research code imports, all from here:
     jaxllm.next_token
     jaxllm.make_mesh, Parallel                  the device mesh and the parallel settings
     jaxllm.flash_attention, decode_attention    the Pallas kernels
+    jaxllm.infer, jaxllm.optim, ...             every subpackage, as an attribute too
 
 `import jaxllm` itself stays light (no jax until a piece is used), so the command line can
 install its signal handlers before anything heavy loads.
@@ -19,6 +20,7 @@ install its signal handlers before anything heavy loads.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from jaxllm.config.errors import JaxllmWarning  # defined at the bottom floor, named here
 
@@ -62,7 +64,9 @@ _MODULES = (
 def __getattr__(name: str):
     if name in _PIECES:
         value = getattr(importlib.import_module(_PIECES[name]), name)
-    elif name in _MODULES:
+    elif name in _MODULES or (
+        not name.startswith("_") and importlib.util.find_spec(f"jaxllm.{name}") is not None
+    ):  # `jaxllm.infer.generate` after a bare `import jaxllm`, as for any package's attribute
         value = importlib.import_module(f"jaxllm.{name}")
     else:
         raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")

@@ -93,6 +93,10 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     process, contiguous groups stand in for slices) and each axis is laid out slice-major, so the
     fast-network degree varies fastest, as `mesh_utils.create_hybrid_device_mesh` does.
     """
+    if not isinstance(cfg, MeshConfig):
+        raise TypeError(
+            f"make_mesh takes a MeshConfig (a Config's .mesh), not {type(cfg).__name__}"
+        )
     devices = list(devices if devices is not None else jax.devices())
     sizes = mesh_degrees(cfg, len(devices))
     dcn = [getattr(cfg, f"dcn_{a}", 1) for a in MESH_AXES]
@@ -283,6 +287,8 @@ def shard_map_mesh(mesh: Mesh):
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """`x` constrained to the layout its logical axes map to (`RULES`) on the active mesh
+    (`active`); unchanged without a mesh or on one device."""
     parallel = _ACTIVE.get()
     mesh = parallel.mesh
     if mesh is None or mesh.size == 1:

@@ -19,6 +19,7 @@ FINALIZED = "_CHECKPOINT_METADATA"  # Orbax writes it last, inside the renamed s
 
 
 def checkpoint_dir(run_dir: str | Path, configured: str | None = None) -> Path:
+    """Where a run's checkpoints live: `checkpoint.dir` when set, else `<run.dir>/checkpoints`."""
     return Path(configured) if configured else Path(run_dir) / "checkpoints"
 
 

@@ -63,6 +63,7 @@ LEAD_AXES = ("layers", "expert")  # dims each quantized on its own, kept whole
 
 
 def path_of(keys) -> str:
+    """A parameter's "/"-joined path (`layers/attn/q_proj`) from a jax tree key path."""
     return "/".join(str(getattr(k, "key", k)) for k in keys)
 
 

@@ -282,6 +282,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def from_dict(data: dict) -> Config:
+    """A `Config` from nested plain data (a YAML file's sections): unknown sections and keys,
+    and values of the wrong type, are ConfigErrors; not validated (`Config.validate`)."""
     unknown = [k for k in data if k not in SECTIONS]
     if unknown:
         import difflib
@@ -339,6 +341,8 @@ def apply_overrides(data: dict, overrides: typing.Sequence[str]) -> dict:
 
 
 def to_dict(cfg: Config) -> dict:
+    """The config as nested plain dicts and lists, as `dump` writes it; `from_dict` reads it."""
+
     def plain(x):
         if isinstance(x, dict):
             return {k: plain(v) for k, v in x.items()}

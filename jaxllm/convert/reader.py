@@ -59,6 +59,7 @@ def with_pixel_budget(preprocessor: dict, min_pixels: int, max_pixels: int) -> d
 
 
 def is_hf_dir(path) -> bool:
+    """Whether `path` is a Hugging Face model directory: config.json and safetensors."""
     path = Path(path)
     has_weights = (path / INDEX).is_file() or any(path.glob("*.safetensors"))
     return (path / "config.json").is_file() and has_weights

@@ -13,6 +13,10 @@ from jaxllm.model.transformer import build, init_keys, split_peft
 
 def _abstract_split(cfg: ModelConfig, peft: PeftConfig | None):
     """(graphdef, trainable, frozen, model state) of the abstract model, as `nnx.State`s."""
+    if not isinstance(cfg, ModelConfig):  # a whole Config fails deep inside otherwise
+        raise TypeError(
+            f"a model is built from a ModelConfig (a Config's .model), not {type(cfg).__name__}"
+        )
     model = nnx.eval_shape(lambda: build(cfg, 0, peft))
     if peft is None or peft.method == "none":
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)

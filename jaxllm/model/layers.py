@@ -272,17 +272,37 @@ def make_norm(cfg, dim: int | None = None, axes: tuple[str, ...] = ("norm",)) ->
 
 
 class Embed(nnx.Module):
+    """Token embeddings: int ids [B, L] -> [B, L, D] in `dtype`; `attend` is the tied LM head."""
+
     def __init__(self, vocab: int, dim: int, *, init_std: float, dtype, param_dtype, rngs):
         self.dtype = dtype
         init = jax.nn.initializers.normal(init_std)
         self.embedding = param(rngs, init, (vocab, dim), ("vocab", "embed"), param_dtype)
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        tokens_BxL = jnp.asarray(tokens_BxL)
+        if tokens_BxL.ndim != 2 or not jnp.issubdtype(tokens_BxL.dtype, jnp.integer):
+            raise TypeError(
+                "token ids must be an integer array [batch, length], not "
+                f"{tokens_BxL.dtype} {tuple(tokens_BxL.shape)}"
+            )
         return jnp.take(self.embedding[...], tokens_BxL, axis=0).astype(self.dtype)
 
     def attend(self, x_BxLxD: jax.Array) -> jax.Array:
         """Tied LM head: logits in float32."""
         return matmul("bld,vd->blv", x_BxLxD, self.embedding[...], self.dtype, jnp.float32)
+
+
+def default_positions(cfg, b: int, l: int) -> jax.Array:
+    """Positions 0 .. l-1 of each of b rows; a ValueError when learned positions
+    (`cfg.position == "learned"`) have no row for the last of them."""
+    rows = cfg.max_seq_len - cfg.encoder.position_offset
+    if cfg.position == "learned" and l > rows:
+        raise ValueError(
+            f"{l} tokens exceed the {rows} learned positions of this model "
+            f"(model.max_seq_len {cfg.max_seq_len}); pass at most {rows}."
+        )
+    return jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
 
 
 def logical_axes(state) -> dict:

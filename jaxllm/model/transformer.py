@@ -33,7 +33,7 @@ from jaxllm.model import deepstack as deepstack_lib
 from jaxllm.model import moe as moe_lib
 from jaxllm.model.block import Block, HybridGroup, MoEGroup, apply_dropout, stack
 from jaxllm.model.hybrid import dense_layers
-from jaxllm.model.layers import Embed, logical_axes, make_norm, matmul, param
+from jaxllm.model.layers import Embed, default_positions, logical_axes, make_norm, matmul, param
 from jaxllm.model.outputs import ModelOutput
 from jaxllm.model.remat import policy
 from jaxllm.sharding import constrain
@@ -196,7 +196,7 @@ class Transformer(nnx.Module):
             embeddings_BxLxD = self._embed(tokens_BxL)
         b, l = embeddings_BxLxD.shape[:2]
         if positions_BxL is None:
-            positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+            positions_BxL = default_positions(cfg, b, l)
         if segment_ids_BxL is None:
             segment_ids_BxL = jnp.ones((b, l), jnp.int32)
         dtype = jnp.dtype(cfg.dtype)

@@ -21,7 +21,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,13 @@ class ObjectiveOutput(NamedTuple):
     model_stats: Any = {}  # the model's aux sums (MoE), for `Transformer.after_step`
 
 
-Objective = Callable[[nnx.Module, dict, "jax.Array | None"], ObjectiveOutput]
+class Objective(Protocol):
+    """What a train or eval step minimises: `objective(model, batch, rng)` -> `ObjectiveOutput`
+    of sums over the batch (`next_token()`, `from_config`, or your own function; one that names
+    frozen models in `objective.others` also gets them as a fourth argument)."""
+
+    def __call__(self, model: nnx.Module, batch: dict, rng: jax.Array | None, /) -> ObjectiveOutput:
+        """The sums of one (micro)batch; `rng`: the step's dropout key, or None."""
 
 
 def output(model, out, loss_sum, count, metrics: dict) -> ObjectiveOutput:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 from jaxllm import parallel, sharding
 from jaxllm.model import fp8_delayed, merge_model
-from jaxllm.objectives import Objective
+from jaxllm.objectives import Objective, ObjectiveOutput
 from jaxllm.optim.freeze import stop_frozen
 from jaxllm.parallel.grad_compression import Compression
 from jaxllm.sharding import Parallel
@@ -53,8 +53,7 @@ def objective_value(
     model = merge_model(graphdef, params, frozen, model_state)
     wanted = companions.names(objective)
     if not wanted:
-        out = objective(model, batch, rng)
-        return out.loss_sum, out
+        return _checked(objective(model, batch, rng), objective)
     held = companions.modules(
         wanted,
         other_graphdefs or {},
@@ -64,7 +63,19 @@ def objective_value(
         frozen=frozen,
         model_state=model_state,
     )
-    out = objective(model, batch, rng, held)
+    return _checked(objective(model, batch, rng, held), objective)
+
+
+def _checked(out, objective) -> tuple[jax.Array, ObjectiveOutput]:
+    """(loss sum, out), or a TypeError naming the objective when it returned something else
+    (often a factory passed uncalled: `jaxllm.next_token` instead of `jaxllm.next_token()`)."""
+    if not isinstance(out, ObjectiveOutput):
+        name = getattr(objective, "__qualname__", repr(objective))
+        raise TypeError(
+            f"objective {name} returned {type(out).__name__}, not jaxllm.ObjectiveOutput; an "
+            "objective is called as objective(model, batch, rng) (call factories such as "
+            "jaxllm.next_token first: objective=jaxllm.next_token())."
+        )
     return out.loss_sum, out
 
 

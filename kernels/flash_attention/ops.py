@@ -162,12 +162,11 @@ def _backward(cfg: Config):
 
 
 def _check_shapes(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sliding_window):
-    b, l, h, d = q_BxLxHxK.shape
-    s, g = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
-    if k_BxSxGxK.shape != (b, s, g, d) or v_BxSxGxK.shape != k_BxSxGxK.shape:
-        raise ValueError(f"bad shapes q {q_BxLxHxK.shape} k {k_BxSxGxK.shape} v {v_BxSxGxK.shape}")
-    if h % g:
-        raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {g}")
+    q, k, v = q_BxLxHxK.shape, k_BxSxGxK.shape, v_BxSxGxK.shape
+    if len(q) != 4 or len(k) != 4 or k != v or (k[0], k[3]) != (q[0], q[3]):
+        raise ValueError(f"want q [B, L, H, K] and k, v [B, S, G, K]; got q {q} k {k} v {v}")
+    if q[2] % k[2]:
+        raise ValueError(f"num_heads {q[2]} is not a multiple of num_kv_heads {k[2]}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
 

@@ -25,7 +25,7 @@ from jaxllm.config.sections import KV_CACHE_DTYPE
 from jaxllm.infer import kv_cache
 from jaxllm.infer.engine import kivi, linear, prompts, runner, swap, vision
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes, prefill_blocks
-from jaxllm.infer.engine.requests import Output, Seq, StepResult
+from jaxllm.infer.engine.requests import Output, Seq, StepResult, token_ids
 from jaxllm.infer.engine.sampling import RowBuilder, SamplingParams, accept
 from jaxllm.infer.generate import resolve_decode_impl
 
@@ -139,7 +139,7 @@ class Engine:
         """Queues a prompt; returns its request id. It joins the batch at a later `step`.
         `images` (a vision-language model): the prompt's images, a `jaxllm.data.images.Pixels`
         whose image pad tokens the prompt holds expanded (`vision.py`)."""
-        prompt = [int(t) for t in prompt_ids]
+        prompt = token_ids(prompt_ids, params)
         if not prompt:
             raise ValueError("an empty prompt has nothing to continue")
         if not all(0 <= t < self.cfg.vocab_size for t in prompt):

@@ -4,9 +4,24 @@ hands back (`StepResult`, `Output`)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from jaxllm.infer.engine import swap
 from jaxllm.infer.engine.sampling import SamplingParams
+
+
+def token_ids(prompt_ids, params) -> list[int]:
+    """`Engine.add_request`'s prompt as a list of ints; a TypeError for text, non-integer ids,
+    or `params` that are not a `SamplingParams`."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+    try:
+        return [operator.index(t) for t in prompt_ids]
+    except TypeError:
+        raise TypeError(
+            "a prompt is a sequence of integer token ids (encode text with the run's tokenizer), "
+            f"not {type(prompt_ids).__name__} {str(prompt_ids)[:40]!r}"
+        ) from None
 
 
 @dataclasses.dataclass

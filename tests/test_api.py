@@ -1,0 +1,163 @@
+"""What a research script meets when it uses the pieces from Python: names where the README puts
+them, docstrings, and one clear error for a wrong argument instead of a failure deep inside."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxllm
+from jaxllm import config
+
+TINY = config.ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_dim=64,
+    max_seq_len=8,
+    dtype="float32",
+)
+
+
+def test_generate_and_its_config_come_from_one_module():
+    # the README's library call: jaxllm.infer.generate(model, prompts, GenerateConfig(...))
+    from jaxllm.infer import GenerateConfig, generate
+
+    model = jaxllm.Transformer(TINY, rngs=nnx.Rngs(0))
+    out = generate(model, [[1, 2, 3]], GenerateConfig(max_new_tokens=2))
+    assert GenerateConfig is config.GenerateConfig
+    assert len(out.tokens[0]) == 2
+
+
+def test_an_uncalled_objective_factory_is_a_type_error_naming_the_call():
+    tx = optax.sgd(1e-2)
+    state = jaxllm.init_state(TINY, tx, jaxllm.make_mesh(config.MeshConfig()), seed=0)
+    tokens = jnp.ones((2, 8), jnp.int32)
+    batch = {
+        "inputs": tokens,
+        "targets": tokens,
+        "loss_mask": jnp.ones((2, 8)),
+        "positions": jnp.broadcast_to(jnp.arange(8), (2, 8)),
+        "segment_ids": tokens,
+    }
+    step = functools.partial(
+        jaxllm.train_step,
+        graphdef=jaxllm.abstract_model(TINY)[0],
+        tx=tx,
+        lr_schedule=lambda _: 1e-2,
+        objective=jaxllm.next_token,  # the factory, not the objective it makes
+    )
+    with pytest.raises(
+        TypeError, match=r"returned function, not jaxllm.ObjectiveOutput.*next_token\(\)"
+    ):
+        jax.eval_shape(step, state, batch)
+    assert jax.eval_shape(functools.partial(step, objective=jaxllm.next_token()), state, batch)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [jnp.ones((1, 4)), jnp.ones((4,), jnp.int32), jnp.ones((1, 4, 1), jnp.int32)],
+    ids=["float", "1-D", "3-D"],
+)
+def test_token_ids_must_be_an_integer_batch(tokens):
+    model = jaxllm.Transformer(TINY, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"token ids must be an integer array \[batch, length\]"):
+        model(tokens)
+    assert model([[1, 2, 3]]).logits.shape == (1, 3, 64)  # nested lists are arrays too
+
+
+def test_learned_positions_refuse_more_tokens_than_they_have():
+    cfg = config.ModelConfig(**{**TINY.__dict__, "position": "learned"})
+    model = jaxllm.Transformer(cfg, rngs=nnx.Rngs(0))
+    assert model(jnp.ones((1, 8), jnp.int32)).logits.shape == (1, 8, 64)
+    with pytest.raises(ValueError, match="9 tokens exceed the 8 learned positions"):
+        model(jnp.ones((1, 9), jnp.int32))  # used to reuse the last row for the ninth
+
+
+def test_flash_attention_names_the_shapes_it_takes():
+    q = k = jnp.ones((64, 4, 32))  # no batch axis
+    with pytest.raises(ValueError, match=r"want q \[B, L, H, K\] and k, v \[B, S, G, K\]"):
+        jaxllm.flash_attention(q, k, k, interpret=True)
+
+
+PUBLIC = [
+    "jaxllm",
+    "jaxllm.config",
+    "jaxllm.model",
+    "jaxllm.objectives",
+    "jaxllm.train",
+    "jaxllm.sharding",
+    "jaxllm.kernels",
+    "jaxllm.checkpoint",
+    "jaxllm.infer",
+    "jaxllm.infer.engine",
+    "jaxllm.compress",
+    "jaxllm.convert",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_public_functions_and_classes_say_what_they_are(name):
+    module = importlib.import_module(name)
+    names = getattr(module, "__all__", None) or [
+        k
+        for k, v in vars(module).items()
+        if not k.startswith("_") and getattr(v, "__module__", None) == name
+    ]
+    values = {k: getattr(module, k) for k in names}
+    # __doc__, not inspect.getdoc: a class without its own docstring would show its base's
+    undocumented = [
+        k
+        for k, v in values.items()
+        if (inspect.isroutine(v) or inspect.isclass(v) or k == "Objective")
+        and not (v.__doc__ or "").strip()
+    ]
+    assert undocumented == []
+
+
+def test_a_whole_config_where_a_section_belongs_is_a_type_error():
+    whole = config.Config()
+    with pytest.raises(
+        TypeError, match=r"built from a ModelConfig \(a Config's .model\), not Config"
+    ):
+        jaxllm.init_state(whole, optax.sgd(1e-2), jaxllm.make_mesh(whole.mesh), seed=0)
+    with pytest.raises(TypeError, match=r"make_mesh takes a MeshConfig \(a Config's .mesh\)"):
+        jaxllm.make_mesh(whole)
+
+
+def test_an_engine_request_is_token_ids_and_sampling_params():
+    from jaxllm.infer.engine import Engine, SamplingParams
+
+    engine = Engine(jaxllm.Transformer(TINY, rngs=nnx.Rngs(0)), num_pages=8, page_size=16)
+    for prompt in ["hello", [1.0, 2.0]]:
+        with pytest.raises(TypeError, match="a prompt is a sequence of integer token ids"):
+            engine.add_request(prompt, SamplingParams(max_tokens=1))
+    with pytest.raises(TypeError, match="params must be a SamplingParams, not dict"):
+        engine.add_request([1, 2], {"max_tokens": 1})
+    assert engine.num_waiting == 0  # nothing queued by the refusals
+    for prompt in [np.array([1, 2]), jnp.array([1, 2]), [np.int64(1), 2]]:
+        engine.add_request(prompt, SamplingParams(max_tokens=1))
+    assert engine.num_waiting == 3
+
+
+def test_subpackages_are_attributes_of_a_bare_import_that_stays_light():
+    # the docs name calls as jaxllm.infer.generate, jaxllm.plan.memory_bill, ...
+    code = (
+        "import sys, jaxllm; assert 'jax' not in sys.modules; "
+        "jaxllm.infer.generate, jaxllm.plan.memory_bill, jaxllm.optim.keep_zeros, "
+        "jaxllm.metrics.param_counts, jaxllm.compress.rtn, jaxllm.parallel; "
+        "assert not hasattr(jaxllm, 'no_such_part')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
