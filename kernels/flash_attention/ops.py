@@ -48,6 +48,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from jaxllm.config.errors import JaxllmWarning
 from jaxllm.kernels.flash_attention.common import (
     BACKENDS,
     MOSAIC_GPU_BLOCK_MULTIPLE,
@@ -67,8 +69,6 @@ from jaxllm.kernels.flash_attention.reference import (
     split_segment_ids,
 )
 from jaxllm.kernels.reference import apply_sinks
-
-from jaxllm.config.errors import JaxllmWarning
 
 __all__ = [
     "BlockSizes",
