@@ -37,7 +37,11 @@ def sample(cfg: config.Config, params, frozen=None, model_state=None) -> str:
 
 
 class _Plain:
-    """Stand-in for tqdm when stderr is not a terminal: log lines only."""
+    """Stand-in for tqdm when stderr is not a terminal: log lines only, each with the time
+    left to step `total` at the line's speed (evaluation not counted)."""
+
+    def __init__(self, total: int | None = None):
+        self.total = total
 
     def update(self, n):
         pass
@@ -48,7 +52,7 @@ class _Plain:
 
 def _progress(total: int, start: int = 0):
     if not sys.stderr.isatty():
-        return _Plain()
+        return _Plain(total)
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, unit="step", file=sys.stderr)
@@ -68,6 +72,10 @@ def _show(bar, step: int, v: dict) -> None:
     if "eval_accuracy" in v:  # a reward model's held-out pairs ranked right
         text += f"  eval acc {v['eval_accuracy']:.3f}"
     if isinstance(bar, _Plain):
-        _log(f"step {step}: {text}  {v['step_time_s'] * 1e3:.0f} ms/step")
+        line = f"step {step}: {text}  {v['step_time_s'] * 1e3:.0f} ms/step"
+        if bar.total and step < bar.total:
+            minutes, seconds = divmod(round((bar.total - step) * v["step_time_s"]), 60)
+            line += f"  eta {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+        _log(line)
     else:
         bar.set_postfix_str(text)
