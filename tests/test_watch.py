@@ -14,6 +14,7 @@ import time
 import warnings
 from types import SimpleNamespace
 
+import jax
 import pytest
 from conftest import SMALL_RUN, cpu_env
 
@@ -269,3 +270,17 @@ def test_a_signal_between_log_steps_logs_the_step_it_saves(tmp_path, capsys):
     saved = checkpoint.steps(tmp_path / "checkpoints")
     assert result["stopped"] == "signal" and result["step"] == saved[-1] < 100000, result
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == saved
+
+
+def test_the_model_line_says_how_much_of_a_peft_model_trains():
+    import numpy as np
+
+    from jaxllm.model import abstract_model
+    from jaxllm.train.console import parameter_line
+
+    full = config.load(None, SMALL_RUN)
+    n = sum(x.size for x in jax.tree.leaves(abstract_model(full.model)[1]))
+    assert parameter_line(full, abstract_model(full.model)[1]) == f"model: {n:,} parameters"
+    lora = config.load(None, [*SMALL_RUN, "peft.method=lora"])  # params: the adapters alone
+    said = parameter_line(lora, {"a": np.zeros(100), "b": np.zeros((2, 50))})
+    assert said == f"model: {n:,} parameters; 200 trained ({20000 / n:.2f}%, lora)"

@@ -36,6 +36,16 @@ def sample(cfg: config.Config, params, frozen=None, model_state=None) -> str:
     return text
 
 
+def parameter_line(cfg: config.Config, params) -> str:
+    """The start-up line naming the model's size; under `peft` also how much of it trains (the
+    adapters: `params` then holds them alone, as PEFT's `print_trainable_parameters` says)."""
+    n = sum(x.size for x in jax.tree.leaves(params))
+    if cfg.peft.method == "none":
+        return f"model: {n:,} parameters"
+    base = sum(x.size for x in jax.tree.leaves(abstract_model(cfg.model)[1]))
+    return f"model: {base:,} parameters; {n:,} trained ({100 * n / base:.2f}%, {cfg.peft.method})"
+
+
 class _Plain:
     """Stand-in for tqdm when stderr is not a terminal: log lines only, each with the time
     left to step `total` at the line's speed (evaluation not counted)."""

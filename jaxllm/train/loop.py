@@ -39,7 +39,7 @@ from jaxllm.objectives.rollout.sampling import Rollouts, next_rows
 from jaxllm.sharding import process_rows, to_global
 from jaxllm.train import companions, loss_scale, precompute, remat_auto, watch
 from jaxllm.train.compiled import check_param_groups, compile_steps, evaluate
-from jaxllm.train.console import _log, _Plain, _progress, _show, sample
+from jaxllm.train.console import _log, _Plain, _progress, _show, parameter_line, sample
 from jaxllm.train.run_dir import (
     RunLock,
     check_paths,
@@ -261,7 +261,7 @@ def _loop(
     run_dir = Path(cfg.run.dir)
     lead = jax.process_index() == 0
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
-    _log(f"model: {sum(x.size for x in jax.tree.leaves(state.params)):,} parameters")
+    _log(parameter_line(cfg, state.params))
     extras = {
         "config": config.to_dict(recorded(cfg, asked)),
         "tokenizer": checkpoint.tokenizer_record(cfg.data.tokenizer),
