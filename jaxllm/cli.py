@@ -143,13 +143,9 @@ def cmd_eval(ns) -> int:
         return cmd_exact_match(ns)
     if ns.replies is not None:
         raise ConfigError("--replies goes with --chat-exact-match; add it.")
-    from jaxllm.evaluate import evaluate_checkpoint
+    from jaxllm.evaluate import evaluate_checkpoint, summary
 
-    r = evaluate_checkpoint(path, overrides, ns.batches, ns.checkpoint)
-    print(
-        f"step {r['step']}: eval loss {r['eval_loss']:.4f} nats/token, perplexity "
-        f"{r['perplexity']:.3f} ({r['tokens']:,} tokens)"
-    )
+    print(summary(evaluate_checkpoint(path, overrides, ns.batches, ns.checkpoint)))
     return 0
 
 

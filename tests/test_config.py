@@ -102,6 +102,20 @@ def test_unknown_key_suggests_close_match():
     assert "model.num_layer" in msg and "did you mean model.num_layers" in msg
 
 
+def test_a_flow_mapping_without_a_space_after_the_colon_says_so():
+    # YAML reads {path:x} as the one key "path:x" (with no value)
+    msg = load_error("data.sources=[{path:corpus.jsonl}]")
+    assert "YAML needs a space after the colon: write {path: corpus.jsonl}." in msg
+
+
+def test_an_empty_string_override_says_how_to_write_it():
+    # `train.sample_prompt=""` in a shell arrives as `train.sample_prompt=`: YAML null
+    msg = load_error("train.sample_prompt=")
+    assert "train.sample_prompt must be a string, not empty (null)" in msg
+    assert "\"train.sample_prompt=''\"" in msg
+    assert config.load(None, ["train.sample_prompt=''"]).train.sample_prompt == ""
+
+
 def test_unknown_section_suggests_close_match():
     msg = load_error("modle.d_model=3")
     assert "modle" in msg and "did you mean model" in msg

@@ -125,6 +125,11 @@ def test_tokenizer_without_bos_needs_add_bos_false(tmp_path):
         make_tokenizer(DataConfig(tokenizer=path, add_bos=False))
     plain = make_tokenizer(DataConfig(tokenizer=path, add_bos=False, add_eos=False))
     assert plain.encode("a b a").tolist() == [0, 1, 0]
+    # chat sources only: their template writes BOS / EOS, so the flags ask for nothing
+    chat = (SourceConfig(path="chats.jsonl", format="chat"),)
+    assert make_tokenizer(DataConfig(tokenizer=path, sources=chat)).bos_id is None
+    with pytest.raises(ConfigError, match=r"data.add_bos=true"):  # a text eval set needs BOS
+        make_tokenizer(DataConfig(tokenizer=path, sources=chat, eval_sources=(SourceConfig(),)))
 
 
 def test_missing_tokenizer_file_is_a_config_error(tmp_path):

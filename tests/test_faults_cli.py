@@ -148,6 +148,16 @@ CASES = [
         setup=_corpus,
     ),
     Case(
+        "tokenizer-empty-corpus",
+        lambda r, t: [
+            *("data", "tokenizer", str(t / "empty.txt"), "--vocab-size", "300"),
+            *("--out", str(t / "tok")),
+        ],
+        2,
+        "empty.txt hold no text to train a tokenizer on; nothing was written",
+        setup=lambda r, t: (t / "empty.txt").write_text("") and None,
+    ),
+    Case(
         "sweep-grid-no-values",
         lambda r, t: ["sweep", str(r), "--grid", "train.steps=,", "--out", str(t / "sweep")],
         2,

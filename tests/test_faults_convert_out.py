@@ -251,6 +251,14 @@ def test_overwrite_replaces_an_old_export_whole(how, inputs, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["fresh", "out"]
 
 
+@pytest.mark.parametrize("how", [[], ["--peft"]], ids=["full", "peft"])
+def test_exported_weights_are_as_readable_as_the_json_beside_them(how, inputs, tmp_path):
+    # safetensors 0.8 writes 0600 files: a server running as another user could not read them
+    assert run_cli(*EXPORT, inputs.lora if how else inputs.base, tmp_path / "out", *how) == 0
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "out").iterdir()}
+    assert len(set(modes.values())) == 1, modes
+
+
 def test_overwrite_replaces_an_old_run_whole(inputs, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(inputs.lora, out)

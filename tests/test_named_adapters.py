@@ -5,6 +5,7 @@ its own run gives; a run's adapters/NAME; refusals in one line (docs/finetuning.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import jax
@@ -114,3 +115,10 @@ def test_adapters_refused_in_one_line(small_run, runs, specs, says, capsys, tmp_
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("jaxllm:")]
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
+
+
+def test_an_adapter_given_by_its_path_is_named_by_its_directory(small_run, runs, capsys):
+    argv = ["generate", str(small_run), "--prompt", "x", "--max-new-tokens", "2"]
+    for where in (os.path.relpath(runs["b"]), str(runs["b"])):  # relative or absolute
+        assert main([*argv, "--adapter", where]) == 0
+        assert "[b] step 2:" in capsys.readouterr().err

@@ -312,6 +312,19 @@ def test_jaxllm_eval_evaluates_a_split_under_a_batch(other_run, tmp_path):
     source = f"[{{path: {path}, format: prompt_completion}}]"
     out = evaluate_checkpoint(other_run, ["mesh.fsdp=-1", f"data.eval_sources={source}"])
     assert np.isfinite(out["eval_loss"]) and out["tokens"] == 32
+    assert (out["rows_read"], out["rows"]) == (1, 1)
+
+
+def test_jaxllm_eval_says_how_much_of_the_split_it_read():
+    from jaxllm.evaluate import summary
+
+    r = {"step": 9, "eval_loss": 1.0, "perplexity": 2.718, "batch_rows": 4}
+    whole = summary({**r, "tokens": 320, "rows_read": 10, "rows": 10})
+    assert whole.endswith("(320 tokens, 10 rows)")
+    part = summary({**r, "tokens": 256, "rows_read": 8, "rows": 6597})
+    assert part.endswith("(256 tokens, 8 rows of 6,597; --batches N reads more)")
+    tail = summary({**r, "tokens": 256, "rows_read": 8, "rows": 10})  # not a whole batch left
+    assert tail.endswith("(256 tokens, 8 rows of 10)")
 
 
 @pytest.mark.slow  # ~20 s: a DPO train step

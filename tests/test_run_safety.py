@@ -207,3 +207,19 @@ def test_a_checkpoints_directory_removed_mid_run_is_one_line(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err
     assert "disappeared while training" in _one_line(err)
+
+
+def test_resuming_on_other_data_warns_naming_the_sources(small_run, tmp_path):
+    """A run.dir reused with other data resumes (training on new data is allowed) but says so:
+    that is also what reusing a run.dir for a new run by mistake looks like."""
+    from jaxllm.train.run_dir import check_resume
+
+    run = [*SMALL_RUN, "train.steps=4", "checkpoint.every=2", f"run.dir={small_run}"]
+    ckpts = small_run / "checkpoints"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_resume(config.load_args(run), ckpts)  # the same data: nothing to say
+    other = config.load_args([*run, f"data.sources=[{{path: {tmp_path}/mine.jsonl}}]"])
+    with pytest.warns(JaxllmWarning, match="from step 4 on other data") as said:
+        check_resume(other, ckpts)
+    assert f"(['stdlib'] there, ['{tmp_path}/mine.jsonl'] here)" in str(said[0].message)

@@ -14,6 +14,7 @@ import time
 import warnings
 from types import SimpleNamespace
 
+import jax
 import pytest
 from conftest import SMALL_RUN, cpu_env
 
@@ -234,3 +235,52 @@ def test_the_console_line_shows_speed_mfu_and_memory(capsys):
     assert "1,234 tok/s" in capsys.readouterr().err
     _show(_Plain(), 3, {**v, "mfu": 0.4, "memory_in_use_bytes": 2**30, "memory_peak_bytes": 2**31})
     assert "mfu 40.0%  mem 1.00/2.00 GiB" in capsys.readouterr().err
+
+
+def test_a_log_line_without_a_terminal_says_the_time_left(capsys):
+    from jaxllm.train.console import _Plain, _show
+
+    v = {"loss": 2.0, "tokens_per_s": 1234.0, "lr": 1e-3, "step_time_s": 0.25}
+    _show(_Plain(total=20_000), 100, v)  # 19,900 steps left at 0.25 s: 1 h 22 min 55 s
+    assert capsys.readouterr().err.rstrip().endswith("250 ms/step  eta 1:22:55")
+    _show(_Plain(total=20_000), 20_000, v)  # the last step: nothing left
+    assert "eta" not in capsys.readouterr().err
+
+
+def test_a_signal_between_log_steps_logs_the_step_it_saves(tmp_path, capsys):
+    """SIGTERM stops a run between two train.log_every steps: the step the checkpoint holds
+    gets its metrics row, and the closing line names it, not the last logged step."""
+    import os
+    import threading
+
+    from jaxllm.train.loop import train
+    from jaxllm.train.signals import Signals
+
+    args = [*SMALL_RUN, "train.steps=100000", "train.log_every=100000", f"run.dir={tmp_path}"]
+    with Signals() as signals:
+
+        def terminate():  # once steps run, as a scheduler's preemption would
+            while signals.starting:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=terminate, daemon=True).start()
+        result = train(config.load_args(args), signals)
+    saved = checkpoint.steps(tmp_path / "checkpoints")
+    assert result["stopped"] == "signal" and result["step"] == saved[-1] < 100000, result
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == saved
+
+
+def test_the_model_line_says_how_much_of_a_peft_model_trains():
+    import numpy as np
+
+    from jaxllm.model import abstract_model
+    from jaxllm.train.console import parameter_line
+
+    full = config.load(None, SMALL_RUN)
+    n = sum(x.size for x in jax.tree.leaves(abstract_model(full.model)[1]))
+    assert parameter_line(full, abstract_model(full.model)[1]) == f"model: {n:,} parameters"
+    lora = config.load(None, [*SMALL_RUN, "peft.method=lora"])  # params: the adapters alone
+    said = parameter_line(lora, {"a": np.zeros(100), "b": np.zeros((2, 50))})
+    assert said == f"model: {n:,} parameters; 200 trained ({20000 / n:.2f}%, lora)"

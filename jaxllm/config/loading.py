@@ -251,6 +251,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             _fail(f"{key} must be a number, not {value!r}.")
         return float(value)
     if tp is str:
+        if value is None:  # `key=` (a shell eats key="") or `key:` in YAML: null
+            _fail(f"{key} must be a string, not empty (null); for the empty string, quote "
+                  f"the quotes: \"{key}=''\".")  # fmt: skip
         if not isinstance(value, str):
             _fail(f"{key} must be a string, not {value!r}; quote it.")
         return value
@@ -269,8 +272,11 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if unknown:
         import difflib
 
+        key, _, value = str(unknown[0]).partition(":")
         close = difflib.get_close_matches(unknown[0], names, n=1)
         hint = f"did you mean {prefix}.{close[0]}?" if close else f"known keys: {', '.join(names)}."
+        if key in names and value:  # YAML reads `{path:x}` as one key: its colon needs a space
+            hint = f"YAML needs a space after the colon: write {{{key}: {value}}}."
         _fail(f"unknown config key {prefix}.{unknown[0]}; {hint}")
     kwargs = {}
     for k, v in data.items():

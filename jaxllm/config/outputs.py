@@ -63,6 +63,7 @@ def written(out: str | Path, *, flag: str, overwrite: bool = False) -> Iterator[
         raise RunError(f"cannot write {out} ({e.strerror or e}); nothing was written.") from e
     try:
         yield tmp
+        _readable(tmp)
         _replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -75,6 +76,20 @@ def written(out: str | Path, *, flag: str, overwrite: bool = False) -> Iterator[
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _readable(tmp: Path) -> None:
+    """Gives the safetensors files under `tmp` the mode a new file gets from open() (0666 less
+    the umask, as the output's other files have): safetensors 0.8 writes through a temporary
+    file of mode 0600, which another user (a server, a container) could not read."""
+    files = list(tmp.rglob("*.safetensors"))
+    if files:
+        probe = tmp / ".mode"
+        probe.touch()
+        mode = probe.stat().st_mode & 0o777
+        probe.unlink()
+        for f in files:
+            f.chmod(mode)
 
 
 def _remove(tmp: Path) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import typing
 
-from jaxllm.config import DataConfig, SourceConfig, load_args
+from jaxllm.config import ConfigError, DataConfig, SourceConfig, load_args
 from jaxllm.config.outputs import check_output, written
 from jaxllm.config.urls import check_url
 
@@ -96,7 +96,14 @@ def cmd_tokenizer(ns) -> int:
     if sft.is_sft(sources[0]):
         bad = sft.bad_records(", ".join(ns.sources), sources[0])
 
+    chars = [0]  # what the corpus held: none is refused, as `data prepare` refuses it
+
     def texts():
+        for text in _texts():
+            chars[0] += len(text)
+            yield text
+
+    def _texts():
         for src, src_files in files:
             for f in src_files:
                 if sft.is_sft(src):  # the tokenizer has no template yet: the built-in one
@@ -110,6 +117,12 @@ def cmd_tokenizer(ns) -> int:
 
     with written(out, flag="--out", overwrite=ns.overwrite) as tmp:
         train_bpe(texts(), ns.vocab_size, tmp)
+        if not chars[0]:
+            bad.warn()  # the records skipped, when that is why nothing was left
+            raise ConfigError(
+                f"the {sum(len(fs) for _, fs in files)} file(s) of {', '.join(ns.sources)} hold "
+                "no text to train a tokenizer on; nothing was written."
+            )
     path = out / "tokenizer.json"
     bad.warn()
     tok = load_tokenizer(str(path))

@@ -113,15 +113,18 @@ def _check_generates(cfg, path) -> None:
 
 def named_adapters(path, specs: list[str]) -> list[tuple[str, Path]]:
     """(name, run) of each `--adapter`: `NAME=RUN` names a fine-tuning run; `NAME` alone, the
-    one the run PATH holds as PATH/adapters/NAME (a run directory, or a link to one)."""
+    one the run PATH holds as PATH/adapters/NAME (a run directory, or a link to one), else the
+    run directory at the path NAME, named by its last part."""
     out: dict[str, Path] = {}
     for spec in specs:
         name, eq, run = spec.partition("=")
         if not name or (eq and not run):
             raise ConfigError(f"--adapter {spec!r}: give NAME or NAME=RUN_DIR.")
+        where = Path(run) if eq else resolve(path)[0] / "adapters" / name
+        if not eq and Path(name).is_dir() and (len(Path(name).parts) > 1 or not where.exists()):
+            name, where = Path(name).name, Path(name)  # a run's path, named by its directory
         if name in out:
             raise ConfigError(f"--adapter {name} is given twice; give each name once.")
-        where = Path(run) if eq else resolve(path)[0] / "adapters" / name
         if not where.exists():
             raise ConfigError(
                 f"--adapter {spec}: {where} does not exist; name a fine-tuning run as "

@@ -36,8 +36,22 @@ def sample(cfg: config.Config, params, frozen=None, model_state=None) -> str:
     return text
 
 
+def parameter_line(cfg: config.Config, params) -> str:
+    """The start-up line naming the model's size; under `peft` also how much of it trains (the
+    adapters: `params` then holds them alone, as PEFT's `print_trainable_parameters` says)."""
+    n = sum(x.size for x in jax.tree.leaves(params))
+    if cfg.peft.method == "none":
+        return f"model: {n:,} parameters"
+    base = sum(x.size for x in jax.tree.leaves(abstract_model(cfg.model)[1]))
+    return f"model: {base:,} parameters; {n:,} trained ({100 * n / base:.2f}%, {cfg.peft.method})"
+
+
 class _Plain:
-    """Stand-in for tqdm when stderr is not a terminal: log lines only."""
+    """Stand-in for tqdm when stderr is not a terminal: log lines only, each with the time
+    left to step `total` at the line's speed (evaluation not counted)."""
+
+    def __init__(self, total: int | None = None):
+        self.total = total
 
     def update(self, n):
         pass
@@ -48,7 +62,7 @@ class _Plain:
 
 def _progress(total: int, start: int = 0):
     if not sys.stderr.isatty():
-        return _Plain()
+        return _Plain(total)
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, unit="step", file=sys.stderr)
@@ -68,6 +82,10 @@ def _show(bar, step: int, v: dict) -> None:
     if "eval_accuracy" in v:  # a reward model's held-out pairs ranked right
         text += f"  eval acc {v['eval_accuracy']:.3f}"
     if isinstance(bar, _Plain):
-        _log(f"step {step}: {text}  {v['step_time_s'] * 1e3:.0f} ms/step")
+        line = f"step {step}: {text}  {v['step_time_s'] * 1e3:.0f} ms/step"
+        if bar.total and step < bar.total:
+            minutes, seconds = divmod(round((bar.total - step) * v["step_time_s"]), 60)
+            line += f"  eta {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+        _log(line)
     else:
         bar.set_postfix_str(text)

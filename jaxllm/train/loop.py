@@ -39,7 +39,7 @@ from jaxllm.objectives.rollout.sampling import Rollouts, next_rows
 from jaxllm.sharding import process_rows, to_global
 from jaxllm.train import companions, loss_scale, precompute, remat_auto, watch
 from jaxllm.train.compiled import check_param_groups, compile_steps, evaluate
-from jaxllm.train.console import _log, _Plain, _progress, _show, sample
+from jaxllm.train.console import _log, _Plain, _progress, _show, parameter_line, sample
 from jaxllm.train.run_dir import (
     RunLock,
     check_paths,
@@ -261,7 +261,7 @@ def _loop(
     run_dir = Path(cfg.run.dir)
     lead = jax.process_index() == 0
     gbs, steps = cfg.train.global_batch_size, cfg.train.steps
-    _log(f"model: {sum(x.size for x in jax.tree.leaves(state.params)):,} parameters")
+    _log(parameter_line(cfg, state.params))
     extras = {
         "config": config.to_dict(recorded(cfg, asked)),
         "tokenizer": checkpoint.tokenizer_record(cfg.data.tokenizer),
@@ -318,9 +318,10 @@ def _loop(
     scaling = loss_scale.from_config(cfg.optim, cfg.model)
     dynamic = scaling is not None and scaling.dynamic
 
-    def finish(step: int, metrics, at_state=None) -> bool:
-        """Reads step `step`'s metrics (blocking on it), logs them, evaluates when given the
-        state right after that step; False when non-finite steps must stop the run."""
+    def finish(step: int, metrics, at_state=None, last: bool = False) -> bool:
+        """Reads step `step`'s metrics (blocking on it), logs them (also when `last`, a stopped
+        run's step), evaluates when given the state after that step; False when non-finite
+        steps must stop the run."""
         nonlocal window_start, window_steps, final, bad_in_a_row
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         window_steps += 1
@@ -342,7 +343,7 @@ def _loop(
             )
         else:
             bad_in_a_row = 0
-        if step % cfg.train.log_every and at_state is None and not values["nonfinite"]:
+        if step % cfg.train.log_every and at_state is None and not (last or values["nonfinite"]):
             return True
         elapsed = time.perf_counter() - window_start
         values.update(speed.metrics(elapsed, window_steps))
@@ -374,6 +375,7 @@ def _loop(
     signals.running()  # from here a signal stops the loop with a checkpoint
     for step in range(start + 1, steps + 1):
         state, metrics = jit_train(state, batch)  # dispatch step n ...
+        signalled = signals.received is not None  # then stop after step n, its row logged
         step_data_state = data_state
         if step < steps:
             batch = to_global(next_rows(batches, state), batch_sh, gbs)
@@ -383,19 +385,18 @@ def _loop(
             ok = finish(*pending)  # ... then read step n-1 while n runs
             pending = None
         if eval_due(step) or saves(step):  # a checkpoint saves its step's metrics row too
-            ok = finish(step, metrics, state if eval_due(step) else None) and ok
+            ok = finish(step, metrics, state if eval_due(step) else None, signalled) and ok
         else:
             pending = (step, metrics)
         if not ok:
             stopped = "nonfinite"
-        elif signals.received is not None:
+        elif signalled:
             stopped = "signal"
         elif best is not None and eval_due(step) and step < steps and best.exhausted(patience):
             stopped = "early"
         if stopped:
-            if pending is not None:
-                finish(*pending)
-                pending = None
+            if pending is not None:  # the step the checkpoint holds, logged whatever log_every
+                finish(*pending, last=True)
             _log(
                 f"stopping at step {step}: "
                 + (

@@ -5,7 +5,9 @@
 - `check_resume`: a run directory whose checkpoints were written for another model shape,
   tokenizer or optimizer state is refused with a ConfigError naming the keys that differ
   (exit 2), instead of taking its checkpoints for damaged ones and training over them. So is
-  `checkpoint.resume=false` in a directory that holds training checkpoints.
+  `checkpoint.resume=false` in a directory that holds training checkpoints. Resuming on other
+  `data.sources` / `data.eval_sources` is allowed (training on new data) with a warning naming
+  them: it is also what reusing a run.dir for a new run by mistake looks like.
 - `move_aside` / `move_back`: `checkpoint.start_fresh` puts the old run in a sibling
   `<run.dir>.old` (never deletes it), and back when the start-up fails.
 - `recorded`: the config as config.yaml and the checkpoints record it, one-shot keys off.
@@ -134,6 +136,26 @@ def check_resume(cfg: config.Config, ckpt_dir: Path) -> None:
         raise ConfigError(
             f"{ckpt_dir} holds checkpoints of another model or tokenizer: {'; '.join(differ)}; "
             "to train this config, start a new run with run.dir=NEW_DIR."
+        )
+    _warn_new_data(saved.get("data", {}), config.to_dict(cfg)["data"], ckpt_dir, found[-1])
+
+
+def _warn_new_data(old: dict, new: dict, ckpt_dir: Path, step: int) -> None:
+    """A warning naming the data keys whose sources differ from the checkpoints' config."""
+    changed = []
+    for key in ("sources", "eval_sources"):
+        before, now = old.get(key, []), new[key]
+        if before != now:
+            paths = [[s.get("path") for s in x] for x in (before, now)]
+            before, now = paths if paths[0] != paths[1] else (before, now)
+            changed.append(f"data.{key} ({before} there, {now} here)")
+    if changed:
+        warnings.warn(
+            f"resuming {ckpt_dir} from step {step} on other data: {'; '.join(changed)}; the "
+            "data stream goes on from the checkpoint's position. For a new run give a new "
+            "run.dir (or checkpoint.start_fresh=true to move this one aside).",
+            JaxllmWarning,
+            stacklevel=2,
         )
 
 
