@@ -16,6 +16,7 @@ import pytest
 from conftest import SMALL_RUN
 from flax import nnx
 from test_faults import Case, assert_one_line, fault_output, tree_hash
+from trained_runs import OnFirstUse
 
 from jaxllm import merge
 from jaxllm.cli import main
@@ -84,19 +85,18 @@ def test_dare_masks_keep_density_and_linear_averages():
 @pytest.fixture(scope="module")
 def tuned(small_run, small_lora, tmp_path_factory):
     """{name: run}: the base (the shared small run), two full and two LoRA fine-tunes of it
-    (3 steps each on other data orders; `la`, the session's small_lora, at a higher lr)."""
+    (3 steps each on other data orders; `la`, the session's small_lora, at a higher lr), each
+    trained when a test first asks for it."""
     root = tmp_path_factory.mktemp("merge")
-    runs = {"base": small_run, "la": small_lora}
     common = [*SMALL_RUN, "train.steps=3", "checkpoint.every=3", "optim.lr=3e-3"]
-    for name, extra in {
-        "a": ["data.seed=1"],
-        "b": ["data.seed=2"],
-        "lb": ["data.seed=2", "peft.method=lora"],
-    }.items():
-        runs[name] = root / name
-        argv = ["train", *common, *extra, f"checkpoint.init_from={small_run}"]
-        assert main([*argv, f"run.dir={runs[name]}"]) == 0
-    return runs
+    extra = {"a": ["data.seed=1"], "b": ["data.seed=2"], "lb": ["data.seed=2", "peft.method=lora"]}
+
+    def train(name: str):
+        argv = ["train", *common, *extra[name], f"checkpoint.init_from={small_run}"]
+        assert main([*argv, f"run.dir={root / name}"]) == 0
+        return root / name
+
+    return OnFirstUse(train, base=small_run, la=small_lora)
 
 
 def _params(run) -> dict:
@@ -164,7 +164,7 @@ def _other_shape(run, tmp) -> None:
 def _other_base(run, tmp) -> None:
     """`run` becomes a copy of the LoRA run `la` whose base record names a random init."""
     shutil.rmtree(run)
-    shutil.copytree(_TUNED["la"], run)
+    shutil.copytree(_TUNED["runs"]["la"], run)
     (run / "checkpoints" / "3" / "base" / "metadata").write_text(json.dumps({"seed": 5}))
 
 
@@ -173,15 +173,15 @@ def _existing_out(run, tmp) -> None:
     (tmp / "out" / "keep.txt").write_text("mine\n")
 
 
-def _merge(*argv, runs=("run", "b")):
+def _merge(*argv, runs=("run", "base")):
     def command(run, tmp):
-        paths = [str(run) if r == "run" else str(_TUNED[r]) for r in runs]
+        paths = [str(run) if r == "run" else str(_TUNED["runs"][r]) for r in runs]
         return ["merge", str(tmp / "out"), *argv, *paths]
 
     return command
 
 
-_TUNED: dict = {}
+_TUNED: dict = {}  # {"runs": the module's `tuned`}, for the cases' commands
 
 CASES = [
     Case("unknown-method", _merge("--method", "soup"), 2, "--method soup is not a merge method"),
@@ -219,9 +219,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_fault(case: Case, tuned, tmp_path, capsys):
-    _TUNED.update(tuned)
+    _TUNED["runs"] = tuned
     run = tmp_path / "run"
-    shutil.copytree(tuned["a"], run)
+    shutil.copytree(tuned["base"], run)  # a full run; the cases merge it with the base itself
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     if case.setup:
