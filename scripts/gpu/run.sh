@@ -9,6 +9,12 @@
 # STEP@SECONDS runs a step under that limit instead of its own (each part of a step that has
 # several, e.g. torch_peer's batches).
 #
+# Check a run's command lines on a CPU first, with a stand-in interpreter that parses each step's
+# flags, configs and test selection without running them (tests/test_gpu_dry_run.py does this for
+# the next GPU run below):
+#
+#   PY="python scripts/gpu/dry_python.py" OUT=/tmp/dry scripts/gpu/run.sh env train:dots:cudnn:4 ...
+#
 # The next GPU run: what the open issues still ask of a GPU, in order of worth, with limits
 # that sum to 735 s (setup, a pip install of the checkout, is not limited: ~15 s):
 #
