@@ -398,22 +398,24 @@ def eval_batches(
 ) -> list[dict]:
     """The same first `num_batches` batches of the held-out rows at every evaluation, each row
     rewritten by `transform(index, row)` when given (as `train_batches`); none when `rows` is
-    None (no held-out split). A split of fewer rows than one batch is one batch, filled up with
-    padding rows (all zeros: no segment, loss_mask 0), which every objective leaves out of its
-    sums and its counts."""
+    None (no held-out split). Every row of the first `num_batches * batch_size` is read: a last
+    part-batch (a split of fewer rows than one batch is one) is filled up with padding rows (all
+    zeros: no segment, loss_mask 0), which every objective leaves out of its sums and its
+    counts."""
     if rows is None:
         return []
-    n = min(num_batches * batch_size, len(rows) - len(rows) % batch_size)
-    if n == 0 and len(rows) == 0:
+    if len(rows) == 0:
         raise ConfigError("the eval split has no rows; add eval data or raise data.eval_fraction.")
-    ds = grain.MapDataset.source(rows)[: n or len(rows)]
+    n = min(num_batches * batch_size, len(rows))
+    ds = grain.MapDataset.source(rows)[:n]
     if transform is not None:
         ds = ds.map_with_index(transform)
-    if n == 0:  # fewer rows than one batch
-        items = [ds[i] for i in range(len(rows))]
+    full = _local_rows(ds, batch_size, local)  # the whole batches; a part-batch is dropped
+    batches = [{k: np.asarray(v) for k, v in full[i].items()} for i in range(len(full))]
+    if n % batch_size:
+        items = [ds[i] for i in range(n - n % batch_size, n)]
         pad = {k: np.zeros_like(v) for k, v in items[0].items()}
         items += [pad] * (batch_size - len(items))
         items = items[local] if local is not None else items
-        return [{k: np.stack([it[k] for it in items]) for k in items[0]}]
-    batches = _local_rows(ds, batch_size, local)
-    return [{k: np.asarray(v) for k, v in batches[i].items()} for i in range(len(batches))]
+        batches.append({k: np.stack([it[k] for it in items]) for k in items[0]})
+    return batches
