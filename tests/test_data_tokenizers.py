@@ -130,6 +130,15 @@ def test_tokenizer_without_bos_needs_add_bos_false(tmp_path):
     assert make_tokenizer(DataConfig(tokenizer=path, sources=chat)).bos_id is None
     with pytest.raises(ConfigError, match=r"data.add_bos=true"):  # a text eval set needs BOS
         make_tokenizer(DataConfig(tokenizer=path, sources=chat, eval_sources=(SourceConfig(),)))
+    chats = tmp_path / "chats.jsonl"  # and chats left at format: auto, detected as chat
+    chats.write_text('{"messages": [{"role": "user", "content": "a"}]}\n' * 3)
+    auto = (SourceConfig(path=str(chats)),)
+    assert make_tokenizer(DataConfig(tokenizer=path, sources=auto)).bos_id is None
+    (tmp_path / "docs.jsonl").write_text('{"text": "a b"}\n' * 3)  # text at auto: refused
+    with pytest.raises(ConfigError, match=r"data.add_bos=true"):
+        make_tokenizer(
+            DataConfig(tokenizer=path, sources=(SourceConfig(path=str(tmp_path / "docs.jsonl")),))
+        )
 
 
 def test_missing_tokenizer_file_is_a_config_error(tmp_path):
