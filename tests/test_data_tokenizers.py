@@ -86,8 +86,14 @@ def test_tokenizer_cli_writes_tokenizer_json(tmp_path, capsys):
         "--out",
         str(out),
     )
-    assert code == 0 and "300 ids" in capsys.readouterr().out
+    assert code == 0 and "300 ids (pad" in capsys.readouterr().out
     assert load_tokenizer(str(out / "tokenizer.json")).vocab_size == 300
+    (tmp_path / "tiny.txt").write_text("ab ab ab\n")  # two merges, then none left
+    tiny = ["data", "tokenizer", str(tmp_path / "tiny.txt"), "--vocab-size", "512"]
+    assert run_cli(*tiny, "--out", str(tmp_path / "tiny")) == 0
+    n = load_tokenizer(str(tmp_path / "tiny" / "tokenizer.json")).vocab_size
+    line = f"{n} ids, fewer than --vocab-size 512: the corpus has no more merges"
+    assert n < 512 and line in capsys.readouterr().out
     with pytest.raises(ConfigError, match="needs at least 259 ids"):
         run_cli("data", "tokenizer", str(tmp_path), "--vocab-size", "100", "--out", str(out))
 
