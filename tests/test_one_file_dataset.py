@@ -115,6 +115,10 @@ def test_one_text_file_holds_out_blocks_of_lines(tmp_path):
     path.write_text("".join(lines) + "".join(f"more {i}\n" for i in range(500)))
     train2, held2 = sides()
     assert train <= train2 and held <= held2
+    path.write_text("".join(lines))  # the data line counts the blocks held out, not their runs
+    cfg = DataConfig(sources=(SourceConfig(path=str(path)),), seq_len=32, eval_fraction=0.2)
+    train_rows, eval_rows = pipeline.load_splits(cfg)
+    assert train_rows.num_docs + eval_rows.num_docs == 30 and eval_rows.num_docs > 1
 
 
 def test_multi_file_sources_keep_their_file_split(tmp_path):
