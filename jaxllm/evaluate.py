@@ -87,8 +87,7 @@ def evaluate_checkpoint(
         "perplexity": math.exp(results["eval_loss"]),
         "tokens": min(len(batches) * gbs, len(eval_rows)) * cfg.data.seq_len,  # padding: none
         "rows_read": min(len(batches) * gbs, len(eval_rows)),
-        "rows": len(eval_rows),  # of the held-out split; a last part-batch is not read
-        "batch_rows": gbs,
+        "rows": len(eval_rows),  # of the held-out split
     }
 
 
@@ -96,7 +95,7 @@ def summary(r: dict) -> str:
     """The line `jaxllm eval` prints: loss, perplexity, and how much of the split it read."""
     left = r["rows"] - r["rows_read"]
     part = f" of {r['rows']:,}" if left else ""
-    part += "; --batches N reads more" if left >= r["batch_rows"] else ""
+    part += "; --batches N reads more" if left else ""
     return (
         f"step {r['step']}: eval loss {r['eval_loss']:.4f} nats/token, perplexity "
         f"{r['perplexity']:.3f} ({r['tokens']:,} tokens, {r['rows_read']:,} rows{part})"

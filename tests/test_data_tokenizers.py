@@ -86,8 +86,14 @@ def test_tokenizer_cli_writes_tokenizer_json(tmp_path, capsys):
         "--out",
         str(out),
     )
-    assert code == 0 and "300 ids" in capsys.readouterr().out
+    assert code == 0 and "300 ids (pad" in capsys.readouterr().out
     assert load_tokenizer(str(out / "tokenizer.json")).vocab_size == 300
+    (tmp_path / "tiny.txt").write_text("ab ab ab\n")  # two merges, then none left
+    tiny = ["data", "tokenizer", str(tmp_path / "tiny.txt"), "--vocab-size", "512"]
+    assert run_cli(*tiny, "--out", str(tmp_path / "tiny")) == 0
+    n = load_tokenizer(str(tmp_path / "tiny" / "tokenizer.json")).vocab_size
+    line = f"{n} ids, fewer than --vocab-size 512: the corpus has no more merges"
+    assert n < 512 and line in capsys.readouterr().out
     with pytest.raises(ConfigError, match="needs at least 259 ids"):
         run_cli("data", "tokenizer", str(tmp_path), "--vocab-size", "100", "--out", str(out))
 
@@ -130,6 +136,15 @@ def test_tokenizer_without_bos_needs_add_bos_false(tmp_path):
     assert make_tokenizer(DataConfig(tokenizer=path, sources=chat)).bos_id is None
     with pytest.raises(ConfigError, match=r"data.add_bos=true"):  # a text eval set needs BOS
         make_tokenizer(DataConfig(tokenizer=path, sources=chat, eval_sources=(SourceConfig(),)))
+    chats = tmp_path / "chats.jsonl"  # and chats left at format: auto, detected as chat
+    chats.write_text('{"messages": [{"role": "user", "content": "a"}]}\n' * 3)
+    auto = (SourceConfig(path=str(chats)),)
+    assert make_tokenizer(DataConfig(tokenizer=path, sources=auto)).bos_id is None
+    (tmp_path / "docs.jsonl").write_text('{"text": "a b"}\n' * 3)  # text at auto: refused
+    with pytest.raises(ConfigError, match=r"data.add_bos=true"):
+        make_tokenizer(
+            DataConfig(tokenizer=path, sources=(SourceConfig(path=str(tmp_path / "docs.jsonl")),))
+        )
 
 
 def test_missing_tokenizer_file_is_a_config_error(tmp_path):

@@ -1,7 +1,8 @@
 """One file is a dataset: a source with too few files for `data.eval_fraction` holds out records
 (by a hash of file key and record index, stable under appends) in every format, multi-file
 sources keep their file split, `data.eval_fraction=0` trains without evaluation, and an eval
-split smaller than a batch is evaluated on one padded batch whose padding no objective counts."""
+split's last part-batch (all of a split smaller than a batch) is padded, and no objective counts
+the padding."""
 
 import json
 
@@ -114,6 +115,10 @@ def test_one_text_file_holds_out_blocks_of_lines(tmp_path):
     path.write_text("".join(lines) + "".join(f"more {i}\n" for i in range(500)))
     train2, held2 = sides()
     assert train <= train2 and held <= held2
+    path.write_text("".join(lines))  # the data line counts the blocks held out, not their runs
+    cfg = DataConfig(sources=(SourceConfig(path=str(path)),), seq_len=32, eval_fraction=0.2)
+    train_rows, eval_rows = pipeline.load_splits(cfg)
+    assert train_rows.num_docs + eval_rows.num_docs == 30 and eval_rows.num_docs > 1
 
 
 def test_multi_file_sources_keep_their_file_split(tmp_path):
@@ -304,6 +309,17 @@ def test_an_eval_split_under_a_batch_is_the_mean_over_its_rows(tmp_path, name, r
     assert padded == pytest.approx(direct, rel=1e-5)
 
 
+def test_an_eval_reads_every_row_of_a_split_larger_than_a_batch():
+    rows = [{"inputs": np.full(4, i + 1), "loss_mask": np.ones(4, np.float32)} for i in range(21)]
+    batches = pipeline.eval_batches(rows, 8, 100)  # 2 batches and 5 rows
+    assert np.concatenate([b["inputs"][:, 0] for b in batches]).tolist() == [*range(1, 22), 0, 0, 0]
+    assert batches[-1]["loss_mask"].sum(axis=1).tolist() == [4] * 5 + [0] * 3
+    halves = [pipeline.eval_batches(rows, 8, 100, local) for local in (slice(0, 4), slice(4, 8))]
+    for whole, a, b in zip(batches, *halves, strict=True):  # each process: its rows of each batch
+        assert np.array_equal(np.concatenate([a["inputs"], b["inputs"]]), whole["inputs"])
+    assert len(pipeline.eval_batches(rows, 8, 2)) == 2  # num_batches still bounds it
+
+
 def test_jaxllm_eval_evaluates_a_split_under_a_batch(other_run, tmp_path):
     from jaxllm.evaluate import evaluate_checkpoint
 
@@ -318,13 +334,13 @@ def test_jaxllm_eval_evaluates_a_split_under_a_batch(other_run, tmp_path):
 def test_jaxllm_eval_says_how_much_of_the_split_it_read():
     from jaxllm.evaluate import summary
 
-    r = {"step": 9, "eval_loss": 1.0, "perplexity": 2.718, "batch_rows": 4}
+    r = {"step": 9, "eval_loss": 1.0, "perplexity": 2.718}
     whole = summary({**r, "tokens": 320, "rows_read": 10, "rows": 10})
     assert whole.endswith("(320 tokens, 10 rows)")
     part = summary({**r, "tokens": 256, "rows_read": 8, "rows": 6597})
     assert part.endswith("(256 tokens, 8 rows of 6,597; --batches N reads more)")
-    tail = summary({**r, "tokens": 256, "rows_read": 8, "rows": 10})  # not a whole batch left
-    assert tail.endswith("(256 tokens, 8 rows of 10)")
+    tail = summary({**r, "tokens": 256, "rows_read": 8, "rows": 10})  # a part-batch left
+    assert tail.endswith("(256 tokens, 8 rows of 10; --batches N reads more)")
 
 
 @pytest.mark.slow  # ~20 s: a DPO train step

@@ -28,6 +28,7 @@ from jaxllm import config as config_lib
 from jaxllm.config import ConfigError
 from jaxllm.config.outputs import check_output, written
 from jaxllm.convert import compressed, compressed_coded, mxfp4
+from jaxllm.convert.byte_tokenizer import write_byte_tokenizer
 from jaxllm.convert.families import (
     SCORE_ARCHITECTURE,
     TOKEN_ARCHITECTURE,
@@ -47,6 +48,7 @@ from jaxllm.convert.reader import (
 from jaxllm.data.tokenizer import (
     GENERATION_CONFIG,
     NO_TOKENIZER,
+    ByteTokenizer,
     HFTokenizer,
     generation_config,
     load_tokenizer,
@@ -269,7 +271,9 @@ def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict
     and, when the run puts BOS before every document (data.add_bos) and the tokenizer.json
     has no post-processor, one that does the same, since transformers' tokenizer adds only
     what tokenizer.json says (jaxllm encodes without it: the packer adds BOS). The byte
-    tokenizer has no file to write; its ids are written all the same."""
+    tokenizer's tokenizer.json and tokenizer_config.json are built (`byte_tokenizer`) for a
+    run made for it; a model of more than twice its ids (an import that fell back to bytes)
+    gets only its ids."""
     spec = cfg.data.tokenizer
     if spec == NO_TOKENIZER:
         return {}
@@ -279,6 +283,9 @@ def _write_tokenizer(cfg: config_lib.Config, hf_dir: Path, run_dir=None) -> dict
     gen = generation_config(spec, run_dir)
     gen = {**{k: v for k, v in ids.items() if v is not None}, **gen}
     (hf_dir / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    if isinstance(tok, ByteTokenizer) and cfg.model.vocab_size <= 2 * tok.vocab_size:
+        # a run made for the byte tokenizer (`check_coverage`), not an HF model's fallback
+        write_byte_tokenizer(hf_dir, cfg.data.add_bos, cfg.model.max_seq_len)
     if not isinstance(tok, HFTokenizer):
         return ids
     source = Path(tok.name)

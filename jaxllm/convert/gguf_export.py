@@ -244,7 +244,10 @@ def export_gguf(
         out.parent.mkdir(parents=True, exist_ok=True)
         part = out.with_name(f".{out.name}.partial")
         try:
-            report = _write(gguf, part, hf, tensors, kind, hf_dir / "tokenizer.json", scales)
+            # the byte tokenizer's tokenizer.json has no merges, which llama.cpp's "gpt2"
+            # vocabulary must hold and gguf cannot write as an empty list: no vocabulary
+            tokenizer = None if cfg.data.tokenizer == "byte" else hf_dir / "tokenizer.json"
+            report = _write(gguf, part, hf, tensors, kind, tokenizer, scales)
             os.replace(part, out)
         finally:
             part.unlink(missing_ok=True)
@@ -285,7 +288,7 @@ def _blocks(gguf, name: str, k: np.ndarray, s: np.ndarray, kind: str) -> np.ndar
 
 
 def _write(
-    gguf, path: Path, hf: dict, tensors: dict, kind: str, tokenizer: Path, scales=None
+    gguf, path: Path, hf: dict, tensors: dict, kind: str, tokenizer: Path | None, scales=None
 ) -> list[str]:
     arch = "llama"
     n_head, n_kv = (
@@ -315,7 +318,7 @@ def _write(
         "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     }[kind]
     w.add_file_type(file_type)
-    if tokenizer.is_file():
+    if tokenizer is not None and tokenizer.is_file():
         _add_tokenizer(gguf, w, tokenizer, hf)
     report = []
     for hf_name, t in tensors.items():

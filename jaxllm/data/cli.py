@@ -126,9 +126,12 @@ def cmd_tokenizer(ns) -> int:
     path = out / "tokenizer.json"
     bad.warn()
     tok = load_tokenizer(str(path))
+    short = ""
+    if tok.vocab_size < ns.vocab_size:  # BPE stops when no pair of tokens is left to merge
+        short = f", fewer than --vocab-size {ns.vocab_size}: the corpus has no more merges"
     print(
-        f"wrote {path}: byte-level BPE, {tok.vocab_size} ids (pad {tok.pad_id}, bos {tok.bos_id}, "
-        f"eos {tok.eos_id}); train with data.tokenizer={path}"
+        f"wrote {path}: byte-level BPE, {tok.vocab_size} ids{short} (pad {tok.pad_id}, bos "
+        f"{tok.bos_id}, eos {tok.eos_id}); train with data.tokenizer={path}"
     )
     return 0
 

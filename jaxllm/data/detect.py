@@ -113,3 +113,14 @@ def resolve(data: DataConfig, say: Callable[[str], None] = _say) -> DataConfig:
         if sources != list(getattr(data, name)):
             changed[name] = tuple(sources)
     return dataclasses.replace(data, **changed) if changed else data
+
+
+def all_chat(data: DataConfig) -> bool:
+    """Whether `data` has sources and every one of them, eval sources too, is chat: set, or
+    detected from `format: auto` (without saying so; training says it when it reads them)."""
+    sources = [
+        of_source(src, f"data.{name}[{i}]", data.max_files, lambda _: None)
+        for name in ("sources", "eval_sources")
+        for i, src in enumerate(getattr(data, name))
+    ]
+    return bool(sources) and all(src.format == "chat" for src in sources)

@@ -110,12 +110,20 @@ def _by_length(docs, key: str) -> list[np.ndarray]:
 
 
 def _source_documents(
-    src: SourceConfig, key: str, cfg: DataConfig, tok: Tokenizer, hold_out: bool, images=None
+    src: SourceConfig,
+    key: str,
+    cfg: DataConfig,
+    tok: Tokenizer,
+    hold_out: bool,
+    images=None,
+    blocks: dict | None = None,
 ):
     """(train documents, eval documents) of one source, all in train unless `hold_out`: token
     arrays, `sft.Examples` for a chat / prompt_completion source, `preference.Pairs` for a
     preference source, `stepwise.Solutions` for a stepwise one, `VisionExamples` for a chat
-    source when `images` (a model with a vision tower, `vision_rows.ImageInputs`) is given."""
+    source when `images` (a model with a vision tower, `vision_rows.ImageInputs`) is given.
+    `blocks`, when given, gets each split's blocks of lines of a text source that holds out
+    records (`jaxllm.data.split`), whose documents are runs of such blocks."""
     src = fetched(src, key)  # a bucket's source is read from its local copy
     if is_prepared_dir(src.path):
         prepared = PreparedDir(src.path, key, cfg.tokenizer)
@@ -171,7 +179,8 @@ def _source_documents(
         )
     bad.warn()
     if hold_out:
-        train, evals = split_source(files, texts, cfg.eval_fraction, key)
+        text = all(f.format in ("text", "stdlib") for f in files)
+        train, evals = split_source(files, texts, cfg.eval_fraction, key, blocks if text else None)
     else:
         train, evals = [t for ts in texts for t in ts], []
     if seeing:
@@ -269,7 +278,8 @@ def load_splits(
     train_parts, eval_parts = [], []
     for i, src in enumerate(cfg.sources):
         key = f"data.sources[{i}]"
-        train_docs, eval_docs = _source_documents(src, key, cfg, tok, hold_out, images)
+        blocks: dict[str, int] = {}  # a text file's 100-line blocks, when it holds them out
+        train_docs, eval_docs = _source_documents(src, key, cfg, tok, hold_out, images, blocks)
         if cfg.order == "length":
             train_docs = _by_length(train_docs, key)
         what = f"the train split of {key}"
@@ -279,6 +289,8 @@ def load_splits(
             eval_parts.append(
                 _rows(eval_docs, what, cfg, tok, virtual_tokens, whole_inputs, images)
             )
+        if blocks:  # counted as the blocks held out, not the runs of them packed
+            train_parts[-1].num_docs, eval_parts[-1].num_docs = blocks["train"], blocks["eval"]
     for i, src in enumerate(cfg.eval_sources):
         key = f"data.eval_sources[{i}]"
         docs = _source_documents(src, key, cfg, tok, False, images)[0]
@@ -398,22 +410,24 @@ def eval_batches(
 ) -> list[dict]:
     """The same first `num_batches` batches of the held-out rows at every evaluation, each row
     rewritten by `transform(index, row)` when given (as `train_batches`); none when `rows` is
-    None (no held-out split). A split of fewer rows than one batch is one batch, filled up with
-    padding rows (all zeros: no segment, loss_mask 0), which every objective leaves out of its
-    sums and its counts."""
+    None (no held-out split). Every row of the first `num_batches * batch_size` is read: a last
+    part-batch (a split of fewer rows than one batch is one) is filled up with padding rows (all
+    zeros: no segment, loss_mask 0), which every objective leaves out of its sums and its
+    counts."""
     if rows is None:
         return []
-    n = min(num_batches * batch_size, len(rows) - len(rows) % batch_size)
-    if n == 0 and len(rows) == 0:
+    if len(rows) == 0:
         raise ConfigError("the eval split has no rows; add eval data or raise data.eval_fraction.")
-    ds = grain.MapDataset.source(rows)[: n or len(rows)]
+    n = min(num_batches * batch_size, len(rows))
+    ds = grain.MapDataset.source(rows)[:n]
     if transform is not None:
         ds = ds.map_with_index(transform)
-    if n == 0:  # fewer rows than one batch
-        items = [ds[i] for i in range(len(rows))]
+    full = _local_rows(ds, batch_size, local)  # the whole batches; a part-batch is dropped
+    batches = [{k: np.asarray(v) for k, v in full[i].items()} for i in range(len(full))]
+    if n % batch_size:
+        items = [ds[i] for i in range(n - n % batch_size, n)]
         pad = {k: np.zeros_like(v) for k, v in items[0].items()}
         items += [pad] * (batch_size - len(items))
         items = items[local] if local is not None else items
-        return [{k: np.stack([it[k] for it in items]) for k in items[0]}]
-    batches = _local_rows(ds, batch_size, local)
-    return [{k: np.asarray(v) for k, v in batches[i].items()} for i in range(len(batches))]
+        batches.append({k: np.stack([it[k] for it in items]) for k in items[0]})
+    return batches

@@ -104,13 +104,15 @@ def split_source(
     items: Sequence[Iterable],
     eval_fraction: float,
     key: str = "data.sources",
+    counts: dict | None = None,
 ) -> tuple[list, list]:
     """(train, eval) items of `files` (`items[i]` those of `files[i]`, in file order): whole
     files by the hash of their key, or records when that would leave a side empty
-    (`by_records`); ConfigError if a side is still empty."""
+    (`by_records`); ConfigError if a side is still empty. `counts`, when given, gets the
+    records of each split when records are held out (`split_records`)."""
     records = by_records(files, eval_fraction)
     sides: dict[str, list] = {"train": [], "eval": []}
-    counts: dict[str, int] = {}
+    counts = {} if counts is None else counts
     for f, its in zip(files, items):
         for side, item in split_records(f, its, eval_fraction, records, counts):
             sides[side].append(item)

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxllm import storage
 from jaxllm.config import ConfigError, JaxllmWarning
+from jaxllm.data import detect
 
 BPE_SPECIALS = ("<pad>", "<bos>", "<eos>")
 # Names a tokenizer.json may give its specials when no tokenizer_config.json says which they are.
@@ -299,13 +300,12 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
 
 def make_tokenizer(data_cfg) -> Tokenizer:
     """The tokenizer of a DataConfig; ConfigError if add_bos/add_eos ask for a missing token,
-    unless every source is `format: chat`, whose template writes BOS and EOS itself (a Qwen
-    tokenizer has no BOS)."""
+    unless every source is chat (set, or detected from `format: auto`), whose template writes
+    BOS and EOS itself (a Qwen tokenizer has no BOS)."""
     tok = load_tokenizer(data_cfg.tokenizer)
-    sources = (*data_cfg.sources, *data_cfg.eval_sources)
-    templated = bool(sources) and all(s.format == "chat" for s in sources)
     for flag, kind in (("add_bos", "bos"), ("add_eos", "eos")):
-        if getattr(data_cfg, flag) and getattr(tok, f"{kind}_id") is None and not templated:
+        missing = getattr(data_cfg, flag) and getattr(tok, f"{kind}_id") is None
+        if missing and not detect.all_chat(data_cfg):
             raise ConfigError(
                 f"data.{flag}=true but tokenizer {tok.name} has no {kind.upper()} token; set "
                 f"data.{flag}=false or use a tokenizer that defines one."

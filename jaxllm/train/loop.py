@@ -118,9 +118,9 @@ def _train(cfg: config.Config, signals: Signals) -> dict:
             train_rows, eval_rows = run_splits(cfg)  # reward's closing slots, images
         sources = ", ".join(src.path for src in cfg.data.sources)
         _log(
-            f"data: {sources}: {train_rows.num_docs} train docs, {train_rows.num_tokens:,} "
-            f"tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; "
-            f"{'no' if eval_rows is None else eval_rows.num_docs} eval docs "
+            f"data: {sources}: {train_rows.num_docs:,} train documents, "
+            f"{train_rows.num_tokens:,} tokens, {len(train_rows):,} rows of {cfg.data.seq_len}; "
+            f"{'no' if eval_rows is None else f'{eval_rows.num_docs:,}'} eval documents "
             f"({time.perf_counter() - t0:.1f}s)"
         )
         if eval_rows is None:
