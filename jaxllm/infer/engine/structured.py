@@ -150,14 +150,25 @@ class Guide:
             return None
         llg = _llguidance()
         lltok = self._ll_tokenizer(llg)
-        try:
-            grammar = spec.grammar_text(llg)
-        except ValueError as e:
-            raise ValueError(f"structured {spec.kind}: {e}") from None
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
-        if failed:
-            raise ValueError(f"structured {spec.kind}: {messages[0].strip().splitlines()[0]}")
+        grammar = check(spec, lltok)
         return [Matcher(llg.LLMatcher(lltok, grammar, log_level=0), lltok) for _ in range(params.n)]
+
+
+def check(spec: Structured, lltok=None) -> str:
+    """llguidance's grammar of `spec`, checked (against `lltok`, an `llguidance.LLTokenizer`,
+    when given); ValueError naming the problem when it is invalid or llguidance is missing."""
+    llg = _llguidance()
+    try:
+        grammar = spec.grammar_text(llg)
+    except ValueError as e:
+        raise ValueError(f"structured {spec.kind}: {e}") from None
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+    if failed:
+        # one line: llguidance's message without its excerpt of the grammar and carets
+        lines = [ln.strip() for ln in messages[0].splitlines()]
+        text = " ".join(ln for ln in lines if ln.strip("^") and "|" not in ln[:6])
+        raise ValueError(f"structured {spec.kind}: {text}")
+    return grammar
 
 
 class Matcher:
