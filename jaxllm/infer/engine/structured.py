@@ -126,7 +126,11 @@ class Guide:
         if tok is None:
             raise ValueError("structured outputs need the engine's tokenizer: Engine(tokenizer=)")
         if hasattr(tok, "to_str"):  # a Hugging Face tokenizer.json
-            lltok = llg.LLTokenizer(tok.to_str(), eos_token=tok.eos_id)
+            try:
+                lltok = llg.LLTokenizer(tok.to_str(), eos_token=tok.eos_id)
+            except Exception as e:  # llguidance's reader refuses some tokenizers
+                msg = f"structured outputs: llguidance cannot read {tok.name}: {e}"
+                raise ValueError(msg) from None
         elif getattr(tok, "name", None) == "byte":
             lltok = llg.LLTokenizer(llg.TokenizerWrapper(_ByteVocab(tok)))
         else:
