@@ -31,7 +31,7 @@ def _response_format(rf: dict) -> dict | None:
 def structured(req) -> Structured | None:
     """The request's constraint (None without one); 400 naming the field at fault."""
     given = []
-    if req.response_format is not None:
+    if req.response_format not in (None, {"type": "text"}):  # text asks for nothing
         given.append(("response_format", _response_format, req.response_format))
     for field, key in _VLLM.items():
         if getattr(req, field) is not None:
