@@ -2,15 +2,19 @@
 regex, JSON schema or choice fully and ends with reason "stop", with the byte tokenizer and a
 Hugging Face tokenizer.json; a request without a constraint in the same batch keeps its tokens
 and log-probabilities exactly; preemption keeps the matcher's state; a guided batch compiles one
-more program per bucket, once; invalid constraints are refused before anything is queued."""
+more program per bucket, once; on a mesh they sample as on one device; invalid constraints are
+refused before anything is queued."""
 
 import json
 import re
 import sys
 
+import jax
 import pytest
 from conftest import tiny_model
 
+from jaxllm import sharding
+from jaxllm.config import MeshConfig
 from jaxllm.data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 from jaxllm.infer.engine import Engine, SamplingParams, Structured, runner
 from jaxllm.model.transformer import build
@@ -139,3 +143,14 @@ def test_invalid_constraints_are_refused_before_queueing(model, monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)  # not installed
     with pytest.raises(ValueError, match="pip install"):
         engine.add_request(PROMPT, _guided({"regex": "a"}))
+
+
+@pytest.mark.slow
+def test_guided_samples_on_a_mesh_equal_one_devices(model):
+    degrees = MeshConfig(data=2, tensor=2)
+    mesh = sharding.make_mesh(degrees, jax.devices()[:4])
+    params = _guided({"regex": REGEX}, n=3)
+    (on_mesh,) = _run(_engine(model, mesh=mesh, mesh_config=degrees), [(PROMPT, params)])
+    (alone,) = _run(_engine(model), [(PROMPT, params)])
+    assert [o.tokens for o in on_mesh] == [o.tokens for o in alone]
+    assert all(re.fullmatch(REGEX, BYTES.decode(o.tokens)) for o in on_mesh)
