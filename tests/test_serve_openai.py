@@ -88,7 +88,6 @@ def test_stream_options_include_usage_ends_with_the_usage(server, client, chat):
     [
         {"suffix": "}"},
         {"best_of": 2},
-        {"response_format": {"type": "json_object"}},
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
         {"tool_choice": "auto"},
         {"stream_options": {"include_usage": True}},  # without stream
@@ -308,7 +307,7 @@ STRICT = [
     ("chat", {"messages": [{"role": "user", "content": 5}]}),
     ("completions", {"min_tokens": 4}),  # fields the server does not know
     ("completions", {"max_token": 4}),
-    ("chat", {"guided_json": {"type": "object"}}),
+    ("chat", {"guided_regex": 5}),
     ("chat", {"store": True}),
 ]
 

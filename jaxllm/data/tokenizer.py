@@ -162,6 +162,10 @@ class HFTokenizer:
         ids = ids[(ids >= 0) & (ids < self.vocab_size)]  # a model may sample past the vocabulary
         return self._tok.decode(ids.tolist(), skip_special_tokens=True)
 
+    def to_str(self) -> str:
+        """The tokenizer.json text (structured outputs hand it to llguidance)."""
+        return self._tok.to_str()
+
 
 def _chat_templates(directory: Path, value) -> dict[str, str]:
     """Named chat templates: chat_template.jinja (which transformers prefers), else

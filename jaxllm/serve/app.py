@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from jaxllm import __version__
 from jaxllm.infer.engine import SamplingParams
+from jaxllm.serve.guided import structured
 from jaxllm.serve.images import PartError, chat_prompt
 from jaxllm.serve.protocol import (
     BadRequest,
@@ -66,6 +67,7 @@ def _params(
     prompt_logprobs: int | None = None,
 ):
     """The engine's SamplingParams of a request; stop strings are matched on the text here."""
+    spec = structured(req)  # response_format, guided_* (400 naming the field)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -86,6 +88,7 @@ def _params(
             logit_bias=_logit_bias(s, req),
             min_tokens=req.min_tokens,
             prompt_logprobs=prompt_logprobs,
+            structured=spec,
         )
     except ValueError as e:
         field = next((f for f in ("logit_bias", "min_tokens") if str(e).startswith(f)), None)

@@ -149,7 +149,7 @@ def build(
         per_seq = -(-model.cfg.max_seq_len // engine_kw.get("page_size", 16))
         engine_kw["num_pages"] = engine_kw.get("max_num_seqs", 8) * per_seq + 1
     try:
-        engine = Engine(model, **engine_kw)
+        engine = Engine(model, tokenizer=tok, **engine_kw)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if precompile or precompile_scoring:

@@ -59,6 +59,17 @@ class _Common(BaseModel):
     min_tokens: Int = Field(default=0, ge=0)
     """vLLM's extra: no end-of-sequence token, stop token or stop string ends a sample before
     it has this many tokens (at most max_tokens)."""
+    response_format: dict | None = None
+    """OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
+    "schema", "strict"}}: the output is any JSON object, or JSON of the schema."""
+    guided_json: dict | str | None = None
+    """vLLM's extras (at most one constraint per request): a JSON schema, a regex, one of
+    several strings, a Lark grammar."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
+    """vLLM's newer form: {"json" | "regex" | "choice" | "grammar": ...}."""
 
     @model_validator(mode="before")
     @classmethod
@@ -160,7 +171,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 _NO_OPS = (
     ("suffix", lambda v, r: not v, "suffix (no text after the completion)"),
     ("best_of", lambda v, r: v is None or v == r.n, "best_of other than n"),
-    ("response_format", lambda v, r: not v or v == {"type": "text"}, "response_format (JSON)"),
     ("tools", lambda v, r: not v, "tools (tool calls)"),
     ("tool_choice", lambda v, r: v in (None, "none"), "tool_choice"),
     ("parallel_tool_calls", lambda v, r: True, ""),  # only with tools, which are refused

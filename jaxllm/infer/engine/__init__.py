@@ -36,6 +36,9 @@ What exists:
   max_tokens, seed, n, logprobs of the chosen tokens and the top (<= 20) logprobs, OpenAI's
   logit_bias and vLLM's min_tokens, all in the same fixed-shape programs; the prompt's
   log-probabilities on request (`prompts`, a second program of the step);
+- structured outputs (`structured`, with llguidance and the engine's tokenizer): a sample held
+  to a JSON schema, any JSON object, a regex, a choice of strings or a Lark grammar, its
+  allowed tokens a bitmask per slot (a second program of the step, only while a slot is guided);
 - hybrid models (`model.layer_pattern`, Gated DeltaNet layers): each slot keeps the linear
   layers' fixed-size state beside the pages of the full-attention layers (`linear`), zeroed
   when a sequence starts in the slot and carried across prefill chunks; prefix pages are not
@@ -59,5 +62,6 @@ pipeline stages or a split sequence.
 
 from jaxllm.infer.engine.core import Engine, Output, StepResult
 from jaxllm.infer.engine.sampling import SamplingParams
+from jaxllm.infer.engine.structured import Structured
 
-__all__ = ["Engine", "Output", "SamplingParams", "StepResult"]
+__all__ = ["Engine", "Output", "SamplingParams", "StepResult", "Structured"]

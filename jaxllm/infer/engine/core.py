@@ -23,9 +23,9 @@ from jaxllm import sharding
 from jaxllm.config import MeshConfig
 from jaxllm.config.sections import KV_CACHE_DTYPE
 from jaxllm.infer import kv_cache
-from jaxllm.infer.engine import kivi, linear, prompts, runner, swap, vision
+from jaxllm.infer.engine import kivi, linear, prompts, runner, structured, swap, vision
 from jaxllm.infer.engine.pages import PagePool, block_hash, block_hashes, prefill_blocks
-from jaxllm.infer.engine.requests import Output, Seq, StepResult, token_ids
+from jaxllm.infer.engine.requests import Output, Seq, StepResult, check_request, token_ids
 from jaxllm.infer.engine.sampling import RowBuilder, SamplingParams, accept
 from jaxllm.infer.generate import resolve_decode_impl
 
@@ -47,6 +47,7 @@ class Engine:
     parameters are laid out by their logical axes, the pages' kv heads split over `tensor`, the
     slots over the data axes (`max_num_seqs` is rounded up to a multiple of their degree);
     `mesh_config` (a run's `mesh` section) brings its settings, such as `expert_dispatch`.
+    `tokenizer` (the model's `jaxllm.data.tokenizer`): for structured outputs (`structured.py`).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class Engine:
         kv_group: int = 32,
         mesh: Mesh | None = None,
         mesh_config: MeshConfig | None = None,
+        tokenizer=None,
     ):
         cfg = model.cfg
         if cfg.kind != "decoder" or getattr(model, "soft_prompt", None) is not None:
@@ -123,6 +125,7 @@ class Engine:
         self._linear = linear.empty_state(cfg, max_num_seqs, self._parallel)  # hybrid models
         self._slots: list[Seq | None] = [None] * max_num_seqs
         self._rows = RowBuilder(max_num_seqs, cfg.max_seq_len)
+        self._guide = structured.Guide(tokenizer, cfg.vocab_size)
         self._waiting: list[Seq] = []  # by arrival
         self._requests: dict[int, list[Seq]] = {}
         self._next_id = 0
@@ -140,23 +143,8 @@ class Engine:
         `images` (a vision-language model): the prompt's images, a `jaxllm.data.images.Pixels`
         whose image pad tokens the prompt holds expanded (`vision.py`)."""
         prompt = token_ids(prompt_ids, params)
-        if not prompt:
-            raise ValueError("an empty prompt has nothing to continue")
-        if not all(0 <= t < self.cfg.vocab_size for t in prompt):
-            bad = next(t for t in prompt if not 0 <= t < self.cfg.vocab_size)
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
-        if bad:
-            raise ValueError(
-                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
-            )
-        if len(prompt) + params.max_tokens > self.cfg.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's max_seq_len ({self.cfg.max_seq_len})"
-            )
-        if -(-(len(prompt) + params.max_tokens) // self.page_size) > self.pool.num_pages - 1:
-            raise ValueError("one sequence of this request needs more pages than the pool has")
+        check_request(prompt, params, self.cfg, self.page_size, self.pool.num_pages)
+        matchers = self._guide.matchers(params)  # structured outputs: one per sample
         if images is not None and len(images.image_grid_thw):
             images = vision.prepare(
                 self._graphdef,
@@ -175,7 +163,7 @@ class Engine:
         seqs = []
         for j in range(params.n):
             seq = Seq(rid, j, prompt, params, (base * 1_000_003 + j) % 2**31, self._arrivals)
-            seq.images = images
+            seq.images, seq.matcher = images, matchers and matchers[j]
             self._arrivals += 1
             seqs.append(seq)
             self._waiting.append(seq)
@@ -382,6 +370,9 @@ class Engine:
         rows = runner.put_rows(self._parallel, tokens_SxQ, start_S, real_S, table_SxJ)
         put = functools.partial(runner.put_rows, self._parallel)
         sampling = self._rows.build([seq for seq, _ in batch], put)
+        allowed_SxB = structured.masks(batch, s, self.cfg.vocab_size)  # None: nothing guided
+        if allowed_SxB is not None:
+            sampling = sampling._replace(allowed_SxB=put(allowed_SxB)[0])
         images = None  # a vision-language model: [S, 3, Q] positions, the chunks' image features
         if self.cfg.vision is not None:
             pos, feats = vision.chunk_inputs(
@@ -429,7 +420,8 @@ class Engine:
             if p.top_logprobs:
                 top = [(int(i), float(v)) for i, v in zip(ids_SxK[r], top_SxK[r])]
                 top = top[: p.top_logprobs]
-            shown, reason = accept(seq, int(tok_S[r]), float(logp_S[r]), top)
+            complete = structured.advance(seq, int(tok_S[r]))
+            shown, reason = accept(seq, int(tok_S[r]), float(logp_S[r]), top, complete)
             new += [(seq.request_id, seq.index, t) for t, _, _ in shown]
             new_logprobs += [(lp, top) for _, lp, top in shown]
             if reason is not None:

@@ -24,6 +24,28 @@ def token_ids(prompt_ids, params) -> list[int]:
         ) from None
 
 
+def check_request(prompt: list[int], params, cfg, page_size: int, num_pages: int) -> None:
+    """ValueError when the engine cannot take the request: an empty prompt, ids outside the
+    vocabulary, more tokens than the model's context or the pool's pages hold."""
+    if not prompt:
+        raise ValueError("an empty prompt has nothing to continue")
+    if not all(0 <= t < cfg.vocab_size for t in prompt):
+        bad = next(t for t in prompt if not 0 <= t < cfg.vocab_size)
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+    bad = [t for t, _ in params.logit_bias if t >= cfg.vocab_size]
+    if bad:
+        raise ValueError(
+            f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+        )
+    if len(prompt) + params.max_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"the model's max_seq_len ({cfg.max_seq_len})"
+        )
+    if -(-(len(prompt) + params.max_tokens) // page_size) > num_pages - 1:
+        raise ValueError("one sequence of this request needs more pages than the pool has")
+
+
 @dataclasses.dataclass
 class Output:
     """One finished sample of a request."""
@@ -85,6 +107,7 @@ class Seq:
     images: object = None  # the request's `vision.RequestImages`, None without images
     prompt_lp: list | None = None  # its prompt's log-probabilities once complete (`prompts`)
     prompt_partial: list | None = None  # the same while its prefill computes them
+    matcher: object = None  # its structured output's `structured.Matcher`, None without
 
     @property
     def salts(self) -> dict | None:

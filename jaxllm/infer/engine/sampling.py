@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.infer.engine.structured import Structured, allow, structured_of
+
 MAX_TOP_LOGPROBS = 20
 """The most top log-probabilities a request may ask for (OpenAI's limit): the device always
 computes this many, one compile."""
@@ -85,8 +87,13 @@ class SamplingParams:
     """Return the log-probability of each prompt token after the first under the model, and
     the top `prompt_logprobs` (<= 20) pairs at each position (None: off). The prompt is then
     computed, not read from the prefix cache."""
+    structured: Structured | None = None
+    """The text the sample must be (a `Structured`, or a dict of its fields): a JSON schema,
+    any JSON object, a regex, a choice of strings or a Lark grammar (`structured`; needs the
+    engine's tokenizer and llguidance)."""
 
     def __post_init__(self):
+        object.__setattr__(self, "structured", structured_of(self.structured))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         bias = tuple(sorted({int(t): float(b) for t, b in bias}.items()))
         object.__setattr__(self, "logit_bias", bias)
@@ -153,6 +160,9 @@ class Rows(NamedTuple):
     bias_SxW: jax.Array
     """Added to the logits of bias_ids_SxW (0 in unused entries): logit_bias, -inf on the stop
     tokens before min_tokens."""
+    allowed_SxB: jax.Array | None = None
+    """Structured outputs' allowed tokens, one bit each ([S, ceil(V / 32)] int32, all ones in
+    unguided rows); None (a program without it) when no slot is guided."""
 
 
 def _bias(logits_SxV, r: Rows):
@@ -195,6 +205,8 @@ def sample_rows(logits_SxV, r: Rows):
     k = min(MAX_TOP_LOGPROBS, logp_SxV.shape[-1])  # a vocabulary may be smaller
     top_logp_SxK, top_ids_SxK = jax.lax.top_k(logp_SxV, k)
     logits_SxV = jax.lax.cond(jnp.any(r.bias_SxW != 0), _bias, lambda x, _: x, logits_SxV, r)
+    if r.allowed_SxB is not None:
+        logits_SxV = allow(logits_SxV, r.allowed_SxB)
     any_penalty = jnp.any((r.rep_S != 1) | (r.presence_S != 0) | (r.frequency_S != 0))
     logits_SxV = jax.lax.cond(any_penalty, _penalize, lambda x, _: x, logits_SxV, r)
     greedy_S = jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32)
@@ -300,9 +312,12 @@ def held_back(out: list[int], p: SamplingParams) -> int:
     return best
 
 
-def accept(seq, token: int, logprob: float, top) -> tuple[list[int], str | None]:
+def accept(
+    seq, token: int, logprob: float, top, complete: bool = False
+) -> tuple[list[int], str | None]:
     """Adds a sampled token to `seq` (its `out`, `logprobs` and `top`; `top` is the token's
-    top (id, log-prob) pairs or None) under its stop rules. Returns ((token, log-prob, top) of
+    top (id, log-prob) pairs or None) under its stop rules (`complete`: its structured output
+    is complete, a stop). Returns ((token, log-prob, top) of
     each token shown now, the finish reason or None): tokens that may begin a stop sequence are shown once they are
     known not to (or when the sample ends), and a stop that ends the sample is dropped unless
     include_stop."""
@@ -318,6 +333,8 @@ def accept(seq, token: int, logprob: float, top) -> tuple[list[int], str | None]
             reason = "stop"
             if not p.include_stop:
                 del seq.out[-k:], seq.logprobs[-k:], seq.top[-k:]
+        elif complete:
+            reason = "stop"
         elif len(seq.out) >= p.max_tokens:
             reason = "length"
     end = len(seq.out) if reason else len(seq.out) - held_back(seq.out, p)
