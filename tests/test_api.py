@@ -161,3 +161,22 @@ def test_subpackages_are_attributes_of_a_bare_import_that_stays_light():
         "assert not hasattr(jaxllm, 'no_such_part')"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_heads": 5, "num_kv_heads": 5}, r"d_model \(32\) is not divisible by .*num_heads"),
+        ({"num_kv_heads": 3}, r"num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
+        ({"dtype": "int8"}, "model.dtype must be float32, bfloat16 or float16"),
+        ({"mlp_dim": 0}, "model.mlp_dim must be at least 1, not 0"),
+    ],
+)
+def test_a_model_config_built_in_python_is_checked_when_the_model_is_built(change, message):
+    cfg = config.ModelConfig(**{**TINY.__dict__, **change})
+    with pytest.raises(config.ConfigError, match=message):
+        jaxllm.Transformer(cfg, rngs=nnx.Rngs(0))  # head_dim 6 / a reshape error before
+    with pytest.raises(config.ConfigError, match=message):
+        jaxllm.abstract_model(cfg)
+    with pytest.raises(config.ConfigError, match=message):  # the same check as a run's
+        config.Config(model=cfg, data=config.DataConfig(seq_len=8)).validate()
