@@ -180,3 +180,19 @@ def test_a_model_config_built_in_python_is_checked_when_the_model_is_built(chang
         jaxllm.abstract_model(cfg)
     with pytest.raises(config.ConfigError, match=message):  # the same check as a run's
         config.Config(model=cfg, data=config.DataConfig(seq_len=8)).validate()
+
+
+def test_an_inconsistent_config_is_refused_before_anything_is_written(tmp_path):
+    # the default data.seq_len (256) beyond the model's 8 positions: load_model refused the run
+    cfg = config.Config(model=TINY)
+    message = r"data.seq_len \(256\) exceeds model.max_seq_len \(8\)"
+    with pytest.raises(config.ConfigError, match=message):
+        config.dump(cfg, tmp_path / "config.yaml")
+    params = {"w": np.zeros(2, np.float32)}
+    with pytest.raises(config.ConfigError, match=message):
+        jaxllm.checkpoint.save_params(
+            tmp_path / "checkpoints", params, step=0, config=config.to_dict(cfg), tokenizer={}
+        )
+    assert list(tmp_path.iterdir()) == []
+    config.dump(config.Config(model=TINY, data=config.DataConfig(seq_len=8)), tmp_path / "ok.yaml")
+    assert config.load(tmp_path / "ok.yaml").data.seq_len == 8
