@@ -196,3 +196,23 @@ def test_an_inconsistent_config_is_refused_before_anything_is_written(tmp_path):
     assert list(tmp_path.iterdir()) == []
     config.dump(config.Config(model=TINY, data=config.DataConfig(seq_len=8)), tmp_path / "ok.yaml")
     assert config.load(tmp_path / "ok.yaml").data.seq_len == 8
+
+
+def test_compression_options_name_the_parameter_and_check_the_sparsity():
+    from jaxllm import prune, quantize
+
+    with pytest.raises(config.ConfigError, match=r"sparsity \(--sparsity\) 1.5 is outside"):
+        prune.options("magnitude", 1.5, None)  # was accepted, refused later as --sparsity
+    with pytest.raises(config.ConfigError, match=r"^method \(--method\) gptq9 is not a"):
+        quantize.options("gptq9", None, None, None)
+
+
+def test_prune_run_leaves_printing_to_the_command(tmp_path, capfd):
+    from jaxllm import bench, prune
+
+    small = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=1", "model.mlp_dim=64"]
+    src = bench.write_random_run(tmp_path / "src", overrides=small)
+    capfd.readouterr()
+    how = prune.options("magnitude", 0.5, None)
+    assert prune.prune_run(src, tmp_path / "out", how) == tmp_path / "out"
+    assert capfd.readouterr() == ("", "")  # the CLI prints what it removed, not the function
