@@ -44,6 +44,11 @@ from jaxllm.quantize import (
     calibration_options,
 )
 
+__all__ = [
+    "options",
+    "prune_run",
+]
+
 
 def options(
     method: str,

@@ -47,6 +47,12 @@ from jaxllm.load import (
 )
 from jaxllm.model import abstract_model
 
+__all__ = [
+    "calibration_options",
+    "options",
+    "quantize_run",
+]
+
 OUT_FLAG = "OUT"
 # the quantize.* keys the command's options set, in the order of `options`' arguments
 OPTION_KEYS = {

@@ -105,6 +105,12 @@ PUBLIC = [
     "jaxllm.infer.engine",
     "jaxllm.compress",
     "jaxllm.convert",
+    "jaxllm.load",
+    "jaxllm.optim",
+    "jaxllm.quantize",
+    "jaxllm.prune",
+    "jaxllm.merge",
+    "jaxllm.evaluate",
 ]
 
 
@@ -216,3 +222,19 @@ def test_prune_run_leaves_printing_to_the_command(tmp_path, capfd):
     how = prune.options("magnitude", 0.5, None)
     assert prune.prune_run(src, tmp_path / "out", how) == tmp_path / "out"
     assert capfd.readouterr() == ("", "")  # the CLI prints what it removed, not the function
+
+
+@pytest.mark.parametrize("name", [n for n in PUBLIC if n.count(".") == 1])
+def test_a_public_module_lists_its_names_and_none_of_its_imports(name):
+    module = importlib.import_module(name)
+    listed = set(module.__all__)  # dir() showed contextlib, dataclasses, jax, ...
+    assert all(hasattr(module, k) for k in listed)
+    own = {
+        k
+        for k, v in vars(module).items()
+        if not k.startswith(("_", "cmd_", "add_"))  # the command's hooks are the CLI's
+        and (inspect.isroutine(v) or inspect.isclass(v))
+        and v.__module__ == name
+    }
+    assert own <= listed
+    assert not listed & {"annotations", "dataclasses", "jax", "np", "Path"}
