@@ -92,6 +92,17 @@ def test_flash_attention_names_the_shapes_it_takes():
         jaxllm.flash_attention(q, k, k, interpret=True)
 
 
+def test_attention_kernels_refuse_integer_inputs():
+    from jaxllm.kernels.decode_attention import decode_attention, quantize_cache
+
+    ids = jnp.ones((1, 64, 4, 32), jnp.int32)  # used to return an int32 "attention"
+    with pytest.raises(TypeError, match="floating-point inputs; got q int32, k int32, v int32"):
+        jaxllm.flash_attention(ids, ids, ids, interpret=True)
+    cache = quantize_cache(jnp.ones((1, 2, 64, 32)), jnp.ones((1, 2, 64, 32)), "float32")
+    with pytest.raises(TypeError, match="floating-point inputs; got q int32"):
+        decode_attention(ids[:, :1], cache, jnp.array([10]), interpret=True)
+
+
 PUBLIC = [
     "jaxllm",
     "jaxllm.config",
