@@ -249,3 +249,13 @@ def test_a_public_module_lists_its_names_and_none_of_its_imports(name):
     }
     assert own <= listed
     assert not listed & {"annotations", "dataclasses", "jax", "np", "Path"}
+
+
+def test_importing_the_checkpoint_code_leaves_the_root_logger_to_the_user():
+    # Orbax's import used to add a root handler (absl's vlog calls logging.basicConfig), so
+    # the script's own basicConfig(level=INFO) below did nothing
+    code = (
+        "import logging, jaxllm.train, jaxllm.load, jaxllm.convert; "
+        "logging.basicConfig(level=logging.INFO); assert logging.root.level == logging.INFO"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

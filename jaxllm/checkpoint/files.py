@@ -11,8 +11,8 @@ import warnings
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 
+from jaxllm.checkpoint.orbax_import import ocp
 from jaxllm.config import CheckpointConfig, ConfigError, JaxllmWarning, from_dict
 
 FINALIZED = "_CHECKPOINT_METADATA"  # Orbax writes it last, inside the renamed step directory
