@@ -28,6 +28,10 @@ from jaxllm.train import companions
 from jaxllm.train.compiled import evaluate
 from jaxllm.train.step import BATCH_AXES, eval_step
 
+__all__ = [
+    "evaluate_checkpoint",
+]
+
 
 def _shardings(tree):
     return jax.tree.map(lambda p: p.sharding, tree)

@@ -44,6 +44,29 @@ from jaxllm.model import (
     split_peft,
 )
 
+__all__ = [
+    "BASE_ITEM",
+    "MODEL_KEYS",
+    "Restored",
+    "base_record",
+    "check_base",
+    "check_shapes",
+    "content_hash",
+    "fetched",
+    "fetched_inputs",
+    "frozen_shardings",
+    "load_frozen",
+    "load_model",
+    "load_weights",
+    "merged_weights",
+    "model_section",
+    "pick_step",
+    "resolve",
+    "restore",
+    "weight_files",
+    "weight_targets",
+]
+
 
 class Restored(NamedTuple):
     """A run's weights restored onto its configured mesh (`restore`)."""

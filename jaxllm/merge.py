@@ -58,6 +58,23 @@ from jaxllm.load import (
 from jaxllm.model import abstract_model
 from jaxllm.quantize import _tokenizer_files, _with_tokenizer
 
+__all__ = [
+    "METHODS",
+    "PROVENANCE",
+    "RANDOM",
+    "SIGNED",
+    "SPARSE",
+    "Plan",
+    "dare_masks",
+    "disjoint_merge",
+    "magnitude_mask",
+    "majority_sign_mask",
+    "merge_params",
+    "merge_runs",
+    "merge_stacked",
+    "plan",
+]
+
 METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties")
 SPARSE = ("ties", "dare_linear", "dare_ties")  # take --density
 SIGNED = ("ties", "dare_ties")  # take --majority-sign

@@ -44,6 +44,11 @@ from jaxllm.quantize import (
     calibration_options,
 )
 
+__all__ = [
+    "options",
+    "prune_run",
+]
+
 
 def options(
     method: str,
@@ -52,11 +57,15 @@ def options(
     calibration: str | None = None,
     samples: int | None = None,
 ) -> list[str]:
-    """The `prune.*` overrides of the command's options."""
+    """The `prune.*` overrides of the command's options (`--method`, `--sparsity`, ...); a
+    ConfigError names the parameter and its option."""
     if method not in METHODS:
         raise ConfigError(
-            f"--method {method} is not a pruning method jaxllm has; it has {', '.join(METHODS)}."
+            f"method (--method) {method} is not a pruning method jaxllm has; it has "
+            f"{', '.join(METHODS)}."
         )
+    if sparsity is not None and not 0 <= sparsity < 1:
+        raise ConfigError(f"sparsity (--sparsity) {sparsity:g} is outside [0, 1).")
     out = [f"prune.method={method}"]
     if pattern:
         out.append(f"prune.pattern={json.dumps(pattern)}")
@@ -64,12 +73,13 @@ def options(
         if sparsity is not None and n.isdigit() and m.isdigit() and int(m):
             if not math.isclose(sparsity, int(n) / int(m)):
                 raise ConfigError(
-                    f"--pattern {pattern} zeroes {int(n) / int(m):g} of each weight; drop "
-                    f"--sparsity {sparsity:g} or make it {int(n) / int(m):g}."
+                    f"pattern (--pattern) {pattern} zeroes {int(n) / int(m):g} of each weight; "
+                    f"drop sparsity (--sparsity) {sparsity:g} or make it {int(n) / int(m):g}."
                 )
     elif sparsity is None:
         raise ConfigError(
-            "jaxllm prune needs --sparsity S (a fraction in [0, 1)) or --pattern N:M."
+            "pruning needs a sparsity (--sparsity, a fraction in [0, 1)) or a pattern N:M "
+            "(--pattern)."
         )
     if sparsity is not None:
         out.append(f"prune.sparsity={sparsity!r}")
@@ -79,6 +89,11 @@ def options(
 def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
     """Writes the pruned run OUT from SRC; `overrides` are `key=value`s, the `prune.*` of the
     command's options among them. Returns OUT."""
+    return _prune(src, out, overrides, overwrite)[0]
+
+
+def _prune(src, out, overrides, overwrite: bool) -> tuple[Path, str]:
+    """`prune_run`, and one line saying what it removed (`jaxllm prune` prints it)."""
     if storage.is_url(str(out)):
         raise ConfigError(
             f"OUT {out}: jaxllm prune writes a local directory; write it there and copy it to "
@@ -118,15 +133,13 @@ def prune_run(src, out, overrides=(), *, overwrite: bool = False) -> Path:
         pruned = prune_params(params, axes, p, mesh)
     new.write(pruned, model_state)
     zeros, total = sparsity_of(pruned, axes, p)
-    print(
+    return Path(out), (
         f"pruned {src} into {out}: {zeros:,} of {total:,} chosen weights zero "
-        f"({zeros / max(total, 1):.1%}, {p.method}{f' {p.pattern}' if p.pattern else ''})",
-        file=sys.stderr,
+        f"({zeros / max(total, 1):.1%}, {p.method}{f' {p.pattern}' if p.pattern else ''})"
     )
-    return Path(out)
 
 
-def _remove_layers(new: NewRun, cfg: Config, params, model_state, mesh, src) -> Path:
+def _remove_layers(new: NewRun, cfg: Config, params, model_state, mesh, src) -> tuple[Path, str]:
     """OUT as the model without its least important layers (`jaxllm.compress.layers`)."""
     graphdef, _, _ = abstract_model(cfg.model)
     rows = calibration_rows(cfg, cfg.prune)
@@ -142,15 +155,13 @@ def _remove_layers(new: NewRun, cfg: Config, params, model_state, mesh, src) -> 
         model_state = jax.device_put(model_state, sharding.tree_shardings(mesh, state_axes))
     dataclasses.replace(new, cfg=cfg).write(params, model_state)
     gone = sorted(set(range(len(importance))) - set(keep))
-    print(
+    return Path(new.out_dir), (
         f"pruned {src} into {new.out_dir}: removed layers {gone} of {len(importance)} "
-        f"(first-order importance {', '.join(f'{v:.3g}' for v in importance)})",
-        file=sys.stderr,
+        f"(first-order importance {', '.join(f'{v:.3g}' for v in importance)})"
     )
-    return Path(new.out_dir)
 
 
-def _remove_units(new: NewRun, cfg: Config, params, model_state, mesh, src) -> Path:
+def _remove_units(new: NewRun, cfg: Config, params, model_state, mesh, src) -> tuple[Path, str]:
     """OUT as the model without each layer's least important head groups or MLP channels
     (`jaxllm.compress.layers`): fewer heads, or a smaller mlp_dim, in every layer alike."""
     m, s = cfg.model, cfg.prune.sparsity
@@ -184,11 +195,10 @@ def _remove_units(new: NewRun, cfg: Config, params, model_state, mesh, src) -> P
     params = layers.take_units(params, axes, keep)
     params = jax.device_put(params, sharding.tree_shardings(mesh, new_axes))
     dataclasses.replace(new, cfg=cfg).write(params, model_state)
-    print(f"pruned {src} into {new.out_dir}: removed {what} in every layer", file=sys.stderr)
-    return Path(new.out_dir)
+    return Path(new.out_dir), f"pruned {src} into {new.out_dir}: removed {what} in every layer"
 
 
-def _slice(new: NewRun, cfg: Config, params, model_state, mesh, src) -> Path:
+def _slice(new: NewRun, cfg: Config, params, model_state, mesh, src) -> tuple[Path, str]:
     """OUT as the model rotated by its residual stream's principal components and sliced to
     d_model - floor(S x d_model) (`jaxllm.compress.slicegpt`)."""
     m = cfg.model
@@ -218,12 +228,10 @@ def _slice(new: NewRun, cfg: Config, params, model_state, mesh, src) -> Path:
     _, _, new_axes = abstract_model(model)
     params = jax.device_put(params, sharding.tree_shardings(mesh, new_axes))
     dataclasses.replace(new, cfg=cfg).write(params, model_state)
-    print(
+    return Path(new.out_dir), (
         f"pruned {src} into {new.out_dir}: d_model {m.d_model} -> {keep}, the residual stream "
-        f"rotated by its principal components{'; the LM head untied' if m.tie_embeddings else ''}",
-        file=sys.stderr,
+        f"rotated by its principal components{'; the LM head untied' if m.tie_embeddings else ''}"
     )
-    return Path(new.out_dir)
 
 
 def _check(cfg: Config, src) -> None:
@@ -329,7 +337,8 @@ def cmd_prune(ns) -> int:
     if src is None or out is None or stray:
         raise ConfigError("jaxllm prune takes SRC OUT, then only key=value.")
     how = options(ns.method, ns.sparsity, ns.pattern, ns.calibration, ns.samples)
-    prune_run(src, out, [*rest, *how], overwrite=ns.overwrite)
+    _, summary = _prune(src, out, [*rest, *how], ns.overwrite)
+    print(summary, file=sys.stderr)
     return 0
 
 

@@ -47,6 +47,12 @@ from jaxllm.load import (
 )
 from jaxllm.model import abstract_model
 
+__all__ = [
+    "calibration_options",
+    "options",
+    "quantize_run",
+]
+
 OUT_FLAG = "OUT"
 # the quantize.* keys the command's options set, in the order of `options`' arguments
 OPTION_KEYS = {
@@ -67,10 +73,11 @@ def options(
     calibration: str | None = None,
     samples: int | None = None,
 ):
-    """The `quantize.*` overrides of the command's options (a method's default bits)."""
+    """The `quantize.*` overrides of the command's options (`--method`, `--bits`, ...; a
+    method's default bits); a ConfigError names the parameter and its option."""
     if method not in METHOD_BITS:
         raise ConfigError(
-            f"--method {method} is not a quantization method jaxllm has; it has "
+            f"method (--method) {method} is not a quantization method jaxllm has; it has "
             f"{', '.join(METHOD_BITS)}."
         )
     out = [f"quantize.method={method}"]
@@ -86,12 +93,12 @@ def options(
 
 
 def calibration_options(section: str, method: str, calibrated, calibration, samples) -> list:
-    """The `SECTION.calibration` / `SECTION.samples` overrides of --calibration / --samples;
-    ConfigError when `method` is not among the `calibrated` ones."""
+    """The `SECTION.calibration` / `SECTION.samples` overrides of `calibration` / `samples`
+    (--calibration / --samples); ConfigError when `method` is not among the `calibrated` ones."""
     if (calibration is not None or samples is not None) and method not in calibrated:
         raise ConfigError(
-            f"--method {method} reads no calibration data (--calibration, --samples); the "
-            f"calibrated methods are {', '.join(calibrated)}."
+            f"method (--method) {method} reads no calibration data (calibration, samples: "
+            f"--calibration, --samples); the calibrated methods are {', '.join(calibrated)}."
         )
     out = [] if calibration is None else [f"{section}.calibration={json.dumps(calibration)}"]
     return out + ([] if samples is None else [f"{section}.samples={samples}"])

@@ -26,6 +26,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.config import MESH_AXES, ConfigError, MeshConfig, mesh_degrees
 
+__all__ = [
+    "RULES",
+    "Parallel",
+    "active",
+    "check_divisible",
+    "constrain",
+    "current",
+    "make_mesh",
+    "named",
+    "process_rows",
+    "shard_map_mesh",
+    "spec",
+    "to_global",
+    "tree_shardings",
+]
+
 # logical axis -> mesh axes it is sharded over (None: replicated). One entry per name; no order.
 RULES: dict[str, tuple[str, ...] | None] = {
     # activations

@@ -17,6 +17,14 @@ import numpy as np
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def check_floating(**arrays) -> None:
+    """TypeError unless every named array (q, k, v, ...) is floating point: attention over
+    integer arrays (token ids passed for activations) would run and mean nothing."""
+    bad = [f"{k} {x.dtype}" for k, x in arrays.items() if not jnp.issubdtype(x.dtype, jnp.floating)]
+    if bad:
+        raise TypeError(f"attention takes floating-point inputs; got {', '.join(bad)}")
+
+
 def split_segment_ids(segment_ids, l: int, s: int):
     """`segment_ids` ([B, L] shared by q and kv, or a (q_ids_BxL, kv_ids_BxS) pair) -> pair."""
     if segment_ids is None:

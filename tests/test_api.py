@@ -92,6 +92,17 @@ def test_flash_attention_names_the_shapes_it_takes():
         jaxllm.flash_attention(q, k, k, interpret=True)
 
 
+def test_attention_kernels_refuse_integer_inputs():
+    from jaxllm.kernels.decode_attention import decode_attention, quantize_cache
+
+    ids = jnp.ones((1, 64, 4, 32), jnp.int32)  # used to return an int32 "attention"
+    with pytest.raises(TypeError, match="floating-point inputs; got q int32, k int32, v int32"):
+        jaxllm.flash_attention(ids, ids, ids, interpret=True)
+    cache = quantize_cache(jnp.ones((1, 2, 64, 32)), jnp.ones((1, 2, 64, 32)), "float32")
+    with pytest.raises(TypeError, match="floating-point inputs; got q int32"):
+        decode_attention(ids[:, :1], cache, jnp.array([10]), interpret=True)
+
+
 PUBLIC = [
     "jaxllm",
     "jaxllm.config",
@@ -105,6 +116,12 @@ PUBLIC = [
     "jaxllm.infer.engine",
     "jaxllm.compress",
     "jaxllm.convert",
+    "jaxllm.load",
+    "jaxllm.optim",
+    "jaxllm.quantize",
+    "jaxllm.prune",
+    "jaxllm.merge",
+    "jaxllm.evaluate",
 ]
 
 
@@ -159,5 +176,86 @@ def test_subpackages_are_attributes_of_a_bare_import_that_stays_light():
         "jaxllm.infer.generate, jaxllm.plan.memory_bill, jaxllm.optim.keep_zeros, "
         "jaxllm.metrics.param_counts, jaxllm.compress.rtn, jaxllm.parallel; "
         "assert not hasattr(jaxllm, 'no_such_part')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_heads": 5, "num_kv_heads": 5}, r"d_model \(32\) is not divisible by .*num_heads"),
+        ({"num_kv_heads": 3}, r"num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
+        ({"dtype": "int8"}, "model.dtype must be float32, bfloat16 or float16"),
+        ({"mlp_dim": 0}, "model.mlp_dim must be at least 1, not 0"),
+    ],
+)
+def test_a_model_config_built_in_python_is_checked_when_the_model_is_built(change, message):
+    cfg = config.ModelConfig(**{**TINY.__dict__, **change})
+    with pytest.raises(config.ConfigError, match=message):
+        jaxllm.Transformer(cfg, rngs=nnx.Rngs(0))  # head_dim 6 / a reshape error before
+    with pytest.raises(config.ConfigError, match=message):
+        jaxllm.abstract_model(cfg)
+    with pytest.raises(config.ConfigError, match=message):  # the same check as a run's
+        config.Config(model=cfg, data=config.DataConfig(seq_len=8)).validate()
+
+
+def test_an_inconsistent_config_is_refused_before_anything_is_written(tmp_path):
+    # the default data.seq_len (256) beyond the model's 8 positions: load_model refused the run
+    cfg = config.Config(model=TINY)
+    message = r"data.seq_len \(256\) exceeds model.max_seq_len \(8\)"
+    with pytest.raises(config.ConfigError, match=message):
+        config.dump(cfg, tmp_path / "config.yaml")
+    params = {"w": np.zeros(2, np.float32)}
+    with pytest.raises(config.ConfigError, match=message):
+        jaxllm.checkpoint.save_params(
+            tmp_path / "checkpoints", params, step=0, config=config.to_dict(cfg), tokenizer={}
+        )
+    assert list(tmp_path.iterdir()) == []
+    config.dump(config.Config(model=TINY, data=config.DataConfig(seq_len=8)), tmp_path / "ok.yaml")
+    assert config.load(tmp_path / "ok.yaml").data.seq_len == 8
+
+
+def test_compression_options_name_the_parameter_and_check_the_sparsity():
+    from jaxllm import prune, quantize
+
+    with pytest.raises(config.ConfigError, match=r"sparsity \(--sparsity\) 1.5 is outside"):
+        prune.options("magnitude", 1.5, None)  # was accepted, refused later as --sparsity
+    with pytest.raises(config.ConfigError, match=r"^method \(--method\) gptq9 is not a"):
+        quantize.options("gptq9", None, None, None)
+
+
+def test_prune_run_leaves_printing_to_the_command(tmp_path, capfd):
+    from jaxllm import bench, prune
+
+    small = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=1", "model.mlp_dim=64"]
+    src = bench.write_random_run(tmp_path / "src", overrides=small)
+    capfd.readouterr()
+    how = prune.options("magnitude", 0.5, None)
+    assert prune.prune_run(src, tmp_path / "out", how) == tmp_path / "out"
+    assert capfd.readouterr() == ("", "")  # the CLI prints what it removed, not the function
+
+
+@pytest.mark.parametrize("name", [n for n in PUBLIC if n.count(".") == 1])
+def test_a_public_module_lists_its_names_and_none_of_its_imports(name):
+    module = importlib.import_module(name)
+    listed = set(module.__all__)  # dir() showed contextlib, dataclasses, jax, ...
+    assert all(hasattr(module, k) for k in listed)
+    own = {
+        k
+        for k, v in vars(module).items()
+        if not k.startswith(("_", "cmd_", "add_"))  # the command's hooks are the CLI's
+        and (inspect.isroutine(v) or inspect.isclass(v))
+        and v.__module__ == name
+    }
+    assert own <= listed
+    assert not listed & {"annotations", "dataclasses", "jax", "np", "Path"}
+
+
+def test_importing_the_checkpoint_code_leaves_the_root_logger_to_the_user():
+    # Orbax's import used to add a root handler (absl's vlog calls logging.basicConfig), so
+    # the script's own basicConfig(level=INFO) below did nothing
+    code = (
+        "import logging, jaxllm.train, jaxllm.load, jaxllm.convert; "
+        "logging.basicConfig(level=logging.INFO); assert logging.root.level == logging.INFO"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -42,7 +42,7 @@ CASES = [
         "unknown-method",
         _quantize("--method", "gptq9"),
         2,
-        "--method gptq9 is not a quantization method jaxllm has; it has rtn",
+        "method (--method) gptq9 is not a quantization method jaxllm has; it has rtn",
     ),
     Case(
         "bits-the-method-does-not-take",
@@ -66,7 +66,7 @@ CASES = [
         "calibration-for-rtn",
         _quantize("--method", "rtn", "--calibration", "calib.txt"),
         2,
-        "--method rtn reads no calibration data (--calibration, --samples)",
+        "method (--method) rtn reads no calibration data (calibration, samples: --calibration",
     ),
     Case(
         "calibration-that-is-broken-yaml",

@@ -217,7 +217,10 @@ def test_model_vision_builds_the_tower_with_logical_axes():
     "changes, words",
     [
         (dict(rope={}), "model.rope.mrope_section"),
-        (dict(d_model=60, num_heads=5), "model.vision.out_dim=48 must equal model.d_model=60"),
+        (
+            dict(d_model=60, num_heads=5, num_kv_heads=5),  # 5 heads do not share 2 kv heads
+            "model.vision.out_dim=48 must equal model.d_model=60",
+        ),
         (
             dict(vision={**TINY_VISION, "image_token_id": 96}),
             "model.vision.image_token_id=96 is outside",

@@ -11,9 +11,9 @@ import warnings
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 
-from jaxllm.config import CheckpointConfig, ConfigError, JaxllmWarning
+from jaxllm.checkpoint.orbax_import import ocp
+from jaxllm.config import CheckpointConfig, ConfigError, JaxllmWarning, from_dict
 
 FINALIZED = "_CHECKPOINT_METADATA"  # Orbax writes it last, inside the renamed step directory
 
@@ -140,7 +140,11 @@ def save_params(
     is one; no optimizer state), as `jaxllm convert import` writes: `jaxllm generate / eval`
     read it, and a training run in its directory starts from it (`has_train_state` is False:
     it is not a resume point). `base`: a fine-tuning run's base record, whose adapters
-    `params` are (`jaxllm convert import --peft`)."""
+    `params` are (`jaxllm convert import --peft`). A `config` that `load_model` would refuse
+    is a ConfigError here, and nothing is written."""
+    with warnings.catch_warnings():  # a warning is the run's to give, when it validates
+        warnings.simplefilter("ignore")
+        from_dict(config).validate()
     extra = {"model_state": ocp.args.StandardSave(model_state)} if model_state else {}
     if base is not None:
         extra["base"] = ocp.args.JsonSave(base)

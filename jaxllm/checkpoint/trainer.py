@@ -8,7 +8,6 @@ import warnings
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 
 from jaxllm.checkpoint import increments, quantized, tiers
 from jaxllm.checkpoint.files import (
@@ -23,6 +22,7 @@ from jaxllm.checkpoint.files import (
     steps,
     sync,
 )
+from jaxllm.checkpoint.orbax_import import ocp
 from jaxllm.config import CheckpointConfig, ConfigError, JaxllmWarning, RunError
 
 # The JSON item with the metrics.jsonl row of the checkpoint's step (Orbax's manager keeps the

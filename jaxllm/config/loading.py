@@ -8,6 +8,7 @@ import os
 import re
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -360,5 +361,9 @@ def to_dict(cfg: Config) -> dict:
 
 
 def dump(cfg: Config, path: str | os.PathLike) -> None:
-    """Writes the fully resolved config; `load(path)` reads it back to an equal Config."""
+    """Writes the fully resolved config; `load(path)` reads it back to an equal Config. A config
+    `load` would refuse is a ConfigError here, and nothing is written."""
+    with warnings.catch_warnings():  # a warning is the run's to give, when it validates
+        warnings.simplefilter("ignore")
+        cfg.validate()
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

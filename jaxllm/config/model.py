@@ -1,6 +1,8 @@
 """The `model` section: the model's kind, shape and architecture knobs (`ModelConfig`), with its
-rotary position (`RopeConfig`, in `jaxllm.config.rope`), mixture-of-experts (`MoEConfig`, in `jaxllm.config.moe`) and
-Multi-head Latent Attention (`MLAConfig`) subsections, and the checks that involve only them."""
+rotary position (`RopeConfig`, in `jaxllm.config.rope`), mixture-of-experts (`MoEConfig`, in
+`jaxllm.config.moe`) and Multi-head Latent Attention (`MLAConfig`, in `jaxllm.config.mla`)
+subsections, and the checks that involve only them (`ModelConfig.validate`, which the model
+classes call when built)."""
 
 from __future__ import annotations
 
@@ -11,44 +13,11 @@ from jaxllm.config.encoder import EncoderConfig
 from jaxllm.config.errors import fail as _fail
 from jaxllm.config.fp8 import validate_fp8
 from jaxllm.config.linear_attention import LinearAttentionConfig, validate_hybrid
-from jaxllm.config.moe import MoEConfig
+from jaxllm.config.mla import MLAConfig, validate_mla
+from jaxllm.config.moe import MoEConfig, validate_moe
 from jaxllm.config.rope import RopeConfig, validate_mrope
 from jaxllm.config.seq2seq import RelativeConfig, validate_encoder_decoder
 from jaxllm.config.vision import VisionConfig, validate_vision
-
-
-@dataclasses.dataclass(frozen=True)
-class MLAConfig:
-    """Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434; V3); off at kv_lora_rank 0.
-
-    Each token's keys and values come from one shared latent c (kv_lora_rank wide, normalised):
-    per head, k = [c W_uk ; k_rope] and v = c W_uv, where k_rope (qk_rope_head_dim wide) is one
-    RoPE'd key shared by all heads (the "decoupled" RoPE key). Queries are [q_nope ; q_rope],
-    from a low-rank latent too when q_lora_rank > 0. Generation caches only [c ; k_rope] per
-    token, and decode steps attend in the latent space: W_uk is folded into the queries and W_uv
-    applied after attention, so no per-head key or value is ever built for cached tokens.
-    model.num_kv_heads must equal model.num_heads and model.head_dim stay null.
-    """
-
-    kv_lora_rank: int = 0
-    """Width of the compressed key/value latent (DeepSeek-V2/V3: 512); 0: ordinary attention."""
-    q_lora_rank: int = 0
-    """Width of the query latent (DeepSeek-V3: 1536); 0: queries straight from the residual
-    stream (DeepSeek-V2-Lite)."""
-    qk_nope_head_dim: int = 128
-    """Per-head query/key channels without position (from the latent)."""
-    qk_rope_head_dim: int = 64
-    """Per-head query channels, and the shared key's channels, that carry RoPE."""
-    v_head_dim: int = 128
-    """Per-head value width (input of the output projection)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,8 +252,10 @@ class ModelConfig:
             for i in range(self.num_layers)
         )
 
-    def validate(self) -> None:
-        """Combinations of model keys no field type can express (raises ConfigError)."""
+    def validate(self) -> ModelConfig:
+        """Combinations of model keys no field type can express; returns self or raises
+        ConfigError. `Config.validate` calls it, and so does building a model from it."""
+        self._validate_shape()
         validate_encoder_decoder(self)
         self.encoder.validate(self.kind, self.position, self.mlp_activation)
         if self.kind == "encoder" and (self.head != "lm" or self.value_head):
@@ -300,7 +271,7 @@ class ModelConfig:
         ):
             _fail("model.rope.partial_factor must be in (0, 1], and 1 with MLA.")
         if self.mla.enabled:  # off, its widths are ignored (as moe.* without experts)
-            self._validate_mla()
+            validate_mla(self)
         if self.sliding_window is not None and self.sliding_window < 1:
             _fail(f"model.sliding_window must be >= 1 or null, not {self.sliding_window}.")
         if self.global_every < 0 or (self.global_every and self.sliding_window is None):
@@ -351,6 +322,45 @@ class ModelConfig:
                 "not of MLA (model.mla) or an encoder-decoder."
             )
         validate_fp8(self)
+        return self
+
+    def _validate_shape(self) -> None:
+        """Sizes, heads and dtypes: what every later check (and the head dim) relies on."""
+        positive = {
+            "vocab_size": self.vocab_size,
+            "d_model": self.d_model,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "mlp_dim": self.mlp_dim,
+            "max_seq_len": self.max_seq_len,
+            "scan_unroll": self.scan_unroll,
+            "head_dim": 1 if self.head_dim is None else self.head_dim,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                _fail(f"model.{key} must be at least 1, not {value}.")
+        if self.num_heads % self.num_kv_heads:
+            _fail(
+                f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
+                f"({self.num_kv_heads}); pick num_kv_heads from the divisors of num_heads."
+            )
+        if self.head_dim is None and self.d_model % self.num_heads:
+            _fail(
+                f"model.d_model ({self.d_model}) is not divisible by model.num_heads "
+                f"({self.num_heads}); change one of them so that head_dim = d_model / num_heads "
+                "is an integer."
+            )
+        if self.moe.enabled:
+            validate_moe(self)
+        elif self.moe.num_experts < 0:
+            _fail(f"model.moe.num_experts must be >= 0 (0: dense), not {self.moe.num_experts}.")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                _fail(
+                    f"model.{name} must be float32, bfloat16 or float16, not "
+                    f"{getattr(self, name)!r}."
+                )
 
     def _validate_kernel(self) -> None:
         if self.attention_kernel == "softmax":
@@ -413,31 +423,3 @@ class ModelConfig:
             what = "model.mla.qk_rope_head_dim" if self.mla.enabled else "model.head_dim"
             _fail(f"{what} ({self.rope_dim}) must be even for RoPE.")
         validate_mrope(r, self.rope_dim, self.mla.enabled, self.kind)
-
-    def _validate_mla(self) -> None:
-        a = self.mla
-        dims = dict(
-            q_lora_rank=a.q_lora_rank,
-            qk_nope_head_dim=a.qk_nope_head_dim,
-            qk_rope_head_dim=a.qk_rope_head_dim,
-            v_head_dim=a.v_head_dim,
-        )
-        for name, value in dims.items():
-            if value < (0 if name == "q_lora_rank" else 1):
-                _fail(f"model.mla.{name} must be positive, not {value}.")
-        if self.position != "rope":
-            _fail(
-                f"MLA carries position in its decoupled RoPE key: model.position must be rope, "
-                f"not {self.position}."
-            )
-        if self.num_kv_heads != self.num_heads or self.head_dim is not None:
-            _fail(
-                "MLA gives every query head its own key and value from the latent: set "
-                f"model.num_kv_heads = model.num_heads ({self.num_heads}) and leave "
-                "model.head_dim null (widths are model.mla.*_head_dim)."
-            )
-        if self.qk_norm or self.qkv_bias:
-            _fail(
-                "model.qk_norm and model.qkv_bias are not part of MLA (it normalises its "
-                "latents); turn them off."
-            )

@@ -15,7 +15,6 @@ from jaxllm.config.errors import fail as _fail
 from jaxllm.config.grad_compression import validate_grad_compression
 from jaxllm.config.memory_budget import validate_memory_budget
 from jaxllm.config.model import ModelConfig
-from jaxllm.config.moe import validate_moe
 from jaxllm.config.optim import (
     OptimConfig,
     validate_optim,
@@ -79,16 +78,8 @@ class Config:
     def validate(self, num_devices: int | None = None) -> Config:
         """Checks combinations no field type can express; returns self or raises ConfigError."""
         m, t = self.model, self.train
+        m.validate()  # the model's own keys (sizes, heads, dtypes, ...) first
         positive = {
-            "model.vocab_size": m.vocab_size,
-            "model.d_model": m.d_model,
-            "model.num_layers": m.num_layers,
-            "model.num_heads": m.num_heads,
-            "model.num_kv_heads": m.num_kv_heads,
-            "model.mlp_dim": m.mlp_dim,
-            "model.max_seq_len": m.max_seq_len,
-            "model.scan_unroll": m.scan_unroll,
-            "model.head_dim": 1 if m.head_dim is None else m.head_dim,
             "data.seq_len": self.data.seq_len,
             "train.steps": t.steps,
             "train.global_batch_size": t.global_batch_size,
@@ -163,17 +154,6 @@ class Config:
                 f"generate.kv_page_size ({gen.kv_page_size}) must be a multiple of "
                 f"generate.kv_group ({gen.kv_group})."
             )
-        if m.num_heads % m.num_kv_heads:
-            _fail(
-                f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
-                f"({m.num_kv_heads}); pick num_kv_heads from the divisors of num_heads."
-            )
-        if m.head_dim is None and m.d_model % m.num_heads:
-            _fail(
-                f"model.d_model ({m.d_model}) is not divisible by model.num_heads ({m.num_heads}); "
-                "change one of them so that head_dim = d_model / num_heads is an integer."
-            )
-        m.validate()
         validate_span_corruption(self)
         self._validate_head()
         validate_sequence(self, None)
@@ -183,15 +163,6 @@ class Config:
                 f"less model.encoder.position_offset ({m.encoder.position_offset}); lower "
                 "data.seq_len or raise model.max_seq_len."
             )
-        if m.moe.enabled:
-            validate_moe(m)
-        elif m.moe.num_experts < 0:
-            _fail(f"model.moe.num_experts must be >= 0 (0: dense), not {m.moe.num_experts}.")
-        for name in ("dtype", "param_dtype"):
-            if getattr(m, name) not in ("float32", "bfloat16", "float16"):
-                _fail(
-                    f"model.{name} must be float32, bfloat16 or float16, not {getattr(m, name)!r}."
-                )
         n_micro = microbatches(self)
         validate_pipeline(self, None)
         if t.global_batch_size % n_micro:

@@ -219,7 +219,7 @@ class EncoderDecoder(nnx.Module):
     """(input ids [B, S], decoder input ids [B, L]) -> decoder logits [B, L, V] (float32)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+        self.cfg = cfg.validate()  # a ModelConfig built in Python is checked here
         dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.embed = Embed(
             cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dtype, param_dtype=pdt,

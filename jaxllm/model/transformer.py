@@ -44,7 +44,7 @@ class Transformer(nnx.Module):
     a reward model, `ModelConfig.head`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+        self.cfg = cfg.validate()  # a ModelConfig built in Python is checked here
         dtype, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.embed = Embed(
             cfg.vocab_size,

@@ -39,6 +39,28 @@ from jaxllm.optim.master import with_master_weights
 from jaxllm.optim.noise import annealed_noise
 from jaxllm.optim.sparse import keep_zeros
 
+__all__ = [
+    "NO_DECAY_NAMES",
+    "adam_mini",
+    "adamw_8bit",
+    "annealed_noise",
+    "build",
+    "came",
+    "decay_mask",
+    "galore",
+    "groups",
+    "keep_zeros",
+    "ldadam",
+    "resolve",
+    "schedule",
+    "schedules",
+    "select",
+    "shampoo",
+    "soap",
+    "trainable_only",
+    "with_master_weights",
+]
+
 NO_DECAY_NAMES = ("scale", "bias", "sinks")  # norm scales; biases (and `*_bias`); sink logits
 
 

@@ -51,12 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jaxllm.kernels.decode_attention.common import ARRAY_NAMES, BACKENDS, Config
-from jaxllm.kernels.decode_attention.quant import (
-    KIVI_BITS,
-    KVCache,
-    cache_geometry,
-    codes_per_byte,
-)
+from jaxllm.kernels.decode_attention.quant import KIVI_BITS, KVCache, cache_geometry, codes_per_byte
 from jaxllm.kernels.decode_attention.reference import (
     attend_partial,
     decode_attention_reference,
@@ -66,6 +61,7 @@ from jaxllm.kernels.decode_attention.reference import (
     visible_BxMxT,
 )
 from jaxllm.kernels.flash_attention.common import mosaic_gpu_runs_on
+from jaxllm.kernels.reference import check_floating
 
 from jaxllm.config.errors import JaxllmWarning
 
@@ -306,6 +302,7 @@ def decode_attention(
     per query head in the softmax denominator only (gpt-oss; the kernels merge it as one more
     split with value 0). Returns [B, Q, H, K] in q's dtype.
     """
+    check_floating(q=q_BxQxHxK)  # the cache holds what its kind says
     reference = functools.partial(
         decode_attention_reference,
         q_BxQxHxK,

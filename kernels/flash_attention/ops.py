@@ -48,8 +48,6 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-
-from jaxllm.config.errors import JaxllmWarning
 from jaxllm.kernels.flash_attention.common import (
     BACKENDS,
     MOSAIC_GPU_BLOCK_MULTIPLE,
@@ -68,7 +66,9 @@ from jaxllm.kernels.flash_attention.reference import (
     reference_mask,
     split_segment_ids,
 )
-from jaxllm.kernels.reference import apply_sinks
+from jaxllm.kernels.reference import apply_sinks, check_floating
+
+from jaxllm.config.errors import JaxllmWarning
 
 __all__ = [
     "BlockSizes",
@@ -162,6 +162,7 @@ def _backward(cfg: Config):
 
 
 def _check_shapes(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sliding_window):
+    check_floating(q=q_BxLxHxK, k=k_BxSxGxK, v=v_BxSxGxK)
     q, k, v = q_BxLxHxK.shape, k_BxSxGxK.shape, v_BxSxGxK.shape
     if len(q) != 4 or len(k) != 4 or k != v or (k[0], k[3]) != (q[0], q[3]):
         raise ValueError(f"want q [B, L, H, K] and k, v [B, S, G, K]; got q {q} k {k} v {v}")
