@@ -28,9 +28,7 @@ from jaxllm.train import companions
 from jaxllm.train.compiled import evaluate
 from jaxllm.train.step import BATCH_AXES, eval_step
 
-__all__ = [
-    "evaluate_checkpoint",
-]
+__all__ = ["evaluate_checkpoint", "summary"]
 
 
 def _shardings(tree):

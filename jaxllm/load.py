@@ -44,28 +44,10 @@ from jaxllm.model import (
     split_peft,
 )
 
-__all__ = [
-    "BASE_ITEM",
-    "MODEL_KEYS",
-    "Restored",
-    "base_record",
-    "check_base",
-    "check_shapes",
-    "content_hash",
-    "fetched",
-    "fetched_inputs",
-    "frozen_shardings",
-    "load_frozen",
-    "load_model",
-    "load_weights",
-    "merged_weights",
-    "model_section",
-    "pick_step",
-    "resolve",
-    "restore",
-    "weight_files",
-    "weight_targets",
-]
+__all__ = ["BASE_ITEM", "MODEL_KEYS", "Restored", "base_record", "check_base", "check_shapes",
+           "content_hash", "fetched", "fetched_inputs", "frozen_shardings", "load_frozen",
+           "load_model", "load_weights", "merged_weights", "model_section", "pick_step", "resolve",
+           "restore", "weight_files", "weight_targets"]  # fmt: skip
 
 
 class Restored(NamedTuple):
@@ -137,8 +119,7 @@ def model_section(source: str | Path, key: str) -> ModelConfig:
         return model_config(path).model
     if not path.exists():
         raise ConfigError(f"{key}={source} does not exist.")
-    run_dir, _, _ = resolve(path)  # ConfigError when it is not a run
-    return config.load(run_dir / "config.yaml").model
+    return config.load(resolve(path)[0] / "config.yaml").model  # resolve: ConfigError if no run
 
 
 def pick_step(ckpt_dir: Path, step: int | None, which: str = "last") -> int | None:
@@ -246,8 +227,7 @@ def load_model(path, *, mesh: Mesh | None = None, overrides=()) -> nnx.Module:
             f"{path} is neither a run directory, its checkpoints directory, nor a Hugging Face "
             "model directory"
         ) from None
-    restored = restore(path, overrides, mesh=mesh or sharding.make_mesh(config.MeshConfig()))
-    return restored.model()
+    return restore(path, overrides, mesh=mesh or sharding.make_mesh(config.MeshConfig())).model()
 
 
 def load_weights(source, model_cfg: ModelConfig, mesh: Mesh, *, quantize=None):
@@ -386,8 +366,7 @@ def weight_files(source: Path) -> tuple[Path, list[Path]]:
     config.json and safetensors, or the parameters of one jaxllm checkpoint step (the newest
     with parameters when `source` is a run or checkpoints directory)."""
     if is_hf_dir(source):
-        files = sorted(source.glob("*.safetensors")) + [source / "config.json"]
-        return source, files
+        return source, sorted(source.glob("*.safetensors")) + [source / "config.json"]
     run_dir, ckpt_dir, step = resolve(source)
     if step is None:
         saved = config.load(run_dir / "config.yaml")
@@ -398,8 +377,7 @@ def weight_files(source: Path) -> tuple[Path, list[Path]]:
         if not with_params:
             raise RunError(f"checkpoint.init_from={source} holds no checkpoint with parameters.")
         source = ckpt_dir / str(with_params[-1])
-    files = sorted(p for p in (source / "params").rglob("*") if p.is_file())
-    return source, files
+    return source, sorted(p for p in (source / "params").rglob("*") if p.is_file())
 
 
 def content_hash(files: list[Path], root: Path) -> str:

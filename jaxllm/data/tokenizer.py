@@ -1,8 +1,7 @@
 """Tokenizers: UTF-8 bytes (the default), Hugging Face `tokenizer.json`, SentencePiece `.model`.
 
-Every tokenizer maps text to int32 ids without adding special tokens; BOS and EOS are added by
-the packer when `data.add_bos` / `data.add_eos` ask for them, so the same documents can be packed
-with or without them. `make_tokenizer` refuses those flags for a tokenizer that lacks the token.
+Every tokenizer maps text to int32 ids without adding special tokens; the packer adds BOS / EOS
+as `data.add_bos` / `data.add_eos` ask (`make_tokenizer` refuses them for a missing token).
 
 `data.tokenizer: none` marks a run without a tokenizer (a Hugging Face model imported without
 tokenizer.json whose vocabulary is too small for bytes): it computes logits from ids, and
@@ -16,8 +15,7 @@ are the strings a chat template sees as `bos_token`, `eos_token`, ...
 `train_bpe` trains a byte-level BPE (GPT-2 style: every byte is in the alphabet, so no text is
 ever unknown) with `<pad>`, `<bos>`, `<eos>` as ids 0, 1, 2, and writes `DIR/tokenizer.json`.
 
-This module does not import jax: `tokenizer_vocab_size` and `check_vocab` stay cheap.
-"""
+This module does not import jax: `tokenizer_vocab_size` and `check_vocab` stay cheap."""
 
 from __future__ import annotations
 
@@ -162,8 +160,7 @@ class HFTokenizer:
         ids = ids[(ids >= 0) & (ids < self.vocab_size)]  # a model may sample past the vocabulary
         return self._tok.decode(ids.tolist(), skip_special_tokens=True)
 
-    def to_str(self) -> str:
-        """The tokenizer.json text (structured outputs hand it to llguidance)."""
+    def to_str(self) -> str:  # the tokenizer.json text (structured outputs give llguidance)
         return self._tok.to_str()
 
 
@@ -304,8 +301,7 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
 
 def make_tokenizer(data_cfg) -> Tokenizer:
     """The tokenizer of a DataConfig; ConfigError if add_bos/add_eos ask for a missing token,
-    unless every source is chat (set, or detected from `format: auto`), whose template writes
-    BOS and EOS itself (a Qwen tokenizer has no BOS)."""
+    unless every source is chat (its template writes BOS / EOS; a Qwen tokenizer has none)."""
     tok = load_tokenizer(data_cfg.tokenizer)
     for flag, kind in (("add_bos", "bos"), ("add_eos", "eos")):
         missing = getattr(data_cfg, flag) and getattr(tok, f"{kind}_id") is None
