@@ -223,8 +223,13 @@ def test_eval_batches_are_fixed(synthetic_rows):
         for k in KEYS:
             assert b[k].shape == (4, 16), k
             np.testing.assert_array_equal(b[k], np.stack([rows[4 * i + j][k] for j in range(4)]))
-    # more batches than the split holds: only whole batches, no partial one
-    assert len(eval_batches(rows, batch_size=4, num_batches=10_000)) == len(rows) // 4
+    # more batches than the split holds: every row, the last batch filled up with padding rows
+    every = eval_batches(rows, batch_size=4, num_batches=10_000)
+    assert len(every) == -(-len(rows) // 4)
+    tail = len(rows) % 4 or 4
+    assert not every[-1]["loss_mask"][tail:].any()
+    np.testing.assert_array_equal(every[-1]["inputs"][:tail], np.stack(
+        [rows[i]["inputs"] for i in range(len(rows) - tail, len(rows))]))  # fmt: skip
     # fewer rows than a batch: one batch, filled up with all-zero padding rows
     small = pack([np.array([1, 2, 3])], seq_len=2)
     (padded,) = eval_batches(small, batch_size=4, num_batches=1)

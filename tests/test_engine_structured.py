@@ -19,8 +19,6 @@ from jaxllm.data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 from jaxllm.infer.engine import Engine, SamplingParams, Structured, runner
 from jaxllm.model.transformer import build
 
-pytest.importorskip("llguidance")
-
 BYTES = ByteTokenizer()
 EOS = (BYTES.eos_id,)
 PROMPT = list(b"the answer: ")

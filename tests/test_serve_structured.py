@@ -11,22 +11,14 @@ import httpx
 import openai
 import pytest
 from conftest import tiny_model
+from test_engine_structured import REGEX, SCHEMA
 from test_serve import KEY, in_thread
 
 from jaxllm.data.tokenizer import ByteTokenizer
 from jaxllm.model.transformer import build
 from jaxllm.serve.cli import build as build_app
 
-pytest.importorskip("llguidance")
-
 HEADERS = {"Authorization": f"Bearer {KEY}"}
-REGEX = r"[0-9]{3}-[a-z]{2}"
-SCHEMA = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
-    "required": ["color", "ok"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")
