@@ -83,21 +83,20 @@ def evaluate_checkpoint(
         row_transform(cfg, make_tokenizer(cfg.data)),
     )
     results = evaluate(jit_eval, params, batches, batch_sh, model_state, frozen, others)
+    read = min(len(batches) * gbs, len(eval_rows))  # the padding rows are not counted
     return {
         "step": step,
         **results,
         "perplexity": math.exp(results["eval_loss"]),
-        "tokens": min(len(batches) * gbs, len(eval_rows)) * cfg.data.seq_len,  # padding: none
-        "rows_read": min(len(batches) * gbs, len(eval_rows)),
+        "tokens": read * cfg.data.seq_len,
+        "rows_read": read,
         "rows": len(eval_rows),  # of the held-out split
     }
 
 
 def summary(r: dict) -> str:
     """The line `jaxllm eval` prints: loss, perplexity, and how much of the split it read."""
-    left = r["rows"] - r["rows_read"]
-    part = f" of {r['rows']:,}" if left else ""
-    part += "; --batches N reads more" if left else ""
+    part = f" of {r['rows']:,}; --batches N reads more" if r["rows_read"] < r["rows"] else ""
     return (
         f"step {r['step']}: eval loss {r['eval_loss']:.4f} nats/token, perplexity "
         f"{r['perplexity']:.3f} ({r['tokens']:,} tokens, {r['rows_read']:,} rows{part})"

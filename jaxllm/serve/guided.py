@@ -8,8 +8,8 @@ from __future__ import annotations
 from jaxllm.infer.engine.structured import Structured, check
 from jaxllm.serve.protocol import BadRequest
 
-_VLLM = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
-_VLLM["guided_grammar"] = "grammar"
+_VLLM = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+         "guided_grammar": "grammar"}  # fmt: skip
 _NEWER = ("json", "regex", "choice", "grammar")  # structured_outputs' keys
 
 
@@ -28,30 +28,37 @@ def _response_format(rf: dict) -> dict | None:
     raise ValueError(f"type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
 
 
+def _fields(field: str, value) -> dict | None:
+    """The `Structured` fields one request field asks for (None: nothing)."""
+    if field == "response_format":
+        return _response_format(value)
+    if field == "structured_outputs":
+        if len(value) != 1 or set(value) - set(_NEWER):
+            raise ValueError(f"give exactly one of {', '.join(_NEWER)}")
+        return value
+    return {_VLLM[field]: value}
+
+
 def structured(req) -> Structured | None:
     """The request's constraint (None without one); 400 naming the field at fault."""
-    given = []
-    if req.response_format not in (None, {"type": "text"}):  # text asks for nothing
-        given.append(("response_format", _response_format, req.response_format))
-    for field, key in _VLLM.items():
-        if getattr(req, field) is not None:
-            given.append((field, lambda v, key=key: {key: v}, getattr(req, field)))
-    if req.structured_outputs is not None:
-        given.append(("structured_outputs", lambda v: v, req.structured_outputs))
+    given = [
+        (field, getattr(req, field))
+        for field in ("response_format", *_VLLM, "structured_outputs")
+        if getattr(req, field) is not None
+    ]
+    given = [(f, v) for f, v in given if (f, v) != ("response_format", {"type": "text"})]
     if len(given) > 1:
-        names = ", ".join(name for name, _, _ in given)
+        names = ", ".join(field for field, _ in given)
         raise BadRequest(f"{names}: give at most one structured output constraint", given[1][0])
     if not given:
         return None
-    ((field, read, value),) = given
+    ((field, value),) = given
     try:
-        spec = read(value)
-        if field == "structured_outputs" and (len(spec) != 1 or set(spec) - set(_NEWER)):
-            raise ValueError(f"give exactly one of {', '.join(_NEWER)}")
-        if spec is None:
+        fields = _fields(field, value)
+        if fields is None:
             return None
-        spec = Structured(**spec)
-        check(spec)
+        spec = Structured(**fields)
+        check(spec)  # a 400 naming the field; the engine checks again against its tokenizer
     except ValueError as e:
         raise BadRequest(f"{field}: {e}", field) from None
     return spec
